@@ -1,0 +1,25 @@
+"""Errors raised for bad input: each names the file, key or flag at fault."""
+
+
+class DFlashError(Exception):
+    """Base class for every user-facing error of dflash-mlx.
+
+    The CLI prints ``str(error)`` on one line and exits non-zero; the message
+    names the file, config key or flag that is wrong.
+    """
+
+
+class CheckpointError(DFlashError):
+    """A checkpoint folder or repo is missing, incomplete or corrupt."""
+
+
+class ConfigError(DFlashError):
+    """A config.json lacks a required key or holds an invalid value."""
+
+
+class MismatchError(DFlashError):
+    """A drafter does not fit its target (vocabulary, hidden size, layers)."""
+
+
+class InputError(DFlashError):
+    """An argument is out of range: empty prompt, bad block size, bad flag."""

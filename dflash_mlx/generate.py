@@ -1,0 +1,312 @@
+"""The DFlash decode loop (DFLASH_SPEC.md section 5) and plain decoding, one engine.
+
+``generate_step`` yields one :class:`StepResult` per target forward: prefill gives
+the first token, then each verify commits ``accepted + 1`` tokens. ``stream_generate``
+adds detokenized text and statistics; ``generate``, ``chat`` and ``bench`` use it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.sample_utils import greedy_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .errors import InputError
+from .stats import GenerationStats
+from .targets import TargetAdapter
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+@dataclass
+class StepResult:
+    """What one target forward committed.
+
+    Attributes:
+        tokens: newly committed token ids (a stop token is not included).
+        accepted: drafts accepted by this verify (0..B-1); None for the first
+            token (from prefill) and in plain decoding.
+        finish_reason: "stop" (stop token), "length" (max tokens) or None.
+    """
+
+    tokens: List[int]
+    accepted: Optional[int]
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class GenerationResponse:
+    """One streamed chunk of :func:`stream_generate`.
+
+    Attributes:
+        text: detokenized text of this step's tokens (may be empty).
+        tokens, accepted, finish_reason: as in :class:`StepResult`.
+        stats: the live statistics of this generation.
+    """
+
+    text: str
+    tokens: List[int]
+    accepted: Optional[int]
+    finish_reason: Optional[str]
+    stats: GenerationStats
+
+
+def _logprobs(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def count_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
+    """Leading drafts that match the target: number of i with d_i == y_{i-1}."""
+    a = 0
+    while a < len(drafts) and drafts[a] == targets[a]:
+        a += 1
+    return a
+
+
+def _cut(tokens: List[int], stop_ids: set, budget: int) -> Tuple[List[int], Optional[str]]:
+    """Cut a block at its first stop token or at the remaining token budget."""
+    for i, tok in enumerate(tokens[:budget]):
+        if tok in stop_ids:
+            return tokens[:i], "stop"
+    if len(tokens) >= budget:
+        return tokens[:budget], "length"
+    return tokens, None
+
+
+def prefill(
+    target: TargetAdapter,
+    prompt: mx.array,
+    cache: List[Any],
+    capture: Optional[Sequence[int]],
+    step_size: int = 2048,
+) -> Tuple[mx.array, Optional[mx.array]]:
+    """Chunked prefill with feature capture, chunked as mlx-lm's ``generate_step``.
+
+    Returns:
+        ``(hidden_last [1, 1, H], features [1, P, F] or None)``.
+    """
+    features = []
+    while prompt.size > 1:
+        n = min(step_size, prompt.size - 1)
+        _, f = target(prompt[None, :n], cache, capture)
+        mx.eval([c.state for c in cache], f if f is not None else [])
+        features.append(f)
+        prompt = prompt[n:]
+        mx.clear_cache()
+    h, f = target(prompt[None], cache, capture)
+    features.append(f)
+    return h, (mx.concatenate(features, axis=1) if capture else None)
+
+
+def generate_step(
+    prompt: mx.array,
+    target: TargetAdapter,
+    drafter: Optional[Any] = None,
+    *,
+    sampler: Optional[Sampler] = None,
+    max_tokens: int = 256,
+    block_size: Optional[int] = None,
+    stop_token_ids: Sequence[int] = (),
+    prefill_step_size: int = 2048,
+    prompt_cache: Optional[List[Any]] = None,
+    draft_cache: Optional[List[Any]] = None,
+    stats: Optional[GenerationStats] = None,
+) -> Generator[StepResult, None, None]:
+    """Decode from ``prompt``, with a drafter (DFlash) or without (plain).
+
+    Args:
+        prompt: [P] int32 prompt ids, P >= 1.
+        target: the target adapter.
+        drafter: a bound drafter (``draft``, ``make_cache``, ``target_layer_ids``,
+            ``block_size``), or None for plain decoding.
+        sampler: mlx-lm sampler over [N, V] log-probabilities; greedy by default.
+            At T > 0 the sample-and-match rule keeps the output exactly the target's.
+        max_tokens: most tokens to emit.
+        block_size: B, 2..drafter.block_size (default: the drafter's).
+        stop_token_ids: ids that end generation; the block is cut there.
+        prompt_cache: the target's cache, updated in place (fresh by default).
+            After every step it holds every committed token but the last one.
+        draft_cache: the drafter's context-only cache, updated in place.
+        stats: filled in place (phase times, acceptance histogram).
+
+    Raises:
+        InputError: empty prompt, max_tokens < 1, block size out of range.
+    """
+    sampler = sampler or greedy_sampler
+    if prompt.size == 0:
+        raise InputError("the prompt is empty: give some text with --prompt or on stdin")
+    if max_tokens < 1:
+        raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
+    stop_ids = set(stop_token_ids)
+    B = check_block_size(block_size, drafter)
+    stats = stats if stats is not None else GenerationStats(block_size=B)
+    cache = prompt_cache if prompt_cache is not None else target.make_cache()
+    committed = _cache_rows(cache) + prompt.size  # rows once every token is in the cache
+    capture = drafter.target_layer_ids if drafter is not None else None
+    if drafter is not None:
+        target.check_rollback(cache)
+
+    with mx.stream(generation_stream):
+        with stats.phase("prefill"):
+            h, context = prefill(target, prompt, cache, capture, prefill_step_size)
+            t = sampler(_logprobs(target.lm_head(h[:, -1])))
+            mx.eval(t)
+        tokens, finish = _cut(t.tolist(), stop_ids, max_tokens)
+        if drafter is None:
+            yield from _plain_steps(target, cache, t, tokens, finish, sampler, max_tokens, stop_ids, stats, committed)
+            return
+        draft_cache = draft_cache if draft_cache is not None else drafter.make_cache()
+        n = len(tokens)
+        if finish is None:
+            drafts = drafter.draft(t, context, draft_cache, B)
+            mx.async_eval(drafts)
+        else:
+            _settle(target, cache, committed + n - 1)
+        yield StepResult(tokens, None, finish)
+        while finish is None:
+            with stats.phase("draft"):
+                mx.eval(drafts)
+            with stats.phase("verify"):
+                h, features = target(mx.concatenate([t, drafts])[None], cache, capture)
+                y = sampler(_logprobs(target.lm_head(h)[0]))
+                mx.eval(y, features)
+            with stats.phase("host"):
+                y_list = y.tolist()
+                a = count_accepted(drafts.tolist(), y_list)
+                stats.record_step(a)
+                target.rollback(cache, B - 1 - a)
+                tokens, finish = _cut(y_list[: a + 1], stop_ids, max_tokens - n)
+                if finish is None:
+                    t = y[a : a + 1]
+                    drafts = drafter.draft(t, features[:, : a + 1], draft_cache, B)
+                    mx.async_eval(drafts)
+                else:
+                    _settle(target, cache, committed + n + len(tokens) - 1)
+            n += len(tokens)
+            yield StepResult(tokens, a, finish)
+            if n % 256 < len(tokens):
+                mx.clear_cache()
+
+
+def _plain_steps(target, cache, y, tokens, finish, sampler, max_tokens, stop_ids, stats, committed):
+    """Plain decoding, pipelined like mlx-lm: step n+1 is queued before n is read."""
+
+    def step(y: mx.array) -> mx.array:
+        h, _ = target(y[None], cache)
+        return sampler(_logprobs(target.lm_head(h[:, -1])))
+
+    n = len(tokens)
+    if finish is None:
+        next_y = step(y)
+        mx.async_eval(next_y)
+    else:
+        _settle(target, cache, committed + n - 1)
+    yield StepResult(tokens, None, finish)
+    while finish is None:
+        with stats.phase("verify"):
+            y = next_y
+            if n + 1 < max_tokens:
+                next_y = step(y)
+                mx.async_eval(next_y)
+            tokens, finish = _cut(y.tolist(), stop_ids, max_tokens - n)
+        stats.record_step(0)
+        n += len(tokens)
+        if finish is not None:
+            _settle(target, cache, committed + n - 1)
+        yield StepResult(tokens, None, finish)
+        if n % 256 == 0:
+            mx.clear_cache()
+
+
+def _cache_rows(cache: List[Any]) -> int:
+    return getattr(cache[0], "offset", 0) if cache else 0
+
+
+def _settle(target: TargetAdapter, cache: List[Any], rows: int) -> None:
+    """On finish, trim speculative rows so the cache holds ``rows`` tokens."""
+    extra = _cache_rows(cache) - rows
+    if extra > 0 and target.can_rollback(cache):
+        target.rollback(cache, extra)
+
+
+def check_block_size(block_size: Optional[int], drafter: Optional[Any]) -> int:
+    """Resolve B: 1 without a drafter, else 2..trained block size.
+
+    Raises:
+        InputError: naming ``--block-size`` and the allowed range.
+    """
+    if drafter is None:
+        return 1
+    trained = drafter.block_size
+    B = trained if block_size is None else int(block_size)
+    if not 2 <= B <= trained:
+        raise InputError(
+            f"--block-size {B} is out of range: this drafter supports 2..{trained} "
+            "(its trained block size)"
+        )
+    return B
+
+
+def stream_generate(
+    target: TargetAdapter,
+    tokenizer: TokenizerWrapper,
+    prompt: mx.array | List[int],
+    drafter: Optional[Any] = None,
+    **kwargs,
+) -> Generator[GenerationResponse, None, None]:
+    """Stream text segments as blocks are accepted.
+
+    Args:
+        target, drafter: as in :func:`generate_step`.
+        tokenizer: mlx-lm ``TokenizerWrapper`` (its streaming detokenizer and
+            ``eos_token_ids`` are used).
+        prompt: prompt token ids.
+        kwargs: passed to :func:`generate_step` (sampler, max_tokens, block_size, ...).
+
+    Yields:
+        :class:`GenerationResponse`; the last one has ``finish_reason`` set and
+        carries the final statistics.
+    """
+    prompt = prompt if isinstance(prompt, mx.array) else mx.array(prompt, dtype=mx.int32)
+    kwargs.setdefault("stop_token_ids", tuple(tokenizer.eos_token_ids))
+    stats = GenerationStats(
+        block_size=check_block_size(kwargs.get("block_size"), drafter),
+        prompt_tokens=prompt.size,
+    )
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    tic = time.perf_counter()
+    first = True
+    for step in generate_step(prompt, target, drafter, stats=stats, **kwargs):
+        now = time.perf_counter()
+        if first:
+            stats.prompt_s, tic, first = now - tic, now, False
+        else:
+            stats.generation_s = now - tic
+        stats.generation_tokens += len(step.tokens)
+        for tok in step.tokens:
+            detokenizer.add_token(tok)
+        if step.finish_reason is not None:
+            detokenizer.finalize()
+        stats.update_memory()
+        yield GenerationResponse(detokenizer.last_segment, step.tokens, step.accepted, step.finish_reason, stats)
+
+
+def generate(
+    target: TargetAdapter,
+    tokenizer: TokenizerWrapper,
+    prompt: mx.array | List[int],
+    drafter: Optional[Any] = None,
+    **kwargs,
+) -> Tuple[str, GenerationStats]:
+    """Generate a whole response; returns ``(text, stats)``."""
+    text, stats = "", None
+    for response in stream_generate(target, tokenizer, prompt, drafter, **kwargs):
+        text += response.text
+        stats = response.stats
+    return text, stats

@@ -1,0 +1,47 @@
+"""Local folders and Hugging Face repo ids, resolved through the hub cache."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import List
+
+from .errors import CheckpointError
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def looks_like_repo_id(name: str) -> bool:
+    """True for ``owner/name`` strings that are not obviously local paths."""
+    return bool(_REPO_ID.match(name)) and not name.startswith((".", "/", "~"))
+
+
+def resolve_model_path(path_or_repo: str, allow_patterns: List[str], what: str = "model") -> Path:
+    """Return a local folder for a path or a repo id.
+
+    A repo id is fetched with ``huggingface_hub.snapshot_download`` into the Hugging
+    Face cache (with its progress bars); a cached copy is used offline.
+
+    Raises:
+        CheckpointError: the folder does not exist, or the repo can be neither
+            downloaded nor found in the cache. The message names the path or repo
+            and says how to pass a local folder instead.
+    """
+    path = Path(path_or_repo).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{path}: expected a {what} folder, found a file")
+    if not looks_like_repo_id(path_or_repo):
+        raise CheckpointError(f"{path}: {what} folder not found")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path_or_repo, allow_patterns=allow_patterns))
+    except Exception as e:
+        raise CheckpointError(
+            f"{what} '{path_or_repo}' is neither a local folder nor downloadable from "
+            f"the Hugging Face hub ({type(e).__name__}). Offline, pass a local folder "
+            f"instead, e.g. `huggingface-cli download {path_or_repo} --local-dir DIR` "
+            "on a connected machine, then point the flag at DIR."
+        ) from None

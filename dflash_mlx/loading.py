@@ -1,0 +1,104 @@
+"""Load a target (through mlx-lm) and a drafter, check that they fit, bind them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load as mlx_lm_load
+
+from .drafter import DFlashDrafter, load_drafter
+from .errors import CheckpointError, MismatchError
+from .hub import resolve_model_path
+from .targets import TargetAdapter, make_adapter
+
+DEFAULT_MODEL = "Qwen/Qwen3-4B"
+DEFAULT_DRAFT_MODEL = "z-lab/Qwen3-4B-DFlash-b16"
+TARGET_FILES = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+@dataclass
+class Pair:
+    """A loaded target, its tokenizer and (optionally) a bound drafter."""
+
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    target: TargetAdapter
+    drafter: Optional[DFlashDrafter]
+    model_path: str
+    draft_path: Optional[str]
+
+
+def load_target(path_or_repo: str):
+    """Load an mlx-lm model and tokenizer from a folder or repo id.
+
+    Returns:
+        ``(model, tokenizer, adapter)``.
+
+    Raises:
+        CheckpointError: missing or unreadable checkpoint (names the path).
+        MismatchError: the family has no adapter yet.
+    """
+    path = resolve_model_path(path_or_repo, TARGET_FILES, what="model")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path / 'config.json'}: not found (is {path} an mlx-lm model folder?)")
+    try:
+        model, tokenizer = mlx_lm_load(str(path))
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: cannot load the target model ({e})") from None
+    return model, tokenizer, make_adapter(model)
+
+
+def check_pair(drafter: DFlashDrafter, target: TargetAdapter, draft_source: str = "drafter") -> None:
+    """Check that a drafter fits a target.
+
+    Raises:
+        MismatchError: vocabulary size, hidden size, target layer ids or the
+            number of target layers differ; the message names the config key.
+    """
+    args = drafter.args
+    if args.vocab_size != target.vocab_size:
+        raise MismatchError(
+            f"{draft_source}: vocab_size {args.vocab_size} does not match the target's "
+            f"{target.vocab_size}; this drafter was trained for another target"
+        )
+    if args.hidden_size != target.hidden_size:
+        raise MismatchError(
+            f"{draft_source}: hidden_size {args.hidden_size} does not match the target's "
+            f"{target.hidden_size}; this drafter was trained for another target"
+        )
+    if args.num_target_layers is not None and args.num_target_layers != target.num_layers:
+        raise MismatchError(
+            f"{draft_source}: num_target_layers {args.num_target_layers} does not match "
+            f"the target's {target.num_layers} layers"
+        )
+    if max(args.target_layer_ids) >= target.num_layers:
+        raise MismatchError(
+            f"{draft_source}: dflash_config.target_layer_ids {args.target_layer_ids} "
+            f"name layers beyond the target's {target.num_layers}"
+        )
+
+
+def bind_drafter(drafter: DFlashDrafter, target: TargetAdapter, draft_source: str = "drafter") -> DFlashDrafter:
+    """Check the pair, run the drafter in the target's activation dtype, bind
+    the target's embedding and head."""
+    check_pair(drafter, target, draft_source)
+    if drafter.fc.weight.dtype != target.dtype and mx.issubdtype(target.dtype, mx.floating):
+        drafter.set_dtype(target.dtype)
+    return drafter.bind(target.embed, target.lm_head)
+
+
+def load(model: str = DEFAULT_MODEL, draft_model: Optional[str] = None) -> Pair:
+    """Load a target and, if given, its drafter, ready for :func:`stream_generate`.
+
+    Raises:
+        CheckpointError, ConfigError, MismatchError: see the loaders above.
+    """
+    net, tokenizer, target = load_target(model)
+    drafter = None
+    if draft_model is not None:
+        drafter = bind_drafter(load_drafter(draft_model), target, draft_model)
+    return Pair(net, tokenizer, target, drafter, model, draft_model)

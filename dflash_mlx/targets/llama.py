@@ -1,0 +1,20 @@
+"""Llama targets: causal masks, plus sliding-window masks where layers use them."""
+
+from typing import Any, List, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask
+
+from .base import TargetAdapter
+
+
+class LlamaAdapter(TargetAdapter):
+    """mlx_lm.models.llama: full and sliding-window layers get their own masks."""
+
+    def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
+        inner = self.inner
+        full = create_attention_mask(h, cache[inner.fa_idx])
+        if inner.swa_idx is None:
+            return [full] * self.num_layers
+        window = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.sliding_window)
+        return [window if layer.use_sliding else full for layer in self.layers]

@@ -1,0 +1,7 @@
+"""Qwen3 targets: the generic decoder (one causal mask, tied or untied head)."""
+
+from .base import TargetAdapter
+
+
+class Qwen3Adapter(TargetAdapter):
+    """mlx_lm.models.qwen3: nothing differs from the generic forward."""
