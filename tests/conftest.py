@@ -1,0 +1,113 @@
+"""Tiny random targets and drafters built from ModelArgs, plus scripted drafters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_map
+import pytest
+from mlx_lm.generate import generate_step as mlx_generate_step
+from mlx_lm.models import llama, qwen3
+
+from dflash_mlx import DFlashDrafter, DrafterArgs, bind_drafter, make_adapter
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+STORIES = SHARED / "models" / "stories260K"
+needs_shared = pytest.mark.skipif(
+    not (STORIES / "stories260K.bin").is_file(),
+    reason=f"needs ../shared/models/stories260K (not found at {STORIES}); CI always has it",
+)
+
+FAMILIES = {
+    "llama": (llama, dict(tie_word_embeddings=False)),
+    "qwen3": (qwen3, dict(head_dim=16, tie_word_embeddings=True)),
+}
+
+
+def tiny_target(family: str, vocab: int = 256, hidden: int = 64, layers: int = 4, seed: int = 0, scale: float = 1.0):
+    """A tiny random mlx-lm model of ``family`` and its adapter, float32."""
+    module, extra = FAMILIES[family]
+    args = module.ModelArgs(
+        model_type=family, hidden_size=hidden, num_hidden_layers=layers,
+        intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
+        rms_norm_eps=1e-5, vocab_size=vocab, rope_theta=10000.0,
+        max_position_embeddings=4096, **extra,
+    )
+    mx.random.seed(seed)
+    model = module.Model(args)
+    if scale != 1.0:
+        model.update(tree_map(lambda p: p * scale, model.parameters()))
+    mx.eval(model.parameters())
+    return model, make_adapter(model)
+
+
+def tiny_drafter_args(target, layers: int = 1, block_size: int = 16, layer_ids=None) -> DrafterArgs:
+    return DrafterArgs(
+        hidden_size=target.hidden_size, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=2 * target.hidden_size,
+        vocab_size=target.vocab_size, target_layer_ids=layer_ids or [1, target.num_layers - 1],
+        mask_token_id=target.vocab_size - 1, block_size=block_size,
+        num_target_layers=target.num_layers, rms_norm_eps=1e-6, rope_theta=10000.0,
+    )
+
+
+def tiny_drafter(target, seed: int = 1, **kwargs) -> DFlashDrafter:
+    """A random DFlash drafter bound to ``target``."""
+    mx.random.seed(seed)
+    drafter = DFlashDrafter(tiny_drafter_args(target, **kwargs))
+    mx.eval(drafter.parameters())
+    return bind_drafter(drafter, target)
+
+
+def mlx_lm_greedy(model, prompt: List[int], n: int) -> List[int]:
+    """n greedy tokens from mlx-lm's own generate_step (the reference)."""
+    out = []
+    for tok, _ in mlx_generate_step(mx.array(prompt, dtype=mx.int32), model, max_tokens=n):
+        out.append(int(tok))
+    return out
+
+
+class _Position:
+    """Stand-in drafter cache: counts context rows, like KVCache.offset."""
+
+    def __init__(self):
+        self.offset = 0
+
+
+class ScriptedDrafter:
+    """Proposes a known continuation: right for the first ``correct`` slots, then wrong.
+
+    ``sequence`` is prompt + the target's greedy continuation. Slot k of a block
+    (1-based) proposes ``sequence[pos + k]`` if ``k <= correct`` and a different
+    token otherwise, where ``pos`` is the absolute position of ``t_last`` derived
+    from the context rows seen (offset + S, the spec's invariant).
+    """
+
+    def __init__(self, sequence: List[int], correct: int, block_size: int, vocab: int,
+                 layer_ids=(1,), check_anchor: bool = True):
+        self.sequence, self.correct, self.vocab = sequence, correct, vocab
+        self.block_size, self.target_layer_ids = block_size, list(layer_ids)
+        self.check_anchor = check_anchor
+        self.calls = 0
+
+    def make_cache(self):
+        return [_Position()]
+
+    def draft(self, token: mx.array, context: mx.array, cache, block_size: int) -> mx.array:
+        pos = cache[0].offset + context.shape[1]
+        cache[0].offset = pos
+        self.calls += 1
+        if self.check_anchor:
+            assert int(token.item()) == self.sequence[pos], "t_last is not at offset + S"
+        out = []
+        for k in range(1, block_size):
+            right = self.sequence[pos + k] if pos + k < len(self.sequence) else 0
+            out.append(right if k <= self.correct else (right + 1) % self.vocab)
+        return mx.array(out, dtype=mx.int32)
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request) -> str:
+    return request.param
