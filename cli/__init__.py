@@ -1,0 +1,1 @@
+"""The ``dflash`` command line (installed as ``dflash_mlx.cli``)."""

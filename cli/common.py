@@ -1,0 +1,102 @@
+"""Flags, prompt reading and error reporting shared by the commands."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+from dflash_mlx.errors import DFlashError, InputError
+
+DEFAULT_MODEL = "Qwen/Qwen3-4B"
+DEFAULT_DRAFT_MODEL = "z-lab/Qwen3-4B-DFlash-b16"
+
+MODEL_HELP = (
+    "Target model: a local mlx-lm folder or a Hugging Face repo id (downloaded into "
+    f"the HF cache). Default with neither flag: {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL}."
+)
+DRAFT_HELP = (
+    "DFlash drafter: a local folder or repo id in the released format. Without it, "
+    "the same engine decodes plainly (for comparison)."
+)
+
+
+def fail(message: str, code: int = 1) -> None:
+    """Print a one-line error on stderr and exit non-zero."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def resolve_models(model: Optional[str], draft_model: Optional[str]) -> tuple[str, Optional[str]]:
+    """Defaults: no flags -> the Qwen3-4B pair; --model alone -> plain decoding."""
+    if model is None and draft_model is None:
+        return DEFAULT_MODEL, DEFAULT_DRAFT_MODEL
+    return model or DEFAULT_MODEL, draft_model
+
+
+def read_prompt(prompt: Optional[str]) -> str:
+    """``--prompt TEXT``; ``--prompt -`` or a piped stdin reads stdin.
+
+    Like mlx-lm, ``\\n`` and ``\\t`` escapes in TEXT are expanded. Trailing newlines of
+    stdin are dropped (``echo`` adds one).
+
+    Raises:
+        InputError: no prompt given, or the prompt is empty.
+    """
+    if prompt is None or prompt == "-":
+        if prompt is None and sys.stdin.isatty():
+            raise InputError("no prompt: pass --prompt TEXT, --prompt - or pipe it on stdin")
+        text = sys.stdin.read().rstrip("\n")
+    else:
+        text = prompt.replace("\\n", "\n").replace("\\t", "\t")
+    if not text.strip():
+        raise InputError("the prompt is empty: give some text with --prompt or on stdin")
+    return text
+
+
+def parse_template_config(value: Optional[str]) -> dict:
+    """Parse ``--chat-template-config`` (a JSON object)."""
+    if value is None:
+        return {}
+    try:
+        config = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise InputError(f"--chat-template-config is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise InputError("--chat-template-config must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return config
+
+
+def check_sampling(temp: float, top_p: float, top_k: int, min_p: float, max_tokens: int) -> None:
+    """Range checks for the sampling flags; errors name the flag."""
+    if temp < 0:
+        raise InputError(f"--temp must be >= 0, got {temp}")
+    if not 0 < top_p <= 1:
+        raise InputError(f"--top-p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise InputError(f"--top-k must be >= 0, got {top_k}")
+    if not 0 <= min_p <= 1:
+        raise InputError(f"--min-p must be in [0, 1], got {min_p}")
+    if max_tokens < 1:
+        raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
+
+
+def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: dict,
+                  ignore_chat_template: bool) -> list[int]:
+    """Apply the chat template as ``mlx_lm.generate`` does, then tokenize."""
+    use_template = not ignore_chat_template and tokenizer.has_chat_template
+    if use_template:
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": text})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template)
+    return tokenizer.encode(text, add_special_tokens=not use_template)
+
+
+def guard(fn):
+    """Run ``fn``; DFlashError becomes a one-line error and exit code 1."""
+    try:
+        return fn()
+    except DFlashError as e:
+        fail(str(e))

@@ -1,0 +1,90 @@
+"""``dflash generate``: one prompt in, text on stdout, stats on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+from .common import (
+    DRAFT_HELP, MODEL_HELP, check_sampling, encode_prompt, guard, parse_template_config,
+    read_prompt, resolve_models,
+)
+
+
+def generate(
+    model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help=DRAFT_HELP),
+    prompt: Optional[str] = typer.Option(
+        None, "--prompt", "-p", help="Prompt text; '-' reads stdin. Piped stdin is read when omitted."
+    ),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens to generate."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens; 0 is off."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Min-p threshold, in [0, 1]; 0 is off."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="PRNG seed, for reproducible sampling."),
+    block_size: Optional[int] = typer.Option(
+        None, "--block-size", help="Tokens per drafted block, 2..the drafter's trained size (default)."
+    ),
+    system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System prompt for the chat template."),
+    chat_template_config: Optional[str] = typer.Option(
+        None, "--chat-template-config",
+        help="JSON for apply_chat_template, e.g. '{\"enable_thinking\": true}'. "
+        "With a drafter, thinking is off unless set here: released drafters were trained without it.",
+    ),
+    ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Use the raw prompt."),
+    verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print stats on stderr."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text and stats) instead of the text."),
+) -> None:
+    """Generate from one prompt. Text streams to stdout, stats go to stderr.
+
+    \b
+    Examples:
+      dflash generate --prompt "Explain KV caches in two sentences."
+      echo "Once upon a time" | dflash generate --model ./stories260K
+      dflash generate --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16 -p - < q.txt
+    """
+    args = dict(locals())
+    guard(lambda: _run(**args))
+
+
+def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
+         system_prompt, chat_template_config, ignore_chat_template, verbose, as_json) -> None:
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    from dflash_mlx import InputError, load, stream_generate
+
+    check_sampling(temp, top_p, top_k, min_p, max_tokens)
+    text = read_prompt(prompt)
+    template = parse_template_config(chat_template_config)
+    model, draft_model = resolve_models(model, draft_model)
+    if block_size is not None and draft_model is None:
+        raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
+    if draft_model is not None:
+        template.setdefault("enable_thinking", False)
+    if seed is not None:
+        mx.random.seed(seed)
+
+    pair = load(model, draft_model)
+    ids = encode_prompt(pair.tokenizer, text, system_prompt, template, ignore_chat_template)
+    sampler = make_sampler(temp, top_p, min_p, 1, top_k=top_k)
+
+    out, stats = [], None
+    for response in stream_generate(pair.target, pair.tokenizer, ids, pair.drafter,
+                                    sampler=sampler, max_tokens=max_tokens, block_size=block_size):
+        out.append(response.text)
+        stats = response.stats
+        if not as_json:
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+    if as_json:
+        print(json.dumps({"text": "".join(out), **stats.to_dict()}))
+    else:
+        print()
+    if verbose:
+        for line in stats.format_lines():
+            print(line, file=sys.stderr)
