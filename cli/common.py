@@ -94,6 +94,21 @@ def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: 
     return tokenizer.encode(text, add_special_tokens=not use_template)
 
 
+def load_pair(model: str, draft_model: Optional[str], defaults: bool):
+    """Load the pair; when the defaults cannot be had, say how to pass folders."""
+    from dflash_mlx import CheckpointError, load
+
+    try:
+        return load(model, draft_model)
+    except CheckpointError as e:
+        if not defaults:
+            raise
+        raise CheckpointError(
+            f"the default pair {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL} is not available "
+            f"({e}). Pass local folders instead: --model DIR --draft-model DIR"
+        ) from None
+
+
 def guard(fn):
     """Run ``fn``; DFlashError becomes a one-line error and exit code 1."""
     try:

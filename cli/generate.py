@@ -10,7 +10,7 @@ import typer
 
 from .common import (
     DRAFT_HELP, MODEL_HELP, check_sampling, encode_prompt, guard, parse_template_config,
-    read_prompt, resolve_models,
+    load_pair, read_prompt, resolve_models,
 )
 
 
@@ -56,11 +56,12 @@ def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
-    from dflash_mlx import InputError, load, stream_generate
+    from dflash_mlx import InputError, stream_generate
 
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
     text = read_prompt(prompt)
     template = parse_template_config(chat_template_config)
+    defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model)
     if block_size is not None and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
@@ -69,7 +70,7 @@ def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed
     if seed is not None:
         mx.random.seed(seed)
 
-    pair = load(model, draft_model)
+    pair = load_pair(model, draft_model, defaults)
     ids = encode_prompt(pair.tokenizer, text, system_prompt, template, ignore_chat_template)
     sampler = make_sampler(temp, top_p, min_p, 1, top_k=top_k)
 

@@ -1,0 +1,115 @@
+"""`dflash generate` end to end on the real stories260K model (from ../shared)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx import DFlashDrafter, DrafterArgs, save_drafter
+from conftest import STORIES, needs_shared
+
+ROOT = Path(__file__).resolve().parents[1]
+STORY = ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball."
+
+
+def dflash(*args, stdin=None, env=None):
+    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "generate", *args]
+    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def stories(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location("llama2c", ROOT / "scripts" / "convert" / "llama2c.py")
+    llama2c = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(llama2c)
+    out = tmp_path_factory.mktemp("stories260K")
+    return llama2c.convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.model", out)
+
+
+@pytest.fixture(scope="module")
+def random_drafter(tmp_path_factory):
+    mx.random.seed(0)
+    drafter = DFlashDrafter(DrafterArgs(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+        intermediate_size=128, vocab_size=512, target_layer_ids=[1, 4], mask_token_id=0,
+        block_size=8, num_target_layers=5, rms_norm_eps=1e-5, rope_theta=10000.0,
+    ))
+    mx.eval(drafter.parameters())
+    return save_drafter(drafter, tmp_path_factory.mktemp("drafter"))
+
+
+@needs_shared
+def test_piped_prompt_prints_story_and_stats_on_stderr(stories):
+    r = dflash("--model", str(stories), "--max-tokens", "40", stdin="Once upon a time\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(STORY)
+    for key in ("Prompt:", "Generation:", "Peak memory:"):
+        assert key in r.stderr and key not in r.stdout
+
+
+@needs_shared
+def test_plain_output_equals_mlx_lm_generate(stories):
+    r = dflash("--model", str(stories), "--prompt", "Once upon a time", "--max-tokens", "100", "--quiet")
+    ref = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "generate", "--model", str(stories), "--prompt",
+         "Once upon a time", "--max-tokens", "100"], capture_output=True, text=True, timeout=120,
+    )
+    assert ref.returncode == 0, ref.stderr
+    mlx_lm_text = ref.stdout.split("==========\n")[1].removesuffix("\n")
+    assert r.returncode == 0 and r.stderr == ""
+    assert r.stdout.removesuffix("\n") == mlx_lm_text
+
+
+@needs_shared
+def test_drafter_json_output(stories, random_drafter):
+    r = dflash("--model", str(stories), "--draft-model", str(random_drafter), "-p", "Once upon a time",
+               "-m", "50", "--block-size", "4", "--json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["text"].startswith(STORY[:60])
+    assert out["tokens"] == out["generation_tokens"] == 50
+    assert len(out["acceptance_histogram"]) == 4 and sum(out["acceptance_histogram"]) == out["steps"]
+    assert set(out["timings_ms"]) == {"prefill", "draft", "verify", "host"}
+    for key in ("tau", "prompt_tokens", "prompt_tps", "generation_tps", "peak_memory"):
+        assert key in out
+    plain = dflash("--model", str(stories), "-p", "Once upon a time", "-m", "50", "--json", "--quiet")
+    assert json.loads(plain.stdout)["text"] == out["text"]
+
+
+@needs_shared
+@pytest.mark.parametrize("args, needle", [
+    (["--block-size", "0"], "--block-size"),
+    (["--block-size", "9"], "--block-size"),
+    (["--top-p", "0"], "--top-p"),
+    (["--prompt", "   "], "prompt is empty"),
+])
+def test_bad_flags_give_one_line_errors(stories, random_drafter, args, needle):
+    base = ["--model", str(stories), "--draft-model", str(random_drafter)]
+    r = dflash(*base, *(["-p", "Once"] if "--prompt" not in args else []), *args)
+    assert r.returncode != 0
+    assert needle in r.stderr and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_missing_model_folder(tmp_path):
+    r = dflash("--model", str(tmp_path / "nope"), "-p", "hi")
+    assert r.returncode == 1 and str(tmp_path / "nope") in r.stderr and "Traceback" not in r.stderr
+
+
+def test_default_pair_offline_names_both_repos(tmp_path):
+    r = dflash("-p", "hi", env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
+    assert r.returncode == 1
+    assert "Qwen/Qwen3-4B" in r.stderr and "z-lab/Qwen3-4B-DFlash-b16" in r.stderr and "--model DIR" in r.stderr
+
+
+def test_help_teaches():
+    r = subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", "generate", "--help"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    for flag in ("--model", "--draft-model", "--max-tokens", "--temp", "--block-size", "--json"):
+        assert flag in r.stdout

@@ -1,0 +1,87 @@
+"""Target adapters: same logits as the mlx-lm model, right features, model untouched."""
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+from dflash_mlx import make_adapter
+from dflash_mlx.errors import MismatchError
+from conftest import tiny_target
+
+
+def _chunks(target, model, ids, capture, sizes):
+    """Run ``ids`` in chunks through the adapter and the model with separate caches."""
+    ca, cm = target.make_cache(), model.make_cache() if hasattr(model, "make_cache") else target.make_cache()
+    start, feats = 0, []
+    for n in sizes:
+        x = mx.array([ids[start:start + n]])
+        h, f = target(x, ca, capture)
+        assert mx.array_equal(target.lm_head(h), model(x, cache=cm)).item()
+        feats.append(f)
+        start += n
+    return mx.concatenate(feats, axis=1)
+
+
+def test_logits_equal_model_logits(family):
+    model, target = tiny_target(family)
+    _chunks(target, model, list(range(1, 40)), [0, 2], [7, 1, 16, 1, 14])
+
+
+def test_features_are_layer_outputs(family):
+    model, target = tiny_target(family)
+    ids = mx.array([[4, 8, 15, 16, 23, 42]])
+    _, feats = target(ids, target.make_cache(), [0, 2, 3])
+    h = model.model.embed_tokens(ids)
+    outs = []
+    for layer in model.model.layers:
+        h = layer(h, "causal", None)
+        outs.append(h)
+    expect = mx.concatenate([outs[0], outs[2], outs[3]], axis=-1)
+    assert feats.shape == (1, 6, 3 * target.hidden_size)
+    assert mx.allclose(feats, expect, atol=1e-5).item()
+    # Not the layer inputs (off by one costs acceptance, spec section 3).
+    assert not mx.allclose(feats[..., : target.hidden_size], model.model.embed_tokens(ids), atol=1e-3).item()
+
+
+def test_model_is_not_mutated(family):
+    model, target = tiny_target(family)
+    before = [(k, id(v)) for k, v in tree_flatten(model.parameters())]
+    layers_before = [id(layer) for layer in model.model.layers]
+    call_before = type(model).__call__
+    x = mx.array([[1, 2, 3]])
+    cache = target.make_cache()
+    target(x, cache, [1])
+    target.rollback(cache, 2)
+    assert [(k, id(v)) for k, v in tree_flatten(model.parameters())] == before
+    assert [id(layer) for layer in model.model.layers] == layers_before
+    assert type(model).__call__ is call_before
+    assert all(type(layer).__call__ is type(model.model.layers[0]).__call__ for layer in model.model.layers)
+
+
+def test_rollback_trims_every_layer(family):
+    _, target = tiny_target(family)
+    cache = target.make_cache()
+    target(mx.array([list(range(10))]), cache, None)
+    target.rollback(cache, 4)
+    assert [c.offset for c in cache] == [6] * target.num_layers
+
+
+def test_llama_sliding_window_layers_match():
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=32, num_hidden_layers=4, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64,
+        layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4,
+        max_position_embeddings=512,
+    )
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    target = make_adapter(model)
+    _chunks(target, model, list(range(1, 30)), [1], [3, 1, 9, 1])
+
+
+def test_unknown_family_is_refused():
+    model, _ = tiny_target("qwen3")
+    model.model_type = "mamba"
+    with pytest.raises(MismatchError, match="mamba"):
+        make_adapter(model)
