@@ -157,6 +157,10 @@ class DrafterArgs:
                 f"{source}: 'dflash_config.target_layer_ids' {self.target_layer_ids} "
                 "must be a non-empty list of layer indices >= 0"
             )
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "head_dim", "intermediate_size", "vocab_size"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{source}: '{key}' must be positive, got {getattr(self, key)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"{source}: num_attention_heads {self.num_attention_heads} is not a "
@@ -380,7 +384,8 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise CheckpointError(f"{path}: weights do not match config.json: {e}") from None
+        detail = " ".join(str(e).split())
+        raise CheckpointError(f"{path}: weights do not match config.json: {detail}") from None
     if dtype is not None:
         model.set_dtype(dtype)
     model.eval()
