@@ -224,6 +224,12 @@ class DrafterAttention(nn.Module):
     def _heads(self, x: mx.array, n: int) -> mx.array:
         return x.reshape(x.shape[0], x.shape[1], n, -1).transpose(0, 2, 1, 3)
 
+    def ingest(self, context: mx.array, cache: KVCache) -> None:
+        """Append context K/V only (no block): [1, S, H] fused rows at ``cache.offset``."""
+        keys = self.k_norm(self._heads(self.k_proj(context), self.n_kv_heads))
+        values = self._heads(self.v_proj(context), self.n_kv_heads)
+        cache.update_and_fetch(self.rope(keys, offset=cache.offset), values)
+
     def __call__(self, x: mx.array, context: mx.array, cache: KVCache) -> mx.array:
         """Args: x [1, B, H] block rows; context [1, S, H] new fused context rows."""
         _, B, _ = x.shape
@@ -333,6 +339,19 @@ class DFlashDrafter(nn.Module):
         for layer, c in zip(self.layers, cache):
             h = layer(h, fused, c)
         return self._lm_head(self.norm(h[:, 1:]))
+
+    def ingest(self, context: mx.array, cache: Sequence[KVCache]) -> None:
+        """Cache context rows without drafting, so the drafter covers what the target
+        cache covers (used when a generation ends; the next turn continues from it).
+
+        Args:
+            context: [1, S, K*H] context features at positions ``[offset, offset+S)``.
+        """
+        if context.shape[1] == 0:
+            return
+        fused = self.hidden_norm(self.fc(context))
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.ingest(fused, c)
 
     def draft(self, token: mx.array, context: mx.array, cache: Sequence[KVCache], block_size: int) -> mx.array:
         """Greedy drafts for one block.

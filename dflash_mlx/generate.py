@@ -131,7 +131,10 @@ def generate_step(
         stop_token_ids: ids that end generation; the block is cut there.
         prompt_cache: the target's cache, updated in place (fresh by default).
             After every step it holds every committed token but the last one.
-        draft_cache: the drafter's context-only cache, updated in place.
+        draft_cache: the drafter's context-only cache, updated in place. Once a
+            generation finishes it covers the same tokens as ``prompt_cache``, so a
+            next turn can pass both, with a prompt that starts at the last
+            committed token.
         stats: filled in place (phase times, acceptance histogram).
 
     Raises:
@@ -167,6 +170,7 @@ def generate_step(
             mx.async_eval(drafts)
         else:
             _settle(target, cache, committed + n - 1)
+            _sync_drafter(drafter, draft_cache, context, cache)
         yield StepResult(tokens, None, finish)
         while finish is None:
             with stats.phase("draft"):
@@ -187,6 +191,7 @@ def generate_step(
                     mx.async_eval(drafts)
                 else:
                     _settle(target, cache, committed + n + len(tokens) - 1)
+                    _sync_drafter(drafter, draft_cache, features, cache)
             n += len(tokens)
             yield StepResult(tokens, a, finish)
             if n % 256 < len(tokens):
@@ -232,6 +237,14 @@ def _settle(target: TargetAdapter, cache: List[Any], rows: int) -> None:
     extra = _cache_rows(cache) - rows
     if extra > 0 and target.can_rollback(cache):
         target.rollback(cache, extra)
+
+
+def _sync_drafter(drafter: Any, draft_cache: List[Any], features: mx.array, cache: List[Any]) -> None:
+    """On finish, give the drafter the context rows the target cache holds but it
+    does not, so both caches cover the same tokens (``features`` start at the
+    drafter's offset)."""
+    missing = _cache_rows(cache) - _cache_rows(draft_cache)
+    drafter.ingest(features[:, :missing], draft_cache)
 
 
 def check_block_size(block_size: Optional[int], drafter: Optional[Any]) -> int:

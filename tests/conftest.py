@@ -95,6 +95,9 @@ class ScriptedDrafter:
     def make_cache(self):
         return [_Position()]
 
+    def ingest(self, context: mx.array, cache) -> None:
+        cache[0].offset += context.shape[1]
+
     def draft(self, token: mx.array, context: mx.array, cache, block_size: int) -> mx.array:
         pos = cache[0].offset + context.shape[1]
         cache[0].offset = pos
