@@ -7,6 +7,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch w
 import typer  # noqa: E402
 
 from .generate import generate  # noqa: E402
+from .train import data, train  # noqa: E402
 
 app = typer.Typer(
     name="dflash",
@@ -27,6 +28,8 @@ def _root() -> None:
 
 
 app.command(no_args_is_help=False)(generate)
+app.command()(data)
+app.command()(train)
 
 
 def main() -> None:

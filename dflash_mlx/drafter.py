@@ -231,7 +231,7 @@ class DrafterAttention(nn.Module):
         cache.update_and_fetch(self.rope(keys, offset=cache.offset), values)
 
     def __call__(self, x: mx.array, context: mx.array, cache: KVCache) -> mx.array:
-        """Args: x [1, B, H] block rows; context [1, S, H] new fused context rows."""
+        """Inference: x [1, B, H] block rows; context [1, S, H] new fused context rows."""
         _, B, _ = x.shape
         S = context.shape[1]
         offset = cache.offset
@@ -252,6 +252,29 @@ class DrafterAttention(nn.Module):
         )
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
 
+    def blocks(self, x: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
+        """Training: many blocks of one sequence at once (spec section 6).
+
+        Args:
+            x: [N, B, H] block rows, block n at positions ``anchors[n] + 0..B-1``.
+            context: [1, L, H] fused context rows at positions 0..L-1.
+            anchors: [N] int32 anchor positions.
+            mask: [N, 1, B, L + B] bool, True where a query may look.
+        """
+        N, B, _ = x.shape
+        L = context.shape[1]
+        queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=anchors)
+        block_keys = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=anchors)
+        ctx_keys = self.rope(self.k_norm(self._heads(self.k_proj(context), self.n_kv_heads)), offset=0)
+        ctx_values = self._heads(self.v_proj(context), self.n_kv_heads)
+        shape = (N, self.n_kv_heads, L, self.head_dim)
+        keys = mx.concatenate([mx.broadcast_to(ctx_keys, shape), block_keys], axis=2)
+        values = mx.concatenate(
+            [mx.broadcast_to(ctx_values, shape), self._heads(self.v_proj(x), self.n_kv_heads)], axis=2
+        )
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))
+
 
 class DrafterLayer(nn.Module):
     """Pre-norm transformer layer: KV-injected attention, then SwiGLU MLP."""
@@ -263,8 +286,14 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, h: mx.array, context: mx.array, cache: KVCache) -> mx.array:
-        h = h + self.self_attn(self.input_layernorm(h), context, cache)
+    def __call__(self, h: mx.array, context: mx.array, cache: Optional[KVCache] = None,
+                 anchors: Optional[mx.array] = None, mask: Optional[mx.array] = None) -> mx.array:
+        """Inference with ``cache``; training with ``anchors`` and ``mask`` instead."""
+        x = self.input_layernorm(h)
+        if cache is not None:
+            h = h + self.self_attn(x, context, cache)
+        else:
+            h = h + self.self_attn.blocks(x, context, anchors, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -338,6 +367,24 @@ class DFlashDrafter(nn.Module):
         fused = self.hidden_norm(self.fc(context))
         for layer, c in zip(self.layers, cache):
             h = layer(h, fused, c)
+        return self._lm_head(self.norm(h[:, 1:]))
+
+    def block_logits(self, blocks: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
+        """Training forward over many blocks of one sequence.
+
+        Args:
+            blocks: [N, B] int32, each ``[token at anchor, MASK x (B-1)]``.
+            context: [1, L, K*H] target features of the whole sequence.
+            anchors: [N] int32 anchor positions.
+            mask: [N, 1, B, L + B] bool from :func:`dflash_mlx.train.blocks.block_mask`.
+
+        Returns:
+            [N, B-1, V] logits for block rows 1..B-1.
+        """
+        h = self._embed(blocks)
+        fused = self.hidden_norm(self.fc(context))
+        for layer in self.layers:
+            h = layer(h, fused, anchors=anchors, mask=mask)
         return self._lm_head(self.norm(h[:, 1:]))
 
     def ingest(self, context: mx.array, cache: Sequence[KVCache]) -> None:

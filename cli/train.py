@@ -1,0 +1,152 @@
+"""``dflash data`` (regenerate responses with the target) and ``dflash train``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from .common import guard, parse_template_config
+
+console = Console(stderr=True)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                    console=console)
+
+
+def data(
+    model: str = typer.Option(..., "--model", help="Target: local mlx-lm folder or HF repo id."),
+    out: Path = typer.Option(..., "--out", help="Data folder (shards + manifest). Re-running resumes."),
+    prompts: List[Path] = typer.Option([], "--prompts", help="JSONL of {'prompt': ...} or {'messages': [...]} rows; repeatable."),
+    text: List[Path] = typer.Option([], "--text", help="Plain text cut into prompts (documents split by blank lines); repeatable."),
+    self_prompts: int = typer.Option(0, "--self-prompts", help="Also sample N openings from the target itself (base models)."),
+    self_prompt_tokens: int = typer.Option(32, "--self-prompt-tokens", help="Tokens per sampled opening."),
+    chat_template_config: Optional[str] = typer.Option(
+        None, "--chat-template-config", help="JSON for the chat template, e.g. '{\"enable_thinking\": false}': match later use."
+    ),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Response tokens per prompt."),
+    max_length: int = typer.Option(3072, "--max-length", help="Most tokens per sequence; longer prompts are an error."),
+    temp: float = typer.Option(0.0, "--temp", help="Regeneration temperature (0 = greedy)."),
+    batch_size: int = typer.Option(32, "--batch-size", help="Sequences generated together."),
+    shard_size: int = typer.Option(256, "--shard-size", help="Prompts per shard."),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Regenerate responses with the target itself, into resumable shards.
+
+    \b
+    Example:
+      dflash data --model Qwen/Qwen3-4B --prompts prompts.jsonl --chat-template-config '{"enable_thinking": false}' --out data/
+    """
+    args = dict(locals())
+    guard(lambda: _data(**args))
+
+
+def _data(model, out, prompts, text, self_prompts, self_prompt_tokens, chat_template_config, max_tokens,
+          max_length, temp, batch_size, shard_size, seed) -> None:
+    import numpy as np
+
+    from dflash_mlx import InputError, load
+    from dflash_mlx.train.data import encode_prompts, prompts_from_text, read_prompt_file, regenerate
+    from dflash_mlx.train.data import self_prompts as sample_openings
+
+    if not (prompts or text or self_prompts):
+        raise InputError("no prompt source: give --prompts FILE, --text FILE or --self-prompts N")
+    template = parse_template_config(chat_template_config)
+    pair = load(model)
+    rows = [row for path in prompts for row in read_prompt_file(path)]
+    rng = np.random.default_rng(seed)
+    rows += [row for path in text for row in prompts_from_text(path, rng)]
+    ids = encode_prompts(pair.tokenizer, rows, template)
+    if self_prompts:
+        with console.status(f"sampling {self_prompts} openings from the target"):
+            ids += sample_openings(pair.model, pair.tokenizer, self_prompts, self_prompt_tokens, seed)
+    with _progress() as progress:
+        task = progress.add_task("regenerating", total=len(ids), status="")
+        regenerate(pair.model, pair.tokenizer, ids, out, max_tokens=max_tokens, max_length=max_length, temp=temp,
+                   shard_size=shard_size, batch_size=batch_size, seed=seed, target_id=str(model),
+                   progress=lambda done, total: progress.update(task, completed=done))
+    console.print(f"wrote {len(ids)} sequences to {out}")
+
+
+def train(
+    model: str = typer.Option(..., "--model", help="Target: local mlx-lm folder or HF repo id (frozen)."),
+    data_dir: Path = typer.Option(..., "--data", help="Folder made by `dflash data`."),
+    out: Path = typer.Option(..., "--out", help="Drafter folder (released format); checkpoints go in OUT/checkpoints."),
+    layers: int = typer.Option(1, "--layers", help="Drafter layers."),
+    block_size: int = typer.Option(16, "--block-size", help="Trained block size B."),
+    target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Comma list, e.g. 1,9,17; default: spread evenly."),
+    mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="MASK id; default: an unused vocabulary id."),
+    intermediate_size: Optional[int] = typer.Option(None, "--intermediate-size", help="Drafter MLP width; default: the target's."),
+    steps: int = typer.Option(1000, "--steps", help="Optimizer steps."),
+    lr: float = typer.Option(6e-4, "--lr", help="Peak AdamW learning rate."),
+    warmup: float = typer.Option(0.04, "--warmup", help="Warm-up fraction of the steps, then cosine decay."),
+    grad_accum: int = typer.Option(4, "--grad-accum", help="Sequences per optimizer step."),
+    anchors: int = typer.Option(512, "--anchors", help="Blocks sampled per sequence."),
+    gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay over block rows; default 7 (B=16) or 4 (B=8)."),
+    grad_clip: float = typer.Option(1.0, "--grad-clip", help="Max gradient norm."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    held_out: int = typer.Option(16, "--held-out", help="Last N sequences are held out for evaluation."),
+    eval_every: int = typer.Option(200, "--eval-every", help="Evaluate every N steps (0 = never)."),
+    save_every: int = typer.Option(200, "--save-every", help="Checkpoint every N steps (0 = only the end)."),
+    cache_features: bool = typer.Option(False, "--cache-features", help="Compute target features once, keep them in OUT/features."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint in OUT/checkpoints."),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Train a DFlash drafter for a frozen target, on data from `dflash data`.
+
+    \b
+    Example:
+      dflash train --model Qwen/Qwen3-4B --data data/ --out my-drafter --layers 2 --steps 5000
+      dflash generate --model Qwen/Qwen3-4B --draft-model my-drafter -p "Hello"
+    """
+    args = dict(locals())
+    guard(lambda: _train(**args))
+
+
+def _train(model, data_dir, out, layers, block_size, target_layer_ids, mask_token_id, intermediate_size, steps, lr,
+           warmup, grad_accum, anchors, gamma, grad_clip, dtype, held_out, eval_every, save_every, cache_features,
+           resume, seed) -> None:
+    from dflash_mlx import InputError, load
+    from dflash_mlx.train.data import load_sequences
+    from dflash_mlx.train.trainer import TrainConfig, Trainer, init_drafter, pick_mask_token
+
+    if dtype not in ("float32", "bfloat16"):
+        raise InputError(f"--dtype must be float32 or bfloat16, got {dtype}")
+    try:
+        ids = [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None
+    except ValueError:
+        raise InputError(f"--target-layer-ids must be comma-separated integers, got {target_layer_ids!r}") from None
+    pair = load(model)
+    sequences = load_sequences(data_dir)
+    n_held = min(held_out, len(sequences) // 2)
+    train_seqs, eval_seqs = sequences[: len(sequences) - n_held], sequences[len(sequences) - n_held:]
+    config = TrainConfig(steps=steps, grad_accum=grad_accum, anchors=anchors, lr=lr, warmup=warmup,
+                         grad_clip=grad_clip, gamma=gamma, dtype=dtype, seed=seed, eval_every=eval_every,
+                         eval_sequences=n_held, save_every=save_every)
+    features = out / "features" if cache_features else None
+    if resume:
+        trainer = Trainer.resume(pair.target, train_seqs, config, out, eval_seqs, features)
+    else:
+        mask = mask_token_id if mask_token_id is not None else pick_mask_token(pair.tokenizer, pair.target.vocab_size, sequences)
+        drafter = init_drafter(pair.target, mask, layers, block_size, ids, intermediate_size, seed)
+        trainer = Trainer(drafter, pair.target, train_seqs, config, out, eval_seqs, features)
+    a = trainer.drafter.args
+    console.print(f"drafter: {a.num_hidden_layers} layer(s), hidden {a.hidden_size}, block {a.block_size}, "
+                  f"target_layer_ids {a.target_layer_ids}, mask {a.mask_token_id}; "
+                  f"{len(train_seqs)} train / {n_held} held-out sequences")
+    with _progress() as progress:
+        task = progress.add_task("training", total=steps, completed=trainer.step, status="")
+        for info in trainer.run():
+            progress.update(task, completed=info.step,
+                            status=f"loss {info.loss:.3f} lr {info.lr:.2e} {info.tokens_per_s:,.0f} tok/s")
+            if info.eval:
+                acc = " ".join(f"{x:.2f}" for x in info.eval["accuracy"][:8])
+                progress.console.print(f"step {info.step}: held-out tau {info.eval['tau']:.2f} "
+                                       f"(acc by position {acc} ...)")
+    console.print(f"wrote drafter to {out}")

@@ -1,0 +1,1 @@
+"""Training a DFlash drafter for any mlx-lm target (DFLASH_SPEC.md section 6)."""

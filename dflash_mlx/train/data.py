@@ -1,0 +1,237 @@
+"""Training data: prompts whose responses the target regenerates itself (spec section 6).
+
+Prompt sources: a JSONL file of ``prompt`` (or ``messages`` chat) rows, plain text cut
+into prompts, and openings sampled from the target itself (for base models with no
+prompt set). Responses come from mlx-lm's ``batch_generate`` and are stored as token
+ids with the response start, in ``.npz`` shards, so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm import batch_generate
+from mlx_lm.sample_utils import make_sampler
+
+from ..errors import InputError
+
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class TrainSequence:
+    """One training sequence: prompt + regenerated response.
+
+    Attributes:
+        tokens: [L] int32 token ids.
+        response_start: index of the first response token (loss mask = positions
+            ``>= response_start``).
+    """
+
+    tokens: np.ndarray
+    response_start: int
+
+
+def read_prompt_file(path: str | Path) -> List[dict]:
+    """Rows of a JSONL file with ``prompt`` (text) or ``messages`` (chat turns).
+
+    For ``messages`` rows, the turns up to the last user turn are the prompt.
+
+    Raises:
+        InputError: missing or empty file, a line that is not JSON, or a row
+            with neither key (the message names the file and line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: prompt file not found")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{n}: not valid JSON ({e})") from None
+        if isinstance(row, dict) and isinstance(row.get("messages"), list):
+            turns = row["messages"]
+            last_user = max((i for i, m in enumerate(turns) if m.get("role") == "user"), default=-1)
+            if last_user < 0:
+                raise InputError(f"{path}:{n}: 'messages' has no user turn")
+            rows.append({"messages": turns[: last_user + 1]})
+        elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"].strip():
+            rows.append({"prompt": row["prompt"]})
+        else:
+            raise InputError(f"{path}:{n}: expected a non-empty 'prompt' string or a 'messages' list")
+    if not rows:
+        raise InputError(f"{path}: the prompt file is empty")
+    return rows
+
+
+def prompts_from_text(path: str | Path, rng: np.random.Generator, per_document: int = 8,
+                      min_words: int = 2, max_words: int = 24) -> List[dict]:
+    """Cut plain text into prompts: random word-boundary prefixes of each document.
+
+    Documents are separated by blank lines or ``<|endoftext|>``.
+
+    Raises:
+        InputError: missing file or no text.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: text file not found")
+    docs = [d.strip() for d in re.split(r"<\|endoftext\|>|\n\s*\n", path.read_text()) if d.strip()]
+    if not docs:
+        raise InputError(f"{path}: the text file is empty")
+    prompts = []
+    for doc in docs:
+        words = doc.split()
+        for _ in range(per_document):
+            n = int(rng.integers(min(min_words, len(words)), min(max_words, len(words)) + 1))
+            prompts.append({"prompt": " ".join(words[:n])})
+    return prompts
+
+
+def encode_prompts(tokenizer, rows: Iterable[dict], template: Optional[dict] = None) -> List[List[int]]:
+    """Token ids of each prompt: the chat template when the tokenizer has one
+    (with ``template`` kwargs such as ``enable_thinking``), else raw text with BOS."""
+    out = []
+    for row in rows:
+        if tokenizer.has_chat_template:
+            messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 **(template or {}))
+            out.append(tokenizer.encode(text, add_special_tokens=False))
+        else:
+            text = row.get("prompt") or "\n".join(m["content"] for m in row["messages"])
+            out.append(tokenizer.encode(text))
+    return out
+
+
+def self_prompts(model, tokenizer, count: int, length: int, seed: int, temp: float = 1.0) -> List[List[int]]:
+    """Openings sampled from the target itself: BOS + ``length`` sampled tokens.
+
+    For base models without a prompt set (e.g. stories260K).
+    """
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        raise InputError("--self-prompts needs a tokenizer with a BOS token")
+    mx.random.seed(seed)
+    result = batch_generate(model, tokenizer, [[bos]] * count, max_tokens=length,
+                            sampler=make_sampler(temp), return_token_ids=True)
+    return [[bos] + ids for ids in result.token_ids if ids]
+
+
+def _fingerprint(prompts: Sequence[Sequence[int]], settings: dict) -> str:
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for p in prompts:
+        h.update(np.asarray(p, dtype=np.int32).tobytes() + b"|")
+    return h.hexdigest()
+
+
+def regenerate(
+    model,
+    tokenizer,
+    prompts: List[List[int]],
+    out_dir: str | Path,
+    *,
+    max_tokens: int = 256,
+    max_length: int = 3072,
+    temp: float = 0.0,
+    shard_size: int = 256,
+    batch_size: int = 32,
+    seed: int = 0,
+    target_id: str = "",
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> Path:
+    """Regenerate responses with the target into ``out_dir`` (resumable).
+
+    Args:
+        prompts: prompt token ids.
+        max_tokens: most response tokens per prompt.
+        max_length: most tokens per sequence (prompt + response).
+        temp: sampling temperature of the regeneration (0 = greedy, as used later).
+        shard_size: prompts per shard; finished shards are skipped on resume.
+        progress: called with (prompts done, total) after each shard.
+
+    Raises:
+        InputError: no prompts, a prompt of ``max_length`` tokens or more, or an
+            ``out_dir`` made from other prompts or settings (nothing is overwritten).
+    """
+    if not prompts:
+        raise InputError("no prompts to regenerate")
+    too_long = [i for i, p in enumerate(prompts) if len(p) >= max_length]
+    if too_long:
+        raise InputError(
+            f"{len(too_long)} prompt(s) have --max-length {max_length} tokens or more "
+            f"(first: prompt {too_long[0]}, {len(prompts[too_long[0]])} tokens); raise --max-length or shorten them"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"max_tokens": max_tokens, "max_length": max_length, "temp": temp, "seed": seed,
+                "shard_size": shard_size, "target": target_id}
+    manifest = {"version": 1, "num_prompts": len(prompts), "settings": settings,
+                "fingerprint": _fingerprint(prompts, settings)}
+    manifest_file = out / MANIFEST
+    if manifest_file.is_file():
+        old = json.loads(manifest_file.read_text())
+        if old.get("fingerprint") != manifest["fingerprint"]:
+            raise InputError(f"{out}: holds data from other prompts or settings; pass a new --out")
+    else:
+        manifest_file.write_text(json.dumps(manifest, indent=2))
+
+    sampler = make_sampler(temp)
+    shards = range(0, len(prompts), shard_size)
+    for i, start in enumerate(shards):
+        path = out / f"shard_{i:05d}.npz"
+        if not path.exists():
+            mx.random.seed(seed + i)
+            chunk = prompts[start:start + shard_size]
+            budgets = [min(max_tokens, max_length - len(p)) for p in chunk]
+            result = batch_generate(model, tokenizer, chunk, max_tokens=budgets, sampler=sampler,
+                                    return_token_ids=True, completion_batch_size=batch_size,
+                                    prefill_batch_size=batch_size)
+            eos = next(iter(tokenizer.eos_token_ids), None)
+            responses = [ids + ([eos] if len(ids) < b and eos is not None else [])
+                         for ids, b in zip(result.token_ids, budgets)]
+            _write_shard(path, chunk, responses)
+        if progress:
+            progress(min(start + shard_size, len(prompts)), len(prompts))
+    return out
+
+
+def _write_shard(path: Path, prompts: List[List[int]], responses: List[List[int]]) -> None:
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, tokens=np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]),
+             lengths=np.array([len(s) for s in seqs], dtype=np.int32),
+             response_starts=np.array([len(p) for p in prompts], dtype=np.int32))
+    os.replace(tmp, path)
+
+
+def load_sequences(data_dir: str | Path) -> List[TrainSequence]:
+    """All sequences of a regenerated data folder, in order.
+
+    Raises:
+        InputError: the folder has no manifest or no shards.
+    """
+    data = Path(data_dir)
+    if not (data / MANIFEST).is_file():
+        raise InputError(f"{data}: not a training data folder (no {MANIFEST}); run `dflash data` first")
+    shards = sorted(data.glob("shard_*[0-9].npz"))
+    if not shards:
+        raise InputError(f"{data}: no data shards yet; run `dflash data` first")
+    seqs = []
+    for shard in shards:
+        z = np.load(shard)
+        ends = np.cumsum(z["lengths"])
+        for end, n, start in zip(ends, z["lengths"], z["response_starts"]):
+            seqs.append(TrainSequence(z["tokens"][end - n:end], int(start)))
+    return seqs

@@ -1,0 +1,344 @@
+"""Train a DFlash drafter against a frozen target (DFLASH_SPEC.md section 6).
+
+The target is frozen and so are the embedding and head the drafter borrows from it;
+only ``fc``, ``hidden_norm``, the drafter layers and ``norm`` learn. Each step draws
+random anchors per sequence, runs all blocks of a sequence in one masked forward
+and weights the cross-entropy of block row k by ``exp(-(k-1)/gamma)``.
+
+Determinism: the data order and the anchors of step s come from NumPy generators
+seeded with ``(seed, epoch)`` and ``(seed, s, micro)``, and the optimizer state is
+checkpointed, so a resumed run reproduces an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from ..drafter import DFlashDrafter, DrafterArgs, default_target_layer_ids, load_drafter, save_drafter
+from ..errors import InputError, MismatchError
+from ..loading import bind_drafter
+from ..targets import TargetAdapter
+from .blocks import block_mask, default_gamma, position_weights, sample_anchors, valid_anchors
+from .data import TrainSequence
+
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass
+class TrainConfig:
+    """Training settings (defaults follow the paper where it gives them).
+
+    Attributes:
+        steps: optimizer steps.
+        batch_size: sequences per micro-batch forward is 1; ``grad_accum``
+            sequences make one optimizer step.
+        anchors: blocks sampled per sequence (paper: up to 512).
+        lr, warmup, min_lr: AdamW peak rate, warm-up fraction of ``steps``,
+            and the cosine floor.
+        grad_clip: max global gradient norm.
+        dtype: "float32" or "bfloat16" for the drafter's weights and features.
+        eval_every, save_every: in optimizer steps (0 = never).
+    """
+
+    steps: int = 1000
+    grad_accum: int = 1
+    anchors: int = 512
+    lr: float = 6e-4
+    warmup: float = 0.04
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: Optional[float] = None
+    dtype: str = "float32"
+    seed: int = 0
+    eval_every: int = 0
+    eval_sequences: int = 16
+    save_every: int = 0
+    keep_checkpoints: int = 3
+
+
+@dataclass
+class StepInfo:
+    """One optimizer step: ``loss`` (weighted CE), ``lr``, ``tokens_per_s``
+    (trained block tokens per second), ``eval`` (set on evaluation steps)."""
+
+    step: int
+    loss: float
+    lr: float
+    tokens_per_s: float
+    eval: Optional[dict] = None
+
+
+def target_fingerprint(target: TargetAdapter) -> dict:
+    """What must match when resuming: family, sizes and vocabulary."""
+    return {"model_type": getattr(target.model, "model_type", ""), "hidden_size": target.hidden_size,
+            "num_layers": target.num_layers, "vocab_size": target.vocab_size}
+
+
+def pick_mask_token(tokenizer, vocab_size: int, sequences: List[TrainSequence]) -> int:
+    """An unused vocabulary id for MASK.
+
+    Preference: a row past the tokenizer's pieces (``len(tokenizer) .. vocab-1``, as
+    in the released Qwen3 drafters); else the highest non-special id that never occurs
+    in the training data; else, when every id occurs, the least frequent non-special
+    id (the drafter still works: MASK only needs a fixed embedding, but that token's
+    own meaning is blurred for the drafter).
+    """
+    size = len(tokenizer._tokenizer) if hasattr(tokenizer, "_tokenizer") else vocab_size
+    if size < vocab_size:
+        return vocab_size - 1
+    counts = np.bincount(np.concatenate([s.tokens for s in sequences]), minlength=vocab_size)
+    special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(tokenizer.eos_token_ids)
+    order = [i for i in np.argsort(counts, kind="stable")[::-1] if i not in special]
+    unused = [i for i in range(vocab_size - 1, -1, -1) if counts[i] == 0 and i not in special]
+    return int(unused[0]) if unused else int(order[-1])
+
+
+def init_drafter(target: TargetAdapter, mask_token_id: int, layers: int = 1, block_size: int = 16,
+                 target_layer_ids: Optional[List[int]] = None, intermediate_size: Optional[int] = None,
+                 seed: int = 0) -> DFlashDrafter:
+    """A fresh drafter shaped like the target's layers (hidden size = the target's).
+
+    ``target_layer_ids`` defaults to ids spread evenly; any list of valid layers works.
+
+    Raises:
+        InputError: a layer id outside the target, or a mask id outside the vocabulary.
+    """
+    a = target.model.args
+    n_heads = a.num_attention_heads
+    ids = target_layer_ids or default_target_layer_ids(target.num_layers, layers)
+    if min(ids) < 0 or max(ids) >= target.num_layers:
+        raise InputError(f"--target-layer-ids {ids}: the target has layers 0..{target.num_layers - 1}")
+    if not 0 <= mask_token_id < target.vocab_size:
+        raise InputError(f"--mask-token-id {mask_token_id} is outside the vocabulary [0, {target.vocab_size})")
+    args = DrafterArgs(
+        hidden_size=target.hidden_size, num_hidden_layers=layers, num_attention_heads=n_heads,
+        num_key_value_heads=getattr(a, "num_key_value_heads", None) or n_heads,
+        head_dim=getattr(a, "head_dim", None) or target.hidden_size // n_heads,
+        intermediate_size=intermediate_size or a.intermediate_size, vocab_size=target.vocab_size,
+        target_layer_ids=list(ids), mask_token_id=mask_token_id, block_size=block_size,
+        num_target_layers=target.num_layers, rms_norm_eps=getattr(a, "rms_norm_eps", 1e-6),
+        rope_theta=float(getattr(a, "rope_theta", 10000.0)),
+        max_position_embeddings=getattr(a, "max_position_embeddings", None) or 40960,
+    )
+    mx.random.seed(seed)
+    drafter = DFlashDrafter(args)
+    mx.eval(drafter.parameters())
+    return bind_drafter(drafter, target)
+
+
+def target_features(target: TargetAdapter, tokens: np.ndarray, layer_ids: List[int], dtype) -> mx.array:
+    """[1, L, K*H] frozen context features of a whole sequence."""
+    _, feats = target(mx.array(tokens[None]), [None] * target.num_layers, layer_ids)
+    return mx.stop_gradient(feats.astype(dtype))
+
+
+class FeatureCache:
+    """Target features per training sequence, computed once and kept on disk
+    (float16 ``.npy``) and in memory. Without a folder, features are computed on
+    the fly every time."""
+
+    def __init__(self, target: TargetAdapter, layer_ids: List[int], folder: Optional[str | Path] = None):
+        self.target, self.layer_ids = target, list(layer_ids)
+        self.folder = Path(folder) if folder else None
+        self.memory: Dict[int, np.ndarray] = {}
+        if self.folder:
+            self.folder.mkdir(parents=True, exist_ok=True)
+
+    def get(self, index: int, seq: TrainSequence, dtype) -> mx.array:
+        """[1, L, K*H] features of sequence ``index``."""
+        if self.folder is None:
+            return target_features(self.target, seq.tokens, self.layer_ids, dtype)
+        if index not in self.memory:
+            path = self.folder / f"{index:07d}.npy"
+            cached = np.load(path) if path.is_file() else None
+            if cached is not None and cached.shape[1] == seq.tokens.size:
+                self.memory[index] = cached
+            else:
+                feats = target_features(self.target, seq.tokens, self.layer_ids, mx.float32)
+                self.memory[index] = np.array(feats.astype(mx.float16))
+                np.save(path, self.memory[index])
+        return mx.array(self.memory[index]).astype(dtype)
+
+
+def make_batch(seq: TrainSequence, block_size: int, mask_id: int, anchors: np.ndarray):
+    """Blocks, targets and mask for the anchors of one sequence.
+
+    Returns:
+        ``(blocks [N, B], targets [N, B-1], anchors [N], mask [N, 1, B, L+B])``.
+    """
+    k = np.arange(1, block_size)
+    blocks = np.full((anchors.size, block_size), mask_id, dtype=np.int32)
+    blocks[:, 0] = seq.tokens[anchors]
+    targets = seq.tokens[anchors[:, None] + k[None, :]]
+    mask = block_mask(anchors, seq.tokens.size, block_size)
+    return mx.array(blocks), mx.array(targets), mx.array(anchors), mx.array(mask)
+
+
+def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask, weights) -> mx.array:
+    """Weighted cross-entropy of block rows 1..B-1, normalised by the weight sum."""
+    logits = drafter.block_logits(blocks, features, anchors, mask)
+    ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
+    return (ce * weights).sum() / (weights.sum() * blocks.shape[0])
+
+
+def evaluate(drafter: DFlashDrafter, target: TargetAdapter, sequences: List[TrainSequence],
+             block_size: int, max_anchors: int = 256, seed: int = 0) -> dict:
+    """Per-position accuracy and the acceptance length it implies, on held-out data.
+
+    Returns:
+        ``{"accuracy": [B-1] floats (row k right), "tau": 1 + mean leading-correct
+        rows per block (the acceptance length under teacher forcing), "blocks": N}``.
+    """
+    dtype = drafter.fc.weight.dtype
+    correct, leading, n = np.zeros(block_size - 1), 0.0, 0
+    for i, seq in enumerate(sequences):
+        rng = np.random.default_rng([seed, 7919, i])
+        anchors = sample_anchors(rng, seq.tokens.size, seq.response_start, block_size, max_anchors)
+        if anchors.size == 0:
+            continue
+        feats = target_features(target, seq.tokens, drafter.target_layer_ids, dtype)
+        blocks, targets, anchors_mx, mask = make_batch(seq, block_size, drafter.args.mask_token_id, anchors)
+        right = np.array(mx.argmax(drafter.block_logits(blocks, feats, anchors_mx, mask), axis=-1) == targets)
+        correct += right.sum(0)
+        leading += np.cumprod(right, axis=1).sum()
+        n += anchors.size
+    if n == 0:
+        return {"accuracy": [0.0] * (block_size - 1), "tau": 1.0, "blocks": 0}
+    return {"accuracy": (correct / n).round(4).tolist(), "tau": round(1 + leading / n, 4), "blocks": n}
+
+
+def learning_rate(config: TrainConfig) -> Callable:
+    """Linear warm-up, then cosine decay to ``min_lr``."""
+    warm = max(1, int(config.warmup * config.steps))
+    return optim.join_schedules(
+        [optim.linear_schedule(0.0, config.lr, warm),
+         optim.cosine_decay(config.lr, max(1, config.steps - warm), config.min_lr)],
+        [warm],
+    )
+
+
+class Trainer:
+    """Runs the optimisation; a generator of :class:`StepInfo` (UI stays outside).
+
+    Args:
+        drafter: bound to ``target`` (from :func:`init_drafter` or a resumed checkpoint).
+        sequences: training data; ``held_out`` evaluation data.
+        out_dir: the final drafter is written here, checkpoints under ``checkpoints/``.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, target: TargetAdapter, sequences: List[TrainSequence],
+                 config: TrainConfig, out_dir: str | Path, held_out: Optional[List[TrainSequence]] = None,
+                 feature_cache: Optional[str | Path] = None):
+        B = drafter.block_size
+        usable = [s for s in sequences if valid_anchors(s.tokens.size, s.response_start, B).size]
+        if not usable:
+            raise InputError(f"no training sequence is long enough for block size {B}")
+        self.drafter, self.target, self.sequences, self.config = drafter, target, usable, config
+        self.held_out = held_out or []
+        self.out = Path(out_dir)
+        self.dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16}[config.dtype]
+        drafter.set_dtype(self.dtype)
+        self.weights = mx.array(position_weights(B, config.gamma or default_gamma(B)))
+        self.optimizer = optim.AdamW(learning_rate=learning_rate(config), weight_decay=config.weight_decay)
+        self.optimizer.init(drafter.trainable_parameters())
+        self.features = FeatureCache(target, drafter.target_layer_ids, feature_cache)
+        self.step = 0
+        self._loss_and_grad = nn.value_and_grad(drafter, self._loss)
+
+    def _loss(self, features, blocks, targets, anchors, mask):
+        return block_loss(self.drafter, features, blocks, targets, anchors, mask, self.weights)
+
+    def _sequence(self, index: int) -> int:
+        epoch, i = divmod(index, len(self.sequences))
+        return int(np.random.default_rng([self.config.seed, epoch]).permutation(len(self.sequences))[i])
+
+    def _micro_step(self, step: int, micro: int):
+        c, B = self.config, self.drafter.block_size
+        index = self._sequence(step * c.grad_accum + micro)
+        seq = self.sequences[index]
+        rng = np.random.default_rng([c.seed, step, micro])
+        anchors = sample_anchors(rng, seq.tokens.size, seq.response_start, B, c.anchors)
+        feats = self.features.get(index, seq, self.dtype)
+        loss, grads = self._loss_and_grad(feats, *make_batch(seq, B, self.drafter.args.mask_token_id, anchors))
+        return loss, grads, anchors.size * (B - 1)
+
+    def run(self) -> Iterator[StepInfo]:
+        """Train from ``self.step`` to ``config.steps``, yielding after every step."""
+        c = self.config
+        while self.step < c.steps:
+            tic = time.perf_counter()
+            total, grads_sum, tokens = 0.0, None, 0
+            for micro in range(c.grad_accum):
+                loss, grads, n = self._micro_step(self.step, micro)
+                grads_sum = grads if grads_sum is None else tree_map(mx.add, grads_sum, grads)
+                total, tokens = total + loss, tokens + n
+            grads = tree_map(lambda g: g / c.grad_accum, grads_sum)
+            grads, _ = optim.clip_grad_norm(grads, c.grad_clip)
+            lr = self.optimizer.learning_rate.item()
+            self.optimizer.update(self.drafter, grads)
+            mx.eval(self.drafter.parameters(), self.optimizer.state, total)
+            self.step += 1
+            info = StepInfo(self.step, float(total) / c.grad_accum, lr, tokens / (time.perf_counter() - tic))
+            if c.eval_every and self.held_out and self.step % c.eval_every == 0:
+                info.eval = evaluate(self.drafter, self.target, self.held_out[: c.eval_sequences],
+                                     self.drafter.block_size, seed=c.seed)
+            if c.save_every and self.step % c.save_every == 0:
+                self.save_checkpoint()
+            yield info
+        save_drafter(self.drafter, self.out)
+
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step_NNNNNNN/`` atomically; keep the newest few."""
+        root = self.out / CHECKPOINTS
+        final = root / f"step_{self.step:07d}"
+        tmp = root / f".tmp_step_{self.step:07d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_drafter(self.drafter, tmp)
+        mx.savez(str(tmp / "optimizer.npz"), **dict(tree_flatten(self.optimizer.state)))
+        state = {"step": self.step, "config": asdict(self.config), "target": target_fingerprint(self.target)}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(root.glob("step_*"))[: -self.config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    @classmethod
+    def resume(cls, target: TargetAdapter, sequences: List[TrainSequence], config: TrainConfig,
+               out_dir: str | Path, held_out: Optional[List[TrainSequence]] = None,
+               feature_cache: Optional[str | Path] = None) -> "Trainer":
+        """Continue from the newest checkpoint in ``out_dir/checkpoints``.
+
+        Raises:
+            InputError: no checkpoint to resume from.
+            MismatchError: the checkpoint was trained for another target (the
+                checkpoint is left as it is).
+        """
+        checkpoints = sorted((Path(out_dir) / CHECKPOINTS).glob("step_*"))
+        if not checkpoints:
+            raise InputError(f"{Path(out_dir) / CHECKPOINTS}: no checkpoint to resume from")
+        ckpt = checkpoints[-1]
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        if state["target"] != target_fingerprint(target):
+            raise MismatchError(
+                f"{ckpt}: was trained for target {state['target']}, but the given target is "
+                f"{target_fingerprint(target)}; pass the same --model or a new --out"
+            )
+        drafter = bind_drafter(load_drafter(str(ckpt)), target, str(ckpt))
+        trainer = cls(drafter, target, sequences, config, out_dir, held_out, feature_cache)
+        trainer.optimizer.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.npz")).items()))
+        trainer.step = state["step"]
+        return trainer

@@ -1,0 +1,161 @@
+"""Drafter training: anchors and mask, forward consistency, learning, resume, bad input."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from dflash_mlx import GenerationStats, generate_step
+from dflash_mlx.errors import InputError, MismatchError
+from dflash_mlx.train.blocks import block_mask, position_weights, sample_anchors, valid_anchors
+from dflash_mlx.train.data import TrainSequence, read_prompt_file, regenerate
+from dflash_mlx.train.trainer import TrainConfig, Trainer, evaluate, init_drafter, make_batch, target_features
+from conftest import mlx_lm_greedy, tiny_target
+
+B = 8
+
+
+def test_anchors_stay_inside_the_response():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        length, start = int(rng.integers(12, 60)), int(rng.integers(0, 10))
+        a = sample_anchors(rng, length, start, B, 16)
+        assert np.all(a >= max(start, 1)) and np.all(a <= length - B)
+        assert len(set(a.tolist())) == a.size and np.all(np.diff(a) > 0)
+    assert valid_anchors(10, 5, B).size == 0
+
+
+def test_block_mask_matches_brute_force():
+    anchors, L = np.array([3, 7, 20]), 30
+    mask = block_mask(anchors, L, B)
+    assert mask.shape == (3, 1, B, L + B)
+    for n, a in enumerate(anchors):
+        for q in range(B):
+            for key in range(L + B):
+                # Context key j is visible iff j < anchor; the block's own keys always.
+                expect = key < a if key < L else True
+                assert mask[n, 0, q, key] == expect
+    # No block sees a context row at or after its anchor (which holds later blocks' tokens).
+    assert not mask[0, 0, :, 3:L].any()
+
+
+def test_position_weights():
+    w = position_weights(16, 7.0)
+    assert w.shape == (15,) and w[0] == 1.0 and np.isclose(w[7], np.exp(-1.0))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, target = tiny_target("qwen3", vocab=64, hidden=32, layers=3, seed=5, scale=1.5)
+    rng = np.random.default_rng(0)
+    seqs = []
+    for i in range(12):
+        prompt = rng.integers(3, 64, size=4).tolist()
+        seqs.append(TrainSequence(np.array(prompt + mlx_lm_greedy(model, prompt, 48), dtype=np.int32), 4))
+    return model, target, seqs
+
+
+def _drafter(target, seed=0):
+    return init_drafter(target, mask_token_id=0, layers=1, block_size=B, target_layer_ids=[1, 2], seed=seed)
+
+
+def test_training_forward_equals_inference_forward(setup):
+    _, target, seqs = setup
+    drafter = _drafter(target)
+    seq = seqs[0]
+    anchors = np.array([4, 9, 30], dtype=np.int32)
+    feats = target_features(target, seq.tokens, drafter.target_layer_ids, mx.float32)
+    blocks, _, anchors_mx, mask = make_batch(seq, B, 0, anchors)
+    train_logits = drafter.block_logits(blocks, feats, anchors_mx, mask)
+    for i, a in enumerate(anchors):
+        infer = drafter(blocks[i:i + 1], feats[:, :a], drafter.make_cache())
+        assert mx.allclose(train_logits[i], infer[0], atol=1e-5).item()
+
+
+def _engine_tau(target, drafter, seqs):
+    """Mean tau of real decoding from each sequence's prompt."""
+    taus = []
+    for seq in seqs:
+        stats = GenerationStats(block_size=B)
+        list(generate_step(mx.array(seq.tokens[:4]), target, drafter, max_tokens=40, block_size=B, stats=stats))
+        taus.append(stats.tau)
+    return float(np.mean(taus))
+
+
+def test_short_run_learns(setup, tmp_path):
+    _, target, seqs = setup
+    drafter = _drafter(target)
+    untrained_tau = _engine_tau(target, drafter, seqs[:4])
+    config = TrainConfig(steps=100, anchors=16, grad_accum=2, lr=3e-3, warmup=0.05)
+    trainer = Trainer(drafter, target, seqs, config, tmp_path / "out")
+    losses = [info.loss for info in trainer.run()]
+    assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10])
+    trained_tau = _engine_tau(target, drafter, seqs[:4])
+    assert trained_tau > untrained_tau + 0.5
+    assert evaluate(drafter, target, seqs[:4], B)["tau"] > 1.5
+    # The output folder is a drafter in the released format.
+    config_json = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config_json["dflash_config"]["target_layer_ids"] == [1, 2]
+
+
+def test_resume_reproduces_uninterrupted_run(setup, tmp_path):
+    _, target, seqs = setup
+    config = TrainConfig(steps=12, anchors=8, grad_accum=2, lr=1e-3, save_every=6)
+    straight = Trainer(_drafter(target), target, seqs, config, tmp_path / "a")
+    list(straight.run())
+
+    interrupted = Trainer(_drafter(target), target, seqs, config, tmp_path / "b")
+    for info in interrupted.run():
+        if info.step == 8:  # stopped after step 8; the newest checkpoint is step 6
+            break
+    resumed = Trainer.resume(target, seqs, config, tmp_path / "b")
+    assert resumed.step == 6
+    list(resumed.run())
+    for (k1, v1), (k2, v2) in zip(tree_flatten(straight.drafter.parameters()),
+                                  tree_flatten(resumed.drafter.parameters())):
+        assert k1 == k2 and mx.array_equal(v1, v2).item(), k1
+
+
+def test_resume_with_another_target_fails_and_keeps_checkpoint(setup, tmp_path):
+    _, target, seqs = setup
+    config = TrainConfig(steps=2, anchors=4, save_every=2)
+    list(Trainer(_drafter(target), target, seqs, config, tmp_path).run())
+    ckpt = tmp_path / "checkpoints" / "step_0000002"
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    _, other = tiny_target("qwen3", vocab=64, hidden=32, layers=4, seed=9)
+    with pytest.raises(MismatchError, match="trained for target"):
+        Trainer.resume(other, seqs, config, tmp_path)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+
+
+def test_resume_without_checkpoint(setup, tmp_path):
+    _, target, seqs = setup
+    with pytest.raises(InputError, match="no checkpoint"):
+        Trainer.resume(target, seqs, TrainConfig(), tmp_path)
+
+
+def test_empty_prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(InputError, match="empty"):
+        read_prompt_file(path)
+    path.write_text('{"text": "no prompt key"}\n')
+    with pytest.raises(InputError, match="prompts.jsonl:1"):
+        read_prompt_file(path)
+
+
+def test_prompt_longer_than_max_length(setup, tmp_path):
+    model, _, _ = setup
+    with pytest.raises(InputError, match="--max-length 8"):
+        regenerate(model, None, [[1, 2, 3], list(range(10))], tmp_path, max_length=8)
+    assert not (tmp_path / "manifest.json").exists()
+
+
+def test_bad_layer_ids_and_mask(setup):
+    _, target, _ = setup
+    with pytest.raises(InputError, match="--target-layer-ids"):
+        init_drafter(target, 0, target_layer_ids=[0, 3])
+    with pytest.raises(InputError, match="--mask-token-id"):
+        init_drafter(target, 64)
