@@ -6,6 +6,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch w
 
 import typer  # noqa: E402
 
+from .chat import chat  # noqa: E402
 from .generate import generate  # noqa: E402
 from .train import data, train  # noqa: E402
 
@@ -28,6 +29,7 @@ def _root() -> None:
 
 
 app.command(no_args_is_help=False)(generate)
+app.command()(chat)
 app.command()(data)
 app.command()(train)
 

@@ -1,0 +1,281 @@
+"""``dflash chat``: a terminal chat; caches kept across turns, live acceptance stats.
+
+Wiring only: flags, :class:`dflash_mlx.session.ChatSession`, and a view from
+``chat_ui`` (rich in a terminal, plain text when stdin or stdout is not one).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import closing
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import typer
+
+from .common import (
+    DRAFT_HELP, MODEL_HELP, check_sampling, guard, load_pair, parse_template_config, resolve_models,
+)
+
+COMMANDS = [
+    ("/help", "this list"),
+    ("/reset", "clear the history and both caches"),
+    ("/stats", "the session's acceptance histogram, totals and cache offsets"),
+    ("/block N", "block size, 2..the drafter's trained size"),
+    ("/temp T", "sampling temperature (0 is greedy)"),
+    ("/max N", "most tokens per reply"),
+    ("/think on|off", "thinking, for chat templates that have it"),
+    ("/color [on|off]", "colour the tokens accepted from the drafter"),
+    ("/save FILE", "save the transcript: FILE.json as JSON, else Markdown"),
+    ("/quit", "exit (Ctrl-D too)"),
+]
+
+
+@dataclass
+class Settings:
+    """What the commands change between turns."""
+
+    max_tokens: int
+    temp: float
+    top_p: float
+    top_k: int
+    min_p: float
+    block_size: Optional[int]
+
+    def sampler(self):
+        from mlx_lm.sample_utils import make_sampler
+
+        return make_sampler(self.temp, self.top_p, self.min_p, 1, top_k=self.top_k)
+
+
+def chat(
+    model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help=DRAFT_HELP),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens per reply."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens; 0 is off."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Min-p threshold, in [0, 1]; 0 is off."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="PRNG seed, for reproducible sampling."),
+    block_size: Optional[int] = typer.Option(
+        None, "--block-size", help="Tokens per drafted block, 2..the drafter's trained size (default)."
+    ),
+    system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System prompt for the chat template."),
+    chat_template_config: Optional[str] = typer.Option(
+        None, "--chat-template-config",
+        help="JSON for apply_chat_template, e.g. '{\"enable_thinking\": true}'. "
+        "With a drafter, thinking is off unless set here or with /think on.",
+    ),
+    ignore_chat_template: bool = typer.Option(
+        False, "--ignore-chat-template", help="Concatenate the turns' text instead of using the template."
+    ),
+    color: bool = typer.Option(True, "--color/--no-color", help="Colour the tokens accepted from the drafter."),
+) -> None:
+    """Chat in the terminal. Both caches are kept across turns; Ctrl-C stops a reply.
+
+    Models without a chat template (base models) see the turns' text concatenated.
+    When stdin is not a terminal, each line is a turn (or a /command) and the
+    replies are written as plain text.
+
+    \b
+    Examples:
+      dflash chat
+      dflash chat --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16
+      printf 'Once upon a time\\n/stats\\n' | dflash chat --model ./stories260K
+    """
+    args = dict(locals())
+    try:
+        guard(lambda: _run(**args))
+    except KeyboardInterrupt:  # while loading
+        raise typer.Exit(130)
+
+
+def _run(model, draft_model, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
+         system_prompt, chat_template_config, ignore_chat_template, color) -> None:
+    import mlx.core as mx
+    from transformers.utils import logging as hf_logging
+
+    from dflash_mlx import InputError
+    from dflash_mlx.generate import check_block_size
+    from dflash_mlx.session import ChatSession
+
+    from .chat_ui import PlainView, RichView
+
+    check_sampling(temp, top_p, top_k, min_p, max_tokens)
+    template = parse_template_config(chat_template_config)
+    defaults = model is None and draft_model is None
+    model, draft_model = resolve_models(model, draft_model)
+    if block_size is not None and draft_model is None:
+        raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
+    if draft_model is not None:
+        template.setdefault("enable_thinking", False)
+    if seed is not None:
+        mx.random.seed(seed)
+
+    hf_logging.set_verbosity_error()  # no "sequence length is longer than" warnings mid-chat
+    pair = load_pair(model, draft_model, defaults)
+    check_block_size(block_size, pair.drafter)
+    session = ChatSession.from_pair(pair, system_prompt=system_prompt, template_config=template,
+                                    use_template=not ignore_chat_template)
+    settings = Settings(max_tokens, temp, top_p, top_k, min_p, block_size)
+    view = RichView(color) if sys.stdin.isatty() and sys.stdout.isatty() else PlainView()
+    view.header(header_rows(pair, session, settings))
+    _loop(session, settings, view, pair)
+
+
+def _loop(session, settings: Settings, view, pair) -> None:
+    from dflash_mlx import DFlashError
+
+    while True:
+        try:
+            line = view.read().strip()
+        except EOFError:  # Ctrl-D, or the end of piped input
+            if view.interactive:
+                print()
+            break
+        except KeyboardInterrupt:  # at the prompt: a fresh line in a terminal, else quit
+            if not view.interactive:
+                break
+            print()
+            continue
+        if not line:
+            continue
+        try:
+            if line.startswith("/"):
+                if _command(line, session, settings, view, pair):
+                    break
+            else:
+                _turn(line, session, settings, view)
+        except KeyboardInterrupt:
+            view.notice("interrupted")
+        except DFlashError as e:
+            view.error(str(e))
+
+
+def _turn(text: str, session, settings: Settings, view) -> None:
+    from dflash_mlx.session import ContextFullError
+
+    from .chat_ui import summary_line
+
+    try:
+        events = session.stream(text, sampler=settings.sampler(), max_tokens=settings.max_tokens,
+                                block_size=settings.block_size)
+    except ContextFullError as e:
+        view.error(f"{e} (/reset)")
+        return
+    with closing(events):
+        last, interrupted = view.stream(events)
+    if last is not None:
+        view.summary(summary_line(last.stats, session.last_reused, interrupted))
+    if interrupted:
+        view.notice(f"stopped: both caches rolled back to {len(session.tokens)} tokens")
+    if session.context_left is not None and session.context_left <= 0:
+        view.notice(f"the context ({session.max_context} tokens) is full: /reset to start over")
+
+
+def _command(line: str, session, settings: Settings, view, pair) -> bool:
+    """Run one /command; returns True to quit."""
+    from dflash_mlx import InputError
+    from dflash_mlx.generate import check_block_size
+
+    name, _, arg = line.partition(" ")
+    arg = arg.strip()
+    if name in ("/quit", "/exit", "/q"):
+        return True
+    if name == "/help":
+        w = max(len(c) for c, _ in COMMANDS)
+        view.output([f"{c.ljust(w)}  {h}" for c, h in COMMANDS])
+    elif name == "/reset":
+        session.reset()
+        view.notice("reset: history and caches cleared")
+    elif name == "/stats":
+        view.output(session.stats_lines())
+    elif name == "/block":
+        if pair.drafter is None:
+            raise InputError("/block needs a drafter (--draft-model)")
+        B = _number(arg, int, "/block N")
+        check_block_size(B, pair.drafter)
+        settings.block_size = B
+        view.notice(f"block size {B}")
+    elif name == "/temp":
+        T = _number(arg, float, "/temp T")
+        check_sampling(T, settings.top_p, settings.top_k, settings.min_p, settings.max_tokens)
+        settings.temp = T
+        view.notice(f"temperature {T}")
+    elif name == "/max":
+        settings.max_tokens = _number(arg, int, "/max N")
+        check_sampling(settings.temp, settings.top_p, settings.top_k, settings.min_p, settings.max_tokens)
+        view.notice(f"max tokens {settings.max_tokens}")
+    elif name == "/think":
+        if arg not in ("on", "off"):
+            raise InputError("usage: /think on|off")
+        session.thinking = arg == "on"
+        note = "" if session.use_template else " (this model has no chat template: no effect)"
+        view.notice(f"thinking {arg}{note}")
+    elif name == "/color":
+        if arg not in ("", "on", "off"):
+            raise InputError("usage: /color [on|off]")
+        view.set_color((not view.color) if not arg else arg == "on")
+    elif name == "/save":
+        if not arg:
+            raise InputError("usage: /save FILE (FILE.json for JSON, else Markdown)")
+        try:
+            path = session.save(arg, meta={"model": pair.model_path, "draft_model": pair.draft_path})
+        except OSError as e:
+            raise InputError(f"{arg}: cannot write ({e.strerror})") from None
+        view.notice(f"saved {len(session.messages)} messages to {path}")
+    else:
+        raise InputError(f"unknown command {name}: /help lists them")
+    return False
+
+
+def _number(arg: str, kind, usage: str):
+    from dflash_mlx import InputError
+
+    try:
+        return kind(arg)
+    except ValueError:
+        raise InputError(f"usage: {usage}") from None
+
+
+def header_rows(pair, session, settings: Settings) -> List[Tuple[str, str]]:
+    """What the header panel shows: the pair, block size, quantization, memory, context."""
+    import mlx.core as mx
+
+    drafter = pair.drafter
+    rows = [("target", str(pair.model_path))]
+    if drafter is not None:
+        B = settings.block_size or drafter.block_size
+        rows += [("drafter", str(pair.draft_path)), ("block size", f"{B} (trained {drafter.block_size})")]
+    else:
+        rows += [("drafter", "none (plain decoding)")]
+    rows.append(("quantization", quantization(pair.model, pair.target.dtype)))
+    mem = f"weights {weights_gb(pair.model):.3f} GB"
+    if drafter is not None:
+        mem += f" + drafter {weights_gb(drafter):.3f} GB"
+    rows.append(("memory", f"{mem} · {mx.get_active_memory() / 1e9:.3f} GB in use"))
+    template = "chat template" if session.use_template else "none: turns concatenated"
+    limit = f"{session.max_context} tokens" if session.max_context else "unlimited"
+    rows.append(("context", f"{limit} · {template}"))
+    if session.use_template:
+        rows.append(("thinking", {None: "template default", True: "on", False: "off"}[session.thinking]))
+    rows.append(("sampling", f"temp {settings.temp} · max {settings.max_tokens} tokens"))
+    return rows
+
+
+def quantization(model, dtype) -> str:
+    """``4-bit (group 64)`` from the model's quantized layers, or ``none (dtype)``."""
+    import mlx.nn as nn
+
+    kinds = sorted({(m.bits, m.group_size) for m in model.modules()
+                    if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))})
+    if not kinds:
+        return f"none ({str(dtype).replace('mlx.core.', '')})"
+    return ", ".join(f"{b}-bit (group {g})" for b, g in kinds)
+
+
+def weights_gb(module) -> float:
+    """Bytes of a module's parameters, in GB."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters())) / 1e9

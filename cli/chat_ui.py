@@ -1,0 +1,217 @@
+"""Rendering for ``dflash chat``: a rich terminal view and a plain one for pipes.
+
+Both consume :class:`dflash_mlx.session.ChatEvent` streams; neither touches the
+decode loop. The rich view prints finished lines as they come and keeps the line
+being written plus a status line (tau, acceptance, tokens/s, elapsed) live below.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+from typing import Iterable, Iterator, List, Optional, Tuple
+
+from rich.box import ROUNDED
+from rich.console import Console, Group
+from rich.live import Live
+from rich.markup import escape
+from rich.panel import Panel
+from rich.text import Text
+
+from dflash_mlx.session import ChatEvent, Piece
+
+DRAFTED = "cyan"  # tokens the target accepted from the drafter
+PROMPT = ">>> "
+
+
+def summary_line(stats, reused: int, interrupted: bool = False) -> str:
+    """``N tokens · X tok/s · tau Y · Z GB peak`` plus prefill and reuse."""
+    tau = stats.tau if stats.block_size > 1 else 1.0
+    head = "interrupted · " if interrupted else ""
+    return (f"{head}{stats.generation_tokens} tokens · {stats.generation_tps:.1f} tok/s · "
+            f"tau {tau:.2f} · {stats.peak_memory_gb:.3f} GB peak · "
+            f"prefill {stats.prompt_tokens} tokens, {reused} reused")
+
+
+class PlainView:
+    """Not a terminal: one turn per input line, replies on stdout as plain text,
+    summaries and notices on stderr, no ANSI codes."""
+
+    color = False
+    interactive = False
+
+    def header(self, rows: List[Tuple[str, str]]) -> None:
+        pass
+
+    def set_color(self, on: bool) -> None:
+        self.notice("colour: not a terminal, the output stays plain text")
+
+    def read(self) -> str:
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return line.rstrip("\n")
+
+    def stream(self, events: Iterable[ChatEvent]) -> Tuple[Optional[ChatEvent], bool]:
+        """Write a reply as it comes; returns ``(last event, interrupted)``."""
+        last = None
+        try:
+            for ev in events:
+                sys.stdout.write("".join(p.text for p in ev.pieces))
+                sys.stdout.flush()
+                last = ev
+            return last, False
+        except KeyboardInterrupt:
+            return last, True
+        finally:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+    def summary(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def notice(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def error(self, text: str) -> None:
+        print(f"error: {text}", file=sys.stderr, flush=True)
+
+    def output(self, lines: List[str]) -> None:
+        print("\n".join(lines), flush=True)
+
+
+@contextmanager
+def no_echo() -> Iterator[None]:
+    """Keys typed during a reply are not echoed over it (they stay buffered for the
+    next prompt); ``^C`` is not printed either."""
+    try:
+        import termios
+
+        fd = sys.stdin.fileno()
+        saved = termios.tcgetattr(fd)
+    except Exception:  # no termios, no file descriptor, or not a terminal
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~termios.ECHO
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+
+class _Reply:
+    """The live part of one reply: the unfinished line and the status line."""
+
+    def __init__(self, console: Console, style):
+        self.console, self.style = console, style
+        self.line = Text()
+        self.shown = Text()  # a copy the refresh thread may read
+        self.numbers = None
+        self.t0 = time.perf_counter()
+
+    def add(self, ev: ChatEvent) -> None:
+        for p in ev.pieces:
+            self.line.append(p.text, style=self.style(p))
+        if "\n" in self.line.plain:
+            *done, self.line = self.line.split("\n", allow_blank=True)
+            for part in done:
+                self.console.print(part)
+        width = self.console.width - 1
+        if self.line.cell_len > width:
+            *done, last = self.line.wrap(self.console, width)
+            for part in done:
+                self.console.print(part)
+            self.line = last
+        s = ev.stats
+        self.numbers = (s.generation_tokens, s.tau, 100 * s.acceptance_rate, s.generation_tps, s.block_size)
+        self.shown = self.line.copy()
+
+    def __rich__(self):
+        elapsed = time.perf_counter() - self.t0
+        if self.numbers is None:
+            status = f"prefill · {elapsed:.1f} s"
+        else:
+            n, tau, acc, tps, B = self.numbers
+            spec = f"tau {tau:.2f} · accept {acc:.1f}% · " if B > 1 else ""
+            status = f"{n} tokens · {spec}{tps:.1f} tok/s · {elapsed:.1f} s"
+        return Group(self.shown, Text("  ⋯ " + status, style="dim"))
+
+
+class RichView:
+    """A terminal: header panel, line editing (readline), colours, live status."""
+
+    interactive = True
+
+    def __init__(self, color: bool = True):
+        self.color = color
+        self.console = Console(highlight=False)
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+
+    def style(self, piece: Piece) -> str:
+        parts = [DRAFTED] if piece.drafted and self.color else []
+        if piece.thinking:
+            parts.append("dim")
+        return " ".join(parts)
+
+    def header(self, rows: List[Tuple[str, str]]) -> None:
+        w = max(len(k) for k, _ in rows)
+        body = "\n".join(f"[bold]{k.ljust(w)}[/bold]  {escape(v)}" for k, v in rows)
+        self.console.print(Panel(body, title="dflash chat", title_align="left", box=ROUNDED,
+                                 border_style="blue" if self.color else "", padding=(0, 1)))
+        self.console.print(self.legend())
+        self.console.print("  /help for commands · Ctrl-C stops a reply · Ctrl-D or /quit exits",
+                           style="dim")
+
+    def legend(self) -> Text:
+        """What the looks mean (the colour of drafted tokens only when colour is on)."""
+        if self.color:
+            return Text.assemble("  ", ("drafted", DRAFTED), " tokens were accepted from the drafter, "
+                                 "the rest are the target's own · ", ("thinking is dimmed", "dim"))
+        return Text.assemble("  colour off (/color on marks drafted tokens) · ", ("thinking is dimmed", "dim"))
+
+    def set_color(self, on: bool) -> None:
+        self.color = on
+        self.notice(f"colour {'on' if on else 'off'}")
+        self.console.print(self.legend())
+
+    def read(self) -> str:
+        prompt = f"\001\x1b[1;32m\002{PROMPT}\001\x1b[0m\002" if self.color else PROMPT
+        return input(prompt)
+
+    def stream(self, events: Iterable[ChatEvent]) -> Tuple[Optional[ChatEvent], bool]:
+        """Render a reply live; returns ``(last event, interrupted)``."""
+        reply, last, interrupted = _Reply(self.console, self.style), None, False
+        try:
+            with no_echo(), Live(reply, console=self.console, transient=True, refresh_per_second=10,
+                                 redirect_stdout=False, redirect_stderr=False) as live:
+                tick = 0.0
+                for ev in events:
+                    reply.add(ev)
+                    last = ev
+                    if time.perf_counter() - tick > 0.05:
+                        live.refresh()
+                        tick = time.perf_counter()
+        except KeyboardInterrupt:
+            interrupted = True
+        if reply.line.plain:
+            self.console.print(reply.line)
+        return last, interrupted
+
+    def summary(self, text: str) -> None:
+        self.console.print("  " + text, style="dim", markup=False)
+
+    def notice(self, text: str) -> None:
+        self.console.print("  " + text, style="yellow" if self.color else "", markup=False)
+
+    def error(self, text: str) -> None:
+        self.console.print(f"  error: {text}", style="bold red" if self.color else "bold", markup=False)
+
+    def output(self, lines: List[str]) -> None:
+        for line in lines:
+            self.console.print("  " + line, markup=False)

@@ -1,0 +1,458 @@
+"""A multi-turn chat over one target/drafter pair that keeps both caches between turns.
+
+Token bookkeeping: ``session.tokens`` are the ids whose rows both caches hold (row i
+is token i, in the target cache and in the drafter's context cache). A turn renders
+the whole conversation (chat template, or plain concatenation for models without
+one), keeps the longest common prefix of ``tokens`` and the new prompt, trims both
+caches to it and prefills only the rest. So a new turn prefills its own tokens only,
+and a history the template renders differently (e.g. thinking stripped from earlier
+replies) is re-prefilled from the first differing token, never reused wrongly.
+
+After a turn, both caches hold every committed token but the last (the engine's rule,
+see :func:`dflash_mlx.generate.generate_step`); the next prompt always re-feeds it.
+When a turn is interrupted (``KeyboardInterrupt`` inside the generator, or the
+consumer closing it), both caches are trimmed back to the rows known to be complete:
+the common prefix if no step had been received, else the committed tokens received
+but the last. What is missing is prefilled next turn.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, trim_prompt_cache
+
+from .errors import InputError
+from .generate import check_block_size, stream_generate
+from .stats import GenerationStats, format_histogram
+
+
+class ContextFullError(InputError):
+    """The conversation does not fit the model's context; reset to go on.
+
+    Attributes:
+        tokens: the rendered conversation's length, with the new turn.
+        limit: the model's context length.
+    """
+
+    def __init__(self, tokens: int, limit: int):
+        super().__init__(
+            f"the conversation is {tokens} tokens with this turn and the model's context "
+            f"is {limit} tokens: reset the conversation to go on"
+        )
+        self.tokens, self.limit = tokens, limit
+
+
+@dataclass
+class Piece:
+    """A run of reply text with one look.
+
+    Attributes:
+        text: the text.
+        drafted: the tokens were proposed by the drafter and accepted by the target
+            (False: the target's own token, from prefill or the correction of a verify).
+        thinking: inside ``<think> ... </think>`` (the markers included).
+    """
+
+    text: str
+    drafted: bool = False
+    thinking: bool = False
+
+
+@dataclass
+class ChatEvent:
+    """One verify step of a reply, as :meth:`ChatSession.stream` yields it.
+
+    Attributes:
+        pieces: the step's text, split by look (may be empty while a multi-byte
+            character is incomplete).
+        tokens, accepted, finish_reason: as in :class:`dflash_mlx.StepResult`.
+        stats: the live statistics of this turn.
+    """
+
+    pieces: List[Piece]
+    tokens: List[int]
+    accepted: Optional[int]
+    finish_reason: Optional[str]
+    stats: GenerationStats
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: Optional[int] = None) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), len(b) if limit is None else limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def plain_text(messages: Sequence[Dict[str, str]]) -> str:
+    """The conversation for a model without a chat template: the turns' text
+    concatenated. A reply continues its user turn directly; every other turn
+    (system prompt, user) starts on a new line."""
+    out = ""
+    for m in messages:
+        if m["role"] == "assistant" or not out:
+            out += m["content"]
+        else:
+            out += "\n" + m["content"]
+    return out
+
+
+def trim_cache(cache: List[Any], rows: int) -> None:
+    """Trim every layer of ``cache`` to ``rows`` tokens with mlx-lm's
+    ``trim_prompt_cache`` (layer by layer if an interrupt left them uneven)."""
+    offsets = {c.offset for c in cache}
+    if len(offsets) == 1:
+        trim_prompt_cache(cache, offsets.pop() - rows)
+    else:
+        for c in cache:
+            trim_prompt_cache([c], c.offset - rows)
+    for c in cache:
+        _heal(c)
+
+
+def _heal(c: Any) -> None:
+    """An interrupt inside ``KVCache.update_and_fetch`` can leave keys and values
+    of different lengths; cut both to the offset so the next update reallocates."""
+    if isinstance(c, KVCache) and c.keys is not None and c.keys.shape[2] != c.values.shape[2]:
+        c.keys, c.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+
+
+def _single_id(tokenizer: Any, name: str) -> Optional[int]:
+    try:
+        ids = getattr(tokenizer, name, None)
+    except ValueError:
+        return None
+    return ids[0] if ids is not None and len(ids) == 1 else None
+
+
+class ReplyDecoder:
+    """Turns a reply's tokens into text pieces tagged drafted / thinking.
+
+    The text of a run of tokens is ``decode(window + run) - decode(window)`` over the
+    few tokens before it, so word-initial spaces (SentencePiece, byte-level BPE) land
+    on the right token and the drafted/own split is exact. A run that ends inside a
+    multi-byte character waits for the next tokens.
+
+    Args:
+        tokenizer: has ``decode``; ``think_start_tokens`` / ``think_end_tokens`` if
+            the model thinks (single-token markers only).
+        thinking: the prompt already opened a ``<think>`` block.
+        context: prompt ids the reply continues, decoded as left context only (so a
+            continuation keeps its leading space); empty: the reply stands alone.
+        window: tokens of left context for decoding.
+    """
+
+    def __init__(self, tokenizer: Any, thinking: bool = False, context: Sequence[int] = (),
+                 window: int = 8):
+        self.tokenizer, self.window, self.thinking = tokenizer, window, thinking
+        self.think_start = _single_id(tokenizer, "think_start_tokens")
+        self.think_end = _single_id(tokenizer, "think_end_tokens")
+        self.ids: List[int] = list(context[-window:]) if window else []
+        self.done = len(self.ids)  # tokens whose text was emitted
+
+    def add(self, tokens: Sequence[int], accepted: Optional[int], final: bool = False) -> List[Piece]:
+        """Pieces for one step: the first ``accepted`` tokens were drafted."""
+        pieces: List[Piece] = []
+        run = None  # the look of the current run of tokens
+        for i, tok in enumerate(tokens):
+            look = (accepted is not None and i < accepted, self.thinking or tok == self.think_start)
+            if tok == self.think_start:
+                self.thinking = True
+            elif tok == self.think_end:
+                self.thinking = False
+            if run is not None and look != run:
+                self._emit(pieces, run, len(self.ids))
+            self.ids.append(tok)
+            run = look
+        if run is not None or final:
+            self._emit(pieces, run or (False, self.thinking), len(self.ids), force=final)
+        return pieces
+
+    def _emit(self, pieces: List[Piece], look, end: int, force: bool = False) -> None:
+        start = max(0, self.done - self.window)
+        before = self.tokenizer.decode(self.ids[start : self.done]) if self.done > start else ""
+        for stop in range(end, max(self.done, end - 4), -1):  # back off an incomplete character
+            after = self.tokenizer.decode(self.ids[start:stop])
+            if force or not after.endswith("\ufffd"):
+                break
+        else:
+            return
+        text = after[common_prefix(before, after) :]
+        self.done = stop
+        if text:
+            pieces.append(Piece(text, *look))
+
+
+def starts_thinking(tokenizer: Any, ids: Sequence[int]) -> bool:
+    """Whether the prompt ends inside an open ``<think>`` block."""
+    start, end = _single_id(tokenizer, "think_start_tokens"), _single_id(tokenizer, "think_end_tokens")
+    if start is None:
+        return False
+    last = {t: i for i, t in enumerate(ids) if t in (start, end)}
+    return last.get(start, -1) > last.get(end, -1)
+
+
+def context_length(model: Any) -> Optional[int]:
+    """The model's context in tokens (``max_position_embeddings``), or None."""
+    args = getattr(model, "args", None)
+    return getattr(args, "max_position_embeddings", None) or None
+
+
+class ChatSession:
+    """A conversation with a target (and optionally its drafter), both caches kept.
+
+    Args:
+        target: the target adapter.
+        tokenizer: mlx-lm ``TokenizerWrapper``.
+        drafter: a bound drafter, or None for plain decoding.
+        system_prompt: first message of every conversation (None: no system message).
+        template_config: keyword arguments for ``apply_chat_template``
+            (e.g. ``{"enable_thinking": False}``).
+        use_template: render with the chat template when the tokenizer has one
+            (default True); else the turns' text is concatenated (:func:`plain_text`).
+        max_context: the model's context in tokens (default: the target's
+            ``max_position_embeddings``; None: no limit).
+        prefill_step_size: prefill chunk size (default 2048).
+
+    Attributes:
+        messages: the conversation, ``{"role", "content"}`` dicts.
+        tokens: ids both caches hold, one row each.
+        cache, draft_cache: the target's and the drafter's caches.
+        totals: counters over every turn (histogram sized for the trained block).
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        tokenizer: Any,
+        drafter: Optional[Any] = None,
+        *,
+        system_prompt: Optional[str] = None,
+        template_config: Optional[dict] = None,
+        use_template: bool = True,
+        max_context: Optional[int] | str = "auto",
+        prefill_step_size: int = 2048,
+    ):
+        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.system_prompt = system_prompt
+        self.template_config = dict(template_config or {})
+        self.use_template = use_template and bool(getattr(tokenizer, "has_chat_template", False))
+        self.max_context = context_length(target.model) if max_context == "auto" else max_context
+        self.prefill_step_size = prefill_step_size
+        self.cache = target.make_cache()
+        self.draft_cache = drafter.make_cache() if drafter is not None else None
+        self.tokens: List[int] = []
+        self.messages: List[Dict[str, str]] = []
+        self.totals = GenerationStats(block_size=drafter.block_size if drafter is not None else 1)
+        self.turns = self.interrupted = self.reused_tokens = self.drafts_proposed = 0
+        self.last_reused = 0  # tokens of the last turn's prompt found in the cache
+        self.reset()
+
+    @classmethod
+    def from_pair(cls, pair: Any, **kwargs) -> "ChatSession":
+        """A session over a :class:`dflash_mlx.Pair`; kwargs as in the constructor."""
+        return cls(pair.target, pair.tokenizer, pair.drafter, **kwargs)
+
+    # -- conversation ------------------------------------------------------------
+
+    @property
+    def thinking(self) -> Optional[bool]:
+        """``enable_thinking`` of the template config (None: the template's default)."""
+        return self.template_config.get("enable_thinking")
+
+    @thinking.setter
+    def thinking(self, on: bool) -> None:
+        self.template_config["enable_thinking"] = bool(on)
+
+    def render(self, messages: Sequence[Dict[str, str]]) -> List[int]:
+        """Prompt ids for ``messages`` followed by the assistant's turn."""
+        if self.use_template:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True, **self.template_config
+            )
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(plain_text(messages), add_special_tokens=True))
+
+    def reset(self) -> None:
+        """Clear the conversation (the system prompt stays) and trim both caches to 0."""
+        self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        self._settle([], 0)
+
+    def stream(
+        self,
+        text: str,
+        *,
+        sampler: Optional[Callable[[mx.array], mx.array]] = None,
+        max_tokens: int = 256,
+        block_size: Optional[int] = None,
+    ) -> Generator[ChatEvent, None, None]:
+        """Send one user turn and stream the reply.
+
+        The turn is checked at once; the conversation and the caches change only
+        while the returned generator runs.
+
+        Args:
+            text: the user's message.
+            sampler: mlx-lm sampler (greedy by default).
+            max_tokens: most tokens in the reply (also capped by the context left).
+            block_size: B for this turn (default: the drafter's trained size).
+
+        Returns:
+            A generator of :class:`ChatEvent`, one per verify step; the last has
+            ``finish_reason`` set. If it is interrupted (``KeyboardInterrupt``) or
+            closed early, the partial reply is kept in ``messages`` (the user turn is
+            dropped if nothing was generated) and both caches are rolled back to the
+            rows known to be complete.
+
+        Raises:
+            ContextFullError: the conversation with this turn does not fit the
+                context; the session is unchanged.
+            InputError: block size out of range, empty text.
+        """
+        if not text.strip():
+            raise InputError("the message is empty")
+        B = check_block_size(block_size, self.drafter)
+        user = {"role": "user", "content": text}
+        ids = self.render(self.messages + [user])
+        if self.max_context is not None:
+            if len(ids) >= self.max_context:
+                raise ContextFullError(len(ids), self.max_context)
+            max_tokens = min(max_tokens, self.max_context - len(ids))
+        return self._turn(user, ids, sampler, max_tokens, B)
+
+    def _turn(self, user, ids, sampler, max_tokens, block_size) -> Generator[ChatEvent, None, None]:
+        self._settle(self.tokens, len(self.tokens))  # safety net after a double interrupt
+        reused = common_prefix(self.tokens, ids, len(ids) - 1)
+        self._settle(ids, reused)
+        self.last_reused = reused
+        self.messages.append(user)
+        context = () if self.use_template else ids  # plain: the reply continues the text
+        decoder = ReplyDecoder(self.tokenizer, starts_thinking(self.tokenizer, ids), context)
+        reply: List[int] = []
+        known, stats, finished = reused, None, False
+        try:
+            for r in stream_generate(
+                self.target, self.tokenizer, ids[reused:], self.drafter, sampler=sampler,
+                max_tokens=max_tokens, block_size=block_size, prompt_cache=self.cache,
+                draft_cache=self.draft_cache, prefill_step_size=self.prefill_step_size,
+            ):
+                reply.extend(r.tokens)
+                known, stats = len(ids) + len(reply) - 1, r.stats
+                final = r.finish_reason is not None
+                yield ChatEvent(decoder.add(r.tokens, r.accepted, final), r.tokens, r.accepted,
+                                r.finish_reason, r.stats)
+            finished = True
+        finally:
+            # Rows below `known` were complete when the last step was received.
+            self._settle(ids + reply, known)
+            if reply or finished:
+                self.messages.append({"role": "assistant", "content": self.reply_text(ids, reply)})
+            else:
+                self.messages.pop()
+            self._count(stats, reused, interrupted=not finished)
+
+    def reply_text(self, ids: Sequence[int], reply: Sequence[int]) -> str:
+        """A reply's text for the history: decoded on its own with a template, else as
+        the continuation of the prompt (with its leading space, if any)."""
+        if self.use_template:
+            return self.tokenizer.decode(list(reply))
+        head = list(ids[-8:])
+        before, after = self.tokenizer.decode(head), self.tokenizer.decode(head + list(reply))
+        return after[common_prefix(before, after) :]
+
+    # -- caches ------------------------------------------------------------------
+
+    def _caches(self) -> List[List[Any]]:
+        return [self.cache] + ([self.draft_cache] if self.draft_cache is not None else [])
+
+    def _settle(self, ids: Sequence[int], rows: int) -> None:
+        """Trim both caches to the first ``rows`` of ``ids`` (fewer if a layer holds fewer)."""
+        keep = min([rows] + [c.offset for cache in self._caches() for c in cache])
+        for cache in self._caches():
+            trim_cache(cache, keep)
+        self.tokens = list(ids[:keep])
+
+    def offsets(self) -> Dict[str, List[int]]:
+        """Per-layer cache offsets: ``{"target": [...], "drafter": [...]}``."""
+        out = {"target": [c.offset for c in self.cache]}
+        if self.draft_cache is not None:
+            out["drafter"] = [c.offset for c in self.draft_cache]
+        return out
+
+    def is_consistent(self) -> bool:
+        """Every layer of both caches holds exactly ``len(tokens)`` rows."""
+        return all(o == len(self.tokens) for v in self.offsets().values() for o in v)
+
+    @property
+    def context_left(self) -> Optional[int]:
+        """Tokens left in the context after the last reply (None: no limit)."""
+        if self.max_context is None:
+            return None
+        return self.max_context - len(self.tokens) - 1
+
+    # -- statistics and transcript ------------------------------------------------
+
+    def _count(self, stats: Optional[GenerationStats], reused: int, interrupted: bool) -> None:
+        self.turns += 1
+        self.interrupted += interrupted
+        self.reused_tokens += reused
+        if stats is None:
+            return
+        t = self.totals
+        t.prompt_tokens += stats.prompt_tokens
+        t.generation_tokens += stats.generation_tokens
+        t.steps += stats.steps
+        if len(t.histogram) < len(stats.histogram):
+            t.histogram += [0] * (len(stats.histogram) - len(t.histogram))
+        for a, n in enumerate(stats.histogram):
+            t.histogram[a] += n
+        for p, s in stats.phase_s.items():
+            t.phase_s[p] += s
+        t.prompt_s += stats.prompt_s
+        t.generation_s += stats.generation_s
+        t.peak_memory_gb = max(t.peak_memory_gb, stats.peak_memory_gb)
+        self.drafts_proposed += stats.steps * (stats.block_size - 1)
+
+    def stats_lines(self) -> List[str]:
+        """The session's totals: turns, prompt and generation, acceptance, histogram,
+        memory, and the cache offsets (``Cache: N tokens (target N, drafter N)``)."""
+        t = self.totals
+        lines = [
+            f"Turns: {self.turns} ({self.interrupted} interrupted)",
+            f"Prompt: {t.prompt_tokens} tokens prefilled, {self.reused_tokens} reused from the cache, "
+            f"{t.prompt_tps:.3f} tokens-per-sec",
+            f"Generation: {t.generation_tokens} tokens, {t.generation_tps:.3f} tokens-per-sec",
+        ]
+        if self.drafter is not None:
+            accepted = sum(a * n for a, n in enumerate(t.histogram))
+            rate = 100 * accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+            tau = t.tau if t.steps else 0.0
+            lines.append(f"Acceptance: tau {tau:.2f} tokens/step over {t.steps} steps "
+                         f"({rate:.1f}% of drafts accepted)")
+            lines.append("Histogram: " + format_histogram(t.histogram))
+        lines.append(f"Peak memory: {t.peak_memory_gb:.3f} GB")
+        offs = {k: sorted(set(v)) for k, v in self.offsets().items()}
+        where = ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in offs.items())
+        limit = f" of {self.max_context}" if self.max_context else ""
+        lines.append(f"Cache: {len(self.tokens)} tokens{limit} ({where})"
+                     + ("" if self.is_consistent() else " INCONSISTENT"))
+        return lines
+
+    def save(self, path: str | Path, meta: Optional[dict] = None) -> Path:
+        """Write the transcript: JSON for ``*.json`` (messages and ``meta``), else Markdown."""
+        path = Path(path)
+        if path.suffix.lower() == ".json":
+            path.write_text(json.dumps({**(meta or {}), "messages": self.messages}, indent=2) + "\n")
+            return path
+        out = ["# Chat transcript\n"]
+        out += [f"- {k}: {v}" for k, v in (meta or {}).items()]
+        for m in self.messages:
+            out.append(f"\n## {m['role'].capitalize()}\n\n{m['content']}")
+        path.write_text("\n".join(out) + "\n")
+        return path

@@ -1,0 +1,148 @@
+"""`dflash chat` end to end on stories260K with a random drafter: driven through a real
+pty (pexpect), and scripted through a pipe (plain text, no ANSI codes)."""
+
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pexpect
+import pytest
+
+from conftest import needs_shared
+from test_chat_session import random_drafter, stories  # noqa: F401 (fixtures)
+
+STORY = ", there was a little girl named Lily."
+CACHE = re.compile(r"Cache: (\d+) tokens of 512 \(target (\d+), drafter (\d+)\)")
+
+
+def chat_cmd(model, drafter, *args):
+    return [sys.executable, "-m", "dflash_mlx.cli.main", "chat", "--model", str(model),
+            "--draft-model", str(drafter), *args]
+
+
+def check_cache_line(text):
+    """The last ``Cache:`` line: target and drafter offsets equal the conversation's."""
+    n, target, drafter = map(int, CACHE.findall(text)[-1])
+    assert n == target == drafter, text
+    return n
+
+
+@needs_shared
+def test_driven_session_in_a_pty(stories, random_drafter):  # noqa: F811
+    cmd = chat_cmd(stories, random_drafter, "--max-tokens", "30")
+    child = pexpect.spawn(cmd[0], cmd[1:], encoding="utf-8", dimensions=(50, 120), timeout=60,
+                          env={**os.environ, "TERM": "xterm-256color"})
+    log = io.StringIO()
+    child.logfile_read = log
+
+    def prompt():
+        child.expect_exact(">>> ")
+
+    try:
+        child.expect_exact("dflash chat")  # the header panel
+        prompt()
+        for turn in ("Once upon a time", "The next day"):
+            child.sendline(turn)
+            child.expect(r"30 tokens · [\d.]+ tok/s · tau 1\.00 · [\d.]+ GB peak")
+            prompt()
+        child.sendline("/stats")
+        child.expect(CACHE)
+        assert int(child.match.group(1)) > 60 and check_cache_line(child.match.group(0))
+        prompt()
+
+        # Ctrl-C while a long reply streams (the live status line shows it is running).
+        child.sendline("/max 1000")
+        prompt()
+        child.sendline("Lily")
+        child.expect(r"accept \d+\.\d%")
+        child.send("\x03")
+        child.expect(r"stopped: both caches rolled back to (\d+) tokens")
+        rolled = int(child.match.group(1))
+        prompt()
+        child.sendline("/stats")
+        child.expect(r"Turns: 3 \(1 interrupted\)")
+        child.expect(CACHE)
+        assert check_cache_line(child.match.group(0)) == rolled
+        prompt()
+
+        # The session goes on after the interrupt, then /reset empties both caches.
+        child.sendline("/max 20")
+        prompt()
+        child.sendline("The end")
+        child.expect(r"20 tokens · ")
+        prompt()
+        child.sendline("/reset")
+        child.expect("history and caches cleared")
+        prompt()
+        child.sendline("/stats")
+        child.expect(CACHE)
+        assert check_cache_line(child.match.group(0)) == 0
+        prompt()
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    out = log.getvalue()
+    assert child.exitstatus == 0, out
+    assert "Traceback" not in out and "INCONSISTENT" not in out
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out)
+    assert "little girl named Lily" in plain
+
+
+@needs_shared
+def test_piped_turns_plain_text(stories, random_drafter, tmp_path):  # noqa: F811
+    lines = [
+        "Once upon a time", "The next day", "/stats", "/block 4", "/think on", "/temp nope", "/nope",
+        f"/save {tmp_path / 'chat.md'}",
+        "/reset", "Once upon a time. " * 120,  # more than the context: refused
+        "/max 1000", "Once upon a time. " * 96,  # fills the context to the brim
+        "And then", "/reset", "/max 30", "Once upon a time", "/stats",
+    ]
+    r = subprocess.run(chat_cmd(stories, random_drafter, "-m", "30"), input="\n".join(lines) + "\n",
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout + r.stderr and "Traceback" not in r.stderr
+    assert r.stdout.startswith(STORY) and r.stdout.count(STORY) >= 2
+    assert check_cache_line(r.stdout) == 5 + 30 - 1  # BOS + "Once upon a time" + reply - last
+    assert len(re.findall(r"^30 tokens · .* GB peak", r.stderr, re.M)) == 3
+    for needle in ("block size 4", "error: usage: /temp T", "error: unknown command /nope",
+                   "error: the conversation is 601 tokens", "the context (512 tokens) is full",
+                   "no chat template"):
+        assert needle in r.stderr, needle
+    assert "## User\n\nOnce upon a time" in (tmp_path / "chat.md").read_text()
+
+
+def test_help_lists_the_flags():
+    r = subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", "chat", "--help"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    for flag in ("--model", "--draft-model", "--max-tokens", "--temp", "--top-p", "--top-k",
+                 "--block-size", "--seed", "--system-prompt", "--chat-template-config", "--no-color"):
+        assert flag in r.stdout
+
+
+@pytest.mark.parametrize("color", [True, False])
+def test_rich_view_marks_drafted_and_thinking(color):
+    from rich.console import Console
+
+    from dflash_mlx import GenerationStats
+    from dflash_mlx.cli.chat_ui import RichView
+    from dflash_mlx.session import ChatEvent, Piece
+
+    view = RichView(color=color)
+    buf = io.StringIO()
+    view.console = Console(file=buf, force_terminal=True, color_system="standard", width=60)
+    stats = GenerationStats(block_size=4)
+    events = [
+        ChatEvent([Piece("<think>plan", thinking=True), Piece("ned</think>", True, True)], [], 1, None, stats),
+        ChatEvent([Piece("Hello", drafted=True), Piece(" world\nbye")], [], 1, "stop", stats),
+    ]
+    last, interrupted = view.stream(iter(events))
+    out = buf.getvalue()
+    assert last is events[-1] and not interrupted
+    assert "\x1b[2m<think>plan" in out  # thinking is dimmed, with or without colour
+    assert ("\x1b[2;36mned</think>" in out and "\x1b[36mHello" in out) == color
+    assert ("\x1b[36m" in out) == color
+    assert re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out).count("Hello world") == 1
