@@ -7,6 +7,7 @@ and :mod:`dflash_mlx.generate` (the decode loop).
 from .drafter import DFlashDrafter, DrafterArgs, load_drafter, save_drafter
 from .errors import CheckpointError, ConfigError, DFlashError, InputError, MismatchError
 from .generate import GenerationResponse, StepResult, generate, generate_step, stream_generate
+from .session import ChatSession
 from .loading import Pair, bind_drafter, check_pair, load, load_target
 from .stats import GenerationStats
 from .targets import TargetAdapter, make_adapter
@@ -14,7 +15,7 @@ from .targets import TargetAdapter, make_adapter
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DFlashDrafter", "DFlashError", "DrafterArgs",
+    "ChatSession", "CheckpointError", "ConfigError", "DFlashDrafter", "DFlashError", "DrafterArgs",
     "GenerationResponse", "GenerationStats", "InputError", "MismatchError", "Pair",
     "StepResult", "TargetAdapter", "bind_drafter", "check_pair", "generate",
     "generate_step", "load", "load_drafter", "load_target", "make_adapter",

@@ -56,8 +56,15 @@ class GenerationResponse:
     stats: GenerationStats
 
 
-def _logprobs(logits: mx.array) -> mx.array:
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+def _sample(sampler: Sampler, logits: mx.array, exact: bool = True) -> mx.array:
+    """Sample from [N, V] logits through log-probabilities, as mlx-lm does.
+
+    With ``exact=False`` greedy skips the normalisation (same argmax up to float
+    ties; used in verify, whose 16-row matmuls differ in the last bits anyway).
+    """
+    if not exact and sampler is greedy_sampler:
+        return mx.argmax(logits, axis=-1)
+    return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
 def count_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
@@ -157,7 +164,7 @@ def generate_step(
     with mx.stream(generation_stream):
         with stats.phase("prefill"):
             h, context = prefill(target, prompt, cache, capture, prefill_step_size)
-            t = sampler(_logprobs(target.lm_head(h[:, -1])))
+            t = _sample(sampler, target.lm_head(h[:, -1]))
             mx.eval(t)
         tokens, finish = _cut(t.tolist(), stop_ids, max_tokens)
         if drafter is None:
@@ -177,7 +184,7 @@ def generate_step(
                 mx.eval(drafts)
             with stats.phase("verify"):
                 h, features = target(mx.concatenate([t, drafts])[None], cache, capture)
-                y = sampler(_logprobs(target.lm_head(h)[0]))
+                y = _sample(sampler, target.lm_head(h)[0], exact=False)
                 mx.eval(y, features)
             with stats.phase("host"):
                 y_list = y.tolist()
@@ -203,7 +210,7 @@ def _plain_steps(target, cache, y, tokens, finish, sampler, max_tokens, stop_ids
 
     def step(y: mx.array) -> mx.array:
         h, _ = target(y[None], cache)
-        return sampler(_logprobs(target.lm_head(h[:, -1])))
+        return _sample(sampler, target.lm_head(h[:, -1]))
 
     n = len(tokens)
     if finish is None:
