@@ -1,0 +1,56 @@
+"""`dflash data` -> `dflash train` -> `dflash generate --draft-model` on stories260K."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import SHARED, needs_shared
+from test_cli import STORY, dflash, stories  # noqa: F401  (fixture)
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+@needs_shared
+def test_data_train_generate(stories, tmp_path):  # noqa: F811
+    data, out = tmp_path / "data", tmp_path / "drafter"
+    r = run("data", "--model", str(stories), "--text", str(SHARED / "datasets" / "tinystories_sample.txt"),
+            "--max-tokens", "24", "--shard-size", "16", "--out", str(data))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((data / "manifest.json").read_text())["num_prompts"] == 40
+    # Re-running resumes: nothing is regenerated, nothing changes.
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    assert run("data", "--model", str(stories), "--text", str(SHARED / "datasets" / "tinystories_sample.txt"),
+               "--max-tokens", "24", "--shard-size", "16", "--out", str(data)).returncode == 0
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before
+
+    r = run("train", "--model", str(stories), "--data", str(data), "--out", str(out), "--layers", "1",
+            "--block-size", "4", "--steps", "6", "--anchors", "4", "--grad-accum", "1", "--held-out", "4",
+            "--eval-every", "3", "--save-every", "3")
+    assert r.returncode == 0, r.stderr
+    assert "held-out tau" in r.stderr
+    assert (out / "checkpoints" / "step_0000006").is_dir()
+    config = json.loads((out / "config.json").read_text())
+    assert config["block_size"] == 4 and config["num_hidden_layers"] == 1
+
+    r = dflash("--model", str(stories), "--draft-model", str(out), "-p", "Once upon a time", "-m", "40", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(STORY[:80])
+
+
+@needs_shared
+def test_data_errors(stories, tmp_path):  # noqa: F811
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    r = run("data", "--model", str(stories), "--prompts", str(empty), "--out", str(tmp_path / "d"))
+    assert r.returncode == 1 and "empty" in r.stderr and str(empty) in r.stderr and "Traceback" not in r.stderr
+    r = run("data", "--model", str(stories), "--out", str(tmp_path / "d"))
+    assert r.returncode == 1 and "--prompts" in r.stderr
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "word " * 200}) + "\n")
+    r = run("data", "--model", str(stories), "--prompts", str(long), "--max-length", "64", "--out", str(tmp_path / "d2"))
+    assert r.returncode == 1 and "--max-length 64" in r.stderr
