@@ -41,3 +41,19 @@ def test_untied_and_tied_heads_both_lossless():
     llama_model, _ = tiny_target("llama")
     qwen_model, _ = tiny_target("qwen3")
     assert hasattr(llama_model, "lm_head") and not hasattr(qwen_model, "lm_head")
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_quantized_target_is_lossless(family, block_size):
+    # 4-bit target: the drafter borrows a QuantizedEmbedding (and QuantizedLinear head when untied).
+    import mlx.nn as nn
+
+    model, target = tiny_target(family)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    assert type(model.model.embed_tokens).__name__ == "QuantizedEmbedding"
+    ref = mlx_lm_greedy(model, PROMPT, N)
+    assert _run(target, tiny_drafter(target), block_size=block_size) == ref
+    sequence = PROMPT + ref + [0] * 16
+    assert _run(target, ScriptedDrafter(sequence, correct=block_size // 2, block_size=block_size, vocab=256),
+                block_size=block_size) == ref
