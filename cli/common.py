@@ -23,6 +23,43 @@ DRAFT_HELP = (
 )
 
 
+# Flags shared by generate and chat (and bench): one definition, the same help text.
+def model_option():
+    return typer.Option(None, "--model", help=MODEL_HELP)
+
+
+def draft_model_option():
+    return typer.Option(None, "--draft-model", help=DRAFT_HELP)
+
+
+def temp_option():
+    return typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
+
+
+def top_p_option():
+    return typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1].")
+
+
+def top_k_option():
+    return typer.Option(0, "--top-k", help="Sample from the k most likely tokens; 0 is off.")
+
+
+def min_p_option():
+    return typer.Option(0.0, "--min-p", help="Min-p threshold, in [0, 1]; 0 is off.")
+
+
+def seed_option():
+    return typer.Option(None, "--seed", help="PRNG seed, for reproducible sampling.")
+
+
+def block_size_option():
+    return typer.Option(None, "--block-size", help="Tokens per drafted block, 2..the drafter's trained size (default).")
+
+
+def system_prompt_option():
+    return typer.Option(None, "--system-prompt", help="System prompt for the chat template.")
+
+
 def fail(message: str, code: int = 1) -> None:
     """Print a one-line error on stderr and exit non-zero."""
     typer.echo(f"error: {message}", err=True)

@@ -9,27 +9,26 @@ from typing import Optional
 import typer
 
 from .common import (
-    DRAFT_HELP, MODEL_HELP, check_sampling, encode_prompt, guard, parse_template_config,
-    load_pair, read_prompt, resolve_models,
+    check_sampling, encode_prompt, guard, load_pair, parse_template_config, read_prompt, resolve_models,
+    block_size_option, draft_model_option, min_p_option, model_option, seed_option, system_prompt_option, temp_option,
+    top_k_option, top_p_option,
 )
 
 
 def generate(
-    model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
-    draft_model: Optional[str] = typer.Option(None, "--draft-model", help=DRAFT_HELP),
+    model: Optional[str] = model_option(),
+    draft_model: Optional[str] = draft_model_option(),
     prompt: Optional[str] = typer.Option(
         None, "--prompt", "-p", help="Prompt text; '-' reads stdin. Piped stdin is read when omitted."
     ),
     max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens to generate."),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens; 0 is off."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Min-p threshold, in [0, 1]; 0 is off."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="PRNG seed, for reproducible sampling."),
-    block_size: Optional[int] = typer.Option(
-        None, "--block-size", help="Tokens per drafted block, 2..the drafter's trained size (default)."
-    ),
-    system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System prompt for the chat template."),
+    temp: float = temp_option(),
+    top_p: float = top_p_option(),
+    top_k: int = top_k_option(),
+    min_p: float = min_p_option(),
+    seed: Optional[int] = seed_option(),
+    block_size: Optional[int] = block_size_option(),
+    system_prompt: Optional[str] = system_prompt_option(),
     chat_template_config: Optional[str] = typer.Option(
         None, "--chat-template-config",
         help="JSON for apply_chat_template, e.g. '{\"enable_thinking\": true}'. "

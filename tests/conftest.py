@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 import mlx.core as mx
 from mlx.utils import tree_map
@@ -11,9 +12,10 @@ import pytest
 from mlx_lm.generate import generate_step as mlx_generate_step
 from mlx_lm.models import llama, qwen3
 
-from dflash_mlx import DFlashDrafter, DrafterArgs, bind_drafter, make_adapter
+from dflash_mlx import DFlashDrafter, DrafterArgs, bind_drafter, make_adapter, save_drafter
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
 STORIES = SHARED / "models" / "stories260K"
 needs_shared = pytest.mark.skipif(
     not (STORIES / "stories260K.bin").is_file(),
@@ -114,3 +116,28 @@ class ScriptedDrafter:
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session")
+def stories(tmp_path_factory) -> Path:
+    """stories260K from ../shared converted to an mlx-lm folder (tests using it skip without it)."""
+    if not (STORIES / "stories260K.bin").is_file():
+        pytest.skip(f"needs ../shared/models/stories260K (not found at {STORIES}); CI always has it")
+    spec = importlib.util.spec_from_file_location("llama2c", ROOT / "scripts" / "convert" / "llama2c.py")
+    llama2c = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(llama2c)
+    return llama2c.convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.model",
+                                   tmp_path_factory.mktemp("stories260K"))
+
+
+@pytest.fixture(scope="session")
+def random_drafter(tmp_path_factory) -> Path:
+    """An untrained 1-layer drafter for stories260K (block size 8), saved in the released format."""
+    mx.random.seed(0)
+    drafter = DFlashDrafter(DrafterArgs(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+        intermediate_size=128, vocab_size=512, target_layer_ids=[1, 4], mask_token_id=0,
+        block_size=8, num_target_layers=5, rms_norm_eps=1e-5, rope_theta=10000.0,
+    ))
+    mx.eval(drafter.parameters())
+    return save_drafter(drafter, tmp_path_factory.mktemp("drafter"))

@@ -11,7 +11,6 @@ import pexpect
 import pytest
 
 from conftest import needs_shared
-from test_chat_session import random_drafter, stories  # noqa: F401 (fixtures)
 
 STORY = ", there was a little girl named Lily."
 CACHE = re.compile(r"Cache: (\d+) tokens of 512 \(target (\d+), drafter (\d+)\)")
@@ -30,7 +29,7 @@ def check_cache_line(text):
 
 
 @needs_shared
-def test_driven_session_in_a_pty(stories, random_drafter):  # noqa: F811
+def test_driven_session_in_a_pty(stories, random_drafter):
     cmd = chat_cmd(stories, random_drafter, "--max-tokens", "30")
     child = pexpect.spawn(cmd[0], cmd[1:], encoding="utf-8", dimensions=(50, 120), timeout=60,
                           env={**os.environ, "TERM": "xterm-256color"})
@@ -92,7 +91,7 @@ def test_driven_session_in_a_pty(stories, random_drafter):  # noqa: F811
 
 
 @needs_shared
-def test_piped_turns_plain_text(stories, random_drafter, tmp_path):  # noqa: F811
+def test_piped_turns_plain_text(stories, random_drafter, tmp_path):
     lines = [
         "Once upon a time", "The next day", "/stats", "/block 4", "/think on", "/temp nope", "/nope",
         f"/save {tmp_path / 'chat.md'}",

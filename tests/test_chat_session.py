@@ -1,7 +1,6 @@
 """ChatSession: cache reuse across turns is exact, interrupts and /reset leave both
 caches consistent, the context limit is enforced, reply pieces are tagged right."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,11 +9,10 @@ import pytest
 from mlx_lm.models.cache import KVCache
 from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 
-from dflash_mlx import DFlashDrafter, DrafterArgs, generate_step, load, save_drafter
+from dflash_mlx import generate_step, load
 from dflash_mlx.session import ChatSession, ContextFullError, ReplyDecoder, plain_text, starts_thinking, trim_cache
-from conftest import STORIES, needs_shared, tiny_drafter, tiny_target
+from conftest import needs_shared, tiny_drafter, tiny_target
 
-ROOT = Path(__file__).resolve().parents[1]
 THINK, UNTHINK = 3, 4
 TURNS = ["hello there", "and then?", "more, please"]
 
@@ -248,25 +246,8 @@ def test_save_transcript(pair, tmp_path):
 
 # -- the real stories260K (plain concatenation, and with a chat template added) ----------
 
-@pytest.fixture(scope="module")
-def stories(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("llama2c", ROOT / "scripts" / "convert" / "llama2c.py")
-    llama2c = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(llama2c)
-    out = tmp_path_factory.mktemp("stories260K")
-    return llama2c.convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.model", out)
 
 
-@pytest.fixture(scope="module")
-def random_drafter(tmp_path_factory):
-    mx.random.seed(0)
-    drafter = DFlashDrafter(DrafterArgs(
-        hidden_size=64, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
-        intermediate_size=128, vocab_size=512, target_layer_ids=[1, 4], mask_token_id=0,
-        block_size=8, num_target_layers=5, rms_norm_eps=1e-5, rope_theta=10000.0,
-    ))
-    mx.eval(drafter.parameters())
-    return save_drafter(drafter, tmp_path_factory.mktemp("drafter"))
 
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

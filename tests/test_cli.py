@@ -1,19 +1,14 @@
 """`dflash generate` end to end on the real stories260K model (from ../shared)."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-import mlx.core as mx
 import pytest
 
-from dflash_mlx import DFlashDrafter, DrafterArgs, save_drafter
-from conftest import STORIES, needs_shared
+from conftest import needs_shared
 
-ROOT = Path(__file__).resolve().parents[1]
 STORY = ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball."
 
 
@@ -23,25 +18,8 @@ def dflash(*args, stdin=None, env=None):
                           env={**os.environ, **(env or {})})
 
 
-@pytest.fixture(scope="module")
-def stories(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("llama2c", ROOT / "scripts" / "convert" / "llama2c.py")
-    llama2c = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(llama2c)
-    out = tmp_path_factory.mktemp("stories260K")
-    return llama2c.convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.model", out)
 
 
-@pytest.fixture(scope="module")
-def random_drafter(tmp_path_factory):
-    mx.random.seed(0)
-    drafter = DFlashDrafter(DrafterArgs(
-        hidden_size=64, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
-        intermediate_size=128, vocab_size=512, target_layer_ids=[1, 4], mask_token_id=0,
-        block_size=8, num_target_layers=5, rms_norm_eps=1e-5, rope_theta=10000.0,
-    ))
-    mx.eval(drafter.parameters())
-    return save_drafter(drafter, tmp_path_factory.mktemp("drafter"))
 
 
 @needs_shared

@@ -4,10 +4,9 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 from conftest import SHARED, needs_shared
-from test_cli import STORY, dflash, stories  # noqa: F401  (fixture)
+from test_cli import STORY, dflash
 
 
 def run(*args):
@@ -16,7 +15,7 @@ def run(*args):
 
 
 @needs_shared
-def test_data_train_generate(stories, tmp_path):  # noqa: F811
+def test_data_train_generate(stories, tmp_path):
     data, out = tmp_path / "data", tmp_path / "drafter"
     r = run("data", "--model", str(stories), "--text", str(SHARED / "datasets" / "tinystories_sample.txt"),
             "--max-tokens", "24", "--shard-size", "16", "--out", str(data))
@@ -43,7 +42,7 @@ def test_data_train_generate(stories, tmp_path):  # noqa: F811
 
 
 @needs_shared
-def test_data_errors(stories, tmp_path):  # noqa: F811
+def test_data_errors(stories, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     r = run("data", "--model", str(stories), "--prompts", str(empty), "--out", str(tmp_path / "d"))
