@@ -9,6 +9,7 @@ import typer  # noqa: E402
 from .chat import chat  # noqa: E402
 from .generate import generate  # noqa: E402
 from .train import data, train  # noqa: E402
+from .bench import bench  # noqa: E402
 
 app = typer.Typer(
     name="dflash",
@@ -32,6 +33,7 @@ app.command(no_args_is_help=False)(generate)
 app.command()(chat)
 app.command()(data)
 app.command()(train)
+app.command(context_settings={"allow_extra_args": True})(bench)
 
 
 def main() -> None:

@@ -192,13 +192,16 @@ def generate_step(
                 stats.record_step(a)
                 target.rollback(cache, B - 1 - a)
                 tokens, finish = _cut(y_list[: a + 1], stop_ids, max_tokens - n)
-                if finish is None:
+                if finish is not None:
+                    _settle(target, cache, committed + n + len(tokens) - 1)
+                    _sync_drafter(drafter, draft_cache, features, cache)
+            if finish is None:
+                # Queue the next draft before yielding. On the CPU backend async_eval
+                # runs most of it right here, so it is booked as drafting.
+                with stats.phase("draft"):
                     t = y[a : a + 1]
                     drafts = drafter.draft(t, features[:, : a + 1], draft_cache, B)
                     mx.async_eval(drafts)
-                else:
-                    _settle(target, cache, committed + n + len(tokens) - 1)
-                    _sync_drafter(drafter, draft_cache, features, cache)
             n += len(tokens)
             yield StepResult(tokens, a, finish)
             if n % 256 < len(tokens):

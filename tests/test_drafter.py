@@ -4,7 +4,6 @@ import json
 
 import mlx.core as mx
 import numpy as np
-import pytest
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from dflash_mlx import DFlashDrafter, DrafterArgs, bind_drafter, load_drafter, save_drafter

@@ -1,0 +1,135 @@
+"""``dflash bench``: baseline and DFlash side by side on prompt sets; table, JSON, plots."""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+import typer
+
+from .common import MODEL_HELP, check_sampling, guard, resolve_models
+
+
+def bench(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="DFlash drafter: a local folder or repo id."),
+    dataset: List[str] = typer.Option(
+        ["gsm8k"], "--dataset", "-d",
+        help="gsm8k, math500, humaneval, mbpp, mt-bench, alpaca (Hugging Face, online) or a local "
+        "file: a .jsonl/.jsonl.gz in those formats or of 'prompt' or 'messages' rows. Repeat or "
+        "separate with commas for several.",
+    ),
+    num_samples: int = typer.Option(10, "--num-samples", "-n", help="First N samples of each dataset; 0 for all."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens per generation."),
+    block_size: Optional[List[str]] = typer.Option(
+        None, "--block-size",
+        help="Block sizes to sweep: '--block-size 4 8 16' (or 4,8,16). Default: the drafter's trained size.",
+    ),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens; 0 is off."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Min-p threshold, in [0, 1]; 0 is off."),
+    seed: int = typer.Option(0, "--seed", help="PRNG seed; every run starts from it."),
+    baseline: str = typer.Option(
+        "ar", "--baseline",
+        help="ar (this engine, no drafter), mlx-lm (plain mlx-lm decoding) or draft-model:PATH "
+        "(mlx-lm speculative decoding with an autoregressive draft model).",
+    ),
+    num_draft_tokens: int = typer.Option(
+        3, "--num-draft-tokens", help="Drafts per cycle for --baseline draft-model:PATH."
+    ),
+    enable_thinking: bool = typer.Option(
+        False, "--enable-thinking", help="Turn thinking on in the chat template (off by default)."
+    ),
+    simulate_acceptance: Optional[int] = typer.Option(
+        None, "--simulate-acceptance",
+        help="A: replace the drafter's proposals by the target's greedy continuation for the first A "
+        "slots of each block and wrong tokens after (the drafter still runs, for its cost). Needs --temp 0.",
+    ),
+    repeats: int = typer.Option(1, "--repeats", help="Runs of each engine per prompt."),
+    warmup_tokens: int = typer.Option(
+        32, "--warmup-tokens", help="Tokens of each engine's untimed warm-up run; 0: none."
+    ),
+    out: str = typer.Option("dflash-bench", "--out", "-o", help="Folder for results.json and the PNG plots."),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots (needs the 'plot' extra)."),
+) -> None:
+    """Benchmark DFlash against a baseline: tau, tokens/s, speedup and loop overhead.
+
+    \b
+    Examples:
+      dflash bench --model M --draft-model D --dataset ../shared/datasets/gsm8k_test.jsonl -n 20
+      dflash bench --model M --draft-model D --dataset prompts.jsonl --block-size 4 8 16 --baseline mlx-lm
+      dflash bench --model M --draft-model D --dataset gsm8k --simulate-acceptance 5
+    """
+    args = dict(locals())
+    args.pop("ctx")
+    guard(lambda: _run(extra=list(ctx.args), **args))
+
+
+def parse_block_sizes(values: Optional[List[str]], extra: List[str]) -> List[Optional[int]]:
+    """``--block-size 4 8 16``: click hands the values after the first one over as extra
+    arguments; commas work too.
+
+    Raises:
+        InputError: a value that is not an integer, or stray arguments.
+    """
+    from dflash_mlx import InputError
+
+    if extra and not values:
+        raise InputError(f"unexpected argument(s): {' '.join(extra)}")
+    sizes = []
+    for v in list(values or []) + extra:
+        for part in str(v).split(","):
+            if part.strip():
+                try:
+                    sizes.append(int(part))
+                except ValueError:
+                    raise InputError(f"--block-size expects integers, got '{part}'") from None
+    return sizes or [None]
+
+
+def _run(model, draft_model, dataset, num_samples, max_tokens, block_size, temp, top_p, top_k, min_p,
+         seed, baseline, num_draft_tokens, enable_thinking, simulate_acceptance, repeats, warmup_tokens,
+         out, plots, extra) -> None:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+    )
+
+    from dflash_mlx import InputError
+    from dflash_mlx.bench import BenchConfig, bench
+    from dflash_mlx.bench.report import cycle_table, histogram_lines, results_table
+
+    check_sampling(temp, top_p, top_k, min_p, max_tokens)
+    sizes = parse_block_sizes(block_size, extra)
+    model, draft_model = resolve_models(model, draft_model)
+    if draft_model is None:
+        raise InputError("dflash bench needs --draft-model (the DFlash drafter to measure)")
+    datasets = [d for spec in dataset for d in spec.split(",") if d]
+    config = BenchConfig(max_tokens=max_tokens, block_sizes=sizes, temp=temp, top_p=top_p, top_k=top_k,
+                         min_p=min_p, seed=seed, repeats=repeats, simulate_acceptance=simulate_acceptance,
+                         enable_thinking=enable_thinking, warmup_tokens=warmup_tokens)
+
+    console = Console(stderr=True)
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    tasks = {}
+    with Progress(*columns, console=console, transient=False) as bar:
+        def progress(name: str, done: int, total: int) -> None:
+            if name not in tasks:
+                tasks[name] = bar.add_task(name, total=total)
+            bar.update(tasks[name], completed=done)
+
+        report = bench(model, draft_model, datasets, num_samples=num_samples or None, baseline=baseline,
+                       config=config, num_draft_tokens=num_draft_tokens, out_dir=out, plots=plots,
+                       command=["dflash", *sys.argv[1:]], progress=progress)
+    stdout = Console()
+    if not stdout.is_terminal:
+        stdout = Console(width=120)
+    stdout.print(results_table(report))
+    stdout.print(cycle_table(report))
+    for line in histogram_lines(report):
+        console.print(line)
+    for path in report["files"].values():
+        console.print(f"wrote {path}")

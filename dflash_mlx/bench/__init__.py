@@ -1,0 +1,138 @@
+"""``dflash bench``: speed and acceptance on real prompt sets, baseline and DFlash
+side by side (``datasets`` loads prompts, ``runner`` times, ``report`` digests,
+``plots`` draws).
+
+From Python::
+
+    from dflash_mlx.bench import BenchConfig, bench
+    report = bench("models/stories260K", "drafter", ["prompts.jsonl"], num_samples=5,
+                   config=BenchConfig(max_tokens=128, block_sizes=[4, 8]), out_dir="out")
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence
+
+from .datasets import Sample, load_dataset
+from .report import build_report, results_table, summarize, write_report
+from .runner import (
+    BenchConfig, DatasetResult, DFlashEngine, Engine, MlxLmEngine, MlxLmSpeculativeEngine, Runner,
+    RunRecord, parse_baseline, timed_run,
+)
+
+
+def make_baseline(spec: str, pair, num_draft_tokens: int = 3) -> Engine:
+    """Build the ``--baseline`` engine for a loaded pair.
+
+    Args:
+        spec: ``ar`` (this engine, no drafter), ``mlx-lm`` (plain mlx-lm decoding)
+            or ``draft-model:PATH`` (mlx-lm speculative decoding with an
+            autoregressive draft model from PATH or a repo id).
+        pair: a :class:`dflash_mlx.Pair`.
+        num_draft_tokens: drafts per cycle for ``draft-model``.
+
+    Raises:
+        InputError: unknown spec. CheckpointError, MismatchError: the draft model
+            cannot be loaded or its vocabulary differs from the target's.
+    """
+    kind, path = parse_baseline(spec)
+    if kind == "ar":
+        return DFlashEngine(pair.target, None)
+    if kind == "mlx-lm":
+        return MlxLmEngine(pair.model)
+    from mlx_lm.utils import load as mlx_lm_load
+
+    from ..errors import CheckpointError, MismatchError
+    from ..hub import resolve_model_path
+    from ..loading import TARGET_FILES
+
+    folder = resolve_model_path(path, TARGET_FILES, what="draft model")
+    try:
+        draft_model, _ = mlx_lm_load(str(folder))
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{folder}: cannot load the baseline draft model ({e})") from None
+    vocab = getattr(draft_model.args, "vocab_size", None)
+    if vocab != pair.target.vocab_size:
+        raise MismatchError(
+            f"--baseline {spec}: the draft model's vocab_size {vocab} differs from the target's "
+            f"{pair.target.vocab_size}; mlx-lm speculative decoding needs the same vocabulary"
+        )
+    return MlxLmSpeculativeEngine(pair.model, draft_model, num_draft_tokens)
+
+
+def bench(
+    model: str,
+    draft_model: str,
+    datasets: Sequence[str],
+    *,
+    num_samples: Optional[int] = 10,
+    baseline: str = "ar",
+    config: Optional[BenchConfig] = None,
+    num_draft_tokens: int = 3,
+    out_dir: Optional[str] = None,
+    plots: bool = True,
+    command: Sequence[str] = (),
+    progress: Optional[Callable[[str, int, int], None]] = None,
+    pair=None,
+) -> dict:
+    """Load a pair, run every dataset, write ``results.json`` and the plots.
+
+    Args:
+        model, draft_model: target and DFlash drafter (folders or repo ids); ignored
+            when ``pair`` is given.
+        datasets: names (``gsm8k``, ...) or files, see :func:`load_dataset`.
+        num_samples: first N samples of each dataset (None: all).
+        baseline: ``ar``, ``mlx-lm`` or ``draft-model:PATH``.
+        config: :class:`BenchConfig` (max tokens, block sizes, sampling, repeats,
+            simulated acceptance).
+        num_draft_tokens: drafts per cycle of the ``draft-model`` baseline.
+        out_dir: where ``results.json`` and the PNGs go (nothing is written if None).
+        plots: draw the PNGs (needs matplotlib).
+        command: the command line, recorded in the report.
+        progress: ``progress(dataset, done, total)`` after each item.
+        pair: an already loaded :class:`dflash_mlx.Pair`.
+
+    Returns:
+        The report dict (the contents of ``results.json``), with ``files`` listing
+        what was written.
+
+    Raises:
+        DFlashError subclasses for bad input (datasets, flags, checkpoints).
+    """
+    from ..loading import load
+
+    config = config or BenchConfig()
+    config.check()
+    loaded = [load_dataset(d, num_samples) for d in datasets]  # fail before loading models
+    pair = pair or load(model, draft_model)
+    engine = make_baseline(baseline, pair, num_draft_tokens)
+    runner = Runner(pair.target, pair.drafter, engine, config, tokenizer=pair.tokenizer)
+    results = [runner.run_dataset(name, samples, progress) for name, samples in loaded]
+    report = build_report(results, _config_dict(config, pair, baseline, datasets, num_samples, num_draft_tokens),
+                          command)
+    files: Dict[str, str] = {}
+    if out_dir is not None:
+        files["results"] = str(write_report(report, out_dir))
+        if plots:
+            from .plots import write_plots
+
+            files.update({k: str(v) for k, v in write_plots(report, out_dir).items()})
+    report["files"] = files
+    return report
+
+
+def _config_dict(config: BenchConfig, pair, baseline, datasets, num_samples, num_draft_tokens) -> dict:
+    from dataclasses import asdict
+
+    out = asdict(config)
+    out["block_sizes"] = [b if b is not None else pair.drafter.block_size for b in config.block_sizes]
+    out.update(model=pair.model_path, draft_model=pair.draft_path, baseline=baseline,
+               datasets=list(datasets), num_samples=num_samples, num_draft_tokens=num_draft_tokens)
+    return out
+
+
+__all__: List[str] = [
+    "BenchConfig", "DFlashEngine", "DatasetResult", "Engine", "MlxLmEngine", "MlxLmSpeculativeEngine",
+    "RunRecord", "Runner", "Sample", "bench", "build_report", "load_dataset", "make_baseline",
+    "results_table", "summarize", "timed_run", "write_report",
+]

@@ -1,0 +1,524 @@
+"""Run a baseline and DFlash alternately over a prompt set, in one process.
+
+Every engine is consumed the same way: the prompt ids go in, lists of committed
+token ids come out (one list per target forward), and the consumer stamps each
+list with ``time.perf_counter``. No engine detokenizes while it is timed (mlx-lm's
+``stream_generate`` and ours wrap exactly these generators and add the detokenizer),
+so the figures compare decoding and nothing else.
+
+Per run:
+
+- prompt time: from the call to the first committed token (prefill + first sample;
+  for mlx-lm speculative decoding, whose first tokens come out of its first
+  draft/verify cycle, that cycle too);
+- decode time: from the first committed list to the last one; decode tokens are
+  the tokens after the first list. A stop token ends the run; its step is timed,
+  the token is not counted (as mlx-lm's ``stream_generate`` does);
+- peak memory: ``mx.get_peak_memory()`` after ``mx.reset_peak_memory()``, in GB
+  (1e9 bytes), weights included.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+
+from ..errors import InputError
+from ..generate import check_block_size, generate_step
+from ..simulate import SimulatedDrafter
+from ..stats import GenerationStats
+from .datasets import Sample, encode_sample_turn
+
+ProgressFn = Callable[[str, int, int], None]  # (dataset, items done, items in all)
+
+
+# --------------------------------------------------------------------------- engines
+
+
+class Engine:
+    """A way to decode: ``stream`` yields lists of committed token ids.
+
+    Attributes:
+        name: ``ar``, ``mlx-lm``, ``draft-model`` or ``dflash``.
+        block_size: tokens per target forward at most (1 for plain decoding).
+    """
+
+    name = "engine"
+    block_size = 1
+
+    def stream(self, ids: List[int], max_tokens: int, sampler, stop_ids: Sequence[int],
+               stats: GenerationStats) -> Iterator[List[int]]:
+        raise NotImplementedError
+
+
+@dataclass
+class PhaseTrackingStats(GenerationStats):
+    """``GenerationStats`` that also knows which phase is running (``current``)."""
+
+    current: Optional[str] = None
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        outer, self.current = self.current, name
+        try:
+            with super().phase(name):
+                yield
+        finally:
+            self.current = outer
+
+
+class TimedDrafter:
+    """Times the drafter's host-side cost: building the draft graph and dispatching it.
+
+    ``generate_step`` calls ``draft`` inside its "host" phase and then
+    ``mx.async_eval``s the drafts, so the host phase holds the drafter's graph
+    building and, on the CPU backend where dispatching every op is synchronous, its
+    op dispatch too (about 1 ms per draft on stories260K). This wrapper calls
+    ``mx.async_eval`` itself (the engine's own call is then a no-op) and records
+    the seconds of each ``draft`` call with the engine phase it ran in, so the
+    report can count the time as drafting.
+
+    Args:
+        drafter: the drafter to wrap.
+        stats: the run's :class:`PhaseTrackingStats`.
+    """
+
+    def __init__(self, drafter, stats: Optional[PhaseTrackingStats] = None):
+        self.drafter, self.stats = drafter, stats
+        self.calls: List[tuple] = []  # (engine phase or None, seconds)
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter.block_size
+
+    @property
+    def target_layer_ids(self) -> List[int]:
+        return self.drafter.target_layer_ids
+
+    def make_cache(self):
+        return self.drafter.make_cache()
+
+    def ingest(self, context, cache) -> None:
+        self.drafter.ingest(context, cache)
+
+    def draft(self, token, context, cache, block_size: int):
+        phase = getattr(self.stats, "current", None)
+        tic = time.perf_counter()
+        drafts = self.drafter.draft(token, context, cache, block_size)
+        mx.async_eval(drafts)
+        self.calls.append((phase, time.perf_counter() - tic))
+        return drafts
+
+    def seconds_in(self, phase: str) -> float:
+        """Seconds of the ``draft`` calls made inside engine phase ``phase``."""
+        return sum(s for p, s in self.calls if p == phase)
+
+
+class DFlashEngine(Engine):
+    """This project's engine: DFlash with a drafter, plain decoding (``ar``) without.
+
+    Args:
+        target: the target adapter.
+        drafter: a bound drafter (or a :class:`SimulatedDrafter`), or None for ``ar``.
+        block_size: B (default: the drafter's trained block size).
+
+    Attributes:
+        draft_in_host_s: after a run, the seconds the drafter's ``draft`` calls took
+            inside the engine's host phase (graph building and dispatch; see
+            :class:`TimedDrafter`).
+    """
+
+    def __init__(self, target, drafter=None, block_size: Optional[int] = None):
+        self.target, self.drafter = target, drafter
+        self.block_size = check_block_size(block_size, drafter)
+        self.name = "dflash" if drafter is not None else "ar"
+        self.draft_in_host_s = 0.0
+
+    def stream(self, ids, max_tokens, sampler, stop_ids, stats):
+        prompt = mx.array(ids, dtype=mx.int32)
+        drafter = TimedDrafter(self.drafter, stats) if self.drafter is not None else None
+        self.draft_in_host_s = 0.0
+        for step in generate_step(prompt, self.target, drafter, sampler=sampler, max_tokens=max_tokens,
+                                  block_size=self.block_size if drafter is not None else None,
+                                  stop_token_ids=stop_ids, stats=stats):
+            if drafter is not None:
+                self.draft_in_host_s = drafter.seconds_in("host")
+            yield step.tokens
+
+
+class MlxLmEngine(Engine):
+    """Plain mlx-lm decoding (``mlx_lm.generate.generate_step``, what its
+    ``stream_generate`` runs)."""
+
+    name = "mlx-lm"
+
+    def __init__(self, model):
+        self.model = model
+
+    def stream(self, ids, max_tokens, sampler, stop_ids, stats):
+        from mlx_lm.generate import generate_step as mlx_generate_step
+
+        stops = set(stop_ids)
+        prompt = mx.array(ids, dtype=mx.int32)
+        for token, _ in mlx_generate_step(prompt, self.model, max_tokens=max_tokens, sampler=sampler):
+            stats.record_step(0)
+            if token in stops:
+                yield []
+                return
+            yield [token]
+
+
+class MlxLmSpeculativeEngine(Engine):
+    """mlx-lm speculative decoding with an autoregressive draft model
+    (``mlx_lm.generate.speculative_generate_step``).
+
+    Tokens of one draft/verify cycle are yielded as one list (a cycle ends with
+    the target's own token), so its acceptance histogram is comparable to DFlash's.
+
+    Args:
+        model: the target mlx-lm model.
+        draft_model: a small mlx-lm model with the target's vocabulary.
+        num_draft_tokens: drafts per cycle (mlx-lm's CLI default is 3).
+    """
+
+    name = "draft-model"
+
+    def __init__(self, model, draft_model, num_draft_tokens: int = 3):
+        self.model, self.draft_model, self.num_draft_tokens = model, draft_model, num_draft_tokens
+        self.block_size = num_draft_tokens + 1
+
+    def stream(self, ids, max_tokens, sampler, stop_ids, stats):
+        from mlx_lm.generate import speculative_generate_step
+
+        stops = set(stop_ids)
+        prompt = mx.array(ids, dtype=mx.int32)
+        cycle: List[int] = []
+        n = 0
+        for token, _, from_draft in speculative_generate_step(
+            prompt, self.model, self.draft_model, num_draft_tokens=self.num_draft_tokens,
+            max_tokens=max_tokens, sampler=sampler,
+        ):
+            n += 1
+            if token in stops:
+                stats.record_step(len(cycle))
+                yield cycle
+                return
+            cycle.append(token)
+            if not from_draft or n == max_tokens:
+                stats.record_step(min(len(cycle) - 1, self.block_size - 1))
+                yield cycle
+                cycle = []
+        if cycle:
+            yield cycle
+
+
+def parse_baseline(spec: str) -> tuple[str, Optional[str]]:
+    """Split ``--baseline``: ``ar``, ``mlx-lm`` or ``draft-model:PATH``.
+
+    Raises:
+        InputError: any other value.
+    """
+    if spec in ("ar", "mlx-lm"):
+        return spec, None
+    if spec.startswith("draft-model:") and spec.split(":", 1)[1]:
+        return "draft-model", spec.split(":", 1)[1]
+    raise InputError(f"--baseline {spec}: expected ar, mlx-lm or draft-model:PATH")
+
+
+# --------------------------------------------------------------------------- one run
+
+
+@dataclass
+class RunRecord:
+    """The figures of one timed generation.
+
+    Attributes:
+        sample, turn, repeat: which item (turn of a multi-turn sample) and which repeat.
+        engine: engine name; ``block_size``: its B (1 for plain decoding).
+        prompt_tokens: tokens prefilled.
+        tokens: committed token ids (not written to JSON).
+        first_tokens: tokens in the first committed list (not decode tokens).
+        prompt_s: seconds from the call to the first committed list.
+        decode_s: seconds from the first committed list to the last one.
+        steps, histogram: verify steps and ``histogram[a]`` = steps accepting a drafts.
+        phase_s: seconds per phase (prefill, draft, verify, host), from the engine's
+            own stats (zeros for mlx-lm engines).
+        draft_in_host_s: seconds of the drafter's ``draft`` calls (graph building and
+            op dispatch) that the engine's stats count in its "host" phase.
+        peak_memory_gb: peak MLX memory during the run, GB.
+        matches_baseline: at temperature 0, whether the tokens equal the baseline's
+            (None for the baseline itself or when sampling).
+    """
+
+    sample: str
+    turn: int
+    repeat: int
+    engine: str
+    block_size: int
+    prompt_tokens: int
+    tokens: List[int] = field(repr=False, default_factory=list)
+    first_tokens: int = 0
+    prompt_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0
+    histogram: List[int] = field(default_factory=list)
+    phase_s: Dict[str, float] = field(default_factory=dict)
+    draft_in_host_s: float = 0.0
+    peak_memory_gb: float = 0.0
+    matches_baseline: Optional[bool] = None
+
+    @property
+    def generation_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def decode_tokens(self) -> int:
+        return len(self.tokens) - self.first_tokens
+
+    @property
+    def decode_tps(self) -> Optional[float]:
+        """Decode tokens per second (None when nothing was decoded after the first list)."""
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 and self.decode_tokens > 0 else None
+
+    @property
+    def prompt_tps(self) -> Optional[float]:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else None
+
+    @property
+    def tau(self) -> Optional[float]:
+        """Mean tokens per verify step (None without steps)."""
+        return sum((a + 1) * n for a, n in enumerate(self.histogram)) / self.steps if self.steps else None
+
+    def to_dict(self) -> dict:
+        """JSON figures (seconds to the microsecond, tokens/s, GB); token ids are left out."""
+        def r(x, n=6):
+            return None if x is None else round(x, n)
+
+        return {
+            "sample": self.sample, "turn": self.turn, "repeat": self.repeat, "engine": self.engine,
+            "block_size": self.block_size, "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens, "decode_tokens": self.decode_tokens,
+            "prompt_s": r(self.prompt_s), "decode_s": r(self.decode_s), "prompt_tps": r(self.prompt_tps, 3),
+            "decode_tps": r(self.decode_tps, 3), "steps": self.steps, "tau": r(self.tau, 4),
+            "histogram": list(self.histogram), "phase_s": {k: r(v) for k, v in self.phase_s.items()},
+            "draft_in_host_s": r(self.draft_in_host_s),
+            "peak_memory_gb": r(self.peak_memory_gb), "matches_baseline": self.matches_baseline,
+        }
+
+
+def timed_run(engine: Engine, ids: List[int], max_tokens: int, sampler, stop_ids: Sequence[int]) -> RunRecord:
+    """Run ``engine`` once on ``ids`` and time it in the consumer (see module doc).
+
+    Returns:
+        A :class:`RunRecord` with sample/turn/repeat left blank.
+    """
+    stats = PhaseTrackingStats(block_size=engine.block_size, prompt_tokens=len(ids))
+    tokens: List[int] = []
+    first = last = None
+    first_tokens = 0
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    for chunk in engine.stream(ids, max_tokens, sampler, stop_ids, stats):
+        last = time.perf_counter()
+        if first is None:
+            first, first_tokens = last, len(chunk)
+        tokens.extend(chunk)
+    return RunRecord(
+        sample="", turn=0, repeat=0, engine=engine.name, block_size=engine.block_size,
+        prompt_tokens=len(ids), tokens=tokens, first_tokens=first_tokens,
+        prompt_s=(first - tic) if first is not None else 0.0,
+        decode_s=(last - first) if first is not None else 0.0,
+        steps=stats.steps, histogram=list(stats.histogram), phase_s=dict(stats.phase_s),
+        draft_in_host_s=getattr(engine, "draft_in_host_s", 0.0),
+        peak_memory_gb=mx.get_peak_memory() / 1e9,
+    )
+
+
+# --------------------------------------------------------------------------- a dataset
+
+
+@dataclass
+class BenchConfig:
+    """What to run.
+
+    Attributes:
+        max_tokens: most tokens per generation.
+        block_sizes: DFlash block sizes to sweep (None = the drafter's trained size).
+        temp, top_p, top_k, min_p: sampling (mlx-lm's sampler; temp 0 is greedy).
+        seed: PRNG seed; each run reseeds with ``seed`` so runs are reproducible.
+        repeats: runs of each engine per prompt.
+        simulate_acceptance: A; when set, DFlash's proposals are the target's greedy
+            continuation for the first A slots and wrong after (needs temp 0).
+        enable_thinking: passed to the chat template.
+        warmup_tokens: tokens of the warm-up run of each engine (0: no warm-up).
+    """
+
+    max_tokens: int = 256
+    block_sizes: Sequence[Optional[int]] = (None,)
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    repeats: int = 1
+    simulate_acceptance: Optional[int] = None
+    enable_thinking: bool = False
+    warmup_tokens: int = 32
+
+    def check(self) -> None:
+        """Raises InputError naming the flag that is out of range."""
+        if self.max_tokens < 1:
+            raise InputError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+        if self.repeats < 1:
+            raise InputError(f"--repeats must be at least 1, got {self.repeats}")
+        if self.simulate_acceptance is not None:
+            if self.simulate_acceptance < 0:
+                raise InputError(f"--simulate-acceptance must be >= 0, got {self.simulate_acceptance}")
+            if self.temp != 0:
+                raise InputError("--simulate-acceptance needs --temp 0 (it replays the greedy continuation)")
+
+    def sampler(self):
+        return make_sampler(self.temp, self.top_p, self.min_p, 1, top_k=self.top_k)
+
+
+@dataclass
+class DatasetResult:
+    """All runs of one dataset; :func:`dflash_mlx.bench.report.summarize` digests them."""
+
+    name: str
+    num_samples: int
+    baseline: str
+    runs: List[RunRecord] = field(default_factory=list)
+
+
+def greedy_continuation(target, ids: List[int], max_tokens: int, stop_ids: Sequence[int]) -> List[int]:
+    """Prompt plus the target's plain greedy continuation (``max_tokens`` tokens at most)."""
+    out = list(ids)
+    for step in generate_step(mx.array(ids, dtype=mx.int32), target, None, max_tokens=max_tokens,
+                              stop_token_ids=stop_ids):
+        out.extend(step.tokens)
+    return out
+
+
+class Runner:
+    """Alternates a baseline and DFlash at each block size over samples.
+
+    Args:
+        target: the target adapter (used for DFlash and the ``ar`` baseline).
+        drafter: the bound drafter.
+        baseline: the baseline :class:`Engine`.
+        config: :class:`BenchConfig`.
+        tokenizer: mlx-lm ``TokenizerWrapper`` for text samples (chat template,
+            stop tokens, decoding of multi-turn answers); None when every sample
+            carries ``prompt_ids``.
+        stop_ids: stop token ids (default: the tokenizer's EOS ids, else none).
+    """
+
+    def __init__(self, target, drafter, baseline: Engine, config: BenchConfig, tokenizer=None,
+                 stop_ids: Optional[Sequence[int]] = None):
+        config.check()
+        self.target, self.drafter, self.baseline, self.config = target, drafter, baseline, config
+        self.tokenizer = tokenizer
+        if stop_ids is None:
+            stop_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
+        self.stop_ids = tuple(stop_ids)
+        self.block_sizes = [check_block_size(b, drafter) for b in config.block_sizes]
+        self._warm = False
+        self._continuations: Dict[tuple, List[int]] = {}
+
+    def _encode(self, messages: List[dict]) -> List[int]:
+        if self.tokenizer is None:
+            raise InputError("text prompts need a tokenizer; give samples with prompt_ids instead")
+        return encode_sample_turn(self.tokenizer, messages, self.config.enable_thinking)
+
+    def _dflash(self, B: int, ids: List[int]) -> DFlashEngine:
+        drafter = self.drafter
+        A = self.config.simulate_acceptance
+        if A is not None:
+            key = tuple(ids)
+            if key not in self._continuations:  # one plain greedy run per prompt, untimed
+                horizon = self.config.max_tokens + max(self.block_sizes)
+                self._continuations = {key: greedy_continuation(self.target, ids, horizon, self.stop_ids)}
+            drafter = SimulatedDrafter(self.drafter, self._continuations[key], A, self.target.vocab_size)
+        return DFlashEngine(self.target, drafter, B)
+
+    def _run(self, engine: Engine, ids: List[int], max_tokens: int) -> RunRecord:
+        mx.random.seed(self.config.seed)
+        return timed_run(engine, ids, max_tokens, self.config.sampler(), self.stop_ids)
+
+    def warmup(self, ids: List[int]) -> None:
+        """One short run of every engine, so allocation and first-call costs are not timed."""
+        n = self.config.warmup_tokens
+        if n <= 0 or self._warm:
+            return
+        self._run(self.baseline, ids, n)
+        for B in self.block_sizes:
+            self._run(self._dflash(B, ids), ids, n)
+        self._warm = True
+
+    def turns(self, sample: Sample) -> int:
+        return 1 if sample.prompt_ids is not None else max(len(sample.turns), 1)
+
+    def run_dataset(self, name: str, samples: Sequence[Sample], progress: Optional[ProgressFn] = None) -> DatasetResult:
+        """Run every sample (every turn, every repeat): baseline and DFlash at each
+        block size back to back, the order reversed on every other run to cancel drift.
+
+        Args:
+            name: dataset name for the report.
+            samples: from :func:`dflash_mlx.bench.datasets.load_dataset`, or with ``prompt_ids``.
+            progress: called as ``progress(name, done, total)`` after each item
+                (an item is one turn of one sample, all engines, one repeat).
+
+        Returns:
+            :class:`DatasetResult` with one :class:`RunRecord` per run.
+        """
+        result = DatasetResult(name, len(samples), self.baseline.name)
+        total = sum(self.turns(s) for s in samples) * self.config.repeats
+        done = 0
+        for index, sample in enumerate(samples):
+            messages = list(sample.messages)
+            for turn in range(self.turns(sample)):
+                if sample.prompt_ids is not None:
+                    ids = list(sample.prompt_ids)
+                else:
+                    if sample.turns:
+                        messages.append({"role": "user", "content": sample.turns[turn]})
+                    ids = self._encode(messages)
+                self.warmup(ids)
+                answer = None
+                for repeat in range(self.config.repeats):
+                    runs = self._pair(ids, reverse=(index + repeat) % 2 == 1)
+                    for r in runs:
+                        r.sample, r.turn, r.repeat = sample.id, turn, repeat
+                    result.runs.extend(runs)
+                    answer = runs[0].tokens
+                    done += 1
+                    if progress is not None:
+                        progress(name, done, total)
+                if sample.turns and turn + 1 < len(sample.turns):
+                    messages.append({"role": "assistant", "content": self.tokenizer.decode(answer)})
+        return result
+
+    def _pair(self, ids: List[int], reverse: bool) -> List[RunRecord]:
+        """Baseline then DFlash at each B (reversed order if ``reverse``); baseline first in the list."""
+        engines: List[Any] = [self.baseline] + [self._dflash(B, ids) for B in self.block_sizes]
+        order = list(range(len(engines)))
+        if reverse:
+            order.reverse()
+        records: Dict[int, RunRecord] = {}
+        for i in order:
+            records[i] = self._run(engines[i], ids, self.config.max_tokens)
+        base = records[0]
+        out = [base]
+        for i in range(1, len(engines)):
+            r = records[i]
+            if self.config.temp == 0:
+                r.matches_baseline = r.tokens == base.tokens
+            out.append(r)
+        return out
