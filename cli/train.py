@@ -26,7 +26,11 @@ def data(
     prompts: List[Path] = typer.Option([], "--prompts", help="JSONL of {'prompt': ...} or {'messages': [...]} rows; repeatable."),
     text: List[Path] = typer.Option([], "--text", help="Plain text cut into prompts (documents split by blank lines); repeatable."),
     self_prompts: int = typer.Option(0, "--self-prompts", help="Also sample N openings from the target itself (base models)."),
-    self_prompt_tokens: int = typer.Option(32, "--self-prompt-tokens", help="Tokens per sampled opening."),
+    self_prompt_tokens: int = typer.Option(32, "--self-prompt-tokens", help="Tokens sampled per opening."),
+    self_prompt_style: str = typer.Option(
+        "prefix", "--self-prompt-style",
+        help="prefix: BOS + the sampled tokens; sentence: a few words from a sentence inside the sampled text.",
+    ),
     chat_template_config: Optional[str] = typer.Option(
         None, "--chat-template-config", help="JSON for the chat template, e.g. '{\"enable_thinking\": false}': match later use."
     ),
@@ -47,7 +51,7 @@ def data(
     guard(lambda: _data(**args))
 
 
-def _data(model, out, prompts, text, self_prompts, self_prompt_tokens, chat_template_config, max_tokens,
+def _data(model, out, prompts, text, self_prompts, self_prompt_tokens, self_prompt_style, chat_template_config, max_tokens,
           max_length, temp, batch_size, shard_size, seed) -> None:
     import numpy as np
 
@@ -65,7 +69,8 @@ def _data(model, out, prompts, text, self_prompts, self_prompt_tokens, chat_temp
     ids = encode_prompts(pair.tokenizer, rows, template)
     if self_prompts:
         with console.status(f"sampling {self_prompts} openings from the target"):
-            ids += sample_openings(pair.model, pair.tokenizer, self_prompts, self_prompt_tokens, seed)
+            ids += sample_openings(pair.model, pair.tokenizer, self_prompts, self_prompt_tokens, seed,
+                                   style=self_prompt_style)
     with _progress() as progress:
         task = progress.add_task("regenerating", total=len(ids), status="")
         regenerate(pair.model, pair.tokenizer, ids, out, max_tokens=max_tokens, max_length=max_length, temp=temp,
@@ -76,7 +81,7 @@ def _data(model, out, prompts, text, self_prompts, self_prompt_tokens, chat_temp
 
 def train(
     model: str = typer.Option(..., "--model", help="Target: local mlx-lm folder or HF repo id (frozen)."),
-    data_dir: Path = typer.Option(..., "--data", help="Folder made by `dflash data`."),
+    data_dirs: List[Path] = typer.Option(..., "--data", help="Folder made by `dflash data`; repeat to mix several."),
     out: Path = typer.Option(..., "--out", help="Drafter folder (released format); checkpoints go in OUT/checkpoints."),
     layers: int = typer.Option(1, "--layers", help="Drafter layers."),
     block_size: int = typer.Option(16, "--block-size", help="Trained block size B."),
@@ -91,7 +96,7 @@ def train(
     gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay over block rows; default 7 (B=16) or 4 (B=8)."),
     grad_clip: float = typer.Option(1.0, "--grad-clip", help="Max gradient norm."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
-    held_out: int = typer.Option(16, "--held-out", help="Last N sequences are held out for evaluation."),
+    held_out: int = typer.Option(16, "--held-out", help="The last N sequences (of the last --data) are held out for evaluation."),
     eval_every: int = typer.Option(200, "--eval-every", help="Evaluate every N steps (0 = never)."),
     save_every: int = typer.Option(200, "--save-every", help="Checkpoint every N steps (0 = only the end)."),
     cache_features: bool = typer.Option(False, "--cache-features", help="Compute target features once, keep them in OUT/features."),
@@ -109,7 +114,7 @@ def train(
     guard(lambda: _train(**args))
 
 
-def _train(model, data_dir, out, layers, block_size, target_layer_ids, mask_token_id, intermediate_size, steps, lr,
+def _train(model, data_dirs, out, layers, block_size, target_layer_ids, mask_token_id, intermediate_size, steps, lr,
            warmup, grad_accum, anchors, gamma, grad_clip, dtype, held_out, eval_every, save_every, cache_features,
            resume, seed) -> None:
     from dflash_mlx import InputError, load
@@ -123,7 +128,7 @@ def _train(model, data_dir, out, layers, block_size, target_layer_ids, mask_toke
     except ValueError:
         raise InputError(f"--target-layer-ids must be comma-separated integers, got {target_layer_ids!r}") from None
     pair = load(model)
-    sequences = load_sequences(data_dir)
+    sequences = [seq for folder in data_dirs for seq in load_sequences(folder)]
     n_held = min(held_out, len(sequences) // 2)
     train_seqs, eval_seqs = sequences[: len(sequences) - n_held], sequences[len(sequences) - n_held:]
     config = TrainConfig(steps=steps, grad_accum=grad_accum, anchors=anchors, lr=lr, warmup=warmup,

@@ -27,11 +27,20 @@ def test_data_train_generate(stories, tmp_path):
                "--max-tokens", "24", "--shard-size", "16", "--out", str(data)).returncode == 0
     assert {p.name: p.read_bytes() for p in data.iterdir()} == before
 
-    r = run("train", "--model", str(stories), "--data", str(data), "--out", str(out), "--layers", "1",
+    # A second source: openings cut from sentences inside stories the target samples itself.
+    openings = tmp_path / "openings"
+    r = run("data", "--model", str(stories), "--self-prompts", "6", "--self-prompt-tokens", "64",
+            "--self-prompt-style", "sentence", "--max-tokens", "24", "--out", str(openings))
+    assert r.returncode == 0, r.stderr
+    n_openings = json.loads((openings / "manifest.json").read_text())["num_prompts"]
+    assert 1 <= n_openings <= 6
+
+    r = run("train", "--model", str(stories), "--data", str(data), "--data", str(openings), "--out", str(out), "--layers", "1",
             "--block-size", "4", "--steps", "6", "--anchors", "4", "--grad-accum", "1", "--held-out", "4",
             "--eval-every", "3", "--save-every", "3")
     assert r.returncode == 0, r.stderr
     assert "held-out tau" in r.stderr
+    assert f"{40 + n_openings - 4} train / 4 held-out" in " ".join(r.stderr.split())
     assert (out / "checkpoints" / "step_0000006").is_dir()
     config = json.loads((out / "config.json").read_text())
     assert config["block_size"] == 4 and config["num_hidden_layers"] == 1
@@ -53,3 +62,6 @@ def test_data_errors(stories, tmp_path):
     long.write_text(json.dumps({"prompt": "word " * 200}) + "\n")
     r = run("data", "--model", str(stories), "--prompts", str(long), "--max-length", "64", "--out", str(tmp_path / "d2"))
     assert r.returncode == 1 and "--max-length 64" in r.stderr
+    r = run("data", "--model", str(stories), "--self-prompts", "2", "--self-prompt-style", "middle",
+            "--out", str(tmp_path / "d3"))
+    assert r.returncode == 1 and "--self-prompt-style" in r.stderr

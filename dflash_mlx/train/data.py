@@ -115,18 +115,34 @@ def encode_prompts(tokenizer, rows: Iterable[dict], template: Optional[dict] = N
     return out
 
 
-def self_prompts(model, tokenizer, count: int, length: int, seed: int, temp: float = 1.0) -> List[List[int]]:
-    """Openings sampled from the target itself: BOS + ``length`` sampled tokens.
+def self_prompts(model, tokenizer, count: int, length: int, seed: int, temp: float = 1.0,
+                 style: str = "prefix", max_words: int = 12) -> List[List[int]]:
+    """Openings sampled from the target itself, for base models without a prompt set.
 
-    For base models without a prompt set (e.g. stories260K).
+    Args:
+        count: openings wanted; length: tokens sampled per text (after BOS).
+        style: "prefix" keeps BOS + the sampled tokens; "sentence" starts the opening
+            at a random sentence inside the sampled text and keeps its first 3 to
+            ``max_words`` words (openings unlike the model's usual first words).
     """
     bos = tokenizer.bos_token_id
     if bos is None:
         raise InputError("--self-prompts needs a tokenizer with a BOS token")
+    if style not in ("prefix", "sentence"):
+        raise InputError(f"--self-prompt-style must be prefix or sentence, got {style!r}")
     mx.random.seed(seed)
     result = batch_generate(model, tokenizer, [[bos]] * count, max_tokens=length,
                             sampler=make_sampler(temp), return_token_ids=True)
-    return [[bos] + ids for ids in result.token_ids if ids]
+    if style == "prefix":
+        return [[bos] + ids for ids in result.token_ids if ids]
+    rng = np.random.default_rng(seed)
+    openings = []
+    for ids in result.token_ids:
+        sentences = [x.strip() for x in re.split(r"(?<=[.!?])\s+", tokenizer.decode(ids)) if len(x.split()) >= 3]
+        if len(sentences) > 1:
+            words = sentences[int(rng.integers(1, len(sentences)))].split()
+            openings.append(tokenizer.encode(" ".join(words[: int(rng.integers(3, max_words + 1))])))
+    return openings
 
 
 def _fingerprint(prompts: Sequence[Sequence[int]], settings: dict) -> str:
