@@ -12,8 +12,8 @@ Definitions (per dataset and block size B):
 - per-cycle times (ms): draft, verify and host phase seconds over verify steps;
   ``other`` is the rest of the decode wall time per cycle (the generator's own
   bookkeeping and the consumer). ``draft`` includes the drafter's graph building
-  and op dispatch, which the engine's stats count as host (see
-  ``runner.TimedDrafter``); ``engine_phase_ms`` keeps the engine's own split.
+  and op dispatch, as the engine's own phases now do (``engine_phase_ms``, which
+  ``runner.TimedDrafter`` checks against).
 - ideal speedup of a pair: ``tau x t_AR / (t_draft + t_verify)``, with ``t_AR``
   the baseline's decode seconds per token, ``t_draft + t_verify`` DFlash's
   per-cycle draft and verify seconds and tau taken as the decode tokens per verify
