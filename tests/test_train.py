@@ -159,3 +159,12 @@ def test_bad_layer_ids_and_mask(setup):
         init_drafter(target, 0, target_layer_ids=[0, 3])
     with pytest.raises(InputError, match="--mask-token-id"):
         init_drafter(target, 64)
+
+
+def test_bfloat16_training_runs_and_learns(setup, tmp_path):
+    _, target, seqs = setup
+    drafter = _drafter(target)
+    config = TrainConfig(steps=30, anchors=16, grad_accum=1, lr=3e-3, dtype="bfloat16")
+    losses = [info.loss for info in Trainer(drafter, target, seqs, config, tmp_path).run()]
+    assert drafter.fc.weight.dtype == mx.bfloat16
+    assert all(np.isfinite(losses)) and np.mean(losses[-5:]) < np.mean(losses[:5])
