@@ -9,9 +9,7 @@ from typing import Optional
 import typer
 
 from dflash_mlx.errors import DFlashError, InputError
-
-DEFAULT_MODEL = "Qwen/Qwen3-4B"
-DEFAULT_DRAFT_MODEL = "z-lab/Qwen3-4B-DFlash-b16"
+from dflash_mlx.loading import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
 MODEL_HELP = (
     "Target model: a local mlx-lm folder or a Hugging Face repo id (downloaded into "

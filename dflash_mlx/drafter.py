@@ -17,8 +17,8 @@ from typing import Any, Callable, List, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3 import MLP  # the same SwiGLU MLP and keys as the checkpoints
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .errors import CheckpointError, ConfigError
@@ -282,7 +282,7 @@ class DrafterLayer(nn.Module):
     def __init__(self, args: DrafterArgs):
         super().__init__()
         self.self_attn = DrafterAttention(args)
-        self.mlp = DrafterMLP(args.hidden_size, args.intermediate_size)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
@@ -295,17 +295,6 @@ class DrafterLayer(nn.Module):
         else:
             h = h + self.self_attn.blocks(x, context, anchors, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class DrafterMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DFlashDrafter(nn.Module):

@@ -8,6 +8,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from mlx_lm.utils import load as mlx_lm_load
 
 from .drafter import DFlashDrafter, load_drafter
@@ -17,7 +18,7 @@ from .targets import TargetAdapter, make_adapter
 
 DEFAULT_MODEL = "Qwen/Qwen3-4B"
 DEFAULT_DRAFT_MODEL = "z-lab/Qwen3-4B-DFlash-b16"
-TARGET_FILES = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+TARGET_FILES = DEFAULT_ALLOW_PATTERNS  # what mlx-lm itself downloads for a model
 
 
 @dataclass
