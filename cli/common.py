@@ -120,13 +120,13 @@ def check_sampling(temp: float, top_p: float, top_k: int, min_p: float, max_toke
 
 def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: dict,
                   ignore_chat_template: bool) -> list[int]:
-    """Apply the chat template as ``mlx_lm.generate`` does, then tokenize."""
-    use_template = not ignore_chat_template and tokenizer.has_chat_template
-    if use_template:
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": text})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template)
-    return tokenizer.encode(text, add_special_tokens=not use_template)
+    """Apply the chat template as ``mlx_lm.generate`` does (raw text without one), then tokenize."""
+    from dflash_mlx.prompt import encode_messages
+
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": text})
+    return encode_messages(tokenizer, messages, template, use_template=not ignore_chat_template,
+                           plain=lambda _: text)
 
 
 def load_pair(model: str, draft_model: Optional[str], defaults: bool):

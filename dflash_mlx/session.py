@@ -28,6 +28,7 @@ from mlx_lm.models.cache import KVCache, trim_prompt_cache
 
 from .errors import InputError
 from .generate import check_block_size, stream_generate
+from .prompt import encode_messages
 from .stats import GenerationStats, format_histogram
 
 
@@ -272,12 +273,7 @@ class ChatSession:
 
     def render(self, messages: Sequence[Dict[str, str]]) -> List[int]:
         """Prompt ids for ``messages`` followed by the assistant's turn."""
-        if self.use_template:
-            text = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=True, **self.template_config
-            )
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        return list(self.tokenizer.encode(plain_text(messages), add_special_tokens=True))
+        return encode_messages(self.tokenizer, messages, self.template_config, self.use_template, plain_text)
 
     def reset(self) -> None:
         """Clear the conversation (the system prompt stays) and trim both caches to 0."""

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from ..errors import InputError
+from ..prompt import encode_messages
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
@@ -288,9 +289,4 @@ def encode_sample_turn(tokenizer, messages: Sequence[dict], enable_thinking: boo
     Without a chat template (base models such as stories260K) the user turns are
     joined with newlines and encoded with the tokenizer's special tokens (BOS).
     """
-    if tokenizer.has_chat_template:
-        kwargs = {"enable_thinking": enable_thinking, **(template or {})}
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **kwargs)
-        return tokenizer.encode(text, add_special_tokens=False)
-    text = "\n".join(m["content"] for m in messages)
-    return tokenizer.encode(text)
+    return encode_messages(tokenizer, messages, {"enable_thinking": enable_thinking, **(template or {})})

@@ -22,6 +22,7 @@ from mlx_lm import batch_generate
 from mlx_lm.sample_utils import make_sampler
 
 from ..errors import InputError
+from ..prompt import encode_messages
 
 MANIFEST = "manifest.json"
 
@@ -102,17 +103,8 @@ def prompts_from_text(path: str | Path, rng: np.random.Generator, per_document: 
 def encode_prompts(tokenizer, rows: Iterable[dict], template: Optional[dict] = None) -> List[List[int]]:
     """Token ids of each prompt: the chat template when the tokenizer has one
     (with ``template`` kwargs such as ``enable_thinking``), else raw text with BOS."""
-    out = []
-    for row in rows:
-        if tokenizer.has_chat_template:
-            messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                 **(template or {}))
-            out.append(tokenizer.encode(text, add_special_tokens=False))
-        else:
-            text = row.get("prompt") or "\n".join(m["content"] for m in row["messages"])
-            out.append(tokenizer.encode(text))
-    return out
+    return [encode_messages(tokenizer, row.get("messages") or [{"role": "user", "content": row["prompt"]}], template)
+            for row in rows]
 
 
 def self_prompts(model, tokenizer, count: int, length: int, seed: int, temp: float = 1.0,

@@ -1,0 +1,33 @@
+"""Prompt token ids from chat messages: the tokenizer's chat template, or plain text."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence
+
+Messages = Sequence[Dict[str, str]]
+
+
+def join_contents(messages: Messages) -> str:
+    """The messages' text joined by newlines (for models without a chat template)."""
+    return "\n".join(m["content"] for m in messages)
+
+
+def encode_messages(
+    tokenizer,
+    messages: Messages,
+    template: Optional[dict] = None,
+    use_template: bool = True,
+    plain: Callable[[Messages], str] = join_contents,
+) -> List[int]:
+    """Token ids for ``messages`` followed by the assistant's turn.
+
+    With a chat template (and ``use_template``), the rendered text is encoded without
+    adding special tokens, as ``mlx_lm.generate`` does; ``template`` holds extra
+    ``apply_chat_template`` keyword arguments (e.g. ``enable_thinking``). Otherwise
+    ``plain(messages)`` is encoded with the tokenizer's special tokens (BOS).
+    """
+    if use_template and tokenizer.has_chat_template:
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                             **(template or {}))
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(plain(messages), add_special_tokens=True))
