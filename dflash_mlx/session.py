@@ -400,19 +400,7 @@ class ChatSession:
         self.reused_tokens += reused
         if stats is None:
             return
-        t = self.totals
-        t.prompt_tokens += stats.prompt_tokens
-        t.generation_tokens += stats.generation_tokens
-        t.steps += stats.steps
-        if len(t.histogram) < len(stats.histogram):
-            t.histogram += [0] * (len(stats.histogram) - len(t.histogram))
-        for a, n in enumerate(stats.histogram):
-            t.histogram[a] += n
-        for p, s in stats.phase_s.items():
-            t.phase_s[p] += s
-        t.prompt_s += stats.prompt_s
-        t.generation_s += stats.generation_s
-        t.peak_memory_gb = max(t.peak_memory_gb, stats.peak_memory_gb)
+        self.totals.add(stats)
         self.drafts_proposed += stats.steps * (stats.block_size - 1)
 
     def stats_lines(self) -> List[str]:

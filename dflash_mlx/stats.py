@@ -54,6 +54,24 @@ class GenerationStats:
         self.steps += 1
         self.histogram[accepted] += 1
 
+    def add(self, other: "GenerationStats") -> None:
+        """Accumulate another generation's counts and times (e.g. a chat's turns).
+
+        Histograms of different block sizes are added bin by bin (accepted count a);
+        peak memory is the larger of the two.
+        """
+        self.prompt_tokens += other.prompt_tokens
+        self.generation_tokens += other.generation_tokens
+        self.steps += other.steps
+        self.histogram += [0] * (len(other.histogram) - len(self.histogram))
+        for a, n in enumerate(other.histogram):
+            self.histogram[a] += n
+        for p, s in other.phase_s.items():
+            self.phase_s[p] += s
+        self.prompt_s += other.prompt_s
+        self.generation_s += other.generation_s
+        self.peak_memory_gb = max(self.peak_memory_gb, other.peak_memory_gb)
+
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Add the wall time of the ``with`` body to ``phase_s[name]``."""

@@ -37,3 +37,20 @@ def test_plain_stats_have_no_acceptance_line():
 ])
 def test_count_accepted(drafts, targets, a):
     assert count_accepted(drafts, targets) == a
+
+
+def test_add_accumulates_generations_of_different_block_sizes():
+    a = GenerationStats(block_size=4, prompt_tokens=5, generation_tokens=10, prompt_s=0.5, generation_s=1.0,
+                        peak_memory_gb=1.0)
+    a.record_step(3)
+    a.phase_s["verify"] = 0.2
+    b = GenerationStats(block_size=8, prompt_tokens=2, generation_tokens=6, prompt_s=0.1, generation_s=0.5,
+                        peak_memory_gb=0.5)
+    b.record_step(7)
+    b.record_step(0)
+    b.phase_s["verify"] = 0.3
+    a.add(b)
+    assert a.histogram == [1, 0, 0, 1, 0, 0, 0, 1] and a.steps == 3
+    assert (a.prompt_tokens, a.generation_tokens) == (7, 16)
+    assert a.prompt_s == pytest.approx(0.6) and a.generation_s == pytest.approx(1.5)
+    assert a.phase_s["verify"] == pytest.approx(0.5) and a.peak_memory_gb == 1.0
