@@ -72,7 +72,7 @@ def random_pair(drafter_layers: int = 1, block_size: int = 16, seed: int = 0, dt
 
 
 def plot_sweep(report: dict, path: Path) -> Path:
-    from dflash_mlx.bench.plots import _pyplot
+    from dflash_mlx.bench.plots import _pyplot, save_figure
 
     plt = _pyplot()
     rows = [(ds["dflash"][0]["tau"], ds["dflash"][0]["speedup_median_of_ratios"], ds["dflash"][0]["ideal_speedup"])
@@ -86,10 +86,7 @@ def plot_sweep(report: dict, path: Path) -> Path:
     ax.set_ylabel("speedup over plain decoding")
     ax.set_title("Qwen3-0.6B shape, random weights, f32, B=16")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main() -> int:

@@ -55,9 +55,14 @@ def plot_speedup(report: dict, path: Path) -> Path:
     ax.set_ylabel(f"speedup over {baseline}")
     ax.set_title("DFlash speedup (median of per-pair ratios)", fontsize=10)
     ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write and close a figure; returns ``path``."""
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
@@ -79,10 +84,7 @@ def plot_acceptance(report: dict, path: Path) -> Path:
         ax.set_xlabel("acceptance length (tokens per verify)")
         ax.set_ylabel("share of steps")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_tokens_per_s(report: dict, path: Path) -> Path:
@@ -101,10 +103,7 @@ def plot_tokens_per_s(report: dict, path: Path) -> Path:
     ax.set_ylabel("decode tokens/s (median)")
     ax.set_title("tokens/s vs block size")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_plots(report: dict, out_dir: str | Path) -> Dict[str, Path]:
