@@ -33,8 +33,26 @@ class Pair:
     draft_path: Optional[str]
 
 
+def load_model(path_or_repo: str, what: str = "model"):
+    """Load any mlx-lm model and its tokenizer from a folder or repo id.
+
+    Returns:
+        ``(model, tokenizer)``.
+
+    Raises:
+        CheckpointError: missing or unreadable checkpoint (names the path and ``what``).
+    """
+    path = resolve_model_path(path_or_repo, TARGET_FILES, what=what)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path / 'config.json'}: not found (is {path} an mlx-lm model folder?)")
+    try:
+        return mlx_lm_load(str(path))
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: cannot load the {what} ({e})") from None
+
+
 def load_target(path_or_repo: str):
-    """Load an mlx-lm model and tokenizer from a folder or repo id.
+    """Load a target: :func:`load_model` plus the adapter of its family.
 
     Returns:
         ``(model, tokenizer, adapter)``.
@@ -43,13 +61,7 @@ def load_target(path_or_repo: str):
         CheckpointError: missing or unreadable checkpoint (names the path).
         MismatchError: the family has no adapter yet.
     """
-    path = resolve_model_path(path_or_repo, TARGET_FILES, what="model")
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path / 'config.json'}: not found (is {path} an mlx-lm model folder?)")
-    try:
-        model, tokenizer = mlx_lm_load(str(path))
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: cannot load the target model ({e})") from None
+    model, tokenizer = load_model(path_or_repo, what="target model")
     return model, tokenizer, make_adapter(model)
 
 

@@ -40,17 +40,10 @@ def make_baseline(spec: str, pair, num_draft_tokens: int = 3) -> Engine:
         return DFlashEngine(pair.target, None)
     if kind == "mlx-lm":
         return MlxLmEngine(pair.model)
-    from mlx_lm.utils import load as mlx_lm_load
+    from ..errors import MismatchError
+    from ..loading import load_model
 
-    from ..errors import CheckpointError, MismatchError
-    from ..hub import resolve_model_path
-    from ..loading import TARGET_FILES
-
-    folder = resolve_model_path(path, TARGET_FILES, what="draft model")
-    try:
-        draft_model, _ = mlx_lm_load(str(folder))
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{folder}: cannot load the baseline draft model ({e})") from None
+    draft_model, _ = load_model(path, what="baseline draft model")
     vocab = getattr(draft_model.args, "vocab_size", None)
     if vocab != pair.target.vocab_size:
         raise MismatchError(
