@@ -107,13 +107,8 @@ def plain_text(messages: Sequence[Dict[str, str]]) -> str:
 def trim_cache(cache: List[Any], rows: int) -> None:
     """Trim every layer of ``cache`` to ``rows`` tokens with mlx-lm's
     ``trim_prompt_cache`` (layer by layer if an interrupt left them uneven)."""
-    offsets = {c.offset for c in cache}
-    if len(offsets) == 1:
-        trim_prompt_cache(cache, offsets.pop() - rows)
-    else:
-        for c in cache:
-            trim_prompt_cache([c], c.offset - rows)
     for c in cache:
+        trim_prompt_cache([c], c.offset - rows)
         _heal(c)
 
 
