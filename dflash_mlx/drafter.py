@@ -224,10 +224,14 @@ class DrafterAttention(nn.Module):
     def _heads(self, x: mx.array, n: int) -> mx.array:
         return x.reshape(x.shape[0], x.shape[1], n, -1).transpose(0, 2, 1, 3)
 
+    def _keys_values(self, rows: mx.array):
+        """Shared K/V projections of context and block rows: normed keys, values (no RoPE)."""
+        keys = self.k_norm(self._heads(self.k_proj(rows), self.n_kv_heads))
+        return keys, self._heads(self.v_proj(rows), self.n_kv_heads)
+
     def ingest(self, context: mx.array, cache: KVCache) -> None:
         """Append context K/V only (no block): [1, S, H] fused rows at ``cache.offset``."""
-        keys = self.k_norm(self._heads(self.k_proj(context), self.n_kv_heads))
-        values = self._heads(self.v_proj(context), self.n_kv_heads)
+        keys, values = self._keys_values(context)
         cache.update_and_fetch(self.rope(keys, offset=cache.offset), values)
 
     def __call__(self, x: mx.array, context: mx.array, cache: KVCache) -> mx.array:
@@ -235,9 +239,7 @@ class DrafterAttention(nn.Module):
         _, B, _ = x.shape
         S = context.shape[1]
         offset = cache.offset
-        rows = mx.concatenate([context, x], axis=1)
-        keys = self.k_norm(self._heads(self.k_proj(rows), self.n_kv_heads))
-        values = self._heads(self.v_proj(rows), self.n_kv_heads)
+        keys, values = self._keys_values(mx.concatenate([context, x], axis=1))
         queries = self.q_norm(self._heads(self.q_proj(x), self.n_heads))
 
         queries = self.rope(queries, offset=offset + S)
@@ -264,14 +266,12 @@ class DrafterAttention(nn.Module):
         N, B, _ = x.shape
         L = context.shape[1]
         queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=anchors)
-        block_keys = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=anchors)
-        ctx_keys = self.rope(self.k_norm(self._heads(self.k_proj(context), self.n_kv_heads)), offset=0)
-        ctx_values = self._heads(self.v_proj(context), self.n_kv_heads)
+        block_keys, block_values = self._keys_values(x)
+        ctx_keys, ctx_values = self._keys_values(context)
         shape = (N, self.n_kv_heads, L, self.head_dim)
-        keys = mx.concatenate([mx.broadcast_to(ctx_keys, shape), block_keys], axis=2)
-        values = mx.concatenate(
-            [mx.broadcast_to(ctx_values, shape), self._heads(self.v_proj(x), self.n_kv_heads)], axis=2
-        )
+        keys = mx.concatenate([mx.broadcast_to(self.rope(ctx_keys, offset=0), shape),
+                               self.rope(block_keys, offset=anchors)], axis=2)
+        values = mx.concatenate([mx.broadcast_to(ctx_values, shape), block_values], axis=2)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))
 
