@@ -245,9 +245,6 @@ class ChatSession:
         self.draft_cache = drafter.make_cache() if drafter is not None else None
         self.tokens: List[int] = []
         self.messages: List[Dict[str, str]] = []
-        self.totals = GenerationStats(block_size=drafter.block_size if drafter is not None else 1)
-        self.turns = self.interrupted = self.reused_tokens = self.drafts_proposed = 0
-        self.last_reused = 0  # tokens of the last turn's prompt found in the cache
         self.reset()
 
     @classmethod
@@ -271,9 +268,13 @@ class ChatSession:
         return encode_messages(self.tokenizer, messages, self.template_config, self.use_template, plain_text)
 
     def reset(self) -> None:
-        """Clear the conversation (the system prompt stays) and trim both caches to 0."""
+        """Clear the conversation (the system prompt stays), trim both caches to 0 and
+        start the totals afresh."""
         self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         self._settle([], 0)
+        self.totals = GenerationStats(block_size=self.drafter.block_size if self.drafter is not None else 1)
+        self.turns = self.interrupted = self.reused_tokens = self.drafts_proposed = 0
+        self.last_reused = 0  # tokens of the last turn's prompt found in the cache
 
     def stream(
         self,

@@ -169,17 +169,21 @@ def test_trim_cache_evens_out_layers():
     assert layers[2].offset == 9 and layers[2].keys.shape[2] == layers[2].values.shape[2]
 
 
-def test_reset_trims_both_caches(pair):
+def test_reset_trims_both_caches_and_starts_the_totals_afresh(pair):
     target, drafter = pair
     s = ChatSession(target, ByteTokenizer(True), drafter, system_prompt="sys")
     run_turn(s, TURNS[0], 20)
     run_turn(s, TURNS[1], 20)
+    assert s.turns == 2 and s.totals.generation_tokens == 40
     s.reset()
     assert s.messages == [{"role": "system", "content": "sys"}] and s.tokens == []
+    assert s.turns == 0 and s.totals.generation_tokens == 0 and s.totals.steps == 0
     check_consistent(s)
     reply, ids = run_turn(s, TURNS[2], 20)
     assert s.last_reused == 0 and reply == fresh(target, drafter, ids, 20)
-    assert s.turns == 3 and "Turns: 3 (0 interrupted)" in s.stats_lines()
+    # /stats after /reset counts the new conversation only.
+    assert s.turns == 1 and "Turns: 1 (0 interrupted)" in s.stats_lines()
+    assert f"Generation: {len(reply)} tokens" in "\n".join(s.stats_lines())
 
 
 def test_context_limit(pair):
