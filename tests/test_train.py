@@ -11,7 +11,9 @@ from dflash_mlx import GenerationStats, generate_step
 from dflash_mlx.errors import InputError, MismatchError
 from dflash_mlx.train.blocks import block_mask, position_weights, sample_anchors, valid_anchors
 from dflash_mlx.train.data import TrainSequence, read_prompt_file, regenerate
-from dflash_mlx.train.trainer import TrainConfig, Trainer, evaluate, init_drafter, make_batch, target_features
+from dflash_mlx.train.trainer import (
+    TrainConfig, Trainer, check_fresh_out, evaluate, init_drafter, make_batch, target_features,
+)
 from conftest import mlx_lm_greedy, tiny_target
 
 B = 8
@@ -128,6 +130,46 @@ def test_resume_with_another_target_fails_and_keeps_checkpoint(setup, tmp_path):
     with pytest.raises(MismatchError, match="trained for target"):
         Trainer.resume(other, seqs, config, tmp_path)
     assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(steps=10), "--steps 4; resuming with --steps 10"),  # would reshape the learning-rate schedule
+    (dict(lr=1e-2, seed=3), "--lr 0.001, --seed 0; resuming with --lr 0.01, --seed 3"),
+])
+def test_resume_with_other_run_settings_is_refused(setup, tmp_path, change, needle):
+    _, target, seqs = setup
+    config = TrainConfig(steps=4, anchors=4, lr=1e-3, save_every=2)
+    trainer = Trainer(_drafter(target), target, seqs, config, tmp_path)
+    for info in trainer.run():
+        if info.step == 2:
+            break
+    with pytest.raises(InputError, match=needle):
+        Trainer.resume(target, seqs, TrainConfig(**{**config.__dict__, **change}), tmp_path)
+    # Settings that do not shape the run may change.
+    resumed = Trainer.resume(target, seqs, TrainConfig(**{**config.__dict__, "eval_every": 1, "save_every": 1}),
+                             tmp_path)
+    assert resumed.step == 2
+
+
+def test_resume_of_a_finished_run_is_refused(setup, tmp_path):
+    _, target, seqs = setup
+    config = TrainConfig(steps=2, anchors=4, save_every=2)
+    list(Trainer(_drafter(target), target, seqs, config, tmp_path).run())
+    with pytest.raises(InputError, match="already finished its 2 steps"):
+        Trainer.resume(target, seqs, config, tmp_path)
+
+
+def test_fresh_run_into_an_earlier_run(setup, tmp_path):
+    _, target, seqs = setup
+    check_fresh_out(tmp_path / "new")  # a new folder is fine, and so is an unrelated one
+    (tmp_path / "notes.txt").write_text("mine")
+    check_fresh_out(tmp_path)
+    list(Trainer(_drafter(target), target, seqs, TrainConfig(steps=2, anchors=4, save_every=1), tmp_path).run())
+    with pytest.raises(InputError, match="checkpoints up to step_0000002.*--resume.*--overwrite"):
+        check_fresh_out(tmp_path)
+    check_fresh_out(tmp_path, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    check_fresh_out(tmp_path)
 
 
 def test_resume_without_checkpoint(setup, tmp_path):

@@ -34,6 +34,12 @@ from .blocks import block_mask, default_gamma, position_weights, sample_anchors,
 from .data import TrainSequence
 
 CHECKPOINTS = "checkpoints"
+FEATURES = "features"
+# Settings that shape a run (schedule, data order, anchors, numerics), with their flags:
+# a resumed run must use the checkpoint's values to continue the same run.
+RUN_SETTINGS = {"steps": "--steps", "grad_accum": "--grad-accum", "anchors": "--anchors", "lr": "--lr",
+                "warmup": "--warmup", "min_lr": "min_lr", "weight_decay": "weight_decay",
+                "grad_clip": "--grad-clip", "gamma": "--gamma", "dtype": "--dtype", "seed": "--seed"}
 
 
 @dataclass
@@ -220,6 +226,31 @@ def evaluate(drafter: DFlashDrafter, target: TargetAdapter, sequences: List[Trai
     return {"accuracy": (correct / n).round(4).tolist(), "tau": round(1 + leading / n, 4), "blocks": n}
 
 
+def check_fresh_out(out_dir: str | Path, overwrite: bool = False) -> None:
+    """Before a fresh run: ``out_dir`` must not hold an earlier run, whose checkpoints a
+    later ``--resume`` would pick up (and whose cached features belong to other data).
+
+    With ``overwrite``, that run's checkpoints, cached features and drafter are deleted.
+
+    Raises:
+        InputError: ``out_dir`` is a file, or holds a run and ``overwrite`` is False.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out}: is a file; give a folder for the drafter")
+    owned = [out / CHECKPOINTS, out / FEATURES, out / "config.json", out / "model.safetensors"]
+    found = [p for p in owned if p.exists()]
+    if not found:
+        return
+    if not overwrite:
+        ckpts = Trainer.checkpoints(out)
+        what = f"checkpoints up to {ckpts[-1].name}" if ckpts else ", ".join(p.name for p in found)
+        raise InputError(f"--out {out}: holds an earlier training run ({what}); pass --resume to continue it, "
+                         "--overwrite to delete it and start afresh, or a new --out")
+    for p in found:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
 def learning_rate(config: TrainConfig) -> Callable:
     """Linear warm-up, then cosine decay to ``min_lr``."""
     warm = max(1, int(config.warmup * config.steps))
@@ -316,6 +347,12 @@ class Trainer:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
+    @staticmethod
+    def checkpoints(out_dir: str | Path) -> List[Path]:
+        """The checkpoints in ``out_dir/checkpoints``, oldest first (each loads with
+        ``--draft-model``)."""
+        return sorted((Path(out_dir) / CHECKPOINTS).glob("step_*"))
+
     @classmethod
     def resume(cls, target: TargetAdapter, sequences: List[TrainSequence], config: TrainConfig,
                out_dir: str | Path, held_out: Optional[List[TrainSequence]] = None,
@@ -323,11 +360,13 @@ class Trainer:
         """Continue from the newest checkpoint in ``out_dir/checkpoints``.
 
         Raises:
-            InputError: no checkpoint to resume from.
+            InputError: no checkpoint to resume from; a setting of
+                :data:`RUN_SETTINGS` differs from the checkpoint's (the message names
+                the flags and both values); the run already reached ``config.steps``.
             MismatchError: the checkpoint was trained for another target (the
                 checkpoint is left as it is).
         """
-        checkpoints = sorted((Path(out_dir) / CHECKPOINTS).glob("step_*"))
+        checkpoints = cls.checkpoints(out_dir)
         if not checkpoints:
             raise InputError(f"{Path(out_dir) / CHECKPOINTS}: no checkpoint to resume from")
         ckpt = checkpoints[-1]
@@ -337,6 +376,19 @@ class Trainer:
                 f"{ckpt}: was trained for target {state['target']}, but the given target is "
                 f"{target_fingerprint(target)}; pass the same --model or a new --out"
             )
+        saved = state.get("config", {})
+        changed = [k for k in RUN_SETTINGS if k in saved and saved[k] != getattr(config, k)]
+        if changed:
+            was = ", ".join(f"{RUN_SETTINGS[k]} {saved[k]}" for k in changed)
+            now = ", ".join(f"{RUN_SETTINGS[k]} {getattr(config, k)}" for k in changed)
+            raise InputError(
+                f"{ckpt}: the run was started with {was}; resuming with {now} would not continue it "
+                "(the learning-rate schedule, data order and anchors follow them): pass the same values, "
+                "or train afresh into a new --out"
+            )
+        if state["step"] >= config.steps:
+            raise InputError(f"{ckpt}: the run already finished its {config.steps} steps; "
+                             f"the drafter is in {out_dir}")
         drafter = bind_drafter(load_drafter(str(ckpt)), target, str(ckpt))
         trainer = cls(drafter, target, sequences, config, out_dir, held_out, feature_cache)
         trainer.optimizer.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.npz")).items()))
