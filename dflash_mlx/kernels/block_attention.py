@@ -401,15 +401,25 @@ def block_attention_reference(
     return out.reshape(batch, n_heads, block, head_dim).astype(queries.dtype)
 
 
+def kernel_inputs(queries, ctx_keys, ctx_values, block_keys, block_values, n_ctx: int, delta: int,
+                  window: Optional[int], causal: bool, scale: float) -> list:
+    """The kernel's inputs in ``INPUT_NAMES`` order (the CPU test harness passes its own arrays).
+
+    With no context rows (``n_ctx`` 0) the block K/V stand in for the context arrays,
+    since an empty array cannot be bound; the kernel never reads them then.
+    """
+    if n_ctx == 0:
+        ctx_keys, ctx_values = block_keys, block_values
+    return [queries, ctx_keys, ctx_values, block_keys, block_values, int(n_ctx), int(delta),
+            0 if window is None else int(window), int(bool(causal)), float(scale)]
+
+
 def _metal_block_attention(queries, ctx_keys, ctx_values, block_keys, block_values,
                            scale: float, window: Optional[int], causal: bool, delta: int) -> mx.array:
     launch = kernel_launch(queries.shape, block_keys.shape[1], queries.dtype)
-    n_ctx = ctx_keys.shape[2]
-    if n_ctx == 0:  # an empty array cannot be bound; the kernel never reads it when n_ctx is 0
-        ctx_keys, ctx_values = block_keys, block_values
     return _KERNEL(
-        inputs=[queries, ctx_keys, ctx_values, block_keys, block_values,
-                n_ctx, delta, 0 if window is None else int(window), int(bool(causal)), float(scale)],
+        inputs=kernel_inputs(queries, ctx_keys, ctx_values, block_keys, block_values,
+                             ctx_keys.shape[2], delta, window, causal, scale),
         template=launch.template,
         grid=launch.grid,
         threadgroup=launch.threadgroup,
