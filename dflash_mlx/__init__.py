@@ -4,7 +4,9 @@ The method lives in two files: :mod:`dflash_mlx.drafter` (the drafter network)
 and :mod:`dflash_mlx.generate` (the decode loop).
 """
 
-from .drafter import DFlashDrafter, DrafterArgs, load_drafter, save_drafter
+from .checkpoint import load_drafter, save_drafter
+from .drafter import DFlashDrafter
+from .drafter_config import DrafterArgs
 from .errors import CheckpointError, ConfigError, DFlashError, InputError, MismatchError
 from .generate import GenerationResponse, StepResult, generate, generate_step, stream_generate
 from .session import ChatSession

@@ -26,7 +26,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..drafter import DFlashDrafter, DrafterArgs, default_target_layer_ids, load_drafter, save_drafter
+from ..checkpoint import load_drafter, save_drafter
+from ..drafter import DFlashDrafter
+from ..drafter_config import DrafterArgs, default_target_layer_ids
 from ..errors import InputError, MismatchError
 from ..loading import bind_drafter
 from ..targets import TargetAdapter
