@@ -24,6 +24,7 @@ from .stopping import StopCondition, held_back, text_before_stop
 from .targets import TargetAdapter
 
 Sampler = Callable[[mx.array], mx.array]
+NO_DRAFTER = "no drafter was given (--draft-model)"
 
 
 @dataclass
@@ -303,6 +304,8 @@ def stream_generate(
         block_size=check_block_size(kwargs.get("block_size"), drafter),
         prompt_tokens=prompt.size,
         model_bytes=weight_bytes(target.model, drafter if isinstance(drafter, nn.Module) else None),
+        speculative=drafter is not None,
+        reason=None if drafter is not None else NO_DRAFTER,
     )
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()

@@ -46,6 +46,8 @@ class GenerationStats:
         peak_memory_gb: ``mx.get_peak_memory()`` in GB (1e9 bytes).
         model_bytes: bytes of the weights read per step (target + drafter), for
             :attr:`bandwidth_gbps`; 0 when unknown.
+        speculative: whether speculative decoding ran.
+        reason: why it did not (None when it ran), e.g. "no drafter was given".
     """
 
     block_size: int
@@ -60,6 +62,8 @@ class GenerationStats:
     generation_s: float = 0.0
     peak_memory_gb: float = 0.0
     model_bytes: int = 0
+    speculative: bool = True
+    reason: Optional[str] = None
 
     def record_step(self, accepted: int, drafted: Optional[int] = None) -> None:
         """Count one verify step that accepted ``accepted`` of ``drafted`` drafts
@@ -130,6 +134,8 @@ class GenerationStats:
         """The ``--json`` keys (counts in tokens, rates in tokens/s, memory in GB,
         bandwidth in GB/s, histogram keyed by acceptance length)."""
         return {
+            "speculative": self.speculative,
+            "reason": self.reason,
             "tokens": self.generation_tokens,
             "tau": round(self.tau, 4),
             "steps": self.steps,
@@ -157,7 +163,9 @@ class GenerationStats:
             f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.3f} tokens-per-sec",
             f"Peak memory: {self.peak_memory_gb:.3f} GB",
         ]
-        if self.block_size > 1:
+        if not self.speculative:
+            lines.append(f"Speculative decoding: off ({self.reason})")
+        elif self.block_size > 1:
             lines.append(f"Acceptance: {self.acceptance_line()} at block size {self.block_size}")
             lines.append("Histogram: " + format_histogram(self.histogram))
         if self.model_bytes:

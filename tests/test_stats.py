@@ -50,8 +50,12 @@ def test_rates_bandwidth_and_lines():
     assert d["acceptance_rate"] == pytest.approx(0.6667) and d["bandwidth_gbps"] == 0.5
 
 
-def test_plain_stats_have_no_acceptance_line():
-    assert not any(line.startswith("Acceptance") for line in GenerationStats(block_size=1).format_lines())
+def test_plain_stats_say_speculation_is_off_and_why():
+    s = GenerationStats(block_size=1, speculative=False, reason="no drafter was given (--draft-model)")
+    lines = s.format_lines()
+    assert not any(line.startswith("Acceptance") for line in lines)
+    assert "Speculative decoding: off (no drafter was given (--draft-model))" in lines
+    assert s.to_dict()["speculative"] is False and s.to_dict()["reason"].startswith("no drafter")
 
 
 @pytest.mark.parametrize("drafts, targets, a", [
