@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 PHASES = ("prefill", "draft", "verify", "host")
@@ -196,3 +197,24 @@ def format_histogram(histogram: Dict[int, int]) -> str:
 def weight_bytes(*modules) -> int:
     """Bytes of the modules' parameters (quantized weights counted as stored)."""
     return sum(v.nbytes for m in modules if m is not None for _, v in tree_flatten(m.parameters()))
+
+
+def teacher_forced(right: np.ndarray) -> dict:
+    """Acceptance implied by held-out drafts under teacher forcing (training evaluation).
+
+    Args:
+        right: [N, B-1] bool, block n's draft at position k (1..B-1) equals the
+            true token.
+
+    Returns:
+        ``{"accuracy": [B-1] share right per position, "acceptance": [B-1] share of
+        blocks whose drafts 1..k are all right (position k accepted), "tau": 1 +
+        mean number of leading right drafts (the acceptance length), "blocks": N}``.
+    """
+    n = right.shape[0]
+    if n == 0:
+        width = right.shape[1] if right.ndim == 2 else 0
+        return {"accuracy": [0.0] * width, "acceptance": [0.0] * width, "tau": 1.0, "blocks": 0}
+    leading = np.cumprod(right, axis=1)
+    return {"accuracy": right.mean(0).round(4).tolist(), "acceptance": leading.mean(0).round(4).tolist(),
+            "tau": round(1 + leading.sum() / n, 4), "blocks": n}
