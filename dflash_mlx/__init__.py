@@ -4,8 +4,11 @@ The method lives in two files: :mod:`dflash_mlx.drafter` (the drafter network)
 and :mod:`dflash_mlx.generate` (the decode loop).
 """
 
-from .drafter import DFlashDrafter, DrafterArgs, load_drafter, save_drafter
-from .errors import CheckpointError, ConfigError, DFlashError, InputError, MismatchError
+from .checkpoint import load_drafter, save_drafter
+from .drafter import DFlashDrafter
+from .drafter_config import DrafterArgs
+from .errors import CheckpointError, ConfigError, DFlashError, InputError, MismatchError, RollbackError
+from .protocol import Drafter, WrappedDrafter
 from .generate import GenerationResponse, StepResult, generate, generate_step, stream_generate
 from .session import ChatSession
 from .loading import Pair, bind_drafter, check_pair, load, load_target
@@ -16,8 +19,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ChatSession", "CheckpointError", "ConfigError", "DFlashDrafter", "DFlashError", "DrafterArgs",
-    "GenerationResponse", "GenerationStats", "InputError", "MismatchError", "Pair",
+    "Drafter", "GenerationResponse", "GenerationStats", "InputError", "MismatchError", "Pair", "RollbackError",
     "StepResult", "TargetAdapter", "bind_drafter", "check_pair", "generate",
     "generate_step", "load", "load_drafter", "load_target", "make_adapter",
-    "save_drafter", "stream_generate",
+    "save_drafter", "stream_generate", "WrappedDrafter",
 ]
