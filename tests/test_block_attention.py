@@ -209,7 +209,7 @@ def _cache_slices(rng, arrays, dtype, spare=24):
         return full.astype(dtype)[:, :, :n_ctx]
 
     def tail(x):
-        full = np.concatenate([np.full_like(x[:, :, :3], np.nan), x], axis=2)
+        full = np.concatenate([np.full(x.shape[:2] + (3,) + x.shape[3:], np.nan, np.float32), x], axis=2)
         return mx.array(full).astype(dtype)[:, :, 3:]
 
     queries = mx.array(q.transpose(0, 2, 1, 3)).astype(dtype).transpose(0, 2, 1, 3)
@@ -267,7 +267,11 @@ def test_greedy_engine_output_identical_with_kernel_on_and_off(monkeypatch):
 
     def run(value):
         monkeypatch.setenv(ba.ENV_VAR, value)
+        monkeypatch.setattr(ba, "_last_path", {})
         steps = list(generate_step(prompt, target, drafter, max_tokens=120, block_size=8))
-        return [s.tokens for s in steps], [s.accepted for s in steps]
+        assert ba._last_path, "the drafter did not call block_attention"
+        return [s.tokens for s in steps], [s.accepted for s in steps], attention_path()["block_attention"]
 
-    assert run("1") == run("0")
+    on, off = run("1"), run("0")
+    assert (on[2], off[2]) == ("metal", "reference")
+    assert on[:2] == off[:2]
