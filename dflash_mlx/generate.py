@@ -228,6 +228,7 @@ def _plain_steps(target, cache, y, tokens, finish, sampler, stop, stats, committ
                 next_y = step(y)
                 mx.async_eval(next_y)
             tokens, finish = stop.cut(y.tolist())
+        stats.record_step(0, drafted=0)
         if finish is not None:
             _finish(target, cache, committed + stop.emitted - 1)
         yield StepResult(tokens, None, finish)
