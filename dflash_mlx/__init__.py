@@ -16,8 +16,11 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "drafter": ["DFlashDrafter", "DrafterArgs", "load_drafter", "save_drafter"],
-    "errors": ["CheckpointError", "ConfigError", "DFlashError", "InputError", "MismatchError"],
+    "checkpoint": ["load_drafter", "save_drafter"],
+    "drafter": ["DFlashDrafter"],
+    "drafter_config": ["DrafterArgs"],
+    "errors": ["CheckpointError", "ConfigError", "DFlashError", "InputError", "MismatchError", "RollbackError"],
+    "protocol": ["Drafter", "WrappedDrafter"],
     "generate": ["GenerationResponse", "StepResult", "generate", "generate_step", "stream_generate"],
     "session": ["ChatSession"],
     "loading": ["Pair", "bind_drafter", "check_pair", "load", "load_target"],
@@ -43,8 +46,11 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and editors
-    from .drafter import DFlashDrafter, DrafterArgs, load_drafter, save_drafter  # noqa: F401
-    from .errors import CheckpointError, ConfigError, DFlashError, InputError, MismatchError  # noqa: F401
+    from .checkpoint import load_drafter, save_drafter  # noqa: F401
+    from .drafter import DFlashDrafter  # noqa: F401
+    from .drafter_config import DrafterArgs  # noqa: F401
+    from .errors import CheckpointError, ConfigError, DFlashError, InputError, MismatchError, RollbackError  # noqa: F401
+    from .protocol import Drafter, WrappedDrafter  # noqa: F401
     from .generate import GenerationResponse, StepResult, generate, generate_step, stream_generate  # noqa: F401
     from .loading import Pair, bind_drafter, check_pair, load, load_target  # noqa: F401
     from .session import ChatSession  # noqa: F401

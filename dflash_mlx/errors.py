@@ -23,3 +23,7 @@ class MismatchError(DFlashError):
 
 class InputError(DFlashError):
     """An argument is out of range: empty prompt, bad block size, bad flag."""
+
+
+class RollbackError(DFlashError):
+    """A target cache cannot remove rejected drafts exactly (names the layer and type)."""

@@ -12,15 +12,19 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .errors import InputError
-from .stats import GenerationStats
+from .protocol import Drafter
+from .stats import GenerationStats, weight_bytes
+from .stopping import StopCondition, held_back, text_before_stop
 from .targets import TargetAdapter
 
 Sampler = Callable[[mx.array], mx.array]
+NO_DRAFTER = "no drafter was given (--draft-model)"
 
 
 @dataclass
@@ -28,10 +32,12 @@ class StepResult:
     """What one target forward committed.
 
     Attributes:
-        tokens: newly committed token ids (a stop token is not included).
+        tokens: newly committed token ids (a stop token is not included; the
+            tokens of a stop string are).
         accepted: drafts accepted by this verify (0..B-1); None for the first
             token (from prefill) and in plain decoding.
-        finish_reason: "stop" (stop token), "length" (max tokens) or None.
+        finish_reason: "stop" (stop token or stop string), "length" (max tokens)
+            or None.
     """
 
     tokens: List[int]
@@ -75,16 +81,6 @@ def count_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
     return a
 
 
-def _cut(tokens: List[int], stop_ids: set, budget: int) -> Tuple[List[int], Optional[str]]:
-    """Cut a block at its first stop token or at the remaining token budget."""
-    for i, tok in enumerate(tokens[:budget]):
-        if tok in stop_ids:
-            return tokens[:i], "stop"
-    if len(tokens) >= budget:
-        return tokens[:budget], "length"
-    return tokens, None
-
-
 def prefill(
     target: TargetAdapter,
     prompt: mx.array,
@@ -113,12 +109,13 @@ def prefill(
 def generate_step(
     prompt: mx.array,
     target: TargetAdapter,
-    drafter: Optional[Any] = None,
+    drafter: Optional[Drafter] = None,
     *,
     sampler: Optional[Sampler] = None,
     max_tokens: int = 256,
     block_size: Optional[int] = None,
     stop_token_ids: Sequence[int] = (),
+    stop: Optional[StopCondition] = None,
     prefill_step_size: int = 2048,
     prompt_cache: Optional[List[Any]] = None,
     draft_cache: Optional[List[Any]] = None,
@@ -129,55 +126,60 @@ def generate_step(
     Args:
         prompt: [P] int32 prompt ids, P >= 1.
         target: the target adapter.
-        drafter: a bound drafter (``draft``, ``make_cache``, ``target_layer_ids``,
-            ``block_size``), or None for plain decoding.
+        drafter: a bound :class:`~dflash_mlx.protocol.Drafter`, or None for plain decoding.
         sampler: mlx-lm sampler over [N, V] log-probabilities; greedy by default.
             At T > 0 the sample-and-match rule keeps the output exactly the target's.
         max_tokens: most tokens to emit.
         block_size: B, 2..drafter.block_size (default: the drafter's).
         stop_token_ids: ids that end generation; the block is cut there.
-        prompt_cache: the target's cache, updated in place (fresh by default).
-            After every step it holds every committed token but the last one.
+        stop: a :class:`~dflash_mlx.stopping.StopCondition` (stop strings too);
+            replaces ``max_tokens`` and ``stop_token_ids`` when given.
+        prompt_cache: the target's cache, updated in place (default: a fresh
+            ``target.make_cache(B)``; a given one must roll back exactly, see
+            :meth:`TargetAdapter.check_cache`). After every step it holds every
+            committed token but the last one.
         draft_cache: the drafter's context-only cache, updated in place. Once a
             generation finishes it covers the same tokens as ``prompt_cache``, so a
             next turn can pass both, with a prompt that starts at the last
             committed token.
-        stats: filled in place (phase times, acceptance histogram).
+        stats: filled in place (phase times, acceptance).
 
     Raises:
         InputError: empty prompt, max_tokens < 1, block size out of range.
+        RollbackError: ``prompt_cache`` cannot roll back exactly (raised before
+            anything is generated).
     """
     sampler = sampler or greedy_sampler
     if prompt.size == 0:
         raise InputError("the prompt is empty: give some text with --prompt or on stdin")
-    if max_tokens < 1:
-        raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
-    stop_ids = set(stop_token_ids)
+    stop = stop or StopCondition(max_tokens, stop_token_ids)
+    if stop.max_tokens < 1:
+        raise InputError(f"--max-tokens must be at least 1, got {stop.max_tokens}")
     B = check_block_size(block_size, drafter)
     stats = stats if stats is not None else GenerationStats(block_size=B)
-    cache = prompt_cache if prompt_cache is not None else target.make_cache()
+    if prompt_cache is None:
+        prompt_cache = target.make_cache(B)
+    else:
+        target.check_cache(prompt_cache, B)
+    cache = prompt_cache
     committed = _cache_rows(cache) + prompt.size  # rows once every token is in the cache
     capture = drafter.target_layer_ids if drafter is not None else None
-    if drafter is not None:
-        target.check_rollback(cache)
 
     with mx.stream(generation_stream):
         with stats.phase("prefill"):
             h, context = prefill(target, prompt, cache, capture, prefill_step_size)
             t = _sample(sampler, target.lm_head(h[:, -1]))
             mx.eval(t)
-        tokens, finish = _cut(t.tolist(), stop_ids, max_tokens)
+        tokens, finish = stop.cut(t.tolist())
         if drafter is None:
-            yield from _plain_steps(target, cache, t, tokens, finish, sampler, max_tokens, stop_ids, stats, committed)
+            yield from _plain_steps(target, cache, t, tokens, finish, sampler, stop, stats, committed)
             return
         draft_cache = draft_cache if draft_cache is not None else drafter.make_cache()
-        n = len(tokens)
         if finish is None:
             drafts = drafter.draft(t, context, draft_cache, B)
             mx.async_eval(drafts)
         else:
-            _settle(target, cache, committed + n - 1)
-            _sync_drafter(drafter, draft_cache, context, cache)
+            _finish(target, cache, committed + stop.emitted - 1, drafter, draft_cache, context)
         yield StepResult(tokens, None, finish)
         while finish is None:
             with stats.phase("draft"):
@@ -189,12 +191,11 @@ def generate_step(
             with stats.phase("host"):
                 y_list = y.tolist()
                 a = count_accepted(drafts.tolist(), y_list)
-                stats.record_step(a)
+                stats.record_step(a, B - 1)
                 target.rollback(cache, B - 1 - a)
-                tokens, finish = _cut(y_list[: a + 1], stop_ids, max_tokens - n)
+                tokens, finish = stop.cut(y_list[: a + 1])
                 if finish is not None:
-                    _settle(target, cache, committed + n + len(tokens) - 1)
-                    _sync_drafter(drafter, draft_cache, features, cache)
+                    _finish(target, cache, committed + stop.emitted - 1, drafter, draft_cache, features)
             if finish is None:
                 # Queue the next draft before yielding. On the CPU backend async_eval
                 # runs most of it right here, so it is booked as drafting.
@@ -202,39 +203,36 @@ def generate_step(
                     t = y[a : a + 1]
                     drafts = drafter.draft(t, features[:, : a + 1], draft_cache, B)
                     mx.async_eval(drafts)
-            n += len(tokens)
             yield StepResult(tokens, a, finish)
-            if n % 256 < len(tokens):
+            if stop.emitted % 256 < len(tokens):
                 mx.clear_cache()
 
 
-def _plain_steps(target, cache, y, tokens, finish, sampler, max_tokens, stop_ids, stats, committed):
+def _plain_steps(target, cache, y, tokens, finish, sampler, stop, stats, committed):
     """Plain decoding, pipelined like mlx-lm: step n+1 is queued before n is read."""
 
     def step(y: mx.array) -> mx.array:
         h, _ = target(y[None], cache)
         return _sample(sampler, target.lm_head(h[:, -1]))
 
-    n = len(tokens)
     if finish is None:
         next_y = step(y)
         mx.async_eval(next_y)
     else:
-        _settle(target, cache, committed + n - 1)
+        _finish(target, cache, committed + stop.emitted - 1)
     yield StepResult(tokens, None, finish)
     while finish is None:
         with stats.phase("verify"):
             y = next_y
-            if n + 1 < max_tokens:
+            if stop.budget > 1:
                 next_y = step(y)
                 mx.async_eval(next_y)
-            tokens, finish = _cut(y.tolist(), stop_ids, max_tokens - n)
-        stats.record_step(0)
-        n += len(tokens)
+            tokens, finish = stop.cut(y.tolist())
+        stats.record_step(0, drafted=0)
         if finish is not None:
-            _settle(target, cache, committed + n - 1)
+            _finish(target, cache, committed + stop.emitted - 1)
         yield StepResult(tokens, None, finish)
-        if n % 256 == 0:
+        if stop.emitted % 256 == 0:
             mx.clear_cache()
 
 
@@ -242,22 +240,19 @@ def _cache_rows(cache: List[Any]) -> int:
     return getattr(cache[0], "offset", 0) if cache else 0
 
 
-def _settle(target: TargetAdapter, cache: List[Any], rows: int) -> None:
-    """On finish, trim speculative rows so the cache holds ``rows`` tokens."""
-    extra = _cache_rows(cache) - rows
-    if extra > 0 and target.can_rollback(cache):
-        target.rollback(cache, extra)
+def _finish(target: TargetAdapter, cache: List[Any], rows: int, drafter: Optional[Drafter] = None,
+            draft_cache: Optional[List[Any]] = None, features: Optional[mx.array] = None) -> None:
+    """At the end of a generation: trim the target cache to ``rows`` tokens (rows of
+    the last forward past the committed ones), then give the drafter the context rows
+    the target cache holds but it does not (``features`` start at the drafter's
+    offset), so both caches cover the same tokens."""
+    target.rollback(cache, _cache_rows(cache) - rows)
+    if drafter is not None:
+        missing = _cache_rows(cache) - _cache_rows(draft_cache)
+        drafter.ingest(features[:, :missing], draft_cache)
 
 
-def _sync_drafter(drafter: Any, draft_cache: List[Any], features: mx.array, cache: List[Any]) -> None:
-    """On finish, give the drafter the context rows the target cache holds but it
-    does not, so both caches cover the same tokens (``features`` start at the
-    drafter's offset)."""
-    missing = _cache_rows(cache) - _cache_rows(draft_cache)
-    drafter.ingest(features[:, :missing], draft_cache)
-
-
-def check_block_size(block_size: Optional[int], drafter: Optional[Any]) -> int:
+def check_block_size(block_size: Optional[int], drafter: Optional[Drafter]) -> int:
     """Resolve B: 1 without a drafter, else 2..trained block size.
 
     Raises:
@@ -279,7 +274,10 @@ def stream_generate(
     target: TargetAdapter,
     tokenizer: TokenizerWrapper,
     prompt: mx.array | List[int],
-    drafter: Optional[Any] = None,
+    drafter: Optional[Drafter] = None,
+    *,
+    max_tokens: int = 256,
+    stop_strings: Sequence[str] = (),
     **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
     """Stream text segments as blocks are accepted.
@@ -289,42 +287,59 @@ def stream_generate(
         tokenizer: mlx-lm ``TokenizerWrapper`` (its streaming detokenizer and
             ``eos_token_ids`` are used).
         prompt: prompt token ids.
-        kwargs: passed to :func:`generate_step` (sampler, max_tokens, block_size, ...).
+        max_tokens: most tokens to emit.
+        stop_strings: texts that end generation. The text stops before the first
+            match (the stop string is not shown; text that could begin one is held
+            back until the next tokens settle it); the tokens up to the one that
+            completes it are committed.
+        kwargs: passed to :func:`generate_step` (sampler, block_size, caches, ...).
 
     Yields:
         :class:`GenerationResponse`; the last one has ``finish_reason`` set and
         carries the final statistics.
     """
     prompt = prompt if isinstance(prompt, mx.array) else mx.array(prompt, dtype=mx.int32)
-    kwargs.setdefault("stop_token_ids", tuple(tokenizer.eos_token_ids))
+    stop_ids = kwargs.pop("stop_token_ids", tuple(tokenizer.eos_token_ids))
+    kwargs["stop"] = StopCondition(max_tokens, stop_ids, stop_strings, tokenizer.decode)
     stats = GenerationStats(
         block_size=check_block_size(kwargs.get("block_size"), drafter),
         prompt_tokens=prompt.size,
+        model_bytes=weight_bytes(target.model, drafter if isinstance(drafter, nn.Module) else None),
+        speculative=drafter is not None,
+        reason=None if drafter is not None else NO_DRAFTER,
     )
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
+    text, shown = "", 0  # text of this generation; characters yielded so far
     tic = time.perf_counter()
     first = True
-    for step in generate_step(prompt, target, drafter, stats=stats, **kwargs):
-        now = time.perf_counter()
-        if first:
-            stats.prompt_s, tic, first = now - tic, now, False
-        else:
-            stats.generation_s = now - tic
-        stats.generation_tokens += len(step.tokens)
-        for tok in step.tokens:
-            detokenizer.add_token(tok)
-        if step.finish_reason is not None:
-            detokenizer.finalize()
-        stats.update_memory()
-        yield GenerationResponse(detokenizer.last_segment, step.tokens, step.accepted, step.finish_reason, stats)
+    with wired_limit(target.model, [generation_stream]):
+        for step in generate_step(prompt, target, drafter, stats=stats, **kwargs):
+            now = time.perf_counter()
+            if first:
+                stats.prompt_s, tic, first = now - tic, now, False
+            else:
+                stats.generation_s = now - tic
+            stats.generation_tokens += len(step.tokens)
+            for tok in step.tokens:
+                detokenizer.add_token(tok)
+            if step.finish_reason is not None:
+                detokenizer.finalize()
+            text += detokenizer.last_segment
+            end = len(text) - held_back(text, stop_strings)
+            if step.finish_reason is not None:
+                cut = text_before_stop(text[shown:], stop_strings)
+                end = len(text) if cut is None else shown + cut
+            segment, shown = text[shown:max(end, shown)], max(end, shown)
+            stats.update_memory()
+            yield GenerationResponse(segment, step.tokens, step.accepted, step.finish_reason, stats)
 
 
 def generate(
     target: TargetAdapter,
     tokenizer: TokenizerWrapper,
     prompt: mx.array | List[int],
-    drafter: Optional[Any] = None,
+    drafter: Optional[Drafter] = None,
     **kwargs,
 ) -> Tuple[str, GenerationStats]:
     """Generate a whole response; returns ``(text, stats)``."""

@@ -13,7 +13,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from mlx_lm.utils import load as mlx_lm_load
 
-from .drafter import DFlashDrafter, load_drafter
+from .checkpoint import load_drafter
+from .drafter import DFlashDrafter
 from .errors import CheckpointError, ConfigError, MismatchError
 from .hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, resolve_model_path
 from .targets import TargetAdapter, make_adapter

@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache
 
-from .errors import InputError
+from .caches import can_trim
+
+from .errors import InputError, RollbackError
 from .generate import check_block_size, stream_generate
 from .prompt import encode_messages
 from .stats import GenerationStats, format_histogram
@@ -104,12 +106,25 @@ def plain_text(messages: Sequence[Dict[str, str]]) -> str:
     return out
 
 
-def trim_cache(cache: List[Any], rows: int) -> None:
-    """Trim every layer of ``cache`` to ``rows`` tokens with mlx-lm's
-    ``trim_prompt_cache`` (layer by layer if an interrupt left them uneven)."""
-    for c in cache:
-        trim_prompt_cache([c], c.offset - rows)
+def trim_cache(cache: List[Any], rows: int) -> bool:
+    """Trim every layer of ``cache`` to ``rows`` tokens, layer by layer (an interrupt
+    can leave them uneven), checking every trimmed count.
+
+    Returns:
+        False, with nothing trimmed, when some layer cannot drop its rows exactly
+        (a sliding window already moved past the rows it would need).
+
+    Raises:
+        RollbackError: a layer trimmed another count than asked (a cache bug).
+    """
+    if not all(can_trim(c, c.offset - rows) for c in cache):
+        return False
+    for i, c in enumerate(cache):
+        n = c.offset - rows
+        if n and c.trim(n) != n:
+            raise RollbackError(f"layer {i}: {type(c).__name__} did not trim {n} rows")
         _heal(c)
+    return True
 
 
 def _heal(c: Any) -> None:
@@ -241,8 +256,7 @@ class ChatSession:
         self.use_template = use_template and bool(getattr(tokenizer, "has_chat_template", False))
         self.max_context = context_length(target.model) if max_context == "auto" else max_context
         self.prefill_step_size = prefill_step_size
-        self.cache = target.make_cache()
-        self.draft_cache = drafter.make_cache() if drafter is not None else None
+        self._fresh_caches()
         self.tokens: List[int] = []
         self.messages: List[Dict[str, str]] = []
         self.reset()
@@ -273,7 +287,7 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         self._settle([], 0)
         self.totals = GenerationStats(block_size=self.drafter.block_size if self.drafter is not None else 1)
-        self.turns = self.interrupted = self.reused_tokens = self.drafts_proposed = 0
+        self.turns = self.interrupted = self.reused_tokens = 0
         self.last_reused = 0  # tokens of the last turn's prompt found in the cache
 
     def stream(
@@ -366,9 +380,15 @@ class ChatSession:
     def _settle(self, ids: Sequence[int], rows: int) -> None:
         """Trim both caches to the first ``rows`` of ``ids`` (fewer if a layer holds fewer)."""
         keep = min([rows] + [c.offset for cache in self._caches() for c in cache])
-        for cache in self._caches():
-            trim_cache(cache, keep)
+        if not all(trim_cache(cache, keep) for cache in self._caches()):
+            self._fresh_caches()  # cannot go back exactly: prefill everything again
+            keep = 0
         self.tokens = list(ids[:keep])
+
+    def _fresh_caches(self) -> None:
+        B = self.drafter.block_size if self.drafter is not None else 1
+        self.cache = self.target.make_cache(B)
+        self.draft_cache = self.drafter.make_cache() if self.drafter is not None else None
 
     def offsets(self) -> Dict[str, List[int]]:
         """Per-layer cache offsets: ``{"target": [...], "drafter": [...]}``."""
@@ -397,7 +417,6 @@ class ChatSession:
         if stats is None:
             return
         self.totals.add(stats)
-        self.drafts_proposed += stats.steps * (stats.block_size - 1)
 
     def stats_lines(self) -> List[str]:
         """The session's totals: turns, prompt and generation, acceptance, histogram,
@@ -410,11 +429,7 @@ class ChatSession:
             f"Generation: {t.generation_tokens} tokens, {t.generation_tps:.3f} tokens-per-sec",
         ]
         if self.drafter is not None:
-            accepted = sum(a * n for a, n in enumerate(t.histogram))
-            rate = 100 * accepted / self.drafts_proposed if self.drafts_proposed else 0.0
-            tau = t.tau if t.steps else 0.0
-            lines.append(f"Acceptance: tau {tau:.2f} tokens/step over {t.steps} steps "
-                         f"({rate:.1f}% of drafts accepted)")
+            lines.append(f"Acceptance: {t.acceptance_line()}")
             lines.append("Histogram: " + format_histogram(t.histogram))
         lines.append(f"Peak memory: {t.peak_memory_gb:.3f} GB")
         offs = {k: sorted(set(v)) for k, v in self.offsets().items()}

@@ -15,8 +15,10 @@ from typing import Any, List, Sequence
 
 import mlx.core as mx
 
+from .protocol import Drafter, WrappedDrafter
 
-class SimulatedDrafter:
+
+class SimulatedDrafter(WrappedDrafter):
     """Wraps a drafter; proposes ``sequence`` right for ``accept`` slots, then wrong.
 
     Args:
@@ -32,27 +34,13 @@ class SimulatedDrafter:
     rows (the spec's invariant ``off + S``), so the wrapper needs no other state.
     """
 
-    def __init__(self, drafter: Any, sequence: Sequence[int], accept: int, vocab_size: int):
+    def __init__(self, drafter: Drafter, sequence: Sequence[int], accept: int, vocab_size: int):
         if accept < 0:
             raise ValueError(f"accept must be >= 0, got {accept}")
-        self.drafter = drafter
+        super().__init__(drafter)
         self.sequence = list(sequence)
         self.accept = accept
         self.vocab_size = vocab_size
-
-    @property
-    def block_size(self) -> int:
-        return self.drafter.block_size
-
-    @property
-    def target_layer_ids(self) -> List[int]:
-        return self.drafter.target_layer_ids
-
-    def make_cache(self) -> List[Any]:
-        return self.drafter.make_cache()
-
-    def ingest(self, context: mx.array, cache: Sequence[Any]) -> None:
-        self.drafter.ingest(context, cache)
 
     def proposals(self, pos: int, block_size: int) -> List[int]:
         """Drafts d_1..d_{B-1} for a block whose ``t_last`` sits at ``pos``."""
@@ -74,6 +62,6 @@ class SimulatedDrafter:
         the scripted token), so evaluating it evaluates the real forward pass.
         """
         pos = cache[0].offset + context.shape[1]
-        real = self.drafter.draft(token, context, cache, block_size)
+        real = self.inner.draft(token, context, cache, block_size)
         scripted = mx.array(self.proposals(pos, block_size), dtype=mx.int32)
         return mx.where(real < 0, real, scripted)  # argmax ids are never < 0

@@ -22,17 +22,25 @@ needs_shared = pytest.mark.skipif(
     reason=f"needs ../shared/models/stories260K (not found at {STORIES}); CI always has it",
 )
 
+# name -> (mlx-lm module, ModelArgs extras). "llama-sliding" alternates sliding-window
+# (window 8, far shorter than the 200-token tests) and full layers.
 FAMILIES = {
     "llama": (llama, dict(tie_word_embeddings=False)),
+    "llama-sliding": (llama, dict(tie_word_embeddings=False, sliding_window=8,
+                                  layer_types=["sliding_attention", "full_attention"] * 2)),
     "qwen3": (qwen3, dict(head_dim=16, tie_word_embeddings=True)),
 }
+# Random weights scaled by this give varied greedy output (at scale 1 a tiny qwen3
+# target repeats one token, which makes lossless tests vacuous).
+SCALE = 1.5
 
 
-def tiny_target(family: str, vocab: int = 256, hidden: int = 64, layers: int = 4, seed: int = 0, scale: float = 1.0):
+def tiny_target(family: str, vocab: int = 256, hidden: int = 64, layers: int = 4, seed: int = 0,
+                scale: float = SCALE):
     """A tiny random mlx-lm model of ``family`` and its adapter, float32."""
     module, extra = FAMILIES[family]
     args = module.ModelArgs(
-        model_type=family, hidden_size=hidden, num_hidden_layers=layers,
+        model_type=module.__name__.rsplit(".", 1)[-1], hidden_size=hidden, num_hidden_layers=layers,
         intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
         rms_norm_eps=1e-5, vocab_size=vocab, rope_theta=10000.0,
         max_position_embeddings=4096, **extra,
@@ -71,6 +79,11 @@ def mlx_lm_greedy(model, prompt: List[int], n: int) -> List[int]:
     return out
 
 
+def assert_varied(tokens: List[int], at_least: int = 20) -> None:
+    """A lossless test is only as strong as its reference is varied."""
+    assert len(set(tokens)) >= at_least, f"reference output too repetitive: {len(set(tokens))} distinct tokens"
+
+
 class _Position:
     """Stand-in drafter cache: counts context rows, like KVCache.offset."""
 
@@ -79,7 +92,7 @@ class _Position:
 
 
 class ScriptedDrafter:
-    """Proposes a known continuation: right for the first ``correct`` slots, then wrong.
+    """A :class:`dflash_mlx.protocol.Drafter` that proposes a known continuation: right for the first ``correct`` slots, then wrong.
 
     ``sequence`` is prompt + the target's greedy continuation. Slot k of a block
     (1-based) proposes ``sequence[pos + k]`` if ``k <= correct`` and a different

@@ -40,8 +40,8 @@ def test_acceptance_paths(setup, correct):
         # The cache holds every committed token except the last one.
         assert all(c.offset == len(PROMPT) + len(out) - 1 for c in cache)
     assert out == sequence[len(PROMPT):len(PROMPT) + N]
-    assert stats.histogram[correct] == stats.steps
-    assert sum(stats.histogram) == stats.steps
+    assert stats.histogram == {correct + 1: stats.steps}
+    assert stats.accepted == correct * stats.steps and stats.drafted == (B - 1) * stats.steps
     assert stats.tau == pytest.approx(correct + 1)
     # Every token after the first came from a verify step.
     assert stats.steps == -(-(N - 1) // (correct + 1))

@@ -57,8 +57,8 @@ def test_simulated_acceptance_gives_exact_tau_and_runs_the_real_drafter(pair, ac
     run = timed_run(DFlashEngine(target, sim, B), ids, n, make_sampler(0.0), ())
     assert run.tokens == sequence[len(ids): len(ids) + n]  # lossless
     a = min(accept, B - 1)
-    assert run.histogram[a] == run.steps  # every verify accepted exactly A (capped at B-1)
-    assert run.tau == a + 1
+    assert run.stats.histogram == {a + 1: run.steps}  # every verify accepted exactly A (capped at B-1)
+    assert run.stats.tau == a + 1
     assert counting.calls == run.steps  # the real forward ran for every verified block
 
 
@@ -85,8 +85,6 @@ def test_runner_alternates_engines_and_reports(pair):
         assert d["outputs_compared"] == 4 and d["outputs_differing"] == 0
         assert d["speedup_median_of_ratios"] > 0 and d["ideal_speedup"] > 0
         assert 0 < d["measured_over_ideal"] <= 1.0 + 1e-9
-        # The engine books all drafting in its draft phase: no correction is left.
-        assert d["cycle_ms"]["draft"] == pytest.approx(d["engine_phase_ms"]["draft"])
     report = build_report([result], {}, ["test"])
     json.dumps(report)  # serialisable
 
@@ -101,7 +99,8 @@ def test_mlx_lm_baselines_match_greedy(pair):
     assert plain.tokens == want and plain.decode_tokens == n - 1
     spec = timed_run(MlxLmSpeculativeEngine(model, small, num_draft_tokens=3), ids, n, sampler, ())
     assert spec.tokens == want
-    assert len(spec.histogram) == 4 and spec.steps == sum(spec.histogram) and spec.tau >= 1
+    assert max(spec.stats.histogram) <= 4 and spec.steps == sum(spec.stats.histogram.values())
+    assert spec.stats.tau >= 1 and spec.stats.drafted == 3 * spec.steps
     dflash = timed_run(DFlashEngine(target, drafter, 4), ids, n, sampler, ())
     assert dflash.tokens == want
 

@@ -52,7 +52,8 @@ def test_drafter_json_output(stories, random_drafter):
     out = json.loads(r.stdout)
     assert out["text"].startswith(STORY[:60])
     assert out["tokens"] == out["generation_tokens"] == 50
-    assert len(out["acceptance_histogram"]) == 4 and sum(out["acceptance_histogram"]) == out["steps"]
+    assert sum(out["acceptance_histogram"].values()) == out["steps"]
+    assert all(1 <= int(k) <= 4 for k in out["acceptance_histogram"])
     assert set(out["timings_ms"]) == {"prefill", "draft", "verify", "host"}
     for key in ("tau", "prompt_tokens", "prompt_tps", "generation_tps", "peak_memory"):
         assert key in out

@@ -108,7 +108,9 @@ def test_ctrl_c_at_any_time_exits_130_without_a_traceback(stories, delay):
     time.sleep(delay)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
-    assert p.returncode in (130, 0), err  # 0: it had finished already
+    # 130: interrupted; 0: it had finished; -SIGINT: the signal came before Python set
+    # up its own handler (a loaded machine), so the process died of it, quietly.
+    assert p.returncode in (130, 0, -signal.SIGINT), err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert out == "" or out.endswith("\n")
 

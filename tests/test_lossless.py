@@ -1,43 +1,80 @@
-"""Greedy output with a drafter equals mlx-lm's plain greedy output, token for token."""
+"""Greedy output with a drafter equals mlx-lm's plain greedy output, token for token.
+
+Every test runs for every family of the fixtures (llama, llama with sliding-window
+layers, qwen3), on targets whose greedy output is varied, and the mutation test
+shows that the lossless check fails when rollback does nothing.
+"""
 
 import mlx.core as mx
 import pytest
 
-from dflash_mlx import generate_step
-from conftest import ScriptedDrafter, mlx_lm_greedy, tiny_drafter, tiny_target
+from dflash_mlx import TargetAdapter, generate_step
+from conftest import ScriptedDrafter, assert_varied, mlx_lm_greedy, tiny_drafter, tiny_target
 
 PROMPT = [1, 17, 33, 2, 9, 100, 42]
 N = 200
 
 
-def _run(target, drafter, n=N, **kw):
-    prompt = mx.array(PROMPT, dtype=mx.int32)
+def _run(target, drafter, n=N, prompt=PROMPT, **kw):
+    prompt = mx.array(prompt, dtype=mx.int32)
     return [t for s in generate_step(prompt, target, drafter, max_tokens=n, **kw) for t in s.tokens]
 
 
-@pytest.mark.parametrize("block_size", [2, 4, 16])
-def test_random_drafter_is_lossless(family, block_size):
-    model, target = tiny_target(family)
-    drafter = tiny_drafter(target)
-    assert _run(target, drafter, block_size=block_size) == mlx_lm_greedy(model, PROMPT, N)
+_REFERENCES = {}
+
+
+@pytest.fixture
+def reference(family):
+    """(model, adapter, mlx-lm greedy tokens) of the family's tiny target, built once."""
+    if family not in _REFERENCES:
+        model, target = tiny_target(family)
+        _REFERENCES[family] = model, target, mlx_lm_greedy(model, PROMPT, N + 16)
+    return _REFERENCES[family]
+
+
+def test_reference_output_is_varied(reference):
+    _, _, ref = reference
+    assert_varied(ref[:N])
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 16])
-def test_mostly_right_drafter_is_lossless(family, block_size):
-    # Accepts several drafts per block, so verify passes commit many tokens at once.
-    model, target = tiny_target(family)
-    sequence = PROMPT + mlx_lm_greedy(model, PROMPT, N + 16)
-    drafter = ScriptedDrafter(sequence, correct=max(1, block_size // 2), block_size=block_size, vocab=256)
-    assert _run(target, drafter, block_size=block_size) == sequence[len(PROMPT):len(PROMPT) + N]
+def test_random_drafter_is_lossless(reference, block_size):
+    _, target, ref = reference
+    assert _run(target, tiny_drafter(target), block_size=block_size) == ref[:N]
 
 
-def test_plain_engine_matches_mlx_lm(family):
-    model, target = tiny_target(family)
-    assert _run(target, None) == mlx_lm_greedy(model, PROMPT, N)
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+@pytest.mark.parametrize("kind", ["full", "partial", "none"])
+def test_scripted_drafter_is_lossless(reference, block_size, kind):
+    # full: every draft accepted; partial: half of each block; none: all rejected.
+    _, target, ref = reference
+    correct = {"full": block_size - 1, "partial": max(1, block_size // 2), "none": 0}[kind]
+    drafter = ScriptedDrafter(PROMPT + ref, correct=correct, block_size=block_size, vocab=256)
+    assert _run(target, drafter, block_size=block_size) == ref[:N]
 
 
-def test_untied_and_tied_heads_both_lossless():
-    # llama fixture is untied, qwen3 tied: check each really is what it claims.
+def test_plain_engine_matches_mlx_lm(reference):
+    _, target, ref = reference
+    assert _run(target, None) == ref[:N]
+
+
+def test_prefill_in_several_chunks_is_lossless(reference):
+    # A 7-token prompt in chunks of 2 is prefilled in 4 forwards.
+    _, target, ref = reference
+    drafter = ScriptedDrafter(PROMPT + ref, correct=3, block_size=8, vocab=256)
+    assert _run(target, drafter, n=60, block_size=8, prefill_step_size=2) == ref[:60]
+
+
+def test_broken_rollback_is_caught(reference, monkeypatch):
+    # The lossless check has power: with rollback a no-op it must fail.
+    _, target, ref = reference
+    monkeypatch.setattr(TargetAdapter, "rollback", lambda self, cache, n: None)
+    drafter = ScriptedDrafter(PROMPT + ref, correct=2, block_size=4, vocab=256, check_anchor=False)
+    assert _run(target, drafter, block_size=4) != ref[:N]
+
+
+def test_untied_and_tied_heads_both_covered():
+    # llama fixtures are untied, qwen3 tied: check each really is what it claims.
     llama_model, _ = tiny_target("llama")
     qwen_model, _ = tiny_target("qwen3")
     assert hasattr(llama_model, "lm_head") and not hasattr(qwen_model, "lm_head")
@@ -53,6 +90,7 @@ def test_quantized_target_is_lossless(family, block_size):
     mx.eval(model.parameters())
     assert type(model.model.embed_tokens).__name__ == "QuantizedEmbedding"
     ref = mlx_lm_greedy(model, PROMPT, N)
+    assert_varied(ref)
     assert _run(target, tiny_drafter(target), block_size=block_size) == ref
     sequence = PROMPT + ref + [0] * 16
     assert _run(target, ScriptedDrafter(sequence, correct=block_size // 2, block_size=block_size, vocab=256),

@@ -19,14 +19,14 @@ def _gen(target, drafter, prompt, n, **kw):
 def test_second_turn_reuses_caches_exactly(family, n1):
     _, target = tiny_target(family)
     drafter = tiny_drafter(target)
-    cache, dcache = target.make_cache(), drafter.make_cache()
+    cache, dcache = target.make_cache(4), drafter.make_cache()
     out1 = _gen(target, drafter, PROMPT, n1, prompt_cache=cache, draft_cache=dcache)
     # At rest both caches hold every committed token but the last.
     assert cache[0].offset == dcache[0].offset == len(PROMPT) + n1 - 1
     out2 = _gen(target, drafter, [out1[-1]] + TURN2, 30, prompt_cache=cache, draft_cache=dcache)
 
     whole = PROMPT + out1 + TURN2
-    fresh_cache, fresh_dcache = target.make_cache(), drafter.make_cache()
+    fresh_cache, fresh_dcache = target.make_cache(4), drafter.make_cache()
     assert out2 == _gen(target, drafter, whole, 30, prompt_cache=fresh_cache, draft_cache=fresh_dcache)
     # The drafter saw the same context rows at the same positions.
     assert dcache[0].offset == fresh_dcache[0].offset

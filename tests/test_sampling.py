@@ -1,68 +1,106 @@
-"""Sample-and-match is lossless: with a drafter, token samples follow the target's law.
+"""Sample-and-match is lossless: with a drafter, samples follow the target's exact law.
 
-Two-sample chi-square tests with fixed seeds on the joint law of the first three
-generated tokens. A control shows the test can fail: a slightly different
-temperature is detected.
+The joint law of the first three generated tokens is enumerated exactly on a
+16-token vocabulary (temperature, top-p, min-p and top-k applied as mlx-lm's sampler
+applies them), and DFlash samples are tested against it (chi-square goodness of fit,
+fixed seeds). A control shows the test has power: samples at temperature 0.9 are
+rejected as draws from the law at 1.0 (a total-variation distance of about 0.08).
 """
 
 from collections import Counter
 
 import mlx.core as mx
+import numpy as np
 import pytest
-from mlx_lm.sample_utils import make_sampler
-from scipy.stats import chi2_contingency
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
+from scipy.stats import chisquare
 
 from dflash_mlx import GenerationStats, generate_step
 from conftest import ScriptedDrafter, mlx_lm_greedy, tiny_target
 
 PROMPT = [1, 5, 9]
 VOCAB = 16
-RUNS = 800
+RUNS = 2000
 B = 4
 
 
-def _first_three(target, drafter, temp, seed, stats=None):
+def exact_law(model, temp, top_p=1.0, min_p=0.0, top_k=0) -> np.ndarray:
+    """[V, V, V] probabilities of the first three tokens, by enumeration."""
+    def probs(seqs):
+        logits = model(mx.array(seqs))[:, -1, :]
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if 0 < top_p < 1:
+            lp = apply_top_p(lp, top_p)
+        if min_p:
+            lp = apply_min_p(lp, min_p, 1)
+        if top_k:
+            lp = apply_top_k(lp, top_k)
+        return np.array(mx.softmax(lp / temp, axis=-1), dtype=np.float64)
+
+    V = VOCAB
+    p1 = probs([PROMPT])[0]
+    p2 = probs([PROMPT + [a] for a in range(V)])
+    p3 = probs([PROMPT + [a, b] for a in range(V) for b in range(V)]).reshape(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def first_three(target, drafter, sampler, seed, stats=None) -> Counter:
     mx.random.seed(seed)
-    sampler = make_sampler(temp)
     counts = Counter()
     for _ in range(RUNS):
         tokens = []
+        cache = target.make_cache(B)
         for step in generate_step(mx.array(PROMPT, dtype=mx.int32), target, drafter, sampler=sampler,
-                                  max_tokens=3, block_size=B if drafter else None, stats=stats):
+                                  max_tokens=3, block_size=B if drafter else None, stats=stats,
+                                  prompt_cache=cache):
             tokens += step.tokens
+        # Rejected drafts were rolled back: the cache holds the prompt and all but the last token.
+        assert all(c.offset == len(PROMPT) + 2 for c in cache)
         counts[tuple(tokens)] += 1
     return counts
 
 
-def _p_value(a: Counter, b: Counter, min_expected: float = 5.0) -> float:
-    """Chi-square test of homogeneity; rare outcomes are pooled into one bin."""
-    total = a + b
-    keep = [k for k, n in total.items() if n / 2 >= min_expected]
-    rows = [[c[k] for k in keep] + [sum(v for k, v in c.items() if k not in keep)] for c in (a, b)]
-    if rows[0][-1] + rows[1][-1] == 0:
-        rows = [r[:-1] for r in rows]
-    return chi2_contingency(rows)[1]
+def p_value(counts: Counter, law: np.ndarray, min_expected: float = 5.0) -> float:
+    """Chi-square goodness of fit; cells expected fewer than 5 times are pooled."""
+    n = sum(counts.values())
+    cells = [c for c in np.ndindex(law.shape) if law[c] * n >= min_expected]
+    observed = [counts[c] for c in cells]
+    expected = [law[c] * n for c in cells]
+    observed.append(n - sum(observed))
+    expected.append(n - sum(expected))
+    return chisquare(observed, expected).pvalue
 
 
 @pytest.fixture(scope="module")
-def target_and_drafter():
-    model, target = tiny_target("qwen3", vocab=VOCAB, hidden=32, layers=2, seed=7, scale=1.5)
+def setup():
+    model, target = tiny_target("qwen3", vocab=VOCAB, hidden=32, layers=2, seed=7)
     sequence = PROMPT + mlx_lm_greedy(model, PROMPT, 8)
     # Drafts the greedy continuation: often right at T > 0, sometimes partly, sometimes not.
     drafter = ScriptedDrafter(sequence, correct=B - 1, block_size=B, vocab=VOCAB, check_anchor=False)
-    return target, drafter
+    return model, target, drafter
 
 
-def test_sampling_with_drafter_matches_target(target_and_drafter):
-    target, drafter = target_and_drafter
+def test_sampling_with_drafter_follows_the_exact_law(setup):
+    model, target, drafter = setup
     stats = GenerationStats(block_size=B)
-    plain = _first_three(target, None, 1.0, seed=11)
-    spec = _first_three(target, drafter, 1.0, seed=12, stats=stats)
-    # All acceptance paths occurred, so the test covers them.
-    assert stats.histogram[0] > 0 and stats.histogram[1] > 0 and stats.histogram[2] > 0
-    assert _p_value(plain, spec) > 0.01
+    counts = first_three(target, drafter, make_sampler(1.0), seed=12, stats=stats)
+    # Full, partial and no acceptance all occurred (so verifies rolled back at T > 0).
+    assert all(stats.histogram.get(k, 0) > 0 for k in (1, 2, 3))
+    assert p_value(counts, exact_law(model, 1.0)) > 0.01
 
 
-def test_chi_square_detects_a_different_law(target_and_drafter):
-    target, _ = target_and_drafter
-    assert _p_value(_first_three(target, None, 1.0, seed=11), _first_three(target, None, 0.7, seed=13)) < 0.01
+def test_filters_on_verify_rows_follow_the_exact_law(setup):
+    # top-p, min-p and top-k shape every verify row exactly as mlx-lm's sampler does.
+    model, target, drafter = setup
+    sampler = make_sampler(0.7, top_p=0.9, min_p=0.02, top_k=6)
+    counts = first_three(target, drafter, sampler, seed=13)
+    law = exact_law(model, 0.7, top_p=0.9, min_p=0.02, top_k=6)
+    assert all(law[c] > 0 for c in counts)  # no token outside the filters ever appears
+    assert p_value(counts, law) > 0.01
+
+
+def test_chi_square_detects_a_slight_change_of_law(setup):
+    model, target, _ = setup
+    law = exact_law(model, 1.0)
+    assert 0.05 < 0.5 * np.abs(law - exact_law(model, 0.9)).sum() < 0.1  # truly slight
+    assert p_value(first_three(target, None, make_sampler(0.9), seed=14), law) < 0.01

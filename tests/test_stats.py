@@ -1,35 +1,62 @@
-"""GenerationStats: tau, histogram, rates and the printed lines."""
+"""GenerationStats: tau, acceptance rate, histogram, rates, bandwidth and the printed lines."""
 
+import numpy as np
 import pytest
 
 from dflash_mlx import GenerationStats
 from dflash_mlx.generate import count_accepted
+from dflash_mlx.stats import format_histogram, histogram_dict, pooled
 
 
-def test_tau_and_histogram():
+def test_tau_and_histogram_by_acceptance_length():
     s = GenerationStats(block_size=4)
     for a in (3, 0, 1, 3):
         s.record_step(a)
-    assert s.histogram == [1, 1, 0, 2]
+    assert s.histogram == {4: 2, 1: 1, 2: 1}
     assert s.tau == pytest.approx((4 + 1 + 2 + 4) / 4)
     assert s.acceptance_rate == pytest.approx(7 / 12)
+    assert format_histogram(s.histogram) == "1:1 2:1 4:2"
+    assert histogram_dict(s.histogram) == {"1": 1, "2": 1, "4": 2}
 
 
-def test_rates_and_lines():
-    s = GenerationStats(block_size=4, prompt_tokens=10, generation_tokens=50, prompt_s=0.5, generation_s=2.0)
+def test_tau_and_rate_are_zero_without_steps():
+    s = GenerationStats(block_size=16)
+    assert s.tau == 0.0 and s.acceptance_rate == 0.0 and format_histogram(s.histogram) == "(no steps)"
+
+
+def test_acceptance_rate_is_right_when_block_sizes_vary():
+    # 3 of 15 drafts at B=16, then 3 of 3 at B=4: 6 of 18, not 6 of 2 x 15.
+    s = GenerationStats(block_size=16)
+    s.record_step(3, drafted=15)
+    s.record_step(3, drafted=3)
+    assert s.acceptance_rate == pytest.approx(6 / 18) and s.tau == pytest.approx(4.0)
+
+
+def test_rates_bandwidth_and_lines():
+    s = GenerationStats(block_size=4, prompt_tokens=10, generation_tokens=50, prompt_s=0.5, generation_s=2.0,
+                        model_bytes=int(1e9))
     s.record_step(2)
     s.phase_s["verify"] = 0.25
     assert s.prompt_tps == 20 and s.generation_tps == 25
+    assert s.bandwidth_gbps == pytest.approx(0.5)  # 1 GB x 1 step / 2 s
     lines = s.format_lines()
     assert lines[0] == "Prompt: 10 tokens, 20.000 tokens-per-sec"
     assert lines[1] == "Generation: 50 tokens, 25.000 tokens-per-sec"
     assert lines[2].startswith("Peak memory: ")
-    assert lines[3].startswith("Acceptance: tau 3.00") and lines[4] == "Histogram: 2:1"
-    assert s.to_dict()["timings_ms"]["verify"] == 250.0
+    assert lines[3] == "Acceptance: tau 3.00 tokens/step over 1 steps (66.7% of drafts accepted) at block size 4"
+    assert lines[4] == "Histogram: 3:1"
+    assert lines[5] == "Bandwidth: 0.50 GB/s"
+    d = s.to_dict()
+    assert d["timings_ms"]["verify"] == 250.0 and d["acceptance_histogram"] == {"3": 1}
+    assert d["acceptance_rate"] == pytest.approx(0.6667) and d["bandwidth_gbps"] == 0.5
 
 
-def test_plain_stats_have_no_acceptance_line():
-    assert not any(line.startswith("Acceptance") for line in GenerationStats(block_size=1).format_lines())
+def test_plain_stats_say_speculation_is_off_and_why():
+    s = GenerationStats(block_size=1, speculative=False, reason="no drafter was given (--draft-model)")
+    lines = s.format_lines()
+    assert not any(line.startswith("Acceptance") for line in lines)
+    assert "Speculative decoding: off (no drafter was given (--draft-model))" in lines
+    assert s.to_dict()["speculative"] is False and s.to_dict()["reason"].startswith("no drafter")
 
 
 @pytest.mark.parametrize("drafts, targets, a", [
@@ -39,7 +66,7 @@ def test_count_accepted(drafts, targets, a):
     assert count_accepted(drafts, targets) == a
 
 
-def test_add_accumulates_generations_of_different_block_sizes():
+def test_add_and_pooled_accumulate_generations_of_different_block_sizes():
     a = GenerationStats(block_size=4, prompt_tokens=5, generation_tokens=10, prompt_s=0.5, generation_s=1.0,
                         peak_memory_gb=1.0)
     a.record_step(3)
@@ -49,8 +76,22 @@ def test_add_accumulates_generations_of_different_block_sizes():
     b.record_step(7)
     b.record_step(0)
     b.phase_s["verify"] = 0.3
+    total = pooled([a, b], block_size=8)
     a.add(b)
-    assert a.histogram == [1, 0, 0, 1, 0, 0, 0, 1] and a.steps == 3
-    assert (a.prompt_tokens, a.generation_tokens) == (7, 16)
-    assert a.prompt_s == pytest.approx(0.6) and a.generation_s == pytest.approx(1.5)
-    assert a.phase_s["verify"] == pytest.approx(0.5) and a.peak_memory_gb == 1.0
+    for s in (a, total):
+        assert s.histogram == {4: 1, 8: 1, 1: 1} and s.steps == 3
+        assert (s.accepted, s.drafted) == (10, 3 + 7 + 7)
+        assert (s.prompt_tokens, s.generation_tokens) == (7, 16)
+        assert s.prompt_s == pytest.approx(0.6) and s.generation_s == pytest.approx(1.5)
+        assert s.phase_s["verify"] == pytest.approx(0.5) and s.peak_memory_gb == 1.0
+
+
+def test_teacher_forced_acceptance():
+    from dflash_mlx.stats import teacher_forced
+
+    right = np.array([[1, 1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 1]], dtype=bool)
+    out = teacher_forced(right)
+    assert out["accuracy"] == [0.75, 0.75, 0.75]
+    assert out["acceptance"] == [0.75, 0.5, 0.25]  # drafts 1..k all right
+    assert out["tau"] == pytest.approx(1 + (2 + 1 + 0 + 3) / 4) and out["blocks"] == 4
+    assert teacher_forced(np.zeros((0, 3), dtype=bool))["tau"] == 1.0

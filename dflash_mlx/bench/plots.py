@@ -83,10 +83,12 @@ def plot_acceptance(report: dict, path: Path) -> Path:
         n = len(ds["dflash"])
         width = 0.8 / max(n, 1)
         for j, d in enumerate(ds["dflash"]):
-            hist = d["histogram"]
-            steps = sum(hist) or 1
-            xs = [a + 1 + (j - (n - 1) / 2) * width for a in range(len(hist))]
-            ax.bar(xs, [h / steps for h in hist], width * 0.9, label=f"B={d['block_size']} (tau {d['tau'] or 0:.2f})")
+            hist = {int(k): v for k, v in d["acceptance_histogram"].items()}
+            steps = sum(hist.values()) or 1
+            lengths = range(1, d["block_size"] + 1)
+            xs = [k + (j - (n - 1) / 2) * width for k in lengths]
+            ax.bar(xs, [hist.get(k, 0) / steps for k in lengths], width * 0.9,
+                   label=f"B={d['block_size']} (tau {d['tau'] or 0:.2f})")
         ax.set_title(ds["name"])
         ax.set_xlabel("acceptance length (tokens per verify)")
         ax.set_ylabel("share of steps")

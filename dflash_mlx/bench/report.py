@@ -1,19 +1,16 @@
 """Digest bench runs: medians, speedups, the ideal speedup, JSON and a Rich table.
 
-Definitions (per dataset and block size B):
+Definitions (per dataset and block size B); tau, the acceptance rate and the
+acceptance-length histogram come from :mod:`dflash_mlx.stats`, pooled over runs:
 
 - ``decode_tps``: decode tokens per second of one run (see ``runner``); reported
   as the median over runs.
 - speedup, two ways: the ratio of the medians, ``median(dflash tps) /
   median(baseline tps)``, and the median of the per-pair ratios (each DFlash run
   over the baseline run it was paired with, back to back).
-- tau: tokens committed per verify step, pooled over all runs (``sum (a+1) n_a /
-  sum n_a`` of the pooled acceptance histogram).
-- per-cycle times (ms): draft, verify and host phase seconds over verify steps;
-  ``other`` is the rest of the decode wall time per cycle (the generator's own
-  bookkeeping and the consumer). ``draft`` includes the drafter's graph building
-  and op dispatch, as the engine's own phases now do (``engine_phase_ms``, which
-  ``runner.TimedDrafter`` checks against).
+- per-cycle times (ms): the engine's draft, verify and host phase seconds over
+  verify steps; ``other`` is the rest of the decode wall time per cycle (the
+  generator's own bookkeeping and the consumer).
 - ideal speedup of a pair: ``tau x t_AR / (t_draft + t_verify)``, with ``t_AR``
   the baseline's decode seconds per token, ``t_draft + t_verify`` DFlash's
   per-cycle draft and verify seconds and tau taken as the decode tokens per verify
@@ -21,8 +18,7 @@ Definitions (per dataset and block size B):
   tokens counts only what it emitted). ``measured_over_ideal`` is the median over
   pairs of measured/ideal, which is then exactly the share of DFlash's decode time
   spent in draft and verify: 1.0 means no loop overhead at all, 0.9 means 10%.
-  ``ideal_speedup_at_tau`` uses the histogram's tau instead, and
-  ``measured_over_ideal_engine_phases`` the engine's own draft phase (the wait only).
+  ``ideal_speedup_at_tau`` uses the statistics' tau instead.
 """
 
 from __future__ import annotations
@@ -37,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+from ..stats import GenerationStats, histogram_dict, pooled
 from .runner import DatasetResult, RunRecord
 
 SCHEMA = "dflash-bench/1"
@@ -53,43 +50,18 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
-def pooled_histogram(runs: Sequence[RunRecord]) -> List[int]:
-    """Element-wise sum of the runs' acceptance histograms."""
-    size = max((len(r.histogram) for r in runs), default=0)
-    out = [0] * size
-    for r in runs:
-        for a, n in enumerate(r.histogram):
-            out[a] += n
-    return out
-
-
-def tau_of(histogram: Sequence[int]) -> Optional[float]:
-    """Mean acceptance length ``sum (a+1) n_a / sum n_a`` (None without steps)."""
-    steps = sum(histogram)
-    return sum((a + 1) * n for a, n in enumerate(histogram)) / steps if steps else None
+def pooled_stats(runs: Sequence[RunRecord]) -> GenerationStats:
+    """The runs' statistics summed (steps, acceptance, histogram, phases)."""
+    return pooled((r.stats for r in runs), block_size=runs[0].block_size if runs else 1)
 
 
 def cycle_ms(run: RunRecord) -> Dict[str, Optional[float]]:
-    """Per-verify-cycle milliseconds: draft, verify, host and other (the rest of decode).
-
-    ``draft`` is the engine's draft wait plus the drafter's graph building and
-    dispatch (``draft_in_host_s``), which the engine's own stats count as host.
-    """
+    """Per-verify-cycle milliseconds: draft, verify, host and other (the rest of decode)."""
     if not run.steps:
         return {k: None for k in ("draft", "verify", "host", "other")}
-    ph = {k: run.phase_s.get(k, 0.0) for k in ("draft", "verify", "host")}
-    ph["draft"] += run.draft_in_host_s
-    ph["host"] -= run.draft_in_host_s
+    ph = {k: run.stats.phase_s.get(k, 0.0) for k in ("draft", "verify", "host")}
     other = run.decode_s - sum(ph.values())
     return {**{k: 1e3 * v / run.steps for k, v in ph.items()}, "other": 1e3 * other / run.steps}
-
-
-def engine_phase_ms(run: RunRecord) -> Dict[str, Optional[float]]:
-    """Per-cycle milliseconds of the engine's own phases (draft, verify, host), as
-    ``GenerationStats`` records them."""
-    if not run.steps:
-        return {k: None for k in ("draft", "verify", "host")}
-    return {k: 1e3 * run.phase_s.get(k, 0.0) / run.steps for k in ("draft", "verify", "host")}
 
 
 def seconds_per_token(run: RunRecord) -> Optional[float]:
@@ -104,8 +76,7 @@ def tokens_per_step(run: RunRecord) -> Optional[float]:
     return run.decode_tokens / run.steps if run.steps else None
 
 
-def ideal_speedup(run: RunRecord, base: RunRecord, tau: Optional[float] = None,
-                  engine_phases: bool = False) -> Optional[float]:
+def ideal_speedup(run: RunRecord, base: RunRecord, tau: Optional[float] = None) -> Optional[float]:
     """``tau x t_AR / (t_draft + t_verify)`` for one DFlash run and its baseline run.
 
     Args:
@@ -113,21 +84,20 @@ def ideal_speedup(run: RunRecord, base: RunRecord, tau: Optional[float] = None,
         tau: tokens per verify; default :func:`tokens_per_step`, so that
             measured/ideal is exactly the share of decode time spent drafting and
             verifying (the loop overhead is the rest).
-        engine_phases: take t_draft from the engine's draft phase alone (the wait
-            for the drafts), leaving the drafter's graph building and dispatch out.
     """
     t_ar = seconds_per_token(base)
     tau = tokens_per_step(run) if tau is None else tau
     if run.steps == 0 or t_ar is None or not tau:
         return None
-    draft = run.phase_s.get("draft", 0.0) + (0.0 if engine_phases else run.draft_in_host_s)
-    cycle = (draft + run.phase_s.get("verify", 0.0)) / run.steps
+    phases = run.stats.phase_s
+    cycle = (phases.get("draft", 0.0) + phases.get("verify", 0.0)) / run.steps
     return tau * t_ar / cycle if cycle > 0 else None
 
 
 def engine_summary(runs: Sequence[RunRecord]) -> dict:
-    """Medians of one engine's runs (tokens/s, prompt tokens/s, GB, s/token)."""
-    hist = pooled_histogram(runs)
+    """Medians of one engine's runs (tokens/s, prompt tokens/s, GB, s/token) and
+    their pooled acceptance."""
+    stats = pooled_stats(runs)
     return {
         "engine": runs[0].engine if runs else None,
         "block_size": runs[0].block_size if runs else None,
@@ -137,9 +107,10 @@ def engine_summary(runs: Sequence[RunRecord]) -> dict:
         "peak_memory_gb_max": max((r.peak_memory_gb for r in runs), default=None),
         "s_per_token_median": median(seconds_per_token(r) for r in runs),
         "generation_tokens_total": sum(r.generation_tokens for r in runs),
-        "steps": sum(hist),
-        "tau": tau_of(hist),
-        "histogram": hist,
+        "steps": stats.steps,
+        "tau": stats.tau if stats.steps else None,
+        "acceptance_rate": stats.acceptance_rate if stats.drafted else None,
+        "acceptance_histogram": histogram_dict(stats.histogram),
     }
 
 
@@ -165,26 +136,19 @@ def summarize(result: DatasetResult) -> dict:
         prs = pairs(result, B)
         runs = [r for _, r in prs]
         s = engine_summary(runs)
-        hist = s["histogram"]
-        proposed = s["steps"] * (B - 1)
         measured = [ratio(r.decode_tps, b.decode_tps) for b, r in prs]
         ideal = [ideal_speedup(r, b) for b, r in prs]
-        ideal_tau = [ideal_speedup(r, b, r.tau) for b, r in prs]
-        ideal_raw = [ideal_speedup(r, b, engine_phases=True) for b, r in prs]
+        ideal_tau = [ideal_speedup(r, b, r.stats.tau) for b, r in prs]
         compared = [r.matches_baseline for r in runs if r.matches_baseline is not None]
         cycles = [cycle_ms(r) for r in runs]
         s.update({
-            "acceptance_rate": (sum(a * n for a, n in enumerate(hist)) / proposed) if proposed else None,
-            "acceptance_length_histogram": {str(a + 1): n for a, n in enumerate(hist)},
             "speedup_ratio_of_medians": ratio(s["decode_tps_median"], base["decode_tps_median"]),
             "speedup_median_of_ratios": median(measured),
             "tokens_per_step": median(tokens_per_step(r) for r in runs),
             "ideal_speedup": median(ideal),
             "ideal_speedup_at_tau": median(ideal_tau),
             "measured_over_ideal": median(ratio(m, i) for m, i in zip(measured, ideal)),
-            "measured_over_ideal_engine_phases": median(ratio(m, i) for m, i in zip(measured, ideal_raw)),
             "cycle_ms": {k: median(c[k] for c in cycles) for k in ("draft", "verify", "host", "other")},
-            "engine_phase_ms": {k: median(engine_phase_ms(r)[k] for r in runs) for k in ("draft", "verify", "host")},
             "outputs_compared": len(compared),
             "outputs_differing": (len(compared) - sum(compared)) if compared else None,
         })
@@ -316,6 +280,6 @@ def histogram_lines(report: dict) -> List[str]:
     for ds in report["datasets"]:
         for d in ds["dflash"]:
             steps = d["steps"] or 1
-            bins = " ".join(f"{k}:{100 * n / steps:.0f}%" for k, n in d["acceptance_length_histogram"].items() if n)
+            bins = " ".join(f"{k}:{100 * n / steps:.0f}%" for k, n in d["acceptance_histogram"].items() if n)
             lines.append(f"{ds['name']} B={d['block_size']}: acceptance length {bins or '(no steps)'}")
     return lines

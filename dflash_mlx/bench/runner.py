@@ -21,7 +21,6 @@ Per run:
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -30,8 +29,9 @@ from mlx_lm.sample_utils import make_sampler
 
 from ..errors import InputError
 from ..generate import check_block_size, generate_step
+from ..protocol import Drafter
 from ..simulate import SimulatedDrafter
-from ..stats import GenerationStats
+from ..stats import GenerationStats, histogram_dict
 from .datasets import Sample, encode_sample_turn
 
 ProgressFn = Callable[[str, int, int], None]  # (dataset, items done, items in all)
@@ -56,67 +56,6 @@ class Engine:
         raise NotImplementedError
 
 
-@dataclass
-class PhaseTrackingStats(GenerationStats):
-    """``GenerationStats`` that also knows which phase is running (``current``)."""
-
-    current: Optional[str] = None
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        outer, self.current = self.current, name
-        try:
-            with super().phase(name):
-                yield
-        finally:
-            self.current = outer
-
-
-class TimedDrafter:
-    """Records the seconds of each ``draft`` call with the engine phase it ran in.
-
-    It was written when ``generate_step`` issued the next draft inside its "host"
-    phase (on the CPU backend ``mx.async_eval`` dispatches every op of the draft
-    synchronously, about 1 ms on stories260K). The engine now books that call as
-    "draft", so the correction the report derives from this wrapper is zero; it is
-    kept as a check (the tests assert both splits agree) and can be removed.
-
-    Args:
-        drafter: the drafter to wrap.
-        stats: the run's :class:`PhaseTrackingStats`.
-    """
-
-    def __init__(self, drafter, stats: Optional[PhaseTrackingStats] = None):
-        self.drafter, self.stats = drafter, stats
-        self.calls: List[tuple] = []  # (engine phase or None, seconds)
-
-    @property
-    def block_size(self) -> int:
-        return self.drafter.block_size
-
-    @property
-    def target_layer_ids(self) -> List[int]:
-        return self.drafter.target_layer_ids
-
-    def make_cache(self):
-        return self.drafter.make_cache()
-
-    def ingest(self, context, cache) -> None:
-        self.drafter.ingest(context, cache)
-
-    def draft(self, token, context, cache, block_size: int):
-        phase = getattr(self.stats, "current", None)
-        tic = time.perf_counter()
-        drafts = self.drafter.draft(token, context, cache, block_size)
-        mx.async_eval(drafts)
-        self.calls.append((phase, time.perf_counter() - tic))
-        return drafts
-
-    def seconds_in(self, phase: str) -> float:
-        """Seconds of the ``draft`` calls made inside engine phase ``phase``."""
-        return sum(s for p, s in self.calls if p == phase)
-
-
 class DFlashEngine(Engine):
     """This project's engine: DFlash with a drafter, plain decoding (``ar``) without.
 
@@ -124,28 +63,18 @@ class DFlashEngine(Engine):
         target: the target adapter.
         drafter: a bound drafter (or a :class:`SimulatedDrafter`), or None for ``ar``.
         block_size: B (default: the drafter's trained block size).
-
-    Attributes:
-        draft_in_host_s: after a run, the seconds the drafter's ``draft`` calls took
-            inside the engine's host phase (graph building and dispatch; see
-            :class:`TimedDrafter`).
     """
 
-    def __init__(self, target, drafter=None, block_size: Optional[int] = None):
+    def __init__(self, target, drafter: Optional[Drafter] = None, block_size: Optional[int] = None):
         self.target, self.drafter = target, drafter
         self.block_size = check_block_size(block_size, drafter)
         self.name = "dflash" if drafter is not None else "ar"
-        self.draft_in_host_s = 0.0
 
     def stream(self, ids, max_tokens, sampler, stop_ids, stats):
         prompt = mx.array(ids, dtype=mx.int32)
-        drafter = TimedDrafter(self.drafter, stats) if self.drafter is not None else None
-        self.draft_in_host_s = 0.0
-        for step in generate_step(prompt, self.target, drafter, sampler=sampler, max_tokens=max_tokens,
-                                  block_size=self.block_size if drafter is not None else None,
+        for step in generate_step(prompt, self.target, self.drafter, sampler=sampler, max_tokens=max_tokens,
+                                  block_size=self.block_size if self.drafter is not None else None,
                                   stop_token_ids=stop_ids, stats=stats):
-            if drafter is not None:
-                self.draft_in_host_s = drafter.seconds_in("host")
             yield step.tokens
 
 
@@ -203,12 +132,12 @@ class MlxLmSpeculativeEngine(Engine):
         ):
             n += 1
             if token in stops:
-                stats.record_step(len(cycle))
+                stats.record_step(len(cycle), self.num_draft_tokens)
                 yield cycle
                 return
             cycle.append(token)
             if not from_draft or n == max_tokens:
-                stats.record_step(min(len(cycle) - 1, self.block_size - 1))
+                stats.record_step(min(len(cycle) - 1, self.num_draft_tokens), self.num_draft_tokens)
                 yield cycle
                 cycle = []
         if cycle:
@@ -243,11 +172,8 @@ class RunRecord:
         first_tokens: tokens in the first committed list (not decode tokens).
         prompt_s: seconds from the call to the first committed list.
         decode_s: seconds from the first committed list to the last one.
-        steps, histogram: verify steps and ``histogram[a]`` = steps accepting a drafts.
-        phase_s: seconds per phase (prefill, draft, verify, host), from the engine's
-            own stats (zeros for mlx-lm engines).
-        draft_in_host_s: seconds of the drafter's ``draft`` calls (graph building and
-            op dispatch) that the engine's stats count in its "host" phase.
+        stats: the engine's :class:`~dflash_mlx.stats.GenerationStats` (verify steps,
+            acceptance, phase seconds; the phases are zero for mlx-lm engines).
         peak_memory_gb: peak MLX memory during the run, GB.
         matches_baseline: at temperature 0, whether the tokens equal the baseline's
             (None for the baseline itself or when sampling).
@@ -263,10 +189,7 @@ class RunRecord:
     first_tokens: int = 0
     prompt_s: float = 0.0
     decode_s: float = 0.0
-    steps: int = 0
-    histogram: List[int] = field(default_factory=list)
-    phase_s: Dict[str, float] = field(default_factory=dict)
-    draft_in_host_s: float = 0.0
+    stats: GenerationStats = field(default_factory=lambda: GenerationStats(block_size=1))
     peak_memory_gb: float = 0.0
     matches_baseline: Optional[bool] = None
 
@@ -279,6 +202,10 @@ class RunRecord:
         return len(self.tokens) - self.first_tokens
 
     @property
+    def steps(self) -> int:
+        return self.stats.steps
+
+    @property
     def decode_tps(self) -> Optional[float]:
         """Decode tokens per second (None when nothing was decoded after the first list)."""
         return self.decode_tokens / self.decode_s if self.decode_s > 0 and self.decode_tokens > 0 else None
@@ -287,24 +214,21 @@ class RunRecord:
     def prompt_tps(self) -> Optional[float]:
         return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else None
 
-    @property
-    def tau(self) -> Optional[float]:
-        """Mean tokens per verify step (None without steps)."""
-        return sum((a + 1) * n for a, n in enumerate(self.histogram)) / self.steps if self.steps else None
-
     def to_dict(self) -> dict:
         """JSON figures (seconds to the microsecond, tokens/s, GB); token ids are left out."""
         def r(x, n=6):
             return None if x is None else round(x, n)
 
+        s = self.stats
         return {
             "sample": self.sample, "turn": self.turn, "repeat": self.repeat, "engine": self.engine,
             "block_size": self.block_size, "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens, "decode_tokens": self.decode_tokens,
             "prompt_s": r(self.prompt_s), "decode_s": r(self.decode_s), "prompt_tps": r(self.prompt_tps, 3),
-            "decode_tps": r(self.decode_tps, 3), "steps": self.steps, "tau": r(self.tau, 4),
-            "histogram": list(self.histogram), "phase_s": {k: r(v) for k, v in self.phase_s.items()},
-            "draft_in_host_s": r(self.draft_in_host_s),
+            "decode_tps": r(self.decode_tps, 3), "steps": s.steps,
+            "tau": r(s.tau, 4) if s.steps else None, "acceptance_rate": r(s.acceptance_rate, 4),
+            "acceptance_histogram": histogram_dict(s.histogram),
+            "phase_s": {k: r(v) for k, v in s.phase_s.items()},
             "peak_memory_gb": r(self.peak_memory_gb), "matches_baseline": self.matches_baseline,
         }
 
@@ -315,7 +239,7 @@ def timed_run(engine: Engine, ids: List[int], max_tokens: int, sampler, stop_ids
     Returns:
         A :class:`RunRecord` with sample/turn/repeat left blank.
     """
-    stats = PhaseTrackingStats(block_size=engine.block_size, prompt_tokens=len(ids))
+    stats = GenerationStats(block_size=engine.block_size, prompt_tokens=len(ids))
     tokens: List[int] = []
     first = last = None
     first_tokens = 0
@@ -332,9 +256,7 @@ def timed_run(engine: Engine, ids: List[int], max_tokens: int, sampler, stop_ids
         prompt_tokens=len(ids), tokens=tokens, first_tokens=first_tokens,
         prompt_s=(first - tic) if first is not None else 0.0,
         decode_s=(last - first) if first is not None else 0.0,
-        steps=stats.steps, histogram=list(stats.histogram), phase_s=dict(stats.phase_s),
-        draft_in_host_s=getattr(engine, "draft_in_host_s", 0.0),
-        peak_memory_gb=mx.get_peak_memory() / 1e9,
+        stats=stats, peak_memory_gb=mx.get_peak_memory() / 1e9,
     )
 
 

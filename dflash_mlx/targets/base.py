@@ -13,9 +13,10 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from ..errors import MismatchError
+from ..caches import EXACT_TRIM, WindowKVCache, can_trim
+from ..errors import RollbackError
 
 
 class TargetAdapter:
@@ -76,8 +77,11 @@ class TargetAdapter:
         Args:
             inputs: [1, L] int32 token ids.
             cache: the model's prompt cache (updated in place).
-            capture: target layer ids whose OUTPUT (residual stream after the layer,
-                Hugging Face ``hidden_states[l+1]``, spec section 3) is captured.
+            capture: target layer ids whose OUTPUT is captured: Hugging Face's
+                ``hidden_states[l+1]`` (spec section 3), i.e. the residual stream
+                after layer l, and for the last layer the output after the final
+                norm, as Hugging Face models return it. Training and inference both
+                capture here, so they always agree.
 
         Returns:
             ``(hidden, features)``: hidden [1, L, H] after the final norm (feed it to
@@ -90,29 +94,80 @@ class TargetAdapter:
             h = layer(h, mask, c)
             if i in wanted:
                 captured[i] = h
+        h = self.inner.norm(h)
+        captured[self.num_layers - 1] = h
         features = mx.concatenate([captured[i] for i in capture], axis=-1) if capture else None
-        return self.inner.norm(h), features
+        return h, features
 
-    def make_cache(self) -> List[Any]:
-        """A fresh prompt cache, as mlx-lm makes it."""
-        return make_prompt_cache(self.model)
+    def make_cache(self, max_verify: int = 1) -> List[Any]:
+        """A fresh prompt cache, as mlx-lm makes it, that rolls back exactly.
 
-    def can_rollback(self, cache: Sequence[Any]) -> bool:
-        return can_trim_prompt_cache(list(cache))
+        Sliding-window layers get a :class:`~dflash_mlx.caches.WindowKVCache` instead
+        of mlx-lm's ``RotatingKVCache``, which cannot be trimmed once it wraps.
 
-    def check_rollback(self, cache: Sequence[Any]) -> None:
-        """Raise if this cache cannot be rolled back after a verify.
+        Args:
+            max_verify: most tokens one verify forward feeds (the block size, or a
+                tree's node count + 1): the most rows one rollback removes.
 
         Raises:
-            MismatchError: the cache holds non-trimmable (recurrent) layers.
+            RollbackError: a layer cache that cannot be made exact (names it).
         """
-        if not self.can_rollback(cache):
-            raise MismatchError(
-                f"{type(self.model).__module__}: this target's cache cannot be rolled back "
-                "(recurrent or rotating layers); speculative decoding is not supported for it yet"
-            )
+        cache = make_prompt_cache(self.model)
+        for i, c in enumerate(cache):
+            if isinstance(c, RotatingKVCache):
+                if c.keep:
+                    raise RollbackError(
+                        f"target layer {i}: RotatingKVCache keeps {c.keep} sink rows; "
+                        "speculative decoding cannot roll it back exactly"
+                    )
+                cache[i] = WindowKVCache(c.max_size, slack=max_verify)
+        self.check_cache(cache, max_verify)
+        return cache
+
+    def check_cache(self, cache: Sequence[Any], max_verify: int) -> None:
+        """Refuse, before generation starts, a cache that cannot roll back exactly.
+
+        Raises:
+            RollbackError: one line naming the first such layer and its cache type.
+        """
+        for i, c in enumerate(cache):
+            if isinstance(c, WindowKVCache):
+                if c.slack < max_verify:
+                    raise RollbackError(
+                        f"target layer {i}: sliding-window cache (window {c.window}) keeps "
+                        f"{c.slack} rows for rollback but a verify feeds {max_verify}; "
+                        f"build it with make_cache(max_verify={max_verify})"
+                    )
+            elif not isinstance(c, EXACT_TRIM):
+                what = type(c).__name__
+                if isinstance(c, RotatingKVCache):
+                    what += f" (sliding window {c.max_size})"
+                raise RollbackError(
+                    f"target layer {i}: {what} cannot be rolled back exactly, so speculative "
+                    f"decoding would not reproduce the target; use {type(self).__name__}.make_cache()"
+                )
 
     def rollback(self, cache: Sequence[Any], num_tokens: int) -> None:
-        """Drop the last ``num_tokens`` rows of every layer's cache (rejected drafts)."""
-        if num_tokens > 0:
-            trim_prompt_cache(list(cache), num_tokens)
+        """Remove the last ``num_tokens`` rows (rejected drafts) from every layer.
+
+        Every layer is checked first and every trimmed count is verified, so the
+        cache is either rolled back exactly or left as it was and an error raised.
+
+        Raises:
+            RollbackError: a layer cannot remove that many rows exactly.
+        """
+        if num_tokens <= 0:
+            return
+        for i, c in enumerate(cache):
+            if not can_trim(c, num_tokens):
+                raise RollbackError(
+                    f"target layer {i}: {type(c).__name__} cannot remove its last {num_tokens} "
+                    "rows exactly (rows it needs were dropped or it is not trimmable)"
+                )
+        for i, c in enumerate(cache):
+            trimmed = c.trim(num_tokens)
+            if trimmed != num_tokens:
+                raise RollbackError(
+                    f"target layer {i}: {type(c).__name__} trimmed {trimmed} of {num_tokens} rows"
+                )
+
