@@ -15,7 +15,7 @@ import typer
 
 from .common import (
     check_max_tokens, check_sampling, check_system_prompt, check_temp, guard, load_pair, parse_template_config,
-    resolve_models, utf8, block_size_option, draft_model_option, min_p_option, model_option, prefill_step_option,
+    parse_stops, resolve_models, utf8, stop_option, block_size_option, draft_model_option, min_p_option, model_option, prefill_step_option,
     seed_option, system_prompt_option, temp_option, top_k_option, top_p_option,
 )
 
@@ -44,6 +44,7 @@ class Settings:
     min_p: float
     block_size: Optional[int]
     vocab_size: Optional[int] = None
+    stop: Tuple[str, ...] = ()
 
     def sampler(self):
         from dflash_mlx.sampling import make_sampler
@@ -62,6 +63,7 @@ def chat(
     seed: Optional[int] = seed_option(),
     block_size: Optional[int] = block_size_option(),
     system_prompt: Optional[str] = system_prompt_option(),
+    stop: List[str] = stop_option(),
     chat_template_config: Optional[str] = typer.Option(
         None, "--chat-template-config",
         help="JSON for apply_chat_template, e.g. '{\"enable_thinking\": true}'. "
@@ -94,7 +96,7 @@ def chat(
 
 
 def _run(model, draft_model, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
-         system_prompt, chat_template_config, ignore_chat_template, prefill_step_size, color) -> None:
+         system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size, color) -> None:
     import mlx.core as mx
 
     from dflash_mlx import InputError
@@ -104,6 +106,7 @@ def _run(model, draft_model, max_tokens, temp, top_p, top_k, min_p, seed, block_
     from .chat_ui import PlainView, RichView
 
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
+    stops = parse_stops(stop)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model)
@@ -121,7 +124,7 @@ def _run(model, draft_model, max_tokens, temp, top_p, top_k, min_p, seed, block_
     check_system_prompt(system_prompt, pair.tokenizer, ignore_chat_template)
     session = ChatSession.from_pair(pair, system_prompt=system_prompt, template_config=template,
                                     use_template=not ignore_chat_template, prefill_step_size=prefill_step_size)
-    settings = Settings(max_tokens, temp, top_p, top_k, min_p, block_size, pair.target.vocab_size)
+    settings = Settings(max_tokens, temp, top_p, top_k, min_p, block_size, pair.target.vocab_size, stops)
     view = RichView(color) if sys.stdin.isatty() and sys.stdout.isatty() else PlainView()
     view.header(header_rows(pair, session, settings))
     if _loop(session, settings, view, pair) and not view.interactive:
@@ -172,7 +175,7 @@ def _turn(text: str, session, settings: Settings, view) -> None:
     from .chat_ui import summary_line
 
     events = session.stream(text, sampler=settings.sampler(), max_tokens=settings.max_tokens,
-                            block_size=settings.block_size)
+                            block_size=settings.block_size, stop_strings=settings.stop)
     with closing(events):
         last, interrupted = view.stream(events)
     if last is not None:

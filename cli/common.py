@@ -64,6 +64,25 @@ def system_prompt_option():
     )
 
 
+def stop_option():
+    return typer.Option(
+        [], "--stop",
+        help="Stop the reply at this text, which is not printed; repeatable. \\n and \\t are expanded.",
+    )
+
+
+def parse_stops(values) -> Tuple[str, ...]:
+    """``--stop`` values with ``\\n`` and ``\\t`` expanded (as in ``--prompt``).
+
+    Raises:
+        InputError: an empty stop string.
+    """
+    stops = tuple(v.replace("\\n", "\n").replace("\\t", "\t") for v in values or ())
+    if any(not s for s in stops):
+        raise InputError("--stop needs a non-empty text")
+    return stops
+
+
 # Ctrl-C is seen between two evaluations, so one prefill chunk is the longest wait:
 # 2048 tokens (mlx-lm's default) take seconds on a large target, 512 well under one.
 PREFILL_STEP = 512

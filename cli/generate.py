@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
 from .common import (
     check_sampling, check_system_prompt, encode_prompt, guard, load_pair, parse_template_config, read_prompt,
-    resolve_models, warn, block_size_option, draft_model_option, min_p_option, model_option, prefill_step_option,
+    parse_stops, resolve_models, warn, stop_option, block_size_option, draft_model_option, min_p_option, model_option, prefill_step_option,
     seed_option, system_prompt_option, temp_option, top_k_option, top_p_option,
 )
 
@@ -29,6 +29,7 @@ def generate(
     seed: Optional[int] = seed_option(),
     block_size: Optional[int] = block_size_option(),
     system_prompt: Optional[str] = system_prompt_option(),
+    stop: List[str] = stop_option(),
     chat_template_config: Optional[str] = typer.Option(
         None, "--chat-template-config",
         help="JSON for apply_chat_template, e.g. '{\"enable_thinking\": true}'. "
@@ -49,13 +50,14 @@ def generate(
       dflash generate --prompt "Explain KV caches in two sentences."
       echo "Once upon a time" | dflash generate --model ./stories260K
       dflash generate --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16 -p - < q.txt
+      dflash generate -p "List three colours, one per line." --stop "\\n\\n"
     """
     args = dict(locals())
     guard(lambda: _run(**args))
 
 
 def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
-         system_prompt, chat_template_config, ignore_chat_template, prefill_step_size, verbose, as_json) -> None:
+         system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size, verbose, as_json) -> None:
     import mlx.core as mx
 
     from dflash_mlx import InputError, stream_generate
@@ -63,6 +65,7 @@ def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed
     from dflash_mlx.session import context_length
 
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
+    stops = parse_stops(stop)
     text = read_prompt(prompt)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
@@ -90,13 +93,13 @@ def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed
                  f"and the target's context is {limit}")
     sampler = make_sampler(temp, top_p, min_p, top_k, pair.target.vocab_size)
 
-    out, stats = [], None
+    out, stats, finish = [], None, None
     try:
         for response in stream_generate(pair.target, pair.tokenizer, ids, pair.drafter, sampler=sampler,
-                                        max_tokens=max_tokens, block_size=block_size,
+                                        max_tokens=max_tokens, block_size=block_size, stop_strings=stops,
                                         prefill_step_size=prefill_step_size):
             out.append(response.text)
-            stats = response.stats
+            stats, finish = response.stats, response.finish_reason
             if not as_json:
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
@@ -105,7 +108,7 @@ def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed
             print(flush=True)  # the shell prompt starts on a fresh line
         raise
     if as_json:
-        print(json.dumps({"text": "".join(out), **stats.to_dict()}))
+        print(json.dumps({"text": "".join(out), "finish_reason": finish, **stats.to_dict()}))
     else:
         print()
     if verbose:

@@ -32,6 +32,7 @@ from .errors import InputError, RollbackError
 from .generate import check_block_size, stream_generate
 from .prompt import encode_messages
 from .stats import GenerationStats, format_histogram
+from .stopping import held_back, text_before_stop
 
 
 class ContextFullError(InputError):
@@ -200,6 +201,46 @@ class ReplyDecoder:
             pieces.append(Piece(text, *look))
 
 
+class StopText:
+    """A reply's pieces up to its first stop string (the stop string is not shown).
+
+    Text that could begin a stop string is held back until the next pieces settle
+    it, as :func:`dflash_mlx.generate.stream_generate` does for plain text.
+    """
+
+    def __init__(self, stop_strings: Sequence[str] = ()):
+        self.stops = tuple(stop_strings)
+        self.text = ""  # the reply's text so far
+        self.shown = 0  # characters passed on
+        self.waiting: List[Piece] = []
+
+    def add(self, pieces: List[Piece], final: bool) -> List[Piece]:
+        """The part of ``pieces`` (and of the held-back text) that may be shown now."""
+        if not self.stops:
+            return pieces
+        self.waiting += pieces
+        self.text += "".join(p.text for p in pieces)
+        cut = text_before_stop(self.text, self.stops)
+        if cut is not None:
+            end = cut
+        else:
+            end = len(self.text) if final else len(self.text) - held_back(self.text, self.stops)
+        return self._take(max(end - self.shown, 0))
+
+    def _take(self, n: int) -> List[Piece]:
+        out: List[Piece] = []
+        while n > 0 and self.waiting:
+            p = self.waiting[0]
+            if len(p.text) <= n:
+                out.append(self.waiting.pop(0))
+            else:
+                out.append(Piece(p.text[:n], p.drafted, p.thinking))
+                self.waiting[0] = Piece(p.text[n:], p.drafted, p.thinking)
+            n -= len(out[-1].text)
+            self.shown += len(out[-1].text)
+        return out
+
+
 def starts_thinking(tokenizer: Any, ids: Sequence[int]) -> bool:
     """Whether the prompt ends inside an open ``<think>`` block."""
     start, end = _single_id(tokenizer, "think_start_tokens"), _single_id(tokenizer, "think_end_tokens")
@@ -297,6 +338,7 @@ class ChatSession:
         sampler: Optional[Callable[[mx.array], mx.array]] = None,
         max_tokens: int = 256,
         block_size: Optional[int] = None,
+        stop_strings: Sequence[str] = (),
     ) -> Generator[ChatEvent, None, None]:
         """Send one user turn and stream the reply.
 
@@ -308,6 +350,8 @@ class ChatSession:
             sampler: mlx-lm sampler (greedy by default).
             max_tokens: most tokens in the reply (also capped by the context left).
             block_size: B for this turn (default: the drafter's trained size).
+            stop_strings: texts that end the reply (``finish_reason`` "stop"); the
+                reply's text, shown and kept in ``messages``, stops before the first.
 
         Returns:
             A generator of :class:`ChatEvent`, one per verify step; the last has
@@ -319,10 +363,12 @@ class ChatSession:
         Raises:
             ContextFullError: the conversation with this turn does not fit the
                 context; the session is unchanged.
-            InputError: block size out of range, empty text.
+            InputError: block size out of range, empty text or stop string.
         """
         if not text.strip():
             raise InputError("the message is empty")
+        if any(not s for s in stop_strings):
+            raise InputError("a stop string must not be empty")
         B = check_block_size(block_size, self.drafter)
         user = {"role": "user", "content": text}
         ids = self.render(self.messages + [user])
@@ -330,9 +376,9 @@ class ChatSession:
             if len(ids) >= self.max_context:
                 raise ContextFullError(len(ids), self.max_context)
             max_tokens = min(max_tokens, self.max_context - len(ids))
-        return self._turn(user, ids, sampler, max_tokens, B)
+        return self._turn(user, ids, sampler, max_tokens, B, tuple(stop_strings))
 
-    def _turn(self, user, ids, sampler, max_tokens, block_size) -> Generator[ChatEvent, None, None]:
+    def _turn(self, user, ids, sampler, max_tokens, block_size, stops) -> Generator[ChatEvent, None, None]:
         self._settle(self.tokens, len(self.tokens))  # safety net after a double interrupt
         reused = common_prefix(self.tokens, ids, len(ids) - 1)
         self._settle(ids, reused)
@@ -340,25 +386,28 @@ class ChatSession:
         self.messages.append(user)
         context = () if self.use_template else ids  # plain: the reply continues the text
         decoder = ReplyDecoder(self.tokenizer, starts_thinking(self.tokenizer, ids), context)
+        shown = StopText(stops)
         reply: List[int] = []
         known, stats, finished = reused, None, False
         try:
             for r in stream_generate(
                 self.target, self.tokenizer, ids[reused:], self.drafter, sampler=sampler,
                 max_tokens=max_tokens, block_size=block_size, prompt_cache=self.cache,
-                draft_cache=self.draft_cache, prefill_step_size=self.prefill_step_size,
+                draft_cache=self.draft_cache, prefill_step_size=self.prefill_step_size, stop_strings=stops,
             ):
                 reply.extend(r.tokens)
                 known, stats = len(ids) + len(reply) - 1, r.stats
                 final = r.finish_reason is not None
-                yield ChatEvent(decoder.add(r.tokens, r.accepted, final), r.tokens, r.accepted,
+                yield ChatEvent(shown.add(decoder.add(r.tokens, r.accepted, final), final), r.tokens, r.accepted,
                                 r.finish_reason, r.stats)
             finished = True
         finally:
             # Rows below `known` were complete when the last step was received.
             self._settle(ids + reply, known)
             if reply or finished:
-                self.messages.append({"role": "assistant", "content": self.reply_text(ids, reply)})
+                content = self.reply_text(ids, reply)
+                cut = text_before_stop(content, stops)
+                self.messages.append({"role": "assistant", "content": content if cut is None else content[:cut]})
             else:
                 self.messages.pop()
             self._count(stats, reused, interrupted=not finished)

@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 
-from dflash_mlx import generate_step, load
+from dflash_mlx import InputError, generate_step, load
 from dflash_mlx.session import ChatSession, ContextFullError, ReplyDecoder, plain_text, starts_thinking, trim_cache
 from conftest import needs_shared, tiny_drafter, tiny_target
 
@@ -285,3 +285,33 @@ def test_stories_turns_equal_fresh_runs(stories, random_drafter, tmp_path, templ
         assert s.last_reused == held
         held = len(s.tokens)
         check_consistent(s)
+
+
+@pytest.mark.parametrize("template", [True, False], ids=["template", "plain"])
+def test_stop_string_cuts_the_reply_and_keeps_caches_consistent(pair, template):
+    target, drafter = pair
+    s = ChatSession(target, ByteTokenizer(template), drafter)
+    whole = "".join(p.text for ev in s.stream(TURNS[0], max_tokens=30, block_size=4) for p in ev.pieces)
+    s.reset()
+    k = next(i for i in range(6, len(whole) - 2) if whole.find(whole[i:i + 2]) == i)  # first occurrence
+    stop = whole[k:k + 2]
+    events = list(s.stream(TURNS[0], max_tokens=30, block_size=4, stop_strings=["never there", stop]))
+    shown = "".join(p.text for ev in events for p in ev.pieces)
+    assert shown == whole[:k] and events[-1].finish_reason == "stop"
+    assert s.messages[-1] == {"role": "assistant", "content": whole[:k]}
+    check_consistent(s)
+    # The tokens up to the one completing the stop string were committed; the next turn goes on.
+    list(s.stream(TURNS[1], max_tokens=10, block_size=4, stop_strings=[stop]))
+    check_consistent(s)
+    with pytest.raises(InputError, match="stop string"):
+        s.stream(TURNS[2], stop_strings=[""])
+
+
+def test_stop_text_holds_back_a_possible_start():
+    from dflash_mlx.session import Piece, StopText
+
+    st = StopText(["STOP"])
+    assert [p.text for p in st.add([Piece("abc S", drafted=True)], False)] == ["abc "]
+    assert [p.text for p in st.add([Piece("T"), Piece("x")], False)] == ["S", "T", "x"]
+    assert [(p.text, p.drafted) for p in st.add([Piece("yST", True), Piece("OPz")], True)] == [("y", True)]
+    assert StopText().add([Piece("anything")], False)[0].text == "anything"

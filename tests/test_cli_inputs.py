@@ -3,6 +3,7 @@ top-k past the vocabulary, broken config.json files, a drafter passed as the tar
 a system prompt without a chat template, and the end token of `dflash data`."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -229,3 +230,30 @@ def test_data_ends_responses_with_the_templates_end_token(stories, tmp_path):
         # templated rows end with the template's </s>; self-sampled openings with eos_token <unk>
         assert s.tokens[-1] == (2 if i < 2 else 0), (i, s.tokens[-4:])
         assert not np.isin(s.tokens[s.response_start:-1], [2, 426]).any()
+
+
+# --- stop strings -----------------------------------------------------------------------
+
+@needs_shared
+def test_generate_stops_at_the_first_stop_string(stories, random_drafter):
+    base = ["generate", "--model", str(stories), "-p", "Once upon a time", "-m", "60", "--quiet"]
+    r = dflash(*base, "--draft-model", str(random_drafter), "--stop", "little", "--stop", "Lily", "--json")
+    out = json.loads(text(r)[0])
+    assert out["text"] == ", there was a " and out["finish_reason"] == "stop"
+    assert out["generation_tokens"] < 10
+    r = dflash(*base, "--stop", "girl")  # plain decoding, streamed text
+    assert text(r)[0] == ", there was a little \n"
+    r = dflash(*base, "--stop", "\\n\\n")  # escapes expanded: no blank line in 60 tokens
+    assert r.returncode == 0 and text(r)[0].startswith(STORY)
+    one_line_error(dflash(*base, "--stop", ""), "--stop needs a non-empty text")
+
+
+@needs_shared
+def test_chat_stop_applies_to_every_reply(stories, random_drafter):
+    r = dflash("chat", "--model", str(stories), "--draft-model", str(random_drafter), "-m", "40",
+               "--stop", "named", stdin=b"Once upon a time\nOnce upon a time\n/stats\n")
+    out, err = text(r)
+    assert r.returncode == 0, err
+    assert out.startswith(", there was a little girl \n, there was a little girl \n")
+    n, target, drafter = re.search(r"Cache: (\d+) tokens of \d+ \(target (\d+), drafter (\d+)\)", out).groups()
+    assert n == target == drafter  # both caches hold the conversation the history renders
