@@ -128,6 +128,10 @@ def train(
     warmup: float = typer.Option(0.04, "--warmup", help="Warm-up fraction of the steps, then cosine decay."),
     grad_accum: int = typer.Option(4, "--grad-accum", help="Sequences per optimizer step."),
     anchors: int = typer.Option(512, "--anchors", help="Blocks sampled per sequence."),
+    anchor_chunk: int = typer.Option(
+        64, "--anchor-chunk",
+        help="Blocks per forward/backward pass (0: all at once); bounds memory, same result up to rounding.",
+    ),
     gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay over block rows; default 7 (B=16) or 4 (B=8)."),
     grad_clip: float = typer.Option(1.0, "--grad-clip", help="Max gradient norm."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
@@ -159,7 +163,7 @@ def train(
 
 
 def _train(model, data_dirs, out, layers, block_size, target_layer_ids, mask_token_id, intermediate_size, steps, lr,
-           warmup, grad_accum, anchors, gamma, grad_clip, dtype, held_out, eval_every, save_every, cache_features,
+           warmup, grad_accum, anchors, anchor_chunk, gamma, grad_clip, dtype, held_out, eval_every, save_every, cache_features,
            resume, overwrite, seed) -> None:
     from dflash_mlx import InputError, load
     from dflash_mlx.train.data import load_sequences
@@ -179,8 +183,10 @@ def _train(model, data_dirs, out, layers, block_size, target_layer_ids, mask_tok
     sequences = [seq for folder in data_dirs for seq in load_sequences(folder)]
     n_held = min(held_out, len(sequences) // 2)
     train_seqs, eval_seqs = sequences[: len(sequences) - n_held], sequences[len(sequences) - n_held:]
-    config = TrainConfig(steps=steps, grad_accum=grad_accum, anchors=anchors, lr=lr, warmup=warmup,
-                         grad_clip=grad_clip, gamma=gamma, dtype=dtype, seed=seed, eval_every=eval_every,
+    if anchor_chunk < 0:
+        raise InputError(f"--anchor-chunk must be 0 (all at once) or more, got {anchor_chunk}")
+    config = TrainConfig(steps=steps, grad_accum=grad_accum, anchors=anchors, anchor_chunk=anchor_chunk, lr=lr,
+                         warmup=warmup, grad_clip=grad_clip, gamma=gamma, dtype=dtype, seed=seed, eval_every=eval_every,
                          eval_sequences=n_held, save_every=save_every)
     features = out / "features" if cache_features else None
     if resume:
