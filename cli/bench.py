@@ -20,7 +20,9 @@ def bench(
         "file: a .jsonl/.jsonl.gz in those formats or of 'prompt' or 'messages' rows. Repeat or "
         "separate with commas for several.",
     ),
-    num_samples: int = typer.Option(10, "--num-samples", "-n", help="First N samples of each dataset; 0 for all of them."),
+    num_samples: int = typer.Option(
+        10, "--num-samples", "-n", help="First N samples of each dataset; 0 for all of them."
+    ),
     max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens per generation."),
     block_size: Optional[List[str]] = typer.Option(
         None, "--block-size",

@@ -14,9 +14,10 @@ from typing import List, Optional, Tuple
 import typer
 
 from .common import (
-    check_max_tokens, check_sampling, check_system_prompt, check_temp, guard, load_pair, parse_template_config,
-    parse_stops, resolve_models, utf8, stop_option, block_size_option, draft_model_option, min_p_option, model_option, prefill_step_option,
-    seed_option, system_prompt_option, temp_option, top_k_option, top_p_option,
+    check_max_tokens, check_sampling, check_system_prompt, check_temp, guard, load_pair, parse_stops,
+    parse_template_config, resolve_models, resolve_prefill_step, utf8,
+    block_size_option, draft_model_option, min_p_option, model_option, prefill_step_option, seed_option,
+    stop_option, system_prompt_option, temp_option, top_k_option, top_p_option,
 )
 
 COMMANDS = [
@@ -72,7 +73,7 @@ def chat(
     ignore_chat_template: bool = typer.Option(
         False, "--ignore-chat-template", help="Concatenate the turns' text instead of using the template."
     ),
-    prefill_step_size: int = prefill_step_option(),
+    prefill_step_size: Optional[int] = prefill_step_option(),
     color: bool = typer.Option(True, "--color/--no-color", help="Colour the tokens accepted from the drafter."),
 ) -> None:
     """Chat in the terminal. Both caches are kept across turns; Ctrl-C stops a reply.
@@ -110,8 +111,7 @@ def _run(model, draft_model, max_tokens, temp, top_p, top_k, min_p, seed, block_
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model)
-    if prefill_step_size < 1:
-        raise InputError(f"--prefill-step-size must be at least 1, got {prefill_step_size}")
+    prefill_step_size = resolve_prefill_step(prefill_step_size)
     if block_size is not None and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
     if draft_model is not None:

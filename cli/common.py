@@ -83,16 +83,35 @@ def parse_stops(values) -> Tuple[str, ...]:
     return stops
 
 
-# Ctrl-C is seen between two evaluations, so one prefill chunk is the longest wait:
-# 2048 tokens (mlx-lm's default) take seconds on a large target, 512 well under one.
-PREFILL_STEP = 512
+# Ctrl-C is seen between two evaluations, so one prefill chunk is the longest wait.
+# mlx-lm's 2048 tokens take seconds on a large target; measured on a 2-core CPU at a
+# Qwen3-0.6B width, 512-token chunks still make it wait 1.4 s (median), 128-token ones
+# 0.2 s and prefill no slower (docs/benchmarks.md). A GPU's chunks are several times
+# faster, and small ones waste it, so it keeps 512.
+PREFILL_STEP_GPU, PREFILL_STEP_CPU = 512, 128
 
 
 def prefill_step_option():
     return typer.Option(
-        PREFILL_STEP, "--prefill-step-size",
-        help="Prompt tokens per prefill chunk; Ctrl-C waits for the chunk in flight.",
+        None, "--prefill-step-size",
+        help=f"Prompt tokens per prefill chunk; Ctrl-C waits for the chunk in flight. "
+        f"Default: {PREFILL_STEP_GPU} on a GPU, {PREFILL_STEP_CPU} on a CPU.",
     )
+
+
+def resolve_prefill_step(value: Optional[int]) -> int:
+    """``--prefill-step-size``, or the default of the device MLX runs on.
+
+    Raises:
+        InputError: a value below 1.
+    """
+    if value is None:
+        import mlx.core as mx
+
+        return PREFILL_STEP_GPU if mx.default_device() == mx.gpu else PREFILL_STEP_CPU
+    if value < 1:
+        raise InputError(f"--prefill-step-size must be at least 1, got {value}")
+    return value
 
 
 def fail(message: str, code: int = 1) -> None:

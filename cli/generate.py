@@ -9,9 +9,10 @@ from typing import List, Optional
 import typer
 
 from .common import (
-    check_sampling, check_system_prompt, encode_prompt, guard, load_pair, parse_template_config, read_prompt,
-    parse_stops, resolve_models, warn, stop_option, block_size_option, draft_model_option, min_p_option, model_option, prefill_step_option,
-    seed_option, system_prompt_option, temp_option, top_k_option, top_p_option,
+    check_sampling, check_system_prompt, encode_prompt, guard, load_pair, parse_stops, parse_template_config,
+    read_prompt, resolve_models, resolve_prefill_step, warn,
+    block_size_option, draft_model_option, min_p_option, model_option, prefill_step_option, seed_option,
+    stop_option, system_prompt_option, temp_option, top_k_option, top_p_option,
 )
 
 
@@ -36,7 +37,7 @@ def generate(
         "With a drafter, thinking is off unless set here: released drafters were trained without it.",
     ),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Use the raw prompt."),
-    prefill_step_size: int = prefill_step_option(),
+    prefill_step_size: Optional[int] = prefill_step_option(),
     verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print stats on stderr."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text and stats) instead of the text."),
 ) -> None:
@@ -70,8 +71,7 @@ def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model)
-    if prefill_step_size < 1:
-        raise InputError(f"--prefill-step-size must be at least 1, got {prefill_step_size}")
+    prefill_step_size = resolve_prefill_step(prefill_step_size)
     if block_size is not None and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
     if draft_model is not None:

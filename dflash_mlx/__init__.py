@@ -49,7 +49,9 @@ if TYPE_CHECKING:  # for type checkers and editors
     from .checkpoint import load_drafter, save_drafter  # noqa: F401
     from .drafter import DFlashDrafter  # noqa: F401
     from .drafter_config import DrafterArgs  # noqa: F401
-    from .errors import CheckpointError, ConfigError, DFlashError, InputError, MismatchError, RollbackError  # noqa: F401
+    from .errors import (  # noqa: F401
+        CheckpointError, ConfigError, DFlashError, InputError, MismatchError, RollbackError,
+    )
     from .protocol import Drafter, WrappedDrafter  # noqa: F401
     from .generate import GenerationResponse, StepResult, generate, generate_step, stream_generate  # noqa: F401
     from .loading import Pair, bind_drafter, check_pair, load, load_target  # noqa: F401

@@ -180,7 +180,8 @@ def test_cli_bench_out_is_checked_before_the_work(tmp_path):
     afile = tmp_path / "results"
     afile.write_text("")
     r = dflash_bench("--model", "nope", "--draft-model", "nope", "--out", str(afile))
-    assert r.returncode == 1 and r.stderr == f"error: --out {afile}: is a file; give a folder for results.json and the plots\n"
+    assert r.returncode == 1
+    assert r.stderr == f"error: --out {afile}: is a file; give a folder for results.json and the plots\n"
 
 
 @needs_shared

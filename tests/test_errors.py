@@ -117,7 +117,8 @@ def test_mask_token_outside_vocab(saved, pair):
     (lambda cfg: cfg.update(hidden_size="wide"), "'hidden_size' must be an integer, got 'wide'"),
     (lambda cfg: cfg.update(rms_norm_eps="small"), "'rms_norm_eps' must be a number"),
     (lambda cfg: cfg["dflash_config"].update(mask_token_id=1.5), "'dflash_config.mask_token_id' must be an integer"),
-    (lambda cfg: cfg["dflash_config"].update(target_layer_ids="1,2"), "'dflash_config.target_layer_ids' must be a list"),
+    (lambda cfg: cfg["dflash_config"].update(target_layer_ids="1,2"),
+     "'dflash_config.target_layer_ids' must be a list"),
     (lambda cfg: cfg.update(dflash_config=[1]), "'dflash_config' must be an object"),
 ])
 def test_config_values_of_the_wrong_type(saved, edit, needle):
