@@ -29,7 +29,7 @@ from dflash_mlx.simulate import SimulatedDrafter
 
 def cycle(target, drafter, ids, B, n_tokens, T):
     """One generation; adds seconds per statement to ``T`` and counts cycles in ``T['cycles']``."""
-    cache, dcache = target.make_cache(), drafter.make_cache()
+    cache, dcache = target.make_cache(B), drafter.make_cache()
     capture = drafter.target_layer_ids
     with mx.stream(generation_stream):
         h, context = prefill(target, mx.array(ids, dtype=mx.int32), cache, capture)

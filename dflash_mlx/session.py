@@ -210,7 +210,8 @@ def starts_thinking(tokenizer: Any, ids: Sequence[int]) -> bool:
 
 
 def context_length(model: Any) -> Optional[int]:
-    """The model's context in tokens (``max_position_embeddings``), or None."""
+    """The context in tokens (``max_position_embeddings``) of a model or target
+    adapter (whose ``args`` are the text model's), or None."""
     args = getattr(model, "args", None)
     return getattr(args, "max_position_embeddings", None) or None
 
@@ -254,7 +255,7 @@ class ChatSession:
         self.system_prompt = system_prompt
         self.template_config = dict(template_config or {})
         self.use_template = use_template and bool(getattr(tokenizer, "has_chat_template", False))
-        self.max_context = context_length(target.model) if max_context == "auto" else max_context
+        self.max_context = context_length(target) if max_context == "auto" else max_context
         self.prefill_step_size = prefill_step_size
         self._fresh_caches()
         self.tokens: List[int] = []
@@ -333,8 +334,8 @@ class ChatSession:
 
     def _turn(self, user, ids, sampler, max_tokens, block_size) -> Generator[ChatEvent, None, None]:
         self._settle(self.tokens, len(self.tokens))  # safety net after a double interrupt
-        reused = common_prefix(self.tokens, ids, len(ids) - 1)
-        self._settle(ids, reused)
+        self._settle(ids, common_prefix(self.tokens, ids, len(ids) - 1))
+        reused = len(self.tokens)  # 0 when the caches could not go back and were remade
         self.last_reused = reused
         self.messages.append(user)
         context = () if self.use_template else ids  # plain: the reply continues the text
@@ -377,7 +378,9 @@ class ChatSession:
         return [self.cache] + ([self.draft_cache] if self.draft_cache is not None else [])
 
     def _settle(self, ids: Sequence[int], rows: int) -> None:
-        """Trim both caches to the first ``rows`` of ``ids`` (fewer if a layer holds fewer)."""
+        """Trim both caches to the first ``rows`` of ``ids`` (fewer if a layer holds fewer;
+        none, with fresh caches, if a layer cannot go back exactly, e.g. a Gated-DeltaNet
+        layer asked to drop more than its last forward). ``tokens`` says what is kept."""
         keep = min([rows] + [c.offset for cache in self._caches() for c in cache])
         if not all(trim_cache(cache, keep) for cache in self._caches()):
             self._fresh_caches()  # cannot go back exactly: prefill everything again
