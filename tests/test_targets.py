@@ -124,3 +124,10 @@ def test_unknown_family_is_refused():
     message = str(e.value)
     assert "'mamba'" in message and "\n" not in message
     assert all(name in message for name in ADAPTERS)  # the supported list
+
+
+def test_mlx_lm_remapped_types_use_the_model_they_load_as():
+    # mlx-lm builds a "mistral" checkpoint as its llama model: the llama adapter fits.
+    model, _ = tiny_target("llama")
+    model.model_type = "mistral"
+    assert type(make_adapter(model)).__name__ == "LlamaAdapter"

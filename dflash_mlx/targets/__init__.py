@@ -3,6 +3,7 @@
 from typing import Dict, Type
 
 import mlx.nn as nn
+from mlx_lm.utils import MODEL_REMAPPING
 
 from ..errors import MismatchError
 from .base import TargetAdapter
@@ -39,11 +40,16 @@ ADAPTERS: Dict[str, Type[TargetAdapter]] = {
 def make_adapter(model: nn.Module) -> TargetAdapter:
     """Wrap a loaded mlx-lm model in the adapter of its family.
 
+    The family is the ``model_type`` after mlx-lm's own ``MODEL_REMAPPING`` (e.g. a
+    ``mistral`` checkpoint is built as mlx-lm's ``llama`` model, so it gets the
+    llama adapter).
+
     Raises:
         MismatchError: the model's ``model_type`` has no adapter (one line naming
             it and the supported ones).
     """
     model_type = getattr(model, "model_type", None) or getattr(model.args, "model_type", None)
+    model_type = MODEL_REMAPPING.get(model_type, model_type)
     if model_type not in ADAPTERS:
         raise MismatchError(
             f"target model_type '{model_type}' is not supported yet; "
