@@ -172,10 +172,15 @@ class GatedDeltaCache(ArraysCache):
     forward. The recurrence runs step by step, so the replayed state is bit for bit
     the state the forward itself passed through after ``keep`` steps.
 
-    Why this design (measured in docs/benchmarks.md): replaying only the recurrence
-    re-reads no weights; re-running the layer's own module on the kept rows would
-    re-read its input projections on every rollback. Per-step states would cost
-    ``L * Hv * Dv * Dk`` floats per layer and forward.
+    Why this design. Exactness first: the replayed state is bit for bit the one the
+    verify itself reached after ``keep`` steps, so it agrees with the logits that
+    accepted those tokens; re-running the layer's own module on the kept rows would
+    recompute the projections with another row count (other matmul kernels, last-bit
+    differences). Then cost (docs/benchmarks.md, Qwen3.5-0.8B shape, CPU): the replay
+    costs 1.4-18% of a verify depending on ``keep``, re-running the module 2-7x
+    more, since it re-reads the input projections' weights. Keeping per-step states
+    would cost ``L * Hv * Dv * Dk`` floats per layer and forward, and mlx-lm's
+    ``gated_delta_update`` returns only the last one.
 
     The forward that records (see :meth:`record`) is the adapter's, which computes
     the layer exactly as mlx-lm's module does. A forward of more than ``slack``
