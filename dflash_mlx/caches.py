@@ -182,10 +182,11 @@ class GatedDeltaCache(ArraysCache):
     would cost ``L * Hv * Dv * Dk`` floats per layer and forward, and mlx-lm's
     ``gated_delta_update`` returns only the last one.
 
-    The forward that records (see :meth:`record`) is the adapter's, which computes
+    The forward that records (see :meth:`store`) is the adapter's, which computes
     the layer exactly as mlx-lm's module does. A forward of more than ``slack``
     tokens (a prefill chunk) keeps nothing, to bound memory; so does one run by the
-    mlx-lm module itself. Such a forward cannot be rolled back into.
+    mlx-lm module itself (through ``cache[i] = ...`` and :meth:`advance`). Such a
+    forward cannot be rolled back into.
 
     Args:
         owner: the layer's ``linear_attn`` module; :meth:`TargetAdapter.check_cache`
@@ -201,24 +202,30 @@ class GatedDeltaCache(ArraysCache):
         self.owner, self.slack = owner, int(slack)
         self.offset = 0
         self._last: Optional[_Forward] = None
-        self._recorded = False  # record() was called for the forward now advancing
 
-    def record(self, conv_input: mx.array, q: mx.array, k: mx.array, v: mx.array, a: mx.array,
-               b: mx.array, A_log: mx.array, dt_bias: mx.array, mask: Optional[mx.array],
-               use_kernel: bool) -> None:
-        """Keep the inputs of the forward about to :meth:`advance` (shapes as in
-        :class:`_Forward`); call it before the forward stores its new state."""
-        keep = q.shape[1] <= self.slack
-        self._last = _Forward(self.offset, list(self.cache), conv_input, q, k, v, a, b, A_log,
-                              dt_bias, mask, use_kernel) if keep else None
-        self._recorded = True
+    def store(self, conv_input: mx.array, state: mx.array, q: mx.array, k: mx.array, v: mx.array,
+              a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array, mask: Optional[mx.array],
+              use_kernel: bool) -> None:
+        """Take the new state of one forward of L tokens and keep what a rollback
+        replays (shapes as in :class:`_Forward`; ``state`` [1, Hv, Dv, Dk]).
+
+        The conv state becomes the last K-1 rows of ``conv_input``, as mlx-lm keeps
+        it. State, offset and record change in one statement, so an interrupt leaves
+        either the whole forward or none of it.
+        """
+        L = q.shape[1]
+        width = conv_input.shape[1] - L  # K - 1
+        forward = None
+        if L <= self.slack:
+            forward = _Forward(self.offset, list(self.cache), conv_input, q, k, v, a, b, A_log, dt_bias,
+                               mask, use_kernel)
+        conv = mx.contiguous(conv_input[:, -width:, :])
+        self.cache, self.offset, self._last = [conv, state], self.offset + L, forward
 
     def advance(self, N: int) -> None:
+        """A forward run by mlx-lm's module: counted, but it keeps nothing to replay."""
         super().advance(N)
-        self.offset += N
-        if not self._recorded:  # a forward that did not record: nothing to replay
-            self._last = None
-        self._recorded = False
+        self.offset, self._last = self.offset + N, None
 
     def can_trim(self, n: int) -> bool:
         """Whether the last ``n`` tokens can be removed exactly: they lie within the
@@ -239,17 +246,17 @@ class GatedDeltaCache(ArraysCache):
             return 0
         f = self._last
         keep = self.offset - n - f.start
-        if keep == 0:
-            self.cache = list(f.before)
-        else:
+        if keep > 0:
             width = f.conv_input.shape[1] - f.rows  # K - 1
             mask = None if f.mask is None else f.mask[:, :keep]
             _, state = gated_delta_update(
                 f.q[:, :keep], f.k[:, :keep], f.v[:, :keep], f.a[:, :keep], f.b[:, :keep],
                 f.A_log, f.dt_bias, f.before[1], mask, use_kernel=f.use_kernel,
             )
-            self.cache = [mx.contiguous(f.conv_input[:, keep : keep + width]), state]
-        self.offset -= n
+            conv = mx.contiguous(f.conv_input[:, keep : keep + width])
+            self.cache, self.offset = [conv, state], f.start + keep  # one statement (interrupts)
+            return n
+        self.cache, self.offset = list(f.before), f.start
         return n
 
     def size(self) -> int:

@@ -86,10 +86,11 @@ class HybridAdapter(TargetAdapter):
         use_kernel = not gdn.training
         out, state = gated_delta_update(q, k, v, a, b, gdn.A_log, gdn.dt_bias, cache[1], mask,
                                         use_kernel=use_kernel)
-        if isinstance(cache, GatedDeltaCache):  # mlx-lm's own ArraysCache runs too, unrecorded
-            cache.record(conv_input, q, k, v, a, b, gdn.A_log, gdn.dt_bias, mask, use_kernel)
-        cache[0] = mx.contiguous(conv_input[:, -(gdn.conv_kernel_size - 1):, :])
-        cache[1] = state
-        cache.advance(S)
+        if isinstance(cache, GatedDeltaCache):
+            cache.store(conv_input, state, q, k, v, a, b, gdn.A_log, gdn.dt_bias, mask, use_kernel)
+        else:  # mlx-lm's own ArraysCache (no rollback), updated as the module does
+            cache[0] = mx.contiguous(conv_input[:, -(gdn.conv_kernel_size - 1):, :])
+            cache[1] = state
+            cache.advance(S)
         out = gdn.norm(out, z)
         return gdn.out_proj(out.reshape(B, S, -1))
