@@ -12,7 +12,7 @@ from mlx_lm.models.cache import ArraysCache
 from dflash_mlx import MismatchError, RollbackError, bind_drafter, generate_step
 from dflash_mlx.caches import GatedDeltaCache, can_trim
 from dflash_mlx.drafter import DFlashDrafter
-from conftest import ScriptedDrafter, tiny_drafter_args, tiny_target
+from conftest import ScriptedDrafter, mlx_lm_greedy, tiny_drafter_args, tiny_target
 
 HYBRIDS = ["qwen3_5", "qwen3_next"]
 PROMPT = [(5 * i + 2) % 250 for i in range(12)]
@@ -142,3 +142,19 @@ def test_drafter_layer_ids_beyond_the_target(family):
     scripted = ScriptedDrafter([0] * 64, correct=1, block_size=4, vocab=256, layer_ids=(1, 9))
     with pytest.raises(MismatchError, match=r"target_layer_ids \[1, 9\] name layers beyond the target's 4"):
         next(generate_step(mx.array(PROMPT), target, scripted, max_tokens=5, block_size=4))
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_lossless_check_fails_when_only_the_recurrent_state_is_not_rolled_back(family, monkeypatch):
+    # Attention layers still trim; Gated-DeltaNet layers only move their offset back.
+    model, target = tiny_target(family)
+    ref = mlx_lm_greedy(model, PROMPT, 60)
+    drafter = ScriptedDrafter(PROMPT + ref + [0] * 8, correct=2, block_size=4, vocab=256, check_anchor=False)
+
+    def run():
+        steps = generate_step(mx.array(PROMPT), target, drafter, max_tokens=60, block_size=4)
+        return [t for s in steps for t in s.tokens]
+
+    assert run() == ref
+    monkeypatch.setattr(GatedDeltaCache, "trim", lambda self, n: (setattr(self, "offset", self.offset - n), n)[1])
+    assert run() != ref
