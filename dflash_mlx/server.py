@@ -176,19 +176,7 @@ class Server:
                                 f"'{self.config.model_id}' (see GET /v1/models)", "model", "model_not_found")
 
     def encode_chat(self, req: ChatCompletionRequest) -> List[int]:
-        """Prompt ids of a chat request: the tokenizer's chat template with ``tools``
-        and ``chat_template_kwargs``, or the messages' text joined for a model without one."""
-        messages = [m.for_template() for m in req.messages]
-        template = {**self.config.template, **(req.chat_template_kwargs or {})}
-        if req.tools:
-            if not self.tokenizer.has_chat_template:
-                raise APIError(400, "tools: this model has no chat template to render them", "tools")
-            template["tools"] = req.tools
-        try:
-            return encode_messages(self.tokenizer, messages, template)
-        except Exception as e:  # jinja2 and template errors of any kind: the request is at fault
-            raise APIError(400, f"messages: the chat template cannot render them ({type(e).__name__}: {e})",
-                           "messages") from None
+        return chat_prompt_ids(self.tokenizer, req, self.config.template)
 
     def encode_prompt(self, req: CompletionRequest) -> List[int]:
         """Prompt ids of a completions request: the text with the tokenizer's special
@@ -295,6 +283,28 @@ class Server:
                            "block_size": check_block_size(self.config.block_size, pair.drafter),
                            "context_length": self.context}}
         return {"object": "list", "data": [card]}
+
+
+def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, defaults: Dict[str, Any]) -> List[int]:
+    """Prompt ids of a chat request: the tokenizer's chat template, given ``tools`` and
+    ``chat_template_kwargs`` (over the server's ``defaults``), or for a model without
+    one the messages' text joined, as ``dflash generate`` and ``chat`` do.
+
+    Raises:
+        APIError: 400 when the template cannot render the messages, or ``tools`` come
+            for a model without a template.
+    """
+    messages = [m.for_template() for m in req.messages]
+    template = {**defaults, **(req.chat_template_kwargs or {})}
+    if req.tools:
+        if not tokenizer.has_chat_template:
+            raise APIError(400, "tools: this model has no chat template to render them", "tools")
+        template["tools"] = req.tools
+    try:
+        return encode_messages(tokenizer, messages, template)
+    except Exception as e:  # jinja2 and template errors of any kind: the request is at fault
+        raise APIError(400, f"messages: the chat template cannot render them ({type(e).__name__}: {e})",
+                       "messages") from None
 
 
 def _sse(obj: Dict[str, Any]) -> str:

@@ -202,7 +202,8 @@ class Engine:
         finally:
             steps.close()  # settles both caches, whatever happened
         if outcome == "cancelled":
-            log.info("request %s stopped: client gone", job.id)
+            n = stats.generation_tokens if stats is not None else 0
+            log.info("request %s stopped: client gone after %d of %d tokens", job.id, n, spec.max_tokens)
         self._count(job, stats, outcome)
 
     def _count(self, job: Job, stats, outcome: str) -> None:
