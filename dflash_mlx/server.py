@@ -207,9 +207,9 @@ class Server:
                                 f"{limit} tokens", where, "context_length_exceeded")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         n = req.requested_max_tokens()
-        most = limit or NO_CONTEXT_LIMIT
-        if n is not None and n > most:
-            raise APIError(400, f"{param}: {n} is more than the model's context of {most} tokens", param)
+        if n is not None and n > (limit or NO_CONTEXT_LIMIT):
+            what = f"the model's context of {limit}" if limit else f"the {NO_CONTEXT_LIMIT} this server allows"
+            raise APIError(400, f"{param}: {n} is more than {what} tokens", param)
         n = self.config.max_tokens if n is None else n
         if limit is not None:
             n = min(n, limit - len(ids))

@@ -10,11 +10,14 @@ not know.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .stats import GenerationStats
+
+
+MAX_STOP = 16  # stop strings per request (OpenAI takes 4)
 
 
 class TextPart(BaseModel):
@@ -60,8 +63,8 @@ class GenerationFields(BaseModel):
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=0)
     min_p: Optional[float] = Field(None, ge=0, le=1)
-    seed: Optional[int] = None
-    stop: Union[str, List[str], None] = None
+    seed: Optional[int] = Field(None, ge=0, lt=2**64)
+    stop: Union[str, Annotated[List[str], Field(max_length=MAX_STOP)], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: int = Field(1, ge=1, le=1, description="one choice per request")

@@ -199,6 +199,9 @@ class Engine:
                 job.push(Chunk(r.text, r.finish_reason, u))
                 if last:
                     outcome = "completed"
+                    log.info("request %s: %d prompt tokens (%d reused), %d generated, tau %.2f, %.1f tokens/s",
+                             job.id, len(spec.ids), self.pair_cache.last_reused, r.stats.generation_tokens,
+                             r.stats.tau, r.stats.generation_tps)
         finally:
             steps.close()  # settles both caches, whatever happened
         if outcome == "cancelled":

@@ -331,7 +331,8 @@ def test_malformed_json(server):
 
 
 @pytest.mark.parametrize("field,value", [("max_tokens", "ten"), ("messages", "hi"), ("temperature", "hot"),
-                                         ("stream", "yes"), ("stop", 5), ("seed", 1.5)])
+                                         ("stream", "yes"), ("stop", 5), ("seed", 1.5), ("seed", -1),
+                                         ("stop", ["x"] * 17), ("top_p", 0)])
 def test_wrong_types(server, model, field, value):
     check_error(post(server[0], "/v1/chat/completions", chat_body(model, **{field: value})), 400, field)
 
