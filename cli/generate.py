@@ -82,7 +82,7 @@ def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed
     pair = load_pair(model, draft_model, defaults)
     check_system_prompt(system_prompt, pair.tokenizer, ignore_chat_template)
     ids = encode_prompt(pair.tokenizer, text, system_prompt, template, ignore_chat_template)
-    limit = context_length(pair.model)
+    limit = context_length(pair.target)
     if limit is not None:
         if len(ids) >= limit:
             raise InputError(f"the prompt is {len(ids)} tokens and the target's context "

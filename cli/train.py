@@ -71,7 +71,7 @@ def _data(model, out, prompts, text, self_prompts, self_prompt_tokens, self_prom
     template = parse_template_config(chat_template_config)
     quiet_transformers()
     pair = load(model)
-    max_length = check_lengths(max_tokens, max_length, context_length(pair.model))
+    max_length = check_lengths(max_tokens, max_length, context_length(pair.target))
     rows = [row for path in prompts for row in read_prompt_file(path)]
     rng = np.random.default_rng(seed)
     rows += [row for path in text for row in prompts_from_text(path, rng)]

@@ -57,8 +57,18 @@ def test_drafter_json_output(stories, random_drafter):
     assert set(out["timings_ms"]) == {"prefill", "draft", "verify", "host"}
     for key in ("tau", "prompt_tokens", "prompt_tps", "generation_tps", "peak_memory"):
         assert key in out
+    assert out["speculative"] is True and out["reason"] is None
+    # Which block-attention path the drafter used, and why (no Metal here: the reference).
+    import mlx.core as mx
+
+    if not mx.metal.is_available():
+        assert out["block_attention"] == {"block_attention": "reference",
+                                          "reason": "Metal is not available (CPU backend)"}
     plain = dflash("--model", str(stories), "-p", "Once upon a time", "-m", "50", "--json", "--quiet")
-    assert json.loads(plain.stdout)["text"] == out["text"]
+    plain_out = json.loads(plain.stdout)
+    assert plain_out["text"] == out["text"]
+    assert plain_out["speculative"] is False and "no drafter" in plain_out["reason"]
+    assert plain_out["block_attention"] is None
 
 
 @needs_shared
@@ -73,6 +83,22 @@ def test_bad_flags_give_one_line_errors(stories, random_drafter, args, needle):
     r = dflash(*base, *(["-p", "Once"] if "--prompt" not in args else []), *args)
     assert r.returncode != 0
     assert needle in r.stderr and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+@needs_shared
+def test_unsupported_family_is_one_line_not_plain_decoding(stories, tmp_path):
+    # smollm3 loads in mlx-lm (llama weights) but has no adapter: refused, no fallback.
+    import shutil
+
+    folder = shutil.copytree(stories, tmp_path / "smollm3")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "smollm3"}))
+    r = dflash("--model", str(folder), "-p", "Once upon a time", "-m", "5")
+    assert r.returncode == 1 and r.stdout == ""
+    # (transformers may warn about the copied config on its own line first)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr
+    assert "model_type 'smollm3' is not supported" in errors[0] and "qwen3_5" in errors[0]
 
 
 def test_missing_model_folder(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from conftest import needs_shared
 from dflash_mlx.cli.main import main
 
-COMMANDS = ["generate", "chat", "data", "train", "bench"]
+COMMANDS = ["generate", "chat", "data", "train", "bench", "serve"]
 
 
 def run_main(capsys, *args):
