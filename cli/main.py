@@ -66,5 +66,14 @@ def _usage_message(e: Exception) -> str:
     return _one_line(text)
 
 
+def __getattr__(name: str):
+    """``dflash_mlx.cli.main.app``, the Typer app, imported on first use."""
+    if name == "app":
+        from .app import app
+
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 if __name__ == "__main__":
     main()
