@@ -6,8 +6,10 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
 
 from .common import guard, parse_template_config, quiet_transformers
 
@@ -119,7 +121,14 @@ def train(
     data_dirs: List[Path] = typer.Option(..., "--data", help="Folder made by `dflash data`; repeat to mix several."),
     out: Path = typer.Option(..., "--out", help="Drafter folder (released format); checkpoints go in OUT/checkpoints."),
     layers: int = typer.Option(1, "--layers", help="Drafter layers."),
-    block_size: int = typer.Option(16, "--block-size", help="Trained block size B."),
+    block_size: Optional[int] = typer.Option(
+        None, "--block-size", help="The drafter's block size B (the largest it drafts); default 16, or the largest of --block-sizes."
+    ),
+    block_sizes: Optional[str] = typer.Option(
+        None, "--block-sizes",
+        help="Train at several block sizes, one drawn per sequence, e.g. 4,8,16: the drafter then drafts well at each. "
+        "Default: --block-size only.",
+    ),
     target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Comma list, e.g. 1,9,17; default: spread evenly."),
     mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="MASK id; default: an unused vocabulary id."),
     intermediate_size: Optional[int] = typer.Option(None, "--intermediate-size", help="Drafter MLP width; default: the target's."),
@@ -132,7 +141,13 @@ def train(
         64, "--anchor-chunk",
         help="Blocks per forward/backward pass (0: all at once); bounds memory, same result up to rounding.",
     ),
-    gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay over block rows; default 7 (B=16) or 4 (B=8)."),
+    gamma: Optional[str] = typer.Option(
+        None, "--gamma", help="Loss decay over block rows: one value, or one per --block-sizes entry; default 7 (B=16), 4 (B<=8)."
+    ),
+    kl_weight: float = typer.Option(
+        0.0, "--kl-weight", help="Distillation: weight of a KL term to the target's own next-token distribution (0: off)."
+    ),
+    kl_temperature: float = typer.Option(1.0, "--kl-temperature", help="Temperature of both distributions in the KL term."),
     grad_clip: float = typer.Option(1.0, "--grad-clip", help="Max gradient norm."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     held_out: int = typer.Option(16, "--held-out", help="The last N sequences (of the last --data) are held out for evaluation."),
@@ -157,14 +172,18 @@ def train(
     Example:
       dflash train --model Qwen/Qwen3-4B --data data/ --out my-drafter --layers 2 --steps 5000
       dflash generate --model Qwen/Qwen3-4B --draft-model my-drafter -p "Hello"
+
+    \b
+    One drafter for block sizes 4, 8 and 16, distilled from the target's distribution:
+      dflash train --model Qwen/Qwen3-4B --data data/ --out my-drafter --block-sizes 4,8,16 --kl-weight 1
     """
     args = dict(locals())
     guard(lambda: _train(**args))
 
 
-def _train(model, data_dirs, out, layers, block_size, target_layer_ids, mask_token_id, intermediate_size, steps, lr,
-           warmup, grad_accum, anchors, anchor_chunk, gamma, grad_clip, dtype, held_out, eval_every, save_every, cache_features,
-           resume, overwrite, seed) -> None:
+def _train(model, data_dirs, out, layers, block_size, block_sizes, target_layer_ids, mask_token_id, intermediate_size,
+           steps, lr, warmup, grad_accum, anchors, anchor_chunk, gamma, kl_weight, kl_temperature, grad_clip, dtype,
+           held_out, eval_every, save_every, cache_features, resume, overwrite, seed) -> None:
     from dflash_mlx import InputError, load
     from dflash_mlx.train.data import load_sequences
     from dflash_mlx.train.trainer import TrainConfig, Trainer, check_fresh_out, init_drafter, pick_mask_token
@@ -175,6 +194,12 @@ def _train(model, data_dirs, out, layers, block_size, target_layer_ids, mask_tok
         ids = [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None
     except ValueError:
         raise InputError(f"--target-layer-ids must be comma-separated integers, got {target_layer_ids!r}") from None
+    sizes = parse_numbers(block_sizes, "--block-sizes", int)
+    gammas = parse_numbers(gamma, "--gamma", float)
+    if sizes and block_size is not None and block_size != max(sizes):
+        raise InputError(f"--block-size {block_size}: the drafter's block size is the largest of --block-sizes "
+                         f"({max(sizes)}); leave --block-size out")
+    block_size = max(sizes) if sizes else block_size or 16
     if resume and overwrite:
         raise InputError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
     if not resume and not overwrite:
@@ -186,8 +211,9 @@ def _train(model, data_dirs, out, layers, block_size, target_layer_ids, mask_tok
     if anchor_chunk < 0:
         raise InputError(f"--anchor-chunk must be 0 (all at once) or more, got {anchor_chunk}")
     config = TrainConfig(steps=steps, grad_accum=grad_accum, anchors=anchors, anchor_chunk=anchor_chunk, lr=lr,
-                         warmup=warmup, grad_clip=grad_clip, gamma=gamma, dtype=dtype, seed=seed, eval_every=eval_every,
-                         eval_sequences=n_held, save_every=save_every)
+                         warmup=warmup, grad_clip=grad_clip, gamma=gammas[0] if gammas and len(gammas) == 1 else gammas,
+                         dtype=dtype, seed=seed, eval_every=eval_every, eval_sequences=n_held, save_every=save_every,
+                         block_sizes=sizes, kl_weight=kl_weight, kl_temperature=kl_temperature)
     features = out / "features" if cache_features else None
     if resume:
         trainer = Trainer.resume(pair.target, train_seqs, config, out, eval_seqs, features)
@@ -197,24 +223,66 @@ def _train(model, data_dirs, out, layers, block_size, target_layer_ids, mask_tok
         drafter = init_drafter(pair.target, mask, layers, block_size, ids, intermediate_size, seed)
         trainer = Trainer(drafter, pair.target, train_seqs, config, out, eval_seqs, features)
     a = trainer.drafter.args
-    console.print(f"drafter: {a.num_hidden_layers} layer(s), hidden {a.hidden_size}, block {a.block_size}, "
-                  f"target_layer_ids {a.target_layer_ids}, mask {a.mask_token_id}; "
-                  f"{len(train_seqs)} train / {n_held} held-out sequences")
+    plan = ", ".join(f"{b} (gamma {g:g})" for b, g in trainer.plan.items())
+    distill = f"; KL weight {kl_weight:g} at T={kl_temperature:g}" if kl_weight else ""
+    console.print(f"drafter: {a.num_hidden_layers} layer(s), hidden {a.hidden_size}, MLP {a.intermediate_size}, "
+                  f"block {a.block_size}, target_layer_ids {a.target_layer_ids}, mask {a.mask_token_id}; "
+                  f"trained at block sizes {plan}{distill}; {len(train_seqs)} train / {n_held} held-out sequences")
     try:
-        with _progress() as progress:
-            task = progress.add_task("training", total=steps, completed=trainer.step, status="")
+        progress = _progress()
+        task = progress.add_task("training", total=steps, completed=trainer.step, status="")
+        with Live(Group(progress), console=console, refresh_per_second=4) as live:
             for info in trainer.run():
                 progress.update(task, completed=info.step,
                                 status=f"loss {info.loss:.3f} lr {info.lr:.2e} {info.tokens_per_s:,.0f} tok/s")
                 if info.eval:
-                    acc = " ".join(f"{x:.2f}" for x in info.eval["accuracy"][:8])
-                    progress.console.print(f"step {info.step}: held-out tau {info.eval['tau']:.2f} "
-                                           f"(acc by position {acc} ...)")
+                    live.update(Group(progress, eval_table(info.step, info.eval)))
+                    live.console.print(eval_line(info.step, info.eval), highlight=False)
     except KeyboardInterrupt:
         console.print(interrupted_note(out, trainer.step, save_every), soft_wrap=True, markup=False,
                       highlight=False)  # paths stay whole, for copying
         raise typer.Exit(130)
     console.print(f"wrote drafter to {out}")
+
+
+def parse_numbers(value: Optional[str], flag: str, kind=int) -> Optional[list]:
+    """A comma list of numbers (``4,8,16``), or None when the flag is not given.
+
+    Raises:
+        InputError: an entry that is not a number of that kind.
+    """
+    from dflash_mlx import InputError
+
+    if value is None:
+        return None
+    try:
+        numbers = [kind(x) for x in value.split(",")]
+    except ValueError:
+        what = "integers" if kind is int else "numbers"
+        raise InputError(f"{flag} must be comma-separated {what}, got {value!r}") from None
+    return numbers
+
+
+def eval_line(step: int, result: dict) -> str:
+    """``step N: held-out tau 4.12 at B=16 (acceptance by position .90 .80 ...), 3.01 at B=8 (...)``:
+    the teacher-forced figures of :func:`dflash_mlx.stats.teacher_forced`, per block size."""
+    parts = [f"{r['tau']:.2f} at B={b} (acceptance by position " + " ".join(f"{x:.2f}" for x in r["acceptance"]) + ")"
+             for b, r in result.items()]
+    return f"step {step}: held-out tau " + ", ".join(parts)
+
+
+def eval_table(step: int, result: dict) -> Table:
+    """The latest held-out evaluation: tau and acceptance by block position, per block size."""
+    width = max(len(r["acceptance"]) for r in result.values())
+    table = Table(title=f"held-out acceptance at step {step} (teacher forced)", title_justify="left")
+    table.add_column("B", justify="right")
+    table.add_column("tau", justify="right")
+    for k in range(1, width + 1):
+        table.add_column(str(k), justify="right")
+    for b, r in result.items():
+        cells = [f"{x:.2f}" for x in r["acceptance"]]
+        table.add_row(str(b), f"{r['tau']:.2f}", *cells, *[""] * (width - len(cells)))
+    return table
 
 
 def interrupted_note(out: Path, step: int, save_every: int) -> str:

@@ -17,6 +17,7 @@ from mlx_lm.models.qwen3 import MLP  # the same SwiGLU MLP and keys as the check
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .drafter_config import DrafterArgs
+from .kernels import fast_softmax
 from .kernels.block_attention import block_attention
 
 
@@ -101,7 +102,7 @@ class DrafterAttention(nn.Module):
         scores = mx.concatenate([q @ ctx_keys.astype(mx.float32).swapaxes(-1, -2),
                                  q @ block_keys.astype(mx.float32).swapaxes(-1, -2)], axis=-1)
         visible = mx.broadcast_to(mask[:, :, None], (N, 1, group, B, L + B)).reshape(N, 1, group * B, L + B)
-        weights = mx.softmax(mx.where(visible, scores, -mx.inf), axis=-1).astype(x.dtype)
+        weights = fast_softmax.softmax(mx.where(visible, scores, -mx.inf)).astype(x.dtype)  # mx.softmax is slow on CPUs
         out = weights[..., :L] @ ctx_values + weights[..., L:] @ block_values  # [N, n_kv, group * B, hd]
         out = out.reshape(N, self.n_heads, B, self.head_dim)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))

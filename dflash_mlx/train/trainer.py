@@ -5,6 +5,12 @@ only ``fc``, ``hidden_norm``, the drafter layers and ``norm`` learn. Each step d
 random anchors per sequence, runs all blocks of a sequence in one masked forward
 and weights the cross-entropy of block row k by ``exp(-(k-1)/gamma)``.
 
+Two additions to the paper's recipe, each switchable:
+- distillation (``kl_weight``): a KL term between the target's next-token
+  distribution and the drafter's, on the same block rows, beside the cross-entropy;
+- several block sizes in one run (``block_sizes``): each sequence trains at one size
+  drawn from the list, so one drafter serves block sizes below the trained one.
+
 Determinism: the data order and the anchors of step s come from NumPy generators
 seeded with ``(seed, epoch)`` and ``(seed, s, micro)``, and the optimizer state is
 checkpointed, so a resumed run reproduces an uninterrupted one.
@@ -18,7 +24,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,6 +36,7 @@ from ..checkpoint import load_drafter, save_drafter
 from ..drafter import DFlashDrafter
 from ..drafter_config import DrafterArgs, default_target_layer_ids
 from ..errors import InputError, MismatchError
+from ..kernels import fast_softmax
 from ..loading import bind_drafter
 from ..stats import teacher_forced
 from ..targets import TargetAdapter
@@ -42,7 +49,8 @@ FEATURES = "features"
 # a resumed run must use the checkpoint's values to continue the same run.
 RUN_SETTINGS = {"steps": "--steps", "grad_accum": "--grad-accum", "anchors": "--anchors", "lr": "--lr",
                 "warmup": "--warmup", "min_lr": "min_lr", "weight_decay": "weight_decay",
-                "grad_clip": "--grad-clip", "gamma": "--gamma", "dtype": "--dtype", "seed": "--seed"}
+                "grad_clip": "--grad-clip", "gamma": "--gamma", "dtype": "--dtype", "seed": "--seed",
+                "block_sizes": "--block-sizes", "kl_weight": "--kl-weight", "kl_temperature": "--kl-temperature"}
 
 
 @dataclass
@@ -60,7 +68,13 @@ class TrainConfig:
         lr, warmup, min_lr: AdamW peak rate, warm-up fraction of ``steps``,
             and the cosine floor.
         grad_clip: max global gradient norm.
+        gamma: loss decay over block rows: one value for every block size, one
+            per entry of ``block_sizes``, or None for :func:`default_gamma`.
         dtype: "float32" or "bfloat16" for the drafter's weights and features.
+        block_sizes: block sizes to train, one drawn uniformly per sequence
+            (repeat a size to draw it more often); None: the drafter's only.
+        kl_weight: weight of the distillation term (0: cross-entropy only).
+        kl_temperature: temperature T of both distributions in that term.
         eval_every, save_every: in optimizer steps (0 = never).
     """
 
@@ -73,9 +87,12 @@ class TrainConfig:
     min_lr: float = 0.0
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    gamma: Optional[float] = None
+    gamma: Optional[Union[float, List[float]]] = None
     dtype: str = "float32"
     seed: int = 0
+    block_sizes: Optional[List[int]] = None
+    kl_weight: float = 0.0
+    kl_temperature: float = 1.0
     eval_every: int = 0
     eval_sequences: int = 16
     save_every: int = 0
@@ -84,14 +101,16 @@ class TrainConfig:
 
 @dataclass
 class StepInfo:
-    """One optimizer step: ``loss`` (weighted CE), ``lr``, ``tokens_per_s``
-    (trained block tokens per second), ``eval`` (set on evaluation steps)."""
+    """One optimizer step: ``loss`` (weighted CE, plus the weighted KL term when
+    distilling), ``lr``, ``tokens_per_s`` (trained block tokens per second), ``eval``
+    (set on evaluation steps: :func:`evaluate`'s result per trained block size,
+    largest first)."""
 
     step: int
     loss: float
     lr: float
     tokens_per_s: float
-    eval: Optional[dict] = None
+    eval: Optional[Dict[int, dict]] = None
 
 
 def target_fingerprint(target: TargetAdapter) -> dict:
@@ -154,40 +173,86 @@ def init_drafter(target: TargetAdapter, mask_token_id: int, layers: int = 1, blo
 
 def target_features(target: TargetAdapter, tokens: np.ndarray, layer_ids: List[int], dtype) -> mx.array:
     """[1, L, K*H] frozen context features of a whole sequence."""
-    _, feats = target(mx.array(tokens[None]), [None] * target.num_layers, layer_ids)
-    return mx.stop_gradient(feats.astype(dtype))
+    return target_outputs(target, tokens, layer_ids, dtype)[0]
+
+
+def target_outputs(target: TargetAdapter, tokens: np.ndarray, layer_ids: List[int], dtype) -> Tuple[mx.array, mx.array]:
+    """Context features [1, L, K*H] and final hidden states [1, L, H] (after the final
+    norm, the input of ``target.lm_head``) of a whole sequence, from one frozen forward."""
+    hidden, feats = target(mx.array(tokens[None]), [None] * target.num_layers, layer_ids)
+    return mx.stop_gradient(feats.astype(dtype)), mx.stop_gradient(hidden.astype(dtype))
+
+
+def target_block_logits(target: TargetAdapter, hidden: mx.array, anchors: mx.array, block_size: int) -> mx.array:
+    """The target's own logits for block rows 1..B-1: row k of the block at anchor a
+    predicts the token at a + k, as the target's logits at position a + k - 1 do.
+
+    Only these rows go through ``target.lm_head``, so memory is that of the drafter's
+    own block logits ([N, B-1, V] for N anchors), whatever the vocabulary.
+
+    Args:
+        hidden: [1, L, H] final hidden states (:func:`target_outputs`).
+        anchors: [N] int32 anchor positions.
+
+    Returns:
+        [N, B-1, V] float32 logits, no gradient.
+    """
+    rows = anchors[:, None] + mx.arange(block_size - 1)[None, :]
+    return mx.stop_gradient(target.lm_head(hidden[0][rows]).astype(mx.float32))
 
 
 class FeatureCache:
     """Target features per training sequence, computed once and kept on disk
     (float16 ``.npy``) and in memory. Without a folder, features are computed on
-    the fly every time."""
+    the fly every time.
 
-    def __init__(self, target: TargetAdapter, layer_ids: List[int], folder: Optional[str | Path] = None):
-        self.target, self.layer_ids = target, list(layer_ids)
+    For distillation the cache also keeps the target's final hidden states (H values
+    per position, ``NNNNNNN.hidden.npy``), not its logits: logits would take V values
+    per position (151,936 for Qwen3), and a top-k cut would make the KL term
+    approximate. The loss turns the hidden rows it needs into logits with the
+    target's own head, one anchor chunk at a time (:func:`target_block_logits`).
+    """
+
+    def __init__(self, target: TargetAdapter, layer_ids: List[int], folder: Optional[str | Path] = None,
+                 hidden: bool = False):
+        self.target, self.layer_ids, self.hidden = target, list(layer_ids), hidden
         self.folder = Path(folder) if folder else None
-        self.memory: Dict[int, np.ndarray] = {}
+        self.memory: Dict[int, Tuple[np.ndarray, Optional[np.ndarray]]] = {}
         if self.folder:
             self.folder.mkdir(parents=True, exist_ok=True)
 
-    def get(self, index: int, seq: TrainSequence, dtype) -> mx.array:
-        """[1, L, K*H] features of sequence ``index``."""
+    def _load(self, path: Path, length: int) -> Optional[np.ndarray]:
+        cached = np.load(path) if path.is_file() else None
+        return cached if cached is not None and cached.shape[1] == length else None
+
+    def get(self, index: int, seq: TrainSequence, dtype) -> Tuple[mx.array, Optional[mx.array]]:
+        """Features [1, L, K*H] of sequence ``index``, and its final hidden states
+        [1, L, H] when the cache keeps them (else None)."""
         if self.folder is None:
-            return target_features(self.target, seq.tokens, self.layer_ids, dtype)
+            feats, hidden = target_outputs(self.target, seq.tokens, self.layer_ids, dtype)
+            return feats, hidden if self.hidden else None
         if index not in self.memory:
             path = self.folder / f"{index:07d}.npy"
-            cached = np.load(path) if path.is_file() else None
-            if cached is not None and cached.shape[1] == seq.tokens.size:
-                self.memory[index] = cached
-            else:
-                feats = target_features(self.target, seq.tokens, self.layer_ids, mx.float32)
-                self.memory[index] = np.array(feats.astype(mx.float16))
-                np.save(path, self.memory[index])
-        return mx.array(self.memory[index]).astype(dtype)
+            feats = self._load(path, seq.tokens.size)
+            hidden = self._load(path.with_suffix(".hidden.npy"), seq.tokens.size) if self.hidden else None
+            if feats is None or (self.hidden and hidden is None):
+                f, h = target_outputs(self.target, seq.tokens, self.layer_ids, mx.float32)
+                feats, hidden = np.array(f.astype(mx.float16)), np.array(h.astype(mx.float16))
+                np.save(path, feats)
+                if self.hidden:
+                    np.save(path.with_suffix(".hidden.npy"), hidden)
+            self.memory[index] = (feats, hidden if self.hidden else None)
+        feats, hidden = self.memory[index]
+        return mx.array(feats).astype(dtype), None if hidden is None else mx.array(hidden).astype(dtype)
 
 
-def make_batch(seq: TrainSequence, block_size: int, mask_id: int, anchors: np.ndarray):
+def make_batch(seq: TrainSequence, block_size: int, mask_id: int, anchors: np.ndarray,
+               context: Optional[int] = None):
     """Blocks, targets and mask for the anchors of one sequence.
+
+    Args:
+        context: L, the context rows the mask covers (default: the whole sequence);
+            at least ``anchors.max()``, as no block sees a row at or past its anchor.
 
     Returns:
         ``(blocks [N, B], targets [N, B-1], anchors [N], mask [N, 1, B, L+B])``.
@@ -196,22 +261,65 @@ def make_batch(seq: TrainSequence, block_size: int, mask_id: int, anchors: np.nd
     blocks = np.full((anchors.size, block_size), mask_id, dtype=np.int32)
     blocks[:, 0] = seq.tokens[anchors]
     targets = seq.tokens[anchors[:, None] + k[None, :]]
-    mask = block_mask(anchors, seq.tokens.size, block_size)
+    mask = block_mask(anchors, seq.tokens.size if context is None else context, block_size)
     return mx.array(blocks), mx.array(targets), mx.array(anchors), mx.array(mask)
 
 
-def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask, weights,
-               num_blocks: Optional[int] = None) -> mx.array:
-    """Weighted cross-entropy of block rows 1..B-1, normalised by the weight sum.
+def chunk_batches(seq: TrainSequence, features: mx.array, anchors: np.ndarray, block_size: int, mask_id: int,
+                  anchor_chunk: int) -> Iterator[Tuple[mx.array, tuple]]:
+    """The anchors of one sequence, ``anchor_chunk`` at a time, each chunk with the
+    context it can see: features up to its last anchor (:func:`make_batch`).
+
+    Sorted anchors (as :func:`sample_anchors` gives them) make the early chunks'
+    context short, so the attention scores of a sequence shrink by about 40% in
+    chunks of 16, with the same result (the columns cut are masked).
+
+    Yields:
+        ``(features [1, L_c, K*H], (blocks, targets, anchors, mask))`` per chunk.
+    """
+    for part in chunks(anchors.size, anchor_chunk):
+        length = int(anchors[part].max())
+        yield features[:, :length], make_batch(seq, block_size, mask_id, anchors[part], length)
+
+
+def distill_kl(logits: mx.array, target_logits: mx.array, temperature: float = 1.0) -> mx.array:
+    """``T^2 * KL(p || q)`` per row, p = softmax(target_logits / T) (the target's
+    distribution), q = softmax(logits / T) (the drafter's).
+
+    The ``T^2`` factor keeps the gradient's scale the same at every temperature
+    (Hinton et al., 2015). Zero where the two distributions are equal.
 
     Args:
+        logits, target_logits: [..., V] float32.
+
+    Returns:
+        [...] float32, nats.
+    """
+    log_p = fast_softmax.log_softmax(target_logits / temperature)
+    log_q = fast_softmax.log_softmax(logits / temperature)
+    return (fast_softmax.exp(log_p) * (log_p - log_q)).sum(axis=-1) * temperature**2
+
+
+def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask, weights,
+               num_blocks: Optional[int] = None, target_logits: Optional[mx.array] = None,
+               kl_weight: float = 0.0, kl_temperature: float = 1.0) -> mx.array:
+    """Weighted cross-entropy of block rows 1..B-1 (plus ``kl_weight`` times the
+    distillation term :func:`distill_kl` where ``target_logits`` are given),
+    normalised by the weight sum.
+
+    Args:
+        weights: [B-1] row weights (:func:`position_weights`).
         num_blocks: blocks of the whole sequence when these are one chunk of them
             (default: ``blocks.shape[0]``), so the chunks' losses sum to the loss
             of all blocks at once.
+        target_logits: [N, B-1, V] the target's logits at the same rows
+            (:func:`target_block_logits`).
     """
-    logits = drafter.block_logits(blocks, features, anchors, mask)
-    ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
-    return (ce * weights).sum() / (weights.sum() * (num_blocks or blocks.shape[0]))
+    logits = drafter.block_logits(blocks, features, anchors, mask).astype(mx.float32)
+    per_row = fast_softmax.cross_entropy(logits, targets)  # nn.losses' exp is slow on CPUs
+    if target_logits is not None and kl_weight:
+        per_row = per_row + kl_weight * distill_kl(logits, target_logits, kl_temperature)
+    return (per_row * weights).sum() / (weights.sum() * (num_blocks or blocks.shape[0]))
 
 
 def chunks(n: int, size: int) -> List[slice]:
@@ -221,26 +329,31 @@ def chunks(n: int, size: int) -> List[slice]:
 
 
 def sequence_loss_and_grad(loss_and_grad: Callable, features: mx.array, seq: TrainSequence, anchors: np.ndarray,
-                           block_size: int, mask_id: int, anchor_chunk: int = 0):
+                           block_size: int, mask_id: int, anchor_chunk: int = 0,
+                           hidden: Optional[mx.array] = None, target: Optional[TargetAdapter] = None):
     """Loss and gradients over every anchor of one sequence, ``anchor_chunk`` at a time.
 
     Each chunk's loss is normalised by the sequence's anchor count, so the chunks
     sum to the loss of one pass over all anchors; their gradients are summed and
-    evaluated chunk by chunk, so only one chunk's graph is alive at a time.
+    evaluated chunk by chunk, so only one chunk's graph is alive at a time (the
+    target's logits for distillation too: they are made per chunk).
 
     Args:
         loss_and_grad: ``nn.value_and_grad(drafter, f)`` with ``f(features, blocks,
-            targets, anchors, mask, num_blocks)`` as :func:`block_loss`.
+            targets, anchors, mask, num_blocks[, target_logits])`` as :func:`block_loss`.
         features: [1, L, K*H] target features of ``seq``.
         anchors: [N] anchor positions.
+        hidden, target: for distillation, the target's final hidden states
+            [1, L, H] of ``seq`` and the target whose head turns them into logits;
+            ``target_logits`` is then passed to ``loss_and_grad``.
 
     Returns:
         ``(loss, grads)``, evaluated.
     """
     loss, grads = None, None
-    for part in chunks(anchors.size, anchor_chunk):
-        batch = make_batch(seq, block_size, mask_id, anchors[part])
-        part_loss, part_grads = loss_and_grad(features, *batch, anchors.size)
+    for context, batch in chunk_batches(seq, features, anchors, block_size, mask_id, anchor_chunk):
+        extra = () if hidden is None else (target_block_logits(target, hidden, batch[2], block_size),)
+        part_loss, part_grads = loss_and_grad(context, *batch, anchors.size, *extra)
         loss = part_loss if loss is None else loss + part_loss
         grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
         mx.eval(loss, grads)
@@ -255,19 +368,62 @@ def evaluate(drafter: DFlashDrafter, target: TargetAdapter, sequences: List[Trai
     Returns:
         ``{"accuracy": [B-1], "acceptance": [B-1], "tau": float, "blocks": N}``.
     """
+    return evaluate_block_sizes(drafter, target, sequences, [block_size], max_anchors, seed, anchor_chunk)[block_size]
+
+
+def evaluate_block_sizes(drafter: DFlashDrafter, target: TargetAdapter, sequences: List[TrainSequence],
+                         block_sizes: List[int], max_anchors: int = 256, seed: int = 0,
+                         anchor_chunk: int = 64) -> Dict[int, dict]:
+    """:func:`evaluate` at several block sizes, with one target forward per sequence.
+
+    Returns:
+        ``{block size: {"accuracy", "acceptance", "tau", "blocks"}}`` in the order of
+        ``block_sizes``.
+    """
     dtype = drafter.fc.weight.dtype
-    rows = [np.zeros((0, block_size - 1), dtype=bool)]
+    rows = {b: [np.zeros((0, b - 1), dtype=bool)] for b in block_sizes}
     for i, seq in enumerate(sequences):
-        rng = np.random.default_rng([seed, 7919, i])
-        anchors = sample_anchors(rng, seq.tokens.size, seq.response_start, block_size, max_anchors)
-        if anchors.size == 0:
-            continue
-        feats = target_features(target, seq.tokens, drafter.target_layer_ids, dtype)
-        for part in chunks(anchors.size, anchor_chunk):  # bounded memory, as in training
-            blocks, targets, anchors_mx, mask = make_batch(seq, block_size, drafter.args.mask_token_id, anchors[part])
-            logits = drafter.block_logits(blocks, feats, anchors_mx, mask)
-            rows.append(np.array(mx.argmax(logits, axis=-1) == targets))
-    return teacher_forced(np.concatenate(rows))
+        feats = None
+        for b in block_sizes:
+            rng = np.random.default_rng([seed, 7919, i])
+            anchors = sample_anchors(rng, seq.tokens.size, seq.response_start, b, max_anchors)
+            if anchors.size == 0:
+                continue
+            if feats is None:
+                feats = target_features(target, seq.tokens, drafter.target_layer_ids, dtype)
+            for context, (blocks, targets, anchors_mx, mask) in chunk_batches(  # bounded memory, as in training
+                    seq, feats, anchors, b, drafter.args.mask_token_id, anchor_chunk):
+                logits = drafter.block_logits(blocks, context, anchors_mx, mask)
+                rows[b].append(np.array(mx.argmax(logits, axis=-1) == targets))
+    return {b: teacher_forced(np.concatenate(rows[b])) for b in block_sizes}
+
+
+def block_size_plan(config: TrainConfig, trained: int) -> Dict[int, float]:
+    """The block sizes a run trains and the loss decay gamma of each.
+
+    Args:
+        trained: the drafter's block size (the largest it may draft).
+
+    Returns:
+        ``{block size: gamma}`` in the order of ``config.block_sizes`` (default:
+        ``trained`` only).
+
+    Raises:
+        InputError: a block size outside ``2..trained`` or given twice, or a gamma
+            list whose length differs from the block sizes'.
+    """
+    sizes = list(config.block_sizes or [trained])
+    bad = [b for b in sizes if not 2 <= b <= trained]
+    if bad or len(set(sizes)) != len(sizes):
+        raise InputError(f"--block-sizes {','.join(map(str, sizes))}: want distinct sizes from 2 to the "
+                         f"drafter's block size {trained}")
+    gamma = config.gamma
+    if isinstance(gamma, (list, tuple)):
+        if len(gamma) != len(sizes):
+            raise InputError(f"--gamma {','.join(map(str, gamma))}: give one value, or one per block size "
+                             f"({','.join(map(str, sizes))})")
+        return dict(zip(sizes, map(float, gamma)))
+    return {b: float(gamma) if gamma is not None else default_gamma(b) for b in sizes}
 
 
 def check_fresh_out(out_dir: str | Path, overwrite: bool = False) -> None:
@@ -318,37 +474,52 @@ class Trainer:
                  config: TrainConfig, out_dir: str | Path, held_out: Optional[List[TrainSequence]] = None,
                  feature_cache: Optional[str | Path] = None):
         B = drafter.block_size
+        self.plan = block_size_plan(config, B)
         usable = [s for s in sequences if valid_anchors(s.tokens.size, s.response_start, B).size]
         if not usable:
             raise InputError(f"no training sequence is long enough for block size {B}")
+        if config.kl_weight < 0 or config.kl_temperature <= 0:
+            raise InputError(f"--kl-weight must be 0 or more and --kl-temperature above 0, got "
+                             f"{config.kl_weight} and {config.kl_temperature}")
         self.drafter, self.target, self.sequences, self.config = drafter, target, usable, config
         self.held_out = held_out or []
         self.out = Path(out_dir)
         self.dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16}[config.dtype]
         drafter.set_dtype(self.dtype)
-        self.weights = mx.array(position_weights(B, config.gamma or default_gamma(B)))
+        self.weights = {b: mx.array(position_weights(b, gamma)) for b, gamma in self.plan.items()}
         self.optimizer = optim.AdamW(learning_rate=learning_rate(config), weight_decay=config.weight_decay)
         self.optimizer.init(drafter.trainable_parameters())
-        self.features = FeatureCache(target, drafter.target_layer_ids, feature_cache)
+        self.features = FeatureCache(target, drafter.target_layer_ids, feature_cache, hidden=config.kl_weight > 0)
         self.step = 0
         self._loss_and_grad = nn.value_and_grad(drafter, self._loss)
 
-    def _loss(self, features, blocks, targets, anchors, mask, num_blocks):
-        return block_loss(self.drafter, features, blocks, targets, anchors, mask, self.weights, num_blocks)
+    def _loss(self, features, blocks, targets, anchors, mask, num_blocks, target_logits=None):
+        c = self.config
+        return block_loss(self.drafter, features, blocks, targets, anchors, mask, self.weights[blocks.shape[1]],
+                          num_blocks, target_logits, c.kl_weight, c.kl_temperature)
 
     def _sequence(self, index: int) -> int:
         epoch, i = divmod(index, len(self.sequences))
         return int(np.random.default_rng([self.config.seed, epoch]).permutation(len(self.sequences))[i])
 
+    def block_size_at(self, step: int, micro: int) -> int:
+        """The block size sequence ``micro`` of ``step`` trains at (drawn from its own
+        generator, so a run with one block size draws the same anchors as before)."""
+        sizes = list(self.plan)
+        if len(sizes) == 1:
+            return sizes[0]
+        return sizes[int(np.random.default_rng([self.config.seed, step, micro, 1]).integers(len(sizes)))]
+
     def _micro_step(self, step: int, micro: int):
-        c, B = self.config, self.drafter.block_size
+        c = self.config
+        B = self.block_size_at(step, micro)
         index = self._sequence(step * c.grad_accum + micro)
         seq = self.sequences[index]
         rng = np.random.default_rng([c.seed, step, micro])
         anchors = sample_anchors(rng, seq.tokens.size, seq.response_start, B, c.anchors)
-        feats = self.features.get(index, seq, self.dtype)
+        feats, hidden = self.features.get(index, seq, self.dtype)
         loss, grads = sequence_loss_and_grad(self._loss_and_grad, feats, seq, anchors, B,
-                                             self.drafter.args.mask_token_id, c.anchor_chunk)
+                                             self.drafter.args.mask_token_id, c.anchor_chunk, hidden, self.target)
         return loss, grads, anchors.size * (B - 1)
 
     def run(self) -> Iterator[StepInfo]:
@@ -370,8 +541,9 @@ class Trainer:
             self.step += 1
             info = StepInfo(self.step, float(total) / c.grad_accum, lr, tokens / (time.perf_counter() - tic))
             if c.eval_every and self.held_out and self.step % c.eval_every == 0:
-                info.eval = evaluate(self.drafter, self.target, self.held_out[: c.eval_sequences],
-                                     self.drafter.block_size, seed=c.seed, anchor_chunk=c.anchor_chunk)
+                info.eval = evaluate_block_sizes(self.drafter, self.target, self.held_out[: c.eval_sequences],
+                                                 sorted(self.plan, reverse=True), seed=c.seed,
+                                                 anchor_chunk=c.anchor_chunk)
             if c.save_every and self.step % c.save_every == 0:
                 self.save_checkpoint()
             yield info
