@@ -154,6 +154,11 @@ def train(
     eval_every: int = typer.Option(200, "--eval-every", help="Evaluate every N steps (0 = never)."),
     save_every: int = typer.Option(200, "--save-every", help="Checkpoint every N steps (0 = only the end)."),
     cache_features: bool = typer.Option(False, "--cache-features", help="Compute target features once, keep them in OUT/features."),
+    features_dir: Optional[Path] = typer.Option(
+        None, "--features-dir",
+        help="Cache target features here instead of OUT/features (implies --cache-features); runs on the same data "
+        "and --target-layer-ids can share it.",
+    ),
     resume: bool = typer.Option(
         False, "--resume",
         help="Continue from the newest checkpoint in OUT/checkpoints; --steps, --lr and the other run settings must match.",
@@ -183,7 +188,7 @@ def train(
 
 def _train(model, data_dirs, out, layers, block_size, block_sizes, target_layer_ids, mask_token_id, intermediate_size,
            steps, lr, warmup, grad_accum, anchors, anchor_chunk, gamma, kl_weight, kl_temperature, grad_clip, dtype,
-           held_out, eval_every, save_every, cache_features, resume, overwrite, seed) -> None:
+           held_out, eval_every, save_every, cache_features, features_dir, resume, overwrite, seed) -> None:
     from dflash_mlx import InputError, load
     from dflash_mlx.train.data import load_sequences
     from dflash_mlx.train.trainer import TrainConfig, Trainer, check_fresh_out, init_drafter, pick_mask_token
@@ -214,7 +219,7 @@ def _train(model, data_dirs, out, layers, block_size, block_sizes, target_layer_
                          warmup=warmup, grad_clip=grad_clip, gamma=gammas[0] if gammas and len(gammas) == 1 else gammas,
                          dtype=dtype, seed=seed, eval_every=eval_every, eval_sequences=n_held, save_every=save_every,
                          block_sizes=sizes, kl_weight=kl_weight, kl_temperature=kl_temperature)
-    features = out / "features" if cache_features else None
+    features = features_dir or (out / "features" if cache_features else None)
     if resume:
         trainer = Trainer.resume(pair.target, train_seqs, config, out, eval_seqs, features)
     else:

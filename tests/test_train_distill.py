@@ -181,3 +181,12 @@ def test_bad_kl_settings(setup, tmp_path):
     for kw in (dict(kl_weight=-1.0), dict(kl_weight=1.0, kl_temperature=0.0)):
         with pytest.raises(InputError, match="--kl-weight must be 0 or more and --kl-temperature above 0"):
             Trainer(_drafter(target), target, seqs, TrainConfig(steps=1, **kw), tmp_path)
+
+
+def test_a_shared_features_folder_serves_only_its_own_data(setup, tmp_path):
+    target, seqs = setup
+    FeatureCache(target, [1, 2], tmp_path, sequences=seqs).get(0, seqs[0], mx.float32)
+    FeatureCache(target, [1, 2], tmp_path, sequences=seqs)  # the same data: reused
+    for layers, data in (([1, 2], seqs[:-1]), ([0, 2], seqs)):
+        with pytest.raises(InputError, match="holds target features of other data"):
+            FeatureCache(target, layers, tmp_path, sequences=data)

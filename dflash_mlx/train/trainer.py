@@ -18,6 +18,7 @@ checkpointed, so a resumed run reproduces an uninterrupted one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -214,12 +215,36 @@ class FeatureCache:
     """
 
     def __init__(self, target: TargetAdapter, layer_ids: List[int], folder: Optional[str | Path] = None,
-                 hidden: bool = False):
+                 hidden: bool = False, sequences: Optional[List[TrainSequence]] = None):
+        """
+        Args:
+            sequences: the sequences the indices of :meth:`get` refer to; a folder
+                records their fingerprint (with the target's and the layer ids), so a
+                folder shared between runs is only reused for the same data.
+
+        Raises:
+            InputError: the folder holds features of other data, layers or target.
+        """
         self.target, self.layer_ids, self.hidden = target, list(layer_ids), hidden
         self.folder = Path(folder) if folder else None
         self.memory: Dict[int, Tuple[np.ndarray, Optional[np.ndarray]]] = {}
         if self.folder:
             self.folder.mkdir(parents=True, exist_ok=True)
+            self._check_manifest(sequences)
+
+    def _check_manifest(self, sequences: Optional[List[TrainSequence]]) -> None:
+        digest = hashlib.sha256()
+        for seq in sequences or []:
+            digest.update(seq.tokens.astype(np.int32).tobytes() + b"|")
+        key = {"target": target_fingerprint(self.target), "target_layer_ids": self.layer_ids,
+               "sequences": digest.hexdigest() if sequences is not None else None}
+        path = self.folder / "manifest.json"
+        if path.is_file():
+            if json.loads(path.read_text()) != key:
+                raise InputError(f"{self.folder}: holds target features of other data, target_layer_ids or target; "
+                                 "give another features folder")
+        else:
+            path.write_text(json.dumps(key, indent=2))
 
     def _load(self, path: Path, length: int) -> Optional[np.ndarray]:
         cached = np.load(path) if path.is_file() else None
@@ -489,7 +514,8 @@ class Trainer:
         self.weights = {b: mx.array(position_weights(b, gamma)) for b, gamma in self.plan.items()}
         self.optimizer = optim.AdamW(learning_rate=learning_rate(config), weight_decay=config.weight_decay)
         self.optimizer.init(drafter.trainable_parameters())
-        self.features = FeatureCache(target, drafter.target_layer_ids, feature_cache, hidden=config.kl_weight > 0)
+        self.features = FeatureCache(target, drafter.target_layer_ids, feature_cache, hidden=config.kl_weight > 0,
+                                     sequences=usable)
         self.step = 0
         self._loss_and_grad = nn.value_and_grad(drafter, self._loss)
 
