@@ -51,6 +51,7 @@ def dflash_run(pair, ids, max_tokens, block_size, stats):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("pair", type=Path, help="OUT_DIR of scripts/train_stories260k.sh (target/ and drafter/)")
+    p.add_argument("--drafter", type=Path, help="another drafter folder (default: PAIR/drafter)")
     p.add_argument("--prompts", type=Path, default=ROOT / "scripts" / "data" / "story_openings.jsonl")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16])
@@ -58,7 +59,7 @@ def main() -> int:
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
 
-    pair = load(str(args.pair / "target"), str(args.pair / "drafter"))
+    pair = load(str(args.pair / "target"), str(args.drafter or args.pair / "drafter"))
     prompts = [pair.tokenizer.encode(json.loads(line)["prompt"]) for line in args.prompts.read_text().splitlines()]
     print("command:", shlex.join([sys.executable, *sys.argv]))
     mlx_lm_run(pair, prompts[0], 32)
