@@ -102,3 +102,20 @@ def test_interrupted_training_says_where_its_checkpoint_is(stories, tmp_path):
     r = run(*train, "--steps", "2", "--overwrite")
     assert r.returncode == 0, r.stderr
     assert not (out / "checkpoints").exists() and (out / "config.json").is_file()
+
+
+@needs_shared
+def test_runs_share_a_features_folder_only_for_the_same_data_and_layers(stories, tmp_path):
+    data, feats = tmp_path / "data", tmp_path / "features"
+    r = run("data", "--model", str(stories), "--text", str(SHARED / "datasets" / "tinystories_sample.txt"),
+            "--max-tokens", "24", "--out", str(data))
+    assert r.returncode == 0, r.stderr
+    train = ["train", "--model", str(stories), "--data", str(data), "--block-size", "4", "--steps", "2",
+             "--anchors", "4", "--grad-accum", "1", "--held-out", "4", "--eval-every", "0", "--features-dir", str(feats)]
+    for name in ("a", "b"):  # the second run reuses the first one's features
+        r = run(*train, "--out", str(tmp_path / name), "--target-layer-ids", "1,3")
+        assert r.returncode == 0, r.stderr
+    assert len(list(feats.glob("*.npy"))) >= 2 and not (tmp_path / "b" / "features").exists()
+    r = run(*train, "--out", str(tmp_path / "c"), "--target-layer-ids", "1,2")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"error: {feats}: holds target features of other data, target_layer_ids or target" in " ".join(r.stderr.split())
