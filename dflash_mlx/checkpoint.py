@@ -1,6 +1,6 @@
-"""Drafter checkpoints in the released format (DFLASH_SPEC.md section 2): a folder
-or Hugging Face repo with ``config.json`` and unprefixed ``*.safetensors`` weights
-(no embedding, no lm_head)."""
+"""Drafter checkpoints in the released formats (DFLASH_SPEC.md sections 2 and 9): a
+folder or Hugging Face repo with ``config.json`` and unprefixed ``*.safetensors``
+weights (no embedding, no lm_head), named as :mod:`dflash_mlx.formats` says."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ DRAFTER_FILES = ["*.json", "*.safetensors"]
 
 
 def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
-    """Load a drafter from a local folder or a Hugging Face repo id.
+    """Load a drafter of any format in :mod:`dflash_mlx.formats` from a folder or repo id.
+
+    Loading is strict: every weight the config implies must be present with its
+    shape, and nothing else may be.
 
     Args:
         path_or_repo: folder with ``config.json`` and ``*.safetensors``, or a repo id
@@ -34,14 +37,17 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
 
     Raises:
         CheckpointError: missing folder or files, corrupt safetensors, or weights
-            that do not match the config (missing, unexpected or misshapen keys).
-        ConfigError: invalid or non-DFlash config.
+            that do not match the config: one line naming the file and the key
+            (missing, unexpected, or of another shape than the config implies).
+        ConfigError: invalid or non-DFlash config (names the file and key).
     """
     path = resolve_model_path(path_or_repo, DRAFTER_FILES, what="drafter")
     config_file = path / "config.json"
     config = read_config(config_file)
     args = DrafterArgs.from_config(config, source=str(config_file))
-    weights = read_safetensors(path)
+    stored, files = read_safetensors(path, with_files=True)
+    fmt = args.format
+    weights = {fmt.network_key(k): v for k, v in stored.items()}
     model = DFlashDrafter(args)
     if (q := config.get("quantization")) is not None:
         nn.quantize(
@@ -50,11 +56,8 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
             bits=q["bits"],
             class_predicate=lambda p, m: f"{p}.scales" in weights,
         )
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        detail = " ".join(str(e).split())
-        raise CheckpointError(f"{path}: weights do not match config.json: {detail}") from None
+    check_weights(model, weights, {fmt.network_key(k): f for k, f in files.items()}, path, fmt)
+    model.load_weights(list(weights.items()), strict=True)
     if dtype is not None:
         model.set_dtype(dtype)
     model.eval()
@@ -62,15 +65,49 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
     return model
 
 
-def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` in the released format.
+def check_weights(model: DFlashDrafter, weights: dict, files: dict, path: Path, fmt) -> None:
+    """Every parameter present with its shape, no other key, floating-point values.
 
-    Keys are unprefixed (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, ...);
-    no embedding or lm_head is written.
+    Args:
+        weights: network name -> array; files: network name -> the file it came from.
+
+    Raises:
+        CheckpointError: the first mismatch, naming the file (or folder) and the
+            checkpoint key.
+    """
+    expected = dict(tree_flatten(model.parameters()))
+    what = f"a {fmt.architecture} drafter with this config.json"
+    for key in sorted(expected):
+        if key not in weights:
+            raise CheckpointError(f"{path}: missing weight '{fmt.checkpoint_key(key)}' ({what} needs it)")
+    for key in sorted(weights):
+        if key not in expected:
+            raise CheckpointError(f"{files[key]}: unexpected weight '{fmt.checkpoint_key(key)}' (not part of {what})")
+    for key in sorted(expected):
+        have, want = weights[key], expected[key]
+        if tuple(have.shape) != tuple(want.shape):
+            raise CheckpointError(
+                f"{files[key]}: weight '{fmt.checkpoint_key(key)}' has shape {list(have.shape)}, "
+                f"but config.json implies {list(want.shape)}"
+            )
+        if mx.issubdtype(want.dtype, mx.floating) and not mx.issubdtype(have.dtype, mx.floating):
+            raise CheckpointError(
+                f"{files[key]}: weight '{fmt.checkpoint_key(key)}' has dtype {have.dtype}, expected a float dtype"
+            )
+
+
+def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` in the drafter's own format.
+
+    Weight names are the format's (``fc.weight``, ``layers.0.self_attn.q_proj.weight``,
+    ``candidate_selector.predecessor_codebook``, ``encoder.fc.weight`` for
+    Muse-Glimmer, ...; safetensors sorts them); no embedding or lm_head is written. A drafter
+    loaded from a checkpoint writes that checkpoint's config keys back.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    weights = dict(tree_flatten(model.parameters()))
+    fmt = model.args.format
+    weights = {fmt.checkpoint_key(k): v for k, v in tree_flatten(model.parameters())}
     dtype = str(next(iter(weights.values())).dtype).replace("mlx.core.", "")
     config = model.args.to_config(dtype=dtype)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
@@ -88,19 +125,28 @@ def read_config(config_file: Path) -> dict:
         raise ConfigError(f"{config_file}: invalid JSON ({e})") from None
 
 
-def read_safetensors(path: Path) -> dict:
+def read_safetensors(path: Path, with_files: bool = False):
     """Load every ``*.safetensors`` file of a folder into one dict.
 
+    Returns:
+        ``{key: array}``, or with ``with_files`` also ``{key: file}``.
+
     Raises:
-        CheckpointError: no weight file, or a file that is truncated or corrupt.
+        CheckpointError: no weight file, a file that is truncated or corrupt, or a
+            key found in two files (names both).
     """
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weight files")
-    weights = {}
+    weights, where = {}, {}
     for f in files:
         try:
-            weights.update(mx.load(str(f)))
+            loaded = mx.load(str(f))
         except Exception as e:  # mlx raises RuntimeError/ValueError variants
             raise CheckpointError(f"{f}: cannot read safetensors file ({e})") from None
-    return weights
+        for key in loaded:
+            if key in where:
+                raise CheckpointError(f"{f}: weight '{key}' is also in {where[key]}")
+            where[key] = f
+        weights.update(loaded)
+    return (weights, where) if with_files else weights
