@@ -17,6 +17,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .acceptance import choose_rule
 from .errors import InputError
 from .protocol import Drafter
 from .stats import GenerationStats, weight_bytes
@@ -62,14 +63,8 @@ class GenerationResponse:
     stats: GenerationStats
 
 
-def _sample(sampler: Sampler, logits: mx.array, exact: bool = True) -> mx.array:
-    """Sample from [N, V] logits through log-probabilities, as mlx-lm does.
-
-    With ``exact=False`` greedy skips the normalisation (same argmax up to float
-    ties; used in verify, whose 16-row matmuls differ in the last bits anyway).
-    """
-    if not exact and sampler is greedy_sampler:
-        return mx.argmax(logits, axis=-1)
+def _sample(sampler: Sampler, logits: mx.array) -> mx.array:
+    """Sample from [N, V] logits through log-probabilities, as mlx-lm does."""
     return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
@@ -127,8 +122,11 @@ def generate_step(
         prompt: [P] int32 prompt ids, P >= 1.
         target: the target adapter.
         drafter: a bound :class:`~dflash_mlx.protocol.Drafter`, or None for plain decoding.
-        sampler: mlx-lm sampler over [N, V] log-probabilities; greedy by default.
-            At T > 0 the sample-and-match rule keeps the output exactly the target's.
+        sampler: mlx-lm sampler over [N, V] log-probabilities, or a
+            :class:`~dflash_mlx.sampling.Sampling` (also a sampler); greedy by default.
+            The acceptance rule follows from it and the drafter
+            (:func:`dflash_mlx.acceptance.choose_rule`); each keeps the output exactly
+            the target's.
         max_tokens: most tokens to emit.
         block_size: B, 2..drafter.block_size (default: the drafter's).
         stop_token_ids: ids that end generation; the block is cut there.
@@ -175,34 +173,35 @@ def generate_step(
             yield from _plain_steps(target, cache, t, tokens, finish, sampler, stop, stats, committed)
             return
         draft_cache = draft_cache if draft_cache is not None else drafter.make_cache()
+        rule = choose_rule(drafter, sampler)
+        stats.acceptance_rule = rule.name
         if finish is None:
-            drafts = drafter.draft(t, context, draft_cache, B)
-            mx.async_eval(drafts)
+            proposal = rule.propose(drafter, t, context, draft_cache, B)
+            mx.async_eval(proposal.arrays())
         else:
             _finish(target, cache, committed + stop.emitted - 1, drafter, draft_cache, context)
         yield StepResult(tokens, None, finish)
         while finish is None:
             with stats.phase("draft"):
-                mx.eval(drafts)
+                mx.eval(proposal.arrays())
             with stats.phase("verify"):
-                h, features = target(mx.concatenate([t, drafts])[None], cache, capture)
-                y = _sample(sampler, target.lm_head(h)[0], exact=False)
-                mx.eval(y, features)
+                h, features = target(mx.concatenate([t, proposal.tokens])[None], cache, capture)
+                a, out = rule.accept(proposal, target.lm_head(h)[0])
+                mx.eval(a, out, features)
             with stats.phase("host"):
-                y_list = y.tolist()
-                a = count_accepted(drafts.tolist(), y_list)
+                a = a.item()
                 stats.record_step(a, B - 1)
                 target.rollback(cache, B - 1 - a)
-                tokens, finish = stop.cut(y_list[: a + 1])
+                tokens, finish = stop.cut(out[: a + 1].tolist())
                 if finish is not None:
                     _finish(target, cache, committed + stop.emitted - 1, drafter, draft_cache, features)
             if finish is None:
                 # Queue the next draft before yielding. On the CPU backend async_eval
                 # runs most of it right here, so it is booked as drafting.
                 with stats.phase("draft"):
-                    t = y[a : a + 1]
-                    drafts = drafter.draft(t, features[:, : a + 1], draft_cache, B)
-                    mx.async_eval(drafts)
+                    t = out[a : a + 1]
+                    proposal = rule.propose(drafter, t, features[:, : a + 1], draft_cache, B)
+                    mx.async_eval(proposal.arrays())
             yield StepResult(tokens, a, finish)
             if stop.emitted % 256 < len(tokens):
                 mx.clear_cache()
@@ -306,6 +305,7 @@ def stream_generate(
         model_bytes=weight_bytes(target.model, drafter if isinstance(drafter, nn.Module) else None),
         speculative=drafter is not None,
         reason=None if drafter is not None else NO_DRAFTER,
+        drafter_format=getattr(drafter, "drafter_format", None),
     )
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()

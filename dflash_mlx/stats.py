@@ -48,6 +48,10 @@ class GenerationStats:
             :attr:`bandwidth_gbps`; 0 when unknown.
         speculative: whether speculative decoding ran.
         reason: why it did not (None when it ran), e.g. "no drafter was given".
+        drafter_format: the drafter's checkpoint format (``architectures[0]``, e.g.
+            ``DFlash2DraftModel``); None without a drafter.
+        acceptance_rule: ``greedy``, ``sample-and-match`` or ``speculative``
+            (:mod:`dflash_mlx.acceptance`); None without a drafter.
     """
 
     block_size: int
@@ -64,6 +68,8 @@ class GenerationStats:
     model_bytes: int = 0
     speculative: bool = True
     reason: Optional[str] = None
+    drafter_format: Optional[str] = None
+    acceptance_rule: Optional[str] = None
 
     def record_step(self, accepted: int, drafted: Optional[int] = None) -> None:
         """Count one verify step that accepted ``accepted`` of ``drafted`` drafts
@@ -89,6 +95,8 @@ class GenerationStats:
         self.generation_s += other.generation_s
         self.peak_memory_gb = max(self.peak_memory_gb, other.peak_memory_gb)
         self.model_bytes = max(self.model_bytes, other.model_bytes)
+        self.drafter_format = self.drafter_format or other.drafter_format
+        self.acceptance_rule = self.acceptance_rule or other.acceptance_rule
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -136,6 +144,8 @@ class GenerationStats:
         return {
             "speculative": self.speculative,
             "reason": self.reason,
+            "drafter_format": self.drafter_format,
+            "acceptance_rule": self.acceptance_rule,
             "tokens": self.generation_tokens,
             "tau": round(self.tau, 4),
             "steps": self.steps,
@@ -166,7 +176,9 @@ class GenerationStats:
         if not self.speculative:
             lines.append(f"Speculative decoding: off ({self.reason})")
         elif self.block_size > 1:
-            lines.append(f"Acceptance: {self.acceptance_line()} at block size {self.block_size}")
+            rule = f", {self.acceptance_rule}" if self.acceptance_rule else ""
+            fmt = f" ({self.drafter_format}{rule})" if self.drafter_format else ""
+            lines.append(f"Acceptance: {self.acceptance_line()} at block size {self.block_size}{fmt}")
             lines.append("Histogram: " + format_histogram(self.histogram))
         if self.model_bytes:
             lines.append(f"Bandwidth: {self.bandwidth_gbps:.2f} GB/s")
