@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import MODEL_HELP, check_sampling, guard, resolve_models
+from .common import MODEL_HELP, check_sampling, guard, parse_draft_window, resolve_models
 
 
 def bench(
@@ -46,6 +46,9 @@ def bench(
         None, "--simulate-acceptance",
         help="A: replace the drafter's proposals by the target's greedy continuation for the first A "
         "slots of each block and wrong tokens after (the drafter still runs, for its cost). Needs --temp 0.",
+    ),
+    draft_window: Optional[str] = typer.Option(
+        None, "--draft-window", help="SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows."
     ),
     repeats: int = typer.Option(1, "--repeats", help="Runs of each engine per prompt."),
     warmup_tokens: int = typer.Option(
@@ -90,8 +93,8 @@ def parse_block_sizes(values: Optional[List[str]], extra: List[str]) -> List[Opt
 
 
 def _run(model, draft_model, dataset, num_samples, max_tokens, block_size, temp, top_p, top_k, min_p,
-         seed, baseline, num_draft_tokens, enable_thinking, simulate_acceptance, repeats, warmup_tokens,
-         out, plots, extra) -> None:
+         seed, baseline, num_draft_tokens, enable_thinking, simulate_acceptance, draft_window, repeats,
+         warmup_tokens, out, plots, extra) -> None:
     from rich.console import Console
     from rich.progress import (
         BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
@@ -109,7 +112,8 @@ def _run(model, draft_model, dataset, num_samples, max_tokens, block_size, temp,
     datasets = [d for spec in dataset for d in spec.split(",") if d]
     config = BenchConfig(max_tokens=max_tokens, block_sizes=sizes, temp=temp, top_p=top_p, top_k=top_k,
                          min_p=min_p, seed=seed, repeats=repeats, simulate_acceptance=simulate_acceptance,
-                         enable_thinking=enable_thinking, warmup_tokens=warmup_tokens)
+                         enable_thinking=enable_thinking, warmup_tokens=warmup_tokens,
+                         draft_window=parse_draft_window(draft_window))
 
     console = Console(stderr=True)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

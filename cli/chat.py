@@ -16,7 +16,7 @@ import typer
 from .common import (
     check_sampling, guard, load_pair, parse_template_config, resolve_models,
     block_size_option, draft_model_option, min_p_option, model_option, seed_option, system_prompt_option, temp_option,
-    top_k_option, top_p_option,
+    top_k_option, top_p_option, draft_window_option, parse_draft_window, sampling,
 )
 
 COMMANDS = [
@@ -45,9 +45,7 @@ class Settings:
     block_size: Optional[int]
 
     def sampler(self):
-        from mlx_lm.sample_utils import make_sampler
-
-        return make_sampler(self.temp, self.top_p, self.min_p, 1, top_k=self.top_k)
+        return sampling(self.temp, self.top_p, self.min_p, self.top_k)
 
 
 def chat(
@@ -60,6 +58,7 @@ def chat(
     min_p: float = min_p_option(),
     seed: Optional[int] = seed_option(),
     block_size: Optional[int] = block_size_option(),
+    draft_window: Optional[str] = draft_window_option(),
     system_prompt: Optional[str] = system_prompt_option(),
     chat_template_config: Optional[str] = typer.Option(
         None, "--chat-template-config",
@@ -90,7 +89,7 @@ def chat(
         raise typer.Exit(130)
 
 
-def _run(model, draft_model, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
+def _run(model, draft_model, max_tokens, temp, top_p, top_k, min_p, seed, block_size, draft_window,
          system_prompt, chat_template_config, ignore_chat_template, color) -> None:
     import mlx.core as mx
     from transformers.utils import logging as hf_logging
@@ -102,6 +101,7 @@ def _run(model, draft_model, max_tokens, temp, top_p, top_k, min_p, seed, block_
     from .chat_ui import PlainView, RichView
 
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
+    window = parse_draft_window(draft_window)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model)
@@ -113,7 +113,7 @@ def _run(model, draft_model, max_tokens, temp, top_p, top_k, min_p, seed, block_
         mx.random.seed(seed)
 
     hf_logging.set_verbosity_error()  # no "sequence length is longer than" warnings mid-chat
-    pair = load_pair(model, draft_model, defaults)
+    pair = load_pair(model, draft_model, defaults, window)
     check_block_size(block_size, pair.drafter)
     session = ChatSession.from_pair(pair, system_prompt=system_prompt, template_config=template,
                                     use_template=not ignore_chat_template)

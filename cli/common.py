@@ -54,6 +54,39 @@ def block_size_option():
     return typer.Option(None, "--block-size", help="Tokens per drafted block, 2..the drafter's trained size (default).")
 
 
+def draft_window_option():
+    return typer.Option(
+        None, "--draft-window",
+        help="SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows (e.g. 64,1024), "
+        "so drafting cost stops growing with the context. Off by default.",
+    )
+
+
+def parse_draft_window(value: Optional[str]) -> Optional[tuple[int, int]]:
+    """``--draft-window SINK,WINDOW`` -> ``(sink, window)``; None when not given.
+
+    Raises:
+        InputError: not two integers, SINK < 0 or WINDOW < 1 (names the flag).
+    """
+    if value is None:
+        return None
+    parts = value.split(",")
+    try:
+        sink, window = (int(p) for p in parts)
+    except ValueError:
+        raise InputError(f"--draft-window {value}: expected SINK,WINDOW, e.g. 64,1024") from None
+    if sink < 0 or window < 1:
+        raise InputError(f"--draft-window {value}: SINK must be >= 0 and WINDOW >= 1")
+    return sink, window
+
+
+def sampling(temp: float, top_p: float, min_p: float, top_k: int):
+    """The sampler of the flags: mlx-lm's, with the probabilities speculative sampling needs."""
+    from dflash_mlx.sampling import Sampling
+
+    return Sampling(temp, top_p, min_p, top_k)
+
+
 def system_prompt_option():
     return typer.Option(None, "--system-prompt", help="System prompt for the chat template.")
 
@@ -129,12 +162,12 @@ def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: 
                            plain=lambda _: text)
 
 
-def load_pair(model: str, draft_model: Optional[str], defaults: bool):
+def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None):
     """Load the pair; when the defaults cannot be had, say how to pass folders."""
     from dflash_mlx import CheckpointError, load
 
     try:
-        return load(model, draft_model)
+        return load(model, draft_model, draft_window)
     except CheckpointError as e:
         if not defaults:
             raise

@@ -11,7 +11,7 @@ import typer
 from .common import (
     check_sampling, encode_prompt, guard, load_pair, parse_template_config, read_prompt, resolve_models,
     block_size_option, draft_model_option, min_p_option, model_option, seed_option, system_prompt_option, temp_option,
-    top_k_option, top_p_option,
+    top_k_option, top_p_option, draft_window_option, parse_draft_window, sampling,
 )
 
 
@@ -28,6 +28,7 @@ def generate(
     min_p: float = min_p_option(),
     seed: Optional[int] = seed_option(),
     block_size: Optional[int] = block_size_option(),
+    draft_window: Optional[str] = draft_window_option(),
     system_prompt: Optional[str] = system_prompt_option(),
     chat_template_config: Optional[str] = typer.Option(
         None, "--chat-template-config",
@@ -45,19 +46,20 @@ def generate(
       dflash generate --prompt "Explain KV caches in two sentences."
       echo "Once upon a time" | dflash generate --model ./stories260K
       dflash generate --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16 -p - < q.txt
+      dflash generate --draft-window 64,1024 -p - < long_document.txt
     """
     args = dict(locals())
     guard(lambda: _run(**args))
 
 
-def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
+def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size, draft_window,
          system_prompt, chat_template_config, ignore_chat_template, verbose, as_json) -> None:
     import mlx.core as mx
-    from mlx_lm.sample_utils import make_sampler
 
     from dflash_mlx import InputError, stream_generate
 
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
+    window = parse_draft_window(draft_window)
     text = read_prompt(prompt)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
@@ -69,9 +71,9 @@ def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed
     if seed is not None:
         mx.random.seed(seed)
 
-    pair = load_pair(model, draft_model, defaults)
+    pair = load_pair(model, draft_model, defaults, window)
     ids = encode_prompt(pair.tokenizer, text, system_prompt, template, ignore_chat_template)
-    sampler = make_sampler(temp, top_p, min_p, 1, top_k=top_k)
+    sampler = sampling(temp, top_p, min_p, top_k)
 
     out, stats = [], None
     for response in stream_generate(pair.target, pair.tokenizer, ids, pair.drafter,

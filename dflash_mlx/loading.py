@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -13,7 +13,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from .checkpoint import load_drafter
 from .drafter import DFlashDrafter
-from .errors import CheckpointError, MismatchError
+from .errors import CheckpointError, InputError, MismatchError
 from .hub import resolve_model_path
 from .targets import TargetAdapter, make_adapter
 
@@ -105,14 +105,24 @@ def bind_drafter(drafter: DFlashDrafter, target: TargetAdapter, draft_source: st
     return drafter.bind(target.embed, target.lm_head)
 
 
-def load(model: str = DEFAULT_MODEL, draft_model: Optional[str] = None) -> Pair:
+def load(model: str = DEFAULT_MODEL, draft_model: Optional[str] = None,
+         draft_window: Optional[Tuple[int, int]] = None) -> Pair:
     """Load a target and, if given, its drafter, ready for :func:`stream_generate`.
+
+    Args:
+        model, draft_model: folders or repo ids.
+        draft_window: ``(sink, window)`` context rows the drafter's full-attention
+            layers keep (``--draft-window``); None keeps all.
 
     Raises:
         CheckpointError, ConfigError, MismatchError: see the loaders above.
+        InputError: a draft window out of range.
     """
+    if draft_window is not None and draft_model is None:
+        raise InputError("--draft-window needs --draft-model (it bounds the drafter's context)")
     net, tokenizer, target = load_target(model)
     drafter = None
     if draft_model is not None:
         drafter = bind_drafter(load_drafter(draft_model), target, draft_model)
+        drafter.set_draft_window(draft_window)
     return Pair(net, tokenizer, target, drafter, model, draft_model)

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
 
 from ..errors import InputError
 from ..generate import check_block_size, generate_step
 from ..protocol import Drafter
+from ..sampling import Sampling
 from ..simulate import SimulatedDrafter
 from ..stats import GenerationStats, histogram_dict
 from .datasets import Sample, encode_sample_turn
@@ -227,6 +227,7 @@ class RunRecord:
             "prompt_s": r(self.prompt_s), "decode_s": r(self.decode_s), "prompt_tps": r(self.prompt_tps, 3),
             "decode_tps": r(self.decode_tps, 3), "steps": s.steps,
             "tau": r(s.tau, 4) if s.steps else None, "acceptance_rate": r(s.acceptance_rate, 4),
+            "acceptance_rule": s.acceptance_rule,
             "acceptance_histogram": histogram_dict(s.histogram),
             "phase_s": {k: r(v) for k, v in s.phase_s.items()},
             "peak_memory_gb": r(self.peak_memory_gb), "matches_baseline": self.matches_baseline,
@@ -277,6 +278,8 @@ class BenchConfig:
             continuation for the first A slots and wrong after (needs temp 0).
         enable_thinking: passed to the chat template.
         warmup_tokens: tokens of the warm-up run of each engine (0: no warm-up).
+        draft_window: ``(sink, window)`` context rows the drafter keeps
+            (``--draft-window``), or None: all.
     """
 
     max_tokens: int = 256
@@ -290,6 +293,7 @@ class BenchConfig:
     simulate_acceptance: Optional[int] = None
     enable_thinking: bool = False
     warmup_tokens: int = 32
+    draft_window: Optional[tuple] = None
 
     def check(self) -> None:
         """Raises InputError naming the flag that is out of range."""
@@ -303,8 +307,8 @@ class BenchConfig:
             if self.temp != 0:
                 raise InputError("--simulate-acceptance needs --temp 0 (it replays the greedy continuation)")
 
-    def sampler(self):
-        return make_sampler(self.temp, self.top_p, self.min_p, 1, top_k=self.top_k)
+    def sampler(self) -> Sampling:
+        return Sampling(self.temp, self.top_p, self.min_p, self.top_k)
 
 
 @dataclass
