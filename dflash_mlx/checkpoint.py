@@ -101,7 +101,7 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
 
     Weight names are the format's (``fc.weight``, ``layers.0.self_attn.q_proj.weight``,
     ``candidate_selector.predecessor_codebook``, ``encoder.fc.weight`` for
-    Muse-Glimmer, ...; safetensors sorts them); no embedding or lm_head is written. A drafter
+    Muse-Glimmer, ...); no embedding or lm_head is written. A drafter
     loaded from a checkpoint writes that checkpoint's config keys back.
     """
     out = Path(out_dir)
@@ -110,9 +110,36 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
     weights = {fmt.checkpoint_key(k): v for k, v in tree_flatten(model.parameters())}
     dtype = str(next(iter(weights.values())).dtype).replace("mlx.core.", "")
     config = model.args.to_config(dtype=dtype)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    write_safetensors(out / "model.safetensors", weights, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+_DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float64: "float64",
+                mx.uint32: "uint32", mx.int32: "int32", mx.uint16: "uint16", mx.int16: "int16",
+                mx.uint8: "uint8", mx.int8: "int8", mx.bool_: "bool"}
+
+
+def write_safetensors(path: Path, arrays: dict, metadata: Optional[dict] = None) -> None:
+    """Write arrays through the ``safetensors`` library, as released checkpoints are
+    written, so a checkpoint read and saved again is the same file byte for byte.
+
+    ``mx.save_safetensors`` is not used here: its data order follows its hash map, so
+    equal weights can give different files.
+    """
+    import numpy as np
+    import safetensors
+
+    raw = {}
+    for key, a in arrays.items():
+        data = np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)  # numpy has no bfloat16
+        raw[key] = (_DTYPE_NAMES[a.dtype], list(a.shape), np.ascontiguousarray(data))
+    if hasattr(safetensors, "TensorSpec"):  # safetensors >= 0.7
+        specs = {k: safetensors.TensorSpec(dtype=d, shape=s, data_ptr=b.ctypes.data, data_len=b.nbytes)
+                 for k, (d, s, b) in raw.items()}
+    else:
+        specs = {k: {"dtype": d, "shape": s, "data": b.tobytes()} for k, (d, s, b) in raw.items()}
+    safetensors.serialize_file(specs, str(path), metadata=metadata)
 
 
 def read_config(config_file: Path) -> dict:

@@ -313,20 +313,20 @@ def _merge(original: dict, top: dict, dflash: dict, dtype: str) -> dict:
     information (sliding layers, a causality override, a non-default DFlash2 scale)."""
     out = copy.deepcopy(original)
     nested = out.get("dflash_config") if isinstance(out.get("dflash_config"), dict) else None
-    for key, value in top.items():
-        if key == "rope_theta" and key not in out and isinstance(out.get("rope_parameters"), dict):
-            out["rope_parameters"]["rope_theta"] = value
-        elif key in out:
-            out[key] = value
-        elif key in _ADDABLE and value is not None and (key != "layer_types" or "sliding_attention" in value):
-            out[key] = value
-    for key, value in dflash.items():
+    for key, value in list(top.items()) + list(dflash.items()):
+        if key == "rope_scaling" and isinstance(out.get("rope_parameters"), dict):
+            continue  # parsed from rope_parameters, which stays as it was
         if nested is not None and key in nested:
             nested[key] = value
         elif key in out:
             out[key] = value
-        elif key not in DFLASH2_SCALARS or value != DFLASH2_SCALARS[key]:
-            out.setdefault("dflash_config", {})[key] = value
+        elif key == "rope_theta" and isinstance(out.get("rope_parameters"), dict):
+            out["rope_parameters"]["rope_theta"] = value
+        elif key in dflash and key not in top:
+            if key not in DFLASH2_SCALARS or value != DFLASH2_SCALARS[key]:
+                out.setdefault("dflash_config", {})[key] = value
+        elif key in _ADDABLE and value is not None and (key != "layer_types" or "sliding_attention" in value):
+            out[key] = value
     for key in ("torch_dtype", "dtype"):
         if key in out:
             out[key] = dtype
