@@ -56,7 +56,7 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
             bits=q["bits"],
             class_predicate=lambda p, m: f"{p}.scales" in weights,
         )
-    check_weights(model, weights, {fmt.network_key(k): f for k, f in files.items()}, path, fmt)
+    check_weights(model, stored, files, path, fmt)
     model.load_weights(list(weights.items()), strict=True)
     if dtype is not None:
         model.set_dtype(dtype)
@@ -65,35 +65,34 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
     return model
 
 
-def check_weights(model: DFlashDrafter, weights: dict, files: dict, path: Path, fmt) -> None:
-    """Every parameter present with its shape, no other key, floating-point values.
+def check_weights(model: DFlashDrafter, stored: dict, files: dict, path: Path, fmt) -> None:
+    """Every weight the config implies present under its format's name and with its
+    shape, no other key, floating-point values where the network has them.
 
     Args:
-        weights: network name -> array; files: network name -> the file it came from.
+        stored: checkpoint name -> array; files: checkpoint name -> the file it is in.
 
     Raises:
-        CheckpointError: the first mismatch, naming the file (or folder) and the
-            checkpoint key.
+        CheckpointError: the first mismatch, naming the file (the folder for a
+            missing weight) and the checkpoint key.
     """
-    expected = dict(tree_flatten(model.parameters()))
+    expected = {fmt.checkpoint_key(k): v for k, v in tree_flatten(model.parameters())}
     what = f"a {fmt.architecture} drafter with this config.json"
     for key in sorted(expected):
-        if key not in weights:
-            raise CheckpointError(f"{path}: missing weight '{fmt.checkpoint_key(key)}' ({what} needs it)")
-    for key in sorted(weights):
+        if key not in stored:
+            raise CheckpointError(f"{path}: missing weight '{key}' ({what} needs it)")
+    for key in sorted(stored):
         if key not in expected:
-            raise CheckpointError(f"{files[key]}: unexpected weight '{fmt.checkpoint_key(key)}' (not part of {what})")
+            raise CheckpointError(f"{files[key]}: unexpected weight '{key}' (not part of {what})")
     for key in sorted(expected):
-        have, want = weights[key], expected[key]
+        have, want = stored[key], expected[key]
         if tuple(have.shape) != tuple(want.shape):
             raise CheckpointError(
-                f"{files[key]}: weight '{fmt.checkpoint_key(key)}' has shape {list(have.shape)}, "
+                f"{files[key]}: weight '{key}' has shape {list(have.shape)}, "
                 f"but config.json implies {list(want.shape)}"
             )
         if mx.issubdtype(want.dtype, mx.floating) and not mx.issubdtype(have.dtype, mx.floating):
-            raise CheckpointError(
-                f"{files[key]}: weight '{fmt.checkpoint_key(key)}' has dtype {have.dtype}, expected a float dtype"
-            )
+            raise CheckpointError(f"{files[key]}: weight '{key}' has dtype {have.dtype}, expected a float dtype")
 
 
 def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
