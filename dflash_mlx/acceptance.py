@@ -77,6 +77,13 @@ class SpeculativeRule:
     def propose(self, drafter, token, context, cache, block_size) -> Proposal:
         return propose(drafter, token, context, cache, block_size, self.sampling)
 
+    @staticmethod
+    def residual(p: mx.array, q: mx.array) -> mx.array:
+        """max(p - q, 0) per row ([N, V]; sampling normalizes it). Where p <= q
+        everywhere (p == q) nothing is ever rejected; p stands in."""
+        r = mx.maximum(p - q, 0.0)
+        return mx.where(r.sum(axis=-1, keepdims=True) > 0, r, p)
+
     def accept(self, proposal: Proposal, logits: mx.array) -> Tuple[mx.array, mx.array]:
         """logits [B, V] of the verify -> ``(a, out)`` (see the module doc)."""
         d = proposal.tokens
@@ -89,10 +96,7 @@ class SpeculativeRule:
         p_d = mx.take_along_axis(p[:-1], d[:, None], axis=-1)[:, 0]
         q_d = mx.take_along_axis(q, d[:, None], axis=-1)[:, 0]
         a = leading_true(mx.random.uniform(shape=d.shape) * q_d < p_d)
-        residual = mx.maximum(p[:-1] - q, 0.0)
-        # Where p <= q everywhere (p == q) nothing is ever rejected; fall back to p.
-        residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p[:-1])
-        fixes = mx.random.categorical(mx.log(mx.concatenate([residual, p[-1:]])))
+        fixes = mx.random.categorical(mx.log(mx.concatenate([self.residual(p[:-1], q), p[-1:]])))
         keep = mx.arange(d.size + 1) < a
         return a, mx.where(keep, mx.concatenate([d, d[:1]]), fixes).astype(mx.int32)
 

@@ -110,7 +110,7 @@ FORMATS = {
 
 def format_drafter(target, fmt: str, seed: int = 1, block_size: int = 8, **over) -> DFlashDrafter:
     """A random 2-layer drafter of format ``fmt`` (a key of FORMATS), bound to ``target``."""
-    args = dataclasses.replace(tiny_drafter_args(target, layers=2, block_size=block_size), **FORMATS[fmt], **over)
+    args = dataclasses.replace(tiny_drafter_args(target, layers=2, block_size=block_size), **{**FORMATS[fmt], **over})
     args.validate()
     mx.random.seed(seed)
     return bind_drafter(randomize(DFlashDrafter(args), seed), target)
