@@ -8,7 +8,8 @@ from .checkpoint import load_drafter, save_drafter
 from .drafter import DFlashDrafter
 from .drafter_config import DrafterArgs
 from .errors import CheckpointError, ConfigError, DFlashError, InputError, MismatchError, RollbackError
-from .protocol import Drafter, WrappedDrafter
+from .protocol import Drafter, Proposal, WrappedDrafter
+from .sampling import Sampling
 from .generate import GenerationResponse, StepResult, generate, generate_step, stream_generate
 from .session import ChatSession
 from .loading import Pair, bind_drafter, check_pair, load, load_target
@@ -20,7 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ChatSession", "CheckpointError", "ConfigError", "DFlashDrafter", "DFlashError", "DrafterArgs",
     "Drafter", "GenerationResponse", "GenerationStats", "InputError", "MismatchError", "Pair", "RollbackError",
-    "StepResult", "TargetAdapter", "bind_drafter", "check_pair", "generate",
+    "Proposal", "Sampling", "StepResult", "TargetAdapter", "bind_drafter", "check_pair", "generate",
     "generate_step", "load", "load_drafter", "load_target", "make_adapter",
     "save_drafter", "stream_generate", "WrappedDrafter",
 ]

@@ -79,10 +79,3 @@ class Sampling:
         """``exp`` of :meth:`log_probs`: [..., N] float32, rows summing to 1."""
         return mx.exp(self.log_probs(logits))
 
-
-GREEDY = Sampling()
-
-
-def as_sampling(sampler) -> "Sampling | Callable[[mx.array], mx.array]":
-    """``None`` means greedy; anything else is returned as given."""
-    return GREEDY if sampler is None else sampler
