@@ -389,3 +389,40 @@ def test_released_dflash2_checkpoint_round_trip(tmp_path):
     save_drafter(drafter, tmp_path / "saved")
     for name in ("model.safetensors", "config.json"):
         assert (tmp_path / "saved" / name).read_bytes() == (src / name).read_bytes(), name
+
+
+def test_stats_name_format_and_rule():
+    from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
+
+    from dflash_mlx import stream_generate
+    from dflash_mlx.sampling import Sampling
+
+    class Tok:  # byte tokens: what stream_generate needs of a tokenizer
+        eos_token_ids = []
+
+        def encode(self, text, add_special_tokens=True):
+            return list(text.encode())
+
+        def decode(self, ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+        @property
+        def detokenizer(self):
+            return NaiveStreamingDetokenizer(self)
+
+    _, target = target_of("qwen3")
+    wrapper = Tok()
+    for fmt, sampler, rule in [("dflash2", None, "greedy"), ("dflash2", Sampling(0.8), "speculative"),
+                               ("v1", Sampling(0.8), "sample-and-match")]:
+        drafter = format_drafter(target, fmt)
+        *_, last = stream_generate(target, wrapper, PROMPT, drafter, max_tokens=8, sampler=sampler)
+        d = last.stats.to_dict()
+        assert (d["drafter_format"], d["acceptance_rule"], d["block_size"]) == (drafter.drafter_format, rule, B)
+
+
+def test_training_refuses_dflash2():
+    from dflash_mlx import ConfigError
+
+    _, target = target_of("qwen3")
+    with pytest.raises(ConfigError, match="v1"):
+        format_drafter(target, "dflash2").block_logits(None, None, None, None)
