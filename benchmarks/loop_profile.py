@@ -1,13 +1,12 @@
 #!/usr/bin/env python3
-"""Where one DFlash verify cycle spends its time, statement by statement.
+"""Where one DFlash verify cycle spends its time, measured on the engine itself.
 
-The loop below mirrors the greedy path of ``dflash_mlx.generate.generate_step``
-(as of commit ea1253e, where greedy verify takes the argmax of the logits)
-(draft wait, verify, acceptance, rollback, next draft) with a timer around every
-statement, so the engine's "host" phase can be split into its parts. It uses the
-library's own pieces (``prefill``, the target adapter, the drafter) and a
-:class:`~dflash_mlx.simulate.SimulatedDrafter` so that the acceptance is known.
-If ``generate_step`` changes, update this mirror.
+Runs ``dflash_mlx.generate.generate_step`` (not a copy of it) with a
+:class:`~dflash_mlx.simulate.SimulatedDrafter`, so the acceptance is known, and
+reports the engine's own phases per cycle (draft, verify, host) plus the rest of
+the wall time. With ``--profile`` it also prints the Python functions where the
+host time goes (cProfile, cumulative), which is how the statement-level view of
+the loop is obtained without mirroring it here.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python benchmarks/loop_profile.py --model models/stories260K \\
@@ -15,48 +14,27 @@ If ``generate_step`` changes, update this mirror.
 """
 
 import argparse
+import cProfile
+import pstats
 import time
-from collections import defaultdict
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream
 
 from dflash_mlx import load
 from dflash_mlx.bench.runner import greedy_continuation
-from dflash_mlx.generate import count_accepted, prefill
+from dflash_mlx.generate import generate_step
 from dflash_mlx.simulate import SimulatedDrafter
+from dflash_mlx.stats import PHASES, GenerationStats
 
 
-def cycle(target, drafter, ids, B, n_tokens, T):
-    """One generation; adds seconds per statement to ``T`` and counts cycles in ``T['cycles']``."""
-    cache, dcache = target.make_cache(), drafter.make_cache()
-    capture = drafter.target_layer_ids
-    with mx.stream(generation_stream):
-        h, context = prefill(target, mx.array(ids, dtype=mx.int32), cache, capture)
-        t = mx.argmax(target.lm_head(h[:, -1]), axis=-1)
-        mx.eval(t)
-        drafts = drafter.draft(t, context, dcache, B)
-        mx.async_eval(drafts)
-        n = 1
-        while n < n_tokens:
-            marks = [time.perf_counter()]
-
-            def mark(name):
-                marks.append(time.perf_counter())
-                T[name] += marks[-1] - marks[-2]
-
-            mx.eval(drafts); mark("draft: wait (engine 'draft')")
-            hh, features = target(mx.concatenate([t, drafts])[None], cache, capture)
-            y = mx.argmax(target.lm_head(hh)[0], axis=-1); mark("verify: build graph")
-            mx.eval(y, features); mark("verify: eval")
-            y_list = y.tolist(); mark("host: y.tolist")
-            a = count_accepted(drafts.tolist(), y_list); mark("host: drafts.tolist + accept")
-            target.rollback(cache, B - 1 - a); mark("host: rollback")
-            t, f = y[a: a + 1], features[:, : a + 1]; mark("host: slices")
-            drafts = drafter.draft(t, f, dcache, B); mark("host: drafter.draft (build graph)")
-            mx.async_eval(drafts); mark("host: mx.async_eval(drafts)")
-            n += a + 1
-            T["cycles"] += 1
+def run(target, drafter, ids, B, n_tokens) -> tuple:
+    """One generation; returns (stats, wall seconds after the first token)."""
+    stats = GenerationStats(block_size=B)
+    first = None
+    for step in generate_step(mx.array(ids, dtype=mx.int32), target, drafter, max_tokens=n_tokens,
+                              block_size=B, stats=stats):
+        first = first or time.perf_counter()
+    return stats, time.perf_counter() - first
 
 
 def main() -> None:
@@ -68,6 +46,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--tokens", type=int, default=400)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="also print the top functions by cumulative time")
     args = p.parse_args()
 
     pair = load(args.model, args.draft_model)
@@ -75,16 +54,27 @@ def main() -> None:
     sequence = greedy_continuation(pair.target, ids, args.tokens + args.block_size, ())
     drafter = SimulatedDrafter(pair.drafter, sequence, args.accept, pair.target.vocab_size)
     for _ in range(2):  # warm-up
-        cycle(pair.target, drafter, ids, args.block_size, args.tokens, defaultdict(float))
-    T = defaultdict(float)
+        run(pair.target, drafter, ids, args.block_size, args.tokens)
+    profiler = cProfile.Profile() if args.profile else None
+    total, wall = GenerationStats(block_size=args.block_size), 0.0
     for _ in range(args.runs):
-        cycle(pair.target, drafter, ids, args.block_size, args.tokens, T)
-    cycles = T.pop("cycles")
-    total = sum(T.values())
-    print(f"{int(cycles)} cycles, {1e3 * total / cycles:.3f} ms per cycle (B={args.block_size}, A={args.accept})")
-    print("| statement | ms/cycle | share |\n|---|---:|---:|")
-    for name, s in T.items():
-        print(f"| {name} | {1e3 * s / cycles:.3f} | {100 * s / total:.1f}% |")
+        if profiler:
+            profiler.enable()
+        stats, seconds = run(pair.target, drafter, ids, args.block_size, args.tokens)
+        if profiler:
+            profiler.disable()
+        total.add(stats)
+        wall += seconds
+    cycles = total.steps
+    phases = {p: total.phase_s[p] for p in PHASES if p != "prefill"}
+    phases["other (consumer, between phases)"] = wall - sum(phases.values())
+    print(f"{cycles} cycles, {1e3 * wall / cycles:.3f} ms per cycle, tau {total.tau:.2f} "
+          f"(B={args.block_size}, A={args.accept})")
+    print("| phase | ms/cycle | share |\n|---|---:|---:|")
+    for name, s in phases.items():
+        print(f"| {name} | {1e3 * s / cycles:.3f} | {100 * s / wall:.1f}% |")
+    if profiler:
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ the B-1 masked positions. The newer formats (spec section 9) add, in this file:
 
 - sliding-window layers: a layer keeps the last W-1 context rows and its block
   queries see keys less than W positions back, causal inside the block
-  (:func:`block_attention`, :class:`~dflash_mlx.caches.ContextWindowCache`);
+  (:func:`~dflash_mlx.kernels.block_attention.block_attention`,
+  :class:`~dflash_mlx.caches.ContextWindowCache`);
 - DFlash2: a grouped dynamic causal convolution around attention and MLP
   (:class:`BlockConv`), scaled embeddings, scaled and soft-capped logits, and a
   candidate selector that walks one coherent path through each position's top-k
@@ -30,45 +31,9 @@ from mlx_lm.models.rope_utils import initialize_rope
 from .caches import ContextWindowCache
 from .drafter_config import DrafterArgs
 from .errors import ConfigError, InputError
+from .kernels.block_attention import block_attention
 from .protocol import Proposal
 from .sampling import Sampling
-
-
-def block_attention(queries: mx.array, ctx_keys: mx.array, ctx_values: mx.array, block_keys: mx.array,
-                    block_values: mx.array, *, scale: float, window: Optional[int] = None,
-                    causal: bool = False) -> mx.array:
-    """Attention of the B block queries over the context rows, then the block's own rows.
-
-    The one place the drafter attends at inference: a Metal kernel with this call shape
-    (``dflash_mlx.kernels.block_attention``) can replace these plain MLX ops here.
-
-    Args:
-        queries: [1, Hq, B, D], RoPE applied, at positions ``C..C+B-1`` relative to the
-            first context row (the context ends right before the block).
-        ctx_keys, ctx_values: [1, Hkv, C, D], context rows at positions ``0..C-1``.
-        block_keys, block_values: [1, Hkv, B, D], the block's rows (the queries' positions).
-        scale: score multiplier, ``head_dim ** -0.5``.
-        window: W of a sliding layer: a query at p sees keys at k with ``p - k < W``;
-            None: every key.
-        causal: in-block attention causal (a block query sees block keys up to its
-            own position) instead of bidirectional.
-
-    Returns:
-        [1, Hq, B, D]; query head h reads KV head ``h // (Hq // Hkv)``.
-    """
-    keys = mx.concatenate([ctx_keys, block_keys], axis=2)
-    values = mx.concatenate([ctx_values, block_values], axis=2)
-    mask = None
-    if window is not None or causal:
-        C, B = ctx_keys.shape[2], queries.shape[2]
-        q_pos = mx.arange(C, C + B)[:, None]
-        k_pos = mx.arange(C + B)[None, :]
-        mask = mx.ones((B, C + B), dtype=mx.bool_)
-        if window is not None:
-            mask = mask & (q_pos - k_pos < window)
-        if causal:
-            mask = mask & (k_pos <= q_pos)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
 class DrafterAttention(nn.Module):
@@ -119,6 +84,7 @@ class DrafterAttention(nn.Module):
         queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=start)
         block_keys, block_values = self._keys_values(x)
         ctx_keys, ctx_values = self.ingest(context, cache)
+        # The Metal kernel where it can run, else the plain-MLX reference (see kernels/).
         out = block_attention(queries, ctx_keys, ctx_values, self.rope(block_keys, offset=start), block_values,
                               scale=self.scale, window=self.window, causal=self.causal)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))

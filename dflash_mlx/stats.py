@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 PHASES = ("prefill", "draft", "verify", "host")
@@ -52,6 +53,10 @@ class GenerationStats:
             ``DFlash2DraftModel``); None without a drafter.
         acceptance_rule: ``greedy``, ``sample-and-match`` or ``speculative``
             (:mod:`dflash_mlx.acceptance`); None without a drafter.
+        block_attention: which path computed the drafter's block attention and why,
+            ``{"block_attention": "metal" | "reference", "reason": str}`` (from
+            :func:`dflash_mlx.kernels.block_attention.attention_path`); None without
+            a drafter.
     """
 
     block_size: int
@@ -70,6 +75,7 @@ class GenerationStats:
     reason: Optional[str] = None
     drafter_format: Optional[str] = None
     acceptance_rule: Optional[str] = None
+    block_attention: Optional[Dict[str, str]] = None
 
     def record_step(self, accepted: int, drafted: Optional[int] = None) -> None:
         """Count one verify step that accepted ``accepted`` of ``drafted`` drafts
@@ -146,6 +152,7 @@ class GenerationStats:
             "reason": self.reason,
             "drafter_format": self.drafter_format,
             "acceptance_rule": self.acceptance_rule,
+            "block_attention": self.block_attention,
             "tokens": self.generation_tokens,
             "tau": round(self.tau, 4),
             "steps": self.steps,
@@ -180,6 +187,9 @@ class GenerationStats:
             fmt = f" ({self.drafter_format}{rule})" if self.drafter_format else ""
             lines.append(f"Acceptance: {self.acceptance_line()} at block size {self.block_size}{fmt}")
             lines.append("Histogram: " + format_histogram(self.histogram))
+        if self.block_attention:
+            path = self.block_attention
+            lines.append(f"Block attention: {path['block_attention']} ({path['reason']})")
         if self.model_bytes:
             lines.append(f"Bandwidth: {self.bandwidth_gbps:.2f} GB/s")
         ms = self.timings_ms()
@@ -208,3 +218,24 @@ def format_histogram(histogram: Dict[int, int]) -> str:
 def weight_bytes(*modules) -> int:
     """Bytes of the modules' parameters (quantized weights counted as stored)."""
     return sum(v.nbytes for m in modules if m is not None for _, v in tree_flatten(m.parameters()))
+
+
+def teacher_forced(right: np.ndarray) -> dict:
+    """Acceptance implied by held-out drafts under teacher forcing (training evaluation).
+
+    Args:
+        right: [N, B-1] bool, block n's draft at position k (1..B-1) equals the
+            true token.
+
+    Returns:
+        ``{"accuracy": [B-1] share right per position, "acceptance": [B-1] share of
+        blocks whose drafts 1..k are all right (position k accepted), "tau": 1 +
+        mean number of leading right drafts (the acceptance length), "blocks": N}``.
+    """
+    n = right.shape[0]
+    if n == 0:
+        width = right.shape[1] if right.ndim == 2 else 0
+        return {"accuracy": [0.0] * width, "acceptance": [0.0] * width, "tau": 1.0, "blocks": 0}
+    leading = np.cumprod(right, axis=1)
+    return {"accuracy": right.mean(0).round(4).tolist(), "acceptance": leading.mean(0).round(4).tolist(),
+            "tau": round(1 + leading.sum() / n, 4), "blocks": n}

@@ -1,5 +1,6 @@
 """GenerationStats: tau, acceptance rate, histogram, rates, bandwidth and the printed lines."""
 
+import numpy as np
 import pytest
 
 from dflash_mlx import GenerationStats
@@ -83,3 +84,14 @@ def test_add_and_pooled_accumulate_generations_of_different_block_sizes():
         assert (s.prompt_tokens, s.generation_tokens) == (7, 16)
         assert s.prompt_s == pytest.approx(0.6) and s.generation_s == pytest.approx(1.5)
         assert s.phase_s["verify"] == pytest.approx(0.5) and s.peak_memory_gb == 1.0
+
+
+def test_teacher_forced_acceptance():
+    from dflash_mlx.stats import teacher_forced
+
+    right = np.array([[1, 1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 1]], dtype=bool)
+    out = teacher_forced(right)
+    assert out["accuracy"] == [0.75, 0.75, 0.75]
+    assert out["acceptance"] == [0.75, 0.5, 0.25]  # drafts 1..k all right
+    assert out["tau"] == pytest.approx(1 + (2 + 1 + 0 + 3) / 4) and out["blocks"] == 4
+    assert teacher_forced(np.zeros((0, 3), dtype=bool))["tau"] == 1.0

@@ -31,6 +31,7 @@ from ..drafter import DFlashDrafter
 from ..drafter_config import DrafterArgs, default_target_layer_ids
 from ..errors import InputError, MismatchError
 from ..loading import bind_drafter
+from ..stats import teacher_forced
 from ..targets import TargetAdapter
 from .blocks import block_mask, default_gamma, position_weights, sample_anchors, valid_anchors
 from .data import TrainSequence
@@ -198,14 +199,14 @@ def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask,
 
 def evaluate(drafter: DFlashDrafter, target: TargetAdapter, sequences: List[TrainSequence],
              block_size: int, max_anchors: int = 256, seed: int = 0) -> dict:
-    """Per-position accuracy and the acceptance length it implies, on held-out data.
+    """Per-position accuracy and acceptance, and the acceptance length they imply,
+    on held-out data (:func:`dflash_mlx.stats.teacher_forced`).
 
     Returns:
-        ``{"accuracy": [B-1] floats (row k right), "tau": 1 + mean leading-correct
-        rows per block (the acceptance length under teacher forcing), "blocks": N}``.
+        ``{"accuracy": [B-1], "acceptance": [B-1], "tau": float, "blocks": N}``.
     """
     dtype = drafter.fc.weight.dtype
-    correct, leading, n = np.zeros(block_size - 1), 0.0, 0
+    rows = [np.zeros((0, block_size - 1), dtype=bool)]
     for i, seq in enumerate(sequences):
         rng = np.random.default_rng([seed, 7919, i])
         anchors = sample_anchors(rng, seq.tokens.size, seq.response_start, block_size, max_anchors)
@@ -213,13 +214,8 @@ def evaluate(drafter: DFlashDrafter, target: TargetAdapter, sequences: List[Trai
             continue
         feats = target_features(target, seq.tokens, drafter.target_layer_ids, dtype)
         blocks, targets, anchors_mx, mask = make_batch(seq, block_size, drafter.args.mask_token_id, anchors)
-        right = np.array(mx.argmax(drafter.block_logits(blocks, feats, anchors_mx, mask), axis=-1) == targets)
-        correct += right.sum(0)
-        leading += np.cumprod(right, axis=1).sum()
-        n += anchors.size
-    if n == 0:
-        return {"accuracy": [0.0] * (block_size - 1), "tau": 1.0, "blocks": 0}
-    return {"accuracy": (correct / n).round(4).tolist(), "tau": round(1 + leading / n, 4), "blocks": n}
+        rows.append(np.array(mx.argmax(drafter.block_logits(blocks, feats, anchors_mx, mask), axis=-1) == targets))
+    return teacher_forced(np.concatenate(rows))
 
 
 def learning_rate(config: TrainConfig) -> Callable:
