@@ -64,8 +64,8 @@ def run(target, drafter, last: int, cache, rows: int, max_tokens: int, block_siz
     decode_s = last_time - first[0]
     return {
         "tokens": tokens, "decode_tps": (len(tokens) - first[1]) / decode_s if decode_s > 0 else None,
-        "tau": stats.tau if stats.steps else None, "steps": stats.steps,
-        "draft_ms": 1e3 * stats.phase_s["draft"] / stats.steps if stats.steps else None,
+        "tau": stats.tau if drafter is not None else None, "steps": stats.steps,
+        "draft_ms": 1e3 * stats.phase_s["draft"] / stats.steps if drafter is not None else None,
         "verify_ms": 1e3 * stats.phase_s["verify"] / stats.steps if stats.steps else None,
     }
 
@@ -79,12 +79,16 @@ def main() -> int:
     p.add_argument("--drafter-layers", type=int, default=5)
     p.add_argument("--window", default="64,1024", help="SINK,WINDOW")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--draft-only", action="store_true",
+                   help="time the drafter alone (random context features, no target forward)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     sink, size = (int(v) for v in args.window.split(","))
     B = args.block_size
 
     _, target, drafter = random_pair(args.drafter_layers, B)
+    if args.draft_only:
+        return draft_only(drafter, args, (sink, size))
     rows_out = []
     for P in args.prompt_tokens:
         mx.random.seed(P)
@@ -146,6 +150,53 @@ def main() -> int:
         plot(rows_out, out / "draft_window.png", sink, size)
         print(f"wrote {out}/results.json, {out}/draft_window.png", file=sys.stderr)
     return 0 if all(r["outputs_identical"] for r in rows_out) else 2
+
+
+def draft_cost(drafter, context: int, window, block_size: int, drafts: int = 5) -> dict:
+    """Median ms of one draft (one new context row) after ``context`` rows of random
+    features, and the ms to ingest those rows; the drafter's cost does not depend on
+    the feature values."""
+    drafter.set_draft_window(window)
+    cache = drafter.make_cache()
+    F = len(drafter.target_layer_ids) * drafter.args.hidden_size
+    features = mx.random.normal((1, context, F))
+    mx.eval(features)
+    tic = time.perf_counter()
+    drafter.ingest(features, cache)
+    mx.eval([c.state for c in cache])
+    ingest_ms = 1e3 * (time.perf_counter() - tic)
+    times = []
+    for _ in range(drafts + 1):  # the first one is a warm-up
+        row = mx.random.normal((1, 1, F))
+        mx.eval(row)
+        tic = time.perf_counter()
+        mx.eval(drafter.draft(mx.array([1], dtype=mx.int32), row, cache, block_size))
+        times.append(1e3 * (time.perf_counter() - tic))
+    return {"draft_ms": statistics.median(times[1:]), "ingest_ms": ingest_ms,
+            "visible_rows": cache[0].fetch()[0].shape[2] if window else cache[0].offset}
+
+
+def draft_only(drafter, args, window) -> int:
+    """``--draft-only``: the drafting-cost curve, context by context, window off and on."""
+    rows = []
+    for P in args.prompt_tokens:
+        for name, w in (("dflash", None), (f"dflash window {window[0]},{window[1]}", window)):
+            r = draft_cost(drafter, P, w, args.block_size)
+            rows.append({"prompt_tokens": P, "engine": name, **r})
+            print(f"P={P} {name}: {r}", file=sys.stderr, flush=True)
+            mx.clear_cache()
+    print("\n| context rows | engine | rows the drafter attends | draft ms (median of 5) | ingest ms |")
+    print("|---:|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['prompt_tokens']} | {r['engine']} | {r['visible_rows']} | {r['draft_ms']:.1f} | {r['ingest_ms']:.0f} |")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        report = {"command": ["python", *sys.argv], "config": vars(args), "machine": platform.platform(),
+                  "drafter": f"random {args.drafter_layers}-layer DFlash drafter, width 1024", "rows": rows}
+        (out / "draft_only.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot(rows, out / "draft_only.png", *window)
+    return 0
 
 
 def plot(rows, path: Path, sink: int, size: int) -> Path:
