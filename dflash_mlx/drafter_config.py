@@ -115,6 +115,8 @@ class DrafterArgs:
             ConfigError: a required key is missing or a value does not fit; the
                 message names ``source`` and the key.
         """
+        if not isinstance(config, dict):
+            raise ConfigError(f"{source}: expected a JSON object, found {type(config).__name__}")
         fmt = detect_format(config, source)
         dflash = config.get("dflash_config") or {}
         if not isinstance(dflash, dict):
@@ -135,6 +137,7 @@ class DrafterArgs:
         hidden = _int(need("hidden_size"), "hidden_size", source)
         n_layers = _int(need("num_hidden_layers"), "num_hidden_layers", source)
         n_target = config.get("num_target_layers")
+        n_target = None if n_target is None else _int(n_target, "num_target_layers", source)
         layer_ids = drafter_key("target_layer_ids")
         if layer_ids is None:
             if n_target is None:
@@ -142,7 +145,7 @@ class DrafterArgs:
                     f"{source}: missing key '{where}target_layer_ids' "
                     "(and no 'num_target_layers' to derive it)"
                 )
-            layer_ids = default_target_layer_ids(int(n_target), n_layers)
+            layer_ids = default_target_layer_ids(n_target, n_layers)
         if not isinstance(layer_ids, list):
             raise ConfigError(f"{source}: '{where}target_layer_ids' must be a list, got {layer_ids!r}")
         mask_id = drafter_key("mask_token_id")
@@ -175,11 +178,12 @@ class DrafterArgs:
             target_layer_ids=[_int(i, f"{where}target_layer_ids", source) for i in layer_ids],
             mask_token_id=_int(mask_id, f"{where}mask_token_id", source),
             block_size=_int(drafter_key("block_size", config.get("block_size", 16)), "block_size", source),
-            num_target_layers=None if n_target is None else _int(n_target, "num_target_layers", source),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
+            num_target_layers=n_target,
+            rms_norm_eps=_number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
+            rope_theta=_number(rope_theta, "rope_theta", source),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(config.get("max_position_embeddings") or 40960),
+            max_position_embeddings=_int(config.get("max_position_embeddings") or 40960, "max_position_embeddings",
+                                         source),
             architecture=fmt.architecture,
             layer_types=config.get("layer_types") or None,
             sliding_window=None if window is None else _int(window, "sliding_window", source),
@@ -347,5 +351,5 @@ def _int(value: Any, key: str, source: str) -> int:
 def _number(value: Any, key: str, source: str) -> float:
     """A finite number, else ConfigError naming the key."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{source}: '{key}' must be a finite number, got {value!r}")
+        raise ConfigError(f"{source}: '{key}' must be a number, got {value!r} (finite)")
     return float(value)

@@ -5,15 +5,26 @@ min-p, then top-k) and draws from ``softmax(filtered / temp)``. Speculative samp
 needs those probabilities themselves (the target's p and the drafter's q, DFLASH_SPEC.md
 section 9), so :meth:`Sampling.log_probs` applies the same mlx-lm filters in the same
 order; :class:`Sampling` is also a sampler, so it can go wherever mlx-lm's does.
+
+One rule is added for top-k: k at or above the vocabulary size keeps every token, so
+it means "no top-k" (mlx-lm refuses such a k).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+def effective_top_k(top_k: int, vocab_size: Optional[int]) -> int:
+    """``top_k``, or 0 (off) when it is at least ``vocab_size`` (nothing to cut)."""
+    return 0 if vocab_size is not None and top_k >= vocab_size else top_k
 
 
 @dataclass(frozen=True)
@@ -27,18 +38,20 @@ class Sampling:
         temp: temperature; 0 is greedy (argmax).
         top_p: nucleus mass in (0, 1]; 1 is off.
         min_p: min-p threshold in [0, 1]; 0 is off.
-        top_k: keep the k most likely tokens; 0 is off.
+        top_k: keep the k most likely tokens; 0, or ``vocab_size`` and above, is off.
+        vocab_size: the target's vocabulary size V (None: unknown).
     """
 
     temp: float = 0.0
     top_p: float = 1.0
     min_p: float = 0.0
     top_k: int = 0
-    _sampler: Callable[[mx.array], mx.array] = field(init=False, repr=False, compare=False)
+    vocab_size: Optional[int] = None
+    _sampler: Sampler = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "_sampler", make_sampler(self.temp, self.top_p, self.min_p, 1,
-                                                          top_k=self.top_k))
+        top_k = effective_top_k(self.top_k, self.vocab_size)
+        object.__setattr__(self, "_sampler", mlx_lm_make_sampler(self.temp, self.top_p, self.min_p, 1, top_k=top_k))
 
     @property
     def greedy(self) -> bool:
@@ -57,7 +70,7 @@ class Sampling:
         Returns:
             [..., N] float32 ``log softmax(filter(log_softmax(logits)) / temp)``, -inf
             where a filter removed an outcome. top-k is applied only when k < N
-            (mlx-lm rejects k >= N; keeping all N is what it means).
+            (keeping all N is what a larger k means).
 
         Raises:
             ValueError: at temperature 0 (greedy has no distribution to shape).
@@ -79,3 +92,16 @@ class Sampling:
         """``exp`` of :meth:`log_probs`: [..., N] float32, rows summing to 1."""
         return mx.exp(self.log_probs(logits))
 
+
+def make_sampler(temp: float = 0.0, top_p: float = 1.0, min_p: float = 0.0, top_k: int = 0,
+                 vocab_size: Optional[int] = None) -> Sampling:
+    """mlx-lm's ``make_sampler(temp, top_p, min_p, 1, top_k=...)`` over [N, V] log-probabilities,
+    as a :class:`Sampling` (so speculative sampling can form p and q from it).
+
+    Args:
+        temp: temperature; 0 is greedy.
+        top_p, min_p: nucleus mass and min-p threshold (1.0 and 0.0 are off).
+        top_k: the k most likely tokens; 0, or ``vocab_size`` and above, is off.
+        vocab_size: the target's vocabulary size V (the logits' last dimension).
+    """
+    return Sampling(temp, top_p, min_p, top_k, vocab_size)

@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from .errors import DFlashError
 from .prompt_cache import PairCache
-from .sampling import Sampling
+from .sampling import make_sampler
 from .server_api import usage
 from .server_metrics import ServerMetrics
 
@@ -185,7 +185,8 @@ class Engine:
         spec = job.spec
         if spec.seed is not None:
             mx.random.seed(spec.seed)
-        sampler = Sampling(spec.temperature, spec.top_p, spec.min_p, spec.top_k)  # mlx-lm's sampler + its p
+        sampler = make_sampler(spec.temperature, spec.top_p, spec.min_p, spec.top_k,
+                               self.pair_cache.target.vocab_size)  # a Sampling: mlx-lm's sampler and its p
         steps = self.pair_cache.stream(spec.ids, sampler=sampler, max_tokens=spec.max_tokens,
                                        block_size=self.block_size, stop_strings=spec.stop)
         stats, outcome = None, "cancelled"
