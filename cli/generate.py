@@ -13,11 +13,13 @@ from .common import (
     block_size_option, draft_model_option, min_p_option, model_option, seed_option, system_prompt_option, temp_option,
     top_k_option, top_p_option,
 )
+from .common import verify_option
 
 
 def generate(
     model: Optional[str] = model_option(),
     draft_model: Optional[str] = draft_model_option(),
+    verify: bool = verify_option(),
     prompt: Optional[str] = typer.Option(
         None, "--prompt", "-p", help="Prompt text; '-' reads stdin. Piped stdin is read when omitted."
     ),
@@ -50,7 +52,7 @@ def generate(
     guard(lambda: _run(**args))
 
 
-def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
+def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
          system_prompt, chat_template_config, ignore_chat_template, verbose, as_json) -> None:
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
@@ -61,7 +63,7 @@ def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed
     text = read_prompt(prompt)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
-    model, draft_model = resolve_models(model, draft_model)
+    model, draft_model = resolve_models(model, draft_model, verify)
     if block_size is not None and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
     if draft_model is not None:
