@@ -181,16 +181,16 @@ def check_options(quantize: bool, q_bits: Optional[int], q_group_size: Optional[
             raise InputError("--q-mode needs -q/--quantize (the target is kept unquantized without it)")
 
 
-def check_out(out: Path, force: bool) -> None:
+def check_out(out: Path, force: bool, flag: str = "--out") -> None:
     """Refuse an existing output folder unless ``force``; refuse a file always.
 
     Raises:
-        InputError: naming ``--out``.
+        InputError: naming ``flag`` and the path.
     """
     if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file; give a folder path")
+        raise InputError(f"{flag} {out} is a file; give a folder path")
     if out.exists() and not force:
-        raise InputError(f"--out {out} already exists; pass --force to replace it")
+        raise InputError(f"{flag} {out} already exists; pass --force to replace it")
 
 
 def check_not_inside(out: Path, *sources: Path) -> None:
@@ -258,14 +258,14 @@ def load_source_target(path: Path) -> Tuple[nn.Module, object, TargetAdapter]:
 
 
 @contextmanager
-def staging(out: Path, force: bool = False) -> Iterator[Path]:
+def staging(out: Path, force: bool = False, flag: str = "--out") -> Iterator[Path]:
     """A temporary folder beside ``out`` that replaces it when the block succeeds.
 
     On any exception, Ctrl-C included, the temporary folder (and any parent folder
     this created) is removed and ``out`` is left as it was.
 
     Raises:
-        InputError: ``out`` appeared meanwhile and ``force`` is off.
+        InputError: ``out`` appeared meanwhile and ``force`` is off (names ``flag``).
     """
     created = next((p for p in reversed([out.parent, *out.parent.parents]) if not p.exists()), None)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -275,7 +275,7 @@ def staging(out: Path, force: bool = False) -> Iterator[Path]:
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output should not be
         yield tmp
-        _replace(tmp, out, force)
+        _replace(tmp, out, force, flag)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if created is not None:
@@ -283,12 +283,12 @@ def staging(out: Path, force: bool = False) -> Iterator[Path]:
         raise
 
 
-def _replace(tmp: Path, out: Path, force: bool) -> None:
+def _replace(tmp: Path, out: Path, force: bool, flag: str) -> None:
     """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and deleted last."""
     if not out.exists():
         tmp.rename(out)
         return
-    check_out(out, force)
+    check_out(out, force, flag)
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     out.rename(old)
     try:
