@@ -17,6 +17,7 @@ from mlx_lm.models.qwen3 import MLP  # the same SwiGLU MLP and keys as the check
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .drafter_config import DrafterArgs
+from .kernels.block_attention import block_attention
 
 
 class DrafterAttention(nn.Module):
@@ -68,11 +69,8 @@ class DrafterAttention(nn.Module):
         ctx_keys, ctx_values = cache.update_and_fetch(
             self.rope(keys[:, :, :S], offset=offset), values[:, :, :S]
         )
-        keys = mx.concatenate([ctx_keys, block_keys], axis=2)
-        values = mx.concatenate([ctx_values, values[:, :, S:]], axis=2)
-        out = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=self.scale, mask=None
-        )
+        # The Metal kernel where it can run, else the plain-MLX reference (see kernels/).
+        out = block_attention(queries, ctx_keys, ctx_values, block_keys, values[:, :, S:], scale=self.scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
 
     def blocks(self, x: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:

@@ -18,6 +18,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .errors import InputError
+from .kernels.block_attention import attention_path
 from .protocol import Drafter
 from .stats import GenerationStats, weight_bytes
 from .stopping import StopCondition, held_back, text_before_stop
@@ -228,6 +229,7 @@ def _plain_steps(target, cache, y, tokens, finish, sampler, stop, stats, committ
                 next_y = step(y)
                 mx.async_eval(next_y)
             tokens, finish = stop.cut(y.tolist())
+        stats.record_step(0, drafted=0)
         if finish is not None:
             _finish(target, cache, committed + stop.emitted - 1)
         yield StepResult(tokens, None, finish)
@@ -331,6 +333,8 @@ def stream_generate(
                 end = len(text) if cut is None else shown + cut
             segment, shown = text[shown:max(end, shown)], max(end, shown)
             stats.update_memory()
+            if drafter is not None:
+                stats.block_attention = attention_path()
             yield GenerationResponse(segment, step.tokens, step.accepted, step.finish_reason, stats)
 
 

@@ -49,6 +49,10 @@ class GenerationStats:
             :attr:`bandwidth_gbps`; 0 when unknown.
         speculative: whether speculative decoding ran.
         reason: why it did not (None when it ran), e.g. "no drafter was given".
+        block_attention: which path computed the drafter's block attention and why,
+            ``{"block_attention": "metal" | "reference", "reason": str}`` (from
+            :func:`dflash_mlx.kernels.block_attention.attention_path`); None without
+            a drafter.
     """
 
     block_size: int
@@ -65,6 +69,7 @@ class GenerationStats:
     model_bytes: int = 0
     speculative: bool = True
     reason: Optional[str] = None
+    block_attention: Optional[Dict[str, str]] = None
 
     def record_step(self, accepted: int, drafted: Optional[int] = None) -> None:
         """Count one verify step that accepted ``accepted`` of ``drafted`` drafts
@@ -137,6 +142,7 @@ class GenerationStats:
         return {
             "speculative": self.speculative,
             "reason": self.reason,
+            "block_attention": self.block_attention,
             "tokens": self.generation_tokens,
             "tau": round(self.tau, 4),
             "steps": self.steps,
@@ -169,6 +175,9 @@ class GenerationStats:
         elif self.block_size > 1:
             lines.append(f"Acceptance: {self.acceptance_line()} at block size {self.block_size}")
             lines.append("Histogram: " + format_histogram(self.histogram))
+        if self.block_attention:
+            path = self.block_attention
+            lines.append(f"Block attention: {path['block_attention']} ({path['reason']})")
         if self.model_bytes:
             lines.append(f"Bandwidth: {self.bandwidth_gbps:.2f} GB/s")
         ms = self.timings_ms()

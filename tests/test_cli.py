@@ -57,8 +57,18 @@ def test_drafter_json_output(stories, random_drafter):
     assert set(out["timings_ms"]) == {"prefill", "draft", "verify", "host"}
     for key in ("tau", "prompt_tokens", "prompt_tps", "generation_tps", "peak_memory"):
         assert key in out
+    assert out["speculative"] is True and out["reason"] is None
+    # Which block-attention path the drafter used, and why (no Metal here: the reference).
+    import mlx.core as mx
+
+    if not mx.metal.is_available():
+        assert out["block_attention"] == {"block_attention": "reference",
+                                          "reason": "Metal is not available (CPU backend)"}
     plain = dflash("--model", str(stories), "-p", "Once upon a time", "-m", "50", "--json", "--quiet")
-    assert json.loads(plain.stdout)["text"] == out["text"]
+    plain_out = json.loads(plain.stdout)
+    assert plain_out["text"] == out["text"]
+    assert plain_out["speculative"] is False and "no drafter" in plain_out["reason"]
+    assert plain_out["block_attention"] is None
 
 
 @needs_shared

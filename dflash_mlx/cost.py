@@ -1,0 +1,211 @@
+"""A cost model, measured on this machine, that picks the verify width (issue 14).
+
+For each verify width n (tokens fed to one target forward: the last committed token
+and n - 1 drafts; n = 1 is plain decoding) it estimates
+
+    rate(n) = expected committed tokens per step / seconds per step
+
+and the engine verifies at the width with the highest rate. Plain decoding is always
+a candidate, so speculation is used only when it pays.
+
+- **Seconds**: a target forward of n tokens, timed at start-up for a grid of widths
+  and refreshed from every step (exponential moving average); the drafter pass, timed
+  the same way, is added for n > 1. When the context grows, a refreshed width scales
+  the widths not used lately by the same factor.
+- **Committed tokens**: every drafted block is later compared with the tokens the
+  target committed at those positions, however many of them were verified, so the
+  acceptance of every width up to the block size is observed from each drafted
+  block ("shadow" acceptance). At temperature 0 this equals the acceptance the wider
+  verify would have had; with sample-and-match it has the same distribution, since
+  every committed token is a target sample given the accepted prefix. The estimate
+  is the survival function S(i) = P(drafts 1..i all right), exponentially weighted,
+  and E[tokens | n] = 1 + sum_{i < n} S(i).
+- **Plain decoding** observes no drafts, so while it is chosen the drafter is run
+  now and then (a probe: its drafts are compared with the plain tokens that follow);
+  when the estimate says speculation pays again, the engine goes back to it.
+- **Trees** (DDTree, spec section 7): a tree's expected tokens are the drafter's path
+  probabilities, calibrated per depth against the chain's observed acceptance, and
+  corrected by the tree's own observed acceptance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+@dataclass
+class Ema:
+    """An exponentially weighted mean; ``value`` is None until the first update."""
+
+    decay: float = 0.1
+    value: Optional[float] = None
+
+    def update(self, x: float) -> float:
+        self.value = x if self.value is None else (1 - self.decay) * self.value + self.decay * x
+        return self.value
+
+
+@dataclass
+class Pending:
+    """A drafted block waiting for the target's tokens at its positions."""
+
+    start: int  # absolute position of the first draft
+    drafts: List[int]
+
+
+@dataclass
+class CostModel:
+    """Chooses the verify width that maximises expected committed tokens per second.
+
+    Args:
+        block_size: B, the drafter's block (widths 1..B).
+        decay: weight of the newest observation in every moving average.
+        probe_every: plain steps between drafter probes while plain decoding wins.
+
+    Attributes:
+        verify_s: ``{n: Ema of seconds}`` for a target forward of n tokens.
+        draft_s: Ema of the seconds of one drafter pass.
+        survival_num, survival_den: weighted counts behind S(i), i = 1..B-1.
+    """
+
+    block_size: int
+    decay: float = 0.1
+    probe_every: int = 16
+    verify_s: Dict[int, Ema] = field(default_factory=dict)
+    draft_s: Ema = field(default_factory=Ema)
+    survival_num: List[float] = field(default_factory=list)
+    survival_den: float = 0.0
+    pending: List[Pending] = field(default_factory=list)
+    since_probe: int = 0
+    tree_correction: Dict[int, Ema] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.survival_num = [0.0] * (self.block_size - 1)
+        self.draft_s.decay = self.decay
+
+    # -- timing -------------------------------------------------------------------
+
+    def record_verify(self, width: int, seconds: float) -> None:
+        """One target forward of ``width`` tokens took ``seconds``."""
+        ema = self.verify_s.setdefault(width, Ema(self.decay))
+        old = ema.value
+        ema.update(seconds)
+        if old:  # context growth: scale the widths not refreshed by the same factor
+            factor = ema.value / old
+            for n, other in self.verify_s.items():
+                if n != width and other.value is not None:
+                    other.value *= factor ** self.decay
+
+    def record_draft(self, seconds: float) -> None:
+        self.draft_s.update(seconds)
+
+    def verify_seconds(self, width: int) -> Optional[float]:
+        """Seconds of a forward of ``width`` tokens: piecewise linear between timed
+        widths, extended linearly past the ends (None before any timing)."""
+        known = sorted((n, e.value) for n, e in self.verify_s.items() if e.value is not None)
+        if len(known) < 2:
+            return known[0][1] if known else None
+        for (n0, t0), (n1, t1) in zip(known, known[1:]):
+            if width <= n1 or n1 == known[-1][0]:
+                return max(0.0, t0 + (t1 - t0) * (width - n0) / (n1 - n0))
+        return None  # unreachable
+
+    # -- acceptance -----------------------------------------------------------------
+
+    def record_drafts(self, start: int, drafts: Sequence[int]) -> None:
+        """A drafter pass proposed ``drafts`` for positions ``start, start+1, ...``."""
+        self.pending.append(Pending(start, list(drafts)))
+
+    def record_committed(self, committed: Sequence[int], offset: int) -> None:
+        """Tokens committed so far: ``committed[i]`` sits at position ``offset + i``.
+        Resolves every pending block whose outcome is now known."""
+        still = []
+        end = offset + len(committed)
+        for p in self.pending:
+            right, known = 0, True
+            for k, d in enumerate(p.drafts):
+                if p.start + k >= end:  # not committed yet: wait
+                    known = False
+                    break
+                if committed[p.start + k - offset] != d:  # first wrong draft: resolved
+                    break
+                right += 1
+            if known:
+                self._observe(right)
+            else:
+                still.append(p)
+        self.pending = still
+
+    def _observe(self, right: int) -> None:
+        """One block whose first ``right`` drafts were right."""
+        keep = 1 - self.decay
+        self.survival_den = keep * self.survival_den + 1
+        for i in range(len(self.survival_num)):
+            hit = 1.0 if i < right else 0.0
+            self.survival_num[i] = keep * self.survival_num[i] + hit
+
+    def survival(self) -> List[float]:
+        """S(i) for i = 1..B-1: the share of blocks whose drafts 1..i were all right
+        (an optimistic prior of one all-right block before any observation)."""
+        den = self.survival_den + 1
+        return [(n + 1) / den for n in self.survival_num]
+
+    def expected_tokens(self, width: int) -> float:
+        """E[tokens committed by one verify of ``width`` tokens] = 1 + sum_{i<width} S(i)."""
+        return 1.0 + sum(self.survival()[: width - 1])
+
+    # -- choosing -------------------------------------------------------------------
+
+    def rate(self, width: int) -> Optional[float]:
+        """Expected committed tokens per second at ``width`` (None before timings)."""
+        t = self.verify_seconds(width)
+        if t is None:
+            return None
+        if width > 1:
+            if self.draft_s.value is None:
+                return None
+            t += self.draft_s.value
+        return self.expected_tokens(width) / t
+
+    def best_width(self, widths: Optional[Sequence[int]] = None) -> int:
+        """The width with the highest expected rate (1 when nothing is timed yet)."""
+        widths = widths or range(1, self.block_size + 1)
+        rates = [(r, n) for n in widths if (r := self.rate(n)) is not None]
+        return max(rates)[1] if rates else 1
+
+    def should_probe(self) -> bool:
+        """While plain decoding wins: True every ``probe_every`` plain steps."""
+        self.since_probe += 1
+        if self.since_probe >= self.probe_every:
+            self.since_probe = 0
+            return True
+        return False
+
+    # -- trees ----------------------------------------------------------------------
+
+    def tree_expected_tokens(self, budget: int, depth_probs: Sequence[Tuple[int, float]],
+                             chain_probs: Sequence[float]) -> float:
+        """Expected tokens committed by a tree verify.
+
+        Args:
+            budget: the tree's node count N.
+            depth_probs: per node, ``(depth, drafter path probability)``.
+            chain_probs: the drafter's top-1 path probability per depth 1..B-1 for
+                this block, to calibrate: depth i's probabilities are scaled by
+                S(i) / chain_probs[i-1], so the top-1 chain predicts what the chain
+                actually accepts.
+        """
+        surv = self.survival()
+        total = 1.0
+        for depth, p in depth_probs:
+            c = chain_probs[depth - 1]
+            scale = surv[depth - 1] / c if c > 0 else 0.0
+            total += min(1.0, p * scale)
+        correction = self.tree_correction.get(budget)
+        return total * (correction.value if correction and correction.value else 1.0)
+
+    def record_tree(self, budget: int, predicted: float, observed: float) -> None:
+        """A tree of ``budget`` nodes predicted ``predicted`` tokens and committed ``observed``."""
+        if predicted > 0:
+            self.tree_correction.setdefault(budget, Ema(self.decay)).update(observed / predicted)

@@ -1,0 +1,133 @@
+"""DDTree: a draft tree from one drafter pass, verified in one target pass (spec section 7).
+
+From the drafter's per-position log-probabilities, the N most likely prefixes (by the
+sum of their tokens' log-probabilities) are taken with a best-first heap: pop the best
+prefix, push its next sibling and its first child. The set is prefix-closed, so it is
+a tree, and the pop order lists every parent before its children.
+
+The verify input is ``[root] + nodes`` (the root is the last committed token) at
+positions ``start + depth``; each query sees the whole cached prefix and, inside the
+tree, only its ancestors and itself. Walking the tree from the root with the target's
+token at each node accepts the longest path the target agrees with; the target's token
+at the last node of that path is the bonus token.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass
+class DraftTree:
+    """A draft tree in verify order (the root first, parents before children).
+
+    Attributes:
+        tokens: [1 + N] token ids, the root (last committed token) first.
+        parents: [1 + N] index of each node's parent (-1 for the root).
+        depths: [1 + N] depth (0 for the root; a node at depth k drafts block position k).
+        scores: [1 + N] sum of the drafter's log-probabilities along the path (0 at the root).
+    """
+
+    tokens: List[int]
+    parents: List[int]
+    depths: List[int]
+    scores: List[float]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self) -> List[dict]:
+        """Per node, ``{child token: child index}``."""
+        out: List[dict] = [{} for _ in self.tokens]
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                out[p][self.tokens[i]] = i
+        return out
+
+    def ancestors(self) -> np.ndarray:
+        """[1+N, 1+N] bool, ``[i, j]`` True where node j is node i or one of its ancestors."""
+        n = len(self)
+        seen = np.zeros((n, n), dtype=bool)
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                seen[i] = seen[p]
+            seen[i, i] = True
+        return seen
+
+
+def build_tree(root: int, logprobs: np.ndarray, budget: int) -> DraftTree:
+    """The ``budget`` most likely draft prefixes under the drafter, as a tree.
+
+    Args:
+        root: the last committed token (the block's first token).
+        logprobs: [D, V] float log-probabilities of the drafter for block positions
+            1..D (row k-1 is position k, spec section 4).
+        budget: N, nodes besides the root (the tree budget), >= 1.
+
+    Returns:
+        A :class:`DraftTree` with ``1 + min(N, D*V)`` nodes.
+    """
+    D, V = logprobs.shape
+    k = min(budget, V)
+    order = np.argsort(-logprobs, axis=1, kind="stable")[:, :k]  # [D, k] best tokens first
+    best = np.take_along_axis(logprobs, order, axis=1).astype(np.float64)
+    tree = DraftTree([root], [-1], [0], [0.0])
+    # Heap entries: (-score, tiebreak, parent index, depth, rank among the parent's candidates).
+    heap: List[Tuple[float, int, int, int, int]] = [(-best[0, 0], 0, 0, 1, 0)]
+    pushed = 1
+    while heap and len(tree) < 1 + budget:
+        neg, _, parent, depth, rank = heapq.heappop(heap)
+        score = -neg
+        node = len(tree)
+        tree.tokens.append(int(order[depth - 1, rank]))
+        tree.parents.append(parent)
+        tree.depths.append(depth)
+        tree.scores.append(score)
+        if rank + 1 < k:  # next sibling: same parent, next candidate
+            sibling = tree.scores[parent] + best[depth - 1, rank + 1]
+            heapq.heappush(heap, (-sibling, pushed, parent, depth, rank + 1))
+            pushed += 1
+        if depth < D:  # first child: this node, best candidate of the next position
+            heapq.heappush(heap, (-(score + best[depth, 0]), pushed, node, depth + 1, 0))
+            pushed += 1
+    return tree
+
+
+def tree_mask(tree: DraftTree, prefix: int) -> mx.array:
+    """Attention mask of the tree verify: [1+N, prefix + 1+N] bool, True where a query
+    may look (every cached prefix row; inside the tree its ancestors and itself)."""
+    inside = tree.ancestors()
+    full = np.concatenate([np.ones((len(tree), prefix), dtype=bool), inside], axis=1)
+    return mx.array(full)
+
+
+def tree_positions(tree: DraftTree, start: int) -> mx.array:
+    """[1+N] int32 absolute positions: ``start + depth``."""
+    return mx.array([start + d for d in tree.depths], dtype=mx.int32)
+
+
+def walk(tree: DraftTree, targets: Sequence[int]) -> Tuple[List[int], List[int]]:
+    """Accept the longest path the target agrees with.
+
+    Args:
+        tree: the verified tree.
+        targets: [1+N] the target's token at each node (greedy or sampled; a node's
+            token is the target's choice for the position after it).
+
+    Returns:
+        ``(path, tokens)``: ``path`` the node indices kept, the root first (so the
+        rows to keep in the caches); ``tokens`` the committed tokens, the accepted
+        drafts followed by the target's token at the last node (``len(path)``).
+    """
+    children = tree.children()
+    node, path = 0, [0]
+    while targets[node] in children[node]:
+        node = children[node][targets[node]]
+        path.append(node)
+    tokens = [tree.tokens[i] for i in path[1:]] + [int(targets[node])]
+    return path, tokens
