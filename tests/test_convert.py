@@ -335,10 +335,10 @@ def converted(qwen3, tmp_path_factory):
     return out
 
 
-def run_cli(*args):
+def run_cli(*args, input=None):
     from dflash_mlx.cli.main import app
 
-    return CliRunner().invoke(app, list(args))
+    return CliRunner().invoke(app, list(args), input=input)
 
 
 def test_generate_finds_both_halves(converted):
@@ -370,6 +370,25 @@ def test_verify_needs_a_converted_folder(qwen3):
     target_src, _ = qwen3
     result = run_cli("generate", "--model", str(target_src), "-p", "Hello", "--verify")
     assert result.exit_code == 1 and "is not a folder written by dflash convert" in result.stderr
+
+
+def test_chat_finds_both_halves(converted):
+    result = run_cli("chat", "--model", str(converted), "-m", "6", input="Hello\n/stats\n")
+    assert result.exit_code == 0, result.output
+    assert "Acceptance: tau" in result.output, result.output  # the drafter ran
+
+
+def test_offline_repo_is_one_line(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", "convert", "--model", "Qwen/Qwen3-4B",
+                          "--draft-model", "z-lab/Qwen3-4B-DFlash-b16", "--out", str(out)],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert run.returncode == 1
+    error = run.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: target model 'Qwen/Qwen3-4B' is neither a local folder nor downloadable")
+    assert "pass a local folder instead" in error and "Traceback" not in run.stderr
+    nothing_left(out)
 
 
 def test_cli_convert_prints_the_table(qwen3, tmp_path):
