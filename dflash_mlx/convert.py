@@ -33,7 +33,6 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from .checkpoint import DRAFTER_FILES, load_drafter, read_config, save_drafter
 from .drafter import DFlashDrafter
-from .drafter_config import DrafterArgs
 from .errors import CheckpointError, ConfigError, InputError, ValidationError
 from .hub import resolve_model_path
 from .loading import QUANTIZED_DRAFTER_DTYPE, TARGET_FILES, check_pair
@@ -133,7 +132,7 @@ def convert(
         say("writing the drafter")
         drafter_entry = write_drafter(drafter, tmp / "drafter", draft_q_bits, draft_q_group_size, dtype)
         say("hashing the weight files")
-        manifest = make_manifest(model, draft_model, target_src, draft_src, draft_config,
+        manifest = make_manifest(model, draft_model, target_src, draft_src, draft_config, drafter.args,
                                  target_entry, drafter_entry, hash_weights(tmp))
         write_manifest(tmp, manifest)
         checks: List[Check] = []
@@ -441,13 +440,13 @@ def _source(name: str, path: Path) -> str:
 
 
 def make_manifest(model: str, draft_model: str, target_src: Path, draft_src: Path, draft_config: dict,
-                  target_entry: dict, drafter_entry: dict, files: dict) -> dict:
-    """The ``dflash.json`` contents (see :mod:`dflash_mlx.manifest`)."""
+                  args, target_entry: dict, drafter_entry: dict, files: dict) -> dict:
+    """The ``dflash.json`` contents (see :mod:`dflash_mlx.manifest`); ``args`` are the
+    loaded drafter's (block size, target_layer_ids, mask token)."""
     import mlx_lm
 
     from . import __version__
 
-    args = DrafterArgs.from_config(draft_config, source=str(draft_src / "config.json"))
     archs = draft_config.get("architectures") or ["DFlashDraftModel"]
     return {
         "dflash_convert": MANIFEST_VERSION,
