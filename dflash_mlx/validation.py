@@ -34,7 +34,7 @@ class Check:
     """One row of the validation table.
 
     Attributes:
-        name: what was checked ("vocabulary", "target greedy", ...).
+        name: what was checked ("vocabulary", "target vs unconverted", ...).
         result: the measured values, in words.
         ok: True passed, False failed, None measured only (expected to differ,
             e.g. a quantized target's greedy output).
@@ -91,7 +91,7 @@ def _agreement(got: List[int], want: List[int]) -> str:
     same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if same is None and len(got) == len(want):
         return f"{len(want)}/{len(want)} tokens equal"
-    return f"differ from token {same} ({sum(a == b for a, b in zip(got, want))}/{len(want)} equal)"
+    return f"{sum(a == b for a, b in zip(got, want))}/{len(want)} tokens equal, first differs at {same}"
 
 
 @dataclass
@@ -151,24 +151,23 @@ def validate(root: Path, source: SourceRun, draft_src: Path) -> List[Check]:
               target.num_layers == source.num_layers and max(args.target_layer_ids) < target.num_layers),
     ]
     own = greedy_tokens(target.model, prompt, n)
-    why = "" if float_path else (" (quantized target: may differ)" if quantized
-                                 else f" ({dtype_name(source.dtype)} -> {dtype_name(target.dtype)}: may differ)")
-    checks.append(Check("target greedy vs unconverted", _agreement(own, source.tokens) + why,
+    why = "" if float_path else ("; quantized, may differ" if quantized
+                                 else f"; {dtype_name(source.dtype)} -> {dtype_name(target.dtype)}, may differ")
+    checks.append(Check("target vs unconverted", _agreement(own, source.tokens) + why,
                         own == source.tokens if float_path else None))
     tokens, stats = dflash_tokens(target, pair.drafter, prompt, n)
     # Lossless is tested in the test suite; here a difference is reported, not fatal:
     # a B-row verify and a 1-row decode may round a near-tie differently (spec section 5).
-    checks.append(Check("DFlash greedy vs target greedy",
-                        f"{_agreement(tokens, own)}, tau {stats.tau:.2f} (block {stats.block_size})",
+    checks.append(Check("DFlash vs target",
+                        f"{_agreement(tokens, own)}; tau {stats.tau:.2f} at block {stats.block_size}",
                         True if tokens == own else None))
 
     converted = load_drafter(str(root / "drafter"))
     original = load_drafter(str(draft_src))
     exact = not is_quantized(converted) and float_dtype(converted) == float_dtype(original)
     diff, rel = logit_difference(drafter_logits(converted, target, prompt), drafter_logits(original, target, prompt))
-    what = f"{converted_bits(converted)} drafter"
-    checks.append(Check("drafter logits vs unconverted",
-                        f"max |diff| {diff:.3g} ({rel:.2%} of max |logit|), {what}, float32",
+    checks.append(Check("drafter logits",
+                        f"max |diff| {diff:.3g} = {rel:.2%} of max |logit| ({converted_bits(converted)}, float32)",
                         rel <= FLOAT_TOLERANCE if exact else None))
     return checks
 
