@@ -10,6 +10,7 @@ from .chat import chat  # noqa: E402
 from .generate import generate  # noqa: E402
 from .train import data, train  # noqa: E402
 from .bench import bench  # noqa: E402
+from .serve import serve  # noqa: E402
 from .convert import convert  # noqa: E402
 
 app = typer.Typer(
@@ -35,6 +36,7 @@ app.command()(chat)
 app.command()(data)
 app.command()(train)
 app.command(context_settings={"allow_extra_args": True})(bench)
+app.command()(serve)
 app.command()(convert)
 
 

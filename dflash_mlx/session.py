@@ -1,19 +1,12 @@
 """A multi-turn chat over one target/drafter pair that keeps both caches between turns.
 
-Token bookkeeping: ``session.tokens`` are the ids whose rows both caches hold (row i
-is token i, in the target cache and in the drafter's context cache). A turn renders
-the whole conversation (chat template, or plain concatenation for models without
-one), keeps the longest common prefix of ``tokens`` and the new prompt, trims both
-caches to it and prefills only the rest. So a new turn prefills its own tokens only,
-and a history the template renders differently (e.g. thinking stripped from earlier
-replies) is re-prefilled from the first differing token, never reused wrongly.
-
-After a turn, both caches hold every committed token but the last (the engine's rule,
-see :func:`dflash_mlx.generate.generate_step`); the next prompt always re-feeds it.
-When a turn is interrupted (``KeyboardInterrupt`` inside the generator, or the
-consumer closing it), both caches are trimmed back to the rows known to be complete:
-the common prefix if no step had been received, else the committed tokens received
-but the last. What is missing is prefilled next turn.
+Both caches and the ids their rows hold are a :class:`~dflash_mlx.prompt_cache.PairCache`
+(common-prefix reuse, exact trimming, rollback on interrupts; the server uses the same).
+A turn renders the whole conversation (chat template, or plain concatenation for models
+without one) and lets it reuse the longest common prefix. So a new turn prefills its own
+tokens only, and a history the template renders differently (e.g. thinking stripped from
+earlier replies) is re-prefilled from the first differing token, never reused wrongly.
+When a turn is interrupted, the partial reply is kept in the history.
 """
 
 from __future__ import annotations
@@ -24,13 +17,11 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
-from .caches import can_trim
-
-from .errors import InputError, RollbackError
-from .generate import check_block_size, stream_generate
+from .errors import InputError
+from .generate import check_block_size
 from .prompt import encode_messages
+from .prompt_cache import PairCache, common_prefix, trim_cache  # noqa: F401 (trim_cache: re-exported)
 from .stats import GenerationStats, format_histogram
 
 
@@ -84,15 +75,6 @@ class ChatEvent:
     stats: GenerationStats
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int], limit: Optional[int] = None) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
-    n = min(len(a), len(b), len(b) if limit is None else limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def plain_text(messages: Sequence[Dict[str, str]]) -> str:
     """The conversation for a model without a chat template: the turns' text
     concatenated. A reply continues its user turn directly; every other turn
@@ -104,34 +86,6 @@ def plain_text(messages: Sequence[Dict[str, str]]) -> str:
         else:
             out += "\n" + m["content"]
     return out
-
-
-def trim_cache(cache: List[Any], rows: int) -> bool:
-    """Trim every layer of ``cache`` to ``rows`` tokens, layer by layer (an interrupt
-    can leave them uneven), checking every trimmed count.
-
-    Returns:
-        False, with nothing trimmed, when some layer cannot drop its rows exactly
-        (a sliding window already moved past the rows it would need).
-
-    Raises:
-        RollbackError: a layer trimmed another count than asked (a cache bug).
-    """
-    if not all(can_trim(c, c.offset - rows) for c in cache):
-        return False
-    for i, c in enumerate(cache):
-        n = c.offset - rows
-        if n and c.trim(n) != n:
-            raise RollbackError(f"layer {i}: {type(c).__name__} did not trim {n} rows")
-        _heal(c)
-    return True
-
-
-def _heal(c: Any) -> None:
-    """An interrupt inside ``KVCache.update_and_fetch`` can leave keys and values
-    of different lengths; cut both to the offset so the next update reallocates."""
-    if isinstance(c, KVCache) and c.keys is not None and c.keys.shape[2] != c.values.shape[2]:
-        c.keys, c.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
 
 
 def _single_id(tokenizer: Any, name: str) -> Optional[int]:
@@ -233,6 +187,7 @@ class ChatSession:
 
     Attributes:
         messages: the conversation, ``{"role", "content"}`` dicts.
+        pair_cache: both caches and the ids they hold (:class:`PairCache`).
         tokens: ids both caches hold, one row each.
         cache, draft_cache: the target's and the drafter's caches.
         totals: counters over every turn (histogram sized for the trained block).
@@ -250,18 +205,16 @@ class ChatSession:
         max_context: Optional[int] | str = "auto",
         prefill_step_size: int = 2048,
     ):
-        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.pair_cache = PairCache(target, tokenizer, drafter)
+        self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.template_config = dict(template_config or {})
         self.use_template = use_template and bool(getattr(tokenizer, "has_chat_template", False))
         self.max_context = context_length(target.model) if max_context == "auto" else max_context
         self.prefill_step_size = prefill_step_size
-        self._fresh_caches()
-        self.tokens: List[int] = []
         self.messages: List[Dict[str, str]] = []
         self.totals = GenerationStats(block_size=drafter.block_size if drafter is not None else 1)
         self.turns = self.interrupted = self.reused_tokens = 0
-        self.last_reused = 0  # tokens of the last turn's prompt found in the cache
         self.reset()
 
     @classmethod
@@ -287,7 +240,7 @@ class ChatSession:
     def reset(self) -> None:
         """Clear the conversation (the system prompt stays) and trim both caches to 0."""
         self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        self._settle([], 0)
+        self.pair_cache.reset()
 
     def stream(
         self,
@@ -332,35 +285,28 @@ class ChatSession:
         return self._turn(user, ids, sampler, max_tokens, B)
 
     def _turn(self, user, ids, sampler, max_tokens, block_size) -> Generator[ChatEvent, None, None]:
-        self._settle(self.tokens, len(self.tokens))  # safety net after a double interrupt
-        reused = common_prefix(self.tokens, ids, len(ids) - 1)
-        self._settle(ids, reused)
-        self.last_reused = reused
         self.messages.append(user)
         context = () if self.use_template else ids  # plain: the reply continues the text
         decoder = ReplyDecoder(self.tokenizer, starts_thinking(self.tokenizer, ids), context)
+        steps = self.pair_cache.stream(ids, sampler=sampler, max_tokens=max_tokens, block_size=block_size,
+                                       prefill_step_size=self.prefill_step_size)
         reply: List[int] = []
-        known, stats, finished = reused, None, False
+        stats, finished = None, False
         try:
-            for r in stream_generate(
-                self.target, self.tokenizer, ids[reused:], self.drafter, sampler=sampler,
-                max_tokens=max_tokens, block_size=block_size, prompt_cache=self.cache,
-                draft_cache=self.draft_cache, prefill_step_size=self.prefill_step_size,
-            ):
+            for r in steps:
                 reply.extend(r.tokens)
-                known, stats = len(ids) + len(reply) - 1, r.stats
+                stats = r.stats
                 final = r.finish_reason is not None
                 yield ChatEvent(decoder.add(r.tokens, r.accepted, final), r.tokens, r.accepted,
                                 r.finish_reason, r.stats)
             finished = True
         finally:
-            # Rows below `known` were complete when the last step was received.
-            self._settle(ids + reply, known)
+            steps.close()  # settles both caches
             if reply or finished:
                 self.messages.append({"role": "assistant", "content": self.reply_text(ids, reply)})
             else:
                 self.messages.pop()
-            self._count(stats, reused, interrupted=not finished)
+            self._count(stats, self.pair_cache.last_reused, interrupted=not finished)
 
     def reply_text(self, ids: Sequence[int], reply: Sequence[int]) -> str:
         """A reply's text for the history: decoded on its own with a template, else as
@@ -373,32 +319,24 @@ class ChatSession:
 
     # -- caches ------------------------------------------------------------------
 
-    def _caches(self) -> List[List[Any]]:
-        return [self.cache] + ([self.draft_cache] if self.draft_cache is not None else [])
-
-    def _settle(self, ids: Sequence[int], rows: int) -> None:
-        """Trim both caches to the first ``rows`` of ``ids`` (fewer if a layer holds fewer)."""
-        keep = min([rows] + [c.offset for cache in self._caches() for c in cache])
-        if not all(trim_cache(cache, keep) for cache in self._caches()):
-            self._fresh_caches()  # cannot go back exactly: prefill everything again
-            keep = 0
-        self.tokens = list(ids[:keep])
-
-    def _fresh_caches(self) -> None:
-        B = self.drafter.block_size if self.drafter is not None else 1
-        self.cache = self.target.make_cache(B)
-        self.draft_cache = self.drafter.make_cache() if self.drafter is not None else None
+    # The pair and its caches live in the PairCache; these read and swap them there.
+    target = property(lambda self: self.pair_cache.target,
+                      lambda self, v: setattr(self.pair_cache, "target", v))
+    drafter = property(lambda self: self.pair_cache.drafter,
+                       lambda self, v: setattr(self.pair_cache, "drafter", v))
+    tokens = property(lambda self: self.pair_cache.tokens, doc="Ids both caches hold, one row each.")
+    cache = property(lambda self: self.pair_cache.cache, doc="The target's cache.")
+    draft_cache = property(lambda self: self.pair_cache.draft_cache, doc="The drafter's cache (None: plain).")
+    last_reused = property(lambda self: self.pair_cache.last_reused,
+                           doc="Tokens of the last turn's prompt found in the caches.")
 
     def offsets(self) -> Dict[str, List[int]]:
         """Per-layer cache offsets: ``{"target": [...], "drafter": [...]}``."""
-        out = {"target": [c.offset for c in self.cache]}
-        if self.draft_cache is not None:
-            out["drafter"] = [c.offset for c in self.draft_cache]
-        return out
+        return self.pair_cache.offsets()
 
     def is_consistent(self) -> bool:
         """Every layer of both caches holds exactly ``len(tokens)`` rows."""
-        return all(o == len(self.tokens) for v in self.offsets().values() for o in v)
+        return self.pair_cache.is_consistent()
 
     @property
     def context_left(self) -> Optional[int]:

@@ -1,0 +1,155 @@
+"""Both caches of a pair, kept between generations, and the token ids their rows hold.
+
+Used by the chat session (turn after turn) and the server (request after request).
+
+Token bookkeeping: ``tokens`` are the ids whose rows both caches hold (row i is token
+i, in the target cache and in the drafter's context cache). A generation keeps the
+longest common prefix of ``tokens`` and its prompt, trims both caches to it and
+prefills only the rest; a prompt that differs from the first differing token on is
+re-prefilled from there, never reused wrongly.
+
+After a generation both caches hold every committed token but the last (the engine's
+rule, see :func:`dflash_mlx.generate.generate_step`); the next prompt always re-feeds
+it. When a generation is interrupted (``KeyboardInterrupt`` inside the generator, or
+the consumer closing it), both caches are trimmed back to the rows known to be
+complete: the common prefix if no step had been received, else the committed tokens
+received but the last. What is missing is prefilled next time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Generator, List, Optional, Sequence
+
+from mlx_lm.models.cache import KVCache
+
+from .caches import can_trim
+from .errors import RollbackError
+from .generate import GenerationResponse, stream_generate
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: Optional[int] = None) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), len(b) if limit is None else limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def trim_cache(cache: List[Any], rows: int) -> bool:
+    """Trim every layer of ``cache`` to ``rows`` tokens, layer by layer (an interrupt
+    can leave them uneven), checking every trimmed count.
+
+    Returns:
+        False, with nothing trimmed, when some layer cannot drop its rows exactly
+        (a sliding window already moved past the rows it would need).
+
+    Raises:
+        RollbackError: a layer trimmed another count than asked (a cache bug).
+    """
+    if not all(can_trim(c, c.offset - rows) for c in cache):
+        return False
+    for i, c in enumerate(cache):
+        n = c.offset - rows
+        if n and c.trim(n) != n:
+            raise RollbackError(f"layer {i}: {type(c).__name__} did not trim {n} rows")
+        _heal(c)
+    return True
+
+
+def _heal(c: Any) -> None:
+    """An interrupt inside ``KVCache.update_and_fetch`` can leave keys and values
+    of different lengths; cut both to the offset so the next update reallocates."""
+    if isinstance(c, KVCache) and c.keys is not None and c.keys.shape[2] != c.values.shape[2]:
+        c.keys, c.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+
+
+class PairCache:
+    """The target's and the drafter's caches, reused across generations.
+
+    Args:
+        target: the target adapter.
+        tokenizer: mlx-lm ``TokenizerWrapper`` (for :func:`stream_generate`).
+        drafter: a bound drafter, or None for plain decoding (no drafter cache).
+
+    Attributes:
+        tokens: ids both caches hold, one row each.
+        cache, draft_cache: the target's and the drafter's caches (``draft_cache``
+            is None without a drafter).
+        last_reused: prompt tokens the last generation found in the caches.
+    """
+
+    def __init__(self, target: Any, tokenizer: Any, drafter: Optional[Any] = None):
+        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.tokens: List[int] = []
+        self.last_reused = 0
+        self._fresh_caches()
+
+    def reuse(self, ids: Sequence[int]) -> int:
+        """Keep the longest common prefix of ``tokens`` and ``ids`` (all but the
+        last prompt token, which is always fed), trimming both caches to it.
+
+        Returns:
+            Rows reused, 0..len(ids) - 1; fewer than the common prefix when a cache
+            could not trim exactly (then both start afresh).
+        """
+        self.settle(self.tokens, len(self.tokens))  # safety net after a double interrupt
+        self.settle(ids, common_prefix(self.tokens, ids, len(ids) - 1))
+        return len(self.tokens)
+
+    def settle(self, ids: Sequence[int], rows: int) -> None:
+        """Trim both caches to the first ``rows`` of ``ids`` (fewer if a layer holds fewer)."""
+        keep = min([rows] + [c.offset for cache in self._caches() for c in cache])
+        if not all(trim_cache(cache, keep) for cache in self._caches()):
+            self._fresh_caches()  # cannot go back exactly: prefill everything again
+            keep = 0
+        self.tokens = list(ids[:keep])
+
+    def reset(self) -> None:
+        """Trim both caches to 0 rows."""
+        self.settle([], 0)
+
+    def stream(self, ids: Sequence[int], **kwargs) -> Generator[GenerationResponse, None, None]:
+        """Generate from prompt ``ids``, prefilling only what the caches lack.
+
+        Args:
+            ids: the whole prompt's token ids (at least one).
+            kwargs: passed to :func:`dflash_mlx.generate.stream_generate` (sampler,
+                max_tokens, block_size, stop_strings, ...), except the caches.
+
+        Yields:
+            :class:`GenerationResponse`, as :func:`stream_generate`. ``last_reused``
+            is set once the generator starts. Whether it finishes, is closed or is
+            interrupted, both caches end up holding rows known to be complete.
+        """
+        ids = list(ids)
+        reused = self.last_reused = self.reuse(ids)
+        reply: List[int] = []
+        known = reused  # rows below `known` were complete when the last step was received
+        try:
+            for r in stream_generate(self.target, self.tokenizer, ids[reused:], self.drafter,
+                                     prompt_cache=self.cache, draft_cache=self.draft_cache, **kwargs):
+                reply.extend(r.tokens)
+                known = len(ids) + len(reply) - 1
+                yield r
+        finally:
+            self.settle(ids + reply, known)
+
+    def _caches(self) -> List[List[Any]]:
+        return [self.cache] + ([self.draft_cache] if self.draft_cache is not None else [])
+
+    def _fresh_caches(self) -> None:
+        B = self.drafter.block_size if self.drafter is not None else 1
+        self.cache = self.target.make_cache(B)
+        self.draft_cache = self.drafter.make_cache() if self.drafter is not None else None
+
+    def offsets(self) -> Dict[str, List[int]]:
+        """Per-layer cache offsets: ``{"target": [...], "drafter": [...]}``."""
+        out = {"target": [c.offset for c in self.cache]}
+        if self.draft_cache is not None:
+            out["drafter"] = [c.offset for c in self.draft_cache]
+        return out
+
+    def is_consistent(self) -> bool:
+        """Every layer of both caches holds exactly ``len(tokens)`` rows."""
+        return all(o == len(self.tokens) for v in self.offsets().values() for o in v)

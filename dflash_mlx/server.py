@@ -1,0 +1,414 @@
+"""``dflash serve``: an OpenAI-compatible HTTP server over one target/drafter pair.
+
+FastAPI validates requests (:mod:`dflash_mlx.server_api`), the :class:`Engine` runs
+them one at a time on its worker thread (:mod:`dflash_mlx.server_engine`), and
+``/metrics`` comes from :mod:`dflash_mlx.server_metrics`. Every error is OpenAI's JSON
+error object with a 4xx code (a 500 only for a bug, without the traceback); the
+traceback goes to the server's log.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streaming
+with server-sent events, or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import PurePath
+from typing import Any, AsyncIterator, Dict, List, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import DFlashError
+from .generate import check_block_size
+from .prompt import encode_messages
+from .server_api import (
+    ChatCompletionRequest, CompletionRequest, GenerationFields, chat_chunk, chat_completion, error_body,
+    text_completion, usage_chunk,
+)
+from .server_engine import Engine, GenerationJob, Job, QueueFullError
+from .server_metrics import ServerMetrics
+from .session import context_length
+
+log = logging.getLogger("dflash.serve")
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+NO_CONTEXT_LIMIT = 1 << 20  # most max_tokens when the model does not state its context
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+class APIError(Exception):
+    """An error the client gets as OpenAI's JSON error object.
+
+    Args:
+        status: HTTP status (4xx; 5xx for server faults).
+        message: one line naming the field at fault.
+        param: the request field, if one is at fault.
+        code: OpenAI's error code (e.g. ``context_length_exceeded``), if any.
+        type_: OpenAI's error type.
+    """
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 type_: str = "invalid_request_error", headers: Optional[Dict[str, str]] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status,
+                            headers=self.headers)
+
+
+@dataclass
+class ServerConfig:
+    """How ``dflash serve`` runs.
+
+    Attributes:
+        model_id: the name ``/v1/models`` lists; requests must name it (or its
+            folder's base name).
+        max_tokens: tokens per request when it does not say (``--max-tokens``).
+        block_size: B for every request (None: the drafter's trained size).
+        api_key: when set, every endpoint but ``/health`` needs
+            ``Authorization: Bearer <api_key>``.
+        max_queue: most requests waiting behind the running one; past it, 429.
+        max_body_bytes: largest request body; past it, 413.
+        template: default ``apply_chat_template`` keyword arguments; a request's
+            ``chat_template_kwargs`` override them.
+    """
+
+    model_id: str
+    max_tokens: int = 512
+    block_size: Optional[int] = None
+    api_key: Optional[str] = None
+    max_queue: int = 16
+    max_body_bytes: int = MAX_BODY_BYTES
+    template: Dict[str, Any] = field(default_factory=dict)
+
+
+class GuardMiddleware:
+    """Before a request's body is read: refuse it without ``Authorization: Bearer
+    <api_key>`` (when a key is set; ``/health`` stays open; compared in constant time),
+    or when its declared ``Content-Length`` is past the cap. A body sent without a
+    length is counted while it is read. (FastAPI's own ``max_body_size`` answers in
+    plain text, not OpenAI's JSON error.)"""
+
+    def __init__(self, app, api_key: Optional[str], max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            err = self._check(Headers(scope=scope), scope["path"])
+            if err is not None:
+                return await err.response()(scope, receive, send)
+            receive = self._counted(receive)
+        await self.app(scope, receive, send)
+
+    def _counted(self, receive):
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body_bytes:
+                raise StarletteHTTPException(413)  # FastAPI passes it on to our handler
+            return message
+
+        return counted
+
+    def _check(self, headers: Headers, path: str) -> Optional[APIError]:
+        if self.expected is not None and path != "/health":
+            given = headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected):
+                what = "a wrong API key" if given else "no API key"
+                return APIError(401, f"{what}: send the server's --api-key as 'Authorization: Bearer KEY'",
+                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return too_large(self.max_body_bytes)
+        return None
+
+
+def too_large(cap: int) -> APIError:
+    return APIError(413, f"the request body is larger than {cap} bytes (--max-body-mb)",
+                    code="request_too_large")
+
+
+class Server:
+    """The routes' logic over one loaded pair; :func:`create_app` wires it to FastAPI.
+
+    Args:
+        pair: the loaded :class:`dflash_mlx.Pair`.
+        config: see :class:`ServerConfig`.
+
+    Raises:
+        InputError: ``config.block_size`` out of range for the drafter.
+    """
+
+    def __init__(self, pair: Any, config: ServerConfig):
+        self.pair, self.config = pair, config
+        self.tokenizer = pair.tokenizer
+        trained = pair.drafter.block_size if pair.drafter is not None else 1
+        check_block_size(config.block_size, pair.drafter)
+        self.metrics = ServerMetrics(trained)
+        self.engine = Engine(pair, block_size=config.block_size, max_queue=config.max_queue,
+                             metrics=self.metrics)
+        self.context = context_length(pair.model)
+        self.names = {config.model_id, PurePath(config.model_id).name}
+        self.created = int(time.time())
+
+    # -- requests to prompt ids ---------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name not in self.names:
+            raise APIError(404, f"model: '{name}' is not served here; this server serves "
+                                f"'{self.config.model_id}' (see GET /v1/models)", "model", "model_not_found")
+
+    def encode_chat(self, req: ChatCompletionRequest) -> List[int]:
+        return chat_prompt_ids(self.tokenizer, req, self.config.template)
+
+    def encode_prompt(self, req: CompletionRequest) -> List[int]:
+        """Prompt ids of a completions request: the text with the tokenizer's special
+        tokens (BOS), as ``dflash generate --ignore-chat-template``, or the ids given."""
+        try:
+            prompt = req.prompt_value()
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "prompt: the prompt is empty", "prompt")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        vocab = self.pair.target.vocab_size
+        if not prompt or not all(0 <= t < vocab for t in prompt):
+            raise APIError(400, f"prompt: token ids must be a non-empty list of ids in 0..{vocab - 1}", "prompt")
+        return list(prompt)
+
+    def job(self, req: GenerationFields, ids: List[int], endpoint: str) -> GenerationJob:
+        """Check the prompt and ``max_tokens`` against the context; the engine's job.
+
+        ``max_tokens`` is capped to the context left after the prompt (the reply then
+        ends with ``finish_reason`` "length").
+        """
+        limit = self.context
+        where = "messages" if endpoint == "chat" else "prompt"
+        if limit is not None and len(ids) >= limit:
+            raise APIError(400, f"{where}: the prompt is {len(ids)} tokens and the model's context is "
+                                f"{limit} tokens", where, "context_length_exceeded")
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        n = req.requested_max_tokens()
+        if n is not None and n > (limit or NO_CONTEXT_LIMIT):
+            what = f"the model's context of {limit}" if limit else f"the {NO_CONTEXT_LIMIT} this server allows"
+            raise APIError(400, f"{param}: {n} is more than {what} tokens", param)
+        n = self.config.max_tokens if n is None else n
+        if limit is not None:
+            n = min(n, limit - len(ids))
+        return GenerationJob(
+            ids=ids, max_tokens=n, stop=req.stop_strings(), endpoint=endpoint,
+            temperature=req.temperature or 0.0, top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=req.seed,
+        )
+
+    def submit(self, spec: GenerationJob) -> Job:
+        try:
+            return self.engine.submit(spec)
+        except QueueFullError as e:
+            raise APIError(429, str(e), code="rate_limit_exceeded") from None
+
+    # -- responses ----------------------------------------------------------------
+
+    async def respond(self, req: GenerationFields, spec: GenerationJob, endpoint: str) -> Response:
+        """Run the job; a JSON body, or a stream of server-sent events."""
+        job = self.submit(spec)
+        rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
+        if req.stream:
+            events = self._events(job, rid, req.model, endpoint, req.include_usage())
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text, finish, usage_ = [], None, None
+        try:
+            async for c in job:
+                if c.error:
+                    raise APIError(500, c.error, type_="server_error")
+                text.append(c.text)
+                finish, usage_ = c.finish_reason or finish, c.usage or usage_
+        finally:
+            job.close()
+        if finish is None:
+            raise APIError(503, "the server is shutting down", type_="server_error")
+        if endpoint == "chat":
+            return JSONResponse(chat_completion(rid, req.model, "".join(text), finish, usage_))
+        return JSONResponse(text_completion(rid, req.model, "".join(text), finish, usage_))
+
+    async def _events(self, job: Job, rid: str, model: str, endpoint: str,
+                      include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: text deltas, the finish chunk, the usage chunk if asked,
+        then ``[DONE]``. Leaving early (the client went away) stops the generation."""
+        chat = endpoint == "chat"
+        try:
+            if chat:
+                yield _sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
+            async for c in job:
+                if c.error:
+                    yield _sse(error_body(c.error, "server_error"))
+                    break
+                if c.text:
+                    yield _sse(chat_chunk(rid, model, {"content": c.text}) if chat
+                               else text_completion(rid, model, c.text, None, chunk=True))
+                if c.finish_reason:
+                    yield _sse(chat_chunk(rid, model, {}, c.finish_reason) if chat
+                               else text_completion(rid, model, "", c.finish_reason, chunk=True))
+                    if include_usage:
+                        obj = "chat.completion.chunk" if chat else "text_completion"
+                        yield _sse(usage_chunk(rid, model, obj, c.usage))
+            yield "data: [DONE]\n\n"
+        finally:
+            job.close()
+
+    def models(self) -> Dict[str, Any]:
+        pair = self.pair
+        card = {"id": self.config.model_id, "object": "model", "created": self.created,
+                "owned_by": "dflash-mlx",
+                "dflash": {"draft_model": pair.draft_path,
+                           "block_size": check_block_size(self.config.block_size, pair.drafter),
+                           "context_length": self.context}}
+        return {"object": "list", "data": [card]}
+
+
+def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, defaults: Dict[str, Any]) -> List[int]:
+    """Prompt ids of a chat request: the tokenizer's chat template, given ``tools`` and
+    ``chat_template_kwargs`` (over the server's ``defaults``), or for a model without
+    one the messages' text joined, as ``dflash generate`` and ``chat`` do.
+
+    Raises:
+        APIError: 400 when the template cannot render the messages, or ``tools`` come
+            for a model without a template.
+    """
+    messages = [m.for_template() for m in req.messages]
+    template = {**defaults, **(req.chat_template_kwargs or {})}
+    if req.tools:
+        if not tokenizer.has_chat_template:
+            raise APIError(400, "tools: this model has no chat template to render them", "tools")
+        template["tools"] = req.tools
+    try:
+        return encode_messages(tokenizer, messages, template)
+    except Exception as e:  # jinja2 and template errors of any kind: the request is at fault
+        raise APIError(400, f"messages: the chat template cannot render them ({type(e).__name__}: {e})",
+                       "messages") from None
+
+
+def _sse(obj: Dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _validation_message(exc: RequestValidationError) -> APIError:
+    """The first field's validation errors as one line naming the field.
+
+    A value that fits no member of a union (``stop``: a string or a list of strings)
+    gets one error per member, each with the member's name appended to the field's
+    location; the field is their common location, the message each member's message.
+    """
+    errors = exc.errors()
+    err = errors[0]
+    if err.get("type") == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON ({detail} at character {err['loc'][-1]})")
+    locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
+    same = [i for i, loc in enumerate(locs) if loc[:1] == locs[0][:1]]
+    param = locs[0]
+    for i in same:
+        n = 0
+        while n < min(len(param), len(locs[i])) and param[n] == locs[i][n]:
+            n += 1
+        param = param[:n]
+    if not param and err.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        return APIError(400, "the request body must be a JSON object")
+    messages = list(dict.fromkeys(errors[i].get("msg", "invalid") for i in same))
+    name = ".".join(param) or None
+    return APIError(400, f"{name or 'body'}: {' or '.join(messages)}", name)
+
+
+def create_app(pair: Any, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving ``pair``; run it with uvicorn (``dflash serve`` does).
+
+    Raises:
+        InputError: ``config.block_size`` out of range for the drafter.
+    """
+    server = Server(pair, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        server.engine.shutdown()
+
+    app = FastAPI(title="dflash-mlx", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+
+    def count_refusal(request: Request, status: int) -> None:
+        endpoint = ENDPOINTS.get(request.url.path)
+        if endpoint is not None:
+            server.metrics.request(endpoint, "rejected" if status == 429 else "invalid")
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        count_refusal(request, exc.status)
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        return await api_error(request, _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 413:
+            return await api_error(request, too_large(config.max_body_bytes))
+        messages = {404: f"no route {request.method} {request.url.path}",
+                    405: f"method {request.method} is not allowed on {request.url.path}"}
+        return await api_error(request, APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail))))
+
+    @app.exception_handler(DFlashError)
+    async def dflash_error(request: Request, exc: DFlashError):
+        return await api_error(request, APIError(400, str(exc)))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal server error ({type(exc).__name__}); see the server log",
+                        type_="server_error").response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest) -> Response:
+        server.check_model(req.model)
+        ids = await run_in_threadpool(server.encode_chat, req)
+        return await server.respond(req, server.job(req, ids, "chat"), "chat")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Response:
+        server.check_model(req.model)
+        ids = await run_in_threadpool(server.encode_prompt, req)
+        return await server.respond(req, server.job(req, ids, "completions"), "completions")
+
+    @app.get("/v1/models")
+    async def models() -> Dict[str, Any]:
+        return server.models()
+
+    @app.get("/health")
+    async def health() -> Dict[str, Union[str, int]]:
+        return {"status": "ok", "model": config.model_id, "queue": server.engine.pending}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,182 @@
+"""The OpenAI API as ``dflash serve`` speaks it: request models (validated by pydantic)
+and the response, chunk, usage and error bodies.
+
+Field names and shapes follow OpenAI's chat completions and (legacy) completions API.
+Validation is strict: a number sent as a string, or a string as a list, is a 400, not
+coerced. Unknown fields are ignored, as OpenAI's own server does for fields it does
+not know.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .stats import GenerationStats
+
+
+MAX_STOP = 16  # stop strings per request (OpenAI takes 4)
+
+
+class TextPart(BaseModel):
+    """One part of a message's content; only text is served."""
+
+    model_config = ConfigDict(strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message. Extra keys (``tool_calls``, ``tool_call_id``, ``name``) go to the
+    chat template as they are."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, List[TextPart], None] = None
+
+    def for_template(self) -> Dict[str, Any]:
+        """The message as a dict for ``apply_chat_template``: text parts joined, a
+        missing content (a tool-call turn) as ""."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "".join(p.text for p in self.content)
+        out.setdefault("content", "")
+        return out
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+    include_usage: bool = False
+
+
+class GenerationFields(BaseModel):
+    """The fields both endpoints share. Sampling defaults: greedy (temperature 0),
+    as ``dflash generate``; ``max_tokens`` defaults to the server's ``--max-tokens``."""
+
+    model_config = ConfigDict(strict=True)
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    seed: Optional[int] = Field(None, ge=0, lt=2**64)
+    stop: Union[str, Annotated[List[str], Field(max_length=MAX_STOP)], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+
+    def stop_strings(self) -> List[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stop if s]
+
+    def requested_max_tokens(self) -> Optional[int]:
+        """``max_completion_tokens`` (the newer name) or ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(GenerationFields):
+    """``POST /v1/chat/completions``. ``tools`` and ``chat_template_kwargs`` (e.g.
+    ``{"enable_thinking": true}``) are passed to the chat template."""
+
+    messages: List[ChatMessage] = Field(min_length=1)
+    tools: Optional[List[Dict[str, Any]]] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+
+class CompletionRequest(GenerationFields):
+    """``POST /v1/completions``: a text prompt (one string), or its token ids."""
+
+    prompt: Union[str, List[str], List[int]]
+
+    def prompt_value(self) -> Union[str, List[int]]:
+        """The one prompt: a string, or token ids.
+
+        Raises:
+            ValueError: a list of several strings (batches are not served).
+        """
+        p = self.prompt
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            if len(p) != 1:
+                raise ValueError("prompt: one prompt per request (got a list of several)")
+            return p[0]
+        return p
+
+
+# -- responses -----------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, reused: int, stats: GenerationStats) -> Dict[str, Any]:
+    """The ``usage`` object: OpenAI's counts plus ``dflash``.
+
+    Args:
+        prompt_tokens: tokens of the whole prompt.
+        reused: of those, tokens found in the caches (not prefilled).
+        stats: the generation's statistics (``dflash_mlx.stats``).
+
+    Returns:
+        ``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
+        ``prompt_tokens_details.cached_tokens``, and ``dflash``: the statistics of
+        :meth:`GenerationStats.to_dict` (tau, steps, acceptance histogram keyed by
+        acceptance length, tokens/s, ``speculative`` and ``reason``) with
+        ``prompt_tokens_reused`` and ``prompt_tokens_prefilled`` in place of its
+        ``prompt_tokens``.
+    """
+    d = stats.to_dict()
+    d.pop("prompt_tokens")
+    d.pop("tokens")
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": stats.generation_tokens,
+        "total_tokens": prompt_tokens + stats.generation_tokens,
+        "prompt_tokens_details": {"cached_tokens": reused},
+        "dflash": {"prompt_tokens_reused": reused, "prompt_tokens_prefilled": stats.prompt_tokens, **d},
+    }
+
+
+def chat_completion(rid: str, model: str, text: str, finish_reason: Optional[str],
+                    usage_: Optional[dict]) -> Dict[str, Any]:
+    """A whole ``chat.completion``."""
+    return {
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                     "finish_reason": finish_reason, "logprobs": None}],
+        "usage": usage_,
+    }
+
+
+def chat_chunk(rid: str, model: str, delta: Dict[str, Any], finish_reason: Optional[str] = None
+               ) -> Dict[str, Any]:
+    """One ``chat.completion.chunk`` of a stream."""
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def text_completion(rid: str, model: str, text: str, finish_reason: Optional[str],
+                    usage_: Optional[dict] = None, chunk: bool = False) -> Dict[str, Any]:
+    """A ``text_completion`` (whole, or one chunk of a stream)."""
+    out = {
+        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+    }
+    if usage_ is not None or not chunk:
+        out["usage"] = usage_
+    return out
+
+
+def usage_chunk(rid: str, model: str, object_: str, usage_: dict) -> Dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
+    return {"id": rid, "object": object_, "created": int(time.time()), "model": model,
+            "choices": [], "usage": usage_}
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> Dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

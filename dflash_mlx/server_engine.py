@@ -1,0 +1,229 @@
+"""The engine under ``dflash serve``: one pair, one worker thread, a bounded queue.
+
+Requests run one at a time (no interleaving inside the engine) on a single worker
+thread, so the event loop stays free for health checks, metrics and 429s while MLX
+works. Both caches are kept between requests in a :class:`PairCache`, so a request
+whose prompt starts with the previous prompt and reply prefills only the rest.
+
+A request's steps are handed to the event loop through an ``asyncio.Queue``. Closing
+a :class:`Job` (the client went away) stops its generation after the current verify
+step; the caches are settled to the rows known complete before the next job starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, List, Optional
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+
+from .errors import DFlashError
+from .prompt_cache import PairCache
+from .server_api import usage
+from .server_metrics import ServerMetrics
+
+log = logging.getLogger("dflash.serve")
+
+
+class QueueFullError(DFlashError):
+    """Too many requests are waiting for the engine (HTTP 429)."""
+
+
+@dataclass
+class GenerationJob:
+    """What one request asks the engine for.
+
+    Attributes:
+        ids: prompt token ids, whole (the engine finds what the caches hold).
+        max_tokens: most tokens to generate (already capped by the context).
+        stop: stop strings (the text ends before the first match).
+        temperature, top_p, top_k, min_p: mlx-lm sampler settings; 0 is greedy.
+        seed: PRNG seed set before this generation, or None.
+        endpoint: "chat" or "completions", for the metrics.
+    """
+
+    ids: List[int]
+    max_tokens: int
+    stop: List[str] = field(default_factory=list)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    endpoint: str = "chat"
+
+
+@dataclass
+class Chunk:
+    """One verify step's output, as the event loop receives it.
+
+    Attributes:
+        text: new text (may be empty: held back while a stop string may begin).
+        finish_reason: "stop", "length", or None while it goes on.
+        usage: on the last chunk, the ``usage`` object (see ``server_api.usage``).
+        error: set (with nothing else) when the generation failed.
+    """
+
+    text: str = ""
+    finish_reason: Optional[str] = None
+    usage: Optional[dict] = None
+    error: Optional[str] = None
+
+
+class Job:
+    """A submitted request: iterate it (async) for its chunks; ``close()`` to stop it."""
+
+    def __init__(self, spec: GenerationJob, loop: asyncio.AbstractEventLoop):
+        self.spec, self.id = spec, uuid.uuid4().hex[:12]
+        self.cancelled = threading.Event()
+        self.submitted = time.perf_counter()
+        self._loop, self._queue = loop, asyncio.Queue()
+        self._done = False
+
+    def push(self, chunk: Optional[Chunk]) -> None:
+        """From the worker thread: hand a chunk (None: the end) to the event loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            self.cancelled.set()
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        while not self._done:
+            chunk = await self._queue.get()
+            if chunk is None:
+                self._done = True
+                return
+            yield chunk
+
+    def close(self) -> None:
+        """Stop the generation after its current verify step (or before it starts)."""
+        self.cancelled.set()
+
+
+class Engine:
+    """Runs generation jobs one at a time on one worker thread.
+
+    Args:
+        pair: the loaded :class:`dflash_mlx.Pair`.
+        block_size: B for every request (default: the drafter's trained size).
+        max_queue: most requests waiting behind the running one; past it,
+            :meth:`submit` raises :class:`QueueFullError`.
+        metrics: where each generation is counted.
+
+    Attributes:
+        pair_cache: both caches, kept between requests.
+    """
+
+    def __init__(self, pair: Any, *, block_size: Optional[int] = None, max_queue: int = 16,
+                 metrics: Optional[ServerMetrics] = None):
+        self.pair, self.block_size, self.max_queue = pair, block_size, max_queue
+        self.pair_cache = PairCache(pair.target, pair.tokenizer, pair.drafter)
+        self.metrics = metrics
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-engine")
+        self._lock = threading.Lock()
+        self._pending = 0  # jobs submitted and not finished (running or waiting)
+        self._jobs: set = set()  # the same jobs, to stop them at shutdown
+        self._closing = False
+
+    @property
+    def pending(self) -> int:
+        """Jobs running or waiting."""
+        return self._pending
+
+    def submit(self, spec: GenerationJob) -> Job:
+        """Queue a job; call from the event loop.
+
+        Raises:
+            QueueFullError: ``max_queue`` jobs already wait behind the running one.
+        """
+        job = Job(spec, asyncio.get_running_loop())
+        with self._lock:
+            ahead = self._pending
+            if self._closing:
+                raise QueueFullError("the server is shutting down")
+            if ahead > self.max_queue:
+                raise QueueFullError(
+                    f"the server is busy: {ahead - 1} requests are waiting (the queue holds "
+                    f"{self.max_queue}); retry later")
+            self._pending += 1
+            self._jobs.add(job)
+        self._gauge()
+        if ahead:
+            log.info("request %s waits: %d ahead of it in the queue", job.id, ahead)
+        self._executor.submit(self._run, job)
+        return job
+
+    def _run(self, job: Job) -> None:
+        try:
+            waited = time.perf_counter() - job.submitted
+            if job.cancelled.is_set():
+                log.info("request %s: client gone before it started", job.id)
+                self._count(job, None, "cancelled")
+                return
+            if waited > 0.05:
+                log.info("request %s starts after waiting %.2f s", job.id, waited)
+            self._generate(job)
+        except Exception as e:  # a bug: the client gets a 500 / an error event, not a traceback
+            log.exception("request %s failed", job.id)
+            job.push(Chunk(error=f"generation failed: {type(e).__name__}: {e}"))
+            self._count(job, None, "error")
+        finally:
+            with self._lock:
+                self._pending -= 1
+                self._jobs.discard(job)
+            self._gauge()
+            job.push(None)
+
+    def _generate(self, job: Job) -> None:
+        spec = job.spec
+        if spec.seed is not None:
+            mx.random.seed(spec.seed)
+        sampler = make_sampler(spec.temperature, spec.top_p, spec.min_p, 1, top_k=spec.top_k)
+        steps = self.pair_cache.stream(spec.ids, sampler=sampler, max_tokens=spec.max_tokens,
+                                       block_size=self.block_size, stop_strings=spec.stop)
+        stats, outcome = None, "cancelled"
+        try:
+            for r in steps:
+                stats = r.stats
+                if job.cancelled.is_set():
+                    break
+                last = r.finish_reason is not None
+                u = usage(len(spec.ids), self.pair_cache.last_reused, r.stats) if last else None
+                job.push(Chunk(r.text, r.finish_reason, u))
+                if last:
+                    outcome = "completed"
+                    log.info("request %s: %d prompt tokens (%d reused), %d generated, tau %.2f, %.1f tokens/s",
+                             job.id, len(spec.ids), self.pair_cache.last_reused, r.stats.generation_tokens,
+                             r.stats.tau, r.stats.generation_tps)
+        finally:
+            steps.close()  # settles both caches, whatever happened
+        if outcome == "cancelled":
+            n = stats.generation_tokens if stats is not None else 0
+            log.info("request %s stopped: client gone after %d of %d tokens", job.id, n, spec.max_tokens)
+        self._count(job, stats, outcome)
+
+    def _count(self, job: Job, stats, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.request(job.spec.endpoint, outcome)
+            if stats is not None:
+                self.metrics.generation(stats, len(job.spec.ids), self.pair_cache.last_reused,
+                                        time.perf_counter() - job.submitted)
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue.set(self._pending)
+
+    def shutdown(self) -> None:
+        """Stop taking jobs; the running one stops after its step, waiting ones end at once."""
+        with self._lock:
+            self._closing = True
+            for job in self._jobs:
+                job.close()
+        self._executor.shutdown(wait=False)

@@ -1,0 +1,83 @@
+"""``GET /metrics`` of ``dflash serve``, in Prometheus text format (prometheus_client).
+
+Counters count requests and tokens; the tau, acceptance-rate and tokens/s gauges are
+those of every generation so far pooled, computed by :mod:`dflash_mlx.stats`
+(:meth:`GenerationStats.add`), never here.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .stats import GenerationStats
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ServerMetrics:
+    """The server's Prometheus metrics, in a registry of their own.
+
+    Args:
+        block_size: the drafter's trained block size (1 without a drafter), for the
+            pooled statistics.
+
+    Attributes:
+        totals: every generation's statistics, pooled.
+    """
+
+    def __init__(self, block_size: int = 1):
+        self.registry = r = CollectorRegistry()
+        self.totals = GenerationStats(block_size=block_size)
+        self.requests = Counter(
+            "dflash_requests", "Generation requests by endpoint and outcome (completed, cancelled: "
+            "the client went away, rejected: queue full, invalid: a 4xx, error: a server error).",
+            ["endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter(
+            "dflash_prompt_tokens", "Prompt tokens of generations, by source: reused from the "
+            "caches or prefilled.", ["source"], registry=r)
+        self.generation_tokens = Counter("dflash_generation_tokens", "Tokens generated.", registry=r)
+        self.steps = Counter("dflash_verify_steps", "Verify steps (target forwards that checked drafts).",
+                             registry=r)
+        self.acceptance = Counter("dflash_acceptance_length_steps",
+                                  "Verify steps by acceptance length (tokens committed by the step).",
+                                  ["length"], registry=r)
+        self.tau = Gauge("dflash_tau", "Mean acceptance length over every verify step so far "
+                         "(tokens per step).", registry=r)
+        self.acceptance_rate = Gauge("dflash_acceptance_rate", "Accepted drafts over drafted tokens, "
+                                     "every generation so far (0..1).", registry=r)
+        self.tokens_per_second = Gauge("dflash_generation_tokens_per_second", "Tokens generated per "
+                                       "second of generation, every generation so far.", registry=r)
+        self.latency = Histogram("dflash_request_seconds", "Seconds from a request's arrival at the "
+                                 "engine to its last token (waiting included).", buckets=LATENCY_BUCKETS,
+                                 registry=r)
+        self.queue = Gauge("dflash_queue_requests", "Requests running or waiting for the engine.",
+                           registry=r)
+
+    def request(self, endpoint: str, outcome: str) -> None:
+        """Count one request by its outcome."""
+        self.requests.labels(endpoint, outcome).inc()
+
+    def generation(self, stats: GenerationStats, prompt_tokens: int, reused: int, seconds: float) -> None:
+        """Count one generation (finished or stopped early).
+
+        Args:
+            stats: its statistics.
+            prompt_tokens: its whole prompt, tokens.
+            reused: of those, tokens found in the caches.
+            seconds: from arrival at the engine to the last token.
+        """
+        self.totals.add(stats)
+        self.prompt_tokens.labels("reused").inc(reused)
+        self.prompt_tokens.labels("prefilled").inc(prompt_tokens - reused)
+        self.generation_tokens.inc(stats.generation_tokens)
+        self.steps.inc(stats.steps)
+        for length, n in stats.histogram.items():
+            self.acceptance.labels(str(length)).inc(n)
+        self.tau.set(self.totals.tau)
+        self.acceptance_rate.set(self.totals.acceptance_rate)
+        self.tokens_per_second.set(self.totals.generation_tps)
+        self.latency.observe(seconds)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

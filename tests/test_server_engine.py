@@ -1,0 +1,147 @@
+"""The server's pieces without HTTP: the engine's queue and cancellation on a tiny
+random pair, the chat template inputs, the usage object."""
+
+import asyncio
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
+
+from dflash_mlx import GenerationStats, generate_step
+from dflash_mlx.server import APIError, chat_prompt_ids
+from dflash_mlx.server_api import ChatCompletionRequest, usage
+from dflash_mlx.server_engine import Engine, GenerationJob, QueueFullError
+from dflash_mlx.server_metrics import ServerMetrics
+from conftest import tiny_drafter, tiny_target
+
+
+class ByteTokenizer:
+    """Tokens are bytes, no stop token; ``template`` records apply_chat_template's kwargs."""
+
+    eos_token_ids = ()
+
+    def __init__(self, template=False, fail=False):
+        self.has_chat_template, self.fail, self.calls = template, fail, []
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode())
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    @property
+    def detokenizer(self):
+        return NaiveStreamingDetokenizer(self)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs):
+        if self.fail:
+            raise ValueError("no such role")
+        self.calls.append((messages, kwargs))
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+@pytest.fixture
+def pair():
+    model, target = tiny_target("llama")
+    return SimpleNamespace(model=model, target=target, tokenizer=ByteTokenizer(), drafter=tiny_drafter(target))
+
+
+def fresh(pair, ids, n):
+    steps = generate_step(mx.array(ids, dtype=mx.int32), pair.target, pair.drafter, max_tokens=n)
+    return [t for s in steps for t in s.tokens]
+
+
+async def collect(job):
+    text, last = "", None
+    async for c in job:
+        text += c.text
+        last = c if c.finish_reason else last
+    return text, last
+
+
+def test_queue_bound_and_order(pair):
+    """With room for one waiting request, a third gets QueueFullError; the other two
+    run one after the other and each equals a fresh generation."""
+    metrics = ServerMetrics(pair.drafter.block_size)
+    ids_a, ids_b = list(range(10, 30)), list(range(10, 20)) + [99, 98]
+
+    async def main():
+        engine = Engine(pair, max_queue=1, block_size=4, metrics=metrics)
+        a = engine.submit(GenerationJob(ids_a, 60))
+        b = engine.submit(GenerationJob(ids_b, 30))
+        with pytest.raises(QueueFullError, match="1 requests are waiting"):
+            engine.submit(GenerationJob(ids_b, 5))
+        out = await asyncio.gather(collect(a), collect(b))
+        engine.shutdown()
+        return out, engine
+
+    (a, b), engine = asyncio.run(main())
+    assert a[1].usage["completion_tokens"] == 60 and b[1].usage["completion_tokens"] == 30
+    assert a[0] == ByteTokenizer().decode(fresh(pair, ids_a, 60))
+    assert b[0] == ByteTokenizer().decode(fresh(pair, ids_b, 30))
+    assert b[1].usage["prompt_tokens_details"]["cached_tokens"] == 10  # the common prefix
+    assert engine.pending == 0 and engine.pair_cache.is_consistent()
+    assert metrics.requests.labels("chat", "completed")._value.get() == 2
+
+
+def test_closed_job_stops_and_leaves_the_caches_consistent(pair):
+    ids = list(range(40, 70))
+
+    async def main():
+        engine = Engine(pair, block_size=4, metrics=ServerMetrics(8))
+        job = engine.submit(GenerationJob(ids, 200))
+        seen = 0
+        async for c in job:
+            seen += 1
+            if seen == 3:
+                job.close()
+        after = engine.submit(GenerationJob(ids + [5], 20))
+        out = await collect(after)
+        engine.shutdown()
+        return engine, out
+
+    engine, (text, last) = asyncio.run(main())
+    assert engine.metrics.requests.labels("chat", "cancelled")._value.get() == 1
+    assert engine.metrics.generation_tokens._value.get() < 200 + 20
+    assert text == ByteTokenizer().decode(fresh(pair, ids + [5], 20))
+    assert engine.pair_cache.is_consistent()
+
+
+def test_chat_template_gets_tools_and_kwargs():
+    tok = ByteTokenizer(template=True)
+    req = ChatCompletionRequest.model_validate({
+        "model": "m", "chat_template_kwargs": {"enable_thinking": True},
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                     {"role": "assistant", "tool_calls": [{"id": "1"}]},
+                     {"role": "tool", "tool_call_id": "1", "content": "r"}],
+    })
+    ids = chat_prompt_ids(tok, req, {"enable_thinking": False, "other": 1})
+    messages, kwargs = tok.calls[0]
+    assert kwargs == {"enable_thinking": True, "other": 1, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    assert messages[0] == {"role": "user", "content": "ab"}
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}
+    assert bytes(ids).decode() == "<user>ab<assistant><tool>r<assistant>"
+
+
+def test_chat_template_errors_are_400():
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "a"}]})
+    with pytest.raises(APIError) as e:
+        chat_prompt_ids(ByteTokenizer(template=True, fail=True), req, {})
+    assert e.value.status == 400 and e.value.param == "messages" and "no such role" in e.value.message
+    tools = ChatCompletionRequest.model_validate({"model": "m", "tools": [{}], "messages": [{"role": "user"}]})
+    with pytest.raises(APIError, match="no chat template"):
+        chat_prompt_ids(ByteTokenizer(template=False), tools, {})
+
+
+def test_usage_counts_and_dflash_stats():
+    s = GenerationStats(block_size=4, prompt_tokens=3, generation_tokens=7)
+    s.record_step(2)
+    s.record_step(3)
+    u = usage(10, 7, s)
+    assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == (10, 7, 17)
+    assert u["prompt_tokens_details"] == {"cached_tokens": 7}
+    d = u["dflash"]
+    assert d["prompt_tokens_reused"] == 7 and d["prompt_tokens_prefilled"] == 3
+    assert d["tau"] == s.tau == 3.5 and d["steps"] == 2 and d["acceptance_histogram"] == {"3": 1, "4": 1}
