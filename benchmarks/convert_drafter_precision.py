@@ -7,8 +7,8 @@ target is copied unchanged), then on every prompt of a set:
   on the prompt's fixed input (dflash_mlx.validation.drafter_logits: float32),
   relative to the largest |logit|;
 - how often their argmax drafts agree (positions 1..B-1);
-- tau of greedy DFlash decoding with the converted pair (no stop tokens), and
-  whether its output equals the target's own greedy output.
+- tau of greedy DFlash decoding with the converted pair (up to EOS or
+  --max-tokens), and whether its output equals the target's own greedy output.
 No timings: this measures precision, not speed.
 
 Run from the repository root, e.g. on the stories260K pair of
@@ -34,6 +34,12 @@ from dflash_mlx.validation import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def until_stop(tokens, stop_ids):
+    """The tokens before the first stop token."""
+    cut = next((i for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
+    return tokens[:cut]
 
 
 def main() -> int:
@@ -65,8 +71,9 @@ def main() -> int:
                 rel = max(rel, logit_difference(a, b)[1])
                 agree += int((mx.argmax(a, -1) == mx.argmax(b, -1)).sum().item())
                 total += a.shape[0]
-                tokens, s = dflash_tokens(pair.target, pair.drafter, ids, args.max_tokens)
-                same += tokens == greedy_tokens(pair.model, ids, args.max_tokens)
+                eos = list(pair.tokenizer.eos_token_ids)
+                tokens, s = dflash_tokens(pair.target, pair.drafter, ids, args.max_tokens, eos)
+                same += tokens == until_stop(greedy_tokens(pair.model, ids, args.max_tokens), eos)
                 if stats is None:
                     stats = s
                 else:

@@ -51,12 +51,14 @@ def greedy_tokens(model: nn.Module, prompt: Sequence[int], n: int) -> List[int]:
     return [int(tok) for tok, _ in steps]
 
 
-def dflash_tokens(target: TargetAdapter, drafter, prompt: Sequence[int], n: int):
-    """n greedy tokens through DFlash, and their statistics (tau)."""
+def dflash_tokens(target: TargetAdapter, drafter, prompt: Sequence[int], n: int,
+                  stop_token_ids: Sequence[int] = ()):
+    """Up to n greedy tokens through DFlash (ending before a stop token), and their
+    statistics (tau)."""
     stats = GenerationStats(block_size=drafter.block_size)
     tokens: List[int] = []
     for step in generate_step(mx.array(prompt, dtype=mx.int32), target, drafter, max_tokens=n,
-                              stop_token_ids=(), stats=stats):
+                              stop_token_ids=stop_token_ids, stats=stats):
         tokens += step.tokens
     return tokens, stats
 
