@@ -49,6 +49,7 @@ def main() -> int:
     p.add_argument("--prompts", type=Path, default=ROOT / "scripts" / "data" / "story_openings.jsonl")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--bits", type=int, nargs="+", default=[8, 4])
+    p.add_argument("--group-size", type=int, default=64, help="--draft-q-group-size")
     p.add_argument("--dtype", help="--dtype for convert (float32 keeps the target's head out of the comparison)")
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
@@ -58,7 +59,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for bits in [None, *args.bits]:
             out = Path(tmp) / f"pair-{bits or 'float'}"
-            convert(args.target, args.drafter, out, draft_q_bits=bits, dtype=args.dtype, validate_output=False)
+            convert(args.target, args.drafter, out, draft_q_bits=bits, draft_q_group_size=args.group_size,
+                    dtype=args.dtype, validate_output=False)
             pair = load(str(out))
             prompts = [pair.tokenizer.encode(json.loads(line)["prompt"])
                        for line in args.prompts.read_text().splitlines()]
@@ -79,7 +81,7 @@ def main() -> int:
                 else:
                     stats.add(s)
             rows.append({
-                "drafter": f"{bits}-bit" if bits else f"float ({written})",
+                "drafter": f"{bits}-bit, group {args.group_size}" if bits else f"float ({written})",
                 "drafter_bytes": (out / "drafter" / "model.safetensors").stat().st_size,
                 "max_rel_logit_diff": rel,
                 "argmax_agreement": agree / total,

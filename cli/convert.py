@@ -75,7 +75,8 @@ def _run(validate, **kwargs) -> None:
         stages.close()
     if result.checks:
         Console().print(checks_table(result.checks))
-    console.print(f"wrote {result.out}: target/, drafter/, dflash.json. Run: dflash chat --model {result.out}")
+    console.print(f"wrote {result.out}: target/, drafter/, dflash.json. Run: dflash chat --model {result.out}",
+                  soft_wrap=True)
 
 
 class _Stages:
