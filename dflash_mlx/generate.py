@@ -136,9 +136,9 @@ def generate_step(
         stop: a :class:`~dflash_mlx.stopping.StopCondition` (stop strings too);
             replaces ``max_tokens`` and ``stop_token_ids`` when given.
         prompt_cache: the target's cache, updated in place (default: a fresh
-            ``target.make_cache(B)``; a given one must roll back exactly, see
-            :meth:`TargetAdapter.check_cache`). After every step it holds every
-            committed token but the last one.
+            ``target.make_cache(B)``; a given one must roll back exactly and belong
+            to this target, see :meth:`TargetAdapter.check_cache`). After every step
+            it holds every committed token but the last one.
         draft_cache: the drafter's context-only cache, updated in place. Once a
             generation finishes it covers the same tokens as ``prompt_cache``, so a
             next turn can pass both, with a prompt that starts at the last
@@ -149,6 +149,8 @@ def generate_step(
         InputError: empty prompt, max_tokens < 1, block size out of range.
         RollbackError: ``prompt_cache`` cannot roll back exactly (raised before
             anything is generated).
+        MismatchError: ``prompt_cache`` was built for another model, or the
+            drafter's ``target_layer_ids`` are not layers of the target.
     """
     sampler = sampler or greedy_sampler
     if prompt.size == 0:

@@ -42,7 +42,8 @@ def trim_cache(cache: List[Any], rows: int) -> bool:
 
     Returns:
         False, with nothing trimmed, when some layer cannot drop its rows exactly
-        (a sliding window already moved past the rows it would need).
+        (a sliding window already moved past the rows it would need, a Gated-DeltaNet
+        state past its last forward).
 
     Raises:
         RollbackError: a layer trimmed another count than asked (a cache bug).
@@ -98,7 +99,9 @@ class PairCache:
         return len(self.tokens)
 
     def settle(self, ids: Sequence[int], rows: int) -> None:
-        """Trim both caches to the first ``rows`` of ``ids`` (fewer if a layer holds fewer)."""
+        """Trim both caches to the first ``rows`` of ``ids`` (fewer if a layer holds fewer;
+        none, with fresh caches, if a layer cannot go back exactly, e.g. a Gated-DeltaNet
+        layer asked to drop more than its last forward). ``tokens`` says what is kept."""
         keep = min([rows] + [c.offset for cache in self._caches() for c in cache])
         if not all(trim_cache(cache, keep) for cache in self._caches()):
             self._fresh_caches()  # cannot go back exactly: prefill everything again

@@ -164,7 +164,8 @@ def starts_thinking(tokenizer: Any, ids: Sequence[int]) -> bool:
 
 
 def context_length(model: Any) -> Optional[int]:
-    """The model's context in tokens (``max_position_embeddings``), or None."""
+    """The context in tokens (``max_position_embeddings``) of a model or target
+    adapter (whose ``args`` are the text model's), or None."""
     args = getattr(model, "args", None)
     return getattr(args, "max_position_embeddings", None) or None
 
@@ -210,7 +211,7 @@ class ChatSession:
         self.system_prompt = system_prompt
         self.template_config = dict(template_config or {})
         self.use_template = use_template and bool(getattr(tokenizer, "has_chat_template", False))
-        self.max_context = context_length(target.model) if max_context == "auto" else max_context
+        self.max_context = context_length(target) if max_context == "auto" else max_context
         self.prefill_step_size = prefill_step_size
         self.messages: List[Dict[str, str]] = []
         self.totals = GenerationStats(block_size=drafter.block_size if drafter is not None else 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from pathlib import Path
 from typing import List
 
@@ -10,7 +11,8 @@ import mlx.core as mx
 from mlx.utils import tree_map
 import pytest
 from mlx_lm.generate import generate_step as mlx_generate_step
-from mlx_lm.models import llama, qwen3
+from mlx_lm.models import (gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, llama, qwen3, qwen3_5,
+                           qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl, qwen3_vl_moe)
 
 from dflash_mlx import DFlashDrafter, DrafterArgs, bind_drafter, make_adapter, save_drafter
 
@@ -22,13 +24,49 @@ needs_shared = pytest.mark.skipif(
     reason=f"needs ../shared/models/stories260K (not found at {STORIES}); CI always has it",
 )
 
-# name -> (mlx-lm module, ModelArgs extras). "llama-sliding" alternates sliding-window
-# (window 8, far shorter than the 200-token tests) and full layers.
+# name -> (mlx-lm module, ModelArgs extras). Every test parametrized by `family` runs
+# for each. "llama-sliding" alternates sliding-window (window 8, far shorter than
+# the 200-token tests) and full layers; so do gpt_oss and the Gemmas.
+_GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4, head_dim=16)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+            mlp_only_layers=[], norm_topk_prob=True)
 FAMILIES = {
     "llama": (llama, dict(tie_word_embeddings=False)),
     "llama-sliding": (llama, dict(tie_word_embeddings=False, sliding_window=8,
                                   layer_types=["sliding_attention", "full_attention"] * 2)),
+    # Llama 3.1 and 3.3 share this rope_scaling block (Llama3RoPE; their rope_theta
+    # is 500000, which makes this tiny model's output too repetitive to test).
+    "llama3.1": (llama, dict(tie_word_embeddings=False, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8192))),
     "qwen3": (qwen3, dict(head_dim=16, tie_word_embeddings=True)),
+    "qwen3_moe": (qwen3_moe, dict(head_dim=16, tie_word_embeddings=False, **_MOE)),
+    # Hybrids: Gated-DeltaNet layers 0 and 2, attention 1 and 3 (qwen3_next: 0-2 and 3).
+    "qwen3_5": (qwen3_5, dict(full_attention_interval=2, tie_word_embeddings=False, **_GDN)),
+    "qwen3_5_moe": (qwen3_5_moe, dict(full_attention_interval=2, tie_word_embeddings=True,
+                                      shared_expert_intermediate_size=32, **_GDN, **_MOE)),
+    "qwen3_next": (qwen3_next, dict(full_attention_interval=4, tie_word_embeddings=False,
+                                    partial_rotary_factor=0.25, shared_expert_intermediate_size=32,
+                                    **_GDN, **_MOE)),
+    "gpt_oss": (gpt_oss, dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+    "gemma3_text": (gemma3_text, dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                                      sliding_window_pattern=2)),
+    # Per-layer inputs, KV sharing (layers 2-3 reuse 0-1), MoE, k_eq_v, softcapping.
+    # Untied: a tied tiny random Gemma echoes its input token.
+    "gemma4_text": (gemma4_text, dict(tie_word_embeddings=False, head_dim=16, global_head_dim=32, sliding_window=8,
+                                      sliding_window_pattern=2, num_kv_shared_layers=2,
+                                      hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
+                                      enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                      moe_intermediate_size=32, attention_k_eq_v=True,
+                                      num_global_key_value_heads=1, final_logit_softcapping=30.0)),
+    "qwen3_vl": (qwen3_vl, dict(head_dim=16, tie_word_embeddings=True)),  # text model inside
+}
+# Vision-language wrappers around a text family above (tests/test_targets.py).
+WRAPPERS = {
+    "gemma3": (gemma3, FAMILIES["gemma3_text"][1]),
+    "gemma4": (gemma4, FAMILIES["gemma4_text"][1]),
+    "qwen3_vl_moe": (qwen3_vl_moe, FAMILIES["qwen3_moe"][1]),
 }
 # Random weights scaled by this give varied greedy output (at scale 1 a tiny qwen3
 # target repeats one token, which makes lossless tests vacuous).
@@ -37,18 +75,24 @@ SCALE = 1.5
 
 def tiny_target(family: str, vocab: int = 256, hidden: int = 64, layers: int = 4, seed: int = 0,
                 scale: float = SCALE):
-    """A tiny random mlx-lm model of ``family`` and its adapter, float32."""
-    module, extra = FAMILIES[family]
-    args = module.ModelArgs(
+    """A tiny random mlx-lm model of ``family`` (or wrapper) and its adapter, float32."""
+    module, extra = {**FAMILIES, **WRAPPERS}[family]
+    params = dict(
         model_type=module.__name__.rsplit(".", 1)[-1], hidden_size=hidden, num_hidden_layers=layers,
         intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
-        rms_norm_eps=1e-5, vocab_size=vocab, rope_theta=10000.0,
-        max_position_embeddings=4096, **extra,
+        rms_norm_eps=1e-5, vocab_size=vocab, rope_theta=10000.0, max_position_embeddings=4096,
     )
+    params.update(extra)
+    if "hidden_size" not in inspect.signature(module.ModelArgs).parameters:  # a wrapper
+        params = dict(model_type=params["model_type"], vocab_size=vocab, text_config=params)
     mx.random.seed(seed)
-    model = module.Model(args)
+    model = module.Model(module.ModelArgs.from_dict(params))
     if scale != 1.0:
         model.update(tree_map(lambda p: p * scale, model.parameters()))
+    # Parameters initialised to zero (gpt-oss attention sinks) get random values, so
+    # the tests exercise them.
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) if not mx.any(p).item() else p,
+                          model.parameters()))
     mx.eval(model.parameters())
     return model, make_adapter(model)
 

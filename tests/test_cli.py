@@ -85,6 +85,22 @@ def test_bad_flags_give_one_line_errors(stories, random_drafter, args, needle):
     assert needle in r.stderr and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
 
+@needs_shared
+def test_unsupported_family_is_one_line_not_plain_decoding(stories, tmp_path):
+    # smollm3 loads in mlx-lm (llama weights) but has no adapter: refused, no fallback.
+    import shutil
+
+    folder = shutil.copytree(stories, tmp_path / "smollm3")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "smollm3"}))
+    r = dflash("--model", str(folder), "-p", "Once upon a time", "-m", "5")
+    assert r.returncode == 1 and r.stdout == ""
+    # (transformers may warn about the copied config on its own line first)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr
+    assert "model_type 'smollm3' is not supported" in errors[0] and "qwen3_5" in errors[0]
+
+
 def test_missing_model_folder(tmp_path):
     r = dflash("--model", str(tmp_path / "nope"), "-p", "hi")
     assert r.returncode == 1 and str(tmp_path / "nope") in r.stderr and "Traceback" not in r.stderr

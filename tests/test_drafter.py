@@ -40,11 +40,14 @@ def block_of(t, mask_id, n=B):
 
 # --- NumPy reference (float64) ---------------------------------------------------
 
-def np_params(drafter, model):
+def np_params(drafter, target):
+    """Drafter weights, the target's input embedding rows (with the family's embedding
+    scale) and its head matrix, float64."""
     p = {k: np.array(v, dtype=np.float64) for k, v in tree_flatten(drafter.parameters())}
-    embed = np.array(model.model.embed_tokens.weight, dtype=np.float64)
-    head = np.array(model.lm_head.weight, dtype=np.float64) if hasattr(model, "lm_head") else embed
-    return p, embed, head
+    embed = np.array(target.embed(mx.arange(target.vocab_size)[None])[0], dtype=np.float64)
+    text = target.text
+    head = text.lm_head.weight if hasattr(text, "lm_head") else target.inner.embed_tokens.weight
+    return p, embed, np.array(head, dtype=np.float64)
 
 
 def rms(x, w, eps):
@@ -68,9 +71,10 @@ def heads(x, n):
 class NumpyDrafter:
     """Plain re-implementation of spec section 4 with its own context cache."""
 
-    def __init__(self, drafter, model):
+    def __init__(self, drafter, target):
         self.a = drafter.args
-        self.p, self.embed, self.head = np_params(drafter, model)
+        self.p, self.embed, self.head = np_params(drafter, target)
+        self.softcap = getattr(target.text, "final_logit_softcapping", None)  # gemma4
         n = self.a.num_hidden_layers
         self.k_cache = [np.zeros((self.a.num_key_value_heads, 0, self.a.head_dim))] * n
         self.v_cache = [np.zeros((self.a.num_key_value_heads, 0, self.a.head_dim))] * n
@@ -109,14 +113,15 @@ class NumpyDrafter:
             up = x @ L("mlp.up_proj.weight").T
             h = h + (g / (1 + np.exp(-g)) * up) @ L("mlp.down_proj.weight").T
         self.offset += S
-        return rms(h[1:], p["norm.weight"], eps) @ self.head.T
+        logits = rms(h[1:], p["norm.weight"], eps) @ self.head.T
+        return logits if self.softcap is None else self.softcap * np.tanh(logits / self.softcap)
 
 
 def test_forward_matches_numpy_over_two_calls(family):
     model, target, drafter = make_pair(family)
     args = drafter.args
     assert args.num_hidden_layers == 2 and (args.num_attention_heads, args.num_key_value_heads) == (4, 2)
-    ref = NumpyDrafter(drafter, model)
+    ref = NumpyDrafter(drafter, target)
     cache = drafter.make_cache()
     rng = np.random.default_rng(0)
     F = len(args.target_layer_ids) * args.hidden_size

@@ -3,33 +3,45 @@
 The adapter walks the loaded model's own modules (embedding, decoder layers, final
 norm, head) in the same order as the family's ``__call__``; it never patches or
 wraps them, so the model is left exactly as loaded. Each family file overrides
-only what differs from this generic decoder (masks, embedding scale, ...).
+only what differs from this generic decoder (masks, embedding scale, the layer
+walk, the head), and where a layer's mlx-lm cache cannot roll back, the cache
+class that replaces it (:mod:`dflash_mlx.caches`).
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
-from ..caches import EXACT_TRIM, WindowKVCache, can_trim
-from ..errors import RollbackError
+from ..caches import EXACT_TRIM, GatedDeltaCache, WindowKVCache, can_trim
+from ..errors import MismatchError, RollbackError
 
 
 class TargetAdapter:
     """Feature-capturing forward for one mlx-lm family.
 
     Args:
-        model: an mlx-lm ``Model`` (``model.model`` holds ``embed_tokens``,
-            ``layers`` and ``norm``).
+        model: an mlx-lm ``Model``. Its text model is ``model.language_model`` when
+            there is one (vision-language wrappers such as ``qwen3_vl``, and every
+            ``qwen3_5`` model), else ``model`` itself; the text model's ``model``
+            holds ``embed_tokens``, ``layers`` and ``norm``.
+
+    Attributes:
+        model: the model as loaded (weights and memory are counted on it).
+        text: the text model (has ``args``, ``model`` and, when untied, ``lm_head``).
+        inner: ``text.model``, the decoder stack.
+        args: ``text.args``, the text model's ``ModelArgs``.
     """
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.inner = model.model
+        self.text = getattr(model, "language_model", model)
+        self.inner = self.text.model
+        self.args = self.text.args
 
     @property
     def layers(self) -> List[nn.Module]:
@@ -41,11 +53,11 @@ class TargetAdapter:
 
     @property
     def hidden_size(self) -> int:
-        return self.model.args.hidden_size
+        return self.args.hidden_size
 
     @property
     def vocab_size(self) -> int:
-        return self.model.args.vocab_size
+        return self.args.vocab_size
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -57,14 +69,29 @@ class TargetAdapter:
 
     def lm_head(self, h: mx.array) -> mx.array:
         """[1, L, H] normed hidden -> [1, L, V] logits; tied or untied, quantized or not."""
-        if hasattr(self.model, "lm_head"):
-            return self.model.lm_head(h)
+        if hasattr(self.text, "lm_head"):
+            return self.text.lm_head(h)
         return self.inner.embed_tokens.as_linear(h)
 
     def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
         """One attention mask per layer (all causal here)."""
         mask = create_attention_mask(h, cache[0])
         return [mask] * self.num_layers
+
+    def run_layers(self, inputs: mx.array, h: mx.array, cache: Sequence[Any]) -> Iterator[mx.array]:
+        """Run the decoder layers on the embedded inputs, as the family's ``__call__``.
+
+        Args:
+            inputs: [1, L] token ids (for families that embed more than once).
+            h: [1, L, H] output of :meth:`embed`.
+            cache: one entry per layer.
+
+        Yields:
+            [1, L, H] the residual stream after each layer, in order.
+        """
+        for layer, c, mask in zip(self.layers, cache, self.masks(h, cache)):
+            h = layer(h, mask, c)
+            yield h
 
     def __call__(
         self,
@@ -86,12 +113,19 @@ class TargetAdapter:
         Returns:
             ``(hidden, features)``: hidden [1, L, H] after the final norm (feed it to
             :meth:`lm_head`), features [1, L, len(capture)*H] or None.
+
+        Raises:
+            MismatchError: a capture id is not a layer of the target.
         """
-        h = self.embed(inputs)
         wanted = set(capture or ())
+        if wanted and not all(0 <= i < self.num_layers for i in wanted):
+            raise MismatchError(
+                f"target_layer_ids {sorted(wanted)} name layers beyond the target's "
+                f"{self.num_layers} (0..{self.num_layers - 1})"
+            )
         captured = {}
-        for i, (layer, c, mask) in enumerate(zip(self.layers, cache, self.masks(h, cache))):
-            h = layer(h, mask, c)
+        h = self.embed(inputs)
+        for i, h in enumerate(self.run_layers(inputs, h, cache)):
             if i in wanted:
                 captured[i] = h
         h = self.inner.norm(h)
@@ -102,8 +136,11 @@ class TargetAdapter:
     def make_cache(self, max_verify: int = 1) -> List[Any]:
         """A fresh prompt cache, as mlx-lm makes it, that rolls back exactly.
 
-        Sliding-window layers get a :class:`~dflash_mlx.caches.WindowKVCache` instead
-        of mlx-lm's ``RotatingKVCache``, which cannot be trimmed once it wraps.
+        Layers whose mlx-lm cache cannot roll back get one of ours (see
+        :meth:`exact_cache`): a :class:`~dflash_mlx.caches.WindowKVCache` instead of a
+        ``RotatingKVCache`` (which cannot be trimmed once it wraps), a
+        :class:`~dflash_mlx.caches.GatedDeltaCache` instead of a Gated-DeltaNet
+        layer's ``ArraysCache``.
 
         Args:
             max_verify: most tokens one verify forward feeds (the block size, or a
@@ -112,26 +149,50 @@ class TargetAdapter:
         Raises:
             RollbackError: a layer cache that cannot be made exact (names it).
         """
-        cache = make_prompt_cache(self.model)
-        for i, c in enumerate(cache):
-            if isinstance(c, RotatingKVCache):
-                if c.keep:
-                    raise RollbackError(
-                        f"target layer {i}: RotatingKVCache keeps {c.keep} sink rows; "
-                        "speculative decoding cannot roll it back exactly"
-                    )
-                cache[i] = WindowKVCache(c.max_size, slack=max_verify)
+        cache = [self.exact_cache(i, c, max_verify) for i, c in enumerate(make_prompt_cache(self.model))]
         self.check_cache(cache, max_verify)
         return cache
 
-    def check_cache(self, cache: Sequence[Any], max_verify: int) -> None:
-        """Refuse, before generation starts, a cache that cannot roll back exactly.
+    def exact_cache(self, i: int, c: Any, max_verify: int) -> Any:
+        """Layer ``i``'s cache as mlx-lm made it, or ours where it cannot roll back.
 
         Raises:
-            RollbackError: one line naming the first such layer and its cache type.
+            RollbackError: a ``RotatingKVCache`` with sink rows (``keep > 0``).
         """
+        if isinstance(c, RotatingKVCache):
+            if c.keep:
+                raise RollbackError(
+                    f"target layer {i}: RotatingKVCache keeps {c.keep} sink rows; "
+                    "speculative decoding cannot roll it back exactly"
+                )
+            return WindowKVCache(c.max_size, slack=max_verify)
+        return c
+
+    def recurrent_module(self, i: int) -> Optional[nn.Module]:
+        """The recurrent (Gated-DeltaNet) module of layer ``i``, None for attention."""
+        return None
+
+    def check_cache(self, cache: Sequence[Any], max_verify: int) -> None:
+        """Refuse, before generation starts, a cache that cannot roll back exactly or
+        that another model built.
+
+        Raises:
+            MismatchError: the cache has another number of layers, or a recurrent
+                layer's cache belongs to another model (one line, names the layer).
+            RollbackError: one line naming the first layer whose cache cannot roll
+                back exactly, and its cache type.
+        """
+        expected = len(make_prompt_cache(self.model))
+        if len(cache) != expected:
+            raise MismatchError(
+                f"the prompt cache has {len(cache)} layer caches but this target needs {expected}: "
+                f"it was built for another model; use {type(self).__name__}.make_cache()"
+            )
         for i, c in enumerate(cache):
-            if isinstance(c, WindowKVCache):
+            owner = self.recurrent_module(i)
+            if owner is not None or isinstance(c, GatedDeltaCache):
+                self._check_recurrent(i, c, owner, max_verify)
+            elif isinstance(c, WindowKVCache):
                 if c.slack < max_verify:
                     raise RollbackError(
                         f"target layer {i}: sliding-window cache (window {c.window}) keeps "
@@ -146,6 +207,35 @@ class TargetAdapter:
                     f"target layer {i}: {what} cannot be rolled back exactly, so speculative "
                     f"decoding would not reproduce the target; use {type(self).__name__}.make_cache()"
                 )
+
+    def _check_recurrent(self, i: int, c: Any, owner: Optional[nn.Module], max_verify: int) -> None:
+        name = type(self).__name__
+        if owner is None:
+            raise MismatchError(
+                f"target layer {i} is an attention layer but its cache is a Gated-DeltaNet "
+                f"cache: it was built for another model; use {name}.make_cache()"
+            )
+        if not isinstance(c, GatedDeltaCache):
+            if type(c) is ArraysCache:
+                raise RollbackError(
+                    f"target layer {i}: mlx-lm's ArraysCache (Gated-DeltaNet state) cannot be "
+                    f"rolled back, so speculative decoding would not reproduce the target; "
+                    f"use {name}.make_cache()"
+                )
+            raise MismatchError(
+                f"target layer {i} is a Gated-DeltaNet layer but its cache is a {type(c).__name__}: "
+                f"it was built for another model; use {name}.make_cache()"
+            )
+        if c.owner is not owner:
+            raise MismatchError(
+                f"target layer {i}: this Gated-DeltaNet cache was built by another model "
+                f"(or for another layer); use {name}.make_cache() of this target"
+            )
+        if c.slack < max_verify:
+            raise RollbackError(
+                f"target layer {i}: Gated-DeltaNet cache can roll back {c.slack} tokens but a "
+                f"verify feeds {max_verify}; build it with make_cache(max_verify={max_verify})"
+            )
 
     def rollback(self, cache: Sequence[Any], num_tokens: int) -> None:
         """Remove the last ``num_tokens`` rows (rejected drafts) from every layer.

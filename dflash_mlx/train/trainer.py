@@ -119,7 +119,7 @@ def init_drafter(target: TargetAdapter, mask_token_id: int, layers: int = 1, blo
     Raises:
         InputError: a layer id outside the target, or a mask id outside the vocabulary.
     """
-    a = target.model.args
+    a = target.args
     n_heads = a.num_attention_heads
     ids = target_layer_ids or default_target_layer_ids(target.num_layers, layers)
     if min(ids) < 0 or max(ids) >= target.num_layers:

@@ -1,0 +1,35 @@
+"""Gemma 3 targets (``gemma3_text``; the ``gemma3`` vision wrapper holds one).
+
+Differs from the generic decoder in: the embedding scale (sqrt(hidden), rounded to
+bfloat16 as mlx-lm does), every ``sliding_window_pattern``-th layer global and the
+others sliding-window, and a head tied or not by the model's own flag.
+"""
+
+from typing import Any, List, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask
+
+from .base import TargetAdapter
+
+
+class Gemma3TextAdapter(TargetAdapter):
+    """mlx_lm.models.gemma3_text."""
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """Scaled embeddings, as the model's first step (and Hugging Face's
+        ``Gemma3TextScaledWordEmbedding``, which drafters are trained on)."""
+        h = self.inner.embed_tokens(inputs)
+        return h * mx.array(self.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+
+    def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
+        inner = self.inner
+        pattern = inner.sliding_window_pattern
+        full = create_attention_mask(h, cache[pattern - 1])
+        window = create_attention_mask(h, cache[0], window_size=inner.window_size) if pattern > 1 else None
+        return [full if i % pattern == pattern - 1 else window for i in range(self.num_layers)]
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        if self.text.tie_word_embeddings:
+            return self.inner.embed_tokens.as_linear(h)
+        return self.text.lm_head(h)

@@ -1,0 +1,24 @@
+"""gpt-oss targets (``gpt_oss``): attention sinks, alternating sliding-window and full
+layers, MoE blocks.
+
+The sinks and the experts live inside the model's own layers, which run as loaded;
+the adapter gives each layer its mask, windowed for the sliding layers, whose
+``RotatingKVCache`` becomes a :class:`~dflash_mlx.caches.WindowKVCache`.
+"""
+
+from typing import Any, List, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask
+
+from .base import TargetAdapter
+
+
+class GptOssAdapter(TargetAdapter):
+    """mlx_lm.models.gpt_oss: masks by ``layer_types``."""
+
+    def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
+        inner = self.inner
+        full = create_attention_mask(h, cache[inner.ga_idx])
+        window = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.window_size)
+        return [full if kind == "full_attention" else window for kind in inner.layer_types]

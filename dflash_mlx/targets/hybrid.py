@@ -1,0 +1,96 @@
+"""Hybrid targets: Gated-DeltaNet (linear attention) layers between attention layers.
+
+Shared by ``qwen3_5``, ``qwen3_5_moe`` and ``qwen3_next``. Attention layers run as
+the model's own modules. A Gated-DeltaNet layer is run here, from the layer's own
+sub-modules and mlx-lm's ``normalize_qk`` / ``gated_delta_update``, in the order of
+mlx-lm's ``GatedDeltaNet.__call__`` (tests pin the logits bit for bit): the only
+difference is that it hands its recurrence inputs to the layer's
+:class:`~dflash_mlx.caches.GatedDeltaCache`, which replays the accepted prefix on a
+rollback (DFLASH_SPEC.md section 10). The family files give the input projections,
+the one place where the families' layers differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+from ..caches import GatedDeltaCache
+from .base import TargetAdapter
+
+
+class HybridAdapter(TargetAdapter):
+    """Layers with ``is_linear`` run a Gated-DeltaNet (``linear_attn``), the others
+    attention (``self_attn``); the decoder stack has ``fa_idx`` / ``ssm_idx``."""
+
+    def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
+        inner = self.inner
+        fa = create_attention_mask(h, cache[inner.fa_idx]) if inner.fa_idx is not None else None
+        ssm = create_ssm_mask(h, cache[inner.ssm_idx]) if inner.ssm_idx is not None else None
+        return [ssm if layer.is_linear else fa for layer in self.layers]
+
+    def run_layers(self, inputs: mx.array, h: mx.array, cache: Sequence[Any]) -> Iterator[mx.array]:
+        for layer, c, mask in zip(self.layers, cache, self.masks(h, cache)):
+            if layer.is_linear:  # the DecoderLayer's linear branch
+                h = h + self.gated_delta_net(layer.linear_attn, layer.input_layernorm(h), mask, c)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+            else:
+                h = layer(h, mask, c)
+            yield h
+
+    def recurrent_module(self, i: int) -> Optional[nn.Module]:
+        layer = self.layers[i]
+        return layer.linear_attn if layer.is_linear else None
+
+    def exact_cache(self, i: int, c: Any, max_verify: int) -> Any:
+        if type(c) is ArraysCache and self.recurrent_module(i) is not None:
+            return GatedDeltaCache(self.recurrent_module(i), slack=max_verify)
+        return super().exact_cache(i, c, max_verify)
+
+    def project(self, gdn: nn.Module, x: mx.array) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
+        """The layer's input projections of [1, S, H] inputs.
+
+        Returns:
+            ``(qkv [1, S, conv_dim], z [1, S, Hv, Dv], b [1, S, Hv], a [1, S, Hv])``.
+        """
+        raise NotImplementedError
+
+    def gated_delta_net(self, gdn: nn.Module, x: mx.array, mask: Optional[mx.array],
+                        cache: GatedDeltaCache) -> mx.array:
+        """One Gated-DeltaNet layer (``gdn`` is its ``linear_attn``) on [1, S, H]
+        normed inputs, as mlx-lm computes it (batch 1, no padding); updates the
+        cache and records the forward for rollback. Returns [1, S, H]."""
+        B, S, _ = x.shape
+        qkv, z, b, a = self.project(gdn, x)
+        conv_state = cache[0]
+        if conv_state is None:
+            conv_state = mx.zeros((B, gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=x.dtype)
+        if mask is not None:
+            qkv = mx.where(mask[..., None], qkv, 0)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        conv_out = nn.silu(gdn.conv1d(conv_input))
+        q, k, v = [
+            t.reshape(B, S, heads, dim)
+            for t, heads, dim in zip(
+                mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
+                [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
+                [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
+            )
+        ]
+        q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+        use_kernel = not gdn.training
+        out, state = gated_delta_update(q, k, v, a, b, gdn.A_log, gdn.dt_bias, cache[1], mask,
+                                        use_kernel=use_kernel)
+        if isinstance(cache, GatedDeltaCache):
+            cache.store(conv_input, state, q, k, v, a, b, gdn.A_log, gdn.dt_bias, mask, use_kernel)
+        else:  # mlx-lm's own ArraysCache (no rollback), updated as the module does
+            cache[0] = mx.contiguous(conv_input[:, -(gdn.conv_kernel_size - 1):, :])
+            cache[1] = state
+            cache.advance(S)
+        out = gdn.norm(out, z)
+        return gdn.out_proj(out.reshape(B, S, -1))
