@@ -32,7 +32,9 @@ def draft_model_option():
 
 
 def verify_option():
-    return typer.Option(False, "--verify", help="Check a `dflash convert` folder's weight files against the sha256 in its dflash.json first.")
+    return typer.Option(
+        False, "--verify", help="Check a `dflash convert` folder's weight files against the sha256 in its dflash.json first."
+    )
 
 
 def temp_option():
