@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ from typer.testing import CliRunner
 
 from conftest import ROOT, assert_varied, mlx_lm_greedy
 from dflash_mlx import (
-    CheckpointError, ConfigError, InputError, MismatchError, generate_step, load, load_drafter,
+    CheckpointError, ConfigError, InputError, MismatchError, generate_step, load, load_drafter, save_drafter,
 )
 from dflash_mlx.convert import convert
 from dflash_mlx.manifest import MANIFEST, sha256_file
@@ -405,6 +406,69 @@ def test_cli_convert_prints_the_table(qwen3, tmp_path):
     assert again.stderr.strip().splitlines()[-1] == f"error: --out {out} already exists; pass --force to replace it"
 
 
-def test_dflash2_round_trip():
-    pytest.skip("DFlash2 drafters (DFlash2DraftModel) are not in the loader yet: they land with the "
-                "formats10 work; this test is written once load_drafter reads them")
+# DFlash2 drafters load once dflash_mlx/formats.py (the formats10 work) is in the tree.
+HAS_DFLASH2 = importlib.util.find_spec("dflash_mlx.formats") is not None
+needs_dflash2 = pytest.mark.skipif(
+    not HAS_DFLASH2, reason="DFlash2 drafters (DFlash2DraftModel) are not in the loader yet: "
+    "dflash_mlx/formats.py lands with the formats10 work"
+)
+
+
+@pytest.fixture(scope="module")
+def dflash2(tmp_path_factory):
+    """(HF qwen3 target folder, a random 1-layer DFlash2 drafter for it in its released
+    format, bf16). Initialised like the v1 fixture (nn.Linear's own init, unit norms),
+    with the DFlash2 pieces randomised so they matter: conv base kernels and the selector
+    codebooks (fresh, they are the identity and zeros)."""
+    import dataclasses
+
+    import numpy as np
+    from mlx.utils import tree_map_with_path
+
+    from conftest import FORMATS, tiny_drafter_args, tiny_target
+    from dflash_mlx import DFlashDrafter
+
+    root = tmp_path_factory.mktemp("dflash2")
+    target_dir = write_hf_target(root / "target", "qwen3")
+    target = tiny_target("qwen3")[1]
+    over = {**FORMATS["dflash2"], "layer_types": ["sliding_attention"]}
+    mx.random.seed(1)
+    drafter = DFlashDrafter(dataclasses.replace(tiny_drafter_args(target, block_size=8), **over))
+    rng = np.random.default_rng(1)
+
+    def randomise(path, p):
+        if path.endswith("base_kernel"):
+            return mx.array(0.5 * rng.standard_normal(p.shape), dtype=mx.float32)
+        if path.endswith("codebook"):
+            return mx.array(rng.standard_normal(p.shape) / np.sqrt(p.shape[-1]), dtype=mx.float32)
+        return p
+
+    drafter.update(tree_map_with_path(randomise, drafter.parameters()))
+    drafter.set_dtype(mx.bfloat16)
+    return target_dir, save_drafter(drafter, root / "drafter")
+
+
+@needs_dflash2
+@pytest.mark.parametrize("bits", [None, 8])
+def test_dflash2_round_trip(dflash2, tmp_path, bits):
+    """A DFlash2 drafter converts through the same code: float within 1e-5, 8-bit within
+    1e-2 relative with the selector codebooks and projection kept float; lossless."""
+    target_src, drafter_src = dflash2
+    out = tmp_path / "pair"
+    manifest = convert(str(target_src), str(drafter_src), out, dtype="float32", draft_q_bits=bits).manifest
+    assert manifest["drafter"]["format"] == "DFlash2DraftModel" and manifest["drafter"]["block_size"] == 8
+    config = json.loads((out / "drafter" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    weights = mx.load(str(out / "drafter" / "model.safetensors"))
+    selector = {k: v for k, v in weights.items() if k.startswith("candidate_selector.")}
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"} <= set(selector)
+    assert all(mx.issubdtype(v.dtype, mx.floating) for v in selector.values())  # never quantized
+
+    pair = load(str(out))
+    _, rel = logit_difference(fixed_logits(out / "drafter", pair.target), fixed_logits(drafter_src, pair.target))
+    if bits is None:
+        assert rel <= 1e-5
+    else:
+        assert "layers.0.self_attn.q_proj.scales" in weights and rel <= 1e-2
+    reference = mlx_lm_greedy(pair.model, PROMPT, N)
+    assert dflash_greedy(pair, PROMPT, N) == reference
