@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import MODEL_HELP, check_sampling, guard, resolve_models, verify_option
+from .common import MODEL_HELP, check_sampling, guard, resolve_models, top_k_option, verify_option
 
 
 def bench(
@@ -21,7 +21,9 @@ def bench(
         "file: a .jsonl/.jsonl.gz in those formats or of 'prompt' or 'messages' rows. Repeat or "
         "separate with commas for several.",
     ),
-    num_samples: int = typer.Option(10, "--num-samples", "-n", help="First N samples of each dataset; 0 for all."),
+    num_samples: int = typer.Option(
+        10, "--num-samples", "-n", help="First N samples of each dataset; 0 for all of them."
+    ),
     max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens per generation."),
     block_size: Optional[List[str]] = typer.Option(
         None, "--block-size",
@@ -29,7 +31,7 @@ def bench(
     ),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens; 0 is off."),
+    top_k: int = top_k_option(),
     min_p: float = typer.Option(0.0, "--min-p", help="Min-p threshold, in [0, 1]; 0 is off."),
     seed: int = typer.Option(0, "--seed", help="PRNG seed; every run starts from it."),
     baseline: str = typer.Option(
@@ -52,7 +54,13 @@ def bench(
     warmup_tokens: int = typer.Option(
         32, "--warmup-tokens", help="Tokens of each engine's untimed warm-up run; 0: none."
     ),
-    out: str = typer.Option("dflash-bench", "--out", "-o", help="Folder for results.json and the PNG plots."),
+    out: str = typer.Option(
+        "dflash-bench", "--out", "-o",
+        help="Folder for results.json and the PNG plots; checked before the run: new or empty, or --overwrite.",
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace the results of an earlier run in --out (its other files stay)."
+    ),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots (needs the 'plot' extra)."),
 ) -> None:
     """Benchmark DFlash against a baseline: tau, tokens/s, speedup and loop overhead.
@@ -92,7 +100,7 @@ def parse_block_sizes(values: Optional[List[str]], extra: List[str]) -> List[Opt
 
 def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_size, temp, top_p, top_k, min_p,
          seed, baseline, num_draft_tokens, enable_thinking, simulate_acceptance, repeats, warmup_tokens,
-         out, plots, extra) -> None:
+         out, overwrite, plots, extra) -> None:
     from rich.console import Console
     from rich.progress import (
         BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
@@ -103,6 +111,8 @@ def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_siz
     from dflash_mlx.bench.report import cycle_table, histogram_lines, results_table
 
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
+    if num_samples < 0:
+        raise InputError(f"--num-samples must be 0 (all samples) or more, got {num_samples}")
     sizes = parse_block_sizes(block_size, extra)
     model, draft_model = resolve_models(model, draft_model, verify)
     if draft_model is None:
@@ -115,16 +125,22 @@ def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_siz
     console = Console(stderr=True)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
-    tasks = {}
-    with Progress(*columns, console=console, transient=False) as bar:
-        def progress(name: str, done: int, total: int) -> None:
-            if name not in tasks:
-                tasks[name] = bar.add_task(name, total=total)
-            bar.update(tasks[name], completed=done)
+    bar, tasks = Progress(*columns, console=console, transient=False), {}
 
+    def progress(name: str, done: int, total: int) -> None:
+        if not tasks:  # shown from the first result on: errors found up front stay one line
+            bar.start()
+        if name not in tasks:
+            tasks[name] = bar.add_task(name, total=total)
+        bar.update(tasks[name], completed=done)
+
+    try:
         report = bench(model, draft_model, datasets, num_samples=num_samples or None, baseline=baseline,
                        config=config, num_draft_tokens=num_draft_tokens, out_dir=out, plots=plots,
-                       command=["dflash", *sys.argv[1:]], progress=progress)
+                       command=["dflash", *sys.argv[1:]], progress=progress, overwrite=overwrite)
+    finally:
+        if tasks:
+            bar.stop()
     stdout = Console()
     if not stdout.is_terminal:
         stdout = Console(width=120)

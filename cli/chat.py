@@ -14,9 +14,10 @@ from typing import List, Optional, Tuple
 import typer
 
 from .common import (
-    check_sampling, guard, load_pair, parse_template_config, resolve_models,
-    block_size_option, draft_model_option, min_p_option, model_option, seed_option, system_prompt_option, temp_option,
-    top_k_option, top_p_option,
+    check_max_tokens, check_sampling, check_system_prompt, check_temp, guard, load_pair, parse_stops,
+    parse_template_config, resolve_models, resolve_prefill_step, utf8,
+    block_size_option, draft_model_option, min_p_option, model_option, prefill_step_option, seed_option,
+    stop_option, system_prompt_option, temp_option, top_k_option, top_p_option,
 )
 from .common import verify_option
 
@@ -44,11 +45,13 @@ class Settings:
     top_k: int
     min_p: float
     block_size: Optional[int]
+    vocab_size: Optional[int] = None
+    stop: Tuple[str, ...] = ()
 
     def sampler(self):
-        from mlx_lm.sample_utils import make_sampler
+        from dflash_mlx.sampling import make_sampler
 
-        return make_sampler(self.temp, self.top_p, self.min_p, 1, top_k=self.top_k)
+        return make_sampler(self.temp, self.top_p, self.min_p, self.top_k, self.vocab_size)
 
 
 def chat(
@@ -63,6 +66,7 @@ def chat(
     seed: Optional[int] = seed_option(),
     block_size: Optional[int] = block_size_option(),
     system_prompt: Optional[str] = system_prompt_option(),
+    stop: List[str] = stop_option(),
     chat_template_config: Optional[str] = typer.Option(
         None, "--chat-template-config",
         help="JSON for apply_chat_template, e.g. '{\"enable_thinking\": true}'. "
@@ -71,13 +75,15 @@ def chat(
     ignore_chat_template: bool = typer.Option(
         False, "--ignore-chat-template", help="Concatenate the turns' text instead of using the template."
     ),
+    prefill_step_size: Optional[int] = prefill_step_option(),
     color: bool = typer.Option(True, "--color/--no-color", help="Colour the tokens accepted from the drafter."),
 ) -> None:
     """Chat in the terminal. Both caches are kept across turns; Ctrl-C stops a reply.
 
     Models without a chat template (base models) see the turns' text concatenated.
     When stdin is not a terminal, each line is a turn (or a /command) and the
-    replies are written as plain text.
+    replies are written as plain text; a line that fails prints an error and the
+    next lines still run, and the exit code is then 1.
 
     \b
     Examples:
@@ -93,9 +99,8 @@ def chat(
 
 
 def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
-         system_prompt, chat_template_config, ignore_chat_template, color) -> None:
+         system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size, color) -> None:
     import mlx.core as mx
-    from transformers.utils import logging as hf_logging
 
     from dflash_mlx import InputError
     from dflash_mlx.generate import check_block_size
@@ -104,9 +109,11 @@ def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed
     from .chat_ui import PlainView, RichView
 
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
+    stops = parse_stops(stop)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model, verify)
+    prefill_step_size = resolve_prefill_step(prefill_step_size)
     if block_size is not None and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
     if draft_model is not None:
@@ -114,23 +121,28 @@ def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed
     if seed is not None:
         mx.random.seed(seed)
 
-    hf_logging.set_verbosity_error()  # no "sequence length is longer than" warnings mid-chat
     pair = load_pair(model, draft_model, defaults)
     check_block_size(block_size, pair.drafter)
+    check_system_prompt(system_prompt, pair.tokenizer, ignore_chat_template)
     session = ChatSession.from_pair(pair, system_prompt=system_prompt, template_config=template,
-                                    use_template=not ignore_chat_template)
-    settings = Settings(max_tokens, temp, top_p, top_k, min_p, block_size)
+                                    use_template=not ignore_chat_template, prefill_step_size=prefill_step_size)
+    settings = Settings(max_tokens, temp, top_p, top_k, min_p, block_size, pair.target.vocab_size, stops)
     view = RichView(color) if sys.stdin.isatty() and sys.stdout.isatty() else PlainView()
     view.header(header_rows(pair, session, settings))
-    _loop(session, settings, view, pair)
+    if _loop(session, settings, view, pair) and not view.interactive:
+        raise typer.Exit(1)  # a piped script with a failed line fails
 
 
-def _loop(session, settings: Settings, view, pair) -> None:
+def _loop(session, settings: Settings, view, pair) -> int:
+    """Read and run lines until /quit or the end of input; returns how many failed."""
     from dflash_mlx import DFlashError
+    from dflash_mlx.session import ContextFullError
 
+    failed = 0
     while True:
         try:
-            line = view.read().strip()
+            line, replaced = utf8(view.read())
+            line = line.strip()
         except EOFError:  # Ctrl-D, or the end of piped input
             if view.interactive:
                 print()
@@ -140,6 +152,8 @@ def _loop(session, settings: Settings, view, pair) -> None:
                 break
             print()
             continue
+        if replaced:
+            view.notice("warning: the line is not valid UTF-8: the invalid bytes were replaced by U+FFFD")
         if not line:
             continue
         try:
@@ -150,21 +164,20 @@ def _loop(session, settings: Settings, view, pair) -> None:
                 _turn(line, session, settings, view)
         except KeyboardInterrupt:
             view.notice("interrupted")
+        except ContextFullError as e:
+            view.error(f"{e} (/reset)")
+            failed += 1
         except DFlashError as e:
             view.error(str(e))
+            failed += 1
+    return failed
 
 
 def _turn(text: str, session, settings: Settings, view) -> None:
-    from dflash_mlx.session import ContextFullError
-
     from .chat_ui import summary_line
 
-    try:
-        events = session.stream(text, sampler=settings.sampler(), max_tokens=settings.max_tokens,
-                                block_size=settings.block_size)
-    except ContextFullError as e:
-        view.error(f"{e} (/reset)")
-        return
+    events = session.stream(text, sampler=settings.sampler(), max_tokens=settings.max_tokens,
+                            block_size=settings.block_size, stop_strings=settings.stop)
     with closing(events):
         last, interrupted = view.stream(events)
     if last is not None:
@@ -178,7 +191,6 @@ def _turn(text: str, session, settings: Settings, view) -> None:
 def _command(line: str, session, settings: Settings, view, pair) -> bool:
     """Run one /command; returns True to quit."""
     from dflash_mlx import InputError
-    from dflash_mlx.generate import check_block_size
 
     name, _, arg = line.partition(" ")
     arg = arg.strip()
@@ -195,18 +207,21 @@ def _command(line: str, session, settings: Settings, view, pair) -> bool:
     elif name == "/block":
         if pair.drafter is None:
             raise InputError("/block needs a drafter (--draft-model)")
-        B = _number(arg, int, "/block N")
-        check_block_size(B, pair.drafter)
+        B, trained = _number(arg, int, "/block N"), pair.drafter.block_size
+        if not 2 <= B <= trained:
+            raise InputError(f"/block {B} is out of range: this drafter supports 2..{trained} "
+                             "(its trained block size)")
         settings.block_size = B
         view.notice(f"block size {B}")
     elif name == "/temp":
         T = _number(arg, float, "/temp T")
-        check_sampling(T, settings.top_p, settings.top_k, settings.min_p, settings.max_tokens)
+        check_temp(T, "/temp")
         settings.temp = T
         view.notice(f"temperature {T}")
     elif name == "/max":
-        settings.max_tokens = _number(arg, int, "/max N")
-        check_sampling(settings.temp, settings.top_p, settings.top_k, settings.min_p, settings.max_tokens)
+        n = _number(arg, int, "/max N")
+        check_max_tokens(n, "/max")
+        settings.max_tokens = n
         view.notice(f"max tokens {settings.max_tokens}")
     elif name == "/think":
         if arg not in ("on", "off"):

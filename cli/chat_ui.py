@@ -48,10 +48,11 @@ class PlainView:
         self.notice("colour: not a terminal, the output stays plain text")
 
     def read(self) -> str:
-        line = sys.stdin.readline()
+        """One line, bytes that are not UTF-8 kept as surrogate escapes (see ``common.utf8``)."""
+        line = sys.stdin.buffer.readline()
         if not line:
             raise EOFError
-        return line.rstrip("\n")
+        return line.decode("utf-8", "surrogateescape").rstrip("\n")
 
     def stream(self, events: Iterable[ChatEvent]) -> Tuple[Optional[ChatEvent], bool]:
         """Write a reply as it comes; returns ``(last event, interrupted)``."""
@@ -152,6 +153,8 @@ class RichView:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
             pass
+        if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach chat as escapes
+            sys.stdin.reconfigure(errors="surrogateescape")
 
     def style(self, piece: Piece) -> str:
         parts = [DRAFTED] if piece.drafted and self.color else []
@@ -177,8 +180,7 @@ class RichView:
 
     def set_color(self, on: bool) -> None:
         self.color = on
-        self.notice(f"colour {'on' if on else 'off'}")
-        self.console.print(self.legend())
+        self.console.print(self.legend())  # one line that says what colour now means
 
     def read(self) -> str:
         prompt = f"\001\x1b[1;32m\002{PROMPT}\001\x1b[0m\002" if self.color else PROMPT

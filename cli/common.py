@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
-from typing import Optional
+from typing import Optional, Tuple
 
 import typer
 
 from dflash_mlx.errors import DFlashError, InputError
-from dflash_mlx.loading import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
+from dflash_mlx.hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
 MODEL_HELP = (
     "Target model: a local mlx-lm folder or a Hugging Face repo id (downloaded into "
@@ -46,7 +47,9 @@ def top_p_option():
 
 
 def top_k_option():
-    return typer.Option(0, "--top-k", help="Sample from the k most likely tokens; 0 is off.")
+    return typer.Option(
+        0, "--top-k", help="Sample from the k most likely tokens; 0, or the vocabulary size and above, is off."
+    )
 
 
 def min_p_option():
@@ -62,7 +65,60 @@ def block_size_option():
 
 
 def system_prompt_option():
-    return typer.Option(None, "--system-prompt", help="System prompt for the chat template.")
+    return typer.Option(
+        None, "--system-prompt",
+        help="System prompt for the chat template; without one, plain text before the prompt (with a warning).",
+    )
+
+
+def stop_option():
+    return typer.Option(
+        [], "--stop",
+        help="Stop the reply at this text, which is not printed; repeatable. \\n and \\t are expanded.",
+    )
+
+
+def parse_stops(values) -> Tuple[str, ...]:
+    """``--stop`` values with ``\\n`` and ``\\t`` expanded (as in ``--prompt``).
+
+    Raises:
+        InputError: an empty stop string.
+    """
+    stops = tuple(v.replace("\\n", "\n").replace("\\t", "\t") for v in values or ())
+    if any(not s for s in stops):
+        raise InputError("--stop needs a non-empty text")
+    return stops
+
+
+# Ctrl-C is seen between two evaluations, so one prefill chunk is the longest wait.
+# mlx-lm's 2048 tokens take seconds on a large target; measured on a 2-core CPU at a
+# Qwen3-0.6B width, 512-token chunks still make it wait 1.4 s (median), 128-token ones
+# 0.2 s and prefill no slower (docs/benchmarks.md). A GPU's chunks are several times
+# faster, and small ones waste it, so it keeps 512.
+PREFILL_STEP_GPU, PREFILL_STEP_CPU = 512, 128
+
+
+def prefill_step_option():
+    return typer.Option(
+        None, "--prefill-step-size",
+        help=f"Prompt tokens per prefill chunk; Ctrl-C waits for the chunk in flight. "
+        f"Default: {PREFILL_STEP_GPU} on a GPU, {PREFILL_STEP_CPU} on a CPU.",
+    )
+
+
+def resolve_prefill_step(value: Optional[int]) -> int:
+    """``--prefill-step-size``, or the default of the device MLX runs on.
+
+    Raises:
+        InputError: a value below 1.
+    """
+    if value is None:
+        import mlx.core as mx
+
+        return PREFILL_STEP_GPU if mx.default_device() == mx.gpu else PREFILL_STEP_CPU
+    if value < 1:
+        raise InputError(f"--prefill-step-size must be at least 1, got {value}")
+    return value
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -84,11 +140,32 @@ def resolve_models(model: Optional[str], draft_model: Optional[str], verify: boo
     return model or DEFAULT_MODEL, draft_model
 
 
+def warn(message: str) -> None:
+    """Print a one-line warning on stderr."""
+    typer.echo(f"warning: {message}", err=True)
+
+
+def utf8(text: str) -> Tuple[str, bool]:
+    """Text read with ``surrogateescape`` (argv, or stdin read that way) as valid UTF-8.
+
+    Bytes that are not UTF-8 become U+FFFD, as ``bytes.decode(errors="replace")`` does.
+
+    Returns:
+        ``(text, replaced)``: ``replaced`` is True when some bytes were invalid.
+    """
+    data = text.encode("utf-8", "surrogateescape")
+    try:
+        return data.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return data.decode("utf-8", "replace"), True
+
+
 def read_prompt(prompt: Optional[str]) -> str:
     """``--prompt TEXT``; ``--prompt -`` or a piped stdin reads stdin.
 
     Like mlx-lm, ``\\n`` and ``\\t`` escapes in TEXT are expanded. Trailing newlines of
-    stdin are dropped (``echo`` adds one).
+    stdin are dropped (``echo`` adds one). Bytes that are not UTF-8 are replaced by
+    U+FFFD, with a warning on stderr.
 
     Raises:
         InputError: no prompt given, or the prompt is empty.
@@ -96,9 +173,12 @@ def read_prompt(prompt: Optional[str]) -> str:
     if prompt is None or prompt == "-":
         if prompt is None and sys.stdin.isatty():
             raise InputError("no prompt: pass --prompt TEXT, --prompt - or pipe it on stdin")
-        text = sys.stdin.read().rstrip("\n")
+        text = sys.stdin.buffer.read().decode("utf-8", "surrogateescape").rstrip("\n")
     else:
         text = prompt.replace("\\n", "\n").replace("\\t", "\t")
+    text, replaced = utf8(text)
+    if replaced:
+        warn("the prompt is not valid UTF-8: the invalid bytes were replaced by U+FFFD")
     if not text.strip():
         raise InputError("the prompt is empty: give some text with --prompt or on stdin")
     return text
@@ -119,33 +199,64 @@ def parse_template_config(value: Optional[str]) -> dict:
 
 def check_sampling(temp: float, top_p: float, top_k: int, min_p: float, max_tokens: int) -> None:
     """Range checks for the sampling flags; errors name the flag."""
-    if temp < 0:
-        raise InputError(f"--temp must be >= 0, got {temp}")
+    check_temp(temp)
     if not 0 < top_p <= 1:
         raise InputError(f"--top-p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise InputError(f"--top-k must be >= 0, got {top_k}")
     if not 0 <= min_p <= 1:
         raise InputError(f"--min-p must be in [0, 1], got {min_p}")
+    check_max_tokens(max_tokens)
+
+
+def check_temp(temp: float, name: str = "--temp") -> None:
+    """Raises InputError naming ``name`` (the flag, or the chat command) if temp < 0."""
+    if temp < 0:
+        raise InputError(f"{name} must be >= 0, got {temp}")
+
+
+def check_max_tokens(max_tokens: int, name: str = "--max-tokens") -> None:
+    """Raises InputError naming ``name`` if max_tokens < 1."""
     if max_tokens < 1:
-        raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
+        raise InputError(f"{name} must be at least 1, got {max_tokens}")
+
+
+def check_system_prompt(system_prompt: Optional[str], tokenizer, ignore_chat_template: bool) -> None:
+    """Warn (one line) when a system prompt has no chat template to go into: it is then
+    put before the first turn as plain text."""
+    if system_prompt is None:
+        return
+    if ignore_chat_template or not tokenizer.has_chat_template:
+        why = "--ignore-chat-template is set" if ignore_chat_template else "this model has no chat template"
+        warn(f"{why}: the --system-prompt text goes before the prompt as plain text")
 
 
 def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: dict,
                   ignore_chat_template: bool) -> list[int]:
-    """Apply the chat template as ``mlx_lm.generate`` does (raw text without one), then tokenize."""
+    """Apply the chat template as ``mlx_lm.generate`` does, then tokenize. Without one,
+    the raw text (after the system prompt, if any, as ``dflash chat`` does)."""
     from dflash_mlx.prompt import encode_messages
+    from dflash_mlx.session import plain_text
 
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": text})
     return encode_messages(tokenizer, messages, template, use_template=not ignore_chat_template,
-                           plain=lambda _: text)
+                           plain=plain_text)
+
+
+def quiet_transformers() -> None:
+    """No transformers warnings (e.g. "sequence length is longer than ...") on stderr:
+    the CLI checks lengths itself and says so in one line."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
 
 
 def load_pair(model: str, draft_model: Optional[str], defaults: bool):
     """Load the pair; when the defaults cannot be had, say how to pass folders."""
     from dflash_mlx import CheckpointError, load
 
+    quiet_transformers()
     try:
         return load(model, draft_model)
     except CheckpointError as e:
@@ -158,8 +269,17 @@ def load_pair(model: str, draft_model: Optional[str], defaults: bool):
 
 
 def guard(fn):
-    """Run ``fn``; DFlashError becomes a one-line error and exit code 1."""
+    """Run ``fn``; DFlashError becomes a one-line error and exit code 1.
+
+    A closed output pipe (``dflash generate ... | head``) stops the work quietly with
+    exit code 141 (128 + SIGPIPE), the status ``yes | head`` gives ``yes``.
+    """
     try:
         return fn()
     except DFlashError as e:
         fail(str(e))
+    except BrokenPipeError:
+        # Python ignores SIGPIPE, so the write raised instead; what is still buffered
+        # for stdout goes nowhere rather than raising again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(141)

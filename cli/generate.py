@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
 from .common import (
-    check_sampling, encode_prompt, guard, load_pair, parse_template_config, read_prompt, resolve_models,
-    block_size_option, draft_model_option, min_p_option, model_option, seed_option, system_prompt_option, temp_option,
-    top_k_option, top_p_option,
+    check_sampling, check_system_prompt, encode_prompt, guard, load_pair, parse_stops, parse_template_config,
+    read_prompt, resolve_models, resolve_prefill_step, warn,
+    block_size_option, draft_model_option, min_p_option, model_option, prefill_step_option, seed_option,
+    stop_option, system_prompt_option, temp_option, top_k_option, top_p_option,
 )
 from .common import verify_option
 
@@ -31,39 +32,48 @@ def generate(
     seed: Optional[int] = seed_option(),
     block_size: Optional[int] = block_size_option(),
     system_prompt: Optional[str] = system_prompt_option(),
+    stop: List[str] = stop_option(),
     chat_template_config: Optional[str] = typer.Option(
         None, "--chat-template-config",
         help="JSON for apply_chat_template, e.g. '{\"enable_thinking\": true}'. "
         "With a drafter, thinking is off unless set here: released drafters were trained without it.",
     ),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Use the raw prompt."),
+    prefill_step_size: Optional[int] = prefill_step_option(),
     verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print stats on stderr."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text and stats) instead of the text."),
 ) -> None:
     """Generate from one prompt. Text streams to stdout, stats go to stderr.
+
+    A prompt longer than the target's context is refused; the reply stops at the
+    context's end. Exit codes: 0 done, 1 bad input, 130 Ctrl-C, 141 output pipe closed.
 
     \b
     Examples:
       dflash generate --prompt "Explain KV caches in two sentences."
       echo "Once upon a time" | dflash generate --model ./stories260K
       dflash generate --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16 -p - < q.txt
+      dflash generate -p "List three colours, one per line." --stop "\\n\\n"
     """
     args = dict(locals())
     guard(lambda: _run(**args))
 
 
 def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
-         system_prompt, chat_template_config, ignore_chat_template, verbose, as_json) -> None:
+         system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size, verbose, as_json) -> None:
     import mlx.core as mx
-    from mlx_lm.sample_utils import make_sampler
 
     from dflash_mlx import InputError, stream_generate
+    from dflash_mlx.sampling import make_sampler
+    from dflash_mlx.session import context_length
 
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
+    stops = parse_stops(stop)
     text = read_prompt(prompt)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model, verify)
+    prefill_step_size = resolve_prefill_step(prefill_step_size)
     if block_size is not None and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
     if draft_model is not None:
@@ -72,19 +82,35 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
         mx.random.seed(seed)
 
     pair = load_pair(model, draft_model, defaults)
+    check_system_prompt(system_prompt, pair.tokenizer, ignore_chat_template)
     ids = encode_prompt(pair.tokenizer, text, system_prompt, template, ignore_chat_template)
-    sampler = make_sampler(temp, top_p, min_p, 1, top_k=top_k)
+    limit = context_length(pair.target)
+    if limit is not None:
+        if len(ids) >= limit:
+            raise InputError(f"the prompt is {len(ids)} tokens and the target's context "
+                             f"(max_position_embeddings) is {limit}: shorten the prompt")
+        if len(ids) + max_tokens > limit:
+            max_tokens = limit - len(ids)
+            warn(f"at most {max_tokens} tokens will be generated: the prompt is {len(ids)} tokens "
+                 f"and the target's context is {limit}")
+    sampler = make_sampler(temp, top_p, min_p, top_k, pair.target.vocab_size)
 
-    out, stats = [], None
-    for response in stream_generate(pair.target, pair.tokenizer, ids, pair.drafter,
-                                    sampler=sampler, max_tokens=max_tokens, block_size=block_size):
-        out.append(response.text)
-        stats = response.stats
-        if not as_json:
-            sys.stdout.write(response.text)
-            sys.stdout.flush()
+    out, stats, finish = [], None, None
+    try:
+        for response in stream_generate(pair.target, pair.tokenizer, ids, pair.drafter, sampler=sampler,
+                                        max_tokens=max_tokens, block_size=block_size, stop_strings=stops,
+                                        prefill_step_size=prefill_step_size):
+            out.append(response.text)
+            stats, finish = response.stats, response.finish_reason
+            if not as_json:
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        if out and not as_json:
+            print(flush=True)  # the shell prompt starts on a fresh line
+        raise
     if as_json:
-        print(json.dumps({"text": "".join(out), **stats.to_dict()}))
+        print(json.dumps({"text": "".join(out), "finish_reason": finish, **stats.to_dict()}))
     else:
         print()
     if verbose:

@@ -1,47 +1,78 @@
-"""``dflash``: the Typer app. Each command is thin wiring over the library."""
+"""``dflash``: the entry point. Exit codes: 0 success, 1 error (one line on stderr,
+bad flags included), 130 interrupted (Ctrl-C), 141 output pipe closed (``| head``).
+
+Everything, imports included, runs inside :func:`main`, so Ctrl-C at any moment
+exits quietly with 130.
+"""
+
+from __future__ import annotations
 
 import os
+import sys
+from typing import List, Optional
 
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" on stderr
 
-import typer  # noqa: E402
 
-from .chat import chat  # noqa: E402
-from .generate import generate  # noqa: E402
-from .train import data, train  # noqa: E402
-from .bench import bench  # noqa: E402
-from .serve import serve  # noqa: E402
-from .convert import convert  # noqa: E402
-
-app = typer.Typer(
-    name="dflash",
-    help=(
-        "DFlash speculative decoding on MLX: a block-diffusion drafter proposes a whole "
-        "block of tokens, the target verifies it in one pass. Output is exactly the "
-        "target's own."
-    ),
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+def main(args: Optional[List[str]] = None) -> None:
+    """Run ``dflash`` with ``args`` (default: ``sys.argv[1:]``) and exit with its code."""
+    try:
+        code = _run(args)
+    except KeyboardInterrupt:  # before the app runs (typer turns later ones into Exit(130))
+        code = 130
+    sys.exit(code)
 
 
-@app.callback()
-def _root() -> None:
-    """DFlash speculative decoding on MLX."""
+def _run(args: Optional[List[str]]) -> int:
+    import typer
+
+    try:
+        from typer._click import exceptions as cx  # recent typer ships its own click
+    except ImportError:
+        from click import exceptions as cx
+
+    from .app import app
+
+    try:
+        code = app(args=args, prog_name="dflash", standalone_mode=False)
+    except getattr(cx, "NoArgsIsHelpError", ()) as e:  # `dflash` alone: the help
+        print(e.ctx.get_help())
+        return 0
+    except cx.UsageError as e:  # a bad flag or value: one line naming it, as for other bad input
+        hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
+        print(f"error: {_usage_message(e)}{hint}", file=sys.stderr)
+        return 1
+    except cx.ClickException as e:
+        print(f"error: {_one_line(e.format_message())}", file=sys.stderr)
+        return 1
+    except typer.Abort:
+        return 130
+    return code if isinstance(code, int) else 0
 
 
-app.command(no_args_is_help=False)(generate)
-app.command()(chat)
-app.command()(data)
-app.command()(train)
-app.command(context_settings={"allow_extra_args": True})(bench)
-app.command()(serve)
-app.command()(convert)
+def _one_line(message: str) -> str:
+    text = " ".join(message.split()).rstrip(".")
+    return text[:1].lower() + text[1:]
 
 
-def main() -> None:
-    app()
+def _usage_message(e: Exception) -> str:
+    """click's message on one line; a value typer could not convert is quoted."""
+    text = e.format_message()
+    errors = getattr(e.__cause__, "errors", None)  # typer validates values with pydantic
+    if callable(errors):
+        first = errors()[0]
+        detail = first["msg"].split(",")[0]  # "Input should be a valid integer"
+        text = text.replace(first["msg"], f"{detail[:1].lower()}{detail[1:]}, got {first['input']!r}")
+    return _one_line(text)
+
+
+def __getattr__(name: str):
+    """``dflash_mlx.cli.main.app``, the Typer app, imported on first use."""
+    if name == "app":
+        from .app import app
+
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

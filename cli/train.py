@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from .common import guard, parse_template_config
+from .common import guard, parse_template_config, quiet_transformers
 
 console = Console(stderr=True)
 
@@ -34,8 +34,12 @@ def data(
     chat_template_config: Optional[str] = typer.Option(
         None, "--chat-template-config", help="JSON for the chat template, e.g. '{\"enable_thinking\": false}': match later use."
     ),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="Response tokens per prompt."),
-    max_length: int = typer.Option(3072, "--max-length", help="Most tokens per sequence; longer prompts are an error."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Response tokens per prompt; less than the target's context."),
+    max_length: Optional[int] = typer.Option(
+        None, "--max-length",
+        help="Most tokens per sequence, at most the target's context; longer prompts are an error. "
+        "Default: 3072 or the context, whichever is smaller.",
+    ),
     temp: float = typer.Option(0.0, "--temp", help="Regeneration temperature (0 = greedy)."),
     batch_size: int = typer.Option(32, "--batch-size", help="Sequences generated together."),
     shard_size: int = typer.Option(256, "--shard-size", help="Prompts per shard."),
@@ -56,27 +60,58 @@ def _data(model, out, prompts, text, self_prompts, self_prompt_tokens, self_prom
     import numpy as np
 
     from dflash_mlx import InputError, load
-    from dflash_mlx.train.data import encode_prompts, prompts_from_text, read_prompt_file, regenerate
+    from dflash_mlx.session import context_length
+    from dflash_mlx.train.data import (
+        encode_prompts, prompts_from_text, read_prompt_file, regenerate, response_end_token,
+    )
     from dflash_mlx.train.data import self_prompts as sample_openings
 
     if not (prompts or text or self_prompts):
         raise InputError("no prompt source: give --prompts FILE, --text FILE or --self-prompts N")
     template = parse_template_config(chat_template_config)
+    quiet_transformers()
     pair = load(model)
+    max_length = check_lengths(max_tokens, max_length, context_length(pair.target))
     rows = [row for path in prompts for row in read_prompt_file(path)]
     rng = np.random.default_rng(seed)
     rows += [row for path in text for row in prompts_from_text(path, rng)]
     ids = encode_prompts(pair.tokenizer, rows, template)
+    # Rows are rendered with the chat template when there is one; openings never are.
+    ends = [response_end_token(pair.tokenizer, templated=True)] * len(ids)
     if self_prompts:
         with console.status(f"sampling {self_prompts} openings from the target"):
-            ids += sample_openings(pair.model, pair.tokenizer, self_prompts, self_prompt_tokens, seed,
-                                   style=self_prompt_style)
+            openings = sample_openings(pair.model, pair.tokenizer, self_prompts, self_prompt_tokens, seed,
+                                       style=self_prompt_style)
+        ids += openings
+        ends += [response_end_token(pair.tokenizer, templated=False)] * len(openings)
     with _progress() as progress:
         task = progress.add_task("regenerating", total=len(ids), status="")
         regenerate(pair.model, pair.tokenizer, ids, out, max_tokens=max_tokens, max_length=max_length, temp=temp,
-                   shard_size=shard_size, batch_size=batch_size, seed=seed, target_id=str(model),
+                   shard_size=shard_size, batch_size=batch_size, seed=seed, target_id=str(model), end_tokens=ends,
                    progress=lambda done, total: progress.update(task, completed=done))
     console.print(f"wrote {len(ids)} sequences to {out}")
+
+
+def check_lengths(max_tokens: int, max_length: Optional[int], context: Optional[int]) -> int:
+    """``--max-length`` (default 3072, capped at the target's context) after range checks.
+
+    Raises:
+        InputError: ``--max-tokens`` or ``--max-length`` below 1 or past the context.
+    """
+    from dflash_mlx import InputError
+
+    if max_tokens < 1:
+        raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
+    if max_length is not None and max_length < 2:
+        raise InputError(f"--max-length must be at least 2, got {max_length}")
+    if context is not None:
+        if max_tokens >= context:
+            raise InputError(f"--max-tokens {max_tokens} does not fit the target's context of {context} tokens "
+                             "(max_position_embeddings) with a prompt")
+        if max_length is not None and max_length > context:
+            raise InputError(f"--max-length {max_length} is past the target's context of {context} tokens "
+                             "(max_position_embeddings)")
+    return max_length if max_length is not None else min(3072, context or 3072)
 
 
 def train(
@@ -93,6 +128,10 @@ def train(
     warmup: float = typer.Option(0.04, "--warmup", help="Warm-up fraction of the steps, then cosine decay."),
     grad_accum: int = typer.Option(4, "--grad-accum", help="Sequences per optimizer step."),
     anchors: int = typer.Option(512, "--anchors", help="Blocks sampled per sequence."),
+    anchor_chunk: int = typer.Option(
+        64, "--anchor-chunk",
+        help="Blocks per forward/backward pass (0: all at once); bounds memory, same result up to rounding.",
+    ),
     gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay over block rows; default 7 (B=16) or 4 (B=8)."),
     grad_clip: float = typer.Option(1.0, "--grad-clip", help="Max gradient norm."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
@@ -100,10 +139,19 @@ def train(
     eval_every: int = typer.Option(200, "--eval-every", help="Evaluate every N steps (0 = never)."),
     save_every: int = typer.Option(200, "--save-every", help="Checkpoint every N steps (0 = only the end)."),
     cache_features: bool = typer.Option(False, "--cache-features", help="Compute target features once, keep them in OUT/features."),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint in OUT/checkpoints."),
+    resume: bool = typer.Option(
+        False, "--resume",
+        help="Continue from the newest checkpoint in OUT/checkpoints; --steps, --lr and the other run settings must match.",
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Delete an earlier run in OUT (checkpoints, cached features, drafter) and start afresh."
+    ),
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
     """Train a DFlash drafter for a frozen target, on data from `dflash data`.
+
+    OUT must not hold an earlier run unless --resume or --overwrite is given. Each
+    checkpoint (OUT/checkpoints/step_N) is a drafter that loads with --draft-model.
 
     \b
     Example:
@@ -115,11 +163,11 @@ def train(
 
 
 def _train(model, data_dirs, out, layers, block_size, target_layer_ids, mask_token_id, intermediate_size, steps, lr,
-           warmup, grad_accum, anchors, gamma, grad_clip, dtype, held_out, eval_every, save_every, cache_features,
-           resume, seed) -> None:
+           warmup, grad_accum, anchors, anchor_chunk, gamma, grad_clip, dtype, held_out, eval_every, save_every, cache_features,
+           resume, overwrite, seed) -> None:
     from dflash_mlx import InputError, load
     from dflash_mlx.train.data import load_sequences
-    from dflash_mlx.train.trainer import TrainConfig, Trainer, init_drafter, pick_mask_token
+    from dflash_mlx.train.trainer import TrainConfig, Trainer, check_fresh_out, init_drafter, pick_mask_token
 
     if dtype not in ("float32", "bfloat16"):
         raise InputError(f"--dtype must be float32 or bfloat16, got {dtype}")
@@ -127,17 +175,24 @@ def _train(model, data_dirs, out, layers, block_size, target_layer_ids, mask_tok
         ids = [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None
     except ValueError:
         raise InputError(f"--target-layer-ids must be comma-separated integers, got {target_layer_ids!r}") from None
+    if resume and overwrite:
+        raise InputError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
+    if not resume and not overwrite:
+        check_fresh_out(out)  # before loading anything; --overwrite deletes only once the rest is checked
     pair = load(model)
     sequences = [seq for folder in data_dirs for seq in load_sequences(folder)]
     n_held = min(held_out, len(sequences) // 2)
     train_seqs, eval_seqs = sequences[: len(sequences) - n_held], sequences[len(sequences) - n_held:]
-    config = TrainConfig(steps=steps, grad_accum=grad_accum, anchors=anchors, lr=lr, warmup=warmup,
-                         grad_clip=grad_clip, gamma=gamma, dtype=dtype, seed=seed, eval_every=eval_every,
+    if anchor_chunk < 0:
+        raise InputError(f"--anchor-chunk must be 0 (all at once) or more, got {anchor_chunk}")
+    config = TrainConfig(steps=steps, grad_accum=grad_accum, anchors=anchors, anchor_chunk=anchor_chunk, lr=lr,
+                         warmup=warmup, grad_clip=grad_clip, gamma=gamma, dtype=dtype, seed=seed, eval_every=eval_every,
                          eval_sequences=n_held, save_every=save_every)
     features = out / "features" if cache_features else None
     if resume:
         trainer = Trainer.resume(pair.target, train_seqs, config, out, eval_seqs, features)
     else:
+        check_fresh_out(out, overwrite)
         mask = mask_token_id if mask_token_id is not None else pick_mask_token(pair.tokenizer, pair.target.vocab_size, sequences)
         drafter = init_drafter(pair.target, mask, layers, block_size, ids, intermediate_size, seed)
         trainer = Trainer(drafter, pair.target, train_seqs, config, out, eval_seqs, features)
@@ -145,13 +200,30 @@ def _train(model, data_dirs, out, layers, block_size, target_layer_ids, mask_tok
     console.print(f"drafter: {a.num_hidden_layers} layer(s), hidden {a.hidden_size}, block {a.block_size}, "
                   f"target_layer_ids {a.target_layer_ids}, mask {a.mask_token_id}; "
                   f"{len(train_seqs)} train / {n_held} held-out sequences")
-    with _progress() as progress:
-        task = progress.add_task("training", total=steps, completed=trainer.step, status="")
-        for info in trainer.run():
-            progress.update(task, completed=info.step,
-                            status=f"loss {info.loss:.3f} lr {info.lr:.2e} {info.tokens_per_s:,.0f} tok/s")
-            if info.eval:
-                acc = " ".join(f"{x:.2f}" for x in info.eval["accuracy"][:8])
-                progress.console.print(f"step {info.step}: held-out tau {info.eval['tau']:.2f} "
-                                       f"(acc by position {acc} ...)")
+    try:
+        with _progress() as progress:
+            task = progress.add_task("training", total=steps, completed=trainer.step, status="")
+            for info in trainer.run():
+                progress.update(task, completed=info.step,
+                                status=f"loss {info.loss:.3f} lr {info.lr:.2e} {info.tokens_per_s:,.0f} tok/s")
+                if info.eval:
+                    acc = " ".join(f"{x:.2f}" for x in info.eval["accuracy"][:8])
+                    progress.console.print(f"step {info.step}: held-out tau {info.eval['tau']:.2f} "
+                                           f"(acc by position {acc} ...)")
+    except KeyboardInterrupt:
+        console.print(interrupted_note(out, trainer.step, save_every), soft_wrap=True, markup=False,
+                      highlight=False)  # paths stay whole, for copying
+        raise typer.Exit(130)
     console.print(f"wrote drafter to {out}")
+
+
+def interrupted_note(out: Path, step: int, save_every: int) -> str:
+    """Where an interrupted run stands: its newest checkpoint, how to use and resume it."""
+    from dflash_mlx.train.trainer import Trainer
+
+    ckpts = Trainer.checkpoints(out)
+    if not ckpts:
+        return (f"interrupted after step {step}, before the first checkpoint (--save-every {save_every}): "
+                "nothing was saved")
+    return (f"interrupted after step {step}. The newest checkpoint is {ckpts[-1]}: it loads with "
+            f"--draft-model {ckpts[-1]}, and --resume continues the run from it.")

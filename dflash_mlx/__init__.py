@@ -2,26 +2,60 @@
 
 The method lives in two files: :mod:`dflash_mlx.drafter` (the drafter network)
 and :mod:`dflash_mlx.generate` (the decode loop).
+
+The names below are imported on first use (PEP 562), so ``import dflash_mlx`` and the
+CLI's start-up stay light until MLX is needed: ``dflash --help`` answers at once and
+Ctrl-C during the heavy imports reaches the CLI's handler.
 """
 
-from .checkpoint import load_drafter, save_drafter
-from .drafter import DFlashDrafter
-from .drafter_config import DrafterArgs
-from .errors import (CheckpointError, ConfigError, DFlashError, InputError, MismatchError, RollbackError,
-                     ValidationError)
-from .protocol import Drafter, WrappedDrafter
-from .generate import GenerationResponse, StepResult, generate, generate_step, stream_generate
-from .session import ChatSession
-from .loading import Pair, bind_drafter, check_pair, load, load_target
-from .stats import GenerationStats
-from .targets import TargetAdapter, make_adapter
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ChatSession", "CheckpointError", "ConfigError", "DFlashDrafter", "DFlashError", "DrafterArgs",
-    "Drafter", "GenerationResponse", "GenerationStats", "InputError", "MismatchError", "Pair", "RollbackError",
-    "StepResult", "TargetAdapter", "ValidationError", "bind_drafter", "check_pair", "generate",
-    "generate_step", "load", "load_drafter", "load_target", "make_adapter",
-    "save_drafter", "stream_generate", "WrappedDrafter",
-]
+_EXPORTS = {
+    "checkpoint": ["load_drafter", "save_drafter"],
+    "drafter": ["DFlashDrafter"],
+    "drafter_config": ["DrafterArgs"],
+    "errors": ["CheckpointError", "ConfigError", "DFlashError", "InputError", "MismatchError", "RollbackError",
+               "ValidationError"],
+    "protocol": ["Drafter", "WrappedDrafter"],
+    "generate": ["GenerationResponse", "StepResult", "generate", "generate_step", "stream_generate"],
+    "session": ["ChatSession"],
+    "loading": ["Pair", "bind_drafter", "check_pair", "load", "load_target"],
+    "stats": ["GenerationStats"],
+    "targets": ["TargetAdapter", "make_adapter"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dflash_mlx' has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and editors
+    from .checkpoint import load_drafter, save_drafter  # noqa: F401
+    from .drafter import DFlashDrafter  # noqa: F401
+    from .drafter_config import DrafterArgs  # noqa: F401
+    from .errors import (  # noqa: F401
+        CheckpointError, ConfigError, DFlashError, InputError, MismatchError, RollbackError, ValidationError,
+    )
+    from .protocol import Drafter, WrappedDrafter  # noqa: F401
+    from .generate import GenerationResponse, StepResult, generate, generate_step, stream_generate  # noqa: F401
+    from .loading import Pair, bind_drafter, check_pair, load, load_target  # noqa: F401
+    from .session import ChatSession  # noqa: F401
+    from .stats import GenerationStats  # noqa: F401
+    from .targets import TargetAdapter, make_adapter  # noqa: F401

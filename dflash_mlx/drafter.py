@@ -80,18 +80,30 @@ class DrafterAttention(nn.Module):
             x: [N, B, H] block rows, block n at positions ``anchors[n] + 0..B-1``.
             context: [1, L, H] fused context rows at positions 0..L-1.
             anchors: [N] int32 anchor positions.
-            mask: [N, 1, B, L + B] bool, True where a query may look.
+            mask: [N, 1, B, L + B] bool, True where a query may look (context
+                columns first, then the block's own rows).
+
+        Memory: the context K/V ([1, n_kv, L, head_dim]) is shared by every block
+        through broadcasting matmuls; ``scaled_dot_product_attention`` would need one
+        copy per block (N x L rows). The scores ([N, n_heads, B, L + B], float32)
+        are the largest tensor here; callers bound N (the trainer's ``anchor_chunk``).
         """
         N, B, _ = x.shape
         L = context.shape[1]
+        group = self.n_heads // self.n_kv_heads
         queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=anchors)
         block_keys, block_values = self._keys_values(x)
+        block_keys = self.rope(block_keys, offset=anchors)
         ctx_keys, ctx_values = self._keys_values(context)
-        shape = (N, self.n_kv_heads, L, self.head_dim)
-        keys = mx.concatenate([mx.broadcast_to(self.rope(ctx_keys, offset=0), shape),
-                               self.rope(block_keys, offset=anchors)], axis=2)
-        values = mx.concatenate([mx.broadcast_to(ctx_values, shape), block_values], axis=2)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        ctx_keys = self.rope(ctx_keys, offset=0)
+        # Row g * B + i: query head kv * group + g, block row i (GQA: a group shares its K/V).
+        q = (queries.astype(mx.float32) * self.scale).reshape(N, self.n_kv_heads, group * B, self.head_dim)
+        scores = mx.concatenate([q @ ctx_keys.astype(mx.float32).swapaxes(-1, -2),
+                                 q @ block_keys.astype(mx.float32).swapaxes(-1, -2)], axis=-1)
+        visible = mx.broadcast_to(mask[:, :, None], (N, 1, group, B, L + B)).reshape(N, 1, group * B, L + B)
+        weights = mx.softmax(mx.where(visible, scores, -mx.inf), axis=-1).astype(x.dtype)
+        out = weights[..., :L] @ ctx_values + weights[..., L:] @ block_values  # [N, n_kv, group * B, hd]
+        out = out.reshape(N, self.n_heads, B, self.head_dim)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))
 
 

@@ -71,7 +71,19 @@ class DrafterArgs:
                 raise ConfigError(f"{source}: missing key '{key}'")
             return config[key]
 
+        def number(key: str, value: Any, kind=int) -> Any:
+            """``kind(value)``, or a ConfigError naming the key (e.g. "hidden_size": "wide")."""
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                    kind is int and not float(value).is_integer()):
+                raise ConfigError(f"{source}: '{key}' must be {'an integer' if kind is int else 'a number'}, "
+                                  f"got {value!r}")
+            return kind(value)
+
+        if not isinstance(config, dict):
+            raise ConfigError(f"{source}: expected a JSON object, found {type(config).__name__}")
         dflash = config.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise ConfigError(f"{source}: 'dflash_config' must be an object, got {dflash!r}")
         archs = config.get("architectures") or []
         if not dflash and DRAFTER_ARCHITECTURE not in archs:
             raise ConfigError(
@@ -84,10 +96,11 @@ class DrafterArgs:
                 f"{source}: 'layer_types' {sorted(set(layer_types))} is not supported yet; "
                 "only full_attention drafters load"
             )
-        n_heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        n_layers = int(need("num_hidden_layers"))
+        n_heads = number("num_attention_heads", need("num_attention_heads"))
+        hidden = number("hidden_size", need("hidden_size"))
+        n_layers = number("num_hidden_layers", need("num_hidden_layers"))
         n_target = config.get("num_target_layers")
+        n_target = None if n_target is None else number("num_target_layers", n_target)
         layer_ids = dflash.get("target_layer_ids", config.get("target_layer_ids"))
         if layer_ids is None:
             if n_target is None:
@@ -95,7 +108,9 @@ class DrafterArgs:
                     f"{source}: missing key 'dflash_config.target_layer_ids' "
                     "(and no 'num_target_layers' to derive it)"
                 )
-            layer_ids = default_target_layer_ids(int(n_target), n_layers)
+            layer_ids = default_target_layer_ids(n_target, n_layers)
+        if not isinstance(layer_ids, list):
+            raise ConfigError(f"{source}: 'dflash_config.target_layer_ids' must be a list, got {layer_ids!r}")
         mask_id = dflash.get("mask_token_id", config.get("mask_token_id"))
         if mask_id is None:
             raise ConfigError(f"{source}: missing key 'dflash_config.mask_token_id'")
@@ -106,18 +121,19 @@ class DrafterArgs:
             hidden_size=hidden,
             num_hidden_layers=n_layers,
             num_attention_heads=n_heads,
-            num_key_value_heads=int(config.get("num_key_value_heads", n_heads)),
-            head_dim=int(config.get("head_dim") or hidden // n_heads),
-            intermediate_size=int(need("intermediate_size")),
-            vocab_size=int(need("vocab_size")),
-            target_layer_ids=[int(i) for i in layer_ids],
-            mask_token_id=int(mask_id),
-            block_size=int(dflash.get("block_size", config.get("block_size", 16))),
-            num_target_layers=None if n_target is None else int(n_target),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
+            num_key_value_heads=number("num_key_value_heads", config.get("num_key_value_heads", n_heads)),
+            head_dim=number("head_dim", config.get("head_dim") or hidden // max(n_heads, 1)),
+            intermediate_size=number("intermediate_size", need("intermediate_size")),
+            vocab_size=number("vocab_size", need("vocab_size")),
+            target_layer_ids=[number("dflash_config.target_layer_ids", i) for i in layer_ids],
+            mask_token_id=number("dflash_config.mask_token_id", mask_id),
+            block_size=number("block_size", dflash.get("block_size", config.get("block_size", 16))),
+            num_target_layers=n_target,
+            rms_norm_eps=number("rms_norm_eps", config.get("rms_norm_eps", 1e-6), float),
+            rope_theta=number("rope_theta", rope_theta, float),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(config.get("max_position_embeddings") or 40960),
+            max_position_embeddings=number("max_position_embeddings",
+                                           config.get("max_position_embeddings") or 40960),
         )
         args.validate(source)
         return args

@@ -8,6 +8,9 @@ from typing import List
 
 from .errors import CheckpointError
 
+DEFAULT_MODEL = "Qwen/Qwen3-4B"
+DEFAULT_DRAFT_MODEL = "z-lab/Qwen3-4B-DFlash-b16"
+
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
@@ -13,14 +15,14 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from .checkpoint import load_drafter
 from .drafter import DFlashDrafter
-from .errors import CheckpointError, MismatchError
-from .hub import resolve_model_path
+from .errors import CheckpointError, ConfigError, MismatchError
+from .hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, resolve_model_path
 from .manifest import resolve_pair
 from .targets import TargetAdapter, make_adapter
 
-DEFAULT_MODEL = "Qwen/Qwen3-4B"
-DEFAULT_DRAFT_MODEL = "z-lab/Qwen3-4B-DFlash-b16"
 TARGET_FILES = DEFAULT_ALLOW_PATTERNS  # what mlx-lm itself downloads for a model
+# `architectures` of DFlash drafter checkpoints (DFLASH_SPEC.md section 2): v1, DFlash2, Muse-Glimmer.
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "MuseGlimmerAssistantModel")
 
 
 @dataclass
@@ -42,15 +44,47 @@ def load_model(path_or_repo: str, what: str = "model"):
         ``(model, tokenizer)``.
 
     Raises:
-        CheckpointError: missing or unreadable checkpoint (names the path and ``what``).
+        CheckpointError: missing or unreadable checkpoint, or a DFlash drafter
+            (names the path and ``what``).
+        ConfigError: ``config.json`` is not a JSON object with a ``model_type``, or
+            mlx-lm cannot build the model from it (names the file).
     """
     path = resolve_model_path(path_or_repo, TARGET_FILES, what=what)
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path / 'config.json'}: not found (is {path} an mlx-lm model folder?)")
+    config_file = path / "config.json"
+    config = read_model_config(config_file, path)
+    if is_drafter_config(config):
+        raise CheckpointError(f"{path}: this is a DFlash drafter, not a {what}; pass it as --draft-model")
+    if "model_type" not in config:
+        raise ConfigError(f"{config_file}: missing key 'model_type'")
     try:
         return mlx_lm_load(str(path))
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: cannot load the {what} ({e})") from None
+    except (TypeError, KeyError, AttributeError) as e:  # mlx-lm building ModelArgs from bad values
+        raise ConfigError(f"{config_file}: cannot build the {what} from it ({type(e).__name__}: {e})") from None
+
+
+def read_model_config(config_file: Path, folder: Path) -> dict:
+    """A model folder's ``config.json`` as a dict.
+
+    Raises:
+        CheckpointError: the file is missing. ConfigError: not a JSON object (names the file).
+    """
+    if not config_file.is_file():
+        raise CheckpointError(f"{config_file}: not found (is {folder} an mlx-lm model folder?)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{config_file}: invalid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{config_file}: expected a JSON object, found {type(config).__name__}")
+    return config
+
+
+def is_drafter_config(config: dict) -> bool:
+    """Whether a ``config.json`` describes a DFlash drafter (its architecture or ``dflash_config``)."""
+    archs = config.get("architectures") or []
+    return "dflash_config" in config or any(a in DRAFTER_ARCHITECTURES for a in archs)
 
 
 def load_target(path_or_repo: str):

@@ -23,6 +23,7 @@ from .generate import check_block_size
 from .prompt import encode_messages
 from .prompt_cache import PairCache, common_prefix, trim_cache  # noqa: F401 (trim_cache: re-exported)
 from .stats import GenerationStats, format_histogram
+from .stopping import held_back, text_before_stop
 
 
 class ContextFullError(InputError):
@@ -154,6 +155,46 @@ class ReplyDecoder:
             pieces.append(Piece(text, *look))
 
 
+class StopText:
+    """A reply's pieces up to its first stop string (the stop string is not shown).
+
+    Text that could begin a stop string is held back until the next pieces settle
+    it, as :func:`dflash_mlx.generate.stream_generate` does for plain text.
+    """
+
+    def __init__(self, stop_strings: Sequence[str] = ()):
+        self.stops = tuple(stop_strings)
+        self.text = ""  # the reply's text so far
+        self.shown = 0  # characters passed on
+        self.waiting: List[Piece] = []
+
+    def add(self, pieces: List[Piece], final: bool) -> List[Piece]:
+        """The part of ``pieces`` (and of the held-back text) that may be shown now."""
+        if not self.stops:
+            return pieces
+        self.waiting += pieces
+        self.text += "".join(p.text for p in pieces)
+        cut = text_before_stop(self.text, self.stops)
+        if cut is not None:
+            end = cut
+        else:
+            end = len(self.text) if final else len(self.text) - held_back(self.text, self.stops)
+        return self._take(max(end - self.shown, 0))
+
+    def _take(self, n: int) -> List[Piece]:
+        out: List[Piece] = []
+        while n > 0 and self.waiting:
+            p = self.waiting[0]
+            if len(p.text) <= n:
+                out.append(self.waiting.pop(0))
+            else:
+                out.append(Piece(p.text[:n], p.drafted, p.thinking))
+                self.waiting[0] = Piece(p.text[n:], p.drafted, p.thinking)
+            n -= len(out[-1].text)
+            self.shown += len(out[-1].text)
+        return out
+
+
 def starts_thinking(tokenizer: Any, ids: Sequence[int]) -> bool:
     """Whether the prompt ends inside an open ``<think>`` block."""
     start, end = _single_id(tokenizer, "think_start_tokens"), _single_id(tokenizer, "think_end_tokens")
@@ -214,8 +255,6 @@ class ChatSession:
         self.max_context = context_length(target) if max_context == "auto" else max_context
         self.prefill_step_size = prefill_step_size
         self.messages: List[Dict[str, str]] = []
-        self.totals = GenerationStats(block_size=drafter.block_size if drafter is not None else 1)
-        self.turns = self.interrupted = self.reused_tokens = 0
         self.reset()
 
     @classmethod
@@ -239,9 +278,12 @@ class ChatSession:
         return encode_messages(self.tokenizer, messages, self.template_config, self.use_template, plain_text)
 
     def reset(self) -> None:
-        """Clear the conversation (the system prompt stays) and trim both caches to 0."""
+        """Clear the conversation (the system prompt stays), trim both caches to 0 and
+        start the totals afresh."""
         self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         self.pair_cache.reset()
+        self.totals = GenerationStats(block_size=self.drafter.block_size if self.drafter is not None else 1)
+        self.turns = self.interrupted = self.reused_tokens = 0
 
     def stream(
         self,
@@ -250,6 +292,7 @@ class ChatSession:
         sampler: Optional[Callable[[mx.array], mx.array]] = None,
         max_tokens: int = 256,
         block_size: Optional[int] = None,
+        stop_strings: Sequence[str] = (),
     ) -> Generator[ChatEvent, None, None]:
         """Send one user turn and stream the reply.
 
@@ -261,6 +304,8 @@ class ChatSession:
             sampler: mlx-lm sampler (greedy by default).
             max_tokens: most tokens in the reply (also capped by the context left).
             block_size: B for this turn (default: the drafter's trained size).
+            stop_strings: texts that end the reply (``finish_reason`` "stop"); the
+                reply's text, shown and kept in ``messages``, stops before the first.
 
         Returns:
             A generator of :class:`ChatEvent`, one per verify step; the last has
@@ -272,10 +317,12 @@ class ChatSession:
         Raises:
             ContextFullError: the conversation with this turn does not fit the
                 context; the session is unchanged.
-            InputError: block size out of range, empty text.
+            InputError: block size out of range, empty text or stop string.
         """
         if not text.strip():
             raise InputError("the message is empty")
+        if any(not s for s in stop_strings):
+            raise InputError("a stop string must not be empty")
         B = check_block_size(block_size, self.drafter)
         user = {"role": "user", "content": text}
         ids = self.render(self.messages + [user])
@@ -283,14 +330,15 @@ class ChatSession:
             if len(ids) >= self.max_context:
                 raise ContextFullError(len(ids), self.max_context)
             max_tokens = min(max_tokens, self.max_context - len(ids))
-        return self._turn(user, ids, sampler, max_tokens, B)
+        return self._turn(user, ids, sampler, max_tokens, B, tuple(stop_strings))
 
-    def _turn(self, user, ids, sampler, max_tokens, block_size) -> Generator[ChatEvent, None, None]:
+    def _turn(self, user, ids, sampler, max_tokens, block_size, stops) -> Generator[ChatEvent, None, None]:
         self.messages.append(user)
         context = () if self.use_template else ids  # plain: the reply continues the text
         decoder = ReplyDecoder(self.tokenizer, starts_thinking(self.tokenizer, ids), context)
+        shown = StopText(stops)
         steps = self.pair_cache.stream(ids, sampler=sampler, max_tokens=max_tokens, block_size=block_size,
-                                       prefill_step_size=self.prefill_step_size)
+                                       prefill_step_size=self.prefill_step_size, stop_strings=stops)
         reply: List[int] = []
         stats, finished = None, False
         try:
@@ -298,13 +346,15 @@ class ChatSession:
                 reply.extend(r.tokens)
                 stats = r.stats
                 final = r.finish_reason is not None
-                yield ChatEvent(decoder.add(r.tokens, r.accepted, final), r.tokens, r.accepted,
-                                r.finish_reason, r.stats)
+                yield ChatEvent(shown.add(decoder.add(r.tokens, r.accepted, final), final), r.tokens,
+                                r.accepted, r.finish_reason, r.stats)
             finished = True
         finally:
             steps.close()  # settles both caches
             if reply or finished:
-                self.messages.append({"role": "assistant", "content": self.reply_text(ids, reply)})
+                content = self.reply_text(ids, reply)
+                cut = text_before_stop(content, stops)
+                self.messages.append({"role": "assistant", "content": content if cut is None else content[:cut]})
             else:
                 self.messages.pop()
             self._count(stats, self.pair_cache.last_reused, interrupted=not finished)

@@ -6,6 +6,8 @@
 #
 # Then:  dflash generate --model OUT_DIR/target --draft-model OUT_DIR/drafter -p "Once upon a time"
 # Budget: 45 minutes on a 2-core x86-64 machine (see docs/benchmarks.md for the measured time).
+# Re-running into the same OUT reuses the data folders; the training step then refuses an
+# OUT/drafter that holds a run (`dflash train` wants --resume or --overwrite): use a new OUT.
 set -euo pipefail
 OUT=${1:?usage: scripts/train_stories260k.sh OUT_DIR}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

@@ -2,8 +2,10 @@
 pty (pexpect), and scripted through a pipe (plain text, no ANSI codes)."""
 
 import io
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +15,7 @@ import pytest
 from conftest import needs_shared
 
 STORY = ", there was a little girl named Lily."
-CACHE = re.compile(r"Cache: (\d+) tokens of 512 \(target (\d+), drafter (\d+)\)")
+CACHE = re.compile(r"Cache: (\d+) tokens of \d+ \(target (\d+), drafter (\d+)\)")
 
 
 def chat_cmd(model, drafter, *args):
@@ -28,9 +30,21 @@ def check_cache_line(text):
     return n
 
 
+@pytest.fixture(scope="module")
+def long_stories(stories, tmp_path_factory):
+    """stories260K with a context of a million tokens: a reply under a large /max
+    cannot end by filling the context before a Ctrl-C lands (at 512, it could)."""
+    folder = tmp_path_factory.mktemp("long") / "stories260K"
+    shutil.copytree(stories, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 1_000_000
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 @needs_shared
-def test_driven_session_in_a_pty(stories, random_drafter):
-    cmd = chat_cmd(stories, random_drafter, "--max-tokens", "30")
+def test_driven_session_in_a_pty(long_stories, random_drafter):
+    cmd = chat_cmd(long_stories, random_drafter, "--max-tokens", "30")
     child = pexpect.spawn(cmd[0], cmd[1:], encoding="utf-8", dimensions=(50, 120), timeout=60,
                           env={**os.environ, "TERM": "xterm-256color"})
     log = io.StringIO()
@@ -52,7 +66,9 @@ def test_driven_session_in_a_pty(stories, random_drafter):
         prompt()
 
         # Ctrl-C while a long reply streams (the live status line shows it is running).
-        child.sendline("/max 1000")
+        # The reply cannot end first: its greedy text has no EOS within reach, and
+        # 100000 tokens take minutes here.
+        child.sendline("/max 100000")
         prompt()
         child.sendline("Lily")
         child.expect(r"accept \d+\.\d%")
@@ -101,7 +117,7 @@ def test_piped_turns_plain_text(stories, random_drafter, tmp_path):
     ]
     r = subprocess.run(chat_cmd(stories, random_drafter, "-m", "30"), input="\n".join(lines) + "\n",
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr  # three lines failed; the others still ran
     assert "\x1b" not in r.stdout + r.stderr and "Traceback" not in r.stderr
     assert r.stdout.startswith(STORY) and r.stdout.count(STORY) >= 2
     assert check_cache_line(r.stdout) == 5 + 30 - 1  # BOS + "Once upon a time" + reply - last
@@ -145,3 +161,34 @@ def test_rich_view_marks_drafted_and_thinking(color):
     assert ("\x1b[2;36mned</think>" in out and "\x1b[36mHello" in out) == color
     assert ("\x1b[36m" in out) == color
     assert re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out).count("Hello world") == 1
+
+
+@needs_shared
+def test_piped_commands_name_themselves_and_reset_clears_the_totals(stories, random_drafter):
+    lines = ["Once upon a time", "/block 1", "/temp -1", "/max 0", "/reset", "/stats"]
+    r = subprocess.run(chat_cmd(stories, random_drafter, "-m", "10"), input="\n".join(lines) + "\n",
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: /block 1 is out of range: this drafter supports 2..8 (its trained block size)",
+                      "error: /temp must be >= 0, got -1.0", "error: /max must be at least 1, got 0"]
+    assert "--" not in "".join(errors)
+    assert "Turns: 0 (0 interrupted)" in r.stdout and "Generation: 0 tokens" in r.stdout
+    # Without a failed line, a piped session exits 0.
+    r = subprocess.run(chat_cmd(stories, random_drafter, "-m", "10"), input="Once upon a time\n/stats\n",
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_color_command_prints_one_line(on):
+    from rich.console import Console
+
+    from dflash_mlx.cli.chat_ui import RichView
+
+    view = RichView(color=not on)
+    buf = io.StringIO()
+    view.console = Console(file=buf, width=200)
+    view.set_color(on)
+    assert view.color == on and buf.getvalue().count("\n") == 1
+    assert ("colour off" in buf.getvalue()) == (not on)

@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 
-from dflash_mlx import generate_step, load
+from dflash_mlx import InputError, generate_step, load
 from dflash_mlx.session import (ChatSession, ContextFullError, ReplyDecoder, common_prefix, plain_text,
                                 starts_thinking, trim_cache)
 from dflash_mlx.targets import HybridAdapter
@@ -209,17 +209,21 @@ def test_trim_cache_evens_out_layers():
     assert layers[2].offset == 9 and layers[2].keys.shape[2] == layers[2].values.shape[2]
 
 
-def test_reset_trims_both_caches(pair):
+def test_reset_trims_both_caches_and_starts_the_totals_afresh(pair):
     target, drafter = pair
     s = ChatSession(target, ByteTokenizer(True), drafter, system_prompt="sys")
-    run_turn(s, TURNS[0], 20)
-    run_turn(s, TURNS[1], 20)
+    first, _ = run_turn(s, TURNS[0], 20)
+    second, _ = run_turn(s, TURNS[1], 20)
+    assert s.turns == 2 and s.totals.generation_tokens == len(first) + len(second) > 0
     s.reset()
     assert s.messages == [{"role": "system", "content": "sys"}] and s.tokens == []
+    assert s.turns == 0 and s.totals.generation_tokens == 0 and s.totals.steps == 0
     check_consistent(s)
     reply, ids = run_turn(s, TURNS[2], 20)
     assert s.last_reused == 0 and reply == fresh(target, drafter, ids, 20)
-    assert s.turns == 3 and "Turns: 3 (0 interrupted)" in s.stats_lines()
+    # /stats after /reset counts the new conversation only.
+    assert s.turns == 1 and "Turns: 1 (0 interrupted)" in s.stats_lines()
+    assert f"Generation: {len(reply)} tokens" in "\n".join(s.stats_lines())
 
 
 def test_context_limit(pair):
@@ -321,3 +325,34 @@ def test_stories_turns_equal_fresh_runs(stories, random_drafter, tmp_path, templ
         assert s.last_reused == held
         held = len(s.tokens)
         check_consistent(s)
+
+
+@pytest.mark.parametrize("template", [True, False], ids=["template", "plain"])
+def test_stop_string_cuts_the_reply_and_keeps_caches_consistent(pair, template):
+    target, drafter = pair
+    s = ChatSession(target, ByteTokenizer(template), drafter)
+    whole = "".join(p.text for ev in s.stream(TURNS[0], max_tokens=30, block_size=4) for p in ev.pieces)
+    s.reset()
+    # The first character after the start that does not occur before it: the stop string.
+    k = next(i for i in range(1, len(whole)) if whole.find(whole[i]) == i and whole[i] != "\ufffd")
+    stop = whole[k]
+    events = list(s.stream(TURNS[0], max_tokens=30, block_size=4, stop_strings=["never there", stop]))
+    shown = "".join(p.text for ev in events for p in ev.pieces)
+    assert shown == whole[:k] and events[-1].finish_reason == "stop"
+    assert s.messages[-1] == {"role": "assistant", "content": whole[:k]}
+    check_consistent(s)
+    # The tokens up to the one completing the stop string were committed; the next turn goes on.
+    list(s.stream(TURNS[1], max_tokens=10, block_size=4, stop_strings=[stop]))
+    check_consistent(s)
+    with pytest.raises(InputError, match="stop string"):
+        s.stream(TURNS[2], stop_strings=[""])
+
+
+def test_stop_text_holds_back_a_possible_start():
+    from dflash_mlx.session import Piece, StopText
+
+    st = StopText(["STOP"])
+    assert [p.text for p in st.add([Piece("abc S", drafted=True)], False)] == ["abc "]
+    assert [p.text for p in st.add([Piece("T"), Piece("x")], False)] == ["S", "T", "x"]
+    assert [(p.text, p.drafted) for p in st.add([Piece("yST", True), Piece("OPz")], True)] == [("y", True)]
+    assert StopText().add([Piece("anything")], False)[0].text == "anything"

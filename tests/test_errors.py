@@ -113,6 +113,27 @@ def test_mask_token_outside_vocab(saved, pair):
     assert "dflash_config.mask_token_id" in str(e.value) and str(saved / "config.json") in str(e.value)
 
 
+@pytest.mark.parametrize("edit, needle", [
+    (lambda cfg: cfg.update(hidden_size="wide"), "'hidden_size' must be an integer, got 'wide'"),
+    (lambda cfg: cfg.update(rms_norm_eps="small"), "'rms_norm_eps' must be a number"),
+    (lambda cfg: cfg["dflash_config"].update(mask_token_id=1.5), "'dflash_config.mask_token_id' must be an integer"),
+    (lambda cfg: cfg["dflash_config"].update(target_layer_ids="1,2"),
+     "'dflash_config.target_layer_ids' must be a list"),
+    (lambda cfg: cfg.update(dflash_config=[1]), "'dflash_config' must be an object"),
+])
+def test_config_values_of_the_wrong_type(saved, edit, needle):
+    edit_config(saved, edit)
+    with pytest.raises(ConfigError) as e:
+        load_drafter(str(saved))
+    assert str(saved / "config.json") in str(e.value) and needle in str(e.value)
+
+
+def test_config_that_is_not_an_object(saved):
+    (saved / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="expected a JSON object, found list"):
+        load_drafter(str(saved))
+
+
 def test_missing_required_key(saved):
     edit_config(saved, lambda cfg: cfg.pop("vocab_size"))
     with pytest.raises(ConfigError, match="'vocab_size'"):

@@ -11,7 +11,10 @@ from dflash_mlx import GenerationStats, generate_step
 from dflash_mlx.errors import InputError, MismatchError
 from dflash_mlx.train.blocks import block_mask, position_weights, sample_anchors, valid_anchors
 from dflash_mlx.train.data import TrainSequence, read_prompt_file, regenerate
-from dflash_mlx.train.trainer import TrainConfig, Trainer, evaluate, init_drafter, make_batch, target_features
+from dflash_mlx.train.trainer import (
+    TrainConfig, Trainer, block_loss, check_fresh_out, evaluate, init_drafter, make_batch, sequence_loss_and_grad,
+    target_features,
+)
 from conftest import mlx_lm_greedy, tiny_target
 
 B = 8
@@ -74,6 +77,38 @@ def test_training_forward_equals_inference_forward(setup):
         assert mx.allclose(train_logits[i], infer[0], atol=1e-5).item()
 
 
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+def test_anchor_chunks_give_the_one_pass_loss_and_gradients(setup, chunk):
+    """16 anchors in chunks of 1, 5 (uneven: 5+5+5+1) or 16: the same loss and
+    gradients as one pass, up to float rounding."""
+    import mlx.nn as nn
+
+    _, target, seqs = setup
+    drafter = _drafter(target)
+    seq = seqs[1]
+    anchors = sample_anchors(np.random.default_rng(3), seq.tokens.size, seq.response_start, B, 16)
+    weights = mx.array(position_weights(B, 4.0))
+    feats = target_features(target, seq.tokens, drafter.target_layer_ids, mx.float32)
+    fn = nn.value_and_grad(drafter, lambda *a: block_loss(drafter, *a[:5], weights, a[5]))
+    one_loss, one_grads = fn(feats, *make_batch(seq, B, 0, anchors), anchors.size)
+    loss, grads = sequence_loss_and_grad(fn, feats, seq, anchors, B, 0, chunk)
+    assert abs(loss.item() - one_loss.item()) < 1e-5 * abs(one_loss.item())
+    for (k, g1), (_, g2) in zip(tree_flatten(one_grads), tree_flatten(grads)):
+        assert mx.allclose(g1, g2, rtol=1e-4, atol=1e-6).item(), k
+
+
+def test_chunked_training_follows_the_one_pass_run(setup, tmp_path):
+    _, target, seqs = setup
+    runs = []
+    for chunk in (0, 3):
+        config = TrainConfig(steps=5, anchors=8, anchor_chunk=chunk, grad_accum=2, lr=3e-3)
+        trainer = Trainer(_drafter(target), target, seqs, config, tmp_path / str(chunk))
+        runs.append(([info.loss for info in trainer.run()], trainer.drafter))
+    assert np.allclose(runs[0][0], runs[1][0], rtol=1e-4)
+    for (k, a), (_, b) in zip(tree_flatten(runs[0][1].parameters()), tree_flatten(runs[1][1].parameters())):
+        assert mx.allclose(a, b, rtol=1e-3, atol=1e-5).item(), k
+
+
 def _engine_tau(target, drafter, seqs):
     """Mean tau of real decoding from each sequence's prompt."""
     taus = []
@@ -128,6 +163,46 @@ def test_resume_with_another_target_fails_and_keeps_checkpoint(setup, tmp_path):
     with pytest.raises(MismatchError, match="trained for target"):
         Trainer.resume(other, seqs, config, tmp_path)
     assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(steps=10), "--steps 4; resuming with --steps 10"),  # would reshape the learning-rate schedule
+    (dict(lr=1e-2, seed=3), "--lr 0.001, --seed 0; resuming with --lr 0.01, --seed 3"),
+])
+def test_resume_with_other_run_settings_is_refused(setup, tmp_path, change, needle):
+    _, target, seqs = setup
+    config = TrainConfig(steps=4, anchors=4, lr=1e-3, save_every=2)
+    trainer = Trainer(_drafter(target), target, seqs, config, tmp_path)
+    for info in trainer.run():
+        if info.step == 2:
+            break
+    with pytest.raises(InputError, match=needle):
+        Trainer.resume(target, seqs, TrainConfig(**{**config.__dict__, **change}), tmp_path)
+    # Settings that do not shape the run may change.
+    resumed = Trainer.resume(target, seqs, TrainConfig(**{**config.__dict__, "eval_every": 1, "save_every": 1}),
+                             tmp_path)
+    assert resumed.step == 2
+
+
+def test_resume_of_a_finished_run_is_refused(setup, tmp_path):
+    _, target, seqs = setup
+    config = TrainConfig(steps=2, anchors=4, save_every=2)
+    list(Trainer(_drafter(target), target, seqs, config, tmp_path).run())
+    with pytest.raises(InputError, match="already finished its 2 steps"):
+        Trainer.resume(target, seqs, config, tmp_path)
+
+
+def test_fresh_run_into_an_earlier_run(setup, tmp_path):
+    _, target, seqs = setup
+    check_fresh_out(tmp_path / "new")  # a new folder is fine, and so is an unrelated one
+    (tmp_path / "notes.txt").write_text("mine")
+    check_fresh_out(tmp_path)
+    list(Trainer(_drafter(target), target, seqs, TrainConfig(steps=2, anchors=4, save_every=1), tmp_path).run())
+    with pytest.raises(InputError, match="checkpoints up to step_0000002.*--resume.*--overwrite"):
+        check_fresh_out(tmp_path)
+    check_fresh_out(tmp_path, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    check_fresh_out(tmp_path)
 
 
 def test_resume_without_checkpoint(setup, tmp_path):

@@ -1,8 +1,10 @@
 """`dflash data` -> `dflash train` -> `dflash generate --draft-model` on stories260K."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 
 from conftest import SHARED, needs_shared
@@ -65,3 +67,38 @@ def test_data_errors(stories, tmp_path):
     r = run("data", "--model", str(stories), "--self-prompts", "2", "--self-prompt-style", "middle",
             "--out", str(tmp_path / "d3"))
     assert r.returncode == 1 and "--self-prompt-style" in r.stderr
+
+
+@needs_shared
+def test_interrupted_training_says_where_its_checkpoint_is(stories, tmp_path):
+    data, out = tmp_path / "data", tmp_path / "drafter"
+    r = run("data", "--model", str(stories), "--text", str(SHARED / "datasets" / "tinystories_sample.txt"),
+            "--max-tokens", "24", "--out", str(data))
+    assert r.returncode == 0, r.stderr
+    train = ["train", "--model", str(stories), "--data", str(data), "--out", str(out), "--block-size", "4",
+             "--anchors", "4", "--grad-accum", "1", "--held-out", "4", "--eval-every", "0"]
+    # So many steps that only the interrupt ends the run; it lands after the first checkpoint.
+    p = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli.main", *train, "--steps", "1000000",
+                          "--save-every", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(out.glob("checkpoints/step_*")) and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.1)  # (only the newest three are kept: step_0000001 may be gone already)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    note = err.splitlines()[-1]
+    assert "Traceback" not in err and "The newest checkpoint is" in note and "--resume continues" in note
+    newest = note.split("The newest checkpoint is ")[1].split(":")[0]
+    assert newest.startswith(str(out / "checkpoints" / "step_"))
+    r = dflash("--model", str(stories), "--draft-model", newest, "-p", "Once upon a time", "-m", "8", "--quiet")
+    assert r.returncode == 0, r.stderr  # the checkpoint is a drafter
+
+    # The folder holds that run: a fresh run is refused, --resume must keep its settings,
+    # --overwrite starts afresh.
+    r = run(*train, "--steps", "2")
+    assert r.returncode == 1 and "holds an earlier training run" in r.stderr and "--resume" in r.stderr
+    r = run(*train, "--steps", "2", "--resume")
+    assert r.returncode == 1 and "--steps 1000000; resuming with --steps 2" in " ".join(r.stderr.split())
+    r = run(*train, "--steps", "2", "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert not (out / "checkpoints").exists() and (out / "config.json").is_file()

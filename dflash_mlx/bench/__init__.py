@@ -11,6 +11,8 @@ From Python::
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .datasets import Sample, load_dataset
@@ -53,6 +55,47 @@ def make_baseline(spec: str, pair, num_draft_tokens: int = 3) -> Engine:
     return MlxLmSpeculativeEngine(pair.model, draft_model, num_draft_tokens)
 
 
+RESULTS_FILE = "results.json"
+
+
+def prepare_out_dir(out_dir: str | Path, overwrite: bool = False, plots: bool = True) -> Path:
+    """Check the output folder before any work, and create it.
+
+    Raises:
+        InputError: ``out_dir`` is a file, cannot be created, or already holds
+            files and ``overwrite`` is False; plots asked for without matplotlib.
+    """
+    from ..errors import InputError
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out}: is a file; give a folder for results.json and the plots")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise InputError(f"--out {out}: the folder is not empty (an earlier run?); pass --overwrite "
+                         "to replace its results, or a new --out")
+    if plots:
+        from .plots import require_matplotlib
+
+        require_matplotlib()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--out {out}: cannot create the folder ({e.strerror})") from None
+    return out
+
+
+def remove_stale(out_dir: str | Path, written: Sequence[str]) -> List[Path]:
+    """Delete the bench outputs of an earlier run that this run did not rewrite
+    (e.g. plots after ``--no-plots``), so a folder never mixes two runs."""
+    from .plots import PLOT_FILES
+
+    stale = [Path(out_dir) / name for name in (RESULTS_FILE, *PLOT_FILES)]
+    stale = [p for p in stale if p.is_file() and str(p) not in set(written)]
+    for p in stale:
+        p.unlink()
+    return stale
+
+
 def bench(
     model: str,
     draft_model: str,
@@ -67,6 +110,7 @@ def bench(
     command: Sequence[str] = (),
     progress: Optional[Callable[[str, int, int], None]] = None,
     pair=None,
+    overwrite: bool = False,
 ) -> dict:
     """Load a pair, run every dataset, write ``results.json`` and the plots.
 
@@ -80,10 +124,13 @@ def bench(
             simulated acceptance).
         num_draft_tokens: drafts per cycle of the ``draft-model`` baseline.
         out_dir: where ``results.json`` and the PNGs go (nothing is written if None).
+            It is checked before any work: it must be empty (or new) unless
+            ``overwrite``, in which case the earlier run's outputs are replaced.
         plots: draw the PNGs (needs matplotlib).
         command: the command line, recorded in the report.
         progress: ``progress(dataset, done, total)`` after each item.
         pair: an already loaded :class:`dflash_mlx.Pair`.
+        overwrite: write into a folder that already holds files.
 
     Returns:
         The report dict (the contents of ``results.json``), with ``files`` listing
@@ -93,11 +140,15 @@ def bench(
         DFlashError subclasses for bad input (datasets, flags, checkpoints).
     """
     from ..loading import load
+    from ..sampling import effective_top_k
 
     config = config or BenchConfig()
     config.check()
+    if out_dir is not None:
+        prepare_out_dir(out_dir, overwrite, plots)
     loaded = [load_dataset(d, num_samples) for d in datasets]  # fail before loading models
     pair = pair or load(model, draft_model)
+    config = replace(config, top_k=effective_top_k(config.top_k, pair.target.vocab_size))
     engine = make_baseline(baseline, pair, num_draft_tokens)
     runner = Runner(pair.target, pair.drafter, engine, config, tokenizer=pair.tokenizer)
     results = [runner.run_dataset(name, samples, progress) for name, samples in loaded]
@@ -110,6 +161,7 @@ def bench(
             from .plots import write_plots
 
             files.update({k: str(v) for k, v in write_plots(report, out_dir).items()})
+        remove_stale(out_dir, list(files.values()))
     report["files"] = files
     return report
 
@@ -126,6 +178,6 @@ def _config_dict(config: BenchConfig, pair, baseline, datasets, num_samples, num
 
 __all__: List[str] = [
     "BenchConfig", "DFlashEngine", "DatasetResult", "Engine", "MlxLmEngine", "MlxLmSpeculativeEngine",
-    "RunRecord", "Runner", "Sample", "bench", "build_report", "load_dataset", "make_baseline",
+    "RunRecord", "Runner", "Sample", "bench", "prepare_out_dir", "remove_stale", "build_report", "load_dataset", "make_baseline",
     "results_table", "summarize", "timed_run", "write_report",
 ]

@@ -17,6 +17,13 @@ from typing import Dict, List
 
 from ..errors import InputError
 
+PLOT_FILES = ("speedup.png", "acceptance_histogram.png", "tokens_per_s.png")
+
+
+def require_matplotlib() -> None:
+    """Raises InputError (naming the extra and --no-plots) when matplotlib is missing."""
+    _pyplot()
+
 
 def _pyplot():
     try:
@@ -117,10 +124,12 @@ def write_plots(report: dict, out_dir: str | Path) -> Dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     return {
-        "speedup": plot_speedup(report, out / "speedup.png"),
-        "acceptance_histogram": plot_acceptance(report, out / "acceptance_histogram.png"),
-        "tokens_per_s": plot_tokens_per_s(report, out / "tokens_per_s.png"),
+        "speedup": plot_speedup(report, out / PLOT_FILES[0]),
+        "acceptance_histogram": plot_acceptance(report, out / PLOT_FILES[1]),
+        "tokens_per_s": plot_tokens_per_s(report, out / PLOT_FILES[2]),
     }
 
 
-__all__: List[str] = ["plot_speedup", "plot_acceptance", "plot_tokens_per_s", "write_plots"]
+__all__: List[str] = [
+    "PLOT_FILES", "plot_speedup", "plot_acceptance", "plot_tokens_per_s", "require_matplotlib", "write_plots",
+]

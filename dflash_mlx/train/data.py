@@ -107,6 +107,39 @@ def encode_prompts(tokenizer, rows: Iterable[dict], template: Optional[dict] = N
             for row in rows]
 
 
+def response_end_token(tokenizer, templated: bool) -> Optional[int]:
+    """The token that ends a finished response in the training data.
+
+    Generation stops at any id of ``tokenizer.eos_token_ids`` (a set, e.g. Qwen3's
+    ``<|im_end|>`` and ``<|endoftext|>``) and mlx-lm drops it, so the data records the
+    one the model is meant to end with: for a prompt rendered with the chat template,
+    the first EOS id the template puts after an assistant message's content (Qwen's
+    ``<|im_end|>``, Llama 3's ``<|eot_id|>``); else the tokenizer's ``eos_token_id``;
+    else the smallest EOS id; None without any.
+
+    Args:
+        tokenizer: mlx-lm ``TokenizerWrapper``.
+        templated: the prompts were rendered with the chat template.
+    """
+    eos = set(tokenizer.eos_token_ids)
+    if templated and tokenizer.has_chat_template:
+        marker = "dflash-end-of-content"
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}], tokenize=False)
+        except Exception:  # a template that cannot render this pair: fall back to the EOS id
+            text = ""
+        if marker in text:
+            after = tokenizer.encode(text.split(marker)[-1], add_special_tokens=False)
+            ends = [t for t in after if t in eos]  # past a leading space piece, if any
+            if ends:
+                return int(ends[0])
+    eos_id = getattr(tokenizer, "eos_token_id", None)
+    if eos_id is not None:
+        return int(eos_id)
+    return min(eos) if eos else None
+
+
 def self_prompts(model, tokenizer, count: int, length: int, seed: int, temp: float = 1.0,
                  style: str = "prefix", max_words: int = 12) -> List[List[int]]:
     """Openings sampled from the target itself, for base models without a prompt set.
@@ -157,6 +190,7 @@ def regenerate(
     batch_size: int = 32,
     seed: int = 0,
     target_id: str = "",
+    end_tokens: Optional[Sequence[Optional[int]]] = None,
     progress: Optional[Callable[[int, int], None]] = None,
 ) -> Path:
     """Regenerate responses with the target into ``out_dir`` (resumable).
@@ -167,6 +201,9 @@ def regenerate(
         max_length: most tokens per sequence (prompt + response).
         temp: sampling temperature of the regeneration (0 = greedy, as used later).
         shard_size: prompts per shard; finished shards are skipped on resume.
+        end_tokens: per prompt, the token appended to a response that finished
+            (None: nothing); default :func:`response_end_token` of every prompt,
+            as rendered with the chat template when the tokenizer has one.
         progress: called with (prompts done, total) after each shard.
 
     Raises:
@@ -195,6 +232,8 @@ def regenerate(
     else:
         manifest_file.write_text(json.dumps(manifest, indent=2))
 
+    if end_tokens is None:
+        end_tokens = [response_end_token(tokenizer, tokenizer.has_chat_template)] * len(prompts)
     sampler = make_sampler(temp)
     shards = range(0, len(prompts), shard_size)
     for i, start in enumerate(shards):
@@ -206,9 +245,9 @@ def regenerate(
             result = batch_generate(model, tokenizer, chunk, max_tokens=budgets, sampler=sampler,
                                     return_token_ids=True, completion_batch_size=batch_size,
                                     prefill_batch_size=batch_size)
-            eos = next(iter(tokenizer.eos_token_ids), None)
-            responses = [ids + ([eos] if len(ids) < b and eos is not None else [])
-                         for ids, b in zip(result.token_ids, budgets)]
+            ends = end_tokens[start:start + shard_size]
+            responses = [ids + ([end] if len(ids) < b and end is not None else [])  # stopped: ended its turn
+                         for ids, b, end in zip(result.token_ids, budgets, ends)]
             _write_shard(path, chunk, responses)
         if progress:
             progress(min(start + shard_size, len(prompts)), len(prompts))

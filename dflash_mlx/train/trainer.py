@@ -37,6 +37,12 @@ from .blocks import block_mask, default_gamma, position_weights, sample_anchors,
 from .data import TrainSequence
 
 CHECKPOINTS = "checkpoints"
+FEATURES = "features"
+# Settings that shape a run (schedule, data order, anchors, numerics), with their flags:
+# a resumed run must use the checkpoint's values to continue the same run.
+RUN_SETTINGS = {"steps": "--steps", "grad_accum": "--grad-accum", "anchors": "--anchors", "lr": "--lr",
+                "warmup": "--warmup", "min_lr": "min_lr", "weight_decay": "weight_decay",
+                "grad_clip": "--grad-clip", "gamma": "--gamma", "dtype": "--dtype", "seed": "--seed"}
 
 
 @dataclass
@@ -48,6 +54,9 @@ class TrainConfig:
         batch_size: sequences per micro-batch forward is 1; ``grad_accum``
             sequences make one optimizer step.
         anchors: blocks sampled per sequence (paper: up to 512).
+        anchor_chunk: blocks per forward and backward (0: all of a sequence at
+            once). Memory grows with it (the [chunk, B-1, V] logits above all);
+            the loss and gradients do not depend on it, up to float rounding.
         lr, warmup, min_lr: AdamW peak rate, warm-up fraction of ``steps``,
             and the cosine floor.
         grad_clip: max global gradient norm.
@@ -58,6 +67,7 @@ class TrainConfig:
     steps: int = 1000
     grad_accum: int = 1
     anchors: int = 512
+    anchor_chunk: int = 64
     lr: float = 6e-4
     warmup: float = 0.04
     min_lr: float = 0.0
@@ -190,15 +200,55 @@ def make_batch(seq: TrainSequence, block_size: int, mask_id: int, anchors: np.nd
     return mx.array(blocks), mx.array(targets), mx.array(anchors), mx.array(mask)
 
 
-def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask, weights) -> mx.array:
-    """Weighted cross-entropy of block rows 1..B-1, normalised by the weight sum."""
+def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask, weights,
+               num_blocks: Optional[int] = None) -> mx.array:
+    """Weighted cross-entropy of block rows 1..B-1, normalised by the weight sum.
+
+    Args:
+        num_blocks: blocks of the whole sequence when these are one chunk of them
+            (default: ``blocks.shape[0]``), so the chunks' losses sum to the loss
+            of all blocks at once.
+    """
     logits = drafter.block_logits(blocks, features, anchors, mask)
     ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
-    return (ce * weights).sum() / (weights.sum() * blocks.shape[0])
+    return (ce * weights).sum() / (weights.sum() * (num_blocks or blocks.shape[0]))
+
+
+def chunks(n: int, size: int) -> List[slice]:
+    """``[0, n)`` in slices of ``size`` (0: one slice)."""
+    size = size or n
+    return [slice(start, min(start + size, n)) for start in range(0, n, size)] if n else []
+
+
+def sequence_loss_and_grad(loss_and_grad: Callable, features: mx.array, seq: TrainSequence, anchors: np.ndarray,
+                           block_size: int, mask_id: int, anchor_chunk: int = 0):
+    """Loss and gradients over every anchor of one sequence, ``anchor_chunk`` at a time.
+
+    Each chunk's loss is normalised by the sequence's anchor count, so the chunks
+    sum to the loss of one pass over all anchors; their gradients are summed and
+    evaluated chunk by chunk, so only one chunk's graph is alive at a time.
+
+    Args:
+        loss_and_grad: ``nn.value_and_grad(drafter, f)`` with ``f(features, blocks,
+            targets, anchors, mask, num_blocks)`` as :func:`block_loss`.
+        features: [1, L, K*H] target features of ``seq``.
+        anchors: [N] anchor positions.
+
+    Returns:
+        ``(loss, grads)``, evaluated.
+    """
+    loss, grads = None, None
+    for part in chunks(anchors.size, anchor_chunk):
+        batch = make_batch(seq, block_size, mask_id, anchors[part])
+        part_loss, part_grads = loss_and_grad(features, *batch, anchors.size)
+        loss = part_loss if loss is None else loss + part_loss
+        grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
+        mx.eval(loss, grads)
+    return loss, grads
 
 
 def evaluate(drafter: DFlashDrafter, target: TargetAdapter, sequences: List[TrainSequence],
-             block_size: int, max_anchors: int = 256, seed: int = 0) -> dict:
+             block_size: int, max_anchors: int = 256, seed: int = 0, anchor_chunk: int = 64) -> dict:
     """Per-position accuracy and acceptance, and the acceptance length they imply,
     on held-out data (:func:`dflash_mlx.stats.teacher_forced`).
 
@@ -213,9 +263,36 @@ def evaluate(drafter: DFlashDrafter, target: TargetAdapter, sequences: List[Trai
         if anchors.size == 0:
             continue
         feats = target_features(target, seq.tokens, drafter.target_layer_ids, dtype)
-        blocks, targets, anchors_mx, mask = make_batch(seq, block_size, drafter.args.mask_token_id, anchors)
-        rows.append(np.array(mx.argmax(drafter.block_logits(blocks, feats, anchors_mx, mask), axis=-1) == targets))
+        for part in chunks(anchors.size, anchor_chunk):  # bounded memory, as in training
+            blocks, targets, anchors_mx, mask = make_batch(seq, block_size, drafter.args.mask_token_id, anchors[part])
+            logits = drafter.block_logits(blocks, feats, anchors_mx, mask)
+            rows.append(np.array(mx.argmax(logits, axis=-1) == targets))
     return teacher_forced(np.concatenate(rows))
+
+
+def check_fresh_out(out_dir: str | Path, overwrite: bool = False) -> None:
+    """Before a fresh run: ``out_dir`` must not hold an earlier run, whose checkpoints a
+    later ``--resume`` would pick up (and whose cached features belong to other data).
+
+    With ``overwrite``, that run's checkpoints, cached features and drafter are deleted.
+
+    Raises:
+        InputError: ``out_dir`` is a file, or holds a run and ``overwrite`` is False.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out}: is a file; give a folder for the drafter")
+    owned = [out / CHECKPOINTS, out / FEATURES, out / "config.json", out / "model.safetensors"]
+    found = [p for p in owned if p.exists()]
+    if not found:
+        return
+    if not overwrite:
+        ckpts = Trainer.checkpoints(out)
+        what = f"checkpoints up to {ckpts[-1].name}" if ckpts else ", ".join(p.name for p in found)
+        raise InputError(f"--out {out}: holds an earlier training run ({what}); pass --resume to continue it, "
+                         "--overwrite to delete it and start afresh, or a new --out")
+    for p in found:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def learning_rate(config: TrainConfig) -> Callable:
@@ -256,8 +333,8 @@ class Trainer:
         self.step = 0
         self._loss_and_grad = nn.value_and_grad(drafter, self._loss)
 
-    def _loss(self, features, blocks, targets, anchors, mask):
-        return block_loss(self.drafter, features, blocks, targets, anchors, mask, self.weights)
+    def _loss(self, features, blocks, targets, anchors, mask, num_blocks):
+        return block_loss(self.drafter, features, blocks, targets, anchors, mask, self.weights, num_blocks)
 
     def _sequence(self, index: int) -> int:
         epoch, i = divmod(index, len(self.sequences))
@@ -270,7 +347,8 @@ class Trainer:
         rng = np.random.default_rng([c.seed, step, micro])
         anchors = sample_anchors(rng, seq.tokens.size, seq.response_start, B, c.anchors)
         feats = self.features.get(index, seq, self.dtype)
-        loss, grads = self._loss_and_grad(feats, *make_batch(seq, B, self.drafter.args.mask_token_id, anchors))
+        loss, grads = sequence_loss_and_grad(self._loss_and_grad, feats, seq, anchors, B,
+                                             self.drafter.args.mask_token_id, c.anchor_chunk)
         return loss, grads, anchors.size * (B - 1)
 
     def run(self) -> Iterator[StepInfo]:
@@ -283,6 +361,7 @@ class Trainer:
                 loss, grads, n = self._micro_step(self.step, micro)
                 grads_sum = grads if grads_sum is None else tree_map(mx.add, grads_sum, grads)
                 total, tokens = total + loss, tokens + n
+                mx.eval(grads_sum, total)  # else every micro-step's graph stays alive until the update
             grads = tree_map(lambda g: g / c.grad_accum, grads_sum)
             grads, _ = optim.clip_grad_norm(grads, c.grad_clip)
             lr = self.optimizer.learning_rate.item()
@@ -292,7 +371,7 @@ class Trainer:
             info = StepInfo(self.step, float(total) / c.grad_accum, lr, tokens / (time.perf_counter() - tic))
             if c.eval_every and self.held_out and self.step % c.eval_every == 0:
                 info.eval = evaluate(self.drafter, self.target, self.held_out[: c.eval_sequences],
-                                     self.drafter.block_size, seed=c.seed)
+                                     self.drafter.block_size, seed=c.seed, anchor_chunk=c.anchor_chunk)
             if c.save_every and self.step % c.save_every == 0:
                 self.save_checkpoint()
             yield info
@@ -314,6 +393,12 @@ class Trainer:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
+    @staticmethod
+    def checkpoints(out_dir: str | Path) -> List[Path]:
+        """The checkpoints in ``out_dir/checkpoints``, oldest first (each loads with
+        ``--draft-model``)."""
+        return sorted((Path(out_dir) / CHECKPOINTS).glob("step_*"))
+
     @classmethod
     def resume(cls, target: TargetAdapter, sequences: List[TrainSequence], config: TrainConfig,
                out_dir: str | Path, held_out: Optional[List[TrainSequence]] = None,
@@ -321,11 +406,13 @@ class Trainer:
         """Continue from the newest checkpoint in ``out_dir/checkpoints``.
 
         Raises:
-            InputError: no checkpoint to resume from.
+            InputError: no checkpoint to resume from; a setting of
+                :data:`RUN_SETTINGS` differs from the checkpoint's (the message names
+                the flags and both values); the run already reached ``config.steps``.
             MismatchError: the checkpoint was trained for another target (the
                 checkpoint is left as it is).
         """
-        checkpoints = sorted((Path(out_dir) / CHECKPOINTS).glob("step_*"))
+        checkpoints = cls.checkpoints(out_dir)
         if not checkpoints:
             raise InputError(f"{Path(out_dir) / CHECKPOINTS}: no checkpoint to resume from")
         ckpt = checkpoints[-1]
@@ -335,6 +422,19 @@ class Trainer:
                 f"{ckpt}: was trained for target {state['target']}, but the given target is "
                 f"{target_fingerprint(target)}; pass the same --model or a new --out"
             )
+        saved = state.get("config", {})
+        changed = [k for k in RUN_SETTINGS if k in saved and saved[k] != getattr(config, k)]
+        if changed:
+            was = ", ".join(f"{RUN_SETTINGS[k]} {saved[k]}" for k in changed)
+            now = ", ".join(f"{RUN_SETTINGS[k]} {getattr(config, k)}" for k in changed)
+            raise InputError(
+                f"{ckpt}: the run was started with {was}; resuming with {now} would not continue it "
+                "(the learning-rate schedule, data order and anchors follow them): pass the same values, "
+                "or train afresh into a new --out"
+            )
+        if state["step"] >= config.steps:
+            raise InputError(f"{ckpt}: the run already finished its {config.steps} steps; "
+                             f"the drafter is in {out_dir}")
         drafter = bind_drafter(load_drafter(str(ckpt)), target, str(ckpt))
         trainer = cls(drafter, target, sequences, config, out_dir, held_out, feature_cache)
         trainer.optimizer.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.npz")).items()))

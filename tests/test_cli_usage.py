@@ -1,0 +1,156 @@
+"""The `dflash` entry point: flag errors, help, exit codes, Ctrl-C and closed pipes."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import needs_shared
+from dflash_mlx.cli.main import main
+
+COMMANDS = ["generate", "chat", "data", "train", "bench", "serve"]
+
+
+def run_main(capsys, *args):
+    """``dflash ARGS`` in this process: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def dflash(*args, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli.main", *args], **kwargs)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["generate", "--block-size", "abc"], "--block-size"),
+    (["generate", "--temp", "hot"], "--temp"),
+    (["generate", "--nope"], "--nope"),
+    (["chat", "--top-k", "1.5"], "--top-k"),
+    (["chat", "--max-tokens"], "--max-tokens"),
+    (["data", "--model", "m", "--out", "o", "--max-tokens", "many"], "--max-tokens"),
+    (["train", "--model", "m", "--data", "d", "--out", "o", "--steps", "1.5"], "--steps"),
+    (["train", "--data", "d", "--out", "o"], "--model"),
+    (["bench", "-n", "x"], "--num-samples"),
+    (["nope"], "nope"),
+])
+def test_flag_errors_are_one_line_and_exit_1(capsys, args, flag):
+    code, out, err = run_main(capsys, *args)
+    assert code == 1 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1 and flag in err, err
+    assert "╭" not in err and "Usage:" not in err
+
+
+def test_bad_value_is_quoted(capsys):
+    _, _, err = run_main(capsys, "generate", "--block-size", "abc")
+    assert "'abc'" in err and "integer" in err and "dflash generate --help" in err
+
+
+@pytest.mark.parametrize("command", [[], *[[c] for c in COMMANDS]])
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_help_flags_everywhere(capsys, command, flag):
+    code, out, err = run_main(capsys, *command, flag)
+    assert code == 0 and err == ""
+    assert out.startswith("Usage: dflash") and "-h, --help" in out
+
+
+def test_no_arguments_print_the_help(capsys):
+    code, out, _ = run_main(capsys)
+    assert code == 0 and "Commands:" in out and all(c in out for c in COMMANDS)
+
+
+@pytest.mark.parametrize("columns", ["50", "80"])
+@pytest.mark.parametrize("command", [[], *[[c] for c in COMMANDS]])
+def test_help_is_wrapped_never_cut(capsys, monkeypatch, command, columns):
+    """80 columns is what a pipe gets; 50 a narrow terminal."""
+    monkeypatch.setenv("COLUMNS", columns)
+    _, out, _ = run_main(capsys, *command, "--help")
+    lines = out.splitlines()[1:]  # past "Usage: dflash [OPTIONS] COMMAND [ARGS]..."
+    assert "…" not in out and not any(line.endswith("...") for line in lines), out
+    if command and command[0] in ("generate", "chat", "bench") and columns == "80":
+        assert "z-lab/Qwen3-4B-DFlash-b16" in out  # the default pair, in full
+
+
+def test_help_agrees_with_the_flags(capsys):
+    _, out, _ = run_main(capsys, "bench", "--help")
+    assert "0 for all" in " ".join(out.split())
+    _, out, _ = run_main(capsys, "generate", "--help")
+    assert "vocabulary size and above, is off" in " ".join(out.split())
+
+
+def test_negative_num_samples_is_refused_with_the_rule(capsys, tmp_path):
+    code, _, err = run_main(capsys, "bench", "--draft-model", "d", "-n", "-1", "--out", str(tmp_path / "o"))
+    assert code == 1 and "--num-samples must be 0 (all samples) or more" in err
+
+
+@needs_shared
+def test_closed_output_pipe_exits_141_quietly(stories):
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first byte, as with `| head -c 0`
+    p = dflash("generate", "--model", str(stories), "-p", "Once upon a time", "-m", "40",
+               stdout=write, stderr=subprocess.PIPE, text=True)
+    os.close(write)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 141, err
+    assert err == ""
+
+
+@needs_shared
+@pytest.mark.parametrize("delay", [0.3, 1.5])
+def test_ctrl_c_at_any_time_exits_130_without_a_traceback(stories, delay):
+    """Whether the signal lands in the imports, while loading or while generating."""
+    p = dflash("generate", "--model", str(stories), "-p", "Once upon a time", "-m", "400",
+               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    # 130: interrupted; 0: it had finished; -SIGINT: the signal came before Python set
+    # up its own handler (a loaded machine), so the process died of it, quietly.
+    assert p.returncode in (130, 0, -signal.SIGINT), err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert out == "" or out.endswith("\n")
+
+
+@needs_shared
+def test_interrupted_generate_ends_its_line(stories, capsys, monkeypatch):
+    import dflash_mlx
+    from dflash_mlx import stream_generate
+
+    def interrupted(*args, **kwargs):
+        for i, r in enumerate(stream_generate(*args, **kwargs)):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield r
+
+    monkeypatch.setattr(dflash_mlx, "stream_generate", interrupted)
+    code, out, err = run_main(capsys, "generate", "--model", str(stories), "-p", "Once upon a time", "-m", "50")
+    assert code == 130 and err == ""
+    assert out.startswith(", there was") and out.endswith("\n") and not out.endswith("\n\n")
+
+
+@needs_shared
+def test_interactive_prefill_step_is_small(stories, capsys, monkeypatch):
+    """Ctrl-C is seen between prefill chunks: generate and chat use 128-token chunks
+    on a CPU and 512 on a GPU (mlx-lm's 2048 take seconds), and the flag sets them."""
+    import mlx.core as mx
+
+    import dflash_mlx
+    from dflash_mlx import stream_generate
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["prefill_step_size"])
+        yield from stream_generate(*args, **kwargs)
+
+    monkeypatch.setattr(dflash_mlx, "stream_generate", spy)
+    base = ["generate", "--model", str(stories), "-p", "Once", "-m", "2", "--quiet"]
+    assert run_main(capsys, *base)[0] == 0
+    assert run_main(capsys, *base, "--prefill-step-size", "64")[0] == 0
+    assert seen == [512 if mx.default_device() == mx.gpu else 128, 64]
+    code, _, err = run_main(capsys, *base, "--prefill-step-size", "0")
+    assert code == 1 and "--prefill-step-size" in err
