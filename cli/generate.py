@@ -14,11 +14,13 @@ from .common import (
     block_size_option, draft_model_option, min_p_option, model_option, prefill_step_option, seed_option,
     stop_option, system_prompt_option, temp_option, top_k_option, top_p_option,
 )
+from .common import verify_option
 
 
 def generate(
     model: Optional[str] = model_option(),
     draft_model: Optional[str] = draft_model_option(),
+    verify: bool = verify_option(),
     prompt: Optional[str] = typer.Option(
         None, "--prompt", "-p", help="Prompt text; '-' reads stdin. Piped stdin is read when omitted."
     ),
@@ -57,7 +59,7 @@ def generate(
     guard(lambda: _run(**args))
 
 
-def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
+def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
          system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size, verbose, as_json) -> None:
     import mlx.core as mx
 
@@ -70,7 +72,7 @@ def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed
     text = read_prompt(prompt)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
-    model, draft_model = resolve_models(model, draft_model)
+    model, draft_model = resolve_models(model, draft_model, verify)
     prefill_step_size = resolve_prefill_step(prefill_step_size)
     if block_size is not None and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")

@@ -48,6 +48,7 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
             model,
             group_size=q["group_size"],
             bits=q["bits"],
+            mode=q.get("mode", "affine"),
             class_predicate=lambda p, m: f"{p}.scales" in weights,
         )
     try:
@@ -66,13 +67,20 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` in the released format.
 
     Keys are unprefixed (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, ...);
-    no embedding or lm_head is written.
+    no embedding or lm_head is written. A quantized drafter's config also records
+    ``quantization`` (``group_size``, ``bits``, ``mode``), which :func:`load_drafter`
+    reads back; its quantized layers are the ones with ``.scales`` in the file.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
-    dtype = str(next(iter(weights.values())).dtype).replace("mlx.core.", "")
+    floats = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
+    dtype = str(floats[0]).replace("mlx.core.", "")
     config = model.args.to_config(dtype=dtype)
+    quantized = [m for m in model.modules() if isinstance(m, nn.QuantizedLinear)]
+    if quantized:
+        config["quantization"] = {"group_size": quantized[0].group_size, "bits": quantized[0].bits,
+                                  "mode": quantized[0].mode}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
