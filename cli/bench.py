@@ -7,13 +7,14 @@ from typing import List, Optional
 
 import typer
 
-from .common import MODEL_HELP, check_sampling, guard, parse_draft_window, resolve_models, top_k_option
+from .common import MODEL_HELP, check_sampling, guard, parse_draft_window, resolve_models, top_k_option, verify_option
 
 
 def bench(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="DFlash drafter: a local folder or repo id."),
+    verify: bool = verify_option(),
     dataset: List[str] = typer.Option(
         ["gsm8k"], "--dataset", "-d",
         help="gsm8k, math500, humaneval, mbpp, mt-bench, alpaca (Hugging Face, online) or a local "
@@ -100,7 +101,7 @@ def parse_block_sizes(values: Optional[List[str]], extra: List[str]) -> List[Opt
     return sizes or [None]
 
 
-def _run(model, draft_model, dataset, num_samples, max_tokens, block_size, temp, top_p, top_k, min_p,
+def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_size, temp, top_p, top_k, min_p,
          seed, baseline, num_draft_tokens, enable_thinking, simulate_acceptance, draft_window, repeats, warmup_tokens,
          out, overwrite, plots, extra) -> None:
     from rich.console import Console
@@ -116,7 +117,7 @@ def _run(model, draft_model, dataset, num_samples, max_tokens, block_size, temp,
     if num_samples < 0:
         raise InputError(f"--num-samples must be 0 (all samples) or more, got {num_samples}")
     sizes = parse_block_sizes(block_size, extra)
-    model, draft_model = resolve_models(model, draft_model)
+    model, draft_model = resolve_models(model, draft_model, verify)
     if draft_model is None:
         raise InputError("dflash bench needs --draft-model (the DFlash drafter to measure)")
     datasets = [d for spec in dataset for d in spec.split(",") if d]

@@ -20,6 +20,7 @@ from .common import (
     stop_option, system_prompt_option, temp_option, top_k_option, top_p_option, draft_window_option,
     parse_draft_window,
 )
+from .common import verify_option
 
 COMMANDS = [
     ("/help", "this list"),
@@ -57,6 +58,7 @@ class Settings:
 def chat(
     model: Optional[str] = model_option(),
     draft_model: Optional[str] = draft_model_option(),
+    verify: bool = verify_option(),
     max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens per reply."),
     temp: float = temp_option(),
     top_p: float = top_p_option(),
@@ -98,7 +100,7 @@ def chat(
         raise typer.Exit(130)
 
 
-def _run(model, draft_model, max_tokens, temp, top_p, top_k, min_p, seed, block_size, draft_window,
+def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed, block_size, draft_window,
          system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size, color) -> None:
     import mlx.core as mx
 
@@ -113,7 +115,7 @@ def _run(model, draft_model, max_tokens, temp, top_p, top_k, min_p, seed, block_
     window = parse_draft_window(draft_window)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
-    model, draft_model = resolve_models(model, draft_model)
+    model, draft_model = resolve_models(model, draft_model, verify)
     prefill_step_size = resolve_prefill_step(prefill_step_size)
     if block_size is not None and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")

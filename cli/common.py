@@ -14,7 +14,8 @@ from dflash_mlx.hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
 MODEL_HELP = (
     "Target model: a local mlx-lm folder or a Hugging Face repo id (downloaded into "
-    f"the HF cache). Default with neither flag: {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL}."
+    f"the HF cache). Default with neither flag: {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL}. "
+    "A folder written by `dflash convert` gives both target and drafter."
 )
 DRAFT_HELP = (
     "DFlash drafter: a local folder or repo id in the released format. Without it, "
@@ -29,6 +30,12 @@ def model_option():
 
 def draft_model_option():
     return typer.Option(None, "--draft-model", help=DRAFT_HELP)
+
+
+def verify_option():
+    return typer.Option(
+        False, "--verify", help="Check a `dflash convert` folder's weight files against the sha256 in its dflash.json first."
+    )
 
 
 def temp_option():
@@ -146,10 +153,16 @@ def fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-def resolve_models(model: Optional[str], draft_model: Optional[str]) -> tuple[str, Optional[str]]:
-    """Defaults: no flags -> the Qwen3-4B pair; --model alone -> plain decoding."""
+def resolve_models(model: Optional[str], draft_model: Optional[str], verify: bool = False) -> tuple[str, Optional[str]]:
+    """Defaults: no flags -> the Qwen3-4B pair; --model alone -> plain decoding, unless
+    it is a `dflash convert` folder (its target/ and drafter/; hashes checked if ``verify``)."""
+    from dflash_mlx.manifest import resolve_pair
+
+    if verify and model is None:
+        raise InputError("--verify needs --model DIR, a folder written by dflash convert")
     if model is None and draft_model is None:
         return DEFAULT_MODEL, DEFAULT_DRAFT_MODEL
+    model, draft_model = resolve_pair(model, draft_model, verify)
     return model or DEFAULT_MODEL, draft_model
 
 
@@ -271,7 +284,7 @@ def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_wind
 
     quiet_transformers()
     try:
-        return load(model, draft_model, draft_window)
+        return load(model, draft_model, draft_window=draft_window)
     except CheckpointError as e:
         if not defaults:
             raise

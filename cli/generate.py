@@ -15,11 +15,13 @@ from .common import (
     stop_option, system_prompt_option, temp_option, top_k_option, top_p_option, draft_window_option,
     parse_draft_window,
 )
+from .common import verify_option
 
 
 def generate(
     model: Optional[str] = model_option(),
     draft_model: Optional[str] = draft_model_option(),
+    verify: bool = verify_option(),
     prompt: Optional[str] = typer.Option(
         None, "--prompt", "-p", help="Prompt text; '-' reads stdin. Piped stdin is read when omitted."
     ),
@@ -60,7 +62,7 @@ def generate(
     guard(lambda: _run(**args))
 
 
-def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size, draft_window,
+def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size, draft_window,
          system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size, verbose, as_json) -> None:
     import mlx.core as mx
 
@@ -74,7 +76,7 @@ def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed
     text = read_prompt(prompt)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
-    model, draft_model = resolve_models(model, draft_model)
+    model, draft_model = resolve_models(model, draft_model, verify)
     prefill_step_size = resolve_prefill_step(prefill_step_size)
     if block_size is not None and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")

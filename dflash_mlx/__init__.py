@@ -19,7 +19,8 @@ _EXPORTS = {
     "checkpoint": ["load_drafter", "save_drafter"],
     "drafter": ["DFlashDrafter"],
     "drafter_config": ["DrafterArgs"],
-    "errors": ["CheckpointError", "ConfigError", "DFlashError", "InputError", "MismatchError", "RollbackError"],
+    "errors": ["CheckpointError", "ConfigError", "DFlashError", "InputError", "MismatchError", "RollbackError",
+               "ValidationError"],
     "protocol": ["Drafter", "Proposal", "WrappedDrafter"],
     "sampling": ["Sampling"],
     "generate": ["GenerationResponse", "StepResult", "generate", "generate_step", "stream_generate"],
@@ -51,7 +52,7 @@ if TYPE_CHECKING:  # for type checkers and editors
     from .drafter import DFlashDrafter  # noqa: F401
     from .drafter_config import DrafterArgs  # noqa: F401
     from .errors import (  # noqa: F401
-        CheckpointError, ConfigError, DFlashError, InputError, MismatchError, RollbackError,
+        CheckpointError, ConfigError, DFlashError, InputError, MismatchError, RollbackError, ValidationError,
     )
     from .protocol import Drafter, Proposal, WrappedDrafter  # noqa: F401
     from .sampling import Sampling  # noqa: F401

@@ -54,6 +54,7 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
             model,
             group_size=q["group_size"],
             bits=q["bits"],
+            mode=q.get("mode", "affine"),
             class_predicate=lambda p, m: f"{p}.scales" in weights,
         )
     check_weights(model, stored, files, path, fmt)
@@ -101,14 +102,21 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
     Weight names are the format's (``fc.weight``, ``layers.0.self_attn.q_proj.weight``,
     ``candidate_selector.predecessor_codebook``, ``encoder.fc.weight`` for
     Muse-Glimmer, ...); no embedding or lm_head is written. A drafter
-    loaded from a checkpoint writes that checkpoint's config keys back.
+    loaded from a checkpoint writes that checkpoint's config keys back. A quantized
+    drafter's config also records ``quantization`` (``group_size``, ``bits``,
+    ``mode``), which :func:`load_drafter` reads back; its quantized layers are the
+    ones with ``.scales`` in the file.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fmt = model.args.format
     weights = {fmt.checkpoint_key(k): v for k, v in tree_flatten(model.parameters())}
-    dtype = str(next(iter(weights.values())).dtype).replace("mlx.core.", "")
-    config = model.args.to_config(dtype=dtype)
+    floats = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
+    config = model.args.to_config(dtype=str(floats[0]).replace("mlx.core.", ""))
+    quantized = [m for m in model.modules() if isinstance(m, nn.QuantizedLinear)]
+    if quantized:
+        config["quantization"] = {"group_size": quantized[0].group_size, "bits": quantized[0].bits,
+                                  "mode": quantized[0].mode}
     write_safetensors(out / "model.safetensors", weights, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -147,7 +147,7 @@ def bench(
     if out_dir is not None:
         prepare_out_dir(out_dir, overwrite, plots)
     loaded = [load_dataset(d, num_samples) for d in datasets]  # fail before loading models
-    pair = pair or load(model, draft_model, config.draft_window)
+    pair = pair or load(model, draft_model, draft_window=config.draft_window)
     config = replace(config, top_k=effective_top_k(config.top_k, pair.target.vocab_size))
     engine = make_baseline(baseline, pair, num_draft_tokens)
     runner = Runner(pair.target, pair.drafter, engine, config, tokenizer=pair.tokenizer)
