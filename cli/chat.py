@@ -65,7 +65,7 @@ def chat(
     top_k: int = top_k_option(),
     min_p: float = min_p_option(),
     seed: Optional[int] = seed_option(),
-    block_size: Optional[int] = block_size_option(),
+    block_size: str = block_size_option(),
     draft_window: Optional[str] = draft_window_option(),
     system_prompt: Optional[str] = system_prompt_option(),
     stop: List[str] = stop_option(),
@@ -117,7 +117,10 @@ def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model, verify)
     prefill_step_size = resolve_prefill_step(prefill_step_size)
-    if block_size is not None and draft_model is None:
+    from dflash_mlx.policy import parse_block_size
+
+    block_size = parse_block_size(block_size)
+    if block_size not in (None, "auto") and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
     if draft_model is not None:
         template.setdefault("enable_thinking", False)
@@ -210,8 +213,9 @@ def _command(line: str, session, settings: Settings, view, pair) -> bool:
     elif name == "/block":
         if pair.drafter is None:
             raise InputError("/block needs a drafter (--draft-model)")
-        B, trained = _number(arg, int, "/block N"), pair.drafter.block_size
-        if not 2 <= B <= trained:
+        trained = pair.drafter.block_size
+        B = "auto" if arg.strip() == "auto" else _number(arg, int, "/block N")
+        if B != "auto" and not 2 <= B <= trained:
             raise InputError(f"/block {B} is out of range: this drafter supports 2..{trained} "
                              "(its trained block size)")
         settings.block_size = B
@@ -266,7 +270,8 @@ def header_rows(pair, session, settings: Settings) -> List[Tuple[str, str]]:
     rows = [("target", str(pair.model_path))]
     if drafter is not None:
         B = settings.block_size or drafter.block_size
-        rows += [("drafter", str(pair.draft_path)), ("block size", f"{B} (trained {drafter.block_size})")]
+        shown = "auto (width by measured cost)" if B == "auto" else str(B)
+        rows += [("drafter", str(pair.draft_path)), ("block size", f"{shown} (trained {drafter.block_size})")]
     else:
         rows += [("drafter", "none (plain decoding)")]
     rows.append(("quantization", quantization(pair.model, pair.target.dtype)))

@@ -57,11 +57,33 @@ def min_p_option():
 
 
 def seed_option():
-    return typer.Option(None, "--seed", help="PRNG seed, for reproducible sampling.")
+    return typer.Option(
+        None, "--seed",
+        help="PRNG seed, for reproducible sampling at a fixed --block-size (with auto, the draws follow "
+        "the widths chosen, which follow timings).",
+    )
 
 
 def block_size_option():
-    return typer.Option(None, "--block-size", help="Tokens per drafted block, 2..the drafter's trained size (default).")
+    return typer.Option(
+        "auto", "--block-size",
+        help="auto (default): draft at the trained block size and verify the width that measured "
+        "timings say commits the most tokens per second, plain decoding included; or a fixed B, "
+        "2..the drafter's trained size.",
+    )
+
+
+def tree_budget_option():
+    return typer.Option(
+        None, "--tree-budget",
+        help="DDTree: verify the N most likely draft prefixes as one tree (e.g. 32), or auto (budgets and "
+        "chains chosen by measured cost). Attention-only targets; hybrid targets keep chains and say so.",
+    )
+
+
+def drafter_flag_given(block_size, tree_budget=None) -> bool:
+    """Whether a flag that needs a drafter was given (``--block-size auto`` is the default)."""
+    return (block_size not in (None, "auto")) or tree_budget is not None
 
 
 def draft_window_option():

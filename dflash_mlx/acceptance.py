@@ -50,7 +50,15 @@ class MatchRule:
         self.name = GREEDY if self.greedy else SAMPLE_AND_MATCH
 
     def propose(self, drafter, token, context, cache, block_size) -> Proposal:
-        return Proposal(drafter.draft(token, context, cache, block_size))
+        """Argmax drafts (with the pass's lazy log-probabilities when the drafter gives them)."""
+        return propose(drafter, token, context, cache, block_size)
+
+    def choose(self, logits: mx.array) -> mx.array:
+        """The target's own token per row of [N, V] logits ([N] int32): its argmax, or a
+        sample of p at T > 0 (plain steps, and each node of a tree verify)."""
+        if self.greedy:
+            return mx.argmax(logits, axis=-1).astype(mx.int32)
+        return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.int32)
 
     def accept(self, proposal: Proposal, logits: mx.array) -> Tuple[mx.array, mx.array]:
         """logits [B, V] of the verify -> ``(a, out)`` (see the module doc)."""
@@ -76,6 +84,11 @@ class SpeculativeRule:
 
     def propose(self, drafter, token, context, cache, block_size) -> Proposal:
         return propose(drafter, token, context, cache, block_size, self.sampling)
+
+    def choose(self, logits: mx.array) -> mx.array:
+        """A sample of p per row of [N, V] logits ([N] int32), as mlx-lm samples (plain
+        steps, and each node of a tree verify, which walks by matching samples)."""
+        return self.sampling(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.int32)
 
     @staticmethod
     def residual(p: mx.array, q: mx.array) -> mx.array:

@@ -34,6 +34,13 @@ class Proposal:
     q_probs: Optional[mx.array] = None
     logprobs: Optional[mx.array] = None
 
+    def head(self, k: int) -> "Proposal":
+        """The first ``k`` drafts (a verify narrower than the drafted block)."""
+        if k == self.tokens.size:
+            return self
+        cut = lambda a: None if a is None else a[:k]  # noqa: E731
+        return Proposal(self.tokens[:k], cut(self.q_ids), cut(self.q_probs), cut(self.logprobs))
+
     def arrays(self) -> List[mx.array]:
         """What a step evaluates: the drafts and q (never the lazy ``logprobs``)."""
         return [a for a in (self.tokens, self.q_ids, self.q_probs) if a is not None]
