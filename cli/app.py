@@ -5,6 +5,7 @@ import typer
 
 from .bench import bench
 from .chat import chat
+from .convert import convert
 from .generate import generate
 from .serve import serve
 from .train import data, train
@@ -36,3 +37,4 @@ app.command(short_help="Regenerate training data with the target.")(data)
 app.command(short_help="Train a drafter for a target.")(train)
 app.command(context_settings={"allow_extra_args": True}, short_help="Benchmark against a baseline.")(bench)
 app.command(short_help="Serve the pair over the OpenAI API.")(serve)
+app.command(short_help="Convert a target and its drafter into one folder.")(convert)

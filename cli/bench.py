@@ -7,13 +7,14 @@ from typing import List, Optional
 
 import typer
 
-from .common import MODEL_HELP, check_sampling, guard, resolve_models, top_k_option
+from .common import MODEL_HELP, check_sampling, guard, parse_draft_window, resolve_models, top_k_option, verify_option
 
 
 def bench(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="DFlash drafter: a local folder or repo id."),
+    verify: bool = verify_option(),
     dataset: List[str] = typer.Option(
         ["gsm8k"], "--dataset", "-d",
         help="gsm8k, math500, humaneval, mbpp, mt-bench, alpaca (Hugging Face, online) or a local "
@@ -26,7 +27,13 @@ def bench(
     max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens per generation."),
     block_size: Optional[List[str]] = typer.Option(
         None, "--block-size",
-        help="Block sizes to sweep: '--block-size 4 8 16' (or 4,8,16). Default: the drafter's trained size.",
+        help="Block sizes to sweep: '--block-size 4 8 16 auto' (or 4,8,16,auto); auto chooses the verify "
+        "width per step by measured cost, plain decoding included. Default: the drafter's trained size.",
+    ),
+    tree_budget: Optional[List[str]] = typer.Option(
+        None, "--tree-budget",
+        help="DDTree budgets to run too, one row each: '--tree-budget 16 32 64 auto' (nodes per tree; "
+        "auto: budgets and chain widths by measured cost). Attention-only targets; hybrids keep chains.",
     ),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
@@ -49,6 +56,9 @@ def bench(
         help="A: replace the drafter's proposals by the target's greedy continuation for the first A "
         "slots of each block and wrong tokens after (the drafter still runs, for its cost). Needs --temp 0.",
     ),
+    draft_window: Optional[str] = typer.Option(
+        None, "--draft-window", help="SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows."
+    ),
     repeats: int = typer.Option(1, "--repeats", help="Runs of each engine per prompt."),
     warmup_tokens: int = typer.Option(
         32, "--warmup-tokens", help="Tokens of each engine's untimed warm-up run; 0: none."
@@ -67,7 +77,8 @@ def bench(
     \b
     Examples:
       dflash bench --model M --draft-model D --dataset ../shared/datasets/gsm8k_test.jsonl -n 20
-      dflash bench --model M --draft-model D --dataset prompts.jsonl --block-size 4 8 16 --baseline mlx-lm
+      dflash bench --model M --draft-model D --dataset prompts.jsonl --block-size 4 8 16 auto --baseline mlx-lm
+      dflash bench --model M --draft-model D --dataset prompts.jsonl --tree-budget 16 32 64 auto
       dflash bench --model M --draft-model D --dataset gsm8k --simulate-acceptance 5
     """
     args = dict(locals())
@@ -75,12 +86,13 @@ def bench(
     guard(lambda: _run(extra=list(ctx.args), **args))
 
 
-def parse_block_sizes(values: Optional[List[str]], extra: List[str]) -> List[Optional[int]]:
-    """``--block-size 4 8 16``: click hands the values after the first one over as extra
-    arguments; commas work too.
+def parse_block_sizes(values: Optional[List[str]], extra: List[str], flag: str = "--block-size",
+                      default=(None,)) -> list:
+    """``--block-size 4 8 16 auto``: click hands the values after the first one over as
+    extra arguments; commas work too.
 
     Raises:
-        InputError: a value that is not an integer, or stray arguments.
+        InputError: a value that is neither an integer nor ``auto``, or stray arguments.
     """
     from dflash_mlx import InputError
 
@@ -89,16 +101,19 @@ def parse_block_sizes(values: Optional[List[str]], extra: List[str]) -> List[Opt
     sizes = []
     for v in list(values or []) + extra:
         for part in str(v).split(","):
-            if part.strip():
+            part = part.strip()
+            if part == "auto":
+                sizes.append(part)
+            elif part:
                 try:
                     sizes.append(int(part))
                 except ValueError:
-                    raise InputError(f"--block-size expects integers, got '{part}'") from None
-    return sizes or [None]
+                    raise InputError(f"{flag} expects integers or 'auto', got '{part}'") from None
+    return sizes or list(default)
 
 
-def _run(model, draft_model, dataset, num_samples, max_tokens, block_size, temp, top_p, top_k, min_p,
-         seed, baseline, num_draft_tokens, enable_thinking, simulate_acceptance, repeats, warmup_tokens,
+def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_size, tree_budget, temp, top_p, top_k, min_p,
+         seed, baseline, num_draft_tokens, enable_thinking, simulate_acceptance, draft_window, repeats, warmup_tokens,
          out, overwrite, plots, extra) -> None:
     from rich.console import Console
     from rich.progress import (
@@ -112,14 +127,19 @@ def _run(model, draft_model, dataset, num_samples, max_tokens, block_size, temp,
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
     if num_samples < 0:
         raise InputError(f"--num-samples must be 0 (all samples) or more, got {num_samples}")
-    sizes = parse_block_sizes(block_size, extra)
-    model, draft_model = resolve_models(model, draft_model)
+    budgets = parse_block_sizes(tree_budget, [], "--tree-budget", default=())
+    sizes = parse_block_sizes(block_size, extra) if block_size or extra or not budgets else []
+    for n in budgets:
+        if n != "auto" and n < 1:
+            raise InputError(f"--tree-budget must be a node count >= 1 or 'auto', got {n}")
+    model, draft_model = resolve_models(model, draft_model, verify)
     if draft_model is None:
         raise InputError("dflash bench needs --draft-model (the DFlash drafter to measure)")
     datasets = [d for spec in dataset for d in spec.split(",") if d]
-    config = BenchConfig(max_tokens=max_tokens, block_sizes=sizes, temp=temp, top_p=top_p, top_k=top_k,
+    config = BenchConfig(max_tokens=max_tokens, block_sizes=sizes, tree_budgets=budgets, temp=temp, top_p=top_p, top_k=top_k,
                          min_p=min_p, seed=seed, repeats=repeats, simulate_acceptance=simulate_acceptance,
-                         enable_thinking=enable_thinking, warmup_tokens=warmup_tokens)
+                         enable_thinking=enable_thinking, warmup_tokens=warmup_tokens,
+                         draft_window=parse_draft_window(draft_window))
 
     console = Console(stderr=True)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

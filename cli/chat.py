@@ -17,8 +17,10 @@ from .common import (
     check_max_tokens, check_sampling, check_system_prompt, check_temp, guard, load_pair, parse_stops,
     parse_template_config, resolve_models, resolve_prefill_step, utf8,
     block_size_option, draft_model_option, min_p_option, model_option, prefill_step_option, seed_option,
-    stop_option, system_prompt_option, temp_option, top_k_option, top_p_option,
+    stop_option, system_prompt_option, temp_option, top_k_option, top_p_option, draft_window_option,
+    parse_draft_window,
 )
+from .common import verify_option
 
 COMMANDS = [
     ("/help", "this list"),
@@ -56,13 +58,15 @@ class Settings:
 def chat(
     model: Optional[str] = model_option(),
     draft_model: Optional[str] = draft_model_option(),
+    verify: bool = verify_option(),
     max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens per reply."),
     temp: float = temp_option(),
     top_p: float = top_p_option(),
     top_k: int = top_k_option(),
     min_p: float = min_p_option(),
     seed: Optional[int] = seed_option(),
-    block_size: Optional[int] = block_size_option(),
+    block_size: str = block_size_option(),
+    draft_window: Optional[str] = draft_window_option(),
     system_prompt: Optional[str] = system_prompt_option(),
     stop: List[str] = stop_option(),
     chat_template_config: Optional[str] = typer.Option(
@@ -96,7 +100,7 @@ def chat(
         raise typer.Exit(130)
 
 
-def _run(model, draft_model, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
+def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed, block_size, draft_window,
          system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size, color) -> None:
     import mlx.core as mx
 
@@ -108,18 +112,22 @@ def _run(model, draft_model, max_tokens, temp, top_p, top_k, min_p, seed, block_
 
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
     stops = parse_stops(stop)
+    window = parse_draft_window(draft_window)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
-    model, draft_model = resolve_models(model, draft_model)
+    model, draft_model = resolve_models(model, draft_model, verify)
     prefill_step_size = resolve_prefill_step(prefill_step_size)
-    if block_size is not None and draft_model is None:
+    from dflash_mlx.policy import parse_block_size
+
+    block_size = parse_block_size(block_size)
+    if block_size not in (None, "auto") and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
     if draft_model is not None:
         template.setdefault("enable_thinking", False)
     if seed is not None:
         mx.random.seed(seed)
 
-    pair = load_pair(model, draft_model, defaults)
+    pair = load_pair(model, draft_model, defaults, window)
     check_block_size(block_size, pair.drafter)
     check_system_prompt(system_prompt, pair.tokenizer, ignore_chat_template)
     session = ChatSession.from_pair(pair, system_prompt=system_prompt, template_config=template,
@@ -205,8 +213,9 @@ def _command(line: str, session, settings: Settings, view, pair) -> bool:
     elif name == "/block":
         if pair.drafter is None:
             raise InputError("/block needs a drafter (--draft-model)")
-        B, trained = _number(arg, int, "/block N"), pair.drafter.block_size
-        if not 2 <= B <= trained:
+        trained = pair.drafter.block_size
+        B = "auto" if arg.strip() == "auto" else _number(arg, int, "/block N")
+        if B != "auto" and not 2 <= B <= trained:
             raise InputError(f"/block {B} is out of range: this drafter supports 2..{trained} "
                              "(its trained block size)")
         settings.block_size = B
@@ -261,7 +270,8 @@ def header_rows(pair, session, settings: Settings) -> List[Tuple[str, str]]:
     rows = [("target", str(pair.model_path))]
     if drafter is not None:
         B = settings.block_size or drafter.block_size
-        rows += [("drafter", str(pair.draft_path)), ("block size", f"{B} (trained {drafter.block_size})")]
+        shown = "auto (width by measured cost)" if B == "auto" else str(B)
+        rows += [("drafter", str(pair.draft_path)), ("block size", f"{shown} (trained {drafter.block_size})")]
     else:
         rows += [("drafter", "none (plain decoding)")]
     rows.append(("quantization", quantization(pair.model, pair.target.dtype)))

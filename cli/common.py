@@ -14,7 +14,8 @@ from dflash_mlx.hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
 MODEL_HELP = (
     "Target model: a local mlx-lm folder or a Hugging Face repo id (downloaded into "
-    f"the HF cache). Default with neither flag: {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL}."
+    f"the HF cache). Default with neither flag: {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL}. "
+    "A folder written by `dflash convert` gives both target and drafter."
 )
 DRAFT_HELP = (
     "DFlash drafter: a local folder or repo id in the released format. Without it, "
@@ -29,6 +30,12 @@ def model_option():
 
 def draft_model_option():
     return typer.Option(None, "--draft-model", help=DRAFT_HELP)
+
+
+def verify_option():
+    return typer.Option(
+        False, "--verify", help="Check a `dflash convert` folder's weight files against the sha256 in its dflash.json first."
+    )
 
 
 def temp_option():
@@ -50,11 +57,59 @@ def min_p_option():
 
 
 def seed_option():
-    return typer.Option(None, "--seed", help="PRNG seed, for reproducible sampling.")
+    return typer.Option(
+        None, "--seed",
+        help="PRNG seed, for reproducible sampling at a fixed --block-size (with auto, the draws follow "
+        "the widths chosen, which follow timings).",
+    )
 
 
 def block_size_option():
-    return typer.Option(None, "--block-size", help="Tokens per drafted block, 2..the drafter's trained size (default).")
+    return typer.Option(
+        "auto", "--block-size",
+        help="auto (default): draft at the trained block size and verify the width that measured "
+        "timings say commits the most tokens per second, plain decoding included; or a fixed B, "
+        "2..the drafter's trained size.",
+    )
+
+
+def tree_budget_option():
+    return typer.Option(
+        None, "--tree-budget",
+        help="DDTree: verify the N most likely draft prefixes as one tree (e.g. 32), or auto (budgets and "
+        "chains chosen by measured cost). Attention-only targets; hybrid targets keep chains and say so.",
+    )
+
+
+def drafter_flag_given(block_size, tree_budget=None) -> bool:
+    """Whether a flag that needs a drafter was given (``--block-size auto`` is the default)."""
+    return (block_size not in (None, "auto")) or tree_budget is not None
+
+
+def draft_window_option():
+    return typer.Option(
+        None, "--draft-window",
+        help="SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows (e.g. 64,1024), "
+        "so drafting cost stops growing with the context. Off by default.",
+    )
+
+
+def parse_draft_window(value: Optional[str]) -> Optional[tuple[int, int]]:
+    """``--draft-window SINK,WINDOW`` -> ``(sink, window)``; None when not given.
+
+    Raises:
+        InputError: not two integers, SINK < 0 or WINDOW < 1 (names the flag).
+    """
+    if value is None:
+        return None
+    parts = value.split(",")
+    try:
+        sink, window = (int(p) for p in parts)
+    except ValueError:
+        raise InputError(f"--draft-window {value}: expected SINK,WINDOW, e.g. 64,1024") from None
+    if sink < 0 or window < 1:
+        raise InputError(f"--draft-window {value}: SINK must be >= 0 and WINDOW >= 1")
+    return sink, window
 
 
 def system_prompt_option():
@@ -120,10 +175,16 @@ def fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-def resolve_models(model: Optional[str], draft_model: Optional[str]) -> tuple[str, Optional[str]]:
-    """Defaults: no flags -> the Qwen3-4B pair; --model alone -> plain decoding."""
+def resolve_models(model: Optional[str], draft_model: Optional[str], verify: bool = False) -> tuple[str, Optional[str]]:
+    """Defaults: no flags -> the Qwen3-4B pair; --model alone -> plain decoding, unless
+    it is a `dflash convert` folder (its target/ and drafter/; hashes checked if ``verify``)."""
+    from dflash_mlx.manifest import resolve_pair
+
+    if verify and model is None:
+        raise InputError("--verify needs --model DIR, a folder written by dflash convert")
     if model is None and draft_model is None:
         return DEFAULT_MODEL, DEFAULT_DRAFT_MODEL
+    model, draft_model = resolve_pair(model, draft_model, verify)
     return model or DEFAULT_MODEL, draft_model
 
 
@@ -239,13 +300,13 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-def load_pair(model: str, draft_model: Optional[str], defaults: bool):
+def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None):
     """Load the pair; when the defaults cannot be had, say how to pass folders."""
     from dflash_mlx import CheckpointError, load
 
     quiet_transformers()
     try:
-        return load(model, draft_model)
+        return load(model, draft_model, draft_window=draft_window)
     except CheckpointError as e:
         if not defaults:
             raise

@@ -12,13 +12,17 @@ from .common import (
     check_sampling, check_system_prompt, encode_prompt, guard, load_pair, parse_stops, parse_template_config,
     read_prompt, resolve_models, resolve_prefill_step, warn,
     block_size_option, draft_model_option, min_p_option, model_option, prefill_step_option, seed_option,
-    stop_option, system_prompt_option, temp_option, top_k_option, top_p_option,
+    stop_option, system_prompt_option, temp_option, top_k_option, top_p_option, draft_window_option,
+    tree_budget_option,
+    parse_draft_window,
 )
+from .common import verify_option
 
 
 def generate(
     model: Optional[str] = model_option(),
     draft_model: Optional[str] = draft_model_option(),
+    verify: bool = verify_option(),
     prompt: Optional[str] = typer.Option(
         None, "--prompt", "-p", help="Prompt text; '-' reads stdin. Piped stdin is read when omitted."
     ),
@@ -28,7 +32,9 @@ def generate(
     top_k: int = top_k_option(),
     min_p: float = min_p_option(),
     seed: Optional[int] = seed_option(),
-    block_size: Optional[int] = block_size_option(),
+    block_size: str = block_size_option(),
+    tree_budget: Optional[str] = tree_budget_option(),
+    draft_window: Optional[str] = draft_window_option(),
     system_prompt: Optional[str] = system_prompt_option(),
     stop: List[str] = stop_option(),
     chat_template_config: Optional[str] = typer.Option(
@@ -52,12 +58,15 @@ def generate(
       echo "Once upon a time" | dflash generate --model ./stories260K
       dflash generate --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16 -p - < q.txt
       dflash generate -p "List three colours, one per line." --stop "\\n\\n"
+      dflash generate --draft-window 64,1024 -p - < long_document.txt
+      dflash generate --model M --draft-model D --tree-budget 32 -p "Once upon a time"
     """
     args = dict(locals())
     guard(lambda: _run(**args))
 
 
-def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
+def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size, tree_budget,
+         draft_window,
          system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size, verbose, as_json) -> None:
     import mlx.core as mx
 
@@ -67,19 +76,25 @@ def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed
 
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
     stops = parse_stops(stop)
+    window = parse_draft_window(draft_window)
     text = read_prompt(prompt)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
-    model, draft_model = resolve_models(model, draft_model)
+    model, draft_model = resolve_models(model, draft_model, verify)
     prefill_step_size = resolve_prefill_step(prefill_step_size)
-    if block_size is not None and draft_model is None:
+    from dflash_mlx.policy import parse_block_size, parse_tree_budget
+
+    block_size, tree_budget = parse_block_size(block_size), parse_tree_budget(tree_budget)
+    if block_size not in (None, "auto") and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
+    if tree_budget is not None and draft_model is None:
+        raise InputError("--tree-budget needs --draft-model (plain decoding has no drafts)")
     if draft_model is not None:
         template.setdefault("enable_thinking", False)
     if seed is not None:
         mx.random.seed(seed)
 
-    pair = load_pair(model, draft_model, defaults)
+    pair = load_pair(model, draft_model, defaults, window)
     check_system_prompt(system_prompt, pair.tokenizer, ignore_chat_template)
     ids = encode_prompt(pair.tokenizer, text, system_prompt, template, ignore_chat_template)
     limit = context_length(pair.target)
@@ -96,7 +111,8 @@ def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed
     out, stats, finish = [], None, None
     try:
         for response in stream_generate(pair.target, pair.tokenizer, ids, pair.drafter, sampler=sampler,
-                                        max_tokens=max_tokens, block_size=block_size, stop_strings=stops,
+                                        max_tokens=max_tokens, block_size=block_size, tree_budget=tree_budget,
+                                        stop_strings=stops,
                                         prefill_step_size=prefill_step_size):
             out.append(response.text)
             stats, finish = response.stats, response.finish_reason
@@ -107,6 +123,9 @@ def _run(model, draft_model, prompt, max_tokens, temp, top_p, top_k, min_p, seed
         if out and not as_json:
             print(flush=True)  # the shell prompt starts on a fresh line
         raise
+    off = (stats.verify or {}).get("reason")
+    if off:
+        warn(f"--tree-budget is off, chains verify instead: {off}")
     if as_json:
         print(json.dumps({"text": "".join(out), "finish_reason": finish, **stats.to_dict()}))
     else:

@@ -19,7 +19,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind. The default answers this Mac only; "
                              "anything else should go with --api-key."),
     port: int = typer.Option(8080, "--port", help="TCP port."),
-    block_size: Optional[int] = block_size_option(),
+    block_size: str = block_size_option(),
     max_tokens: int = typer.Option(512, "--max-tokens", "-m",
                                    help="Tokens per request when the request does not say (max_tokens)."),
     api_key: Optional[str] = typer.Option(
@@ -74,7 +74,10 @@ def _run(model, draft_model, host, port, block_size, max_tokens, api_key, max_qu
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model)
-    if block_size is not None and draft_model is None:
+    from dflash_mlx.policy import parse_block_size
+
+    block_size = parse_block_size(block_size)
+    if block_size not in (None, "auto") and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
     if draft_model is not None:
         template.setdefault("enable_thinking", False)

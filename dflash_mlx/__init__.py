@@ -19,8 +19,10 @@ _EXPORTS = {
     "checkpoint": ["load_drafter", "save_drafter"],
     "drafter": ["DFlashDrafter"],
     "drafter_config": ["DrafterArgs"],
-    "errors": ["CheckpointError", "ConfigError", "DFlashError", "InputError", "MismatchError", "RollbackError"],
-    "protocol": ["Drafter", "WrappedDrafter"],
+    "errors": ["CheckpointError", "ConfigError", "DFlashError", "InputError", "MismatchError", "RollbackError",
+               "ValidationError"],
+    "protocol": ["Drafter", "Proposal", "WrappedDrafter"],
+    "sampling": ["Sampling"],
     "generate": ["GenerationResponse", "StepResult", "generate", "generate_step", "stream_generate"],
     "session": ["ChatSession"],
     "loading": ["Pair", "bind_drafter", "check_pair", "load", "load_target"],
@@ -50,9 +52,10 @@ if TYPE_CHECKING:  # for type checkers and editors
     from .drafter import DFlashDrafter  # noqa: F401
     from .drafter_config import DrafterArgs  # noqa: F401
     from .errors import (  # noqa: F401
-        CheckpointError, ConfigError, DFlashError, InputError, MismatchError, RollbackError,
+        CheckpointError, ConfigError, DFlashError, InputError, MismatchError, RollbackError, ValidationError,
     )
-    from .protocol import Drafter, WrappedDrafter  # noqa: F401
+    from .protocol import Drafter, Proposal, WrappedDrafter  # noqa: F401
+    from .sampling import Sampling  # noqa: F401
     from .generate import GenerationResponse, StepResult, generate, generate_step, stream_generate  # noqa: F401
     from .loading import Pair, bind_drafter, check_pair, load, load_target  # noqa: F401
     from .session import ChatSession  # noqa: F401

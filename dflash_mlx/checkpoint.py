@@ -1,6 +1,6 @@
-"""Drafter checkpoints in the released format (DFLASH_SPEC.md section 2): a folder
-or Hugging Face repo with ``config.json`` and unprefixed ``*.safetensors`` weights
-(no embedding, no lm_head)."""
+"""Drafter checkpoints in the released formats (DFLASH_SPEC.md sections 2 and 9): a
+folder or Hugging Face repo with ``config.json`` and unprefixed ``*.safetensors``
+weights (no embedding, no lm_head), named as :mod:`dflash_mlx.formats` says."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ DRAFTER_FILES = ["*.json", "*.safetensors"]
 
 
 def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
-    """Load a drafter from a local folder or a Hugging Face repo id.
+    """Load a drafter of any format in :mod:`dflash_mlx.formats` from a folder or repo id.
+
+    Loading is strict: every weight the config implies must be present with its
+    shape, and nothing else may be.
 
     Args:
         path_or_repo: folder with ``config.json`` and ``*.safetensors``, or a repo id
@@ -34,27 +37,28 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
 
     Raises:
         CheckpointError: missing folder or files, corrupt safetensors, or weights
-            that do not match the config (missing, unexpected or misshapen keys).
-        ConfigError: invalid or non-DFlash config.
+            that do not match the config: one line naming the file and the key
+            (missing, unexpected, or of another shape than the config implies).
+        ConfigError: invalid or non-DFlash config (names the file and key).
     """
     path = resolve_model_path(path_or_repo, DRAFTER_FILES, what="drafter")
     config_file = path / "config.json"
     config = read_config(config_file)
     args = DrafterArgs.from_config(config, source=str(config_file))
-    weights = read_safetensors(path)
+    stored, files = read_safetensors(path, with_files=True)
+    fmt = args.format
+    weights = {fmt.network_key(k): v for k, v in stored.items()}
     model = DFlashDrafter(args)
     if (q := config.get("quantization")) is not None:
         nn.quantize(
             model,
             group_size=q["group_size"],
             bits=q["bits"],
+            mode=q.get("mode", "affine"),
             class_predicate=lambda p, m: f"{p}.scales" in weights,
         )
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        detail = " ".join(str(e).split())
-        raise CheckpointError(f"{path}: weights do not match config.json: {detail}") from None
+    check_weights(model, stored, files, path, fmt)
+    model.load_weights(list(weights.items()), strict=True)
     if dtype is not None:
         model.set_dtype(dtype)
     model.eval()
@@ -62,20 +66,87 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
     return model
 
 
-def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` in the released format.
+def check_weights(model: DFlashDrafter, stored: dict, files: dict, path: Path, fmt) -> None:
+    """Every weight the config implies present under its format's name and with its
+    shape, no other key, floating-point values where the network has them.
 
-    Keys are unprefixed (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, ...);
-    no embedding or lm_head is written.
+    Args:
+        stored: checkpoint name -> array; files: checkpoint name -> the file it is in.
+
+    Raises:
+        CheckpointError: the first mismatch, naming the file (the folder for a
+            missing weight) and the checkpoint key.
+    """
+    expected = {fmt.checkpoint_key(k): v for k, v in tree_flatten(model.parameters())}
+    what = f"a {fmt.architecture} drafter with this config.json"
+    for key in sorted(expected):
+        if key not in stored:
+            raise CheckpointError(f"{path}: missing weight '{key}' ({what} needs it)")
+    for key in sorted(stored):
+        if key not in expected:
+            raise CheckpointError(f"{files[key]}: unexpected weight '{key}' (not part of {what})")
+    for key in sorted(expected):
+        have, want = stored[key], expected[key]
+        if tuple(have.shape) != tuple(want.shape):
+            raise CheckpointError(
+                f"{files[key]}: weight '{key}' has shape {list(have.shape)}, "
+                f"but config.json implies {list(want.shape)}"
+            )
+        if mx.issubdtype(want.dtype, mx.floating) and not mx.issubdtype(have.dtype, mx.floating):
+            raise CheckpointError(f"{files[key]}: weight '{key}' has dtype {have.dtype}, expected a float dtype")
+
+
+def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` in the drafter's own format.
+
+    Weight names are the format's (``fc.weight``, ``layers.0.self_attn.q_proj.weight``,
+    ``candidate_selector.predecessor_codebook``, ``encoder.fc.weight`` for
+    Muse-Glimmer, ...); no embedding or lm_head is written. A drafter
+    loaded from a checkpoint writes that checkpoint's config keys back. A quantized
+    drafter's config also records ``quantization`` (``group_size``, ``bits``,
+    ``mode``), which :func:`load_drafter` reads back; its quantized layers are the
+    ones with ``.scales`` in the file.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    weights = dict(tree_flatten(model.parameters()))
-    dtype = str(next(iter(weights.values())).dtype).replace("mlx.core.", "")
-    config = model.args.to_config(dtype=dtype)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    fmt = model.args.format
+    weights = {fmt.checkpoint_key(k): v for k, v in tree_flatten(model.parameters())}
+    floats = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
+    config = model.args.to_config(dtype=str(floats[0]).replace("mlx.core.", ""))
+    quantized = [m for m in model.modules() if isinstance(m, nn.QuantizedLinear)]
+    if quantized:
+        config["quantization"] = {"group_size": quantized[0].group_size, "bits": quantized[0].bits,
+                                  "mode": quantized[0].mode}
+    write_safetensors(out / "model.safetensors", weights, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+_DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float64: "float64",
+                mx.uint32: "uint32", mx.int32: "int32", mx.uint16: "uint16", mx.int16: "int16",
+                mx.uint8: "uint8", mx.int8: "int8", mx.bool_: "bool"}
+
+
+def write_safetensors(path: Path, arrays: dict, metadata: Optional[dict] = None) -> None:
+    """Write arrays through the ``safetensors`` library, as released checkpoints are
+    written, so a checkpoint read and saved again is the same file byte for byte.
+
+    ``mx.save_safetensors`` is not used here: its data order follows its hash map, so
+    equal weights can give different files.
+    """
+    import numpy as np
+    import safetensors
+
+    raw = {}
+    for key, a in arrays.items():
+        data = np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)  # numpy has no bfloat16
+        raw[key] = (_DTYPE_NAMES[a.dtype], list(a.shape), np.ascontiguousarray(data))
+    if hasattr(safetensors, "TensorSpec"):  # safetensors >= 0.7
+        specs = {k: safetensors.TensorSpec(dtype=d, shape=s, data_ptr=b.ctypes.data, data_len=b.nbytes)
+                 for k, (d, s, b) in raw.items()}
+    else:
+        specs = {k: {"dtype": d, "shape": s, "data": b.tobytes()} for k, (d, s, b) in raw.items()}
+    safetensors.serialize_file(specs, str(path), metadata=metadata)
 
 
 def read_config(config_file: Path) -> dict:
@@ -88,19 +159,28 @@ def read_config(config_file: Path) -> dict:
         raise ConfigError(f"{config_file}: invalid JSON ({e})") from None
 
 
-def read_safetensors(path: Path) -> dict:
+def read_safetensors(path: Path, with_files: bool = False):
     """Load every ``*.safetensors`` file of a folder into one dict.
 
+    Returns:
+        ``{key: array}``, or with ``with_files`` also ``{key: file}``.
+
     Raises:
-        CheckpointError: no weight file, or a file that is truncated or corrupt.
+        CheckpointError: no weight file, a file that is truncated or corrupt, or a
+            key found in two files (names both).
     """
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weight files")
-    weights = {}
+    weights, where = {}, {}
     for f in files:
         try:
-            weights.update(mx.load(str(f)))
+            loaded = mx.load(str(f))
         except Exception as e:  # mlx raises RuntimeError/ValueError variants
             raise CheckpointError(f"{f}: cannot read safetensors file ({e})") from None
-    return weights
+        for key in loaded:
+            if key in where:
+                raise CheckpointError(f"{f}: weight '{key}' is also in {where[key]}")
+            where[key] = f
+        weights.update(loaded)
+    return (weights, where) if with_files else weights

@@ -8,10 +8,13 @@ and n - 1 drafts; n = 1 is plain decoding) it estimates
 and the engine verifies at the width with the highest rate. Plain decoding is always
 a candidate, so speculation is used only when it pays.
 
-- **Seconds**: a target forward of n tokens, timed at start-up for a grid of widths
-  and refreshed from every step (exponential moving average); the drafter pass, timed
-  the same way, is added for n > 1. When the context grows, a refreshed width scales
-  the widths not used lately by the same factor.
+- **Seconds**: a target forward of n tokens and a drafter pass, timed once per
+  process for a grid of widths (:func:`dflash_mlx.policy.calibrate`), give each
+  mode's step estimate (plain: the 1-token forward; chain: the drafter pass plus the
+  n-token forward; tree: the same at the tree's width). Every real step refreshes it:
+  the step's own wall time (exponential moving average) where that mode and width
+  ran lately, else the estimate times the mode's observed/estimated ratio, which
+  follows the context as it grows and the loop's own overheads.
 - **Committed tokens**: every drafted block is later compared with the tokens the
   target committed at those positions, however many of them were verified, so the
   acceptance of every width up to the block size is observed from each drafted
@@ -22,7 +25,9 @@ a candidate, so speculation is used only when it pays.
   and E[tokens | n] = 1 + sum_{i < n} S(i).
 - **Plain decoding** observes no drafts, so while it is chosen the drafter is run
   now and then (a probe: its drafts are compared with the plain tokens that follow);
-  when the estimate says speculation pays again, the engine goes back to it.
+  when the estimate says speculation pays again, the engine goes back to it. Probes
+  that find speculation still losing space out (16, 32, ... up to 128 plain steps),
+  so a drafter that does not fit the text costs a few percent at most.
 - **Trees** (DDTree, spec section 7): a tree's expected tokens are the drafter's path
   probabilities, calibrated per depth against the chain's observed acceptance, and
   corrected by the tree's own observed acceptance.
@@ -32,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
+
+PLAIN, CHAIN, TREE = "plain", "chain", "tree"
 
 
 @dataclass
@@ -72,6 +79,8 @@ class CostModel:
     block_size: int
     decay: float = 0.1
     probe_every: int = 16
+    max_probe_every: int = 128
+    fresh_steps: int = 64
     verify_s: Dict[int, Ema] = field(default_factory=dict)
     draft_s: Ema = field(default_factory=Ema)
     survival_num: List[float] = field(default_factory=list)
@@ -79,10 +88,17 @@ class CostModel:
     pending: List[Pending] = field(default_factory=list)
     since_probe: int = 0
     tree_correction: Dict[int, Ema] = field(default_factory=dict)
+    tree_tokens: Dict[int, Ema] = field(default_factory=dict)
+    step_s: Dict[Tuple[str, int], Ema] = field(default_factory=dict)
+    last_seen: Dict[Tuple[str, int], int] = field(default_factory=dict)
+    ratio: Dict[str, Ema] = field(default_factory=dict)
+    steps: int = 0
+    probe_gap: int = 0
 
     def __post_init__(self):
         self.survival_num = [0.0] * (self.block_size - 1)
         self.draft_s.decay = self.decay
+        self.probe_gap = self.probe_every
 
     # -- timing -------------------------------------------------------------------
 
@@ -99,6 +115,34 @@ class CostModel:
 
     def record_draft(self, seconds: float) -> None:
         self.draft_s.update(seconds)
+
+    def estimate(self, mode: str, width: int) -> Optional[float]:
+        """Calibrated seconds of one step: the ``width``-token forward, plus the drafter
+        pass unless ``mode`` is ``plain`` (None before calibration)."""
+        t = self.verify_seconds(width)
+        if t is None or mode == PLAIN:
+            return t
+        return None if self.draft_s.value is None else t + self.draft_s.value
+
+    def record_step(self, mode: str, width: int, seconds: float) -> None:
+        """A real step of ``mode`` (``plain``, ``chain``, ``tree``) feeding ``width``
+        tokens took ``seconds`` of wall time, drafting included."""
+        self.steps += 1
+        est = self.estimate(mode, width)
+        if est:
+            self.ratio.setdefault(mode, Ema(self.decay)).update(seconds / est)
+        self.step_s.setdefault((mode, width), Ema(self.decay)).update(seconds)
+        self.last_seen[(mode, width)] = self.steps
+
+    def step_seconds(self, mode: str, width: int) -> Optional[float]:
+        """Expected seconds of a step: its own recent wall time, else the calibrated
+        estimate times the mode's observed/estimated ratio (None before timings)."""
+        key = (mode, width)
+        if key in self.step_s and self.steps - self.last_seen[key] < self.fresh_steps:
+            return self.step_s[key].value
+        est = self.estimate(mode, width)
+        ratio = self.ratio.get(mode)
+        return est * ratio.value if est is not None and ratio is not None else est
 
     def verify_seconds(self, width: int) -> Optional[float]:
         """Seconds of a forward of ``width`` tokens: piecewise linear between timed
@@ -158,15 +202,15 @@ class CostModel:
     # -- choosing -------------------------------------------------------------------
 
     def rate(self, width: int) -> Optional[float]:
-        """Expected committed tokens per second at ``width`` (None before timings)."""
-        t = self.verify_seconds(width)
-        if t is None:
-            return None
-        if width > 1:
-            if self.draft_s.value is None:
-                return None
-            t += self.draft_s.value
-        return self.expected_tokens(width) / t
+        """Expected committed tokens per second at chain ``width`` (1: plain decoding;
+        None before timings)."""
+        t = self.step_seconds(PLAIN if width == 1 else CHAIN, width)
+        return None if not t else self.expected_tokens(width) / t
+
+    def tree_rate(self, budget: int, expected: float) -> Optional[float]:
+        """Tokens per second of a tree of ``budget`` nodes expected to commit ``expected``."""
+        t = self.step_seconds(TREE, budget + 1)
+        return None if not t else expected / t
 
     def best_width(self, widths: Optional[Sequence[int]] = None) -> int:
         """The width with the highest expected rate (1 when nothing is timed yet)."""
@@ -175,12 +219,18 @@ class CostModel:
         return max(rates)[1] if rates else 1
 
     def should_probe(self) -> bool:
-        """While plain decoding wins: True every ``probe_every`` plain steps."""
+        """While plain decoding wins: True after ``probe_every`` plain steps, then
+        after twice as many, up to ``max_probe_every`` (see :meth:`speculating`)."""
         self.since_probe += 1
-        if self.since_probe >= self.probe_every:
+        if self.since_probe >= self.probe_gap:
             self.since_probe = 0
+            self.probe_gap = min(2 * self.probe_gap, self.max_probe_every)
             return True
         return False
+
+    def speculating(self) -> None:
+        """Speculation was chosen: probes restart at ``probe_every`` when plain wins again."""
+        self.since_probe, self.probe_gap = 0, self.probe_every
 
     # -- trees ----------------------------------------------------------------------
 
@@ -207,5 +257,6 @@ class CostModel:
 
     def record_tree(self, budget: int, predicted: float, observed: float) -> None:
         """A tree of ``budget`` nodes predicted ``predicted`` tokens and committed ``observed``."""
+        self.tree_tokens.setdefault(budget, Ema(self.decay)).update(observed)
         if predicted > 0:
             self.tree_correction.setdefault(budget, Ema(self.decay)).update(observed / predicted)

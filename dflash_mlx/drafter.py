@@ -2,13 +2,25 @@
 
 One forward pass ("block denoising", DFLASH_SPEC.md section 4) turns the block
 ``[t_last, MASK x (B-1)]`` plus the target's new context features into logits for
-the B-1 masked positions. Hyper-parameters live in :mod:`dflash_mlx.drafter_config`,
-loading and saving the released checkpoint format in :mod:`dflash_mlx.checkpoint`.
+the B-1 masked positions. The newer formats (spec section 9) add, in this file:
+
+- sliding-window layers: a layer keeps the last W-1 context rows and its block
+  queries see keys less than W positions back, causal inside the block
+  (:func:`~dflash_mlx.kernels.block_attention.block_attention`,
+  :class:`~dflash_mlx.caches.ContextWindowCache`);
+- DFlash2: a grouped dynamic causal convolution around attention and MLP
+  (:class:`BlockConv`), scaled embeddings, scaled and soft-capped logits, and a
+  candidate selector that walks one coherent path through each position's top-k
+  (:class:`CandidateSelector`).
+
+Which format a checkpoint is, and its key names, is :mod:`dflash_mlx.formats`;
+hyper-parameters :mod:`dflash_mlx.drafter_config`; loading and saving
+:mod:`dflash_mlx.checkpoint`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -16,23 +28,31 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP  # the same SwiGLU MLP and keys as the checkpoints
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .caches import ContextWindowCache
 from .drafter_config import DrafterArgs
+from .errors import ConfigError, InputError
 from .kernels import fast_softmax
 from .kernels.block_attention import block_attention
+from .protocol import Proposal
+from .sampling import Sampling
 
 
 class DrafterAttention(nn.Module):
-    """Attention of block queries over cached context K/V plus the block's own K/V.
+    """Block queries over cached context K/V plus the block's own K/V.
 
     Context and block rows share ``k_proj``/``v_proj`` (KV injection, spec section 4).
+    A sliding layer (spec section 9) has ``window`` W and, by default, causal in-block
+    attention.
     """
 
-    def __init__(self, args: DrafterArgs):
+    def __init__(self, args: DrafterArgs, layer: int = 0):
         super().__init__()
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
         self.head_dim = args.head_dim
         self.scale = args.head_dim**-0.5
+        self.window = args.sliding_window if args.is_sliding(layer) else None
+        self.causal = args.is_causal_layer(layer)
         dim, hd = args.hidden_size, args.head_dim
         self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=False)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
@@ -52,26 +72,22 @@ class DrafterAttention(nn.Module):
         keys = self.k_norm(self._heads(self.k_proj(rows), self.n_kv_heads))
         return keys, self._heads(self.v_proj(rows), self.n_kv_heads)
 
-    def ingest(self, context: mx.array, cache: KVCache) -> None:
-        """Append context K/V only (no block): [1, S, H] fused rows at ``cache.offset``."""
+    def ingest(self, context: mx.array, cache) -> Tuple[mx.array, mx.array]:
+        """Append [1, S, H] fused context rows at ``cache.offset``; returns the cached
+        context K/V the next block sees (RoPE at absolute positions)."""
         keys, values = self._keys_values(context)
-        cache.update_and_fetch(self.rope(keys, offset=cache.offset), values)
+        return cache.update_and_fetch(self.rope(keys, offset=cache.offset), values)
 
-    def __call__(self, x: mx.array, context: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, context: mx.array, cache) -> mx.array:
         """Inference: x [1, B, H] block rows; context [1, S, H] new fused context rows."""
         _, B, _ = x.shape
-        S = context.shape[1]
-        offset = cache.offset
-        keys, values = self._keys_values(mx.concatenate([context, x], axis=1))
-        queries = self.q_norm(self._heads(self.q_proj(x), self.n_heads))
-
-        queries = self.rope(queries, offset=offset + S)
-        block_keys = self.rope(keys[:, :, S:], offset=offset + S)
-        ctx_keys, ctx_values = cache.update_and_fetch(
-            self.rope(keys[:, :, :S], offset=offset), values[:, :, :S]
-        )
+        start = cache.offset + context.shape[1]  # absolute position of t_last
+        queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=start)
+        block_keys, block_values = self._keys_values(x)
+        ctx_keys, ctx_values = self.ingest(context, cache)
         # The Metal kernel where it can run, else the plain-MLX reference (see kernels/).
-        out = block_attention(queries, ctx_keys, ctx_values, block_keys, values[:, :, S:], scale=self.scale)
+        out = block_attention(queries, ctx_keys, ctx_values, self.rope(block_keys, offset=start), block_values,
+                              scale=self.scale, window=self.window, causal=self.causal)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
 
     def blocks(self, x: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
@@ -108,32 +124,143 @@ class DrafterAttention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))
 
 
-class DrafterLayer(nn.Module):
-    """Pre-norm transformer layer: KV-injected attention, then SwiGLU MLP."""
+class BlockConv(nn.Module):
+    """DFlash2's grouped dynamic causal convolution along the block (spec section 9).
 
-    def __init__(self, args: DrafterArgs):
+    ``conv(z, base, dyn)[p] = sum_{o<K} (base[o] + dyn[p, o, group]) * z[p - o]`` with
+    ``z[p - o] = 0`` before the block start; ``base`` is per channel, ``dyn`` per group
+    of g channels (channel c is in group c // g). One projection of the sublayer input
+    gives both kernels: :meth:`prepare` convolves the input with the first,
+    :meth:`finish` the sublayer's output with the second.
+
+    Parameters (checkpoint keys ``layers.{i}.{attention,mlp}_conv.*``):
+    ``base_kernel`` [2, K, H], ``kernel_projection.weight`` [2*K*(H/g), H].
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
         super().__init__()
-        self.self_attn = DrafterAttention(args)
+        self.kernel_size, self.group_size = kernel_size, group_size
+        # Tap 0 = 1: a fresh convolution starts as the identity.
+        self.base_kernel = mx.zeros((2, kernel_size, hidden_size)).at[:, 0].add(1.0)
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * (hidden_size // group_size), bias=False)
+
+    def prepare(self, x: mx.array) -> Tuple[mx.array, mx.array]:
+        """x [N, L, H] -> (convolved x [N, L, H], the second kernel [N, L, K, H/g])."""
+        N, L, _ = x.shape
+        dyn = self.kernel_projection(x).reshape(N, L, 2, self.kernel_size, -1)
+        return self._conv(x, self.base_kernel[0], dyn[:, :, 0]), dyn[:, :, 1]
+
+    def finish(self, y: mx.array, dyn: mx.array) -> mx.array:
+        """Convolve the sublayer output y [N, L, H] with the kernel from :meth:`prepare`."""
+        return self._conv(y, self.base_kernel[1], dyn)
+
+    def _conv(self, z: mx.array, base: mx.array, dyn: mx.array) -> mx.array:
+        N, L, H = z.shape
+        out = None
+        for o in range(min(self.kernel_size, L)):  # taps reaching before the block add zero
+            shifted = z if o == 0 else mx.concatenate([mx.zeros((N, o, H), z.dtype), z[:, : L - o]], axis=1)
+            term = (base[o] + mx.repeat(dyn[:, :, o], self.group_size, axis=-1)) * shifted
+            out = term if out is None else out + term
+        return out
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's candidate selector: one coherent draft path through per-position top-k.
+
+    Walking the block left to right from ``prev`` = the block's first token, candidate
+    c at position p scores ``logit(c) + sum_r pred[prev, r] * hr[p, r] * succ[c, r]``
+    with ``hr = hidden_projection(hidden)``; the draft is the argmax (T = 0) or a sample
+    of ``q = softmax(score / T)`` over the k candidates (shaped like the target's p).
+
+    Parameters (checkpoint keys, spec section 9): ``predecessor_codebook`` [V, r] and
+    ``successor_codebook`` [V, r] (no ``.weight`` suffix), ``hidden_projection.weight`` [r, H].
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = mx.zeros((vocab_size, rank))
+        self.successor_codebook = mx.zeros((vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    def walk(self, hidden: mx.array, logits: mx.array, first: mx.array,
+             sampling: Optional[Sampling] = None) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
+        """Choose one candidate per position.
+
+        Args:
+            hidden: [L, H] final normed hidden states of block rows 1..L.
+            logits: [L, V] their logits (after multiplier and softcap).
+            first: [1] int32, the block's first token.
+            sampling: None or greedy: argmax path; else sample each position from q.
+
+        Returns:
+            ``(tokens [L] int32, candidate ids [L, k] int32, q [L, k] float32 or None)``;
+            q is the distribution each token was drawn from (None for the argmax path).
+        """
+        k = min(self.top_k, logits.shape[-1])
+        ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
+        unary = mx.take_along_axis(logits, ids, axis=-1).astype(mx.float32)
+        projected = self.hidden_projection(hidden)
+        successors = self.successor_codebook[ids]  # [L, k, r]
+        prev = first.reshape(())
+        tokens, qs = [], []
+        for p in range(logits.shape[0]):
+            pair = (self.predecessor_codebook[prev] * projected[p]) @ successors[p].T  # [k]
+            score = unary[p] + pair.astype(mx.float32)
+            if sampling is None or sampling.greedy:
+                j = mx.argmax(score)
+            else:
+                log_q = sampling.log_probs(score)
+                j = mx.random.categorical(log_q)
+                qs.append(mx.exp(log_q))
+            prev = ids[p][j]
+            tokens.append(prev)
+        return mx.stack(tokens), ids, (mx.stack(qs) if qs else None)
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm transformer layer: KV-injected attention, then SwiGLU MLP; with
+    DFlash2, each half wrapped in a :class:`BlockConv`."""
+
+    def __init__(self, args: DrafterArgs, layer: int = 0):
+        super().__init__()
+        self.self_attn = DrafterAttention(args, layer)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        if args.conv_kernel_size:
+            conv = (args.hidden_size, args.conv_kernel_size, args.conv_group_size)
+            self.attention_conv, self.mlp_conv = BlockConv(*conv), BlockConv(*conv)
 
-    def __call__(self, h: mx.array, context: mx.array, cache: Optional[KVCache] = None,
+    def _wrapped(self, name: str, fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
+        """``fn(x)``, or ``finish(fn(prepare(x)))`` through the layer's BlockConv ``name``."""
+        conv = self.get(name)
+        if conv is None:
+            return fn(x)
+        x, dyn = conv.prepare(x)
+        return conv.finish(fn(x), dyn)
+
+    def __call__(self, h: mx.array, context: mx.array, cache=None,
                  anchors: Optional[mx.array] = None, mask: Optional[mx.array] = None) -> mx.array:
         """Inference with ``cache``; training with ``anchors`` and ``mask`` instead."""
-        x = self.input_layernorm(h)
         if cache is not None:
-            h = h + self.self_attn(x, context, cache)
+            attend = lambda x: self.self_attn(x, context, cache)  # noqa: E731
         else:
-            h = h + self.self_attn.blocks(x, context, anchors, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            attend = lambda x: self.self_attn.blocks(x, context, anchors, mask)  # noqa: E731
+        h = h + self._wrapped("attention_conv", attend, self.input_layernorm(h))
+        return h + self._wrapped("mlp_conv", self.mlp, self.post_attention_layernorm(h))
 
 
 class DFlashDrafter(nn.Module):
     """The drafter network. Embedding and lm_head are borrowed from the target.
 
-    Parameters (checkpoint keys): ``fc`` [H, K*H], ``hidden_norm`` [H],
-    ``layers.{i}.*``, ``norm`` [H]. Call :meth:`bind` before use.
+    Parameters (network names; :mod:`dflash_mlx.formats` maps checkpoint names):
+    ``fc`` [H, K*H], ``hidden_norm`` [H], ``layers.{i}.*``, ``norm`` [H], and for
+    DFlash2 ``candidate_selector.*``. Call :meth:`bind` before use.
+
+    Attributes:
+        draft_window: ``(sink, window)`` context rows the full-attention layers keep
+            (``--draft-window``), or None: all (the default).
     """
 
     def __init__(self, args: DrafterArgs):
@@ -142,10 +269,14 @@ class DFlashDrafter(nn.Module):
         n_ctx = len(args.target_layer_ids) * args.hidden_size
         self.fc = nn.Linear(n_ctx, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.layers = [DrafterLayer(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [DrafterLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        if args.selector_rank:
+            self.candidate_selector = CandidateSelector(args.hidden_size, args.vocab_size,
+                                                        args.selector_rank, args.selector_top_k)
         self._embed: Optional[Callable[[mx.array], mx.array]] = None
         self._lm_head: Optional[Callable[[mx.array], mx.array]] = None
+        self.draft_window: Optional[Tuple[int, int]] = None
 
     @property
     def block_size(self) -> int:
@@ -155,20 +286,97 @@ class DFlashDrafter(nn.Module):
     def target_layer_ids(self) -> List[int]:
         return self.args.target_layer_ids
 
+    @property
+    def drafter_format(self) -> str:
+        """``architectures[0]`` of the checkpoint format, e.g. ``DFlash2DraftModel``."""
+        return self.args.architecture
+
+    @property
+    def samples_drafts(self) -> bool:
+        """True when drafts at T > 0 are samples of a real proposal q (the DFlash2
+        selector), so speculative sampling applies; v1 drafts stay argmax."""
+        return "candidate_selector" in self
+
     def bind(self, embed: Callable[[mx.array], mx.array], lm_head: Callable[[mx.array], mx.array]) -> "DFlashDrafter":
         """Borrow the target's (frozen) embedding and output head.
 
-        Stored as plain callables, so they never appear in ``parameters()``, are
-        never saved and are never trained.
+        ``embed`` includes the target's own embedding scale, if any. Stored as plain
+        callables, so they never appear in ``parameters()``, are never saved and are
+        never trained.
         """
         self._embed, self._lm_head = embed, lm_head
         return self
 
-    def make_cache(self) -> List[KVCache]:
-        """One context-only KV cache per drafter layer."""
-        return [KVCache() for _ in self.layers]
+    def set_draft_window(self, window: Optional[Tuple[int, int]]) -> None:
+        """Keep only ``sink`` first and ``window`` last context rows in the full-attention
+        layers' caches (``--draft-window SINK,WINDOW``); None keeps all. Applies to
+        caches made afterwards.
 
-    def __call__(self, block: mx.array, context: mx.array, cache: Sequence[KVCache]) -> mx.array:
+        Raises:
+            InputError: sink < 0 or window < 1 (names ``--draft-window``).
+        """
+        if window is not None:
+            sink, size = (int(v) for v in window)
+            if sink < 0 or size < 1:
+                raise InputError(f"--draft-window {sink},{size}: SINK must be >= 0 and WINDOW >= 1")
+            window = (sink, size)
+        self.draft_window = window
+
+    def make_cache(self) -> List[object]:
+        """One context-only cache per drafter layer: a sliding layer keeps its last
+        W-1 rows, a full layer everything (a ``KVCache``) or, with a draft window,
+        its sink and window rows."""
+        caches = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            if attn.window is not None:
+                caches.append(ContextWindowCache(0, max(attn.window - 1, 1)))
+            elif self.draft_window is not None:
+                caches.append(ContextWindowCache(*self.draft_window))
+            else:
+                caches.append(KVCache())
+        return caches
+
+    def _context(self, context: mx.array, cache: Sequence[object]) -> mx.array:
+        """Fused context rows ``hidden_norm(fc(features))`` [1, S', H] of the rows some
+        layer will see. Rows no layer's cache keeps (between a sink and the window,
+        or before a sliding window) are skipped, not computed; caches advance past them."""
+        S = context.shape[1]
+        ranges = [c.invisible(S) if isinstance(c, ContextWindowCache) else (0, 0) for c in cache]
+        lo, hi = max(r[0] for r in ranges), min(r[1] for r in ranges)
+        if hi > lo:
+            if lo:
+                self.ingest(context[:, :lo], cache)
+            for c in cache:
+                c.skip(hi - lo)
+            context = context[:, hi:]
+        return self.hidden_norm(self.fc(context))
+
+    def hidden(self, block: mx.array, context: mx.array, cache: Sequence[object]) -> mx.array:
+        """Final normed hidden states [1, B-1, H] of block rows 1..B-1 (one pass; the
+        context rows are appended to ``cache``). Arguments as in :meth:`__call__`."""
+        if self._embed is None:
+            raise RuntimeError("DFlashDrafter.bind(...) must be called before use")
+        h = self._embed(block)
+        if self.args.input_embedding_scale != 1.0:
+            h = h * self.args.input_embedding_scale
+        fused = self._context(context, cache)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, fused, c)
+        return self.norm(h[:, 1:])
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """``lm_head(hidden) * output_multiplier``, then ``cap * tanh(logits / cap)`` when
+        ``final_logit_softcapping`` is set (both DFlash2; identity for v1)."""
+        logits = self._lm_head(hidden)
+        if self.args.output_multiplier != 1.0:
+            logits = logits * self.args.output_multiplier
+        cap = self.args.final_logit_softcapping
+        if cap:
+            logits = cap * mx.tanh(logits / cap)
+        return logits
+
+    def __call__(self, block: mx.array, context: mx.array, cache: Sequence[object]) -> mx.array:
         """One block-denoising pass.
 
         Args:
@@ -182,13 +390,7 @@ class DFlashDrafter(nn.Module):
             [1, B-1, V] logits for block positions 1..B-1 (row k predicts the
             token at block position k).
         """
-        if self._embed is None:
-            raise RuntimeError("DFlashDrafter.bind(...) must be called before use")
-        h = self._embed(block)
-        fused = self.hidden_norm(self.fc(context))
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, fused, c)
-        return self._lm_head(self.norm(h[:, 1:]))
+        return self.logits(self.hidden(block, context, cache))
 
     def block_logits(self, blocks: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
         """Training forward over many blocks of one sequence.
@@ -201,14 +403,22 @@ class DFlashDrafter(nn.Module):
 
         Returns:
             [N, B-1, V] logits for block rows 1..B-1.
+
+        Raises:
+            ConfigError: the drafter is not a full-attention v1-style drafter (training
+                covers those only).
         """
+        a = self.args
+        if a.format.dflash2 or any(a.is_sliding(i) or a.is_causal_layer(i) for i in range(a.num_hidden_layers)):
+            raise ConfigError(f"training supports full-attention v1 drafters only, not {a.architecture} "
+                              "with these layer types")
         h = self._embed(blocks)
         fused = self.hidden_norm(self.fc(context))
         for layer in self.layers:
             h = layer(h, fused, anchors=anchors, mask=mask)
         return self._lm_head(self.norm(h[:, 1:]))
 
-    def ingest(self, context: mx.array, cache: Sequence[KVCache]) -> None:
+    def ingest(self, context: mx.array, cache: Sequence[object]) -> None:
         """Cache context rows without drafting, so the drafter covers what the target
         cache covers (used when a generation ends; the next turn continues from it).
 
@@ -217,12 +427,16 @@ class DFlashDrafter(nn.Module):
         """
         if context.shape[1] == 0:
             return
-        fused = self.hidden_norm(self.fc(context))
+        fused = self._context(context, cache)
         for layer, c in zip(self.layers, cache):
             layer.self_attn.ingest(fused, c)
 
-    def draft(self, token: mx.array, context: mx.array, cache: Sequence[KVCache], block_size: int) -> mx.array:
-        """Greedy drafts for one block.
+    def _block(self, token: mx.array, block_size: int) -> mx.array:
+        masks = mx.full((block_size - 1,), self.args.mask_token_id, dtype=mx.int32)
+        return mx.concatenate([token.reshape(1).astype(mx.int32), masks])[None]
+
+    def draft(self, token: mx.array, context: mx.array, cache: Sequence[object], block_size: int) -> mx.array:
+        """Greedy drafts for one block: the argmax (v1) or the selector's argmax path (DFlash2).
 
         Args:
             token: scalar or [1] int, the last committed token ``t_last``.
@@ -233,6 +447,30 @@ class DFlashDrafter(nn.Module):
         Returns:
             [B-1] int32 draft tokens d_1..d_{B-1} (lazy).
         """
-        masks = mx.full((block_size - 1,), self.args.mask_token_id, dtype=mx.int32)
-        block = mx.concatenate([token.reshape(1).astype(mx.int32), masks])[None]
-        return mx.argmax(self(block, context, cache)[0], axis=-1)
+        return self.propose(token, context, cache, block_size).tokens
+
+    def propose(self, token: mx.array, context: mx.array, cache: Sequence[object], block_size: int,
+                sampling: Optional[Sampling] = None) -> Proposal:
+        """Drafts for one block with the distribution they come from (one pass).
+
+        v1 drafts are the argmax at any temperature (a one-hot q: sampling a v1
+        drafter per position lowers acceptance, spec section 9). DFlash2 drafts walk
+        the candidate selector: its argmax path, or at T > 0 a sample of its q shaped
+        by ``sampling`` as the target's p is.
+
+        Args:
+            token, context, cache, block_size: as in :meth:`draft`.
+            sampling: temperature and filters (None: greedy).
+
+        Returns:
+            :class:`~dflash_mlx.protocol.Proposal` (lazy arrays), with the pass's
+            per-position ``logprobs`` [B-1, V].
+        """
+        block = self._block(token, block_size)
+        hidden = self.hidden(block, context, cache)[0]
+        logits = self.logits(hidden)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if not self.samples_drafts:
+            return Proposal(mx.argmax(logits, axis=-1).astype(mx.int32), logprobs=logprobs)
+        tokens, ids, q = self.candidate_selector.walk(hidden, logits, block[0, :1], sampling)
+        return Proposal(tokens, q_ids=None if q is None else ids, q_probs=q, logprobs=logprobs)

@@ -1,14 +1,24 @@
 """Drafter hyper-parameters: the released ``config.json`` parsed and validated
-(DFLASH_SPEC.md section 2), and written back in the same layout."""
+(DFLASH_SPEC.md sections 2 and 9), and written back in the same layout.
+
+Where each format keeps its keys is in :mod:`dflash_mlx.formats`.
+"""
 
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from .errors import ConfigError
+from .formats import FORMATS, V1, detect_format, format_named
 
-DRAFTER_ARCHITECTURE = "DFlashDraftModel"
+DRAFTER_ARCHITECTURE = V1.architecture
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# DFlash2 keys of dflash_config (spec section 9); the three scalars have defaults.
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DFLASH2_SCALARS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
@@ -34,11 +44,23 @@ class DrafterArgs:
         intermediate_size: SwiGLU MLP width.
         vocab_size: Equals the target's vocabulary size.
         target_layer_ids: 0-based target layers whose output is captured
-            (``dflash_config.target_layer_ids``).
+            (``dflash_config.target_layer_ids``; top level for Muse-Glimmer).
         mask_token_id: Unused vocabulary row used for masked block positions
-            (``dflash_config.mask_token_id``).
+            (``dflash_config.mask_token_id``; top level for Muse-Glimmer).
         block_size: Trained block size B (top-level ``block_size``).
         num_target_layers: Layers of the target the drafter was trained for.
+        architecture: ``architectures[0]``, the format (:mod:`dflash_mlx.formats`).
+        layer_types: per layer ``full_attention`` or ``sliding_attention`` (None: all full).
+        sliding_window: W of the sliding layers, in tokens.
+        is_causal: top-level override of in-block causality (None: the format's rule).
+        conv_kernel_size, conv_group_size: DFlash2 block convolution taps K and
+            channels per dynamic group g (0: no convolution).
+        selector_rank, selector_top_k: DFlash2 candidate selector rank r and
+            candidates per position k (0: no selector).
+        input_embedding_scale, output_multiplier, final_logit_softcapping: DFlash2
+            embedding scale, logit multiplier and softcap (None: no softcap).
+        config: the ``config.json`` this came from, kept so saving writes the same
+            keys back (None for a new drafter).
     """
 
     hidden_size: int
@@ -56,84 +78,118 @@ class DrafterArgs:
     rope_theta: float = 1_000_000.0
     rope_scaling: Optional[dict] = None
     max_position_embeddings: int = 40960
-    extra: dict = field(default_factory=dict)
+    architecture: str = DRAFTER_ARCHITECTURE
+    layer_types: Optional[List[str]] = None
+    sliding_window: Optional[int] = None
+    is_causal: Optional[bool] = None
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: Optional[float] = None
+    config: Optional[dict] = field(default=None, repr=False, compare=False)
+
+    @property
+    def format(self):
+        """The :class:`~dflash_mlx.formats.DrafterFormat` of ``architecture``."""
+        return format_named(self.architecture)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether drafter layer ``layer`` is a sliding-window layer."""
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def is_causal_layer(self, layer: int) -> bool:
+        """In-block causality of a layer: ``is_causal`` when set, else causal on sliding
+        layers (bidirectional everywhere for formats that say so), spec section 9."""
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.is_sliding(layer) and not self.format.bidirectional
 
     @classmethod
     def from_config(cls, config: dict, source: str = "config.json") -> "DrafterArgs":
-        """Parse and validate a drafter config.
+        """Parse and validate a drafter config of any format in :mod:`dflash_mlx.formats`.
 
         Raises:
-            ConfigError: a required key is missing or a value is out of range; the
+            ConfigError: a required key is missing or a value does not fit; the
                 message names ``source`` and the key.
         """
+        if not isinstance(config, dict):
+            raise ConfigError(f"{source}: expected a JSON object, found {type(config).__name__}")
+        fmt = detect_format(config, source)
+        dflash = config.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise ConfigError(f"{source}: 'dflash_config' must be an object, got {dflash!r}")
+        where = "" if fmt.ids_at_top else "dflash_config."
+
         def need(key: str) -> Any:
             if key not in config:
                 raise ConfigError(f"{source}: missing key '{key}'")
             return config[key]
 
-        def number(key: str, value: Any, kind=int) -> Any:
-            """``kind(value)``, or a ConfigError naming the key (e.g. "hidden_size": "wide")."""
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-                    kind is int and not float(value).is_integer()):
-                raise ConfigError(f"{source}: '{key}' must be {'an integer' if kind is int else 'a number'}, "
-                                  f"got {value!r}")
-            return kind(value)
+        def drafter_key(key: str, default: Any = None) -> Any:
+            """A DFlash key: in its format's place first, then the other place."""
+            first, second = (config, dflash) if fmt.ids_at_top else (dflash, config)
+            return first.get(key, second.get(key, default))
 
-        if not isinstance(config, dict):
-            raise ConfigError(f"{source}: expected a JSON object, found {type(config).__name__}")
-        dflash = config.get("dflash_config") or {}
-        if not isinstance(dflash, dict):
-            raise ConfigError(f"{source}: 'dflash_config' must be an object, got {dflash!r}")
-        archs = config.get("architectures") or []
-        if not dflash and DRAFTER_ARCHITECTURE not in archs:
-            raise ConfigError(
-                f"{source}: not a DFlash drafter config (no 'dflash_config' and "
-                f"'architectures' is {archs}); pass the drafter folder to --draft-model"
-            )
-        layer_types = config.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types):
-            raise ConfigError(
-                f"{source}: 'layer_types' {sorted(set(layer_types))} is not supported yet; "
-                "only full_attention drafters load"
-            )
-        n_heads = number("num_attention_heads", need("num_attention_heads"))
-        hidden = number("hidden_size", need("hidden_size"))
-        n_layers = number("num_hidden_layers", need("num_hidden_layers"))
+        n_heads = _int(need("num_attention_heads"), "num_attention_heads", source)
+        hidden = _int(need("hidden_size"), "hidden_size", source)
+        n_layers = _int(need("num_hidden_layers"), "num_hidden_layers", source)
         n_target = config.get("num_target_layers")
-        n_target = None if n_target is None else number("num_target_layers", n_target)
-        layer_ids = dflash.get("target_layer_ids", config.get("target_layer_ids"))
+        n_target = None if n_target is None else _int(n_target, "num_target_layers", source)
+        layer_ids = drafter_key("target_layer_ids")
         if layer_ids is None:
             if n_target is None:
                 raise ConfigError(
-                    f"{source}: missing key 'dflash_config.target_layer_ids' "
+                    f"{source}: missing key '{where}target_layer_ids' "
                     "(and no 'num_target_layers' to derive it)"
                 )
             layer_ids = default_target_layer_ids(n_target, n_layers)
         if not isinstance(layer_ids, list):
-            raise ConfigError(f"{source}: 'dflash_config.target_layer_ids' must be a list, got {layer_ids!r}")
-        mask_id = dflash.get("mask_token_id", config.get("mask_token_id"))
+            raise ConfigError(f"{source}: '{where}target_layer_ids' must be a list, got {layer_ids!r}")
+        mask_id = drafter_key("mask_token_id")
         if mask_id is None:
-            raise ConfigError(f"{source}: missing key 'dflash_config.mask_token_id'")
+            raise ConfigError(f"{source}: missing key '{where}mask_token_id'")
         rope_params = config.get("rope_parameters") or {}
         rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         rope_scaling = config.get("rope_scaling") or (rope_params or None)
+        extra = {}
+        if fmt.dflash2:
+            for key in DFLASH2_KEYS:
+                if drafter_key(key) is None:
+                    raise ConfigError(f"{source}: missing key 'dflash_config.{key}' (needed by {fmt.architecture})")
+                extra[key] = _int(drafter_key(key), f"dflash_config.{key}", source)
+            for key, default in DFLASH2_SCALARS.items():
+                value = drafter_key(key, default)
+                extra[key] = None if value is None else _number(value, f"dflash_config.{key}", source)
+        is_causal = config.get("is_causal")
+        if is_causal is not None and not isinstance(is_causal, bool):
+            raise ConfigError(f"{source}: 'is_causal' must be true, false or null, got {is_causal!r}")
+        window = config.get("sliding_window")
         args = cls(
             hidden_size=hidden,
             num_hidden_layers=n_layers,
             num_attention_heads=n_heads,
-            num_key_value_heads=number("num_key_value_heads", config.get("num_key_value_heads", n_heads)),
-            head_dim=number("head_dim", config.get("head_dim") or hidden // max(n_heads, 1)),
-            intermediate_size=number("intermediate_size", need("intermediate_size")),
-            vocab_size=number("vocab_size", need("vocab_size")),
-            target_layer_ids=[number("dflash_config.target_layer_ids", i) for i in layer_ids],
-            mask_token_id=number("dflash_config.mask_token_id", mask_id),
-            block_size=number("block_size", dflash.get("block_size", config.get("block_size", 16))),
+            num_key_value_heads=_int(config.get("num_key_value_heads", n_heads), "num_key_value_heads", source),
+            head_dim=_int(config.get("head_dim") or hidden // max(n_heads, 1), "head_dim", source),
+            intermediate_size=_int(need("intermediate_size"), "intermediate_size", source),
+            vocab_size=_int(need("vocab_size"), "vocab_size", source),
+            target_layer_ids=[_int(i, f"{where}target_layer_ids", source) for i in layer_ids],
+            mask_token_id=_int(mask_id, f"{where}mask_token_id", source),
+            block_size=_int(drafter_key("block_size", config.get("block_size", 16)), "block_size", source),
             num_target_layers=n_target,
-            rms_norm_eps=number("rms_norm_eps", config.get("rms_norm_eps", 1e-6), float),
-            rope_theta=number("rope_theta", rope_theta, float),
+            rms_norm_eps=_number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
+            rope_theta=_number(rope_theta, "rope_theta", source),
             rope_scaling=rope_scaling,
-            max_position_embeddings=number("max_position_embeddings",
-                                           config.get("max_position_embeddings") or 40960),
+            max_position_embeddings=_int(config.get("max_position_embeddings") or 40960, "max_position_embeddings",
+                                         source),
+            architecture=fmt.architecture,
+            layer_types=config.get("layer_types") or None,
+            sliding_window=None if window is None else _int(window, "sliding_window", source),
+            is_causal=is_causal,
+            config=copy.deepcopy(config),
+            **extra,
         )
         args.validate(source)
         return args
@@ -144,16 +200,17 @@ class DrafterArgs:
         Raises:
             ConfigError: naming ``source`` and the offending key.
         """
+        where = "" if self.format.ids_at_top else "dflash_config."
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(
-                f"{source}: 'dflash_config.mask_token_id' {self.mask_token_id} is outside "
+                f"{source}: '{where}mask_token_id' {self.mask_token_id} is outside "
                 f"the vocabulary [0, {self.vocab_size})"
             )
         if self.block_size < 2:
             raise ConfigError(f"{source}: 'block_size' {self.block_size} must be at least 2")
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
             raise ConfigError(
-                f"{source}: 'dflash_config.target_layer_ids' {self.target_layer_ids} "
+                f"{source}: '{where}target_layer_ids' {self.target_layer_ids} "
                 "must be a non-empty list of layer indices >= 0"
             )
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -165,12 +222,55 @@ class DrafterArgs:
                 f"{source}: num_attention_heads {self.num_attention_heads} is not a "
                 f"multiple of num_key_value_heads {self.num_key_value_heads}"
             )
+        self._validate_layers(source)
+        if self.format.dflash2:
+            self._validate_dflash2(source)
+
+    def _validate_layers(self, source: str) -> None:
+        types = self.layer_types
+        if types is None:
+            return
+        if not isinstance(types, list) or len(types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"{source}: 'layer_types' must list one type per layer ({self.num_hidden_layers}), got {types!r}"
+            )
+        for i, t in enumerate(types):
+            if t not in LAYER_TYPES:
+                raise ConfigError(f"{source}: 'layer_types[{i}]' is {t!r}; expected one of {list(LAYER_TYPES)}")
+        if "sliding_attention" in types and (self.sliding_window is None or self.sliding_window < 1):
+            raise ConfigError(
+                f"{source}: 'sliding_window' must be a positive number of tokens when a layer is "
+                f"sliding_attention, got {self.sliding_window!r}"
+            )
+
+    def _validate_dflash2(self, source: str) -> None:
+        for key in DFLASH2_KEYS:
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{source}: 'dflash_config.{key}' must be at least 1, got {getattr(self, key)}")
+        if self.hidden_size % self.conv_group_size:
+            raise ConfigError(
+                f"{source}: 'dflash_config.conv_group_size' {self.conv_group_size} does not divide "
+                f"hidden_size {self.hidden_size}"
+            )
+        if self.selector_top_k > self.vocab_size:
+            raise ConfigError(
+                f"{source}: 'dflash_config.selector_top_k' {self.selector_top_k} exceeds vocab_size {self.vocab_size}"
+            )
+        cap = self.final_logit_softcapping
+        if cap is not None and cap < 0:
+            raise ConfigError(f"{source}: 'dflash_config.final_logit_softcapping' must be >= 0 or null, got {cap}")
 
     def to_config(self, dtype: str = "bfloat16") -> dict:
-        """The ``config.json`` the authors' loader reads (Qwen3Config keys)."""
-        return {
-            "architectures": [DRAFTER_ARCHITECTURE],
-            "model_type": "qwen3",
+        """The ``config.json`` of this drafter in its format's layout.
+
+        A drafter loaded from a checkpoint writes that checkpoint's config back with the
+        same keys in the same places (values updated from these fields); a new one gets
+        the released layout of its format (Qwen3Config keys for v1 and DFlash2).
+        """
+        fmt = self.format
+        top = {
+            "architectures": [fmt.architecture],
+            "model_type": fmt.model_type,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
@@ -186,12 +286,70 @@ class DrafterArgs:
             "attention_dropout": 0.0,
             "hidden_act": "silu",
             "tie_word_embeddings": False,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "layer_types": self.layer_types or ["full_attention"] * self.num_hidden_layers,
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {
-                "target_layer_ids": list(self.target_layer_ids),
-                "mask_token_id": self.mask_token_id,
-            },
-            "torch_dtype": dtype,
         }
+        if self.sliding_window is not None:
+            top["sliding_window"] = self.sliding_window
+        if self.is_causal is not None:
+            top["is_causal"] = self.is_causal
+        ids = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
+        dflash = {} if fmt.ids_at_top else dict(ids)
+        if fmt.ids_at_top:
+            top.update(ids)
+        if fmt.dflash2:
+            dflash.update({k: getattr(self, k) for k in DFLASH2_KEYS})
+            scalars = {k: getattr(self, k) for k in DFLASH2_SCALARS}
+            if self.config is None:  # a new checkpoint writes the scales that are not the default
+                scalars = {k: v for k, v in scalars.items() if v != DFLASH2_SCALARS[k]}
+            dflash.update(scalars)
+        if self.config is None:
+            out = dict(top, dflash_config=dflash) if dflash else dict(top)
+            out["torch_dtype"] = dtype
+            return out
+        return _merge(self.config, top, dflash, dtype)
+
+
+def _merge(original: dict, top: dict, dflash: dict, dtype: str) -> dict:
+    """``original`` with its values updated from ``top`` and ``dflash``, each key where
+    the original keeps it; a key the original lacks is added only when it carries
+    information (sliding layers, a causality override, a non-default DFlash2 scale)."""
+    out = copy.deepcopy(original)
+    nested = out.get("dflash_config") if isinstance(out.get("dflash_config"), dict) else None
+    for key, value in list(top.items()) + list(dflash.items()):
+        if key == "rope_scaling" and isinstance(out.get("rope_parameters"), dict):
+            continue  # parsed from rope_parameters, which stays as it was
+        if nested is not None and key in nested:
+            nested[key] = value
+        elif key in out:
+            out[key] = value
+        elif key == "rope_theta" and isinstance(out.get("rope_parameters"), dict):
+            out["rope_parameters"]["rope_theta"] = value
+        elif key in dflash and key not in top:
+            if key not in DFLASH2_SCALARS or value != DFLASH2_SCALARS[key]:
+                out.setdefault("dflash_config", {})[key] = value
+        elif key in _ADDABLE and value is not None and (key != "layer_types" or "sliding_attention" in value):
+            out[key] = value
+    for key in ("torch_dtype", "dtype"):
+        if key in out:
+            out[key] = dtype
+    return out
+
+
+_ADDABLE = ("sliding_window", "is_causal", "layer_types", "block_size", "num_target_layers")
+
+
+def _int(value: Any, key: str, source: str) -> int:
+    """An integer config value (JSON numbers like 16.0 included), else ConfigError naming the key."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not value.is_integer())):
+        raise ConfigError(f"{source}: '{key}' must be an integer, got {value!r}")
+    return int(value)
+
+
+def _number(value: Any, key: str, source: str) -> float:
+    """A finite number, else ConfigError naming the key."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{source}: '{key}' must be a number, got {value!r} (finite)")
+    return float(value)

@@ -27,3 +27,11 @@ class InputError(DFlashError):
 
 class RollbackError(DFlashError):
     """A target cache cannot remove rejected drafts exactly (names the layer and type)."""
+
+
+class ValidationError(DFlashError):
+    """A converted folder failed its checks; ``checks`` holds every check's result."""
+
+    def __init__(self, message: str, checks=()):
+        super().__init__(message)
+        self.checks = list(checks)

@@ -17,12 +17,16 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .acceptance import choose_rule
+from .cost import PLAIN, TREE
 from .errors import InputError
 from .kernels.block_attention import attention_path
+from .policy import AUTO, make_policy, parse_block_size, parse_tree_budget
 from .protocol import Drafter
 from .stats import GenerationStats, weight_bytes
 from .stopping import StopCondition, held_back, text_before_stop
 from .targets import TargetAdapter
+from .verify import Outcome, chain_step, host_logprobs, plain_step, tree_step
 
 Sampler = Callable[[mx.array], mx.array]
 NO_DRAFTER = "no drafter was given (--draft-model)"
@@ -63,14 +67,8 @@ class GenerationResponse:
     stats: GenerationStats
 
 
-def _sample(sampler: Sampler, logits: mx.array, exact: bool = True) -> mx.array:
-    """Sample from [N, V] logits through log-probabilities, as mlx-lm does.
-
-    With ``exact=False`` greedy skips the normalisation (same argmax up to float
-    ties; used in verify, whose 16-row matmuls differ in the last bits anyway).
-    """
-    if not exact and sampler is greedy_sampler:
-        return mx.argmax(logits, axis=-1)
+def _sample(sampler: Sampler, logits: mx.array) -> mx.array:
+    """Sample from [N, V] logits through log-probabilities, as mlx-lm does."""
     return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
@@ -114,7 +112,8 @@ def generate_step(
     *,
     sampler: Optional[Sampler] = None,
     max_tokens: int = 256,
-    block_size: Optional[int] = None,
+    block_size: Optional[int | str] = None,
+    tree_budget: Optional[int | str] = None,
     stop_token_ids: Sequence[int] = (),
     stop: Optional[StopCondition] = None,
     prefill_step_size: int = 2048,
@@ -128,10 +127,21 @@ def generate_step(
         prompt: [P] int32 prompt ids, P >= 1.
         target: the target adapter.
         drafter: a bound :class:`~dflash_mlx.protocol.Drafter`, or None for plain decoding.
-        sampler: mlx-lm sampler over [N, V] log-probabilities; greedy by default.
-            At T > 0 the sample-and-match rule keeps the output exactly the target's.
+        sampler: mlx-lm sampler over [N, V] log-probabilities, or a
+            :class:`~dflash_mlx.sampling.Sampling` (also a sampler); greedy by default.
+            The acceptance rule follows from it and the drafter
+            (:func:`dflash_mlx.acceptance.choose_rule`); each keeps the output exactly
+            the target's.
         max_tokens: most tokens to emit.
-        block_size: B, 2..drafter.block_size (default: the drafter's).
+        block_size: B, 2..drafter.block_size (default: the drafter's), or ``"auto"``:
+            draft at the trained B and verify the width the cost model expects to
+            commit the most tokens per second, 1 (plain decoding) included
+            (:mod:`dflash_mlx.policy`).
+        tree_budget: DDTree (spec section 7): verify the N best draft prefixes as a
+            tree (N nodes besides the root), or ``"auto"`` (budgets 8..64 and
+            chains, chosen by cost). Targets without tree verify (hybrid families)
+            and drafters without log-probabilities keep chains; ``stats.verify``
+            says so and why.
         stop_token_ids: ids that end generation; the block is cut there.
         stop: a :class:`~dflash_mlx.stopping.StopCondition` (stop strings too);
             replaces ``max_tokens`` and ``stop_token_ids`` when given.
@@ -146,7 +156,7 @@ def generate_step(
         stats: filled in place (phase times, acceptance).
 
     Raises:
-        InputError: empty prompt, max_tokens < 1, block size out of range.
+        InputError: empty prompt, max_tokens < 1, block size or tree budget out of range.
         RollbackError: ``prompt_cache`` cannot roll back exactly (raised before
             anything is generated).
         MismatchError: ``prompt_cache`` was built for another model, or the
@@ -159,11 +169,16 @@ def generate_step(
     if stop.max_tokens < 1:
         raise InputError(f"--max-tokens must be at least 1, got {stop.max_tokens}")
     B = check_block_size(block_size, drafter)
+    tree_budget = parse_tree_budget(tree_budget)
+    if tree_budget is not None and drafter is None:
+        raise InputError("--tree-budget needs --draft-model (plain decoding has no drafts)")
     stats = stats if stats is not None else GenerationStats(block_size=B)
+    policy = make_policy(target, drafter, B, block_size == AUTO, tree_budget, stats) if drafter is not None else None
+    max_verify = policy.max_verify if policy else B
     if prompt_cache is None:
-        prompt_cache = target.make_cache(B)
+        prompt_cache = target.make_cache(max_verify)
     else:
-        target.check_cache(prompt_cache, B)
+        target.check_cache(prompt_cache, max_verify)
     cache = prompt_cache
     committed = _cache_rows(cache) + prompt.size  # rows once every token is in the cache
     capture = drafter.target_layer_ids if drafter is not None else None
@@ -178,37 +193,80 @@ def generate_step(
             yield from _plain_steps(target, cache, t, tokens, finish, sampler, stop, stats, committed)
             return
         draft_cache = draft_cache if draft_cache is not None else drafter.make_cache()
+        rule = choose_rule(drafter, sampler)
+        stats.acceptance_rule = rule.name
+        yield StepResult(tokens, None, finish)
         if finish is None:
-            drafts = drafter.draft(t, context, draft_cache, B)
-            mx.async_eval(drafts)
+            yield from _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, context,
+                                          stop, stats, committed)
         else:
             _finish(target, cache, committed + stop.emitted - 1, drafter, draft_cache, context)
-        yield StepResult(tokens, None, finish)
-        while finish is None:
-            with stats.phase("draft"):
-                mx.eval(drafts)
-            with stats.phase("verify"):
-                h, features = target(mx.concatenate([t, drafts])[None], cache, capture)
-                y = _sample(sampler, target.lm_head(h)[0], exact=False)
-                mx.eval(y, features)
-            with stats.phase("host"):
-                y_list = y.tolist()
-                a = count_accepted(drafts.tolist(), y_list)
-                stats.record_step(a, B - 1)
-                target.rollback(cache, B - 1 - a)
-                tokens, finish = stop.cut(y_list[: a + 1])
-                if finish is not None:
-                    _finish(target, cache, committed + stop.emitted - 1, drafter, draft_cache, features)
+
+
+def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, context, stop, stats, base):
+    """DFlash steps (spec section 5), each the policy's plan: plain, chain or tree.
+
+    ``t`` is the last committed token (not in the target cache); ``pending`` holds the
+    context rows the drafter has not seen yet; ``history[i]`` sits at ``base + i``.
+    """
+    capture, B, cost = drafter.target_layer_ids, policy.block, policy.cost
+    pending, history, finish = [context], [t.item()], None
+    while finish is None:
+        plan = policy.next()
+        tic = time.perf_counter()
+        position = base + len(history) - 1  # of t
+        proposal = None
+        draft_s = None
+        if plan.mode != PLAIN or plan.probe:  # draft from every context row not yet seen
+            proposal = rule.propose(drafter, t, _rows(pending), draft_cache, B)
+            pending = []
+            if plan.mode != PLAIN and stats.time_draft():  # 1 step in 16: drafting on its own
+                mx.eval(proposal.arrays())
+                draft_s = time.perf_counter() - tic
+        if plan.mode == PLAIN:
+            y, features = plain_step(target, cache, capture, rule.choose, t)
+            mx.eval(y, features, proposal.tokens if proposal is not None else [])
+            step = Outcome(y.tolist(), 0, 0, features, proposal.tokens.tolist() if proposal is not None else [])
+        elif plan.mode == TREE:
+            logprobs = host_logprobs(proposal)
+            plan = policy.after_draft(plan, logprobs)
+            if plan.mode == TREE:
+                step = tree_step(target, cache, capture, rule.choose, history[-1], position, proposal, logprobs,
+                                 plan.width)
+            else:
+                step = chain_step(target, cache, capture, rule, t, proposal, plan.width)
+        else:
+            step = chain_step(target, cache, capture, rule, t, proposal, plan.width)
+        seconds = time.perf_counter() - tic
+        with stats.phase("host"):
+            pending.append(step.context)
+            t = mx.array(step.tokens[-1:], dtype=mx.int32)
+            history.extend(step.tokens)
+            if policy.learning:
+                cost.record_step(plan.mode, plan.width + (plan.mode == TREE), seconds)
+                if step.drafts:
+                    cost.record_drafts(position + 1, step.drafts)
+                tail = history[-(2 * B + len(step.tokens)):]
+                cost.record_committed(tail, base + len(history) - len(tail))
+                if plan.mode == TREE:
+                    cost.record_tree(plan.width, 0.0, len(step.tokens))
+            stats.record_plan(plan.mode, plan.width, seconds, step.accepted, step.drafted, draft_s)
+            tokens, finish = stop.cut(step.tokens)
+            if finish is not None:
+                _finish(target, cache, base + stop.emitted - 1, drafter, draft_cache, _rows(pending))
+        try:
+            yield StepResult(tokens, step.accepted if plan.mode != PLAIN else None, finish)
+        except GeneratorExit:  # closed mid-generation: the drafter catches up with the target cache
             if finish is None:
-                # Queue the next draft before yielding. On the CPU backend async_eval
-                # runs most of it right here, so it is booked as drafting.
-                with stats.phase("draft"):
-                    t = y[a : a + 1]
-                    drafts = drafter.draft(t, features[:, : a + 1], draft_cache, B)
-                    mx.async_eval(drafts)
-            yield StepResult(tokens, a, finish)
-            if stop.emitted % 256 < len(tokens):
-                mx.clear_cache()
+                drafter.ingest(_rows(pending), draft_cache)
+            raise
+        if stop.emitted % 256 < len(tokens):
+            mx.clear_cache()
+
+
+def _rows(pending: List[mx.array]) -> mx.array:
+    """The pending context rows as one [1, S, F] array."""
+    return pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)
 
 
 def _plain_steps(target, cache, y, tokens, finish, sampler, stop, stats, committed):
@@ -255,8 +313,9 @@ def _finish(target: TargetAdapter, cache: List[Any], rows: int, drafter: Optiona
         drafter.ingest(features[:, :missing], draft_cache)
 
 
-def check_block_size(block_size: Optional[int], drafter: Optional[Drafter]) -> int:
-    """Resolve B: 1 without a drafter, else 2..trained block size.
+def check_block_size(block_size: Optional[int | str], drafter: Optional[Drafter]) -> int:
+    """Resolve B, the block the drafter drafts: 1 without a drafter, else 2..trained
+    block size (the trained size for None and ``"auto"``).
 
     Raises:
         InputError: naming ``--block-size`` and the allowed range.
@@ -264,7 +323,8 @@ def check_block_size(block_size: Optional[int], drafter: Optional[Drafter]) -> i
     if drafter is None:
         return 1
     trained = drafter.block_size
-    B = trained if block_size is None else int(block_size)
+    block_size = parse_block_size(block_size)
+    B = trained if block_size in (None, AUTO) else block_size
     if not 2 <= B <= trained:
         raise InputError(
             f"--block-size {B} is out of range: this drafter supports 2..{trained} "
@@ -310,6 +370,7 @@ def stream_generate(
         model_bytes=weight_bytes(target.model, drafter if isinstance(drafter, nn.Module) else None),
         speculative=drafter is not None,
         reason=None if drafter is not None else NO_DRAFTER,
+        drafter_format=getattr(drafter, "drafter_format", None),
     )
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()

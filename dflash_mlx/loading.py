@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,8 +15,9 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from .checkpoint import load_drafter
 from .drafter import DFlashDrafter
-from .errors import CheckpointError, ConfigError, MismatchError
+from .errors import CheckpointError, ConfigError, InputError, MismatchError
 from .hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, resolve_model_path
+from .manifest import resolve_pair
 from .targets import TargetAdapter, make_adapter
 
 TARGET_FILES = DEFAULT_ALLOW_PATTERNS  # what mlx-lm itself downloads for a model
@@ -130,23 +131,59 @@ def check_pair(drafter: DFlashDrafter, target: TargetAdapter, draft_source: str 
         )
 
 
+def is_quantized(module: nn.Module) -> bool:
+    """True when any layer of ``module`` is an ``nn.QuantizedLinear``."""
+    return any(isinstance(m, nn.QuantizedLinear) for m in module.modules())
+
+
+# A quantized drafter computes in float32, whatever the target's dtype. On M1/M2
+# (bf16 emulated) fp16 activations made quantized DFlash2 drafters' logits NaN, 0%
+# acceptance (z-lab/dflash#160, bstnxbt/dflash-mlx#60), and float32 was the fastest
+# setting there. Its weights are 4/8-bit, so a B-row block in float32 costs little.
+QUANTIZED_DRAFTER_DTYPE = mx.float32
+
+
 def bind_drafter(drafter: DFlashDrafter, target: TargetAdapter, draft_source: str = "drafter") -> DFlashDrafter:
-    """Check the pair, run the drafter in the target's activation dtype, bind
-    the target's embedding and head."""
+    """Check the pair, bind the target's embedding and head, and choose the
+    drafter's activation dtype: the target's for a float drafter, float32 for a
+    quantized one (:data:`QUANTIZED_DRAFTER_DTYPE`; its embeddings are cast in, its
+    hidden states cast back to the target's dtype before the head)."""
     check_pair(drafter, target, draft_source)
+    if is_quantized(drafter) and mx.issubdtype(target.dtype, mx.floating):
+        dtype, head_dtype = QUANTIZED_DRAFTER_DTYPE, target.dtype
+        drafter.set_dtype(dtype)
+        return drafter.bind(lambda ids: target.embed(ids).astype(dtype),
+                            lambda h: target.lm_head(h.astype(head_dtype)))
     if drafter.fc.weight.dtype != target.dtype and mx.issubdtype(target.dtype, mx.floating):
         drafter.set_dtype(target.dtype)
     return drafter.bind(target.embed, target.lm_head)
 
 
-def load(model: str = DEFAULT_MODEL, draft_model: Optional[str] = None) -> Pair:
+def load(model: str = DEFAULT_MODEL, draft_model: Optional[str] = None, verify: bool = False,
+         draft_window: Optional[Tuple[int, int]] = None) -> Pair:
     """Load a target and, if given, its drafter, ready for :func:`stream_generate`.
+
+    A folder written by ``dflash convert`` (with ``dflash.json``) as ``model`` gives
+    both: its ``target/`` and, unless ``draft_model`` is given, its ``drafter/``.
+
+    Args:
+        model, draft_model: folders or repo ids.
+        verify: check the converted folder's weight files against the sha256 in
+            its manifest first (see :func:`dflash_mlx.manifest.verify`).
+        draft_window: ``(sink, window)`` context rows the drafter's full-attention
+            layers keep (``--draft-window``); None keeps all.
 
     Raises:
         CheckpointError, ConfigError, MismatchError: see the loaders above.
+        InputError: ``verify`` for a model that is not a converted folder; a draft
+            window without a drafter or out of range.
     """
+    model, draft_model = resolve_pair(model, draft_model, verify)
+    if draft_window is not None and draft_model is None:
+        raise InputError("--draft-window needs --draft-model (it bounds the drafter's context)")
     net, tokenizer, target = load_target(model)
     drafter = None
     if draft_model is not None:
         drafter = bind_drafter(load_drafter(draft_model), target, draft_model)
+        drafter.set_draft_window(draft_window)
     return Pair(net, tokenizer, target, drafter, model, draft_model)

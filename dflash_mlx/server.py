@@ -77,7 +77,8 @@ class ServerConfig:
         model_id: the name ``/v1/models`` lists; requests must name it (or its
             folder's base name).
         max_tokens: tokens per request when it does not say (``--max-tokens``).
-        block_size: B for every request (None: the drafter's trained size).
+        block_size: B for every request (None: the drafter's trained size; "auto":
+            widths by measured cost, except seeded sampled requests, see Engine).
         api_key: when set, every endpoint but ``/health`` needs
             ``Authorization: Bearer <api_key>``.
         max_queue: most requests waiting behind the running one; past it, 429.

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, List, Optional
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
 
 from .errors import DFlashError
 from .prompt_cache import PairCache
+from .sampling import make_sampler
 from .server_api import usage
 from .server_metrics import ServerMetrics
 
@@ -112,7 +112,9 @@ class Engine:
 
     Args:
         pair: the loaded :class:`dflash_mlx.Pair`.
-        block_size: B for every request (default: the drafter's trained size).
+        block_size: B for every request (default: the drafter's trained size), or "auto"
+            (the CLI default). A seeded request at T > 0 runs at the trained size, so
+            the same seed gives the same text (auto's widths follow timings).
         max_queue: most requests waiting behind the running one; past it,
             :meth:`submit` raises :class:`QueueFullError`.
         metrics: where each generation is counted.
@@ -185,9 +187,14 @@ class Engine:
         spec = job.spec
         if spec.seed is not None:
             mx.random.seed(spec.seed)
-        sampler = make_sampler(spec.temperature, spec.top_p, spec.min_p, 1, top_k=spec.top_k)
+        sampler = make_sampler(spec.temperature, spec.top_p, spec.min_p, spec.top_k,
+                               self.pair_cache.target.vocab_size)  # a Sampling: mlx-lm's sampler and its p
+        block_size = self.block_size
+        if spec.seed is not None and spec.temperature > 0 and block_size == "auto":
+            # Reproducible draws need the same verify widths every time; auto's follow timings.
+            block_size = None
         steps = self.pair_cache.stream(spec.ids, sampler=sampler, max_tokens=spec.max_tokens,
-                                       block_size=self.block_size, stop_strings=spec.stop)
+                                       block_size=block_size, stop_strings=spec.stop)
         stats, outcome = None, "cancelled"
         try:
             for r in steps:

@@ -49,6 +49,17 @@ class GenerationStats:
             :attr:`bandwidth_gbps`; 0 when unknown.
         speculative: whether speculative decoding ran.
         reason: why it did not (None when it ran), e.g. "no drafter was given".
+        drafter_format: the drafter's checkpoint format (``architectures[0]``, e.g.
+            ``DFlash2DraftModel``); None without a drafter.
+        acceptance_rule: ``greedy``, ``sample-and-match`` or ``speculative``
+            (:mod:`dflash_mlx.acceptance`); None without a drafter.
+        verify: what verified the drafts and why (``{"block_size": B or "auto",
+            "tree_budget": None, N or "auto", "reason": why a requested tree is off,
+            or None}``); None without a drafter.
+        plain_steps: 1-token target steps taken because plain decoding was expected to
+            be faster (``--block-size auto``); not verify steps, not in tau.
+        widths: ``{"plain": steps, "chain N": steps, "tree N": steps}``: the verifies chosen.
+        mode_s: seconds spent per mode (``plain``, ``chain``, ``tree``), drafting included.
         block_attention: which path computed the drafter's block attention and why,
             ``{"block_attention": "metal" | "reference", "reason": str}`` (from
             :func:`dflash_mlx.kernels.block_attention.attention_path`); None without
@@ -69,7 +80,15 @@ class GenerationStats:
     model_bytes: int = 0
     speculative: bool = True
     reason: Optional[str] = None
+    drafter_format: Optional[str] = None
+    acceptance_rule: Optional[str] = None
     block_attention: Optional[Dict[str, str]] = None
+    verify: Optional[Dict[str, object]] = None
+    plain_steps: int = 0
+    widths: Dict[str, int] = field(default_factory=dict)
+    mode_s: Dict[str, float] = field(default_factory=dict)
+    draft_share: Optional[float] = None
+    timed_drafts: int = 0
 
     def record_step(self, accepted: int, drafted: Optional[int] = None) -> None:
         """Count one verify step that accepted ``accepted`` of ``drafted`` drafts
@@ -78,6 +97,33 @@ class GenerationStats:
         self.accepted += accepted
         self.drafted += self.block_size - 1 if drafted is None else drafted
         self.histogram[accepted + 1] = self.histogram.get(accepted + 1, 0) + 1
+
+    def time_draft(self) -> bool:
+        """Whether this speculative step should time its drafting on its own: the
+        first and every 16th. Drafting and verifying are one graph (one sync) on the
+        other steps, so their phase split follows the share measured here."""
+        return (self.steps + self.plain_steps) % 16 == 0 or self.draft_share is None
+
+    def record_plan(self, mode: str, width: int, seconds: float, accepted: int, drafted: int,
+                    draft_s: Optional[float] = None) -> None:
+        """Count one step of ``mode`` (``plain``, ``chain``, ``tree``) of ``width``
+        (tokens, or tree nodes) that took ``seconds`` and accepted ``accepted`` of
+        ``drafted`` drafts; ``draft_s``: its drafting seconds when timed on its own."""
+        key = "plain" if mode == "plain" else f"{mode} {width}"
+        self.widths[key] = self.widths.get(key, 0) + 1
+        self.mode_s[mode] = self.mode_s.get(mode, 0.0) + seconds
+        if mode == "plain":
+            self.plain_steps += 1
+            self.phase_s["verify"] += seconds
+            return
+        self.record_step(accepted, drafted)
+        if draft_s is not None and seconds > 0:
+            self.timed_drafts += 1
+            share = min(draft_s / seconds, 1.0)
+            self.draft_share = share if self.draft_share is None else 0.8 * self.draft_share + 0.2 * share
+        share = self.draft_share or 0.0
+        self.phase_s["draft"] += share * seconds
+        self.phase_s["verify"] += (1 - share) * seconds
 
     def add(self, other: "GenerationStats") -> None:
         """Accumulate another generation's counts and times (a chat's turns, a
@@ -95,6 +141,14 @@ class GenerationStats:
         self.generation_s += other.generation_s
         self.peak_memory_gb = max(self.peak_memory_gb, other.peak_memory_gb)
         self.model_bytes = max(self.model_bytes, other.model_bytes)
+        self.plain_steps += other.plain_steps
+        for k, n in other.widths.items():
+            self.widths[k] = self.widths.get(k, 0) + n
+        for k, v in other.mode_s.items():
+            self.mode_s[k] = self.mode_s.get(k, 0.0) + v
+        self.verify = self.verify or other.verify
+        self.drafter_format = self.drafter_format or other.drafter_format
+        self.acceptance_rule = self.acceptance_rule or other.acceptance_rule
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -142,7 +196,13 @@ class GenerationStats:
         return {
             "speculative": self.speculative,
             "reason": self.reason,
+            "drafter_format": self.drafter_format,
+            "acceptance_rule": self.acceptance_rule,
             "block_attention": self.block_attention,
+            "verify": self.verify,
+            "widths": dict(sorted(self.widths.items())),
+            "plain_steps": self.plain_steps,
+            "mode_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.mode_s.items())},
             "tokens": self.generation_tokens,
             "tau": round(self.tau, 4),
             "steps": self.steps,
@@ -163,6 +223,20 @@ class GenerationStats:
         return (f"tau {self.tau:.2f} tokens/step over {self.steps} steps "
                 f"({100 * self.acceptance_rate:.1f}% of drafts accepted)")
 
+    def verify_line(self) -> str:
+        """How the drafts were verified, e.g. ``auto: chain 16 x40, plain x12 (plain
+        1.2 s, chain 3.4 s)``, and why a requested tree did not run."""
+        v = self.verify or {}
+        what = f"block size {v.get('block_size')}"
+        if v.get("tree_budget") is not None:
+            what += f", tree budget {v['tree_budget']}"
+        used = ", ".join(f"{k} x{n}" for k, n in sorted(self.widths.items(), key=lambda kv: -kv[1]))
+        spent = ", ".join(f"{k} {s:.2f} s" for k, s in sorted(self.mode_s.items()))
+        line = f"{what}: {used or 'no steps'}" + (f" ({spent})" if spent else "")
+        if v.get("reason"):
+            line += f"; tree off: {v['reason']}"
+        return line
+
     def format_lines(self) -> List[str]:
         """mlx-lm's stats lines, then ``Acceptance:``, ``Histogram:`` and ``Timings:``."""
         lines = [
@@ -173,8 +247,12 @@ class GenerationStats:
         if not self.speculative:
             lines.append(f"Speculative decoding: off ({self.reason})")
         elif self.block_size > 1:
-            lines.append(f"Acceptance: {self.acceptance_line()} at block size {self.block_size}")
+            rule = f", {self.acceptance_rule}" if self.acceptance_rule else ""
+            fmt = f" ({self.drafter_format}{rule})" if self.drafter_format else ""
+            lines.append(f"Acceptance: {self.acceptance_line()} at block size {self.block_size}{fmt}")
             lines.append("Histogram: " + format_histogram(self.histogram))
+        if self.speculative and self.verify is not None:
+            lines.append("Verify: " + self.verify_line())
         if self.block_attention:
             path = self.block_attention
             lines.append(f"Block attention: {path['block_attention']} ({path['reason']})")

@@ -7,8 +7,11 @@ import inspect
 from pathlib import Path
 from typing import List
 
+import dataclasses
+
 import mlx.core as mx
-from mlx.utils import tree_map
+import numpy as np
+from mlx.utils import tree_map, tree_map_with_path
 import pytest
 from mlx_lm.generate import generate_step as mlx_generate_step
 from mlx_lm.models import (gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, llama, qwen3, qwen3_5,
@@ -113,6 +116,48 @@ def tiny_drafter(target, seed: int = 1, **kwargs) -> DFlashDrafter:
     drafter = DFlashDrafter(tiny_drafter_args(target, **kwargs))
     mx.eval(drafter.parameters())
     return bind_drafter(drafter, target)
+
+
+def randomize(drafter, seed: int = 2):
+    """Random weights everywhere, norms and DFlash2 pieces included (default norms are
+    ones, a fresh block convolution is the identity, fresh codebooks are zeros)."""
+    rng = np.random.default_rng(seed)
+
+    def new(path, p):
+        if path.endswith("norm.weight"):
+            v = 1.0 + 0.2 * rng.standard_normal(p.shape)
+        elif path.endswith("base_kernel"):
+            v = 0.5 * rng.standard_normal(p.shape)
+        else:
+            v = rng.standard_normal(p.shape) / np.sqrt(p.shape[-1])
+        return mx.array(v.astype(np.float32))
+
+    drafter.update(tree_map_with_path(new, drafter.parameters()))
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+# Tiny drafters of every released format (spec sections 2 and 9), block size 8.
+# v1-sliding: a causal sliding layer (window 5, shorter than the block) and a full
+# layer. dflash2: all layers sliding and bidirectional (is_causal false), as the
+# released DFlash2 checkpoints are, 3-tap convolution, selector over 4 candidates,
+# every scale set. muse: v1 under Muse-Glimmer's names.
+FORMATS = {
+    "v1": dict(),
+    "v1-sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5),
+    "dflash2": dict(architecture="DFlash2DraftModel", layer_types=["sliding_attention"] * 2, sliding_window=5,
+                    is_causal=False, conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4,
+                    input_embedding_scale=1.5, output_multiplier=0.5, final_logit_softcapping=3.0),
+    "muse": dict(architecture="MuseGlimmerAssistantModel"),
+}
+
+
+def format_drafter(target, fmt: str, seed: int = 1, block_size: int = 8, **over) -> DFlashDrafter:
+    """A random 2-layer drafter of format ``fmt`` (a key of FORMATS), bound to ``target``."""
+    args = dataclasses.replace(tiny_drafter_args(target, layers=2, block_size=block_size), **{**FORMATS[fmt], **over})
+    args.validate()
+    mx.random.seed(seed)
+    return bind_drafter(randomize(DFlashDrafter(args), seed), target)
 
 
 def mlx_lm_greedy(model, prompt: List[int], n: int) -> List[int]:

@@ -153,6 +153,11 @@ class Interrupt:
     def draft(self, *args, **kwargs):
         return self._hit(self.inner.draft(*args, **kwargs))
 
+    def propose(self, *args, **kwargs):  # the loop drafts through propose where a drafter has it
+        proposal = self.inner.propose(*args, **kwargs)
+        self._hit(proposal.tokens)
+        return proposal
+
     def _hit(self, out):
         self.calls += 1
         if self.calls == self.at:

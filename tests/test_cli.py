@@ -118,3 +118,18 @@ def test_help_teaches():
     assert r.returncode == 0
     for flag in ("--model", "--draft-model", "--max-tokens", "--temp", "--block-size", "--json"):
         assert flag in r.stdout
+
+
+@needs_shared
+def test_draft_window_and_rule_in_json(stories, random_drafter):
+    r = dflash("--model", str(stories), "--draft-model", str(random_drafter), "-p", "Once upon a time",
+               "-m", "30", "--draft-window", "2,8", "--json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["text"].startswith(STORY[:60])  # greedy: the target's own text
+    assert (out["drafter_format"], out["acceptance_rule"], out["block_size"]) == ("DFlashDraftModel", "greedy", 8)
+    r = dflash("--model", str(stories), "--draft-model", str(random_drafter), "-p", "Once upon a time",
+               "-m", "10", "--temp", "0.8", "--seed", "1", "--json", "--quiet")
+    assert r.returncode == 0 and json.loads(r.stdout)["acceptance_rule"] == "sample-and-match"
+    bad = dflash("--model", str(stories), "--draft-model", str(random_drafter), "-p", "x", "--draft-window", "64")
+    assert bad.returncode == 1 and bad.stderr.startswith("error: --draft-window 64")

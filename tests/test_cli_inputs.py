@@ -104,7 +104,7 @@ def test_data_lengths_past_the_context_are_refused(stories, tmp_path, args, need
 @needs_shared
 def test_top_k_at_or_past_the_vocabulary_is_off(stories, random_drafter):
     base = ["generate", "--model", str(stories), "--draft-model", str(random_drafter), "-p", "Once upon a time",
-            "-m", "30", "--temp", "1.0", "--seed", "3", "--quiet"]
+            "-m", "30", "--temp", "1.0", "--seed", "3", "--quiet", "--block-size", "8"]  # auto: draws follow timings
     outs = []
     for k in ("0", "512", "100000"):  # the vocabulary is 512
         r = dflash(*base, "--top-k", k)
@@ -257,3 +257,35 @@ def test_chat_stop_applies_to_every_reply(stories, random_drafter):
     assert out.startswith(", there was a little girl \n, there was a little girl \n")
     n, target, drafter = re.search(r"Cache: (\d+) tokens of \d+ \(target (\d+), drafter (\d+)\)", out).groups()
     assert n == target == drafter  # both caches hold the conversation the history renders
+
+
+@needs_shared
+def test_auto_and_tree_budget_report_the_verifies_chosen(stories, random_drafter):
+    base = ["generate", "--model", str(stories), "--draft-model", str(random_drafter), "-p", "Once upon a time",
+            "-m", "40", "--json", "--quiet"]
+    plain = dflash("generate", "--model", str(stories), "-p", "Once upon a time", "-m", "40", "--json", "--quiet")
+    cases = [([], "auto"), (["--tree-budget", "16"], 8), (["--tree-budget", "auto"], "auto"), (["--block-size", "4"], 4)]
+    for extra, verify_block in cases:  # a fixed tree budget fixes the verify: trees drafted at B=8
+        r = dflash(*base, *extra)
+        assert r.returncode == 0, r.stderr.decode()
+        out = json.loads(r.stdout)
+        assert out["text"] == json.loads(plain.stdout)["text"]  # greedy: the target's own text
+        assert sum(out["widths"].values()) > 0 and set(out["mode_ms"]) <= {"plain", "chain", "tree"}
+        assert out["verify"]["block_size"] == verify_block
+    assert set(json.loads(dflash(*base, "--tree-budget", "16").stdout)["widths"]) == {"tree 16"}
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tree-budget", "0"], "error: --tree-budget must be a node count >= 1 or 'auto', got 0"),
+    (["--tree-budget", "many"], "error: --tree-budget must be a node count >= 1 or 'auto', got 'many'"),
+    (["--block-size", "big"], "error: --block-size must be an integer or 'auto', got 'big'"),
+])
+def test_bad_block_size_or_tree_budget_is_one_line(flags, message, tmp_path):
+    r = dflash("generate", "--model", str(tmp_path), "--draft-model", str(tmp_path), "-p", "x", *flags)
+    assert r.returncode == 1 and r.stderr.decode().strip() == message
+
+
+def test_tree_budget_needs_a_drafter(tmp_path):
+    r = dflash("generate", "--model", str(tmp_path), "-p", "x", "--tree-budget", "8")
+    assert r.returncode == 1
+    assert r.stderr.decode().strip() == "error: --tree-budget needs --draft-model (plain decoding has no drafts)"

@@ -58,9 +58,25 @@ def test_verify_seconds_interpolate_and_extrapolate():
     assert m.verify_seconds(20) == pytest.approx(4.8)
 
 
-def test_probes_while_plain():
-    m = CostModel(block_size=4, probe_every=3)
-    assert [m.should_probe() for _ in range(7)] == [False, False, True, False, False, True, False]
+def test_probes_while_plain_space_out_and_restart_after_speculation():
+    m = CostModel(block_size=4, probe_every=3, max_probe_every=6)
+    probes = [m.should_probe() for _ in range(15)]
+    assert [i for i, p in enumerate(probes) if p] == [2, 8, 14]  # after 3, then 6, then 6 (the cap)
+    m.speculating()
+    assert [m.should_probe() for _ in range(3)] == [False, False, True]
+
+
+def test_step_seconds_follow_real_steps():
+    m = CostModel(block_size=8, decay=1.0, fresh_steps=2)
+    timed(m, {1: 1.0, 8: 2.0}, draft=1.0)
+    assert m.step_seconds("plain", 1) == 1.0 and m.step_seconds("chain", 8) == 3.0
+    m.record_step("chain", 8, 6.0)  # twice as slow as calibrated
+    assert m.step_seconds("chain", 8) == 6.0
+    assert m.step_seconds("chain", 4) == pytest.approx(2 * (1.0 + 1 + 3 / 7))  # the mode's ratio
+    assert m.step_seconds("plain", 1) == 1.0  # another mode keeps its own estimate
+    m.record_step("chain", 4, 3.0)
+    m.record_step("chain", 4, 3.0)
+    assert m.step_seconds("chain", 8) == pytest.approx(3.0 * 3 / (1 + 1 + 3 / 7))  # stale: estimate x ratio
 
 
 def test_tree_expectation_is_calibrated_by_the_chain():

@@ -4,28 +4,12 @@ import json
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_flatten
 
 from dflash_mlx import DFlashDrafter, DrafterArgs, bind_drafter, load_drafter, save_drafter
-from conftest import tiny_drafter, tiny_target
+from conftest import randomize, tiny_drafter, tiny_target
 
 B = 8
-
-
-def randomize(drafter, seed=2):
-    """Random weights everywhere, norms included (default norms are all ones)."""
-    rng = np.random.default_rng(seed)
-
-    def new(path, p):
-        if path.endswith("norm.weight"):
-            v = 1.0 + 0.2 * rng.standard_normal(p.shape)
-        else:
-            v = rng.standard_normal(p.shape) / np.sqrt(p.shape[-1])
-        return mx.array(v.astype(np.float32))
-
-    drafter.update(tree_map_with_path(new, drafter.parameters()))
-    mx.eval(drafter.parameters())
-    return drafter
 
 
 def make_pair(family, layers=2):

@@ -209,3 +209,106 @@ def test_zero_kv_heads_is_a_config_error():
               "vocab_size": 256, "dflash_config": {"target_layer_ids": [1], "mask_token_id": 3}}
     with pytest.raises(_ConfigError, match="num_key_value_heads"):
         DrafterArgs.from_config(config, source="cfg.json")
+
+
+# --- newer drafter formats: every kind of mismatch names the file and the key --------
+
+@pytest.fixture
+def saved_dflash2(pair, tmp_path):
+    from conftest import format_drafter
+
+    return save_drafter(format_drafter(pair[0], "dflash2"), tmp_path / "dflash2")
+
+
+def edit_weights(folder, fn):
+    f = folder / "model.safetensors"
+    weights = mx.load(str(f))
+    fn(weights)
+    mx.save_safetensors(str(f), weights, metadata={"format": "pt"})
+    return f
+
+
+def one_line_error(kind, folder):
+    with pytest.raises(kind) as e:
+        load_drafter(str(folder))
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_unknown_architecture(saved_dflash2):
+    def other(cfg):
+        cfg["architectures"] = ["DFlash3DraftModel"]
+        del cfg["dflash_config"]
+    edit_config(saved_dflash2, other)
+    msg = one_line_error(ConfigError, saved_dflash2)
+    assert str(saved_dflash2 / "config.json") in msg and "DFlash3DraftModel" in msg and "DFlash2DraftModel" in msg
+
+
+def test_missing_selector_codebook(saved_dflash2):
+    # Stored the way torch modules name embeddings (".weight"): the released name is missing.
+    def rename(w):
+        w["candidate_selector.predecessor_codebook.weight"] = w.pop("candidate_selector.predecessor_codebook")
+    edit_weights(saved_dflash2, rename)
+    msg = one_line_error(CheckpointError, saved_dflash2)
+    assert str(saved_dflash2) in msg and "missing weight 'candidate_selector.predecessor_codebook'" in msg
+
+
+def test_unexpected_weight(saved_dflash2):
+    f = edit_weights(saved_dflash2, lambda w: w.update({"lm_head.weight": mx.zeros((4, 4))}))
+    msg = one_line_error(CheckpointError, saved_dflash2)
+    assert str(f) in msg and "unexpected weight 'lm_head.weight'" in msg
+
+
+def test_misshapen_conv_kernel(saved_dflash2):
+    key = "layers.1.attention_conv.base_kernel"
+    f = edit_weights(saved_dflash2, lambda w: w.update({key: mx.zeros((2, 4, 64))}))
+    msg = one_line_error(CheckpointError, saved_dflash2)
+    assert str(f) in msg and key in msg and "[2, 4, 64]" in msg and "[2, 3, 64]" in msg
+
+
+def test_weight_in_two_shards(saved_dflash2):
+    mx.save_safetensors(str(saved_dflash2 / "extra.safetensors"), {"norm.weight": mx.ones((64,))})
+    msg = one_line_error(CheckpointError, saved_dflash2)
+    assert "norm.weight" in msg and "extra.safetensors" in msg and "model.safetensors" in msg
+
+
+def test_muse_glimmer_weights_under_v1_names(pair, tmp_path):
+    from conftest import format_drafter
+
+    folder = save_drafter(format_drafter(pair[0], "muse"), tmp_path / "muse")
+    edit_weights(folder, lambda w: w.update({"fc.weight": w.pop("encoder.fc.weight")}))
+    assert "missing weight 'encoder.fc.weight'" in one_line_error(CheckpointError, folder)
+
+
+@pytest.mark.parametrize("edit,key", [
+    (lambda c: c["dflash_config"].pop("conv_group_size"), "dflash_config.conv_group_size"),
+    (lambda c: c["dflash_config"].update(conv_group_size=24), "dflash_config.conv_group_size"),
+    (lambda c: c["dflash_config"].update(conv_kernel_size=0), "dflash_config.conv_kernel_size"),
+    (lambda c: c["dflash_config"].update(selector_top_k=1000), "dflash_config.selector_top_k"),
+    (lambda c: c["dflash_config"].update(selector_rank=8.5), "dflash_config.selector_rank"),
+    (lambda c: c["dflash_config"].update(output_multiplier="high"), "dflash_config.output_multiplier"),
+    (lambda c: c["dflash_config"].update(final_logit_softcapping=-1.0), "dflash_config.final_logit_softcapping"),
+    (lambda c: c.update(layer_types=["sliding_attention"]), "layer_types"),
+    (lambda c: c.update(layer_types=["sliding_attention", "local_attention"]), "layer_types[1]"),
+    (lambda c: c.pop("sliding_window"), "sliding_window"),
+    (lambda c: c.update(is_causal="no"), "is_causal"),
+], ids=["missing-group", "group-not-dividing", "zero-taps", "top-k-over-vocab", "fractional-rank",
+        "multiplier-text", "negative-softcap", "layer-types-length", "layer-type-unknown",
+        "window-missing", "is-causal-text"])
+def test_bad_format_config_value(saved_dflash2, edit, key):
+    edit_config(saved_dflash2, edit)
+    msg = one_line_error(ConfigError, saved_dflash2)
+    assert str(saved_dflash2 / "config.json") in msg and f"'{key}'" in msg
+
+
+def test_bad_draft_window():
+    from cli.common import parse_draft_window
+    from dflash_mlx import load
+
+    for value in ["64", "a,b", "-1,10", "64,0", "1,2,3"]:
+        with pytest.raises(InputError, match="--draft-window"):
+            parse_draft_window(value)
+    assert parse_draft_window("64,1024") == (64, 1024)
+    with pytest.raises(InputError, match="--draft-window needs --draft-model"):
+        load("unused", None, draft_window=(64, 1024))

@@ -1,10 +1,13 @@
-"""Sample-and-match is lossless: with a drafter, samples follow the target's exact law.
+"""Sampling with a drafter is lossless: samples follow the target's exact law.
 
 The joint law of the first three generated tokens is enumerated exactly on a
 16-token vocabulary (temperature, top-p, min-p and top-k applied as mlx-lm's sampler
 applies them), and DFlash samples are tested against it (chi-square goodness of fit,
-fixed seeds). A control shows the test has power: samples at temperature 0.9 are
-rejected as draws from the law at 1.0 (a total-variation distance of about 0.08).
+fixed seeds): sample-and-match with argmax drafts, and speculative sampling with a
+DFlash2 drafter's selector q. Controls show the test has power: samples at
+temperature 0.9 are rejected as draws from the law at 1.0 (a total-variation
+distance of about 0.08), and so is speculative sampling that resamples from p
+instead of the residual max(p - q, 0) after a rejection.
 """
 
 from collections import Counter
@@ -16,11 +19,14 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_samp
 from scipy.stats import chisquare
 
 from dflash_mlx import GenerationStats, generate_step
-from conftest import ScriptedDrafter, mlx_lm_greedy, tiny_target
+from dflash_mlx.acceptance import SpeculativeRule
+from dflash_mlx.sampling import Sampling
+from conftest import ScriptedDrafter, format_drafter, mlx_lm_greedy, tiny_target
 
 PROMPT = [1, 5, 9]
 VOCAB = 16
 RUNS = 2000
+SPEC_RUNS = 1000  # speculative sampling: each run also drafts with a DFlash2 network
 B = 4
 
 
@@ -44,10 +50,10 @@ def exact_law(model, temp, top_p=1.0, min_p=0.0, top_k=0) -> np.ndarray:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def first_three(target, drafter, sampler, seed, stats=None) -> Counter:
+def first_three(target, drafter, sampler, seed, stats=None, runs=RUNS) -> Counter:
     mx.random.seed(seed)
     counts = Counter()
-    for _ in range(RUNS):
+    for _ in range(runs):
         tokens = []
         cache = target.make_cache(B)
         for step in generate_step(mx.array(PROMPT, dtype=mx.int32), target, drafter, sampler=sampler,
@@ -104,3 +110,57 @@ def test_chi_square_detects_a_slight_change_of_law(setup):
     law = exact_law(model, 1.0)
     assert 0.05 < 0.5 * np.abs(law - exact_law(model, 0.9)).sum() < 0.1  # truly slight
     assert p_value(first_three(target, None, make_sampler(0.9), seed=14), law) < 0.01
+
+
+# --- speculative sampling with a DFlash2 drafter (spec section 9) ---------------------
+
+@pytest.fixture(scope="module")
+def dflash2(setup):
+    """A random 1-layer DFlash2 drafter for the 16-token target: its selector's q over 8
+    candidates, logits scaled down so q overlaps p (some drafts are accepted)."""
+    return format_drafter(setup[1], "dflash2", block_size=B, num_hidden_layers=1, layer_types=["sliding_attention"],
+                          conv_kernel_size=2, selector_top_k=8, output_multiplier=0.2)
+
+
+@pytest.mark.parametrize("temp,seed", [(0.7, 21), (1.0, 22)])
+def test_speculative_sampling_follows_the_exact_law(setup, dflash2, temp, seed):
+    model, target, _ = setup
+    stats = GenerationStats(block_size=B)
+    counts = first_three(target, dflash2, Sampling(temp, top_p=0.9), seed=seed, stats=stats, runs=SPEC_RUNS)
+    assert stats.acceptance_rule == "speculative"
+    # Rejections (residual samples) and acceptances both occurred.
+    assert stats.histogram.get(1, 0) > 0 and sum(n for k, n in stats.histogram.items() if k > 1) > 0
+    law = exact_law(model, temp, top_p=0.9)
+    assert all(law[c] > 0 for c in counts)  # no token outside top-p ever appears
+    assert p_value(counts, law) > 0.01
+
+
+def test_chi_square_detects_resampling_from_p(setup, dflash2, monkeypatch):
+    # The classic bug: after a rejection, sample p again instead of max(p - q, 0).
+    model, target, _ = setup
+    monkeypatch.setattr(SpeculativeRule, "residual", staticmethod(lambda p, q: p))
+    counts = first_three(target, dflash2, Sampling(1.0, top_p=0.9), seed=23, runs=300)
+    assert p_value(counts, exact_law(model, 1.0, top_p=0.9)) < 0.01
+
+
+def acceptance(target, drafter, sampler, seed, runs=3, n=50):
+    """Drafts accepted over drafted (and tau) over a few generations."""
+    stats = GenerationStats(block_size=B)
+    mx.random.seed(seed)
+    for _ in range(runs):
+        for _ in generate_step(mx.array(PROMPT, dtype=mx.int32), target, drafter, sampler=sampler,
+                               max_tokens=n, block_size=B, stats=stats):
+            pass
+    return stats
+
+
+def test_speculative_acceptance_at_least_sample_and_match(setup, dflash2):
+    """At T = 1 on the tiny pair: the selector's q (speculative) against its argmax path
+    (sample-and-match, forced by passing mlx-lm's opaque sampler)."""
+    _, target, _ = setup
+    spec = acceptance(target, dflash2, Sampling(1.0), seed=31)
+    match = acceptance(target, dflash2, make_sampler(1.0), seed=31)
+    assert (spec.acceptance_rule, match.acceptance_rule) == ("speculative", "sample-and-match")
+    print(f"\nT=1 tiny pair: speculative {spec.acceptance_rate:.3f} of drafts accepted (tau {spec.tau:.2f}), "
+          f"sample-and-match {match.acceptance_rate:.3f} (tau {match.tau:.2f})")
+    assert spec.acceptance_rate >= match.acceptance_rate

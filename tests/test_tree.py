@@ -75,3 +75,68 @@ def _path(tree, i):
         out.append(i)
         i = tree.parents[i]
     return list(reversed(out))
+
+
+# -- the target side: one forward over a tree, and compaction -------------------
+
+import mlx.core as mx  # noqa: E402
+
+from conftest import tiny_target  # noqa: E402
+from test_rollback import assert_same_cache  # noqa: E402
+
+TREE_FAMILIES = ["llama", "llama-sliding", "qwen3", "qwen3_moe"]
+
+
+def _chain(target, prefix_ids, path_tokens, B):
+    cache = target.make_cache(B)
+    target(mx.array([prefix_ids]), cache)
+    h, _ = target(mx.array([path_tokens]), cache)
+    return target.lm_head(h)[0], cache
+
+
+@pytest.mark.parametrize("family", TREE_FAMILIES)
+def test_chain_through_the_tree_path_is_bit_identical(family):
+    model, target = tiny_target(family)
+    ids = [(5 * i + 3) % 250 for i in range(30)]
+    a, b = target.make_cache(16), target.make_cache(16)
+    target(mx.array([ids[:20]]), a)
+    target(mx.array([ids[:20]]), b)
+    h1, f1 = target(mx.array([ids[20:]]), a, [1])
+    L = len(ids) - 20
+    tree = (np.arange(20, 30), np.tril(np.ones((L, L), dtype=bool)))
+    h2, f2 = target(mx.array([ids[20:]]), b, [1], tree=tree)
+    assert mx.array_equal(h1, h2).item() and mx.array_equal(f1, f2).item()
+
+
+@pytest.mark.parametrize("family", TREE_FAMILIES)
+@pytest.mark.parametrize("prompt_len", [12, 300])  # 300: sliding layers past their window
+def test_tree_verify_gives_each_node_its_path_and_compaction_is_exact(family, prompt_len):
+    _, target = tiny_target(family)
+    ids = [(7 * i + 3) % 250 for i in range(prompt_len)]
+    tree = build_tree(ids[-1], random_logprobs(5, 256, seed=prompt_len), budget=12)
+    cache = target.make_cache(len(tree))
+    target(mx.array([ids[:-1]]), cache)
+    start = cache[0].offset
+    h, _ = target(mx.array([tree.tokens]), cache, None,
+                  tree=(np.array(tree_positions(tree, start)), tree.ancestors()))
+    logits = target.lm_head(h)[0]
+    paths = {i: _path(tree, i) for i in range(len(tree))}
+    for i, path in paths.items():
+        chain_logits, _ = _chain(target, ids[:-1], [tree.tokens[j] for j in [0] + path], len(tree))
+        assert mx.allclose(logits[i], chain_logits[-1], rtol=1e-5, atol=1e-5).item(), f"node {i}"
+    # Keep the deepest path: the cache equals one that only saw it.
+    deepest = max(paths, key=lambda i: len(paths[i]))
+    keep = [0] + paths[deepest]
+    target.compact(cache, len(tree), keep)
+    _, clean = _chain(target, ids[:-1], [tree.tokens[j] for j in keep], len(tree))
+    mx.eval([c.state for c in cache], [c.state for c in clean])
+    assert_same_cache(cache, clean)
+
+
+def test_tree_is_refused_for_families_without_it():
+    from dflash_mlx import InputError
+
+    _, target = tiny_target("qwen3_5")
+    cache = target.make_cache(4)
+    with pytest.raises(InputError, match="tree verification is not available for Qwen35Adapter"):
+        target(mx.array([[1, 2]]), cache, None, tree=(np.array([0, 1]), np.tril(np.ones((2, 2), dtype=bool))))

@@ -147,7 +147,7 @@ def bench(
     if out_dir is not None:
         prepare_out_dir(out_dir, overwrite, plots)
     loaded = [load_dataset(d, num_samples) for d in datasets]  # fail before loading models
-    pair = pair or load(model, draft_model)
+    pair = pair or load(model, draft_model, draft_window=config.draft_window)
     config = replace(config, top_k=effective_top_k(config.top_k, pair.target.vocab_size))
     engine = make_baseline(baseline, pair, num_draft_tokens)
     runner = Runner(pair.target, pair.drafter, engine, config, tokenizer=pair.tokenizer)
@@ -172,6 +172,7 @@ def _config_dict(config: BenchConfig, pair, baseline, datasets, num_samples, num
     out = asdict(config)
     out["block_sizes"] = [b if b is not None else pair.drafter.block_size for b in config.block_sizes]
     out.update(model=pair.model_path, draft_model=pair.draft_path, baseline=baseline,
+               drafter_format=getattr(pair.drafter, "drafter_format", None),
                datasets=list(datasets), num_samples=num_samples, num_draft_tokens=num_draft_tokens)
     return out
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from ..errors import InputError
+from .report import variant_name, variant_order
 
 PLOT_FILES = ("speedup.png", "acceptance_histogram.png", "tokens_per_s.png")
 
@@ -40,7 +41,7 @@ def plot_speedup(report: dict, path: Path) -> Path:
     """Grouped bars: measured speedup per dataset (one bar per block size), ideal outlined."""
     plt = _pyplot()
     datasets = report["datasets"]
-    sizes = sorted({d["block_size"] for ds in datasets for d in ds["dflash"]})
+    sizes = sorted({d["block_size"] for ds in datasets for d in ds["dflash"]}, key=variant_order)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(datasets) + 2), 3.4), dpi=100)
     width = 0.8 / max(len(sizes), 1)
     for j, B in enumerate(sizes):
@@ -52,7 +53,7 @@ def plot_speedup(report: dict, path: Path) -> Path:
             xs.append(i + (j - (len(sizes) - 1) / 2) * width)
             measured.append(d["speedup_median_of_ratios"] or 0.0)
             ideal.append(d["ideal_speedup"] or 0.0)
-        ax.bar(xs, measured, width * 0.9, label=f"B={B} measured")
+        ax.bar(xs, measured, width * 0.9, label=f"{variant_name(B)} measured")
         ax.bar(xs, ideal, width * 0.9, fill=False, edgecolor="black", linewidth=0.8,
                label="ideal" if j == 0 else None)
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
@@ -85,10 +86,10 @@ def plot_acceptance(report: dict, path: Path) -> Path:
         for j, d in enumerate(ds["dflash"]):
             hist = {int(k): v for k, v in d["acceptance_histogram"].items()}
             steps = sum(hist.values()) or 1
-            lengths = range(1, d["block_size"] + 1)
+            lengths = range(1, max(hist, default=1) + 1)
             xs = [k + (j - (n - 1) / 2) * width for k in lengths]
             ax.bar(xs, [hist.get(k, 0) / steps for k in lengths], width * 0.9,
-                   label=f"B={d['block_size']} (tau {d['tau'] or 0:.2f})")
+                   label=f"{variant_name(d['block_size'])} (tau {d['tau'] or 0:.2f})")
         ax.set_title(ds["name"])
         ax.set_xlabel("acceptance length (tokens per verify)")
         ax.set_ylabel("share of steps")
@@ -101,14 +102,15 @@ def plot_tokens_per_s(report: dict, path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(4.6, 3.2), dpi=100)
     for ds in report["datasets"]:
-        sizes = [d["block_size"] for d in ds["dflash"]]
+        sizes = [variant_name(d["block_size"]) for d in ds["dflash"]]
         tps = [d["decode_tps_median"] or 0.0 for d in ds["dflash"]]
-        line, = ax.plot(sizes, tps, marker="o", label=f"{ds['name']} DFlash")
+        line, = ax.plot(range(len(sizes)), tps, marker="o", label=f"{ds['name']} DFlash")
+        ax.set_xticks(range(len(sizes)), sizes, fontsize=7)
         base = ds["baseline"]["decode_tps_median"]
         if base:
             ax.axhline(base, color=line.get_color(), linestyle="--", linewidth=0.8,
                        label=f"{ds['name']} {ds['baseline']['engine']}")
-    ax.set_xlabel("block size B")
+    ax.set_xlabel("verify (block size B, auto, tree budget)")
     ax.set_ylabel("decode tokens/s (median)")
     ax.set_title("tokens/s vs block size")
     ax.legend(fontsize=7)

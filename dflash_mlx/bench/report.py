@@ -52,7 +52,7 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 def pooled_stats(runs: Sequence[RunRecord]) -> GenerationStats:
     """The runs' statistics summed (steps, acceptance, histogram, phases)."""
-    return pooled((r.stats for r in runs), block_size=runs[0].block_size if runs else 1)
+    return pooled((r.stats for r in runs), block_size=runs[0].stats.block_size if runs else 1)
 
 
 def cycle_ms(run: RunRecord) -> Dict[str, Optional[float]]:
@@ -114,7 +114,21 @@ def engine_summary(runs: Sequence[RunRecord]) -> dict:
     }
 
 
-def pairs(result: DatasetResult, block_size: int) -> List[tuple]:
+def variant_order(b) -> tuple:
+    """Fixed block sizes first (ascending), then auto, trees by budget, auto+tree."""
+    if isinstance(b, int):
+        return (0, b, "")
+    if b == "auto":
+        return (1, 0, "")
+    return (2, int(b.split()[1]), "") if b.startswith("tree ") else (3, 0, b)
+
+
+def variant_name(b) -> str:
+    """``B=16``, ``auto``, ``tree 32``, ``auto+tree``."""
+    return f"B={b}" if isinstance(b, int) else str(b)
+
+
+def pairs(result: DatasetResult, block_size) -> List[tuple]:
     """(baseline run, DFlash run at B) pairs, matched by sample, turn and repeat."""
     base = {(r.sample, r.turn, r.repeat): r for r in result.runs if r.engine == result.baseline}
     out = []
@@ -130,7 +144,7 @@ def summarize(result: DatasetResult) -> dict:
     """Every reported figure of one dataset (see the module doc for definitions)."""
     base_runs = [r for r in result.runs if r.engine == result.baseline]
     base = engine_summary(base_runs)
-    sizes = sorted({r.block_size for r in result.runs if r.engine == "dflash"})
+    sizes = sorted({r.block_size for r in result.runs if r.engine == "dflash"}, key=variant_order)
     dflash = []
     for B in sizes:
         prs = pairs(result, B)
@@ -246,7 +260,7 @@ def results_table(report: dict):
         for d in ds["dflash"]:
             differ = d["outputs_differing"]
             table.add_row(
-                "", f"dflash B={d['block_size']}", _f(d["tau"]), _f(d["decode_tps_median"], "{:.1f}"),
+                "", f"dflash {variant_name(d['block_size'])}", _f(d["tau"]), _f(d["decode_tps_median"], "{:.1f}"),
                 _f(d["prompt_tps_median"], "{:.0f}"), _f(d["peak_memory_gb_max"], "{:.3f}"),
                 _f(d["speedup_ratio_of_medians"]) + "x", _f(d["speedup_median_of_ratios"]) + "x",
                 "-" if differ is None else f"{differ}/{d['outputs_compared']}",
@@ -281,5 +295,5 @@ def histogram_lines(report: dict) -> List[str]:
         for d in ds["dflash"]:
             steps = d["steps"] or 1
             bins = " ".join(f"{k}:{100 * n / steps:.0f}%" for k, n in d["acceptance_histogram"].items() if n)
-            lines.append(f"{ds['name']} B={d['block_size']}: acceptance length {bins or '(no steps)'}")
+            lines.append(f"{ds['name']} {variant_name(d['block_size'])}: acceptance length {bins or '(no steps)'}")
     return lines

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
 
 from ..errors import InputError
 from ..generate import check_block_size, generate_step
 from ..protocol import Drafter
+from ..sampling import Sampling
 from ..simulate import SimulatedDrafter
 from ..stats import GenerationStats, histogram_dict
 from .datasets import Sample, encode_sample_turn
@@ -62,19 +62,27 @@ class DFlashEngine(Engine):
     Args:
         target: the target adapter.
         drafter: a bound drafter (or a :class:`SimulatedDrafter`), or None for ``ar``.
-        block_size: B (default: the drafter's trained block size).
+        block_size: B (default: the drafter's trained block size), or ``"auto"``.
+        tree_budget: None (chains), a tree budget N, or ``"auto"``.
+
+    ``block_size`` is the report's label of this variant: B for fixed chains, else
+    ``"auto"``, ``"tree N"`` or ``"auto+tree"`` (see :func:`variant_label`).
     """
 
-    def __init__(self, target, drafter: Optional[Drafter] = None, block_size: Optional[int] = None):
+    def __init__(self, target, drafter: Optional[Drafter] = None, block_size: Optional[int | str] = None,
+                 tree_budget: Optional[int | str] = None):
         self.target, self.drafter = target, drafter
-        self.block_size = check_block_size(block_size, drafter)
+        self.draft_block = check_block_size(block_size, drafter)
+        self.verify_block = block_size if block_size == "auto" else self.draft_block
+        self.tree_budget = tree_budget
+        self.block_size = variant_label(self.verify_block, tree_budget) if drafter is not None else 1
         self.name = "dflash" if drafter is not None else "ar"
 
     def stream(self, ids, max_tokens, sampler, stop_ids, stats):
         prompt = mx.array(ids, dtype=mx.int32)
         for step in generate_step(prompt, self.target, self.drafter, sampler=sampler, max_tokens=max_tokens,
-                                  block_size=self.block_size if self.drafter is not None else None,
-                                  stop_token_ids=stop_ids, stats=stats):
+                                  block_size=self.verify_block if self.drafter is not None else None,
+                                  tree_budget=self.tree_budget, stop_token_ids=stop_ids, stats=stats):
             yield step.tokens
 
 
@@ -157,6 +165,14 @@ def parse_baseline(spec: str) -> tuple[str, Optional[str]]:
     raise InputError(f"--baseline {spec}: expected ar, mlx-lm or draft-model:PATH")
 
 
+def variant_label(block_size, tree_budget) -> int | str:
+    """A DFlash variant's name in reports: B (fixed chains), ``auto``, ``tree N``
+    (fixed trees of N nodes) or ``auto+tree`` (widths and tree budgets by cost)."""
+    if tree_budget is None:
+        return block_size
+    return "auto+tree" if tree_budget == "auto" else f"tree {tree_budget}"
+
+
 # --------------------------------------------------------------------------- one run
 
 
@@ -166,7 +182,8 @@ class RunRecord:
 
     Attributes:
         sample, turn, repeat: which item (turn of a multi-turn sample) and which repeat.
-        engine: engine name; ``block_size``: its B (1 for plain decoding).
+        engine: engine name; ``block_size``: its B (1 for plain decoding), or the
+            label of an adaptive or tree variant (``"auto"``, ``"tree 32"``).
         prompt_tokens: tokens prefilled.
         tokens: committed token ids (not written to JSON).
         first_tokens: tokens in the first committed list (not decode tokens).
@@ -183,7 +200,7 @@ class RunRecord:
     turn: int
     repeat: int
     engine: str
-    block_size: int
+    block_size: int | str
     prompt_tokens: int
     tokens: List[int] = field(repr=False, default_factory=list)
     first_tokens: int = 0
@@ -227,6 +244,7 @@ class RunRecord:
             "prompt_s": r(self.prompt_s), "decode_s": r(self.decode_s), "prompt_tps": r(self.prompt_tps, 3),
             "decode_tps": r(self.decode_tps, 3), "steps": s.steps,
             "tau": r(s.tau, 4) if s.steps else None, "acceptance_rate": r(s.acceptance_rate, 4),
+            "acceptance_rule": s.acceptance_rule,
             "acceptance_histogram": histogram_dict(s.histogram),
             "phase_s": {k: r(v) for k, v in s.phase_s.items()},
             "peak_memory_gb": r(self.peak_memory_gb), "matches_baseline": self.matches_baseline,
@@ -239,7 +257,7 @@ def timed_run(engine: Engine, ids: List[int], max_tokens: int, sampler, stop_ids
     Returns:
         A :class:`RunRecord` with sample/turn/repeat left blank.
     """
-    stats = GenerationStats(block_size=engine.block_size, prompt_tokens=len(ids))
+    stats = GenerationStats(block_size=getattr(engine, "draft_block", engine.block_size), prompt_tokens=len(ids))
     tokens: List[int] = []
     first = last = None
     first_tokens = 0
@@ -269,7 +287,10 @@ class BenchConfig:
 
     Attributes:
         max_tokens: most tokens per generation.
-        block_sizes: DFlash block sizes to sweep (None = the drafter's trained size).
+        block_sizes: DFlash block sizes to sweep (None = the drafter's trained size;
+            ``"auto"``: widths chosen by measured cost).
+        tree_budgets: DDTree budgets to run too (N nodes, or ``"auto"``), each drafted
+            at the trained block size.
         temp, top_p, top_k, min_p: sampling (mlx-lm's sampler; temp 0 is greedy).
         seed: PRNG seed; each run reseeds with ``seed`` so runs are reproducible.
         repeats: runs of each engine per prompt.
@@ -277,10 +298,13 @@ class BenchConfig:
             continuation for the first A slots and wrong after (needs temp 0).
         enable_thinking: passed to the chat template.
         warmup_tokens: tokens of the warm-up run of each engine (0: no warm-up).
+        draft_window: ``(sink, window)`` context rows the drafter keeps
+            (``--draft-window``), or None: all.
     """
 
     max_tokens: int = 256
-    block_sizes: Sequence[Optional[int]] = (None,)
+    block_sizes: Sequence[Optional[int | str]] = (None,)
+    tree_budgets: Sequence[int | str] = ()
     temp: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -290,6 +314,7 @@ class BenchConfig:
     simulate_acceptance: Optional[int] = None
     enable_thinking: bool = False
     warmup_tokens: int = 32
+    draft_window: Optional[tuple] = None
 
     def check(self) -> None:
         """Raises InputError naming the flag that is out of range."""
@@ -303,8 +328,8 @@ class BenchConfig:
             if self.temp != 0:
                 raise InputError("--simulate-acceptance needs --temp 0 (it replays the greedy continuation)")
 
-    def sampler(self):
-        return make_sampler(self.temp, self.top_p, self.min_p, 1, top_k=self.top_k)
+    def sampler(self) -> Sampling:
+        return Sampling(self.temp, self.top_p, self.min_p, self.top_k)
 
 
 @dataclass
@@ -348,7 +373,9 @@ class Runner:
         if stop_ids is None:
             stop_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
         self.stop_ids = tuple(stop_ids)
-        self.block_sizes = [check_block_size(b, drafter) for b in config.block_sizes]
+        self.variants = [(b if b == "auto" else check_block_size(b, drafter), None) for b in config.block_sizes]
+        self.variants += [("auto" if n == "auto" else None, n) for n in config.tree_budgets]
+        self.block_sizes = [check_block_size(b, drafter) for b, _ in self.variants]
         self._warm = False
         self._continuations: Dict[tuple, List[int]] = {}
 
@@ -357,16 +384,16 @@ class Runner:
             raise InputError("text prompts need a tokenizer; give samples with prompt_ids instead")
         return encode_sample_turn(self.tokenizer, messages, self.config.enable_thinking)
 
-    def _dflash(self, B: int, ids: List[int]) -> DFlashEngine:
+    def _dflash(self, variant: tuple, ids: List[int]) -> DFlashEngine:
         drafter = self.drafter
         A = self.config.simulate_acceptance
         if A is not None:
             key = tuple(ids)
             if key not in self._continuations:  # one plain greedy run per prompt, untimed
-                horizon = self.config.max_tokens + max(self.block_sizes)
+                horizon = self.config.max_tokens + max(self.block_sizes) + 64
                 self._continuations = {key: greedy_continuation(self.target, ids, horizon, self.stop_ids)}
             drafter = SimulatedDrafter(self.drafter, self._continuations[key], A, self.target.vocab_size)
-        return DFlashEngine(self.target, drafter, B)
+        return DFlashEngine(self.target, drafter, *variant)
 
     def _run(self, engine: Engine, ids: List[int], max_tokens: int) -> RunRecord:
         mx.random.seed(self.config.seed)
@@ -378,8 +405,8 @@ class Runner:
         if n <= 0 or self._warm:
             return
         self._run(self.baseline, ids, n)
-        for B in self.block_sizes:
-            self._run(self._dflash(B, ids), ids, n)
+        for variant in self.variants:
+            self._run(self._dflash(variant, ids), ids, n)
         self._warm = True
 
     def turns(self, sample: Sample) -> int:
@@ -427,7 +454,7 @@ class Runner:
 
     def _pair(self, ids: List[int], reverse: bool) -> List[RunRecord]:
         """Baseline then DFlash at each B (reversed order if ``reverse``); baseline first in the list."""
-        engines: List[Any] = [self.baseline] + [self._dflash(B, ids) for B in self.block_sizes]
+        engines: List[Any] = [self.baseline] + [self._dflash(v, ids) for v in self.variants]
         order = list(range(len(engines)))
         if reverse:
             order.reverse()

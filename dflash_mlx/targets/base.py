@@ -14,11 +14,13 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..caches import EXACT_TRIM, GatedDeltaCache, WindowKVCache, can_trim
-from ..errors import MismatchError, RollbackError
+from ..errors import InputError, MismatchError, RollbackError
+from .tree_verify import compact_rows, decoder_layer_at, tree_layer_mask
 
 
 class TargetAdapter:
@@ -98,6 +100,7 @@ class TargetAdapter:
         inputs: mx.array,
         cache: Sequence[Any],
         capture: Optional[Sequence[int]] = None,
+        tree: Optional[Tuple[np.ndarray, np.ndarray]] = None,
     ) -> Tuple[mx.array, Optional[mx.array]]:
         """Forward pass with feature capture.
 
@@ -109,6 +112,10 @@ class TargetAdapter:
                 after layer l, and for the last layer the output after the final
                 norm, as Hugging Face models return it. Training and inference both
                 capture here, so they always agree.
+            tree: for a tree verify (DDTree, spec section 7), ``(positions [L] int
+                absolute position of each input, ancestors [L, L] bool)``: each input
+                sees every cached row and, among the inputs, only its ancestors and
+                itself. Only for families with :attr:`supports_tree`.
 
         Returns:
             ``(hidden, features)``: hidden [1, L, H] after the final norm (feed it to
@@ -116,6 +123,7 @@ class TargetAdapter:
 
         Raises:
             MismatchError: a capture id is not a layer of the target.
+            InputError: a tree for a family without tree verification.
         """
         wanted = set(capture or ())
         if wanted and not all(0 <= i < self.num_layers for i in wanted):
@@ -125,13 +133,53 @@ class TargetAdapter:
             )
         captured = {}
         h = self.embed(inputs)
-        for i, h in enumerate(self.run_layers(inputs, h, cache)):
+        layers = self.run_layers(inputs, h, cache) if tree is None else self.run_tree_layers(h, cache, *tree)
+        for i, h in enumerate(layers):
             if i in wanted:
                 captured[i] = h
         h = self.inner.norm(h)
         captured[self.num_layers - 1] = h
         features = mx.concatenate([captured[i] for i in capture], axis=-1) if capture else None
         return h, features
+
+    # -- tree verification (DDTree) ------------------------------------------------
+
+    supports_tree = False  # True where tree_verify.decoder_layer_at runs the family's layers
+
+    def layer_windows(self) -> List[Optional[int]]:
+        """Each layer's sliding window in tokens, None for full attention."""
+        return [None] * self.num_layers
+
+    def run_tree_layers(self, h: mx.array, cache: Sequence[Any], positions: np.ndarray,
+                        ancestors: np.ndarray) -> Iterator[mx.array]:
+        """The decoder layers with every input at its own position (see
+        :mod:`dflash_mlx.targets.tree_verify`); yields the residual stream per layer."""
+        if not self.supports_tree:
+            raise InputError(
+                f"tree verification is not available for {type(self).__name__} targets "
+                "(chain verify only)"
+            )
+        pos = mx.array(positions, dtype=mx.int32)
+        for layer, c, window in zip(self.layers, cache, self.layer_windows()):
+            h = decoder_layer_at(layer, h, c, pos, tree_layer_mask(c, positions, ancestors, window))
+            yield h
+
+    def compact(self, cache: Sequence[Any], new_rows: int, keep: Sequence[int]) -> None:
+        """After a tree verify of ``new_rows`` inputs, keep in every layer the rows of
+        the accepted path ``keep`` (increasing, relative to the first input) and drop
+        the rest, so the cache equals one that only saw the accepted path.
+
+        Raises:
+            RollbackError: a layer cannot drop the rows exactly.
+        """
+        dropped = new_rows - len(keep)
+        for i, c in enumerate(cache):
+            if not can_trim(c, dropped) or not isinstance(c, (KVCache, WindowKVCache)):
+                raise RollbackError(f"target layer {i}: {type(c).__name__} cannot keep only the accepted path")
+        for i, c in enumerate(cache):
+            trimmed = compact_rows(c, new_rows, keep)
+            if trimmed != dropped:
+                raise RollbackError(f"target layer {i}: {type(c).__name__} dropped {trimmed} of {dropped} rows")
 
     def make_cache(self, max_verify: int = 1) -> List[Any]:
         """A fresh prompt cache, as mlx-lm makes it, that rolls back exactly.

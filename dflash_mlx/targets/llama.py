@@ -1,6 +1,6 @@
 """Llama targets: causal masks, plus sliding-window masks where layers use them."""
 
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
@@ -10,6 +10,11 @@ from .base import TargetAdapter
 
 class LlamaAdapter(TargetAdapter):
     """mlx_lm.models.llama: full and sliding-window layers get their own masks."""
+
+    supports_tree = True
+
+    def layer_windows(self) -> List[Optional[int]]:
+        return [self.inner.sliding_window if layer.use_sliding else None for layer in self.layers]
 
     def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
         inner = self.inner

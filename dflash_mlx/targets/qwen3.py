@@ -5,3 +5,6 @@ from .base import TargetAdapter
 
 class Qwen3Adapter(TargetAdapter):
     """mlx_lm.models.qwen3: nothing differs from the generic forward."""
+
+    supports_tree = True
+

@@ -5,3 +5,6 @@ from .base import TargetAdapter
 
 class Qwen3MoeAdapter(TargetAdapter):
     """mlx_lm.models.qwen3_moe: one causal mask; the sparse MoE blocks run as loaded."""
+
+    supports_tree = True
+

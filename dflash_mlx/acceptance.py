@@ -1,0 +1,130 @@
+"""How a verify decides which drafts to keep (DFLASH_SPEC.md sections 5 and 9).
+
+One rule is chosen per generation, up front (:func:`choose_rule`):
+
+- ``greedy``: T = 0. Keep drafts while they equal the target's argmax.
+- ``sample-and-match``: T > 0 with argmax drafts (v1 drafters). Sample y_i from the
+  target's p_i at every position; keep d_i while d_i == y_{i-1}.
+- ``speculative``: T > 0 with a drafter whose drafts are samples of a real q (the
+  DFlash2 selector). Keep d_i while u_i * q_i(d_i) < p_i(d_i); at the first rejection
+  emit a sample of normalize(max(p_i - q_i, 0)); if every draft is kept, a sample of p_B.
+
+Sample-and-match is the speculative rule with a one-hot q: with q = 1[d], d is kept
+when u < p(d), i.e. with probability p(d), and otherwise the residual max(p - 1[d], 0)
+is p with d removed, renormalized. Sampling y ~ p and keeping d iff y == d keeps d with
+probability p(d), and otherwise y is a sample of p conditioned on y != d: the same law.
+
+Every rule returns ``(a, out)``: ``a`` accepted drafts and ``out`` [B] int32 whose
+first ``a + 1`` entries are the tokens to commit (d_1..d_a, then the target's token).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Tuple
+
+import mlx.core as mx
+from mlx_lm.sample_utils import greedy_sampler
+
+from .protocol import Proposal, propose
+from .sampling import Sampling
+
+GREEDY, SAMPLE_AND_MATCH, SPECULATIVE = "greedy", "sample-and-match", "speculative"
+
+
+def leading_true(ok: mx.array) -> mx.array:
+    """Number of leading True entries of a [N] bool array (0-d int32)."""
+    return mx.cumprod(ok.astype(mx.int32)).sum()
+
+
+class MatchRule:
+    """``greedy`` and ``sample-and-match``: argmax drafts kept while they equal the
+    target's own choice y (its argmax, or a sample of p at T > 0).
+
+    Args:
+        sampler: mlx-lm sampler over [N, V] log-probabilities (or a :class:`Sampling`).
+    """
+
+    def __init__(self, sampler: Callable[[mx.array], mx.array]):
+        self.sampler = sampler
+        self.greedy = is_greedy(sampler)
+        self.name = GREEDY if self.greedy else SAMPLE_AND_MATCH
+
+    def propose(self, drafter, token, context, cache, block_size) -> Proposal:
+        """Argmax drafts (with the pass's lazy log-probabilities when the drafter gives them)."""
+        return propose(drafter, token, context, cache, block_size)
+
+    def choose(self, logits: mx.array) -> mx.array:
+        """The target's own token per row of [N, V] logits ([N] int32): its argmax, or a
+        sample of p at T > 0 (plain steps, and each node of a tree verify)."""
+        if self.greedy:
+            return mx.argmax(logits, axis=-1).astype(mx.int32)
+        return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.int32)
+
+    def accept(self, proposal: Proposal, logits: mx.array) -> Tuple[mx.array, mx.array]:
+        """logits [B, V] of the verify -> ``(a, out)`` (see the module doc)."""
+        if self.greedy:  # same argmax as through log-probs (up to float ties)
+            y = mx.argmax(logits, axis=-1)
+        else:
+            y = self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        y = y.astype(mx.int32)
+        return leading_true(proposal.tokens == y[:-1]), y
+
+
+class SpeculativeRule:
+    """``speculative``: standard speculative sampling with the drafter's q.
+
+    Args:
+        sampling: temperature and filters; p and q are both shaped by it.
+    """
+
+    name = SPECULATIVE
+
+    def __init__(self, sampling: Sampling):
+        self.sampling = sampling
+
+    def propose(self, drafter, token, context, cache, block_size) -> Proposal:
+        return propose(drafter, token, context, cache, block_size, self.sampling)
+
+    def choose(self, logits: mx.array) -> mx.array:
+        """A sample of p per row of [N, V] logits ([N] int32), as mlx-lm samples (plain
+        steps, and each node of a tree verify, which walks by matching samples)."""
+        return self.sampling(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.int32)
+
+    @staticmethod
+    def residual(p: mx.array, q: mx.array) -> mx.array:
+        """max(p - q, 0) per row ([N, V]; sampling normalizes it). Where p <= q
+        everywhere (p == q) nothing is ever rejected; p stands in."""
+        r = mx.maximum(p - q, 0.0)
+        return mx.where(r.sum(axis=-1, keepdims=True) > 0, r, p)
+
+    def accept(self, proposal: Proposal, logits: mx.array) -> Tuple[mx.array, mx.array]:
+        """logits [B, V] of the verify -> ``(a, out)`` (see the module doc)."""
+        d = proposal.tokens
+        p = self.sampling.probs(logits)  # [B, V]: p_i predicts the token after position i
+        q = mx.zeros(p[:-1].shape, dtype=mx.float32)
+        if proposal.q_probs is None:  # deterministic drafts: a one-hot q
+            q = mx.put_along_axis(q, d[:, None], mx.array(1.0), axis=-1)
+        else:  # q scattered onto its candidate ids
+            q = mx.put_along_axis(q, proposal.q_ids, proposal.q_probs.astype(mx.float32), axis=-1)
+        p_d = mx.take_along_axis(p[:-1], d[:, None], axis=-1)[:, 0]
+        q_d = mx.take_along_axis(q, d[:, None], axis=-1)[:, 0]
+        a = leading_true(mx.random.uniform(shape=d.shape) * q_d < p_d)
+        fixes = mx.random.categorical(mx.log(mx.concatenate([self.residual(p[:-1], q), p[-1:]])))
+        keep = mx.arange(d.size + 1) < a
+        return a, mx.where(keep, mx.concatenate([d, d[:1]]), fixes).astype(mx.int32)
+
+
+def is_greedy(sampler) -> bool:
+    """Whether ``sampler`` is the argmax (mlx-lm's ``greedy_sampler`` or temperature 0)."""
+    return sampler is None or sampler is greedy_sampler or getattr(sampler, "greedy", False)
+
+
+def choose_rule(drafter, sampler) -> "MatchRule | SpeculativeRule":
+    """The acceptance rule for a generation: ``speculative`` when the drafter samples
+    its drafts from a real q (``samples_drafts``) and the sampler is a
+    :class:`Sampling` at T > 0 (its p can be computed); otherwise ``greedy`` or
+    ``sample-and-match``."""
+    if isinstance(sampler, Sampling) and not sampler.greedy and getattr(drafter, "samples_drafts", False):
+        return SpeculativeRule(sampler)
+    return MatchRule(sampler or greedy_sampler)
+

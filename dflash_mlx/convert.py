@@ -1,0 +1,461 @@
+"""``dflash convert``: a target and its drafter into one folder that runs on a Mac.
+
+The output folder holds:
+
+- ``target/``: mlx-lm format, written by mlx-lm's own convert and quantization
+  (an already-MLX target is copied, or re-quantized when asked for another one);
+- ``drafter/``: the released drafter format, loaded with :func:`load_drafter` and
+  written with :func:`save_drafter`, so every format the loader reads converts;
+  optionally quantized (:func:`quantize_drafter`);
+- ``dflash.json``: the manifest (:mod:`dflash_mlx.manifest`).
+
+Everything is written into a temporary folder beside the output, validated
+(:func:`dflash_mlx.validation.validate`), then renamed into place; an error or
+Ctrl-C removes it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Callable, Iterator, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.convert import MODEL_CONVERSION_DTYPES
+from mlx_lm.convert import convert as mlx_lm_convert
+from mlx_lm.utils import load as mlx_lm_load
+
+from .checkpoint import DRAFTER_FILES, load_drafter, read_config, save_drafter
+from .drafter import DFlashDrafter
+from .errors import CheckpointError, ConfigError, InputError, ValidationError
+from .hub import resolve_model_path
+from .loading import QUANTIZED_DRAFTER_DTYPE, TARGET_FILES, check_pair
+from .manifest import MANIFEST_VERSION, hash_weights, write_manifest
+from .prompt import encode_messages
+from .targets import TargetAdapter, make_adapter
+from .validation import VALIDATION_MESSAGES, Check, SourceRun, dtype_name, float_dtype, validate
+
+Q_BITS = (4, 8)
+Q_GROUP_SIZES = (32, 64, 128)
+Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")  # mlx-lm convert's --q-mode choices
+DTYPES = tuple(MODEL_CONVERSION_DTYPES)
+DRAFT_Q_GROUP_SIZE = 64
+# Released layouts that keep target_layer_ids and mask_token_id in 'dflash_config'.
+DFLASH_CONFIG_LAYOUTS = ("DFlashDraftModel", "DFlash2DraftModel")
+LAYOUT_SCRIPT = "scripts/convert/drafter_layout.py"
+
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class ConvertResult:
+    """What :func:`convert` wrote: the folder, its manifest and the validation checks."""
+
+    out: Path
+    manifest: dict
+    checks: List[Check] = field(default_factory=list)
+
+
+def convert(
+    model: str,
+    draft_model: str,
+    out: str | Path,
+    *,
+    quantize: bool = False,
+    q_bits: Optional[int] = None,
+    q_group_size: Optional[int] = None,
+    q_mode: str = "affine",
+    draft_q_bits: Optional[int] = None,
+    draft_q_group_size: int = DRAFT_Q_GROUP_SIZE,
+    dtype: Optional[str] = None,
+    force: bool = False,
+    validate_output: bool = True,
+    progress: Optional[Progress] = None,
+) -> ConvertResult:
+    """Convert a target and its drafter into one folder (``target/``, ``drafter/``, ``dflash.json``).
+
+    Args:
+        model: target, a local folder (Hugging Face or mlx-lm format) or a repo id
+            (downloaded through huggingface_hub into its cache).
+        draft_model: drafter, a local folder or repo id in a format :func:`load_drafter` reads.
+        out: output folder; must not exist unless ``force``.
+        quantize, q_bits, q_group_size, q_mode: quantize the target with mlx-lm
+            (bits 4 or 8, group size 32/64/128; None: mlx-lm's default for the mode).
+        draft_q_bits: quantize the drafter to 4 or 8 bits (default: keep it float).
+        draft_q_group_size: group size for the drafter's quantization.
+        dtype: float16, bfloat16 or float32 for the float weights of both (default:
+            the target's ``torch_dtype``; the drafter as stored).
+        force: replace an existing ``out`` (only once the new folder is complete).
+        validate_output: run :func:`validate` before the folder is moved into place.
+        progress: called with a short description at the start of each stage.
+
+    Returns:
+        A :class:`ConvertResult`.
+
+    Raises:
+        InputError: a bad option, or ``out`` exists without ``force``.
+        CheckpointError: a source is missing or unreadable (or offline and not cached).
+        ConfigError: an unknown target architecture, or a drafter config without
+            ``dflash_config`` (older layout) or otherwise invalid.
+        MismatchError: the drafter does not fit the target (vocabulary, hidden size, layers).
+        ValidationError: the converted folder failed a check (nothing is written).
+    """
+    out = Path(out).expanduser()
+    check_options(quantize, q_bits, q_group_size, q_mode, draft_q_bits, draft_q_group_size, dtype)
+    check_out(out, force)
+    say = progress or (lambda _: None)
+
+    say(f"fetching the target {model}")
+    target_src = resolve_model_path(model, TARGET_FILES, what="target model")
+    say(f"fetching the drafter {draft_model}")
+    draft_src = resolve_model_path(draft_model, DRAFTER_FILES, what="drafter")
+    check_not_inside(out, target_src, draft_src)
+    draft_config = read_config(draft_src / "config.json")
+    require_dflash_config(draft_config, draft_src / "config.json")
+
+    say("checking that the drafter fits the target")
+    source_net, tokenizer, source = load_source_target(target_src)
+    drafter = load_drafter(str(draft_src))
+    check_pair(drafter, source, draft_model)
+
+    with staging(out, force) as tmp:
+        say("converting the target with mlx-lm")
+        target_entry = write_target(target_src, tmp / "target", quantize=quantize, q_bits=q_bits,
+                                    q_group_size=q_group_size, q_mode=q_mode, dtype=dtype)
+        say("writing the drafter")
+        drafter_entry = write_drafter(drafter, tmp / "drafter", draft_q_bits, draft_q_group_size, dtype)
+        say("hashing the weight files")
+        manifest = make_manifest(model, draft_model, target_src, draft_src, draft_config, drafter.args,
+                                 target_entry, drafter_entry, hash_weights(tmp))
+        write_manifest(tmp, manifest)
+        checks: List[Check] = []
+        if validate_output:
+            say("validating the converted pair")
+            prompt = encode_messages(tokenizer, VALIDATION_MESSAGES, {"enable_thinking": False})
+            # The unconverted target runs first and is released before the converted
+            # one loads: peak memory is the larger of the two, not their sum.
+            reference = SourceRun.of(source, prompt)
+            del source_net, source, drafter
+            mx.clear_cache()
+            checks = validate(tmp, reference, draft_src)
+            failed = [c.name for c in checks if c.ok is False]
+            if failed:
+                raise ValidationError(f"{out}: the converted pair failed {', '.join(failed)}; nothing was written",
+                                      checks)
+    return ConvertResult(out, manifest, checks)
+
+
+# -- options and sources ------------------------------------------------------------
+
+
+def check_options(quantize: bool, q_bits: Optional[int], q_group_size: Optional[int], q_mode: str,
+                  draft_q_bits: Optional[int], draft_q_group_size: int, dtype: Optional[str]) -> None:
+    """Range checks; each error names its flag.
+
+    Raises:
+        InputError: a value outside its choices, or a target quantization flag without ``-q``.
+    """
+    def choose(flag: str, value, choices) -> None:
+        if value is not None and value not in choices:
+            raise InputError(f"{flag} must be one of {', '.join(map(str, choices))}, got {value}")
+
+    choose("--q-bits", q_bits, Q_BITS)
+    choose("--q-group-size", q_group_size, Q_GROUP_SIZES)
+    choose("--q-mode", q_mode, Q_MODES)
+    choose("--draft-q-bits", draft_q_bits, Q_BITS)
+    choose("--draft-q-group-size", draft_q_group_size, Q_GROUP_SIZES)
+    choose("--dtype", dtype, DTYPES)
+    if not quantize:
+        for flag, value in (("--q-bits", q_bits), ("--q-group-size", q_group_size)):
+            if value is not None:
+                raise InputError(f"{flag} needs -q/--quantize (the target is kept unquantized without it)")
+        if q_mode != "affine":
+            raise InputError("--q-mode needs -q/--quantize (the target is kept unquantized without it)")
+
+
+def check_out(out: Path, force: bool, flag: str = "--out") -> None:
+    """Refuse an existing output folder unless ``force``; refuse a file always.
+
+    Raises:
+        InputError: naming ``flag`` and the path.
+    """
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{flag} {out} is a file; give a folder path")
+    if out.exists() and not force:
+        raise InputError(f"{flag} {out} already exists; pass --force to replace it")
+
+
+def check_not_inside(out: Path, *sources: Path) -> None:
+    """Refuse an output folder that is, or contains, a source (``--force`` would delete it).
+
+    Raises:
+        InputError: naming ``--out`` and the source.
+    """
+    target = out.resolve()
+    for src in sources:
+        src = src.resolve()
+        if target == src or target in src.parents:
+            raise InputError(f"--out {out} holds the source {src}; choose another output folder")
+
+
+def require_dflash_config(config: dict, source: Path) -> None:
+    """Refuse a DFlash drafter config without ``dflash_config`` (the older layout).
+
+    The loader would take ``target_layer_ids`` and ``mask_token_id`` from the top
+    level, or derive the ids; convert writes the released layout and does not
+    guess, so the older layout goes through :data:`LAYOUT_SCRIPT` first.
+
+    Raises:
+        ConfigError: naming the file, the key and the script.
+    """
+    archs = config.get("architectures") or []
+    if "dflash_config" not in config and archs and archs[0] in DFLASH_CONFIG_LAYOUTS:
+        raise ConfigError(
+            f"{source}: missing key 'dflash_config' (the older drafter layout, with top-level "
+            f"target_layer_ids/mask_token_id); convert it to the released layout first: "
+            f"python {LAYOUT_SCRIPT} {source.parent} NEW_DIR"
+        )
+
+
+def load_source_target(path: Path) -> Tuple[nn.Module, object, TargetAdapter]:
+    """Load the unconverted target lazily (no weights read yet) with mlx-lm.
+
+    Returns:
+        ``(model, tokenizer, adapter)``.
+
+    Raises:
+        ConfigError: mlx-lm does not know the ``model_type`` (names config.json).
+        MismatchError: the family has no target adapter (DFlash cannot run it).
+        CheckpointError: the folder cannot be loaded otherwise.
+    """
+    config_file = path / "config.json"
+    config = read_config(config_file)
+    try:
+        net, tokenizer = mlx_lm_load(str(path), lazy=True)
+    except ValueError as e:
+        if "not supported" in str(e):
+            import mlx_lm
+
+            raise ConfigError(
+                f"{config_file}: model_type '{config.get('model_type')}' "
+                f"(architectures {config.get('architectures')}) is not supported by mlx-lm {mlx_lm.__version__}"
+            ) from None
+        raise CheckpointError(f"{path}: cannot load the target ({' '.join(str(e).split())})") from None
+    except (FileNotFoundError, RuntimeError, KeyError) as e:
+        raise CheckpointError(f"{path}: cannot load the target ({' '.join(str(e).split())})") from None
+    return net, tokenizer, make_adapter(net)
+
+
+# -- writing --------------------------------------------------------------------------
+
+
+@contextmanager
+def staging(out: Path, force: bool = False, flag: str = "--out") -> Iterator[Path]:
+    """A temporary folder beside ``out`` that replaces it when the block succeeds.
+
+    On any exception, Ctrl-C included, the temporary folder (and any parent folder
+    this created) is removed and ``out`` is left as it was.
+
+    Raises:
+        InputError: ``out`` appeared meanwhile and ``force`` is off (names ``flag``).
+    """
+    created = next((p for p in reversed([out.parent, *out.parent.parents]) if not p.exists()), None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output should not be
+        yield tmp
+        _replace(tmp, out, force, flag)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
+def _replace(tmp: Path, out: Path, force: bool, flag: str) -> None:
+    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and deleted last."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    check_out(out, force, flag)
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def weights_format(path: Path) -> Optional[str]:
+    """The ``format`` metadata of a folder's first safetensors file: "mlx" for mlx-lm's, "pt" for transformers'."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weight files")
+    try:
+        with safe_open(str(files[0]), "numpy") as f:
+            return (f.metadata() or {}).get("format")
+    except Exception as e:  # safetensors raises its own error types
+        raise CheckpointError(f"{files[0]}: cannot read safetensors file ({e})") from None
+
+
+def write_target(src: Path, dst: Path, *, quantize: bool = False, q_bits: Optional[int] = None,
+                 q_group_size: Optional[int] = None, q_mode: str = "affine",
+                 dtype: Optional[str] = None) -> dict:
+    """Write the target in mlx-lm format with mlx-lm's own convert.
+
+    An mlx-lm folder (quantized, or with mlx-lm's safetensors metadata) is copied
+    unless a dtype or a different quantization is asked for; a quantized one is then
+    dequantized and quantized again, both by ``mlx_lm.convert``.
+
+    Returns:
+        The manifest entry: ``method``, ``model_type``, ``dtype``, ``quantization``.
+
+    Raises:
+        InputError: mlx-lm refused the quantization flags (names them).
+        CheckpointError: mlx-lm could not convert the folder.
+    """
+    config = read_config(src / "config.json")
+    existing = config.get("quantization")
+    is_mlx = existing is not None or weights_format(src) == "mlx"
+    asked = {"bits": q_bits, "group_size": q_group_size, "mode": q_mode}
+    same = existing is not None and all(
+        v is None or existing.get(k, "affine" if k == "mode" else None) == v for k, v in asked.items()
+    )
+    if is_mlx and dtype is None and (not quantize or same):
+        copy_model_files(src, dst)
+        method = "copied (already mlx-lm format)"
+    elif existing is not None and quantize:
+        mid = dst.with_name(f".{dst.name}-dequantized")
+        _mlx_lm_convert(src, mid, dequantize=True, dtype=dtype)
+        _mlx_lm_convert(mid, dst, quantize=True, q_bits=q_bits, q_group_size=q_group_size, q_mode=q_mode)
+        shutil.rmtree(mid)
+        method = "re-quantized with mlx_lm.convert"
+    else:
+        _mlx_lm_convert(src, dst, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size,
+                        q_mode=q_mode, dtype=dtype)
+        method = "mlx_lm.convert"
+    written = read_config(dst / "config.json")
+    return {"method": method, "model_type": written.get("model_type"),
+            "dtype": _folder_dtype(dst), "quantization": written.get("quantization")}
+
+
+def _mlx_lm_convert(src: Path, dst: Path, *, quantize: bool = False, q_bits=None, q_group_size=None,
+                    q_mode: str = "affine", dtype: Optional[str] = None, dequantize: bool = False) -> None:
+    """``mlx_lm.convert.convert`` with its errors turned into one-line DFlashErrors."""
+    try:
+        mlx_lm_convert(str(src), str(dst), quantize=quantize, q_group_size=q_group_size, q_bits=q_bits,
+                       q_mode=q_mode, dtype=dtype, dequantize=dequantize)
+    except (ValueError, RuntimeError) as e:
+        detail = " ".join(str(e).split())
+        if quantize:
+            flags = [f"{f} {v}" for f, v in (("--q-mode", q_mode), ("--q-bits", q_bits),
+                                              ("--q-group-size", q_group_size)) if v is not None]
+            raise InputError(f"{' '.join(flags)}: mlx-lm cannot quantize {src} this way ({detail})") from None
+        raise CheckpointError(f"{src}: mlx-lm could not convert the target ({detail})") from None
+
+
+def copy_model_files(src: Path, dst: Path) -> None:
+    """Copy the files mlx-lm itself downloads for a model (weights, configs, tokenizer)."""
+    dst.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and any(fnmatch(f.name, p) for p in TARGET_FILES):
+            shutil.copy(f, dst / f.name)
+
+
+def _folder_dtype(path: Path) -> str:
+    """The dtype of a folder's float weights (the first floating tensor found)."""
+    for f in sorted(path.glob("*.safetensors")):
+        for v in mx.load(str(f)).values():
+            if mx.issubdtype(v.dtype, mx.floating):
+                return dtype_name(v.dtype)
+    return "none"
+
+
+def quantize_drafter(drafter: nn.Module, bits: int, group_size: int = DRAFT_Q_GROUP_SIZE) -> dict:
+    """Quantize, in place, the linear layers inside the drafter's decoder layers.
+
+    Only ``layers.*`` linears (attention and MLP projections: nearly all the
+    weights) are quantized. Everything else stays float: ``fc`` and ``hidden_norm``
+    (the fusion of context features every layer reads), the norms and a DFlash2
+    drafter's ``candidate_selector`` codebooks and projection. Scales are computed
+    from float32 weights, then stored in the drafter's dtype. The quantized drafter
+    computes in float32 (see :data:`dflash_mlx.loading.QUANTIZED_DRAFTER_DTYPE`).
+
+    Returns:
+        ``{"group_size", "bits", "mode"}``, as :func:`save_drafter` records it.
+    """
+    dtype = float_dtype(drafter)
+    drafter.set_dtype(mx.float32)
+
+    def predicate(path: str, module: nn.Module) -> bool:
+        return (path.startswith("layers.") and "candidate_selector" not in path
+                and isinstance(module, nn.Linear) and module.weight.shape[-1] % group_size == 0)
+
+    nn.quantize(drafter, group_size, bits, class_predicate=predicate)
+    drafter.set_dtype(dtype)
+    mx.eval(drafter.parameters())
+    return {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+
+def write_drafter(drafter: DFlashDrafter, dst: Path, q_bits: Optional[int] = None,
+                  q_group_size: int = DRAFT_Q_GROUP_SIZE, dtype: Optional[str] = None) -> dict:
+    """Write the drafter in the released format: cast to ``dtype``, quantize if asked, save.
+
+    Returns:
+        The manifest entry: ``dtype``, ``quantization``, ``compute_dtype``.
+    """
+    if dtype is not None:
+        drafter.set_dtype(getattr(mx, dtype))
+    quantization = quantize_drafter(drafter, q_bits, q_group_size) if q_bits else None
+    save_drafter(drafter, dst)
+    entry = {"dtype": dtype_name(float_dtype(drafter)), "quantization": quantization}
+    if quantization is not None:
+        entry["float_modules"] = sorted({p.split(".")[0] for p, m in drafter.named_modules()
+                                         if p and not p.startswith("layers")})
+        entry["compute_dtype"] = dtype_name(QUANTIZED_DRAFTER_DTYPE)
+    return entry
+
+
+def _revision(path: Path) -> Optional[str]:
+    """The commit of a Hugging Face cache snapshot folder (``.../snapshots/<commit>``), else None."""
+    return path.name if path.parent.name == "snapshots" else None
+
+
+def _source(name: str, path: Path) -> str:
+    return str(path.resolve()) if Path(name).expanduser().is_dir() else name
+
+
+def make_manifest(model: str, draft_model: str, target_src: Path, draft_src: Path, draft_config: dict,
+                  args, target_entry: dict, drafter_entry: dict, files: dict) -> dict:
+    """The ``dflash.json`` contents (see :mod:`dflash_mlx.manifest`); ``args`` are the
+    loaded drafter's (block size, target_layer_ids, mask token)."""
+    import mlx_lm
+
+    from . import __version__
+
+    archs = draft_config.get("architectures") or ["DFlashDraftModel"]
+    return {
+        "dflash_convert": MANIFEST_VERSION,
+        "created_by": f"dflash-mlx {__version__}, mlx-lm {mlx_lm.__version__}",
+        "target": {"path": "target", "source": _source(model, target_src), "revision": _revision(target_src),
+                   **target_entry},
+        "drafter": {"path": "drafter", "source": _source(draft_model, draft_src), "revision": _revision(draft_src),
+                    "format": archs[0], "block_size": args.block_size,
+                    "target_layer_ids": list(args.target_layer_ids), "mask_token_id": args.mask_token_id,
+                    **drafter_entry},
+        "files": files,
+    }

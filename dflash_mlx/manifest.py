@@ -1,0 +1,123 @@
+"""``dflash.json``: the manifest of a folder written by ``dflash convert``.
+
+A converted folder holds ``target/`` (mlx-lm format), ``drafter/`` (released drafter
+format) and this manifest, which records where each came from, the drafter format,
+block size and target_layer_ids, the quantization of each, and the sha256 of every
+weight file. ``--model DIR`` finds both halves through it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+from .errors import CheckpointError, ConfigError, InputError
+
+MANIFEST = "dflash.json"
+MANIFEST_VERSION = 1
+WEIGHT_GLOB = "*.safetensors"
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in 4 MB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def weight_files(root: Path, parts: Tuple[str, ...] = ("target", "drafter")) -> Dict[str, Path]:
+    """``{relative path: path}`` of every weight file under the given subfolders."""
+    return {f"{part}/{f.name}": f for part in parts for f in sorted((root / part).glob(WEIGHT_GLOB))}
+
+
+def hash_weights(root: Path) -> Dict[str, str]:
+    """``{relative path: sha256}`` of every weight file of a converted folder."""
+    return {name: sha256_file(path) for name, path in weight_files(root).items()}
+
+
+def write_manifest(root: Path, manifest: dict) -> Path:
+    """Write ``root/dflash.json`` (keys in the given order, 2-space indent)."""
+    path = root / MANIFEST
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    return path
+
+
+def read_manifest(root: Path) -> dict:
+    """Read and check ``root/dflash.json``.
+
+    Raises:
+        ConfigError: invalid JSON, or a missing ``target``/``drafter``/``files`` entry
+            (the message names the file and key).
+    """
+    path = Path(root) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON ({e})") from None
+    for key in ("target", "drafter", "files"):
+        if not isinstance(manifest.get(key), dict):
+            raise ConfigError(f"{path}: missing key '{key}'")
+    for key in ("target", "drafter"):
+        if not isinstance(manifest[key].get("path"), str):
+            raise ConfigError(f"{path}: missing key '{key}.path'")
+    return manifest
+
+
+def converted_root(model: Optional[str]) -> Optional[Path]:
+    """The folder if ``model`` is a local folder holding ``dflash.json``, else None."""
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    return path if (path / MANIFEST).is_file() else None
+
+
+def verify(root: Path, manifest: Optional[dict] = None) -> None:
+    """Check every weight file against the sha256 in the manifest.
+
+    Raises:
+        CheckpointError: a listed file is missing or changed, or a weight file is
+            not listed (the message names the file).
+    """
+    manifest = manifest or read_manifest(root)
+    listed = manifest["files"]
+    present = weight_files(root)
+    for name, want in listed.items():
+        path = root / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: listed in {MANIFEST} but missing")
+        if sha256_file(path) != want:
+            raise CheckpointError(f"{path}: sha256 differs from {root / MANIFEST} (changed since it was converted)")
+    for name in present:
+        if name not in listed:
+            raise CheckpointError(f"{root / name}: weight file not listed in {root / MANIFEST}")
+
+
+def resolve_pair(model: Optional[str], draft_model: Optional[str],
+                 verify_hashes: bool = False) -> Tuple[Optional[str], Optional[str]]:
+    """Expand a converted folder into its target and drafter folders.
+
+    ``--model DIR`` with ``DIR/dflash.json`` becomes ``DIR/target`` plus, unless
+    ``draft_model`` is given, ``DIR/drafter``. Anything else is returned as is.
+
+    Args:
+        model, draft_model: the ``--model`` / ``--draft-model`` values.
+        verify_hashes: check every weight file's sha256 against the manifest first.
+
+    Raises:
+        InputError: ``verify_hashes`` for a model that is not a converted folder.
+        ConfigError, CheckpointError: see :func:`read_manifest` and :func:`verify`.
+    """
+    root = converted_root(model)
+    if root is None:
+        if verify_hashes:
+            raise InputError(f"--verify: {model} is not a folder written by dflash convert (no {MANIFEST})")
+        return model, draft_model
+    manifest = read_manifest(root)
+    if verify_hashes:
+        verify(root, manifest)
+    target = str(root / manifest["target"]["path"])
+    return target, draft_model or str(root / manifest["drafter"]["path"])

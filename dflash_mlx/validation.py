@@ -1,0 +1,190 @@
+"""Validation of a converted pair against its sources (``dflash convert``'s table).
+
+The checks: vocabulary, hidden size and layers; the converted target's greedy output
+against the unconverted one's; DFlash's greedy output against the converted
+target's own, and tau; the largest logit difference between the converted and the
+unconverted drafter on a fixed input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step as mlx_lm_generate_step
+
+from .checkpoint import load_drafter
+from .drafter import DFlashDrafter
+from .generate import generate_step
+from .loading import is_quantized, load
+from .stats import GenerationStats
+from .targets import TargetAdapter
+
+VALIDATION_MESSAGES = [{"role": "user", "content": "Write three short sentences about the sea."}]
+VALIDATION_TOKENS = 32
+FLOAT_TOLERANCE = 1e-5  # relative logit difference of a float drafter of unchanged dtype
+
+
+@dataclass
+class Check:
+    """One row of the validation table.
+
+    Attributes:
+        name: what was checked ("vocabulary", "target vs unconverted", ...).
+        result: the measured values, in words.
+        ok: True passed, False failed, None measured only (expected to differ,
+            e.g. a quantized target's greedy output).
+    """
+
+    name: str
+    result: str
+    ok: Optional[bool]
+
+
+def greedy_tokens(model: nn.Module, prompt: Sequence[int], n: int) -> List[int]:
+    """n greedy tokens from mlx-lm's own ``generate_step`` (no stop tokens)."""
+    steps = mlx_lm_generate_step(mx.array(prompt, dtype=mx.int32), model, max_tokens=n)
+    return [int(tok) for tok, _ in steps]
+
+
+def dflash_tokens(target: TargetAdapter, drafter, prompt: Sequence[int], n: int,
+                  stop_token_ids: Sequence[int] = ()):
+    """Up to n greedy tokens through DFlash (ending before a stop token), and their
+    statistics (tau)."""
+    stats = GenerationStats(block_size=drafter.block_size)
+    tokens: List[int] = []
+    for step in generate_step(mx.array(prompt, dtype=mx.int32), target, drafter, max_tokens=n,
+                              stop_token_ids=stop_token_ids, stats=stats):
+        tokens += step.tokens
+    return tokens, stats
+
+
+def drafter_logits(drafter: DFlashDrafter, target: TargetAdapter, prompt: Sequence[int]) -> mx.array:
+    """One drafter forward on a fixed input, in float32: the prompt's context
+    features from ``target``, block ``[target's next token, MASK x (B-1)]``.
+
+    The drafter is cast to float32 and bound to ``target`` in place.
+
+    Returns:
+        [B-1, V] float32 logits.
+    """
+    h, features = target(mx.array(prompt, dtype=mx.int32)[None], target.make_cache(),
+                         capture=drafter.target_layer_ids)
+    first = mx.argmax(target.lm_head(h[:, -1]), axis=-1).astype(mx.int32)
+    masks = mx.full((drafter.block_size - 1,), drafter.args.mask_token_id, dtype=mx.int32)
+    block = mx.concatenate([first, masks])[None]
+    drafter.set_dtype(mx.float32)
+    drafter.bind(lambda ids: target.embed(ids).astype(mx.float32),
+                 lambda x: target.lm_head(x.astype(target.dtype)))
+    return drafter(block, features.astype(mx.float32), drafter.make_cache())[0].astype(mx.float32)
+
+
+def logit_difference(converted: mx.array, reference: mx.array) -> Tuple[float, float]:
+    """``(max |converted - reference|, that / max |reference|)``."""
+    diff = mx.abs(converted - reference).max().item()
+    return diff, diff / max(mx.abs(reference).max().item(), 1e-30)
+
+
+def _agreement(got: List[int], want: List[int]) -> str:
+    same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if same is None and len(got) == len(want):
+        return f"{len(want)}/{len(want)} tokens equal"
+    return f"{sum(a == b for a, b in zip(got, want))}/{len(want)} tokens equal, first differs at {same}"
+
+
+@dataclass
+class SourceRun:
+    """What validation needs from the unconverted target, so it can be released first.
+
+    Attributes:
+        prompt: the fixed prompt's token ids.
+        tokens: the unconverted target's greedy continuation (mlx-lm's generate_step).
+        vocab_size, hidden_size, num_layers, dtype: its shape and float dtype.
+    """
+
+    prompt: List[int]
+    tokens: List[int]
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    dtype: mx.Dtype
+
+    @classmethod
+    def of(cls, source: TargetAdapter, prompt: Sequence[int], n: int = VALIDATION_TOKENS) -> "SourceRun":
+        return cls(list(prompt), greedy_tokens(source.model, prompt, n), source.vocab_size,
+                   source.hidden_size, source.num_layers, source.dtype)
+
+
+def validate(root: Path, source: SourceRun, draft_src: Path) -> List[Check]:
+    """Check a converted folder against its sources.
+
+    - vocabulary, hidden size and layers of the converted pair (and unchanged from the source);
+    - greedy output of the converted target against the unconverted one (must be
+      equal on the float path: unquantized and the same dtype);
+    - DFlash greedy output through the converted pair against the converted
+      target's own (lossless; a difference is reported, not fatal), and tau;
+    - the largest logit difference between the converted and the unconverted
+      drafter on a fixed input, both in float32 on the converted target (must be
+      below :data:`FLOAT_TOLERANCE` relative for a float drafter of unchanged dtype).
+
+    Args:
+        root: the converted folder (``target/``, ``drafter/``).
+        source: the unconverted target's run on the fixed prompt.
+        draft_src: the unconverted drafter folder.
+
+    Returns:
+        The checks, in table order.
+    """
+    prompt, n = source.prompt, len(source.tokens)
+    pair = load(str(root / "target"), str(root / "drafter"))
+    target, args = pair.target, pair.drafter.args
+    quantized = is_quantized(target.model)
+    float_path = not quantized and target.dtype == source.dtype
+    checks = [
+        Check("vocabulary", f"target {target.vocab_size}, drafter {args.vocab_size}",
+              target.vocab_size == args.vocab_size == source.vocab_size),
+        Check("hidden size", f"target {target.hidden_size}, drafter {args.hidden_size}",
+              target.hidden_size == args.hidden_size == source.hidden_size),
+        Check("layers", f"target {target.num_layers}, drafter reads {list(args.target_layer_ids)}",
+              target.num_layers == source.num_layers and max(args.target_layer_ids) < target.num_layers),
+    ]
+    own = greedy_tokens(target.model, prompt, n)
+    why = "" if float_path else ("; quantized, may differ" if quantized
+                                 else f"; {dtype_name(source.dtype)} -> {dtype_name(target.dtype)}, may differ")
+    checks.append(Check("target vs unconverted", _agreement(own, source.tokens) + why,
+                        own == source.tokens if float_path else None))
+    tokens, stats = dflash_tokens(target, pair.drafter, prompt, n)
+    # Lossless is tested in the test suite; here a difference is reported, not fatal:
+    # a B-row verify and a 1-row decode may round a near-tie differently (spec section 5).
+    checks.append(Check("DFlash vs target",
+                        f"{_agreement(tokens, own)}; tau {stats.tau:.2f} at block {stats.block_size}",
+                        True if tokens == own else None))
+
+    converted = load_drafter(str(root / "drafter"))
+    original = load_drafter(str(draft_src))
+    exact = not is_quantized(converted) and float_dtype(converted) == float_dtype(original)
+    diff, rel = logit_difference(drafter_logits(converted, target, prompt), drafter_logits(original, target, prompt))
+    checks.append(Check("drafter logits",
+                        f"max |diff| {diff:.3g} = {rel:.2%} of max |logit| ({converted_bits(converted)}, float32)",
+                        rel <= FLOAT_TOLERANCE if exact else None))
+    return checks
+
+
+def converted_bits(drafter: nn.Module) -> str:
+    """"8-bit", "4-bit" or "float" (the first quantized layer's bits)."""
+    bits = [m.bits for m in drafter.modules() if isinstance(m, nn.QuantizedLinear)]
+    return f"{bits[0]}-bit" if bits else "float"
+
+
+def float_dtype(module: nn.Module) -> mx.Dtype:
+    """The dtype of a module's first floating-point parameter."""
+    return next(v.dtype for _, v in tree_flatten(module.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """``mx.bfloat16`` -> "bfloat16"."""
+    return str(dtype).replace("mlx.core.", "")

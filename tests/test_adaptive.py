@@ -1,0 +1,242 @@
+"""Adaptive verify widths (--block-size auto) and DDTree (--tree-budget) stay lossless.
+
+Greedy output equals mlx-lm's over 200 tokens on tiny llama and qwen3 targets with a
+random drafter and with drafters forcing full and partial acceptance; after a tree
+run the target cache equals a plain run's, row for row; breaking compaction is
+caught; at T > 0 the first three tokens follow the exact law (chi-square).
+"""
+
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_sampler
+
+from dflash_mlx import GenerationStats, TargetAdapter, generate_step
+from dflash_mlx.policy import calibrate
+from dflash_mlx.protocol import Proposal
+from conftest import ScriptedDrafter, assert_varied, mlx_lm_greedy, tiny_drafter, tiny_target
+from test_sampling import exact_law, p_value
+
+PROMPT = [1, 17, 33, 2, 9, 100, 42]
+N = 200
+FAMILIES = ("llama", "llama-sliding", "qwen3")
+
+
+class TreeScripted(ScriptedDrafter):
+    """A scripted drafter with log-probabilities: for the first ``correct`` slots the
+    right token has rank ``rank`` (0: the chain's draft; 1: second, so only a tree
+    finds it); after them it is absent from the likely candidates."""
+
+    def __init__(self, *args, rank: int = 0, **kw):
+        super().__init__(*args, **kw)
+        self.rank = rank
+
+    def propose(self, token, context, cache, block_size, sampling=None) -> Proposal:
+        pos = cache[0].offset + context.shape[1]
+        self.draft(token, context, cache, block_size)  # advances the position like the real one
+        lp = np.full((block_size - 1, self.vocab), -30.0, dtype=np.float32)
+        for k in range(1, block_size):
+            right = self.sequence[pos + k] if pos + k < len(self.sequence) else 0
+            others = [(right + j) % self.vocab for j in (1, 2, 3)]
+            ranked = others[: self.rank] + [right] + others[self.rank:] if k <= self.correct else others
+            for logp, tok in zip(np.log([0.5, 0.3, 0.15, 0.05]), ranked):
+                lp[k - 1, tok] = logp
+        tokens = mx.array(lp.argmax(axis=-1), dtype=mx.int32)
+        return Proposal(tokens, logprobs=mx.array(lp))
+
+
+@pytest.fixture(autouse=True)
+def synthetic_timings(monkeypatch):
+    """Calibration times the drafter on scratch caches, which the scripted drafters'
+    position check would reject; here it gets fixed timings (a 1-token step 1 ms, each
+    more token 0.05 ms, a drafter pass 1 ms). Real steps refresh them as usual."""
+    import dflash_mlx.policy as policy
+
+    monkeypatch.setattr(policy, "calibrate", lambda t, d, b, widths: ({n: 1e-3 + 5e-5 * n for n in widths}, 1e-3))
+    monkeypatch.setattr(policy, "_CALIBRATIONS", {})
+
+
+_REFERENCES = {}
+
+
+def reference(family):
+    if family not in _REFERENCES:
+        model, target = tiny_target(family)
+        _REFERENCES[family] = model, target, mlx_lm_greedy(model, PROMPT, N + 16)
+    return _REFERENCES[family]
+
+
+def run(target, drafter, n=N, stats=None, **kw):
+    prompt = mx.array(PROMPT, dtype=mx.int32)
+    return [t for s in generate_step(prompt, target, drafter, max_tokens=n, stats=stats, **kw) for t in s.tokens]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reference_is_varied(family):
+    assert_varied(reference(family)[2][:N])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", ["random", "full", "partial", "none"])
+def test_auto_block_size_is_lossless(family, kind):
+    _, target, ref = reference(family)
+    if kind == "random":
+        drafter = tiny_drafter(target)
+    else:
+        correct = {"full": 15, "partial": 5, "none": 0}[kind]
+        drafter = ScriptedDrafter(PROMPT + ref, correct=correct, block_size=16, vocab=256)
+    stats = GenerationStats(block_size=16)
+    assert run(target, drafter, block_size="auto", stats=stats) == ref[:N]
+    assert stats.verify["block_size"] == "auto" and sum(stats.widths.values()) > 0
+    if kind == "full":
+        assert stats.tau > 8  # speculation pays: wide chains
+
+
+CYCLE = [("plain", 1, False), ("plain", 1, True), ("chain", 3, False), ("chain", 16, False),
+         ("plain", 1, False), ("tree", 8, False), ("chain", 2, False), ("plain", 1, True), ("tree", 32, False)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("correct,rank", [(15, 0), (5, 0), (7, 1), (0, 0)])
+def test_every_switch_between_modes_is_lossless(family, correct, rank, monkeypatch):
+    # Whatever the cost model picks: plain steps (with and without probes), chains of
+    # any width and trees, in every order, keep the output and the drafter's position.
+    import dflash_mlx.policy as policy
+
+    plans = iter([policy.Plan(*CYCLE[i % len(CYCLE)]) for i in range(10 * N)])
+    monkeypatch.setattr(policy.Policy, "next", lambda self: next(plans))
+    _, target, ref = reference(family)
+    drafter = TreeScripted(PROMPT + ref, correct=correct, block_size=16, vocab=256, rank=rank)
+    stats = GenerationStats(block_size=16)
+    assert run(target, drafter, block_size="auto", tree_budget=32, stats=stats) == ref[:N]
+    assert {"plain", "chain 3", "chain 16", "tree 8", "tree 32"} <= set(stats.widths)
+
+
+def test_policy_decodes_plainly_when_drafts_are_wrong_and_speculates_when_right():
+    from dflash_mlx.cost import CostModel
+    from dflash_mlx.policy import Policy
+
+    for right, expected in ((0, "plain"), (15, "chain")):
+        cost = CostModel(block_size=16)
+        for n in (1, 2, 4, 8, 16):
+            cost.record_verify(n, 1e-3 + 5e-5 * n)
+        cost.record_draft(1e-3)
+        for s in range(40):
+            cost.record_drafts(s * 16, [7] * 15)
+            cost.record_committed([7] * right + [8] * (16 - right), s * 16)
+        policy = Policy(16, True, None, cost)
+        plans = [policy.next() for _ in range(40)]
+        assert {p.mode for p in plans} == {expected}
+        if expected == "plain":
+            assert 0 < sum(p.probe for p in plans) < 5  # probes, spaced out
+        else:
+            assert plans[0].width == 16
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("budget", [8, 32, "auto"])
+@pytest.mark.parametrize("kind", ["full", "partial", "second", "random"])
+def test_tree_is_lossless(family, budget, kind):
+    _, target, ref = reference(family)
+    if kind == "random":
+        drafter = tiny_drafter(target)
+    else:
+        correct, rank = {"full": (15, 0), "partial": (5, 0), "second": (7, 1)}[kind]
+        drafter = TreeScripted(PROMPT + ref, correct=correct, block_size=16, vocab=256, rank=rank)
+    stats = GenerationStats(block_size=16)
+    block = "auto" if budget == "auto" else None
+    assert run(target, drafter, block_size=block, tree_budget=budget, stats=stats) == ref[:N]
+    if budget != "auto":
+        assert set(stats.widths) == {f"tree {budget}"}
+    if kind == "second" and budget == 32:
+        assert stats.tau > 3  # the chain's drafts are all wrong; the tree finds the right path
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cache_after_tree_compaction_equals_a_plain_run(family):
+    _, target, ref = reference(family)
+    drafter = TreeScripted(PROMPT + ref, correct=7, block_size=16, vocab=256, rank=1)
+    tree_cache, plain_cache = target.make_cache(33), target.make_cache(1)
+    assert run(target, drafter, n=60, tree_budget=32, prompt_cache=tree_cache) == ref[:60]
+    assert run(target, None, n=60, prompt_cache=plain_cache) == ref[:60]
+    for a, b in zip(tree_cache, plain_cache):
+        assert a.offset == b.offset
+        (ka, va), (kb, vb) = held_rows(a), held_rows(b)
+        n = min(ka.shape[2], kb.shape[2])
+        assert n >= 8
+        assert mx.allclose(ka[..., -n:, :], kb[..., -n:, :], atol=1e-5)
+        assert mx.allclose(va[..., -n:, :], vb[..., -n:, :], atol=1e-5)
+
+
+def held_rows(c):
+    """(keys, values) [1, H, rows, D] of the rows a layer cache holds, oldest first."""
+    rows = getattr(c, "held", c.offset)
+    return c.keys[..., :rows, :], c.values[..., :rows, :]
+
+
+def test_drafter_context_after_a_tree_run_equals_a_chain_run():
+    # The drafter cache receives the accepted path's feature rows, nothing else.
+    _, target, ref = reference("qwen3")
+    drafter = tiny_drafter(target)
+    caches = []
+    for kw in ({"tree_budget": 16}, {"block_size": 16}):
+        cache = drafter.make_cache()
+        assert run(target, drafter, n=60, draft_cache=cache, **kw) == ref[:60]
+        caches.append(cache)
+    for a, b in zip(*caches):
+        assert a.offset == b.offset
+        assert mx.allclose(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :], atol=1e-4)
+
+
+def test_broken_compaction_is_caught(monkeypatch):
+    _, target, ref = reference("qwen3")
+
+    def keep_first_rows(self, cache, new_rows, keep):  # wrong: the first rows, not the path's
+        self.rollback(cache, new_rows - len(keep))
+
+    monkeypatch.setattr(TargetAdapter, "compact", keep_first_rows)
+    drafter = TreeScripted(PROMPT + ref, correct=7, block_size=16, vocab=256, rank=1, check_anchor=False)
+    assert run(target, drafter, tree_budget=32) != ref[:N]
+
+
+def test_hybrid_target_keeps_chains_and_says_why():
+    model, target = tiny_target("qwen3_5")
+    ref = mlx_lm_greedy(model, PROMPT, 60)
+    stats = GenerationStats(block_size=16)
+    assert run(target, tiny_drafter(target), n=60, tree_budget=32, stats=stats) == ref
+    assert stats.verify["tree_budget"] is None and "chains only" in stats.verify["reason"]
+    assert "tree off" in stats.verify_line() and all(k.startswith("chain") for k in stats.widths)
+
+
+VOCAB, B = 16, 4
+
+
+def first_three(target, drafter, seed, runs=1500, stats=None, **kw) -> Counter:
+    mx.random.seed(seed)
+    counts = Counter()
+    prompt = mx.array([1, 5, 9], dtype=mx.int32)
+    for _ in range(runs):
+        tokens = [t for s in generate_step(prompt, target, drafter, sampler=make_sampler(1.0), max_tokens=3, stats=stats, **kw)
+                  for t in s.tokens]
+        counts[tuple(tokens)] += 1
+    return counts
+
+
+@pytest.mark.parametrize("kw", [{"tree_budget": 6}, {"block_size": "auto"}, {"block_size": "auto", "tree_budget": "auto"}])
+def test_sampling_follows_the_exact_law(kw):
+    model, target = tiny_target("qwen3", vocab=VOCAB, hidden=32, layers=2, seed=7)
+    sequence = [1, 5, 9] + mlx_lm_greedy(model, [1, 5, 9], 8)
+    drafter = TreeScripted(sequence, correct=B - 1, block_size=B, vocab=VOCAB, check_anchor=False, rank=1)
+    stats = GenerationStats(block_size=B)
+    counts = first_three(target, drafter, seed=3, stats=stats, **kw)
+    assert stats.accepted > 0 and stats.steps > 0  # drafts were verified and some accepted
+    assert p_value(counts, exact_law(model, 1.0)) > 0.01
+
+
+def test_calibration_times_every_width_on_scratch_caches():
+    _, target, ref = reference("qwen3")
+    drafter = tiny_drafter(target)
+    times, draft_s = calibrate(target, drafter, 16, [1, 2, 16, 33])
+    assert sorted(times) == [1, 2, 16, 33] and all(t > 0 for t in times.values()) and draft_s > 0
