@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 PLAIN, CHAIN, TREE = "plain", "chain", "tree"
+PRIOR = 0.8  # prior per-draft survival (see CostModel.survival)
 
 
 @dataclass
@@ -190,10 +191,11 @@ class CostModel:
             self.survival_num[i] = keep * self.survival_num[i] + hit
 
     def survival(self) -> List[float]:
-        """S(i) for i = 1..B-1: the share of blocks whose drafts 1..i were all right
-        (an optimistic prior of one all-right block before any observation)."""
+        """S(i) for i = 1..B-1: the share of blocks whose drafts 1..i were all right,
+        with a prior worth one block of S(i) = 0.8^i: hopeful enough to try
+        speculating first, and soon outweighed when drafts miss."""
         den = self.survival_den + 1
-        return [(n + 1) / den for n in self.survival_num]
+        return [(n + PRIOR ** (i + 1)) / den for i, n in enumerate(self.survival_num)]
 
     def expected_tokens(self, width: int) -> float:
         """E[tokens committed by one verify of ``width`` tokens] = 1 + sum_{i<width} S(i)."""
