@@ -211,8 +211,9 @@ def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, con
     """
     capture, B, cost = drafter.target_layer_ids, policy.block, policy.cost
     pending, history, finish = [context], [t.item()], None
+    queued, ahead = None, None  # a plain step queued from t, and the plan already chosen
     while finish is None:
-        plan = policy.next()
+        plan, ahead = ahead or policy.next(), None
         tic = time.perf_counter()
         position = base + len(history) - 1  # of t
         proposal = None
@@ -224,7 +225,13 @@ def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, con
                 mx.eval(proposal.arrays())
                 draft_s = time.perf_counter() - tic
         if plan.mode == PLAIN:
-            y, features = plain_step(target, cache, capture, rule.choose, t)
+            y, features = queued or plain_step(target, cache, capture, rule.choose, t)
+            queued = None
+            if not plan.probe:  # plain runs pipeline as mlx-lm's: queue the next before reading y
+                ahead = policy.next()
+                if ahead.mode == PLAIN and not ahead.probe:
+                    queued = plain_step(target, cache, capture, rule.choose, y)
+                    mx.async_eval(queued)
             mx.eval(y, features, proposal.tokens if proposal is not None else [])
             step = Outcome(y.tolist(), 0, 0, features, proposal.tokens.tolist() if proposal is not None else [])
         elif plan.mode == TREE:
