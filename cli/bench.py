@@ -87,8 +87,9 @@ def bench(
 
 
 def split_extra(block_size, tree_budget, extra: List[str], argv: Optional[List[str]] = None):
-    """Which list option the values click left over belong to (``--block-size 4 8
-    --tree-budget 16 32``): the one given last on the command line.
+    """Which list option each value click left over belongs to (``--block-size 4 8
+    --tree-budget 16 32``): the flag it follows on the command line; when the command
+    line is not at hand, the flag given last.
 
     Returns:
         ``(extra block sizes, extra tree budgets)``.
@@ -96,7 +97,18 @@ def split_extra(block_size, tree_budget, extra: List[str], argv: Optional[List[s
     if not extra or not (block_size and tree_budget):
         return (extra, []) if not tree_budget or block_size else ([], extra)
     argv = sys.argv if argv is None else argv
-    last = {f: max((i for i, a in enumerate(argv) if a == f), default=-1) for f in ("--block-size", "--tree-budget")}
+    owned = {"--block-size": [], "--tree-budget": []}
+    owner, first = None, False
+    for a in argv:
+        if a.startswith("-"):
+            owner, first = (a if a in owned else None), True
+        elif owner is not None and first:
+            first = False  # the value click parsed as the option's own
+        elif owner is not None:
+            owned[owner].append(a)
+    if sorted(owned["--block-size"] + owned["--tree-budget"]) == sorted(extra):
+        return owned["--block-size"], owned["--tree-budget"]
+    last = {f: max((i for i, a in enumerate(argv) if a == f), default=-1) for f in owned}
     return (extra, []) if last["--block-size"] > last["--tree-budget"] else ([], extra)
 
 
