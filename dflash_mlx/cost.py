@@ -95,6 +95,8 @@ class CostModel:
     ratio: Dict[str, Ema] = field(default_factory=dict)
     steps: int = 0
     probe_gap: int = 0
+    _known: Optional[list] = None
+    _cumulative: Optional[List[float]] = None
 
     def __post_init__(self):
         self.survival_num = [0.0] * (self.block_size - 1)
@@ -105,6 +107,7 @@ class CostModel:
 
     def record_verify(self, width: int, seconds: float) -> None:
         """One target forward of ``width`` tokens took ``seconds``."""
+        self._known = None
         ema = self.verify_s.setdefault(width, Ema(self.decay))
         old = ema.value
         ema.update(seconds)
@@ -148,7 +151,9 @@ class CostModel:
     def verify_seconds(self, width: int) -> Optional[float]:
         """Seconds of a forward of ``width`` tokens: piecewise linear between timed
         widths, extended linearly past the ends (None before any timing)."""
-        known = sorted((n, e.value) for n, e in self.verify_s.items() if e.value is not None)
+        known = self._known
+        if known is None:
+            known = self._known = sorted((n, e.value) for n, e in self.verify_s.items() if e.value is not None)
         if len(known) < 2:
             return known[0][1] if known else None
         for (n0, t0), (n1, t1) in zip(known, known[1:]):
@@ -185,6 +190,7 @@ class CostModel:
     def _observe(self, right: int) -> None:
         """One block whose first ``right`` drafts were right."""
         keep = 1 - self.decay
+        self._cumulative = None
         self.survival_den = keep * self.survival_den + 1
         for i in range(len(self.survival_num)):
             hit = 1.0 if i < right else 0.0
@@ -199,7 +205,12 @@ class CostModel:
 
     def expected_tokens(self, width: int) -> float:
         """E[tokens committed by one verify of ``width`` tokens] = 1 + sum_{i<width} S(i)."""
-        return 1.0 + sum(self.survival()[: width - 1])
+        if self._cumulative is None:  # per observation, not per call: the loop asks every step
+            total, self._cumulative = 1.0, [1.0]
+            for x in self.survival():
+                total += x
+                self._cumulative.append(total)
+        return self._cumulative[min(width, self.block_size) - 1]
 
     # -- choosing -------------------------------------------------------------------
 
