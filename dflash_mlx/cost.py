@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 PLAIN, CHAIN, TREE = "plain", "chain", "tree"
-PRIOR = 0.8  # prior per-draft survival (see CostModel.survival)
+PRIOR = 0.6  # prior per-draft survival (see CostModel.survival)
 
 
 @dataclass
@@ -145,7 +145,7 @@ class CostModel:
         if key in self.step_s and self.steps - self.last_seen[key] < self.fresh_steps:
             return self.step_s[key].value
         est = self.estimate(mode, width)
-        ratio = self.ratio.get(mode)
+        ratio = self.ratio.get(mode) or next(iter(self.ratio.values()), None)  # else another mode's
         return est * ratio.value if est is not None and ratio is not None else est
 
     def verify_seconds(self, width: int) -> Optional[float]:
@@ -198,7 +198,7 @@ class CostModel:
 
     def survival(self) -> List[float]:
         """S(i) for i = 1..B-1: the share of blocks whose drafts 1..i were all right,
-        with a prior worth one block of S(i) = 0.8^i: hopeful enough to try
+        with a prior worth one block of S(i) = 0.6^i: hopeful enough to try
         speculating first, and soon outweighed when drafts miss."""
         den = self.survival_den + 1
         return [(n + PRIOR ** (i + 1)) / den for i, n in enumerate(self.survival_num)]

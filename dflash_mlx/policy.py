@@ -194,8 +194,9 @@ def calibrated_cost(target, drafter, draft_block: int, widths: Sequence[int]) ->
         _CALIBRATIONS[key] = calibrate(target, drafter, draft_block, widths)
     times, draft_s = _CALIBRATIONS[key]
     cost = CostModel(block_size=draft_block)
-    for n, t in times.items():
-        cost.record_verify(n, t)
+    widths = sorted(times)
+    for i, n in enumerate(widths):  # more tokens never cost less: a slow outlier (a busy machine) is capped
+        cost.record_verify(n, min(times[m] for m in widths[i:]))
     cost.record_draft(draft_s)
     return cost
 

@@ -28,7 +28,7 @@ def test_expected_tokens_follow_the_survival_function():
     m = CostModel(block_size=4, decay=1.0)  # only the newest block counts
     m.record_drafts(0, [1, 2, 3])
     m.record_committed([1, 2, 0], offset=0)  # 2 right
-    survival = [(1 + 0.8) / 2, (1 + 0.64) / 2, 0.512 / 2]  # (n + 0.8^i) / (den + 1)
+    survival = [(1 + 0.6) / 2, (1 + 0.36) / 2, 0.216 / 2]  # (n + 0.6^i) / (den + 1)
     assert m.survival() == pytest.approx(survival)
     assert m.expected_tokens(1) == 1.0
     assert m.expected_tokens(4) == pytest.approx(1 + sum(survival))
@@ -84,7 +84,7 @@ def test_tree_expectation_is_calibrated_by_the_chain():
     m = CostModel(block_size=4, decay=1.0)
     m.record_drafts(0, [1, 2, 3])
     m.record_committed([1, 9, 0], offset=0)  # 1 right
-    S = [(1 + 0.8) / 2, 0.64 / 2, 0.512 / 2]
+    S = [(1 + 0.6) / 2, 0.36 / 2, 0.216 / 2]
     assert m.survival() == pytest.approx(S)
     # The drafter's top-1 chain says 0.8, 0.4, 0.2; a second node at depth 1 has 0.1.
     nodes = [(1, 0.8), (2, 0.4), (3, 0.2), (1, 0.1)]
