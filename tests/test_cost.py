@@ -74,7 +74,9 @@ def test_step_seconds_follow_real_steps():
     m.record_step("chain", 8, 6.0)  # twice as slow as calibrated
     assert m.step_seconds("chain", 8) == 6.0
     assert m.step_seconds("chain", 4) == pytest.approx(2 * (1.0 + 1 + 3 / 7))  # the mode's ratio
-    assert m.step_seconds("plain", 1) == 1.0  # another mode keeps its own estimate
+    assert m.step_seconds("plain", 1) == 2.0  # a mode not run yet borrows the observed ratio
+    m.record_step("plain", 1, 1.5)
+    assert m.step_seconds("plain", 1) == 1.5 and m.ratio["plain"].value == 1.5  # then has its own
     m.record_step("chain", 4, 3.0)
     m.record_step("chain", 4, 3.0)
     assert m.step_seconds("chain", 8) == pytest.approx(3.0 * 3 / (1 + 1 + 3 / 7))  # stale: estimate x ratio
