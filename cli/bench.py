@@ -86,6 +86,32 @@ def bench(
     guard(lambda: _run(extra=list(ctx.args), **args))
 
 
+def split_extra(block_size, tree_budget, extra: List[str], argv: Optional[List[str]] = None):
+    """Which list option each value click left over belongs to (``--block-size 4 8
+    --tree-budget 16 32``): the flag it follows on the command line; when the command
+    line is not at hand, the flag given last.
+
+    Returns:
+        ``(extra block sizes, extra tree budgets)``.
+    """
+    if not extra or not (block_size and tree_budget):
+        return (extra, []) if not tree_budget or block_size else ([], extra)
+    argv = sys.argv if argv is None else argv
+    owned = {"--block-size": [], "--tree-budget": []}
+    owner, first = None, False
+    for a in argv:
+        if a.startswith("-"):
+            owner, first = (a if a in owned else None), True
+        elif owner is not None and first:
+            first = False  # the value click parsed as the option's own
+        elif owner is not None:
+            owned[owner].append(a)
+    if sorted(owned["--block-size"] + owned["--tree-budget"]) == sorted(extra):
+        return owned["--block-size"], owned["--tree-budget"]
+    last = {f: max((i for i, a in enumerate(argv) if a == f), default=-1) for f in owned}
+    return (extra, []) if last["--block-size"] > last["--tree-budget"] else ([], extra)
+
+
 def parse_block_sizes(values: Optional[List[str]], extra: List[str], flag: str = "--block-size",
                       default=(None,)) -> list:
     """``--block-size 4 8 16 auto``: click hands the values after the first one over as
@@ -127,8 +153,9 @@ def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_siz
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
     if num_samples < 0:
         raise InputError(f"--num-samples must be 0 (all samples) or more, got {num_samples}")
-    budgets = parse_block_sizes(tree_budget, [], "--tree-budget", default=())
-    sizes = parse_block_sizes(block_size, extra) if block_size or extra or not budgets else []
+    extra_sizes, extra_budgets = split_extra(block_size, tree_budget, extra)
+    budgets = parse_block_sizes(tree_budget, extra_budgets, "--tree-budget", default=())
+    sizes = parse_block_sizes(block_size, extra_sizes) if block_size or extra_sizes or not budgets else []
     for n in budgets:
         if n != "auto" and n < 1:
             raise InputError(f"--tree-budget must be a node count >= 1 or 'auto', got {n}")

@@ -26,7 +26,7 @@ COMMANDS = [
     ("/help", "this list"),
     ("/reset", "clear the history and both caches"),
     ("/stats", "the session's acceptance histogram, totals and cache offsets"),
-    ("/block N", "block size, 2..the drafter's trained size"),
+    ("/block N|auto", "block size, 2..the drafter's trained size, or auto (width by measured cost)"),
     ("/temp T", "sampling temperature (0 is greedy)"),
     ("/max N", "most tokens per reply"),
     ("/think on|off", "thinking, for chat templates that have it"),

@@ -64,9 +64,31 @@ def seed_option():
     )
 
 
+def _block_size_value(value):
+    """Checked at parse time, as typer checks an int option (before stdin is read)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        return str(int(value))
+    except ValueError:
+        raise typer.BadParameter(f"'{value}' is not an integer or 'auto'.") from None
+
+
+def _tree_budget_value(value):
+    if value is None or value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise typer.BadParameter(f"'{value}' is not a node count or 'auto'.") from None
+    if n < 1:
+        raise typer.BadParameter(f"{n} is not a node count >= 1 or 'auto'.")
+    return value
+
+
 def block_size_option():
     return typer.Option(
-        "auto", "--block-size",
+        "auto", "--block-size", callback=_block_size_value,
         help="auto (default): draft at the trained block size and verify the width that measured "
         "timings say commits the most tokens per second, plain decoding included; or a fixed B, "
         "2..the drafter's trained size.",
@@ -75,7 +97,7 @@ def block_size_option():
 
 def tree_budget_option():
     return typer.Option(
-        None, "--tree-budget",
+        None, "--tree-budget", callback=_tree_budget_value,
         help="DDTree: verify the N most likely draft prefixes as one tree (e.g. 32), or auto (budgets and "
         "chains chosen by measured cost). Attention-only targets; hybrid targets keep chains and say so.",
     )

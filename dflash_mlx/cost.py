@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 PLAIN, CHAIN, TREE = "plain", "chain", "tree"
+PRIOR = 0.6  # prior per-draft survival (see CostModel.survival)
 
 
 @dataclass
@@ -94,6 +95,8 @@ class CostModel:
     ratio: Dict[str, Ema] = field(default_factory=dict)
     steps: int = 0
     probe_gap: int = 0
+    _known: Optional[list] = None
+    _cumulative: Optional[List[float]] = None
 
     def __post_init__(self):
         self.survival_num = [0.0] * (self.block_size - 1)
@@ -104,6 +107,7 @@ class CostModel:
 
     def record_verify(self, width: int, seconds: float) -> None:
         """One target forward of ``width`` tokens took ``seconds``."""
+        self._known = None
         ema = self.verify_s.setdefault(width, Ema(self.decay))
         old = ema.value
         ema.update(seconds)
@@ -141,13 +145,15 @@ class CostModel:
         if key in self.step_s and self.steps - self.last_seen[key] < self.fresh_steps:
             return self.step_s[key].value
         est = self.estimate(mode, width)
-        ratio = self.ratio.get(mode)
+        ratio = self.ratio.get(mode) or next(iter(self.ratio.values()), None)  # else another mode's
         return est * ratio.value if est is not None and ratio is not None else est
 
     def verify_seconds(self, width: int) -> Optional[float]:
         """Seconds of a forward of ``width`` tokens: piecewise linear between timed
         widths, extended linearly past the ends (None before any timing)."""
-        known = sorted((n, e.value) for n, e in self.verify_s.items() if e.value is not None)
+        known = self._known
+        if known is None:
+            known = self._known = sorted((n, e.value) for n, e in self.verify_s.items() if e.value is not None)
         if len(known) < 2:
             return known[0][1] if known else None
         for (n0, t0), (n1, t1) in zip(known, known[1:]):
@@ -184,20 +190,27 @@ class CostModel:
     def _observe(self, right: int) -> None:
         """One block whose first ``right`` drafts were right."""
         keep = 1 - self.decay
+        self._cumulative = None
         self.survival_den = keep * self.survival_den + 1
         for i in range(len(self.survival_num)):
             hit = 1.0 if i < right else 0.0
             self.survival_num[i] = keep * self.survival_num[i] + hit
 
     def survival(self) -> List[float]:
-        """S(i) for i = 1..B-1: the share of blocks whose drafts 1..i were all right
-        (an optimistic prior of one all-right block before any observation)."""
+        """S(i) for i = 1..B-1: the share of blocks whose drafts 1..i were all right,
+        with a prior worth one block of S(i) = 0.6^i: hopeful enough to try
+        speculating first, and soon outweighed when drafts miss."""
         den = self.survival_den + 1
-        return [(n + 1) / den for n in self.survival_num]
+        return [(n + PRIOR ** (i + 1)) / den for i, n in enumerate(self.survival_num)]
 
     def expected_tokens(self, width: int) -> float:
         """E[tokens committed by one verify of ``width`` tokens] = 1 + sum_{i<width} S(i)."""
-        return 1.0 + sum(self.survival()[: width - 1])
+        if self._cumulative is None:  # per observation, not per call: the loop asks every step
+            total, self._cumulative = 1.0, [1.0]
+            for x in self.survival():
+                total += x
+                self._cumulative.append(total)
+        return self._cumulative[min(width, self.block_size) - 1]
 
     # -- choosing -------------------------------------------------------------------
 

@@ -211,8 +211,9 @@ def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, con
     """
     capture, B, cost = drafter.target_layer_ids, policy.block, policy.cost
     pending, history, finish = [context], [t.item()], None
+    queued, ahead = None, None  # a plain step queued from t, and the plan already chosen
     while finish is None:
-        plan = policy.next()
+        plan, ahead = ahead or policy.next(), None
         tic = time.perf_counter()
         position = base + len(history) - 1  # of t
         proposal = None
@@ -223,8 +224,17 @@ def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, con
             if plan.mode != PLAIN and stats.time_draft():  # 1 step in 16: drafting on its own
                 mx.eval(proposal.arrays())
                 draft_s = time.perf_counter() - tic
+        steady = True  # a pipelined plain step's wall time is one forward only mid-run
         if plan.mode == PLAIN:
-            y, features = plain_step(target, cache, capture, rule.choose, t)
+            steady = queued is not None
+            y, features = queued or plain_step(target, cache, capture, rule.choose, t)
+            queued = None
+            if not plan.probe:  # plain runs pipeline as mlx-lm's: queue the next before reading y
+                ahead = policy.next()
+                if ahead.mode == PLAIN and not ahead.probe:
+                    queued = plain_step(target, cache, capture, rule.choose, y)
+                    mx.async_eval(queued)
+            steady = steady and queued is not None
             mx.eval(y, features, proposal.tokens if proposal is not None else [])
             step = Outcome(y.tolist(), 0, 0, features, proposal.tokens.tolist() if proposal is not None else [])
         elif plan.mode == TREE:
@@ -243,7 +253,8 @@ def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, con
             t = mx.array(step.tokens[-1:], dtype=mx.int32)
             history.extend(step.tokens)
             if policy.learning:
-                cost.record_step(plan.mode, plan.width + (plan.mode == TREE), seconds)
+                if steady:
+                    cost.record_step(plan.mode, plan.width + (plan.mode == TREE), seconds)
                 if step.drafts:
                     cost.record_drafts(position + 1, step.drafts)
                 tail = history[-(2 * B + len(step.tokens)):]

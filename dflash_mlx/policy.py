@@ -24,6 +24,7 @@ from .tree import build_tree
 AUTO = "auto"
 TREE_BUDGETS = (8, 16, 32, 64)  # the budgets --tree-budget auto chooses among
 TIMED_REPEATS = 3
+REDECIDE_PLAIN = 4  # while plain decoding wins, the width is re-chosen every this many steps
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Policy:
         self.adaptive = adaptive
         self.tree_budget = tree_budget
         self.cost = cost
+        self.plain_run = 0  # plain steps chosen in a row
         self.budgets: Tuple[int, ...] = ()
         if tree_budget == AUTO:
             self.budgets = TREE_BUDGETS
@@ -102,10 +104,15 @@ class Policy:
             return Plan(TREE, int(self.tree_budget))
         if not self.adaptive and self.tree_budget is None:
             return Plan(CHAIN, self.block)
+        if self.plain_run and self.plain_run % REDECIDE_PLAIN:  # plain runs re-decide every few steps
+            self.plain_run += 1
+            return Plan(PLAIN, 1, probe=self.cost.should_probe())
         best = self.cost.best_width(range(1, self.block + 1)) if self.adaptive else self.block
         tree = self._best_tree_rate()
         if best == 1 and (tree is None or tree[0] <= (self.cost.rate(1) or 0.0)):
+            self.plain_run += 1
             return Plan(PLAIN, 1, probe=self.cost.should_probe())
+        self.plain_run = 0
         self.cost.speculating()
         if tree is not None and tree[0] > (self.cost.rate(best) or 0.0):
             return Plan(TREE, tree[1])
@@ -187,8 +194,9 @@ def calibrated_cost(target, drafter, draft_block: int, widths: Sequence[int]) ->
         _CALIBRATIONS[key] = calibrate(target, drafter, draft_block, widths)
     times, draft_s = _CALIBRATIONS[key]
     cost = CostModel(block_size=draft_block)
-    for n, t in times.items():
-        cost.record_verify(n, t)
+    widths = sorted(times)
+    for i, n in enumerate(widths):  # more tokens never cost less: a slow outlier (a busy machine) is capped
+        cost.record_verify(n, min(times[m] for m in widths[i:]))
     cost.record_draft(draft_s)
     return cost
 

@@ -9,7 +9,7 @@ import pytest
 
 from dflash_mlx import InputError
 from dflash_mlx.bench import BenchConfig, DFlashEngine, MlxLmEngine, MlxLmSpeculativeEngine, Runner, Sample
-from dflash_mlx.bench.report import build_report, summarize
+from dflash_mlx.bench.report import build_report, results_table, summarize
 from dflash_mlx.bench.runner import greedy_continuation, parse_baseline, timed_run
 from dflash_mlx.simulate import SimulatedDrafter
 from mlx_lm.sample_utils import make_sampler
@@ -214,3 +214,30 @@ def test_multi_turn_sample_carries_the_answer_into_the_next_turn(stories, random
     want = pair.tokenizer.encode("\n".join(["Once upon a time", answer, "The next day"]))
     assert second[0].prompt_tokens == len(want) > first[0].prompt_tokens
     assert all(r.matches_baseline for r in result.runs if r.engine == "dflash")
+
+
+def test_auto_and_tree_rows_are_lossless_and_labelled(pair, tmp_path):
+    # dflash bench --block-size 4 auto --tree-budget 8 auto: one row each, outputs equal the baseline's.
+    model, target, drafter = pair
+    config = BenchConfig(max_tokens=24, block_sizes=[4, "auto"], tree_budgets=[8, "auto"], warmup_tokens=8)
+    runner = Runner(target, drafter, DFlashEngine(target, None), config, stop_ids=())
+    s = summarize(runner.run_dataset("tiny", samples()))
+    assert [d["block_size"] for d in s["dflash"]] == [4, "auto", "tree 8", "auto+tree"]
+    assert all(d["outputs_differing"] == 0 for d in s["dflash"])
+    report = build_report([runner.run_dataset("tiny", samples())], {}, ["test"])
+    from dflash_mlx.bench.plots import write_plots
+
+    assert write_plots(report, tmp_path)  # labels that are not numbers plot too
+    assert "dflash tree 8" in str(results_table(report).columns[1]._cells)
+
+
+def test_list_flags_take_the_values_click_leaves_over():
+    from cli.bench import parse_block_sizes, split_extra
+
+    argv = ["dflash", "bench", "--block-size", "4", "8", "--tree-budget", "16", "32", "auto"]
+    assert split_extra(["4"], ["16"], ["8", "32", "auto"], argv) == (["8"], ["32", "auto"])
+    assert split_extra(["4"], ["16"], ["8", "32"], ["x"]) == ([], ["8", "32"])  # no command line: the last flag
+    assert split_extra(None, ["16"], ["32"]) == ([], ["32"])
+    assert parse_block_sizes(["4", "auto"], ["8,16"]) == [4, "auto", 8, 16]
+    with pytest.raises(InputError, match="--tree-budget expects integers or 'auto', got 'x'"):
+        parse_block_sizes(["x"], [], "--tree-budget")

@@ -276,9 +276,12 @@ def test_auto_and_tree_budget_report_the_verifies_chosen(stories, random_drafter
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--tree-budget", "0"], "error: --tree-budget must be a node count >= 1 or 'auto', got 0"),
-    (["--tree-budget", "many"], "error: --tree-budget must be a node count >= 1 or 'auto', got 'many'"),
-    (["--block-size", "big"], "error: --block-size must be an integer or 'auto', got 'big'"),
+    (["--tree-budget", "0"], "error: invalid value for '--tree-budget': 0 is not a node count >= 1 or 'auto' "
+                             "(see dflash generate --help)"),
+    (["--tree-budget", "many"], "error: invalid value for '--tree-budget': 'many' is not a node count or 'auto' "
+                                "(see dflash generate --help)"),
+    (["--block-size", "big"], "error: invalid value for '--block-size': 'big' is not an integer or 'auto' "
+                              "(see dflash generate --help)"),
 ])
 def test_bad_block_size_or_tree_budget_is_one_line(flags, message, tmp_path):
     r = dflash("generate", "--model", str(tmp_path), "--draft-model", str(tmp_path), "-p", "x", *flags)

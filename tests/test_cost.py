@@ -28,9 +28,10 @@ def test_expected_tokens_follow_the_survival_function():
     m = CostModel(block_size=4, decay=1.0)  # only the newest block counts
     m.record_drafts(0, [1, 2, 3])
     m.record_committed([1, 2, 0], offset=0)  # 2 right
-    assert m.survival() == pytest.approx([1.0, 1.0, 0.5])  # (n + 1) / (den + 1)
+    survival = [(1 + 0.6) / 2, (1 + 0.36) / 2, 0.216 / 2]  # (n + 0.6^i) / (den + 1)
+    assert m.survival() == pytest.approx(survival)
     assert m.expected_tokens(1) == 1.0
-    assert m.expected_tokens(4) == pytest.approx(3.5)
+    assert m.expected_tokens(4) == pytest.approx(1 + sum(survival))
 
 
 def test_plain_decoding_wins_when_drafts_are_wrong_and_speculation_when_right():
@@ -73,7 +74,9 @@ def test_step_seconds_follow_real_steps():
     m.record_step("chain", 8, 6.0)  # twice as slow as calibrated
     assert m.step_seconds("chain", 8) == 6.0
     assert m.step_seconds("chain", 4) == pytest.approx(2 * (1.0 + 1 + 3 / 7))  # the mode's ratio
-    assert m.step_seconds("plain", 1) == 1.0  # another mode keeps its own estimate
+    assert m.step_seconds("plain", 1) == 2.0  # a mode not run yet borrows the observed ratio
+    m.record_step("plain", 1, 1.5)
+    assert m.step_seconds("plain", 1) == 1.5 and m.ratio["plain"].value == 1.5  # then has its own
     m.record_step("chain", 4, 3.0)
     m.record_step("chain", 4, 3.0)
     assert m.step_seconds("chain", 8) == pytest.approx(3.0 * 3 / (1 + 1 + 3 / 7))  # stale: estimate x ratio
@@ -82,10 +85,12 @@ def test_step_seconds_follow_real_steps():
 def test_tree_expectation_is_calibrated_by_the_chain():
     m = CostModel(block_size=4, decay=1.0)
     m.record_drafts(0, [1, 2, 3])
-    m.record_committed([1, 9, 0], offset=0)  # 1 right: S = [1, 0.5, 0.5]
+    m.record_committed([1, 9, 0], offset=0)  # 1 right
+    S = [(1 + 0.6) / 2, 0.36 / 2, 0.216 / 2]
+    assert m.survival() == pytest.approx(S)
     # The drafter's top-1 chain says 0.8, 0.4, 0.2; a second node at depth 1 has 0.1.
     nodes = [(1, 0.8), (2, 0.4), (3, 0.2), (1, 0.1)]
-    expected = 1 + min(1, 0.8 * 1 / 0.8) + 0.4 * 0.5 / 0.4 + 0.2 * 0.5 / 0.2 + 0.1 * 1 / 0.8
+    expected = 1 + min(1, 0.8 * S[0] / 0.8) + 0.4 * S[1] / 0.4 + 0.2 * S[2] / 0.2 + 0.1 * S[0] / 0.8
     assert m.tree_expected_tokens(4, nodes, [0.8, 0.4, 0.2]) == pytest.approx(expected)
     m.record_tree(4, predicted=2.0, observed=1.0)
     assert m.tree_expected_tokens(4, nodes, [0.8, 0.4, 0.2]) == pytest.approx(expected / 2)
