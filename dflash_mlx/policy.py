@@ -231,7 +231,9 @@ def make_policy(target, drafter, draft_block: int, adaptive: bool, tree_budget: 
     learning = adaptive or tree_budget == AUTO
     budgets = TREE_BUDGETS if tree_budget == AUTO else (() if tree_budget is None else (int(tree_budget),))
     if learning:
+        tic = time.perf_counter()
         cost = calibrated_cost(target, drafter, draft_block, timed_widths(draft_block, budgets))
+        stats.calibration_s = time.perf_counter() - tic  # kept out of the prompt's time
     else:
         cost = CostModel(block_size=draft_block)
     policy = Policy(draft_block, adaptive, tree_budget, cost)

@@ -60,6 +60,8 @@ class GenerationStats:
             be faster (``--block-size auto``); not verify steps, not in tau.
         widths: ``{"plain": steps, "chain N": steps, "tree N": steps}``: the verifies chosen.
         mode_s: seconds spent per mode (``plain``, ``chain``, ``tree``), drafting included.
+        calibration_s: seconds spent timing the widths for ``--block-size auto`` (the
+            first generation of a process only); not counted in ``prompt_s``.
         block_attention: which path computed the drafter's block attention and why,
             ``{"block_attention": "metal" | "reference", "reason": str}`` (from
             :func:`dflash_mlx.kernels.block_attention.attention_path`); None without
@@ -87,6 +89,7 @@ class GenerationStats:
     plain_steps: int = 0
     widths: Dict[str, int] = field(default_factory=dict)
     mode_s: Dict[str, float] = field(default_factory=dict)
+    calibration_s: float = 0.0
     draft_share: Optional[float] = None
     timed_drafts: int = 0
 
@@ -203,6 +206,7 @@ class GenerationStats:
             "widths": dict(sorted(self.widths.items())),
             "plain_steps": self.plain_steps,
             "mode_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.mode_s.items())},
+            "calibration_ms": round(self.calibration_s * 1e3, 3),
             "tokens": self.generation_tokens,
             "tau": round(self.tau, 4),
             "steps": self.steps,
