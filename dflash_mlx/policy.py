@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -184,12 +185,20 @@ def calibrate(target, drafter, draft_block: int, widths: Sequence[int], context_
 
 
 _CALIBRATIONS: Dict[tuple, Tuple[Dict[int, float], float]] = {}
+_MODELS: Dict[int, tuple] = {}  # id(drafter) -> (weak reference, {key: CostModel})
 
 
 def calibrated_cost(target, drafter, draft_block: int, widths: Sequence[int]) -> CostModel:
-    """A :class:`CostModel` for this pair with its timings, measured once per process
-    and pair (at the first generation) and refreshed by every step after."""
+    """The :class:`CostModel` of this target and drafter: its timings measured once per
+    process (at the first generation), then refreshed by every step. The same model,
+    with what it has learned of the drafter's acceptance, serves the drafter's later
+    generations in this process (chat turns, server requests, bench prompts)."""
     key = (id(target), id(getattr(drafter, "inner", drafter)), draft_block, tuple(sorted(set(widths))))
+    models = _models_of(drafter)
+    cost = models.get(key)
+    if cost is not None:
+        cost.pending, cost.since_probe = [], 0
+        return cost
     if key not in _CALIBRATIONS:
         _CALIBRATIONS[key] = calibrate(target, drafter, draft_block, widths)
     times, draft_s = _CALIBRATIONS[key]
@@ -198,7 +207,23 @@ def calibrated_cost(target, drafter, draft_block: int, widths: Sequence[int]) ->
     for i, n in enumerate(widths):  # more tokens never cost less: a slow outlier (a busy machine) is capped
         cost.record_verify(n, min(times[m] for m in widths[i:]))
     cost.record_draft(draft_s)
+    models[key] = cost
     return cost
+
+
+def _models_of(drafter) -> dict:
+    """This drafter's cost models, kept while the drafter lives (by id, checked through
+    a weak reference: drafters are dicts, so they cannot be weak dictionary keys)."""
+    entry = _MODELS.get(id(drafter))
+    if entry is not None and entry[0]() is drafter:
+        return entry[1]
+    try:
+        key = id(drafter)
+        ref = weakref.ref(drafter, lambda _, key=key: _MODELS.pop(key, None))
+    except TypeError:  # not weakly referable: nothing is kept
+        return {}
+    _MODELS[key] = (ref, {})
+    return _MODELS[key][1]
 
 
 def timed_widths(draft_block: int, budgets: Sequence[int]) -> List[int]:

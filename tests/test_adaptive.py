@@ -56,6 +56,7 @@ def synthetic_timings(monkeypatch):
 
     monkeypatch.setattr(policy, "calibrate", lambda t, d, b, widths: ({n: 1e-3 + 5e-5 * n for n in widths}, 1e-3))
     monkeypatch.setattr(policy, "_CALIBRATIONS", {})
+    monkeypatch.setattr(policy, "_MODELS", {})
 
 
 _REFERENCES = {}
@@ -240,3 +241,23 @@ def test_calibration_times_every_width_on_scratch_caches():
     drafter = tiny_drafter(target)
     times, draft_s = calibrate(target, drafter, 16, [1, 2, 16, 33])
     assert sorted(times) == [1, 2, 16, 33] and all(t > 0 for t in times.values()) and draft_s > 0
+
+
+def test_a_drafter_keeps_what_it_learned_across_generations():
+    # The second generation with the same drafter goes on with the first one's cost
+    # model (timings and acceptance profile), not a fresh, hopeful one.
+    import dflash_mlx.policy as policy
+
+    _, target, ref = reference("qwen3")
+    drafter = ScriptedDrafter(PROMPT + ref, correct=0, block_size=16, vocab=256, check_anchor=False)
+    assert run(target, drafter, n=60, block_size="auto") == ref[:60]
+    (cost,) = policy._models_of(drafter).values()
+    steps, blocks = cost.steps, cost.survival_den
+    assert run(target, drafter, n=60, block_size="auto") == ref[:60]
+    assert tuple(policy._models_of(drafter).values()) == (cost,)
+    assert cost.steps > steps and cost.survival_den >= blocks > 5 and cost.survival_num[0] < 0.5
+    other = tiny_drafter(target)
+    assert run(target, other, n=10, block_size="auto") == ref[:10]  # another drafter: its own model
+    assert len(policy._MODELS) == 2
+    del other
+    assert len(policy._MODELS) == 1  # forgotten with its drafter
