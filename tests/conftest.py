@@ -173,6 +173,24 @@ def assert_varied(tokens: List[int], at_least: int = 20) -> None:
     assert len(set(tokens)) >= at_least, f"reference output too repetitive: {len(set(tokens))} distinct tokens"
 
 
+class ByteTokenizer:
+    """What stream_generate needs of a tokenizer: tokens are UTF-8 bytes, no stop token."""
+
+    eos_token_ids = ()
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode())
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    @property
+    def detokenizer(self):
+        from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
+
+        return NaiveStreamingDetokenizer(self)
+
+
 class _Position:
     """Stand-in drafter cache: counts context rows, like KVCache.offset."""
 

@@ -392,26 +392,12 @@ def test_released_dflash2_checkpoint_round_trip(tmp_path):
 
 
 def test_stats_name_format_and_rule():
-    from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
-
     from dflash_mlx import stream_generate
     from dflash_mlx.sampling import Sampling
-
-    class Tok:  # byte tokens: what stream_generate needs of a tokenizer
-        eos_token_ids = []
-
-        def encode(self, text, add_special_tokens=True):
-            return list(text.encode())
-
-        def decode(self, ids):
-            return bytes(ids).decode("utf-8", errors="replace")
-
-        @property
-        def detokenizer(self):
-            return NaiveStreamingDetokenizer(self)
+    from conftest import ByteTokenizer
 
     _, target = target_of("qwen3")
-    wrapper = Tok()
+    wrapper = ByteTokenizer()
     for fmt, sampler, rule in [("dflash2", None, "greedy"), ("dflash2", Sampling(0.8), "speculative"),
                                ("v1", Sampling(0.8), "sample-and-match")]:
         drafter = format_drafter(target, fmt)

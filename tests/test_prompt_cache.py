@@ -3,28 +3,11 @@ generation leaves them consistent, and a cache that cannot trim falls back to fr
 
 import mlx.core as mx
 import pytest
-from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 
 from dflash_mlx import generate_step
 from dflash_mlx.prompt_cache import PairCache
 from dflash_mlx.targets import HybridAdapter
-from conftest import tiny_drafter, tiny_target
-
-
-class ByteTokenizer:
-    """Tokens are bytes, no stop token."""
-
-    eos_token_ids = ()
-
-    def encode(self, text, add_special_tokens=True):
-        return list(text.encode())
-
-    def decode(self, ids):
-        return bytes(ids).decode("utf-8", errors="replace")
-
-    @property
-    def detokenizer(self):
-        return NaiveStreamingDetokenizer(self)
+from conftest import ByteTokenizer, tiny_drafter, tiny_target
 
 
 def fresh(target, drafter, ids, n, B=4):

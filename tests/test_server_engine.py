@@ -6,33 +6,21 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
-from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 
 from dflash_mlx import GenerationStats, generate_step
 from dflash_mlx.server import APIError, chat_prompt_ids
 from dflash_mlx.server_api import ChatCompletionRequest, usage
 from dflash_mlx.server_engine import Engine, GenerationJob, QueueFullError
 from dflash_mlx.server_metrics import ServerMetrics
+import conftest
 from conftest import tiny_drafter, tiny_target
 
 
-class ByteTokenizer:
-    """Tokens are bytes, no stop token; ``template`` records apply_chat_template's kwargs."""
-
-    eos_token_ids = ()
+class ByteTokenizer(conftest.ByteTokenizer):
+    """Byte tokens; ``template`` records apply_chat_template's kwargs."""
 
     def __init__(self, template=False, fail=False):
         self.has_chat_template, self.fail, self.calls = template, fail, []
-
-    def encode(self, text, add_special_tokens=True):
-        return list(text.encode())
-
-    def decode(self, ids):
-        return bytes(ids).decode("utf-8", errors="replace")
-
-    @property
-    def detokenizer(self):
-        return NaiveStreamingDetokenizer(self)
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs):
         if self.fail:
