@@ -106,16 +106,10 @@ class CostModel:
     # -- timing -------------------------------------------------------------------
 
     def record_verify(self, width: int, seconds: float) -> None:
-        """One target forward of ``width`` tokens took ``seconds``."""
+        """A calibrated target forward of ``width`` tokens took ``seconds`` (real steps
+        refresh the estimates through :meth:`record_step`)."""
         self._known = None
-        ema = self.verify_s.setdefault(width, Ema(self.decay))
-        old = ema.value
-        ema.update(seconds)
-        if old:  # context growth: scale the widths not refreshed by the same factor
-            factor = ema.value / old
-            for n, other in self.verify_s.items():
-                if n != width and other.value is not None:
-                    other.value *= factor ** self.decay
+        self.verify_s.setdefault(width, Ema(self.decay)).update(seconds)
 
     def record_draft(self, seconds: float) -> None:
         self.draft_s.update(seconds)

@@ -238,11 +238,9 @@ def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, con
             mx.eval(y, features, proposal.tokens if proposal is not None else [])
             step = Outcome(y.tolist(), 0, 0, features, proposal.tokens.tolist() if proposal is not None else [])
         elif plan.mode == TREE:
-            logprobs = host_logprobs(proposal)
-            plan = policy.after_draft(plan, logprobs)
+            plan, tree = policy.after_draft(plan, history[-1], host_logprobs(proposal))
             if plan.mode == TREE:
-                step = tree_step(target, cache, capture, rule.choose, history[-1], position, proposal, logprobs,
-                                 plan.width)
+                step = tree_step(target, cache, capture, rule.choose, position, proposal, tree)
             else:
                 step = chain_step(target, cache, capture, rule, t, proposal, plan.width)
         else:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .cost import CHAIN, PLAIN, TREE, CostModel
 from .errors import InputError
-from .tree import build_tree
+from .tree import DraftTree, build_tree
 
 AUTO = "auto"
 TREE_BUDGETS = (8, 16, 32, 64)  # the budgets --tree-budget auto chooses among
@@ -87,11 +87,12 @@ class Policy:
         self.tree_budget = tree_budget
         self.cost = cost
         self.plain_run = 0  # plain steps chosen in a row
-        self.budgets: Tuple[int, ...] = ()
-        if tree_budget == AUTO:
-            self.budgets = TREE_BUDGETS
-        elif tree_budget is not None:
-            self.budgets = (int(tree_budget),)
+        self.budgets = tree_budgets(tree_budget)
+
+    @property
+    def learning(self) -> bool:
+        """Whether the cost model chooses (and so learns from every step)."""
+        return self.adaptive or self.tree_budget == AUTO
 
     @property
     def max_verify(self) -> int:
@@ -129,13 +130,18 @@ class Policy:
                 rates.append((r, n))
         return max(rates) if rates else None
 
-    def after_draft(self, plan: Plan, logprobs: np.ndarray) -> Plan:
-        """With the block's log-probabilities on the host: for ``--tree-budget auto``,
-        the budget (or chain width) with the best rate for this very block."""
-        if plan.mode != TREE or self.tree_budget != AUTO:
-            return plan
+    def after_draft(self, plan: Plan, root: int, logprobs: np.ndarray) -> Tuple[Plan, Optional[DraftTree]]:
+        """With the block's log-probabilities on the host, the tree to verify (built
+        once): for ``--tree-budget auto`` the budget (or chain width) with the best rate
+        for this very block.
+
+        Returns:
+            ``(plan, tree)``: ``tree`` is None when the plan is a chain.
+        """
+        nodes = build_tree(root, logprobs, max(plan.width, *self.budgets))  # a smaller budget's tree is a prefix
+        if self.tree_budget != AUTO:
+            return plan, nodes.prefix(plan.width)
         chain = np.exp(np.cumsum(logprobs.max(axis=-1).astype(np.float64))).tolist()
-        nodes = build_tree(0, logprobs, max(self.budgets))  # each smaller budget's tree is a prefix
         pairs = [(d, float(np.exp(s))) for d, s in zip(nodes.depths[1:], nodes.scores[1:])]
         options = []
         for n in self.budgets:
@@ -146,9 +152,16 @@ class Policy:
         if (r := self.cost.rate(width)) is not None:
             options.append((r, CHAIN, width))
         if not options:
-            return plan
-        best = max(options)
-        return Plan(best[1], best[2])
+            return plan, nodes.prefix(plan.width)
+        _, mode, width = max(options)
+        return Plan(mode, width), (nodes.prefix(width) if mode == TREE else None)
+
+
+def tree_budgets(tree_budget: Optional[int | str]) -> Tuple[int, ...]:
+    """The tree budgets a ``--tree-budget`` value verifies: none, one, or all of :data:`TREE_BUDGETS`."""
+    if tree_budget is None:
+        return ()
+    return TREE_BUDGETS if tree_budget == AUTO else (int(tree_budget),)
 
 
 def calibrate(target, drafter, draft_block: int, widths: Sequence[int], context_rows: int = 64) -> Tuple[Dict[int, float], float]:
@@ -241,8 +254,6 @@ def make_policy(target, drafter, draft_block: int, adaptive: bool, tree_budget: 
     per-node rows to keep or drop) and a drafter that gives per-position
     log-probabilities; otherwise chains run and the reason is recorded.
 
-    Raises:
-        InputError: a tree budget wider than the target cache allows.
     """
     reason = None
     if tree_budget is not None and not target.supports_tree:
@@ -253,14 +264,9 @@ def make_policy(target, drafter, draft_block: int, adaptive: bool, tree_budget: 
         tree_budget = None
     adaptive = adaptive and tree_budget in (None, AUTO)  # a fixed tree budget fixes the verify
     stats.verify = {"block_size": AUTO if adaptive else draft_block, "tree_budget": tree_budget, "reason": reason}
-    learning = adaptive or tree_budget == AUTO
-    budgets = TREE_BUDGETS if tree_budget == AUTO else (() if tree_budget is None else (int(tree_budget),))
-    if learning:
+    policy = Policy(draft_block, adaptive, tree_budget, CostModel(block_size=draft_block))
+    if policy.learning:
         tic = time.perf_counter()
-        cost = calibrated_cost(target, drafter, draft_block, timed_widths(draft_block, budgets))
+        policy.cost = calibrated_cost(target, drafter, draft_block, timed_widths(draft_block, policy.budgets))
         stats.calibration_s = time.perf_counter() - tic  # kept out of the prompt's time
-    else:
-        cost = CostModel(block_size=draft_block)
-    policy = Policy(draft_block, adaptive, tree_budget, cost)
-    policy.learning = learning
     return policy

@@ -41,6 +41,13 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def prefix(self, budget: int) -> "DraftTree":
+        """The tree of the first ``budget`` nodes (besides the root): the tree
+        :func:`build_tree` gives for that budget, since it adds nodes best first and
+        every parent before its children."""
+        n = 1 + budget
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n])
+
     def children(self) -> List[dict]:
         """Per node, ``{child token: child index}``."""
         out: List[dict] = [{} for _ in self.tokens]

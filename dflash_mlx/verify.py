@@ -23,7 +23,7 @@ import numpy as np
 
 from .protocol import Proposal
 from .targets import TargetAdapter
-from .tree import build_tree, walk
+from .tree import DraftTree, walk
 
 
 @dataclass
@@ -83,15 +83,16 @@ def chain_step(target: TargetAdapter, cache: List[Any], capture: Sequence[int], 
     return Outcome(out[: a + 1].tolist(), a, width - 1, features[:, : a + 1], proposal.tokens.tolist())
 
 
-def tree_step(target: TargetAdapter, cache: List[Any], capture: Sequence[int], pick, root: int, position: int,
-              proposal: Proposal, logprobs: np.ndarray, budget: int) -> Outcome:
-    """DDTree verify of the ``budget`` best draft prefixes (spec section 7).
+def tree_step(target: TargetAdapter, cache: List[Any], capture: Sequence[int], pick, position: int,
+              proposal: Proposal, tree: DraftTree) -> Outcome:
+    """DDTree verify of a draft tree (spec section 7; :func:`dflash_mlx.tree.build_tree`).
 
     Args:
-        root: the last committed token; ``position`` its absolute position (the
-            cache's committed rows).
-        logprobs: [B-1, V] float the drafter's log-probabilities of this block.
-        budget: N, tree nodes besides the root.
+        position: absolute position of the tree's root, the last committed token
+            (the cache's committed rows).
+        proposal: the drafted block the tree was built from (its top-1 drafts feed
+            the cost model).
+        tree: the root and the best draft prefixes.
         pick: the target's token at each node from its logits ([1+N, V] -> [1+N]):
             the argmax at T = 0, an independent sample of p at T > 0, so the walk
             commits exactly the target's tokens (each node's token is drawn from the
@@ -100,7 +101,6 @@ def tree_step(target: TargetAdapter, cache: List[Any], capture: Sequence[int], p
     Raises:
         RollbackError: the cache cannot keep only the accepted path.
     """
-    tree = build_tree(root, logprobs, budget)
     positions = position + np.asarray(tree.depths)
     inputs = mx.array(tree.tokens, dtype=mx.int32)[None]
     h, features = target(inputs, cache, capture, tree=(positions, tree.ancestors()))

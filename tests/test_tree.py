@@ -39,6 +39,13 @@ def test_tree_is_the_n_best_prefixes(D, V, N, seed):
     assert tree.tokens[0] == 7 and tree.parents[0] == -1 and tree.depths[0] == 0
 
 
+def test_a_smaller_budget_is_a_prefix_of_the_tree():
+    logprobs = np.log(np.random.default_rng(3).dirichlet(np.ones(12), size=5))
+    big = build_tree(7, logprobs, 40)
+    for n in (1, 8, 16, 40):
+        assert big.prefix(n) == build_tree(7, logprobs, n)
+
+
 def test_mask_and_positions():
     tree = build_tree(1, random_logprobs(3, 3, 4), 6)
     mask = np.array(tree_mask(tree, prefix=5))
