@@ -16,6 +16,13 @@ def run(*args):
                           text=True, timeout=300)
 
 
+def regenerate(stories, data) -> None:
+    """``dflash data`` on the shared TinyStories sample, 24 tokens per response, into ``data``."""
+    r = run("data", "--model", str(stories), "--text", str(SHARED / "datasets" / "tinystories_sample.txt"),
+            "--max-tokens", "24", "--out", str(data))
+    assert r.returncode == 0, r.stderr
+
+
 @needs_shared
 def test_data_train_generate(stories, tmp_path):
     data, out = tmp_path / "data", tmp_path / "drafter"
@@ -72,9 +79,7 @@ def test_data_errors(stories, tmp_path):
 @needs_shared
 def test_interrupted_training_says_where_its_checkpoint_is(stories, tmp_path):
     data, out = tmp_path / "data", tmp_path / "drafter"
-    r = run("data", "--model", str(stories), "--text", str(SHARED / "datasets" / "tinystories_sample.txt"),
-            "--max-tokens", "24", "--out", str(data))
-    assert r.returncode == 0, r.stderr
+    regenerate(stories, data)
     train = ["train", "--model", str(stories), "--data", str(data), "--out", str(out), "--block-size", "4",
              "--anchors", "4", "--grad-accum", "1", "--held-out", "4", "--eval-every", "0"]
     # So many steps that only the interrupt ends the run; it lands after the first checkpoint.
@@ -107,9 +112,7 @@ def test_interrupted_training_says_where_its_checkpoint_is(stories, tmp_path):
 @needs_shared
 def test_runs_share_a_features_folder_only_for_the_same_data_and_layers(stories, tmp_path):
     data, feats = tmp_path / "data", tmp_path / "features"
-    r = run("data", "--model", str(stories), "--text", str(SHARED / "datasets" / "tinystories_sample.txt"),
-            "--max-tokens", "24", "--out", str(data))
-    assert r.returncode == 0, r.stderr
+    regenerate(stories, data)
     train = ["train", "--model", str(stories), "--data", str(data), "--block-size", "4", "--steps", "2",
              "--anchors", "4", "--grad-accum", "1", "--held-out", "4", "--eval-every", "0", "--features-dir", str(feats)]
     for name in ("a", "b"):  # the second run reuses the first one's features
