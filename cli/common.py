@@ -58,7 +58,7 @@ def min_p_option():
 
 def seed_option():
     return typer.Option(
-        None, "--seed",
+        None, "--seed", min=0, max=2**64 - 1,
         help="PRNG seed, for reproducible sampling at a fixed --block-size (with auto, the draws follow "
         "the widths chosen, which follow timings).",
     )
@@ -106,6 +106,15 @@ def tree_budget_option():
 def drafter_flag_given(block_size, tree_budget=None) -> bool:
     """Whether a flag that needs a drafter was given (``--block-size auto`` is the default)."""
     return (block_size not in (None, "auto")) or tree_budget is not None
+
+
+def recalibrate_option():
+    return typer.Option(
+        False, "--recalibrate",
+        help="Time the widths again for --block-size auto instead of reusing the calibration kept for this "
+        "model pair and machine (in $DFLASH_CACHE_DIR, default ~/.cache/dflash-mlx); what was learned of the "
+        "drafter's acceptance is kept.",
+    )
 
 
 def draft_window_option():
@@ -322,13 +331,18 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None):
-    """Load the pair; when the defaults cannot be had, say how to pass folders."""
+def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None, recalibrate: bool = False):
+    """Load the pair; when the defaults cannot be had, say how to pass folders.
+    ``recalibrate``: its first generation re-times the widths (``--recalibrate``)."""
     from dflash_mlx import CheckpointError, load
+    from dflash_mlx.policy import recalibrate as recalibrate_next
 
     quiet_transformers()
     try:
-        return load(model, draft_model, draft_window=draft_window)
+        pair = load(model, draft_model, draft_window=draft_window)
+        if recalibrate and pair.drafter is not None:
+            recalibrate_next(pair.drafter)
+        return pair
     except CheckpointError as e:
         if not defaults:
             raise

@@ -16,7 +16,7 @@ from .common import (
     tree_budget_option,
     parse_draft_window,
 )
-from .common import verify_option
+from .common import recalibrate_option, verify_option
 
 
 def generate(
@@ -33,6 +33,7 @@ def generate(
     min_p: float = min_p_option(),
     seed: Optional[int] = seed_option(),
     block_size: str = block_size_option(),
+    recalibrate: bool = recalibrate_option(),
     tree_budget: Optional[str] = tree_budget_option(),
     draft_window: Optional[str] = draft_window_option(),
     system_prompt: Optional[str] = system_prompt_option(),
@@ -65,7 +66,8 @@ def generate(
     guard(lambda: _run(**args))
 
 
-def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size, tree_budget,
+def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size, recalibrate,
+         tree_budget,
          draft_window,
          system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size, verbose, as_json) -> None:
     import mlx.core as mx
@@ -94,7 +96,7 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
     if seed is not None:
         mx.random.seed(seed)
 
-    pair = load_pair(model, draft_model, defaults, window)
+    pair = load_pair(model, draft_model, defaults, window, recalibrate)
     check_system_prompt(system_prompt, pair.tokenizer, ignore_chat_template)
     ids = encode_prompt(pair.tokenizer, text, system_prompt, template, ignore_chat_template)
     limit = context_length(pair.target)

@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from .common import block_size_option, draft_model_option, guard, load_pair, model_option, resolve_models
+from .common import (block_size_option, draft_model_option, guard, load_pair, model_option, recalibrate_option,
+                     resolve_models)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -20,6 +21,7 @@ def serve(
                              "anything else should go with --api-key."),
     port: int = typer.Option(8080, "--port", help="TCP port."),
     block_size: str = block_size_option(),
+    recalibrate: bool = recalibrate_option(),
     max_tokens: int = typer.Option(512, "--max-tokens", "-m",
                                    help="Tokens per request when the request does not say (max_tokens)."),
     api_key: Optional[str] = typer.Option(
@@ -52,7 +54,7 @@ def serve(
     guard(lambda: _run(**args))
 
 
-def _run(model, draft_model, host, port, block_size, max_tokens, api_key, max_queue, max_body_mb,
+def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, api_key, max_queue, max_body_mb,
          chat_template_config, log_level) -> None:
     import uvicorn
 
@@ -85,7 +87,7 @@ def _run(model, draft_model, host, port, block_size, max_tokens, api_key, max_qu
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("dflash")
     log.setLevel(log_level.upper())
-    pair = load_pair(model, draft_model, defaults)
+    pair = load_pair(model, draft_model, defaults, recalibrate=recalibrate)
     config = ServerConfig(model_id=model, max_tokens=max_tokens, block_size=block_size, api_key=api_key,
                           max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20), template=template)
     app = create_app(pair, config)

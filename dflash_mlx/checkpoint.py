@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .calibration import folder_fingerprint
 from .drafter import DFlashDrafter
 from .drafter_config import DrafterArgs
 from .errors import CheckpointError, ConfigError
@@ -63,6 +64,7 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
         model.set_dtype(dtype)
     model.eval()
     mx.eval(model.parameters())
+    model.fingerprint = folder_fingerprint(path)  # keys its calibration (dflash_mlx.calibration)
     return model
 
 

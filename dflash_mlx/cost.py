@@ -35,6 +35,7 @@ a candidate, so speculation is used only when it pays.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -102,6 +103,50 @@ class CostModel:
         self.survival_num = [0.0] * (self.block_size - 1)
         self.draft_s.decay = self.decay
         self.probe_gap = self.probe_every
+
+    # -- kept between processes -----------------------------------------------------
+
+    def state(self) -> dict:
+        """What a later process starts from (:class:`~dflash_mlx.calibration.CalibrationStore`):
+        the calibrated seconds per width and per drafter pass, each mode's
+        observed/estimated ratio, and the acceptance profile (JSON-ready)."""
+        return {
+            "verify_s": {str(n): e.value for n, e in self.verify_s.items() if e.value is not None},
+            "draft_s": self.draft_s.value,
+            "ratio": {m: e.value for m, e in self.ratio.items() if e.value is not None},
+            "survival_num": list(self.survival_num),
+            "survival_den": self.survival_den,
+            "tree_tokens": {str(n): e.value for n, e in self.tree_tokens.items() if e.value is not None},
+        }
+
+    def restore(self, state: dict, timings: bool = True) -> bool:
+        """Start from a stored :meth:`state`: the acceptance profile, and with
+        ``timings`` the seconds and ratios. False (nothing changed) when the state does
+        not fit this block size or holds a value that is not a finite number >= 0."""
+        try:
+            num = [float(x) for x in state["survival_num"]]
+            den = float(state["survival_den"])
+            verify = {int(n): float(t) for n, t in state["verify_s"].items()}
+            draft = float(state["draft_s"])
+            ratio = {str(m): float(r) for m, r in state.get("ratio", {}).items()}
+            trees = {int(n): float(t) for n, t in state.get("tree_tokens", {}).items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return False
+        numbers = num + [den, draft] + list(verify.values()) + list(ratio.values()) + list(trees.values())
+        if len(num) != self.block_size - 1 or not all(math.isfinite(x) and x >= 0 for x in numbers):
+            return False
+        if timings and (len(verify) < 2 or draft <= 0):
+            return False
+        self.survival_num, self.survival_den, self._cumulative = num, den, None
+        if timings:
+            for n, t in verify.items():
+                self.record_verify(n, t)
+            self.record_draft(draft)
+            for m, r in ratio.items():
+                self.ratio.setdefault(m, Ema(self.decay)).update(r)
+            for n, t in trees.items():
+                self.tree_tokens.setdefault(n, Ema(self.decay)).update(t)
+        return True
 
     # -- timing -------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .acceptance import choose_rule
+from .calibration import Timings
 from .cost import PLAIN, TREE
 from .errors import InputError
 from .kernels.block_attention import attention_path
@@ -120,6 +121,8 @@ def generate_step(
     prompt_cache: Optional[List[Any]] = None,
     draft_cache: Optional[List[Any]] = None,
     stats: Optional[GenerationStats] = None,
+    timings: Optional[Timings] = None,
+    recalibrate: bool = False,
 ) -> Generator[StepResult, None, None]:
     """Decode from ``prompt``, with a drafter (DFlash) or without (plain).
 
@@ -154,6 +157,10 @@ def generate_step(
             next turn can pass both, with a prompt that starts at the last
             committed token.
         stats: filled in place (phase times, acceptance).
+        timings: where ``--block-size auto`` takes its seconds from
+            (:mod:`dflash_mlx.calibration`; default: this machine's clock, with the
+            calibration kept on disk for pairs loaded from folders).
+        recalibrate: time the widths again instead of reusing a kept calibration.
 
     Raises:
         InputError: empty prompt, max_tokens < 1, block size or tree budget out of range.
@@ -173,7 +180,10 @@ def generate_step(
     if tree_budget is not None and drafter is None:
         raise InputError("--tree-budget needs --draft-model (plain decoding has no drafts)")
     stats = stats if stats is not None else GenerationStats(block_size=B)
-    policy = make_policy(target, drafter, B, block_size == AUTO, tree_budget, stats) if drafter is not None else None
+    policy = None
+    if drafter is not None:
+        policy = make_policy(target, drafter, B, block_size == AUTO, tree_budget, stats, timings,
+                             recalibrate=recalibrate)
     max_verify = policy.max_verify if policy else B
     if prompt_cache is None:
         prompt_cache = target.make_cache(max_verify)
@@ -252,7 +262,8 @@ def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, con
             history.extend(step.tokens)
             if policy.learning:
                 if steady:
-                    cost.record_step(plan.mode, plan.width + (plan.mode == TREE), seconds)
+                    width = plan.width + (plan.mode == TREE)
+                    cost.record_step(plan.mode, width, policy.timings.step(plan.mode, width, seconds))
                 if step.drafts:
                     cost.record_drafts(position + 1, step.drafts)
                 tail = history[-(2 * B + len(step.tokens)):]
@@ -263,11 +274,13 @@ def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, con
             tokens, finish = stop.cut(step.tokens)
             if finish is not None:
                 _finish(target, cache, base + stop.emitted - 1, drafter, draft_cache, _rows(pending))
+                policy.keep()
         try:
             yield StepResult(tokens, step.accepted if plan.mode != PLAIN else None, finish)
         except GeneratorExit:  # closed mid-generation: the drafter catches up with the target cache
             if finish is None:
                 drafter.ingest(_rows(pending), draft_cache)
+                policy.keep()
             raise
         if stop.emitted % 256 < len(tokens):
             mx.clear_cache()

@@ -13,6 +13,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from mlx_lm.utils import load as mlx_lm_load
 
+from .calibration import folder_fingerprint
 from .checkpoint import load_drafter
 from .drafter import DFlashDrafter
 from .errors import CheckpointError, ConfigError, InputError, MismatchError
@@ -44,6 +45,19 @@ def load_model(path_or_repo: str, what: str = "model"):
         ``(model, tokenizer)``.
 
     Raises:
+        See :func:`load_model_from`.
+    """
+    model, tokenizer, _ = load_model_from(path_or_repo, what)
+    return model, tokenizer
+
+
+def load_model_from(path_or_repo: str, what: str = "model"):
+    """:func:`load_model`, and the local folder it loaded from.
+
+    Returns:
+        ``(model, tokenizer, folder)``.
+
+    Raises:
         CheckpointError: missing or unreadable checkpoint, or a DFlash drafter
             (names the path and ``what``).
         ConfigError: ``config.json`` is not a JSON object with a ``model_type``, or
@@ -57,7 +71,8 @@ def load_model(path_or_repo: str, what: str = "model"):
     if "model_type" not in config:
         raise ConfigError(f"{config_file}: missing key 'model_type'")
     try:
-        return mlx_lm_load(str(path))
+        model, tokenizer = mlx_lm_load(str(path))
+        return model, tokenizer, path
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: cannot load the {what} ({e})") from None
     except (TypeError, KeyError, AttributeError) as e:  # mlx-lm building ModelArgs from bad values
@@ -97,8 +112,10 @@ def load_target(path_or_repo: str):
         CheckpointError: missing or unreadable checkpoint (names the path).
         MismatchError: the family has no adapter yet.
     """
-    model, tokenizer = load_model(path_or_repo, what="target model")
-    return model, tokenizer, make_adapter(model)
+    model, tokenizer, folder = load_model_from(path_or_repo, what="target model")
+    target = make_adapter(model)
+    target.fingerprint = folder_fingerprint(folder)  # keys its calibration (dflash_mlx.calibration)
+    return model, tokenizer, target
 
 
 def check_pair(drafter: DFlashDrafter, target: TargetAdapter, draft_source: str = "drafter") -> None:

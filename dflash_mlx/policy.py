@@ -9,22 +9,20 @@ nodes. A fixed ``--block-size B`` always verifies chains of B; a fixed
 
 from __future__ import annotations
 
-import statistics
 import time
 import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import mlx.core as mx
 import numpy as np
 
+from .calibration import Calibration, CalibrationStore, MeasuredTimings, Timings, store_key
 from .cost import CHAIN, PLAIN, TREE, CostModel
 from .errors import InputError
 from .tree import DraftTree, build_tree
 
 AUTO = "auto"
 TREE_BUDGETS = (8, 16, 32, 64)  # the budgets --tree-budget auto chooses among
-TIMED_REPEATS = 3
 REDECIDE_PLAIN = 4  # while plain decoding wins, the width is re-chosen every this many steps
 
 
@@ -78,11 +76,15 @@ class Policy:
             ``--block-size``); chains verify 2..B tokens, trees reach depth B-1.
         adaptive: choose the width per step (``--block-size auto``); else chains of B.
         tree_budget: None (chains only), a node count, or ``auto``.
-        cost: the cost model (calibrated, see :func:`calibrate`).
+        cost: the cost model (calibrated, see :func:`calibrated_cost`).
+        timings: the source of each step's seconds (default :data:`DEFAULT_TIMINGS`).
     """
 
-    def __init__(self, draft_block: int, adaptive: bool, tree_budget: Optional[int | str], cost: CostModel):
+    def __init__(self, draft_block: int, adaptive: bool, tree_budget: Optional[int | str], cost: CostModel,
+                 timings: Optional[Timings] = None):
         self.block = draft_block
+        self.timings = timings or DEFAULT_TIMINGS
+        self.keep = lambda: None  # saves what the cost model learned (set by make_policy)
         self.adaptive = adaptive
         self.tree_budget = tree_budget
         self.cost = cost
@@ -164,64 +166,58 @@ def tree_budgets(tree_budget: Optional[int | str]) -> Tuple[int, ...]:
     return TREE_BUDGETS if tree_budget == AUTO else (int(tree_budget),)
 
 
-def calibrate(target, drafter, draft_block: int, widths: Sequence[int], context_rows: int = 64) -> Tuple[Dict[int, float], float]:
-    """Time the target's forward at each width and one drafter pass on scratch caches
-    (the real caches are never touched), median of a few runs after a warm-up.
+DEFAULT_TIMINGS: Timings = MeasuredTimings()  # tests replace it (tests/conftest.py) so no test reads the clock
+_CALIBRATIONS: Dict[tuple, Calibration] = {}
+_MODELS: Dict[int, tuple] = {}  # id(drafter) -> (weak reference, {key: CostModel})
+_RECALIBRATE: set = set()  # ids of drafters whose next generation recalibrates
+
+
+def calibrated_cost(target, drafter, draft_block: int, widths: Sequence[int], timings: Timings,
+                    store: Optional[CalibrationStore] = None, key: Optional[dict] = None,
+                    recalibrate: bool = False) -> Tuple[CostModel, str]:
+    """The :class:`CostModel` of this target and drafter, and where its seconds came from.
+
+    In a process, the same model (with what it learned of the drafter's acceptance)
+    serves the drafter's later generations: chat turns, server requests, bench
+    prompts. A new process starts from the ``store``'s entry under ``key`` when there
+    is one: no calibration, and the acceptance profile of earlier runs. Otherwise
+    ``timings`` calibrates, and the acceptance profile comes from this process or the
+    store when either has one (``recalibrate`` re-times, it does not forget).
 
     Returns:
-        ``({width: seconds}, drafter pass seconds)``.
+        ``(cost, source)``, source ``"kept"`` (this process), ``"stored"`` (the
+        store), ``"timed"`` (calibrated now) or ``"fixed"`` (given timings).
     """
-    V = target.vocab_size
-    context = mx.arange(context_rows, dtype=mx.int32) % V
-    cache = target.make_cache(max(widths))
-    _, features = target(context[None], cache, drafter.target_layer_ids)
-    mx.eval([c.state for c in cache], features)
-    token = mx.array([1], dtype=mx.int32)
-    times: Dict[int, float] = {}
-    for n in sorted(set(widths)):
-        runs = []
-        for _ in range(TIMED_REPEATS + 1):
-            tic = time.perf_counter()
-            h, f = target(mx.full((1, n), 1, dtype=mx.int32), cache, drafter.target_layer_ids)
-            mx.eval(target.lm_head(h), f)
-            runs.append(time.perf_counter() - tic)
-            target.rollback(cache, n)
-        times[n] = statistics.median(runs[1:])
-    runs = []
-    for _ in range(TIMED_REPEATS + 1):
-        draft_cache = drafter.make_cache()
-        tic = time.perf_counter()
-        mx.eval(drafter.draft(token, features, draft_cache, draft_block))
-        runs.append(time.perf_counter() - tic)
-    # The drafter pass above also caches the context rows; a real pass adds a few.
-    return times, statistics.median(runs[1:])
-
-
-_CALIBRATIONS: Dict[tuple, Tuple[Dict[int, float], float]] = {}
-_MODELS: Dict[int, tuple] = {}  # id(drafter) -> (weak reference, {key: CostModel})
-
-
-def calibrated_cost(target, drafter, draft_block: int, widths: Sequence[int]) -> CostModel:
-    """The :class:`CostModel` of this target and drafter: its timings measured once per
-    process (at the first generation), then refreshed by every step. The same model,
-    with what it has learned of the drafter's acceptance, serves the drafter's later
-    generations in this process (chat turns, server requests, bench prompts)."""
-    key = (id(target), id(getattr(drafter, "inner", drafter)), draft_block, tuple(sorted(set(widths))))
+    ident = (id(target), id(getattr(drafter, "inner", drafter)), draft_block, tuple(sorted(set(widths))), id(timings))
     models = _models_of(drafter)
-    cost = models.get(key)
-    if cost is not None:
-        cost.pending, cost.since_probe = [], 0
-        return cost
-    if key not in _CALIBRATIONS:
-        _CALIBRATIONS[key] = calibrate(target, drafter, draft_block, widths)
-    times, draft_s = _CALIBRATIONS[key]
+    previous = models.get(ident)
+    if previous is not None and not recalibrate:
+        previous.pending = []  # positions of another generation; probes keep their count across generations
+        return previous, "kept"
     cost = CostModel(block_size=draft_block)
+    stored = store.load(key) if store is not None and key is not None else None
+    if stored is not None and not recalibrate and cost.restore(stored, timings=True):
+        models[ident] = cost
+        return cost, "stored"
+    if ident not in _CALIBRATIONS or recalibrate:
+        _CALIBRATIONS[ident] = timings.calibrate(target, drafter, draft_block, widths)
+    times, draft_s = _CALIBRATIONS[ident].verify_s, _CALIBRATIONS[ident].draft_s
     widths = sorted(times)
     for i, n in enumerate(widths):  # more tokens never cost less: a slow outlier (a busy machine) is capped
         cost.record_verify(n, min(times[m] for m in widths[i:]))
     cost.record_draft(draft_s)
-    models[key] = cost
-    return cost
+    learned = previous.state() if previous is not None else stored
+    if learned is not None:
+        cost.restore(learned, timings=False)  # the acceptance profile seen before
+    models[ident] = cost
+    return cost, ("timed" if getattr(timings, "measured", False) else "fixed")
+
+
+def recalibrate(drafter) -> None:
+    """The next generation with ``drafter`` times the widths again (``--recalibrate``)
+    instead of reusing a calibration kept in this process or on disk; what it learned
+    of the drafter's acceptance is kept."""
+    _RECALIBRATE.add(id(getattr(drafter, "inner", drafter)))
 
 
 def _models_of(drafter) -> dict:
@@ -245,8 +241,8 @@ def timed_widths(draft_block: int, budgets: Sequence[int]) -> List[int]:
     return sorted(widths | {n + 1 for n in budgets})
 
 
-def make_policy(target, drafter, draft_block: int, adaptive: bool, tree_budget: Optional[int | str],
-                stats) -> Policy:
+def make_policy(target, drafter, draft_block: int, adaptive: bool, tree_budget: Optional[int | str], stats,
+                timings: Optional[Timings] = None, recalibrate: bool = False) -> Policy:
     """The policy for one generation, with ``stats.verify`` saying what runs and why.
 
     Trees need a target family with tree verify (:attr:`TargetAdapter.supports_tree`;
@@ -254,6 +250,11 @@ def make_policy(target, drafter, draft_block: int, adaptive: bool, tree_budget: 
     per-node rows to keep or drop) and a drafter that gives per-position
     log-probabilities; otherwise chains run and the reason is recorded.
 
+    Args:
+        timings: where seconds come from (default :data:`DEFAULT_TIMINGS`, the clock),
+            and its ``store`` where they are kept for a pair loaded from folders
+            (see :func:`calibrated_cost`).
+        recalibrate: time the widths again even when a calibration is kept.
     """
     reason = None
     if tree_budget is not None and not target.supports_tree:
@@ -264,9 +265,19 @@ def make_policy(target, drafter, draft_block: int, adaptive: bool, tree_budget: 
         tree_budget = None
     adaptive = adaptive and tree_budget in (None, AUTO)  # a fixed tree budget fixes the verify
     stats.verify = {"block_size": AUTO if adaptive else draft_block, "tree_budget": tree_budget, "reason": reason}
-    policy = Policy(draft_block, adaptive, tree_budget, CostModel(block_size=draft_block))
+    timings = timings or DEFAULT_TIMINGS
+    policy = Policy(draft_block, adaptive, tree_budget, CostModel(block_size=draft_block), timings)
     if policy.learning:
+        widths = timed_widths(draft_block, policy.budgets)
+        store = getattr(timings, "store", None)
+        key = store_key(target, drafter, draft_block, widths) if store is not None else None
+        inner = id(getattr(drafter, "inner", drafter))
+        recalibrate = recalibrate or inner in _RECALIBRATE
+        _RECALIBRATE.discard(inner)
         tic = time.perf_counter()
-        policy.cost = calibrated_cost(target, drafter, draft_block, timed_widths(draft_block, policy.budgets))
+        policy.cost, source = calibrated_cost(target, drafter, draft_block, widths, timings, store, key, recalibrate)
         stats.calibration_s = time.perf_counter() - tic  # kept out of the prompt's time
+        stats.verify["calibration"] = source
+        if key is not None:
+            policy.keep = lambda: store.save(key, policy.cost.state())
     return policy

@@ -55,7 +55,9 @@ class GenerationStats:
             (:mod:`dflash_mlx.acceptance`); None without a drafter.
         verify: what verified the drafts and why (``{"block_size": B or "auto",
             "tree_budget": None, N or "auto", "reason": why a requested tree is off,
-            or None}``); None without a drafter.
+            or None}``, and with auto ``"calibration"``: ``"timed"`` now, ``"stored"``
+            (kept on disk by an earlier process), ``"kept"`` (earlier in this
+            process) or ``"fixed"`` (given timings)); None without a drafter.
         plain_steps: 1-token target steps taken because plain decoding was expected to
             be faster (``--block-size auto``); not verify steps, not in tau.
         widths: ``{"plain": steps, "chain N": steps, "tree N": steps}``: the verifies chosen.
@@ -234,6 +236,8 @@ class GenerationStats:
         what = f"block size {v.get('block_size')}"
         if v.get("tree_budget") is not None:
             what += f", tree budget {v['tree_budget']}"
+        if v.get("calibration"):
+            what += f", calibration {v['calibration']}"
         used = ", ".join(f"{k} x{n}" for k, n in sorted(self.widths.items(), key=lambda kv: -kv[1]))
         spent = ", ".join(f"{k} {s:.2f} s" for k, s in sorted(self.mode_s.items()))
         line = f"{what}: {used or 'no steps'}" + (f" ({spent})" if spent else "")

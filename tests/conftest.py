@@ -233,6 +233,22 @@ class ScriptedDrafter:
         return mx.array(out, dtype=mx.int32)
 
 
+@pytest.fixture(autouse=True)
+def no_clock_decides(monkeypatch, tmp_path_factory):
+    """No test decides what to check from the clock: ``--block-size auto`` takes its
+    seconds from fixed timings (a 1-token step 1 ms, each more token 0.05 ms, a
+    drafter pass 1 ms), whatever the machine is doing; what a process learned is
+    forgotten between tests; calibrations go to a scratch cache folder (also for the
+    CLI processes tests start), never the user's."""
+    import dflash_mlx.policy as policy
+    from dflash_mlx.calibration import FixedTimings
+
+    monkeypatch.setattr(policy, "DEFAULT_TIMINGS", FixedTimings())
+    monkeypatch.setattr(policy, "_CALIBRATIONS", {})
+    monkeypatch.setattr(policy, "_MODELS", {})
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path_factory.mktemp("dflash-cache")))
+
+
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request) -> str:
     return request.param

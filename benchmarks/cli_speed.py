@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Speed as users run it: each generation a fresh `dflash generate` process, against a
+fresh `mlx_lm generate` process on the same prompt, in the same run.
+
+For every prompt, every repeat runs plain mlx-lm and each `--block-size` setting once,
+in an order rotated per prompt and repeat. Reported per setting, as medians over
+prompts of the per-prompt median ratio to mlx-lm:
+
+- decode speed: the `Generation: ... tokens-per-sec` figure each tool prints
+  (first token to last, as mlx-lm defines it);
+- process time: wall seconds of the whole command, start-up, loading and any
+  calibration included (what a script that calls the CLI per prompt waits);
+- tau, the widths chosen, and whether the text equals mlx-lm's on every prompt.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        python benchmarks/cli_speed.py --model OUT/target --draft-model OUT/drafter \\
+        --prompts scripts/data/story_openings.jsonl -n 10 --settings auto 4 8 16 --out docs/bench/cli-speed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def prompts_from(path: Path, n: int) -> list:
+    """Prompt texts: rows of ``prompt`` (JSONL) or any dataset ``dflash bench`` reads."""
+    sys.path.insert(0, str(ROOT))
+    from dflash_mlx.bench.datasets import load_dataset
+
+    return [s.turns[0] for s in load_dataset(str(path), n)[1]]
+
+
+def run_mlx_lm(model: str, prompt: str, max_tokens: int) -> dict:
+    cmd = [sys.executable, "-m", "mlx_lm", "generate", "--model", model, "--prompt", prompt,
+           "--max-tokens", str(max_tokens), "--temp", "0"]
+    tic = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - tic
+    if r.returncode:
+        raise RuntimeError(f"mlx_lm generate failed: {r.stderr[-2000:]}")
+    text = r.stdout.split("==========\n", 2)[1].rsplit("\n==========", 1)[0]
+    tps = float(re.search(r"Generation: \d+ tokens, ([\d.]+) tokens-per-sec", r.stdout).group(1))
+    return {"text": text, "tps": tps, "wall": wall}
+
+
+def run_dflash(model: str, draft: str, prompt: str, max_tokens: int, setting: str) -> dict:
+    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "generate", "--model", model, "--draft-model", draft,
+           "-p", prompt, "-m", str(max_tokens), "--block-size", setting, "--json", "--quiet"]
+    tic = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - tic
+    if r.returncode:
+        raise RuntimeError(f"dflash generate failed: {r.stderr[-2000:]}")
+    out = json.loads(r.stdout)
+    return {"text": out["text"], "tps": out["generation_tps"], "wall": wall, "tau": out["tau"],
+            "widths": out["widths"], "calibration": out["verify"].get("calibration"),
+            "calibration_ms": out["calibration_ms"], "host_ms": out.get("host_ms_per_step")}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--draft-model", required=True)
+    p.add_argument("--prompts", type=Path, default=ROOT / "scripts" / "data" / "story_openings.jsonl")
+    p.add_argument("-n", "--num-prompts", type=int, default=10)
+    p.add_argument("-m", "--max-tokens", type=int, default=256)
+    p.add_argument("--settings", nargs="+", default=["auto", "4", "8", "16"], help="--block-size values")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+
+    prompts = prompts_from(args.prompts, args.num_prompts)
+    engines = ["mlx-lm"] + args.settings
+    runs = {e: [[] for _ in prompts] for e in engines}
+    print("command:", shlex.join([sys.executable, *sys.argv]), file=sys.stderr)
+    for i, prompt in enumerate(prompts):
+        for r in range(args.repeats):
+            k = (i * args.repeats + r) % len(engines)
+            for e in engines[k:] + engines[:k]:
+                res = (run_mlx_lm(args.model, prompt, args.max_tokens) if e == "mlx-lm"
+                       else run_dflash(args.model, args.draft_model, prompt, args.max_tokens, e))
+                runs[e][i].append(res)
+        print(f"prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
+
+    def per_prompt_ratio(e, key):
+        out = []
+        for mine, base in zip(runs[e], runs["mlx-lm"]):
+            ours = statistics.median(x[key] for x in mine)
+            ref = statistics.median(x[key] for x in base)
+            out.append(ours / ref if key == "tps" else ref / ours)
+        return out
+
+    rows = []
+    for e in args.settings:
+        speed, wall = per_prompt_ratio(e, "tps"), per_prompt_ratio(e, "wall")
+        same = sum(all(x["text"] == base[0]["text"] for x in mine) for mine, base in zip(runs[e], runs["mlx-lm"]))
+        widths = {}
+        for mine in runs[e]:
+            for x in mine:
+                for k, n in x["widths"].items():
+                    widths[k] = widths.get(k, 0) + n
+        rows.append({
+            "block_size": e, "speed_vs_mlx_lm": round(statistics.median(speed), 3),
+            "process_time_ratio": round(statistics.median(wall), 3),
+            "per_prompt_speed": [round(x, 3) for x in speed],
+            "tau": round(statistics.median(x["tau"] for mine in runs[e] for x in mine), 2),
+            "identical": f"{same}/{len(prompts)}", "widths": dict(sorted(widths.items(), key=lambda kv: -kv[1])),
+            "calibration": sorted({x["calibration"] for mine in runs[e] for x in mine if x["calibration"]}),
+            "host_ms_per_step": statistics.median(x["host_ms"] for mine in runs[e] for x in mine)
+            if all(x["host_ms"] is not None for mine in runs[e] for x in mine) else None,
+        })
+    base_tps = statistics.median(x["tps"] for mine in runs["mlx-lm"] for x in mine)
+    print(f"\nmlx-lm: {base_tps:.1f} tokens/s (median)")
+    print("| --block-size | speed vs mlx-lm | process time vs mlx-lm | tau | identical | widths |")
+    print("|---|---:|---:|---:|---|---|")
+    for row in rows:
+        top = ", ".join(f"{k} x{n}" for k, n in list(row["widths"].items())[:4])
+        print(f"| {row['block_size']} | {row['speed_vs_mlx_lm']:.2f}x | {row['process_time_ratio']:.2f}x | "
+              f"{row['tau']:.2f} | {row['identical']} | {top} |")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        report = {"command": shlex.join(sys.argv), "prompts": str(args.prompts), "num_prompts": len(prompts),
+                  "max_tokens": args.max_tokens, "repeats": args.repeats, "mlx_lm_tps": base_tps, "rows": rows,
+                  "load": os.getloadavg()}
+        (args.out / "results.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
