@@ -50,6 +50,7 @@ def run_mlx_lm(model: str, prompt: str, max_tokens: int) -> dict:
     if r.returncode:
         raise RuntimeError(f"mlx_lm generate failed: {r.stderr[-2000:]}")
     text = r.stdout.split("==========\n", 2)[1].rsplit("\n==========", 1)[0]
+    text = text[:-1] if text.endswith("\n") else text  # mlx-lm prints a newline after the text
     tps = float(re.search(r"Generation: \d+ tokens, ([\d.]+) tokens-per-sec", r.stdout).group(1))
     return {"text": text, "tps": tps, "wall": wall}
 

@@ -22,35 +22,109 @@ import contextlib
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Optional, Protocol, Sequence
+from typing import Callable, Dict, Optional, Protocol, Sequence, Tuple
 
 import mlx.core as mx
 
-PLAIN = "plain"  # the cost model's mode names (dflash_mlx.cost)
-TIMED_REPEATS = 3
-STORE_FORMAT = 1
+TIMED_REPEATS = 3  # timed runs of each forward and draft, after one unseen
+STORE_FORMAT = 2
 CACHE_ENV = "DFLASH_CACHE_DIR"
+
+
+CONTEXTS = (32, 256)  # context rows the forwards are timed at (cost grows with the context)
 
 
 @dataclass
 class Calibration:
-    """Seconds of the pieces of a step, as timed (or given) before decoding.
+    """Seconds of the steps and their pieces, timed (or given) before decoding, at two
+    context lengths: a wide verify's attention grows with the context, and on a CPU
+    that decides between widths.
 
     Attributes:
-        verify_s: ``{n: seconds}`` of a target forward of n tokens (features and
-            logits included); n = 1 is a plain decoding step.
-        draft_s: seconds of one drafter pass at the drafted block size.
+        verify_s: ``{n: (seconds at contexts[0], seconds at contexts[1])}`` of a
+            target forward of n tokens (features and logits included); n = 1 is a
+            plain decoding step.
+        draft_s: ``{D: (seconds, seconds)}`` of one drafter pass drafting a block of D.
+        chain_s: ``{n: (seconds, seconds)}`` of a whole chain step of width n, drafted
+            at the smallest timed block that holds n, the verify built on the drafts
+            while the drafter runs, as the decode loop does it (its overlap makes a
+            step cheaper than its draft and forward timed apart).
+        contexts: the two context lengths, in tokens.
     """
 
-    verify_s: Dict[int, float]
-    draft_s: float
+    verify_s: Dict[int, Tuple[float, float]]
+    draft_s: Dict[int, Tuple[float, float]]
+    chain_s: Dict[int, Tuple[float, float]]
+    contexts: Tuple[int, int] = CONTEXTS
+
+    def forward(self, n: int, context: int) -> float:
+        """Seconds of a target forward of ``n`` tokens after ``context`` tokens."""
+        return _lookup(self.verify_s, n, context, self.contexts)
+
+    def draft(self, block: int, context: int) -> float:
+        """Seconds of a drafter pass drafting ``block`` tokens after ``context`` tokens."""
+        return _lookup(self.draft_s, block, context, self.contexts)
+
+    def chain(self, n: int, context: int) -> float:
+        """Seconds of a chain step of width ``n`` after ``context`` tokens."""
+        return _lookup(self.chain_s, n, context, self.contexts)
+
+    def capped(self) -> "Calibration":
+        """The same, with a wider forward, draft or step never cheaper than a narrower
+        one (a slow outlier of a busy machine is capped by the wider timings)."""
+        return Calibration(_monotone(self.verify_s), _monotone(self.draft_s), _monotone(self.chain_s), self.contexts)
+
+    def to_dict(self) -> dict:
+        return {name: {str(n): list(t) for n, t in getattr(self, name).items()} for name in _TABLES} | {
+            "contexts": list(self.contexts)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        """The inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: a missing key, or a value that is not a finite number > 0.
+        """
+        try:
+            tables = [{int(n): (float(t[0]), float(t[1])) for n, t in d[name].items()} for name in _TABLES]
+            contexts = (int(d["contexts"][0]), int(d["contexts"][1]))
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise ValueError(f"not a calibration ({e})") from None
+        values = [x for table in tables for t in table.values() for x in t]
+        if not all(tables) or not all(math.isfinite(x) and x > 0 for x in values) \
+                or not 0 <= contexts[0] < contexts[1]:
+            raise ValueError("not a calibration (a time that is not a finite number > 0, or bad contexts)")
+        return cls(*tables, contexts)
+
+
+_TABLES = ("verify_s", "draft_s", "chain_s")
+
+
+def _lookup(table: Dict[int, Tuple[float, float]], n: int, context: int, contexts: Tuple[int, int]) -> float:
+    """Piecewise linear in n between timed sizes (flat past the ends: a size past
+    the largest is never asked for), linear in the context (extended past both)."""
+    keys = sorted(table)
+    n = min(max(n, keys[0]), keys[-1])
+    hi = next(k for k in keys if k >= n)
+    lo = max([k for k in keys if k <= n])
+    w = 0.0 if hi == lo else (n - lo) / (hi - lo)
+    t0 = (1 - w) * table[lo][0] + w * table[hi][0]
+    t1 = (1 - w) * table[lo][1] + w * table[hi][1]
+    c0, c1 = contexts
+    t = t0 + (t1 - t0) * (context - c0) / (c1 - c0)
+    return max(t, 0.5 * min(t0, t1))
+
+
+def _monotone(table: Dict[int, Tuple[float, float]]) -> Dict[int, Tuple[float, float]]:
+    keys = sorted(table)
+    return {n: tuple(min(table[m][j] for m in keys[i:]) for j in (0, 1)) for i, n in enumerate(keys)}
 
 
 class Timings(Protocol):
@@ -64,12 +138,17 @@ class Timings(Protocol):
     measured: bool
     store: Optional["CalibrationStore"]
 
-    def calibrate(self, target, drafter, draft_block: int, widths: Sequence[int]) -> Calibration:
-        """Seconds of a forward of each width in ``widths`` and of one drafter pass."""
+    def calibrate(self, target, drafter, widths: Sequence[int], blocks: Sequence[int]) -> Calibration:
+        """Seconds of a forward of each width in ``widths`` and of a drafter pass at
+        each block size in ``blocks``."""
 
-    def step(self, mode: str, width: int, wall_s: float) -> float:
-        """The seconds a real step of ``mode`` feeding ``width`` tokens counts for,
-        given its measured ``wall_s``."""
+    def step(self, mode: str, width: int, wall_s: float, block: Optional[int] = None) -> float:
+        """The seconds a real step of ``mode`` feeding ``width`` tokens, drafted at
+        ``block`` (None: nothing drafted), counts for, given its measured ``wall_s``."""
+
+    def overhead(self, wall_s: float) -> float:
+        """The seconds a step's work outside drafting and verifying (planning,
+        bookkeeping) counts for, given its measured ``wall_s``."""
 
 
 class MeasuredTimings:
@@ -89,72 +168,139 @@ class MeasuredTimings:
     def store(self) -> "CalibrationStore":
         return self._store if self._store is not None else CalibrationStore()
 
-    def calibrate(self, target, drafter, draft_block: int, widths: Sequence[int]) -> Calibration:
-        return calibrate(target, drafter, draft_block, widths)
+    def calibrate(self, target, drafter, widths: Sequence[int], blocks: Sequence[int]) -> Calibration:
+        return calibrate(target, drafter, widths, blocks)
 
-    def step(self, mode: str, width: int, wall_s: float) -> float:
+    def step(self, mode: str, width: int, wall_s: float, block: Optional[int] = None) -> float:
+        return wall_s
+
+    def overhead(self, wall_s: float) -> float:
         return wall_s
 
 
 class FixedTimings:
-    """Seconds fixed up front: a forward of n tokens takes ``forward_s(n)``, a
-    drafter pass ``draft_s``, and every step counts for exactly that (plain steps:
-    the forward; chains and trees: the forward plus the drafter pass), whatever its
-    wall time.
+    """Seconds fixed up front: a forward of n tokens takes ``forward_s(n)`` and a
+    drafter pass drafting D tokens ``draft_s(D)`` at any context, and every step
+    counts for exactly that (plain steps: the forward; chains: the forward plus a
+    pass at the drafted block; trees: the forward plus a pass at the trained block),
+    whatever its wall time.
 
     Args:
         forward_s: seconds of a target forward of n tokens (default 1 ms + 0.05 ms
             per token: wide verifies are cheap, as on a GPU).
-        draft_s: seconds of a drafter pass (default 1 ms).
+        draft_s: seconds of a drafter pass, a number or a function of the block
+            drafted (default 1 ms).
     """
 
     measured = False
     store = None  # fixed seconds are not worth keeping
 
-    def __init__(self, forward_s: Optional[Callable[[int], float]] = None, draft_s: float = 1e-3):
+    def __init__(self, forward_s: Optional[Callable[[int], float]] = None,
+                 draft_s: float | Callable[[int], float] = 1e-3):
         self.forward_s = forward_s or (lambda n: 1e-3 + 5e-5 * n)
-        self.draft_s = draft_s
+        self.draft_s = draft_s if callable(draft_s) else (lambda block, s=draft_s: s)
 
-    def calibrate(self, target, drafter, draft_block: int, widths: Sequence[int]) -> Calibration:
-        return Calibration({n: self.forward_s(n) for n in widths}, self.draft_s)
+    def calibrate(self, target, drafter, widths: Sequence[int], blocks: Sequence[int]) -> Calibration:
+        chains = {n: self.forward_s(n) + self.draft_s(chain_block(n, blocks)) for n in widths if 2 <= n <= max(blocks)}
+        return Calibration({n: (self.forward_s(n),) * 2 for n in widths}, {b: (self.draft_s(b),) * 2 for b in blocks},
+                           {n: (t, t) for n, t in chains.items()})
 
-    def step(self, mode: str, width: int, wall_s: float) -> float:
-        return self.forward_s(width) + (0.0 if mode == PLAIN else self.draft_s)
+    def step(self, mode: str, width: int, wall_s: float, block: Optional[int] = None) -> float:
+        """Seconds of a step feeding ``width`` tokens after a drafter pass at ``block``
+        (None: no pass, a plain step)."""
+        return self.forward_s(width) + (0.0 if block is None else self.draft_s(block))
+
+    def overhead(self, wall_s: float) -> float:
+        """A step's seconds outside drafting and verifying: none."""
+        return 0.0
 
 
-def calibrate(target, drafter, draft_block: int, widths: Sequence[int], context_rows: int = 64) -> Calibration:
-    """Time the target's forward at each width and one drafter pass on scratch caches
-    (the real caches are never touched): the median of a few runs after a warm-up.
+def calibrate(target, drafter, widths: Sequence[int], blocks: Sequence[int],
+              contexts: Tuple[int, int] = CONTEXTS) -> Calibration:
+    """Time the target's forward at each width and a drafter pass at each block size,
+    after each of two context lengths, on scratch caches (the real caches are never
+    touched): the fastest of a few runs, after a warm-up round.
 
     Args:
         target: a :class:`~dflash_mlx.targets.TargetAdapter`.
-        drafter: a bound drafter; its pass is timed at ``draft_block``.
-        widths: tokens per forward to time (1 = a plain step).
-        context_rows: rows in the scratch caches before timing.
+        drafter: a bound drafter.
+        widths: tokens per target forward to time (1 = a plain step).
+        blocks: block sizes to draft.
+        contexts: context lengths in tokens (shortened to fit the target's context).
+
+    Returns:
+        The :class:`Calibration`, more tokens never costing less (:meth:`Calibration.capped`).
     """
+    limit = getattr(target.args, "max_position_embeddings", None) or 1 << 30
+    room = limit - max(*widths, *blocks) - 2
+    contexts = (min(contexts[0], room // 2), min(contexts[1], room))
     V = target.vocab_size
-    context = mx.arange(context_rows, dtype=mx.int32) % V
-    cache = target.make_cache(max(widths))
-    _, features = target(context[None], cache, drafter.target_layer_ids)
-    mx.eval([c.state for c in cache], features)
     token = mx.array([1], dtype=mx.int32)
-    times: Dict[int, float] = {}
-    for n in sorted(set(widths)):
-        runs = []
-        for _ in range(TIMED_REPEATS + 1):
-            tic = time.perf_counter()
-            h, f = target(mx.full((1, n), 1, dtype=mx.int32), cache, drafter.target_layer_ids)
-            mx.eval(target.lm_head(h), f)
-            runs.append(time.perf_counter() - tic)
-            target.rollback(cache, n)
-        times[n] = statistics.median(runs[1:])
-    runs = []
+    layer_ids = drafter.target_layer_ids
+    verify: Dict[int, list] = {n: [] for n in widths}
+    draft: Dict[int, list] = {b: [] for b in blocks}
+    chain: Dict[int, list] = {n: [] for n in widths if 2 <= n <= max(blocks)}
+    for i, context in enumerate(contexts):
+        cache = target.make_cache(max(widths))
+        _, features = target((mx.arange(context + 1, dtype=mx.int32) % V)[None], cache, layer_ids)
+        mx.eval([c.state for c in cache], features)
+        for warm in ((True, False) if i == 0 else (False,)):  # a process's first forwards run slow: a round unseen
+            for n in sorted(verify):
+                t = _time_runs(lambda: None, lambda: _forward(target, cache, layer_ids, n))
+                verify[n] += [] if warm else [t]
+            for b in sorted(draft):
+                t = _time_runs(lambda: _scratch_drafter_cache(drafter, features),
+                               lambda c: mx.eval(drafter.draft(token, features[:, -1:], c, b)))
+                draft[b] += [] if warm else [t]
+            for n in sorted(chain):
+                t = _time_runs(lambda: _scratch_drafter_cache(drafter, features),
+                               lambda c: _chain(target, cache, drafter, c, token, features, n, chain_block(n, blocks)))
+                chain[n] += [] if warm else [t]
+    tables = []
+    for table in (verify, draft, chain):  # a cost does not fall as the context grows: the lower one is the truer
+        tables.append({key: (min(t0, t1), t1) for key, (t0, t1) in table.items()})
+    return Calibration(*tables, contexts).capped()
+
+
+def chain_block(width: int, blocks: Sequence[int]) -> int:
+    """The block a chain of ``width`` is drafted at: the smallest of ``blocks`` >= width."""
+    return min([b for b in blocks if b >= width] or [max(blocks)])
+
+
+def _forward(target, cache, layer_ids, n: int) -> None:
+    h, f = target(mx.full((1, n), 1, dtype=mx.int32), cache, layer_ids)
+    mx.eval(target.lm_head(h), f)
+    target.rollback(cache, n)
+
+
+def _scratch_drafter_cache(drafter, features: mx.array):
+    """A drafter cache holding every context row but the last, as mid-generation (a
+    fresh one per run: drafter caches do not all roll back; filling it is not timed)."""
+    cache = drafter.make_cache()
+    drafter.ingest(features[:, :-1], cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def _chain(target, cache, drafter, draft_cache, token: mx.array, features: mx.array, width: int, block: int) -> None:
+    """One chain step as the loop runs it: the draft dispatched, the verify built on it."""
+    drafts = drafter.draft(token, features[:, -1:], draft_cache, block)
+    mx.async_eval(drafts)
+    h, f = target(mx.concatenate([token, drafts[: width - 1]])[None], cache, drafter.target_layer_ids)
+    mx.eval(mx.argmax(target.lm_head(h), axis=-1), f)
+    target.rollback(cache, width)
+
+
+def _time_runs(setup, run) -> float:
+    """The fastest of :data:`TIMED_REPEATS` timed runs after one unseen (noise only
+    adds time); ``setup`` (untimed) makes ``run``'s argument, or None for none."""
+    times = []
     for _ in range(TIMED_REPEATS + 1):
-        draft_cache = drafter.make_cache()
+        arg = setup()
         tic = time.perf_counter()
-        mx.eval(drafter.draft(token, features, draft_cache, draft_block))
-        runs.append(time.perf_counter() - tic)
-    return Calibration(times, statistics.median(runs[1:]))
+        run() if arg is None else run(arg)
+        times.append(time.perf_counter() - tic)
+    return min(times[1:])
 
 
 # ----------------------------------------------------------------------------- the store

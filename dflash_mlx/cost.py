@@ -1,28 +1,42 @@
-"""A cost model, measured on this machine, that picks the verify width (issue 14).
+"""A cost model, measured on this machine, that picks each step's verify (issues 14, 19).
 
-For each verify width n (tokens fed to one target forward: the last committed token
+For each chain width n (tokens fed to one target forward: the last committed token
 and n - 1 drafts; n = 1 is plain decoding) it estimates
 
     rate(n) = expected committed tokens per step / seconds per step
 
-and the engine verifies at the width with the highest rate. Plain decoding is always
-a candidate, so speculation is used only when it pays.
+and the engine runs the width with the highest rate. Plain decoding is always a
+candidate, so speculation is used only when it pays.
 
-- **Seconds**: a target forward of n tokens and a drafter pass, timed once per
-  process for a grid of widths (:func:`dflash_mlx.policy.calibrate`), give each
-  mode's step estimate (plain: the 1-token forward; chain: the drafter pass plus the
-  n-token forward; tree: the same at the tree's width). Every real step refreshes it:
-  the step's own wall time (exponential moving average) where that mode and width
-  ran lately, else the estimate times the mode's observed/estimated ratio, which
-  follows the context as it grows and the loop's own overheads.
+- **Drafted block**: a chain of n is drafted at D, the smallest timed block size
+  >= n (2, 4, 8, 16, ..., the trained size): drafting 16 to verify 6 would pay for
+  ten drafts nobody checks. Every ``probe_every`` chain steps drafted below the
+  trained size, one drafts the whole trained block instead (a wide probe), so what
+  wider verifies would accept stays known.
+- **Seconds**: a whole chain step of each timed width (drafted at its block, the
+  verify built while the drafter runs, as the loop does), a target forward of each
+  width and a drafter pass at each block size, all timed at two context lengths
+  (:mod:`dflash_mlx.calibration`), give each step's estimate at the current context:
+  plain, the 1-token forward; chain, the chain step of n; tree, the forward of its
+  nodes plus a pass at the trained size. Every real step's time drafting and
+  verifying refreshes the machine's speed, shared by every mode and quick (a busy
+  spell slows plain and speculative estimates alike, so it does not push the choice
+  either way), and, slowly, the plain and tree steps' own factor over it (a
+  pipelined plain step overlaps the next). Apart, each mode's overhead per step
+  (planning, bookkeeping), the same at every width. A step more than three times off
+  its estimate (the first run of a new shape compiles; a pause) is not counted.
 - **Committed tokens**: every drafted block is later compared with the tokens the
-  target committed at those positions, however many of them were verified, so the
-  acceptance of every width up to the block size is observed from each drafted
-  block ("shadow" acceptance). At temperature 0 this equals the acceptance the wider
-  verify would have had; with sample-and-match it has the same distribution, since
-  every committed token is a target sample given the accepted prefix. The estimate
-  is the survival function S(i) = P(drafts 1..i all right), exponentially weighted,
-  and E[tokens | n] = 1 + sum_{i < n} S(i).
+  target committed at its positions, however many of them were verified, so the
+  acceptance of every width up to the block drafted is observed ("shadow"
+  acceptance). At temperature 0 this equals the acceptance the wider verify would
+  have had; with sample-and-match it has the same distribution, since every
+  committed token is a target sample given the accepted prefix. The estimate is the
+  survival function S(i) = P(drafts 1..i all right), per position i, exponentially
+  weighted over the blocks that reached i, with E[tokens | n] = 1 + sum_{i < n} S(i).
+  Blocks of every size count alike: the first drafts of a block of 8 are as good as
+  those of a block of 16 (drafters trained at several block sizes, as
+  ``dflash train --block-sizes`` does, measure so; and it is what the drafts are
+  judged by, so a drafter for which it is false is seen drafting worse and used less).
 - **Plain decoding** observes no drafts, so while it is chosen the drafter is run
   now and then (a probe: its drafts are compared with the plain tokens that follow);
   when the estimate says speculation pays again, the engine goes back to it. Probes
@@ -35,12 +49,17 @@ a candidate, so speculation is used only when it pays.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .calibration import Calibration
+
 PLAIN, CHAIN, TREE = "plain", "chain", "tree"
 PRIOR = 0.6  # prior per-draft survival (see CostModel.survival)
+FACTOR_DECAY = 0.05  # a step's factor over the machine's speed changes slowly
+OUTLIER = 3.0  # a step more than this many times off its estimate is not a timing (a first compile, a pause)
 
 
 @dataclass
@@ -68,137 +87,187 @@ class CostModel:
     """Chooses the verify width that maximises expected committed tokens per second.
 
     Args:
-        block_size: B, the drafter's block (widths 1..B).
-        decay: weight of the newest observation in every moving average.
-        probe_every: plain steps between drafter probes while plain decoding wins.
+        block_size: B, the drafter's trained block (widths 1..B).
+        decay: weight of the newest observation in every timing average.
+        acceptance_decay: weight of the newest block in the acceptance profile (its
+            memory is longer: acceptance comes in bursts, and a profile that follows
+            every burst would give up speculating on the first bad run of text).
+        probe_every: steps between probes (plain steps that draft, chain steps that
+            draft the whole block).
+        max_probe_every: the longest gap between probes while plain decoding wins.
 
     Attributes:
-        verify_s: ``{n: Ema of seconds}`` for a target forward of n tokens.
-        draft_s: Ema of the seconds of one drafter pass.
-        survival_num, survival_den: weighted counts behind S(i), i = 1..B-1.
+        calibration: the seconds of forwards and drafts (None until :meth:`calibrate`).
+        speed: observed over estimated seconds of recent steps, whatever their mode
+            (a busy machine slows every mode alike).
+        mode_factor: ``{mode: Ema}`` what plain and tree steps took over their estimate
+            at that speed, learned slowly (a pipelined plain step overlaps the next
+            one); chains are the reference, their calibration is a whole step.
+        overhead: ``{mode: Ema}`` seconds a step of that mode spends outside drafting
+            and verifying (planning, bookkeeping), the same at every width.
+        survival_num, survival_den: weighted counts behind S(i), per position i = 1..B-1.
     """
 
     block_size: int
     decay: float = 0.1
+    acceptance_decay: float = 0.05
     probe_every: int = 16
     max_probe_every: int = 128
-    fresh_steps: int = 64
-    verify_s: Dict[int, Ema] = field(default_factory=dict)
-    draft_s: Ema = field(default_factory=Ema)
+    calibration: Optional[Calibration] = None
+    speed: Ema = field(default_factory=lambda: Ema(0.1, 1.0))
+    mode_factor: Dict[str, Ema] = field(default_factory=dict)
+    overhead: Dict[str, Ema] = field(default_factory=dict)
     survival_num: List[float] = field(default_factory=list)
-    survival_den: float = 0.0
+    survival_den: List[float] = field(default_factory=list)
     pending: List[Pending] = field(default_factory=list)
     since_probe: int = 0
+    since_wide: int = 0
+    probe_gap: int = 0
     tree_correction: Dict[int, Ema] = field(default_factory=dict)
     tree_tokens: Dict[int, Ema] = field(default_factory=dict)
-    step_s: Dict[Tuple[str, int], Ema] = field(default_factory=dict)
-    last_seen: Dict[Tuple[str, int], int] = field(default_factory=dict)
-    ratio: Dict[str, Ema] = field(default_factory=dict)
     steps: int = 0
-    probe_gap: int = 0
-    _known: Optional[list] = None
     _cumulative: Optional[List[float]] = None
+    _tables: Optional[tuple] = None
+    _block_sizes: Optional[List[int]] = None
 
     def __post_init__(self):
         self.survival_num = [0.0] * (self.block_size - 1)
-        self.draft_s.decay = self.decay
+        self.survival_den = [0.0] * (self.block_size - 1)
         self.probe_gap = self.probe_every
 
     # -- kept between processes -----------------------------------------------------
 
     def state(self) -> dict:
         """What a later process starts from (:class:`~dflash_mlx.calibration.CalibrationStore`):
-        the calibrated seconds per width and per drafter pass, each mode's
-        observed/estimated ratio, and the acceptance profile (JSON-ready)."""
+        the calibration, each mode's observed/estimated ratio, and the acceptance
+        profile of each block size (JSON-ready)."""
         return {
-            "verify_s": {str(n): e.value for n, e in self.verify_s.items() if e.value is not None},
-            "draft_s": self.draft_s.value,
-            "ratio": {m: e.value for m, e in self.ratio.items() if e.value is not None},
+            "calibration": self.calibration.to_dict() if self.calibration else None,
+            "speed": self.speed.value,
+            "mode_factor": {m: e.value for m, e in self.mode_factor.items()},
+            "overhead": {m: e.value for m, e in self.overhead.items()},
             "survival_num": list(self.survival_num),
-            "survival_den": self.survival_den,
+            "survival_den": list(self.survival_den),
             "tree_tokens": {str(n): e.value for n, e in self.tree_tokens.items() if e.value is not None},
         }
 
     def restore(self, state: dict, timings: bool = True) -> bool:
         """Start from a stored :meth:`state`: the acceptance profile, and with
-        ``timings`` the seconds and ratios. False (nothing changed) when the state does
-        not fit this block size or holds a value that is not a finite number >= 0."""
+        ``timings`` the calibration and ratios. False (nothing changed) when the
+        state does not fit this block size or holds a value that is not a finite
+        number >= 0."""
         try:
             num = [float(x) for x in state["survival_num"]]
-            den = float(state["survival_den"])
-            verify = {int(n): float(t) for n, t in state["verify_s"].items()}
-            draft = float(state["draft_s"])
-            ratio = {str(m): float(r) for m, r in state.get("ratio", {}).items()}
+            den = [float(x) for x in state["survival_den"]]
+            ratio = {str(m): float(r) for m, r in state.get("mode_factor", {}).items()}
+            speed = float(state.get("speed", 1.0))
+            overhead = {str(m): float(o) for m, o in state.get("overhead", {}).items()}
             trees = {int(n): float(t) for n, t in state.get("tree_tokens", {}).items()}
+            calibration = Calibration.from_dict(state["calibration"]) if timings else None
         except (KeyError, TypeError, ValueError, AttributeError):
             return False
-        numbers = num + [den, draft] + list(verify.values()) + list(ratio.values()) + list(trees.values())
-        if len(num) != self.block_size - 1 or not all(math.isfinite(x) and x >= 0 for x in numbers):
-            return False
-        if timings and (len(verify) < 2 or draft <= 0):
+        numbers = num + den + list(ratio.values()) + list(trees.values()) + list(overhead.values()) + [speed]
+        if len(num) != self.block_size - 1 or len(den) != len(num) \
+                or not all(math.isfinite(x) and x >= 0 for x in numbers):
             return False
         self.survival_num, self.survival_den, self._cumulative = num, den, None
         if timings:
-            for n, t in verify.items():
-                self.record_verify(n, t)
-            self.record_draft(draft)
+            self.calibrate(calibration)
+            self.speed = Ema(self.decay, speed)
             for m, r in ratio.items():
-                self.ratio.setdefault(m, Ema(self.decay)).update(r)
+                self.mode_factor[m] = Ema(FACTOR_DECAY, r)
+            for m, o in overhead.items():
+                self.overhead[m] = Ema(self.decay, o)
             for n, t in trees.items():
-                self.tree_tokens.setdefault(n, Ema(self.decay)).update(t)
+                self.tree_tokens[n] = Ema(self.decay, t)
         return True
 
-    # -- timing -------------------------------------------------------------------
+    # -- seconds --------------------------------------------------------------------
 
-    def record_verify(self, width: int, seconds: float) -> None:
-        """A calibrated target forward of ``width`` tokens took ``seconds`` (real steps
-        refresh the estimates through :meth:`record_step`)."""
-        self._known = None
-        self.verify_s.setdefault(width, Ema(self.decay)).update(seconds)
+    def calibrate(self, calibration: Calibration) -> None:
+        """Take the seconds of forwards and drafts (see :mod:`dflash_mlx.calibration`)."""
+        self.calibration = calibration.capped()
+        self._tables = self._block_sizes = None
 
-    def record_draft(self, seconds: float) -> None:
-        self.draft_s.update(seconds)
+    def draft_block(self, width: int) -> int:
+        """D, the block a chain of ``width`` is drafted at: the smallest timed block
+        size >= width (the trained size before calibration)."""
+        blocks = self._blocks()
+        return blocks[bisect.bisect_left(blocks, min(width, self.block_size))]
 
-    def estimate(self, mode: str, width: int) -> Optional[float]:
-        """Calibrated seconds of one step: the ``width``-token forward, plus the drafter
-        pass unless ``mode`` is ``plain`` (None before calibration)."""
-        t = self.verify_seconds(width)
-        if t is None or mode == PLAIN:
-            return t
-        return None if self.draft_s.value is None else t + self.draft_s.value
+    def _table(self) -> Tuple[List[float], ...]:
+        """Forward, draft and chain seconds per size at both contexts, interpolated
+        once (the loop asks for every width every step)."""
+        if self._tables is None:
+            cal = self.calibration
+            c0, c1 = cal.contexts
+            top = max(max(cal.verify_s), self.block_size)
+            tables = []
+            for lookup, sizes in ((cal.forward, top), (cal.draft, self.block_size), (cal.chain, self.block_size)):
+                tables += [[lookup(n, c) for n in range(sizes + 1)] for c in (c0, c1)]
+            self._tables = tuple(tables)
+        return self._tables
 
-    def record_step(self, mode: str, width: int, seconds: float) -> None:
+    def estimate(self, mode: str, width: int, context: int, block: Optional[int] = None) -> Optional[float]:
+        """Calibrated seconds of one step after ``context`` tokens (None before
+        calibration): plain, the 1-token forward; chain, the timed chain step of
+        ``width`` (a ``block`` wider than :meth:`draft_block` adds its extra drafting);
+        tree, the forward of ``width`` tokens and a pass at the trained size."""
+        if self.calibration is None:
+            return None
+        return self._seconds(mode, width, block, self._context_weight(context))
+
+    def _context_weight(self, context: int) -> float:
+        c0, c1 = self.calibration.contexts
+        return (context - c0) / (c1 - c0)
+
+    def _seconds(self, mode: str, width: int, block: Optional[int], w: float) -> float:
+        """:meth:`estimate` with ``w`` where the context lies between the two timed ones."""
+        f0, f1, d0, d1, s0, s1 = self._table()
+        at = lambda t0, t1, i: max(t0[i] + (t1[i] - t0[i]) * w, 0.5 * t0[i])  # noqa: E731
+        if mode == PLAIN:
+            return at(f0, f1, 1)
+        if mode == TREE:
+            return at(f0, f1, min(width, len(f0) - 1)) + at(d0, d1, self.block_size)
+        n = min(width, self.block_size)
+        own = self.draft_block(n)
+        t = at(s0, s1, own) - at(f0, f1, own) + at(f0, f1, n)  # the chain step of its block, verifying n
+        if block is not None and block > own:  # a wide probe drafts more than the chain needs
+            t += at(d0, d1, min(block, self.block_size)) - at(d0, d1, own)
+        return t
+
+    def record_step(self, mode: str, width: int, seconds: float, context: int, block: Optional[int] = None,
+                    overhead: float = 0.0) -> None:
         """A real step of ``mode`` (``plain``, ``chain``, ``tree``) feeding ``width``
-        tokens took ``seconds`` of wall time, drafting included."""
+        tokens after ``context`` tokens, drafted at ``block``, took ``seconds`` to draft
+        and verify, and a step of this mode ``overhead`` seconds besides (planning,
+        bookkeeping: the same whatever the width)."""
         self.steps += 1
-        est = self.estimate(mode, width)
-        if est:
-            self.ratio.setdefault(mode, Ema(self.decay)).update(seconds / est)
-        self.step_s.setdefault((mode, width), Ema(self.decay)).update(seconds)
-        self.last_seen[(mode, width)] = self.steps
+        self.overhead.setdefault(mode, Ema(self.decay, overhead)).update(overhead)
+        est = self.estimate(mode, width, context, block)
+        if not est or not 1 / OUTLIER < seconds / est < OUTLIER:  # a first compile of a shape, a pause
+            return
+        q = seconds / est
+        self.speed.update(q / self._factor(mode))
+        if mode != CHAIN:  # chains are the reference: their calibration is a whole step
+            self.mode_factor.setdefault(mode, Ema(FACTOR_DECAY, 1.0)).update(q / self.speed.value)
 
-    def step_seconds(self, mode: str, width: int) -> Optional[float]:
-        """Expected seconds of a step: its own recent wall time, else the calibrated
-        estimate times the mode's observed/estimated ratio (None before timings)."""
-        key = (mode, width)
-        if key in self.step_s and self.steps - self.last_seen[key] < self.fresh_steps:
-            return self.step_s[key].value
-        est = self.estimate(mode, width)
-        ratio = self.ratio.get(mode) or next(iter(self.ratio.values()), None)  # else another mode's
-        return est * ratio.value if est is not None and ratio is not None else est
+    def step_seconds(self, mode: str, width: int, context: int) -> Optional[float]:
+        """Expected seconds of a step after ``context`` tokens: the estimate times the
+        machine's current speed and the mode's factor, plus the mode's overhead (None
+        before calibration)."""
+        est = self.estimate(mode, width, context)
+        if est is None:
+            return None
+        return est * self.speed.value * self._factor(mode) + self._overhead(mode)
 
-    def verify_seconds(self, width: int) -> Optional[float]:
-        """Seconds of a forward of ``width`` tokens: piecewise linear between timed
-        widths, extended linearly past the ends (None before any timing)."""
-        known = self._known
-        if known is None:
-            known = self._known = sorted((n, e.value) for n, e in self.verify_s.items() if e.value is not None)
-        if len(known) < 2:
-            return known[0][1] if known else None
-        for (n0, t0), (n1, t1) in zip(known, known[1:]):
-            if width <= n1 or n1 == known[-1][0]:
-                return max(0.0, t0 + (t1 - t0) * (width - n0) / (n1 - n0))
-        return None  # unreachable
+    def _factor(self, mode: str) -> float:
+        f = self.mode_factor.get(mode)
+        return f.value if f is not None else 1.0
+
+    def _overhead(self, mode: str) -> float:
+        o = self.overhead.get(mode) or self.overhead.get(CHAIN)  # a plain step has no more to do than a chain
+        return o.value if o is not None else 0.0
 
     # -- acceptance -----------------------------------------------------------------
 
@@ -221,26 +290,37 @@ class CostModel:
                     break
                 right += 1
             if known:
-                self._observe(right)
+                self._observe(right, len(p.drafts))
             else:
                 still.append(p)
         self.pending = still
 
-    def _observe(self, right: int) -> None:
-        """One block whose first ``right`` drafts were right."""
-        keep = 1 - self.decay
+    def _observe(self, right: int, drafted: int) -> None:
+        """One block of ``drafted`` drafts whose first ``right`` were right."""
+        if right > sum(self.survival()[:drafted]):  # better than expected: while plain wins, probe soon again
+            self.probe_gap = self.probe_every
+        keep = 1 - self.acceptance_decay
         self._cumulative = None
-        self.survival_den = keep * self.survival_den + 1
-        for i in range(len(self.survival_num)):
-            hit = 1.0 if i < right else 0.0
-            self.survival_num[i] = keep * self.survival_num[i] + hit
+        for i in range(min(drafted, len(self.survival_num))):
+            self.survival_den[i] = keep * self.survival_den[i] + 1
+            self.survival_num[i] = keep * self.survival_num[i] + (1.0 if i < right else 0.0)
 
     def survival(self) -> List[float]:
         """S(i) for i = 1..B-1: the share of blocks whose drafts 1..i were all right,
-        with a prior worth one block of S(i) = 0.6^i: hopeful enough to try
-        speculating first, and soon outweighed when drafts miss."""
-        den = self.survival_den + 1
-        return [(n + PRIOR ** (i + 1)) / den for i, n in enumerate(self.survival_num)]
+        with a prior worth one block of S(i) = 0.6^i (hopeful enough to try
+        speculating first, soon outweighed when drafts miss), never rising with i."""
+        out, low = [], 1.0
+        for i, (n, d) in enumerate(zip(self.survival_num, self.survival_den)):
+            low = min(low, (n + PRIOR ** (i + 1)) / (d + 1))
+            out.append(low)
+        return out
+
+    def _blocks(self) -> List[int]:
+        """Block sizes a chain may be drafted at: the timed ones from 2 to B, and B."""
+        if self._block_sizes is None:
+            timed = self.calibration.draft_s if self.calibration is not None else ()
+            self._block_sizes = sorted({b for b in timed if 2 <= b <= self.block_size} | {self.block_size})
+        return self._block_sizes
 
     def expected_tokens(self, width: int) -> float:
         """E[tokens committed by one verify of ``width`` tokens] = 1 + sum_{i<width} S(i)."""
@@ -253,36 +333,65 @@ class CostModel:
 
     # -- choosing -------------------------------------------------------------------
 
-    def rate(self, width: int) -> Optional[float]:
-        """Expected committed tokens per second at chain ``width`` (1: plain decoding;
-        None before timings)."""
-        t = self.step_seconds(PLAIN if width == 1 else CHAIN, width)
+    def rate(self, width: int, context: int = 0) -> Optional[float]:
+        """Expected committed tokens per second at chain ``width`` (1: plain decoding)
+        after ``context`` tokens; None before calibration."""
+        t = self.step_seconds(PLAIN if width == 1 else CHAIN, width, context)
         return None if not t else self.expected_tokens(width) / t
 
-    def tree_rate(self, budget: int, expected: float) -> Optional[float]:
+    def tree_rate(self, budget: int, expected: float, context: int = 0) -> Optional[float]:
         """Tokens per second of a tree of ``budget`` nodes expected to commit ``expected``."""
-        t = self.step_seconds(TREE, budget + 1)
+        t = self.step_seconds(TREE, budget + 1, context)
         return None if not t else expected / t
 
-    def best_width(self, widths: Optional[Sequence[int]] = None) -> int:
+    def best_width(self, widths: Optional[Sequence[int]] = None, context: int = 0) -> int:
         """The width with the highest expected rate (1 when nothing is timed yet)."""
-        widths = widths or range(1, self.block_size + 1)
-        rates = [(r, n) for n in widths if (r := self.rate(n)) is not None]
-        return max(rates)[1] if rates else 1
+        return self.best_rate(widths or range(1, self.block_size + 1), context)[0]
 
-    def should_probe(self) -> bool:
-        """While plain decoding wins: True after ``probe_every`` plain steps, then
-        after twice as many, up to ``max_probe_every`` (see :meth:`speculating`)."""
-        self.since_probe += 1
-        if self.since_probe >= self.probe_gap:
-            self.since_probe = 0
+    def best_rate(self, widths: Sequence[int], context: int = 0) -> Tuple[int, float]:
+        """``(width, expected tokens per second)`` of the best of ``widths`` ((1, 0.0)
+        when nothing is timed yet). One pass over the widths: the loop asks before
+        every step."""
+        if self.calibration is None:
+            return 1, 0.0
+        w = self._context_weight(context)
+        self.expected_tokens(1)  # fills the cumulative sums
+        costs = {m: (self.speed.value * self._factor(m), self._overhead(m)) for m in (PLAIN, CHAIN)}
+        best, best_rate = 1, -1.0
+        for n in widths:
+            mode = PLAIN if n == 1 else CHAIN
+            factor, overhead = costs[mode]
+            rate = self._cumulative[min(n, self.block_size) - 1] / (self._seconds(mode, n, None, w) * factor + overhead)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best, best_rate
+
+    def plain_steps_before_probe(self) -> int:
+        """While plain decoding wins: plain steps left before the next probe is due
+        (0: now). Probes come after ``probe_every`` plain steps, then after twice as
+        many, up to ``max_probe_every``, until speculation is chosen again or a block
+        does better than expected (see :meth:`probed`, :meth:`speculating`)."""
+        return max(self.probe_gap - 1 - self.since_probe, 0)
+
+    def probed(self, close: bool = False) -> None:
+        """A probe runs now; the next comes twice as far, unless plain decoding wins
+        by little (``close``)."""
+        self.since_probe = 0
+        if not close:
             self.probe_gap = min(2 * self.probe_gap, self.max_probe_every)
-            return True
-        return False
 
     def speculating(self) -> None:
         """Speculation was chosen: probes restart at ``probe_every`` when plain wins again."""
         self.since_probe, self.probe_gap = 0, self.probe_every
+
+    def should_draft_wide(self) -> bool:
+        """For a chain drafted below the trained size: True every ``probe_every``
+        such steps, to draft the whole block (what wider verifies would accept)."""
+        self.since_wide += 1
+        if self.since_wide >= self.probe_every:
+            self.since_wide = 0
+            return True
+        return False
 
     # -- trees ----------------------------------------------------------------------
 

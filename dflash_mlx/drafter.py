@@ -20,6 +20,7 @@ hyper-parameters :mod:`dflash_mlx.drafter_config`; loading and saving
 
 from __future__ import annotations
 
+import os
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -80,15 +81,37 @@ class DrafterAttention(nn.Module):
 
     def __call__(self, x: mx.array, context: mx.array, cache) -> mx.array:
         """Inference: x [1, B, H] block rows; context [1, S, H] new fused context rows."""
-        _, B, _ = x.shape
-        start = cache.offset + context.shape[1]  # absolute position of t_last
-        queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=start)
-        block_keys, block_values = self._keys_values(x)
-        ctx_keys, ctx_values = self.ingest(context, cache)
-        # The Metal kernel where it can run, else the plain-MLX reference (see kernels/).
-        out = block_attention(queries, ctx_keys, ctx_values, self.rope(block_keys, offset=start), block_values,
-                              scale=self.scale, window=self.window, causal=self.causal)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
+        queries, keys, values = self.project(x, context, cache.offset)
+        S = context.shape[1]
+        return self.output(self.attend(queries, keys[:, :, :S], values[:, :, :S], keys[:, :, S:], values[:, :, S:],
+                                       cache))
+
+    def project(self, x: mx.array, context: mx.array, offset) -> Tuple[mx.array, mx.array, mx.array]:
+        """Queries of the B block rows, keys and values of the S context rows then the
+        block rows, RoPE applied (context at ``offset``, an int or a 0-d array, then
+        the block): ``([1, n_heads, B, hd], [1, n_kv, S + B, hd], [1, n_kv, S + B, hd])``.
+
+        Context and block rows sit at consecutive positions, so they share one
+        projection, one norm and one RoPE (fewer, larger ops: a draft is a few ms).
+        """
+        S = context.shape[1]
+        queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=offset + S)
+        keys, values = self._keys_values(mx.concatenate([context, x], axis=1) if S else x)
+        return queries, self.rope(keys, offset=offset), values
+
+    def attend(self, queries: mx.array, ctx_keys: mx.array, ctx_values: mx.array, block_keys: mx.array,
+               block_values: mx.array, cache) -> mx.array:
+        """Append the new context rows' keys and values to ``cache``; the block queries'
+        attention over every cached row and the block's own rows ([1, n_heads, B, hd]):
+        the Metal kernel where it can run, else the MLX reference
+        (:mod:`dflash_mlx.kernels.block_attention`)."""
+        ctx_keys, ctx_values = cache.update_and_fetch(ctx_keys, ctx_values)
+        return block_attention(queries, ctx_keys, ctx_values, block_keys, block_values,
+                               scale=self.scale, window=self.window, causal=self.causal)
+
+    def output(self, out: mx.array) -> mx.array:
+        """[1, n_heads, B, hd] attention output -> [1, B, H] (``o_proj``)."""
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, out.shape[2], -1))
 
     def blocks(self, x: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
         """Training: many blocks of one sequence at once (spec section 6).
@@ -243,12 +266,71 @@ class DrafterLayer(nn.Module):
     def __call__(self, h: mx.array, context: mx.array, cache=None,
                  anchors: Optional[mx.array] = None, mask: Optional[mx.array] = None) -> mx.array:
         """Inference with ``cache``; training with ``anchors`` and ``mask`` instead."""
+        if cache is not None and "attention_conv" not in self and context.shape[1] <= h.shape[1] \
+                and compile_enabled():
+            return self._compiled_step(h, context, cache)
         if cache is not None:
             attend = lambda x: self.self_attn(x, context, cache)  # noqa: E731
         else:
             attend = lambda x: self.self_attn.blocks(x, context, anchors, mask)  # noqa: E731
         h = h + self._wrapped("attention_conv", attend, self.input_layernorm(h))
         return h + self._wrapped("mlp_conv", self.mlp, self.post_attention_layernorm(h))
+
+
+    def _compiled_step(self, h: mx.array, context: mx.array, cache) -> mx.array:
+        """The inference step with its two fixed-shape halves compiled (MLX fuses their
+        element-wise ops: on a CPU, RoPE and RMSNorm are some 40 small ops each): the
+        norm and projections before the attention, the output projection and the MLP
+        after it. The attention between them sees a context that grows every step.
+
+        The S <= B new context rows are padded to B, so each block size is traced
+        once, not once per number of accepted drafts (a trace costs a few ms, which a
+        fresh process would pay for each)."""
+        kernels = self.__dict__.get("_kernels")
+        if kernels is None:
+            kernels = self.__dict__["_kernels"] = _LayerKernels(self)
+        B, S = h.shape[1], context.shape[1]
+        if S < B:
+            context = mx.concatenate([context, mx.zeros((1, B - S, context.shape[2]), context.dtype)], axis=1)
+        queries, keys, values = kernels.pre(h, context, mx.array(cache.offset, dtype=mx.int32), mx.array(S))
+        out = self.self_attn.attend(queries, keys[:, :, :S], values[:, :, :S], keys[:, :, B:], values[:, :, B:],
+                                    cache)
+        return kernels.post(h, out)
+
+    def _pre(self, h: mx.array, context: mx.array, offset: mx.array, rows: mx.array):
+        """Queries of the block, keys and values of ``context`` (B rows, the first
+        ``rows`` real) then the block: context at ``offset``, block at ``offset + rows``."""
+        attn = self.self_attn
+        x = self.input_layernorm(h)
+        queries = attn.rope(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)), offset=offset + rows)
+        keys, values = attn._keys_values(mx.concatenate([context, x], axis=1))
+        P = context.shape[1]
+        keys = mx.concatenate([attn.rope(keys[:, :, :P], offset=offset), attn.rope(keys[:, :, P:], offset=offset + rows)],
+                              axis=2)
+        return queries, keys, values
+
+    def _post(self, h: mx.array, attention: mx.array) -> mx.array:
+        h = h + self.self_attn.output(attention)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+COMPILE_ENV = "DFLASH_COMPILE"
+
+
+def compile_enabled() -> bool:
+    """Whether the drafter's inference step runs compiled (``DFLASH_COMPILE=0`` turns it off)."""
+    return os.environ.get(COMPILE_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+class _LayerKernels:
+    """A layer's compiled halves (:meth:`DrafterLayer._compiled_step`). The layer's
+    parameters are inputs of the compiled functions, read at every call, so new
+    weights (training, ``load_weights``, a dtype change) are always the ones used.
+    Held outside the module's tree, so it is never saved or trained."""
+
+    def __init__(self, layer: "DrafterLayer"):
+        self.pre = mx.compile(layer._pre, inputs=layer.state)
+        self.post = mx.compile(layer._post, inputs=layer.state)
 
 
 class DFlashDrafter(nn.Module):

@@ -27,7 +27,7 @@ from .protocol import Drafter
 from .stats import GenerationStats, weight_bytes
 from .stopping import StopCondition, held_back, text_before_stop
 from .targets import TargetAdapter
-from .verify import Outcome, chain_step, host_logprobs, plain_step, tree_step
+from .verify import Outcome, chain_step, host_logprobs, plain_step, synced, tree_step
 
 Sampler = Callable[[mx.array], mx.array]
 NO_DRAFTER = "no drafter was given (--draft-model)"
@@ -71,14 +71,6 @@ class GenerationResponse:
 def _sample(sampler: Sampler, logits: mx.array) -> mx.array:
     """Sample from [N, V] logits through log-probabilities, as mlx-lm does."""
     return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
-
-def count_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
-    """Leading drafts that match the target: number of i with d_i == y_{i-1}."""
-    a = 0
-    while a < len(drafts) and drafts[a] == targets[a]:
-        a += 1
-    return a
 
 
 def prefill(
@@ -137,9 +129,9 @@ def generate_step(
             the target's.
         max_tokens: most tokens to emit.
         block_size: B, 2..drafter.block_size (default: the drafter's), or ``"auto"``:
-            draft at the trained B and verify the width the cost model expects to
-            commit the most tokens per second, 1 (plain decoding) included
-            (:mod:`dflash_mlx.policy`).
+            verify the width the cost model expects to commit the most tokens per
+            second, 1 (plain decoding) included, drafted at the smallest timed block
+            that holds it (:mod:`dflash_mlx.policy`, :mod:`dflash_mlx.cost`).
         tree_budget: DDTree (spec section 7): verify the N best draft prefixes as a
             tree (N nodes besides the root), or ``"auto"`` (budgets 8..64 and
             chains, chosen by cost). Targets without tree verify (hybrid families)
@@ -210,7 +202,7 @@ def generate_step(
             yield from _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, context,
                                           stop, stats, committed)
         else:
-            _finish(target, cache, committed + stop.emitted - 1, drafter, draft_cache, context)
+            _finish(target, cache, committed + stop.emitted - 1, drafter, draft_cache, [context])
 
 
 def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, context, stop, stats, base):
@@ -218,72 +210,112 @@ def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, con
 
     ``t`` is the last committed token (not in the target cache); ``pending`` holds the
     context rows the drafter has not seen yet; ``history[i]`` sits at ``base + i``.
+    Each step dispatches its device work first (the draft, or a plain forward), then
+    hands the previous step's tokens to the consumer while the device runs, then
+    reads the result: verify, accept, roll back (:mod:`dflash_mlx.verify`). While
+    plain decoding wins, runs of plain steps go as mlx-lm's (:func:`_plain_run`).
     """
-    capture, B, cost = drafter.target_layer_ids, policy.block, policy.cost
+    capture = drafter.target_layer_ids
     pending, history, finish = [context], [t.item()], None
-    queued, ahead = None, None  # a plain step queued from t, and the plan already chosen
-    while finish is None:
-        plan, ahead = ahead or policy.next(), None
-        tic = time.perf_counter()
-        position = base + len(history) - 1  # of t
-        proposal = None
-        draft_s = None
-        if plan.mode != PLAIN or plan.probe:  # draft from every context row not yet seen
-            proposal = rule.propose(drafter, t, _rows(pending), draft_cache, B)
-            pending = []
+    ready = None  # the last step's tokens, yielded once the next step is dispatched
+    overhead = 0.0  # seconds of the last step outside drafting and verifying: planning, bookkeeping
+    try:
+        while finish is None:
+            start = time.perf_counter()
+            position = base + len(history) - 1  # of t
+            plan = policy.next(position)
+            if plan.mode == PLAIN and not plan.probe:
+                if ready is not None:
+                    yield ready
+                run = _plain_run(target, cache, capture, rule.choose, t, plan.steps, stop, stats, pending, history)
+                ready, t, seconds = yield from run
+                finish = ready.finish_reason
+                policy.observe(plan, seconds, overhead, position, [], history, base)
+                continue
+            tic = time.perf_counter()
+            proposal = rule.propose(drafter, t, _rows(pending), draft_cache, plan.block)
+            pending, draft_s = [], None
             if plan.mode != PLAIN and stats.time_draft():  # 1 step in 16: drafting on its own
                 mx.eval(proposal.arrays())
                 draft_s = time.perf_counter() - tic
-        steady = True  # a pipelined plain step's wall time is one forward only mid-run
-        if plan.mode == PLAIN:
-            steady = queued is not None
-            y, features = queued or plain_step(target, cache, capture, rule.choose, t)
-            queued = None
-            if not plan.probe:  # plain runs pipeline as mlx-lm's: queue the next before reading y
-                ahead = policy.next()
-                if ahead.mode == PLAIN and not ahead.probe:
-                    queued = plain_step(target, cache, capture, rule.choose, y)
-                    mx.async_eval(queued)
-            steady = steady and queued is not None
-            mx.eval(y, features, proposal.tokens if proposal is not None else [])
-            step = Outcome(y.tolist(), 0, 0, features, proposal.tokens.tolist() if proposal is not None else [])
-        elif plan.mode == TREE:
-            plan, tree = policy.after_draft(plan, history[-1], host_logprobs(proposal))
-            if plan.mode == TREE:
-                step = tree_step(target, cache, capture, rule.choose, position, proposal, tree)
+            else:
+                mx.async_eval(proposal.arrays())
+            if plan.mode == PLAIN:  # a probe: plain decoding that drafts too, to see how drafts fare
+                y, features = plain_step(target, cache, capture, rule.choose, t)
+                mx.async_eval(y, features)
+            if ready is not None:  # the consumer's turn while the device works (not this step's time)
+                paused = time.perf_counter()
+                yield ready
+                paused = time.perf_counter() - paused
+                tic, start = tic + paused, start + paused
+            if plan.mode == PLAIN:
+                wait_s = synced(y, features, proposal.tokens)
+                step = Outcome(y.tolist(), 0, 0, features, proposal.tokens.tolist(), wait_s)
+            elif plan.mode == TREE:
+                plan, tree = policy.after_draft(plan, history[-1], host_logprobs(proposal), position)
+                if plan.mode == TREE:
+                    step = tree_step(target, cache, capture, rule.choose, position, proposal, tree)
+                else:
+                    step = chain_step(target, cache, capture, rule, t, proposal, plan.width)
             else:
                 step = chain_step(target, cache, capture, rule, t, proposal, plan.width)
-        else:
-            step = chain_step(target, cache, capture, rule, t, proposal, plan.width)
-        seconds = time.perf_counter() - tic
-        with stats.phase("host"):
-            pending.append(step.context)
-            t = mx.array(step.tokens[-1:], dtype=mx.int32)
-            history.extend(step.tokens)
-            if policy.learning:
-                if steady:
-                    width = plan.width + (plan.mode == TREE)
-                    cost.record_step(plan.mode, width, policy.timings.step(plan.mode, width, seconds))
-                if step.drafts:
-                    cost.record_drafts(position + 1, step.drafts)
-                tail = history[-(2 * B + len(step.tokens)):]
-                cost.record_committed(tail, base + len(history) - len(tail))
-                if plan.mode == TREE:
-                    cost.record_tree(plan.width, 0.0, len(step.tokens))
-            stats.record_plan(plan.mode, plan.width, seconds, step.accepted, step.drafted, draft_s)
-            tokens, finish = stop.cut(step.tokens)
-            if finish is not None:
-                _finish(target, cache, base + stop.emitted - 1, drafter, draft_cache, _rows(pending))
-                policy.keep()
-        try:
-            yield StepResult(tokens, step.accepted if plan.mode != PLAIN else None, finish)
-        except GeneratorExit:  # closed mid-generation: the drafter catches up with the target cache
-            if finish is None:
-                drafter.ingest(_rows(pending), draft_cache)
-                policy.keep()
-            raise
-        if stop.emitted % 256 < len(tokens):
-            mx.clear_cache()
+            seconds = time.perf_counter() - tic
+            with stats.phase("host"), stats.host_work():
+                pending.append(step.context)
+                t = mx.array(step.tokens[-1:], dtype=mx.int32)
+                history.extend(step.tokens)
+                policy.observe(plan, seconds, overhead, position, step.drafts, history, base)
+                stats.record_plan(plan.mode, plan.width, seconds, step.accepted, step.drafted, draft_s, step.wait_s)
+                tokens, finish = stop.cut(step.tokens)
+                ready = StepResult(tokens, step.accepted if plan.mode != PLAIN else None, finish)
+            overhead = time.perf_counter() - start - seconds  # the next step learns it (this one's is not over)
+            if stop.emitted % 256 < len(tokens):
+                mx.clear_cache()
+        _finish(target, cache, base + stop.emitted - 1, drafter, draft_cache, pending)
+        policy.keep()
+        yield ready
+    except GeneratorExit:  # closed mid-generation: both caches hold the tokens yielded so far but the last
+        if finish is None:
+            _finish(target, cache, base + len(history) - 1, drafter, draft_cache, pending)
+            policy.keep()
+        raise
+
+
+def _plain_run(target, cache, capture, choose, t, steps, stop, stats, pending, history):
+    """Up to ``steps`` plain steps pipelined as mlx-lm's (step n+1 is queued before n is
+    read), each capturing its context features for the drafter; yields every step's
+    :class:`StepResult` but the last, which it returns.
+
+    Returns:
+        ``(last StepResult, last committed token [1] int32, seconds per step)``.
+    """
+    tic = time.perf_counter()
+    paused = wait = 0.0
+    y, features = plain_step(target, cache, capture, choose, t)
+    result = None
+    for i in range(steps):
+        queued = plain_step(target, cache, capture, choose, y) if i + 1 < steps and stop.budget > 1 else None
+        if queued is not None:
+            mx.async_eval(*queued)
+        if result is not None:  # the consumer's turn while the device works
+            pause = time.perf_counter()
+            yield result
+            paused += time.perf_counter() - pause
+        wait += synced(y, features)
+        tokens = y.tolist()
+        pending.append(features)
+        history.extend(tokens)
+        kept, finish = stop.cut(tokens)
+        result = StepResult(kept, None, finish)
+        if finish is not None or queued is None:
+            break
+        y, features = queued
+    seconds = time.perf_counter() - tic - paused
+    for _ in range(i + 1):
+        stats.record_plan(PLAIN, 1, seconds / (i + 1), 0, 0, wait_s=wait / (i + 1))
+    if stop.emitted % 256 < i + 1:
+        mx.clear_cache()
+    return result, y, seconds / (i + 1)
 
 
 def _rows(pending: List[mx.array]) -> mx.array:
@@ -324,15 +356,16 @@ def _cache_rows(cache: List[Any]) -> int:
 
 
 def _finish(target: TargetAdapter, cache: List[Any], rows: int, drafter: Optional[Drafter] = None,
-            draft_cache: Optional[List[Any]] = None, features: Optional[mx.array] = None) -> None:
+            draft_cache: Optional[List[Any]] = None, pending: Sequence[mx.array] = ()) -> None:
     """At the end of a generation: trim the target cache to ``rows`` tokens (rows of
-    the last forward past the committed ones), then give the drafter the context rows
-    the target cache holds but it does not (``features`` start at the drafter's
+    forwards past the committed ones), then give the drafter the context rows the
+    target cache holds but it does not (``pending`` rows start at the drafter's
     offset), so both caches cover the same tokens."""
     target.rollback(cache, _cache_rows(cache) - rows)
     if drafter is not None:
         missing = _cache_rows(cache) - _cache_rows(draft_cache)
-        drafter.ingest(features[:, :missing], draft_cache)
+        if missing > 0:
+            drafter.ingest(_rows(list(pending))[:, :missing], draft_cache)
 
 
 def check_block_size(block_size: Optional[int | str], drafter: Optional[Drafter]) -> int:

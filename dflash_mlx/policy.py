@@ -23,18 +23,25 @@ from .tree import DraftTree, build_tree
 
 AUTO = "auto"
 TREE_BUDGETS = (8, 16, 32, 64)  # the budgets --tree-budget auto chooses among
-REDECIDE_PLAIN = 4  # while plain decoding wins, the width is re-chosen every this many steps
+REDECIDE = 4  # a chain width is re-chosen every this many steps
+PLAIN_RUN = 8  # plain steps run between two decisions (decided again as soon as probes resolve)
+PLAIN_MARGIN = 0.25  # plain decoding is taken when its expected rate is this much better
+CLOSE = 0.15  # ... and while it is better by less than this, probes stay frequent
 
 
 @dataclass
 class Plan:
     """The next step: ``mode`` plain (width 1), chain (``width`` tokens) or tree
-    (``width`` = budget N nodes); ``probe``: a plain step that also drafts, to
-    observe the drafter's acceptance while plain decoding wins."""
+    (``width`` = budget N nodes); ``block``: the block drafted (chains: ``width``
+    or more; trees and probes: the trained size; None: nothing drafted);
+    ``probe``: a plain step that also drafts, to observe the drafter's acceptance
+    while plain decoding wins; ``steps``: plain steps to run before the next plan."""
 
     mode: str
     width: int
     probe: bool = False
+    block: Optional[int] = None
+    steps: int = 1
 
 
 def parse_block_size(value) -> Optional[int | str]:
@@ -89,6 +96,8 @@ class Policy:
         self.tree_budget = tree_budget
         self.cost = cost
         self.plain_run = 0  # plain steps chosen in a row
+        self.close = False  # whether plain decoding wins by little (probes stay frequent)
+        self.chain_run, self.last = 0, None  # chains of the same width in a row, and that plan
         self.budgets = tree_budgets(tree_budget)
 
     @property
@@ -101,38 +110,100 @@ class Policy:
         """Most tokens one target forward may feed (for the cache's rollback slack)."""
         return max([self.block] + [n + 1 for n in self.budgets])
 
-    def next(self) -> Plan:
-        """The step to run before anything of it is drafted (a tree choice among
-        budgets, or between a tree and a chain, is refined by :meth:`after_draft`)."""
+    def next(self, context: int = 0) -> Plan:
+        """The step to run after ``context`` tokens, before anything of it is drafted
+        (a tree choice among budgets, or between a tree and a chain, is refined by
+        :meth:`after_draft`)."""
+        B = self.block
         if self.tree_budget not in (None, AUTO):  # a fixed budget: always that tree
-            return Plan(TREE, int(self.tree_budget))
+            return Plan(TREE, int(self.tree_budget), block=B)
         if not self.adaptive and self.tree_budget is None:
-            return Plan(CHAIN, self.block)
-        if self.plain_run and self.plain_run % REDECIDE_PLAIN:  # plain runs re-decide every few steps
-            self.plain_run += 1
-            return Plan(PLAIN, 1, probe=self.cost.should_probe())
-        best = self.cost.best_width(range(1, self.block + 1)) if self.adaptive else self.block
-        tree = self._best_tree_rate()
-        if best == 1 and (tree is None or tree[0] <= (self.cost.rate(1) or 0.0)):
-            self.plain_run += 1
-            return Plan(PLAIN, 1, probe=self.cost.should_probe())
+            return Plan(CHAIN, B, block=B)
+        if self.chain_run % REDECIDE and self.last is not None:
+            self.chain_run += 1
+            return self._chain(self.last.width)
+        if self.adaptive:
+            best, chain_rate = self.cost.best_rate(range(2, B + 1), context)
+        else:
+            best, chain_rate = B, self.cost.rate(B, context) or 0.0
+        tree = self._best_tree_rate(context)
+        speculative = max(chain_rate, tree[0] if tree is not None else 0.0)
+        plain = self.cost.rate(1, context) or 0.0
+        # Plain decoding sees the drafter only through probes, so a wrong turn to it
+        # lasts: it must win by a margin to be taken, and nothing to be kept.
+        if plain > speculative * (1.0 if self.plain_run else 1.0 + PLAIN_MARGIN):
+            self.close = speculative * (1.0 + CLOSE) >= plain
+            return self._plain(self.close)
         self.plain_run = 0
         self.cost.speculating()
-        if tree is not None and tree[0] > (self.cost.rate(best) or 0.0):
-            return Plan(TREE, tree[1])
-        return Plan(CHAIN, best)
+        if tree is not None and tree[0] > chain_rate:
+            self.chain_run, self.last = 0, None
+            return Plan(TREE, tree[1], block=B)
+        self.chain_run = 1
+        return self._chain(best)
 
-    def _best_tree_rate(self) -> Optional[Tuple[float, int]]:
+    def _chain(self, width: int) -> Plan:
+        block = self.cost.draft_block(width) if self.adaptive else self.block
+        if block < self.block and self.cost.should_draft_wide():
+            block = self.block
+        self.last = Plan(CHAIN, width, block=block)
+        return self.last
+
+    def _plain(self, close: bool) -> Plan:
+        """Plain steps up to the next probe (at most :data:`PLAIN_RUN`), or the probe."""
+        self.chain_run, self.last = 0, None
+        steps = min(self.cost.plain_steps_before_probe(), PLAIN_RUN)
+        if steps == 0:
+            self.cost.probed(close)
+            self.plain_run += 1
+            return Plan(PLAIN, 1, probe=True, block=self.block)
+        self.cost.since_probe += steps
+        self.plain_run += steps
+        return Plan(PLAIN, 1, steps=steps)
+
+    def observe(self, plan: Plan, seconds: Optional[float], overhead: float, context: int, drafts: Sequence[int],
+                history: Sequence[int], base: int) -> None:
+        """Learn from one finished step (only when the cost model chooses).
+
+        Args:
+            plan: the step that ran (after :meth:`after_draft`).
+            seconds: its wall time drafting and verifying, or None when it does not
+                stand for one step's cost (a plain step at either end of a pipelined run).
+            overhead: seconds of the step before outside drafting and verifying
+                (planning, acceptance bookkeeping, statistics).
+            context: tokens before the step: the position of its last committed token,
+                which its drafts follow.
+            drafts: the block's top-1 drafts (empty when nothing was drafted).
+            history: committed tokens; ``history[i]`` sits at position ``base + i``.
+        """
+        if not self.learning:
+            return
+        cost = self.cost
+        width = plan.width + (plan.mode == TREE)
+        block = plan.block if plan.mode != PLAIN else None
+        if seconds is not None:
+            cost.record_step(plan.mode, width, self.timings.step(plan.mode, width, seconds, block), context, block,
+                             self.timings.overhead(overhead))
+        if drafts:
+            cost.record_drafts(context + 1, drafts)
+        tail = history[-3 * self.block:]  # every block still pending lies within it
+        cost.record_committed(tail, base + len(history) - len(tail))
+        if plan.mode == TREE:
+            committed = base + len(history) - 1 - context  # tokens this step committed
+            cost.record_tree(plan.width, 0.0, committed)
+
+    def _best_tree_rate(self, context: int) -> Optional[Tuple[float, int]]:
         """The best tree's rate from its observed tokens per step (before drafting)."""
         rates = []
         for n in self.budgets:
             seen = self.cost.tree_tokens.get(n)
             expected = seen.value if seen is not None and seen.value else self.cost.expected_tokens(self.block)
-            if (r := self.cost.tree_rate(n, expected)) is not None:
+            if (r := self.cost.tree_rate(n, expected, context)) is not None:
                 rates.append((r, n))
         return max(rates) if rates else None
 
-    def after_draft(self, plan: Plan, root: int, logprobs: np.ndarray) -> Tuple[Plan, Optional[DraftTree]]:
+    def after_draft(self, plan: Plan, root: int, logprobs: np.ndarray, context: int = 0
+                    ) -> Tuple[Plan, Optional[DraftTree]]:
         """With the block's log-probabilities on the host, the tree to verify (built
         once): for ``--tree-budget auto`` the budget (or chain width) with the best rate
         for this very block.
@@ -148,15 +219,15 @@ class Policy:
         options = []
         for n in self.budgets:
             expected = self.cost.tree_expected_tokens(n, pairs[:n], chain)
-            if (r := self.cost.tree_rate(n, expected)) is not None:
+            if (r := self.cost.tree_rate(n, expected, context)) is not None:
                 options.append((r, TREE, n))
-        width = self.cost.best_width(range(2, self.block + 1)) if self.adaptive else self.block
-        if (r := self.cost.rate(width)) is not None:
+        width = self.cost.best_width(range(2, self.block + 1), context) if self.adaptive else self.block
+        if (r := self.cost.rate(width, context)) is not None:
             options.append((r, CHAIN, width))
         if not options:
             return plan, nodes.prefix(plan.width)
         _, mode, width = max(options)
-        return Plan(mode, width), (nodes.prefix(width) if mode == TREE else None)
+        return Plan(mode, width, block=self.block), (nodes.prefix(width) if mode == TREE else None)
 
 
 def tree_budgets(tree_budget: Optional[int | str]) -> Tuple[int, ...]:
@@ -200,12 +271,9 @@ def calibrated_cost(target, drafter, draft_block: int, widths: Sequence[int], ti
         models[ident] = cost
         return cost, "stored"
     if ident not in _CALIBRATIONS or recalibrate:
-        _CALIBRATIONS[ident] = timings.calibrate(target, drafter, draft_block, widths)
-    times, draft_s = _CALIBRATIONS[ident].verify_s, _CALIBRATIONS[ident].draft_s
-    widths = sorted(times)
-    for i, n in enumerate(widths):  # more tokens never cost less: a slow outlier (a busy machine) is capped
-        cost.record_verify(n, min(times[m] for m in widths[i:]))
-    cost.record_draft(draft_s)
+        blocks = [w for w in widths if 2 <= w <= draft_block]
+        _CALIBRATIONS[ident] = timings.calibrate(target, drafter, widths, blocks)
+    cost.calibrate(_CALIBRATIONS[ident])
     learned = previous.state() if previous is not None else stored
     if learned is not None:
         cost.restore(learned, timings=False)  # the acceptance profile seen before
@@ -236,7 +304,8 @@ def _models_of(drafter) -> dict:
 
 
 def timed_widths(draft_block: int, budgets: Sequence[int]) -> List[int]:
-    """Widths worth timing: 1, powers of two up to B, B, and each tree's width."""
+    """Widths worth timing: 1, powers of two up to B, B, and each tree's width (the
+    block sizes a chain may be drafted at are those from 2 to B)."""
     widths = {1, draft_block} | {w for w in (2, 4, 8, 16, 32) if w < draft_block}
     return sorted(widths | {n + 1 for n in budgets})
 

@@ -64,6 +64,7 @@ class GenerationStats:
         mode_s: seconds spent per mode (``plain``, ``chain``, ``tree``), drafting included.
         calibration_s: seconds spent timing the widths for ``--block-size auto`` (the
             first generation of a process only); not counted in ``prompt_s``.
+        host_s: seconds of host work in decode steps (see :attr:`host_ms_per_step`).
         block_attention: which path computed the drafter's block attention and why,
             ``{"block_attention": "metal" | "reference", "reason": str}`` (from
             :func:`dflash_mlx.kernels.block_attention.attention_path`); None without
@@ -94,6 +95,7 @@ class GenerationStats:
     calibration_s: float = 0.0
     draft_share: Optional[float] = None
     timed_drafts: int = 0
+    host_s: float = 0.0
 
     def record_step(self, accepted: int, drafted: Optional[int] = None) -> None:
         """Count one verify step that accepted ``accepted`` of ``drafted`` drafts
@@ -110,10 +112,12 @@ class GenerationStats:
         return (self.steps + self.plain_steps) % 16 == 0 or self.draft_share is None
 
     def record_plan(self, mode: str, width: int, seconds: float, accepted: int, drafted: int,
-                    draft_s: Optional[float] = None) -> None:
+                    draft_s: Optional[float] = None, wait_s: float = 0.0) -> None:
         """Count one step of ``mode`` (``plain``, ``chain``, ``tree``) of ``width``
         (tokens, or tree nodes) that took ``seconds`` and accepted ``accepted`` of
-        ``drafted`` drafts; ``draft_s``: its drafting seconds when timed on its own."""
+        ``drafted`` drafts; ``draft_s``: its drafting seconds when timed on its own;
+        ``wait_s``: the part of ``seconds`` the host waited for the device."""
+        self.host_s += max(seconds - wait_s - (draft_s or 0.0), 0.0)
         key = "plain" if mode == "plain" else f"{mode} {width}"
         self.widths[key] = self.widths.get(key, 0) + 1
         self.mode_s[mode] = self.mode_s.get(mode, 0.0) + seconds
@@ -147,6 +151,7 @@ class GenerationStats:
         self.peak_memory_gb = max(self.peak_memory_gb, other.peak_memory_gb)
         self.model_bytes = max(self.model_bytes, other.model_bytes)
         self.plain_steps += other.plain_steps
+        self.host_s += other.host_s
         for k, n in other.widths.items():
             self.widths[k] = self.widths.get(k, 0) + n
         for k, v in other.mode_s.items():
@@ -154,6 +159,23 @@ class GenerationStats:
         self.verify = self.verify or other.verify
         self.drafter_format = self.drafter_format or other.drafter_format
         self.acceptance_rule = self.acceptance_rule or other.acceptance_rule
+
+    @contextmanager
+    def host_work(self) -> Iterator[None]:
+        """Add the wall time of the ``with`` body to :attr:`host_s`."""
+        tic = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.host_s += time.perf_counter() - tic
+
+    @property
+    def host_ms_per_step(self) -> float:
+        """Host work per decode step, ms: the Python thread building graphs,
+        dispatching them, accepting and rolling back, and bookkeeping, outside its
+        waits for the device (MLX's own dispatch inside ``mx.eval`` counts as waiting)."""
+        n = self.steps + self.plain_steps
+        return 1e3 * self.host_s / n if n else 0.0
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -209,6 +231,7 @@ class GenerationStats:
             "plain_steps": self.plain_steps,
             "mode_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.mode_s.items())},
             "calibration_ms": round(self.calibration_s * 1e3, 3),
+            "host_ms_per_step": round(self.host_ms_per_step, 4),
             "tokens": self.generation_tokens,
             "tau": round(self.tau, 4),
             "steps": self.steps,

@@ -15,12 +15,14 @@ target's (the acceptance rules of :mod:`dflash_mlx.acceptance`, or the tree walk
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
+from .acceptance import count_accepted
 from .protocol import Proposal
 from .targets import TargetAdapter
 from .tree import DraftTree, walk
@@ -38,6 +40,9 @@ class Outcome:
             (the last committed token is not in the target cache yet).
         drafts: the drafted block's top-1 drafts d_1..d_{B-1} on the host, for the
             cost model's shadow acceptance.
+        wait_s: seconds the host waited for the device (in ``mx.eval``), so the
+            rest of the step's wall time is host work: graph building, dispatch,
+            acceptance and rollback.
     """
 
     tokens: List[int]
@@ -45,6 +50,7 @@ class Outcome:
     drafted: int
     context: mx.array
     drafts: List[int]
+    wait_s: float = 0.0
 
 
 def plain_step(target: TargetAdapter, cache: List[Any], capture: Sequence[int], pick,
@@ -77,10 +83,11 @@ def chain_step(target: TargetAdapter, cache: List[Any], capture: Sequence[int], 
     head = proposal.head(width - 1)
     h, features = target(mx.concatenate([token, head.tokens])[None], cache, capture)
     a, out = rule.accept(head, target.lm_head(h)[0])
-    mx.eval(a, out, features, proposal.tokens)
-    a = a.item()
+    wait_s = synced(out, features, proposal.tokens, *([] if a is None else [a]))
+    out, drafts = out.tolist(), proposal.tokens.tolist()
+    a = count_accepted(drafts[: width - 1], out) if a is None else a.item()
     target.rollback(cache, width - 1 - a)
-    return Outcome(out[: a + 1].tolist(), a, width - 1, features[:, : a + 1], proposal.tokens.tolist())
+    return Outcome(out[: a + 1], a, width - 1, features[:, : a + 1], drafts, wait_s)
 
 
 def tree_step(target: TargetAdapter, cache: List[Any], capture: Sequence[int], pick, position: int,
@@ -105,11 +112,18 @@ def tree_step(target: TargetAdapter, cache: List[Any], capture: Sequence[int], p
     inputs = mx.array(tree.tokens, dtype=mx.int32)[None]
     h, features = target(inputs, cache, capture, tree=(positions, tree.ancestors()))
     choice = pick(target.lm_head(h)[0])
-    mx.eval(choice, features)
+    wait_s = synced(choice, features)
     path, tokens = walk(tree, choice.tolist())
     target.compact(cache, len(tree), path)
     context = mx.take(features, mx.array(path, dtype=mx.int32), axis=1)
-    return Outcome(tokens, len(path) - 1, len(tree) - 1, context, proposal.tokens.tolist())
+    return Outcome(tokens, len(path) - 1, len(tree) - 1, context, proposal.tokens.tolist(), wait_s)
+
+
+def synced(*arrays) -> float:
+    """``mx.eval(*arrays)``; returns the seconds the host waited."""
+    tic = time.perf_counter()
+    mx.eval(*arrays)
+    return time.perf_counter() - tic
 
 
 def host_logprobs(proposal: Proposal) -> Optional[np.ndarray]:

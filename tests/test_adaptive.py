@@ -83,8 +83,12 @@ def test_auto_block_size_is_lossless(family, kind):
         assert stats.tau > 8  # speculation pays: wide chains
 
 
-CYCLE = [("plain", 1, False), ("plain", 1, True), ("chain", 3, False), ("chain", 16, False),
-         ("plain", 1, False), ("tree", 8, False), ("chain", 2, False), ("plain", 1, True), ("tree", 32, False)]
+# (mode, width, probe, block drafted, plain steps): plain runs, probes, chains drafted at
+# their own block or wider, trees.
+CYCLE = [("plain", 1, False, None, 1), ("plain", 1, True, 16, 1), ("chain", 3, False, 4, 1),
+         ("chain", 16, False, 16, 1), ("plain", 1, False, None, 3), ("tree", 8, False, 16, 1),
+         ("chain", 2, False, 16, 1), ("plain", 1, True, 16, 1), ("tree", 32, False, 16, 1),
+         ("chain", 7, False, 8, 1)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -95,12 +99,12 @@ def test_every_switch_between_modes_is_lossless(family, correct, rank, monkeypat
     import dflash_mlx.policy as policy
 
     plans = iter([policy.Plan(*CYCLE[i % len(CYCLE)]) for i in range(10 * N)])
-    monkeypatch.setattr(policy.Policy, "next", lambda self: next(plans))
+    monkeypatch.setattr(policy.Policy, "next", lambda self, context=0: next(plans))
     _, target, ref = reference(family)
     drafter = TreeScripted(PROMPT + ref, correct=correct, block_size=16, vocab=256, rank=rank)
     stats = GenerationStats(block_size=16)
     assert run(target, drafter, block_size="auto", tree_budget=32, stats=stats) == ref[:N]
-    assert {"plain", "chain 3", "chain 16", "tree 8", "tree 32"} <= set(stats.widths)
+    assert {"plain", "chain 3", "chain 16", "tree 8", "tree 32", "chain 7"} <= set(stats.widths)
 
 
 def test_policy_decodes_plainly_when_drafts_are_wrong_and_speculates_when_right():
@@ -109,9 +113,7 @@ def test_policy_decodes_plainly_when_drafts_are_wrong_and_speculates_when_right(
 
     for right, expected in ((0, "plain"), (15, "chain")):
         cost = CostModel(block_size=16)
-        for n in (1, 2, 4, 8, 16):
-            cost.record_verify(n, 1e-3 + 5e-5 * n)
-        cost.record_draft(1e-3)
+        cost.calibrate(FixedTimings().calibrate(None, None, [1, 2, 4, 8, 16], [2, 4, 8, 16]))
         for s in range(40):
             cost.record_drafts(s * 16, [7] * 15)
             cost.record_committed([7] * right + [8] * (16 - right), s * 16)
@@ -119,9 +121,12 @@ def test_policy_decodes_plainly_when_drafts_are_wrong_and_speculates_when_right(
         plans = [policy.next() for _ in range(40)]
         assert {p.mode for p in plans} == {expected}
         if expected == "plain":
-            assert 0 < sum(p.probe for p in plans) < 5  # probes, spaced out
+            steps = sum(p.steps for p in plans)
+            probes = [i for i, p in enumerate(plans) if p.probe]
+            assert steps > 200 and 0 < len(probes) < 8  # runs of plain steps, probes spaced out
+            assert all(p.block == 16 for p in plans if p.probe)
         else:
-            assert plans[0].width == 16
+            assert plans[0].width == 16 and plans[0].block == 16
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -229,8 +234,10 @@ def test_sampling_follows_the_exact_law(kw):
 def test_calibration_times_every_width_on_scratch_caches():
     _, target, ref = reference("qwen3")
     drafter = tiny_drafter(target)
-    c = calibrate(target, drafter, 16, [1, 2, 16, 33])
-    assert sorted(c.verify_s) == [1, 2, 16, 33] and all(t > 0 for t in c.verify_s.values()) and c.draft_s > 0
+    c = calibrate(target, drafter, [1, 2, 16, 33], [2, 8, 16])
+    assert sorted(c.verify_s) == [1, 2, 16, 33] and sorted(c.draft_s) == [2, 8, 16] and sorted(c.chain_s) == [2, 16]
+    times = [t for table in (c.verify_s, c.draft_s, c.chain_s) for pair in table.values() for t in pair]
+    assert all(t > 0 for t in times) and c.contexts[0] < c.contexts[1]
 
 
 def test_a_drafter_keeps_what_it_learned_across_generations():
@@ -243,11 +250,11 @@ def test_a_drafter_keeps_what_it_learned_across_generations():
     first, second = GenerationStats(block_size=16), GenerationStats(block_size=16)
     assert run(target, drafter, n=60, block_size="auto", stats=first) == ref[:60]
     (cost,) = policy._models_of(drafter).values()
-    steps, blocks = cost.steps, cost.survival_den
+    steps, blocks = cost.steps, cost.survival_den[0]
     assert run(target, drafter, n=60, block_size="auto", stats=second) == ref[:60]
     assert tuple(policy._models_of(drafter).values()) == (cost,)
-    # survival_den: blocks seen, decayed (the chain and two probes: 1 + 0.9 + 0.81)
-    assert cost.steps > steps and cost.survival_den > blocks > 2.7 and cost.survival_num[0] < 0.5
+    # survival_den: blocks seen, decayed (the chain and two probes: 1 + 0.95 + 0.95^2)
+    assert cost.steps > steps and cost.survival_den[0] > blocks > 2.7 and cost.survival_num[0] < 0.5
     # A fresh model's hopeful prior verifies a chain first; the kept one knows better.
     assert any(k.startswith("chain") for k in first.widths) and set(second.widths) == {"plain"}
     other = tiny_drafter(target)

@@ -88,10 +88,9 @@ def test_the_store_round_trip_and_what_it_refuses(tmp_path):
 
 def test_cost_model_state_round_trip_and_bad_states():
     cost = CostModel(block_size=4)
-    for n, t in ((1, 1e-3), (2, 1.2e-3), (4, 1.5e-3)):
-        cost.record_verify(n, t)
-    cost.record_draft(5e-4)
-    cost.record_step("chain", 4, 3e-3)
+    cost.calibrate(FixedTimings().calibrate(None, None, [1, 2, 4], [2, 4]))
+    cost.record_step("chain", 4, 2 * cost.estimate("chain", 4, 0), 0, overhead=1e-4)
+    cost.record_step("plain", 1, 0.8 * 2 * cost.estimate("plain", 1, 0), 0)
     for s in range(5):
         cost.record_drafts(4 * s, [7, 7, 0])
         cost.record_committed([7, 7, 8, 9], 4 * s)
@@ -99,14 +98,14 @@ def test_cost_model_state_round_trip_and_bad_states():
     again = CostModel(block_size=4)
     assert again.restore(state)
     for n in (1, 2, 3, 4):
-        assert again.rate(n) == pytest.approx(cost.rate(n))
+        assert again.rate(n, 100) == pytest.approx(cost.rate(n, 100))
     assert again.survival() == pytest.approx(cost.survival())
     fresh = CostModel(block_size=4)
     assert not fresh.restore({**state, "survival_num": [1.0, 1.0]})  # another block size
-    assert not fresh.restore({**state, "draft_s": float("nan")})
-    assert not fresh.restore({**state, "verify_s": {"1": -1.0, "2": 1.0}})
+    assert not fresh.restore({**state, "speed": float("nan")})
+    assert not fresh.restore({**state, "calibration": {**state["calibration"], "verify_s": {"1": [-1.0, 1.0]}}})
     assert not fresh.restore({"survival_num": "x"})
-    assert fresh.survival_den == 0 and fresh.verify_seconds(1) is None  # nothing half-restored
+    assert fresh.survival_den == [0.0] * 3 and fresh.calibration is None  # nothing half-restored
 
 
 def fingerprinted(target, drafter, tag="a"):
@@ -124,7 +123,7 @@ def test_a_new_process_starts_from_the_stored_calibration_and_profile(qwen3, tmp
         assert tokens == ref[:60] and stats.verify["calibration"] == "timed" and timings.calibrations == 1
         (cost,) = policy._models_of(drafter).values()
         learned = cost.state()
-        assert learned["survival_den"] > 0
+        assert learned["survival_den"][0] > 0
         tokens, stats = run(target, drafter, timings=timings)
         assert stats.verify["calibration"] == "kept" and timings.calibrations == 1
 
@@ -132,8 +131,8 @@ def test_a_new_process_starts_from_the_stored_calibration_and_profile(qwen3, tmp
         tokens, stats = run(target, drafter, n=1, timings=timings)
         assert stats.verify["calibration"] == "stored" and timings.calibrations == 1
         (restored,) = policy._models_of(drafter).values()
-        assert restored.survival_num[0] > 0 and restored.verify_seconds(16) == pytest.approx(
-            cost.verify_seconds(16))
+        assert restored.survival_num[0] > 0 and restored.estimate("chain", 16, 50) == pytest.approx(
+            cost.estimate("chain", 16, 50))
 
         policy.recalibrate(drafter)  # --recalibrate: timed again, the profile kept
         tokens, stats = run(target, drafter, n=1, timings=timings)

@@ -1,31 +1,61 @@
-"""The cost model picks the verify width with the most expected tokens per second."""
+"""The cost model picks the verify width with the most expected tokens per second.
+
+Every timing here is given (a Calibration and step seconds passed in), so nothing
+depends on the machine.
+"""
 
 import pytest
 
+from dflash_mlx.calibration import Calibration, chain_block
 from dflash_mlx.cost import CostModel
 
 
-def timed(model, verify, draft):
-    for n, t in verify.items():
-        model.record_verify(n, t)
-    model.record_draft(draft)
+def calibrated(block_size, verify, draft=None, contexts=(32, 256), **kw) -> CostModel:
+    """A cost model with given seconds: ``verify`` {n: s or (s0, s1)}, ``draft`` {D: s or (s0, s1)};
+    a chain step of n costs the forward of n plus the pass at its block."""
+    pair = lambda t: tuple(t) if isinstance(t, (tuple, list)) else (t, t)  # noqa: E731
+    verify = {n: pair(t) for n, t in verify.items()}
+    draft = {b: pair(t) for b, t in (draft if draft is not None else {block_size: 1.0}).items()}
+    partial = Calibration(verify, draft, {2: (1.0, 1.0)}, contexts)
+    chain = {n: tuple(partial.forward(n, c) + partial.draft(chain_block(n, sorted(draft)), c) for c in contexts)
+             for n in sorted(set(verify) | set(draft)) if 2 <= n <= max(draft)}
+    m = CostModel(block_size=block_size, **kw)
+    m.calibrate(Calibration(verify, draft, chain, contexts))
+    return m
+
+
+def observe(m, blocks, right, start=0):
+    """``blocks`` blocks of B-1 drafts whose first ``right`` are right."""
+    B = m.block_size
+    for s in range(blocks):
+        m.record_drafts(start + s * B, [7] * (B - 1))
+        m.record_committed([7] * right + [8] * (B - right), start + s * B)
 
 
 def test_shadow_acceptance_resolves_blocks_against_committed_tokens():
-    m = CostModel(block_size=5, decay=0.5)
+    m = CostModel(block_size=5, acceptance_decay=0.5)
     m.record_drafts(10, [1, 2, 3, 4])
     m.record_committed([1, 2], offset=10)  # positions 10, 11: both right, 12.. unknown
     assert len(m.pending) == 1
     m.record_committed([1, 2, 9, 4], offset=10)  # position 12 wrong: 2 right
-    assert m.pending == [] and m.survival_den == 1
+    assert m.pending == [] and m.survival_den == [1, 1, 1, 1]
     assert m.survival_num == [1, 1, 0, 0]
     m.record_drafts(14, [5, 6, 7, 8])
     m.record_committed([1, 2, 9, 4, 5, 6, 7, 8], offset=10)  # all four right
-    assert m.survival_num == [1.5, 1.5, 1.0, 1.0] and m.survival_den == 1.5
+    assert m.survival_num == [1.5, 1.5, 1.0, 1.0] and m.survival_den == [1.5] * 4
+
+
+def test_a_short_block_counts_only_at_the_positions_it_reached():
+    m = CostModel(block_size=5, acceptance_decay=1.0)
+    m.record_drafts(0, [1])  # a block of 2: one draft
+    m.record_committed([1, 2], offset=0)
+    assert m.survival_den == [1, 0, 0, 0] and m.survival_num == [1, 0, 0, 0]
+    # Position 2 on has no block of its own: the prior, never above position 1.
+    assert m.survival() == pytest.approx([(1 + 0.6) / 2, 0.36, 0.216, 0.6 ** 4])
 
 
 def test_expected_tokens_follow_the_survival_function():
-    m = CostModel(block_size=4, decay=1.0)  # only the newest block counts
+    m = CostModel(block_size=4, acceptance_decay=1.0)  # only the newest block counts
     m.record_drafts(0, [1, 2, 3])
     m.record_committed([1, 2, 0], offset=0)  # 2 right
     survival = [(1 + 0.6) / 2, (1 + 0.36) / 2, 0.216 / 2]  # (n + 0.6^i) / (den + 1)
@@ -35,55 +65,106 @@ def test_expected_tokens_follow_the_survival_function():
 
 
 def test_plain_decoding_wins_when_drafts_are_wrong_and_speculation_when_right():
-    wrong = CostModel(block_size=8)
-    timed(wrong, {1: 1.0, 8: 2.0}, draft=1.0)
-    for s in range(50):
-        wrong.record_drafts(s * 8, [0] * 7)
-        wrong.record_committed([1] * 8, offset=s * 8)
+    wrong = calibrated(8, {1: 1.0, 8: 2.0}, {8: 1.0})
+    observe(wrong, 50, right=0)
     assert wrong.best_width() == 1
-    right = CostModel(block_size=8)
-    timed(right, {1: 1.0, 8: 2.0}, draft=1.0)
-    for s in range(50):
-        right.record_drafts(s * 8, [1] * 7)
-        right.record_committed([1] * 8, offset=s * 8)
+    right = calibrated(8, {1: 1.0, 8: 2.0}, {8: 1.0})
+    observe(right, 50, right=7)
     assert right.best_width() == 8  # 8 tokens in 3 s beats 1 in 1 s
     assert right.rate(8) == pytest.approx(right.expected_tokens(8) / 3.0)
 
 
-def test_verify_seconds_interpolate_and_extrapolate():
-    m = CostModel(block_size=16)
-    assert m.verify_seconds(4) is None
-    timed(m, {1: 1.0, 4: 1.6, 16: 4.0}, draft=0.5)
-    assert m.verify_seconds(1) == 1.0 and m.verify_seconds(2) == pytest.approx(1.2)
-    assert m.verify_seconds(10) == pytest.approx(2.8)
-    assert m.verify_seconds(20) == pytest.approx(4.8)
+def test_calibration_interpolates_widths_and_extends_the_context():
+    cal = Calibration({1: (1.0, 2.0), 4: (1.6, 4.0), 16: (4.0, 10.0)}, {16: (0.5, 0.5)}, {16: (4.5, 10.5)}, (0, 100))
+    assert cal.forward(1, 0) == 1.0 and cal.forward(2, 0) == pytest.approx(1.2)
+    assert cal.forward(10, 0) == pytest.approx(2.8)
+    assert cal.forward(4, 50) == pytest.approx(2.8) and cal.forward(4, 200) == pytest.approx(6.4)
+    assert cal.forward(64, 0) == 4.0  # flat past the largest timed width
+    capped = Calibration({1: (3.0, 3.0), 4: (2.0, 2.0)}, {2: (1.0, 1.0)}, {2: (1.0, 1.0)}).capped()
+    assert capped.verify_s[1] == (2.0, 2.0)  # more tokens never cost less
+    with pytest.raises(ValueError, match="not a calibration"):
+        Calibration.from_dict({"verify_s": {"1": [0.0, 1.0]}, "draft_s": {"2": [1, 1]}, "chain_s": {"2": [1, 1]},
+                               "contexts": [0, 1]})
+
+
+def test_a_chain_is_drafted_at_the_smallest_timed_block_that_holds_it_and_now_and_then_at_b():
+    m = calibrated(16, {1: 1.0, 16: 2.0}, {2: 0.1, 4: 0.2, 8: 0.4, 16: 0.8}, probe_every=4)
+    assert [m.draft_block(n) for n in (2, 3, 4, 5, 8, 9, 16)] == [2, 4, 4, 8, 8, 16, 16]
+    assert m.estimate("chain", 5, 0) == pytest.approx(m.calibration.forward(5, 0) + 0.4)
+    assert m.estimate("tree", 9, 0) == pytest.approx(m.calibration.forward(9, 0) + 0.8)  # trees draft the block
+    assert [m.should_draft_wide() for _ in range(8)] == [False, False, False, True] * 2
+
+
+def test_the_machine_speed_is_shared_by_every_mode():
+    # A busy spell while chains run slows the plain estimate alike: the choice holds.
+    m = calibrated(8, {1: 1.0, 8: 1.2}, {8: 0.3})
+    observe(m, 50, right=2)
+    before = m.best_width()
+    for _ in range(30):
+        m.record_step("chain", before, 2.5 * m.estimate("chain", before, 0), 0)
+    assert m.speed.value == pytest.approx(2.5, rel=0.05)
+    assert m.best_width() == before
+    assert m.step_seconds("plain", 1, 0) == pytest.approx(2.5, rel=0.05)
+
+
+def test_a_chain_step_costs_what_it_was_timed_at_and_a_wide_probe_its_extra_drafting():
+    m = calibrated(16, {1: 1.0, 16: 2.0}, {4: 0.2, 16: 0.8})
+    assert m.estimate("chain", 4, 0) == pytest.approx(m.calibration.chain(4, 0))
+    assert m.estimate("chain", 3, 0) == pytest.approx(m.calibration.chain(4, 0) - m.calibration.forward(4, 0)
+                                                      + m.calibration.forward(3, 0))
+    assert m.estimate("chain", 4, 0, block=16) == pytest.approx(m.calibration.chain(4, 0) + 0.6)
+    assert m.estimate("plain", 1, 0) == 1.0
+
+
+def test_an_overhead_per_step_favours_wider_verifies():
+    m = calibrated(8, {1: 1.0, 8: 2.0}, {8: 1.0})
+    observe(m, 50, right=1)
+    assert m.best_width() == 1
+    for _ in range(30):
+        m.record_step("chain", 8, m.estimate("chain", 8, 0), 0, overhead=2.0)
+    assert m.step_seconds("plain", 1, 0) == pytest.approx(1.0 + 2.0, rel=0.05)  # plain borrows the chain's
+    assert m.best_width() > 1
+
+
+def test_a_step_far_off_its_estimate_is_not_a_timing():
+    m = calibrated(8, {1: 1.0, 8: 2.0}, {8: 1.0})
+    m.record_step("chain", 8, 100.0, 0)  # the first run of a new shape compiles
+    assert m.speed.value == 1.0 and m.mode_factor == {}
+
+
+def test_the_context_raises_wide_verifies_most():
+    m = calibrated(16, {1: (1.0, 1.1), 16: (1.2, 8.0)}, {16: (0.2, 0.2)}, contexts=(0, 1000))
+    observe(m, 50, right=15)
+    assert m.best_width(context=0) == 16
+    assert m.best_width(context=4000) == 1  # 16 tokens' attention over 4000 rows: slower than one at a time
 
 
 def test_probes_while_plain_space_out_and_restart_after_speculation():
     m = CostModel(block_size=4, probe_every=3, max_probe_every=6)
-    probes = [m.should_probe() for _ in range(15)]
-    assert [i for i, p in enumerate(probes) if p] == [2, 8, 14]  # after 3, then 6, then 6 (the cap)
+    gaps = []
+    for _ in range(4):
+        gaps.append(m.plain_steps_before_probe())
+        m.since_probe += gaps[-1]
+        m.probed()
+    assert gaps == [2, 5, 5, 5]  # a probe after 3 steps, then 6, then 6 (the cap)
+    m.probed(close=True)
+    assert m.probe_gap == 6  # winning by little: no further apart
     m.speculating()
-    assert [m.should_probe() for _ in range(3)] == [False, False, True]
+    assert m.plain_steps_before_probe() == 2
 
 
-def test_step_seconds_follow_real_steps():
-    m = CostModel(block_size=8, decay=1.0, fresh_steps=2)
-    timed(m, {1: 1.0, 8: 2.0}, draft=1.0)
-    assert m.step_seconds("plain", 1) == 1.0 and m.step_seconds("chain", 8) == 3.0
-    m.record_step("chain", 8, 6.0)  # twice as slow as calibrated
-    assert m.step_seconds("chain", 8) == 6.0
-    assert m.step_seconds("chain", 4) == pytest.approx(2 * (1.0 + 1 + 3 / 7))  # the mode's ratio
-    assert m.step_seconds("plain", 1) == 2.0  # a mode not run yet borrows the observed ratio
-    m.record_step("plain", 1, 1.5)
-    assert m.step_seconds("plain", 1) == 1.5 and m.ratio["plain"].value == 1.5  # then has its own
-    m.record_step("chain", 4, 3.0)
-    m.record_step("chain", 4, 3.0)
-    assert m.step_seconds("chain", 8) == pytest.approx(3.0 * 3 / (1 + 1 + 3 / 7))  # stale: estimate x ratio
+def test_a_block_better_than_expected_brings_the_next_probe_close():
+    m = CostModel(block_size=4, probe_every=3, max_probe_every=12)
+    for _ in range(3):
+        m.probed()
+    assert m.probe_gap == 12
+    m.record_drafts(0, [1, 2, 3])
+    m.record_committed([1, 2, 3, 4], offset=0)  # all right: the drafts fit the text again
+    assert m.probe_gap == 3
 
 
 def test_tree_expectation_is_calibrated_by_the_chain():
-    m = CostModel(block_size=4, decay=1.0)
+    m = CostModel(block_size=4, acceptance_decay=1.0)
     m.record_drafts(0, [1, 2, 3])
     m.record_committed([1, 9, 0], offset=0)  # 1 right
     S = [(1 + 0.6) / 2, 0.36 / 2, 0.216 / 2]

@@ -4,6 +4,7 @@ import json
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx.utils import tree_flatten
 
 from dflash_mlx import DFlashDrafter, DrafterArgs, bind_drafter, load_drafter, save_drafter
@@ -101,7 +102,11 @@ class NumpyDrafter:
         return logits if self.softcap is None else self.softcap * np.tanh(logits / self.softcap)
 
 
-def test_forward_matches_numpy_over_two_calls(family):
+@pytest.mark.parametrize("compiled", ["1", "0"])
+def test_forward_matches_numpy_over_several_calls(family, compiled, monkeypatch):
+    # The compiled step (context rows padded to the block) and the plain one agree with
+    # the reference, for fewer new context rows than the block, as many, and more.
+    monkeypatch.setenv("DFLASH_COMPILE", compiled)
     model, target, drafter = make_pair(family)
     args = drafter.args
     assert args.num_hidden_layers == 2 and (args.num_attention_heads, args.num_key_value_heads) == (4, 2)
@@ -109,7 +114,7 @@ def test_forward_matches_numpy_over_two_calls(family):
     cache = drafter.make_cache()
     rng = np.random.default_rng(0)
     F = len(args.target_layer_ids) * args.hidden_size
-    for S, t in [(5, 17), (3, 42)]:
+    for S, t in [(5, 17), (3, 42), (8, 9), (11, 3), (1, 5)]:
         ctx = rng.standard_normal((S, F)).astype(np.float32)
         block = block_of(t, args.mask_token_id)
         logits = drafter(block, mx.array(ctx)[None], cache)
@@ -118,7 +123,7 @@ def test_forward_matches_numpy_over_two_calls(family):
         np.testing.assert_allclose(np.array(logits[0]), expected, atol=1e-4, rtol=1e-4)
         # Only context rows are cached.
         assert all(c.offset == ref.offset for c in cache)
-    assert ref.offset == 8
+    assert ref.offset == 28
 
 
 def test_second_call_depends_on_cached_context(family):

@@ -355,9 +355,13 @@ def block_attention_reference(
 ) -> mx.array:
     """The result the kernel must match, in plain MLX ops (float32 math).
 
-    Same arguments and result as :func:`block_attention`. The scores over the
-    context and over the block are two matmuls sharing one softmax, so the
-    context K/V is not concatenated with the block either.
+    Same arguments and result as :func:`block_attention`. The context and block K/V
+    are concatenated (a copy of the context rows per call, which the kernel avoids),
+    scored in one matmul and weighted by a softmax whose exponential is
+    ``2 ** (x * log2(e))``: on MLX's x86-64 CPU backend ``mx.exp`` is about twice as
+    slow as ``mx.power`` (docs/benchmarks.md), and the drafter's attention is most of
+    a draft there. A mask is applied only where some key is hidden (a window, or a
+    causal block).
     """
     _check(queries, ctx_keys, ctx_values, block_keys, block_values, window)
     batch, n_heads, block, head_dim = queries.shape
@@ -365,41 +369,50 @@ def block_attention_reference(
     n_ctx = ctx_keys.shape[2]
     delta = _relative_start(n_ctx, q_start, ctx_start)
     group = n_heads // n_kv
-    f32 = mx.float32
     # Query heads of one KV head side by side: row g * B + i is head kv * group + g, block row i.
-    q = (queries.astype(f32) * scale).reshape(batch, n_kv, group * block, head_dim)
-    i = mx.arange(block)[:, None]
-
-    j = mx.arange(block)[None, :]
-    block_mask = mx.ones((block, block), dtype=mx.bool_)
-    if causal:
-        block_mask = block_mask & (j <= i)
-    if window is not None:
-        block_mask = block_mask & (i - j < window)
-    scores = [q @ block_keys.astype(f32).swapaxes(-1, -2)]
-    masks = [mx.tile(block_mask, (group, 1))]
-    values = [block_values]
+    q = (_f32(queries) * scale).reshape(batch, n_kv, group * block, head_dim)
+    keys, values = _f32(block_keys), _f32(block_values)
     if n_ctx > 0:
-        scores.insert(0, q @ ctx_keys.astype(f32).swapaxes(-1, -2))
-        k = mx.arange(n_ctx)[None, :]
-        ctx_mask = (i + delta - k < window) if window is not None else mx.ones((block, n_ctx), dtype=mx.bool_)
-        masks.insert(0, mx.tile(ctx_mask, (group, 1)))
-        values.insert(0, ctx_values)
-
-    neg = mx.array(-float("inf"), dtype=f32)
-    peak = None
-    for s, m in zip(scores, masks):
-        top = mx.max(mx.where(m, s, neg), axis=-1, keepdims=True)
-        peak = top if peak is None else mx.maximum(peak, top)
-    total = None
-    out = None
-    for s, m, v in zip(scores, masks, values):
-        p = mx.where(m, mx.exp(s - peak), 0.0)
-        part = p @ v.astype(f32)
-        total = p.sum(axis=-1, keepdims=True) if total is None else total + p.sum(axis=-1, keepdims=True)
-        out = part if out is None else out + part
-    out = out / total
+        keys = mx.concatenate([_f32(ctx_keys), keys], axis=2)
+        values = mx.concatenate([_f32(ctx_values), values], axis=2)
+    scores = q @ keys.swapaxes(-1, -2)  # [batch, n_kv, group * B, C + B]
+    visible = _visible(block, n_ctx, delta, window, causal)
+    if visible is not None:
+        scores = mx.where(mx.tile(visible, (group, 1)), scores, -mx.inf)
+    out = softmax_exp2(scores) @ values
     return out.reshape(batch, n_heads, block, head_dim).astype(queries.dtype)
+
+
+def _f32(x: mx.array) -> mx.array:
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
+
+
+def _visible(block: int, n_ctx: int, delta: int, window: Optional[int], causal: bool) -> Optional[mx.array]:
+    """[B, C + B] bool, True where block row i may see key j (context keys first), or
+    None when every key is visible. Context row k sits ``delta - k`` before the first
+    query; every query sees itself, so no row is all hidden."""
+    if window is None and not causal:
+        return None
+    i = mx.arange(block)[:, None]
+    j = mx.arange(block)[None, :]
+    in_block = (j <= i) if causal else mx.ones((block, block), dtype=mx.bool_)
+    if window is not None:
+        in_block = in_block & (i - j < window)
+    if n_ctx == 0:
+        return in_block
+    k = mx.arange(n_ctx)[None, :]
+    in_ctx = (i + delta - k < window) if window is not None else mx.ones((block, n_ctx), dtype=mx.bool_)
+    return mx.concatenate([in_ctx, in_block], axis=1)
+
+
+_LOG2E = 1.4426950408889634
+
+
+def softmax_exp2(scores: mx.array) -> mx.array:
+    """Softmax over the last axis of float32 ``scores`` (``-inf`` entries get weight 0),
+    with ``2 ** (x * log2(e))`` for the exponential (see :func:`block_attention_reference`)."""
+    weights = mx.power(2.0, (scores - scores.max(axis=-1, keepdims=True)) * _LOG2E)
+    return weights / weights.sum(axis=-1, keepdims=True)
 
 
 def kernel_inputs(queries, ctx_keys, ctx_values, block_keys, block_values, n_ctx: int, delta: int,
