@@ -11,12 +11,20 @@ the loop is obtained without mirroring it here.
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python benchmarks/loop_profile.py --model models/stories260K \\
         --draft-model models/random-drafter-b16 --accept 5 --block-size 16
+    # the random Qwen3-0.6B-shaped pair of benchmarks/simulated_speedup.py instead:
+    python benchmarks/loop_profile.py --qwen3-0.6b --accept 5 --block-size 16 --tokens 48
+
+Another tree's engine (before a change) is profiled by putting it first on the
+path: ``PYTHONPATH=/tmp/before python benchmarks/loop_profile.py ...``.
 """
 
 import argparse
 import cProfile
+import json
 import pstats
+import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -39,8 +47,10 @@ def run(target, drafter, ids, B, n_tokens) -> tuple:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--draft-model", required=True)
+    p.add_argument("--model")
+    p.add_argument("--draft-model")
+    p.add_argument("--qwen3-0.6b", dest="qwen", action="store_true",
+                   help="the random Qwen3-0.6B-shaped pair (32 random prompt tokens) instead of --model")
     p.add_argument("--prompt", default="Once upon a time, there was a little girl named Lily.")
     p.add_argument("--accept", type=int, default=5, help="A, drafts accepted per block")
     p.add_argument("--block-size", type=int, default=16)
@@ -49,18 +59,26 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="also print the top functions by cumulative time")
     args = p.parse_args()
 
-    pair = load(args.model, args.draft_model)
-    ids = pair.tokenizer.encode(args.prompt)
-    sequence = greedy_continuation(pair.target, ids, args.tokens + args.block_size, ())
-    drafter = SimulatedDrafter(pair.drafter, sequence, args.accept, pair.target.vocab_size)
+    if args.qwen:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from simulated_speedup import random_pair
+
+        _, target, bound = random_pair(1, args.block_size)
+        mx.random.seed(1)
+        ids = mx.random.randint(0, 151643, (32,)).tolist()
+    else:
+        pair = load(args.model, args.draft_model)
+        target, bound, ids = pair.target, pair.drafter, pair.tokenizer.encode(args.prompt)
+    sequence = greedy_continuation(target, ids, args.tokens + args.block_size, ())
+    drafter = SimulatedDrafter(bound, sequence, args.accept, target.vocab_size)
     for _ in range(2):  # warm-up
-        run(pair.target, drafter, ids, args.block_size, args.tokens)
+        run(target, drafter, ids, args.block_size, args.tokens)
     profiler = cProfile.Profile() if args.profile else None
     total, wall = GenerationStats(block_size=args.block_size), 0.0
     for _ in range(args.runs):
         if profiler:
             profiler.enable()
-        stats, seconds = run(pair.target, drafter, ids, args.block_size, args.tokens)
+        stats, seconds = run(target, drafter, ids, args.block_size, args.tokens)
         if profiler:
             profiler.disable()
         total.add(stats)
@@ -73,6 +91,11 @@ def main() -> None:
     print("| phase | ms/cycle | share |\n|---|---:|---:|")
     for name, s in phases.items():
         print(f"| {name} | {1e3 * s / cycles:.3f} | {100 * s / wall:.1f}% |")
+    host = getattr(total, "host_s", None)  # engines before issue 19 did not book host work apart
+    row = {"ms_per_cycle": 1e3 * wall / cycles, "tau": total.tau,
+           **{name: 1e3 * s / cycles for name, s in phases.items()},
+           "host_ms_per_step": None if host is None else 1e3 * host / cycles}
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
     if profiler:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
 

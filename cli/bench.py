@@ -51,10 +51,12 @@ def bench(
     enable_thinking: bool = typer.Option(
         False, "--enable-thinking", help="Turn thinking on in the chat template (off by default)."
     ),
-    simulate_acceptance: Optional[int] = typer.Option(
+    simulate_acceptance: Optional[str] = typer.Option(
         None, "--simulate-acceptance",
         help="A: replace the drafter's proposals by the target's greedy continuation for the first A "
-        "slots of each block and wrong tokens after (the drafter still runs, for its cost). Needs --temp 0.",
+        "slots of each block and wrong tokens after (the drafter still runs, for its cost). Or FILE: replay "
+        "the accepted lengths a real run recorded (`dflash generate --json` output, its acceptance_trace; "
+        "record at the trained block size), one per block drafted. Needs --temp 0.",
     ),
     draft_window: Optional[str] = typer.Option(
         None, "--draft-window", help="SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows."
@@ -138,6 +140,27 @@ def parse_block_sizes(values: Optional[List[str]], extra: List[str], flag: str =
     return sizes or list(default)
 
 
+def parse_simulate_acceptance(value: Optional[str]):
+    """``--simulate-acceptance``: an int A, or a trace file's accepted lengths (a list).
+
+    Raises:
+        InputError: naming the flag, when it is neither an int nor a readable trace.
+    """
+    from dflash_mlx import InputError
+    from dflash_mlx.simulate import read_trace
+
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        return read_trace(value)
+    except ValueError as e:
+        raise InputError(f"--simulate-acceptance: {e}") from None
+
+
 def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_size, tree_budget, temp, top_p, top_k, min_p,
          seed, baseline, num_draft_tokens, enable_thinking, simulate_acceptance, draft_window, repeats, warmup_tokens,
          out, overwrite, plots, extra) -> None:
@@ -163,6 +186,7 @@ def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_siz
     if draft_model is None:
         raise InputError("dflash bench needs --draft-model (the DFlash drafter to measure)")
     datasets = [d for spec in dataset for d in spec.split(",") if d]
+    simulate_acceptance = parse_simulate_acceptance(simulate_acceptance)
     config = BenchConfig(max_tokens=max_tokens, block_sizes=sizes, tree_budgets=budgets, temp=temp, top_p=top_p, top_k=top_k,
                          min_p=min_p, seed=seed, repeats=repeats, simulate_acceptance=simulate_acceptance,
                          enable_thinking=enable_thinking, warmup_tokens=warmup_tokens,

@@ -34,6 +34,7 @@ from typing import Callable, Dict, Optional, Protocol, Sequence, Tuple
 import mlx.core as mx
 
 TIMED_REPEATS = 3  # timed runs of each forward and draft, after one unseen
+PLAIN_TIMED_STEPS = 8  # plain steps in a timed run (a plain step is timed pipelined, as the loop runs it)
 STORE_FORMAT = 2
 CACHE_ENV = "DFLASH_CACHE_DIR"
 
@@ -52,10 +53,11 @@ class Calibration:
             target forward of n tokens (features and logits included); n = 1 is a
             plain decoding step.
         draft_s: ``{D: (seconds, seconds)}`` of one drafter pass drafting a block of D.
-        chain_s: ``{n: (seconds, seconds)}`` of a whole chain step of width n, drafted
-            at the smallest timed block that holds n, the verify built on the drafts
-            while the drafter runs, as the decode loop does it (its overlap makes a
-            step cheaper than its draft and forward timed apart).
+        chain_s: ``{n: (seconds, seconds)}`` of a whole step as the decode loop runs
+            it: n = 1, a plain step in a pipelined run (each queued before the last is
+            read); n >= 2, a chain step of width n, drafted at the smallest timed
+            block that holds n, the verify built on the drafts while the drafter runs
+            (its overlap makes a step cheaper than its draft and forward timed apart).
         contexts: the two context lengths, in tokens.
     """
 
@@ -201,7 +203,8 @@ class FixedTimings:
         self.draft_s = draft_s if callable(draft_s) else (lambda block, s=draft_s: s)
 
     def calibrate(self, target, drafter, widths: Sequence[int], blocks: Sequence[int]) -> Calibration:
-        chains = {n: self.forward_s(n) + self.draft_s(chain_block(n, blocks)) for n in widths if 2 <= n <= max(blocks)}
+        chains = {n: self.forward_s(n) + (self.draft_s(chain_block(n, blocks)) if n > 1 else 0.0)
+                  for n in widths if n <= max(blocks)}
         return Calibration({n: (self.forward_s(n),) * 2 for n in widths}, {b: (self.draft_s(b),) * 2 for b in blocks},
                            {n: (t, t) for n, t in chains.items()})
 
@@ -239,7 +242,7 @@ def calibrate(target, drafter, widths: Sequence[int], blocks: Sequence[int],
     layer_ids = drafter.target_layer_ids
     verify: Dict[int, list] = {n: [] for n in widths}
     draft: Dict[int, list] = {b: [] for b in blocks}
-    chain: Dict[int, list] = {n: [] for n in widths if 2 <= n <= max(blocks)}
+    chain: Dict[int, list] = {n: [] for n in widths if n <= max(blocks)}
     for i, context in enumerate(contexts):
         cache = target.make_cache(max(widths))
         _, features = target((mx.arange(context + 1, dtype=mx.int32) % V)[None], cache, layer_ids)
@@ -252,7 +255,9 @@ def calibrate(target, drafter, widths: Sequence[int], blocks: Sequence[int],
                 t = _time_runs(lambda: _scratch_drafter_cache(drafter, features),
                                lambda c: mx.eval(drafter.draft(token, features[:, -1:], c, b)))
                 draft[b] += [] if warm else [t]
-            for n in sorted(chain):
+            t = _time_runs(lambda: None, lambda: _plain_run(target, cache, layer_ids)) / PLAIN_TIMED_STEPS
+            chain[1] += [] if warm else [t]
+            for n in sorted(chain)[1:]:
                 t = _time_runs(lambda: _scratch_drafter_cache(drafter, features),
                                lambda c: _chain(target, cache, drafter, c, token, features, n, chain_block(n, blocks)))
                 chain[n] += [] if warm else [t]
@@ -280,6 +285,24 @@ def _scratch_drafter_cache(drafter, features: mx.array):
     drafter.ingest(features[:, :-1], cache)
     mx.eval([c.state for c in cache])
     return cache
+
+
+def _plain_run(target, cache, layer_ids, steps: int = PLAIN_TIMED_STEPS) -> float:
+    """A run of plain steps as the loop runs it (each queued before the last is read,
+    capturing features)."""
+    from .verify import plain_step  # the loop's own step
+
+    pick = lambda logits: mx.argmax(logits, axis=-1).astype(mx.int32)  # noqa: E731
+    y, f = plain_step(target, cache, layer_ids, pick, mx.array([1], dtype=mx.int32))
+    for i in range(steps):
+        queued = plain_step(target, cache, layer_ids, pick, y) if i + 1 < steps else None
+        if queued is not None:
+            mx.async_eval(*queued)
+        mx.eval(y, f)
+        y.tolist()
+        if queued is not None:
+            y, f = queued
+    target.rollback(cache, steps)
 
 
 def _chain(target, cache, drafter, draft_cache, token: mx.array, features: mx.array, width: int, block: int) -> None:
@@ -351,7 +374,8 @@ def device_name() -> str:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return f"cpu {platform.machine()} {cpu} x{os.cpu_count()}"
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"cpu {platform.machine()} {cpu} x{usable}"  # the cores this process may use (taskset)
 
 
 def store_key(target, drafter, draft_block: int, widths: Sequence[int]) -> Optional[dict]:

@@ -10,29 +10,30 @@ candidate, so speculation is used only when it pays.
 
 - **Drafted block**: a chain of n is drafted at D, the smallest timed block size
   >= n (2, 4, 8, 16, ..., the trained size): drafting 16 to verify 6 would pay for
-  ten drafts nobody checks. Every ``probe_every`` chain steps drafted below the
-  trained size, one drafts the whole trained block instead (a wide probe), so what
+  ten drafts nobody checks. Every ``wide_every`` chain steps drafted below the
+  trained size, one drafts the next block size up instead (a wide probe), so what
   wider verifies would accept stays known.
-- **Seconds**: a whole chain step of each timed width (drafted at its block, the
-  verify built while the drafter runs, as the loop does), a target forward of each
-  width and a drafter pass at each block size, all timed at two context lengths
-  (:mod:`dflash_mlx.calibration`), give each step's estimate at the current context:
-  plain, the 1-token forward; chain, the chain step of n; tree, the forward of its
-  nodes plus a pass at the trained size. Every real step's time drafting and
-  verifying refreshes the machine's speed, shared by every mode and quick (a busy
-  spell slows plain and speculative estimates alike, so it does not push the choice
-  either way), and, slowly, the plain and tree steps' own factor over it (a
-  pipelined plain step overlaps the next). Apart, each mode's overhead per step
-  (planning, bookkeeping), the same at every width. A step more than three times off
-  its estimate (the first run of a new shape compiles; a pause) is not counted.
+- **Seconds**: a whole plain step (in a pipelined run) and a whole chain step of
+  each timed width (drafted at its block, the verify built while the drafter runs),
+  as the loop runs them, and a target forward of each width and a drafter pass at
+  each block size, all timed at two context lengths (:mod:`dflash_mlx.calibration`),
+  give each step's estimate at the current context: plain and chain from the whole
+  steps, tree from the forward of its nodes plus a pass at the trained size. Every
+  real step's time drafting and verifying refreshes one factor, the machine's speed,
+  shared by every mode (a busy spell slows plain and speculative estimates alike, so
+  it does not push the choice either way); trees, estimated from parts, also learn
+  their own factor over it. Apart, each mode's overhead per step (planning,
+  bookkeeping). A step more than three times off its estimate (the first run of a
+  new shape compiles; a pause) is not counted.
 - **Committed tokens**: every drafted block is later compared with the tokens the
   target committed at its positions, however many of them were verified, so the
   acceptance of every width up to the block drafted is observed ("shadow"
   acceptance). At temperature 0 this equals the acceptance the wider verify would
   have had; with sample-and-match it has the same distribution, since every
   committed token is a target sample given the accepted prefix. The estimate is the
-  survival function S(i) = P(drafts 1..i all right), per position i, exponentially
-  weighted over the blocks that reached i, with E[tokens | n] = 1 + sum_{i < n} S(i).
+  survival function S(i) = P(drafts 1..i all right), a product of per-position
+  conditional acceptances (Kaplan-Meier: a block drafted short is censored where it
+  ends), exponentially weighted, with E[tokens | n] = 1 + sum_{i < n} S(i).
   Blocks of every size count alike: the first drafts of a block of 8 are as good as
   those of a block of 16 (drafters trained at several block sizes, as
   ``dflash train --block-sizes`` does, measure so; and it is what the drafts are
@@ -57,7 +58,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .calibration import Calibration
 
 PLAIN, CHAIN, TREE = "plain", "chain", "tree"
-PRIOR = 0.6  # prior per-draft survival (see CostModel.survival)
+PRIOR = 0.6  # prior conditional acceptance of a draft, before any block (see CostModel.survival)
 FACTOR_DECAY = 0.05  # a step's factor over the machine's speed changes slowly
 OUTLIER = 3.0  # a step more than this many times off its estimate is not a timing (a first compile, a pause)
 
@@ -95,30 +96,35 @@ class CostModel:
         probe_every: steps between probes (plain steps that draft, chain steps that
             draft the whole block).
         max_probe_every: the longest gap between probes while plain decoding wins.
+        wide_every: chain steps drafted below the trained size between two drafted
+            one block size wider (:meth:`probe_block`).
 
     Attributes:
         calibration: the seconds of forwards and drafts (None until :meth:`calibrate`).
         speed: observed over estimated seconds of recent steps, whatever their mode
             (a busy machine slows every mode alike).
-        mode_factor: ``{mode: Ema}`` what plain and tree steps took over their estimate
-            at that speed, learned slowly (a pipelined plain step overlaps the next
-            one); chains are the reference, their calibration is a whole step.
+        mode_factor: ``{"tree": Ema}`` what tree steps took over their estimate (a
+            forward and a draft timed apart) at that speed, learned slowly; plain and
+            chain steps were timed whole, as the loop runs them.
         overhead: ``{mode: Ema}`` seconds a step of that mode spends outside drafting
             and verifying (planning, bookkeeping), the same at every width.
-        survival_num, survival_den: weighted counts behind S(i), per position i = 1..B-1.
+        tried, right: weighted counts per position i = 1..B-1: blocks whose drafts
+            1..i-1 were right that drafted an i-th, and those whose i-th was right
+            too; their ratio is the conditional acceptance behind S(i).
     """
 
     block_size: int
     decay: float = 0.1
-    acceptance_decay: float = 0.05
+    acceptance_decay: float = 0.1
     probe_every: int = 16
+    wide_every: int = 8
     max_probe_every: int = 128
     calibration: Optional[Calibration] = None
     speed: Ema = field(default_factory=lambda: Ema(0.1, 1.0))
     mode_factor: Dict[str, Ema] = field(default_factory=dict)
     overhead: Dict[str, Ema] = field(default_factory=dict)
-    survival_num: List[float] = field(default_factory=list)
-    survival_den: List[float] = field(default_factory=list)
+    tried: List[float] = field(default_factory=list)
+    right: List[float] = field(default_factory=list)
     pending: List[Pending] = field(default_factory=list)
     since_probe: int = 0
     since_wide: int = 0
@@ -131,8 +137,8 @@ class CostModel:
     _block_sizes: Optional[List[int]] = None
 
     def __post_init__(self):
-        self.survival_num = [0.0] * (self.block_size - 1)
-        self.survival_den = [0.0] * (self.block_size - 1)
+        self.tried = [0.0] * (self.block_size - 1)
+        self.right = [0.0] * (self.block_size - 1)
         self.probe_gap = self.probe_every
 
     # -- kept between processes -----------------------------------------------------
@@ -146,8 +152,8 @@ class CostModel:
             "speed": self.speed.value,
             "mode_factor": {m: e.value for m, e in self.mode_factor.items()},
             "overhead": {m: e.value for m, e in self.overhead.items()},
-            "survival_num": list(self.survival_num),
-            "survival_den": list(self.survival_den),
+            "tried": list(self.tried),
+            "right": list(self.right),
             "tree_tokens": {str(n): e.value for n, e in self.tree_tokens.items() if e.value is not None},
         }
 
@@ -157,8 +163,8 @@ class CostModel:
         state does not fit this block size or holds a value that is not a finite
         number >= 0."""
         try:
-            num = [float(x) for x in state["survival_num"]]
-            den = [float(x) for x in state["survival_den"]]
+            tried = [float(x) for x in state["tried"]]
+            right = [float(x) for x in state["right"]]
             ratio = {str(m): float(r) for m, r in state.get("mode_factor", {}).items()}
             speed = float(state.get("speed", 1.0))
             overhead = {str(m): float(o) for m, o in state.get("overhead", {}).items()}
@@ -166,11 +172,11 @@ class CostModel:
             calibration = Calibration.from_dict(state["calibration"]) if timings else None
         except (KeyError, TypeError, ValueError, AttributeError):
             return False
-        numbers = num + den + list(ratio.values()) + list(trees.values()) + list(overhead.values()) + [speed]
-        if len(num) != self.block_size - 1 or len(den) != len(num) \
+        numbers = tried + right + list(ratio.values()) + list(trees.values()) + list(overhead.values()) + [speed]
+        if len(tried) != self.block_size - 1 or len(right) != len(tried) \
                 or not all(math.isfinite(x) and x >= 0 for x in numbers):
             return False
-        self.survival_num, self.survival_den, self._cumulative = num, den, None
+        self.tried, self.right, self._cumulative = tried, right, None
         if timings:
             self.calibrate(calibration)
             self.speed = Ema(self.decay, speed)
@@ -210,7 +216,7 @@ class CostModel:
 
     def estimate(self, mode: str, width: int, context: int, block: Optional[int] = None) -> Optional[float]:
         """Calibrated seconds of one step after ``context`` tokens (None before
-        calibration): plain, the 1-token forward; chain, the timed chain step of
+        calibration): plain, a step of a pipelined plain run; chain, the timed chain step of
         ``width`` (a ``block`` wider than :meth:`draft_block` adds its extra drafting);
         tree, the forward of ``width`` tokens and a pass at the trained size."""
         if self.calibration is None:
@@ -226,7 +232,7 @@ class CostModel:
         f0, f1, d0, d1, s0, s1 = self._table()
         at = lambda t0, t1, i: max(t0[i] + (t1[i] - t0[i]) * w, 0.5 * t0[i])  # noqa: E731
         if mode == PLAIN:
-            return at(f0, f1, 1)
+            return at(s0, s1, 1)
         if mode == TREE:
             return at(f0, f1, min(width, len(f0) - 1)) + at(d0, d1, self.block_size)
         n = min(width, self.block_size)
@@ -249,7 +255,7 @@ class CostModel:
             return
         q = seconds / est
         self.speed.update(q / self._factor(mode))
-        if mode != CHAIN:  # chains are the reference: their calibration is a whole step
+        if mode == TREE:  # plain and chain steps were timed whole, as the loop runs them; a tree from its parts
             self.mode_factor.setdefault(mode, Ema(FACTOR_DECAY, 1.0)).update(q / self.speed.value)
 
     def step_seconds(self, mode: str, width: int, context: int) -> Optional[float]:
@@ -296,23 +302,30 @@ class CostModel:
         self.pending = still
 
     def _observe(self, right: int, drafted: int) -> None:
-        """One block of ``drafted`` drafts whose first ``right`` were right."""
-        if right > sum(self.survival()[:drafted]):  # better than expected: while plain wins, probe soon again
+        """One block of ``drafted`` drafts whose first ``right`` were right: it tried
+        positions 1..min(right + 1, drafted) (a block that ran out of drafts is
+        censored there), and was right at the first ``right``."""
+        if right > self.expected_tokens(drafted + 1) - 1:  # better than expected: while plain wins, probe soon
             self.probe_gap = self.probe_every
         keep = 1 - self.acceptance_decay
         self._cumulative = None
-        for i in range(min(drafted, len(self.survival_num))):
-            self.survival_den[i] = keep * self.survival_den[i] + 1
-            self.survival_num[i] = keep * self.survival_num[i] + (1.0 if i < right else 0.0)
+        for i in range(min(right + 1, drafted, len(self.tried))):
+            self.tried[i] = keep * self.tried[i] + 1
+            self.right[i] = keep * self.right[i] + (i < right)
 
     def survival(self) -> List[float]:
-        """S(i) for i = 1..B-1: the share of blocks whose drafts 1..i were all right,
-        with a prior worth one block of S(i) = 0.6^i (hopeful enough to try
-        speculating first, soon outweighed when drafts miss), never rising with i."""
-        out, low = [], 1.0
-        for i, (n, d) in enumerate(zip(self.survival_num, self.survival_den)):
-            low = min(low, (n + PRIOR ** (i + 1)) / (d + 1))
-            out.append(low)
+        """S(i) for i = 1..B-1: P(drafts 1..i all right), the product of the
+        conditional acceptances c(j) = P(draft j right | drafts before it right),
+        each estimated with a prior worth one block: the conditional acceptance of all
+        positions pooled (itself from a prior of 0.6 worth one block: hopeful enough to
+        try speculating first, soon outweighed when drafts miss). A position few blocks reached (those
+        drafted wider, or rare long runs) so leans on the others, not on a fixed
+        guess: estimates of wide verifies do not sink for want of samples."""
+        pooled = (sum(self.right) + PRIOR) / (sum(self.tried) + 1)
+        out, s = [], 1.0
+        for t, r in zip(self.tried, self.right):
+            s *= (r + pooled) / (t + 1)
+            out.append(s)
         return out
 
     def _blocks(self) -> List[int]:
@@ -384,14 +397,18 @@ class CostModel:
         """Speculation was chosen: probes restart at ``probe_every`` when plain wins again."""
         self.since_probe, self.probe_gap = 0, self.probe_every
 
-    def should_draft_wide(self) -> bool:
-        """For a chain drafted below the trained size: True every ``probe_every``
-        such steps, to draft the whole block (what wider verifies would accept)."""
+    def probe_block(self, block: int) -> int:
+        """The block a chain drafted at ``block`` drafts this step: every
+        ``wide_every``-th such step, the next timed size up (what wider verifies would
+        accept stays known: the positions past a block are seen only this way),
+        else ``block``."""
+        if block >= self.block_size:
+            return block
         self.since_wide += 1
-        if self.since_wide >= self.probe_every:
-            self.since_wide = 0
-            return True
-        return False
+        if self.since_wide < self.wide_every:
+            return block
+        self.since_wide = 0
+        return next(b for b in self._blocks() if b > block)
 
     # -- trees ----------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ AUTO = "auto"
 TREE_BUDGETS = (8, 16, 32, 64)  # the budgets --tree-budget auto chooses among
 REDECIDE = 4  # a chain width is re-chosen every this many steps
 PLAIN_RUN = 8  # plain steps run between two decisions (decided again as soon as probes resolve)
-PLAIN_MARGIN = 0.25  # plain decoding is taken when its expected rate is this much better
+PLAIN_MARGIN = 0.1  # plain decoding is taken when its expected rate is this much better
 CLOSE = 0.15  # ... and while it is better by less than this, probes stay frequent
 
 
@@ -143,9 +143,7 @@ class Policy:
         return self._chain(best)
 
     def _chain(self, width: int) -> Plan:
-        block = self.cost.draft_block(width) if self.adaptive else self.block
-        if block < self.block and self.cost.should_draft_wide():
-            block = self.block
+        block = self.cost.probe_block(self.cost.draft_block(width)) if self.adaptive else self.block
         self.last = Plan(CHAIN, width, block=block)
         return self.last
 

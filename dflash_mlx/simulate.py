@@ -7,11 +7,18 @@ its proposals are replaced by the target's own greedy continuation for the first
 positions of the block and by wrong tokens after them. At temperature 0 every
 verify then accepts min(A, B-1) drafts, so tau = min(A, B-1) + 1, except where the
 block reaches past the end of the known continuation.
+
+A replayed **acceptance trace** (a list of A values, one per drafted block, in
+order, e.g. the accepted lengths a real run recorded in ``--json``'s
+``acceptance_trace``) gives real, varying acceptance at any target's shape: the k-th
+block drafted makes its first ``trace[k mod len(trace)]`` drafts right.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+import json
+from pathlib import Path
+from typing import Any, List, Sequence, Union
 
 import mlx.core as mx
 
@@ -27,20 +34,25 @@ class SimulatedDrafter(WrappedDrafter):
         sequence: prompt ids followed by the target's greedy continuation (from a
             plain greedy run), as absolute positions: ``sequence[p]`` is the token
             at position ``p``.
-        accept: A, the number of leading drafts per block to make right (>= 0).
+        accept: A, the number of leading drafts per block to make right (>= 0), or a
+            trace of A values (non-empty), the k-th for the k-th block drafted.
         vocab_size: the vocabulary size; a wrong token is ``(right + 1) % vocab_size``.
 
     The position of ``t_last`` is the drafter cache's offset plus the new context
     rows (the spec's invariant ``off + S``), so the wrapper needs no other state.
     """
 
-    def __init__(self, drafter: Drafter, sequence: Sequence[int], accept: int, vocab_size: int):
-        if accept < 0:
-            raise ValueError(f"accept must be >= 0, got {accept}")
+    def __init__(self, drafter: Drafter, sequence: Sequence[int], accept: Union[int, Sequence[int]],
+                 vocab_size: int):
+        trace = [accept] if isinstance(accept, int) else list(accept)
+        if not trace or any(a < 0 for a in trace):
+            raise ValueError(f"accept must be >= 0 (or a non-empty trace of such), got {accept}")
         super().__init__(drafter)
         self.sequence = list(sequence)
-        self.accept = accept
+        self.trace = trace
+        self.accept = trace[0]
         self.vocab_size = vocab_size
+        self.blocks = 0  # blocks drafted so far: the trace's index
 
     def proposals(self, pos: int, block_size: int) -> List[int]:
         """Drafts d_1..d_{B-1} for a block whose ``t_last`` sits at ``pos``."""
@@ -62,6 +74,42 @@ class SimulatedDrafter(WrappedDrafter):
         the scripted token), so evaluating it evaluates the real forward pass.
         """
         pos = cache[0].offset + context.shape[1]
+        self.accept = self.trace[self.blocks % len(self.trace)]
+        self.blocks += 1
         real = self.inner.draft(token, context, cache, block_size)
         scripted = mx.array(self.proposals(pos, block_size), dtype=mx.int32)
         return mx.where(real < 0, real, scripted)  # argmax ids are never < 0
+
+
+def read_trace(path: Union[str, Path]) -> List[int]:
+    """The accepted lengths of an acceptance trace file: ``dflash generate --json``'s
+    output (its ``acceptance_trace``: ``[[accepted, drafted], ...]``), one such output
+    per line (JSON lines, traces joined), or a JSON list of ints.
+
+    Raises:
+        ValueError: naming the file, when it holds no trace of counts >= 0.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a readable acceptance trace ({e})") from None
+    try:
+        docs = [json.loads(text)]
+    except json.JSONDecodeError:
+        try:  # JSON lines: one --json output per line
+            docs = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON or JSON lines ({e})") from None
+    out: List[int] = []
+    for doc in docs:
+        steps = doc.get("acceptance_trace") if isinstance(doc, dict) else doc
+        if not isinstance(steps, list):
+            raise ValueError(f"{path}: no acceptance_trace (write one with dflash generate --json)")
+        for step in steps:
+            a = step[0] if isinstance(step, list) and step else step
+            if not isinstance(a, int) or isinstance(a, bool) or a < 0:
+                raise ValueError(f"{path}: acceptance_trace holds {step!r}, not a count >= 0")
+            out.append(a)
+    if not out:
+        raise ValueError(f"{path}: the acceptance trace is empty")
+    return out

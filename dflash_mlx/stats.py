@@ -65,6 +65,8 @@ class GenerationStats:
         calibration_s: seconds spent timing the widths for ``--block-size auto`` (the
             first generation of a process only); not counted in ``prompt_s``.
         host_s: seconds of host work in decode steps (see :attr:`host_ms_per_step`).
+        trace: ``[[accepted, drafted], ...]`` per verify step, in order: the
+            acceptance trace ``bench --simulate-acceptance FILE`` replays.
         block_attention: which path computed the drafter's block attention and why,
             ``{"block_attention": "metal" | "reference", "reason": str}`` (from
             :func:`dflash_mlx.kernels.block_attention.attention_path`); None without
@@ -96,13 +98,16 @@ class GenerationStats:
     draft_share: Optional[float] = None
     timed_drafts: int = 0
     host_s: float = 0.0
+    trace: List[List[int]] = field(default_factory=list)
 
     def record_step(self, accepted: int, drafted: Optional[int] = None) -> None:
         """Count one verify step that accepted ``accepted`` of ``drafted`` drafts
         (default ``block_size - 1``)."""
+        drafted = self.block_size - 1 if drafted is None else drafted
         self.steps += 1
         self.accepted += accepted
-        self.drafted += self.block_size - 1 if drafted is None else drafted
+        self.drafted += drafted
+        self.trace.append([accepted, drafted])
         self.histogram[accepted + 1] = self.histogram.get(accepted + 1, 0) + 1
 
     def time_draft(self) -> bool:
@@ -152,6 +157,7 @@ class GenerationStats:
         self.model_bytes = max(self.model_bytes, other.model_bytes)
         self.plain_steps += other.plain_steps
         self.host_s += other.host_s
+        self.trace += other.trace
         for k, n in other.widths.items():
             self.widths[k] = self.widths.get(k, 0) + n
         for k, v in other.mode_s.items():
@@ -245,6 +251,7 @@ class GenerationStats:
             "peak_memory": round(self.peak_memory_gb, 3),
             "bandwidth_gbps": round(self.bandwidth_gbps, 3),
             "timings_ms": self.timings_ms(),
+            "acceptance_trace": self.trace,
         }
 
     def acceptance_line(self) -> str:

@@ -235,7 +235,7 @@ def test_calibration_times_every_width_on_scratch_caches():
     _, target, ref = reference("qwen3")
     drafter = tiny_drafter(target)
     c = calibrate(target, drafter, [1, 2, 16, 33], [2, 8, 16])
-    assert sorted(c.verify_s) == [1, 2, 16, 33] and sorted(c.draft_s) == [2, 8, 16] and sorted(c.chain_s) == [2, 16]
+    assert sorted(c.verify_s) == [1, 2, 16, 33] and sorted(c.draft_s) == [2, 8, 16] and sorted(c.chain_s) == [1, 2, 16]
     times = [t for table in (c.verify_s, c.draft_s, c.chain_s) for pair in table.values() for t in pair]
     assert all(t > 0 for t in times) and c.contexts[0] < c.contexts[1]
 
@@ -250,11 +250,11 @@ def test_a_drafter_keeps_what_it_learned_across_generations():
     first, second = GenerationStats(block_size=16), GenerationStats(block_size=16)
     assert run(target, drafter, n=60, block_size="auto", stats=first) == ref[:60]
     (cost,) = policy._models_of(drafter).values()
-    steps, blocks = cost.steps, cost.survival_den[0]
+    steps, blocks = cost.steps, cost.tried[0]
     assert run(target, drafter, n=60, block_size="auto", stats=second) == ref[:60]
     assert tuple(policy._models_of(drafter).values()) == (cost,)
-    # survival_den: blocks seen, decayed (the chain and two probes: 1 + 0.95 + 0.95^2)
-    assert cost.steps > steps and cost.survival_den[0] > blocks > 2.7 and cost.survival_num[0] < 0.5
+    # tried[0]: blocks seen, decayed (the chain and two probes: 1 + 0.95 + 0.95^2)
+    assert cost.steps > steps and cost.tried[0] > blocks > 2.7 and cost.right[0] < 0.5
     # A fresh model's hopeful prior verifies a chain first; the kept one knows better.
     assert any(k.startswith("chain") for k in first.widths) and set(second.widths) == {"plain"}
     other = tiny_drafter(target)

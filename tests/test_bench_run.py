@@ -62,6 +62,42 @@ def test_simulated_acceptance_gives_exact_tau_and_runs_the_real_drafter(pair, ac
     assert counting.calls == run.steps  # the real forward ran for every verified block
 
 
+def test_a_replayed_trace_accepts_its_lengths_block_by_block(pair):
+    _, target, drafter = pair
+    ids, n, B, trace = PROMPTS[1], 40, 8, [0, 3, 7, 1, 5]
+    sequence = greedy_continuation(target, ids, n + B, ())
+    sim = SimulatedDrafter(drafter, sequence, trace, target.vocab_size)
+    run = timed_run(DFlashEngine(target, sim, B), ids, n, make_sampler(0.0), ())
+    assert run.tokens == sequence[len(ids): len(ids) + n]  # lossless
+    got = [a for a, _ in run.stats.trace]
+    want = [trace[k % len(trace)] for k in range(run.steps)]
+    assert got[:-1] == want[:-1]  # the last block may be cut by max tokens
+    assert run.stats.to_dict()["acceptance_trace"] == run.stats.trace
+    assert all(d == B - 1 for _, d in run.stats.trace)
+
+
+def test_read_trace_takes_generate_json_and_names_bad_files(tmp_path):
+    from dflash_mlx.simulate import read_trace
+
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps({"tau": 2.0, "acceptance_trace": [[1, 15], [4, 15]]}, indent=2))
+    assert read_trace(one) == [1, 4]
+    lines = tmp_path / "runs.jsonl"
+    lines.write_text(json.dumps({"acceptance_trace": [[2, 7]]}) + "\n" + json.dumps({"acceptance_trace": [[0, 7]]}) + "\n")
+    assert read_trace(lines) == [2, 0]
+    plain = tmp_path / "list.json"
+    plain.write_text("[3, 0, 5]")
+    assert read_trace(plain) == [3, 0, 5]
+    for name, text, needle in [("empty.json", "[]", "empty"), ("neg.json", "[1, -2]", "not a count"),
+                               ("nokey.json", '{"tau": 1}', "no acceptance_trace"), ("bad.json", "{x", "not JSON")]:
+        bad = tmp_path / name
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=f"{name}.*{needle}"):
+            read_trace(bad)
+    with pytest.raises(ValueError, match="missing.json"):
+        read_trace(tmp_path / "missing.json")
+
+
 def test_simulated_proposals_are_right_then_wrong():
     sim = SimulatedDrafter(None, [10, 11, 12, 13, 14, 15], accept=2, vocab_size=16)
     assert sim.proposals(1, 6) == [12, 13, (14 + 1) % 16, (15 + 1) % 16, 0]  # past the end: filler
@@ -189,6 +225,7 @@ def test_cli_bench_out_is_checked_before_the_work(tmp_path):
     (["--block-size", "4", "x"], "--block-size expects integers"),
     (["stray"], "unexpected argument"),
     (["--simulate-acceptance", "2", "--temp", "0.5"], "needs --temp 0"),
+    (["--simulate-acceptance", "no-such-trace.json"], "--simulate-acceptance: no-such-trace.json"),
     (["--baseline", "eagle"], "--baseline eagle"),
 ])
 def test_cli_bad_flags(stories, random_drafter, tmp_path, args, needle):

@@ -101,11 +101,11 @@ def test_cost_model_state_round_trip_and_bad_states():
         assert again.rate(n, 100) == pytest.approx(cost.rate(n, 100))
     assert again.survival() == pytest.approx(cost.survival())
     fresh = CostModel(block_size=4)
-    assert not fresh.restore({**state, "survival_num": [1.0, 1.0]})  # another block size
+    assert not fresh.restore({**state, "tried": [1.0, 1.0]})  # another block size
     assert not fresh.restore({**state, "speed": float("nan")})
     assert not fresh.restore({**state, "calibration": {**state["calibration"], "verify_s": {"1": [-1.0, 1.0]}}})
-    assert not fresh.restore({"survival_num": "x"})
-    assert fresh.survival_den == [0.0] * 3 and fresh.calibration is None  # nothing half-restored
+    assert not fresh.restore({"tried": "x"})
+    assert fresh.tried == [0.0] * 3 and fresh.calibration is None  # nothing half-restored
 
 
 def fingerprinted(target, drafter, tag="a"):
@@ -123,7 +123,7 @@ def test_a_new_process_starts_from_the_stored_calibration_and_profile(qwen3, tmp
         assert tokens == ref[:60] and stats.verify["calibration"] == "timed" and timings.calibrations == 1
         (cost,) = policy._models_of(drafter).values()
         learned = cost.state()
-        assert learned["survival_den"][0] > 0
+        assert learned["tried"][0] > 0
         tokens, stats = run(target, drafter, timings=timings)
         assert stats.verify["calibration"] == "kept" and timings.calibrations == 1
 
@@ -131,14 +131,14 @@ def test_a_new_process_starts_from_the_stored_calibration_and_profile(qwen3, tmp
         tokens, stats = run(target, drafter, n=1, timings=timings)
         assert stats.verify["calibration"] == "stored" and timings.calibrations == 1
         (restored,) = policy._models_of(drafter).values()
-        assert restored.survival_num[0] > 0 and restored.estimate("chain", 16, 50) == pytest.approx(
+        assert restored.right[0] > 0 and restored.estimate("chain", 16, 50) == pytest.approx(
             cost.estimate("chain", 16, 50))
 
         policy.recalibrate(drafter)  # --recalibrate: timed again, the profile kept
         tokens, stats = run(target, drafter, n=1, timings=timings)
         assert stats.verify["calibration"] == "timed" and timings.calibrations == 2
         (again,) = policy._models_of(drafter).values()
-        assert again.survival_num == pytest.approx(restored.survival_num)
+        assert again.right == pytest.approx(restored.right)
         tokens, stats = run(target, drafter, n=1, timings=timings)
         assert stats.verify["calibration"] == "kept"  # only the next generation recalibrates
 

@@ -12,13 +12,14 @@ from dflash_mlx.cost import CostModel
 
 def calibrated(block_size, verify, draft=None, contexts=(32, 256), **kw) -> CostModel:
     """A cost model with given seconds: ``verify`` {n: s or (s0, s1)}, ``draft`` {D: s or (s0, s1)};
-    a chain step of n costs the forward of n plus the pass at its block."""
+    a chain step of n costs the forward of n plus the pass at its block, a plain step the forward."""
     pair = lambda t: tuple(t) if isinstance(t, (tuple, list)) else (t, t)  # noqa: E731
     verify = {n: pair(t) for n, t in verify.items()}
     draft = {b: pair(t) for b, t in (draft if draft is not None else {block_size: 1.0}).items()}
     partial = Calibration(verify, draft, {2: (1.0, 1.0)}, contexts)
-    chain = {n: tuple(partial.forward(n, c) + partial.draft(chain_block(n, sorted(draft)), c) for c in contexts)
-             for n in sorted(set(verify) | set(draft)) if 2 <= n <= max(draft)}
+    chain = {n: tuple(partial.forward(n, c) + (partial.draft(chain_block(n, sorted(draft)), c) if n > 1 else 0.0)
+                      for c in contexts)
+             for n in sorted(set(verify) | set(draft)) if n <= max(draft)}
     m = CostModel(block_size=block_size, **kw)
     m.calibrate(Calibration(verify, draft, chain, contexts))
     return m
@@ -37,31 +38,37 @@ def test_shadow_acceptance_resolves_blocks_against_committed_tokens():
     m.record_drafts(10, [1, 2, 3, 4])
     m.record_committed([1, 2], offset=10)  # positions 10, 11: both right, 12.. unknown
     assert len(m.pending) == 1
-    m.record_committed([1, 2, 9, 4], offset=10)  # position 12 wrong: 2 right
-    assert m.pending == [] and m.survival_den == [1, 1, 1, 1]
-    assert m.survival_num == [1, 1, 0, 0]
+    m.record_committed([1, 2, 9, 4], offset=10)  # position 12 wrong: 2 right, the 4th draft never tried
+    assert m.pending == [] and m.tried == [1, 1, 1, 0] and m.right == [1, 1, 0, 0]
     m.record_drafts(14, [5, 6, 7, 8])
     m.record_committed([1, 2, 9, 4, 5, 6, 7, 8], offset=10)  # all four right
-    assert m.survival_num == [1.5, 1.5, 1.0, 1.0] and m.survival_den == [1.5] * 4
+    assert m.tried == [1.5, 1.5, 1.5, 1.0] and m.right == [1.5, 1.5, 1.0, 1.0]
 
 
-def test_a_short_block_counts_only_at_the_positions_it_reached():
+def test_a_short_block_is_censored_where_it_ends():
     m = CostModel(block_size=5, acceptance_decay=1.0)
-    m.record_drafts(0, [1])  # a block of 2: one draft
+    m.record_drafts(0, [1])  # a block of 2: one draft, right
     m.record_committed([1, 2], offset=0)
-    assert m.survival_den == [1, 0, 0, 0] and m.survival_num == [1, 0, 0, 0]
-    # Position 2 on has no block of its own: the prior, never above position 1.
-    assert m.survival() == pytest.approx([(1 + 0.6) / 2, 0.36, 0.216, 0.6 ** 4])
+    assert m.tried == [1, 0, 0, 0] and m.right == [1, 0, 0, 0]
+    # Positions it did not reach lean on the pooled conditional acceptance, (1 + 0.6) / 2.
+    pooled = 0.8
+    assert m.survival() == pytest.approx([0.9, 0.9 * pooled, 0.9 * pooled ** 2, 0.9 * pooled ** 3])
 
 
 def test_expected_tokens_follow_the_survival_function():
     m = CostModel(block_size=4, acceptance_decay=1.0)  # only the newest block counts
     m.record_drafts(0, [1, 2, 3])
-    m.record_committed([1, 2, 0], offset=0)  # 2 right
-    survival = [(1 + 0.6) / 2, (1 + 0.36) / 2, 0.216 / 2]  # (n + 0.6^i) / (den + 1)
+    m.record_committed([1, 2, 0], offset=0)  # 2 right, the third tried and wrong
+    pooled = (2 + 0.6) / (3 + 1)
+    c = [(1 + pooled) / 2, (1 + pooled) / 2, pooled / 2]
+    survival = [c[0], c[0] * c[1], c[0] * c[1] * c[2]]
     assert m.survival() == pytest.approx(survival)
     assert m.expected_tokens(1) == 1.0
     assert m.expected_tokens(4) == pytest.approx(1 + sum(survival))
+
+
+def test_a_fresh_model_hopes_for_acceptance_of_0_6_per_draft():
+    assert CostModel(block_size=4).survival() == pytest.approx([0.6, 0.36, 0.216])
 
 
 def test_plain_decoding_wins_when_drafts_are_wrong_and_speculation_when_right():
@@ -87,12 +94,13 @@ def test_calibration_interpolates_widths_and_extends_the_context():
                                "contexts": [0, 1]})
 
 
-def test_a_chain_is_drafted_at_the_smallest_timed_block_that_holds_it_and_now_and_then_at_b():
-    m = calibrated(16, {1: 1.0, 16: 2.0}, {2: 0.1, 4: 0.2, 8: 0.4, 16: 0.8}, probe_every=4)
+def test_a_chain_is_drafted_at_the_smallest_timed_block_that_holds_it_and_now_and_then_wider():
+    m = calibrated(16, {1: 1.0, 16: 2.0}, {2: 0.1, 4: 0.2, 8: 0.4, 16: 0.8}, wide_every=4)
     assert [m.draft_block(n) for n in (2, 3, 4, 5, 8, 9, 16)] == [2, 4, 4, 8, 8, 16, 16]
     assert m.estimate("chain", 5, 0) == pytest.approx(m.calibration.forward(5, 0) + 0.4)
     assert m.estimate("tree", 9, 0) == pytest.approx(m.calibration.forward(9, 0) + 0.8)  # trees draft the block
-    assert [m.should_draft_wide() for _ in range(8)] == [False, False, False, True] * 2
+    assert [m.probe_block(4) for _ in range(8)] == [4, 4, 4, 8] * 2  # now and then one size up
+    assert [m.probe_block(8) for _ in range(4)] == [8, 8, 8, 16] and m.probe_block(16) == 16
 
 
 def test_the_machine_speed_is_shared_by_every_mode():
@@ -166,8 +174,10 @@ def test_a_block_better_than_expected_brings_the_next_probe_close():
 def test_tree_expectation_is_calibrated_by_the_chain():
     m = CostModel(block_size=4, acceptance_decay=1.0)
     m.record_drafts(0, [1, 2, 3])
-    m.record_committed([1, 9, 0], offset=0)  # 1 right
-    S = [(1 + 0.6) / 2, 0.36 / 2, 0.216 / 2]
+    m.record_committed([1, 9, 0], offset=0)  # 1 right, the second tried and wrong
+    pooled = (1 + 0.6) / (2 + 1)
+    c = [(1 + pooled) / 2, pooled / 2, pooled]
+    S = [c[0], c[0] * c[1], c[0] * c[1] * c[2]]
     assert m.survival() == pytest.approx(S)
     # The drafter's top-1 chain says 0.8, 0.4, 0.2; a second node at depth 1 has 0.1.
     nodes = [(1, 0.8), (2, 0.4), (3, 0.2), (1, 0.1)]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -295,7 +295,8 @@ class BenchConfig:
         seed: PRNG seed; each run reseeds with ``seed`` so runs are reproducible.
         repeats: runs of each engine per prompt.
         simulate_acceptance: A; when set, DFlash's proposals are the target's greedy
-            continuation for the first A slots and wrong after (needs temp 0).
+            continuation for the first A slots and wrong after (needs temp 0); or a
+            trace of A values, one per block drafted (:func:`dflash_mlx.simulate.read_trace`).
         enable_thinking: passed to the chat template.
         warmup_tokens: tokens of the warm-up run of each engine (0: no warm-up).
         draft_window: ``(sink, window)`` context rows the drafter keeps
@@ -311,7 +312,7 @@ class BenchConfig:
     min_p: float = 0.0
     seed: int = 0
     repeats: int = 1
-    simulate_acceptance: Optional[int] = None
+    simulate_acceptance: Optional[Union[int, Sequence[int]]] = None
     enable_thinking: bool = False
     warmup_tokens: int = 32
     draft_window: Optional[tuple] = None
@@ -323,8 +324,10 @@ class BenchConfig:
         if self.repeats < 1:
             raise InputError(f"--repeats must be at least 1, got {self.repeats}")
         if self.simulate_acceptance is not None:
-            if self.simulate_acceptance < 0:
-                raise InputError(f"--simulate-acceptance must be >= 0, got {self.simulate_acceptance}")
+            trace = [self.simulate_acceptance] if isinstance(self.simulate_acceptance, int) \
+                else list(self.simulate_acceptance)
+            if not trace or min(trace) < 0:
+                raise InputError(f"--simulate-acceptance must be >= 0 (or a trace of such), got {self.simulate_acceptance}")
             if self.temp != 0:
                 raise InputError("--simulate-acceptance needs --temp 0 (it replays the greedy continuation)")
 
