@@ -115,7 +115,7 @@ class CostModel:
 
     block_size: int
     decay: float = 0.1
-    acceptance_decay: float = 0.1
+    acceptance_decay: float = 0.05
     probe_every: int = 16
     wide_every: int = 8
     max_probe_every: int = 128
@@ -145,8 +145,8 @@ class CostModel:
 
     def state(self) -> dict:
         """What a later process starts from (:class:`~dflash_mlx.calibration.CalibrationStore`):
-        the calibration, each mode's observed/estimated ratio, and the acceptance
-        profile of each block size (JSON-ready)."""
+        the calibration, each mode's observed/estimated ratio, the acceptance
+        profile, and the gap between probes while plain decoding wins (JSON-ready)."""
         return {
             "calibration": self.calibration.to_dict() if self.calibration else None,
             "speed": self.speed.value,
@@ -155,6 +155,7 @@ class CostModel:
             "tried": list(self.tried),
             "right": list(self.right),
             "tree_tokens": {str(n): e.value for n, e in self.tree_tokens.items() if e.value is not None},
+            "probe_gap": self.probe_gap,
         }
 
     def restore(self, state: dict, timings: bool = True) -> bool:
@@ -170,6 +171,7 @@ class CostModel:
             overhead = {str(m): float(o) for m, o in state.get("overhead", {}).items()}
             trees = {int(n): float(t) for n, t in state.get("tree_tokens", {}).items()}
             calibration = Calibration.from_dict(state["calibration"]) if timings else None
+            gap = int(state.get("probe_gap", self.probe_every))
         except (KeyError, TypeError, ValueError, AttributeError):
             return False
         numbers = tried + right + list(ratio.values()) + list(trees.values()) + list(overhead.values()) + [speed]
@@ -177,6 +179,8 @@ class CostModel:
                 or not all(math.isfinite(x) and x >= 0 for x in numbers):
             return False
         self.tried, self.right, self._cumulative = tried, right, None
+        # a pair that decoded plainly before starts with probes half as sparse as they got
+        self.probe_gap = min(max(gap, self.probe_every), self.max_probe_every // 2)
         if timings:
             self.calibrate(calibration)
             self.speed = Ema(self.decay, speed)

@@ -24,8 +24,9 @@ from .tree import DraftTree, build_tree
 AUTO = "auto"
 TREE_BUDGETS = (8, 16, 32, 64)  # the budgets --tree-budget auto chooses among
 REDECIDE = 4  # a chain width is re-chosen every this many steps
-PLAIN_RUN = 8  # plain steps run between two decisions (decided again as soon as probes resolve)
+PLAIN_RUN = 64  # most plain steps run between two decisions: only probes and the context change the choice, and each run end breaks the pipeline
 PLAIN_MARGIN = 0.1  # plain decoding is taken when its expected rate is this much better
+PROBE_WIDTH = 4  # a probe drafts at least this many tokens' block
 CLOSE = 0.15  # ... and while it is better by less than this, probes stay frequent
 
 
@@ -133,7 +134,7 @@ class Policy:
         # lasts: it must win by a margin to be taken, and nothing to be kept.
         if plain > speculative * (1.0 if self.plain_run else 1.0 + PLAIN_MARGIN):
             self.close = speculative * (1.0 + CLOSE) >= plain
-            return self._plain(self.close)
+            return self._plain(self.close, best)
         self.plain_run = 0
         self.cost.speculating()
         if tree is not None and tree[0] > chain_rate:
@@ -147,14 +148,17 @@ class Policy:
         self.last = Plan(CHAIN, width, block=block)
         return self.last
 
-    def _plain(self, close: bool) -> Plan:
-        """Plain steps up to the next probe (at most :data:`PLAIN_RUN`), or the probe."""
+    def _plain(self, close: bool, best: int) -> Plan:
+        """Plain steps up to the next probe (at most :data:`PLAIN_RUN`), or the probe:
+        a plain step that also drafts, at the block the best chain (``best`` wide, at
+        least :data:`PROBE_WIDTH`) would draft: what it would accept is what matters."""
         self.chain_run, self.last = 0, None
         steps = min(self.cost.plain_steps_before_probe(), PLAIN_RUN)
         if steps == 0:
             self.cost.probed(close)
             self.plain_run += 1
-            return Plan(PLAIN, 1, probe=True, block=self.block)
+            block = self.cost.draft_block(max(best, PROBE_WIDTH)) if self.adaptive else self.block
+            return Plan(PLAIN, 1, probe=True, block=block)
         self.cost.since_probe += steps
         self.plain_run += steps
         return Plan(PLAIN, 1, steps=steps)

@@ -107,7 +107,8 @@ class GenerationStats:
         self.steps += 1
         self.accepted += accepted
         self.drafted += drafted
-        self.trace.append([accepted, drafted])
+        if drafted:
+            self.trace.append([accepted, drafted])
         self.histogram[accepted + 1] = self.histogram.get(accepted + 1, 0) + 1
 
     def time_draft(self) -> bool:

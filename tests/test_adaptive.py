@@ -121,10 +121,15 @@ def test_policy_decodes_plainly_when_drafts_are_wrong_and_speculates_when_right(
         plans = [policy.next() for _ in range(40)]
         assert {p.mode for p in plans} == {expected}
         if expected == "plain":
-            steps = sum(p.steps for p in plans)
-            probes = [i for i, p in enumerate(plans) if p.probe]
-            assert steps > 200 and 0 < len(probes) < 8  # runs of plain steps, probes spaced out
-            assert all(p.block == 16 for p in plans if p.probe)
+            at, probes = 0, []  # the step index of each probe
+            for p in plans:
+                probes += [at] if p.probe else []
+                at += max(p.steps, 1)
+            assert len(plans) < at / 4  # runs of plain steps, not one decision per step
+            gaps = [b - a for a, b in zip(probes, probes[1:])]
+            assert probes[0] <= 16 and gaps == sorted(gaps) and max(gaps) <= 129  # probes spaced out, growing
+            assert len([x for x in probes if x < 512]) <= 7
+            assert all(p.block == 4 for p in plans if p.probe)  # drafted at the best chain's block (>= 4)
         else:
             assert plans[0].width == 16 and plans[0].block == 16
 
