@@ -6,7 +6,10 @@ Two questions (issue 14), on the random-weight Qwen3-0.6B-shaped target and rand
 
 1. With the random drafter as it is (never right), is ``auto`` at least 0.95x plain
    mlx-lm? (A fixed block always loses here.)
-2. With simulated acceptance A (the real drafter runs for its cost, its proposals are
+2. With replayed acceptance traces (``--trace FILE``: the accepted lengths a real run
+   recorded, ``dflash generate --json`` output at the trained block size, one block
+   after another), is ``auto`` within 5% of the best fixed B?
+3. With simulated acceptance A (the real drafter runs for its cost, its proposals are
    the target's continuation for A slots), is ``auto`` within 5% of the best fixed B?
 
 Every engine runs on every prompt in this one process, the order reversed on every
@@ -16,6 +19,8 @@ per-prompt ratios to mlx-lm.
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         flock /tmp/dflash-bench.lock python benchmarks/auto_width.py --accepts 1 3 7 \\
         --max-tokens 64 --num-prompts 3 --out docs/bench/auto-qwen3-0.6b
+    # traces recorded on a real pair (see docs/benchmarks.md), no random-drafter row:
+    python benchmarks/auto_width.py --accepts --no-random --trace stories.jsonl --trace gsm8k.jsonl
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import mlx.core as mx
 
 from dflash_mlx.bench import BenchConfig, MlxLmEngine, Runner, Sample
 from dflash_mlx.bench.report import build_report, results_table, write_report
+from dflash_mlx.simulate import read_trace
 
 sys.path.insert(0, str(Path(__file__).parent))
 from simulated_speedup import random_pair  # noqa: E402
@@ -49,6 +55,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--trace", type=Path, action="append", default=[],
+                   help="an acceptance trace to replay (dflash generate --json output, JSON lines)")
+    p.add_argument("--no-random", action="store_true", help="skip the random-drafter row")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -58,13 +67,20 @@ def main() -> int:
                for i in range(args.num_prompts)]
     base = MlxLmEngine(model)
     results = []
-    config = BenchConfig(max_tokens=args.max_tokens, block_sizes=[max(args.block_sizes), "auto"], warmup_tokens=8)
-    results.append(run(Runner(target, drafter, base, config, stop_ids=()), samples, "random drafter"))
+    if not args.no_random:
+        config = BenchConfig(max_tokens=args.max_tokens, block_sizes=[max(args.block_sizes), "auto"], warmup_tokens=8)
+        results.append(run(Runner(target, drafter, base, config, stop_ids=()), samples, "random drafter"))
+    for path in args.trace:
+        trace = read_trace(path)
+        config = BenchConfig(max_tokens=args.max_tokens, block_sizes=[*args.block_sizes, "auto"],
+                             simulate_acceptance=trace, warmup_tokens=8)
+        name = f"trace {path.stem} (tau {1 + sum(trace) / len(trace):.2f} at B={max(args.block_sizes)})"
+        results.append(run(Runner(target, drafter, base, config, stop_ids=()), samples, name))
     for a in args.accepts:
         config = BenchConfig(max_tokens=args.max_tokens, block_sizes=[*args.block_sizes, "auto"],
                              simulate_acceptance=a, warmup_tokens=8)
         results.append(run(Runner(target, drafter, base, config, stop_ids=()), samples, f"simulated A={a}"))
-    cfg = dict(vars(args), target="random Qwen3-0.6B shape (float32)", baseline="mlx-lm",
+    cfg = dict(vars(args), trace=[str(t) for t in args.trace], target="random Qwen3-0.6B shape (float32)", baseline="mlx-lm",
                drafter="random 1-layer DFlash drafter, width 1024")
     report = build_report(results, cfg, ["python", *sys.argv])
     from rich.console import Console

@@ -60,6 +60,7 @@ from .calibration import Calibration
 PLAIN, CHAIN, TREE = "plain", "chain", "tree"
 PRIOR = 0.6  # prior conditional acceptance of a draft, before any block (see CostModel.survival)
 FACTOR_DECAY = 0.05  # a step's factor over the machine's speed changes slowly
+RESTORED_BLOCKS = 6.0  # most weight, in blocks, of an acceptance profile kept from earlier runs
 OUTLIER = 3.0  # a step more than this many times off its estimate is not a timing (a first compile, a pause)
 
 
@@ -178,9 +179,12 @@ class CostModel:
         if len(tried) != self.block_size - 1 or len(right) != len(tried) \
                 or not all(math.isfinite(x) and x >= 0 for x in numbers):
             return False
-        self.tried, self.right, self._cumulative = tried, right, None
-        # a pair that decoded plainly before starts with probes half as sparse as they got
-        self.probe_gap = min(max(gap, self.probe_every), self.max_probe_every // 2)
+        # the earlier runs' profile is a prior worth at most RESTORED_BLOCKS blocks: this
+        # run's text may suit the drafter better or worse (stories after math)
+        scale = min(1.0, RESTORED_BLOCKS / tried[0]) if tried and tried[0] > 0 else 1.0
+        self.tried, self.right, self._cumulative = [scale * x for x in tried], [scale * x for x in right], None
+        # a pair that decoded plainly before starts with probes sparser than at first
+        self.probe_gap = min(max(gap, self.probe_every), self.max_probe_every // 4)
         if timings:
             self.calibrate(calibration)
             self.speed = Ema(self.decay, speed)

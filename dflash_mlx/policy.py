@@ -98,6 +98,7 @@ class Policy:
         self.cost = cost
         self.plain_run = 0  # plain steps chosen in a row
         self.close = False  # whether plain decoding wins by little (probes stay frequent)
+        self.resolve = PLAIN_RUN  # most steps of the next plain run (short after a probe)
         self.chain_run, self.last = 0, None  # chains of the same width in a row, and that plan
         self.budgets = tree_budgets(tree_budget)
 
@@ -153,11 +154,13 @@ class Policy:
         a plain step that also drafts, at the block the best chain (``best`` wide, at
         least :data:`PROBE_WIDTH`) would draft: what it would accept is what matters."""
         self.chain_run, self.last = 0, None
-        steps = min(self.cost.plain_steps_before_probe(), PLAIN_RUN)
+        steps = min(self.cost.plain_steps_before_probe(), PLAIN_RUN, self.resolve)
+        self.resolve = PLAIN_RUN
         if steps == 0:
             self.cost.probed(close)
             self.plain_run += 1
             block = self.cost.draft_block(max(best, PROBE_WIDTH)) if self.adaptive else self.block
+            self.resolve = block  # a short run next, so the probe's drafts are judged before a long one
             return Plan(PLAIN, 1, probe=True, block=block)
         self.cost.since_probe += steps
         self.plain_run += steps

@@ -108,6 +108,25 @@ def test_cost_model_state_round_trip_and_bad_states():
     assert fresh.tried == [0.0] * 3 and fresh.calibration is None  # nothing half-restored
 
 
+def test_a_stored_profile_is_a_prior_worth_a_few_blocks():
+    from dflash_mlx.cost import RESTORED_BLOCKS
+
+    cost = CostModel(block_size=4)
+    for s in range(60):  # many blocks of math-like text: the first draft always wrong
+        cost.record_drafts(4 * s, [7, 7, 7])
+        cost.record_committed([8, 7, 7, 7], 4 * s)
+    state = json.loads(json.dumps({**cost.state(), "probe_gap": 128}))
+    again = CostModel(block_size=4)
+    assert again.restore(state, timings=False)
+    assert again.tried[0] == pytest.approx(RESTORED_BLOCKS) and RESTORED_BLOCKS < cost.tried[0]
+    assert again.right[0] / again.tried[0] == pytest.approx(cost.right[0] / cost.tried[0])
+    assert again.probe_gap == again.max_probe_every // 4  # probes resume sooner than they had got
+    for s in range(60, 66):  # a few blocks of text the drafter fits turn it round
+        again.record_drafts(4 * s, [7, 7, 7])
+        again.record_committed([7, 7, 7, 7], 4 * s)
+    assert again.survival()[0] > 0.5
+
+
 def fingerprinted(target, drafter, tag="a"):
     target.fingerprint, drafter.fingerprint = f"target-{tag}", f"drafter-{tag}"
     return target, drafter

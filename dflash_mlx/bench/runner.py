@@ -354,6 +354,9 @@ def greedy_continuation(target, ids: List[int], max_tokens: int, stop_ids: Seque
     return out
 
 
+TRACE_STRIDE = 61  # blocks between the starts of two prompts' replay of a trace
+
+
 class Runner:
     """Alternates a baseline and DFlash at each block size over samples.
 
@@ -381,6 +384,7 @@ class Runner:
         self.block_sizes = [check_block_size(b, drafter) for b, _ in self.variants]
         self._warm = False
         self._continuations: Dict[tuple, List[int]] = {}
+        self._prompts = 0  # prompts seen, for where a replayed trace starts
 
     def _encode(self, messages: List[dict]) -> List[int]:
         if self.tokenizer is None:
@@ -395,6 +399,10 @@ class Runner:
             if key not in self._continuations:  # one plain greedy run per prompt, untimed
                 horizon = self.config.max_tokens + max(self.block_sizes) + 64
                 self._continuations = {key: greedy_continuation(self.target, ids, horizon, self.stop_ids)}
+                self._prompts += 1
+            if not isinstance(A, int):  # a trace: each prompt replays it from its own place, every engine alike
+                at = (self._prompts - 1) * TRACE_STRIDE % len(A)
+                A = list(A[at:]) + list(A[:at])
             drafter = SimulatedDrafter(self.drafter, self._continuations[key], A, self.target.vocab_size)
         return DFlashEngine(self.target, drafter, *variant)
 
