@@ -28,8 +28,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from dflash_mlx import load, load_drafter
-from dflash_mlx.convert import convert
-from dflash_mlx.validation import (
+from dflash_mlx.pair.convert import convert
+from dflash_mlx.pair.validation import (
     dflash_tokens, drafter_logits, dtype_name, float_dtype, greedy_tokens, logit_difference,
 )
 

@@ -30,8 +30,8 @@ import mlx.core as mx
 
 from dflash_mlx import load
 from dflash_mlx.bench.runner import greedy_continuation
-from dflash_mlx.generate import generate_step
-from dflash_mlx.simulate import SimulatedDrafter
+from dflash_mlx.decode.generate import generate_step
+from dflash_mlx.bench.simulate import SimulatedDrafter
 from dflash_mlx.stats import PHASES, GenerationStats
 
 

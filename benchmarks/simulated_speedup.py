@@ -38,7 +38,7 @@ from mlx_lm.models import qwen3
 from dflash_mlx import DFlashDrafter, DrafterArgs, bind_drafter, make_adapter
 from dflash_mlx.bench import BenchConfig, DatasetResult, DFlashEngine, Runner, Sample
 from dflash_mlx.bench.report import build_report, cycle_table, results_table, write_report
-from dflash_mlx.drafter_config import default_target_layer_ids
+from dflash_mlx.drafter.config import default_target_layer_ids
 
 BOUND = 0.9
 

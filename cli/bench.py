@@ -147,7 +147,7 @@ def parse_simulate_acceptance(value: Optional[str]):
         InputError: naming the flag, when it is neither an int nor a readable trace.
     """
     from dflash_mlx import InputError
-    from dflash_mlx.simulate import read_trace
+    from dflash_mlx.bench.simulate import read_trace
 
     if value is None:
         return None

@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.text import Text
 
-from dflash_mlx.session import ChatEvent, Piece
+from dflash_mlx.chat.session import ChatEvent, Piece
 
 DRAFTED = "cyan"  # tokens the target accepted from the drafter
 PROMPT = ">>> "

@@ -60,7 +60,7 @@ def _run(validate, **kwargs) -> None:
     from rich.console import Console
 
     from dflash_mlx import ValidationError
-    from dflash_mlx.convert import convert as convert_pair
+    from dflash_mlx.pair.convert import convert as convert_pair
 
     console = Console(stderr=True)
     stages = _Stages(console)

@@ -62,7 +62,7 @@ def _data(model, out, prompts, text, self_prompts, self_prompt_tokens, self_prom
     import numpy as np
 
     from dflash_mlx import InputError, load
-    from dflash_mlx.session import context_length
+    from dflash_mlx.chat.session import context_length
     from dflash_mlx.train.data import (
         encode_prompts, prompts_from_text, read_prompt_file, regenerate, response_end_token,
     )

@@ -15,12 +15,12 @@ import random
 import mlx.core as mx
 import pytest
 
-import dflash_mlx.generate as generate_module
-import dflash_mlx.policy as policy
+import dflash_mlx.decode.generate as generate_module
+import dflash_mlx.decode.policy as policy
 from dflash_mlx import GenerationStats, generate_step
-from dflash_mlx.calibration import CalibrationStore, FixedTimings, folder_fingerprint, store_key
-from dflash_mlx.cost import CostModel
-from dflash_mlx.simulate import SimulatedDrafter
+from dflash_mlx.decode.calibration import CalibrationStore, FixedTimings, folder_fingerprint, store_key
+from dflash_mlx.decode.cost import CostModel
+from dflash_mlx.bench.simulate import SimulatedDrafter
 from conftest import ScriptedDrafter, mlx_lm_greedy, tiny_drafter, tiny_target
 
 PROMPT = [1, 17, 33, 2, 9, 100, 42]

@@ -43,7 +43,7 @@ def make_baseline(spec: str, pair, num_draft_tokens: int = 3) -> Engine:
     if kind == "mlx-lm":
         return MlxLmEngine(pair.model)
     from ..errors import MismatchError
-    from ..loading import load_model
+    from ..pair.loading import load_model
 
     draft_model, _ = load_model(path, what="baseline draft model")
     vocab = getattr(draft_model.args, "vocab_size", None)
@@ -139,7 +139,7 @@ def bench(
     Raises:
         DFlashError subclasses for bad input (datasets, flags, checkpoints).
     """
-    from ..loading import load
+    from ..pair.loading import load
     from ..sampling import effective_top_k
 
     config = config or BenchConfig()

@@ -27,10 +27,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 import mlx.core as mx
 
 from ..errors import InputError
-from ..generate import check_block_size, generate_step
+from ..decode.generate import check_block_size, generate_step
 from ..protocol import Drafter
 from ..sampling import Sampling
-from ..simulate import SimulatedDrafter
+from .simulate import SimulatedDrafter
 from ..stats import GenerationStats, histogram_dict
 from .datasets import Sample, encode_sample_turn
 

@@ -18,7 +18,7 @@ import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from ..caches import EXACT_TRIM, GatedDeltaCache, WindowKVCache, can_trim
+from .caches import EXACT_TRIM, GatedDeltaCache, WindowKVCache, can_trim
 from ..errors import InputError, MismatchError, RollbackError
 from .tree_verify import compact_rows, decoder_layer_at, tree_layer_mask
 

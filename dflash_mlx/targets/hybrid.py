@@ -20,7 +20,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from ..caches import GatedDeltaCache
+from .caches import GatedDeltaCache
 from .base import TargetAdapter
 
 

@@ -23,8 +23,8 @@ import mlx.core as mx
 import numpy as np
 
 from .acceptance import count_accepted
-from .protocol import Proposal
-from .targets import TargetAdapter
+from ..protocol import Proposal
+from ..targets import TargetAdapter
 from .tree import DraftTree, walk
 
 

@@ -29,16 +29,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import DFlashError
-from .generate import check_block_size
-from .prompt import encode_messages
-from .server_api import (
+from ..errors import DFlashError
+from ..decode.generate import check_block_size
+from ..prompt import encode_messages
+from .api import (
     ChatCompletionRequest, CompletionRequest, GenerationFields, chat_chunk, chat_completion, error_body,
     text_completion, usage_chunk,
 )
-from .server_engine import Engine, GenerationJob, Job, QueueFullError
-from .server_metrics import ServerMetrics
-from .session import context_length
+from .engine import Engine, GenerationJob, Job, QueueFullError
+from .metrics import ServerMetrics
+from ..chat.session import context_length
 
 log = logging.getLogger("dflash.serve")
 

@@ -13,13 +13,13 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from mlx_lm.utils import load as mlx_lm_load
 
-from .calibration import folder_fingerprint
-from .checkpoint import load_drafter
-from .drafter import DFlashDrafter
-from .errors import CheckpointError, ConfigError, InputError, MismatchError
-from .hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, resolve_model_path
+from ..decode.calibration import folder_fingerprint
+from ..drafter.checkpoint import load_drafter
+from ..drafter.network import DFlashDrafter
+from ..errors import CheckpointError, ConfigError, InputError, MismatchError
+from ..hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, resolve_model_path
 from .manifest import resolve_pair
-from .targets import TargetAdapter, make_adapter
+from ..targets import TargetAdapter, make_adapter
 
 TARGET_FILES = DEFAULT_ALLOW_PATTERNS  # what mlx-lm itself downloads for a model
 # `architectures` of DFlash drafter checkpoints (DFLASH_SPEC.md section 2): v1, DFlash2, Muse-Glimmer.

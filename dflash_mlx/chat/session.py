@@ -18,12 +18,12 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .errors import InputError
-from .generate import check_block_size
-from .prompt import encode_messages
+from ..errors import InputError
+from ..decode.generate import check_block_size
+from ..prompt import encode_messages
 from .prompt_cache import PairCache, common_prefix, trim_cache  # noqa: F401 (trim_cache: re-exported)
-from .stats import GenerationStats, format_histogram
-from .stopping import held_back, text_before_stop
+from ..stats import GenerationStats, format_histogram
+from ..decode.stopping import held_back, text_before_stop
 
 
 class ContextFullError(InputError):

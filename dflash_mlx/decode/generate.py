@@ -20,13 +20,13 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .acceptance import choose_rule
 from .calibration import Timings
 from .cost import PLAIN, TREE
-from .errors import InputError
-from .kernels.block_attention import attention_path
+from ..errors import InputError
+from ..kernels.block_attention import attention_path
 from .policy import AUTO, make_policy, parse_block_size, parse_tree_budget
-from .protocol import Drafter
-from .stats import GenerationStats, weight_bytes
+from ..protocol import Drafter
+from ..stats import GenerationStats, weight_bytes
 from .stopping import StopCondition, held_back, text_before_stop
-from .targets import TargetAdapter
+from ..targets import TargetAdapter
 from .verify import Outcome, chain_step, host_logprobs, plain_step, synced, tree_step
 
 Sampler = Callable[[mx.array], mx.array]

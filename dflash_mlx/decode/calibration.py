@@ -393,7 +393,7 @@ def store_key(target, drafter, draft_block: int, widths: Sequence[int]) -> Optio
         return None
     import mlx_lm
 
-    from . import __version__
+    from .. import __version__
 
     return {
         "format": STORE_FORMAT,

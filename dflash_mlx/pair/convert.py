@@ -31,14 +31,14 @@ from mlx_lm.convert import MODEL_CONVERSION_DTYPES
 from mlx_lm.convert import convert as mlx_lm_convert
 from mlx_lm.utils import load as mlx_lm_load
 
-from .checkpoint import DRAFTER_FILES, load_drafter, read_config, save_drafter
-from .drafter import DFlashDrafter
-from .errors import CheckpointError, ConfigError, InputError, ValidationError
-from .hub import resolve_model_path
+from ..drafter.checkpoint import DRAFTER_FILES, load_drafter, read_config, save_drafter
+from ..drafter.network import DFlashDrafter
+from ..errors import CheckpointError, ConfigError, InputError, ValidationError
+from ..hub import resolve_model_path
 from .loading import QUANTIZED_DRAFTER_DTYPE, TARGET_FILES, check_pair
 from .manifest import MANIFEST_VERSION, hash_weights, write_manifest
-from .prompt import encode_messages
-from .targets import TargetAdapter, make_adapter
+from ..prompt import encode_messages
+from ..targets import TargetAdapter, make_adapter
 from .validation import VALIDATION_MESSAGES, Check, SourceRun, dtype_name, float_dtype, validate
 
 Q_BITS = (4, 8)
@@ -445,7 +445,7 @@ def make_manifest(model: str, draft_model: str, target_src: Path, draft_src: Pat
     loaded drafter's (block size, target_layer_ids, mask token)."""
     import mlx_lm
 
-    from . import __version__
+    from .. import __version__
 
     archs = draft_config.get("architectures") or ["DFlashDraftModel"]
     return {

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .formats import FORMATS, V1, detect_format, format_named
 
 DRAFTER_ARCHITECTURE = V1.architecture

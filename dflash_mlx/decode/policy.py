@@ -18,7 +18,7 @@ import numpy as np
 
 from .calibration import Calibration, CalibrationStore, MeasuredTimings, Timings, store_key
 from .cost import CHAIN, PLAIN, TREE, CostModel
-from .errors import InputError
+from ..errors import InputError
 from .tree import DraftTree, build_tree
 
 AUTO = "auto"

@@ -29,13 +29,13 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP  # the same SwiGLU MLP and keys as the checkpoints
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .caches import ContextWindowCache
-from .drafter_config import DrafterArgs
-from .errors import ConfigError, InputError
-from .kernels import fast_softmax
-from .kernels.block_attention import block_attention
-from .protocol import Proposal
-from .sampling import Sampling
+from ..targets.caches import ContextWindowCache
+from .config import DrafterArgs
+from ..errors import ConfigError, InputError
+from ..kernels import fast_softmax
+from ..kernels.block_attention import block_attention
+from ..protocol import Proposal
+from ..sampling import Sampling
 
 
 class DrafterAttention(nn.Module):

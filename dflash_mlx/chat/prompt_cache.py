@@ -22,9 +22,9 @@ from typing import Any, Dict, Generator, List, Optional, Sequence
 
 from mlx_lm.models.cache import KVCache
 
-from .caches import can_trim
-from .errors import RollbackError
-from .generate import GenerationResponse, stream_generate
+from ..targets.caches import can_trim
+from ..errors import RollbackError
+from ..decode.generate import GenerationResponse, stream_generate
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: Optional[int] = None) -> int:

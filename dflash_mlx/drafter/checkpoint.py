@@ -12,11 +12,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .calibration import folder_fingerprint
-from .drafter import DFlashDrafter
-from .drafter_config import DrafterArgs
-from .errors import CheckpointError, ConfigError
-from .hub import resolve_model_path
+from ..decode.calibration import folder_fingerprint
+from .network import DFlashDrafter
+from .config import DrafterArgs
+from ..errors import CheckpointError, ConfigError
+from ..hub import resolve_model_path
 
 DRAFTER_FILES = ["*.json", "*.safetensors"]
 
