@@ -4,7 +4,7 @@
 Converts one pair with the drafter kept float, at 8 bits and at 4 bits (the
 target is copied unchanged), then on every prompt of a set:
 - the largest logit difference between the converted and the unconverted drafter
-  on the prompt's fixed input (dflash_mlx.validation.drafter_logits: float32),
+  on the prompt's fixed input (dflash_mlx.pair.validation.drafter_logits: float32),
   relative to the largest |logit|;
 - how often their argmax drafts agree (positions 1..B-1);
 - tau of greedy DFlash decoding with the converted pair (up to EOS or

@@ -1,6 +1,6 @@
 """``dflash chat``: a terminal chat; caches kept across turns, live acceptance stats.
 
-Wiring only: flags, :class:`dflash_mlx.session.ChatSession`, and a view from
+Wiring only: flags, :class:`dflash_mlx.chat.session.ChatSession`, and a view from
 ``chat_ui`` (rich in a terminal, plain text when stdin or stdout is not one).
 """
 

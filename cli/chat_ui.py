@@ -1,6 +1,6 @@
 """Rendering for ``dflash chat``: a rich terminal view and a plain one for pipes.
 
-Both consume :class:`dflash_mlx.session.ChatEvent` streams; neither touches the
+Both consume :class:`dflash_mlx.chat.session.ChatEvent` streams; neither touches the
 decode loop. The rich view prints finished lines as they come and keeps the line
 being written plus a status line (tau, acceptance, tokens/s, elapsed) live below.
 """

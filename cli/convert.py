@@ -1,5 +1,5 @@
 """``dflash convert``: a target and its drafter into one folder; wiring over
-:func:`dflash_mlx.convert.convert`."""
+:func:`dflash_mlx.pair.convert.convert`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``dflash serve``: the OpenAI-compatible server (wiring over :mod:`dflash_mlx.server`)."""
+"""``dflash serve``: the OpenAI-compatible server (wiring over :mod:`dflash_mlx.serve.app`)."""
 
 from __future__ import annotations
 

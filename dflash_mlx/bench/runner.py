@@ -296,7 +296,7 @@ class BenchConfig:
         repeats: runs of each engine per prompt.
         simulate_acceptance: A; when set, DFlash's proposals are the target's greedy
             continuation for the first A slots and wrong after (needs temp 0); or a
-            trace of A values, one per block drafted (:func:`dflash_mlx.simulate.read_trace`).
+            trace of A values, one per block drafted (:func:`dflash_mlx.bench.simulate.read_trace`).
         enable_thinking: passed to the chat template.
         warmup_tokens: tokens of the warm-up run of each engine (0: no warm-up).
         draft_window: ``(sink, window)`` context rows the drafter keeps

@@ -385,7 +385,7 @@ def store_key(target, drafter, draft_block: int, widths: Sequence[int]) -> Optio
 
     Args:
         target: a :class:`~dflash_mlx.targets.TargetAdapter` from :func:`dflash_mlx.load`.
-        drafter: a :class:`~dflash_mlx.drafter.DFlashDrafter` from :func:`dflash_mlx.load`.
+        drafter: a :class:`~dflash_mlx.drafter.network.DFlashDrafter` from :func:`dflash_mlx.load`.
         draft_block, widths: the block drafted and the widths timed.
     """
     target_id, drafter_id = getattr(target, "fingerprint", None), getattr(drafter, "fingerprint", None)

@@ -125,20 +125,20 @@ def generate_step(
         sampler: mlx-lm sampler over [N, V] log-probabilities, or a
             :class:`~dflash_mlx.sampling.Sampling` (also a sampler); greedy by default.
             The acceptance rule follows from it and the drafter
-            (:func:`dflash_mlx.acceptance.choose_rule`); each keeps the output exactly
+            (:func:`dflash_mlx.decode.acceptance.choose_rule`); each keeps the output exactly
             the target's.
         max_tokens: most tokens to emit.
         block_size: B, 2..drafter.block_size (default: the drafter's), or ``"auto"``:
             verify the width the cost model expects to commit the most tokens per
             second, 1 (plain decoding) included, drafted at the smallest timed block
-            that holds it (:mod:`dflash_mlx.policy`, :mod:`dflash_mlx.cost`).
+            that holds it (:mod:`dflash_mlx.decode.policy`, :mod:`dflash_mlx.decode.cost`).
         tree_budget: DDTree (spec section 7): verify the N best draft prefixes as a
             tree (N nodes besides the root), or ``"auto"`` (budgets 8..64 and
             chains, chosen by cost). Targets without tree verify (hybrid families)
             and drafters without log-probabilities keep chains; ``stats.verify``
             says so and why.
         stop_token_ids: ids that end generation; the block is cut there.
-        stop: a :class:`~dflash_mlx.stopping.StopCondition` (stop strings too);
+        stop: a :class:`~dflash_mlx.decode.stopping.StopCondition` (stop strings too);
             replaces ``max_tokens`` and ``stop_token_ids`` when given.
         prompt_cache: the target's cache, updated in place (default: a fresh
             ``target.make_cache(B)``; a given one must roll back exactly and belong
@@ -150,7 +150,7 @@ def generate_step(
             committed token.
         stats: filled in place (phase times, acceptance).
         timings: where ``--block-size auto`` takes its seconds from
-            (:mod:`dflash_mlx.calibration`; default: this machine's clock, with the
+            (:mod:`dflash_mlx.decode.calibration`; default: this machine's clock, with the
             calibration kept on disk for pairs loaded from folders).
         recalibrate: time the widths again instead of reusing a kept calibration.
 
@@ -212,7 +212,7 @@ def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, con
     context rows the drafter has not seen yet; ``history[i]`` sits at ``base + i``.
     Each step dispatches its device work first (the draft, or a plain forward), then
     hands the previous step's tokens to the consumer while the device runs, then
-    reads the result: verify, accept, roll back (:mod:`dflash_mlx.verify`). While
+    reads the result: verify, accept, roll back (:mod:`dflash_mlx.decode.verify`). While
     plain decoding wins, runs of plain steps go as mlx-lm's (:func:`_plain_run`).
     """
     capture = drafter.target_layer_ids

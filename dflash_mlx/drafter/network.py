@@ -7,15 +7,15 @@ the B-1 masked positions. The newer formats (spec section 9) add, in this file:
 - sliding-window layers: a layer keeps the last W-1 context rows and its block
   queries see keys less than W positions back, causal inside the block
   (:func:`~dflash_mlx.kernels.block_attention.block_attention`,
-  :class:`~dflash_mlx.caches.ContextWindowCache`);
+  :class:`~dflash_mlx.targets.caches.ContextWindowCache`);
 - DFlash2: a grouped dynamic causal convolution around attention and MLP
   (:class:`BlockConv`), scaled embeddings, scaled and soft-capped logits, and a
   candidate selector that walks one coherent path through each position's top-k
   (:class:`CandidateSelector`).
 
-Which format a checkpoint is, and its key names, is :mod:`dflash_mlx.formats`;
-hyper-parameters :mod:`dflash_mlx.drafter_config`; loading and saving
-:mod:`dflash_mlx.checkpoint`.
+Which format a checkpoint is, and its key names, is :mod:`dflash_mlx.drafter.formats`;
+hyper-parameters :mod:`dflash_mlx.drafter.config`; loading and saving
+:mod:`dflash_mlx.drafter.checkpoint`.
 """
 
 from __future__ import annotations
@@ -336,7 +336,7 @@ class _LayerKernels:
 class DFlashDrafter(nn.Module):
     """The drafter network. Embedding and lm_head are borrowed from the target.
 
-    Parameters (network names; :mod:`dflash_mlx.formats` maps checkpoint names):
+    Parameters (network names; :mod:`dflash_mlx.drafter.formats` maps checkpoint names):
     ``fc`` [H, K*H], ``hidden_norm`` [H], ``layers.{i}.*``, ``norm`` [H], and for
     DFlash2 ``candidate_selector.*``. Call :meth:`bind` before use.
 

@@ -7,10 +7,10 @@ The output folder holds:
 - ``drafter/``: the released drafter format, loaded with :func:`load_drafter` and
   written with :func:`save_drafter`, so every format the loader reads converts;
   optionally quantized (:func:`quantize_drafter`);
-- ``dflash.json``: the manifest (:mod:`dflash_mlx.manifest`).
+- ``dflash.json``: the manifest (:mod:`dflash_mlx.pair.manifest`).
 
 Everything is written into a temporary folder beside the output, validated
-(:func:`dflash_mlx.validation.validate`), then renamed into place; an error or
+(:func:`dflash_mlx.pair.validation.validate`), then renamed into place; an error or
 Ctrl-C removes it.
 """
 
@@ -393,7 +393,7 @@ def quantize_drafter(drafter: nn.Module, bits: int, group_size: int = DRAFT_Q_GR
     (the fusion of context features every layer reads), the norms and a DFlash2
     drafter's ``candidate_selector`` codebooks and projection. Scales are computed
     from float32 weights, then stored in the drafter's dtype. The quantized drafter
-    computes in float32 (see :data:`dflash_mlx.loading.QUANTIZED_DRAFTER_DTYPE`).
+    computes in float32 (see :data:`dflash_mlx.pair.loading.QUANTIZED_DRAFTER_DTYPE`).
 
     Returns:
         ``{"group_size", "bits", "mode"}``, as :func:`save_drafter` records it.
@@ -441,7 +441,7 @@ def _source(name: str, path: Path) -> str:
 
 def make_manifest(model: str, draft_model: str, target_src: Path, draft_src: Path, draft_config: dict,
                   args, target_entry: dict, drafter_entry: dict, files: dict) -> dict:
-    """The ``dflash.json`` contents (see :mod:`dflash_mlx.manifest`); ``args`` are the
+    """The ``dflash.json`` contents (see :mod:`dflash_mlx.pair.manifest`); ``args`` are the
     loaded drafter's (block size, target_layer_ids, mask token)."""
     import mlx_lm
 

@@ -114,7 +114,7 @@ def load_target(path_or_repo: str):
     """
     model, tokenizer, folder = load_model_from(path_or_repo, what="target model")
     target = make_adapter(model)
-    target.fingerprint = folder_fingerprint(folder)  # keys its calibration (dflash_mlx.calibration)
+    target.fingerprint = folder_fingerprint(folder)  # keys its calibration (dflash_mlx.decode.calibration)
     return model, tokenizer, target
 
 
@@ -186,7 +186,7 @@ def load(model: str = DEFAULT_MODEL, draft_model: Optional[str] = None, verify: 
     Args:
         model, draft_model: folders or repo ids.
         verify: check the converted folder's weight files against the sha256 in
-            its manifest first (see :func:`dflash_mlx.manifest.verify`).
+            its manifest first (see :func:`dflash_mlx.pair.manifest.verify`).
         draft_window: ``(sink, window)`` context rows the drafter's full-attention
             layers keep (``--draft-window``); None keeps all.
 

@@ -1,8 +1,8 @@
 """``dflash serve``: an OpenAI-compatible HTTP server over one target/drafter pair.
 
-FastAPI validates requests (:mod:`dflash_mlx.server_api`), the :class:`Engine` runs
-them one at a time on its worker thread (:mod:`dflash_mlx.server_engine`), and
-``/metrics`` comes from :mod:`dflash_mlx.server_metrics`. Every error is OpenAI's JSON
+FastAPI validates requests (:mod:`dflash_mlx.serve.api`), the :class:`Engine` runs
+them one at a time on its worker thread (:mod:`dflash_mlx.serve.engine`), and
+``/metrics`` comes from :mod:`dflash_mlx.serve.metrics`. Every error is OpenAI's JSON
 error object with a 4xx code (a 500 only for a bug, without the traceback); the
 traceback goes to the server's log.
 
