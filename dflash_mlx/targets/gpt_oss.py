@@ -22,3 +22,7 @@ class GptOssAdapter(TargetAdapter):
         full = create_attention_mask(h, cache[inner.ga_idx])
         window = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.window_size)
         return [full if kind == "full_attention" else window for kind in inner.layer_types]
+
+
+# model_type -> adapter: targets/__init__.py collects these from every file in targets/
+MODEL_TYPES = {"gpt_oss": GptOssAdapter}
