@@ -1,6 +1,6 @@
 """``dflash bench``: speed and acceptance on real prompt sets, baseline and DFlash
-side by side (``datasets`` loads prompts, ``runner`` times, ``report`` digests,
-``plots`` draws).
+side by side (``datasets`` loads prompts, ``engines`` decode, ``runner`` times, ``report``
+digests, ``plots`` draws, ``simulate`` replays an acceptance trace).
 
 From Python::
 
@@ -17,10 +17,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from .datasets import Sample, load_dataset
 from .report import build_report, results_table, summarize, write_report
-from .runner import (
-    BenchConfig, DatasetResult, DFlashEngine, Engine, MlxLmEngine, MlxLmSpeculativeEngine, Runner,
-    RunRecord, parse_baseline, timed_run,
-)
+from .engines import DFlashEngine, Engine, MlxLmEngine, MlxLmSpeculativeEngine
+from .runner import BenchConfig, DatasetResult, Runner, RunRecord, parse_baseline, timed_run
 
 
 def make_baseline(spec: str, pair, num_draft_tokens: int = 3) -> Engine:
