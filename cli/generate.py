@@ -66,6 +66,7 @@ def generate(
     guard(lambda: _run(**args))
 
 
+# Over 60 lines: load, sample, stream and render one generation; split after the hardening work lands
 def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size, recalibrate,
          tree_budget,
          draft_window,

@@ -1,3 +1,4 @@
+# Over 400 lines: timing and its on-disk store (CalibrationStore); the store splits out once the auto work in flight lands
 """Where the cost model's seconds come from, and what it keeps between processes.
 
 ``--block-size auto`` chooses widths by seconds per step. Those seconds come from a

@@ -1,3 +1,4 @@
+# Over 400 lines: the decode loop, read in one sitting: prefill, draft -> verify -> accept -> roll back, plain runs
 """The DFlash decode loop (DFLASH_SPEC.md section 5) and plain decoding, one engine.
 
 ``generate_step`` yields one :class:`StepResult` per target forward: prefill gives
@@ -98,6 +99,7 @@ def prefill(
     return h, (mx.concatenate(features, axis=1) if capture else None)
 
 
+# Over 60 lines: the loop's entry: arguments documented, checked and wired in one place
 def generate_step(
     prompt: mx.array,
     target: TargetAdapter,
@@ -205,6 +207,7 @@ def generate_step(
             _finish(target, cache, committed + stop.emitted - 1, drafter, draft_cache, [context])
 
 
+# Over 60 lines: one DFlash step read top to bottom: draft -> verify -> accept -> roll back
 def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, context, stop, stats, base):
     """DFlash steps (spec section 5), each the policy's plan: plain, chain or tree.
 
@@ -388,6 +391,7 @@ def check_block_size(block_size: Optional[int | str], drafter: Optional[Drafter]
     return B
 
 
+# Over 60 lines: mostly its docstring: the text-level wrapper of generate_step
 def stream_generate(
     target: TargetAdapter,
     tokenizer: TokenizerWrapper,

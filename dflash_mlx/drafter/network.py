@@ -1,3 +1,4 @@
+# Over 400 lines: the drafter network in one file, as the method is read (attention, layers, DFlash2 pieces, drafting)
 """The DFlash drafter: a small block-diffusion model conditioned on target features.
 
 One forward pass ("block denoising", DFLASH_SPEC.md section 4) turns the block

@@ -1,3 +1,4 @@
+# Over 400 lines: one conversion pipeline; split after the hardening work lands
 """``dflash convert``: a target and its drafter into one folder that runs on a Mac.
 
 The output folder holds:
@@ -63,6 +64,7 @@ class ConvertResult:
     checks: List[Check] = field(default_factory=list)
 
 
+# Over 60 lines: the conversion pipeline's steps in order; split after the hardening work lands
 def convert(
     model: str,
     draft_model: str,

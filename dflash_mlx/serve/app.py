@@ -1,3 +1,4 @@
+# Over 400 lines: one ASGI app; split after the hardening work lands
 """``dflash serve``: an OpenAI-compatible HTTP server over one target/drafter pair.
 
 FastAPI validates requests (:mod:`dflash_mlx.serve.api`), the :class:`Engine` runs
@@ -339,6 +340,7 @@ def _validation_message(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{name or 'body'}: {' or '.join(messages)}", name)
 
 
+# Over 60 lines: the routes, read together; split after the hardening work lands
 def create_app(pair: Any, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving ``pair``; run it with uvicorn (``dflash serve`` does).
 

@@ -1,3 +1,4 @@
+# Over 400 lines: the trainer; split after the hardening work lands
 """Train a DFlash drafter against a frozen target (DFLASH_SPEC.md section 6).
 
 The target is frozen and so are the embedding and head the drafter borrows from it;
