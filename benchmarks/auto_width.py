@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from dflash_mlx.bench import BenchConfig, MlxLmEngine, Runner, Sample
 from dflash_mlx.bench.report import build_report, results_table, write_report
-from dflash_mlx.simulate import read_trace
+from dflash_mlx.bench.simulate import read_trace
 
 sys.path.insert(0, str(Path(__file__).parent))
 from simulated_speedup import random_pair  # noqa: E402

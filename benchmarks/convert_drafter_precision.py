@@ -4,7 +4,7 @@
 Converts one pair with the drafter kept float, at 8 bits and at 4 bits (the
 target is copied unchanged), then on every prompt of a set:
 - the largest logit difference between the converted and the unconverted drafter
-  on the prompt's fixed input (dflash_mlx.validation.drafter_logits: float32),
+  on the prompt's fixed input (dflash_mlx.pair.validation.drafter_logits: float32),
   relative to the largest |logit|;
 - how often their argmax drafts agree (positions 1..B-1);
 - tau of greedy DFlash decoding with the converted pair (up to EOS or
@@ -28,8 +28,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from dflash_mlx import load, load_drafter
-from dflash_mlx.convert import convert
-from dflash_mlx.validation import (
+from dflash_mlx.pair.convert import convert
+from dflash_mlx.pair.validation import (
     dflash_tokens, drafter_logits, dtype_name, float_dtype, greedy_tokens, logit_difference,
 )
 

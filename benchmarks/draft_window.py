@@ -42,9 +42,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from dflash_mlx import GenerationStats, generate_step
-from dflash_mlx.generate import prefill
-from dflash_mlx.session import trim_cache
-from dflash_mlx.simulate import SimulatedDrafter
+from dflash_mlx.decode.generate import prefill
+from dflash_mlx.chat.session import trim_cache
+from dflash_mlx.bench.simulate import SimulatedDrafter
 from simulated_speedup import random_pair
 
 

@@ -29,9 +29,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from dflash_mlx import load
-from dflash_mlx.drafter import DFlashDrafter
-from dflash_mlx.drafter_config import DrafterArgs
-from dflash_mlx.loading import bind_drafter
+from dflash_mlx.drafter.network import DFlashDrafter
+from dflash_mlx.drafter.config import DrafterArgs
+from dflash_mlx.pair.loading import bind_drafter
 
 
 def drafter_of_shape(target, layers: int, intermediate: int, heads: int, block_size: int, layer_ids):

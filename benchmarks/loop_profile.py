@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Where one DFlash verify cycle spends its time, measured on the engine itself.
 
-Runs ``dflash_mlx.generate.generate_step`` (not a copy of it) with a
-:class:`~dflash_mlx.simulate.SimulatedDrafter`, so the acceptance is known, and
+Runs ``dflash_mlx.decode.generate.generate_step`` (not a copy of it) with a
+:class:`~dflash_mlx.bench.simulate.SimulatedDrafter`, so the acceptance is known, and
 reports the engine's own phases per cycle (draft, verify, host) plus the rest of
 the wall time. With ``--profile`` it also prints the Python functions where the
 host time goes (cProfile, cumulative), which is how the statement-level view of
@@ -30,8 +30,8 @@ import mlx.core as mx
 
 from dflash_mlx import load
 from dflash_mlx.bench.runner import greedy_continuation
-from dflash_mlx.generate import generate_step
-from dflash_mlx.simulate import SimulatedDrafter
+from dflash_mlx.decode.generate import generate_step
+from dflash_mlx.bench.simulate import SimulatedDrafter
 from dflash_mlx.stats import PHASES, GenerationStats
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from dflash_mlx import DFlashDrafter, DrafterArgs, save_drafter
-from dflash_mlx.drafter_config import default_target_layer_ids
+from dflash_mlx.drafter.config import default_target_layer_ids
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ reach at least 0.9 x the ideal speedup ``tau x t_AR / (t_draft + t_verify)``?
 The target is Qwen3-0.6B's shape with random weights (hidden 1024, 28 layers, 16
 heads / 8 KV heads, head_dim 128, MLP 3072, vocab 151936, tied embeddings), the
 drafter a random 1-layer DFlash drafter of the same width. With
-``--simulate-acceptance A`` (the library's :class:`dflash_mlx.simulate.SimulatedDrafter`)
+``--simulate-acceptance A`` (the library's :class:`dflash_mlx.bench.simulate.SimulatedDrafter`)
 the real drafter runs for its cost and its proposals are replaced by the target's
 greedy continuation for A slots and wrong tokens after, so tau = A + 1. Prompts are
 random token ids (no tokenizer is needed). For each tau the baseline (this engine,
@@ -38,7 +38,7 @@ from mlx_lm.models import qwen3
 from dflash_mlx import DFlashDrafter, DrafterArgs, bind_drafter, make_adapter
 from dflash_mlx.bench import BenchConfig, DatasetResult, DFlashEngine, Runner, Sample
 from dflash_mlx.bench.report import build_report, cycle_table, results_table, write_report
-from dflash_mlx.drafter_config import default_target_layer_ids
+from dflash_mlx.drafter.config import default_target_layer_ids
 
 BOUND = 0.9
 

@@ -1,6 +1,6 @@
 """``dflash chat``: a terminal chat; caches kept across turns, live acceptance stats.
 
-Wiring only: flags, :class:`dflash_mlx.session.ChatSession`, and a view from
+Wiring only: flags, :class:`dflash_mlx.chat.session.ChatSession`, and a view from
 ``chat_ui`` (rich in a terminal, plain text when stdin or stdout is not one).
 """
 
@@ -106,8 +106,8 @@ def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed
     import mlx.core as mx
 
     from dflash_mlx import InputError
-    from dflash_mlx.generate import check_block_size
-    from dflash_mlx.session import ChatSession
+    from dflash_mlx.decode.generate import check_block_size
+    from dflash_mlx.chat.session import ChatSession
 
     from .chat_ui import PlainView, RichView
 
@@ -118,7 +118,7 @@ def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model, verify)
     prefill_step_size = resolve_prefill_step(prefill_step_size)
-    from dflash_mlx.policy import parse_block_size
+    from dflash_mlx.decode.policy import parse_block_size
 
     block_size = parse_block_size(block_size)
     if block_size not in (None, "auto") and draft_model is None:
@@ -143,7 +143,7 @@ def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed
 def _loop(session, settings: Settings, view, pair) -> int:
     """Read and run lines until /quit or the end of input; returns how many failed."""
     from dflash_mlx import DFlashError
-    from dflash_mlx.session import ContextFullError
+    from dflash_mlx.chat.session import ContextFullError
 
     failed = 0
     while True:

@@ -1,6 +1,6 @@
 """Rendering for ``dflash chat``: a rich terminal view and a plain one for pipes.
 
-Both consume :class:`dflash_mlx.session.ChatEvent` streams; neither touches the
+Both consume :class:`dflash_mlx.chat.session.ChatEvent` streams; neither touches the
 decode loop. The rich view prints finished lines as they come and keeps the line
 being written plus a status line (tau, acceptance, tokens/s, elapsed) live below.
 """
@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.text import Text
 
-from dflash_mlx.session import ChatEvent, Piece
+from dflash_mlx.chat.session import ChatEvent, Piece
 
 DRAFTED = "cyan"  # tokens the target accepted from the drafter
 PROMPT = ">>> "

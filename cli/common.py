@@ -209,7 +209,7 @@ def fail(message: str, code: int = 1) -> None:
 def resolve_models(model: Optional[str], draft_model: Optional[str], verify: bool = False) -> tuple[str, Optional[str]]:
     """Defaults: no flags -> the Qwen3-4B pair; --model alone -> plain decoding, unless
     it is a `dflash convert` folder (its target/ and drafter/; hashes checked if ``verify``)."""
-    from dflash_mlx.manifest import resolve_pair
+    from dflash_mlx.pair.manifest import resolve_pair
 
     if verify and model is None:
         raise InputError("--verify needs --model DIR, a folder written by dflash convert")
@@ -315,7 +315,7 @@ def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: 
     """Apply the chat template as ``mlx_lm.generate`` does, then tokenize. Without one,
     the raw text (after the system prompt, if any, as ``dflash chat`` does)."""
     from dflash_mlx.prompt import encode_messages
-    from dflash_mlx.session import plain_text
+    from dflash_mlx.chat.session import plain_text
 
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": text})
@@ -335,7 +335,7 @@ def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_wind
     """Load the pair; when the defaults cannot be had, say how to pass folders.
     ``recalibrate``: its first generation re-times the widths (``--recalibrate``)."""
     from dflash_mlx import CheckpointError, load
-    from dflash_mlx.policy import recalibrate as recalibrate_next
+    from dflash_mlx.decode.policy import recalibrate as recalibrate_next
 
     quiet_transformers()
     try:

@@ -1,5 +1,5 @@
 """``dflash convert``: a target and its drafter into one folder; wiring over
-:func:`dflash_mlx.convert.convert`."""
+:func:`dflash_mlx.pair.convert.convert`."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def _run(validate, **kwargs) -> None:
     from rich.console import Console
 
     from dflash_mlx import ValidationError
-    from dflash_mlx.convert import convert as convert_pair
+    from dflash_mlx.pair.convert import convert as convert_pair
 
     console = Console(stderr=True)
     stages = _Stages(console)

@@ -66,6 +66,7 @@ def generate(
     guard(lambda: _run(**args))
 
 
+# Over 60 lines: load, sample, stream and render one generation; split after the hardening work lands
 def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size, recalibrate,
          tree_budget,
          draft_window,
@@ -74,7 +75,7 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
 
     from dflash_mlx import InputError, stream_generate
     from dflash_mlx.sampling import make_sampler
-    from dflash_mlx.session import context_length
+    from dflash_mlx.chat.session import context_length
 
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
     stops = parse_stops(stop)
@@ -84,7 +85,7 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model, verify)
     prefill_step_size = resolve_prefill_step(prefill_step_size)
-    from dflash_mlx.policy import parse_block_size, parse_tree_budget
+    from dflash_mlx.decode.policy import parse_block_size, parse_tree_budget
 
     block_size, tree_budget = parse_block_size(block_size), parse_tree_budget(tree_budget)
     if block_size not in (None, "auto") and draft_model is None:

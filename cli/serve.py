@@ -1,4 +1,4 @@
-"""``dflash serve``: the OpenAI-compatible server (wiring over :mod:`dflash_mlx.server`)."""
+"""``dflash serve``: the OpenAI-compatible server (wiring over :mod:`dflash_mlx.serve.app`)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     import uvicorn
 
     from dflash_mlx import InputError
-    from dflash_mlx.server import ServerConfig, create_app
+    from dflash_mlx.serve.app import ServerConfig, create_app
 
     from .common import parse_template_config
 
@@ -76,7 +76,7 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model)
-    from dflash_mlx.policy import parse_block_size
+    from dflash_mlx.decode.policy import parse_block_size
 
     block_size = parse_block_size(block_size)
     if block_size not in (None, "auto") and draft_model is None:

@@ -62,7 +62,7 @@ def _data(model, out, prompts, text, self_prompts, self_prompt_tokens, self_prom
     import numpy as np
 
     from dflash_mlx import InputError, load
-    from dflash_mlx.session import context_length
+    from dflash_mlx.chat.session import context_length
     from dflash_mlx.train.data import (
         encode_prompts, prompts_from_text, read_prompt_file, regenerate, response_end_token,
     )
@@ -116,6 +116,7 @@ def check_lengths(max_tokens: int, max_length: Optional[int], context: Optional[
     return max_length if max_length is not None else min(3072, context or 3072)
 
 
+# Over 60 lines: a typer command: its length is its option list
 def train(
     model: str = typer.Option(..., "--model", help="Target: local mlx-lm folder or HF repo id (frozen)."),
     data_dirs: List[Path] = typer.Option(..., "--data", help="Folder made by `dflash data`; repeat to mix several."),
@@ -186,6 +187,7 @@ def train(
     guard(lambda: _train(**args))
 
 
+# Over 60 lines: one training run's wiring; split after the hardening work lands
 def _train(model, data_dirs, out, layers, block_size, block_sizes, target_layer_ids, mask_token_id, intermediate_size,
            steps, lr, warmup, grad_accum, anchors, anchor_chunk, gamma, kl_weight, kl_temperature, grad_clip, dtype,
            held_out, eval_every, save_every, cache_features, features_dir, resume, overwrite, seed) -> None:

@@ -1,7 +1,7 @@
 """dflash-mlx: DFlash block-diffusion speculative decoding on MLX.
 
-The method lives in two files: :mod:`dflash_mlx.drafter` (the drafter network)
-and :mod:`dflash_mlx.generate` (the decode loop).
+The method lives in two files: :mod:`dflash_mlx.drafter.network` (the drafter network)
+and :mod:`dflash_mlx.decode.generate` (the decode loop). docs/architecture.md maps the rest.
 
 The names below are imported on first use (PEP 562), so ``import dflash_mlx`` and the
 CLI's start-up stay light until MLX is needed: ``dflash --help`` answers at once and
@@ -13,25 +13,29 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING
 
+from . import _moved
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "checkpoint": ["load_drafter", "save_drafter"],
-    "drafter": ["DFlashDrafter"],
-    "drafter_config": ["DrafterArgs"],
+    "drafter.checkpoint": ["load_drafter", "save_drafter"],
+    "drafter.network": ["DFlashDrafter"],
+    "drafter.config": ["DrafterArgs"],
     "errors": ["CheckpointError", "ConfigError", "DFlashError", "InputError", "MismatchError", "RollbackError",
                "ValidationError"],
     "protocol": ["Drafter", "Proposal", "WrappedDrafter"],
     "sampling": ["Sampling"],
-    "generate": ["GenerationResponse", "StepResult", "generate", "generate_step", "stream_generate"],
-    "session": ["ChatSession"],
-    "loading": ["Pair", "bind_drafter", "check_pair", "load", "load_target"],
+    "decode.generate": ["GenerationResponse", "StepResult", "generate", "generate_step", "stream_generate"],
+    "chat.session": ["ChatSession"],
+    "pair.loading": ["Pair", "bind_drafter", "check_pair", "load", "load_target"],
     "stats": ["GenerationStats"],
     "targets": ["TargetAdapter", "make_adapter"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = sorted(_MODULE_OF)
+
+_moved.install()  # the old flat module paths (dflash_mlx.generate, ...) still import, with a DeprecationWarning
 
 
 def __getattr__(name: str):
@@ -48,16 +52,16 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and editors
-    from .checkpoint import load_drafter, save_drafter  # noqa: F401
-    from .drafter import DFlashDrafter  # noqa: F401
-    from .drafter_config import DrafterArgs  # noqa: F401
+    from .drafter.checkpoint import load_drafter, save_drafter  # noqa: F401
+    from .drafter.network import DFlashDrafter  # noqa: F401
+    from .drafter.config import DrafterArgs  # noqa: F401
     from .errors import (  # noqa: F401
         CheckpointError, ConfigError, DFlashError, InputError, MismatchError, RollbackError, ValidationError,
     )
     from .protocol import Drafter, Proposal, WrappedDrafter  # noqa: F401
     from .sampling import Sampling  # noqa: F401
-    from .generate import GenerationResponse, StepResult, generate, generate_step, stream_generate  # noqa: F401
-    from .loading import Pair, bind_drafter, check_pair, load, load_target  # noqa: F401
-    from .session import ChatSession  # noqa: F401
+    from .decode.generate import GenerationResponse, StepResult, generate, generate_step, stream_generate  # noqa: F401
+    from .pair.loading import Pair, bind_drafter, check_pair, load, load_target  # noqa: F401
+    from .chat.session import ChatSession  # noqa: F401
     from .stats import GenerationStats  # noqa: F401
     from .targets import TargetAdapter, make_adapter  # noqa: F401

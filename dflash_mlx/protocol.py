@@ -1,6 +1,6 @@
 """What the decode loop needs of a drafter, and one base for drafters that wrap another.
 
-:class:`dflash_mlx.drafter.DFlashDrafter` satisfies :class:`Drafter`; so do the
+:class:`dflash_mlx.drafter.network.DFlashDrafter` satisfies :class:`Drafter`; so do the
 simulated-acceptance drafter of ``dflash bench`` and the scripted drafters of the
 tests, which subclass :class:`WrappedDrafter` and replace only :meth:`draft`.
 """

@@ -52,7 +52,7 @@ class GenerationStats:
         drafter_format: the drafter's checkpoint format (``architectures[0]``, e.g.
             ``DFlash2DraftModel``); None without a drafter.
         acceptance_rule: ``greedy``, ``sample-and-match`` or ``speculative``
-            (:mod:`dflash_mlx.acceptance`); None without a drafter.
+            (:mod:`dflash_mlx.decode.acceptance`); None without a drafter.
         verify: what verified the drafts and why (``{"block_size": B or "auto",
             "tree_budget": None, N or "auto", "reason": why a requested tree is off,
             or None}``, and with auto ``"calibration"``: ``"timed"`` now, ``"stored"``

@@ -240,8 +240,8 @@ def no_clock_decides(monkeypatch, tmp_path_factory):
     drafter pass 1 ms), whatever the machine is doing; what a process learned is
     forgotten between tests; calibrations go to a scratch cache folder (also for the
     CLI processes tests start), never the user's."""
-    import dflash_mlx.policy as policy
-    from dflash_mlx.calibration import FixedTimings
+    import dflash_mlx.decode.policy as policy
+    from dflash_mlx.decode.calibration import FixedTimings
 
     monkeypatch.setattr(policy, "DEFAULT_TIMINGS", FixedTimings())
     monkeypatch.setattr(policy, "_CALIBRATIONS", {})

@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from dflash_mlx import GenerationStats, TargetAdapter, generate_step
-from dflash_mlx.calibration import FixedTimings, calibrate
+from dflash_mlx.decode.calibration import FixedTimings, calibrate
 from dflash_mlx.protocol import Proposal
 from conftest import ScriptedDrafter, assert_varied, mlx_lm_greedy, tiny_drafter, tiny_target
 from test_sampling import exact_law, p_value
@@ -96,7 +96,7 @@ CYCLE = [("plain", 1, False, None, 1), ("plain", 1, True, 16, 1), ("chain", 3, F
 def test_every_switch_between_modes_is_lossless(family, correct, rank, monkeypatch):
     # Whatever the cost model picks: plain steps (with and without probes), chains of
     # any width and trees, in every order, keep the output and the drafter's position.
-    import dflash_mlx.policy as policy
+    import dflash_mlx.decode.policy as policy
 
     plans = iter([policy.Plan(*CYCLE[i % len(CYCLE)]) for i in range(10 * N)])
     monkeypatch.setattr(policy.Policy, "next", lambda self, context=0: next(plans))
@@ -108,8 +108,8 @@ def test_every_switch_between_modes_is_lossless(family, correct, rank, monkeypat
 
 
 def test_policy_decodes_plainly_when_drafts_are_wrong_and_speculates_when_right():
-    from dflash_mlx.cost import CostModel
-    from dflash_mlx.policy import Policy
+    from dflash_mlx.decode.cost import CostModel
+    from dflash_mlx.decode.policy import Policy
 
     for right, expected in ((0, "plain"), (15, "chain")):
         cost = CostModel(block_size=16)
@@ -248,7 +248,7 @@ def test_calibration_times_every_width_on_scratch_caches():
 def test_a_drafter_keeps_what_it_learned_across_generations():
     # The second generation with the same drafter goes on with the first one's cost
     # model (timings and acceptance profile), not a fresh, hopeful one.
-    import dflash_mlx.policy as policy
+    import dflash_mlx.decode.policy as policy
 
     _, target, ref = reference("qwen3")
     drafter = ScriptedDrafter(PROMPT + ref, correct=0, block_size=16, vocab=256, check_anchor=False)

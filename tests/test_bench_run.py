@@ -11,7 +11,7 @@ from dflash_mlx import InputError
 from dflash_mlx.bench import BenchConfig, DFlashEngine, MlxLmEngine, MlxLmSpeculativeEngine, Runner, Sample
 from dflash_mlx.bench.report import build_report, results_table, summarize
 from dflash_mlx.bench.runner import greedy_continuation, parse_baseline, timed_run
-from dflash_mlx.simulate import SimulatedDrafter
+from dflash_mlx.bench.simulate import SimulatedDrafter
 from mlx_lm.sample_utils import make_sampler
 
 from conftest import mlx_lm_greedy, needs_shared, tiny_drafter, tiny_target
@@ -77,7 +77,7 @@ def test_a_replayed_trace_accepts_its_lengths_block_by_block(pair):
 
 
 def test_read_trace_takes_generate_json_and_names_bad_files(tmp_path):
-    from dflash_mlx.simulate import read_trace
+    from dflash_mlx.bench.simulate import read_trace
 
     one = tmp_path / "one.json"
     one.write_text(json.dumps({"tau": 2.0, "acceptance_trace": [[1, 15], [4, 15]]}, indent=2))

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from dflash_mlx import InputError, generate_step
-from dflash_mlx.drafter import DFlashDrafter
+from dflash_mlx.drafter.network import DFlashDrafter
 from dflash_mlx.kernels import block_attention as ba
 from dflash_mlx.kernels.block_attention import attention_path, block_attention, block_attention_reference
-from dflash_mlx.loading import bind_drafter
+from dflash_mlx.pair.loading import bind_drafter
 from conftest import tiny_drafter_args, tiny_target
 
 needs_metal = pytest.mark.skipif(

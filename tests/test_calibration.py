@@ -15,12 +15,12 @@ import random
 import mlx.core as mx
 import pytest
 
-import dflash_mlx.generate as generate_module
-import dflash_mlx.policy as policy
+import dflash_mlx.decode.generate as generate_module
+import dflash_mlx.decode.policy as policy
 from dflash_mlx import GenerationStats, generate_step
-from dflash_mlx.calibration import CalibrationStore, FixedTimings, folder_fingerprint, store_key
-from dflash_mlx.cost import CostModel
-from dflash_mlx.simulate import SimulatedDrafter
+from dflash_mlx.decode.calibration import CalibrationStore, FixedTimings, folder_fingerprint, store_key
+from dflash_mlx.decode.cost import CostModel
+from dflash_mlx.bench.simulate import SimulatedDrafter
 from conftest import ScriptedDrafter, mlx_lm_greedy, tiny_drafter, tiny_target
 
 PROMPT = [1, 17, 33, 2, 9, 100, 42]
@@ -109,7 +109,7 @@ def test_cost_model_state_round_trip_and_bad_states():
 
 
 def test_a_stored_profile_is_a_prior_worth_a_few_blocks():
-    from dflash_mlx.cost import RESTORED_BLOCKS
+    from dflash_mlx.decode.cost import RESTORED_BLOCKS
 
     cost = CostModel(block_size=4)
     for s in range(60):  # many blocks of math-like text: the first draft always wrong

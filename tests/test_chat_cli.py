@@ -144,7 +144,7 @@ def test_rich_view_marks_drafted_and_thinking(color):
 
     from dflash_mlx import GenerationStats
     from dflash_mlx.cli.chat_ui import RichView
-    from dflash_mlx.session import ChatEvent, Piece
+    from dflash_mlx.chat.session import ChatEvent, Piece
 
     view = RichView(color=color)
     buf = io.StringIO()

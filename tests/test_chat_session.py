@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 
 from dflash_mlx import InputError, generate_step, load
-from dflash_mlx.session import (ChatSession, ContextFullError, ReplyDecoder, common_prefix, plain_text,
+from dflash_mlx.chat.session import (ChatSession, ContextFullError, ReplyDecoder, common_prefix, plain_text,
                                 starts_thinking, trim_cache)
 from dflash_mlx.targets import HybridAdapter
 from conftest import needs_shared, tiny_drafter, tiny_target
@@ -354,7 +354,7 @@ def test_stop_string_cuts_the_reply_and_keeps_caches_consistent(pair, template):
 
 
 def test_stop_text_holds_back_a_possible_start():
-    from dflash_mlx.session import Piece, StopText
+    from dflash_mlx.chat.session import Piece, StopText
 
     st = StopText(["STOP"])
     assert [p.text for p in st.add([Piece("abc S", drafted=True)], False)] == ["abc "]

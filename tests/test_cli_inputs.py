@@ -155,7 +155,7 @@ def test_drafter_passed_as_the_target(random_drafter):
     {"architectures": ["Qwen3ForCausalLM"], "dflash_config": {}},
 ])
 def test_drafter_formats_are_recognised(config):
-    from dflash_mlx.loading import is_drafter_config
+    from dflash_mlx.pair.loading import is_drafter_config
 
     assert is_drafter_config(config)
     assert not is_drafter_config({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"})

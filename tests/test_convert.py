@@ -18,9 +18,9 @@ from conftest import ROOT, assert_varied, mlx_lm_greedy
 from dflash_mlx import (
     CheckpointError, ConfigError, InputError, MismatchError, generate_step, load, load_drafter, save_drafter,
 )
-from dflash_mlx.convert import convert
-from dflash_mlx.manifest import MANIFEST, sha256_file
-from dflash_mlx.validation import drafter_logits, logit_difference
+from dflash_mlx.pair.convert import convert
+from dflash_mlx.pair.manifest import MANIFEST, sha256_file
+from dflash_mlx.pair.validation import drafter_logits, logit_difference
 from hf_checkpoints import edit_config, write_drafter, write_hf_target
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 84, 104]
@@ -287,7 +287,7 @@ def test_missing_source(tmp_path):
 
 SLOW_WRITE = """
 import sys, time
-import dflash_mlx.convert as convert
+import dflash_mlx.pair.convert as convert
 
 def slow_write(drafter, dst, *args, **kwargs):  # the drafter folder half written, then a long write
     dst.mkdir()

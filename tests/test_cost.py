@@ -6,8 +6,8 @@ depends on the machine.
 
 import pytest
 
-from dflash_mlx.calibration import Calibration, chain_block
-from dflash_mlx.cost import CostModel
+from dflash_mlx.decode.calibration import Calibration, chain_block
+from dflash_mlx.decode.cost import CostModel
 
 
 def calibrated(block_size, verify, draft=None, contexts=(32, 256), **kw) -> CostModel:

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 
 from conftest import ROOT
 from dflash_mlx import ConfigError, load_drafter
-from dflash_mlx.convert import convert
+from dflash_mlx.pair.convert import convert
 from hf_checkpoints import write_drafter, write_hf_target
 
 SCRIPT = ROOT / "scripts" / "convert" / "drafter_layout.py"

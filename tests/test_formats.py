@@ -19,8 +19,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dflash_mlx import DrafterArgs, bind_drafter, generate_step, load_drafter, save_drafter
-from dflash_mlx.caches import ContextWindowCache
-from dflash_mlx.simulate import SimulatedDrafter
+from dflash_mlx.targets.caches import ContextWindowCache
+from dflash_mlx.bench.simulate import SimulatedDrafter
 from conftest import FORMATS, assert_varied, format_drafter, mlx_lm_greedy, tiny_target
 
 B = 8

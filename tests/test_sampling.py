@@ -19,7 +19,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_samp
 from scipy.stats import chisquare
 
 from dflash_mlx import GenerationStats, generate_step
-from dflash_mlx.acceptance import SpeculativeRule
+from dflash_mlx.decode.acceptance import SpeculativeRule
 from dflash_mlx.sampling import Sampling
 from conftest import ScriptedDrafter, format_drafter, mlx_lm_greedy, tiny_target
 

@@ -8,10 +8,10 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import GenerationStats, generate_step
-from dflash_mlx.server import APIError, chat_prompt_ids
-from dflash_mlx.server_api import ChatCompletionRequest, usage
-from dflash_mlx.server_engine import Engine, GenerationJob, QueueFullError
-from dflash_mlx.server_metrics import ServerMetrics
+from dflash_mlx.serve.app import APIError, chat_prompt_ids
+from dflash_mlx.serve.api import ChatCompletionRequest, usage
+from dflash_mlx.serve.engine import Engine, GenerationJob, QueueFullError
+from dflash_mlx.serve.metrics import ServerMetrics
 import conftest
 from conftest import tiny_drafter, tiny_target
 

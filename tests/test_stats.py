@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx import GenerationStats
-from dflash_mlx.acceptance import count_accepted
+from dflash_mlx.decode.acceptance import count_accepted
 from dflash_mlx.stats import format_histogram, histogram_dict, pooled
 
 

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import stream_generate
-from dflash_mlx.stopping import StopCondition, held_back, text_before_stop
+from dflash_mlx.decode.stopping import StopCondition, held_back, text_before_stop
 from conftest import ScriptedDrafter
 
 # A toy tokenizer: token i decodes to LETTERS[i]; token 9 decodes to two characters.

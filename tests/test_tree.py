@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dflash_mlx.tree import build_tree, tree_mask, tree_positions, walk
+from dflash_mlx.decode.tree import build_tree, tree_mask, tree_positions, walk
 
 
 def random_logprobs(D, V, seed):

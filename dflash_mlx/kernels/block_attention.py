@@ -1,3 +1,4 @@
+# Over 400 lines: one kernel per file: its Metal source (180 lines), launch, fallback choice and the ops reference
 """Block attention of the drafter: B block queries over context K/V plus the block's own K/V.
 
 The drafter's attention (DFLASH_SPEC.md section 4) lets the B block queries look at

@@ -1,40 +1,38 @@
-"""Target adapters, one small file per mlx-lm family, chosen by ``model_type``."""
+"""Target adapters, one small file per mlx-lm family, chosen by ``model_type``.
 
-from typing import Dict, Type
+Adding a family is adding a file here (its adapter and ``MODEL_TYPES``) and its test;
+docs/architecture.md shows one.
+"""
+
+import pkgutil
+from importlib import import_module
+from typing import Dict, Iterable, Type
 
 import mlx.nn as nn
 from mlx_lm.utils import MODEL_REMAPPING
 
 from ..errors import MismatchError
 from .base import TargetAdapter
-from .gemma3_text import Gemma3TextAdapter
-from .gemma4_text import Gemma4TextAdapter
-from .gpt_oss import GptOssAdapter
 from .hybrid import HybridAdapter
-from .llama import LlamaAdapter
-from .qwen3 import Qwen3Adapter
-from .qwen3_5 import Qwen35Adapter
-from .qwen3_5_moe import Qwen35MoeAdapter
-from .qwen3_moe import Qwen3MoeAdapter
-from .qwen3_next import Qwen3NextAdapter
 
-ADAPTERS: Dict[str, Type[TargetAdapter]] = {
-    "gemma3_text": Gemma3TextAdapter,
-    "gemma4_text": Gemma4TextAdapter,
-    "gpt_oss": GptOssAdapter,
-    "llama": LlamaAdapter,
-    "qwen3": Qwen3Adapter,
-    "qwen3_5": Qwen35Adapter,
-    "qwen3_5_moe": Qwen35MoeAdapter,
-    "qwen3_moe": Qwen3MoeAdapter,
-    "qwen3_next": Qwen3NextAdapter,
-    # Vision-language wrappers: the adapter runs the text model inside
-    # (``model.language_model``), of the family named here.
-    "gemma3": Gemma3TextAdapter,
-    "gemma4": Gemma4TextAdapter,
-    "qwen3_vl": Qwen3Adapter,
-    "qwen3_vl_moe": Qwen3MoeAdapter,
-}
+
+def find_families(paths: Iterable[str] = __path__) -> Dict[str, Type[TargetAdapter]]:
+    """``model_type`` -> adapter class, from the ``MODEL_TYPES`` of every module in ``paths``.
+
+    A family is one file here: its adapter and a ``MODEL_TYPES`` dict (vision-language
+    wrappers map to the adapter of the text model inside, ``model.language_model``).
+    """
+    found: Dict[str, Type[TargetAdapter]] = {}
+    for info in sorted(pkgutil.iter_modules(list(paths)), key=lambda m: m.name):
+        module = import_module(f"{__name__}.{info.name}")
+        for model_type, adapter in getattr(module, "MODEL_TYPES", {}).items():
+            if model_type in found and found[model_type] is not adapter:
+                raise RuntimeError(f"model_type {model_type!r} claimed by two adapters")
+            found[model_type] = adapter
+    return found
+
+
+ADAPTERS: Dict[str, Type[TargetAdapter]] = find_families()
 
 
 def make_adapter(model: nn.Module) -> TargetAdapter:
@@ -58,4 +56,11 @@ def make_adapter(model: nn.Module) -> TargetAdapter:
     return ADAPTERS[model_type](model)
 
 
-__all__ = ["ADAPTERS", "HybridAdapter", "TargetAdapter", "make_adapter"]
+def __getattr__(name: str):  # each family's adapter class by name (``from dflash_mlx.targets import LlamaAdapter``)
+    for adapter in ADAPTERS.values():
+        if adapter.__name__ == name:
+            return adapter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ADAPTERS", "HybridAdapter", "TargetAdapter", "find_families", "make_adapter"]

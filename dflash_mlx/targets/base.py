@@ -5,7 +5,7 @@ norm, head) in the same order as the family's ``__call__``; it never patches or
 wraps them, so the model is left exactly as loaded. Each family file overrides
 only what differs from this generic decoder (masks, embedding scale, the layer
 walk, the head), and where a layer's mlx-lm cache cannot roll back, the cache
-class that replaces it (:mod:`dflash_mlx.caches`).
+class that replaces it (:mod:`dflash_mlx.targets.caches`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from ..caches import EXACT_TRIM, GatedDeltaCache, WindowKVCache, can_trim
+from .caches import EXACT_TRIM, GatedDeltaCache, WindowKVCache, can_trim
 from ..errors import InputError, MismatchError, RollbackError
 from .tree_verify import compact_rows, decoder_layer_at, tree_layer_mask
 
@@ -192,9 +192,9 @@ class TargetAdapter:
         """A fresh prompt cache, as mlx-lm makes it, that rolls back exactly.
 
         Layers whose mlx-lm cache cannot roll back get one of ours (see
-        :meth:`exact_cache`): a :class:`~dflash_mlx.caches.WindowKVCache` instead of a
+        :meth:`exact_cache`): a :class:`~dflash_mlx.targets.caches.WindowKVCache` instead of a
         ``RotatingKVCache`` (which cannot be trimmed once it wraps), a
-        :class:`~dflash_mlx.caches.GatedDeltaCache` instead of a Gated-DeltaNet
+        :class:`~dflash_mlx.targets.caches.GatedDeltaCache` instead of a Gated-DeltaNet
         layer's ``ArraysCache``.
 
         Args:

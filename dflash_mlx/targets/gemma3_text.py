@@ -33,3 +33,7 @@ class Gemma3TextAdapter(TargetAdapter):
         if self.text.tie_word_embeddings:
             return self.inner.embed_tokens.as_linear(h)
         return self.text.lm_head(h)
+
+
+# model_type -> adapter: targets/__init__.py collects these from every file in targets/
+MODEL_TYPES = {"gemma3_text": Gemma3TextAdapter, "gemma3": Gemma3TextAdapter}

@@ -51,3 +51,7 @@ class Gemma4TextAdapter(TargetAdapter):
         if text.final_logit_softcapping is not None:
             out = logit_softcap(text.final_logit_softcapping, out)
         return out
+
+
+# model_type -> adapter: targets/__init__.py collects these from every file in targets/
+MODEL_TYPES = {"gemma4_text": Gemma4TextAdapter, "gemma4": Gemma4TextAdapter}

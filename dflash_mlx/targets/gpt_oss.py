@@ -3,7 +3,7 @@ layers, MoE blocks.
 
 The sinks and the experts live inside the model's own layers, which run as loaded;
 the adapter gives each layer its mask, windowed for the sliding layers, whose
-``RotatingKVCache`` becomes a :class:`~dflash_mlx.caches.WindowKVCache`.
+``RotatingKVCache`` becomes a :class:`~dflash_mlx.targets.caches.WindowKVCache`.
 """
 
 from typing import Any, List, Sequence
@@ -22,3 +22,7 @@ class GptOssAdapter(TargetAdapter):
         full = create_attention_mask(h, cache[inner.ga_idx])
         window = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.window_size)
         return [full if kind == "full_attention" else window for kind in inner.layer_types]
+
+
+# model_type -> adapter: targets/__init__.py collects these from every file in targets/
+MODEL_TYPES = {"gpt_oss": GptOssAdapter}

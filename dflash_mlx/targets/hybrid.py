@@ -5,7 +5,7 @@ the model's own modules. A Gated-DeltaNet layer is run here, from the layer's ow
 sub-modules and mlx-lm's ``normalize_qk`` / ``gated_delta_update``, in the order of
 mlx-lm's ``GatedDeltaNet.__call__`` (tests pin the logits bit for bit): the only
 difference is that it hands its recurrence inputs to the layer's
-:class:`~dflash_mlx.caches.GatedDeltaCache`, which replays the accepted prefix on a
+:class:`~dflash_mlx.targets.caches.GatedDeltaCache`, which replays the accepted prefix on a
 rollback (DFLASH_SPEC.md section 10). The family files give the input projections,
 the one place where the families' layers differ.
 """
@@ -20,7 +20,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from ..caches import GatedDeltaCache
+from .caches import GatedDeltaCache
 from .base import TargetAdapter
 
 

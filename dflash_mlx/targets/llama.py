@@ -23,3 +23,7 @@ class LlamaAdapter(TargetAdapter):
             return [full] * self.num_layers
         window = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.sliding_window)
         return [window if layer.use_sliding else full for layer in self.layers]
+
+
+# model_type -> adapter: targets/__init__.py collects these from every file in targets/
+MODEL_TYPES = {"llama": LlamaAdapter}

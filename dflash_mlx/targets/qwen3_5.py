@@ -20,3 +20,7 @@ class Qwen35Adapter(HybridAdapter):
         qkv = gdn.in_proj_qkv(x)
         z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
         return qkv, z, gdn.in_proj_b(x), gdn.in_proj_a(x)
+
+
+# model_type -> adapter: targets/__init__.py collects these from every file in targets/
+MODEL_TYPES = {"qwen3_5": Qwen35Adapter}

@@ -9,3 +9,7 @@ from .qwen3_5 import Qwen35Adapter
 
 class Qwen35MoeAdapter(Qwen35Adapter):
     """mlx_lm.models.qwen3_5_moe: the qwen3_5 walk; MoE blocks run as loaded."""
+
+
+# model_type -> adapter: targets/__init__.py collects these from every file in targets/
+MODEL_TYPES = {"qwen3_5_moe": Qwen35MoeAdapter}

@@ -18,3 +18,7 @@ class Qwen3NextAdapter(HybridAdapter):
         q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
         qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
         return qkv, z, b, a
+
+
+# model_type -> adapter: targets/__init__.py collects these from every file in targets/
+MODEL_TYPES = {"qwen3_next": Qwen3NextAdapter}

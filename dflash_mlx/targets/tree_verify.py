@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from ..caches import WindowKVCache
+from .caches import WindowKVCache
 
 
 def rope_at(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:

@@ -1,3 +1,4 @@
+# Over 400 lines: the trainer; split after the hardening work lands
 """Train a DFlash drafter against a frozen target (DFLASH_SPEC.md section 6).
 
 The target is frozen and so are the embedding and head the drafter borrows from it;
@@ -33,12 +34,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..checkpoint import load_drafter, save_drafter
-from ..drafter import DFlashDrafter
-from ..drafter_config import DrafterArgs, default_target_layer_ids
+from ..drafter.checkpoint import load_drafter, save_drafter
+from ..drafter.network import DFlashDrafter
+from ..drafter.config import DrafterArgs, default_target_layer_ids
 from ..errors import InputError, MismatchError
 from ..kernels import fast_softmax
-from ..loading import bind_drafter
+from ..pair.loading import bind_drafter
 from ..stats import teacher_forced
 from ..targets import TargetAdapter
 from .blocks import block_mask, default_gamma, position_weights, sample_anchors, valid_anchors

@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from dflash_mlx.checkpoint import load_drafter, read_config
-from dflash_mlx.convert import check_out, staging
-from dflash_mlx.drafter_config import DRAFTER_ARCHITECTURE, default_target_layer_ids
+from dflash_mlx.drafter.checkpoint import load_drafter, read_config
+from dflash_mlx.pair.convert import check_out, staging
+from dflash_mlx.drafter.config import DRAFTER_ARCHITECTURE, default_target_layer_ids
 from dflash_mlx.errors import ConfigError, DFlashError
 
 MOVED = ("target_layer_ids", "mask_token_id")

@@ -10,7 +10,7 @@
   tokens, then compacted to the accepted path.
 
 Each speculative step returns a :class:`Outcome`; every one keeps the output exactly the
-target's (the acceptance rules of :mod:`dflash_mlx.acceptance`, or the tree walk).
+target's (the acceptance rules of :mod:`dflash_mlx.decode.acceptance`, or the tree walk).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import mlx.core as mx
 import numpy as np
 
 from .acceptance import count_accepted
-from .protocol import Proposal
-from .targets import TargetAdapter
+from ..protocol import Proposal
+from ..targets import TargetAdapter
 from .tree import DraftTree, walk
 
 
@@ -94,7 +94,7 @@ def chain_step(target: TargetAdapter, cache: List[Any], capture: Sequence[int], 
 
 def tree_step(target: TargetAdapter, cache: List[Any], capture: Sequence[int], pick, position: int,
               proposal: Proposal, tree: DraftTree) -> Outcome:
-    """DDTree verify of a draft tree (spec section 7; :func:`dflash_mlx.tree.build_tree`).
+    """DDTree verify of a draft tree (spec section 7; :func:`dflash_mlx.decode.tree.build_tree`).
 
     Args:
         position: absolute position of the tree's root, the last committed token

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-from .errors import CheckpointError, ConfigError, InputError
+from ..errors import CheckpointError, ConfigError, InputError
 
 MANIFEST = "dflash.json"
 MANIFEST_VERSION = 1

@@ -1,8 +1,9 @@
+# Over 400 lines: one ASGI app; split after the hardening work lands
 """``dflash serve``: an OpenAI-compatible HTTP server over one target/drafter pair.
 
-FastAPI validates requests (:mod:`dflash_mlx.server_api`), the :class:`Engine` runs
-them one at a time on its worker thread (:mod:`dflash_mlx.server_engine`), and
-``/metrics`` comes from :mod:`dflash_mlx.server_metrics`. Every error is OpenAI's JSON
+FastAPI validates requests (:mod:`dflash_mlx.serve.api`), the :class:`Engine` runs
+them one at a time on its worker thread (:mod:`dflash_mlx.serve.engine`), and
+``/metrics`` comes from :mod:`dflash_mlx.serve.metrics`. Every error is OpenAI's JSON
 error object with a 4xx code (a 500 only for a bug, without the traceback); the
 traceback goes to the server's log.
 
@@ -29,16 +30,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import DFlashError
-from .generate import check_block_size
-from .prompt import encode_messages
-from .server_api import (
+from ..errors import DFlashError
+from ..decode.generate import check_block_size
+from ..prompt import encode_messages
+from .api import (
     ChatCompletionRequest, CompletionRequest, GenerationFields, chat_chunk, chat_completion, error_body,
     text_completion, usage_chunk,
 )
-from .server_engine import Engine, GenerationJob, Job, QueueFullError
-from .server_metrics import ServerMetrics
-from .session import context_length
+from .engine import Engine, GenerationJob, Job, QueueFullError
+from .metrics import ServerMetrics
+from ..chat.session import context_length
 
 log = logging.getLogger("dflash.serve")
 
@@ -339,6 +340,7 @@ def _validation_message(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{name or 'body'}: {' or '.join(messages)}", name)
 
 
+# Over 60 lines: the routes, read together; split after the hardening work lands
 def create_app(pair: Any, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving ``pair``; run it with uvicorn (``dflash serve`` does).
 

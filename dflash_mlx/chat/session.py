@@ -1,6 +1,7 @@
+# Over 400 lines: the chat session and its reply decoding; split after the hardening work lands
 """A multi-turn chat over one target/drafter pair that keeps both caches between turns.
 
-Both caches and the ids their rows hold are a :class:`~dflash_mlx.prompt_cache.PairCache`
+Both caches and the ids their rows hold are a :class:`~dflash_mlx.chat.prompt_cache.PairCache`
 (common-prefix reuse, exact trimming, rollback on interrupts; the server uses the same).
 A turn renders the whole conversation (chat template, or plain concatenation for models
 without one) and lets it reuse the longest common prefix. So a new turn prefills its own
@@ -18,12 +19,12 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .errors import InputError
-from .generate import check_block_size
-from .prompt import encode_messages
+from ..errors import InputError
+from ..decode.generate import check_block_size
+from ..prompt import encode_messages
 from .prompt_cache import PairCache, common_prefix, trim_cache  # noqa: F401 (trim_cache: re-exported)
-from .stats import GenerationStats, format_histogram
-from .stopping import held_back, text_before_stop
+from ..stats import GenerationStats, format_histogram
+from ..decode.stopping import held_back, text_before_stop
 
 
 class ContextFullError(InputError):
@@ -159,7 +160,7 @@ class StopText:
     """A reply's pieces up to its first stop string (the stop string is not shown).
 
     Text that could begin a stop string is held back until the next pieces settle
-    it, as :func:`dflash_mlx.generate.stream_generate` does for plain text.
+    it, as :func:`dflash_mlx.decode.generate.stream_generate` does for plain text.
     """
 
     def __init__(self, stop_strings: Sequence[str] = ()):

@@ -22,7 +22,7 @@ from typing import Any, List, Sequence, Union
 
 import mlx.core as mx
 
-from .protocol import Drafter, WrappedDrafter
+from ..protocol import Drafter, WrappedDrafter
 
 
 class SimulatedDrafter(WrappedDrafter):

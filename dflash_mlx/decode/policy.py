@@ -1,7 +1,7 @@
 """Which step the decode loop runs next: plain, a chain verify of some width, or a tree.
 
 ``--block-size auto`` (the CLI default) and ``--tree-budget auto`` let the cost model
-(:mod:`dflash_mlx.cost`) choose per step, from timings taken on this machine: plain
+(:mod:`dflash_mlx.decode.cost`) choose per step, from timings taken on this machine: plain
 steps, chains of any width up to the drafted block, and (tree auto) trees of 8..64
 nodes. A fixed ``--block-size B`` always verifies chains of B; a fixed
 ``--tree-budget N`` always verifies trees of N nodes, drafted at B.
@@ -18,7 +18,7 @@ import numpy as np
 
 from .calibration import Calibration, CalibrationStore, MeasuredTimings, Timings, store_key
 from .cost import CHAIN, PLAIN, TREE, CostModel
-from .errors import InputError
+from ..errors import InputError
 from .tree import DraftTree, build_tree
 
 AUTO = "auto"

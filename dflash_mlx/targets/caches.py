@@ -1,3 +1,4 @@
+# Over 400 lines: the three caches that roll back exactly (target windows, Gated-DeltaNet, the drafter's context) and their one trim contract
 """Layer caches that roll back exactly, for layers whose mlx-lm cache cannot.
 
 - :class:`WindowKVCache`, for sliding-window attention. mlx-lm gives those layers a

@@ -1,3 +1,4 @@
+# Over 400 lines: one conversion pipeline; split after the hardening work lands
 """``dflash convert``: a target and its drafter into one folder that runs on a Mac.
 
 The output folder holds:
@@ -7,10 +8,10 @@ The output folder holds:
 - ``drafter/``: the released drafter format, loaded with :func:`load_drafter` and
   written with :func:`save_drafter`, so every format the loader reads converts;
   optionally quantized (:func:`quantize_drafter`);
-- ``dflash.json``: the manifest (:mod:`dflash_mlx.manifest`).
+- ``dflash.json``: the manifest (:mod:`dflash_mlx.pair.manifest`).
 
 Everything is written into a temporary folder beside the output, validated
-(:func:`dflash_mlx.validation.validate`), then renamed into place; an error or
+(:func:`dflash_mlx.pair.validation.validate`), then renamed into place; an error or
 Ctrl-C removes it.
 """
 
@@ -31,14 +32,14 @@ from mlx_lm.convert import MODEL_CONVERSION_DTYPES
 from mlx_lm.convert import convert as mlx_lm_convert
 from mlx_lm.utils import load as mlx_lm_load
 
-from .checkpoint import DRAFTER_FILES, load_drafter, read_config, save_drafter
-from .drafter import DFlashDrafter
-from .errors import CheckpointError, ConfigError, InputError, ValidationError
-from .hub import resolve_model_path
+from ..drafter.checkpoint import DRAFTER_FILES, load_drafter, read_config, save_drafter
+from ..drafter.network import DFlashDrafter
+from ..errors import CheckpointError, ConfigError, InputError, ValidationError
+from ..hub import resolve_model_path
 from .loading import QUANTIZED_DRAFTER_DTYPE, TARGET_FILES, check_pair
 from .manifest import MANIFEST_VERSION, hash_weights, write_manifest
-from .prompt import encode_messages
-from .targets import TargetAdapter, make_adapter
+from ..prompt import encode_messages
+from ..targets import TargetAdapter, make_adapter
 from .validation import VALIDATION_MESSAGES, Check, SourceRun, dtype_name, float_dtype, validate
 
 Q_BITS = (4, 8)
@@ -63,6 +64,7 @@ class ConvertResult:
     checks: List[Check] = field(default_factory=list)
 
 
+# Over 60 lines: the conversion pipeline's steps in order; split after the hardening work lands
 def convert(
     model: str,
     draft_model: str,
@@ -393,7 +395,7 @@ def quantize_drafter(drafter: nn.Module, bits: int, group_size: int = DRAFT_Q_GR
     (the fusion of context features every layer reads), the norms and a DFlash2
     drafter's ``candidate_selector`` codebooks and projection. Scales are computed
     from float32 weights, then stored in the drafter's dtype. The quantized drafter
-    computes in float32 (see :data:`dflash_mlx.loading.QUANTIZED_DRAFTER_DTYPE`).
+    computes in float32 (see :data:`dflash_mlx.pair.loading.QUANTIZED_DRAFTER_DTYPE`).
 
     Returns:
         ``{"group_size", "bits", "mode"}``, as :func:`save_drafter` records it.
@@ -441,11 +443,11 @@ def _source(name: str, path: Path) -> str:
 
 def make_manifest(model: str, draft_model: str, target_src: Path, draft_src: Path, draft_config: dict,
                   args, target_entry: dict, drafter_entry: dict, files: dict) -> dict:
-    """The ``dflash.json`` contents (see :mod:`dflash_mlx.manifest`); ``args`` are the
+    """The ``dflash.json`` contents (see :mod:`dflash_mlx.pair.manifest`); ``args`` are the
     loaded drafter's (block size, target_layer_ids, mask token)."""
     import mlx_lm
 
-    from . import __version__
+    from .. import __version__
 
     archs = draft_config.get("architectures") or ["DFlashDraftModel"]
     return {

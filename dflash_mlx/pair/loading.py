@@ -13,13 +13,13 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from mlx_lm.utils import load as mlx_lm_load
 
-from .calibration import folder_fingerprint
-from .checkpoint import load_drafter
-from .drafter import DFlashDrafter
-from .errors import CheckpointError, ConfigError, InputError, MismatchError
-from .hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, resolve_model_path
+from ..decode.calibration import folder_fingerprint
+from ..drafter.checkpoint import load_drafter
+from ..drafter.network import DFlashDrafter
+from ..errors import CheckpointError, ConfigError, InputError, MismatchError
+from ..hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, resolve_model_path
 from .manifest import resolve_pair
-from .targets import TargetAdapter, make_adapter
+from ..targets import TargetAdapter, make_adapter
 
 TARGET_FILES = DEFAULT_ALLOW_PATTERNS  # what mlx-lm itself downloads for a model
 # `architectures` of DFlash drafter checkpoints (DFLASH_SPEC.md section 2): v1, DFlash2, Muse-Glimmer.
@@ -114,7 +114,7 @@ def load_target(path_or_repo: str):
     """
     model, tokenizer, folder = load_model_from(path_or_repo, what="target model")
     target = make_adapter(model)
-    target.fingerprint = folder_fingerprint(folder)  # keys its calibration (dflash_mlx.calibration)
+    target.fingerprint = folder_fingerprint(folder)  # keys its calibration (dflash_mlx.decode.calibration)
     return model, tokenizer, target
 
 
@@ -186,7 +186,7 @@ def load(model: str = DEFAULT_MODEL, draft_model: Optional[str] = None, verify: 
     Args:
         model, draft_model: folders or repo ids.
         verify: check the converted folder's weight files against the sha256 in
-            its manifest first (see :func:`dflash_mlx.manifest.verify`).
+            its manifest first (see :func:`dflash_mlx.pair.manifest.verify`).
         draft_window: ``(sink, window)`` context rows the drafter's full-attention
             layers keep (``--draft-window``); None keeps all.
 

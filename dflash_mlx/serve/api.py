@@ -14,7 +14,7 @@ from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .stats import GenerationStats
+from ..stats import GenerationStats
 
 
 MAX_STOP = 16  # stop strings per request (OpenAI takes 4)

@@ -1,3 +1,4 @@
+# Over 400 lines: one cost model and its fitting, read together; split once the auto work in flight lands
 """A cost model, measured on this machine, that picks each step's verify (issues 14, 19).
 
 For each chain width n (tokens fed to one target forward: the last committed token
@@ -16,7 +17,7 @@ candidate, so speculation is used only when it pays.
 - **Seconds**: a whole plain step (in a pipelined run) and a whole chain step of
   each timed width (drafted at its block, the verify built while the drafter runs),
   as the loop runs them, and a target forward of each width and a drafter pass at
-  each block size, all timed at two context lengths (:mod:`dflash_mlx.calibration`),
+  each block size, all timed at two context lengths (:mod:`dflash_mlx.decode.calibration`),
   give each step's estimate at the current context: plain and chain from the whole
   steps, tree from the forward of its nodes plus a pass at the trained size. Every
   real step's time drafting and verifying refreshes one factor, the machine's speed,
@@ -145,7 +146,7 @@ class CostModel:
     # -- kept between processes -----------------------------------------------------
 
     def state(self) -> dict:
-        """What a later process starts from (:class:`~dflash_mlx.calibration.CalibrationStore`):
+        """What a later process starts from (:class:`~dflash_mlx.decode.calibration.CalibrationStore`):
         the calibration, each mode's observed/estimated ratio, the acceptance
         profile, and the gap between probes while plain decoding wins (JSON-ready)."""
         return {
@@ -199,7 +200,7 @@ class CostModel:
     # -- seconds --------------------------------------------------------------------
 
     def calibrate(self, calibration: Calibration) -> None:
-        """Take the seconds of forwards and drafts (see :mod:`dflash_mlx.calibration`)."""
+        """Take the seconds of forwards and drafts (see :mod:`dflash_mlx.decode.calibration`)."""
         self.calibration = calibration.capped()
         self._tables = self._block_sizes = None
 

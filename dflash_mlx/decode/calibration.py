@@ -1,3 +1,4 @@
+# Over 400 lines: timing and its on-disk store (CalibrationStore); the store splits out once the auto work in flight lands
 """Where the cost model's seconds come from, and what it keeps between processes.
 
 ``--block-size auto`` chooses widths by seconds per step. Those seconds come from a
@@ -385,7 +386,7 @@ def store_key(target, drafter, draft_block: int, widths: Sequence[int]) -> Optio
 
     Args:
         target: a :class:`~dflash_mlx.targets.TargetAdapter` from :func:`dflash_mlx.load`.
-        drafter: a :class:`~dflash_mlx.drafter.DFlashDrafter` from :func:`dflash_mlx.load`.
+        drafter: a :class:`~dflash_mlx.drafter.network.DFlashDrafter` from :func:`dflash_mlx.load`.
         draft_block, widths: the block drafted and the widths timed.
     """
     target_id, drafter_id = getattr(target, "fingerprint", None), getattr(drafter, "fingerprint", None)
@@ -393,7 +394,7 @@ def store_key(target, drafter, draft_block: int, widths: Sequence[int]) -> Optio
         return None
     import mlx_lm
 
-    from . import __version__
+    from .. import __version__
 
     return {
         "format": STORE_FORMAT,

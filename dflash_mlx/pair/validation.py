@@ -17,12 +17,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step as mlx_lm_generate_step
 
-from .checkpoint import load_drafter
-from .drafter import DFlashDrafter
-from .generate import generate_step
+from ..drafter.checkpoint import load_drafter
+from ..drafter.network import DFlashDrafter
+from ..decode.generate import generate_step
 from .loading import is_quantized, load
-from .stats import GenerationStats
-from .targets import TargetAdapter
+from ..stats import GenerationStats
+from ..targets import TargetAdapter
 
 VALIDATION_MESSAGES = [{"role": "user", "content": "Write three short sentences about the sea."}]
 VALIDATION_TOKENS = 32

@@ -1,6 +1,6 @@
 """Drafter checkpoints in the released formats (DFLASH_SPEC.md sections 2 and 9): a
 folder or Hugging Face repo with ``config.json`` and unprefixed ``*.safetensors``
-weights (no embedding, no lm_head), named as :mod:`dflash_mlx.formats` says."""
+weights (no embedding, no lm_head), named as :mod:`dflash_mlx.drafter.formats` says."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .calibration import folder_fingerprint
-from .drafter import DFlashDrafter
-from .drafter_config import DrafterArgs
-from .errors import CheckpointError, ConfigError
-from .hub import resolve_model_path
+from ..decode.calibration import folder_fingerprint
+from .network import DFlashDrafter
+from .config import DrafterArgs
+from ..errors import CheckpointError, ConfigError
+from ..hub import resolve_model_path
 
 DRAFTER_FILES = ["*.json", "*.safetensors"]
 
 
 def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
-    """Load a drafter of any format in :mod:`dflash_mlx.formats` from a folder or repo id.
+    """Load a drafter of any format in :mod:`dflash_mlx.drafter.formats` from a folder or repo id.
 
     Loading is strict: every weight the config implies must be present with its
     shape, and nothing else may be.
@@ -64,7 +64,7 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
         model.set_dtype(dtype)
     model.eval()
     mx.eval(model.parameters())
-    model.fingerprint = folder_fingerprint(path)  # keys its calibration (dflash_mlx.calibration)
+    model.fingerprint = folder_fingerprint(path)  # keys its calibration (dflash_mlx.decode.calibration)
     return model
 
 

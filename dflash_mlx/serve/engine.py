@@ -23,11 +23,11 @@ from typing import Any, AsyncIterator, List, Optional
 
 import mlx.core as mx
 
-from .errors import DFlashError
-from .prompt_cache import PairCache
-from .sampling import make_sampler
-from .server_api import usage
-from .server_metrics import ServerMetrics
+from ..errors import DFlashError
+from ..chat.prompt_cache import PairCache
+from ..sampling import make_sampler
+from .api import usage
+from .metrics import ServerMetrics
 
 log = logging.getLogger("dflash.serve")
 

@@ -1,7 +1,7 @@
 """Drafter checkpoint formats, told apart by ``architectures[0]`` (DFLASH_SPEC.md sections 2, 9).
 
 A format says where its ``config.json`` keeps the DFlash keys, how its weight names map
-onto the network of :mod:`dflash_mlx.drafter`, and which network pieces it uses. The
+onto the network of :mod:`dflash_mlx.drafter.network`, and which network pieces it uses. The
 pieces themselves (sliding-window layers, DFlash2's block convolution and candidate
 selector) live in the drafter file, so the method is read in one place.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)

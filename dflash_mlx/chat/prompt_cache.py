@@ -9,7 +9,7 @@ prefills only the rest; a prompt that differs from the first differing token on 
 re-prefilled from there, never reused wrongly.
 
 After a generation both caches hold every committed token but the last (the engine's
-rule, see :func:`dflash_mlx.generate.generate_step`); the next prompt always re-feeds
+rule, see :func:`dflash_mlx.decode.generate.generate_step`); the next prompt always re-feeds
 it. When a generation is interrupted (``KeyboardInterrupt`` inside the generator, or
 the consumer closing it), both caches are trimmed back to the rows known to be
 complete: the common prefix if no step had been received, else the committed tokens
@@ -22,9 +22,9 @@ from typing import Any, Dict, Generator, List, Optional, Sequence
 
 from mlx_lm.models.cache import KVCache
 
-from .caches import can_trim
-from .errors import RollbackError
-from .generate import GenerationResponse, stream_generate
+from ..targets.caches import can_trim
+from ..errors import RollbackError
+from ..decode.generate import GenerationResponse, stream_generate
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: Optional[int] = None) -> int:
@@ -117,7 +117,7 @@ class PairCache:
 
         Args:
             ids: the whole prompt's token ids (at least one).
-            kwargs: passed to :func:`dflash_mlx.generate.stream_generate` (sampler,
+            kwargs: passed to :func:`dflash_mlx.decode.generate.stream_generate` (sampler,
                 max_tokens, block_size, stop_strings, ...), except the caches.
 
         Yields:

@@ -1,3 +1,4 @@
+# Over 400 lines: the decode loop, read in one sitting: prefill, draft -> verify -> accept -> roll back, plain runs
 """The DFlash decode loop (DFLASH_SPEC.md section 5) and plain decoding, one engine.
 
 ``generate_step`` yields one :class:`StepResult` per target forward: prefill gives
@@ -20,14 +21,14 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .acceptance import choose_rule
 from .calibration import Timings
 from .cost import PLAIN, TREE
-from .errors import InputError
-from .kernels.block_attention import attention_path
+from ..errors import InputError
+from ..kernels.block_attention import attention_path
 from .policy import AUTO, make_policy, parse_block_size, parse_tree_budget
-from .protocol import Drafter
-from .stats import GenerationStats, weight_bytes
+from ..protocol import Drafter
+from ..stats import GenerationStats, weight_bytes
 from .stopping import StopCondition, held_back, text_before_stop
-from .targets import TargetAdapter
-from .targets.base import join_features
+from ..targets import TargetAdapter
+from ..targets.base import join_features
 from .verify import Outcome, chain_step, host_logprobs, plain_step, synced, tree_step
 
 Sampler = Callable[[mx.array], mx.array]
@@ -99,6 +100,7 @@ def prefill(
     return h, (mx.concatenate(features, axis=1) if capture else None)
 
 
+# Over 60 lines: the loop's entry: arguments documented, checked and wired in one place
 def generate_step(
     prompt: mx.array,
     target: TargetAdapter,
@@ -126,20 +128,20 @@ def generate_step(
         sampler: mlx-lm sampler over [N, V] log-probabilities, or a
             :class:`~dflash_mlx.sampling.Sampling` (also a sampler); greedy by default.
             The acceptance rule follows from it and the drafter
-            (:func:`dflash_mlx.acceptance.choose_rule`); each keeps the output exactly
+            (:func:`dflash_mlx.decode.acceptance.choose_rule`); each keeps the output exactly
             the target's.
         max_tokens: most tokens to emit.
         block_size: B, 2..drafter.block_size (default: the drafter's), or ``"auto"``:
             verify the width the cost model expects to commit the most tokens per
             second, 1 (plain decoding) included, drafted at the smallest timed block
-            that holds it (:mod:`dflash_mlx.policy`, :mod:`dflash_mlx.cost`).
+            that holds it (:mod:`dflash_mlx.decode.policy`, :mod:`dflash_mlx.decode.cost`).
         tree_budget: DDTree (spec section 7): verify the N best draft prefixes as a
             tree (N nodes besides the root), or ``"auto"`` (budgets 8..64 and
             chains, chosen by cost). Targets without tree verify (hybrid families)
             and drafters without log-probabilities keep chains; ``stats.verify``
             says so and why.
         stop_token_ids: ids that end generation; the block is cut there.
-        stop: a :class:`~dflash_mlx.stopping.StopCondition` (stop strings too);
+        stop: a :class:`~dflash_mlx.decode.stopping.StopCondition` (stop strings too);
             replaces ``max_tokens`` and ``stop_token_ids`` when given.
         prompt_cache: the target's cache, updated in place (default: a fresh
             ``target.make_cache(B)``; a given one must roll back exactly and belong
@@ -151,7 +153,7 @@ def generate_step(
             committed token.
         stats: filled in place (phase times, acceptance).
         timings: where ``--block-size auto`` takes its seconds from
-            (:mod:`dflash_mlx.calibration`; default: this machine's clock, with the
+            (:mod:`dflash_mlx.decode.calibration`; default: this machine's clock, with the
             calibration kept on disk for pairs loaded from folders).
         recalibrate: time the widths again instead of reusing a kept calibration.
 
@@ -206,6 +208,7 @@ def generate_step(
             _finish(target, cache, committed + stop.emitted - 1, drafter, draft_cache, [context])
 
 
+# Over 60 lines: one DFlash step read top to bottom: draft -> verify -> accept -> roll back
 def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, context, stop, stats, base):
     """DFlash steps (spec section 5), each the policy's plan: plain, chain or tree.
 
@@ -213,7 +216,7 @@ def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, con
     context rows the drafter has not seen yet; ``history[i]`` sits at ``base + i``.
     Each step dispatches its device work first (the draft, or a plain forward), then
     hands the previous step's tokens to the consumer while the device runs, then
-    reads the result: verify, accept, roll back (:mod:`dflash_mlx.verify`). While
+    reads the result: verify, accept, roll back (:mod:`dflash_mlx.decode.verify`). While
     plain decoding wins, runs of plain steps go as mlx-lm's (:func:`_plain_run`).
     """
     capture = drafter.target_layer_ids
@@ -395,6 +398,7 @@ def check_block_size(block_size: Optional[int | str], drafter: Optional[Drafter]
     return B
 
 
+# Over 60 lines: mostly its docstring: the text-level wrapper of generate_step
 def stream_generate(
     target: TargetAdapter,
     tokenizer: TokenizerWrapper,

@@ -28,8 +28,8 @@ from typing import Callable, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
-from .protocol import Proposal, propose
-from .sampling import Sampling
+from ..protocol import Proposal, propose
+from ..sampling import Sampling
 
 GREEDY, SAMPLE_AND_MATCH, SPECULATIVE = "greedy", "sample-and-match", "speculative"
 

@@ -1,3 +1,4 @@
+# Over 400 lines: the drafter network in one file, as the method is read (attention, layers, DFlash2 pieces, drafting)
 """The DFlash drafter: a small block-diffusion model conditioned on target features.
 
 One forward pass ("block denoising", DFLASH_SPEC.md section 4) turns the block
@@ -7,15 +8,15 @@ the B-1 masked positions. The newer formats (spec section 9) add, in this file:
 - sliding-window layers: a layer keeps the last W-1 context rows and its block
   queries see keys less than W positions back, causal inside the block
   (:func:`~dflash_mlx.kernels.block_attention.block_attention`,
-  :class:`~dflash_mlx.caches.ContextWindowCache`);
+  :class:`~dflash_mlx.targets.caches.ContextWindowCache`);
 - DFlash2: a grouped dynamic causal convolution around attention and MLP
   (:class:`BlockConv`), scaled embeddings, scaled and soft-capped logits, and a
   candidate selector that walks one coherent path through each position's top-k
   (:class:`CandidateSelector`).
 
-Which format a checkpoint is, and its key names, is :mod:`dflash_mlx.formats`;
-hyper-parameters :mod:`dflash_mlx.drafter_config`; loading and saving
-:mod:`dflash_mlx.checkpoint`.
+Which format a checkpoint is, and its key names, is :mod:`dflash_mlx.drafter.formats`;
+hyper-parameters :mod:`dflash_mlx.drafter.config`; loading and saving
+:mod:`dflash_mlx.drafter.checkpoint`.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP  # the same SwiGLU MLP and keys as the checkpoints
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .caches import ContextWindowCache
-from .drafter_config import DrafterArgs
-from .errors import ConfigError, InputError
-from .kernels import fast_softmax
-from .kernels.block_attention import block_attention
-from .protocol import Proposal
-from .sampling import Sampling
+from ..targets.caches import ContextWindowCache
+from .config import DrafterArgs
+from ..errors import ConfigError, InputError
+from ..kernels import fast_softmax
+from ..kernels.block_attention import block_attention
+from ..protocol import Proposal
+from ..sampling import Sampling
 
 
 class DrafterAttention(nn.Module):
@@ -336,7 +337,7 @@ class _LayerKernels:
 class DFlashDrafter(nn.Module):
     """The drafter network. Embedding and lm_head are borrowed from the target.
 
-    Parameters (network names; :mod:`dflash_mlx.formats` maps checkpoint names):
+    Parameters (network names; :mod:`dflash_mlx.drafter.formats` maps checkpoint names):
     ``fc`` [H, K*H], ``hidden_norm`` [H], ``layers.{i}.*``, ``norm`` [H], and for
     DFlash2 ``candidate_selector.*``. Call :meth:`bind` before use.
 

@@ -1,0 +1,167 @@
+"""The layout's promises: a target family is one file in targets/, a drafter format one entry
+in drafter/formats.py, the old flat module paths still import (deprecated), and no import cycles."""
+
+import ast
+import dataclasses
+import importlib
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import dflash_mlx.targets as targets
+from dflash_mlx import generate_step, load_drafter, make_adapter, save_drafter
+from dflash_mlx._moved import MOVED
+from dflash_mlx.drafter import formats
+from conftest import ROOT, assert_varied, mlx_lm_greedy, tiny_drafter, tiny_target
+
+
+@pytest.fixture
+def toy_family(monkeypatch, tmp_path):
+    """docs/examples/toy_family.py dropped into targets/ (a folder added to its path)."""
+    shutil.copy(ROOT / "docs" / "examples" / "toy_family.py", tmp_path / "toy_family.py")
+    monkeypatch.setattr(targets, "__path__", [*targets.__path__, str(tmp_path)])
+    monkeypatch.setattr(targets, "ADAPTERS", targets.find_families(targets.__path__))
+    yield
+    sys.modules.pop("dflash_mlx.targets.toy_family", None)
+
+
+def test_a_target_family_is_one_file(toy_family):
+    model, _ = tiny_target("qwen3")
+    model.model_type = "toy"
+    target = make_adapter(model)
+    assert type(target).__name__ == "ToyAdapter"
+    prompt = [1, 17, 33, 2, 9, 100, 42]
+    ref = mlx_lm_greedy(model, prompt, 120)
+    assert_varied(ref)
+    for kw in ({"block_size": 4}, {"tree_budget": 6}):
+        out = [t for s in generate_step(mx.array(prompt), target, tiny_drafter(target), max_tokens=120, **kw)
+               for t in s.tokens]
+        assert out == ref, kw
+
+
+def test_every_family_file_registers_itself():
+    found = targets.find_families()
+    assert found == targets.ADAPTERS
+    assert {"llama", "qwen3", "qwen3_5", "gemma4_text", "qwen3_vl_moe"} <= set(found)
+    assert targets.LlamaAdapter is found["llama"]  # each adapter class by name, as before
+
+
+# A drafter format: where config.json keeps the ids and how weight names map (docs/architecture.md).
+TOY_FORMAT = formats.DrafterFormat("ToyDraftModel", "toy_draft", ids_at_top=True,
+                                   renames=(("draft.fc.", "fc."), ("draft.norm.", "hidden_norm.")))
+
+
+def test_a_drafter_format_is_one_entry_in_formats(monkeypatch, tmp_path):
+    monkeypatch.setitem(formats.FORMATS, TOY_FORMAT.architecture, TOY_FORMAT)
+    _, target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    drafter.args = dataclasses.replace(drafter.args, architecture=TOY_FORMAT.architecture)
+    folder = save_drafter(drafter, tmp_path / "toy")
+    config = (folder / "config.json").read_text()
+    assert '"ToyDraftModel"' in config and '"mask_token_id"' in config and "dflash_config" not in config
+    loaded = load_drafter(str(folder))
+    assert loaded.args.format is TOY_FORMAT
+    from dflash_mlx.drafter.checkpoint import read_safetensors
+    names = set(read_safetensors(folder))
+    assert "draft.fc.weight" in names and "fc.weight" not in names
+    prompt = mx.array([1, 17, 33, 2, 9, 100, 42])
+    run = [[t for s in generate_step(prompt, target, d, max_tokens=40, block_size=4) for t in s.tokens]
+           for d in (drafter, loaded.bind(target.embed, target.lm_head))]
+    assert run[0] == run[1]
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_old_module_paths_import_with_a_warning(old, monkeypatch):
+    name = f"dflash_mlx.{old}"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.warns(DeprecationWarning, match=f"{name} moved to dflash_mlx.{MOVED[old]}"):
+        module = importlib.import_module(name)
+    assert module is importlib.import_module(f"dflash_mlx.{MOVED[old]}")
+
+
+def test_old_drafter_module_names_forward_with_a_warning():
+    from dflash_mlx.drafter.network import DFlashDrafter
+    with pytest.warns(DeprecationWarning, match="dflash_mlx.drafter.DFlashDrafter moved"):
+        from dflash_mlx.drafter import DFlashDrafter as old
+    assert old is DFlashDrafter
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from dflash_mlx.drafter import config  # noqa: F401 (a submodule, no warning)
+
+
+def _imports(path: Path, package: str):
+    """Modules a file imports at its top level (imports inside functions are lazy on purpose,
+    ``if TYPE_CHECKING:`` blocks do not run); ``package`` is the one its relative imports start from."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def test_no_import_cycles():
+    files = {}
+    for path in (ROOT / "dflash_mlx").rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        files[name] = path
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = set()
+        for mod in _imports(path, package):
+            while mod and mod not in files:
+                mod = mod.rpartition(".")[0]
+            if mod and mod != name and mod != "dflash_mlx":
+                deps.add(mod)
+        graph[name] = deps
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+MAX_FILE, MAX_FUNCTION = 400, 60
+
+
+def _sources():
+    return sorted([*(ROOT / "dflash_mlx").rglob("*.py"), *(ROOT / "cli").rglob("*.py")])
+
+
+def test_long_files_and_functions_say_why():
+    """No file over 400 lines and no function over 60 in dflash_mlx/ and cli/ without a one-line
+    reason: ``# Over 400 lines: ...`` on a file's first line, ``# Over 60 lines: ...`` above a def."""
+    unexplained = []
+    for path in _sources():
+        text = path.read_text()
+        lines = text.splitlines()
+        name = path.relative_to(ROOT)
+        if len(lines) > MAX_FILE and not lines[0].startswith(f"# Over {MAX_FILE} lines: "):
+            unexplained.append(f"{name}: {len(lines)} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.end_lineno - node.lineno + 1 <= MAX_FUNCTION:
+                    continue
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if not lines[first - 2].strip().startswith(f"# Over {MAX_FUNCTION} lines: "):
+                    unexplained.append(f"{name}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not unexplained, "\n".join(unexplained)
