@@ -327,18 +327,16 @@ class CostModel:
         c(1) is estimated with a prior worth one block of the conditional acceptance
         of all positions pooled (itself from a prior of 0.6 worth one block: hopeful
         enough to try speculating first, soon outweighed when drafts miss); each later
-        c(j) with a prior worth one block of c(j-1), and never above it: a drafter's
-        drafts get no surer further into the block, and a position few blocks reached
-        (those drafted wider, or rare long runs) leans on the one before, so estimates
-        of wide verifies neither sink for want of samples nor float above what the
-        nearer positions showed."""
+        c(j) with a prior worth one block of c(j-1): a position few blocks reached
+        (those drafted wider, or rare long runs) leans on the one before it, so
+        estimates of wide verifies neither sink for want of samples nor take the
+        average of positions far from it (on math text the first draft is right a
+        quarter of the time and the later ones, given that, half)."""
         prior = (sum(self.right) + PRIOR) / (sum(self.tried) + 1)
         out, s = [], 1.0
-        for i, (t, r) in enumerate(zip(self.tried, self.right)):
-            c = (r + prior) / (t + 1)
-            c = min(c, prior) if i else c
-            s *= c
-            prior = c
+        for t, r in zip(self.tried, self.right):
+            prior = (r + prior) / (t + 1)
+            s *= prior
             out.append(s)
         return out
 

@@ -51,7 +51,7 @@ def test_a_short_block_is_censored_where_it_ends():
     m.record_committed([1, 2], offset=0)
     assert m.tried == [1, 0, 0, 0] and m.right == [1, 0, 0, 0]
     # c(1) = (1 + pooled) / 2 with pooled = (1 + 0.6) / 2; positions it did not reach lean on
-    # the one before (a prior worth one block of c(j-1), and no higher).
+    # the one before (a prior worth one block of c(j-1)).
     c1 = (1 + 0.8) / 2
     assert m.survival() == pytest.approx([c1, c1 ** 2, c1 ** 3, c1 ** 4])
 
@@ -62,7 +62,8 @@ def test_expected_tokens_follow_the_survival_function():
     m.record_committed([1, 2, 0], offset=0)  # 2 right, the third tried and wrong
     pooled = (2 + 0.6) / (3 + 1)
     c1 = (1 + pooled) / 2
-    c = [c1, min((1 + c1) / 2, c1), c1 / 2]  # no surer further into the block
+    c2 = (1 + c1) / 2
+    c = [c1, c2, c2 / 2]  # each leans on the one before
     survival = [c[0], c[0] * c[1], c[0] * c[1] * c[2]]
     assert m.survival() == pytest.approx(survival)
     assert m.expected_tokens(1) == 1.0
