@@ -50,9 +50,10 @@ def test_a_short_block_is_censored_where_it_ends():
     m.record_drafts(0, [1])  # a block of 2: one draft, right
     m.record_committed([1, 2], offset=0)
     assert m.tried == [1, 0, 0, 0] and m.right == [1, 0, 0, 0]
-    # Positions it did not reach lean on the pooled conditional acceptance, (1 + 0.6) / 2.
-    pooled = 0.8
-    assert m.survival() == pytest.approx([0.9, 0.9 * pooled, 0.9 * pooled ** 2, 0.9 * pooled ** 3])
+    # c(1) = (1 + pooled) / 2 with pooled = (1 + 0.6) / 2; positions it did not reach lean on
+    # the one before (a prior worth one block of c(j-1)).
+    c1 = (1 + 0.8) / 2
+    assert m.survival() == pytest.approx([c1, c1 ** 2, c1 ** 3, c1 ** 4])
 
 
 def test_expected_tokens_follow_the_survival_function():
@@ -60,7 +61,9 @@ def test_expected_tokens_follow_the_survival_function():
     m.record_drafts(0, [1, 2, 3])
     m.record_committed([1, 2, 0], offset=0)  # 2 right, the third tried and wrong
     pooled = (2 + 0.6) / (3 + 1)
-    c = [(1 + pooled) / 2, (1 + pooled) / 2, pooled / 2]
+    c1 = (1 + pooled) / 2
+    c2 = (1 + c1) / 2
+    c = [c1, c2, c2 / 2]  # each leans on the one before
     survival = [c[0], c[0] * c[1], c[0] * c[1] * c[2]]
     assert m.survival() == pytest.approx(survival)
     assert m.expected_tokens(1) == 1.0
@@ -176,7 +179,8 @@ def test_tree_expectation_is_calibrated_by_the_chain():
     m.record_drafts(0, [1, 2, 3])
     m.record_committed([1, 9, 0], offset=0)  # 1 right, the second tried and wrong
     pooled = (1 + 0.6) / (2 + 1)
-    c = [(1 + pooled) / 2, pooled / 2, pooled]
+    c1 = (1 + pooled) / 2
+    c = [c1, c1 / 2, c1 / 2]  # the third, never tried, leans on the second
     S = [c[0], c[0] * c[1], c[0] * c[1] * c[2]]
     assert m.survival() == pytest.approx(S)
     # The drafter's top-1 chain says 0.8, 0.4, 0.2; a second node at depth 1 has 0.1.

@@ -151,4 +151,6 @@ def test_drafter_receives_the_accepted_rows_features(family):
     assert sizes[0] == len(prompt) and all(s == 4 for s in sizes[1:])
     seen = mx.concatenate(drafter.contexts, axis=1)
     _, whole = target(mx.array([prompt + out]), target.make_cache(8), [1, 3])
-    assert close(seen, whole[:, : seen.shape[1]])
+    # step-by-step against one whole forward: Gated-DeltaNet layers sum in another order, 1e-5 of
+    # the largest value apart on one thread; a wrong or misplaced row is off by O(1)
+    assert close(seen, whole[:, : seen.shape[1]], rel=1e-4)

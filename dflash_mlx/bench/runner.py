@@ -262,6 +262,7 @@ class Runner:
         self._warm = False
         self._continuations: Dict[tuple, List[int]] = {}
         self._prompts = 0  # prompts seen, for where a replayed trace starts
+        self._simulated: Dict[tuple, SimulatedDrafter] = {}
 
     def _encode(self, messages: List[dict]) -> List[int]:
         if self.tokenizer is None:
@@ -280,7 +281,10 @@ class Runner:
             if not isinstance(A, int):  # a trace: each prompt replays it from its own place, every engine alike
                 at = (self._prompts - 1) * TRACE_STRIDE % len(A)
                 A = list(A[at:]) + list(A[:at])
-            drafter = SimulatedDrafter(self.drafter, self._continuations[key], A, self.target.vocab_size)
+            drafter = self._simulated.get(variant)  # one per variant: auto learns across prompts, as in use
+            if drafter is None:
+                drafter = self._simulated[variant] = SimulatedDrafter(self.drafter, (), 0, self.target.vocab_size)
+            drafter.reset(self._continuations[key], A)
         return DFlashEngine(self.target, drafter, *variant)
 
     def _run(self, engine: Engine, ids: List[int], max_tokens: int) -> RunRecord:

@@ -44,14 +44,20 @@ class SimulatedDrafter(WrappedDrafter):
 
     def __init__(self, drafter: Drafter, sequence: Sequence[int], accept: Union[int, Sequence[int]],
                  vocab_size: int):
+        super().__init__(drafter)
+        self.vocab_size = vocab_size
+        self.reset(sequence, accept)
+
+    def reset(self, sequence: Sequence[int], accept: Union[int, Sequence[int]]) -> None:
+        """Script another generation (another prompt's continuation, trace) with this
+        same drafter, so what the decode loop learned of it carries over, as it does
+        for a real drafter across generations."""
         trace = [accept] if isinstance(accept, int) else list(accept)
         if not trace or any(a < 0 for a in trace):
             raise ValueError(f"accept must be >= 0 (or a non-empty trace of such), got {accept}")
-        super().__init__(drafter)
         self.sequence = list(sequence)
         self.trace = trace
         self.accept = trace[0]
-        self.vocab_size = vocab_size
         self.blocks = 0  # blocks drafted so far: the trace's index
 
     def proposals(self, pos: int, block_size: int) -> List[int]:

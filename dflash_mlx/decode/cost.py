@@ -324,16 +324,20 @@ class CostModel:
 
     def survival(self) -> List[float]:
         """S(i) for i = 1..B-1: P(drafts 1..i all right), the product of the
-        conditional acceptances c(j) = P(draft j right | drafts before it right),
-        each estimated with a prior worth one block: the conditional acceptance of all
-        positions pooled (itself from a prior of 0.6 worth one block: hopeful enough to
-        try speculating first, soon outweighed when drafts miss). A position few blocks reached (those
-        drafted wider, or rare long runs) so leans on the others, not on a fixed
-        guess: estimates of wide verifies do not sink for want of samples."""
-        pooled = (sum(self.right) + PRIOR) / (sum(self.tried) + 1)
+        conditional acceptances c(j) = P(draft j right | drafts before it right).
+        c(1) is estimated with a prior worth one block of the conditional acceptance
+        of all positions pooled (itself from a prior of 0.6 worth one block: hopeful
+        enough to try speculating first, soon outweighed when drafts miss); each later
+        c(j) with a prior worth one block of c(j-1): a position few blocks reached
+        (those drafted wider, or rare long runs) leans on the one before it, so
+        estimates of wide verifies neither sink for want of samples nor take the
+        average of positions far from it (on math text the first draft is right a
+        quarter of the time and the later ones, given that, half)."""
+        prior = (sum(self.right) + PRIOR) / (sum(self.tried) + 1)
         out, s = [], 1.0
         for t, r in zip(self.tried, self.right):
-            s *= (r + pooled) / (t + 1)
+            prior = (r + prior) / (t + 1)
+            s *= prior
             out.append(s)
         return out
 
