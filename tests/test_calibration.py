@@ -193,3 +193,17 @@ def test_folder_fingerprint_follows_config_and_weights(tmp_path):
     assert second != first
     (tmp_path / "model.safetensors").write_bytes(b"x" * 11)
     assert folder_fingerprint(tmp_path) not in (first, second)
+
+
+def test_a_wider_chain_step_costs_at_least_the_narrower_plus_its_extra_forward_and_drafting():
+    from dflash_mlx.calibration import Calibration
+
+    ms = lambda *t: tuple(x / 1e3 for x in t)  # noqa: E731
+    cal = Calibration(
+        verify_s={1: ms(1.7, 1.7), 8: ms(1.8, 2.7), 16: ms(2.1, 3.4)},
+        draft_s={8: ms(0.7, 1.1), 16: ms(1.1, 1.3)},
+        chain_s={1: ms(1.6, 1.7), 8: ms(3.0, 4.3), 16: ms(3.0, 5.3)},  # a fast outlier at 16, context 0
+        contexts=(32, 256)).capped()
+    assert cal.chain_s[16][0] == pytest.approx(ms(3.0 + 0.4 + 0.3)[0])  # raised by the extra drafting and forward
+    assert cal.chain_s[16][1] == pytest.approx(ms(5.3)[0])  # timed above the floor: kept
+    assert cal.chain_s[8] == pytest.approx(ms(3.0, 4.3)) and cal.chain_s[1] == pytest.approx(ms(1.6, 1.7))
