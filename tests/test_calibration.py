@@ -108,23 +108,33 @@ def test_cost_model_state_round_trip_and_bad_states():
     assert fresh.tried == [0.0] * 3 and fresh.calibration is None  # nothing half-restored
 
 
-def test_a_stored_profile_is_a_prior_worth_a_few_blocks():
-    from dflash_mlx.cost import RESTORED_BLOCKS
+def test_a_stored_profile_gives_way_when_the_first_blocks_differ():
+    from dflash_mlx.cost import RESTORED_BLOCKS, SURPRISE_BLOCKS
 
     cost = CostModel(block_size=4)
     for s in range(60):  # many blocks of math-like text: the first draft always wrong
         cost.record_drafts(4 * s, [7, 7, 7])
         cost.record_committed([8, 7, 7, 7], 4 * s)
     state = json.loads(json.dumps({**cost.state(), "probe_gap": 128}))
-    again = CostModel(block_size=4)
-    assert again.restore(state, timings=False)
-    assert again.tried[0] == pytest.approx(RESTORED_BLOCKS) and RESTORED_BLOCKS < cost.tried[0]
-    assert again.right[0] / again.tried[0] == pytest.approx(cost.right[0] / cost.tried[0])
-    assert again.probe_gap == again.max_probe_every // 4  # probes resume sooner than they had got
-    for s in range(60, 66):  # a few blocks of text the drafter fits turn it round
-        again.record_drafts(4 * s, [7, 7, 7])
-        again.record_committed([7, 7, 7, 7], 4 * s)
-    assert again.survival()[0] > 0.5
+
+    same = CostModel(block_size=4)  # the same kind of text again: the profile stays whole
+    assert same.restore(state, timings=False) and same.tried == pytest.approx(cost.tried)
+    assert same.probe_gap == same.max_probe_every // 4  # probes resume sooner than they had got
+    for s in range(SURPRISE_BLOCKS):
+        same.record_drafts(4 * s, [7, 7, 7])
+        same.record_committed([8, 7, 7, 7], 4 * s)
+    assert same.tried[0] > 2 * RESTORED_BLOCKS
+
+    other = CostModel(block_size=4)  # stories after math: the first block is right
+    assert other.restore(state, timings=False)
+    other.record_drafts(0, [7, 7, 7])
+    other.record_committed([7, 7, 7, 7], 0)
+    keep = 1 - other.acceptance_decay  # scaled down before the block counts: this run's text takes over
+    assert other.tried[0] == pytest.approx(RESTORED_BLOCKS * keep + 1)
+    for s in range(1, 6):
+        other.record_drafts(4 * s, [7, 7, 7])
+        other.record_committed([7, 7, 7, 7], 4 * s)
+    assert other.survival()[0] > 0.5
 
 
 def fingerprinted(target, drafter, tag="a"):
