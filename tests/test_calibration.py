@@ -108,23 +108,33 @@ def test_cost_model_state_round_trip_and_bad_states():
     assert fresh.tried == [0.0] * 3 and fresh.calibration is None  # nothing half-restored
 
 
-def test_a_stored_profile_is_a_prior_worth_a_few_blocks():
-    from dflash_mlx.decode.cost import RESTORED_BLOCKS
+def test_a_stored_profile_gives_way_when_the_first_blocks_differ():
+    from dflash_mlx.decode.cost import RESTORED_BLOCKS, SURPRISE_BLOCKS
 
     cost = CostModel(block_size=4)
     for s in range(60):  # many blocks of math-like text: the first draft always wrong
         cost.record_drafts(4 * s, [7, 7, 7])
         cost.record_committed([8, 7, 7, 7], 4 * s)
     state = json.loads(json.dumps({**cost.state(), "probe_gap": 128}))
-    again = CostModel(block_size=4)
-    assert again.restore(state, timings=False)
-    assert again.tried[0] == pytest.approx(RESTORED_BLOCKS) and RESTORED_BLOCKS < cost.tried[0]
-    assert again.right[0] / again.tried[0] == pytest.approx(cost.right[0] / cost.tried[0])
-    assert again.probe_gap == again.max_probe_every // 4  # probes resume sooner than they had got
-    for s in range(60, 66):  # a few blocks of text the drafter fits turn it round
-        again.record_drafts(4 * s, [7, 7, 7])
-        again.record_committed([7, 7, 7, 7], 4 * s)
-    assert again.survival()[0] > 0.5
+
+    same = CostModel(block_size=4)  # the same kind of text again: the profile stays whole
+    assert same.restore(state, timings=False) and same.tried == pytest.approx(cost.tried)
+    assert same.probe_gap == same.max_probe_every // 4  # probes resume sooner than they had got
+    for s in range(SURPRISE_BLOCKS):
+        same.record_drafts(4 * s, [7, 7, 7])
+        same.record_committed([8, 7, 7, 7], 4 * s)
+    assert same.tried[0] > 2 * RESTORED_BLOCKS
+
+    other = CostModel(block_size=4)  # stories after math: the first block is right
+    assert other.restore(state, timings=False)
+    other.record_drafts(0, [7, 7, 7])
+    other.record_committed([7, 7, 7, 7], 0)
+    keep = 1 - other.acceptance_decay  # scaled down before the block counts: this run's text takes over
+    assert other.tried[0] == pytest.approx(RESTORED_BLOCKS * keep + 1)
+    for s in range(1, 6):
+        other.record_drafts(4 * s, [7, 7, 7])
+        other.record_committed([7, 7, 7, 7], 4 * s)
+    assert other.survival()[0] > 0.5
 
 
 def fingerprinted(target, drafter, tag="a"):
@@ -193,3 +203,17 @@ def test_folder_fingerprint_follows_config_and_weights(tmp_path):
     assert second != first
     (tmp_path / "model.safetensors").write_bytes(b"x" * 11)
     assert folder_fingerprint(tmp_path) not in (first, second)
+
+
+def test_a_wider_chain_step_costs_at_least_the_narrower_plus_its_extra_forward_and_drafting():
+    from dflash_mlx.decode.calibration import Calibration
+
+    ms = lambda *t: tuple(x / 1e3 for x in t)  # noqa: E731
+    cal = Calibration(
+        verify_s={1: ms(1.7, 1.7), 8: ms(1.8, 2.7), 16: ms(2.1, 3.4)},
+        draft_s={8: ms(0.7, 1.1), 16: ms(1.1, 1.3)},
+        chain_s={1: ms(1.6, 1.7), 8: ms(3.0, 4.3), 16: ms(3.0, 5.3)},  # a fast outlier at 16, context 0
+        contexts=(32, 256)).capped()
+    assert cal.chain_s[16][0] == pytest.approx(ms(3.0 + 0.4 + 0.3)[0])  # raised by the extra drafting and forward
+    assert cal.chain_s[16][1] == pytest.approx(ms(5.3)[0])  # timed above the floor: kept
+    assert cal.chain_s[8] == pytest.approx(ms(3.0, 4.3)) and cal.chain_s[1] == pytest.approx(ms(1.6, 1.7))

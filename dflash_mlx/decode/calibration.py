@@ -81,8 +81,12 @@ class Calibration:
 
     def capped(self) -> "Calibration":
         """The same, with a wider forward, draft or step never cheaper than a narrower
-        one (a slow outlier of a busy machine is capped by the wider timings)."""
-        return Calibration(_monotone(self.verify_s), _monotone(self.draft_s), _monotone(self.chain_s), self.contexts)
+        one (a slow outlier of a busy machine is capped by the wider timings), and a
+        wider chain step never cheaper than the narrower one plus the extra forward
+        and drafting, timed apart (the verify waits for its drafts, so their device
+        times add up; one fast outlier made chains of 16 cost what chains of 8 did)."""
+        verify, draft = _monotone(self.verify_s), _monotone(self.draft_s)
+        return Calibration(verify, draft, _additive(_monotone(self.chain_s), verify, draft), self.contexts)
 
     def to_dict(self) -> dict:
         return {name: {str(n): list(t) for n, t in getattr(self, name).items()} for name in _TABLES} | {
@@ -123,6 +127,18 @@ def _lookup(table: Dict[int, Tuple[float, float]], n: int, context: int, context
     c0, c1 = contexts
     t = t0 + (t1 - t0) * (context - c0) / (c1 - c0)
     return max(t, 0.5 * min(t0, t1))
+
+
+def _additive(chain: Dict[int, Tuple[float, float]], verify: Dict[int, Tuple[float, float]],
+              draft: Dict[int, Tuple[float, float]]) -> Dict[int, Tuple[float, float]]:
+    out, last = dict(chain), None
+    for n in sorted(k for k in chain if k >= 2):
+        if last is not None and n in verify and last in verify and draft:
+            b, a = chain_block(n, list(draft)), chain_block(last, list(draft))
+            out[n] = tuple(max(out[n][j], out[last][j] + max(draft[b][j] - draft[a][j], 0.0)
+                               + max(verify[n][j] - verify[last][j], 0.0)) for j in (0, 1))
+        last = n
+    return out
 
 
 def _monotone(table: Dict[int, Tuple[float, float]]) -> Dict[int, Tuple[float, float]]:

@@ -61,7 +61,8 @@ from .calibration import Calibration
 PLAIN, CHAIN, TREE = "plain", "chain", "tree"
 PRIOR = 0.6  # prior conditional acceptance of a draft, before any block (see CostModel.survival)
 FACTOR_DECAY = 0.05  # a step's factor over the machine's speed changes slowly
-RESTORED_BLOCKS = 6.0  # most weight, in blocks, of an acceptance profile kept from earlier runs
+RESTORED_BLOCKS = 6.0  # weight, in blocks, a kept acceptance profile falls to when this run's text differs
+SURPRISE_BLOCKS, SURPRISE = 6, 0.05  # ... judged by the first drafts of the first blocks: this unlikely under it
 OUTLIER = 3.0  # a step more than this many times off its estimate is not a timing (a first compile, a pause)
 
 
@@ -131,6 +132,8 @@ class CostModel:
     since_probe: int = 0
     since_wide: int = 0
     probe_gap: int = 0
+    first_hits: Optional[List[float]] = None  # chances of this run's first blocks' first drafts, after a restore
+    restored_c1: float = 0.0  # the restored profile's share of first drafts right
     tree_correction: Dict[int, Ema] = field(default_factory=dict)
     tree_tokens: Dict[int, Ema] = field(default_factory=dict)
     steps: int = 0
@@ -180,10 +183,11 @@ class CostModel:
         if len(tried) != self.block_size - 1 or len(right) != len(tried) \
                 or not all(math.isfinite(x) and x >= 0 for x in numbers):
             return False
-        # the earlier runs' profile is a prior worth at most RESTORED_BLOCKS blocks: this
-        # run's text may suit the drafter better or worse (stories after math)
-        scale = min(1.0, RESTORED_BLOCKS / tried[0]) if tried and tried[0] > 0 else 1.0
-        self.tried, self.right, self._cumulative = [scale * x for x in tried], [scale * x for x in right], None
+        # the earlier runs' profile is kept whole, unless this run's first blocks say its
+        # text suits the drafter much better or worse (stories after math): see _surprise
+        self.tried, self.right, self._cumulative = tried, right, None
+        self.first_hits = [] if tried[0] > RESTORED_BLOCKS else None
+        self.restored_c1 = right[0] / tried[0] if tried[0] else 0.0
         # a pair that decoded plainly before starts with probes sparser than at first
         self.probe_gap = min(max(gap, self.probe_every), self.max_probe_every // 4)
         if timings:
@@ -310,10 +314,27 @@ class CostModel:
                 still.append(p)
         self.pending = still
 
+    def _surprise(self, right: int) -> None:
+        """While a restored profile is on trial (the run's first
+        :data:`SURPRISE_BLOCKS` blocks): once the first drafts seen so far (right or
+        wrong) had a chance below :data:`SURPRISE` under the profile, it is scaled down
+        to :data:`RESTORED_BLOCKS` blocks, so this run's text takes over quickly (one
+        right first draft is enough against a profile that never saw one)."""
+        c1 = min(max(self.restored_c1, 0.02), 0.98)
+        self.first_hits.append(c1 if right > 0 else 1.0 - c1)
+        if math.prod(self.first_hits) < SURPRISE:
+            scale = RESTORED_BLOCKS / self.tried[0]
+            self.tried, self.right = [scale * x for x in self.tried], [scale * x for x in self.right]
+            self.first_hits = None
+        elif len(self.first_hits) >= SURPRISE_BLOCKS:
+            self.first_hits = None
+
     def _observe(self, right: int, drafted: int) -> None:
         """One block of ``drafted`` drafts whose first ``right`` were right: it tried
         positions 1..min(right + 1, drafted) (a block that ran out of drafts is
         censored there), and was right at the first ``right``."""
+        if self.first_hits is not None:
+            self._surprise(right)
         if right > self.expected_tokens(drafted + 1) - 1:  # better than expected: while plain wins, probe soon
             self.probe_gap = self.probe_every
         keep = 1 - self.acceptance_decay
