@@ -11,8 +11,11 @@ from typing import Tuple
 
 from hypothesis import strategies as st
 
-# Any character, lone surrogates included (hypothesis leaves category Cs out by default).
-ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=24)
+# Any character, lone surrogates included (hypothesis leaves category Cs out by default,
+# and with it in draws one rarely: one text in ~100 then, so some are put in on purpose).
+SURROGATES = st.sampled_from(["\ud800", "\udfff", "\ud83d", "\udc00"])
+ANY_TEXT = (st.text(st.characters(exclude_categories=()), max_size=24)
+            | st.builds(lambda a, s, b: a + s + b, st.text(max_size=6), SURROGATES, st.text(max_size=6)))
 SCALARS = (st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70)
            | st.floats(allow_nan=True, allow_infinity=True) | ANY_TEXT
            | st.sampled_from([0, 1, 2, -1, 0.5, 1e-300, 5e-324, 2**64, "", "auto", "none", "text"]))
@@ -48,7 +51,8 @@ def hostile_request(draw, model: str) -> Tuple[str, bytes]:
         return path, draw(st.binary(max_size=64))
     if kind == "json":
         return path, json.dumps(draw(JSON_VALUES)).encode()
-    body = {"model": model, "max_tokens": draw(st.integers(1, 8))}
+    body = {"model": draw(st.sampled_from([model] * 8 + [model + "\ud800", "\udfff"])),
+            "max_tokens": draw(st.integers(1, 8))}
     if path == "/v1/chat/completions":
         body["messages"] = draw(st.lists(_message(), min_size=0, max_size=3)
                                 | st.just([{"role": "user", "content": "Once upon a time"}]))
