@@ -20,6 +20,7 @@ def main(args: Optional[List[str]] = None) -> None:
         from .stdio import protect
 
         protect()  # closed stdin/stdout: /dev/null on the descriptor, a named error on use
+        _warn_conflicts()
         code = _run(args)
     except KeyboardInterrupt:  # before the app runs (typer turns later ones into Exit(130))
         code = 130
@@ -56,6 +57,16 @@ def _run(args: Optional[List[str]]) -> int:
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         return 1
     return code if isinstance(code, int) else 0
+
+
+def _warn_conflicts() -> None:
+    """One line on stderr when another installed distribution also provides the
+    ``dflash`` command or the ``dflash_mlx`` package (``cli/conflicts.py``)."""
+    from .conflicts import conflicts, warning
+
+    line = warning(conflicts())
+    if line:
+        print(line, file=sys.stderr)
 
 
 def _one_line(message: str) -> str:
