@@ -196,6 +196,7 @@ class Server:
         except QueueFullError as e:
             raise APIError(429, str(e), code="rate_limit_exceeded") from None
         watcher = asyncio.ensure_future(watch_disconnect(request.receive, job))
+        streaming = False  # once the stream is handed over, it closes the job and the watcher
         try:
             try:
                 await job.start()
@@ -206,9 +207,9 @@ class Server:
             except RequestTimeout as e:
                 raise APIError(408, str(e), code="request_timeout", counted=True) from None
             rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
-            if req.stream:
-                watcher.cancel()
-                events = self._events(job, rid, req.model, endpoint, req.include_usage())
+            if req.stream:  # the watcher stays: starlette may cancel the stream before it starts
+                events = self._events(job, rid, req.model, endpoint, req.include_usage(), watcher)
+                streaming = True
                 return StreamingResponse(events, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             text, finish, usage_ = [], None, None
@@ -220,8 +221,8 @@ class Server:
                 text.append(c.text)
                 finish, usage_ = c.finish_reason or finish, c.usage or usage_
         finally:
-            watcher.cancel()
-            if not req.stream:
+            if not streaming:
+                watcher.cancel()
                 job.close()
         if finish is None:
             if job.cancelled.is_set():
@@ -232,9 +233,10 @@ class Server:
         return JSONResponse(text_completion(rid, req.model, "".join(text), finish, usage_))
 
     async def _events(self, job: Job, rid: str, model: str, endpoint: str,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, watcher: asyncio.Future) -> AsyncIterator[str]:
         """Server-sent events: text deltas, the finish chunk, the usage chunk if asked,
-        then ``[DONE]``. Leaving early (the client went away) stops the generation."""
+        then ``[DONE]``. Leaving early (the client went away) stops the generation;
+        ``watcher`` (the disconnect watch) is cancelled at the end."""
         chat = endpoint == "chat"
         try:
             if chat:
@@ -255,6 +257,7 @@ class Server:
                         yield _sse(usage_chunk(rid, model, obj, c.usage))
             yield "data: [DONE]\n\n"
         finally:
+            watcher.cancel()
             job.close()
 
     def models(self) -> Dict[str, Any]:

@@ -237,10 +237,11 @@ def raw_request(port: int, body: bytes, path: str = "/v1/completions", length=No
     return sock
 
 
-def test_abandoned_non_streaming_request_stops_within_one_step(monkeypatch):
-    """A client that sends a non-streaming request and leaves once generation is under
-    way: the engine generates at most one more verify step, counts it cancelled, and
-    the next request runs. The first step is held until the server closes the job
+@pytest.mark.parametrize("streaming", [False, True])
+def test_abandoned_request_stops_within_one_step(monkeypatch, streaming):
+    """A client that sends a request (streaming or not) and leaves once generation is
+    under way: the engine generates at most one more verify step, counts it cancelled,
+    and the next request runs. The first step is held until the server closes the job
     (or 60 s pass, when the test fails on the step count)."""
     pair = tiny_pair(context=4096)
     app = create_app(pair, ServerConfig(model_id=MODEL))
@@ -266,7 +267,8 @@ def test_abandoned_non_streaming_request_stops_within_one_step(monkeypatch):
     monkeypatch.setattr(server_engine.Job, "close", close)
     monkeypatch.setattr(engine.pair_cache, "stream", stream)
     with live(app) as port:
-        sock = raw_request(port, json.dumps({"model": MODEL, "prompt": "Once upon", "max_tokens": 400}).encode())
+        sock = raw_request(port, json.dumps({"model": MODEL, "prompt": "Once upon", "max_tokens": 400,
+                                             "stream": streaming}).encode())
         assert first_step.wait(60)
         sock.close()
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
