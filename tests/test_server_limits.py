@@ -165,7 +165,8 @@ def test_lone_surrogates_are_400(client, path, body, param):
 @pytest.mark.parametrize("field,value", [("logprobs", True), ("top_logprobs", 2), ("n", 2), ("echo", True),
                                          ("best_of", 3), ("presence_penalty", 0.5), ("frequency_penalty", 1),
                                          ("logit_bias", {"1": 5}), ("response_format", {"type": "json_object"}),
-                                         ("tool_choice", "required"), ("seed", -1), ("suffix", "x")])
+                                         ("tool_choice", "required"), ("seed", -1), ("suffix", "x"),
+                                         ("stop", "x" * 1001), ("stop", ["a", "x" * 1001])])
 def test_unsupported_or_bad_fields_are_400(client, field, value):
     check_error(client.post("/v1/chat/completions", json=chat(**{field: value})), 400, field)
 
