@@ -35,7 +35,7 @@ UNSUPPORTED = {
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
     "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none"),
-    "tool_choice": (None, "auto"), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
+    "tool_choice": (None, "none", "auto"), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
 }
 
 
