@@ -130,3 +130,15 @@ def test_torch_dtype_that_is_no_float_type(stories, random_drafter, tmp_path):
     assert not (tmp_path / "out").exists()
     (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "torch.bfloat16"}))
     load_target(str(folder))  # the torch. prefix some exporters write is fine
+
+
+# -- dflash serve's new flags -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--idle-timeout", "0", "--idle-timeout must be > 0, got 0.0"),
+    ("--request-timeout", "-1", "--request-timeout must be >= 0, got -1.0"),
+    ("--max-prompt-chars", "0", "--max-prompt-chars must be at least 1, got 0"),
+])
+def test_serve_limits_flags(tmp_path, flag, value, needle):
+    one_line_error(dflash("serve", "--model", str(tmp_path / "nowhere"), flag, value), needle)
