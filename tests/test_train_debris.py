@@ -12,7 +12,7 @@ import mlx.core as mx
 from conftest import mlx_lm_greedy, needs_shared, tiny_target
 from dflash_mlx import load_drafter
 from dflash_mlx.errors import InputError
-from dflash_mlx.train.data import MANIFEST, TrainSequence, _write_shard, load_sequences, read_shard
+from dflash_mlx.train.data import MANIFEST, TrainSequence, _write_shard, load_sequences, read_shard, regenerate
 from dflash_mlx.train.trainer import FeatureCache, TrainConfig, Trainer, init_drafter
 
 
@@ -95,3 +95,17 @@ def test_data_rerun_makes_a_truncated_shard_anew(stories, tmp_path):
     regenerate(stories, data)
     assert {p.name: p.read_bytes() for p in sorted(data.glob("shard_*.npz"))} == before
     assert load_sequences(data)
+
+
+def test_truncated_manifests_are_named(setup, tmp_path):
+    target, seqs = setup
+    FeatureCache(target, [1, 2], tmp_path / "f", sequences=seqs)
+    manifest = tmp_path / "f" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:10])
+    with pytest.raises(InputError, match=r"f/manifest.json: not valid JSON .*delete the features folder"):
+        FeatureCache(target, [1, 2], tmp_path / "f", sequences=seqs)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / MANIFEST).write_text('{"version": 1, "num_pro')  # cut short by an older version's kill
+    with pytest.raises(InputError, match=r"data/manifest.json: not valid JSON .*pass a new --out"):
+        regenerate(None, None, [[1, 2, 3]], data, max_tokens=4, max_length=16)

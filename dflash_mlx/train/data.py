@@ -21,6 +21,7 @@ import numpy as np
 from mlx_lm import batch_generate
 from mlx_lm.sample_utils import make_sampler
 
+from ..atomic import atomic_file
 from ..errors import InputError
 from ..prompt import encode_messages
 
@@ -39,6 +40,18 @@ class TrainSequence:
 
     tokens: np.ndarray
     response_start: int
+
+
+def read_json(path: Path, remedy: str):
+    """A JSON file this package wrote (a manifest).
+
+    Raises:
+        InputError: the file is not valid JSON (names it and the ``remedy``).
+    """
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e}); {remedy}") from None
 
 
 def read_utf8(path: Path) -> str:
@@ -246,11 +259,12 @@ def regenerate(
                 "fingerprint": _fingerprint(prompts, settings)}
     manifest_file = out / MANIFEST
     if manifest_file.is_file():
-        old = json.loads(manifest_file.read_text())
-        if old.get("fingerprint") != manifest["fingerprint"]:
+        old = read_json(manifest_file, "delete the folder, or pass a new --out")
+        if not isinstance(old, dict) or old.get("fingerprint") != manifest["fingerprint"]:
             raise InputError(f"{out}: holds data from other prompts or settings; pass a new --out")
     else:
-        manifest_file.write_text(json.dumps(manifest, indent=2))
+        with atomic_file(manifest_file) as tmp:
+            tmp.write_text(json.dumps(manifest, indent=2))
 
     if end_tokens is None:
         end_tokens = [response_end_token(tokenizer, tokenizer.has_chat_template)] * len(prompts)

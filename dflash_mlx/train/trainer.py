@@ -44,7 +44,7 @@ from ..loading import bind_drafter
 from ..stats import teacher_forced
 from ..targets import TargetAdapter
 from .blocks import block_mask, default_gamma, position_weights, sample_anchors, valid_anchors
-from .data import TrainSequence
+from .data import TrainSequence, read_json
 
 CHECKPOINTS = "checkpoints"
 FEATURES = "features"
@@ -243,11 +243,12 @@ class FeatureCache:
                "sequences": digest.hexdigest() if sequences is not None else None}
         path = self.folder / "manifest.json"
         if path.is_file():
-            if json.loads(path.read_text()) != key:
+            if read_json(path, "delete the features folder (it is made again)") != key:
                 raise InputError(f"{self.folder}: holds target features of other data, target_layer_ids or target; "
                                  "give another features folder")
         else:
-            path.write_text(json.dumps(key, indent=2))
+            with atomic_file(path) as tmp:
+                tmp.write_text(json.dumps(key, indent=2))
 
     def _load(self, path: Path, length: int) -> Optional[np.ndarray]:
         """The cached array, or None when it is missing, of another length, or unreadable
