@@ -8,8 +8,8 @@ from typing import Optional
 
 import typer
 
-from .common import (block_size_option, draft_model_option, guard, load_pair, model_option, recalibrate_option,
-                     resolve_models)
+from .common import (block_size_option, draft_model_option, guard, load_pair, model_option, prefill_step_option,
+                     recalibrate_option, resolve_models, resolve_prefill_step)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -48,6 +48,7 @@ def serve(
     idle_timeout: float = typer.Option(
         5.0, "--idle-timeout", help="Seconds a connection may idle between requests (uvicorn's keep-alive "
         "timeout), and a request body between its chunks (then 408)."),
+    prefill_step_size: Optional[int] = prefill_step_option(),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Serve the pair over the OpenAI API (chat, completions, models, health, metrics).
@@ -69,7 +70,7 @@ def serve(
 
 def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, api_key, max_queue, max_body_mb,
          chat_template_config, allow_request_templates, max_prompt_chars, request_timeout, idle_timeout,
-         log_level) -> None:
+         prefill_step_size, log_level) -> None:
     import uvicorn
 
     from dflash_mlx import InputError
@@ -93,6 +94,7 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
         raise InputError(f"--idle-timeout must be > 0, got {idle_timeout}")
     if not 0 <= port <= 65535:
         raise InputError(f"--port must be in 0..65535, got {port}")
+    prefill_step_size = resolve_prefill_step(prefill_step_size)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model)
@@ -111,7 +113,8 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     config = ServerConfig(model_id=model, max_tokens=max_tokens, block_size=block_size, api_key=api_key,
                           max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20), template=template,
                           allow_request_templates=allow_request_templates, max_prompt_chars=max_prompt_chars,
-                          request_timeout=request_timeout or None, idle_timeout=idle_timeout)
+                          request_timeout=request_timeout or None, idle_timeout=idle_timeout,
+                          prefill_step_size=prefill_step_size)
     app = create_app(pair, config)
     if not api_key and not _is_loopback(host):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", host)

@@ -74,6 +74,8 @@ class ServerConfig:
             its generation stops and it gets a 408 (None: no limit).
         idle_timeout: seconds a connection may stay idle between requests, and a
             request body between its chunks (408).
+        prefill_step_size: prompt tokens per prefill chunk (None: generate's
+            default); an abandoned request stops between two chunks.
     """
 
     model_id: str
@@ -87,6 +89,7 @@ class ServerConfig:
     max_prompt_chars: Optional[int] = None
     request_timeout: Optional[float] = 600.0
     idle_timeout: float = 5.0
+    prefill_step_size: Optional[int] = None
 
 
 class Server:
@@ -107,7 +110,7 @@ class Server:
         check_block_size(config.block_size, pair.drafter)
         self.metrics = ServerMetrics(trained)
         self.engine = Engine(pair, block_size=config.block_size, max_queue=config.max_queue,
-                             metrics=self.metrics)
+                             metrics=self.metrics, prefill_step_size=config.prefill_step_size)
         self.context = context_length(pair.model)
         self.char_cap = prompt_char_cap(self.context, config.max_prompt_chars)
         self.names = {config.model_id, PurePath(config.model_id).name}

@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator, Callable, List, Optional, Union
 import mlx.core as mx
 
 from .errors import DFlashError
+from .generate import PrefillStopped
 from .prompt_cache import PairCache
 from .sampling import make_sampler
 from .server_api import usage
@@ -127,6 +128,10 @@ class Job:
         """Whether the deadline has passed."""
         return self.deadline is not None and time.monotonic() >= self.deadline
 
+    def should_stop(self) -> bool:
+        """Closed or past its deadline (checked between prefill chunks and verify steps)."""
+        return self.cancelled.is_set() or self.expired()
+
     def push(self, chunk: Any) -> None:
         """From the worker thread: hand a chunk (None: the end; an exception: prepare
         failed) to the event loop."""
@@ -191,14 +196,17 @@ class Engine:
         max_queue: most requests waiting behind the running one; past it,
             :meth:`submit` raises :class:`QueueFullError`.
         metrics: where each generation is counted.
+        prefill_step_size: prompt tokens per prefill chunk (None: generate's default);
+            a closed or timed-out job stops between two chunks.
 
     Attributes:
         pair_cache: both caches, kept between requests.
     """
 
     def __init__(self, pair: Any, *, block_size: Optional[int] = None, max_queue: int = 16,
-                 metrics: Optional[ServerMetrics] = None):
+                 metrics: Optional[ServerMetrics] = None, prefill_step_size: Optional[int] = None):
         self.pair, self.block_size, self.max_queue = pair, block_size, max_queue
+        self.prefill_step_size = prefill_step_size
         self.pair_cache = PairCache(pair.target, pair.tokenizer, pair.drafter)
         self.metrics = metrics
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-engine")
@@ -283,8 +291,10 @@ class Engine:
         if spec.seed is not None and spec.temperature > 0 and block_size == "auto":
             # Reproducible draws need the same verify widths every time; auto's follow timings.
             block_size = None
+        prefill = {} if self.prefill_step_size is None else {"prefill_step_size": self.prefill_step_size}
         steps = self.pair_cache.stream(spec.ids, sampler=sampler, max_tokens=spec.max_tokens,
-                                       block_size=block_size, stop_strings=spec.stop)
+                                       block_size=block_size, stop_strings=spec.stop,
+                                       should_stop=job.should_stop, **prefill)
         stats, outcome = None, "cancelled"
         try:
             for r in steps:
@@ -302,6 +312,8 @@ class Engine:
                     log.info("request %s: %d prompt tokens (%d reused), %d generated, tau %.2f, %.1f tokens/s",
                              job.id, len(spec.ids), self.pair_cache.last_reused, r.stats.generation_tokens,
                              r.stats.tau, r.stats.generation_tps)
+        except PrefillStopped:  # closed or timed out while its prompt was prefilled
+            outcome = "cancelled" if job.cancelled.is_set() else "timeout"
         finally:
             steps.close()  # settles both caches, whatever happened
         if outcome == "cancelled":

@@ -238,6 +238,18 @@ def raw_request(port: int, body: bytes, path: str = "/v1/completions", length=No
     return sock
 
 
+def read_reply(sock: socket.socket) -> str:
+    """One whole HTTP/1.1 response (its headers and Content-Length bytes of body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return (head + b"\r\n\r\n" + body).decode()
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 def test_abandoned_request_stops_within_one_step(monkeypatch, streaming):
     """A client that sends a request (streaming or not) and leaves once generation is
@@ -287,7 +299,7 @@ def test_stalled_body_is_408():
     app = create_app(pair, ServerConfig(model_id=MODEL, idle_timeout=0.2))
     with live(app) as port:
         sock = raw_request(port, b'{"model": "tiny", ', length=100)  # promises 100 bytes, sends 18
-        reply = sock.recv(65536).decode()
+        reply = read_reply(sock)
         sock.close()
     assert reply.startswith("HTTP/1.1 408"), reply
     assert "--idle-timeout" in reply
@@ -304,3 +316,49 @@ def test_openai_client_gets_400_for_a_request_template(pair):
             c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], logprobs=True)
         r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
         assert r.usage.completion_tokens == 3
+
+
+def test_abandoned_during_prefill_stops_between_chunks(monkeypatch):
+    """A job closed while its prompt is prefilled stops before the next chunk (16
+    tokens here): 3 chunks of a 300-token prompt run, none is generated, and the
+    caches hold what the next request can trust (its output equals a fresh run's)."""
+    import asyncio
+
+    import mlx.core as mx
+
+    from dflash_mlx import generate_step
+    from dflash_mlx.server_engine import Engine, GenerationJob
+    from dflash_mlx.server_metrics import ServerMetrics
+
+    pair = tiny_pair(context=4096)
+    checks = []
+
+    def should_stop(job):
+        checks.append(job.id)
+        if len(checks) == 3:
+            job.close()
+        return job.cancelled.is_set()
+
+    monkeypatch.setattr(server_engine.Job, "should_stop", should_stop)
+    ids = [3 + i % 200 for i in range(300)]
+
+    async def main():
+        engine = Engine(pair, metrics=ServerMetrics(16), prefill_step_size=16)
+        first = engine.submit(GenerationJob(ids, 50))
+        async for _ in first:
+            pass
+        monkeypatch.undo()
+        out = []
+        async for c in engine.submit(GenerationJob(ids[:40], 12)):
+            out.append(c)
+        engine.shutdown()
+        return engine, out
+
+    engine, out = asyncio.run(main())
+    assert len(checks) == 3  # stopped at the third chunk, out of 19
+    assert engine.metrics.requests.labels("chat", "cancelled")._value.get() == 1
+    assert engine.metrics.generation_tokens._value.get() == 12  # the second job's only
+    assert engine.pair_cache.is_consistent()
+    steps = generate_step(mx.array(ids[:40], dtype=mx.int32), pair.target, pair.drafter, max_tokens=12)
+    fresh = [t for s in steps for t in s.tokens]
+    assert "".join(c.text for c in out) == pair.tokenizer.decode(fresh)
