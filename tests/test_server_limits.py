@@ -362,3 +362,33 @@ def test_abandoned_during_prefill_stops_between_chunks(monkeypatch):
     steps = generate_step(mx.array(ids[:40], dtype=mx.int32), pair.target, pair.drafter, max_tokens=12)
     fresh = [t for s in steps for t in s.tokens]
     assert "".join(c.text for c in out) == pair.tokenizer.decode(fresh)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_request_timeout_mid_generation(monkeypatch, streaming):
+    """The deadline passing while a reply is generated (here: from the third check on,
+    checks counted, not timed) stops it after that step: a 408, or for a stream an error
+    event with code request_timeout and no finish_reason; counted as a timeout."""
+    calls = []
+
+    def expired(job):
+        calls.append(job.id)
+        return len(calls) >= 3
+
+    monkeypatch.setattr(server_engine.Job, "expired", expired)
+    pair = tiny_pair(context=4096)
+    with make_client(pair) as c:
+        body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 300, "stream": streaming}
+        r = c.post("/v1/completions", json=body)
+        metrics = c.get("/metrics").text
+    if streaming:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "request_timeout"  # then [DONE], as after any error event
+        assert not any(e.get("choices") and e["choices"][0]["finish_reason"] for e in events)
+    else:
+        assert check_error(r, 408, None, "--request-timeout")["code"] == "request_timeout"
+    assert 'dflash_requests_total{endpoint="completions",outcome="timeout"} 1.0' in metrics
+    generated = float(next(l.split()[-1] for l in metrics.splitlines()
+                           if l.startswith("dflash_generation_tokens_total")))
+    assert 0 < generated < 300
