@@ -327,8 +327,8 @@ class Engine:
     def _timed_out(self, job: Job, stats) -> None:
         n = stats.generation_tokens if stats is not None else 0
         log.info("request %s stopped: past its deadline after %d tokens", job.id, n)
+        self._count(job, stats, "timeout")  # before the client hears of it, so /metrics agrees
         job.push(Chunk(error="the request ran past the server's --request-timeout", status=408))
-        self._count(job, stats, "timeout")
 
     def _count(self, job: Job, stats, outcome: str) -> None:
         if self.metrics is not None:
