@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Optional, Tuple
 
 import typer
@@ -352,14 +353,34 @@ def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_wind
         ) from None
 
 
+def check_out_folder(path, flag: str = "--out") -> None:
+    """Refuse an output folder that cannot be made, before any model is loaded:
+    the path, or a folder above it, is a file.
+
+    Raises:
+        InputError: naming the flag and the file in the way.
+    """
+    path = Path(path)
+    for p in [path, *path.parents]:
+        if p.exists():
+            if not p.is_dir():
+                where = "is a file" if p == path else f"is under {p}, which is a file"
+                raise InputError(f"{flag} {path} {where}, not a folder")
+            return
+
+
 def guard(fn):
     """Run ``fn``; DFlashError becomes a one-line error and exit code 1.
 
     A closed output pipe (``dflash generate ... | head``) stops the work quietly with
-    exit code 141 (128 + SIGPIPE), the status ``yes | head`` gives ``yes``.
+    exit code 141 (128 + SIGPIPE), the status ``yes | head`` gives ``yes``. A closed
+    stdin or stdout, or one that cannot be written, is a one-line error
+    (``cli/stdio.py``); so is a file system error on a named path.
     """
     try:
-        return fn()
+        result = fn()
+        sys.stdout.flush()  # a write that fails (> /dev/full) surfaces here, as a StreamError
+        return result
     except DFlashError as e:
         fail(str(e))
     except BrokenPipeError:
@@ -367,3 +388,7 @@ def guard(fn):
         # for stdout goes nowhere rather than raising again at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise typer.Exit(141)
+    except OSError as e:  # a path the system refused (--out under a file, no permission, disk full)
+        if e.filename is None:
+            raise
+        fail(f"{e.filename}: {e.strerror or e}")

@@ -41,7 +41,7 @@ def convert(
 ) -> None:
     """Convert a target and its drafter into one folder that `dflash generate|chat|bench --model DIR` runs.
 
-    The target goes through mlx-lm's convert (an mlx-lm folder is copied unless asked otherwise), the drafter through dflash's loader. Writes go to a temporary folder beside OUT, renamed into place at the end: a failure or Ctrl-C leaves nothing. A short validation table follows.
+    The target goes through mlx-lm's convert (an mlx-lm folder is copied unless asked otherwise), the drafter through dflash's loader. Writes go to a temporary folder beside OUT, renamed into place at the end: a failure, Ctrl-C or SIGTERM leaves nothing, and what a killed run left is removed at the next start. A short validation table follows.
 
     \b
     Examples:
@@ -52,7 +52,11 @@ def convert(
     args = dict(locals())
     try:
         guard(lambda: _run(**args))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        from dflash_mlx.atomic import Terminated
+
+        if isinstance(e, Terminated):  # SIGTERM: 128 + 15, as a shell reports it
+            fail(f"terminated; nothing was written to {out}", code=143)
         fail(f"interrupted; nothing was written to {out}", code=130)
 
 
@@ -62,6 +66,9 @@ def _run(validate, **kwargs) -> None:
     from dflash_mlx import ValidationError
     from dflash_mlx.pair.convert import convert as convert_pair
 
+    from .common import check_out_folder
+
+    check_out_folder(kwargs["out"])
     console = Console(stderr=True)
     stages = _Stages(console)
     try:

@@ -17,6 +17,10 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch w
 def main(args: Optional[List[str]] = None) -> None:
     """Run ``dflash`` with ``args`` (default: ``sys.argv[1:]``) and exit with its code."""
     try:
+        from .stdio import protect
+
+        protect()  # closed stdin/stdout: /dev/null on the descriptor, a named error on use
+        _warn_conflicts()
         code = _run(args)
     except KeyboardInterrupt:  # before the app runs (typer turns later ones into Exit(130))
         code = 130
@@ -30,6 +34,8 @@ def _run(args: Optional[List[str]]) -> int:
         from typer._click import exceptions as cx  # recent typer ships its own click
     except ImportError:
         from click import exceptions as cx
+
+    from dflash_mlx.errors import DFlashError
 
     from .app import app
 
@@ -47,7 +53,20 @@ def _run(args: Optional[List[str]]) -> int:
         return 1
     except typer.Abort:
         return 130
+    except DFlashError as e:  # outside a command's guard (a closed stdout while printing help)
+        print(f"error: {_one_line(str(e))}", file=sys.stderr)
+        return 1
     return code if isinstance(code, int) else 0
+
+
+def _warn_conflicts() -> None:
+    """One line on stderr when another installed distribution also provides the
+    ``dflash`` command or the ``dflash_mlx`` package (``cli/conflicts.py``)."""
+    from .conflicts import conflicts, warning
+
+    line = warning(conflicts())
+    if line:
+        print(line, file=sys.stderr)
 
 
 def _one_line(message: str) -> str:

@@ -8,8 +8,8 @@ from typing import Optional
 
 import typer
 
-from .common import (block_size_option, draft_model_option, guard, load_pair, model_option, recalibrate_option,
-                     resolve_models)
+from .common import (block_size_option, draft_model_option, guard, load_pair, model_option, prefill_step_option,
+                     recalibrate_option, resolve_models, resolve_prefill_step)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -35,6 +35,20 @@ def serve(
         None, "--chat-template-config",
         help="Default JSON for apply_chat_template; a request's chat_template_kwargs override it. "
         "With a drafter, thinking is off unless set here or in the request."),
+    allow_request_templates: bool = typer.Option(
+        False, "--allow-request-templates",
+        help="Let requests send their own Jinja chat template (chat_template_kwargs.chat_template). Off: "
+        "such a request gets a 400, since a template runs on the server and can take any memory or time."),
+    max_prompt_chars: Optional[int] = typer.Option(
+        None, "--max-prompt-chars", help="Most characters of prompt text per request, checked before "
+        "tokenizing (default: 8 per token of the target's context); past it, 400."),
+    request_timeout: float = typer.Option(
+        600.0, "--request-timeout", help="Seconds from a request's arrival (queue wait included) after which "
+        "its generation stops and it gets a 408; 0: no limit."),
+    idle_timeout: float = typer.Option(
+        5.0, "--idle-timeout", help="Seconds a connection may idle between requests (uvicorn's keep-alive "
+        "timeout), and a request body between its chunks (then 408)."),
+    prefill_step_size: Optional[int] = prefill_step_option(),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Serve the pair over the OpenAI API (chat, completions, models, health, metrics).
@@ -55,7 +69,8 @@ def serve(
 
 
 def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, api_key, max_queue, max_body_mb,
-         chat_template_config, log_level) -> None:
+         chat_template_config, allow_request_templates, max_prompt_chars, request_timeout, idle_timeout,
+         prefill_step_size, log_level) -> None:
     import uvicorn
 
     from dflash_mlx import InputError
@@ -71,8 +86,15 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
         raise InputError(f"--max-queue must be >= 0, got {max_queue}")
     if max_body_mb <= 0:
         raise InputError(f"--max-body-mb must be > 0, got {max_body_mb}")
+    if max_prompt_chars is not None and max_prompt_chars < 1:
+        raise InputError(f"--max-prompt-chars must be at least 1, got {max_prompt_chars}")
+    if not request_timeout >= 0:
+        raise InputError(f"--request-timeout must be >= 0, got {request_timeout}")
+    if not idle_timeout > 0:
+        raise InputError(f"--idle-timeout must be > 0, got {idle_timeout}")
     if not 0 <= port <= 65535:
         raise InputError(f"--port must be in 0..65535, got {port}")
+    prefill_step_size = resolve_prefill_step(prefill_step_size)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model)
@@ -89,13 +111,16 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     log.setLevel(log_level.upper())
     pair = load_pair(model, draft_model, defaults, recalibrate=recalibrate)
     config = ServerConfig(model_id=model, max_tokens=max_tokens, block_size=block_size, api_key=api_key,
-                          max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20), template=template)
+                          max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20), template=template,
+                          allow_request_templates=allow_request_templates, max_prompt_chars=max_prompt_chars,
+                          request_timeout=request_timeout or None, idle_timeout=idle_timeout,
+                          prefill_step_size=prefill_step_size)
     app = create_app(pair, config)
     if not api_key and not _is_loopback(host):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", host)
     drafter = f" + {draft_model}" if draft_model else " (no drafter: plain decoding)"
     log.info("serving %s%s on http://%s:%d", model, drafter, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=idle_timeout)
 
 
 def _is_loopback(host: str) -> bool:

@@ -68,6 +68,10 @@ def _data(model, out, prompts, text, self_prompts, self_prompt_tokens, self_prom
     )
     from dflash_mlx.train.data import self_prompts as sample_openings
 
+    from .common import check_out_folder
+
+    check_out_folder(out)
+
     if not (prompts or text or self_prompts):
         raise InputError("no prompt source: give --prompts FILE, --text FILE or --self-prompts N")
     template = parse_template_config(chat_template_config)
@@ -195,6 +199,10 @@ def _train(model, data_dirs, out, layers, block_size, block_sizes, target_layer_
     from dflash_mlx.train.data import load_sequences
     from dflash_mlx.train.trainer import TrainConfig, Trainer, check_fresh_out, init_drafter, pick_mask_token
 
+    from .common import check_out_folder
+
+    check_out_folder(out)
+
     if dtype not in ("float32", "bfloat16"):
         raise InputError(f"--dtype must be float32 or bfloat16, got {dtype}")
     try:
@@ -224,6 +232,9 @@ def _train(model, data_dirs, out, layers, block_size, block_sizes, target_layer_
     features = features_dir or (out / "features" if cache_features else None)
     if resume:
         trainer = Trainer.resume(pair.target, train_seqs, config, out, eval_seqs, features)
+        if trainer.rebuilding:
+            console.print(f"the run had finished, but {trainer.rebuilding}: writing the drafter again",
+                          soft_wrap=True, markup=False, highlight=False)
     else:
         check_fresh_out(out, overwrite)
         mask = mask_token_id if mask_token_id is not None else pick_mask_token(pair.tokenizer, pair.target.vocab_size, sequences)

@@ -7,7 +7,9 @@ section 9), so :meth:`Sampling.log_probs` applies the same mlx-lm filters in the
 order; :class:`Sampling` is also a sampler, so it can go wherever mlx-lm's does.
 
 One rule is added for top-k: k at or above the vocabulary size keeps every token, so
-it means "no top-k" (mlx-lm refuses such a k).
+it means "no top-k" (mlx-lm refuses such a k). And one for temperature: below
+:data:`MIN_TEMP` it is greedy (0), since ``1 / temp`` overflows (``5e-324`` would
+otherwise turn every score into inf or NaN and draw garbage).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
 Sampler = Callable[[mx.array], mx.array]
+
+# Temperatures in (0, MIN_TEMP) sample as greedy. At 1e-3 a float16 log-probability of
+# -12 (the most likely token's worst case at V = 2^17) scales to -12000, still finite.
+MIN_TEMP = 1e-3
 
 
 def effective_top_k(top_k: int, vocab_size: Optional[int]) -> int:
@@ -35,7 +41,7 @@ class Sampling:
     top_k=top_k)``: [..., V] log-probabilities in, [...] int32 tokens out.
 
     Attributes:
-        temp: temperature; 0 is greedy (argmax).
+        temp: temperature; 0, or anything below :data:`MIN_TEMP`, is greedy (argmax).
         top_p: nucleus mass in (0, 1]; 1 is off.
         min_p: min-p threshold in [0, 1]; 0 is off.
         top_k: keep the k most likely tokens; 0, or ``vocab_size`` and above, is off.
@@ -50,6 +56,8 @@ class Sampling:
     _sampler: Sampler = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        if 0 < self.temp < MIN_TEMP:
+            object.__setattr__(self, "temp", 0.0)
         top_k = effective_top_k(self.top_k, self.vocab_size)
         object.__setattr__(self, "_sampler", mlx_lm_make_sampler(self.temp, self.top_p, self.min_p, 1, top_k=top_k))
 

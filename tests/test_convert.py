@@ -97,7 +97,11 @@ def test_manifest_records_sources_and_hashes(qwen3, tmp_path):
     assert d["block_size"] == src_config["block_size"]
     assert d["target_layer_ids"] == src_config["dflash_config"]["target_layer_ids"]
     assert d["quantization"] is None and d["dtype"] == "bfloat16"
-    assert sorted(manifest["files"]) == ["drafter/model.safetensors", "target/model.safetensors"]
+    # Every file a loader reads: weights, configs, tokenizer files.
+    assert sorted(manifest["files"]) == sorted(f"{part}/{f.name}" for part in ("target", "drafter")
+                                               for f in (out / part).iterdir())
+    assert {"drafter/model.safetensors", "target/model.safetensors", "target/config.json", "drafter/config.json",
+            "target/tokenizer_config.json"} <= set(manifest["files"])
     for name, digest in manifest["files"].items():
         assert sha256_file(out / name) == digest
     # The target folder is mlx-lm's own output; the drafter folder the released format.
@@ -324,6 +328,48 @@ def test_sigint_mid_write_leaves_nothing(qwen3, tmp_path):
     nothing_left(out)
 
 
+def start_slow_convert(qwen3, out):
+    target_src, drafter_src = qwen3
+    env = dict(os.environ, TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_WRITE, "convert", "--model", str(target_src), "--draft-model",
+         str(drafter_src), "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+    )
+    assert proc.stdout.readline().strip() == "WRITING"
+    assert len(list(out.parent.glob(f".{out.name}.tmp-{proc.pid}-*"))) == 1  # named after its writer
+    return proc
+
+
+def test_sigterm_mid_write_leaves_nothing(qwen3, tmp_path):
+    """SIGTERM (a service manager stopping the job) cleans up as Ctrl-C does: exit 143."""
+    out = tmp_path / "out"
+    proc = start_slow_convert(qwen3, out)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == f"error: terminated; nothing was written to {out}"
+    nothing_left(out)
+
+
+def test_sigkill_leftovers_are_removed_at_the_next_start(qwen3, tmp_path):
+    """SIGKILL cannot be caught: the temporary folder stays, and the next convert into
+    the same --out removes it (its writer is gone) and says so."""
+    out = tmp_path / "out"
+    proc = start_slow_convert(qwen3, out)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert len(list(tmp_path.glob(".out.tmp-*"))) == 1
+    target_src, drafter_src = qwen3
+    said = []
+    convert(str(target_src), str(drafter_src), out, validate_output=False, progress=said.append)
+    assert list(tmp_path.glob(".out.*")) == [] and (out / MANIFEST).is_file()
+    assert any("left by an interrupted run" in s for s in said), said
+
+
 # -- the converted folder in the CLI ------------------------------------------------------
 
 
@@ -364,6 +410,45 @@ def test_verify_names_a_changed_file(converted, tmp_path):
     result = run_cli("generate", "--model", str(copy), "-p", "Hello", "-m", "4", "--verify")
     assert result.exit_code == 1
     assert result.stderr.strip() == f"error: {weights}: sha256 differs from {copy / MANIFEST} (changed since it was converted)"
+
+
+def copy_converted(converted, copy):
+    for part in ("target", "drafter"):
+        (copy / part).mkdir(parents=True)
+        for f in (converted / part).iterdir():
+            (copy / part / f.name).write_bytes(f.read_bytes())
+    (copy / MANIFEST).write_bytes((converted / MANIFEST).read_bytes())
+    return copy
+
+
+@pytest.mark.parametrize("name", ["target/config.json", "drafter/config.json", "target/tokenizer_config.json",
+                                  "target/tokenizer.json"])
+def test_verify_covers_configs_and_tokenizer_files(converted, tmp_path, name):
+    copy = copy_converted(converted, tmp_path / "copy")
+    path = copy / name
+    path.write_text(path.read_text().replace("}", ', "x": 1}', 1))
+    result = run_cli("generate", "--model", str(copy), "-p", "Hello", "-m", "4", "--verify")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == f"error: {path}: sha256 differs from {copy / MANIFEST} (changed since it was converted)"
+
+
+def test_verify_refuses_an_added_file(converted, tmp_path):
+    copy = copy_converted(converted, tmp_path / "copy")
+    (copy / "target" / "chat_template.jinja").write_text("{{ 'time ' * 100 }}")  # mlx-lm would load it
+    result = run_cli("generate", "--model", str(copy), "-p", "Hello", "-m", "4", "--verify")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (f"error: {copy / 'target' / 'chat_template.jinja'}: file not listed in "
+                                     f"{copy / MANIFEST}")
+
+
+def test_verify_of_a_version_1_manifest_checks_the_weights(converted, tmp_path):
+    """Folders converted before the manifest covered configs still verify (their weights)."""
+    copy = copy_converted(converted, tmp_path / "copy")
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["dflash_convert"] = 1
+    manifest["files"] = {k: v for k, v in manifest["files"].items() if k.endswith(".safetensors")}
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    assert run_cli("generate", "--model", str(copy), "-p", "Hello", "-m", "4", "--verify").exit_code == 0
 
 
 def test_verify_needs_a_converted_folder(qwen3):

@@ -118,7 +118,8 @@ def test_chat_template_errors_are_400():
     with pytest.raises(APIError) as e:
         chat_prompt_ids(ByteTokenizer(template=True, fail=True), req, {})
     assert e.value.status == 400 and e.value.param == "messages" and "no such role" in e.value.message
-    tools = ChatCompletionRequest.model_validate({"model": "m", "tools": [{}], "messages": [{"role": "user"}]})
+    tools = ChatCompletionRequest.model_validate({"model": "m", "tools": [{}],
+                                                  "messages": [{"role": "user", "content": "a"}]})
     with pytest.raises(APIError, match="no chat template"):
         chat_prompt_ids(ByteTokenizer(template=False), tools, {})
 

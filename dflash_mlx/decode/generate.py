@@ -75,20 +75,31 @@ def _sample(sampler: Sampler, logits: mx.array) -> mx.array:
     return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
+class PrefillStopped(Exception):
+    """``should_stop()`` turned true between two prefill chunks (a server's client went
+    away); the caches hold the chunks done."""
+
+
 def prefill(
     target: TargetAdapter,
     prompt: mx.array,
     cache: List[Any],
     capture: Optional[Sequence[int]],
     step_size: int = 2048,
+    should_stop: Optional[Callable[[], bool]] = None,
 ) -> Tuple[mx.array, Optional[mx.array]]:
     """Chunked prefill with feature capture, chunked as mlx-lm's ``generate_step``.
 
     Returns:
         ``(hidden_last [1, 1, H], features [1, P, F] or None)``.
+
+    Raises:
+        PrefillStopped: ``should_stop()`` was true before a chunk.
     """
     features = []
     while prompt.size > 1:
+        if should_stop is not None and should_stop():
+            raise PrefillStopped()
         n = min(step_size, prompt.size - 1)
         _, f = target(prompt[None, :n], cache, capture)
         mx.eval([c.state for c in cache], f if f is not None else [])
@@ -113,6 +124,7 @@ def generate_step(
     stop_token_ids: Sequence[int] = (),
     stop: Optional[StopCondition] = None,
     prefill_step_size: int = 2048,
+    should_stop: Optional[Callable[[], bool]] = None,
     prompt_cache: Optional[List[Any]] = None,
     draft_cache: Optional[List[Any]] = None,
     stats: Optional[GenerationStats] = None,
@@ -143,6 +155,9 @@ def generate_step(
         stop_token_ids: ids that end generation; the block is cut there.
         stop: a :class:`~dflash_mlx.decode.stopping.StopCondition` (stop strings too);
             replaces ``max_tokens`` and ``stop_token_ids`` when given.
+        should_stop: checked before each prefill chunk; when it returns True,
+            :class:`PrefillStopped` is raised (a long prompt of a request whose client
+            went away stops within one chunk, not after the whole prefill).
         prompt_cache: the target's cache, updated in place (default: a fresh
             ``target.make_cache(B)``; a given one must roll back exactly and belong
             to this target, see :meth:`TargetAdapter.check_cache`). After every step
@@ -163,6 +178,7 @@ def generate_step(
             anything is generated).
         MismatchError: ``prompt_cache`` was built for another model, or the
             drafter's ``target_layer_ids`` are not layers of the target.
+        PrefillStopped: see ``should_stop``.
     """
     sampler = sampler or greedy_sampler
     if prompt.size == 0:
@@ -190,7 +206,7 @@ def generate_step(
 
     with mx.stream(generation_stream):
         with stats.phase("prefill"):
-            h, context = prefill(target, prompt, cache, capture, prefill_step_size)
+            h, context = prefill(target, prompt, cache, capture, prefill_step_size, should_stop)
             t = _sample(sampler, target.lm_head(h[:, -1]))
             mx.eval(t)
         tokens, finish = stop.cut(t.tolist())

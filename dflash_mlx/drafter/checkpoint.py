@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..atomic import atomic_file
 from ..decode.calibration import folder_fingerprint
 from .network import DFlashDrafter
 from .config import DrafterArgs
@@ -119,8 +120,11 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
     if quantized:
         config["quantization"] = {"group_size": quantized[0].group_size, "bits": quantized[0].bits,
                                   "mode": quantized[0].mode}
-    write_safetensors(out / "model.safetensors", weights, metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # Each file under a temporary name, then renamed: a kill leaves the old file or the new one.
+    with atomic_file(out / "model.safetensors") as tmp:
+        write_safetensors(tmp, weights, metadata={"format": "pt"})
+    with atomic_file(out / "config.json") as tmp:
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
@@ -152,13 +156,37 @@ def write_safetensors(path: Path, arrays: dict, metadata: Optional[dict] = None)
 
 
 def read_config(config_file: Path) -> dict:
-    """Read a ``config.json``; errors name the file."""
+    """Read a ``config.json``; errors name the file (and the key, see
+    :func:`check_config_dtype`)."""
     if not config_file.is_file():
         raise CheckpointError(f"{config_file}: not found")
     try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{config_file}: invalid JSON ({e})") from None
+    if isinstance(config, dict):
+        check_config_dtype(config, config_file)
+    return config
+
+
+# Values of a config's torch_dtype / dtype: the float types weights are stored in.
+CONFIG_DTYPES = ("float16", "bfloat16", "float32", "float64", "auto")
+
+
+def check_config_dtype(config: dict, config_file: Path) -> None:
+    """Refuse a ``torch_dtype`` or ``dtype`` that names no float type (``"int7"`` would
+    otherwise be written back as float32 without a word).
+
+    Raises:
+        ConfigError: naming the file, the key and the value.
+    """
+    for key in ("torch_dtype", "dtype"):
+        value = config.get(key)
+        if value is None:
+            continue
+        name = value[len("torch."):] if isinstance(value, str) and value.startswith("torch.") else value
+        if not isinstance(name, str) or (name not in CONFIG_DTYPES and not name.startswith("float8")):
+            raise ConfigError(f"{config_file}: '{key}' must be one of {', '.join(CONFIG_DTYPES)}, got {value!r}")
 
 
 def read_safetensors(path: Path, with_files: bool = False):

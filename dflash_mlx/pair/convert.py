@@ -17,14 +17,11 @@ Ctrl-C removes it.
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,12 +29,13 @@ from mlx_lm.convert import MODEL_CONVERSION_DTYPES
 from mlx_lm.convert import convert as mlx_lm_convert
 from mlx_lm.utils import load as mlx_lm_load
 
+from ..atomic import check_out, staging
 from ..drafter.checkpoint import DRAFTER_FILES, load_drafter, read_config, save_drafter
 from ..drafter.network import DFlashDrafter
 from ..errors import CheckpointError, ConfigError, InputError, ValidationError
 from ..hub import resolve_model_path
 from .loading import QUANTIZED_DRAFTER_DTYPE, TARGET_FILES, check_pair
-from .manifest import MANIFEST_VERSION, hash_weights, write_manifest
+from .manifest import MANIFEST_VERSION, hash_files, write_manifest
 from ..prompt import encode_messages
 from ..targets import TargetAdapter, make_adapter
 from .validation import VALIDATION_MESSAGES, Check, SourceRun, dtype_name, float_dtype, validate
@@ -127,15 +125,15 @@ def convert(
     drafter = load_drafter(str(draft_src))
     check_pair(drafter, source, draft_model)
 
-    with staging(out, force) as tmp:
+    with staging(out, force, say=say) as tmp:
         say("converting the target with mlx-lm")
         target_entry = write_target(target_src, tmp / "target", quantize=quantize, q_bits=q_bits,
                                     q_group_size=q_group_size, q_mode=q_mode, dtype=dtype)
         say("writing the drafter")
         drafter_entry = write_drafter(drafter, tmp / "drafter", draft_q_bits, draft_q_group_size, dtype)
-        say("hashing the weight files")
+        say("hashing the weights, configs and tokenizer files")
         manifest = make_manifest(model, draft_model, target_src, draft_src, draft_config, drafter.args,
-                                 target_entry, drafter_entry, hash_weights(tmp))
+                                 target_entry, drafter_entry, hash_files(tmp))
         write_manifest(tmp, manifest)
         checks: List[Check] = []
         if validate_output:
@@ -180,18 +178,6 @@ def check_options(quantize: bool, q_bits: Optional[int], q_group_size: Optional[
                 raise InputError(f"{flag} needs -q/--quantize (the target is kept unquantized without it)")
         if q_mode != "affine":
             raise InputError("--q-mode needs -q/--quantize (the target is kept unquantized without it)")
-
-
-def check_out(out: Path, force: bool, flag: str = "--out") -> None:
-    """Refuse an existing output folder unless ``force``; refuse a file always.
-
-    Raises:
-        InputError: naming ``flag`` and the path.
-    """
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{flag} {out} is a file; give a folder path")
-    if out.exists() and not force:
-        raise InputError(f"{flag} {out} already exists; pass --force to replace it")
 
 
 def check_not_inside(out: Path, *sources: Path) -> None:
@@ -256,48 +242,6 @@ def load_source_target(path: Path) -> Tuple[nn.Module, object, TargetAdapter]:
 
 
 # -- writing --------------------------------------------------------------------------
-
-
-@contextmanager
-def staging(out: Path, force: bool = False, flag: str = "--out") -> Iterator[Path]:
-    """A temporary folder beside ``out`` that replaces it when the block succeeds.
-
-    On any exception, Ctrl-C included, the temporary folder (and any parent folder
-    this created) is removed and ``out`` is left as it was.
-
-    Raises:
-        InputError: ``out`` appeared meanwhile and ``force`` is off (names ``flag``).
-    """
-    created = next((p for p in reversed([out.parent, *out.parent.parents]) if not p.exists()), None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output should not be
-        yield tmp
-        _replace(tmp, out, force, flag)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        raise
-
-
-def _replace(tmp: Path, out: Path, force: bool, flag: str) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and deleted last."""
-    if not out.exists():
-        tmp.rename(out)
-        return
-    check_out(out, force, flag)
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    out.rename(old)
-    try:
-        tmp.rename(out)
-    except BaseException:
-        old.rename(out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def weights_format(path: Path) -> Optional[str]:

@@ -14,7 +14,7 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from mlx_lm.utils import load as mlx_lm_load
 
 from ..decode.calibration import folder_fingerprint
-from ..drafter.checkpoint import load_drafter
+from ..drafter.checkpoint import check_config_dtype, load_drafter
 from ..drafter.network import DFlashDrafter
 from ..errors import CheckpointError, ConfigError, InputError, MismatchError
 from ..hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, resolve_model_path
@@ -83,7 +83,8 @@ def read_model_config(config_file: Path, folder: Path) -> dict:
     """A model folder's ``config.json`` as a dict.
 
     Raises:
-        CheckpointError: the file is missing. ConfigError: not a JSON object (names the file).
+        CheckpointError: the file is missing. ConfigError: not a JSON object, or a
+            ``torch_dtype`` that names no float type (names the file).
     """
     if not config_file.is_file():
         raise CheckpointError(f"{config_file}: not found (is {folder} an mlx-lm model folder?)")
@@ -93,6 +94,7 @@ def read_model_config(config_file: Path, folder: Path) -> dict:
         raise ConfigError(f"{config_file}: invalid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{config_file}: expected a JSON object, found {type(config).__name__}")
+    check_config_dtype(config, config_file)
     return config
 
 

@@ -3,7 +3,9 @@
 A converted folder holds ``target/`` (mlx-lm format), ``drafter/`` (released drafter
 format) and this manifest, which records where each came from, the drafter format,
 block size and target_layer_ids, the quantization of each, and the sha256 of every
-weight file. ``--model DIR`` finds both halves through it.
+file the loaders read: weights, ``config.json``, the tokenizer and chat template
+files (version 2; a version-1 manifest lists the weight files only, and ``--verify``
+then checks only those). ``--model DIR`` finds both halves through it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Dict, Optional, Tuple
 from ..errors import CheckpointError, ConfigError, InputError
 
 MANIFEST = "dflash.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 1: weight files only; 2: every file of target/ and drafter/
 WEIGHT_GLOB = "*.safetensors"
 
 
@@ -34,9 +36,17 @@ def weight_files(root: Path, parts: Tuple[str, ...] = ("target", "drafter")) -> 
     return {f"{part}/{f.name}": f for part in parts for f in sorted((root / part).glob(WEIGHT_GLOB))}
 
 
-def hash_weights(root: Path) -> Dict[str, str]:
-    """``{relative path: sha256}`` of every weight file of a converted folder."""
-    return {name: sha256_file(path) for name, path in weight_files(root).items()}
+def loaded_files(root: Path, parts: Tuple[str, ...] = ("target", "drafter")) -> Dict[str, Path]:
+    """``{relative path: path}`` of every file in the given subfolders but hidden ones:
+    weights, configs, tokenizer and chat template files, whatever a loader may read."""
+    return {f"{part}/{f.name}": f for part in parts for f in sorted((root / part).iterdir())
+            if f.is_file() and not f.name.startswith(".")}
+
+
+def hash_files(root: Path) -> Dict[str, str]:
+    """``{relative path: sha256}`` of every file of a converted folder's halves
+    (:func:`loaded_files`)."""
+    return {name: sha256_file(path) for name, path in loaded_files(root).items()}
 
 
 def write_manifest(root: Path, manifest: dict) -> Path:
@@ -76,15 +86,18 @@ def converted_root(model: Optional[str]) -> Optional[Path]:
 
 
 def verify(root: Path, manifest: Optional[dict] = None) -> None:
-    """Check every weight file against the sha256 in the manifest.
+    """Check every listed file against the sha256 in the manifest.
 
     Raises:
-        CheckpointError: a listed file is missing or changed, or a weight file is
-            not listed (the message names the file).
+        CheckpointError: a listed file is missing or changed, or a file is not
+            listed (any file of ``target/`` or ``drafter/``, or with a version-1
+            manifest any weight file; the message names the file).
     """
     manifest = manifest or read_manifest(root)
     listed = manifest["files"]
-    present = weight_files(root)
+    version = manifest.get("dflash_convert", 1)
+    every = isinstance(version, int) and version >= 2
+    present = loaded_files(root) if every else weight_files(root)
     for name, want in listed.items():
         path = root / name
         if not path.is_file():
@@ -93,7 +106,8 @@ def verify(root: Path, manifest: Optional[dict] = None) -> None:
             raise CheckpointError(f"{path}: sha256 differs from {root / MANIFEST} (changed since it was converted)")
     for name in present:
         if name not in listed:
-            raise CheckpointError(f"{root / name}: weight file not listed in {root / MANIFEST}")
+            what = "file" if every else "weight file"
+            raise CheckpointError(f"{root / name}: {what} not listed in {root / MANIFEST}")
 
 
 def resolve_pair(model: Optional[str], draft_model: Optional[str],

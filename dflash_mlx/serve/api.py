@@ -4,7 +4,14 @@ and the response, chunk, usage and error bodies.
 Field names and shapes follow OpenAI's chat completions and (legacy) completions API.
 Validation is strict: a number sent as a string, or a string as a list, is a 400, not
 coerced. Unknown fields are ignored, as OpenAI's own server does for fields it does
-not know.
+not know; but OpenAI fields this server does not implement (``logprobs``,
+``presence_penalty``, ``logit_bias``, ...) are refused when set to anything but their
+default, so a client never gets silently less than it asked for. Every string in the
+body must be valid Unicode (a lone surrogate, ``"\\ud800"``, is refused), and a user
+message must have text.
+
+Errors raised here are pydantic errors of :data:`REQUEST_ERROR` type whose context
+carries the field (``param``); ``server._validation_message`` turns them into a 400.
 """
 
 from __future__ import annotations
@@ -12,12 +19,60 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from ..stats import GenerationStats
 
 
 MAX_STOP = 16  # stop strings per request (OpenAI takes 4)
+MAX_STOP_CHARS = 1000  # characters per stop string (each is matched at every step)
+REQUEST_ERROR = "dflash_request"  # pydantic error type of the checks below; ctx["param"] names the field
+
+# OpenAI fields not implemented here, each with the values that mean "not used".
+UNSUPPORTED = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+    "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none"),
+    "tool_choice": (None, "none", "auto"), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
+}
+
+
+def request_error(param: str, message: str) -> PydanticCustomError:
+    """A validation error naming ``param`` (a dotted path), message ``"param: message"``."""
+    return PydanticCustomError(REQUEST_ERROR, "{param}: {message}", {"param": param, "message": message})
+
+
+def _is_default(value: Any, defaults: tuple) -> bool:
+    # Compared with their types, so True is not taken for 1 nor 0 for False.
+    return any(type(value) is type(d) and value == d for d in defaults)
+
+
+def first_bad_string(value: Any, path: str = "") -> Optional[str]:
+    """The dotted path of the first string (or dict key) in ``value`` that is not valid
+    Unicode (a lone surrogate, which JSON's ``\\uD800`` escapes can carry and UTF-8
+    cannot encode), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        where = f"{path}.{k}" if path else str(k)
+        if isinstance(k, str) and first_bad_string(k) is not None:
+            return path or "body"
+        bad = first_bad_string(v, where)
+        if bad is not None:
+            return bad
+    return None
 
 
 class TextPart(BaseModel):
@@ -27,7 +82,6 @@ class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
-
 class ChatMessage(BaseModel):
     """One message. Extra keys (``tool_calls``, ``tool_call_id``, ``name``) go to the
     chat template as they are."""
@@ -35,6 +89,12 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, List[TextPart], None] = None
+
+    def text(self) -> str:
+        """The content's text (parts joined; "" when there is none)."""
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
 
     def for_template(self) -> Dict[str, Any]:
         """The message as a dict for ``apply_chat_template``: text parts joined, a
@@ -64,10 +124,26 @@ class GenerationFields(BaseModel):
     top_k: Optional[int] = Field(None, ge=0)
     min_p: Optional[float] = Field(None, ge=0, le=1)
     seed: Optional[int] = Field(None, ge=0, lt=2**64)
-    stop: Union[str, Annotated[List[str], Field(max_length=MAX_STOP)], None] = None
+    stop: Union[Annotated[str, Field(max_length=MAX_STOP_CHARS)],
+                Annotated[List[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP)],
+                None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: int = Field(1, ge=1, le=1, description="one choice per request")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_what_cannot_be_served(cls, data: Any) -> Any:
+        """Before field validation: invalid Unicode anywhere, and unsupported fields."""
+        if not isinstance(data, dict):
+            return data  # pydantic says "must be an object"
+        bad = first_bad_string(data)
+        if bad is not None:
+            raise request_error(bad, "not valid Unicode (a lone surrogate such as \\ud800)")
+        for name, defaults in UNSUPPORTED.items():
+            if name in data and not _is_default(data[name], defaults):
+                raise request_error(name, f"not supported by this server (send {defaults[-1]!r} or leave it out)")
+        return data
 
     def stop_strings(self) -> List[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -88,6 +164,13 @@ class ChatCompletionRequest(GenerationFields):
     messages: List[ChatMessage] = Field(min_length=1)
     tools: Optional[List[Dict[str, Any]]] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _user_messages_have_text(self) -> "ChatCompletionRequest":
+        for i, m in enumerate(self.messages):
+            if m.role == "user" and not m.text():
+                raise request_error(f"messages.{i}.content", "a user message needs text (it is empty)")
+        return self
 
 
 class CompletionRequest(GenerationFields):

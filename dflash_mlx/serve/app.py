@@ -13,7 +13,7 @@ with server-sent events, or not), ``GET /v1/models``, ``GET /health``, ``GET /me
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
 import logging
 import time
@@ -26,8 +26,6 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Union
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import DFlashError
@@ -37,7 +35,11 @@ from .api import (
     ChatCompletionRequest, CompletionRequest, GenerationFields, chat_chunk, chat_completion, error_body,
     text_completion, usage_chunk,
 )
-from .engine import Engine, GenerationJob, Job, QueueFullError
+from .engine import Engine, GenerationJob, Job, JobCancelled, QueueFullError, RequestTimeout
+from .guard import (
+    APIError, GuardMiddleware, body_timeout, check_prompt_chars, check_template_kwargs, count_chars,
+    prompt_char_cap, too_large, validation_message, watch_disconnect,
+)
 from .metrics import ServerMetrics
 from ..chat.session import context_length
 
@@ -46,28 +48,6 @@ log = logging.getLogger("dflash.serve")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 NO_CONTEXT_LIMIT = 1 << 20  # most max_tokens when the model does not state its context
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-
-
-class APIError(Exception):
-    """An error the client gets as OpenAI's JSON error object.
-
-    Args:
-        status: HTTP status (4xx; 5xx for server faults).
-        message: one line naming the field at fault.
-        param: the request field, if one is at fault.
-        code: OpenAI's error code (e.g. ``context_length_exceeded``), if any.
-        type_: OpenAI's error type.
-    """
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 type_: str = "invalid_request_error", headers: Optional[Dict[str, str]] = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status,
-                            headers=self.headers)
 
 
 @dataclass
@@ -86,6 +66,17 @@ class ServerConfig:
         max_body_bytes: largest request body; past it, 413.
         template: default ``apply_chat_template`` keyword arguments; a request's
             ``chat_template_kwargs`` override them.
+        allow_request_templates: let a request send its own Jinja chat template
+            (``chat_template_kwargs.chat_template``); off, such a request is a 400.
+        max_prompt_chars: most characters of prompt text per request, checked before
+            tokenizing (None: 8 per token of the target's context, see
+            ``server_guard.CHARS_PER_TOKEN``).
+        request_timeout: seconds from a request's arrival at the engine after which
+            its generation stops and it gets a 408 (None: no limit).
+        idle_timeout: seconds a connection may stay idle between requests, and a
+            request body between its chunks (408).
+        prefill_step_size: prompt tokens per prefill chunk (None: generate's
+            default); an abandoned request stops between two chunks.
     """
 
     model_id: str
@@ -95,56 +86,11 @@ class ServerConfig:
     max_queue: int = 16
     max_body_bytes: int = MAX_BODY_BYTES
     template: Dict[str, Any] = field(default_factory=dict)
-
-
-class GuardMiddleware:
-    """Before a request's body is read: refuse it without ``Authorization: Bearer
-    <api_key>`` (when a key is set; ``/health`` stays open; compared in constant time),
-    or when its declared ``Content-Length`` is past the cap. A body sent without a
-    length is counted while it is read. (FastAPI's own ``max_body_size`` answers in
-    plain text, not OpenAI's JSON error.)"""
-
-    def __init__(self, app, api_key: Optional[str], max_body_bytes: int):
-        self.app, self.max_body_bytes = app, max_body_bytes
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            err = self._check(Headers(scope=scope), scope["path"])
-            if err is not None:
-                return await err.response()(scope, receive, send)
-            receive = self._counted(receive)
-        await self.app(scope, receive, send)
-
-    def _counted(self, receive):
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_body_bytes:
-                raise StarletteHTTPException(413)  # FastAPI passes it on to our handler
-            return message
-
-        return counted
-
-    def _check(self, headers: Headers, path: str) -> Optional[APIError]:
-        if self.expected is not None and path != "/health":
-            given = headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected):
-                what = "a wrong API key" if given else "no API key"
-                return APIError(401, f"{what}: send the server's --api-key as 'Authorization: Bearer KEY'",
-                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            return too_large(self.max_body_bytes)
-        return None
-
-
-def too_large(cap: int) -> APIError:
-    return APIError(413, f"the request body is larger than {cap} bytes (--max-body-mb)",
-                    code="request_too_large")
+    allow_request_templates: bool = False
+    max_prompt_chars: Optional[int] = None
+    request_timeout: Optional[float] = 600.0
+    idle_timeout: float = 5.0
+    prefill_step_size: Optional[int] = None
 
 
 class Server:
@@ -165,8 +111,9 @@ class Server:
         check_block_size(config.block_size, pair.drafter)
         self.metrics = ServerMetrics(trained)
         self.engine = Engine(pair, block_size=config.block_size, max_queue=config.max_queue,
-                             metrics=self.metrics)
+                             metrics=self.metrics, prefill_step_size=config.prefill_step_size)
         self.context = context_length(pair.model)
+        self.char_cap = prompt_char_cap(self.context, config.max_prompt_chars)
         self.names = {config.model_id, PurePath(config.model_id).name}
         self.created = int(time.time())
 
@@ -176,6 +123,17 @@ class Server:
         if name not in self.names:
             raise APIError(404, f"model: '{name}' is not served here; this server serves "
                                 f"'{self.config.model_id}' (see GET /v1/models)", "model", "model_not_found")
+
+    def check_chat(self, req: ChatCompletionRequest) -> None:
+        """The checks of a chat request that need no tokenizer (in the handler)."""
+        check_template_kwargs(req.chat_template_kwargs, self.config.allow_request_templates)
+        n = count_chars([m.for_template() for m in req.messages]) + count_chars(req.tools)
+        check_prompt_chars(n, self.char_cap, "messages", self.context)
+
+    def check_completion(self, req: CompletionRequest) -> None:
+        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
+            return  # token ids: counted against the context, no tokenizing
+        check_prompt_chars(count_chars(req.prompt), self.char_cap, "prompt", self.context)
 
     def encode_chat(self, req: ChatCompletionRequest) -> List[int]:
         return chat_prompt_ids(self.tokenizer, req, self.config.template)
@@ -221,48 +179,76 @@ class Server:
             top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=req.seed,
         )
 
-    def submit(self, spec: GenerationJob) -> Job:
-        try:
-            return self.engine.submit(spec)
-        except QueueFullError as e:
-            raise APIError(429, str(e), code="rate_limit_exceeded") from None
-
     # -- responses ----------------------------------------------------------------
 
-    async def respond(self, req: GenerationFields, spec: GenerationJob, endpoint: str) -> Response:
-        """Run the job; a JSON body, or a stream of server-sent events."""
-        job = self.submit(spec)
-        rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
-        if req.stream:
-            events = self._events(job, rid, req.model, endpoint, req.include_usage())
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, finish, usage_ = [], None, None
+    async def respond(self, request: Request, req: GenerationFields, encode, endpoint: str) -> Response:
+        """Queue the request (its prompt is tokenized by the engine's worker, in the
+        queue's bound), then a JSON body or a stream of server-sent events. The job is
+        closed when the client disconnects, before the stream starts or while a
+        non-streaming reply is generated (starlette watches a stream itself).
+
+        Args:
+            encode: ``encode(req)``, the prompt ids (run on the engine's worker).
+
+        Raises:
+            APIError: 429 (queue full), 408 (past ``--request-timeout``), or the 4xx
+                the prompt's checks raise.
+        """
         try:
+            job = self.engine.submit(lambda: self.job(req, encode(req), endpoint), endpoint,
+                                     self.config.request_timeout)
+        except QueueFullError as e:
+            raise APIError(429, str(e), code="rate_limit_exceeded") from None
+        watcher = asyncio.ensure_future(watch_disconnect(request.receive, job))
+        streaming = False  # once the stream is handed over, it closes the job and the watcher
+        try:
+            try:
+                await job.start()
+            except JobCancelled:
+                return gone()
+            except QueueFullError:
+                raise APIError(503, "the server is shutting down", type_="server_error") from None
+            except RequestTimeout as e:
+                raise APIError(408, str(e), code="request_timeout", counted=True) from None
+            rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
+            if req.stream:  # the watcher stays: starlette may cancel the stream before it starts
+                events = self._events(job, rid, req.model, endpoint, req.include_usage(), watcher)
+                streaming = True
+                return StreamingResponse(events, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            text, finish, usage_ = [], None, None
             async for c in job:
                 if c.error:
-                    raise APIError(500, c.error, type_="server_error")
+                    if c.status == 408:
+                        raise APIError(408, c.error, code="request_timeout", counted=True)
+                    raise APIError(500, c.error, type_="server_error", counted=True)
                 text.append(c.text)
                 finish, usage_ = c.finish_reason or finish, c.usage or usage_
         finally:
-            job.close()
+            if not streaming:
+                watcher.cancel()
+                job.close()
         if finish is None:
+            if job.cancelled.is_set():
+                return gone()
             raise APIError(503, "the server is shutting down", type_="server_error")
         if endpoint == "chat":
             return JSONResponse(chat_completion(rid, req.model, "".join(text), finish, usage_))
         return JSONResponse(text_completion(rid, req.model, "".join(text), finish, usage_))
 
     async def _events(self, job: Job, rid: str, model: str, endpoint: str,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, watcher: asyncio.Future) -> AsyncIterator[str]:
         """Server-sent events: text deltas, the finish chunk, the usage chunk if asked,
-        then ``[DONE]``. Leaving early (the client went away) stops the generation."""
+        then ``[DONE]``. Leaving early (the client went away) stops the generation;
+        ``watcher`` (the disconnect watch) is cancelled at the end."""
         chat = endpoint == "chat"
         try:
             if chat:
                 yield _sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
             async for c in job:
                 if c.error:
-                    yield _sse(error_body(c.error, "server_error"))
+                    yield _sse(error_body(c.error, "server_error") if c.status != 408
+                               else error_body(c.error, code="request_timeout"))
                     break
                 if c.text:
                     yield _sse(chat_chunk(rid, model, {"content": c.text}) if chat
@@ -275,6 +261,7 @@ class Server:
                         yield _sse(usage_chunk(rid, model, obj, c.usage))
             yield "data: [DONE]\n\n"
         finally:
+            watcher.cancel()
             job.close()
 
     def models(self) -> Dict[str, Any]:
@@ -309,35 +296,13 @@ def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, defaults: Dict[s
                        "messages") from None
 
 
+def gone() -> Response:
+    """The answer to a client that went away (nobody reads it; nginx's 499)."""
+    return Response(status_code=499)
+
+
 def _sse(obj: Dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
-
-
-def _validation_message(exc: RequestValidationError) -> APIError:
-    """The first field's validation errors as one line naming the field.
-
-    A value that fits no member of a union (``stop``: a string or a list of strings)
-    gets one error per member, each with the member's name appended to the field's
-    location; the field is their common location, the message each member's message.
-    """
-    errors = exc.errors()
-    err = errors[0]
-    if err.get("type") == "json_invalid":
-        detail = (err.get("ctx") or {}).get("error", "")
-        return APIError(400, f"the request body is not valid JSON ({detail} at character {err['loc'][-1]})")
-    locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
-    same = [i for i, loc in enumerate(locs) if loc[:1] == locs[0][:1]]
-    param = locs[0]
-    for i in same:
-        n = 0
-        while n < min(len(param), len(locs[i])) and param[n] == locs[i][n]:
-            n += 1
-        param = param[:n]
-    if not param and err.get("type") in ("missing", "model_attributes_type", "dict_type"):
-        return APIError(400, "the request body must be a JSON object")
-    messages = list(dict.fromkeys(errors[i].get("msg", "invalid") for i in same))
-    name = ".".join(param) or None
-    return APIError(400, f"{name or 'body'}: {' or '.join(messages)}", name)
 
 
 # Over 60 lines: the routes, read together; split after the hardening work lands
@@ -356,7 +321,8 @@ def create_app(pair: Any, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="dflash-mlx", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       idle_timeout=config.idle_timeout)
 
     def count_refusal(request: Request, status: int) -> None:
         endpoint = ENDPOINTS.get(request.url.path)
@@ -365,17 +331,20 @@ def create_app(pair: Any, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        count_refusal(request, exc.status)
+        if not exc.counted:
+            count_refusal(request, exc.status)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        return await api_error(request, _validation_message(exc))
+        return await api_error(request, validation_message(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 413:
             return await api_error(request, too_large(config.max_body_bytes))
+        if exc.status_code == 408:
+            return await api_error(request, body_timeout(config.idle_timeout))
         messages = {404: f"no route {request.method} {request.url.path}",
                     405: f"method {request.method} is not allowed on {request.url.path}"}
         return await api_error(request, APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail))))
@@ -391,16 +360,16 @@ def create_app(pair: Any, config: ServerConfig) -> FastAPI:
                         type_="server_error").response()
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Response:
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(req.model)
-        ids = await run_in_threadpool(server.encode_chat, req)
-        return await server.respond(req, server.job(req, ids, "chat"), "chat")
+        server.check_chat(req)
+        return await server.respond(request, req, server.encode_chat, "chat")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
+    async def completions(req: CompletionRequest, request: Request) -> Response:
         server.check_model(req.model)
-        ids = await run_in_threadpool(server.encode_prompt, req)
-        return await server.respond(req, server.job(req, ids, "completions"), "completions")
+        server.check_completion(req)
+        return await server.respond(request, req, server.encode_prompt, "completions")
 
     @app.get("/v1/models")
     async def models() -> Dict[str, Any]:

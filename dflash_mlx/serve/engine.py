@@ -8,6 +8,13 @@ whose prompt starts with the previous prompt and reply prefills only the rest.
 A request's steps are handed to the event loop through an ``asyncio.Queue``. Closing
 a :class:`Job` (the client went away) stops its generation after the current verify
 step; the caches are settled to the rows known complete before the next job starts.
+So does its deadline (``--request-timeout``), checked at the same points.
+
+A job may come as a ``prepare`` callable instead of a finished :class:`GenerationJob`:
+the worker calls it first, so tokenizing a prompt (and rendering its chat template)
+happens one request at a time inside the same bounded queue as generation, never
+in the request handlers. What ``prepare`` raises goes back to the request unchanged
+(:meth:`Job.start` re-raises it: a 400 for the server).
 """
 
 from __future__ import annotations
@@ -19,11 +26,12 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, List, Optional
+from typing import Any, AsyncIterator, Callable, List, Optional, Union
 
 import mlx.core as mx
 
 from ..errors import DFlashError
+from ..decode.generate import PrefillStopped
 from ..chat.prompt_cache import PairCache
 from ..sampling import make_sampler
 from .api import usage
@@ -34,6 +42,17 @@ log = logging.getLogger("dflash.serve")
 
 class QueueFullError(DFlashError):
     """Too many requests are waiting for the engine (HTTP 429)."""
+
+
+class JobCancelled(DFlashError):
+    """The job was closed (the client went away) before it started."""
+
+
+class RequestTimeout(DFlashError):
+    """A request ran past its deadline (``--request-timeout``; HTTP 408)."""
+
+
+_STARTED = object()  # queue marker: prepare() is done, generation begins
 
 
 @dataclass
@@ -68,33 +87,92 @@ class Chunk:
         text: new text (may be empty: held back while a stop string may begin).
         finish_reason: "stop", "length", or None while it goes on.
         usage: on the last chunk, the ``usage`` object (see ``server_api.usage``).
-        error: set (with nothing else) when the generation failed.
+        error: set (with nothing else) when the generation failed or timed out.
+        status: the HTTP status of ``error`` (500: a bug; 408: the deadline passed).
     """
 
     text: str = ""
     finish_reason: Optional[str] = None
     usage: Optional[dict] = None
     error: Optional[str] = None
+    status: int = 500
+
+
+Prepare = Callable[[], GenerationJob]
 
 
 class Job:
-    """A submitted request: iterate it (async) for its chunks; ``close()`` to stop it."""
+    """A submitted request: ``await start()``, then iterate it (async) for its chunks;
+    ``close()`` to stop it.
 
-    def __init__(self, spec: GenerationJob, loop: asyncio.AbstractEventLoop):
-        self.spec, self.id = spec, uuid.uuid4().hex[:12]
+    Args:
+        spec: the generation, or a ``prepare`` callable the worker runs to make it.
+        loop: the event loop the chunks go to.
+        endpoint: "chat" or "completions", for the metrics (default: the spec's).
+        timeout: seconds from submission after which the generation stops (None: never).
+    """
+
+    def __init__(self, spec: Union[GenerationJob, Prepare], loop: asyncio.AbstractEventLoop,
+                 endpoint: Optional[str] = None, timeout: Optional[float] = None):
+        self.prepare: Optional[Prepare] = None if isinstance(spec, GenerationJob) else spec
+        self.spec: Optional[GenerationJob] = spec if isinstance(spec, GenerationJob) else None
+        self.endpoint = endpoint or (self.spec.endpoint if self.spec is not None else "chat")
+        self.id = uuid.uuid4().hex[:12]
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
+        self.deadline = None if timeout is None else time.monotonic() + timeout
         self._loop, self._queue = loop, asyncio.Queue()
-        self._done = False
+        self._done = self._started = False
 
-    def push(self, chunk: Optional[Chunk]) -> None:
-        """From the worker thread: hand a chunk (None: the end) to the event loop."""
+    def expired(self) -> bool:
+        """Whether the deadline has passed."""
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def should_stop(self) -> bool:
+        """Closed or past its deadline (checked between prefill chunks and verify steps)."""
+        return self.cancelled.is_set() or self.expired()
+
+    def push(self, chunk: Any) -> None:
+        """From the worker thread: hand a chunk (None: the end; an exception: prepare
+        failed) to the event loop."""
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
         except RuntimeError:  # the event loop is closed: the server is shutting down
             self.cancelled.set()
 
+    async def start(self) -> GenerationJob:
+        """Wait until the worker has prepared the job (its prompt tokenized and checked).
+
+        Returns:
+            The prepared :class:`GenerationJob`.
+
+        Raises:
+            Whatever ``prepare`` raised; :class:`JobCancelled` when it was closed before
+            it started; :class:`QueueFullError` when the server shut down first;
+            :class:`RequestTimeout` when its deadline passed in the queue.
+        """
+        while not self._started:
+            item = await self._queue.get()
+            if item is _STARTED:
+                self._started = True
+            elif item is None:
+                self._done = True
+                if self.cancelled.is_set():
+                    raise JobCancelled("the client went away")
+                raise QueueFullError("the server is shutting down")
+            elif isinstance(item, BaseException):
+                self._done = True
+                raise item
+            elif isinstance(item, Chunk) and item.error:  # failed or timed out before it began
+                self._done = True
+                if item.status == 408:
+                    raise RequestTimeout(item.error)
+                raise RuntimeError(item.error)
+        return self.spec
+
     async def __aiter__(self) -> AsyncIterator[Chunk]:
+        if not self._started:
+            await self.start()
         while not self._done:
             chunk = await self._queue.get()
             if chunk is None:
@@ -118,14 +196,17 @@ class Engine:
         max_queue: most requests waiting behind the running one; past it,
             :meth:`submit` raises :class:`QueueFullError`.
         metrics: where each generation is counted.
+        prefill_step_size: prompt tokens per prefill chunk (None: generate's default);
+            a closed or timed-out job stops between two chunks.
 
     Attributes:
         pair_cache: both caches, kept between requests.
     """
 
     def __init__(self, pair: Any, *, block_size: Optional[int] = None, max_queue: int = 16,
-                 metrics: Optional[ServerMetrics] = None):
+                 metrics: Optional[ServerMetrics] = None, prefill_step_size: Optional[int] = None):
         self.pair, self.block_size, self.max_queue = pair, block_size, max_queue
+        self.prefill_step_size = prefill_step_size
         self.pair_cache = PairCache(pair.target, pair.tokenizer, pair.drafter)
         self.metrics = metrics
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-engine")
@@ -139,13 +220,20 @@ class Engine:
         """Jobs running or waiting."""
         return self._pending
 
-    def submit(self, spec: GenerationJob) -> Job:
+    def submit(self, spec: Union[GenerationJob, Prepare], endpoint: Optional[str] = None,
+               timeout: Optional[float] = None) -> Job:
         """Queue a job; call from the event loop.
+
+        Args:
+            spec: the generation, or a callable the worker runs first to make it
+                (tokenizing there, inside the queue's bound).
+            endpoint: "chat" or "completions" (default: the spec's).
+            timeout: seconds from now after which the job stops (None: no limit).
 
         Raises:
             QueueFullError: ``max_queue`` jobs already wait behind the running one.
         """
-        job = Job(spec, asyncio.get_running_loop())
+        job = Job(spec, asyncio.get_running_loop(), endpoint, timeout)
         with self._lock:
             ahead = self._pending
             if self._closing:
@@ -169,8 +257,18 @@ class Engine:
                 log.info("request %s: client gone before it started", job.id)
                 self._count(job, None, "cancelled")
                 return
+            if job.expired():
+                self._timed_out(job, None)
+                return
             if waited > 0.05:
                 log.info("request %s starts after waiting %.2f s", job.id, waited)
+            if job.prepare is not None:
+                try:
+                    job.spec = job.prepare()
+                except Exception as e:  # the request's fault (a 400) or a bug: the handler decides
+                    job.push(e)
+                    return
+            job.push(_STARTED)
             self._generate(job)
         except Exception as e:  # a bug: the client gets a 500 / an error event, not a traceback
             log.exception("request %s failed", job.id)
@@ -193,13 +291,18 @@ class Engine:
         if spec.seed is not None and spec.temperature > 0 and block_size == "auto":
             # Reproducible draws need the same verify widths every time; auto's follow timings.
             block_size = None
+        prefill = {} if self.prefill_step_size is None else {"prefill_step_size": self.prefill_step_size}
         steps = self.pair_cache.stream(spec.ids, sampler=sampler, max_tokens=spec.max_tokens,
-                                       block_size=block_size, stop_strings=spec.stop)
+                                       block_size=block_size, stop_strings=spec.stop,
+                                       should_stop=job.should_stop, **prefill)
         stats, outcome = None, "cancelled"
         try:
             for r in steps:
                 stats = r.stats
                 if job.cancelled.is_set():
+                    break
+                if job.expired():
+                    outcome = "timeout"
                     break
                 last = r.finish_reason is not None
                 u = usage(len(spec.ids), self.pair_cache.last_reused, r.stats) if last else None
@@ -209,16 +312,27 @@ class Engine:
                     log.info("request %s: %d prompt tokens (%d reused), %d generated, tau %.2f, %.1f tokens/s",
                              job.id, len(spec.ids), self.pair_cache.last_reused, r.stats.generation_tokens,
                              r.stats.tau, r.stats.generation_tps)
+        except PrefillStopped:  # closed or timed out while its prompt was prefilled
+            outcome = "cancelled" if job.cancelled.is_set() else "timeout"
         finally:
             steps.close()  # settles both caches, whatever happened
         if outcome == "cancelled":
             n = stats.generation_tokens if stats is not None else 0
             log.info("request %s stopped: client gone after %d of %d tokens", job.id, n, spec.max_tokens)
+        if outcome == "timeout":
+            self._timed_out(job, stats)
+            return
         self._count(job, stats, outcome)
+
+    def _timed_out(self, job: Job, stats) -> None:
+        n = stats.generation_tokens if stats is not None else 0
+        log.info("request %s stopped: past its deadline after %d tokens", job.id, n)
+        self._count(job, stats, "timeout")  # before the client hears of it, so /metrics agrees
+        job.push(Chunk(error="the request ran past the server's --request-timeout", status=408))
 
     def _count(self, job: Job, stats, outcome: str) -> None:
         if self.metrics is not None:
-            self.metrics.request(job.spec.endpoint, outcome)
+            self.metrics.request(job.endpoint, outcome)
             if stats is not None:
                 self.metrics.generation(stats, len(job.spec.ids), self.pair_cache.last_reused,
                                         time.perf_counter() - job.submitted)

@@ -30,7 +30,8 @@ class ServerMetrics:
         self.totals = GenerationStats(block_size=block_size)
         self.requests = Counter(
             "dflash_requests", "Generation requests by endpoint and outcome (completed, cancelled: "
-            "the client went away, rejected: queue full, invalid: a 4xx, error: a server error).",
+            "the client went away, rejected: queue full, invalid: a 4xx, timeout: past --request-timeout, "
+            "error: a server error).",
             ["endpoint", "outcome"], registry=r)
         self.prompt_tokens = Counter(
             "dflash_prompt_tokens", "Prompt tokens of generations, by source: reused from the "

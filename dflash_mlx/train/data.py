@@ -21,6 +21,7 @@ import numpy as np
 from mlx_lm import batch_generate
 from mlx_lm.sample_utils import make_sampler
 
+from ..atomic import atomic_file
 from ..errors import InputError
 from ..prompt import encode_messages
 
@@ -41,20 +42,47 @@ class TrainSequence:
     response_start: int
 
 
+def read_json(path: Path, remedy: str):
+    """A JSON file this package wrote (a manifest).
+
+    Raises:
+        InputError: the file is not valid JSON (names it and the ``remedy``).
+    """
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e}); {remedy}") from None
+
+
+def read_utf8(path: Path) -> str:
+    """A text file's contents.
+
+    Raises:
+        InputError: bytes that are not UTF-8 (names the file, line and byte offset).
+    """
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise InputError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
 def read_prompt_file(path: str | Path) -> List[dict]:
     """Rows of a JSONL file with ``prompt`` (text) or ``messages`` (chat turns).
 
     For ``messages`` rows, the turns up to the last user turn are the prompt.
 
     Raises:
-        InputError: missing or empty file, a line that is not JSON, or a row
-            with neither key (the message names the file and line).
+        InputError: missing or empty file, bytes that are not UTF-8, a line that is
+            not JSON, a row with neither key, or a message without a ``role`` and a
+            ``content`` string (the message names the file and line).
     """
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: prompt file not found")
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_utf8(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -63,6 +91,11 @@ def read_prompt_file(path: str | Path) -> List[dict]:
             raise InputError(f"{path}:{n}: not valid JSON ({e})") from None
         if isinstance(row, dict) and isinstance(row.get("messages"), list):
             turns = row["messages"]
+            for i, m in enumerate(turns):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                    raise InputError(f"{path}:{n}: messages[{i}] must be an object with a 'role' string")
+                if not isinstance(m.get("content"), str):
+                    raise InputError(f"{path}:{n}: messages[{i}] has no 'content' string")
             last_user = max((i for i, m in enumerate(turns) if m.get("role") == "user"), default=-1)
             if last_user < 0:
                 raise InputError(f"{path}:{n}: 'messages' has no user turn")
@@ -83,12 +116,12 @@ def prompts_from_text(path: str | Path, rng: np.random.Generator, per_document: 
     Documents are separated by blank lines or ``<|endoftext|>``.
 
     Raises:
-        InputError: missing file or no text.
+        InputError: missing file, bytes that are not UTF-8, or no text.
     """
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: text file not found")
-    docs = [d.strip() for d in re.split(r"<\|endoftext\|>|\n\s*\n", path.read_text()) if d.strip()]
+    docs = [d.strip() for d in re.split(r"<\|endoftext\|>|\n\s*\n", read_utf8(path)) if d.strip()]
     if not docs:
         raise InputError(f"{path}: the text file is empty")
     prompts = []
@@ -227,11 +260,12 @@ def regenerate(
                 "fingerprint": _fingerprint(prompts, settings)}
     manifest_file = out / MANIFEST
     if manifest_file.is_file():
-        old = json.loads(manifest_file.read_text())
-        if old.get("fingerprint") != manifest["fingerprint"]:
+        old = read_json(manifest_file, "delete the folder, or pass a new --out")
+        if not isinstance(old, dict) or old.get("fingerprint") != manifest["fingerprint"]:
             raise InputError(f"{out}: holds data from other prompts or settings; pass a new --out")
     else:
-        manifest_file.write_text(json.dumps(manifest, indent=2))
+        with atomic_file(manifest_file) as tmp:
+            tmp.write_text(json.dumps(manifest, indent=2))
 
     if end_tokens is None:
         end_tokens = [response_end_token(tokenizer, tokenizer.has_chat_template)] * len(prompts)
@@ -239,7 +273,7 @@ def regenerate(
     shards = range(0, len(prompts), shard_size)
     for i, start in enumerate(shards):
         path = out / f"shard_{i:05d}.npz"
-        if not path.exists():
+        if not path.exists() or read_shard(path) is None:  # missing, or unreadable: made again
             mx.random.seed(seed + i)
             chunk = prompts[start:start + shard_size]
             budgets = [min(max_tokens, max_length - len(p)) for p in chunk]
@@ -268,7 +302,8 @@ def load_sequences(data_dir: str | Path) -> List[TrainSequence]:
     """All sequences of a regenerated data folder, in order.
 
     Raises:
-        InputError: the folder has no manifest or no shards.
+        InputError: the folder has no manifest or no shards, or a shard is truncated
+            or corrupt (names it).
     """
     data = Path(data_dir)
     if not (data / MANIFEST).is_file():
@@ -278,8 +313,25 @@ def load_sequences(data_dir: str | Path) -> List[TrainSequence]:
         raise InputError(f"{data}: no data shards yet; run `dflash data` first")
     seqs = []
     for shard in shards:
-        z = np.load(shard)
-        ends = np.cumsum(z["lengths"])
-        for end, n, start in zip(ends, z["lengths"], z["response_starts"]):
-            seqs.append(TrainSequence(z["tokens"][end - n:end], int(start)))
+        z = read_shard(shard)
+        if z is None:
+            raise InputError(f"{shard}: truncated or corrupt data shard; run the same `dflash data` command "
+                             "again to make it anew")
+        tokens, lengths, starts = z
+        ends = np.cumsum(lengths)
+        for end, n, start in zip(ends, lengths, starts):
+            seqs.append(TrainSequence(tokens[end - n:end], int(start)))
     return seqs
+
+
+def read_shard(path: Path) -> Optional[tuple]:
+    """``(tokens, lengths, response_starts)`` of a shard, or None when it cannot be
+    read whole (truncated, corrupt, or its lengths do not add up)."""
+    try:
+        with np.load(path) as z:
+            tokens, lengths, starts = z["tokens"], z["lengths"], z["response_starts"]
+    except Exception:  # zipfile, numpy and OS errors of every kind: the file is not a whole shard
+        return None
+    if lengths.shape != starts.shape or int(lengths.sum()) != tokens.size:
+        return None
+    return tokens, lengths, starts

@@ -34,16 +34,18 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from ..atomic import atomic_file
 from ..drafter.checkpoint import load_drafter, save_drafter
 from ..drafter.network import DFlashDrafter
 from ..drafter.config import DrafterArgs, default_target_layer_ids
 from ..errors import InputError, MismatchError
+from ..pair.manifest import sha256_file
 from ..kernels import fast_softmax
 from ..pair.loading import bind_drafter
 from ..stats import teacher_forced
 from ..targets import TargetAdapter
 from .blocks import block_mask, default_gamma, position_weights, sample_anchors, valid_anchors
-from .data import TrainSequence
+from .data import TrainSequence, read_json
 
 CHECKPOINTS = "checkpoints"
 FEATURES = "features"
@@ -229,6 +231,7 @@ class FeatureCache:
         self.target, self.layer_ids, self.hidden = target, list(layer_ids), hidden
         self.folder = Path(folder) if folder else None
         self.memory: Dict[int, Tuple[np.ndarray, Optional[np.ndarray]]] = {}
+        self.rebuilt: List[Path] = []  # cached files found unreadable and computed again
         if self.folder:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._check_manifest(sequences)
@@ -241,15 +244,31 @@ class FeatureCache:
                "sequences": digest.hexdigest() if sequences is not None else None}
         path = self.folder / "manifest.json"
         if path.is_file():
-            if json.loads(path.read_text()) != key:
+            if read_json(path, "delete the features folder (it is made again)") != key:
                 raise InputError(f"{self.folder}: holds target features of other data, target_layer_ids or target; "
                                  "give another features folder")
         else:
-            path.write_text(json.dumps(key, indent=2))
+            with atomic_file(path) as tmp:
+                tmp.write_text(json.dumps(key, indent=2))
 
     def _load(self, path: Path, length: int) -> Optional[np.ndarray]:
-        cached = np.load(path) if path.is_file() else None
-        return cached if cached is not None and cached.shape[1] == length else None
+        """The cached array, or None when it is missing, of another length, or unreadable
+        (a truncated file from before writes were atomic: it is computed again)."""
+        if not path.is_file():
+            return None
+        try:
+            cached = np.load(path)
+        except (ValueError, OSError, EOFError):
+            self.rebuilt.append(path)
+            return None
+        if cached.ndim != 3 or cached.shape[1] != length:
+            return None
+        return cached
+
+    @staticmethod
+    def _save(path: Path, array: np.ndarray) -> None:
+        with atomic_file(path) as tmp, open(tmp, "wb") as f:  # a kill never leaves half a file
+            np.save(f, array)
 
     def get(self, index: int, seq: TrainSequence, dtype) -> Tuple[mx.array, Optional[mx.array]]:
         """Features [1, L, K*H] of sequence ``index``, and its final hidden states
@@ -264,12 +283,24 @@ class FeatureCache:
             if feats is None or (self.hidden and hidden is None):
                 f, h = target_outputs(self.target, seq.tokens, self.layer_ids, mx.float32)
                 feats, hidden = np.array(f.astype(mx.float16)), np.array(h.astype(mx.float16))
-                np.save(path, feats)
+                self._save(path, feats)
                 if self.hidden:
-                    np.save(path.with_suffix(".hidden.npy"), hidden)
+                    self._save(path.with_suffix(".hidden.npy"), hidden)
             self.memory[index] = (feats, hidden if self.hidden else None)
         feats, hidden = self.memory[index]
         return mx.array(feats).astype(dtype), None if hidden is None else mx.array(hidden).astype(dtype)
+
+
+def final_drafter_problem(out: Path, ckpt: Path) -> Optional[str]:
+    """Why the drafter in ``out`` is not the one of the final checkpoint ``ckpt`` (both
+    are written by ``save_drafter`` from the same weights, so they are equal byte for
+    byte), or None when it is."""
+    for name in ("config.json", "model.safetensors"):
+        if not (out / name).is_file():
+            return f"{out / name} is missing"
+        if sha256_file(out / name) != sha256_file(ckpt / name):  # (filecmp caches by size and mtime)
+            return f"{out / name} differs from {ckpt / name} (corrupt or half written)"
+    return None
 
 
 def make_batch(seq: TrainSequence, block_size: int, mask_id: int, anchors: np.ndarray,
@@ -592,6 +623,8 @@ class Trainer:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
+    rebuilding: Optional[str] = None  # set by resume(): why the finished run's drafter is written again
+
     @staticmethod
     def checkpoints(out_dir: str | Path) -> List[Path]:
         """The checkpoints in ``out_dir/checkpoints``, oldest first (each loads with
@@ -607,7 +640,11 @@ class Trainer:
         Raises:
             InputError: no checkpoint to resume from; a setting of
                 :data:`RUN_SETTINGS` differs from the checkpoint's (the message names
-                the flags and both values); the run already reached ``config.steps``.
+                the flags and both values); the run already reached ``config.steps``
+                and its drafter in ``out_dir`` is whole. A finished run whose drafter
+                is missing or differs from the final checkpoint's (a kill mid-write, a
+                corrupt file) resumes with no step to train, and writes it again
+                (``rebuilding`` says why).
             MismatchError: the checkpoint was trained for another target (the
                 checkpoint is left as it is).
         """
@@ -631,11 +668,15 @@ class Trainer:
                 "(the learning-rate schedule, data order and anchors follow them): pass the same values, "
                 "or train afresh into a new --out"
             )
+        rebuild = None
         if state["step"] >= config.steps:
-            raise InputError(f"{ckpt}: the run already finished its {config.steps} steps; "
-                             f"the drafter is in {out_dir}")
+            rebuild = final_drafter_problem(Path(out_dir), ckpt)
+            if rebuild is None:
+                raise InputError(f"{ckpt}: the run already finished its {config.steps} steps; "
+                                 f"the drafter is in {out_dir}")
         drafter = bind_drafter(load_drafter(str(ckpt)), target, str(ckpt))
         trainer = cls(drafter, target, sequences, config, out_dir, held_out, feature_cache)
         trainer.optimizer.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.npz")).items()))
         trainer.step = state["step"]
+        trainer.rebuilding = rebuild  # run() trains no step and writes the drafter again
         return trainer

@@ -1,0 +1,173 @@
+"""Writes that leave nothing half-done, whatever signal arrives.
+
+- :func:`staging`: a whole output folder built beside its destination and renamed
+  into place (``convert``); SIGTERM cleans up as Ctrl-C does, and what a killed run
+  (SIGKILL, power loss) left is found and removed at the next start.
+- :func:`atomic_file`: one file written under a temporary name and renamed (feature
+  caches, data shards, the final drafter).
+
+Temporary names carry the writer's process id (``.OUT.tmp-PID-xxxx``,
+``.NAME.tmp-PID``), so a later run can tell a dead writer's leftovers from a live one's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import tempfile
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, List, Optional
+
+from .errors import InputError
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived; raised like Ctrl-C so the same cleanup runs (exit 143)."""
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside the block, SIGTERM raises :class:`Terminated` instead of ending the
+    process on the spot (main thread only; elsewhere signals cannot be caught)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (this process counts as alive)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _writer_pid(name: str, marker: str) -> Optional[int]:
+    m = re.search(re.escape(marker) + r"(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def remove_stale(out: Path, say: Callable[[str], None] = lambda _: None) -> List[Path]:
+    """Clean up after a run that was killed while writing ``out``.
+
+    ``.OUT.tmp-*`` folders whose writer is gone are removed (also ones from before
+    names carried a process id). A ``.OUT.old-PID`` folder (the previous ``out``,
+    moved aside just before the new one was renamed in) whose writer is gone is
+    renamed back to ``out`` when ``out`` is missing, else removed.
+
+    Returns:
+        The paths removed or restored.
+    """
+    done = []
+    for p in sorted(out.parent.glob(f".{out.name}.tmp-*")):
+        pid = _writer_pid(p.name, ".tmp-")
+        if pid is not None and pid_alive(pid):
+            continue
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        say(f"removed {p}, left by an interrupted run")
+        done.append(p)
+    for p in sorted(out.parent.glob(f".{out.name}.old-*")):
+        pid = _writer_pid(p.name, ".old-")
+        if pid is not None and pid_alive(pid):
+            continue
+        if not out.exists():
+            p.rename(out)
+            say(f"restored {out} from {p}, moved aside by an interrupted run")
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+            say(f"removed {p}, left by an interrupted run")
+        done.append(p)
+    return done
+
+
+def check_out(out: Path, force: bool, flag: str = "--out") -> None:
+    """Refuse an existing output folder unless ``force``; refuse a file always.
+
+    Raises:
+        InputError: naming ``flag`` and the path.
+    """
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{flag} {out} is a file; give a folder path")
+    if out.exists() and not force:
+        raise InputError(f"{flag} {out} already exists; pass --force to replace it")
+
+
+@contextmanager
+def staging(out: Path, force: bool = False, flag: str = "--out",
+            say: Callable[[str], None] = lambda _: None) -> Iterator[Path]:
+    """A temporary folder beside ``out`` that replaces it when the block succeeds.
+
+    Leftovers of a killed run are removed first (:func:`remove_stale`). On any
+    exception, Ctrl-C and SIGTERM included, the temporary folder (and any parent
+    folder this created) is removed and ``out`` is left as it was.
+
+    Raises:
+        InputError: ``out`` appeared meanwhile and ``force`` is off (names ``flag``).
+        Terminated: SIGTERM arrived (after the cleanup).
+    """
+    remove_stale(out, say)
+    created = next((p for p in reversed([out.parent, *out.parent.parents]) if not p.exists()), None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with sigterm_as_interrupt():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+        try:
+            umask = os.umask(0)
+            os.umask(umask)
+            tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output should not be
+            yield tmp
+            _replace(tmp, out, force, flag)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if created is not None:
+                shutil.rmtree(created, ignore_errors=True)
+            raise
+
+
+def _replace(tmp: Path, out: Path, force: bool, flag: str) -> None:
+    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and deleted last."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    check_out(out, force, flag)
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` (``.NAME.tmp-PID``, not matching ``path``'s
+    glob patterns) to write to; renamed over ``path`` when the block succeeds,
+    removed when it fails. Write to it by name, or as an open file (``np.save`` and
+    ``np.savez`` append their suffix to a name without it)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

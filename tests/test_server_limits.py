@@ -1,0 +1,394 @@
+"""`dflash serve`'s bounds on a request's work and its answers to hostile input, on a
+tiny random pair served in-process (no ../shared needed): templates from requests,
+prompt length before tokenizing, tokenizing inside the engine's queue, timeouts, an
+abandoned request stopping within one verify step, and 4xx (never 5xx) for bad bodies.
+
+The HTTP calls go through the official `openai` client where it can send the request,
+and through httpx (or a raw socket) for bodies it would refuse to build."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import uvicorn
+from starlette.testclient import TestClient
+
+import conftest
+from conftest import tiny_drafter, tiny_target
+from dflash_mlx import server_engine
+from dflash_mlx.sampling import MIN_TEMP, Sampling
+from dflash_mlx.serve.app import ServerConfig, create_app
+from dflash_mlx.serve.guard import CHARS_PER_TOKEN
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny"
+CONTEXT = 64  # tokens: keeps every request of the fuzz test short
+
+
+class TemplateTokenizer(conftest.ByteTokenizer):
+    """Byte tokens and a toy chat template; records where and how it was called."""
+
+    has_chat_template = True
+
+    def __init__(self):
+        self.threads, self.template_kwargs = [], []
+
+    def encode(self, text, add_special_tokens=True):
+        self.threads.append(threading.current_thread().name)
+        return super().encode(text, add_special_tokens)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs):
+        self.template_kwargs.append(kwargs)
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+def tiny_pair(context: int = CONTEXT):
+    model, target = tiny_target("llama")
+    model.args.max_position_embeddings = context  # what the server reads as the context
+    return SimpleNamespace(model=model, target=target, tokenizer=TemplateTokenizer(), drafter=tiny_drafter(target),
+                           draft_path="tiny-drafter")
+
+
+def make_client(pair, **config) -> TestClient:
+    app = create_app(pair, ServerConfig(model_id=MODEL, max_tokens=4, **config))
+    return TestClient(app, raise_server_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+@pytest.fixture(scope="module")
+def client(pair):
+    with make_client(pair) as c:
+        yield c
+
+
+def chat(content="Hi", **kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **kw}
+
+
+def check_error(r, status: int, param=None, words: str = ""):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert "Traceback" not in r.text and words in err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+# -- templates from requests -------------------------------------------------------
+
+
+def test_request_template_refused_by_default(client, pair):
+    body = chat(chat_template_kwargs={"chat_template": "{% set x = 'a' * 500000000 %}{{ x }}"})
+    check_error(client.post("/v1/chat/completions", json=body), 400, "chat_template_kwargs.chat_template",
+                "--allow-request-templates")
+    for key in ("tokenize", "tools", "return_dict", "continue_final_message"):
+        check_error(client.post("/v1/chat/completions", json=chat(chat_template_kwargs={key: True})), 400,
+                    f"chat_template_kwargs.{key}", "set by the server")
+    n = len(pair.tokenizer.template_kwargs)
+    assert client.post("/v1/chat/completions", json=chat(chat_template_kwargs={"enable_thinking": True})
+                       ).status_code == 200
+    assert pair.tokenizer.template_kwargs[n:] == [{"enable_thinking": True}]
+
+
+def test_request_template_allowed_with_the_flag():
+    pair = tiny_pair()
+    with make_client(pair, allow_request_templates=True) as c:
+        r = c.post("/v1/chat/completions", json=chat(chat_template_kwargs={"chat_template": "{{ 1 }}"}))
+    assert r.status_code == 200, r.text
+    assert pair.tokenizer.template_kwargs == [{"chat_template": "{{ 1 }}"}]
+
+
+# -- prompt length before tokenizing, tokenizing in the queue -----------------------
+
+
+def test_prompt_chars_checked_before_tokenizing(client, pair):
+    cap = CHARS_PER_TOKEN * CONTEXT
+    n = len(pair.tokenizer.threads)
+    err = check_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "a" * (cap + 1)}), 400,
+                      "prompt", f"at most {cap}")
+    assert err["code"] == "context_length_exceeded"
+    check_error(client.post("/v1/chat/completions", json=chat("a" * (cap + 1))), 400, "messages", "characters")
+    two = {"model": MODEL, "messages": [{"role": "system", "content": "s" * cap}, {"role": "user", "content": "u"}]}
+    check_error(client.post("/v1/chat/completions", json=two), 400, "messages")
+    assert len(pair.tokenizer.threads) == n  # nothing was tokenized
+    # Under the character cap but over the context in tokens: tokenized, then refused.
+    check_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "a" * CONTEXT}), 400, "prompt",
+                f"context is {CONTEXT} tokens")
+
+
+def test_max_prompt_chars_flag(pair):
+    with make_client(pair, max_prompt_chars=10) as c:
+        check_error(c.post("/v1/completions", json={"model": MODEL, "prompt": "a" * 11}), 400, "prompt",
+                    "at most 10")
+        assert c.post("/v1/completions", json={"model": MODEL, "prompt": "a" * 10}).status_code == 200
+
+
+def test_tokenizing_runs_on_the_engine_worker(client, pair):
+    n = len(pair.tokenizer.threads)
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello"}).status_code == 200
+    assert client.post("/v1/chat/completions", json=chat()).status_code == 200
+    threads = pair.tokenizer.threads[n:]
+    assert threads and all(t.startswith("dflash-engine") for t in threads), threads
+
+
+# -- 4xx for bad values ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/completions", '{"model": "tiny\\udfff", "prompt": "a"}', "model"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d"}]}',
+     "messages.0.content"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+     '"text": "\\ud800"}]}]}', "messages.0.content.0.text"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "a", "stop": ["\\ud800"]}', "stop.0"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a"}], '
+     '"tools": [{"type": "function", "x": "\\udc00"}]}', "tools.0.x"),
+])
+def test_lone_surrogates_are_400(client, path, body, param):
+    check_error(client.post(path, content=body, headers={"Content-Type": "application/json"}), 400, param,
+                "not valid Unicode")
+
+
+@pytest.mark.parametrize("field,value", [("logprobs", True), ("top_logprobs", 2), ("n", 2), ("echo", True),
+                                         ("best_of", 3), ("presence_penalty", 0.5), ("frequency_penalty", 1),
+                                         ("logit_bias", {"1": 5}), ("response_format", {"type": "json_object"}),
+                                         ("tool_choice", "required"), ("seed", -1), ("suffix", "x"),
+                                         ("stop", "x" * 1001), ("stop", ["a", "x" * 1001])])
+def test_unsupported_or_bad_fields_are_400(client, field, value):
+    check_error(client.post("/v1/chat/completions", json=chat(**{field: value})), 400, field)
+
+
+def test_unsupported_fields_at_their_defaults_are_accepted(client):
+    body = chat(logprobs=False, presence_penalty=0, frequency_penalty=0.0, n=1, logit_bias={},
+                response_format={"type": "text"}, tool_choice="auto", user="someone")
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_empty_user_message_is_400(client):
+    check_error(client.post("/v1/chat/completions", json=chat("")), 400, "messages.0.content", "needs text")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a"}, {"role": "assistant"},
+                                         {"role": "user", "content": [{"type": "text", "text": ""}]}]}
+    check_error(client.post("/v1/chat/completions", json=body), 400, "messages.2.content")
+    ok = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "a"}, {"role": "assistant"},
+                                                         {"role": "user", "content": "b"}]}
+    assert client.post("/v1/chat/completions", json=ok).status_code == 200  # a content-less assistant turn is fine
+
+
+def test_tiny_temperature_is_greedy(client):
+    assert Sampling(5e-324).greedy and Sampling(MIN_TEMP / 2).greedy and not Sampling(MIN_TEMP).greedy
+    greedy = client.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 8}).json()
+    tiny = client.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 8,
+                                                "temperature": 5e-324}).json()
+    assert tiny["choices"][0]["text"] == greedy["choices"][0]["text"]
+
+
+def test_request_timeout_is_408(pair):
+    """A deadline of 0 s has passed before the worker takes the job: 408, not a generation."""
+    with make_client(pair, request_timeout=0.0) as c:
+        err = check_error(c.post("/v1/completions", json={"model": MODEL, "prompt": "a"}), 408, None,
+                          "--request-timeout")
+        assert err["code"] == "request_timeout"
+        metrics = c.get("/metrics").text
+    assert 'dflash_requests_total{endpoint="completions",outcome="timeout"} 1.0' in metrics
+    assert 'outcome="invalid"' not in metrics  # counted once, as a timeout
+
+
+# -- live server: disconnects and stalled bodies ----------------------------------------
+
+
+@contextlib.contextmanager
+def live(app, **kw):
+    """``app`` under uvicorn on a free loopback port, in a thread; yields the port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **kw))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(3000):  # waiting for the start, not deciding anything
+            if server.started:
+                break
+            time.sleep(0.01)
+        assert server.started, "uvicorn did not start"
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def raw_request(port: int, body: bytes, path: str = "/v1/completions", length=None) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body) if length is None else length}\r\n\r\n").encode()
+    sock.sendall(head + body)
+    return sock
+
+
+def read_reply(sock: socket.socket) -> str:
+    """One whole HTTP/1.1 response (its headers and Content-Length bytes of body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return (head + b"\r\n\r\n" + body).decode()
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_abandoned_request_stops_within_one_step(monkeypatch, streaming):
+    """A client that sends a request (streaming or not) and leaves once generation is
+    under way: the engine generates at most one more verify step, counts it cancelled,
+    and the next request runs. The first step is held until the server closes the job
+    (or 60 s pass, when the test fails on the step count)."""
+    pair = tiny_pair(context=4096)
+    app = create_app(pair, ServerConfig(model_id=MODEL))
+    engine = app.state.server.engine
+    first_step, closed, steps = threading.Event(), threading.Event(), []
+    real_stream, real_close = engine.pair_cache.stream, server_engine.Job.close
+
+    def close(job):
+        closed.set()
+        real_close(job)
+
+    def stream(ids, **kw):
+        n = 0
+        with contextlib.closing(real_stream(ids, **kw)) as inner:
+            for r in inner:
+                n += 1
+                steps.append(len(ids))
+                yield r
+                if n == 1 and not first_step.is_set():
+                    first_step.set()
+                    closed.wait(60)
+
+    monkeypatch.setattr(server_engine.Job, "close", close)
+    monkeypatch.setattr(engine.pair_cache, "stream", stream)
+    with live(app) as port:
+        sock = raw_request(port, json.dumps({"model": MODEL, "prompt": "Once upon", "max_tokens": 400,
+                                             "stream": streaming}).encode())
+        assert first_step.wait(60)
+        sock.close()
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "Next", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    abandoned = steps.count(len("Once upon"))
+    assert abandoned == 2, f"{abandoned} verify steps for the abandoned request (one after the close at most)"
+    assert 'dflash_requests_total{endpoint="completions",outcome="cancelled"} 1.0' in metrics
+    assert engine.pair_cache.is_consistent()
+
+
+def test_stalled_body_is_408():
+    pair = tiny_pair()
+    app = create_app(pair, ServerConfig(model_id=MODEL, idle_timeout=0.2))
+    with live(app) as port:
+        sock = raw_request(port, b'{"model": "tiny", ', length=100)  # promises 100 bytes, sends 18
+        reply = read_reply(sock)
+        sock.close()
+    assert reply.startswith("HTTP/1.1 408"), reply
+    assert "--idle-timeout" in reply
+
+
+def test_openai_client_gets_400_for_a_request_template(pair):
+    app = create_app(pair, ServerConfig(model_id=MODEL))
+    with live(app) as port:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match="allow-request-templates"):
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                      extra_body={"chat_template_kwargs": {"chat_template": "{{ 1 }}"}})
+        with pytest.raises(openai.BadRequestError, match="logprobs"):
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], logprobs=True)
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        assert r.usage.completion_tokens == 3
+
+
+def test_abandoned_during_prefill_stops_between_chunks(monkeypatch):
+    """A job closed while its prompt is prefilled stops before the next chunk (16
+    tokens here): 3 chunks of a 300-token prompt run, none is generated, and the
+    caches hold what the next request can trust (its output equals a fresh run's)."""
+    import asyncio
+
+    import mlx.core as mx
+
+    from dflash_mlx import generate_step
+    from dflash_mlx.serve.engine import Engine, GenerationJob
+    from dflash_mlx.serve.metrics import ServerMetrics
+
+    pair = tiny_pair(context=4096)
+    checks = []
+
+    def should_stop(job):
+        checks.append(job.id)
+        if len(checks) == 3:
+            job.close()
+        return job.cancelled.is_set()
+
+    monkeypatch.setattr(server_engine.Job, "should_stop", should_stop)
+    ids = [3 + i % 200 for i in range(300)]
+
+    async def main():
+        engine = Engine(pair, metrics=ServerMetrics(16), prefill_step_size=16)
+        first = engine.submit(GenerationJob(ids, 50))
+        async for _ in first:
+            pass
+        monkeypatch.undo()
+        out = []
+        async for c in engine.submit(GenerationJob(ids[:40], 12)):
+            out.append(c)
+        engine.shutdown()
+        return engine, out
+
+    engine, out = asyncio.run(main())
+    assert len(checks) == 3  # stopped at the third chunk, out of 19
+    assert engine.metrics.requests.labels("chat", "cancelled")._value.get() == 1
+    assert engine.metrics.generation_tokens._value.get() == 12  # the second job's only
+    assert engine.pair_cache.is_consistent()
+    steps = generate_step(mx.array(ids[:40], dtype=mx.int32), pair.target, pair.drafter, max_tokens=12)
+    fresh = [t for s in steps for t in s.tokens]
+    assert "".join(c.text for c in out) == pair.tokenizer.decode(fresh)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_request_timeout_mid_generation(monkeypatch, streaming):
+    """The deadline passing while a reply is generated (here: from the third check on,
+    checks counted, not timed) stops it after that step: a 408, or for a stream an error
+    event with code request_timeout and no finish_reason; counted as a timeout."""
+    calls = []
+
+    def expired(job):
+        calls.append(job.id)
+        return len(calls) >= 3
+
+    monkeypatch.setattr(server_engine.Job, "expired", expired)
+    pair = tiny_pair(context=4096)
+    with make_client(pair) as c:
+        body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 300, "stream": streaming}
+        r = c.post("/v1/completions", json=body)
+        metrics = c.get("/metrics").text
+    if streaming:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "request_timeout"  # then [DONE], as after any error event
+        assert not any(e.get("choices") and e["choices"][0]["finish_reason"] for e in events)
+    else:
+        assert check_error(r, 408, None, "--request-timeout")["code"] == "request_timeout"
+    assert 'dflash_requests_total{endpoint="completions",outcome="timeout"} 1.0' in metrics
+    generated = float(next(l.split()[-1] for l in metrics.splitlines()
+                           if l.startswith("dflash_generation_tokens_total")))
+    assert 0 < generated < 300

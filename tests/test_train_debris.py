@@ -1,0 +1,111 @@
+"""Nothing half-written in training (issue 23): feature caches and the final drafter are
+renamed into place whole, and what an older or killed run left truncated (a feature
+``.npy``, a data shard, the final drafter) is detected on load and made again, or named
+in one line."""
+
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import mlx.core as mx
+
+from conftest import mlx_lm_greedy, needs_shared, tiny_target
+from dflash_mlx import load_drafter
+from dflash_mlx.errors import InputError
+from dflash_mlx.train.data import MANIFEST, TrainSequence, _write_shard, load_sequences, read_shard, regenerate
+from dflash_mlx.train.trainer import FeatureCache, TrainConfig, Trainer, init_drafter
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, target = tiny_target("qwen3", vocab=64, hidden=32, layers=3, seed=5, scale=1.5)
+    rng = np.random.default_rng(0)
+    seqs = []
+    for _ in range(6):
+        prompt = rng.integers(3, 64, size=4).tolist()
+        seqs.append(TrainSequence(np.array(prompt + mlx_lm_greedy(model, prompt, 24), dtype=np.int32), 4))
+    return target, seqs
+
+
+def drafter(target):
+    return init_drafter(target, mask_token_id=63, layers=1, block_size=4, seed=0)
+
+
+def test_truncated_feature_file_is_computed_again(setup, tmp_path):
+    target, seqs = setup
+    FeatureCache(target, [1, 2], tmp_path, hidden=True).get(0, seqs[0], mx.float32)
+    path = tmp_path / "0000000.npy"
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])  # what np.save writing in place left when killed
+    cache = FeatureCache(target, [1, 2], tmp_path, hidden=True)
+    feats, _ = cache.get(0, seqs[0], mx.float32)
+    assert cache.rebuilt == [path] and path.read_bytes() == whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0000000.hidden.npy", "0000000.npy", "manifest.json"]
+
+
+def test_truncated_shard(tmp_path):
+    (tmp_path / MANIFEST).write_text("{}")
+    _write_shard(tmp_path / "shard_00000.npz", [[1, 2]], [[3, 4, 5]])
+    _write_shard(tmp_path / "shard_00001.npz", [[6]], [[7]])
+    assert len(load_sequences(tmp_path)) == 2
+    bad = tmp_path / "shard_00001.npz"
+    bad.write_bytes(bad.read_bytes()[:-40])
+    assert read_shard(bad) is None
+    with pytest.raises(InputError, match=r"shard_00001.npz: truncated or corrupt data shard"):
+        load_sequences(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_corrupt_final_drafter_is_rewritten_on_resume(setup, tmp_path, damage):
+    target, seqs = setup
+    config = TrainConfig(steps=2, anchors=4, save_every=2)
+    list(Trainer(drafter(target), target, seqs, config, tmp_path).run())
+    weights = tmp_path / "model.safetensors"
+    whole = weights.read_bytes()
+    if damage == "truncate":
+        weights.write_bytes(whole[: len(whole) // 2])
+    elif damage == "flip":
+        weights.write_bytes(whole[:-8] + bytes(b ^ 0xFF for b in whole[-8:]))
+    else:
+        weights.unlink()
+    resumed = Trainer.resume(target, seqs, config, tmp_path)
+    assert "model.safetensors" in resumed.rebuilding and resumed.step == 2
+    list(resumed.run())
+    assert weights.read_bytes() == whole
+    assert [p.name for p in tmp_path.glob(".*")] == []  # no temporary file left
+    load_drafter(str(tmp_path))
+    with pytest.raises(InputError, match="already finished its 2 steps"):  # whole again
+        Trainer.resume(target, seqs, config, tmp_path)
+
+
+@needs_shared
+def test_data_rerun_makes_a_truncated_shard_anew(stories, tmp_path):
+    """`dflash data` run again over a folder with a truncated shard makes that shard
+    anew (byte for byte the first run's: same seed) and leaves the others alone; then
+    `dflash train` reads the folder."""
+    from test_train_cli import regenerate
+
+    data = tmp_path / "data"
+    regenerate(stories, data)
+    shards = sorted(data.glob("shard_*.npz"))
+    before = {p.name: p.read_bytes() for p in shards}
+    shards[0].write_bytes(before[shards[0].name][:100])
+    with pytest.raises(InputError, match="truncated or corrupt"):
+        load_sequences(data)
+    regenerate(stories, data)
+    assert {p.name: p.read_bytes() for p in sorted(data.glob("shard_*.npz"))} == before
+    assert load_sequences(data)
+
+
+def test_truncated_manifests_are_named(setup, tmp_path):
+    target, seqs = setup
+    FeatureCache(target, [1, 2], tmp_path / "f", sequences=seqs)
+    manifest = tmp_path / "f" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:10])
+    with pytest.raises(InputError, match=r"f/manifest.json: not valid JSON .*delete the features folder"):
+        FeatureCache(target, [1, 2], tmp_path / "f", sequences=seqs)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / MANIFEST).write_text('{"version": 1, "num_pro')  # cut short by an older version's kill
+    with pytest.raises(InputError, match=r"data/manifest.json: not valid JSON .*pass a new --out"):
+        regenerate(None, None, [[1, 2, 3]], data, max_tokens=4, max_length=16)
