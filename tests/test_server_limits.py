@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 
 import conftest
 from conftest import tiny_drafter, tiny_target
-from dflash_mlx import server_engine
+from dflash_mlx.serve import engine as server_engine
 from dflash_mlx.sampling import MIN_TEMP, Sampling
 from dflash_mlx.serve.app import ServerConfig, create_app
 from dflash_mlx.serve.guard import CHARS_PER_TOKEN
