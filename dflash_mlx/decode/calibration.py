@@ -310,12 +310,12 @@ def _plain_run(target, cache, layer_ids, steps: int = PLAIN_TIMED_STEPS) -> floa
     from .verify import plain_step  # the loop's own step
 
     pick = lambda logits: mx.argmax(logits, axis=-1).astype(mx.int32)  # noqa: E731
-    y, f = plain_step(target, cache, layer_ids, pick, mx.array([1], dtype=mx.int32), parts=True)
+    y, f = plain_step(target, cache, layer_ids, pick, mx.array([1], dtype=mx.int32))
     for i in range(steps):
-        queued = plain_step(target, cache, layer_ids, pick, y, parts=True) if i + 1 < steps else None
+        queued = plain_step(target, cache, layer_ids, pick, y) if i + 1 < steps else None
         if queued is not None:
-            mx.async_eval(queued[0], *queued[1])
-        mx.eval(y, *f)
+            mx.async_eval(*queued)
+        mx.eval(y, f)
         y.tolist()
         if queued is not None:
             y, f = queued

@@ -28,7 +28,6 @@ from ..protocol import Drafter
 from ..stats import GenerationStats, weight_bytes
 from .stopping import StopCondition, held_back, text_before_stop
 from ..targets import TargetAdapter
-from ..targets.base import join_features
 from .verify import Outcome, chain_step, host_logprobs, plain_step, synced, tree_step
 
 Sampler = Callable[[mx.array], mx.array]
@@ -303,8 +302,7 @@ def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, con
 
 def _plain_run(target, cache, capture, choose, t, steps, stop, stats, pending, history):
     """Up to ``steps`` plain steps pipelined as mlx-lm's (step n+1 is queued before n is
-    read), each capturing its context features for the drafter (joined once per run,
-    and added to ``pending`` however the run ends); yields every step's
+    read), each capturing its context features for the drafter; yields every step's
     :class:`StepResult` but the last, which it returns.
 
     Returns:
@@ -312,30 +310,25 @@ def _plain_run(target, cache, capture, choose, t, steps, stop, stats, pending, h
     """
     tic = time.perf_counter()
     paused = wait = 0.0
-    y, features = plain_step(target, cache, capture, choose, t, parts=True)
-    result, run = None, []
-    try:
-        for i in range(steps):
-            queued = plain_step(target, cache, capture, choose, y, parts=True) \
-                if i + 1 < steps and stop.budget > 1 else None
-            if queued is not None:
-                mx.async_eval(queued[0], *queued[1])
-            if result is not None:  # the consumer's turn while the device works
-                pause = time.perf_counter()
-                yield result
-                paused += time.perf_counter() - pause
-            wait += synced(y, *features)
-            tokens = y.tolist()
-            run.append(features)
-            history.extend(tokens)
-            kept, finish = stop.cut(tokens)
-            result = StepResult(kept, None, finish)
-            if finish is not None or queued is None:
-                break
-            y, features = queued
-    finally:
-        if run:
-            pending.append(join_features(run))
+    y, features = plain_step(target, cache, capture, choose, t)
+    result = None
+    for i in range(steps):
+        queued = plain_step(target, cache, capture, choose, y) if i + 1 < steps and stop.budget > 1 else None
+        if queued is not None:
+            mx.async_eval(*queued)
+        if result is not None:  # the consumer's turn while the device works
+            pause = time.perf_counter()
+            yield result
+            paused += time.perf_counter() - pause
+        wait += synced(y, features)
+        tokens = y.tolist()
+        pending.append(features)
+        history.extend(tokens)
+        kept, finish = stop.cut(tokens)
+        result = StepResult(kept, None, finish)
+        if finish is not None or queued is None:
+            break
+        y, features = queued
     seconds = time.perf_counter() - tic - paused
     for _ in range(i + 1):
         stats.record_plan(PLAIN, 1, seconds / (i + 1), 0, 0, wait_s=wait / (i + 1))

@@ -54,19 +54,17 @@ class Outcome:
 
 
 def plain_step(target: TargetAdapter, cache: List[Any], capture: Sequence[int], pick,
-               token: mx.array, parts: bool = False) -> Tuple[mx.array, Any]:
+               token: mx.array) -> Tuple[mx.array, mx.array]:
     """One plain decoding step (lazy).
 
     Args:
         token: [1] int32, the last committed token (not in ``cache`` yet).
         pick: logits [N, V] -> [N] int32 tokens (the acceptance rule's ``choose``).
-        parts: features as the captured layers' arrays, unjoined (see
-            :meth:`TargetAdapter.__call__`).
 
     Returns:
-        ``(next_token [1] int32, features [1, 1, F] of ``token``, or its parts)``.
+        ``(next_token [1] int32, features [1, 1, F] of ``token``)``.
     """
-    h, features = target(token[None], cache, capture, parts=parts)
+    h, features = target(token[None], cache, capture)
     return pick(target.lm_head(h[:, -1])), features
 
 

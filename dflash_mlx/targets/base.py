@@ -101,7 +101,6 @@ class TargetAdapter:
         cache: Sequence[Any],
         capture: Optional[Sequence[int]] = None,
         tree: Optional[Tuple[np.ndarray, np.ndarray]] = None,
-        parts: bool = False,
     ) -> Tuple[mx.array, Optional[mx.array]]:
         """Forward pass with feature capture.
 
@@ -117,13 +116,10 @@ class TargetAdapter:
                 absolute position of each input, ancestors [L, L] bool)``: each input
                 sees every cached row and, among the inputs, only its ancestors and
                 itself. Only for families with :attr:`supports_tree`.
-            parts: return the features as a tuple of the captured layers' [1, L, H]
-                arrays, in ``capture`` order, unjoined (:func:`join_features` joins many
-                steps' at once: one op per run of plain steps instead of one per step).
 
         Returns:
             ``(hidden, features)``: hidden [1, L, H] after the final norm (feed it to
-            :meth:`lm_head`), features [1, L, len(capture)*H] (or their parts) or None.
+            :meth:`lm_head`), features [1, L, len(capture)*H] or None.
 
         Raises:
             MismatchError: a capture id is not a layer of the target.
@@ -143,11 +139,8 @@ class TargetAdapter:
                 captured[i] = h
         h = self.inner.norm(h)
         captured[self.num_layers - 1] = h
-        if not capture:
-            return h, None
-        if parts:
-            return h, tuple(captured[i] for i in capture)
-        return h, mx.concatenate([captured[i] for i in capture], axis=-1)
+        features = mx.concatenate([captured[i] for i in capture], axis=-1) if capture else None
+        return h, features
 
     # -- tree verification (DDTree) ------------------------------------------------
 
@@ -315,12 +308,3 @@ class TargetAdapter:
                 raise RollbackError(
                     f"target layer {i}: {type(c).__name__} trimmed {trimmed} of {num_tokens} rows"
                 )
-
-
-def join_features(steps: Sequence[Tuple[mx.array, ...]]) -> mx.array:
-    """Features of consecutive steps captured with ``parts=True`` as one [1, S, F]
-    array (S: their rows in order), as ``parts=False`` would have given them joined."""
-    if len(steps) == 1:
-        return mx.concatenate(steps[0], axis=-1)
-    layers = [mx.concatenate([step[j] for step in steps], axis=1) for j in range(len(steps[0]))]
-    return mx.concatenate(layers, axis=-1)
