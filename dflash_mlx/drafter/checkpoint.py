@@ -155,11 +155,11 @@ def write_safetensors(path: Path, arrays: dict, metadata: Optional[dict] = None)
     safetensors.serialize_file(specs, str(path), metadata=metadata)
 
 
-def read_config(config_file: Path) -> dict:
+def read_config(config_file: Path, missing: str = "not found") -> dict:
     """Read a ``config.json``; errors name the file (and the key, see
-    :func:`check_config_dtype`)."""
+    :func:`check_config_dtype`); ``missing``: what a missing file's error says."""
     if not config_file.is_file():
-        raise CheckpointError(f"{config_file}: not found")
+        raise CheckpointError(f"{config_file}: {missing}")
     try:
         config = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
@@ -14,7 +13,7 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from mlx_lm.utils import load as mlx_lm_load
 
 from ..decode.calibration import folder_fingerprint
-from ..drafter.checkpoint import check_config_dtype, load_drafter
+from ..drafter.checkpoint import load_drafter, read_config
 from ..drafter.network import DFlashDrafter
 from ..errors import CheckpointError, ConfigError, InputError, MismatchError
 from ..hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, resolve_model_path
@@ -86,15 +85,9 @@ def read_model_config(config_file: Path, folder: Path) -> dict:
         CheckpointError: the file is missing. ConfigError: not a JSON object, or a
             ``torch_dtype`` that names no float type (names the file).
     """
-    if not config_file.is_file():
-        raise CheckpointError(f"{config_file}: not found (is {folder} an mlx-lm model folder?)")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{config_file}: invalid JSON ({e})") from None
+    config = read_config(config_file, missing=f"not found (is {folder} an mlx-lm model folder?)")
     if not isinstance(config, dict):
         raise ConfigError(f"{config_file}: expected a JSON object, found {type(config).__name__}")
-    check_config_dtype(config, config_file)
     return config
 
 
