@@ -142,7 +142,9 @@ class GenerationStats:
 
     def add(self, other: "GenerationStats") -> None:
         """Accumulate another generation's counts and times (a chat's turns, a
-        benchmark's runs). Peak memory is the larger of the two."""
+        benchmark's runs). Peak memory is the larger of the two. The acceptance trace
+        is not joined: it is one generation's (a server's totals would grow with every
+        step it ever ran)."""
         self.prompt_tokens += other.prompt_tokens
         self.generation_tokens += other.generation_tokens
         self.steps += other.steps
@@ -158,7 +160,6 @@ class GenerationStats:
         self.model_bytes = max(self.model_bytes, other.model_bytes)
         self.plain_steps += other.plain_steps
         self.host_s += other.host_s
-        self.trace += other.trace
         for k, n in other.widths.items():
             self.widths[k] = self.widths.get(k, 0) + n
         for k, v in other.mode_s.items():
@@ -224,10 +225,11 @@ class GenerationStats:
     def timings_ms(self) -> Dict[str, float]:
         return {p: round(s * 1e3, 3) for p, s in self.phase_s.items()}
 
-    def to_dict(self) -> dict:
+    def to_dict(self, trace: bool = True) -> dict:
         """The ``--json`` keys (counts in tokens, rates in tokens/s, memory in GB,
-        bandwidth in GB/s, histogram keyed by acceptance length)."""
-        return {
+        bandwidth in GB/s, histogram keyed by acceptance length); ``trace``: with
+        ``acceptance_trace`` (one entry per verify step: a server's usage leaves it out)."""
+        d = {
             "speculative": self.speculative,
             "reason": self.reason,
             "drafter_format": self.drafter_format,
@@ -252,8 +254,10 @@ class GenerationStats:
             "peak_memory": round(self.peak_memory_gb, 3),
             "bandwidth_gbps": round(self.bandwidth_gbps, 3),
             "timings_ms": self.timings_ms(),
-            "acceptance_trace": self.trace,
         }
+        if trace:
+            d["acceptance_trace"] = self.trace
+        return d
 
     def acceptance_line(self) -> str:
         """``tau T tokens/step over N steps (X% of drafts accepted)``."""

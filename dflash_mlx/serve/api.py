@@ -211,7 +211,7 @@ def usage(prompt_tokens: int, reused: int, stats: GenerationStats) -> Dict[str, 
         ``prompt_tokens_reused`` and ``prompt_tokens_prefilled`` in place of its
         ``prompt_tokens``.
     """
-    d = stats.to_dict()
+    d = stats.to_dict(trace=False)
     d.pop("prompt_tokens")
     d.pop("tokens")
     return {
