@@ -96,8 +96,8 @@ class CostModel:
         acceptance_decay: weight of the newest block in the acceptance profile (its
             memory is longer: acceptance comes in bursts, and a profile that follows
             every burst would give up speculating on the first bad run of text).
-        probe_every: steps between probes (plain steps that draft, chain steps that
-            draft the whole block).
+        probe_every: plain steps before the first probe (a plain step that also
+            drafts) while plain decoding wins.
         max_probe_every: the longest gap between probes while plain decoding wins.
         wide_every: chain steps drafted below the trained size between two drafted
             one block size wider (:meth:`probe_block`).

@@ -34,7 +34,8 @@ CLOSE = 0.15  # ... and while it is better by less than this, probes stay freque
 class Plan:
     """The next step: ``mode`` plain (width 1), chain (``width`` tokens) or tree
     (``width`` = budget N nodes); ``block``: the block drafted (chains: ``width``
-    or more; trees and probes: the trained size; None: nothing drafted);
+    or more; trees: the trained size; probes: the best chain's block, at least
+    :data:`PROBE_WIDTH`; None: nothing drafted);
     ``probe``: a plain step that also drafts, to observe the drafter's acceptance
     while plain decoding wins; ``steps``: plain steps to run before the next plan."""
 
