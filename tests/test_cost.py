@@ -127,6 +127,15 @@ def test_a_chain_step_costs_what_it_was_timed_at_and_a_wide_probe_its_extra_draf
     assert m.estimate("plain", 1, 0) == 1.0
 
 
+def test_a_probe_costs_a_plain_step_and_its_drafting():
+    # A probe (a plain step that drafts too) is judged against both, so it does not
+    # read as a slow machine.
+    m = calibrated(16, {1: 1.0, 16: 2.0}, {4: 0.2, 16: 0.8})
+    assert m.estimate("plain", 1, 0, block=4) == pytest.approx(1.0 + 0.2)
+    m.record_step("plain", 1, 1.2, 0, block=4)
+    assert m.speed.value == pytest.approx(1.0)
+
+
 def test_an_overhead_per_step_favours_wider_verifies():
     m = calibrated(8, {1: 1.0, 8: 2.0}, {8: 1.0})
     observe(m, 50, right=1)

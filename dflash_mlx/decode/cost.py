@@ -229,7 +229,8 @@ class CostModel:
 
     def estimate(self, mode: str, width: int, context: int, block: Optional[int] = None) -> Optional[float]:
         """Calibrated seconds of one step after ``context`` tokens (None before
-        calibration): plain, a step of a pipelined plain run; chain, the timed chain step of
+        calibration): plain, a step of a pipelined plain run (with a ``block``: a
+        probe, which drafts that block too); chain, the timed chain step of
         ``width`` (a ``block`` wider than :meth:`draft_block` adds its extra drafting);
         tree, the forward of ``width`` tokens and a pass at the trained size."""
         if self.calibration is None:
@@ -245,7 +246,7 @@ class CostModel:
         f0, f1, d0, d1, s0, s1 = self._table()
         at = lambda t0, t1, i: max(t0[i] + (t1[i] - t0[i]) * w, 0.5 * t0[i])  # noqa: E731
         if mode == PLAIN:
-            return at(s0, s1, 1)
+            return at(s0, s1, 1) + (at(d0, d1, min(block, self.block_size)) if block else 0.0)
         if mode == TREE:
             return at(f0, f1, min(width, len(f0) - 1)) + at(d0, d1, self.block_size)
         n = min(width, self.block_size)
@@ -258,7 +259,7 @@ class CostModel:
     def record_step(self, mode: str, width: int, seconds: float, context: int, block: Optional[int] = None,
                     overhead: float = 0.0) -> None:
         """A real step of ``mode`` (``plain``, ``chain``, ``tree``) feeding ``width``
-        tokens after ``context`` tokens, drafted at ``block``, took ``seconds`` to draft
+        tokens after ``context`` tokens, drafted at ``block`` (plain: a probe), took ``seconds`` to draft
         and verify, and a step of this mode ``overhead`` seconds besides (planning,
         bookkeeping: the same whatever the width)."""
         self.steps += 1

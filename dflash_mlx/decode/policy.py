@@ -186,7 +186,7 @@ class Policy:
             return
         cost = self.cost
         width = plan.width + (plan.mode == TREE)
-        block = plan.block if plan.mode != PLAIN else None
+        block = plan.block if plan.mode != PLAIN or plan.probe else None  # a probe drafts too
         if seconds is not None:
             cost.record_step(plan.mode, width, self.timings.step(plan.mode, width, seconds, block), context, block,
                              self.timings.overhead(overhead))
