@@ -38,7 +38,7 @@ from dflash_mlx.bench.report import build_report, results_table, write_report
 from dflash_mlx.bench.simulate import read_trace
 
 sys.path.insert(0, str(Path(__file__).parent))
-from simulated_speedup import random_pair  # noqa: E402
+from simulated_speedup import SHAPES, random_pair  # noqa: E402
 
 
 def run(runner: Runner, samples, name: str):
@@ -58,10 +58,13 @@ def main() -> int:
     p.add_argument("--trace", type=Path, action="append", default=[],
                    help="an acceptance trace to replay (dflash generate --json output, JSON lines)")
     p.add_argument("--no-random", action="store_true", help="skip the random-drafter row")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="the random target's shape")
+    p.add_argument("--drafter-layers", type=int, default=1)
+    p.add_argument("--bits", type=int, default=None, help="quantize target and drafter (mlx-lm, group size 64)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    model, target, drafter = random_pair(1, max(args.block_sizes))
+    model, target, drafter = random_pair(args.drafter_layers, max(args.block_sizes), shape=args.shape, bits=args.bits)
     mx.random.seed(1)
     samples = [Sample(f"random-{i}", prompt_ids=mx.random.randint(0, 151643, (args.prompt_tokens,)).tolist())
                for i in range(args.num_prompts)]
@@ -80,8 +83,8 @@ def main() -> int:
         config = BenchConfig(max_tokens=args.max_tokens, block_sizes=[*args.block_sizes, "auto"],
                              simulate_acceptance=a, warmup_tokens=8)
         results.append(run(Runner(target, drafter, base, config, stop_ids=()), samples, f"simulated A={a}"))
-    cfg = dict(vars(args), trace=[str(t) for t in args.trace], target="random Qwen3-0.6B shape (float32)", baseline="mlx-lm",
-               drafter="random 1-layer DFlash drafter, width 1024")
+    cfg = dict(vars(args), trace=[str(t) for t in args.trace], target=f"random {args.shape} shape ({'float32' if args.bits is None else f'{args.bits}-bit'})",
+               baseline="mlx-lm", drafter=f"random {args.drafter_layers}-layer DFlash drafter of the target's width")
     report = build_report(results, cfg, ["python", *sys.argv])
     from rich.console import Console
 

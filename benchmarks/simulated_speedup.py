@@ -31,8 +31,11 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3
 
 from dflash_mlx import DFlashDrafter, DrafterArgs, bind_drafter, make_adapter
@@ -48,27 +51,46 @@ QWEN3_0P6B = dict(
     num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
     vocab_size=151936, rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=True,
 )
+# Qwen/Qwen3-4B config.json
+QWEN3_4B = dict(QWEN3_0P6B, hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
+                num_attention_heads=32, num_key_value_heads=8)
+SHAPES = {"qwen3-0.6b": QWEN3_0P6B, "qwen3-4b": QWEN3_4B}
 MASK_TOKEN_ID = 151669  # the released Qwen3 drafters' mask row
 
 
-def random_pair(drafter_layers: int = 1, block_size: int = 16, seed: int = 0, dtype=mx.float32):
-    """Random-weight Qwen3-0.6B-shaped target (adapter) and a bound random drafter."""
+def random_pair(drafter_layers: int = 1, block_size: int = 16, seed: int = 0, dtype=mx.float32,
+                shape: str = "qwen3-0.6b", bits: Optional[int] = None):
+    """Random-weight target of a Qwen3 shape (``SHAPES``; adapter) and a bound random
+    drafter of the same width; ``bits``: quantize both (mlx-lm's group size 64), one
+    layer at a time so the float weights never all exist at once."""
     mx.random.seed(seed)
-    model = qwen3.Model(qwen3.ModelArgs(**QWEN3_0P6B))
+    config = SHAPES[shape]
+    model = qwen3.Model(qwen3.ModelArgs(**config))
     model.set_dtype(dtype)
-    mx.eval(model.parameters())
+    _materialize(model, bits)
     target = make_adapter(model)
-    n = QWEN3_0P6B["num_hidden_layers"]
+    n = config["num_hidden_layers"]
     args = DrafterArgs(
-        hidden_size=1024, num_hidden_layers=drafter_layers, num_attention_heads=16, num_key_value_heads=8,
-        head_dim=128, intermediate_size=3072, vocab_size=QWEN3_0P6B["vocab_size"],
+        hidden_size=config["hidden_size"], num_hidden_layers=drafter_layers,
+        num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"], intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"],
         target_layer_ids=default_target_layer_ids(n, drafter_layers), mask_token_id=MASK_TOKEN_ID,
         block_size=block_size, num_target_layers=n, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
     )
     drafter = DFlashDrafter(args)
     drafter.set_dtype(dtype)
-    mx.eval(drafter.parameters())
+    _materialize(drafter, bits)
     return model, target, bind_drafter(drafter, target)
+
+
+def _materialize(module, bits: Optional[int]) -> None:
+    """Evaluate ``module``'s random weights, quantized first when ``bits`` is given:
+    quantized while still lazy and evaluated one matrix at a time, so the float
+    weights never all exist at once (Qwen3-4B's are 16 GB in float32)."""
+    if bits is not None:
+        nn.quantize(module, group_size=64, bits=bits)
+    for _, value in tree_flatten(module.parameters()):
+        mx.eval(value)
 
 
 def plot_sweep(report: dict, path: Path) -> Path:
