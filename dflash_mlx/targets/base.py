@@ -149,10 +149,10 @@ class TargetAdapter(TreeVerify):
         """A fresh prompt cache, as mlx-lm makes it, that rolls back exactly.
 
         Layers whose mlx-lm cache cannot roll back get one of ours (see
-        :meth:`exact_cache`): a :class:`~dflash_mlx.targets.caches.WindowKVCache` instead of a
+        :meth:`exact_cache`): a :class:`~dflash_mlx.targets.window_cache.WindowKVCache` instead of a
         ``RotatingKVCache`` (which cannot be trimmed once it wraps), and in hybrid
         targets (:mod:`dflash_mlx.targets.hybrid`) a
-        :class:`~dflash_mlx.targets.caches.GatedDeltaCache` instead of a Gated-DeltaNet
+        :class:`~dflash_mlx.targets.gated_delta_cache.GatedDeltaCache` instead of a Gated-DeltaNet
         layer's ``ArraysCache``.
 
         Args:

@@ -25,7 +25,8 @@ import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from .caches import WindowKVCache, can_trim
+from .caches import can_trim
+from .window_cache import WindowKVCache
 from ..errors import InputError, RollbackError
 
 
