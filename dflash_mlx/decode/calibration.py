@@ -1,4 +1,3 @@
-# Over 400 lines: timing and its on-disk store (CalibrationStore); the store splits out once the auto work in flight lands
 """Where the cost model's seconds come from, and what it keeps between processes.
 
 ``--block-size auto`` chooses widths by seconds per step. Those seconds come from a
@@ -11,33 +10,26 @@
   and width whatever the clock says. Tests use it, so what they check never depends
   on how busy the machine is; simulations use it to replay a known cost.
 
-A :class:`CalibrationStore` keeps, per (target, drafter, device, dtypes, versions),
-the calibrated seconds and what the drafter's acceptance looked like in earlier
-runs, as one small JSON file under the user's cache folder, so a new process starts
-calibrated and with the drafter's own acceptance profile instead of a prior.
+A :class:`~dflash_mlx.decode.calibration_store.CalibrationStore` keeps those seconds
+between processes (:mod:`dflash_mlx.decode.calibration_store`; its names are importable
+from here too).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import hashlib
-import json
 import math
-import os
-import platform
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Dict, Optional, Protocol, Sequence, Tuple
 
 import mlx.core as mx
 
+from ..fingerprint import folder_fingerprint  # noqa: F401 (its old place)
+from .calibration_store import (  # noqa: F401 (the store's names, importable from here as before)
+    CACHE_ENV, STORE_FORMAT, CalibrationStore, cache_root, device_name, store_key)
+
 TIMED_REPEATS = 3  # timed runs of each forward and draft, after one unseen
 PLAIN_TIMED_STEPS = 8  # plain steps in a timed run (a plain step is timed pipelined, as the loop runs it)
-STORE_FORMAT = 2
-CACHE_ENV = "DFLASH_CACHE_DIR"
 
 
 CONTEXTS = (32, 256)  # context rows the forwards are timed at (cost grows with the context)
@@ -341,135 +333,3 @@ def _time_runs(setup, run) -> float:
         run() if arg is None else run(arg)
         times.append(time.perf_counter() - tic)
     return min(times[1:])
-
-
-# ----------------------------------------------------------------------------- the store
-
-
-def cache_root() -> Path:
-    """The user's cache folder for dflash-mlx: ``$DFLASH_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/dflash-mlx``, else ``~/.cache/dflash-mlx`` (beside the Hugging
-    Face cache)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "dflash-mlx"
-
-
-def folder_fingerprint(folder: str | Path) -> str:
-    """A cheap identity of a model folder: sha256 of ``config.json``'s bytes and of
-    each weight file's resolved name, size and modification time (a changed or
-    re-downloaded checkpoint gets a new fingerprint; its gigabytes are not read).
-
-    Raises:
-        OSError: the folder cannot be listed.
-    """
-    folder = Path(folder)
-    digest = hashlib.sha256()
-    config = folder / "config.json"
-    if config.is_file():
-        digest.update(config.read_bytes())
-    for path in sorted(folder.glob("*.safetensors")):
-        st = path.stat()
-        digest.update(f"{path.name}:{path.resolve().name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return digest.hexdigest()[:32]
-
-
-@functools.lru_cache(maxsize=None)
-def device_name() -> str:
-    """The device MLX computes on, precise enough that timings from another machine
-    are not reused (GPU name, or CPU architecture, model and core count)."""
-    device = mx.default_device()
-    if device == mx.gpu and mx.metal.is_available():
-        try:
-            return f"gpu {mx.metal.device_info().get('device_name', '')}"
-        except Exception:  # older MLX without device_info
-            return "gpu"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"cpu {platform.machine()} {cpu} x{usable}"  # the cores this process may use (taskset)
-
-
-def store_key(target, drafter, draft_block: int, widths: Sequence[int]) -> Optional[dict]:
-    """What a stored calibration must match to be reused, or None when the target or
-    the drafter has no ``fingerprint`` (built in memory, or a wrapper such as the
-    simulated drafter: not loaded from a folder).
-
-    Args:
-        target: a :class:`~dflash_mlx.targets.TargetAdapter` from :func:`dflash_mlx.load`.
-        drafter: a :class:`~dflash_mlx.drafter.network.DFlashDrafter` from :func:`dflash_mlx.load`.
-        draft_block, widths: the block drafted and the widths timed.
-    """
-    target_id, drafter_id = getattr(target, "fingerprint", None), getattr(drafter, "fingerprint", None)
-    if not target_id or not drafter_id:  # wrapped drafters (simulated, scripted) have none: never stored
-        return None
-    import mlx_lm
-
-    from .. import __version__
-
-    return {
-        "format": STORE_FORMAT,
-        "dflash_mlx": __version__,
-        "mlx": mx.__version__,
-        "mlx_lm": mlx_lm.__version__,
-        "device": device_name(),
-        "target": target_id,
-        "target_dtype": str(target.dtype),
-        "drafter": drafter_id,
-        "drafter_dtype": str(drafter.fc.weight.dtype) if hasattr(drafter, "fc") else None,
-        "draft_window": list(getattr(drafter, "draft_window", None) or []),
-        "draft_block": draft_block,
-        "widths": sorted(set(widths)),
-    }
-
-
-class CalibrationStore:
-    """Calibrations and acceptance profiles on disk, one JSON file per key
-    (``<root>/calibration/<sha256 of the key>.json``).
-
-    Writes go to a temporary file renamed into place, so a kill never leaves half a
-    file; a file that does not parse, or whose key differs, is ignored (and later
-    overwritten).
-
-    Args:
-        root: the cache folder (default :func:`cache_root`).
-    """
-
-    def __init__(self, root: Optional[Path] = None):
-        self.root = Path(root) if root is not None else cache_root()
-
-    def path(self, key: dict) -> Path:
-        name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:40]
-        return self.root / "calibration" / f"{name}.json"
-
-    def load(self, key: dict) -> Optional[dict]:
-        """The stored state for ``key``, or None (none stored, unreadable, or stale)."""
-        try:
-            entry = json.loads(self.path(key).read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(entry, dict) or entry.get("key") != key or not isinstance(entry.get("state"), dict):
-            return None
-        return entry["state"]
-
-    def save(self, key: dict, state: dict) -> bool:
-        """Write ``state`` for ``key`` atomically; False (and nothing written) when the
-        folder cannot be written (a read-only home is not an error)."""
-        path, tmp = self.path(key), None
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"key": key, "state": state, "saved": time.time()}, f)
-            os.replace(tmp, path)
-            return True
-        except OSError:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-            return False

@@ -1,4 +1,3 @@
-# Over 400 lines: one conversion pipeline; split after the hardening work lands
 """``dflash convert``: a target and its drafter into one folder that runs on a Mac.
 
 The output folder holds:
@@ -12,39 +11,38 @@ The output folder holds:
 
 Everything is written into a temporary folder beside the output, validated
 (:func:`dflash_mlx.pair.validation.validate`), then renamed into place; an error or
-Ctrl-C removes it.
+Ctrl-C removes it. This file runs the steps and checks the options and sources; the
+writers of each part are in :mod:`dflash_mlx.pair.writing` (importable from here too).
 """
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
-from fnmatch import fnmatch
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.convert import MODEL_CONVERSION_DTYPES
-from mlx_lm.convert import convert as mlx_lm_convert
 from mlx_lm.utils import load as mlx_lm_load
 
 from ..atomic import check_out, staging
-from ..drafter.checkpoint import DRAFTER_FILES, load_drafter, read_config, save_drafter
-from ..drafter.network import DFlashDrafter
+from ..drafter.checkpoint import DRAFTER_FILES, load_drafter, read_config
 from ..errors import CheckpointError, ConfigError, InputError, ValidationError
 from ..hub import resolve_model_path
-from .loading import QUANTIZED_DRAFTER_DTYPE, TARGET_FILES, check_pair
-from .manifest import MANIFEST_VERSION, hash_files, write_manifest
+from .loading import TARGET_FILES, check_pair
+from .manifest import hash_files, write_manifest
 from ..prompt import encode_messages
 from ..targets import TargetAdapter, make_adapter
-from .validation import VALIDATION_MESSAGES, Check, SourceRun, dtype_name, float_dtype, validate
+from .validation import VALIDATION_MESSAGES, Check, SourceRun, validate
+from .writing import (  # noqa: F401 (the writers, importable from here as before)
+    DRAFT_Q_GROUP_SIZE, copy_model_files, make_manifest, quantize_drafter, weights_format, write_drafter,
+    write_target)
 
 Q_BITS = (4, 8)
 Q_GROUP_SIZES = (32, 64, 128)
 Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")  # mlx-lm convert's --q-mode choices
 DTYPES = tuple(MODEL_CONVERSION_DTYPES)
-DRAFT_Q_GROUP_SIZE = 64
 # Released layouts that keep target_layer_ids and mask_token_id in 'dflash_config'.
 DFLASH_CONFIG_LAYOUTS = ("DFlashDraftModel", "DFlash2DraftModel")
 LAYOUT_SCRIPT = "scripts/convert/drafter_layout.py"
@@ -239,169 +237,3 @@ def load_source_target(path: Path) -> Tuple[nn.Module, object, TargetAdapter]:
     except (FileNotFoundError, RuntimeError, KeyError) as e:
         raise CheckpointError(f"{path}: cannot load the target ({' '.join(str(e).split())})") from None
     return net, tokenizer, make_adapter(net)
-
-
-# -- writing --------------------------------------------------------------------------
-
-
-def weights_format(path: Path) -> Optional[str]:
-    """The ``format`` metadata of a folder's first safetensors file: "mlx" for mlx-lm's, "pt" for transformers'."""
-    from safetensors import safe_open
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors weight files")
-    try:
-        with safe_open(str(files[0]), "numpy") as f:
-            return (f.metadata() or {}).get("format")
-    except Exception as e:  # safetensors raises its own error types
-        raise CheckpointError(f"{files[0]}: cannot read safetensors file ({e})") from None
-
-
-def write_target(src: Path, dst: Path, *, quantize: bool = False, q_bits: Optional[int] = None,
-                 q_group_size: Optional[int] = None, q_mode: str = "affine",
-                 dtype: Optional[str] = None) -> dict:
-    """Write the target in mlx-lm format with mlx-lm's own convert.
-
-    An mlx-lm folder (quantized, or with mlx-lm's safetensors metadata) is copied
-    unless a dtype or a different quantization is asked for; a quantized one is then
-    dequantized and quantized again, both by ``mlx_lm.convert``.
-
-    Returns:
-        The manifest entry: ``method``, ``model_type``, ``dtype``, ``quantization``.
-
-    Raises:
-        InputError: mlx-lm refused the quantization flags (names them).
-        CheckpointError: mlx-lm could not convert the folder.
-    """
-    config = read_config(src / "config.json")
-    existing = config.get("quantization")
-    is_mlx = existing is not None or weights_format(src) == "mlx"
-    asked = {"bits": q_bits, "group_size": q_group_size, "mode": q_mode}
-    same = existing is not None and all(
-        v is None or existing.get(k, "affine" if k == "mode" else None) == v for k, v in asked.items()
-    )
-    if is_mlx and dtype is None and (not quantize or same):
-        copy_model_files(src, dst)
-        method = "copied (already mlx-lm format)"
-    elif existing is not None and quantize:
-        mid = dst.with_name(f".{dst.name}-dequantized")
-        _mlx_lm_convert(src, mid, dequantize=True, dtype=dtype)
-        _mlx_lm_convert(mid, dst, quantize=True, q_bits=q_bits, q_group_size=q_group_size, q_mode=q_mode)
-        shutil.rmtree(mid)
-        method = "re-quantized with mlx_lm.convert"
-    else:
-        _mlx_lm_convert(src, dst, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size,
-                        q_mode=q_mode, dtype=dtype)
-        method = "mlx_lm.convert"
-    written = read_config(dst / "config.json")
-    return {"method": method, "model_type": written.get("model_type"),
-            "dtype": _folder_dtype(dst), "quantization": written.get("quantization")}
-
-
-def _mlx_lm_convert(src: Path, dst: Path, *, quantize: bool = False, q_bits=None, q_group_size=None,
-                    q_mode: str = "affine", dtype: Optional[str] = None, dequantize: bool = False) -> None:
-    """``mlx_lm.convert.convert`` with its errors turned into one-line DFlashErrors."""
-    try:
-        mlx_lm_convert(str(src), str(dst), quantize=quantize, q_group_size=q_group_size, q_bits=q_bits,
-                       q_mode=q_mode, dtype=dtype, dequantize=dequantize)
-    except (ValueError, RuntimeError) as e:
-        detail = " ".join(str(e).split())
-        if quantize:
-            flags = [f"{f} {v}" for f, v in (("--q-mode", q_mode), ("--q-bits", q_bits),
-                                              ("--q-group-size", q_group_size)) if v is not None]
-            raise InputError(f"{' '.join(flags)}: mlx-lm cannot quantize {src} this way ({detail})") from None
-        raise CheckpointError(f"{src}: mlx-lm could not convert the target ({detail})") from None
-
-
-def copy_model_files(src: Path, dst: Path) -> None:
-    """Copy the files mlx-lm itself downloads for a model (weights, configs, tokenizer)."""
-    dst.mkdir(parents=True)
-    for f in sorted(src.iterdir()):
-        if f.is_file() and any(fnmatch(f.name, p) for p in TARGET_FILES):
-            shutil.copy(f, dst / f.name)
-
-
-def _folder_dtype(path: Path) -> str:
-    """The dtype of a folder's float weights (the first floating tensor found)."""
-    for f in sorted(path.glob("*.safetensors")):
-        for v in mx.load(str(f)).values():
-            if mx.issubdtype(v.dtype, mx.floating):
-                return dtype_name(v.dtype)
-    return "none"
-
-
-def quantize_drafter(drafter: nn.Module, bits: int, group_size: int = DRAFT_Q_GROUP_SIZE) -> dict:
-    """Quantize, in place, the linear layers inside the drafter's decoder layers.
-
-    Only ``layers.*`` linears (attention and MLP projections: nearly all the
-    weights) are quantized. Everything else stays float: ``fc`` and ``hidden_norm``
-    (the fusion of context features every layer reads), the norms and a DFlash2
-    drafter's ``candidate_selector`` codebooks and projection. Scales are computed
-    from float32 weights, then stored in the drafter's dtype. The quantized drafter
-    computes in float32 (see :data:`dflash_mlx.pair.loading.QUANTIZED_DRAFTER_DTYPE`).
-
-    Returns:
-        ``{"group_size", "bits", "mode"}``, as :func:`save_drafter` records it.
-    """
-    dtype = float_dtype(drafter)
-    drafter.set_dtype(mx.float32)
-
-    def predicate(path: str, module: nn.Module) -> bool:
-        return (path.startswith("layers.") and "candidate_selector" not in path
-                and isinstance(module, nn.Linear) and module.weight.shape[-1] % group_size == 0)
-
-    nn.quantize(drafter, group_size, bits, class_predicate=predicate)
-    drafter.set_dtype(dtype)
-    mx.eval(drafter.parameters())
-    return {"group_size": group_size, "bits": bits, "mode": "affine"}
-
-
-def write_drafter(drafter: DFlashDrafter, dst: Path, q_bits: Optional[int] = None,
-                  q_group_size: int = DRAFT_Q_GROUP_SIZE, dtype: Optional[str] = None) -> dict:
-    """Write the drafter in the released format: cast to ``dtype``, quantize if asked, save.
-
-    Returns:
-        The manifest entry: ``dtype``, ``quantization``, ``compute_dtype``.
-    """
-    if dtype is not None:
-        drafter.set_dtype(getattr(mx, dtype))
-    quantization = quantize_drafter(drafter, q_bits, q_group_size) if q_bits else None
-    save_drafter(drafter, dst)
-    entry = {"dtype": dtype_name(float_dtype(drafter)), "quantization": quantization}
-    if quantization is not None:
-        entry["float_modules"] = sorted({p.split(".")[0] for p, m in drafter.named_modules()
-                                         if p and not p.startswith("layers")})
-        entry["compute_dtype"] = dtype_name(QUANTIZED_DRAFTER_DTYPE)
-    return entry
-
-
-def _revision(path: Path) -> Optional[str]:
-    """The commit of a Hugging Face cache snapshot folder (``.../snapshots/<commit>``), else None."""
-    return path.name if path.parent.name == "snapshots" else None
-
-
-def _source(name: str, path: Path) -> str:
-    return str(path.resolve()) if Path(name).expanduser().is_dir() else name
-
-
-def make_manifest(model: str, draft_model: str, target_src: Path, draft_src: Path, draft_config: dict,
-                  args, target_entry: dict, drafter_entry: dict, files: dict) -> dict:
-    """The ``dflash.json`` contents (see :mod:`dflash_mlx.pair.manifest`); ``args`` are the
-    loaded drafter's (block size, target_layer_ids, mask token)."""
-    import mlx_lm
-
-    from .. import __version__
-
-    archs = draft_config.get("architectures") or ["DFlashDraftModel"]
-    return {
-        "dflash_convert": MANIFEST_VERSION,
-        "created_by": f"dflash-mlx {__version__}, mlx-lm {mlx_lm.__version__}",
-        "target": {"path": "target", "source": _source(model, target_src), "revision": _revision(target_src),
-                   **target_entry},
-        "drafter": {"path": "drafter", "source": _source(draft_model, draft_src), "revision": _revision(draft_src),
-                    "format": archs[0], "block_size": args.block_size,
-                    "target_layer_ids": list(args.target_layer_ids), "mask_token_id": args.mask_token_id,
-                    **drafter_entry},
-        "files": files,
-    }

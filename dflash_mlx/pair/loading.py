@@ -12,10 +12,10 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from mlx_lm.utils import load as mlx_lm_load
 
-from ..decode.calibration import folder_fingerprint
 from ..drafter.checkpoint import load_drafter, read_config
 from ..drafter.network import DFlashDrafter
 from ..errors import CheckpointError, ConfigError, InputError, MismatchError
+from ..fingerprint import folder_fingerprint
 from ..hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, resolve_model_path
 from .manifest import resolve_pair
 from ..targets import TargetAdapter, make_adapter
@@ -109,7 +109,7 @@ def load_target(path_or_repo: str):
     """
     model, tokenizer, folder = load_model_from(path_or_repo, what="target model")
     target = make_adapter(model)
-    target.fingerprint = folder_fingerprint(folder)  # keys its calibration (dflash_mlx.decode.calibration)
+    target.fingerprint = folder_fingerprint(folder)  # keys its calibration (dflash_mlx.decode.calibration_store)
     return model, tokenizer, target
 
 

@@ -5,7 +5,10 @@ norm, head) in the same order as the family's ``__call__``; it never patches or
 wraps them, so the model is left exactly as loaded. Each family file overrides
 only what differs from this generic decoder (masks, embedding scale, the layer
 walk, the head), and where a layer's mlx-lm cache cannot roll back, the cache
-class that replaces it (:mod:`dflash_mlx.targets.caches`).
+class that replaces it (:mod:`dflash_mlx.targets.caches`). What only some families
+use lives beside them: tree verify in :mod:`dflash_mlx.targets.tree_verify` (the
+:class:`~dflash_mlx.targets.tree_verify.TreeVerify` mixin), the Gated-DeltaNet
+layers and their cache checks in :mod:`dflash_mlx.targets.hybrid`.
 """
 
 from __future__ import annotations
@@ -16,14 +19,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from .caches import EXACT_TRIM, GatedDeltaCache, WindowKVCache, can_trim
-from ..errors import InputError, MismatchError, RollbackError
-from .tree_verify import compact_rows, decoder_layer_at, tree_layer_mask
+from ..errors import MismatchError, RollbackError
+from .tree_verify import TreeVerify
 
 
-class TargetAdapter:
+class TargetAdapter(TreeVerify):
     """Feature-capturing forward for one mlx-lm family.
 
     Args:
@@ -142,52 +145,14 @@ class TargetAdapter:
         features = mx.concatenate([captured[i] for i in capture], axis=-1) if capture else None
         return h, features
 
-    # -- tree verification (DDTree) ------------------------------------------------
-
-    supports_tree = False  # True where tree_verify.decoder_layer_at runs the family's layers
-
-    def layer_windows(self) -> List[Optional[int]]:
-        """Each layer's sliding window in tokens, None for full attention."""
-        return [None] * self.num_layers
-
-    def run_tree_layers(self, h: mx.array, cache: Sequence[Any], positions: np.ndarray,
-                        ancestors: np.ndarray) -> Iterator[mx.array]:
-        """The decoder layers with every input at its own position (see
-        :mod:`dflash_mlx.targets.tree_verify`); yields the residual stream per layer."""
-        if not self.supports_tree:
-            raise InputError(
-                f"tree verification is not available for {type(self).__name__} targets "
-                "(chain verify only)"
-            )
-        pos = mx.array(positions, dtype=mx.int32)
-        for layer, c, window in zip(self.layers, cache, self.layer_windows()):
-            h = decoder_layer_at(layer, h, c, pos, tree_layer_mask(c, positions, ancestors, window))
-            yield h
-
-    def compact(self, cache: Sequence[Any], new_rows: int, keep: Sequence[int]) -> None:
-        """After a tree verify of ``new_rows`` inputs, keep in every layer the rows of
-        the accepted path ``keep`` (increasing, relative to the first input) and drop
-        the rest, so the cache equals one that only saw the accepted path.
-
-        Raises:
-            RollbackError: a layer cannot drop the rows exactly.
-        """
-        dropped = new_rows - len(keep)
-        for i, c in enumerate(cache):
-            if not can_trim(c, dropped) or not isinstance(c, (KVCache, WindowKVCache)):
-                raise RollbackError(f"target layer {i}: {type(c).__name__} cannot keep only the accepted path")
-        for i, c in enumerate(cache):
-            trimmed = compact_rows(c, new_rows, keep)
-            if trimmed != dropped:
-                raise RollbackError(f"target layer {i}: {type(c).__name__} dropped {trimmed} of {dropped} rows")
-
     def make_cache(self, max_verify: int = 1) -> List[Any]:
         """A fresh prompt cache, as mlx-lm makes it, that rolls back exactly.
 
         Layers whose mlx-lm cache cannot roll back get one of ours (see
-        :meth:`exact_cache`): a :class:`~dflash_mlx.targets.caches.WindowKVCache` instead of a
-        ``RotatingKVCache`` (which cannot be trimmed once it wraps), a
-        :class:`~dflash_mlx.targets.caches.GatedDeltaCache` instead of a Gated-DeltaNet
+        :meth:`exact_cache`): a :class:`~dflash_mlx.targets.window_cache.WindowKVCache` instead of a
+        ``RotatingKVCache`` (which cannot be trimmed once it wraps), and in hybrid
+        targets (:mod:`dflash_mlx.targets.hybrid`) a
+        :class:`~dflash_mlx.targets.gated_delta_cache.GatedDeltaCache` instead of a Gated-DeltaNet
         layer's ``ArraysCache``.
 
         Args:
@@ -216,10 +181,6 @@ class TargetAdapter:
             return WindowKVCache(c.max_size, slack=max_verify)
         return c
 
-    def recurrent_module(self, i: int) -> Optional[nn.Module]:
-        """The recurrent (Gated-DeltaNet) module of layer ``i``, None for attention."""
-        return None
-
     def check_cache(self, cache: Sequence[Any], max_verify: int) -> None:
         """Refuse, before generation starts, a cache that cannot roll back exactly or
         that another model built.
@@ -237,52 +198,35 @@ class TargetAdapter:
                 f"it was built for another model; use {type(self).__name__}.make_cache()"
             )
         for i, c in enumerate(cache):
-            owner = self.recurrent_module(i)
-            if owner is not None or isinstance(c, GatedDeltaCache):
-                self._check_recurrent(i, c, owner, max_verify)
-            elif isinstance(c, WindowKVCache):
-                if c.slack < max_verify:
-                    raise RollbackError(
-                        f"target layer {i}: sliding-window cache (window {c.window}) keeps "
-                        f"{c.slack} rows for rollback but a verify feeds {max_verify}; "
-                        f"build it with make_cache(max_verify={max_verify})"
-                    )
-            elif not isinstance(c, EXACT_TRIM):
-                what = type(c).__name__
-                if isinstance(c, RotatingKVCache):
-                    what += f" (sliding window {c.max_size})"
-                raise RollbackError(
-                    f"target layer {i}: {what} cannot be rolled back exactly, so speculative "
-                    f"decoding would not reproduce the target; use {type(self).__name__}.make_cache()"
-                )
+            self.check_layer_cache(i, c, max_verify)
 
-    def _check_recurrent(self, i: int, c: Any, owner: Optional[nn.Module], max_verify: int) -> None:
-        name = type(self).__name__
-        if owner is None:
+    def check_layer_cache(self, i: int, c: Any, max_verify: int) -> None:
+        """Refuse layer ``i``'s cache when it cannot roll back ``max_verify`` rows exactly
+        or another model built it (:class:`~dflash_mlx.targets.hybrid.HybridAdapter`
+        adds its Gated-DeltaNet layers' checks).
+
+        Raises:
+            MismatchError, RollbackError: as :meth:`check_cache`.
+        """
+        if isinstance(c, GatedDeltaCache):
             raise MismatchError(
                 f"target layer {i} is an attention layer but its cache is a Gated-DeltaNet "
-                f"cache: it was built for another model; use {name}.make_cache()"
+                f"cache: it was built for another model; use {type(self).__name__}.make_cache()"
             )
-        if not isinstance(c, GatedDeltaCache):
-            if type(c) is ArraysCache:
+        if isinstance(c, WindowKVCache):
+            if c.slack < max_verify:
                 raise RollbackError(
-                    f"target layer {i}: mlx-lm's ArraysCache (Gated-DeltaNet state) cannot be "
-                    f"rolled back, so speculative decoding would not reproduce the target; "
-                    f"use {name}.make_cache()"
+                    f"target layer {i}: sliding-window cache (window {c.window}) keeps "
+                    f"{c.slack} rows for rollback but a verify feeds {max_verify}; "
+                    f"build it with make_cache(max_verify={max_verify})"
                 )
-            raise MismatchError(
-                f"target layer {i} is a Gated-DeltaNet layer but its cache is a {type(c).__name__}: "
-                f"it was built for another model; use {name}.make_cache()"
-            )
-        if c.owner is not owner:
-            raise MismatchError(
-                f"target layer {i}: this Gated-DeltaNet cache was built by another model "
-                f"(or for another layer); use {name}.make_cache() of this target"
-            )
-        if c.slack < max_verify:
+        elif not isinstance(c, EXACT_TRIM):
+            what = type(c).__name__
+            if isinstance(c, RotatingKVCache):
+                what += f" (sliding window {c.max_size})"
             raise RollbackError(
-                f"target layer {i}: Gated-DeltaNet cache can roll back {c.slack} tokens but a "
-                f"verify feeds {max_verify}; build it with make_cache(max_verify={max_verify})"
+                f"target layer {i}: {what} cannot be rolled back exactly, so speculative "
+                f"decoding would not reproduce the target; use {type(self).__name__}.make_cache()"
             )
 
     def rollback(self, cache: Sequence[Any], num_tokens: int) -> None:

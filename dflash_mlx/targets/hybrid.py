@@ -5,9 +5,11 @@ the model's own modules. A Gated-DeltaNet layer is run here, from the layer's ow
 sub-modules and mlx-lm's ``normalize_qk`` / ``gated_delta_update``, in the order of
 mlx-lm's ``GatedDeltaNet.__call__`` (tests pin the logits bit for bit): the only
 difference is that it hands its recurrence inputs to the layer's
-:class:`~dflash_mlx.targets.caches.GatedDeltaCache`, which replays the accepted prefix on a
+:class:`~dflash_mlx.targets.gated_delta_cache.GatedDeltaCache`, which replays the accepted prefix on a
 rollback (DFLASH_SPEC.md section 10). The family files give the input projections,
-the one place where the families' layers differ.
+the one place where the families' layers differ. What only hybrids need of the cache
+checks lives here too: which layers are recurrent (``recurrent_module``) and what
+their caches must be (``check_layer_cache``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from .caches import GatedDeltaCache
+from .gated_delta_cache import GatedDeltaCache
 from .base import TargetAdapter
+from ..errors import MismatchError, RollbackError
 
 
 class HybridAdapter(TargetAdapter):
@@ -44,6 +47,7 @@ class HybridAdapter(TargetAdapter):
             yield h
 
     def recurrent_module(self, i: int) -> Optional[nn.Module]:
+        """The recurrent (Gated-DeltaNet) module of layer ``i``, None for attention."""
         layer = self.layers[i]
         return layer.linear_attn if layer.is_linear else None
 
@@ -51,6 +55,41 @@ class HybridAdapter(TargetAdapter):
         if type(c) is ArraysCache and self.recurrent_module(i) is not None:
             return GatedDeltaCache(self.recurrent_module(i), slack=max_verify)
         return super().exact_cache(i, c, max_verify)
+
+    def check_layer_cache(self, i: int, c: Any, max_verify: int) -> None:
+        """As the generic check for attention layers; a Gated-DeltaNet layer's cache must
+        be a :class:`~dflash_mlx.targets.gated_delta_cache.GatedDeltaCache` built for this very
+        layer with room to roll back ``max_verify`` tokens.
+
+        Raises:
+            MismatchError: another model's cache (mlx-lm's own ``ArraysCache`` aside).
+            RollbackError: mlx-lm's ``ArraysCache``, or too little rollback room.
+        """
+        owner = self.recurrent_module(i)
+        if owner is None:
+            return super().check_layer_cache(i, c, max_verify)
+        name = type(self).__name__
+        if not isinstance(c, GatedDeltaCache):
+            if type(c) is ArraysCache:
+                raise RollbackError(
+                    f"target layer {i}: mlx-lm's ArraysCache (Gated-DeltaNet state) cannot be "
+                    f"rolled back, so speculative decoding would not reproduce the target; "
+                    f"use {name}.make_cache()"
+                )
+            raise MismatchError(
+                f"target layer {i} is a Gated-DeltaNet layer but its cache is a {type(c).__name__}: "
+                f"it was built for another model; use {name}.make_cache()"
+            )
+        if c.owner is not owner:
+            raise MismatchError(
+                f"target layer {i}: this Gated-DeltaNet cache was built by another model "
+                f"(or for another layer); use {name}.make_cache() of this target"
+            )
+        if c.slack < max_verify:
+            raise RollbackError(
+                f"target layer {i}: Gated-DeltaNet cache can roll back {c.slack} tokens but a "
+                f"verify feeds {max_verify}; build it with make_cache(max_verify={max_verify})"
+            )
 
     def project(self, gdn: nn.Module, x: mx.array) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
         """The layer's input projections of [1, S, H] inputs.

@@ -8,18 +8,26 @@ support trees, a decoder layer is run here from the layer's own modules: project
 norms and RoPE (one token per batch row, so each gets its own offset), the cache's
 update, attention under the tree mask, then the layer's MLP. A test pins this forward
 bit for bit to the model's own forward on a chain.
+
+:class:`TreeVerify` holds what an adapter needs for it (the layer walk at per-token
+positions and the compaction to the accepted path); every
+:class:`~dflash_mlx.targets.base.TargetAdapter` has it, and a family turns it on with
+``supports_tree = True`` (and :meth:`TreeVerify.layer_windows` where layers slide).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
 
-from .caches import WindowKVCache
+from .caches import can_trim
+from .window_cache import WindowKVCache
+from ..errors import InputError, RollbackError
 
 
 def rope_at(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
@@ -82,3 +90,47 @@ def compact_rows(cache: Any, new_rows: int, keep: Sequence[int]) -> int:
     cache.keys[..., base : base + m, :] = mx.take(cache.keys, rows, axis=2)
     cache.values[..., base : base + m, :] = mx.take(cache.values, rows, axis=2)
     return cache.trim(new_rows - m)
+
+
+class TreeVerify:
+    """Tree verify for a target adapter (mixed into
+    :class:`~dflash_mlx.targets.base.TargetAdapter`, whose ``layers`` and
+    ``num_layers`` it uses): its ``__call__`` runs :meth:`run_tree_layers` when given a
+    tree, and the decode loop calls :meth:`compact` after each tree step."""
+
+    supports_tree = False  # True where decoder_layer_at runs the family's layers
+
+    def layer_windows(self) -> List[Optional[int]]:
+        """Each layer's sliding window in tokens, None for full attention."""
+        return [None] * self.num_layers
+
+    def run_tree_layers(self, h: mx.array, cache: Sequence[Any], positions: np.ndarray,
+                        ancestors: np.ndarray) -> Iterator[mx.array]:
+        """The decoder layers with every input at its own position (see the
+        module doc); yields the residual stream per layer."""
+        if not self.supports_tree:
+            raise InputError(
+                f"tree verification is not available for {type(self).__name__} targets "
+                "(chain verify only)"
+            )
+        pos = mx.array(positions, dtype=mx.int32)
+        for layer, c, window in zip(self.layers, cache, self.layer_windows()):
+            h = decoder_layer_at(layer, h, c, pos, tree_layer_mask(c, positions, ancestors, window))
+            yield h
+
+    def compact(self, cache: Sequence[Any], new_rows: int, keep: Sequence[int]) -> None:
+        """After a tree verify of ``new_rows`` inputs, keep in every layer the rows of
+        the accepted path ``keep`` (increasing, relative to the first input) and drop
+        the rest, so the cache equals one that only saw the accepted path.
+
+        Raises:
+            RollbackError: a layer cannot drop the rows exactly.
+        """
+        dropped = new_rows - len(keep)
+        for i, c in enumerate(cache):
+            if not can_trim(c, dropped) or not isinstance(c, (KVCache, WindowKVCache)):
+                raise RollbackError(f"target layer {i}: {type(c).__name__} cannot keep only the accepted path")
+        for i, c in enumerate(cache):
+            trimmed = compact_rows(c, new_rows, keep)
+            if trimmed != dropped:
+                raise RollbackError(f"target layer {i}: {type(c).__name__} dropped {trimmed} of {dropped} rows")

@@ -1,0 +1,30 @@
+"""A model folder's identity, cheap to compute: what keys a kept calibration to a checkpoint.
+
+A shared leaf (imports nothing of the package): ``pair/loading.py`` and ``drafter/checkpoint.py``
+stamp each loaded model with it (``.fingerprint``), and ``decode/calibration_store.py`` keys a kept
+calibration by those stamps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+
+def folder_fingerprint(folder: str | Path) -> str:
+    """A cheap identity of a model folder: sha256 of ``config.json``'s bytes and of
+    each weight file's resolved name, size and modification time (a changed or
+    re-downloaded checkpoint gets a new fingerprint; its gigabytes are not read).
+
+    Raises:
+        OSError: the folder cannot be listed.
+    """
+    folder = Path(folder)
+    digest = hashlib.sha256()
+    config = folder / "config.json"
+    if config.is_file():
+        digest.update(config.read_bytes())
+    for path in sorted(folder.glob("*.safetensors")):
+        st = path.stat()
+        digest.update(f"{path.name}:{path.resolve().name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return digest.hexdigest()[:32]
