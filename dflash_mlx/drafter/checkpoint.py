@@ -13,7 +13,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..atomic import atomic_file
-from ..decode.calibration import folder_fingerprint
+from ..fingerprint import folder_fingerprint
 from .network import DFlashDrafter
 from .config import DrafterArgs
 from ..errors import CheckpointError, ConfigError
