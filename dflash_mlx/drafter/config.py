@@ -271,6 +271,8 @@ class DrafterArgs:
         }
         if self.sliding_window is not None:
             top["sliding_window"] = self.sliding_window
+        if self.config is None and self.layer_types and "sliding_attention" in self.layer_types:
+            top["use_sliding_window"] = True  # else transformers' Qwen3Config drops sliding_window (the authors' loader)
         if self.is_causal is not None:
             top["is_causal"] = self.is_causal
         ids = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
