@@ -26,8 +26,9 @@ def pick(config: dict, dflash: dict, key: str, top_first: bool, source: str, def
     """A key that may sit at the top level or under ``dflash_config``.
 
     Args:
-        top_first: the format's own place is the top level (else ``dflash_config``);
-            only used to name the key in errors.
+        top_first: read the top level first (the format's own place), else
+            ``dflash_config``; when both hold a value they must agree anyway.
+        default: the value when neither place has the key (or it is null).
 
     Raises:
         ConfigError: both places hold different values (names both).
