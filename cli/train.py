@@ -282,9 +282,11 @@ def parse_numbers(value: Optional[str], flag: str, kind=int) -> Optional[list]:
 
 
 def eval_line(step: int, result: dict) -> str:
-    """``step N: held-out tau 4.12 at B=16 (acceptance by position .90 .80 ...), 3.01 at B=8 (...)``:
-    the teacher-forced figures of :func:`dflash_mlx.stats.teacher_forced`, per block size."""
-    parts = [f"{r['tau']:.2f} at B={b} (acceptance by position " + " ".join(f"{x:.2f}" for x in r["acceptance"]) + ")"
+    """``step N: held-out tau 4.12 at B=16 (as generated 3.40; acceptance by position .90 .80 ...), ...``:
+    the teacher-forced figures of :func:`dflash_mlx.stats.teacher_forced`, per block size, and
+    tau along generation's own schedule (:mod:`dflash_mlx.train.chained`) where measured."""
+    parts = [f"{r['tau']:.2f} at B={b} (" + (f"as generated {r['tau_generation']:.2f}; " if "tau_generation" in r else "")
+             + "acceptance by position " + " ".join(f"{x:.2f}" for x in r["acceptance"]) + ")"
              for b, r in result.items()]
     return f"step {step}: held-out tau " + ", ".join(parts)
 
@@ -295,11 +297,13 @@ def eval_table(step: int, result: dict) -> Table:
     table = Table(title=f"held-out acceptance at step {step} (teacher forced)", title_justify="left")
     table.add_column("B", justify="right")
     table.add_column("tau", justify="right")
+    table.add_column("as generated", justify="right")
     for k in range(1, width + 1):
         table.add_column(str(k), justify="right")
     for b, r in result.items():
         cells = [f"{x:.2f}" for x in r["acceptance"]]
-        table.add_row(str(b), f"{r['tau']:.2f}", *cells, *[""] * (width - len(cells)))
+        generated = f"{r['tau_generation']:.2f}" if "tau_generation" in r else ""
+        table.add_row(str(b), f"{r['tau']:.2f}", generated, *cells, *[""] * (width - len(cells)))
     return table
 
 

@@ -4,6 +4,7 @@ weights (no embedding, no lm_head), named as :mod:`dflash_mlx.drafter.formats` s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Optional
@@ -20,6 +21,7 @@ from ..errors import CheckpointError, ConfigError
 from ..hub import resolve_model_path
 
 DRAFTER_FILES = ["*.json", "*.safetensors"]
+VOCAB_MAPS = ("d2t", "t2d")  # draft<->target vocabulary maps (vLLM, EAGLE-3 style), refused
 
 
 def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
@@ -48,6 +50,12 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
     config = read_config(config_file)
     args = DrafterArgs.from_config(config, source=str(config_file))
     stored, files = read_safetensors(path, with_files=True)
+    for key in VOCAB_MAPS:
+        if key in stored:
+            raise CheckpointError(f"{files[key]}: weight '{key}' maps a reduced draft vocabulary; "
+                                  "drafters over a reduced vocabulary are not supported")
+    if "mask_embedding" in stored:
+        args = dataclasses.replace(args, mask_embedding=True)
     fmt = args.format
     weights = {fmt.network_key(k): v for k, v in stored.items()}
     model = DFlashDrafter(args)

@@ -1,24 +1,23 @@
 """Drafter hyper-parameters: the released ``config.json`` parsed and validated
 (DFLASH_SPEC.md sections 2 and 9), and written back in the same layout.
 
-Where each format keeps its keys is in :mod:`dflash_mlx.drafter.formats`.
+The fields every format shares are parsed here; each format parses, checks and writes
+its own keys (:mod:`dflash_mlx.drafter.formats`), and the keys other tools write for the
+same fields are read or refused in :mod:`dflash_mlx.drafter.variants`.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from ..errors import ConfigError
-from .formats import FORMATS, V1, detect_format, format_named
+from .formats import V1, DrafterFormat, detect_format, format_named, to_int, to_number
+from .variants import engine_keys, pick, rope_theta as read_rope_theta
 
 DRAFTER_ARCHITECTURE = V1.architecture
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# DFlash2 keys of dflash_config (spec section 9); the three scalars have defaults.
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-DFLASH2_SCALARS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
@@ -53,12 +52,16 @@ class DrafterArgs:
         layer_types: per layer ``full_attention`` or ``sliding_attention`` (None: all full).
         sliding_window: W of the sliding layers, in tokens.
         is_causal: top-level override of in-block causality (None: the format's rule).
+        mask_embedding: the checkpoint has its own ``mask_embedding`` [H] row for
+            masked block positions instead of the embedding of ``mask_token_id`` (a
+            weight, not a config key: set by the loader).
         conv_kernel_size, conv_group_size: DFlash2 block convolution taps K and
             channels per dynamic group g (0: no convolution).
         selector_rank, selector_top_k: DFlash2 candidate selector rank r and
             candidates per position k (0: no selector).
         input_embedding_scale, output_multiplier, final_logit_softcapping: DFlash2
-            embedding scale, logit multiplier and softcap (None: no softcap).
+            embedding scale, logit multiplier and softcap (None: no softcap). These
+            seven are DFlash2's own keys, parsed and written by its format.
         config: the ``config.json`` this came from, kept so saving writes the same
             keys back (None for a new drafter).
     """
@@ -82,6 +85,7 @@ class DrafterArgs:
     layer_types: Optional[List[str]] = None
     sliding_window: Optional[int] = None
     is_causal: Optional[bool] = None
+    mask_embedding: bool = False
     conv_kernel_size: int = 0
     conv_group_size: int = 0
     selector_rank: int = 0
@@ -107,10 +111,11 @@ class DrafterArgs:
             return self.is_causal
         return self.is_sliding(layer) and not self.format.bidirectional
 
-    # Over 60 lines: every config key checked where it is read; format keys move to formats.py next
+    # Over 60 lines: each common key checked where it is read (format keys: formats.py; other tools': variants.py)
     @classmethod
     def from_config(cls, config: dict, source: str = "config.json") -> "DrafterArgs":
-        """Parse and validate a drafter config of any format in :mod:`dflash_mlx.drafter.formats`.
+        """Parse and validate a drafter config of any format in :mod:`dflash_mlx.drafter.formats`,
+        in any layout of :mod:`dflash_mlx.drafter.variants`.
 
         Raises:
             ConfigError: a required key is missing or a value does not fit; the
@@ -130,14 +135,13 @@ class DrafterArgs:
             return config[key]
 
         def drafter_key(key: str, default: Any = None) -> Any:
-            """A DFlash key: in its format's place first, then the other place."""
-            first, second = (config, dflash) if fmt.ids_at_top else (dflash, config)
-            return first.get(key, second.get(key, default))
+            """A DFlash key: in its format's place or the other place (they must agree)."""
+            return pick(config, dflash, key, fmt.ids_at_top, source, default)
 
         n_heads = _int(need("num_attention_heads"), "num_attention_heads", source)
         hidden = _int(need("hidden_size"), "hidden_size", source)
         n_layers = _int(need("num_hidden_layers"), "num_hidden_layers", source)
-        n_target = config.get("num_target_layers")
+        n_target = pick(config, dflash, "num_target_layers", True, source)
         n_target = None if n_target is None else _int(n_target, "num_target_layers", source)
         layer_ids = drafter_key("target_layer_ids")
         if layer_ids is None:
@@ -153,21 +157,13 @@ class DrafterArgs:
         if mask_id is None:
             raise ConfigError(f"{source}: missing key '{where}mask_token_id'")
         rope_params = config.get("rope_parameters") or {}
-        rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         rope_scaling = config.get("rope_scaling") or (rope_params or None)
-        extra = {}
-        if fmt.dflash2:
-            for key in DFLASH2_KEYS:
-                if drafter_key(key) is None:
-                    raise ConfigError(f"{source}: missing key 'dflash_config.{key}' (needed by {fmt.architecture})")
-                extra[key] = _int(drafter_key(key), f"dflash_config.{key}", source)
-            for key, default in DFLASH2_SCALARS.items():
-                value = drafter_key(key, default)
-                extra[key] = None if value is None else _number(value, f"dflash_config.{key}", source)
-        is_causal = config.get("is_causal")
+        extra = fmt.read_keys(lambda key: drafter_key(key), source)
+        engine = engine_keys(config, dflash, source)
+        is_causal = engine["is_causal"]
         if is_causal is not None and not isinstance(is_causal, bool):
             raise ConfigError(f"{source}: 'is_causal' must be true, false or null, got {is_causal!r}")
-        window = config.get("sliding_window")
+        window = engine["sliding_window"]
         args = cls(
             hidden_size=hidden,
             num_hidden_layers=n_layers,
@@ -178,10 +174,10 @@ class DrafterArgs:
             vocab_size=_int(need("vocab_size"), "vocab_size", source),
             target_layer_ids=[_int(i, f"{where}target_layer_ids", source) for i in layer_ids],
             mask_token_id=_int(mask_id, f"{where}mask_token_id", source),
-            block_size=_int(drafter_key("block_size", config.get("block_size", 16)), "block_size", source),
+            block_size=_int(drafter_key("block_size", 16), "block_size", source),
             num_target_layers=n_target,
             rms_norm_eps=_number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
-            rope_theta=_number(rope_theta, "rope_theta", source),
+            rope_theta=_number(read_rope_theta(config, source), "rope_theta", source),
             rope_scaling=rope_scaling,
             max_position_embeddings=_int(config.get("max_position_embeddings") or 40960, "max_position_embeddings",
                                          source),
@@ -224,8 +220,7 @@ class DrafterArgs:
                 f"multiple of num_key_value_heads {self.num_key_value_heads}"
             )
         self._validate_layers(source)
-        if self.format.dflash2:
-            self._validate_dflash2(source)
+        self.format.validate_keys(self, source)
 
     def _validate_layers(self, source: str) -> None:
         types = self.layer_types
@@ -243,23 +238,6 @@ class DrafterArgs:
                 f"{source}: 'sliding_window' must be a positive number of tokens when a layer is "
                 f"sliding_attention, got {self.sliding_window!r}"
             )
-
-    def _validate_dflash2(self, source: str) -> None:
-        for key in DFLASH2_KEYS:
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{source}: 'dflash_config.{key}' must be at least 1, got {getattr(self, key)}")
-        if self.hidden_size % self.conv_group_size:
-            raise ConfigError(
-                f"{source}: 'dflash_config.conv_group_size' {self.conv_group_size} does not divide "
-                f"hidden_size {self.hidden_size}"
-            )
-        if self.selector_top_k > self.vocab_size:
-            raise ConfigError(
-                f"{source}: 'dflash_config.selector_top_k' {self.selector_top_k} exceeds vocab_size {self.vocab_size}"
-            )
-        cap = self.final_logit_softcapping
-        if cap is not None and cap < 0:
-            raise ConfigError(f"{source}: 'dflash_config.final_logit_softcapping' must be >= 0 or null, got {cap}")
 
     def to_config(self, dtype: str = "bfloat16") -> dict:
         """The ``config.json`` of this drafter in its format's layout.
@@ -293,29 +271,26 @@ class DrafterArgs:
         }
         if self.sliding_window is not None:
             top["sliding_window"] = self.sliding_window
+        if self.config is None and self.layer_types and "sliding_attention" in self.layer_types:
+            top["use_sliding_window"] = True  # else transformers' Qwen3Config drops sliding_window (the authors' loader)
         if self.is_causal is not None:
             top["is_causal"] = self.is_causal
         ids = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
         dflash = {} if fmt.ids_at_top else dict(ids)
         if fmt.ids_at_top:
             top.update(ids)
-        if fmt.dflash2:
-            dflash.update({k: getattr(self, k) for k in DFLASH2_KEYS})
-            scalars = {k: getattr(self, k) for k in DFLASH2_SCALARS}
-            if self.config is None:  # a new checkpoint writes the scales that are not the default
-                scalars = {k: v for k, v in scalars.items() if v != DFLASH2_SCALARS[k]}
-            dflash.update(scalars)
+        dflash.update(fmt.write_keys(self, new=self.config is None))
         if self.config is None:
             out = dict(top, dflash_config=dflash) if dflash else dict(top)
             out["torch_dtype"] = dtype
             return out
-        return _merge(self.config, top, dflash, dtype)
+        return _merge(self.config, top, dflash, dtype, fmt)
 
 
-def _merge(original: dict, top: dict, dflash: dict, dtype: str) -> dict:
+def _merge(original: dict, top: dict, dflash: dict, dtype: str, fmt: DrafterFormat) -> dict:
     """``original`` with its values updated from ``top`` and ``dflash``, each key where
     the original keeps it; a key the original lacks is added only when it carries
-    information (sliding layers, a causality override, a non-default DFlash2 scale)."""
+    information (sliding layers, a causality override, a format key ``fmt`` says to add)."""
     out = copy.deepcopy(original)
     nested = out.get("dflash_config") if isinstance(out.get("dflash_config"), dict) else None
     for key, value in list(top.items()) + list(dflash.items()):
@@ -328,7 +303,7 @@ def _merge(original: dict, top: dict, dflash: dict, dtype: str) -> dict:
         elif key == "rope_theta" and isinstance(out.get("rope_parameters"), dict):
             out["rope_parameters"]["rope_theta"] = value
         elif key in dflash and key not in top:
-            if key not in DFLASH2_SCALARS or value != DFLASH2_SCALARS[key]:
+            if key in _IDS or fmt.addable(key, value):
                 out.setdefault("dflash_config", {})[key] = value
         elif key in _ADDABLE and value is not None and (key != "layer_types" or "sliding_attention" in value):
             out[key] = value
@@ -338,19 +313,8 @@ def _merge(original: dict, top: dict, dflash: dict, dtype: str) -> dict:
     return out
 
 
+_IDS = ("target_layer_ids", "mask_token_id")
 _ADDABLE = ("sliding_window", "is_causal", "layer_types", "block_size", "num_target_layers")
 
 
-def _int(value: Any, key: str, source: str) -> int:
-    """An integer config value (JSON numbers like 16.0 included), else ConfigError naming the key."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or (isinstance(value, float) and not value.is_integer())):
-        raise ConfigError(f"{source}: '{key}' must be an integer, got {value!r}")
-    return int(value)
-
-
-def _number(value: Any, key: str, source: str) -> float:
-    """A finite number, else ConfigError naming the key."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{source}: '{key}' must be a number, got {value!r} (finite)")
-    return float(value)
+_int, _number = to_int, to_number  # shared with the formats' own keys

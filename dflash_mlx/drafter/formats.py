@@ -1,7 +1,7 @@
 """Drafter checkpoint formats, told apart by ``architectures[0]`` (DFLASH_SPEC.md sections 2, 9).
 
-A format says where its ``config.json`` keeps the DFlash keys, how its weight names map
-onto the network of :mod:`dflash_mlx.drafter.network`, and which network pieces it uses. The
+A format says where its ``config.json`` keeps the DFlash keys, which keys of its own it
+parses, checks and writes (:class:`FormatKey`), how its weight names map onto the network of :mod:`dflash_mlx.drafter.network`, and which network pieces it uses. The
 pieces themselves (sliding-window layers, DFlash2's block convolution and candidate
 selector) live in the drafter file, so the method is read in one place.
 
@@ -17,10 +17,52 @@ a top-level ``is_causal`` overrides the in-block attention of every layer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..errors import ConfigError
+
+REQUIRED = object()  # a FormatKey default: the key must be present
+
+
+@dataclass(frozen=True)
+class FormatKey:
+    """One ``dflash_config`` key a format owns (parsed into the DrafterArgs field of the same name).
+
+    Attributes:
+        name: the key, also the DrafterArgs field.
+        integer: an integer (else a finite number).
+        default: the value when absent, or :data:`REQUIRED`.
+        minimum: the smallest value allowed (None: any).
+        nullable: null is allowed (for a number: "off").
+    """
+
+    name: str
+    integer: bool = True
+    default: Any = REQUIRED
+    minimum: Optional[float] = None
+    nullable: bool = False
+
+    def parse(self, value: Any, source: str, fmt: str) -> Any:
+        """The checked value of this key (``value`` None: absent).
+
+        Raises:
+            ConfigError: missing, of the wrong type or below ``minimum``; names the key.
+        """
+        where = f"dflash_config.{self.name}"
+        if value is None:
+            if self.default is REQUIRED:
+                raise ConfigError(f"{source}: missing key '{where}' (needed by {fmt})")
+            value = self.default
+            if value is None:
+                return None
+        value = to_int(value, where, source) if self.integer else to_number(value, where, source)
+        if self.minimum is not None and value < self.minimum:
+            raise ConfigError(f"{source}: '{where}' must be at least {self.minimum:g}, got {value}"
+                              if self.integer else
+                              f"{source}: '{where}' must be >= {self.minimum:g} or null, got {value}")
+        return value
 
 
 @dataclass(frozen=True)
@@ -36,6 +78,9 @@ class DrafterFormat:
         dflash2: DFlash2 pieces (block convolution, candidate selector, scales).
         bidirectional: in-block attention is bidirectional on every layer unless
             ``is_causal`` says otherwise (else causal on sliding layers).
+        keys: the ``dflash_config`` keys this format alone owns; each fills the
+            DrafterArgs field of its name (the network reads them there).
+        check: cross-checks of those fields, ``check(args, source)`` (ConfigError).
     """
 
     architecture: str
@@ -44,6 +89,39 @@ class DrafterFormat:
     renames: Tuple[Tuple[str, str], ...] = ()
     dflash2: bool = False
     bidirectional: bool = False
+    keys: Tuple[FormatKey, ...] = ()
+    check: Optional[Callable[[Any, str], None]] = None
+
+    def read_keys(self, lookup: Callable[[str], Any], source: str) -> Dict[str, Any]:
+        """The DrafterArgs fields this format owns, from ``lookup(key)`` (None when absent).
+
+        Raises:
+            ConfigError: a key missing or invalid (names ``dflash_config.<key>``).
+        """
+        return {k.name: k.parse(lookup(k.name), source, self.architecture) for k in self.keys}
+
+    def validate_keys(self, args: Any, source: str) -> None:
+        """Check this format's fields of ``args`` (ranges and cross-checks); ConfigError naming the key."""
+        for k in self.keys:
+            k.parse(getattr(args, k.name), source, self.architecture)
+        if self.check is not None:
+            self.check(args, source)
+
+    def write_keys(self, args: Any, new: bool) -> Dict[str, Any]:
+        """This format's ``dflash_config`` entries for ``args``; a new checkpoint leaves out
+        optional keys at their default."""
+        out = {}
+        for k in self.keys:
+            value = getattr(args, k.name)
+            if not new or k.default is REQUIRED or value != k.default:
+                out[k.name] = value
+        return out
+
+    def addable(self, key: str, value: Any) -> bool:
+        """Whether saving adds this format's ``key`` to a config that lacked it: a
+        required key, or an optional one away from its default."""
+        spec = next((k for k in self.keys if k.name == key), None)
+        return spec is not None and (spec.default is REQUIRED or value != spec.default)
 
     def network_key(self, key: str) -> str:
         """Checkpoint weight name -> the network's parameter name."""
@@ -60,8 +138,31 @@ class DrafterFormat:
         return key
 
 
+def _check_dflash2(args: Any, source: str) -> None:
+    """DFlash2 cross-checks: groups divide the width, candidates fit the vocabulary."""
+    if args.hidden_size % args.conv_group_size:
+        raise ConfigError(
+            f"{source}: 'dflash_config.conv_group_size' {args.conv_group_size} does not divide "
+            f"hidden_size {args.hidden_size}"
+        )
+    if args.selector_top_k > args.vocab_size:
+        raise ConfigError(
+            f"{source}: 'dflash_config.selector_top_k' {args.selector_top_k} exceeds vocab_size {args.vocab_size}"
+        )
+
+
+# DFlash2 keys of dflash_config (spec section 9): convolution taps K and channels per
+# dynamic group g, selector rank r and candidates k; then three scalars with defaults.
+DFLASH2_KEYS = (
+    FormatKey("conv_kernel_size", minimum=1), FormatKey("conv_group_size", minimum=1),
+    FormatKey("selector_rank", minimum=1), FormatKey("selector_top_k", minimum=1),
+    FormatKey("input_embedding_scale", integer=False, default=1.0),
+    FormatKey("output_multiplier", integer=False, default=1.0),
+    FormatKey("final_logit_softcapping", integer=False, default=None, minimum=0.0, nullable=True),
+)
+
 V1 = DrafterFormat("DFlashDraftModel", "qwen3")
-DFLASH2 = DrafterFormat("DFlash2DraftModel", "qwen3", dflash2=True)
+DFLASH2 = DrafterFormat("DFlash2DraftModel", "qwen3", dflash2=True, keys=DFLASH2_KEYS, check=_check_dflash2)
 MUSE_GLIMMER = DrafterFormat(
     "MuseGlimmerAssistantModel", "muse_glimmer_assistant", ids_at_top=True,
     renames=(("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm.")), bidirectional=True,
@@ -96,3 +197,18 @@ def detect_format(config: dict, source: str = "config.json") -> DrafterFormat:
 def format_named(architecture: Optional[str]) -> DrafterFormat:
     """The format for an architecture name (None: v1)."""
     return FORMATS[architecture or V1.architecture]
+
+
+def to_int(value: Any, key: str, source: str) -> int:
+    """An integer config value (JSON numbers like 16.0 included), else ConfigError naming the key."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not value.is_integer())):
+        raise ConfigError(f"{source}: '{key}' must be an integer, got {value!r}")
+    return int(value)
+
+
+def to_number(value: Any, key: str, source: str) -> float:
+    """A finite number, else ConfigError naming the key."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{source}: '{key}' must be a number, got {value!r} (finite)")
+    return float(value)

@@ -354,6 +354,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.layers = [DrafterLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        if args.mask_embedding:  # a checkpoint's own row for masked positions (variants.py)
+            self.mask_embedding = mx.zeros((args.hidden_size,))
         if args.selector_rank:
             self.candidate_selector = CandidateSelector(args.hidden_size, args.vocab_size,
                                                         args.selector_rank, args.selector_top_k)
@@ -440,13 +442,21 @@ class DFlashDrafter(nn.Module):
         context rows are appended to ``cache``). Arguments as in :meth:`__call__`."""
         if self._embed is None:
             raise RuntimeError("DFlashDrafter.bind(...) must be called before use")
-        h = self._embed(block)
+        h = self.embed_block(block)
         if self.args.input_embedding_scale != 1.0:
             h = h * self.args.input_embedding_scale
         fused = self._context(context, cache)
         for layer, c in zip(self.layers, cache):
             h = layer(h, fused, c)
         return self.norm(h[:, 1:])
+
+    def embed_block(self, block: mx.array) -> mx.array:
+        """[N, B] int32 block tokens -> [N, B, H] embeddings: the target's, with the
+        drafter's own ``mask_embedding`` row at ``mask_token_id`` positions when it has one."""
+        h = self._embed(block)
+        if "mask_embedding" in self:
+            h = mx.where((block == self.args.mask_token_id)[..., None], self.mask_embedding.astype(h.dtype), h)
+        return h
 
     def logits(self, hidden: mx.array) -> mx.array:
         """``lm_head(hidden) * output_multiplier``, then ``cap * tanh(logits / cap)`` when
@@ -495,7 +505,7 @@ class DFlashDrafter(nn.Module):
         if a.format.dflash2 or any(a.is_sliding(i) or a.is_causal_layer(i) for i in range(a.num_hidden_layers)):
             raise ConfigError(f"training supports full-attention v1 drafters only, not {a.architecture} "
                               "with these layer types")
-        h = self._embed(blocks)
+        h = self.embed_block(blocks)
         fused = self.hidden_norm(self.fc(context))
         for layer in self.layers:
             h = layer(h, fused, anchors=anchors, mask=mask)

@@ -44,6 +44,7 @@ from ..kernels import fast_softmax
 from ..pair.loading import bind_drafter
 from ..stats import teacher_forced
 from ..targets import TargetAdapter
+from .chained import evaluate_chained
 from .blocks import block_mask, default_gamma, position_weights, sample_anchors, valid_anchors
 from .data import TrainSequence, read_json
 
@@ -430,29 +431,37 @@ def evaluate(drafter: DFlashDrafter, target: TargetAdapter, sequences: List[Trai
 
 def evaluate_block_sizes(drafter: DFlashDrafter, target: TargetAdapter, sequences: List[TrainSequence],
                          block_sizes: List[int], max_anchors: int = 256, seed: int = 0,
-                         anchor_chunk: int = 64) -> Dict[int, dict]:
+                         anchor_chunk: int = 64, chained: bool = True) -> Dict[int, dict]:
     """:func:`evaluate` at several block sizes, with one target forward per sequence.
 
+    Args:
+        chained: also tau along generation's own schedule (``tau_generation``,
+            :mod:`dflash_mlx.train.chained`), which the uniform anchors overestimate.
+
     Returns:
-        ``{block size: {"accuracy", "acceptance", "tau", "blocks"}}`` in the order of
-        ``block_sizes``.
+        ``{block size: {"accuracy", "acceptance", "tau", "blocks"[, "tau_generation"]}}``
+        in the order of ``block_sizes``.
     """
     dtype = drafter.fc.weight.dtype
     rows = {b: [np.zeros((0, b - 1), dtype=bool)] for b in block_sizes}
+    features = {}
     for i, seq in enumerate(sequences):
-        feats = None
         for b in block_sizes:
             rng = np.random.default_rng([seed, 7919, i])
             anchors = sample_anchors(rng, seq.tokens.size, seq.response_start, b, max_anchors)
             if anchors.size == 0:
                 continue
-            if feats is None:
-                feats = target_features(target, seq.tokens, drafter.target_layer_ids, dtype)
+            if i not in features:
+                features[i] = target_features(target, seq.tokens, drafter.target_layer_ids, dtype)
             for context, (blocks, targets, anchors_mx, mask) in chunk_batches(  # bounded memory, as in training
-                    seq, feats, anchors, b, drafter.args.mask_token_id, anchor_chunk):
+                    seq, features[i], anchors, b, drafter.args.mask_token_id, anchor_chunk):
                 logits = drafter.block_logits(blocks, context, anchors_mx, mask)
                 rows[b].append(np.array(mx.argmax(logits, axis=-1) == targets))
-    return {b: teacher_forced(np.concatenate(rows[b])) for b in block_sizes}
+    out = {b: teacher_forced(np.concatenate(rows[b])) for b in block_sizes}
+    if chained:
+        for b, r in evaluate_chained(drafter, target, sequences, block_sizes, features).items():
+            out[b]["tau_generation"] = r["tau"]
+    return out
 
 
 def block_size_plan(config: TrainConfig, trained: int) -> Dict[int, float]:
@@ -601,7 +610,8 @@ class Trainer:
             if c.eval_every and self.held_out and self.step % c.eval_every == 0:
                 info.eval = evaluate_block_sizes(self.drafter, self.target, self.held_out[: c.eval_sequences],
                                                  sorted(self.plan, reverse=True), seed=c.seed,
-                                                 anchor_chunk=c.anchor_chunk)
+                                                 anchor_chunk=c.anchor_chunk,
+                                                 chained=self.step == c.steps)  # the last only: ~1 s per sequence
             if c.save_every and self.step % c.save_every == 0:
                 self.save_checkpoint()
             yield info

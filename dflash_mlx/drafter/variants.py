@@ -1,0 +1,100 @@
+"""Config keys that other tools write for the same drafter (vLLM, SGLang, SpecForge,
+speculators; PEERS.md "Serving and interop"): read into the fields our layout has, or
+refused with one line naming the key.
+
+| key | written by | here |
+|---|---|---|
+| ``target_layer_ids``, ``mask_token_id``, ``block_size``, ``num_target_layers`` at the top level or under ``dflash_config`` | SGLang, Muse-Glimmer | either place; two different values are refused |
+| ``rope_parameters.rope_theta`` instead of ``rope_theta`` | newer transformers | either; two different values are refused |
+| ``dflash_config.causal`` | vLLM | the in-block causality override (``is_causal``) |
+| ``dflash_config.use_swa``, ``dflash_config.swa_window_size`` (or ``.sliding_window``) | vLLM | must agree with ``layer_types`` and ``sliding_window`` |
+| ``target_hidden_size`` | vLLM | accepted when equal to ``hidden_size`` |
+| ``draft_vocab_size`` with a ``d2t`` map | vLLM (EAGLE-3 style) | accepted when equal to ``vocab_size``; a reduced vocabulary is refused |
+| a ``mask_embedding`` weight | vLLM | accepted (:mod:`dflash_mlx.drafter.checkpoint`) |
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from ..errors import ConfigError
+
+_MISSING = object()
+
+
+def pick(config: dict, dflash: dict, key: str, top_first: bool, source: str, default: Any = None) -> Any:
+    """A key that may sit at the top level or under ``dflash_config``.
+
+    Args:
+        top_first: read the top level first (the format's own place), else
+            ``dflash_config``; when both hold a value they must agree anyway.
+        default: the value when neither place has the key (or it is null).
+
+    Raises:
+        ConfigError: both places hold different values (names both).
+    """
+    top, nested = config.get(key, _MISSING), dflash.get(key, _MISSING)
+    if top is not _MISSING and nested is not _MISSING and top != nested:
+        raise ConfigError(f"{source}: 'dflash_config.{key}' {nested!r} and top-level '{key}' {top!r} disagree")
+    first, second = (top, nested) if top_first else (nested, top)
+    value = first if first is not _MISSING else second
+    return default if value is _MISSING or value is None else value
+
+
+def rope_theta(config: dict, source: str) -> Any:
+    """``rope_theta``, or ``rope_parameters.rope_theta`` (10000 when neither is set).
+
+    Raises:
+        ConfigError: both are set and differ.
+    """
+    params = config.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{source}: 'rope_parameters' must be an object, got {params!r}")
+    top, nested = config.get("rope_theta"), params.get("rope_theta")
+    if top is not None and nested is not None and top != nested:
+        raise ConfigError(f"{source}: 'rope_theta' {top!r} and 'rope_parameters.rope_theta' {nested!r} disagree")
+    return top if top is not None else (nested if nested is not None else 10000.0)
+
+
+def engine_keys(config: dict, dflash: dict, source: str) -> Dict[str, Any]:
+    """``is_causal`` and ``sliding_window`` from vLLM's ``dflash_config`` keys when the
+    top level lacks them, after checking vLLM's other keys against ours.
+
+    Raises:
+        ConfigError: a key that contradicts another or asks for what this drafter
+            cannot do (a reduced draft vocabulary, another target width); names it.
+    """
+    hidden, vocab = config.get("hidden_size"), config.get("vocab_size")
+    target_hidden = pick(config, dflash, "target_hidden_size", True, source)
+    if target_hidden is not None and target_hidden != hidden:
+        raise ConfigError(f"{source}: 'target_hidden_size' {target_hidden!r} differs from hidden_size {hidden!r}; "
+                          "drafters for a target of another width are not supported")
+    draft_vocab = pick(config, dflash, "draft_vocab_size", True, source)
+    if draft_vocab is not None and draft_vocab != vocab:
+        raise ConfigError(f"{source}: 'draft_vocab_size' {draft_vocab!r} differs from vocab_size {vocab!r}; "
+                          "a reduced draft vocabulary with a draft-to-target map is not supported")
+    causal = _agree(config.get("is_causal"), dflash.get("causal"), "is_causal", "dflash_config.causal", source)
+    window = config.get("sliding_window")
+    for key in ("swa_window_size", "sliding_window"):
+        window = _agree(window, dflash.get(key), "sliding_window", f"dflash_config.{key}", source)
+    _check_use_swa(config, dflash.get("use_swa"), source)
+    return {"is_causal": causal, "sliding_window": window}
+
+
+def _agree(ours: Any, theirs: Any, our_key: str, their_key: str, source: str) -> Any:
+    if ours is not None and theirs is not None and ours != theirs:
+        raise ConfigError(f"{source}: '{their_key}' {theirs!r} and '{our_key}' {ours!r} disagree")
+    return ours if ours is not None else theirs
+
+
+def _check_use_swa(config: dict, use_swa: Optional[Any], source: str) -> None:
+    """``dflash_config.use_swa`` must say what ``layer_types`` says."""
+    if use_swa is None:
+        return
+    if not isinstance(use_swa, bool):
+        raise ConfigError(f"{source}: 'dflash_config.use_swa' must be true or false, got {use_swa!r}")
+    types = config.get("layer_types") or []
+    sliding = isinstance(types, list) and "sliding_attention" in types
+    if use_swa != sliding:
+        raise ConfigError(f"{source}: 'dflash_config.use_swa' is {str(use_swa).lower()} but 'layer_types' "
+                          f"{'names no' if use_swa else 'has a'} sliding_attention layer")
