@@ -39,10 +39,12 @@ def boundary_interval(step: int, interval: Optional[int] = None) -> int:
 
 
 def boundaries(start: int, prompt_len: int, every: int) -> List[int]:
-    """Multiples of ``every`` after ``start`` and at most ``prompt_len - 1`` (the last
-    prompt token is always fed by the generation itself)."""
+    """Multiples of ``every`` after ``start``, then ``prompt_len - 1``: the prompt but its
+    last token, which the generation itself feeds (a next turn's prompt starts with this
+    one, so it resumes there even when the reply is rendered differently)."""
     first = (start // every + 1) * every
-    return list(range(first, prompt_len, every))
+    stops = list(range(first, prompt_len - 1, every))
+    return stops + [prompt_len - 1] if prompt_len - 1 > start else stops
 
 
 def prefill_to(target: Any, drafter: Optional[Any], cache: List[Any], draft_cache: Optional[List[Any]],
