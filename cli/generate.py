@@ -120,7 +120,8 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
     sampler = make_sampler(temp, top_p, min_p, top_k, pair.target.vocab_size)
 
     out, stats, finish = [], None, None
-    cached = PairCache(pair.target, pair.tokenizer, pair.drafter, store=store) if store is not None else None
+    cached = None if store is None else PairCache(pair.target, pair.tokenizer, pair.drafter, store=store,
+                                                  generate=stream_generate)
     stream = cached.stream if cached is not None else (
         lambda ids, **kw: stream_generate(pair.target, pair.tokenizer, ids, pair.drafter, **kw))
     try:

@@ -26,7 +26,8 @@ layers, sliding windows), also at boundaries every few thousand prompt tokens
 
 from __future__ import annotations
 
-from typing import Any, Dict, Generator, List, Optional, Sequence
+import time
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 
 from mlx_lm.models.cache import KVCache
 
@@ -88,6 +89,8 @@ class PairCache:
         store: where entries are kept beyond the last generation (None: the live caches only).
         interval: prompt tokens between stored states for pairs that cannot trim back
             (default :data:`dflash_mlx.prefix.resume.DEFAULT_INTERVAL`, rounded to chunks).
+        generate: what generates from the caches (default
+            :func:`dflash_mlx.decode.generate.stream_generate`; the CLI passes the one it imported).
 
     Attributes:
         tokens: ids both caches hold, one row each.
@@ -98,9 +101,10 @@ class PairCache:
     """
 
     def __init__(self, target: Any, tokenizer: Any, drafter: Optional[Any] = None,
-                 store: Optional[PrefixStore] = None, interval: Optional[int] = None):
+                 store: Optional[PrefixStore] = None, interval: Optional[int] = None,
+                 generate: Callable[..., Generator[GenerationResponse, None, None]] = stream_generate):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
-        self.store, self.interval = store, interval
+        self.store, self.interval, self.generate = store, interval, generate
         self.tokens: List[int] = []
         self.last_reused = 0
         self.last_source: Optional[str] = None
@@ -148,6 +152,7 @@ class PairCache:
             interrupted, both caches end up holding rows known to be complete.
         """
         ids = list(ids)
+        tic = time.perf_counter()
         self._unsaved = []
         reused = self.last_reused = self.reuse(ids)
         self.last_source = "live" if reused else None
@@ -157,12 +162,13 @@ class PairCache:
         known = reused  # rows below `known` were complete when the last step was received
         done = False
         try:
-            start, pre_s = self._prefill_boundaries(ids, reused, kwargs)
+            start = self._prefill_boundaries(ids, reused, kwargs)
+            pre_s = time.perf_counter() - tic  # finding, restoring and prefilling here: part of the first token's time
             known = start
             first = True
-            for r in stream_generate(self.target, self.tokenizer, ids[start:], self.drafter,
-                                     prompt_cache=self.cache, draft_cache=self.draft_cache, **kwargs):
-                if first:  # the rows prefilled here count as the prompt's
+            for r in self.generate(self.target, self.tokenizer, ids[start:], self.drafter,
+                                   prompt_cache=self.cache, draft_cache=self.draft_cache, **kwargs):
+                if first:  # the rows prefilled here count as the prompt's, the time spent here as its time
                     r.stats.prompt_tokens += start - reused
                     r.stats.prompt_s += pre_s
                     first = False
@@ -202,23 +208,22 @@ class PairCache:
         self.last_source = self.store.last_level
         return len(self.tokens)
 
-    def _prefill_boundaries(self, ids: List[int], start: int, kwargs: dict) -> tuple:
+    def _prefill_boundaries(self, ids: List[int], start: int, kwargs: dict) -> int:
         """For pairs that cannot trim back (see :mod:`dflash_mlx.prefix.resume`), prefill
         ``ids`` from ``start`` to its last boundary, keeping the state at each one.
 
         Returns:
-            ``(rows both caches now hold, seconds spent)``.
+            The rows both caches now hold.
         """
         if self.store is None or trims_anywhere(self.cache, self.draft_cache):
-            return start, 0.0
+            return start
         step = int(kwargs.get("prefill_step_size") or 2048)
         stops = boundaries(start, len(ids), boundary_interval(step, self.interval))
-        spent = 0.0
-        for b, seconds in prefill_to(self.target, self.drafter, self.cache, self.draft_cache, ids, start, stops,
-                                     step, kwargs.get("should_stop")):
-            self.tokens, spent = list(ids[:b]), spent + seconds
+        for b in prefill_to(self.target, self.drafter, self.cache, self.draft_cache, ids, start, stops,
+                            step, kwargs.get("should_stop")):
+            self.tokens = list(ids[:b])
             self._snapshot(defer=True)
-        return len(self.tokens) if stops else start, spent
+        return len(self.tokens) if stops else start
 
     def _snapshot(self, defer: bool) -> None:
         """Keep the caches' state now: in memory at once, on disk now or (``defer``)

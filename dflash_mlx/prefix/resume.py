@@ -13,8 +13,7 @@ run that prefilled the whole prompt at once: its caches are the same bit for bit
 
 from __future__ import annotations
 
-import time
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -49,19 +48,19 @@ def boundaries(start: int, prompt_len: int, every: int) -> List[int]:
 
 def prefill_to(target: Any, drafter: Optional[Any], cache: List[Any], draft_cache: Optional[List[Any]],
                ids: Sequence[int], start: int, stops: Sequence[int], step: int,
-               should_stop: Optional[Callable[[], bool]] = None) -> Iterator[Tuple[int, float]]:
+               should_stop: Optional[Callable[[], bool]] = None) -> Iterator[int]:
     """Feed ``ids[start:b]`` for each boundary ``b`` of ``stops`` in chunks ending at
     multiples of ``step``,
     the drafter ingesting the captured features, so both caches hold ``b`` rows.
 
     Yields:
-        ``(b, seconds spent since the last yield)`` at each boundary, both caches at rest.
+        ``b`` at each boundary, both caches at rest.
 
     Raises:
         PrefillStopped: ``should_stop()`` was true before a chunk.
     """
     capture = drafter.target_layer_ids if drafter is not None else None
-    pos, tic = start, time.perf_counter()
+    pos = start
     with mx.stream(generation_stream):
         for b in stops:
             while pos < b:
@@ -74,6 +73,4 @@ def prefill_to(target: Any, drafter: Optional[Any], cache: List[Any], draft_cach
                 mx.eval([c.state for c in cache] + ([c.state for c in draft_cache] if draft_cache else []))
                 pos += n
                 mx.clear_cache()
-            now = time.perf_counter()
-            yield b, now - tic
-            tic = now
+            yield b
