@@ -143,7 +143,7 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
         reused = cached.last_reused if cached is not None else 0
         print(json.dumps({"text": "".join(out), "finish_reason": finish, **stats.to_dict(),
                           "prompt_tokens": len(ids), "prompt_tokens_reused": reused,
-                          "prompt_tokens_prefilled": stats.prompt_tokens}))
+                          "prompt_tokens_prefilled": stats.prompt_tokens, "ttft_s": stats.prompt_s}))
     else:
         print()
     if verbose:

@@ -208,3 +208,32 @@ def test_a_snapshot_refuses_an_unknown_cache_kind():
     assert take_snapshot([], [Odd()], None) is None
     with pytest.raises(layers.LayerMismatch, match="cannot store a Odd"):
         layers.take(Odd())
+
+
+def test_a_new_server_engine_resumes_from_disk_and_says_so_in_usage(tmp_path):
+    """A server restarted on the same prompt cache: its first request reuses the prefix
+    the previous server stored, with the cold run's tokens, and usage counts it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from dflash_mlx.serve.engine import Engine, GenerationJob
+
+    model, target = tiny_target("qwen3_5")
+    pair = SimpleNamespace(model=model, target=target, tokenizer=ByteTokenizer(), drafter=tiny_drafter(target))
+
+    async def one(ids, n):
+        engine = Engine(pair, block_size=4, prefill_step_size=STEP, store=PrefixStore(tmp_path, memory_entries=0))
+        job = engine.submit(GenerationJob(ids, n))
+        last = None
+        async for chunk in job:
+            last = chunk if chunk.finish_reason else last
+        engine.shutdown()
+        return engine.pair_cache, last.usage
+
+    first, _ = asyncio.run(one(PROMPT, 10))
+    cont = list(first.tokens) + [4, 5, 6]
+    second, u = asyncio.run(one(cont, 12))
+    assert second.last_source == "disk"
+    assert u["dflash"]["prompt_tokens_reused"] == len(first.tokens)
+    assert u["dflash"]["prompt_tokens_reused"] + u["dflash"]["prompt_tokens_prefilled"] == u["prompt_tokens"] == len(cont)
+    assert second.tokens == cont + cold(target, pair.drafter, cont, 12)[:-1]  # the reply's last token is not cached
