@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Time to first token of agent-trace requests, each in a new `dflash generate` process:
 cold (``--no-prompt-cache``) against warm (the prompt cache on disk, written by the
-requests before it, each in its own process).
+requests before it, each in its own process), and the same request again in a new
+process (all of its prompt but the last token on disk).
 
     python benchmarks/agent_trace_processes.py --model M --draft-model D \\
         benchmarks/traces/agent_mbpp.jsonl benchmarks/traces/agent_gsm8k.jsonl
@@ -49,17 +50,21 @@ def main() -> None:
             for i, prompt in enumerate(prompts):
                 cold = generate(args, prompt, ["--no-prompt-cache"])
                 warm = generate(args, prompt, ["--prompt-cache-dir", folder])
+                again = generate(args, prompt, ["--prompt-cache-dir", folder])  # the same request, a new process
                 rows.append({"i": i, "prompt_tokens": cold["prompt_tokens"], "reused": warm["prompt_tokens_reused"],
                              "cold_ttft_s": cold["ttft_s"], "warm_ttft_s": warm["ttft_s"],
+                             "again_reused": again["prompt_tokens_reused"], "again_ttft_s": again["ttft_s"],
                              "cold_wall_s": cold["wall_s"], "warm_wall_s": warm["wall_s"],
-                             "same_text": cold["text"] == warm["text"]})
+                             "same_text": cold["text"] == warm["text"] == again["text"]})
                 r = rows[-1]
                 print(f"{trace.stem} {i}: {r['prompt_tokens']} tokens, {r['reused']} reused, TTFT cold "
-                      f"{1e3 * r['cold_ttft_s']:.1f} ms, warm {1e3 * r['warm_ttft_s']:.1f} ms, same text {r['same_text']}",
+                      f"{1e3 * r['cold_ttft_s']:.1f} ms, warm {1e3 * r['warm_ttft_s']:.1f} ms, again "
+                      f"{1e3 * r['again_ttft_s']:.1f} ms ({r['again_reused']} reused), same text {r['same_text']}",
                       flush=True)
         later = rows[1:]  # the first request has nothing before it
         summary = {"ttft_ratio_sum": sum(r["warm_ttft_s"] for r in later) / sum(r["cold_ttft_s"] for r in later),
                    "ttft_ratio_median": statistics.median(r["warm_ttft_s"] / r["cold_ttft_s"] for r in later),
+                   "again_ttft_ratio_sum": sum(r["again_ttft_s"] for r in rows) / sum(r["cold_ttft_s"] for r in rows),
                    "reused": sum(r["reused"] for r in rows), "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
                    "wall_ratio_sum": sum(r["warm_wall_s"] for r in later) / sum(r["cold_wall_s"] for r in later),
                    "all_same_text": all(r["same_text"] for r in rows)}
