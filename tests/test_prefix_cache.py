@@ -237,3 +237,17 @@ def test_a_new_server_engine_resumes_from_disk_and_says_so_in_usage(tmp_path):
     assert u["dflash"]["prompt_tokens_reused"] == len(first.tokens)
     assert u["dflash"]["prompt_tokens_reused"] + u["dflash"]["prompt_tokens_prefilled"] == u["prompt_tokens"] == len(cont)
     assert second.tokens == cont + cold(target, pair.drafter, cont, 12)[:-1]  # the reply's last token is not cached
+
+
+def test_a_side_file_with_malformed_layers_is_dropped(tmp_path):
+    _, target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    reply = run(new_process(target, drafter, tmp_path), PROMPT, 10)
+    for side in (tmp_path / key_id(pair_key(target, drafter))).glob("*.json"):
+        if side.name != "key.json":
+            side.write_text(side.read_text().replace('"KVCache"', '"NoSuchCache"'))
+    warnings = []
+    cont = PROMPT + reply + [4, 5]
+    later = new_process(target, drafter, tmp_path, warnings)
+    assert run(later, cont, 20) == cold(target, drafter, cont, 20)
+    assert later.last_reused == 0 and len(warnings) == 1 and '"layers" malformed' in warnings[0]

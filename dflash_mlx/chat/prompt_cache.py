@@ -200,7 +200,7 @@ class PairCache:
         cache, draft_cache = self._new_caches()
         try:
             restore(snap, cache, draft_cache)
-        except LayerMismatch as e:
+        except (LayerMismatch, KeyError, TypeError) as e:  # KeyError, TypeError: a side file that lies about its arrays
             self.store.warn(f"prompt cache: an entry does not fit this pair ({e}); prefilling instead")
             return live
         self.cache, self.draft_cache, self.tokens = cache, draft_cache, list(snap.tokens)

@@ -168,6 +168,10 @@ def read_index(side_file: Path) -> dict:
         raise CorruptEntry(f"{side_file}: not a prefix-cache entry of format {FORMAT}")
     if not all(k in d for k in ("tokens", "layers", "bytes", "sha256")):
         raise CorruptEntry(f"{side_file}: fields missing")
+    metas = [m for side in d["layers"].values() for m in side] if isinstance(d["layers"], dict) else None
+    if metas is None or not all(isinstance(m, dict) and m.get("kind") in layers.KINDS and isinstance(m.get("ints"), dict)
+                                and isinstance(m["ints"].get("offset"), int) for m in metas):
+        raise CorruptEntry(f"{side_file}: \"layers\" malformed")
     return d
 
 
@@ -185,7 +189,11 @@ def read(folder: Path, name: str, index: Optional[dict] = None) -> Snapshot:
         raise CorruptEntry(f"{data}: missing") from None
     if size != index["bytes"]:
         raise CorruptEntry(f"{data}: {size} bytes, {index['bytes']} written (truncated)")
-    if file_sha256(data) != index["sha256"]:
+    try:
+        sha = file_sha256(data)
+    except OSError as e:  # removed or unreadable since the size was read
+        raise CorruptEntry(f"{data}: unreadable ({e.strerror or e})") from None
+    if sha != index["sha256"]:
         raise CorruptEntry(f"{data}: sha256 differs from the one written (altered)")
     try:
         arrays = mx.load(str(data))
