@@ -74,6 +74,14 @@ def bench(
         False, "--overwrite", help="Replace the results of an earlier run in --out (its other files stay)."
     ),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots (needs the 'plot' extra)."),
+    agent_trace: Optional[List[str]] = typer.Option(
+        None, "--agent-trace",
+        help="Replay this agent trace instead (JSONL of 'prompt' or 'messages' rows whose prompts share growing "
+        "prefixes; repeat for several): cold, from the prompt cache on disk with a new cache per request, live, "
+        "and mlx-lm with its prompt cache. Reports tokens reused and prefilled, time to first token, tau.",
+    ),
+    prefill_step_size: Optional[int] = typer.Option(
+        None, "--prefill-step-size", help="Prompt tokens per prefill chunk for --agent-trace (default: generate's)."),
 ) -> None:
     """Benchmark DFlash against a baseline: tau, tokens/s, speedup and loop overhead.
 
@@ -83,9 +91,14 @@ def bench(
       dflash bench --model M --draft-model D --dataset prompts.jsonl --block-size 4 8 16 auto --baseline mlx-lm
       dflash bench --model M --draft-model D --dataset prompts.jsonl --tree-budget 16 32 64 auto
       dflash bench --model M --draft-model D --dataset gsm8k --simulate-acceptance 5
+      dflash bench --model M --draft-model D --agent-trace benchmarks/traces/agent_mbpp.jsonl
     """
+    if agent_trace:
+        return guard(lambda: _agent(model, draft_model, verify, agent_trace, max_tokens, block_size, list(ctx.args),
+                                    prefill_step_size, out, overwrite))
     args = dict(locals())
-    args.pop("ctx")
+    for name in ("ctx", "agent_trace", "prefill_step_size"):
+        args.pop(name)
     guard(lambda: _run(extra=list(ctx.args), **args))
 
 
@@ -160,6 +173,20 @@ def parse_simulate_acceptance(value: Optional[str]):
         return read_trace(value)
     except ValueError as e:
         raise InputError(f"--simulate-acceptance: {e}") from None
+
+
+def _agent(model, draft_model, verify, traces, max_tokens, block_size, extra, prefill_step_size, out,
+           overwrite) -> None:
+    """``--agent-trace``: the prompt-cache benchmark (cli/bench_agent.py) instead of the prompt sets."""
+    from dflash_mlx import InputError
+
+    from .bench_agent import run_agent_traces
+
+    sizes = parse_block_sizes(block_size, extra)
+    model, draft_model = resolve_models(model, draft_model, verify)
+    if draft_model is None:
+        raise InputError("dflash bench needs --draft-model (the DFlash drafter to measure)")
+    run_agent_traces(model, draft_model, traces, max_tokens, sizes[0], prefill_step_size, out, overwrite)
 
 
 def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_size, tree_budget, temp, top_p, top_k, min_p,

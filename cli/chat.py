@@ -21,6 +21,7 @@ from .common import (
     parse_draft_window, recalibrate_option,
 )
 from .common import verify_option
+from .prompt_cache import make_store, no_prompt_cache_option, prompt_cache_dir_option, prompt_cache_gb_option
 
 COMMANDS = [
     ("/help", "this list"),
@@ -80,6 +81,12 @@ def chat(
     ),
     prefill_step_size: Optional[int] = prefill_step_option(),
     color: bool = typer.Option(True, "--color/--no-color", help="Colour the tokens accepted from the drafter."),
+    session_file: Optional[str] = typer.Option(
+        None, "--session", help="Keep the conversation in this JSON file and resume it when it exists: with the "
+        "prompt cache on, a later process prefills only the new turn, not the history."),
+    prompt_cache_dir: Optional[str] = prompt_cache_dir_option(),
+    no_prompt_cache: bool = no_prompt_cache_option(),
+    prompt_cache_gb: float = prompt_cache_gb_option(),
 ) -> None:
     """Chat in the terminal. Both caches are kept across turns; Ctrl-C stops a reply.
 
@@ -93,6 +100,7 @@ def chat(
       dflash chat
       dflash chat --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16
       printf 'Once upon a time\\n/stats\\n' | dflash chat --model ./stories260K
+      dflash chat --session ~/notes/chat.json
     """
     args = dict(locals())
     try:
@@ -102,12 +110,14 @@ def chat(
 
 
 def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed, block_size, recalibrate, draft_window,
-         system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size, color) -> None:
+         system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size, color,
+         session_file, prompt_cache_dir, no_prompt_cache, prompt_cache_gb) -> None:
     import mlx.core as mx
 
     from dflash_mlx import InputError
     from dflash_mlx.decode.generate import check_block_size
     from dflash_mlx.chat.session import ChatSession
+    from dflash_mlx.chat.session_file import read_session
 
     from .chat_ui import PlainView, RichView
 
@@ -118,6 +128,8 @@ def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model, verify)
     prefill_step_size = resolve_prefill_step(prefill_step_size)
+    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb)
+    history = read_session(session_file) if session_file else []
     from dflash_mlx.decode.policy import parse_block_size
 
     block_size = parse_block_size(block_size)
@@ -132,18 +144,24 @@ def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed
     check_block_size(block_size, pair.drafter)
     check_system_prompt(system_prompt, pair.tokenizer, ignore_chat_template)
     session = ChatSession.from_pair(pair, system_prompt=system_prompt, template_config=template,
-                                    use_template=not ignore_chat_template, prefill_step_size=prefill_step_size)
+                                    use_template=not ignore_chat_template, prefill_step_size=prefill_step_size,
+                                    store=store)
     settings = Settings(max_tokens, temp, top_p, top_k, min_p, block_size, pair.target.vocab_size, stops)
     view = RichView(color) if sys.stdin.isatty() and sys.stdout.isatty() else PlainView()
     view.header(header_rows(pair, session, settings))
-    if _loop(session, settings, view, pair) and not view.interactive:
+    if history:
+        session.messages = history
+        view.notice(f"resumed {len(history)} messages from {session_file}")
+    if _loop(session, settings, view, pair, session_file) and not view.interactive:
         raise typer.Exit(1)  # a piped script with a failed line fails
 
 
-def _loop(session, settings: Settings, view, pair) -> int:
-    """Read and run lines until /quit or the end of input; returns how many failed."""
+def _loop(session, settings: Settings, view, pair, session_file: Optional[str] = None) -> int:
+    """Read and run lines until /quit or the end of input; returns how many failed.
+    With ``session_file``, the conversation is written there after every line."""
     from dflash_mlx import DFlashError
     from dflash_mlx.chat.session import ContextFullError
+    from dflash_mlx.chat.session_file import write_session
 
     failed = 0
     while True:
@@ -177,6 +195,9 @@ def _loop(session, settings: Settings, view, pair) -> int:
         except DFlashError as e:
             view.error(str(e))
             failed += 1
+        finally:
+            if session_file:
+                write_session(session_file, session.messages)
     return failed
 
 

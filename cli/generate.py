@@ -17,6 +17,7 @@ from .common import (
     parse_draft_window,
 )
 from .common import recalibrate_option, verify_option
+from .prompt_cache import make_store, no_prompt_cache_option, prompt_cache_dir_option, prompt_cache_gb_option
 
 
 def generate(
@@ -45,13 +46,17 @@ def generate(
     ),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Use the raw prompt."),
     prefill_step_size: Optional[int] = prefill_step_option(),
+    prompt_cache_dir: Optional[str] = prompt_cache_dir_option(),
+    no_prompt_cache: bool = no_prompt_cache_option(),
+    prompt_cache_gb: float = prompt_cache_gb_option(),
     verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print stats on stderr."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text and stats) instead of the text."),
 ) -> None:
     """Generate from one prompt. Text streams to stdout, stats go to stderr.
 
     A prompt longer than the target's context is refused; the reply stops at the
-    context's end. Exit codes: 0 done, 1 bad input, 130 Ctrl-C, 141 output pipe closed.
+    context's end. The caches of the prompt are kept on disk (--prompt-cache-dir), so a
+    later prompt sharing its beginning prefills only the rest. Exit codes: 0 done, 1 bad input, 130 Ctrl-C, 141 output pipe closed.
 
     \b
     Examples:
@@ -70,10 +75,12 @@ def generate(
 def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size, recalibrate,
          tree_budget,
          draft_window,
-         system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size, verbose, as_json) -> None:
+         system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size,
+         prompt_cache_dir, no_prompt_cache, prompt_cache_gb, verbose, as_json) -> None:
     import mlx.core as mx
 
     from dflash_mlx import InputError, stream_generate
+    from dflash_mlx.chat.prompt_cache import PairCache
     from dflash_mlx.sampling import make_sampler
     from dflash_mlx.chat.session import context_length
 
@@ -85,6 +92,7 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model, verify)
     prefill_step_size = resolve_prefill_step(prefill_step_size)
+    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb, warn)
     from dflash_mlx.decode.policy import parse_block_size, parse_tree_budget
 
     block_size, tree_budget = parse_block_size(block_size), parse_tree_budget(tree_budget)
@@ -112,11 +120,13 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
     sampler = make_sampler(temp, top_p, min_p, top_k, pair.target.vocab_size)
 
     out, stats, finish = [], None, None
+    cached = None if store is None else PairCache(pair.target, pair.tokenizer, pair.drafter, store=store,
+                                                  generate=stream_generate)
+    stream = cached.stream if cached is not None else (
+        lambda ids, **kw: stream_generate(pair.target, pair.tokenizer, ids, pair.drafter, **kw))
     try:
-        for response in stream_generate(pair.target, pair.tokenizer, ids, pair.drafter, sampler=sampler,
-                                        max_tokens=max_tokens, block_size=block_size, tree_budget=tree_budget,
-                                        stop_strings=stops,
-                                        prefill_step_size=prefill_step_size):
+        for response in stream(ids, sampler=sampler, max_tokens=max_tokens, block_size=block_size,
+                               tree_budget=tree_budget, stop_strings=stops, prefill_step_size=prefill_step_size):
             out.append(response.text)
             stats, finish = response.stats, response.finish_reason
             if not as_json:
@@ -130,9 +140,15 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
     if off:
         warn(f"--tree-budget is off, chains verify instead: {off}")
     if as_json:
-        print(json.dumps({"text": "".join(out), "finish_reason": finish, **stats.to_dict()}))
+        reused = cached.last_reused if cached is not None else 0
+        print(json.dumps({"text": "".join(out), "finish_reason": finish, **stats.to_dict(),
+                          "prompt_tokens": len(ids), "prompt_tokens_reused": reused,
+                          "prompt_tokens_prefilled": stats.prompt_tokens, "ttft_s": stats.prompt_s}))
     else:
         print()
     if verbose:
         for line in stats.format_lines():
             print(line, file=sys.stderr)
+        if cached is not None:
+            source = f" (from {cached.last_source})" if cached.last_source else ""
+            print(f"Prompt cache: {cached.last_reused} of {len(ids)} prompt tokens reused{source}", file=sys.stderr)

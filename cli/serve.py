@@ -10,6 +10,7 @@ import typer
 
 from .common import (block_size_option, draft_model_option, guard, load_pair, model_option, prefill_step_option,
                      recalibrate_option, resolve_models, resolve_prefill_step)
+from .prompt_cache import make_store, no_prompt_cache_option, prompt_cache_dir_option, prompt_cache_gb_option
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -49,12 +50,16 @@ def serve(
         5.0, "--idle-timeout", help="Seconds a connection may idle between requests (uvicorn's keep-alive "
         "timeout), and a request body between its chunks (then 408)."),
     prefill_step_size: Optional[int] = prefill_step_option(),
+    prompt_cache_dir: Optional[str] = prompt_cache_dir_option(),
+    no_prompt_cache: bool = no_prompt_cache_option(),
+    prompt_cache_gb: float = prompt_cache_gb_option(),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Serve the pair over the OpenAI API (chat, completions, models, health, metrics).
 
-    Requests run one at a time; both caches are kept between them, so a prompt
-    that continues the last one prefills only its new tokens.
+    Requests run one at a time; both caches are kept between them, and prefixes of
+    earlier prompts in the prompt cache (memory and disk, --prompt-cache-dir), so a
+    prompt that shares the beginning of an earlier one prefills only the rest.
 
     Each response's usage has a "dflash" object: tau, steps, acceptance histogram.
 
@@ -70,7 +75,7 @@ def serve(
 
 def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, api_key, max_queue, max_body_mb,
          chat_template_config, allow_request_templates, max_prompt_chars, request_timeout, idle_timeout,
-         prefill_step_size, log_level) -> None:
+         prefill_step_size, prompt_cache_dir, no_prompt_cache, prompt_cache_gb, log_level) -> None:
     import uvicorn
 
     from dflash_mlx import InputError
@@ -95,6 +100,7 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     if not 0 <= port <= 65535:
         raise InputError(f"--port must be in 0..65535, got {port}")
     prefill_step_size = resolve_prefill_step(prefill_step_size)
+    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model)
@@ -114,7 +120,7 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
                           max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20), template=template,
                           allow_request_templates=allow_request_templates, max_prompt_chars=max_prompt_chars,
                           request_timeout=request_timeout or None, idle_timeout=idle_timeout,
-                          prefill_step_size=prefill_step_size)
+                          prefill_step_size=prefill_step_size, prompt_store=store)
     app = create_app(pair, config)
     if not api_key and not _is_loopback(host):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", host)

@@ -14,17 +14,31 @@ it. When a generation is interrupted (``KeyboardInterrupt`` inside the generator
 the consumer closing it), both caches are trimmed back to the rows known to be
 complete: the common prefix if no step had been received, else the committed tokens
 received but the last. What is missing is prefilled next time.
+
+With a :class:`~dflash_mlx.prefix.store.PrefixStore` (``store``), the caches are also
+kept as entries beyond the last generation: in memory and on disk, for later requests,
+processes and days. A prompt then resumes from whichever holds more of it, the live
+caches or a stored entry (longest common prefix). The pair's state is stored after each
+generation and, for pairs whose caches cannot be trimmed back far (Gated-DeltaNet
+layers, sliding windows), also at boundaries every few thousand prompt tokens
+(:mod:`dflash_mlx.prefix.resume`); disk writes happen once the generation is done.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Generator, List, Optional, Sequence
+import time
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 
 from mlx_lm.models.cache import KVCache
 
 from ..targets.caches import can_trim
 from ..errors import RollbackError
 from ..decode.generate import GenerationResponse, stream_generate
+from ..prefix.entry import Snapshot, restore, take_snapshot
+from ..prefix.key import key_id, pair_key
+from ..prefix.layers import LayerMismatch
+from ..prefix.resume import boundaries, boundary_interval, prefill_to, trims_anywhere
+from ..prefix.store import PrefixStore
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: Optional[int] = None) -> int:
@@ -72,18 +86,30 @@ class PairCache:
         target: the target adapter.
         tokenizer: mlx-lm ``TokenizerWrapper`` (for :func:`stream_generate`).
         drafter: a bound drafter, or None for plain decoding (no drafter cache).
+        store: where entries are kept beyond the last generation (None: the live caches only).
+        interval: prompt tokens between stored states for pairs that cannot trim back
+            (default :data:`dflash_mlx.prefix.resume.DEFAULT_INTERVAL`, rounded to chunks).
+        generate: what generates from the caches (default
+            :func:`dflash_mlx.decode.generate.stream_generate`; the CLI passes the one it imported).
 
     Attributes:
         tokens: ids both caches hold, one row each.
         cache, draft_cache: the target's and the drafter's caches (``draft_cache``
             is None without a drafter).
-        last_reused: prompt tokens the last generation found in the caches.
+        last_reused: prompt tokens the last generation found in the caches or the store.
+        last_source: where they came from: ``"live"``, ``"memory"``, ``"disk"`` or None.
     """
 
-    def __init__(self, target: Any, tokenizer: Any, drafter: Optional[Any] = None):
+    def __init__(self, target: Any, tokenizer: Any, drafter: Optional[Any] = None,
+                 store: Optional[PrefixStore] = None, interval: Optional[int] = None,
+                 generate: Callable[..., Generator[GenerationResponse, None, None]] = stream_generate):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.store, self.interval, self.generate = store, interval, generate
         self.tokens: List[int] = []
         self.last_reused = 0
+        self.last_source: Optional[str] = None
+        self._key: Optional[tuple] = None  # (target, drafter, key dict, key id)
+        self._unsaved: List[Snapshot] = []
         self._fresh_caches()
 
     def reuse(self, ids: Sequence[int]) -> int:
@@ -126,25 +152,110 @@ class PairCache:
             interrupted, both caches end up holding rows known to be complete.
         """
         ids = list(ids)
+        tic = time.perf_counter()
+        self._unsaved = []
         reused = self.last_reused = self.reuse(ids)
+        self.last_source = "live" if reused else None
+        if self.store is not None:
+            reused = self.last_reused = self._resume(ids, reused)
         reply: List[int] = []
         known = reused  # rows below `known` were complete when the last step was received
+        done = False
         try:
-            for r in stream_generate(self.target, self.tokenizer, ids[reused:], self.drafter,
-                                     prompt_cache=self.cache, draft_cache=self.draft_cache, **kwargs):
+            start = self._prefill_boundaries(ids, reused, kwargs)
+            pre_s = time.perf_counter() - tic  # finding, restoring and prefilling here: part of the first token's time
+            known = start
+            first = True
+            for r in self.generate(self.target, self.tokenizer, ids[start:], self.drafter,
+                                   prompt_cache=self.cache, draft_cache=self.draft_cache, **kwargs):
+                if first:  # the rows prefilled here count as the prompt's, the time spent here as its time
+                    r.stats.prompt_tokens += start - reused
+                    r.stats.prompt_s += pre_s
+                    first = False
                 reply.extend(r.tokens)
                 known = len(ids) + len(reply) - 1
                 yield r
+            done = True
         finally:
             self.settle(ids + reply, known)
+            if done:
+                self._keep()
+
+    # -- the prefix store --------------------------------------------------------------
+
+    def pair_key(self) -> tuple:
+        """``(key dict, key id)`` of the current target and drafter (computed once per pair)."""
+        if self._key is None or self._key[0] is not self.target or self._key[1] is not self.drafter:
+            key = pair_key(self.target, self.drafter)
+            self._key = (self.target, self.drafter, key, key_id(key))
+        return self._key[2], self._key[3]
+
+    def _resume(self, ids: List[int], live: int) -> int:
+        """Restore the stored entry that holds more of ``ids`` than the live caches'
+        ``live`` rows, if any; returns the rows now reused."""
+        found = self.store.lookup(self.pair_key()[1], ids)
+        if found is None or found[1] <= live:
+            return live
+        snap, rows = found
+        cache, draft_cache = self._new_caches()
+        try:
+            restore(snap, cache, draft_cache)
+        except (LayerMismatch, KeyError, TypeError) as e:  # KeyError, TypeError: a side file that lies about its arrays
+            self.store.warn(f"prompt cache: an entry does not fit this pair ({e}); prefilling instead")
+            return live
+        self.cache, self.draft_cache, self.tokens = cache, draft_cache, list(snap.tokens)
+        self.settle(ids, rows)
+        self.last_source = self.store.last_level
+        return len(self.tokens)
+
+    def _prefill_boundaries(self, ids: List[int], start: int, kwargs: dict) -> int:
+        """For pairs that cannot trim back (see :mod:`dflash_mlx.prefix.resume`), prefill
+        ``ids`` from ``start`` to its last boundary, keeping the state at each one.
+
+        Returns:
+            The rows both caches now hold.
+        """
+        if self.store is None or trims_anywhere(self.cache, self.draft_cache):
+            return start
+        step = int(kwargs.get("prefill_step_size") or 2048)
+        stops = boundaries(start, len(ids), boundary_interval(step, self.interval))
+        for b in prefill_to(self.target, self.drafter, self.cache, self.draft_cache, ids, start, stops,
+                            step, kwargs.get("should_stop")):
+            self.tokens = list(ids[:b])
+            self._snapshot(defer=True)
+        return len(self.tokens) if stops else start
+
+    def _snapshot(self, defer: bool) -> None:
+        """Keep the caches' state now: in memory at once, on disk now or (``defer``)
+        once the generation is done."""
+        snap = take_snapshot(self.tokens, self.cache, self.draft_cache)
+        if snap is None:
+            return
+        key, kid = self.pair_key()
+        self.store.put(kid, snap, key, disk=not defer)
+        if defer:
+            self._unsaved.append(snap)
+
+    def _keep(self) -> None:
+        """After a generation: write the deferred states to disk, then the final one."""
+        if self.store is None:
+            return
+        key, kid = self.pair_key()
+        for snap in self._unsaved:
+            self.store.put(kid, snap, key)
+        self._unsaved = []
+        if self.tokens:
+            self._snapshot(defer=False)
 
     def _caches(self) -> List[List[Any]]:
         return [self.cache] + ([self.draft_cache] if self.draft_cache is not None else [])
 
     def _fresh_caches(self) -> None:
+        self.cache, self.draft_cache = self._new_caches()
+
+    def _new_caches(self) -> tuple:
         B = self.drafter.block_size if self.drafter is not None else 1
-        self.cache = self.target.make_cache(B)
-        self.draft_cache = self.drafter.make_cache() if self.drafter is not None else None
+        return self.target.make_cache(B), (self.drafter.make_cache() if self.drafter is not None else None)
 
     def offsets(self) -> Dict[str, List[int]]:
         """Per-layer cache offsets: ``{"target": [...], "drafter": [...]}``."""

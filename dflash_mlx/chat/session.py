@@ -227,6 +227,8 @@ class ChatSession:
         max_context: the model's context in tokens (default: the target's
             ``max_position_embeddings``; None: no limit).
         prefill_step_size: prefill chunk size (default 2048).
+        store: a :class:`~dflash_mlx.prefix.store.PrefixStore`: turns also resume from
+            caches kept there (other sessions, earlier processes); None: this session's only.
 
     Attributes:
         messages: the conversation, ``{"role", "content"}`` dicts.
@@ -247,8 +249,9 @@ class ChatSession:
         use_template: bool = True,
         max_context: Optional[int] | str = "auto",
         prefill_step_size: int = 2048,
+        store: Optional[Any] = None,
     ):
-        self.pair_cache = PairCache(target, tokenizer, drafter)
+        self.pair_cache = PairCache(target, tokenizer, drafter, store=store)
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.template_config = dict(template_config or {})

@@ -77,6 +77,9 @@ class ServerConfig:
             request body between its chunks (408).
         prefill_step_size: prompt tokens per prefill chunk (None: generate's
             default); an abandoned request stops between two chunks.
+        prompt_store: the prompt cache (:class:`dflash_mlx.prefix.store.PrefixStore`):
+            requests also resume from prefixes kept there, in memory and on disk
+            (None: from the previous request's caches only).
     """
 
     model_id: str
@@ -91,6 +94,7 @@ class ServerConfig:
     request_timeout: Optional[float] = 600.0
     idle_timeout: float = 5.0
     prefill_step_size: Optional[int] = None
+    prompt_store: Optional[Any] = None
 
 
 class Server:
@@ -111,7 +115,8 @@ class Server:
         check_block_size(config.block_size, pair.drafter)
         self.metrics = ServerMetrics(trained)
         self.engine = Engine(pair, block_size=config.block_size, max_queue=config.max_queue,
-                             metrics=self.metrics, prefill_step_size=config.prefill_step_size)
+                             metrics=self.metrics, prefill_step_size=config.prefill_step_size,
+                             store=config.prompt_store)
         self.context = context_length(pair.model)
         self.char_cap = prompt_char_cap(self.context, config.max_prompt_chars)
         self.names = {config.model_id, PurePath(config.model_id).name}

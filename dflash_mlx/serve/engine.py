@@ -198,16 +198,19 @@ class Engine:
         metrics: where each generation is counted.
         prefill_step_size: prompt tokens per prefill chunk (None: generate's default);
             a closed or timed-out job stops between two chunks.
+        store: the prompt cache kept beyond the previous request (a
+            :class:`dflash_mlx.prefix.store.PrefixStore`), or None.
 
     Attributes:
         pair_cache: both caches, kept between requests.
     """
 
     def __init__(self, pair: Any, *, block_size: Optional[int] = None, max_queue: int = 16,
-                 metrics: Optional[ServerMetrics] = None, prefill_step_size: Optional[int] = None):
+                 metrics: Optional[ServerMetrics] = None, prefill_step_size: Optional[int] = None,
+                 store: Optional[Any] = None):
         self.pair, self.block_size, self.max_queue = pair, block_size, max_queue
         self.prefill_step_size = prefill_step_size
-        self.pair_cache = PairCache(pair.target, pair.tokenizer, pair.drafter)
+        self.pair_cache = PairCache(pair.target, pair.tokenizer, pair.drafter, store=store)
         self.metrics = metrics
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-engine")
         self._lock = threading.Lock()

@@ -1,0 +1,51 @@
+"""``dflash chat --session FILE``: the conversation kept in a file between processes.
+
+The file holds the messages only (JSON: ``{"format": "dflash-chat-session", "messages": [...]}``);
+the caches of the conversation are in the prompt cache on disk
+(:mod:`dflash_mlx.prefix`), keyed by the pair and the tokens. So a later process that
+reads the file renders the same conversation, finds its caches there and prefills only
+the new turn; with another pair, or the prompt cache off, it prefills the history once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List
+
+from ..atomic import atomic_file
+from ..errors import InputError
+
+FORMAT = "dflash-chat-session"
+ROLES = ("system", "user", "assistant")
+
+
+def read_session(path: Path) -> List[Dict[str, str]]:
+    """The messages of a session file; an empty list when it does not exist yet.
+
+    Raises:
+        InputError: the file is not a session file (names the file and the field).
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"--session {path}: not readable as JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise InputError(f"--session {path}: not a dflash chat session (\"format\" is not {FORMAT!r})")
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        raise InputError(f"--session {path}: \"messages\" must be a list")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise InputError(f"--session {path}: messages[{i}] needs a role ({', '.join(ROLES)}) and a text content")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def write_session(path: Path, messages: List[Dict[str, str]]) -> None:
+    """Write the messages to ``path`` atomically (a kill leaves the previous file whole)."""
+    path = Path(path)
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps({"format": FORMAT, "messages": messages}, indent=1) + "\n")

@@ -1,0 +1,203 @@
+"""One prefix-cache entry: both caches of a pair at rest after some tokens, and those tokens.
+
+An entry holds everything a generation needs to resume exactly where a prompt's first
+``len(tokens)`` tokens left the pair: every target layer cache (attention rows, sliding
+windows, Gated-DeltaNet states) and the drafter's context caches. No logits are kept:
+at rest both caches hold every token but the last one a generation feeds
+(:func:`dflash_mlx.decode.generate.generate_step`), so a resumed prompt always feeds at
+least one token and gets its logits from that forward.
+
+On disk an entry is two files in one folder: ``ID.safetensors`` (the arrays) and
+``ID.json`` (tokens, layer kinds and integers, byte size and sha256 of the arrays file).
+The JSON is written last, each under a temporary name renamed into place, so a write cut
+anywhere (kill -9) leaves either a whole entry, or an arrays file without its JSON that
+the store removes; a file that does not match its recorded size and hash is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+from . import layers
+
+FORMAT = 1
+SIDES = ("target", "drafter")
+
+
+class CorruptEntry(ValueError):
+    """An entry on disk that is truncated, altered or unreadable (never used)."""
+
+
+@dataclass
+class Snapshot:
+    """Both caches of a pair after ``tokens``.
+
+    Attributes:
+        tokens: the ids whose rows the caches hold (row i is token i).
+        arrays: ``"target.3.keys"``-style names to arrays (rows held only).
+        layers: per side (``"target"``, ``"drafter"``), per layer ``{"kind", "ints"}``;
+            ``"drafter"`` is absent for plain decoding.
+    """
+
+    tokens: List[int]
+    arrays: Dict[str, mx.array]
+    layers: Dict[str, List[dict]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays."""
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def usable(self, ids: Sequence[int]) -> int:
+        """Rows of this entry a prompt ``ids`` can resume from: the common prefix of
+        ``tokens`` and ``ids`` (all but the last prompt token) when every layer can be
+        trimmed to it exactly, else 0 (a Gated-DeltaNet state or a sliding window that
+        moved past the common prefix; its whole ``tokens`` when they all match)."""
+        return usable_rows(self.tokens, self.layers, ids)
+
+    def describe(self) -> dict:
+        """What the JSON side file keeps: format, tokens and layers."""
+        return {"format": FORMAT, "tokens": list(self.tokens), "layers": self.layers}
+
+
+def usable_rows(tokens: Sequence[int], layer_meta: Dict[str, List[dict]], ids: Sequence[int]) -> int:
+    """See :meth:`Snapshot.usable` (here for entries whose arrays are still on disk)."""
+    n, limit = 0, min(len(tokens), len(ids) - 1)
+    while n < limit and tokens[n] == ids[n]:
+        n += 1
+    if n == len(tokens):
+        return n
+    ok = all(layers.can_go_back(m["kind"], m["ints"], n) for side in layer_meta.values() for m in side)
+    return n if ok else 0
+
+
+def take_snapshot(tokens: Sequence[int], cache: List[Any], draft_cache: Optional[List[Any]]) -> Optional[Snapshot]:
+    """A snapshot of both caches holding ``tokens`` (evaluated), or None when some layer
+    cache is of a kind that cannot be stored, or the caches do not hold ``len(tokens)`` rows."""
+    arrays: Dict[str, mx.array] = {}
+    meta: Dict[str, List[dict]] = {}
+    for side, caches in zip(SIDES, (cache, draft_cache)):
+        if caches is None:
+            continue
+        meta[side] = []
+        for i, c in enumerate(caches):
+            if not layers.kind_of(c) or c.offset != len(tokens):
+                return None
+            a, ints = layers.take(c)
+            arrays.update({f"{side}.{i}.{k}": v for k, v in a.items()})
+            meta[side].append({"kind": layers.kind_of(c), "ints": ints})
+    mx.eval(list(arrays.values()))
+    return Snapshot(list(tokens), arrays, meta)
+
+
+def restore(snap: Snapshot, cache: List[Any], draft_cache: Optional[List[Any]]) -> None:
+    """Fill the fresh caches ``cache`` and ``draft_cache`` (as the target and drafter
+    make them) from ``snap``; they then hold ``len(snap.tokens)`` rows.
+
+    Raises:
+        layers.LayerMismatch: another number of layers, or a layer of another kind or
+            window (the entry was made with other settings); the caches are then unusable.
+    """
+    for side, caches in zip(SIDES, (cache, draft_cache)):
+        stored = snap.layers.get(side)
+        if caches is None and stored is None:
+            continue
+        if caches is None or stored is None or len(caches) != len(stored):
+            raise layers.LayerMismatch(f"{side}: stored {len(stored or [])} layer caches, "
+                                       f"this pair has {len(caches or [])}")
+        for i, (c, m) in enumerate(zip(caches, stored)):
+            prefix = f"{side}.{i}."
+            mine = {k[len(prefix):]: v for k, v in snap.arrays.items() if k.startswith(prefix)}
+            layers.put(c, m["kind"], mine, m["ints"])
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes (read in 4 MiB pieces)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write(snap: Snapshot, folder: Path, name: str) -> int:
+    """Write ``snap`` as ``folder/name.safetensors`` and ``folder/name.json``, each to a
+    temporary name renamed into place, the JSON last (it commits the entry).
+
+    Returns:
+        Bytes written (both files).
+
+    Raises:
+        OSError: the folder cannot be written (nothing is left behind but temporaries
+            the store removes).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    data, side = folder / f"{name}.safetensors", folder / f"{name}.json"
+    tmp = folder / f".{name}.tmp-{os.getpid()}.safetensors"  # mx appends .safetensors to other names
+    try:
+        mx.save_safetensors(str(tmp), snap.arrays if snap.arrays else {"empty": mx.zeros((0,))})
+        size, sha = tmp.stat().st_size, file_sha256(tmp)
+        os.replace(tmp, data)
+        text = json.dumps({**snap.describe(), "bytes": size, "sha256": sha})
+        tmp = folder / f".{name}.tmp-{os.getpid()}.json"
+        tmp.write_text(text)
+        os.replace(tmp, side)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return size + len(text)
+
+
+def read_index(side_file: Path) -> dict:
+    """The JSON side file of an entry, checked for form (not the arrays).
+
+    Raises:
+        CorruptEntry: unreadable, not this format, or fields missing.
+    """
+    try:
+        d = json.loads(side_file.read_text())
+    except (OSError, ValueError) as e:
+        raise CorruptEntry(f"{side_file}: unreadable ({e})") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise CorruptEntry(f"{side_file}: not a prefix-cache entry of format {FORMAT}")
+    if not all(k in d for k in ("tokens", "layers", "bytes", "sha256")):
+        raise CorruptEntry(f"{side_file}: fields missing")
+    metas = [m for side in d["layers"].values() for m in side] if isinstance(d["layers"], dict) else None
+    if metas is None or not all(isinstance(m, dict) and m.get("kind") in layers.KINDS and isinstance(m.get("ints"), dict)
+                                and isinstance(m["ints"].get("offset"), int) for m in metas):
+        raise CorruptEntry(f"{side_file}: \"layers\" malformed")
+    return d
+
+
+def read(folder: Path, name: str, index: Optional[dict] = None) -> Snapshot:
+    """Load entry ``name`` from ``folder``, checking the arrays file's size and sha256.
+
+    Raises:
+        CorruptEntry: a file is missing, truncated, altered or unreadable.
+    """
+    index = index if index is not None else read_index(folder / f"{name}.json")
+    data = folder / f"{name}.safetensors"
+    try:
+        size = data.stat().st_size
+    except OSError:
+        raise CorruptEntry(f"{data}: missing") from None
+    if size != index["bytes"]:
+        raise CorruptEntry(f"{data}: {size} bytes, {index['bytes']} written (truncated)")
+    try:
+        sha = file_sha256(data)
+    except OSError as e:  # removed or unreadable since the size was read
+        raise CorruptEntry(f"{data}: unreadable ({e.strerror or e})") from None
+    if sha != index["sha256"]:
+        raise CorruptEntry(f"{data}: sha256 differs from the one written (altered)")
+    try:
+        arrays = mx.load(str(data))
+    except Exception as e:  # mx raises RuntimeError/ValueError on a malformed file
+        raise CorruptEntry(f"{data}: unreadable ({e})") from None
+    arrays.pop("empty", None)
+    return Snapshot(list(index["tokens"]), arrays, index["layers"])

@@ -1,0 +1,87 @@
+"""What a prefix-cache entry must match to be reused: the pair's identity.
+
+Two pairs share entries only when every part that shapes a cached row is the same: the
+target's and the drafter's weights (the loaders' folder fingerprint, see
+:func:`dflash_mlx.pair.loading.load_target`, else a hash of the weights themselves), the
+layers whose features the drafter reads, weight dtypes and quantization, the drafter's
+context window, and the library versions that compute the rows. A changed model gets
+another key, so it never meets a stale entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+KEY_FORMAT = 1
+
+
+def weights_hash(module: Any) -> str:
+    """sha256 (32 hex digits) of a module's parameter names, dtypes, shapes and bytes.
+    Reads every weight: for models built in memory; loaded ones carry a ``fingerprint``."""
+    digest = hashlib.sha256()
+    for name, p in tree_flatten(module.parameters()):
+        digest.update(f"{name}:{p.dtype}:{tuple(p.shape)}".encode())
+        raw = p.view(mx.uint8) if p.dtype == mx.bfloat16 else p
+        digest.update(np.asarray(raw).tobytes())
+    return digest.hexdigest()[:32]
+
+
+def _identity(model: Any) -> str:
+    fingerprint = getattr(model, "fingerprint", None)
+    if fingerprint:
+        return str(fingerprint)
+    inner = getattr(model, "model", model)  # a target adapter wraps the mlx-lm model
+    return "weights:" + weights_hash(inner)
+
+
+def _quantization(module: Any) -> list:
+    """Distinct ``(bits, group_size, mode)`` of the quantized layers, sorted."""
+    found = {(m.bits, m.group_size, getattr(m, "mode", "affine"))
+             for _, m in module.named_modules() if hasattr(m, "bits") and hasattr(m, "group_size")}
+    return sorted(found)
+
+
+def _dtypes(module: Any) -> list:
+    return sorted({str(p.dtype) for _, p in tree_flatten(module.parameters())})
+
+
+def pair_key(target: Any, drafter: Optional[Any]) -> dict:
+    """The identity of a target (adapter) and its bound drafter (or None: plain decoding).
+
+    Returns:
+        A JSON-able dict; :func:`key_id` names its folder in the store.
+    """
+    import mlx_lm
+
+    model = getattr(target, "model", target)
+    key = {
+        "format": KEY_FORMAT,
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "target": _identity(target),
+        "target_type": type(target).__name__,
+        "target_dtypes": _dtypes(model),
+        "target_quantization": _quantization(model),
+        "drafter": None,
+    }
+    if drafter is not None:
+        key.update({
+            "drafter": _identity(drafter),
+            "drafter_type": type(drafter).__name__,
+            "capture_layers": list(drafter.target_layer_ids),
+            "drafter_dtypes": _dtypes(drafter) if hasattr(drafter, "parameters") else [],
+            "drafter_quantization": _quantization(drafter) if hasattr(drafter, "named_modules") else [],
+            "draft_window": list(getattr(drafter, "draft_window", None) or []),
+        })
+    return key
+
+
+def key_id(key: dict) -> str:
+    """A folder name for ``key``: 24 hex digits of the sha256 of its sorted JSON."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]

@@ -1,0 +1,76 @@
+"""Prefill up to stored states' boundaries, for pairs whose caches cannot go back far.
+
+A Gated-DeltaNet state cannot be trimmed, and a sliding window (target, or the drafter's
+context) cannot go back past the rows it dropped; so an entry of such a pair resumes a
+prompt only at the exact row count it holds. To let a later prompt that shares part of
+this one resume from close to where they part, the prompt is prefilled here up to each
+boundary (absolute multiples of ``interval`` tokens) and the pair's state is taken
+there; the rest goes to :func:`dflash_mlx.decode.generate.stream_generate` as usual.
+
+Boundaries are multiples of the prefill chunk, so the target sees the same chunks as a
+run that prefilled the whole prompt at once: its caches are the same bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from ..decode.generate import PrefillStopped
+
+DEFAULT_INTERVAL = 4096  # tokens between stored states (rounded to whole prefill chunks)
+
+
+def trims_anywhere(*caches: Optional[List[Any]]) -> bool:
+    """Whether every layer of these caches can be trimmed to any row count (attention
+    KV caches only): then one entry per prompt serves every shorter common prefix."""
+    return all(isinstance(c, (KVCache, QuantizedKVCache)) for cache in caches if cache is not None for c in cache)
+
+
+def boundary_interval(step: int, interval: Optional[int] = None) -> int:
+    """Tokens between stored states: ``interval`` (default :data:`DEFAULT_INTERVAL`)
+    rounded to a whole number of prefill chunks of ``step`` tokens, at least one."""
+    want = DEFAULT_INTERVAL if interval is None else interval
+    return step * max(1, round(want / step))
+
+
+def boundaries(start: int, prompt_len: int, every: int) -> List[int]:
+    """Multiples of ``every`` after ``start``, then ``prompt_len - 1``: the prompt but its
+    last token, which the generation itself feeds (a next turn's prompt starts with this
+    one, so it resumes there even when the reply is rendered differently)."""
+    first = (start // every + 1) * every
+    stops = list(range(first, prompt_len - 1, every))
+    return stops + [prompt_len - 1] if prompt_len - 1 > start else stops
+
+
+def prefill_to(target: Any, drafter: Optional[Any], cache: List[Any], draft_cache: Optional[List[Any]],
+               ids: Sequence[int], start: int, stops: Sequence[int], step: int,
+               should_stop: Optional[Callable[[], bool]] = None) -> Iterator[int]:
+    """Feed ``ids[start:b]`` for each boundary ``b`` of ``stops`` in chunks ending at
+    multiples of ``step``,
+    the drafter ingesting the captured features, so both caches hold ``b`` rows.
+
+    Yields:
+        ``b`` at each boundary, both caches at rest.
+
+    Raises:
+        PrefillStopped: ``should_stop()`` was true before a chunk.
+    """
+    capture = drafter.target_layer_ids if drafter is not None else None
+    pos = start
+    with mx.stream(generation_stream):
+        for b in stops:
+            while pos < b:
+                if should_stop is not None and should_stop():
+                    raise PrefillStopped()
+                n = min(step - pos % step, b - pos)  # chunks end at multiples of step, as from row 0
+                _, f = target(mx.array(ids[pos:pos + n], dtype=mx.int32)[None], cache, capture)
+                if drafter is not None:
+                    drafter.ingest(f, draft_cache)
+                mx.eval([c.state for c in cache] + ([c.state for c in draft_cache] if draft_cache else []))
+                pos += n
+                mx.clear_cache()
+            yield b
