@@ -9,7 +9,8 @@ Pair: the random-weight Qwen3-0.6B-shaped target of ``simulated_speedup.py`` (fl
 and a random DFlash drafter of the same width with 5 layers (as the released Qwen3
 b16 drafters), block 16, simulated acceptance A (``SimulatedDrafter``: the real
 drafter runs for its cost, its proposals are the target's greedy continuation for A
-slots), so tau = A + 1 whatever the window. Prompts are random token ids.
+slots), so tau = A + 1 whatever the window; or, with ``--accept-trace FILE``, the
+accepted lengths a real run recorded, replayed block by block. Prompts are random token ids.
 
 For each prompt length the prompt but its last token is prefilled once (the target
 cache is trimmed back to it after every run); every run then decodes from the last
@@ -44,7 +45,7 @@ import mlx.core as mx
 from dflash_mlx import GenerationStats, generate_step
 from dflash_mlx.decode.generate import prefill
 from dflash_mlx.chat.session import trim_cache
-from dflash_mlx.bench.simulate import SimulatedDrafter
+from dflash_mlx.bench.simulate import SimulatedDrafter, read_trace
 from simulated_speedup import random_pair
 
 
@@ -75,6 +76,8 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[256, 2048, 8192])
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--accept", type=int, default=5, help="simulated acceptance A (tau = A + 1)")
+    p.add_argument("--accept-trace", default=None,
+                   help="replay this acceptance trace (dflash generate --json output) instead of a fixed A")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--drafter-layers", type=int, default=5)
     p.add_argument("--window", default="64,1024", help="SINK,WINDOW")
@@ -86,6 +89,7 @@ def main() -> int:
     sink, size = (int(v) for v in args.window.split(","))
     B = args.block_size
 
+    accept = read_trace(args.accept_trace) if args.accept_trace else args.accept
     _, target, drafter = random_pair(args.drafter_layers, B)
     if args.draft_only:
         return draft_only(drafter, args, (sink, size))
@@ -104,7 +108,7 @@ def main() -> int:
 
         def dflash(window):
             drafter.set_draft_window(window)
-            sim = SimulatedDrafter(drafter, sequence, args.accept, target.vocab_size)
+            sim = SimulatedDrafter(drafter, sequence, accept, target.vocab_size)
             draft_cache = drafter.make_cache()
             tic = time.perf_counter()
             drafter.ingest(features, draft_cache)
