@@ -129,10 +129,13 @@ def test_plain_tokenizer_passes_text_through():
     assert whole.content == "<think>x</think>" + CALL and not whole.reasoning and not whole.tool_calls
 
 
-@pytest.mark.parametrize("parsed", [[], "text", 3, {"arguments": {}}, [{"name": 1}], None])
+@pytest.mark.parametrize("parsed", [[], "text", 3, {"arguments": {}}, [{"name": 1}], None,
+                                    {"name": "f", "arguments": {"x": float("nan")}},
+                                    {"name": "f", "arguments": {"x": {1, 2}}}])
 def test_parser_output_that_is_not_a_call_fails(parsed):
     assert parse_calls(lambda text, tools: parsed, "", None) is None
-    assert parse_calls(lambda text, tools: {"name": "f"}, "", None) == [{"name": "f"}]
+    (call,) = parse_calls(lambda text, tools: {"name": "f", "id": "c1"}, "", None)
+    assert call == {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 # -- the server --------------------------------------------------------------------
@@ -190,14 +193,21 @@ def test_max_tokens_and_stop_inside_the_reply(client):
     assert not any(e["choices"][0]["delta"].get("tool_calls") for e in events)
 
 
-def test_named_tool_choice_shows_the_model_that_tool_only(client, pair, tok):
+def test_named_tool_choice_shows_the_model_that_tool_only(client, pair, tok, caplog):
+    """Decoding is not constrained: a named or required choice the model does not
+    follow (cut by max_tokens here) gets its text, and the server logs it."""
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    r = client.post("/v1/chat/completions", json=chat(tools=TOOLS, tool_choice=choice, max_tokens=2))
-    assert r.status_code == 200, r.text
-    prompt = tok.decode(pair.target.seen)
-    assert "get_weather" in prompt and "get_time" not in prompt
-    r = client.post("/v1/chat/completions", json=chat(tools=TOOLS, tool_choice="required", max_tokens=2))
-    assert r.status_code == 200 and "get_time" in tok.decode(pair.target.seen)
+    with caplog.at_level(logging.WARNING, "dflash.serve"):
+        r = client.post("/v1/chat/completions", json=chat(tools=TOOLS, tool_choice=choice, max_tokens=2))
+        assert r.status_code == 200, r.text
+        prompt = tok.decode(pair.target.seen)
+        assert "get_weather" in prompt and "get_time" not in prompt
+        r = client.post("/v1/chat/completions", json=chat(tools=TOOLS, tool_choice="required", max_tokens=2))
+        assert r.status_code == 200 and "get_time" in tok.decode(pair.target.seen)
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        r = client.post("/v1/chat/completions", json=chat(tools=TOOLS, tool_choice="required"))
+        assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+    assert len([r for r in caplog.records if "answered without one" in r.getMessage()]) == 2
 
 
 def deep(n: int):

@@ -103,16 +103,19 @@ class ReplySplitter:
         prompt: the prompt's token ids (where the reply starts: in thinking or not).
         tools: the request's tools as dicts (given to the parser), or None when tool
             calls are not wanted (see the module's notes).
+        required: ``tool_choice`` asked for a call ("required" or a named function):
+            decoding is not constrained, so a reply without one is logged.
     """
 
-    def __init__(self, tokenizer: Any, prompt: Sequence[int], tools: Optional[List[Dict[str, Any]]]):
+    def __init__(self, tokenizer: Any, prompt: Sequence[int], tools: Optional[List[Dict[str, Any]]],
+                 required: bool = False):
         thinking = getattr(tokenizer, "has_thinking", False)
         calling = getattr(tokenizer, "has_tool_calling", False)
         self.machine = make_text_state_machine(tokenizer) if thinking or calling else None
         self.state = self.machine.make_state(initial_state(tokenizer, prompt)) if self.machine else None
         self.parser: Optional[Callable] = tokenizer.tool_parser if calling and tools is not None else None
         self.markers = (tokenizer.tool_call_start, tokenizer.tool_call_end or "") if calling else ("", "")
-        self.tools, self.calls, self.failed = tools, 0, 0
+        self.tools, self.calls, self.failed, self.required = tools, 0, 0, required
         self._where, self._tool_text = "normal", ""
 
     def feed(self, text: str) -> Delta:
@@ -124,13 +127,16 @@ class ReplySplitter:
 
     def finish(self) -> Delta:
         """The rest: held-back text, and a tool call left open (cut by the end)."""
-        if self.machine is None:
-            return Delta()
-        self.state, rest, where = TextStateMachine.flush(self.state)
-        out = self._take([(where, rest)])
-        if self._where == TOOL:
-            out.add(self._close_call(ended=False))
-            self._where = "normal"
+        out = Delta()
+        if self.machine is not None:
+            self.state, rest, where = TextStateMachine.flush(self.state)
+            out = self._take([(where, rest)])
+            if self._where == TOOL:
+                out.add(self._close_call(ended=False))
+                self._where = "normal"
+        if self.required and not self.calls:
+            log.warning("tool_choice asked for a tool call and the model answered without one; the reply is "
+                        "returned as it is (decoding is not constrained, the output is the target's own)")
         return out
 
     def whole(self, text: str, reason: Optional[str]) -> Tuple[Dict[str, Any], Optional[str]]:
@@ -178,7 +184,7 @@ class ReplySplitter:
             log.warning("a tool call could not be parsed%s; returned as content: %.200r",
                         "" if ended else " (the reply ended inside it)", raw)
             return Delta(content=raw)
-        out = Delta(tool_calls=[openai_call(c, self.calls + i) for i, c in enumerate(calls)])
+        out = Delta(tool_calls=[{"index": self.calls + i, **c} for i, c in enumerate(calls)])
         self.calls += len(calls)
         return out
 
@@ -186,32 +192,38 @@ class ReplySplitter:
 def reply_splitter(tokenizer: Any, req: Any, prompt: Sequence[int]) -> ReplySplitter:
     """The splitter of a chat request's reply (``req``: an ``api.ChatCompletionRequest``):
     tool calls parsed only when the request wants them."""
-    return ReplySplitter(tokenizer, prompt, req.template_tools() if req.wants_tool_calls() else None)
+    tools = req.template_tools() if req.wants_tool_calls() else None
+    return ReplySplitter(tokenizer, prompt, tools, required=req.tool_choice not in (None, "none", "auto"))
 
 
 def parse_calls(parser: Callable, text: str, tools: Optional[List[dict]]) -> Optional[List[Dict[str, Any]]]:
-    """The calls mlx-lm's ``parser`` reads in ``text`` (one or a list), each a dict
-    with a string ``name``; None when it fails or returns anything else. The text is
-    the model's, so any exception of the parser counts as a failure."""
+    """The calls mlx-lm's ``parser`` reads in ``text`` (one or a list), as OpenAI's
+    ``tool_calls`` entries (see :func:`openai_call`); None when the parser fails, or
+    returns anything but dicts with a string ``name`` and JSON-encodable
+    ``arguments``. The text is the model's, so any exception counts as a failure."""
     try:
         parsed = parser(text, tools)
+        calls = parsed if isinstance(parsed, list) else [parsed]
+        if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+            return None
+        return [openai_call(c) for c in calls]
     except Exception:  # noqa: BLE001 - model output is untrusted; the caller logs it
         return None
-    calls = parsed if isinstance(parsed, list) else [parsed]
-    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
-        return None
-    return calls
 
 
-def openai_call(call: Dict[str, Any], index: int) -> Dict[str, Any]:
+def openai_call(call: Dict[str, Any]) -> Dict[str, Any]:
     """A parsed call as OpenAI's ``tool_calls`` entry: ``arguments`` as a JSON string
-    (kept as is when the model wrote a string), an ``id`` (the parser's, or
-    ``call_`` and 24 hex digits), and its ``index`` in the reply."""
+    (kept as is when the model wrote a string), and an ``id`` (the parser's, or
+    ``call_`` and 24 hex digits).
+
+    Raises:
+        TypeError, ValueError: arguments JSON cannot encode (NaN, a set, ...).
+    """
     args = call.get("arguments", {})
     if not isinstance(args, str):
-        args = json.dumps(args, ensure_ascii=False)
+        args = json.dumps(args, ensure_ascii=False, allow_nan=False)
     cid = call.get("id") if isinstance(call.get("id"), str) else f"call_{uuid.uuid4().hex[:24]}"
-    return {"index": index, "id": cid, "type": "function", "function": {"name": call["name"], "arguments": args}}
+    return {"id": cid, "type": "function", "function": {"name": call["name"], "arguments": args}}
 
 
 def check_tool_support(tokenizer: Any, tools: bool, choice: Any, warned: set) -> None:
