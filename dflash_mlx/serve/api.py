@@ -24,8 +24,8 @@ from pydantic_core import PydanticCustomError
 
 from ..stats import GenerationStats
 from .tool_requests import (
-    MAX_TOOLS, ToolCallIn, ToolChoice, ToolDefinition, arguments_problem, calls_for_template, template_tools,
-    tool_problem,
+    MAX_TOOLS, ToolCallIn, ToolChoice, ToolDefinition, arguments_problem, calls_for_template, other_tool_type,
+    template_tools, tool_problem,
 )
 
 
@@ -173,6 +173,14 @@ class ChatCompletionRequest(GenerationFields):
     tools: Optional[List[ToolDefinition]] = Field(None, max_length=MAX_TOOLS)
     tool_choice: Optional[ToolChoice] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _function_tools_only(cls, data: Any) -> Any:
+        bad = other_tool_type(data)
+        if bad is not None:
+            raise request_error(*bad)
+        return data
 
     @model_validator(mode="after")
     def _messages_and_tools(self) -> "ChatCompletionRequest":

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 MAX_TOOLS = 128  # tools per request, and tool calls per message
 MAX_TOOL_CHARS = 32_768  # characters of one tool definition (its strings and keys)
@@ -45,14 +45,6 @@ class ToolDefinition(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["function"]
     function: ToolFunction
-
-    @model_validator(mode="before")
-    @classmethod
-    def _only_functions(cls, data: Any) -> Any:
-        """Another type of tool is one error naming ``type`` (not one per field)."""
-        if isinstance(data, dict) and "type" in data and data["type"] != "function":
-            raise ValueError(f"type {data['type']!r} is not served (only 'function' tools are)")
-        return data
 
 
 class ChosenFunction(BaseModel):
@@ -103,6 +95,16 @@ def _chars(value: Any) -> int:
     if isinstance(value, list):
         return sum(_chars(v) for v in value)
     return 0
+
+
+def other_tool_type(data: Any) -> Optional[tuple]:
+    """Before field validation: the first tool whose ``type`` is not "function", as
+    ``(param, message)`` (one error naming ``tools.N.type``, not one per field), or None."""
+    tools = data.get("tools") if isinstance(data, dict) else None
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
+        if isinstance(tool, dict) and "type" in tool and tool["type"] != "function":
+            return f"tools.{i}.type", f"{tool['type']!r} is not served (only 'function' tools are)"
+    return None
 
 
 def tool_problem(tools: Optional[List[ToolDefinition]], choice: Optional[ToolChoice]) -> Optional[tuple]:
