@@ -107,9 +107,12 @@ def test_two_calls_are_indexed(tok):
 
 
 def test_call_not_wanted_stays_content(tok):
-    """Without tools (or with tool_choice "none") a call is text, markers and all."""
+    """Without tools (or with tool_choice "none") a call is text, markers and all,
+    in the field it was written in."""
     whole, _ = feed(ReplySplitter(tok, [], None), "a" + CALL + "b", 5)
     assert whole.content == "a" + CALL + "b" and not whole.tool_calls
+    whole, _ = feed(ReplySplitter(tok, [], None), "<think>a" + CALL + "b", 5)
+    assert (whole.reasoning, whole.content) == ("a" + CALL, "b")  # mlx-lm's machine leaves thinking there
 
 
 def test_unparseable_or_cut_call_is_content_and_logged(tok, caplog):
@@ -121,6 +124,8 @@ def test_unparseable_or_cut_call_is_content_and_logged(tok, caplog):
     assert whole.content == "x" + bad and not whole.tool_calls
     assert cut.content == CALL[:30] and not cut.tool_calls and split.finish_reason("length") == "length"
     assert len([r for r in caplog.records if "could not be parsed" in r.getMessage()]) == 2
+    whole, _ = feed(ReplySplitter(tok, [], TOOLS), "<think>" + bad)
+    assert whole.reasoning == bad and not whole.content
 
 
 def test_plain_tokenizer_passes_text_through():

@@ -13,10 +13,10 @@ markers cut across chunks are found and never shown.
 What this module decides (see the README's serve section):
 
 - Tool calls are returned only when the request has ``tools`` and ``tool_choice``
-  is not "none"; otherwise a call the model writes stays in ``content``, markers
-  and all.
+  is not "none"; otherwise a call the model writes stays text, markers and all, in
+  the field it was written in (``content``, or ``reasoning_content`` inside thinking).
 - A call the parser cannot read (cut by ``max_tokens`` or a stop string, or not
-  valid) is returned as ``content``, as written, and logged; never dropped.
+  valid) is returned the same way, as written, and logged; never dropped.
 - A reply with a tool call that ended on its own has ``finish_reason``
   "tool_calls"; "length" stays "length".
 - A reply starts in reasoning when the prompt ends inside an open thinking tag
@@ -116,7 +116,7 @@ class ReplySplitter:
         self.parser: Optional[Callable] = tokenizer.tool_parser if calling and tools is not None else None
         self.markers = (tokenizer.tool_call_start, tokenizer.tool_call_end or "") if calling else ("", "")
         self.tools, self.calls, self.failed, self.required = tools, 0, 0, required
-        self._where, self._tool_text = "normal", ""
+        self._where, self._tool_text, self._origin = "normal", "", "normal"  # _origin: where the call began
 
     def feed(self, text: str) -> Delta:
         """The fields ``text`` adds (text that may begin a marker is held back)."""
@@ -166,6 +166,8 @@ class ReplySplitter:
             if where == REASONING:
                 out.reasoning += text
             elif where == TOOL:
+                if self._where != TOOL:
+                    self._origin = self._where
                 self._tool_text += text
             else:
                 out.content += text
@@ -176,14 +178,15 @@ class ReplySplitter:
         text, self._tool_text = self._tool_text, ""
         start, end = self.markers
         raw = start + text + (end if ended else "")
-        if self.parser is None:  # tool calls not wanted: the call stays text
-            return Delta(content=raw)
+        as_text = Delta(reasoning=raw) if self._origin == REASONING else Delta(content=raw)
+        if self.parser is None:  # tool calls not wanted: the call stays text, where it was written
+            return as_text
         calls = parse_calls(self.parser, text, self.tools)
         if calls is None:
             self.failed += 1
-            log.warning("a tool call could not be parsed%s; returned as content: %.200r",
+            log.warning("a tool call could not be parsed%s; returned as text: %.200r",
                         "" if ended else " (the reply ended inside it)", raw)
-            return Delta(content=raw)
+            return as_text
         out = Delta(tool_calls=[{"index": self.calls + i, **c} for i, c in enumerate(calls)])
         self.calls += len(calls)
         return out
