@@ -184,8 +184,9 @@ class ReplySplitter:
         calls = parse_calls(self.parser, text, self.tools)
         if calls is None:
             self.failed += 1
-            log.warning("a tool call could not be parsed%s; returned as text: %.200r",
-                        "" if ended else " (the reply ended inside it)", raw)
+            log.warning("a tool call of %d characters could not be parsed by %s%s; returned as text",
+                        len(raw), getattr(self.parser, "__module__", "the tool parser"),
+                        "" if ended else " (the reply ended inside it)")
             return as_text
         out = Delta(tool_calls=[{"index": self.calls + i, **c} for i, c in enumerate(calls)])
         self.calls += len(calls)
