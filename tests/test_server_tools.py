@@ -15,7 +15,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from conftest import ByteTokenizer
-from dflash_mlx.serve.app import ServerConfig, create_app
+from dflash_mlx.serve.api import ChatCompletionRequest
+from dflash_mlx.serve.app import ServerConfig, chat_prompt_ids, create_app
 from dflash_mlx.serve.tool_requests import MAX_SCHEMA_DEPTH, MAX_TOOL_CHARS, MAX_TOOLS
 from dflash_mlx.serve.tools import ReplySplitter, parse_calls
 from tool_fixtures import load_tool_tokenizer, scripted_pair, write_tool_tokenizer
@@ -126,6 +127,28 @@ def test_unparseable_or_cut_call_is_content_and_logged(tok, caplog):
     assert len([r for r in caplog.records if "could not be parsed" in r.getMessage()]) == 2
     whole, _ = feed(ReplySplitter(tok, [], TOOLS), "<think>" + bad)
     assert whole.reasoning == bad and not whole.content
+
+
+def test_another_mlx_lm_format(tmp_path):
+    """The format is whatever mlx-lm reads from the tokenizer: here Qwen3-Coder's,
+    whose parser types the arguments by the tools' schema."""
+    from tool_fixtures import CODER_TEMPLATE
+
+    coder = load_tool_tokenizer(write_tool_tokenizer(tmp_path, CODER_TEMPLATE))
+    assert coder.tool_parser.__module__ == "mlx_lm.tool_parsers.qwen3_coder"
+    tools = [tool("get_weather", parameters={"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}})]
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    whole, _ = feed(ReplySplitter(coder, [], tools), text, 4)
+    (call,) = whole.tool_calls
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}
+    # Sent back, the call's arguments reach the template decoded (it reads their items).
+    req = ChatCompletionRequest.model_validate({"model": MODEL, "tools": tools, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "20C"}]})
+    prompt = coder.decode(chat_prompt_ids(coder, req, {}))
+    assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n" in prompt
 
 
 def test_plain_tokenizer_passes_text_through():

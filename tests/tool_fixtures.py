@@ -41,10 +41,17 @@ TEMPLATE = (
     "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
 )
+# The same with calls written as XML-like parameters (mlx-lm infers its qwen3_coder
+# parser from the "<tool_call>\n<function=" in it).
+CODER_TEMPLATE = TEMPLATE.replace(
+    "<tool_call>{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}</tool_call>",
+    "<tool_call>\n<function={{ tool_call.name }}>\n{% for k, v in tool_call.arguments.items() %}"
+    "<parameter={{ k }}>\n{{ v }}\n</parameter>\n{% endfor %}</function>\n</tool_call>")
+assert CODER_TEMPLATE != TEMPLATE
 
 
-def write_tool_tokenizer(out: Path) -> Path:
-    """Save the tokenizer described above in ``out``; returns ``out``."""
+def write_tool_tokenizer(out: Path, template: str = TEMPLATE) -> Path:
+    """Save the tokenizer described above (with ``template``) in ``out``; returns ``out``."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -55,7 +62,7 @@ def write_tool_tokenizer(out: Path) -> Path:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    hf.chat_template = TEMPLATE
+    hf.chat_template = template
     hf.save_pretrained(out)
     return out
 
