@@ -104,6 +104,8 @@ class ScriptedTarget(LlamaAdapter):
         return super().lm_head(h)
 
     def lm_head(self, h: mx.array) -> mx.array:
+        """[1, H] or [1, L, H] -> logits of the same rank: 30 on the scripted token of
+        each of the last forward's final positions, 0 elsewhere (``h`` is not read)."""
         n = 1 if h.ndim == 2 else h.shape[1]  # the last n positions of the last forward
         ends = range(len(self.seen) - n + 1, len(self.seen) + 1)
         ids = mx.array([self.script(self.seen[:e]) for e in ends], dtype=mx.int32)
