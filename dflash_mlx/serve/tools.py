@@ -243,8 +243,8 @@ def check_tool_support(tokenizer: Any, tools: bool, choice: Any, warned: set) ->
         APIError: 400 naming ``tool_choice`` when it asks for a call ("required" or a
             named function) and the tokenizer has no tool-call format mlx-lm parses.
     """
-    if not tools or getattr(tokenizer, "has_tool_calling", False):
-        return
+    if not tools or choice == "none" or getattr(tokenizer, "has_tool_calling", False):
+        return  # "none": no call is wanted, so nothing is missing
     if choice not in (None, "none", "auto"):
         raise APIError(400, "tool_choice: this model has no tool-call format that mlx-lm can parse, so no "
                             "tool call can be returned; send 'auto' or 'none' (the reply is then text)",
