@@ -397,7 +397,8 @@ def test_other_bad_requests(server, model):
     check_error(post(url, "/v1/completions", {"model": model, "prompt": ["a", "b"]}), 400, "prompt", "one prompt")
     check_error(post(url, "/v1/completions", {"model": model, "prompt": ""}), 400, "prompt", "empty")
     check_error(post(url, "/v1/chat/completions", chat_body(model, n=2)), 400, "n")
-    check_error(post(url, "/v1/chat/completions", chat_body(model, tools=[{"type": "function"}])), 400, "tools")
+    check_error(post(url, "/v1/chat/completions", chat_body(model, tools=[{"type": "function", "function": {"name": "f"}}])),
+                400, "tools", "no chat template")
     check_error(post(url, "/v1/chat/completions", []), 400)
     check_error(httpx.get(f"{url}/v1/nowhere", headers={"Authorization": f"Bearer {KEY}"}), 404)
     check_error(httpx.get(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}), 405)

@@ -102,14 +102,16 @@ def test_chat_template_gets_tools_and_kwargs():
         "model": "m", "chat_template_kwargs": {"enable_thinking": True},
         "tools": [{"type": "function", "function": {"name": "f"}}],
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                     {"role": "assistant", "tool_calls": [{"id": "1"}]},
+                     {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                                           "function": {"name": "f", "arguments": '{"x": 1}'}}]},
                      {"role": "tool", "tool_call_id": "1", "content": "r"}],
     })
     ids = chat_prompt_ids(tok, req, {"enable_thinking": False, "other": 1})
     messages, kwargs = tok.calls[0]
     assert kwargs == {"enable_thinking": True, "other": 1, "tools": [{"type": "function", "function": {"name": "f"}}]}
     assert messages[0] == {"role": "user", "content": "ab"}
-    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [  # arguments decoded for templates
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}
     assert bytes(ids).decode() == "<user>ab<assistant><tool>r<assistant>"
 
 
@@ -118,7 +120,7 @@ def test_chat_template_errors_are_400():
     with pytest.raises(APIError) as e:
         chat_prompt_ids(ByteTokenizer(template=True, fail=True), req, {})
     assert e.value.status == 400 and e.value.param == "messages" and "no such role" in e.value.message
-    tools = ChatCompletionRequest.model_validate({"model": "m", "tools": [{}],
+    tools = ChatCompletionRequest.model_validate({"model": "m", "tools": [{"type": "function", "function": {"name": "f"}}],
                                                   "messages": [{"role": "user", "content": "a"}]})
     with pytest.raises(APIError, match="no chat template"):
         chat_prompt_ids(ByteTokenizer(template=False), tools, {})

@@ -23,6 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..stats import GenerationStats
+from .tool_requests import (
+    MAX_TOOLS, ToolCallIn, ToolChoice, ToolDefinition, arguments_problem, calls_for_template, other_tool_type,
+    template_tools, tool_problem,
+)
 
 
 MAX_STOP = 16  # stop strings per request (OpenAI takes 4)
@@ -35,7 +39,7 @@ UNSUPPORTED = {
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
     "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none"),
-    "tool_choice": (None, "none", "auto"), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
 }
 
 
@@ -83,12 +87,13 @@ class TextPart(BaseModel):
     text: str
 
 class ChatMessage(BaseModel):
-    """One message. Extra keys (``tool_calls``, ``tool_call_id``, ``name``) go to the
-    chat template as they are."""
+    """One message. ``tool_calls`` (checked, see :mod:`.tool_requests`) and extra
+    keys (``tool_call_id``, ``name``) go to the chat template."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, List[TextPart], None] = None
+    tool_calls: Optional[List[ToolCallIn]] = Field(None, max_length=MAX_TOOLS)
 
     def text(self) -> str:
         """The content's text (parts joined; "" when there is none)."""
@@ -103,6 +108,8 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             out["content"] = "".join(p.text for p in self.content)
         out.setdefault("content", "")
+        if self.tool_calls:
+            out["tool_calls"] = calls_for_template(self.tool_calls)
         return out
 
 
@@ -159,18 +166,44 @@ class GenerationFields(BaseModel):
 
 class ChatCompletionRequest(GenerationFields):
     """``POST /v1/chat/completions``. ``tools`` and ``chat_template_kwargs`` (e.g.
-    ``{"enable_thinking": true}``) are passed to the chat template."""
+    ``{"enable_thinking": true}``) are passed to the chat template; ``tools``,
+    ``tool_choice`` and messages' ``tool_calls`` are bounded (:mod:`.tool_requests`)."""
 
     messages: List[ChatMessage] = Field(min_length=1)
-    tools: Optional[List[Dict[str, Any]]] = None
+    tools: Optional[List[ToolDefinition]] = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Optional[ToolChoice] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _function_tools_only(cls, data: Any) -> Any:
+        bad = other_tool_type(data)
+        if bad is not None:
+            raise request_error(*bad)
+        return data
+
     @model_validator(mode="after")
-    def _user_messages_have_text(self) -> "ChatCompletionRequest":
+    def _messages_and_tools(self) -> "ChatCompletionRequest":
         for i, m in enumerate(self.messages):
             if m.role == "user" and not m.text():
                 raise request_error(f"messages.{i}.content", "a user message needs text (it is empty)")
+            bad = arguments_problem(m.tool_calls or [])
+            if bad is not None:
+                raise request_error(f"messages.{i}.{bad[0]}", bad[1])
+        bad = tool_problem(self.tools, self.tool_choice)
+        if bad is not None:
+            raise request_error(*bad)
         return self
+
+    def template_tools(self) -> Optional[List[Dict[str, Any]]]:
+        """``tools`` as the chat template gets them (only the named one for a named
+        ``tool_choice``), or None."""
+        return template_tools(self.tools, self.tool_choice)
+
+    def wants_tool_calls(self) -> bool:
+        """Whether tool calls in the reply are returned as ``tool_calls``: the request
+        has tools and ``tool_choice`` is not "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class CompletionRequest(GenerationFields):
@@ -223,12 +256,13 @@ def usage(prompt_tokens: int, reused: int, stats: GenerationStats) -> Dict[str, 
     }
 
 
-def chat_completion(rid: str, model: str, text: str, finish_reason: Optional[str],
+def chat_completion(rid: str, model: str, message: Dict[str, Any], finish_reason: Optional[str],
                     usage_: Optional[dict]) -> Dict[str, Any]:
-    """A whole ``chat.completion``."""
+    """A whole ``chat.completion``; ``message`` holds the message's fields but its
+    role (``content``, and ``reasoning_content`` and ``tool_calls`` if any)."""
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+        "choices": [{"index": 0, "message": {"role": "assistant", **message},
                      "finish_reason": finish_reason, "logprobs": None}],
         "usage": usage_,
     }

@@ -41,6 +41,7 @@ from .guard import (
     prompt_char_cap, too_large, validation_message, watch_disconnect,
 )
 from .metrics import ServerMetrics
+from .tools import ReplySplitter, check_tool_support, reply_splitter
 from ..chat.session import context_length
 
 log = logging.getLogger("dflash.serve")
@@ -121,6 +122,7 @@ class Server:
         self.char_cap = prompt_char_cap(self.context, config.max_prompt_chars)
         self.names = {config.model_id, PurePath(config.model_id).name}
         self.created = int(time.time())
+        self.tool_warnings: set = set()  # what check_tool_support logged once
 
     # -- requests to prompt ids ---------------------------------------------------
 
@@ -132,7 +134,8 @@ class Server:
     def check_chat(self, req: ChatCompletionRequest) -> None:
         """The checks of a chat request that need no tokenizer (in the handler)."""
         check_template_kwargs(req.chat_template_kwargs, self.config.allow_request_templates)
-        n = count_chars([m.for_template() for m in req.messages]) + count_chars(req.tools)
+        check_tool_support(self.tokenizer, bool(req.tools), req.tool_choice, self.tool_warnings)
+        n = count_chars([m.for_template() for m in req.messages]) + count_chars(req.template_tools())
         check_prompt_chars(n, self.char_cap, "messages", self.context)
 
     def check_completion(self, req: CompletionRequest) -> None:
@@ -208,7 +211,7 @@ class Server:
         streaming = False  # once the stream is handed over, it closes the job and the watcher
         try:
             try:
-                await job.start()
+                spec = await job.start()
             except JobCancelled:
                 return gone()
             except QueueFullError:
@@ -216,8 +219,9 @@ class Server:
             except RequestTimeout as e:
                 raise APIError(408, str(e), code="request_timeout", counted=True) from None
             rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
+            split = reply_splitter(self.tokenizer, req, spec.ids) if endpoint == "chat" else None
             if req.stream:  # the watcher stays: starlette may cancel the stream before it starts
-                events = self._events(job, rid, req.model, endpoint, req.include_usage(), watcher)
+                events = self._events(job, rid, req.model, endpoint, req.include_usage(), watcher, split)
                 streaming = True
                 return StreamingResponse(events, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -238,14 +242,16 @@ class Server:
                 return gone()
             raise APIError(503, "the server is shutting down", type_="server_error")
         if endpoint == "chat":
-            return JSONResponse(chat_completion(rid, req.model, "".join(text), finish, usage_))
+            message, finish = split.whole("".join(text), finish)
+            return JSONResponse(chat_completion(rid, req.model, message, finish, usage_))
         return JSONResponse(text_completion(rid, req.model, "".join(text), finish, usage_))
 
-    async def _events(self, job: Job, rid: str, model: str, endpoint: str,
-                      include_usage: bool, watcher: asyncio.Future) -> AsyncIterator[str]:
-        """Server-sent events: text deltas, the finish chunk, the usage chunk if asked,
-        then ``[DONE]``. Leaving early (the client went away) stops the generation;
-        ``watcher`` (the disconnect watch) is cancelled at the end."""
+    async def _events(self, job: Job, rid: str, model: str, endpoint: str, include_usage: bool,
+                      watcher: asyncio.Future, split: Optional[ReplySplitter] = None) -> AsyncIterator[str]:
+        """Server-sent events: deltas (a chat's split by ``split``), the finish chunk,
+        the usage chunk if asked, then ``[DONE]``. Leaving early (the client went
+        away) stops the generation; ``watcher`` (the disconnect watch) is cancelled
+        at the end."""
         chat = endpoint == "chat"
         try:
             if chat:
@@ -255,11 +261,12 @@ class Server:
                     yield _sse(error_body(c.error, "server_error") if c.status != 408
                                else error_body(c.error, code="request_timeout"))
                     break
-                if c.text:
-                    yield _sse(chat_chunk(rid, model, {"content": c.text}) if chat
+                delta = split.chunk(c.text, c.finish_reason) if chat else {}
+                if delta or (c.text and not chat):
+                    yield _sse(chat_chunk(rid, model, delta) if chat
                                else text_completion(rid, model, c.text, None, chunk=True))
                 if c.finish_reason:
-                    yield _sse(chat_chunk(rid, model, {}, c.finish_reason) if chat
+                    yield _sse(chat_chunk(rid, model, {}, split.finish_reason(c.finish_reason)) if chat
                                else text_completion(rid, model, "", c.finish_reason, chunk=True))
                     if include_usage:
                         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -293,7 +300,7 @@ def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, defaults: Dict[s
     if req.tools:
         if not tokenizer.has_chat_template:
             raise APIError(400, "tools: this model has no chat template to render them", "tools")
-        template["tools"] = req.tools
+        template["tools"] = req.template_tools()
     try:
         return encode_messages(tokenizer, messages, template)
     except Exception as e:  # jinja2 and template errors of any kind: the request is at fault

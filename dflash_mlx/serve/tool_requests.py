@@ -1,0 +1,167 @@
+"""The tool fields of a chat request, validated: ``tools``, ``tool_choice`` and the
+``tool_calls`` of assistant messages sent back.
+
+Every bound here is a 400 naming the field (through :func:`api.request_error`):
+
+- ``tools``: at most :data:`MAX_TOOLS` (OpenAI's own limit), each a ``function``
+  with a name of 1 to 64 letters, digits, ``_`` or ``-`` (OpenAI's rule), unique in
+  the request, a ``parameters`` object nested at most :data:`MAX_SCHEMA_DEPTH`
+  levels, and at most :data:`MAX_TOOL_CHARS` characters in all. (Every tool is also
+  counted in the prompt's character cap, see ``guard.check_prompt_chars``.)
+- ``tool_choice``: "none", "auto", "required" or ``{"type": "function",
+  "function": {"name": NAME}}`` naming one of ``tools``; anything but "none" and
+  "auto" needs ``tools``.
+- ``messages.N.tool_calls``: at most :data:`MAX_TOOLS` calls, each with a function
+  name and ``arguments`` that are a JSON object in a string, as the server returns
+  them. The arguments go to the chat template decoded (templates read their keys).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TOOLS = 128  # tools per request, and tool calls per message
+MAX_TOOL_CHARS = 32_768  # characters of one tool definition (its strings and keys)
+MAX_SCHEMA_DEPTH = 32  # nesting of a tool's parameters (objects and lists)
+NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class ToolFunction(BaseModel):
+    """A function the model may call. Unknown keys are dropped."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(pattern=NAME)
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolDefinition(BaseModel):
+    """One entry of ``tools``: only ``function`` tools are served."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class ChosenFunction(BaseModel):
+    model_config = ConfigDict(strict=True)
+    name: str = Field(pattern=NAME)
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function."""
+
+    model_config = ConfigDict(strict=True)
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True)
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an assistant message sent back in ``messages``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+def depth(value: Any) -> int:
+    """Nesting depth of lists and dicts in ``value`` (a scalar: 0)."""
+    if isinstance(value, dict):
+        return 1 + max((depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((depth(v) for v in value), default=0)
+    return 0
+
+
+def _chars(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(str(k)) + _chars(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(_chars(v) for v in value)
+    return 0
+
+
+def other_tool_type(data: Any) -> Optional[tuple]:
+    """Before field validation: the first tool whose ``type`` is not "function", as
+    ``(param, message)`` (one error naming ``tools.N.type``, not one per field), or None."""
+    tools = data.get("tools") if isinstance(data, dict) else None
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
+        if isinstance(tool, dict) and "type" in tool and tool["type"] != "function":
+            return f"tools.{i}.type", f"{tool['type']!r} is not served (only 'function' tools are)"
+    return None
+
+
+def tool_problem(tools: Optional[List[ToolDefinition]], choice: Optional[ToolChoice]) -> Optional[tuple]:
+    """The first thing wrong with ``tools`` and ``tool_choice`` together, as
+    ``(param, message)``, or None. Sizes, depth and names are checked here (after
+    each field's own validation)."""
+    seen = set()
+    for i, tool in enumerate(tools or []):
+        where = f"tools.{i}.function"
+        params = tool.function.parameters
+        if params is not None and depth(params) > MAX_SCHEMA_DEPTH:
+            return f"{where}.parameters", f"nested deeper than {MAX_SCHEMA_DEPTH} levels"
+        n = _chars(tool.model_dump(exclude_none=True))
+        if n > MAX_TOOL_CHARS:
+            return f"tools.{i}", f"the tool definition is {n} characters; at most {MAX_TOOL_CHARS}"
+        if tool.function.name in seen:
+            return f"{where}.name", f"'{tool.function.name}' is defined twice"
+        seen.add(tool.function.name)
+    if choice is None or choice in ("none", "auto"):
+        return None
+    if not tools:
+        what = repr(choice) if isinstance(choice, str) else "a named function"
+        return "tool_choice", f"{what} needs tools (the request has none)"
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in seen:
+        return "tool_choice.function.name", f"'{choice.function.name}' is not one of the request's tools"
+    return None
+
+
+def arguments_problem(calls: List[ToolCallIn]) -> Optional[tuple]:
+    """The first call whose ``arguments`` is not a JSON object, as ``(param suffix,
+    message)`` (suffix: ``tool_calls.N.function.arguments``), or None."""
+    for j, call in enumerate(calls):
+        try:
+            value = json.loads(call.function.arguments)
+        except (ValueError, RecursionError):
+            value = None
+        if not isinstance(value, dict):
+            return f"tool_calls.{j}.function.arguments", "must be a JSON object in a string"
+    return None
+
+
+def calls_for_template(calls: List[ToolCallIn]) -> List[Dict[str, Any]]:
+    """Assistant tool calls as chat templates read them: arguments decoded to a dict
+    (checked by :func:`arguments_problem` before)."""
+    out = []
+    for call in calls:
+        d = call.model_dump(exclude_none=True)
+        d["function"]["arguments"] = json.loads(call.function.arguments)
+        out.append(d)
+    return out
+
+
+def template_tools(tools: Optional[List[ToolDefinition]], choice: Optional[ToolChoice]) -> Optional[List[dict]]:
+    """The tools the chat template renders: all of them, or only the one a named
+    ``tool_choice`` picks (the model is shown that tool alone); None without tools."""
+    if not tools:
+        return None
+    if isinstance(choice, NamedToolChoice):
+        tools = [t for t in tools if t.function.name == choice.function.name]
+    return [t.model_dump(exclude_none=True) for t in tools]

@@ -1,0 +1,255 @@
+"""A chat reply split into OpenAI's fields: ``content``, ``reasoning_content`` and
+``tool_calls``. Only how the generated text is presented changes; the tokens are
+the target's, untouched.
+
+The formats are mlx-lm's, read from the tokenizer it loaded
+(``mlx_lm.tokenizer_utils.TokenizerWrapper``): its thinking tags (``think_start``,
+``think_end``), its tool-call markers (``tool_call_start``, ``tool_call_end``) and
+its parser for the text between them (``tool_parser``, from
+``mlx_lm.tool_parsers``). The text is split by mlx-lm's own ``TextStateMachine``
+(``mlx_lm.generate.make_text_state_machine``), fed as the engine streams it, so
+markers cut across chunks are found and never shown.
+
+What this module decides (see the README's serve section):
+
+- Tool calls are returned only when the request has ``tools`` and ``tool_choice``
+  is not "none"; otherwise a call the model writes stays text, markers and all, in
+  the field it was written in (``content``, or ``reasoning_content`` inside thinking).
+- A call the parser cannot read (cut by ``max_tokens`` or a stop string, or not
+  valid) is returned the same way, as written, and logged; never dropped.
+- A reply with a tool call that ended on its own has ``finish_reason``
+  "tool_calls"; "length" stays "length".
+- A reply starts in reasoning when the prompt ends inside an open thinking tag
+  (the template opened it), as mlx-lm decides.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from mlx_lm.generate import TextStateMachine, make_text_state_machine
+
+from .guard import APIError
+
+log = logging.getLogger("dflash.serve")
+
+REASONING, TOOL = "reasoning", "tool"  # mlx-lm's state names
+
+
+@dataclass
+class Delta:
+    """What a piece of reply adds to each field.
+
+    Attributes:
+        content: text outside thinking and tool calls.
+        reasoning: text inside thinking tags (``reasoning_content``).
+        tool_calls: OpenAI tool calls, each ``{"index", "id", "type": "function",
+            "function": {"name", "arguments"}}`` (``arguments`` a JSON string).
+    """
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: List[Dict[str, Any]] = field(default_factory=list)
+
+    def add(self, other: "Delta") -> None:
+        """Append ``other``'s fields to this one's."""
+        self.content += other.content
+        self.reasoning += other.reasoning
+        self.tool_calls.extend(other.tool_calls)
+
+    def stream_delta(self) -> Dict[str, Any]:
+        """The ``delta`` of a ``chat.completion.chunk`` (empty when nothing came)."""
+        out: Dict[str, Any] = {}
+        if self.reasoning:
+            out["reasoning_content"] = self.reasoning
+        if self.content:
+            out["content"] = self.content
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        return out
+
+    def message(self) -> Dict[str, Any]:
+        """The fields of a ``chat.completion``'s ``message`` besides its role:
+        ``content`` (None when the reply is only tool calls), and
+        ``reasoning_content`` and ``tool_calls`` when there are any."""
+        out: Dict[str, Any] = {"content": self.content if self.content or not self.tool_calls else None}
+        if self.reasoning:
+            out["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            out["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in self.tool_calls]
+        return out
+
+
+def initial_state(tokenizer: Any, prompt: Sequence[int]) -> str:
+    """"reasoning" when ``prompt`` ends inside an open thinking tag, else "normal"
+    (a response format's own initial state wins), as mlx-lm's server decides."""
+    state = "normal"
+    if getattr(tokenizer, "has_thinking", False):
+        if tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
+            state = REASONING
+    return getattr(tokenizer, "response_initial_state", None) or state
+
+
+class ReplySplitter:
+    """Splits one reply's text, fed chunk by chunk, into :class:`Delta` pieces.
+
+    Args:
+        tokenizer: the pair's tokenizer; a tokenizer without mlx-lm's formats (no
+            ``has_thinking`` / ``has_tool_calling``) passes text through as content.
+        prompt: the prompt's token ids (where the reply starts: in thinking or not).
+        tools: the request's tools as dicts (given to the parser), or None when tool
+            calls are not wanted (see the module's notes).
+        required: ``tool_choice`` asked for a call ("required" or a named function):
+            decoding is not constrained, so a reply without one is logged.
+    """
+
+    def __init__(self, tokenizer: Any, prompt: Sequence[int], tools: Optional[List[Dict[str, Any]]],
+                 required: bool = False):
+        thinking = getattr(tokenizer, "has_thinking", False)
+        calling = getattr(tokenizer, "has_tool_calling", False)
+        self.machine = make_text_state_machine(tokenizer) if thinking or calling else None
+        self.state = self.machine.make_state(initial_state(tokenizer, prompt)) if self.machine else None
+        self.parser: Optional[Callable] = tokenizer.tool_parser if calling and tools is not None else None
+        self.markers = (tokenizer.tool_call_start, tokenizer.tool_call_end or "") if calling else ("", "")
+        self.tools, self.calls, self.failed, self.required = tools, 0, 0, required
+        self._where, self._tool_text, self._origin = "normal", "", "normal"  # _origin: where the call began
+
+    def feed(self, text: str) -> Delta:
+        """The fields ``text`` adds (text that may begin a marker is held back)."""
+        if self.machine is None:
+            return Delta(content=text)
+        self.state, segments = TextStateMachine.split(self.state, text)
+        return self._take(segments)
+
+    def finish(self) -> Delta:
+        """The rest: held-back text, and a tool call left open (cut by the end)."""
+        out = Delta()
+        if self.machine is not None:
+            self.state, rest, where = TextStateMachine.flush(self.state)
+            out = self._take([(where, rest)])
+            if self._where == TOOL:
+                out.add(self._close_call(ended=False))
+                self._where = "normal"
+        if self.required and not self.calls:
+            log.warning("tool_choice asked for a tool call and the model answered without one; the reply is "
+                        "returned as it is (decoding is not constrained, the output is the target's own)")
+        return out
+
+    def whole(self, text: str, reason: Optional[str]) -> Tuple[Dict[str, Any], Optional[str]]:
+        """A whole reply's ``message`` fields (see :meth:`Delta.message`) and its
+        finish reason."""
+        out = self.feed(text)
+        out.add(self.finish())
+        return out.message(), self.finish_reason(reason)
+
+    def chunk(self, text: str, reason: Optional[str]) -> Dict[str, Any]:
+        """The ``delta`` of one streamed step's ``text`` (the last step's, with
+        ``reason`` set, includes the rest); empty when there is nothing to send."""
+        out = self.feed(text)
+        if reason is not None:
+            out.add(self.finish())
+        return out.stream_delta()
+
+    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+        """``reason``, or "tool_calls" for a reply that called a tool and stopped."""
+        return "tool_calls" if reason == "stop" and self.calls else reason
+
+    def _take(self, segments) -> Delta:
+        out = Delta()
+        for where, text in segments:
+            if self._where == TOOL and where != TOOL:
+                out.add(self._close_call(ended=True))
+            if where == REASONING:
+                out.reasoning += text
+            elif where == TOOL:
+                if self._where != TOOL:
+                    self._origin = self._where
+                self._tool_text += text
+            else:
+                out.content += text
+            self._where = where
+        return out
+
+    def _close_call(self, ended: bool) -> Delta:
+        text, self._tool_text = self._tool_text, ""
+        start, end = self.markers
+        raw = start + text + (end if ended else "")
+        as_text = Delta(reasoning=raw) if self._origin == REASONING else Delta(content=raw)
+        if self.parser is None:  # tool calls not wanted: the call stays text, where it was written
+            return as_text
+        calls = parse_calls(self.parser, text, self.tools)
+        if calls is None:
+            self.failed += 1
+            log.warning("a tool call of %d characters could not be parsed by %s%s; returned as text",
+                        len(raw), getattr(self.parser, "__module__", "the tool parser"),
+                        "" if ended else " (the reply ended inside it)")
+            return as_text
+        out = Delta(tool_calls=[{"index": self.calls + i, **c} for i, c in enumerate(calls)])
+        self.calls += len(calls)
+        return out
+
+
+def reply_splitter(tokenizer: Any, req: Any, prompt: Sequence[int]) -> ReplySplitter:
+    """The splitter of a chat request's reply (``req``: an ``api.ChatCompletionRequest``):
+    tool calls parsed only when the request wants them."""
+    tools = req.template_tools() if req.wants_tool_calls() else None
+    return ReplySplitter(tokenizer, prompt, tools, required=req.tool_choice not in (None, "none", "auto"))
+
+
+def parse_calls(parser: Callable, text: str, tools: Optional[List[dict]]) -> Optional[List[Dict[str, Any]]]:
+    """The calls mlx-lm's ``parser`` reads in ``text`` (one or a list), as OpenAI's
+    ``tool_calls`` entries (see :func:`openai_call`); None when the parser fails, or
+    returns anything but dicts with a string ``name`` and JSON-encodable
+    ``arguments``. The text is the model's, so any exception counts as a failure."""
+    try:
+        parsed = parser(text, tools)
+        calls = parsed if isinstance(parsed, list) else [parsed]
+        if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+            return None
+        return [openai_call(c) for c in calls]
+    except Exception:  # noqa: BLE001 - model output is untrusted; the caller logs it
+        return None
+
+
+def openai_call(call: Dict[str, Any]) -> Dict[str, Any]:
+    """A parsed call as OpenAI's ``tool_calls`` entry: ``arguments`` as a JSON string
+    (kept as is when the model wrote a string), and an ``id`` (the parser's, or
+    ``call_`` and 24 hex digits).
+
+    Raises:
+        TypeError, ValueError: arguments JSON cannot encode (NaN, a set, ...).
+    """
+    args = call.get("arguments", {})
+    if not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    cid = call.get("id") if isinstance(call.get("id"), str) else f"call_{uuid.uuid4().hex[:24]}"
+    return {"id": cid, "type": "function", "function": {"name": call["name"], "arguments": args}}
+
+
+def check_tool_support(tokenizer: Any, tools: bool, choice: Any, warned: set) -> None:
+    """Refuse what this model cannot do with tools; say once what it does instead.
+
+    Args:
+        tokenizer: the pair's tokenizer.
+        tools: whether the request has tools.
+        choice: its ``tool_choice`` ("none", "auto", "required", a named choice, None).
+        warned: what was logged already (a set kept by the server; updated).
+
+    Raises:
+        APIError: 400 naming ``tool_choice`` when it asks for a call ("required" or a
+            named function) and the tokenizer has no tool-call format mlx-lm parses.
+    """
+    if not tools or choice == "none" or getattr(tokenizer, "has_tool_calling", False):
+        return  # "none": no call is wanted, so nothing is missing
+    if choice not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice: this model has no tool-call format that mlx-lm can parse, so no "
+                            "tool call can be returned; send 'auto' or 'none' (the reply is then text)",
+                       "tool_choice")
+    if "no-tool-format" not in warned:
+        warned.add("no-tool-format")
+        log.warning("a request sent tools, but this model's tokenizer has no tool-call format that mlx-lm "
+                    "can parse: the tools go to the chat template and the reply is returned as text")
