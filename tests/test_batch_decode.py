@@ -1,0 +1,197 @@
+"""Continuous batching (decode/batch.py): every sequence of a batch emits exactly the
+tokens it emits alone, with ragged acceptance (full, partial and none in one verify),
+joins mid-decode, prefills in chunks, stop tokens and strings, and cancellations;
+the batched cache holds, per sequence, exactly the rows of a solo cache."""
+
+import random
+from collections import deque
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx import generate_step
+from dflash_mlx.decode import batch as batch_module
+from dflash_mlx.decode.batch import BatchDecoder
+from dflash_mlx.decode.stopping import StopCondition
+from dflash_mlx.targets.batch_cache import batch_refusal, sequence_rows
+from conftest import ByteTokenizer, _Position, assert_varied, tiny_drafter, tiny_target
+
+ATTENTION = ("llama", "qwen3")
+_TARGETS = {}
+
+
+def target_of(family):
+    if family not in _TARGETS:
+        _TARGETS[family] = tiny_target(family)[1]
+    return _TARGETS[family]
+
+
+def solo(target, prompt, n, stop_strings=(), stop_ids=()):
+    """The request run alone: plain greedy decoding of the target."""
+    stop = StopCondition(n, stop_ids, stop_strings, ByteTokenizer().decode)
+    steps = generate_step(mx.array(prompt, dtype=mx.int32), target, None, stop=stop)
+    return [t for s in steps for t in s.tokens]
+
+
+class JoinOrderDrafter:
+    """Scripted drafts per sequence: the k-th cache made (the k-th sequence to join) drafts
+    ``scripts[k] = (continuation, correct)``: its first ``correct`` slots right, the rest wrong
+    (``correct`` None: a random number per block, so blocks are fully, partly and not
+    accepted within one batch)."""
+
+    def __init__(self, scripts, block_size, vocab=256, seed=0, check_anchor=True):
+        self.scripts, self.block_size, self.vocab = deque(scripts), block_size, vocab
+        self.check_anchor = check_anchor
+        self.target_layer_ids = [1]
+        self.rng = random.Random(seed)
+
+    def make_cache(self):
+        c = _Position()
+        c.sequence, c.correct = self.scripts.popleft()
+        return [c]
+
+    def ingest(self, context, cache):
+        cache[0].offset += context.shape[1]
+
+    def draft(self, token, context, cache, block_size):
+        c = cache[0]
+        pos = c.offset = c.offset + context.shape[1]
+        assert not self.check_anchor or int(token.item()) == c.sequence[pos], "t_last is not at offset + S"
+        correct = self.rng.randrange(block_size) if c.correct is None else c.correct
+        out = []
+        for k in range(1, block_size):
+            right = c.sequence[pos + k] if pos + k < len(c.sequence) else 0
+            out.append(right if k <= correct else (right + 1) % self.vocab)
+        return mx.array(out, dtype=mx.int32)
+
+
+def drive(decoder, plan, chunk=3):
+    """Run a schedule: ``plan`` is a list of dicts (key, prompt, n, join, cancel, stop);
+    a request joins at step ``join`` (prefilled one chunk per step), leaves at step
+    ``cancel`` (None: never). Returns ``{key: tokens}``."""
+    out = {p["key"]: [] for p in plan}
+    waiting, joining, step = deque(sorted(plan, key=lambda p: p["join"])), deque(), 0
+    while waiting or joining or len(decoder):
+        while waiting and waiting[0]["join"] <= step:
+            p = waiting.popleft()
+            stop = StopCondition(p["n"], (), p.get("stop", ()), ByteTokenizer().decode)
+            joining.append(decoder.start(p["key"], p["prompt"], None, stop, step_size=chunk))
+        decoder.remove([p["key"] for p in plan if p.get("cancel") == step])
+        if joining:
+            r = joining[0].advance()
+            if r is not None:
+                out[joining.popleft().key] += r.tokens
+        keys = [s.key for s in decoder.sequences]
+        for key, r in zip(keys, decoder.step()):
+            out[key] += r.tokens
+        step += 1
+    return out
+
+
+def prompts(count, seed=0, vocab=256):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab - 1) for _ in range(rng.randint(1, 12))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("family", ATTENTION)
+def test_ragged_acceptance_equals_solo(family):
+    """Four sequences joining at different steps; drafts fully accepted, half accepted,
+    all rejected and random, so every verify is ragged."""
+    target, B, n = target_of(family), 6, 60
+    ps = prompts(4, seed=1)
+    refs = [solo(target, p, n + B) for p in ps]
+    assert_varied(refs[0][:n])
+    scripts = [(p + r, c) for p, r, c in zip(ps, refs, (B - 1, 2, 0, None))]
+    decoder = BatchDecoder(target, JoinOrderDrafter(scripts, B), B)
+    plan = [dict(key=f"r{i}", prompt=p, n=n, join=3 * i) for i, p in enumerate(ps)]
+    out = drive(decoder, plan)
+    for i, p in enumerate(ps):
+        assert out[f"r{i}"] == refs[i][:n], f"sequence {i} differs from its solo run"
+
+
+@pytest.mark.parametrize("family", ATTENTION)
+def test_random_drafter_joins_stops_and_cancellations(family):
+    """A real (random) DFlash drafter; 12 requests of random lengths through a batch,
+    some with stop strings, two cancelled mid-decode (their tokens so far are a prefix
+    of the solo run; the others are unaffected)."""
+    target = target_of(family)
+    rng = random.Random(3)
+    plan = []
+    for i, p in enumerate(prompts(12, seed=4)):
+        plan.append(dict(key=f"r{i}", prompt=p, n=rng.randint(1, 40), join=rng.randint(0, 30),
+                         stop=("ab",) if i % 3 == 0 else ()))
+    plan[2]["cancel"], plan[5]["cancel"] = plan[2]["join"] + 6, plan[5]["join"] + 9
+    out = drive(BatchDecoder(target, tiny_drafter(target, block_size=8), 8), plan)
+    for p in plan:
+        ref = solo(target, p["prompt"], p["n"], p.get("stop", ()))
+        got = out[p["key"]]
+        if "cancel" in p:
+            assert got == ref[: len(got)] and len(got) < len(ref)
+        else:
+            assert got == ref, f"{p['key']} differs from its solo run"
+
+
+def test_cache_rows_equal_a_solo_cache():
+    """After ragged steps, each sequence's rows of the batched cache (keys and values,
+    not only offsets) are those of the target run alone over the same tokens."""
+    target, B = target_of("llama"), 5
+    ps = prompts(3, seed=7)
+    refs = [solo(target, p, 110) for p in ps]
+    scripts = [(p + r, c) for p, r, c in zip(ps, refs, (B - 1, 1, None))]
+    decoder = BatchDecoder(target, JoinOrderDrafter(scripts, B, seed=2), B)
+    plan = [dict(key=i, prompt=p, n=100, join=i) for i, p in enumerate(ps)]
+    waiting, emitted = deque(plan), {i: [] for i in range(3)}
+    for step in range(9):  # part-way: all three active
+        if waiting and waiting[0]["join"] <= step:
+            p = waiting.popleft()
+            j = decoder.start(p["key"], p["prompt"], None, StopCondition(p["n"]), step_size=64)
+            emitted[p["key"]] += j.advance().tokens
+        keys = [s.key for s in decoder.sequences]
+        for k, r in zip(keys, decoder.step()):
+            emitted[k] += r.tokens
+    assert len(decoder) == 3
+    for i, p in enumerate(ps):
+        rows = sequence_rows(decoder.cache, i)
+        tokens = p + emitted[i][:-1]  # the last committed token is not in the cache yet
+        fresh = target.make_cache()
+        target(mx.array(tokens, dtype=mx.int32)[None], fresh)
+        for layer, (got, want) in enumerate(zip(rows, fresh)):
+            assert got.offset == want.offset == len(tokens)
+            for a, b in ((got.keys, want.keys), (got.values, want.values)):
+                np.testing.assert_allclose(np.array(a[..., : want.offset, :]), np.array(b[..., : want.offset, :]),
+                                           rtol=1e-4, atol=1e-5, err_msg=f"sequence {i} layer {layer}")
+
+
+def test_broken_per_sequence_rollback_is_caught(monkeypatch):
+    """The lossless check has power: trimming every sequence by the batch's fewest
+    rejected rows (no per-sequence rollback) must change the output."""
+    def common_only(cache, rejected):
+        for c in cache:
+            c.trim(min(rejected))
+
+    monkeypatch.setattr(batch_module, "rollback_ragged", common_only)
+    target, B, n = target_of("llama"), 6, 40
+    ps = prompts(3, seed=1)
+    refs = [solo(target, p, n + B) for p in ps]
+    scripts = [(p + r, c) for p, r, c in zip(ps, refs, (B - 1, 2, 0))]
+    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, check_anchor=False), B),
+                [dict(key=i, prompt=p, n=n, join=0) for i, p in enumerate(ps)])
+    assert any(out[i] != refs[i][:n] for i in range(3))
+
+
+def test_plain_batch_equals_solo():
+    target = target_of("qwen3")
+    plan = [dict(key=i, prompt=p, n=25, join=2 * i) for i, p in enumerate(prompts(5, seed=9))]
+    out = drive(BatchDecoder(target, None, 1), plan)
+    for p in plan:
+        assert out[p["key"]] == solo(target, p["prompt"], 25)
+
+
+@pytest.mark.parametrize("family,batchable", [("llama", True), ("qwen3_moe", True), ("llama-sliding", False),
+                                               ("qwen3_5", False), ("gpt_oss", False)])
+def test_batch_refusal_names_the_reason(family, batchable):
+    reason = batch_refusal(tiny_target(family)[1])
+    assert (reason is None) == batchable
+    if not batchable:
+        assert "sliding" in reason or "Gated-DeltaNet" in reason
