@@ -49,6 +49,9 @@ class BatchSequence:
         token: [1] int32, its last committed token (not in the target cache yet).
         pending: context rows [1, S, F] the drafter has not seen yet.
         draft_cache: its drafter's context cache (None without a drafter).
+        seed: its PRNG seed at T > 0, or None: each of its steps then draws from a
+            PRNG state seeded by (seed, step), whatever else the batch holds, so the
+            same seed gives the same text.
     """
 
     key: Any
@@ -58,6 +61,12 @@ class BatchSequence:
     token: mx.array
     pending: List[mx.array] = field(default_factory=list)
     draft_cache: Optional[List[Any]] = None
+    seed: Optional[int] = None
+
+    def reseed(self, phase: int) -> None:
+        """Seed the PRNG for this sequence's next draws (seeded sequences only)."""
+        if self.seed is not None:
+            mx.random.seed((self.seed * 1_000_003 + self.stats.steps * 2 + phase) % 2**32)
 
 
 class Joining:
@@ -71,11 +80,13 @@ class Joining:
         stop: its stop condition.
         step_size: prompt tokens per prefill chunk (the longest stall it causes the batch).
         should_stop: checked before each chunk; True raises :class:`PrefillStopped`.
+        seed: see :class:`BatchSequence`.
     """
 
     def __init__(self, decoder: "BatchDecoder", key: Any, prompt: mx.array, sampler: Optional[Sampler],
-                 stop: StopCondition, step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None):
-        self.decoder, self.key, self.stop = decoder, key, stop
+                 stop: StopCondition, step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
+                 seed: Optional[int] = None):
+        self.decoder, self.key, self.stop, self.seed = decoder, key, stop, seed
         self.rule = choose_rule(decoder.drafter, sampler)
         self.rest, self.step_size, self.should_stop = prompt, max(1, step_size), should_stop
         self.cache = decoder.target.make_cache(decoder.width)
@@ -103,6 +114,8 @@ class Joining:
         if not last:
             mx.eval([c.state for c in self.cache], self.features)
             return None
+        if self.seed is not None:
+            mx.random.seed(self.seed)
         t = self.rule.choose(target.lm_head(h[:, -1]))
         mx.eval(t)
         tokens, finish = self.stop.cut(t.tolist())
@@ -137,9 +150,11 @@ class BatchDecoder:
         return len(self.sequences)
 
     def start(self, key: Any, prompt: Sequence[int], sampler: Optional[Sampler], stop: StopCondition,
-              step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None) -> Joining:
+              step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
+              seed: Optional[int] = None) -> Joining:
         """A :class:`Joining` for a new sequence (nothing runs until its ``advance``)."""
-        return Joining(self, key, mx.array(list(prompt), dtype=mx.int32), sampler, stop, step_size, should_stop)
+        return Joining(self, key, mx.array(list(prompt), dtype=mx.int32), sampler, stop, step_size, should_stop,
+                       seed)
 
     def add(self, joining: Joining, token: mx.array, pending: List[mx.array]) -> None:
         """Merge a prefilled sequence into the batch as its last row."""
@@ -148,7 +163,7 @@ class BatchDecoder:
             joining.stats.acceptance_rule = joining.rule.name
         self.cache = extend(self.cache, joining.cache)
         self.sequences.append(BatchSequence(joining.key, joining.rule, joining.stop, joining.stats, token,
-                                            pending, draft_cache))
+                                            pending, draft_cache, joining.seed))
 
     def remove(self, keys: Sequence[Any]) -> None:
         """Drop the sequences of ``keys`` (finished or cancelled) from the batch."""
@@ -174,7 +189,10 @@ class BatchDecoder:
         inputs = mx.stack([mx.concatenate([s.token, p.tokens]) for s, p in zip(self.sequences, proposals)])
         h, features = self.target(inputs, self.cache, self.capture)
         logits = self.target.lm_head(h)
-        decided = [s.rule.accept(p, logits[i]) for i, (s, p) in enumerate(zip(self.sequences, proposals))]
+        decided = []
+        for i, (s, p) in enumerate(zip(self.sequences, proposals)):
+            s.reseed(1)
+            decided.append(s.rule.accept(p, logits[i]))
         mx.eval([d[1] for d in decided], [d[0] for d in decided if d[0] is not None], features,
                 [p.tokens for p in proposals])
         results, rejected = [], []
@@ -200,6 +218,7 @@ class BatchDecoder:
                                               [s.draft_cache for s in self.sequences], self.width)
         proposals = []
         for s in self.sequences:
+            s.reseed(0)
             proposals.append(s.rule.propose(self.drafter, s.token, _rows(s.pending), s.draft_cache, self.width))
             s.pending = []
         return proposals
@@ -209,7 +228,10 @@ class BatchDecoder:
         inputs = mx.stack([s.token for s in self.sequences])
         h, _ = self.target(inputs, self.cache)
         logits = self.target.lm_head(h[:, -1])
-        picks = [s.rule.choose(logits[i : i + 1]) for i, s in enumerate(self.sequences)]
+        picks = []
+        for i, s in enumerate(self.sequences):
+            s.reseed(1)
+            picks.append(s.rule.choose(logits[i : i + 1]))
         mx.eval(picks)
         results = []
         for s, y in zip(self.sequences, picks):
