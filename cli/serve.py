@@ -13,6 +13,7 @@ from .common import (block_size_option, draft_model_option, guard, load_pair, mo
 from .prompt_cache import make_store, no_prompt_cache_option, prompt_cache_dir_option, prompt_cache_gb_option
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+BATCH_FALLBACK = "Sliding-window and Gated-DeltaNet targets run one at a time (the log says so)."
 MAX_BATCH = 256  # a batch's cache grows with it: a typo (8000) should not take the memory
 
 
@@ -31,10 +32,8 @@ def serve(
         help="Require 'Authorization: Bearer KEY' on every endpoint but /health (or set DFLASH_API_KEY)."),
     max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait behind the running ones; "
                                   "past that, 429."),
-    max_batch: int = typer.Option(
-        8, "--max-batch", help="Requests that decode together (continuous batching: one drafter pass and one "
-        "target verify per step for all). 1: one at a time, with the prompt cache. Targets with sliding-window "
-        "or Gated-DeltaNet layers always run one at a time (the log says so)."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Requests decoding together (continuous batching); "
+                                  "1: one at a time, with the prompt cache. " + BATCH_FALLBACK),
     max_body_mb: float = typer.Option(4.0, "--max-body-mb", help="Largest request body, in MB (2^20 bytes); "
                                       "past it, 413."),
     chat_template_config: Optional[str] = typer.Option(

@@ -21,13 +21,14 @@ greedy tokens at T = 0, or draws by its own acceptance rule at T > 0.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
 from .acceptance import choose_rule, count_accepted
-from .generate import PrefillStopped, StepResult
+from .generate import NO_DRAFTER, PrefillStopped, StepResult
 from .stopping import StopCondition
 from ..protocol import Drafter, Proposal
 from ..stats import GenerationStats
@@ -35,6 +36,7 @@ from ..targets import TargetAdapter
 from ..targets.batch_cache import extend, keep_rows, rollback_ragged
 
 Sampler = Callable[[mx.array], mx.array]
+BATCHED = "continuous batching verifies chains of the block size (no auto widths, no trees)"
 
 
 @dataclass
@@ -92,7 +94,12 @@ class Joining:
         self.cache = decoder.target.make_cache(decoder.width)
         self.features: List[mx.array] = []
         self.stats = GenerationStats(block_size=decoder.width, prompt_tokens=int(prompt.size),
-                                     speculative=decoder.drafter is not None)
+                                     speculative=decoder.drafter is not None,
+                                     drafter_format=getattr(decoder.drafter, "drafter_format", None))
+        if decoder.drafter is not None:
+            self.stats.verify = {"block_size": decoder.width, "tree_budget": None, "reason": BATCHED}
+        else:
+            self.stats.reason = NO_DRAFTER
 
     def advance(self) -> Optional[StepResult]:
         """Prefill one chunk. When the prompt is done: sample the first token, join the
@@ -185,6 +192,7 @@ class BatchDecoder:
             return []
         if self.drafter is None:
             return self._plain_step()
+        tic = time.perf_counter()  # for the statistics only
         proposals = self._propose()
         inputs = mx.stack([mx.concatenate([s.token, p.tokens]) for s, p in zip(self.sequences, proposals)])
         h, features = self.target(inputs, self.cache, self.capture)
@@ -195,12 +203,12 @@ class BatchDecoder:
             decided.append(s.rule.accept(p, logits[i]))
         mx.eval([d[1] for d in decided], [d[0] for d in decided if d[0] is not None], features,
                 [p.tokens for p in proposals])
-        results, rejected = [], []
+        results, rejected, seconds = [], [], time.perf_counter() - tic
         for i, (s, p, (a, out)) in enumerate(zip(self.sequences, proposals, decided)):
             out = out.tolist()
             a = count_accepted(p.tokens.tolist(), out) if a is None else a.item()
             rejected.append(self.width - 1 - a)
-            s.stats.record_step(a, self.width - 1)
+            s.stats.record_plan("chain", self.width, seconds, a, self.width - 1)
             s.pending = [features[i : i + 1, : a + 1]]
             s.token = mx.array(out[a : a + 1], dtype=mx.int32)
             results.append(StepResult(out[: a + 1], a, None))
