@@ -195,3 +195,48 @@ def test_batch_refusal_names_the_reason(family, batchable):
     assert (reason is None) == batchable
     if not batchable:
         assert "sliding" in reason or "Gated-DeltaNet" in reason
+
+
+def test_one_drafter_pass_drafts_as_each_sequence_alone():
+    """The batched drafter pass (ragged new context rows, different context lengths)
+    gives every sequence the drafts and context cache rows of its own drafter run."""
+    from dflash_mlx.targets.batch_cache import sequence_rows as rows_of
+
+    target = target_of("llama")
+    drafter = tiny_drafter(target, block_size=6)
+    batch = drafter.batch_drafts()
+    assert batch is not None
+    rng = np.random.default_rng(0)
+    F = len(drafter.target_layer_ids) * target.hidden_size
+    solos, tokens = [], [mx.array([t], dtype=mx.int32) for t in (5, 77, 130)]
+    for P in (3, 9, 1):
+        prompt = mx.array(rng.standard_normal((1, P, F)).astype(np.float32))
+        batch.join(prompt)
+        solos.append(drafter.make_cache())
+        drafter.ingest(prompt, solos[-1])
+    for step in range(3):
+        contexts = [None if step == 0 else mx.array(rng.standard_normal((1, int(s), F)).astype(np.float32))
+                    for s in rng.integers(1, 6, size=3)]
+        got = batch.propose(tokens, contexts, 6)
+        for i, (context, cache) in enumerate(zip(contexts, solos)):
+            if context is None:
+                context = mx.zeros((1, 0, F))
+            want = drafter.propose(tokens[i], context, cache, 6)
+            assert got[i].tokens.tolist() == want.tokens.tolist(), f"step {step} sequence {i}"
+    for i, cache in enumerate(solos):
+        for got, want in zip(rows_of(batch.cache, i), cache):
+            assert got.offset == want.offset
+            np.testing.assert_allclose(np.array(got.keys[..., : got.offset, :]),
+                                       np.array(want.keys[..., : want.offset, :]), rtol=1e-4, atol=1e-5)
+
+
+def test_drafters_without_a_batched_pass_draft_per_sequence():
+    from conftest import format_drafter
+
+    target = target_of("llama")
+    assert format_drafter(target, "dflash2").batch_drafts() is None
+    assert format_drafter(target, "v1-sliding").batch_drafts() is None
+    plan = [dict(key=i, prompt=p, n=30, join=i) for i, p in enumerate(prompts(3, seed=12))]
+    out = drive(BatchDecoder(target, format_drafter(target, "v1-sliding", block_size=5), 5), plan)
+    for p in plan:
+        assert out[p["key"]] == solo(target, p["prompt"], 30)

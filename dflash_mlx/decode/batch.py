@@ -152,6 +152,8 @@ class BatchDecoder:
         self.capture = drafter.target_layer_ids if drafter is not None else None
         self.sequences: List[BatchSequence] = []
         self.cache = None
+        # One drafter pass for the batch where the drafter has one; else per sequence.
+        self.drafts = drafter.batch_drafts() if hasattr(drafter, "batch_drafts") else None
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -165,9 +167,12 @@ class BatchDecoder:
 
     def add(self, joining: Joining, token: mx.array, pending: List[mx.array]) -> None:
         """Merge a prefilled sequence into the batch as its last row."""
-        draft_cache = self.drafter.make_cache() if self.drafter is not None else None
+        draft_cache = self.drafter.make_cache() if self.drafter is not None and self.drafts is None else None
         if self.drafter is not None:
             joining.stats.acceptance_rule = joining.rule.name
+        if self.drafts is not None:  # the prompt's context rows go to the batched drafter cache now
+            self.drafts.join(_rows(pending))
+            pending = []
         self.cache = extend(self.cache, joining.cache)
         self.sequences.append(BatchSequence(joining.key, joining.rule, joining.stop, joining.stats, token,
                                             pending, draft_cache, joining.seed))
@@ -180,6 +185,8 @@ class BatchDecoder:
             return
         self.sequences = [self.sequences[i] for i in rows]
         self.cache = keep_rows(self.cache, rows)
+        if self.drafts is not None:
+            self.drafts.keep(rows)
 
     def step(self) -> List[StepResult]:
         """One draft + verify for every active sequence; finished ones leave the batch.
@@ -217,18 +224,15 @@ class BatchDecoder:
 
     def _propose(self) -> List[Proposal]:
         """Drafts of every sequence (lazy): one batched pass when the drafter has one."""
-        if hasattr(self.drafter, "propose_batch") and all(not getattr(s.rule, "sampling", None)
-                                                          for s in self.sequences):
-            contexts = [_rows(s.pending) for s in self.sequences]
-            for s in self.sequences:
-                s.pending = []
-            return self.drafter.propose_batch([s.token for s in self.sequences], contexts,
-                                              [s.draft_cache for s in self.sequences], self.width)
-        proposals = []
+        contexts = [_rows(s.pending) if s.pending else None for s in self.sequences]
         for s in self.sequences:
-            s.reseed(0)
-            proposals.append(s.rule.propose(self.drafter, s.token, _rows(s.pending), s.draft_cache, self.width))
             s.pending = []
+        if self.drafts is not None:
+            return self.drafts.propose([s.token for s in self.sequences], contexts, self.width)
+        proposals = []
+        for s, context in zip(self.sequences, contexts):
+            s.reseed(0)
+            proposals.append(s.rule.propose(self.drafter, s.token, context, s.draft_cache, self.width))
         return proposals
 
     def _plain_step(self) -> List[StepResult]:
