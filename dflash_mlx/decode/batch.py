@@ -204,16 +204,9 @@ class BatchDecoder:
         inputs = mx.stack([mx.concatenate([s.token, p.tokens]) for s, p in zip(self.sequences, proposals)])
         h, features = self.target(inputs, self.cache, self.capture)
         logits = self.target.lm_head(h)
-        decided = []
-        for i, (s, p) in enumerate(zip(self.sequences, proposals)):
-            s.reseed(1)
-            decided.append(s.rule.accept(p, logits[i]))
-        mx.eval([d[1] for d in decided], [d[0] for d in decided if d[0] is not None], features,
-                [p.tokens for p in proposals])
+        decided = self._decide(proposals, logits, features)
         results, rejected, seconds = [], [], time.perf_counter() - tic
-        for i, (s, p, (a, out)) in enumerate(zip(self.sequences, proposals, decided)):
-            out = out.tolist()
-            a = count_accepted(p.tokens.tolist(), out) if a is None else a.item()
+        for i, (s, (a, out)) in enumerate(zip(self.sequences, decided)):
             rejected.append(self.width - 1 - a)
             s.stats.record_plan("chain", self.width, seconds, a, self.width - 1)
             s.pending = [features[i : i + 1, : a + 1]]
@@ -221,6 +214,26 @@ class BatchDecoder:
             results.append(StepResult(out[: a + 1], a, None))
         rollback_ragged(self.cache, rejected)
         return self._settle(results)
+
+    def _decide(self, proposals: List[Proposal], logits: mx.array, features: mx.array) -> List[tuple]:
+        """Each sequence's acceptance rule on its verify rows (logits [N, B, V]): one
+        argmax for all greedy sequences, their own rule (and seed) for the others; one
+        sync. Returns ``(accepted a, the target's tokens [B])`` per sequence, on the host."""
+        greedy = [bool(getattr(s.rule, "greedy", False)) for s in self.sequences]
+        argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(greedy) else None
+        decided = []
+        for i, (s, p) in enumerate(zip(self.sequences, proposals)):
+            s.reseed(1)
+            decided.append((None, None) if greedy[i] else s.rule.accept(p, logits[i]))
+        drafts = mx.stack([p.tokens for p in proposals])
+        mx.eval(argmax if argmax is not None else [], [d for pair in decided for d in pair if d is not None],
+                features, drafts)
+        drafts, argmax = drafts.tolist(), argmax.tolist() if argmax is not None else None
+        out = []
+        for i, (a, y) in enumerate(decided):
+            y = argmax[i] if greedy[i] else y.tolist()
+            out.append((count_accepted(drafts[i], y) if a is None else a.item(), y))
+        return out
 
     def _propose(self) -> List[Proposal]:
         """Drafts of every sequence (lazy): one batched pass when the drafter has one."""
