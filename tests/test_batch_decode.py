@@ -15,9 +15,11 @@ from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
 from dflash_mlx.targets.batch_cache import batch_refusal, sequence_rows
+from dflash_mlx.targets.batch_gated_delta import BatchGatedDeltaCache
+from dflash_mlx.targets.gated_delta_cache import GatedDeltaCache
 from conftest import ByteTokenizer, _Position, assert_varied, tiny_drafter, tiny_target
 
-ATTENTION = ("llama", "qwen3")
+BATCHED = ("llama", "qwen3", "qwen3_5", "qwen3_next")  # attention targets and Gated-DeltaNet hybrids
 _TARGETS = {}
 
 
@@ -94,7 +96,7 @@ def prompts(count, seed=0, vocab=256):
     return [[rng.randrange(1, vocab - 1) for _ in range(rng.randint(1, 12))] for _ in range(count)]
 
 
-@pytest.mark.parametrize("family", ATTENTION)
+@pytest.mark.parametrize("family", BATCHED)
 def test_ragged_acceptance_equals_solo(family):
     """Four sequences joining at different steps; drafts fully accepted, half accepted,
     all rejected and random, so every verify is ragged."""
@@ -110,7 +112,7 @@ def test_ragged_acceptance_equals_solo(family):
         assert out[f"r{i}"] == refs[i][:n], f"sequence {i} differs from its solo run"
 
 
-@pytest.mark.parametrize("family", ATTENTION)
+@pytest.mark.parametrize("family", BATCHED)
 def test_random_drafter_joins_stops_and_cancellations(family):
     """A real (random) DFlash drafter; 12 requests of random lengths through a batch,
     some with stop strings, two cancelled mid-decode (their tokens so far are a prefix
@@ -132,10 +134,12 @@ def test_random_drafter_joins_stops_and_cancellations(family):
             assert got == ref, f"{p['key']} differs from its solo run"
 
 
-def test_cache_rows_equal_a_solo_cache():
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_cache_rows_equal_a_solo_cache(family):
     """After ragged steps, each sequence's rows of the batched cache (keys and values,
-    not only offsets) are those of the target run alone over the same tokens."""
-    target, B = target_of("llama"), 5
+    not only offsets; a hybrid's conv and recurrent states) are those of the target run
+    alone over the same tokens."""
+    target, B = target_of(family), 5
     ps = prompts(3, seed=7)
     refs = [solo(target, p, 110) for p in ps]
     scripts = [(p + r, c) for p, r, c in zip(ps, refs, (B - 1, 1, None))]
@@ -157,10 +161,15 @@ def test_cache_rows_equal_a_solo_cache():
         fresh = target.make_cache()
         target(mx.array(tokens, dtype=mx.int32)[None], fresh)
         for layer, (got, want) in enumerate(zip(rows, fresh)):
-            assert got.offset == want.offset == len(tokens)
-            for a, b in ((got.keys, want.keys), (got.values, want.values)):
-                np.testing.assert_allclose(np.array(a[..., : want.offset, :]), np.array(b[..., : want.offset, :]),
-                                           rtol=1e-4, atol=1e-5, err_msg=f"sequence {i} layer {layer}")
+            if isinstance(want, GatedDeltaCache):  # conv state, recurrent state
+                pairs = list(zip(got.cache, want.cache))
+            else:
+                assert got.offset == want.offset == len(tokens)
+                pairs = [(a[..., : want.offset, :], b[..., : want.offset, :])
+                         for a, b in ((got.keys, want.keys), (got.values, want.values))]
+            for a, b in pairs:
+                np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4,
+                                           err_msg=f"sequence {i} layer {layer}")
 
 
 def test_broken_per_sequence_rollback_is_caught(monkeypatch):
@@ -180,6 +189,21 @@ def test_broken_per_sequence_rollback_is_caught(monkeypatch):
     assert any(out[i] != refs[i][:n] for i in range(3))
 
 
+def test_broken_recurrent_rollback_is_caught(monkeypatch):
+    """For a hybrid, rolling every sequence's Gated-DeltaNet state back to the batch's
+    longest kept prefix (no per-sequence replay) must change the output."""
+    real = BatchGatedDeltaCache.trim_ragged
+    monkeypatch.setattr(BatchGatedDeltaCache, "trim_ragged", lambda self, rejected: real(
+        self, [min(rejected)] * len(rejected)))
+    target, B, n = target_of("qwen3_5"), 6, 40
+    ps = prompts(3, seed=1)
+    refs = [solo(target, p, n + B) for p in ps]
+    scripts = [(p + r, c) for p, r, c in zip(ps, refs, (B - 1, 2, 0))]
+    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, check_anchor=False), B),
+                [dict(key=i, prompt=p, n=n, join=0) for i, p in enumerate(ps)])
+    assert any(out[i] != refs[i][:n] for i in range(3))
+
+
 def test_plain_batch_equals_solo():
     target = target_of("qwen3")
     plan = [dict(key=i, prompt=p, n=25, join=2 * i) for i, p in enumerate(prompts(5, seed=9))]
@@ -188,13 +212,14 @@ def test_plain_batch_equals_solo():
         assert out[p["key"]] == solo(target, p["prompt"], 25)
 
 
-@pytest.mark.parametrize("family,batchable", [("llama", True), ("qwen3_moe", True), ("llama-sliding", False),
-                                               ("qwen3_5", False), ("gpt_oss", False)])
+@pytest.mark.parametrize("family,batchable", [("llama", True), ("qwen3_moe", True), ("qwen3_5", True),
+                                               ("qwen3_5_moe", True), ("llama-sliding", False), ("gpt_oss", False),
+                                               ("gemma3_text", False)])
 def test_batch_refusal_names_the_reason(family, batchable):
     reason = batch_refusal(tiny_target(family)[1])
     assert (reason is None) == batchable
     if not batchable:
-        assert "sliding" in reason or "Gated-DeltaNet" in reason
+        assert "sliding window" in reason
 
 
 def test_one_drafter_pass_drafts_as_each_sequence_alone():

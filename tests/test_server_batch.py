@@ -129,7 +129,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(pair):
     assert alone == crowded and len(alone) > 0
 
 
-@pytest.mark.parametrize("family,batching", [("llama", 1), ("qwen3_5", 0), ("llama-sliding", 0)])
+@pytest.mark.parametrize("family,batching", [("llama", 1), ("qwen3_5", 1), ("llama-sliding", 0), ("gpt_oss", 0)])
 def test_engine_choice_is_said_in_log_and_metrics(family, batching, caplog):
     pair = make_pair(family, block_size=4)
     metrics = ServerMetrics(4)
@@ -151,10 +151,10 @@ def test_max_batch_one_is_todays_engine(pair):
 
 
 def test_batched_fallback_server_answers_exactly():
-    """A hybrid target under --max-batch 8: served one at a time, output exact."""
+    """A sliding-window target under --max-batch 8: served one at a time, output exact."""
     from starlette.testclient import TestClient
 
-    hybrid = make_pair("qwen3_5", block_size=4)
+    hybrid = make_pair("llama-sliding", block_size=4)
     app = create_app(hybrid, ServerConfig(model_id="tiny", max_batch=8, block_size=4))
     with TestClient(app) as c:
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 20})

@@ -12,11 +12,12 @@ counting the rolled-in columns as left padding: mlx-lm's own right-padding machi
 right-padded prompts. A sequence's kept rows, their positions and what its queries
 see are then exactly those of a cache that never held the rejected rows.
 
-Only targets whose every layer cache is a plain ``KVCache`` take this path
-(:func:`batch_refusal` says why others do not): a sliding-window layer's
-:class:`~dflash_mlx.targets.window_cache.WindowKVCache` and a Gated-DeltaNet layer's
-:class:`~dflash_mlx.targets.gated_delta_cache.GatedDeltaCache` have no batched form
-with per-sequence rollback here, so those targets are served one request at a time.
+A Gated-DeltaNet layer (hybrid targets) has no rows: its batched cache is a
+:class:`~dflash_mlx.targets.batch_gated_delta.BatchGatedDeltaCache`, which replays
+each sequence's kept prefix. Targets with a sliding-window layer
+(:class:`~dflash_mlx.targets.window_cache.WindowKVCache`) have no batched form with
+per-sequence rollback here (:func:`batch_refusal` says so); they are served one
+request at a time.
 """
 
 from __future__ import annotations
@@ -24,28 +25,28 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from .hybrid import HybridAdapter
+from .batch_gated_delta import BatchGatedDeltaCache
+from .gated_delta_cache import GatedDeltaCache
 
 
 def batch_refusal(target: Any) -> Optional[str]:
     """Why ``target`` cannot decode in a batch exactly, or None when it can.
 
-    A target can when it is not a hybrid and every layer cache mlx-lm makes for it is
-    a plain ``KVCache`` (no sliding window, no recurrent state, not quantized).
+    A target can when every layer cache it makes (``target.make_cache``) is a plain
+    ``KVCache`` or a Gated-DeltaNet layer's ``GatedDeltaCache`` (no sliding window).
     """
-    if isinstance(target, HybridAdapter):
-        return "Gated-DeltaNet layers (hybrid target): no per-sequence rollback of a batched recurrent state"
-    for i, c in enumerate(make_prompt_cache(target.model)):
-        if type(c) is not KVCache:
-            return f"target layer {i} keeps a {type(c).__name__} (sliding window or other), not a plain KVCache"
+    for i, c in enumerate(target.make_cache(1)):
+        if type(c) not in (KVCache, GatedDeltaCache):
+            return f"target layer {i} keeps a {type(c).__name__} (a sliding window), which has no batched rollback"
     return None
 
 
-def to_batch(cache: Sequence[KVCache]) -> List[BatchKVCache]:
-    """One sequence's prefilled cache (a ``KVCache`` per layer) as a batch of one."""
-    return [BatchKVCache.merge([c]) for c in cache]
+def to_batch(cache: Sequence[Any]) -> List[Any]:
+    """One sequence's prefilled cache (a ``KVCache`` or ``GatedDeltaCache`` per layer)
+    as a batch of one."""
+    return [BatchGatedDeltaCache(c) if isinstance(c, GatedDeltaCache) else BatchKVCache.merge([c]) for c in cache]
 
 
 def extend(batch: Optional[List[BatchKVCache]], cache: Sequence[KVCache]) -> List[BatchKVCache]:
@@ -86,6 +87,9 @@ def rollback_ragged(batch: Sequence[BatchKVCache], rejected: Sequence[int]) -> N
     low = min(rejected)
     extra = [r - low for r in rejected]
     for b in batch:
+        if isinstance(b, BatchGatedDeltaCache):
+            b.trim_ragged(rejected)
+            continue
         if low:
             b.trim(low)
         if any(extra):
@@ -94,6 +98,7 @@ def rollback_ragged(batch: Sequence[BatchKVCache], rejected: Sequence[int]) -> N
 
 
 def sequence_rows(batch: Sequence[BatchKVCache], i: int) -> List[KVCache]:
-    """Sequence i's rows of every layer as a plain ``KVCache`` each (mlx-lm's ``extract``):
-    what a solo run's cache would hold. For tests and checks."""
+    """Sequence i's rows of every layer as a plain ``KVCache`` each (mlx-lm's ``extract``;
+    an ``ArraysCache`` of its states for a Gated-DeltaNet layer): what a solo run's cache
+    would hold. For tests and checks."""
     return [b.extract(i) for b in batch]
