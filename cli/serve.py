@@ -13,7 +13,7 @@ from .common import (block_size_option, draft_model_option, guard, load_pair, mo
 from .prompt_cache import make_store, no_prompt_cache_option, prompt_cache_dir_option, prompt_cache_gb_option
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-BATCH_FALLBACK = "Sliding-window and Gated-DeltaNet targets run one at a time (the log says so)."
+BATCH_FALLBACK = "Targets with sliding-window layers run one at a time (the log says so)."
 MAX_BATCH = 256  # a batch's cache grows with it: a typo (8000) should not take the memory
 
 

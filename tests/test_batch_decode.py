@@ -37,21 +37,22 @@ def solo(target, prompt, n, stop_strings=(), stop_ids=()):
 
 
 class JoinOrderDrafter:
-    """Scripted drafts per sequence: the k-th cache made (the k-th sequence to join) drafts
-    ``scripts[k] = (continuation, correct)``: its first ``correct`` slots right, the rest wrong
-    (``correct`` None: a random number per block, so blocks are fully, partly and not
-    accepted within one batch)."""
+    """Scripted drafts per sequence: ``scripts[key] = (continuation, correct)``, given to
+    a sequence's drafter cache when it joins (:meth:`assign`): its first ``correct``
+    slots right, the rest wrong (``correct`` None: a random number per block, so blocks
+    are fully, partly and not accepted within one batch)."""
 
     def __init__(self, scripts, block_size, vocab=256, seed=0, check_anchor=True):
-        self.scripts, self.block_size, self.vocab = deque(scripts), block_size, vocab
+        self.scripts, self.block_size, self.vocab = scripts, block_size, vocab
         self.check_anchor = check_anchor
         self.target_layer_ids = [1]
         self.rng = random.Random(seed)
 
     def make_cache(self):
-        c = _Position()
-        c.sequence, c.correct = self.scripts.popleft()
-        return [c]
+        return [_Position()]
+
+    def assign(self, cache, key):
+        cache[0].sequence, cache[0].correct = self.scripts[key]
 
     def ingest(self, context, cache):
         cache[0].offset += context.shape[1]
@@ -68,22 +69,27 @@ class JoinOrderDrafter:
         return mx.array(out, dtype=mx.int32)
 
 
-def drive(decoder, plan, chunk=3):
+def drive(decoder, plan, chunk=3, max_batch=None):
     """Run a schedule: ``plan`` is a list of dicts (key, prompt, n, join, cancel, stop);
-    a request joins at step ``join`` (prefilled one chunk per step), leaves at step
-    ``cancel`` (None: never). Returns ``{key: tokens}``."""
+    a request joins at step ``join`` or later, when fewer than ``max_batch`` are in
+    (prefilled one chunk per step), leaves at step ``cancel`` (None: never). Returns
+    ``{key: tokens}``."""
     out = {p["key"]: [] for p in plan}
     waiting, joining, step = deque(sorted(plan, key=lambda p: p["join"])), deque(), 0
+    room = lambda: max_batch is None or len(joining) + len(decoder) < max_batch  # noqa: E731
     while waiting or joining or len(decoder):
-        while waiting and waiting[0]["join"] <= step:
+        while waiting and waiting[0]["join"] <= step and room():
             p = waiting.popleft()
             stop = StopCondition(p["n"], (), p.get("stop", ()), ByteTokenizer().decode)
             joining.append(decoder.start(p["key"], p["prompt"], None, stop, step_size=chunk))
-        decoder.remove([p["key"] for p in plan if p.get("cancel") == step])
+        decoder.remove([p["key"] for p in plan if p.get("cancel") is not None and p["cancel"] <= step])
         if joining:
             r = joining[0].advance()
             if r is not None:
-                out[joining.popleft().key] += r.tokens
+                key = joining.popleft().key
+                out[key] += r.tokens
+                if r.finish_reason is None and hasattr(decoder.drafter, "assign"):
+                    decoder.drafter.assign(decoder.sequences[-1].draft_cache, key)
         keys = [s.key for s in decoder.sequences]
         for key, r in zip(keys, decoder.step()):
             out[key] += r.tokens
@@ -104,7 +110,7 @@ def test_ragged_acceptance_equals_solo(family):
     ps = prompts(4, seed=1)
     refs = [solo(target, p, n + B) for p in ps]
     assert_varied(refs[0][:n])
-    scripts = [(p + r, c) for p, r, c in zip(ps, refs, (B - 1, 2, 0, None))]
+    scripts = {f"r{i}": (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 2, 0, None)))}
     decoder = BatchDecoder(target, JoinOrderDrafter(scripts, B), B)
     plan = [dict(key=f"r{i}", prompt=p, n=n, join=3 * i) for i, p in enumerate(ps)]
     out = drive(decoder, plan)
@@ -142,7 +148,7 @@ def test_cache_rows_equal_a_solo_cache(family):
     target, B = target_of(family), 5
     ps = prompts(3, seed=7)
     refs = [solo(target, p, 110) for p in ps]
-    scripts = [(p + r, c) for p, r, c in zip(ps, refs, (B - 1, 1, None))]
+    scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 1, None)))}
     decoder = BatchDecoder(target, JoinOrderDrafter(scripts, B, seed=2), B)
     plan = [dict(key=i, prompt=p, n=100, join=i) for i, p in enumerate(ps)]
     waiting, emitted = deque(plan), {i: [] for i in range(3)}
@@ -151,6 +157,7 @@ def test_cache_rows_equal_a_solo_cache(family):
             p = waiting.popleft()
             j = decoder.start(p["key"], p["prompt"], None, StopCondition(p["n"]), step_size=64)
             emitted[p["key"]] += j.advance().tokens
+            decoder.drafter.assign(decoder.sequences[-1].draft_cache, p["key"])
         keys = [s.key for s in decoder.sequences]
         for k, r in zip(keys, decoder.step()):
             emitted[k] += r.tokens
@@ -183,7 +190,7 @@ def test_broken_per_sequence_rollback_is_caught(monkeypatch):
     target, B, n = target_of("llama"), 6, 40
     ps = prompts(3, seed=1)
     refs = [solo(target, p, n + B) for p in ps]
-    scripts = [(p + r, c) for p, r, c in zip(ps, refs, (B - 1, 2, 0))]
+    scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 2, 0)))}
     out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, check_anchor=False), B),
                 [dict(key=i, prompt=p, n=n, join=0) for i, p in enumerate(ps)])
     assert any(out[i] != refs[i][:n] for i in range(3))
@@ -198,7 +205,7 @@ def test_broken_recurrent_rollback_is_caught(monkeypatch):
     target, B, n = target_of("qwen3_5"), 6, 40
     ps = prompts(3, seed=1)
     refs = [solo(target, p, n + B) for p in ps]
-    scripts = [(p + r, c) for p, r, c in zip(ps, refs, (B - 1, 2, 0))]
+    scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 2, 0)))}
     out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, check_anchor=False), B),
                 [dict(key=i, prompt=p, n=n, join=0) for i, p in enumerate(ps)])
     assert any(out[i] != refs[i][:n] for i in range(3))
@@ -265,3 +272,32 @@ def test_drafters_without_a_batched_pass_draft_per_sequence():
     out = drive(BatchDecoder(target, format_drafter(target, "v1-sliding", block_size=5), 5), plan)
     for p in plan:
         assert out[p["key"]] == solo(target, p["prompt"], 30)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_200_requests_equal_their_solo_runs(family):
+    """200 requests of random prompts and lengths, a third with stop strings, a fifth
+    cancelled mid-decode, joining at random steps (at most 8 decode at once), drafts
+    accepted fully, partly or not at random: each equals its solo run (a prefix of it
+    when cancelled)."""
+    target, B, rng = target_of(family), 6, random.Random(21)
+    plan, join = [], 0
+    for i, p in enumerate(prompts(200, seed=22)):
+        join += rng.choice([0, 0, 1, 3])
+        plan.append(dict(key=i, prompt=p, n=rng.randint(1, 24), join=join,
+                         stop=("ab", "e") if rng.random() < 0.33 else (),
+                         cancel=join + rng.randint(1, 12) if rng.random() < 0.2 else None))
+    refs = {p["key"]: solo(target, p["prompt"], p["n"], p["stop"]) for p in plan}
+    full = {p["key"]: solo(target, p["prompt"], p["n"] + B) for p in plan}  # what the scripted drafts follow
+    scripts = {p["key"]: (p["prompt"] + full[p["key"]], None) for p in plan}
+    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, seed=5), B), plan, max_batch=8)
+    assert_varied([t for r in refs.values() for t in r], at_least=100)
+    cancelled = 0
+    for p in plan:
+        got, ref = out[p["key"]], refs[p["key"]]
+        if p["cancel"] is not None and len(got) < len(ref):
+            cancelled += 1
+            assert got == ref[: len(got)], p["key"]
+        else:
+            assert got == ref, p["key"]
+    assert cancelled >= 10

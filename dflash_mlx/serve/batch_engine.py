@@ -10,9 +10,9 @@ for the others. Requests are submitted, bounded (429) and consumed exactly as wi
 one-at-a-time :class:`~dflash_mlx.serve.engine.Engine`, whose :class:`Job` this reuses.
 
 :func:`make_engine` picks the engine: a target the batch path cannot run exactly
-(sliding-window or Gated-DeltaNet layers, see
-:func:`dflash_mlx.targets.batch_cache.batch_refusal`) is served one request at a time,
-with a warning in the log and ``dflash_batching 0`` in ``/metrics``.
+(sliding-window layers, see :func:`dflash_mlx.targets.batch_cache.batch_refusal`) is
+served one request at a time, with a warning in the log and ``dflash_batching 0`` in
+``/metrics``.
 
 The prompt cache (prefix reuse) is used by the one-at-a-time engine only: batched
 requests prefill their whole prompt.
