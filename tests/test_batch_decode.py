@@ -301,3 +301,13 @@ def test_200_requests_equal_their_solo_runs(family):
         else:
             assert got == ref, p["key"]
     assert cancelled >= 10
+
+
+@pytest.mark.parametrize("prompt,n,words", [([], 5, "prompt is empty"), ([1, 2], 0, "max_tokens must be at least 1")])
+def test_bad_requests_are_refused_before_anything_runs(prompt, n, words):
+    from dflash_mlx.errors import InputError
+
+    decoder = BatchDecoder(target_of("llama"), None, 1)
+    with pytest.raises(InputError, match=words):
+        decoder.start("x", prompt, None, StopCondition(n))
+    assert len(decoder) == 0 and decoder.cache is None

@@ -30,6 +30,7 @@ import mlx.core as mx
 from .acceptance import choose_rule, count_accepted
 from .generate import NO_DRAFTER, PrefillStopped, StepResult
 from .stopping import StopCondition
+from ..errors import InputError
 from ..protocol import Drafter, Proposal
 from ..stats import GenerationStats
 from ..targets import TargetAdapter
@@ -161,7 +162,15 @@ class BatchDecoder:
     def start(self, key: Any, prompt: Sequence[int], sampler: Optional[Sampler], stop: StopCondition,
               step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
               seed: Optional[int] = None) -> Joining:
-        """A :class:`Joining` for a new sequence (nothing runs until its ``advance``)."""
+        """A :class:`Joining` for a new sequence (nothing runs until its ``advance``).
+
+        Raises:
+            InputError: an empty prompt, or a stop condition allowing no token.
+        """
+        if not prompt:
+            raise InputError("the prompt is empty: give at least one token")
+        if stop.max_tokens < 1:
+            raise InputError(f"max_tokens must be at least 1, got {stop.max_tokens}")
         return Joining(self, key, mx.array(list(prompt), dtype=mx.int32), sampler, stop, step_size, should_stop,
                        seed)
 
