@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -183,6 +184,7 @@ def main() -> None:
     p.add_argument("--client-cpus", default="1", help="CPUs of this process (the clients)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still stops the server started
     args.clients = [int(c) for c in args.clients.split(",")]
     os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})
     kinds = args.servers.split(",")
