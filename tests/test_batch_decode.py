@@ -311,3 +311,19 @@ def test_bad_requests_are_refused_before_anything_runs(prompt, n, words):
     with pytest.raises(InputError, match=words):
         decoder.start("x", prompt, None, StopCondition(n))
     assert len(decoder) == 0 and decoder.cache is None
+
+
+def test_compacting_padding_every_step_keeps_every_sequence_exact(monkeypatch):
+    """Dropping the common padding columns as soon as there is one (instead of 32)
+    changes nothing a sequence emits."""
+    from dflash_mlx.targets import batch_cache
+
+    monkeypatch.setattr(batch_module, "compact", lambda batch: batch_cache.compact(batch, at_least=1))
+    target, B, n = target_of("llama"), 6, 60
+    ps = prompts(4, seed=1)
+    refs = [solo(target, p, n + B) for p in ps]
+    scripts = {f"r{i}": (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 2, 0, None)))}
+    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B), B),
+                [dict(key=f"r{i}", prompt=p, n=n, join=3 * i) for i, p in enumerate(ps)])
+    for i in range(4):
+        assert out[f"r{i}"] == refs[i][:n]

@@ -34,7 +34,7 @@ from ..errors import InputError
 from ..protocol import Drafter, Proposal
 from ..stats import GenerationStats
 from ..targets import TargetAdapter
-from ..targets.batch_cache import extend, keep_rows, rollback_ragged
+from ..targets.batch_cache import compact, extend, keep_rows, rollback_ragged
 
 Sampler = Callable[[mx.array], mx.array]
 BATCHED = "continuous batching verifies chains of the block size (no auto widths, no trees)"
@@ -222,6 +222,9 @@ class BatchDecoder:
             s.token = mx.array(out[a : a + 1], dtype=mx.int32)
             results.append(StepResult(out[: a + 1], a, None))
         rollback_ragged(self.cache, rejected)
+        compact(self.cache)
+        if self.drafts is not None:
+            compact(self.drafts.cache)
         return self._settle(results)
 
     def _decide(self, proposals: List[Proposal], logits: mx.array, features: mx.array) -> List[tuple]:

@@ -102,3 +102,22 @@ def sequence_rows(batch: Sequence[BatchKVCache], i: int) -> List[KVCache]:
     an ``ArraysCache`` of its states for a Gated-DeltaNet layer): what a solo run's cache
     would hold. For tests and checks."""
     return [b.extract(i) for b in batch]
+
+
+COMPACT_AT = 32  # columns of padding every sequence has before they are dropped (a copy of the cache)
+
+
+def compact(batch: Optional[Sequence[Any]], at_least: int = COMPACT_AT) -> None:
+    """Drop the padding columns every sequence has (ragged rollbacks add padding to all
+    but the sequence that kept the most rows; over steps each sequence gets some), once
+    there are ``at_least`` of them: mlx-lm's ``filter`` keeping every row shifts them
+    out. Attention then reads fewer padded columns. Gated-DeltaNet layers have none."""
+    rows = [b for b in batch or () if isinstance(b, BatchKVCache)]
+    if not rows or rows[0].keys is None:
+        return
+    padding = rows[0].left_padding.tolist()  # the same in every layer
+    if min(padding) >= at_least:
+        keep = mx.arange(len(padding))
+        for b in rows:
+            b.filter(keep)
+
