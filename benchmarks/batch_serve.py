@@ -52,8 +52,9 @@ def server_command(kind: str, args, port: int) -> List[str]:
         return [sys.executable, "-m", "mlx_lm.server", "--model", args.model, "--port", str(port),
                 "--log-level", "WARNING"]
     batch = kind.split("-b")[1]
+    block = args.baseline_block_size if batch == "1" and args.baseline_block_size else args.block_size
     cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--model", args.model, "--port", str(port),
-           "--max-batch", batch, "--log-level", "warning", "--block-size", args.block_size]
+           "--max-batch", batch, "--log-level", "warning", "--block-size", block]
     return cmd + (["--draft-model", args.draft_model] if args.draft_model else [])
 
 
@@ -175,6 +176,8 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--draft-model", default=None)
     p.add_argument("--block-size", default="auto", help="dflash serve --block-size (both dflash servers)")
+    p.add_argument("--baseline-block-size", default=None, help="--block-size of the --max-batch 1 server "
+                   "(default: --block-size)")
     p.add_argument("--servers", default="dflash-b8,dflash-b1,mlx_lm", help="dflash-bN (--max-batch N), mlx_lm")
     p.add_argument("--clients", default="1,2,4,8")
     p.add_argument("--requests", type=int, default=3, help="requests per client per round")
