@@ -15,9 +15,10 @@ windows, the DFlash2 convolutions and selector, and ``--draft-window`` would eac
 a batched form of their own. Those drafters draft sequence by sequence (lazily, in the
 same graph as the verify).
 
-Drafts are the argmax of the same network, computed in one batched graph rather than
-per sequence (the last bits may differ, never the output: the target verifies every
-draft).
+Drafts are the argmax of the same network, computed in one batched graph (its attention
+MLX's fused ``scaled_dot_product_attention`` with a padding mask, a third faster per pass
+here than the float32 reference path of one sequence) rather than per sequence: the last
+bits may differ, never the output (the target verifies every draft).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..kernels.block_attention import softmax_exp2
 from ..protocol import Proposal
 from ..targets.batch_cache import extend, keep_rows
 
@@ -135,15 +135,10 @@ def _layer(layer: Any, h: mx.array, fused: Optional[mx.array], rows: List[int], 
 def _attend(attn: Any, queries: mx.array, ctx_keys: mx.array, ctx_values: mx.array, block_keys: mx.array,
             block_values: mx.array, left_padding: mx.array) -> mx.array:
     """Block queries [N, n_heads, B, hd] over each sequence's cached rows (its left
-    padding hidden) and its whole block, in float32 as the drafter's reference path."""
-    N, n_heads, B, hd = queries.shape
-    n_kv, n_ctx = block_keys.shape[1], ctx_keys.shape[2]
-    group = n_heads // n_kv
-    q = (queries.astype(mx.float32) * attn.scale).reshape(N, n_kv, group * B, hd)
-    keys = mx.concatenate([ctx_keys, block_keys], axis=2).astype(mx.float32)
-    values = mx.concatenate([ctx_values, block_values], axis=2).astype(mx.float32)
-    scores = q @ keys.swapaxes(-1, -2)  # [N, n_kv, group * B, C + B]
+    padding hidden) and its whole block: MLX's fused attention with a padding mask."""
+    n_ctx, B = ctx_keys.shape[2], block_keys.shape[2]
+    keys = mx.concatenate([ctx_keys, block_keys], axis=2)
+    values = mx.concatenate([ctx_values, block_values], axis=2)
     visible = mx.arange(n_ctx + B)[None] >= left_padding[:, None]  # block columns: always (padding < n_ctx)
-    scores = mx.where(visible[:, None, None, :], scores, -mx.inf)
-    out = softmax_exp2(scores) @ values
-    return out.reshape(N, n_heads, B, hd).astype(queries.dtype)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale,
+                                                mask=visible[:, None, None, :])
