@@ -64,6 +64,8 @@ def random_jobs(count, seed):
 def test_concurrent_requests_equal_their_solo_runs(pair):
     metrics = ServerMetrics(8)
     jobs = random_jobs(12, seed=5)
+    sizes, real_set = [], metrics.batch_size.set
+    metrics.batch_size.set = lambda v: (sizes.append(v), real_set(v))
 
     async def main():
         engine = BatchEngine(pair, max_batch=4, block_size=6, metrics=metrics, prefill_step_size=4)
@@ -76,7 +78,7 @@ def test_concurrent_requests_equal_their_solo_runs(pair):
         assert last.finish_reason in ("stop", "length") and last.usage["completion_tokens"] >= 1
     rendered = metrics.render().decode()
     assert metrics.requests.labels("chat", "completed")._value.get() == 12
-    assert 0 < metrics.batch_size._value.get() <= 4
+    assert 2 <= max(sizes) <= 4 and sizes[-1] == 0 == metrics.batch_size._value.get()  # batched, then emptied
     assert "dflash_queue_wait_seconds_count 12.0" in rendered
     assert "dflash_request_tau_count 12.0" in rendered
 

@@ -196,10 +196,10 @@ class BatchEngine(Engine):
     def _step(self) -> None:
         by_job = {id(r.job): r for r in self._active}
         requests = [by_job[id(s.key)] for s in self.decoder.sequences]
-        if self.metrics is not None:
-            self.metrics.batch_size.set(len(requests))
         for req, result in zip(requests, self.decoder.step()):
             self._emit(req, result)
+        if self.metrics is not None:
+            self.metrics.batch_size.set(len(self.decoder))
 
     def _emit(self, req: _Request, result: StepResult) -> None:
         """Hand one step's text to the request; at its end, count and release it."""

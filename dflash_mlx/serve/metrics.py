@@ -57,7 +57,8 @@ class ServerMetrics:
         self.batching = Gauge("dflash_batching", "1 when requests decode together (--max-batch > 1 and a "
                               "target the batch path can run exactly), 0 when they run one at a time.",
                               registry=r)
-        self.batch_size = Gauge("dflash_batch_size", "Sequences verified together in the last decode step.",
+        self.batch_size = Gauge("dflash_batch_size", "Sequences decoding together (after the last decode "
+                                "step; 0 once the batch has emptied).",
                                 registry=r)
         self.queue_wait = Histogram("dflash_queue_wait_seconds", "Seconds from a request's arrival at the "
                                     "engine to the start of its prefill.", buckets=LATENCY_BUCKETS, registry=r)
