@@ -35,7 +35,7 @@ from .api import (
     ChatCompletionRequest, CompletionRequest, GenerationFields, chat_chunk, chat_completion, error_body,
     text_completion, usage_chunk,
 )
-from .engine import Engine, GenerationJob, Job, JobCancelled, QueueFullError, RequestTimeout
+from .engine import GenerationJob, Job, JobCancelled, QueueFullError, RequestTimeout
 from .guard import (
     APIError, GuardMiddleware, body_timeout, check_prompt_chars, check_template_kwargs, count_chars,
     prompt_char_cap, too_large, validation_message, watch_disconnect,
