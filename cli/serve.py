@@ -13,6 +13,8 @@ from .common import (block_size_option, draft_model_option, guard, load_pair, mo
 from .prompt_cache import make_store, no_prompt_cache_option, prompt_cache_dir_option, prompt_cache_gb_option
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+BATCH_FALLBACK = "Targets with sliding-window layers run one at a time (the log says so)."
+MAX_BATCH = 256  # a batch's cache grows with it: a typo (8000) should not take the memory
 
 
 def serve(
@@ -28,8 +30,10 @@ def serve(
     api_key: Optional[str] = typer.Option(
         None, "--api-key", envvar="DFLASH_API_KEY",
         help="Require 'Authorization: Bearer KEY' on every endpoint but /health (or set DFLASH_API_KEY)."),
-    max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait behind the running one; "
+    max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait behind the running ones; "
                                   "past that, 429."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Requests decoding together (continuous batching); "
+                                  "1: one at a time, with the prompt cache. " + BATCH_FALLBACK),
     max_body_mb: float = typer.Option(4.0, "--max-body-mb", help="Largest request body, in MB (2^20 bytes); "
                                       "past it, 413."),
     chat_template_config: Optional[str] = typer.Option(
@@ -57,9 +61,11 @@ def serve(
 ) -> None:
     """Serve the pair over the OpenAI API (chat, completions, models, health, metrics).
 
-    Requests run one at a time; both caches are kept between them, and prefixes of
-    earlier prompts in the prompt cache (memory and disk, --prompt-cache-dir), so a
-    prompt that shares the beginning of an earlier one prefills only the rest.
+    Up to --max-batch requests decode together (continuous batching); with
+    --max-batch 1 they run one at a time, both caches are kept between them, and
+    prefixes of earlier prompts in the prompt cache (memory and disk,
+    --prompt-cache-dir), so a prompt that shares the beginning of an earlier one
+    prefills only the rest.
 
     Each response's usage has a "dflash" object: tau, steps, acceptance histogram.
 
@@ -73,7 +79,8 @@ def serve(
     guard(lambda: _run(**args))
 
 
-def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, api_key, max_queue, max_body_mb,
+def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, api_key, max_queue, max_batch,
+         max_body_mb,
          chat_template_config, allow_request_templates, max_prompt_chars, request_timeout, idle_timeout,
          prefill_step_size, prompt_cache_dir, no_prompt_cache, prompt_cache_gb, log_level) -> None:
     import uvicorn
@@ -89,6 +96,8 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
         raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
     if max_queue < 0:
         raise InputError(f"--max-queue must be >= 0, got {max_queue}")
+    if not 1 <= max_batch <= MAX_BATCH:
+        raise InputError(f"--max-batch must be in 1..{MAX_BATCH}, got {max_batch}")
     if max_body_mb <= 0:
         raise InputError(f"--max-body-mb must be > 0, got {max_body_mb}")
     if max_prompt_chars is not None and max_prompt_chars < 1:
@@ -120,7 +129,7 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
                           max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20), template=template,
                           allow_request_templates=allow_request_templates, max_prompt_chars=max_prompt_chars,
                           request_timeout=request_timeout or None, idle_timeout=idle_timeout,
-                          prefill_step_size=prefill_step_size, prompt_store=store)
+                          prefill_step_size=prefill_step_size, prompt_store=store, max_batch=max_batch)
     app = create_app(pair, config)
     if not api_key and not _is_loopback(host):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", host)

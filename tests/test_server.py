@@ -72,10 +72,12 @@ def live_server(log: Path, *args: str):
 
 @pytest.fixture(scope="module")
 def server(stories, random_drafter, tmp_path_factory):
-    """(base URL, log file) of a server with a drafter, an API key and a 10 KB body cap."""
+    """(base URL, log file) of a server with a drafter, an API key and a 10 KB body cap,
+    running requests one at a time (--max-batch 1: the prompt cache, the queue's waits;
+    tests/test_server_batch_live.py runs the batching server)."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with live_server(log, "--model", str(stories), "--draft-model", str(random_drafter), "--api-key", KEY,
-                     "--max-body-mb", str(10_000 / 2**20), "--log-level", "info") as url:
+                     "--max-body-mb", str(10_000 / 2**20), "--log-level", "info", "--max-batch", "1") as url:
         yield url, log
 
 
@@ -410,8 +412,9 @@ def test_other_bad_requests(server, model):
 def test_plain_server_says_why_and_refuses_past_its_queue(stories, tmp_path):
     """Without a drafter, usage says speculation did not run and why. With --max-queue 0,
     requests that arrive while one runs get a 429: of 4 sent at once (each a few hundred
-    ms of decoding), one runs and the others are refused."""
-    with live_server(tmp_path / "serve.log", "--model", str(stories), "--max-queue", "0") as url:
+    ms of decoding), one runs and the others are refused (one at a time: --max-batch 1;
+    tests/test_server_batch_live.py has the batching server's bound)."""
+    with live_server(tmp_path / "serve.log", "--model", str(stories), "--max-queue", "0", "--max-batch", "1") as url:
         model = str(stories)
         r = post(url, "/v1/completions", {"model": model, "prompt": PROMPTS[0], "max_tokens": 4}, key=None).json()
         assert r["usage"]["dflash"]["speculative"] is False

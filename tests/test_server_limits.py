@@ -67,9 +67,10 @@ def pair():
     return tiny_pair()
 
 
-@pytest.fixture(scope="module")
-def client(pair):
-    with make_client(pair) as c:
+@pytest.fixture(scope="module", params=[1, 8], ids=["one-at-a-time", "batching"])
+def client(pair, request):
+    """The server one request at a time, and with continuous batching (--max-batch 8)."""
+    with make_client(pair, max_batch=request.param) as c:
         yield c
 
 

@@ -511,6 +511,14 @@ class DFlashDrafter(nn.Module):
             h = layer(h, fused, anchors=anchors, mask=mask)
         return self._lm_head(self.norm(h[:, 1:]))
 
+    def batch_drafts(self):
+        """A :class:`~dflash_mlx.drafter.batch.BatchDrafts` (one pass drafts a whole batch of
+        sequences), or None when this drafter's layers have no batched form
+        (:func:`~dflash_mlx.drafter.batch.batch_drafting_refusal`)."""
+        from .batch import BatchDrafts, batch_drafting_refusal
+
+        return BatchDrafts(self) if batch_drafting_refusal(self) is None else None
+
     def ingest(self, context: mx.array, cache: Sequence[object]) -> None:
         """Cache context rows without drafting, so the drafter covers what the target
         cache covers (used when a generation ends; the next turn continues from it).

@@ -35,11 +35,12 @@ from .api import (
     ChatCompletionRequest, CompletionRequest, GenerationFields, chat_chunk, chat_completion, error_body,
     text_completion, usage_chunk,
 )
-from .engine import Engine, GenerationJob, Job, JobCancelled, QueueFullError, RequestTimeout
+from .engine import GenerationJob, Job, JobCancelled, QueueFullError, RequestTimeout
 from .guard import (
     APIError, GuardMiddleware, body_timeout, check_prompt_chars, check_template_kwargs, count_chars,
     prompt_char_cap, too_large, validation_message, watch_disconnect,
 )
+from .batch_engine import make_engine
 from .metrics import ServerMetrics
 from .tools import ReplySplitter, check_tool_support, reply_splitter
 from ..chat.session import context_length
@@ -80,7 +81,10 @@ class ServerConfig:
             default); an abandoned request stops between two chunks.
         prompt_store: the prompt cache (:class:`dflash_mlx.prefix.store.PrefixStore`):
             requests also resume from prefixes kept there, in memory and on disk
-            (None: from the previous request's caches only).
+            (None: from the previous request's caches only). One-at-a-time engine only.
+        max_batch: most requests decoding together (``--max-batch``); 1 runs them one
+            at a time (:class:`Engine`), more batches them
+            (:class:`~dflash_mlx.serve.batch_engine.BatchEngine`) where the target allows.
     """
 
     model_id: str
@@ -96,6 +100,7 @@ class ServerConfig:
     idle_timeout: float = 5.0
     prefill_step_size: Optional[int] = None
     prompt_store: Optional[Any] = None
+    max_batch: int = 1
 
 
 class Server:
@@ -115,9 +120,9 @@ class Server:
         trained = pair.drafter.block_size if pair.drafter is not None else 1
         check_block_size(config.block_size, pair.drafter)
         self.metrics = ServerMetrics(trained)
-        self.engine = Engine(pair, block_size=config.block_size, max_queue=config.max_queue,
-                             metrics=self.metrics, prefill_step_size=config.prefill_step_size,
-                             store=config.prompt_store)
+        self.engine = make_engine(pair, config.max_batch, self.metrics, block_size=config.block_size,
+                                  max_queue=config.max_queue, prefill_step_size=config.prefill_step_size,
+                                  store=config.prompt_store)
         self.context = context_length(pair.model)
         self.char_cap = prompt_char_cap(self.context, config.max_prompt_chars)
         self.names = {config.model_id, PurePath(config.model_id).name}

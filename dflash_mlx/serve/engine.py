@@ -209,6 +209,7 @@ class Engine:
                  metrics: Optional[ServerMetrics] = None, prefill_step_size: Optional[int] = None,
                  store: Optional[Any] = None):
         self.pair, self.block_size, self.max_queue = pair, block_size, max_queue
+        self.slots = 1  # requests that run at once (the batching engine runs more)
         self.prefill_step_size = prefill_step_size
         self.pair_cache = PairCache(pair.target, pair.tokenizer, pair.drafter, store=store)
         self.metrics = metrics
@@ -238,7 +239,7 @@ class Engine:
         """
         job = Job(spec, asyncio.get_running_loop(), endpoint, timeout)
         with self._lock:
-            ahead = self._pending
+            ahead = self._pending - (self.slots - 1)  # beyond the requests that run at once
             if self._closing:
                 raise QueueFullError("the server is shutting down")
             if ahead > self.max_queue:
@@ -248,10 +249,14 @@ class Engine:
             self._pending += 1
             self._jobs.add(job)
         self._gauge()
-        if ahead:
+        if ahead > 0:
             log.info("request %s waits: %d ahead of it in the queue", job.id, ahead)
-        self._executor.submit(self._run, job)
+        self._dispatch(job)
         return job
+
+    def _dispatch(self, job: Job) -> None:
+        """Hand a submitted job to the worker."""
+        self._executor.submit(self._run, job)
 
     def _run(self, job: Job) -> None:
         try:
@@ -265,6 +270,8 @@ class Engine:
                 return
             if waited > 0.05:
                 log.info("request %s starts after waiting %.2f s", job.id, waited)
+            if self.metrics is not None:
+                self.metrics.queue_wait.observe(waited)
             if job.prepare is not None:
                 try:
                     job.spec = job.prepare()

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from ..stats import GenerationStats
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TAU_BUCKETS = (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 16)
 
 
 class ServerMetrics:
@@ -53,6 +54,16 @@ class ServerMetrics:
                                  registry=r)
         self.queue = Gauge("dflash_queue_requests", "Requests running or waiting for the engine.",
                            registry=r)
+        self.batching = Gauge("dflash_batching", "1 when requests decode together (--max-batch > 1 and a "
+                              "target the batch path can run exactly), 0 when they run one at a time.",
+                              registry=r)
+        self.batch_size = Gauge("dflash_batch_size", "Sequences decoding together (after the last decode "
+                                "step; 0 once the batch has emptied).",
+                                registry=r)
+        self.queue_wait = Histogram("dflash_queue_wait_seconds", "Seconds from a request's arrival at the "
+                                    "engine to the start of its prefill.", buckets=LATENCY_BUCKETS, registry=r)
+        self.request_tau = Histogram("dflash_request_tau", "Each finished request's mean acceptance length "
+                                     "(tokens per verify step).", buckets=TAU_BUCKETS, registry=r)
 
     def request(self, endpoint: str, outcome: str) -> None:
         """Count one request by its outcome."""
@@ -78,6 +89,8 @@ class ServerMetrics:
         self.acceptance_rate.set(self.totals.acceptance_rate)
         self.tokens_per_second.set(self.totals.generation_tps)
         self.latency.observe(seconds)
+        if stats.steps:
+            self.request_tau.observe(stats.tau)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Aggregate tokens/s and time to first token of ``dflash serve --max-batch N`` under load
+(issue 21), against ``--max-batch 1`` and ``mlx_lm.server`` on the same target.
+
+Each server is started in turn, alone (pinned to CPU ``--server-cpu`` with taskset;
+this process, the clients, to the others). For each number of concurrent clients C,
+C threads each send ``--requests`` streaming ``/v1/completions`` requests back to back
+with the official ``openai`` client (greedy, ``--max-tokens`` each, prompts in turn),
+after one warm-up request. Per C and server: aggregate tokens/s (completion tokens of
+every request, from ``usage``, over the wall time of the round), p50 / p95 time to first
+token (send to the first chunk with text). Rounds are repeated ``--repeats`` times in
+turn over the servers; medians are reported, with the ratios to ``--max-batch 1`` and to
+mlx_lm.server of each repeat's figures (ratios of the same repeat, then the median).
+
+Every dflash reply is checked against mlx_lm.server's reply for the same prompt
+(greedy: both are the target's own greedy text).
+
+    OPENBLAS_NUM_THREADS=1 python benchmarks/batch_serve.py --model /tmp/b21/target \\
+        --draft-model /tmp/b21/random-drafter --clients 1,2,4,8 --repeats 3 --json-out /tmp/b21/serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import httpx
+
+PROMPTS = ["Once upon a time", "One day, a little boy", "The cat sat on", "Lily and Ben went to",
+           "Tom had a big red", "The sun was hot and", "Sara found a shiny", "A little dog named"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(kind: str, args, port: int) -> List[str]:
+    """The command line of one server kind: ``dflash-bN`` or ``mlx_lm``."""
+    if kind == "mlx_lm":
+        return [sys.executable, "-m", "mlx_lm.server", "--model", args.model, "--port", str(port),
+                "--log-level", "WARNING"]
+    batch = kind.split("-b")[1]
+    block = args.baseline_block_size if batch == "1" and args.baseline_block_size else args.block_size
+    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--model", args.model, "--port", str(port),
+           "--max-batch", batch, "--log-level", "warning", "--block-size", block]
+    return cmd + (["--draft-model", args.draft_model] if args.draft_model else [])
+
+
+def start(kind: str, args, log: Path):
+    """Start a server pinned to ``--server-cpu``; returns (process, base URL) once it answers."""
+    port = free_port()
+    cmd = ["taskset", "-c", args.server_cpu, *server_command(kind, args, port)]
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "DFLASH_API_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise SystemExit(f"{kind} exited: {log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise SystemExit(f"{kind} did not start: {log.read_text()}")
+
+
+def one_request(client, model: str, prompt: str, max_tokens: int) -> Dict:
+    """One streaming completion: its text, tokens, and seconds to the first text chunk."""
+    tic = time.perf_counter()
+    first, text, tokens = None, "", None
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                       stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            if first is None:
+                first = time.perf_counter() - tic
+            text += chunk.choices[0].text
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return {"prompt": prompt, "text": text, "tokens": tokens, "ttft": first, "seconds": time.perf_counter() - tic}
+
+
+def load_round(url: str, model: str, clients: int, requests: int, max_tokens: int) -> Dict:
+    """``clients`` threads x ``requests`` requests; aggregate tokens/s and TTFT percentiles."""
+    import openai
+
+    results, errors = [], []
+
+    def loop(i: int):
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+        try:
+            for k in range(requests):
+                results.append(one_request(c, model, PROMPTS[(i * requests + k) % len(PROMPTS)], max_tokens))
+        except Exception as e:  # noqa: BLE001 (reported)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(clients)]
+    tic = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - tic
+    if errors:
+        raise SystemExit(f"client errors: {errors[:3]}")
+    ttft = sorted(r["ttft"] for r in results if r["ttft"] is not None)
+    return {"clients": clients, "wall_s": wall, "tokens": sum(r["tokens"] for r in results),
+            "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+            "ttft_p50_s": statistics.median(ttft), "ttft_p95_s": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))],
+            "texts": {r["prompt"]: r["text"] for r in results}}
+
+
+def run_server(kind: str, args, log_dir: Path, repeat: int) -> List[Dict]:
+    proc, url = start(kind, args, log_dir / f"{kind}-{repeat}.log")
+    try:
+        import openai
+
+        warm = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+        one_request(warm, args.model, PROMPTS[0], args.max_tokens)
+        rounds = []
+        for c in args.clients:
+            r = load_round(url, args.model, c, args.requests, args.max_tokens)
+            print(f"  {kind:10s} clients {c}: {r['tokens_per_s']:8.1f} tokens/s, TTFT p50 "
+                  f"{1000 * r['ttft_p50_s']:.0f} ms p95 {1000 * r['ttft_p95_s']:.0f} ms", flush=True)
+            rounds.append(r)
+        return rounds
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def summarize(runs: Dict[str, List[List[Dict]]], clients: List[int], kinds: List[str]) -> List[Dict]:
+    """Medians over repeats per (server, clients), and ratios of each repeat to the baselines."""
+    rows = []
+    for i, c in enumerate(clients):
+        for kind in kinds:
+            figures = [rep[i] for rep in runs[kind]]
+            row = {"server": kind, "clients": c,
+                   "tokens_per_s": statistics.median(f["tokens_per_s"] for f in figures),
+                   "ttft_p50_ms": 1000 * statistics.median(f["ttft_p50_s"] for f in figures),
+                   "ttft_p95_ms": 1000 * statistics.median(f["ttft_p95_s"] for f in figures),
+                   "tokens_per_s_all": [round(f["tokens_per_s"], 1) for f in figures]}
+            for base in ("dflash-b1", "mlx_lm"):
+                if base in runs and base != kind:
+                    ratios = [f["tokens_per_s"] / b[i]["tokens_per_s"] for f, b in zip(figures, runs[base])]
+                    row[f"vs_{base}"] = statistics.median(ratios)
+            rows.append(row)
+    return rows
+
+
+def check_texts(runs: Dict[str, List[List[Dict]]]) -> int:
+    """Replies of every dflash server that differ from mlx_lm.server's for the same prompt."""
+    if "mlx_lm" not in runs:
+        return 0
+    reference = {p: t for rep in runs["mlx_lm"] for r in rep for p, t in r["texts"].items()}
+    return sum(1 for kind, reps in runs.items() if kind != "mlx_lm" for rep in reps for r in rep
+               for p, t in r["texts"].items() if t != reference.get(p, t))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--block-size", default="auto", help="dflash serve --block-size (both dflash servers)")
+    p.add_argument("--baseline-block-size", default=None, help="--block-size of the --max-batch 1 server "
+                   "(default: --block-size)")
+    p.add_argument("--servers", default="dflash-b8,dflash-b1,mlx_lm", help="dflash-bN (--max-batch N), mlx_lm")
+    p.add_argument("--clients", default="1,2,4,8")
+    p.add_argument("--requests", type=int, default=3, help="requests per client per round")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--server-cpu", default="0", help="taskset CPU list of the servers")
+    p.add_argument("--client-cpus", default="1", help="CPUs of this process (the clients)")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still stops the server started
+    args.clients = [int(c) for c in args.clients.split(",")]
+    os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})
+    kinds = args.servers.split(",")
+    log_dir = Path(args.json_out or "/tmp/batch_serve.json").with_suffix(".logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runs: Dict[str, List[List[Dict]]] = {k: [] for k in kinds}
+    for repeat in range(args.repeats):
+        print(f"repeat {repeat + 1}/{args.repeats}", flush=True)
+        for kind in kinds:
+            runs[kind].append(run_server(kind, args, log_dir, repeat))
+    rows = summarize(runs, args.clients, kinds)
+    mismatches = check_texts(runs)
+    print(f"\nreplies differing from mlx_lm.server's: {mismatches}")
+    print("| server | clients | tokens/s (median) | all repeats | vs --max-batch 1 | vs mlx_lm.server | "
+          "TTFT p50 ms | TTFT p95 ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['server']} | {r['clients']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s_all']} | "
+              f"{r.get('vs_dflash-b1', float('nan')):.2f}x | {r.get('vs_mlx_lm', float('nan')):.2f}x | "
+              f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} |")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "rows": rows, "mismatches": mismatches,
+                                                   "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

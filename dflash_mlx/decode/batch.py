@@ -1,0 +1,293 @@
+"""Continuous batching: the DFlash loop (DFLASH_SPEC.md section 5) for many sequences at once.
+
+Every step drafts a block for each active sequence, then verifies all of them in ONE
+target forward ([N, B] tokens over a left-padded ``BatchKVCache``), and each sequence
+keeps its own acceptance length: its own committed tokens, its own rollback
+(:func:`dflash_mlx.targets.batch_cache.rollback_ragged`) and its own drafter context.
+Sequences join between steps (their prompts prefilled alone, one chunk at a time, by
+:class:`Joining`, then merged into the batch) and leave between steps (finished, or
+dropped by the caller: a cancelled request).
+
+Why not mlx-lm's ``BatchGenerator``: it decodes one token per sequence per step and
+has no drafts, verify or per-sequence rollback; its cache classes are used here.
+
+Drafting: a drafter with ``propose_batch`` drafts every sequence in one pass; any
+other (scripted and simulated drafters) drafts sequence by sequence, lazily, so the
+drafts and the verify are still one graph and one sync.
+
+Each sequence's tokens are exactly those of the same request run alone: the target's
+greedy tokens at T = 0, or draws by its own acceptance rule at T > 0.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence
+
+import mlx.core as mx
+
+from .acceptance import choose_rule, count_accepted
+from .generate import NO_DRAFTER, PrefillStopped, StepResult
+from .stopping import StopCondition
+from ..errors import InputError
+from ..protocol import Drafter, Proposal
+from ..stats import GenerationStats
+from ..targets import TargetAdapter
+from ..targets.batch_cache import compact, extend, keep_rows, rollback_ragged
+
+Sampler = Callable[[mx.array], mx.array]
+BATCHED = "continuous batching verifies chains of the block size (no auto widths, no trees)"
+
+
+@dataclass
+class BatchSequence:
+    """One sequence of the batch.
+
+    Attributes:
+        key: the caller's handle (a request).
+        rule: its acceptance rule (:func:`dflash_mlx.decode.acceptance.choose_rule`).
+        stop: its stop condition (stop tokens, strings, max tokens).
+        stats: its statistics (steps, acceptance histogram, tau).
+        token: [1] int32, its last committed token (not in the target cache yet).
+        pending: context rows [1, S, F] the drafter has not seen yet.
+        draft_cache: its drafter's context cache (None without a drafter).
+        seed: its PRNG seed at T > 0, or None: each of its steps then draws from a
+            PRNG state seeded by (seed, step), whatever else the batch holds, so the
+            same seed gives the same text.
+    """
+
+    key: Any
+    rule: Any
+    stop: StopCondition
+    stats: GenerationStats
+    token: mx.array
+    pending: List[mx.array] = field(default_factory=list)
+    draft_cache: Optional[List[Any]] = None
+    seed: Optional[int] = None
+
+    def reseed(self, phase: int) -> None:
+        """Seed the PRNG for this sequence's next draws (seeded sequences only)."""
+        if self.seed is not None:
+            mx.random.seed((self.seed * 1_000_003 + self.stats.steps * 2 + phase) % 2**32)
+
+
+class Joining:
+    """A sequence being prefilled before it joins the batch, one chunk per :meth:`advance`.
+
+    Args:
+        decoder: the batch it will join.
+        key: the caller's handle.
+        prompt: [P] int32 ids, P >= 1.
+        sampler: its sampler (greedy when None).
+        stop: its stop condition.
+        step_size: prompt tokens per prefill chunk (the longest stall it causes the batch).
+        should_stop: checked before each chunk; True raises :class:`PrefillStopped`.
+        seed: see :class:`BatchSequence`.
+    """
+
+    def __init__(self, decoder: "BatchDecoder", key: Any, prompt: mx.array, sampler: Optional[Sampler],
+                 stop: StopCondition, step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
+                 seed: Optional[int] = None):
+        self.decoder, self.key, self.stop, self.seed = decoder, key, stop, seed
+        self.rule = choose_rule(decoder.drafter, sampler)
+        self.rest, self.step_size, self.should_stop = prompt, max(1, step_size), should_stop
+        self.cache = decoder.target.make_cache(decoder.width)
+        self.features: List[mx.array] = []
+        self.stats = GenerationStats(block_size=decoder.width, prompt_tokens=int(prompt.size),
+                                     speculative=decoder.drafter is not None,
+                                     drafter_format=getattr(decoder.drafter, "drafter_format", None))
+        if decoder.drafter is not None:
+            self.stats.verify = {"block_size": decoder.width, "tree_budget": None, "reason": BATCHED}
+        else:
+            self.stats.reason = NO_DRAFTER
+
+    def advance(self) -> Optional[StepResult]:
+        """Prefill one chunk. When the prompt is done: sample the first token, join the
+        batch and return its :class:`StepResult` (its ``finish_reason`` may be set: then
+        it does not join). Returns None while chunks remain.
+
+        Raises:
+            PrefillStopped: ``should_stop()`` was true.
+        """
+        if self.should_stop is not None and self.should_stop():
+            raise PrefillStopped()
+        target, capture = self.decoder.target, self.decoder.capture
+        last = self.rest.size <= self.step_size
+        chunk = self.rest if last else self.rest[: self.step_size]
+        h, f = target(chunk[None], self.cache, capture)
+        self.rest = self.rest[chunk.size:]
+        if f is not None:
+            self.features.append(f)
+        if not last:
+            mx.eval([c.state for c in self.cache], self.features)
+            return None
+        if self.seed is not None:
+            mx.random.seed(self.seed)
+        t = self.rule.choose(target.lm_head(h[:, -1]))
+        mx.eval(t)
+        tokens, finish = self.stop.cut(t.tolist())
+        if finish is None:
+            self.decoder.add(self, t, [_rows(self.features)] if capture else [])
+        return StepResult(tokens, None, finish)
+
+
+class BatchDecoder:
+    """The active sequences of a batch and their shared target cache.
+
+    Args:
+        target: a target adapter whose caches can batch
+            (:func:`dflash_mlx.targets.batch_cache.batch_refusal` is None).
+        drafter: a bound drafter, or None (plain decoding, one token per step).
+        block_size: B, tokens every verify feeds per sequence (2..the drafter's
+            trained size; 1 without a drafter).
+
+    Attributes:
+        sequences: the active sequences, in batch-row order.
+        cache: one ``BatchKVCache`` per target layer, or None while the batch is empty.
+    """
+
+    def __init__(self, target: TargetAdapter, drafter: Optional[Drafter], block_size: int):
+        self.target, self.drafter = target, drafter
+        self.width = block_size if drafter is not None else 1
+        self.capture = drafter.target_layer_ids if drafter is not None else None
+        self.sequences: List[BatchSequence] = []
+        self.cache = None
+        # One drafter pass for the batch where the drafter has one; else per sequence.
+        self.drafts = drafter.batch_drafts() if hasattr(drafter, "batch_drafts") else None
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def start(self, key: Any, prompt: Sequence[int], sampler: Optional[Sampler], stop: StopCondition,
+              step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
+              seed: Optional[int] = None) -> Joining:
+        """A :class:`Joining` for a new sequence (nothing runs until its ``advance``).
+
+        Raises:
+            InputError: an empty prompt, or a stop condition allowing no token.
+        """
+        if not prompt:
+            raise InputError("the prompt is empty: give at least one token")
+        if stop.max_tokens < 1:
+            raise InputError(f"max_tokens must be at least 1, got {stop.max_tokens}")
+        return Joining(self, key, mx.array(list(prompt), dtype=mx.int32), sampler, stop, step_size, should_stop,
+                       seed)
+
+    def add(self, joining: Joining, token: mx.array, pending: List[mx.array]) -> None:
+        """Merge a prefilled sequence into the batch as its last row."""
+        draft_cache = self.drafter.make_cache() if self.drafter is not None and self.drafts is None else None
+        if self.drafter is not None:
+            joining.stats.acceptance_rule = joining.rule.name
+        if self.drafts is not None:  # the prompt's context rows go to the batched drafter cache now
+            self.drafts.join(_rows(pending))
+            pending = []
+        self.cache = extend(self.cache, joining.cache)
+        self.sequences.append(BatchSequence(joining.key, joining.rule, joining.stop, joining.stats, token,
+                                            pending, draft_cache, joining.seed))
+
+    def remove(self, keys: Sequence[Any]) -> None:
+        """Drop the sequences of ``keys`` (finished or cancelled) from the batch."""
+        gone = set(id(k) for k in keys)
+        rows = [i for i, s in enumerate(self.sequences) if id(s.key) not in gone]
+        if len(rows) == len(self.sequences):
+            return
+        self.sequences = [self.sequences[i] for i in rows]
+        self.cache = keep_rows(self.cache, rows)
+        if self.drafts is not None:
+            self.drafts.keep(rows)
+
+    def step(self) -> List[StepResult]:
+        """One draft + verify for every active sequence; finished ones leave the batch.
+
+        Returns:
+            One :class:`StepResult` per sequence active before the step, in the order
+            of :attr:`sequences` before it.
+        """
+        if not self.sequences:
+            return []
+        if self.drafter is None:
+            return self._plain_step()
+        tic = time.perf_counter()  # for the statistics only
+        proposals = self._propose()
+        inputs = mx.stack([mx.concatenate([s.token, p.tokens]) for s, p in zip(self.sequences, proposals)])
+        h, features = self.target(inputs, self.cache, self.capture)
+        logits = self.target.lm_head(h)
+        decided = self._decide(proposals, logits, features)
+        results, rejected, seconds = [], [], time.perf_counter() - tic
+        for i, (s, (a, out)) in enumerate(zip(self.sequences, decided)):
+            rejected.append(self.width - 1 - a)
+            s.stats.record_plan("chain", self.width, seconds, a, self.width - 1)
+            s.pending = [features[i : i + 1, : a + 1]]
+            s.token = mx.array(out[a : a + 1], dtype=mx.int32)
+            results.append(StepResult(out[: a + 1], a, None))
+        rollback_ragged(self.cache, rejected)
+        compact(self.cache)
+        if self.drafts is not None:
+            compact(self.drafts.cache)
+        return self._settle(results)
+
+    def _decide(self, proposals: List[Proposal], logits: mx.array, features: mx.array) -> List[tuple]:
+        """Each sequence's acceptance rule on its verify rows (logits [N, B, V]): one
+        argmax for all greedy sequences, their own rule (and seed) for the others; one
+        sync. Returns ``(accepted a, the target's tokens [B])`` per sequence, on the host."""
+        greedy = [bool(getattr(s.rule, "greedy", False)) for s in self.sequences]
+        argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(greedy) else None
+        decided = []
+        for i, (s, p) in enumerate(zip(self.sequences, proposals)):
+            s.reseed(1)
+            decided.append((None, None) if greedy[i] else s.rule.accept(p, logits[i]))
+        drafts = mx.stack([p.tokens for p in proposals])
+        mx.eval(argmax if argmax is not None else [], [d for pair in decided for d in pair if d is not None],
+                features, drafts)
+        drafts, argmax = drafts.tolist(), argmax.tolist() if argmax is not None else None
+        out = []
+        for i, (a, y) in enumerate(decided):
+            y = argmax[i] if greedy[i] else y.tolist()
+            out.append((count_accepted(drafts[i], y) if a is None else a.item(), y))
+        return out
+
+    def _propose(self) -> List[Proposal]:
+        """Drafts of every sequence (lazy): one batched pass when the drafter has one."""
+        contexts = [_rows(s.pending) if s.pending else None for s in self.sequences]
+        for s in self.sequences:
+            s.pending = []
+        if self.drafts is not None:
+            return self.drafts.propose([s.token for s in self.sequences], contexts, self.width)
+        proposals = []
+        for s, context in zip(self.sequences, contexts):
+            s.reseed(0)
+            proposals.append(s.rule.propose(self.drafter, s.token, context, s.draft_cache, self.width))
+        return proposals
+
+    def _plain_step(self) -> List[StepResult]:
+        """Plain decoding: one token per sequence, one target forward for all."""
+        inputs = mx.stack([s.token for s in self.sequences])
+        h, _ = self.target(inputs, self.cache)
+        logits = self.target.lm_head(h[:, -1])
+        picks = []
+        for i, s in enumerate(self.sequences):
+            s.reseed(1)
+            picks.append(s.rule.choose(logits[i : i + 1]))
+        mx.eval(picks)
+        results = []
+        for s, y in zip(self.sequences, picks):
+            s.token = y
+            s.stats.record_step(0, drafted=0)
+            results.append(StepResult(y.tolist(), None, None))
+        return self._settle(results)
+
+    def _settle(self, results: List[StepResult]) -> List[StepResult]:
+        """Cut each sequence's tokens at its stops; finished sequences leave."""
+        done = []
+        for s, r in zip(self.sequences, results):
+            r.tokens, r.finish_reason = s.stop.cut(r.tokens)
+            if r.finish_reason is not None:
+                done.append(s.key)
+        self.remove(done)
+        return results
+
+
+def _rows(pending: List[mx.array]) -> Optional[mx.array]:
+    """The pending context rows as one [1, S, F] array."""
+    return pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)

@@ -1,0 +1,144 @@
+"""One drafter pass for a whole batch of sequences (continuous batching, ``dflash serve``).
+
+Each sequence has its own drafter context (spec section 4: context rows cached, block
+rows thrown away), but one step drafts every sequence's block in ONE forward: the
+context caches of all sequences are one left-padded mlx-lm ``BatchKVCache`` per
+drafter layer. Sequences bring different numbers of new context rows each step (their
+own accepted drafts + 1), so every sequence appends the most rows any brings, its
+extra rows rolled into its left padding (mlx-lm's right-padding machinery, as
+:func:`dflash_mlx.targets.batch_cache.rollback_ragged` does for the target), and each
+block attends over its own rows only (a padding mask).
+
+Covers the v1 drafter with full-attention, bidirectional layers and no draft window
+(:func:`batch_drafting_refusal` says why another cannot): the per-layer sliding
+windows, the DFlash2 convolutions and selector, and ``--draft-window`` would each need
+a batched form of their own. Those drafters draft sequence by sequence (lazily, in the
+same graph as the verify).
+
+Drafts are the argmax of the same network, computed in one batched graph (its attention
+MLX's fused ``scaled_dot_product_attention`` with a padding mask, a third faster per pass
+here than the float32 reference path of one sequence) rather than per sequence: the last
+bits may differ, never the output (the target verifies every draft).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import mlx.core as mx
+
+from ..protocol import Proposal
+from ..targets.batch_cache import extend, keep_rows
+
+
+def batch_drafting_refusal(drafter: Any) -> Optional[str]:
+    """Why ``drafter`` cannot draft a batch in one pass, or None when it can."""
+    args = drafter.args
+    if args.conv_kernel_size or "candidate_selector" in drafter:
+        return f"{args.architecture}: block convolutions or a candidate selector"
+    if any(args.is_sliding(i) or args.is_causal_layer(i) for i in range(args.num_hidden_layers)):
+        return "sliding-window or causal drafter layers"
+    if drafter.draft_window is not None:
+        return "a draft window (--draft-window)"
+    return None
+
+
+class BatchDrafts:
+    """The drafter's context caches of a batch and its one-pass drafting.
+
+    Args:
+        drafter: a bound :class:`~dflash_mlx.drafter.network.DFlashDrafter` that
+            :func:`batch_drafting_refusal` accepts.
+
+    Attributes:
+        cache: one ``BatchKVCache`` per drafter layer (rows in batch order), or None
+            while the batch is empty.
+    """
+
+    def __init__(self, drafter: Any):
+        self.drafter = drafter
+        self.cache = None
+
+    def join(self, context: mx.array) -> None:
+        """Append a sequence as the last row, its prompt's context rows [1, P, F] cached."""
+        solo = self.drafter.make_cache()
+        self.drafter.ingest(context, solo)
+        self.cache = extend(self.cache, solo)
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keep only the sequences at ``rows`` (in that order)."""
+        self.cache = keep_rows(self.cache, rows)
+
+    def propose(self, tokens: Sequence[mx.array], contexts: Sequence[Optional[mx.array]],
+                block_size: int) -> List[Proposal]:
+        """Argmax drafts of every sequence, one pass (lazy).
+
+        Args:
+            tokens: per sequence, [1] int32 ``t_last``.
+            contexts: per sequence, its new context rows [1, S_i, F] or None (S_i = 0).
+            block_size: B.
+
+        Returns:
+            One :class:`~dflash_mlx.protocol.Proposal` per sequence ([B-1] drafts).
+        """
+        d = self.drafter
+        rows = [0 if c is None else c.shape[1] for c in contexts]
+        block = mx.concatenate([mx.concatenate(tokens).reshape(-1, 1).astype(mx.int32),
+                                mx.full((len(tokens), block_size - 1), d.args.mask_token_id, dtype=mx.int32)],
+                               axis=1)
+        h = d.embed_block(block)
+        if d.args.input_embedding_scale != 1.0:
+            h = h * d.args.input_embedding_scale
+        fused = self._fused(contexts, rows)
+        for layer, c in zip(d.layers, self.cache):
+            h = _layer(layer, h, fused, rows, c)
+        logits = d.logits(d.norm(h[:, 1:]))
+        drafts = mx.argmax(logits, axis=-1).astype(mx.int32)
+        return [Proposal(drafts[i]) for i in range(len(tokens))]
+
+    def _fused(self, contexts: Sequence[Optional[mx.array]], rows: List[int]) -> Optional[mx.array]:
+        """Fused context rows [N, max S, H], each sequence's rows first, zeros after."""
+        most = max(rows)
+        if most == 0:
+            return None
+        first = next(c for c in contexts if c is not None)
+        padded = []
+        for c, r in zip(contexts, rows):
+            if r < most:
+                pad = mx.zeros((1, most - r, first.shape[2]), first.dtype)
+                c = pad if c is None else mx.concatenate([c, pad], axis=1)
+            padded.append(c)
+        return self.drafter.hidden_norm(self.drafter.fc(mx.concatenate(padded, axis=0)))
+
+
+def _layer(layer: Any, h: mx.array, fused: Optional[mx.array], rows: List[int], cache: Any) -> mx.array:
+    """One drafter layer over the batch: h [N, B, H] block rows; ``fused`` [N, max S, H]
+    new context rows (sequence i's first ``rows[i]`` real) appended to ``cache``."""
+    attn = layer.self_attn
+    N, B, _ = h.shape
+    x = layer.input_layernorm(h)
+    start = cache.offset + mx.array(rows)  # per sequence: position of t_last
+    queries = attn.rope(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)), offset=start)
+    block_keys, block_values = attn._keys_values(x)
+    block_keys = attn.rope(block_keys, offset=start)
+    if fused is not None:
+        ctx_keys, ctx_values = attn._keys_values(fused)
+        cache.update_and_fetch(attn.rope(ctx_keys, offset=cache.offset), ctx_values)
+        cache.prepare(right_padding=[fused.shape[1] - r for r in rows])
+        cache.finalize()
+    ctx_keys, ctx_values = cache.keys_and_values()
+    out = _attend(attn, queries, ctx_keys, ctx_values, block_keys, block_values, cache.left_padding)
+    h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _attend(attn: Any, queries: mx.array, ctx_keys: mx.array, ctx_values: mx.array, block_keys: mx.array,
+            block_values: mx.array, left_padding: mx.array) -> mx.array:
+    """Block queries [N, n_heads, B, hd] over each sequence's cached rows (its left
+    padding hidden) and its whole block: MLX's fused attention with a padding mask."""
+    n_ctx, B = ctx_keys.shape[2], block_keys.shape[2]
+    keys = mx.concatenate([ctx_keys, block_keys], axis=2)
+    values = mx.concatenate([ctx_values, block_values], axis=2)
+    visible = mx.arange(n_ctx + B)[None] >= left_padding[:, None]  # block columns: always (padding < n_ctx)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale,
+                                                mask=visible[:, None, None, :])

@@ -1,0 +1,257 @@
+"""The batching engine of ``dflash serve --max-batch N`` (N > 1): continuous batching.
+
+Up to N requests decode together on one worker thread: each loop turn admits waiting
+requests while there is room, prefills ONE chunk of the oldest request still being
+prefilled (so a new prompt never stalls the others longer than one chunk), then runs
+one batched draft + verify step for every active request
+(:class:`dflash_mlx.decode.batch.BatchDecoder`). A request whose client went away, or
+whose deadline passed, leaves the batch before the next step; nothing else changes
+for the others. Requests are submitted, bounded (429) and consumed exactly as with the
+one-at-a-time :class:`~dflash_mlx.serve.engine.Engine`, whose :class:`Job` this reuses.
+
+:func:`make_engine` picks the engine: a target the batch path cannot run exactly
+(sliding-window layers, see :func:`dflash_mlx.targets.batch_cache.batch_refusal`) is
+served one request at a time, with a warning in the log and ``dflash_batching 0`` in
+``/metrics``.
+
+The prompt cache (prefix reuse) is used by the one-at-a-time engine only: batched
+requests prefill their whole prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, List, Optional
+
+from ..decode.batch import BatchDecoder, Joining
+from ..decode.generate import PrefillStopped, StepResult, check_block_size
+from ..decode.stopping import StopCondition
+from ..sampling import make_sampler
+from ..targets.batch_cache import batch_refusal
+from .api import usage
+from .engine import _STARTED, Chunk, Engine, GenerationJob, Job
+from .metrics import ServerMetrics
+from .text_stream import TextStream
+
+log = logging.getLogger("dflash.serve")
+
+
+@dataclass
+class _Request:
+    """A request admitted to the batch: its job, text, timings and prefill."""
+
+    job: Job
+    spec: GenerationJob
+    text: TextStream
+    joining: Joining
+    started: float = field(default_factory=time.perf_counter)
+    first: Optional[float] = None
+
+
+class BatchEngine(Engine):
+    """Runs up to ``max_batch`` generation jobs together on one worker thread.
+
+    Args:
+        pair: the loaded :class:`dflash_mlx.Pair`; its target must batch
+            (:func:`~dflash_mlx.targets.batch_cache.batch_refusal` is None).
+        max_batch: most requests decoding at once (>= 2).
+        block_size: B of every verify (None or "auto": the drafter's trained size;
+            auto's per-step widths are a one-at-a-time feature).
+        max_queue: most requests waiting beyond the ``max_batch`` running; past it,
+            :meth:`submit` raises :class:`~dflash_mlx.serve.engine.QueueFullError`.
+        metrics: where each generation and step is counted.
+        prefill_step_size: prompt tokens per prefill chunk (default 2048): the longest
+            a new request's prefill stalls the batch.
+
+    Raises:
+        InputError: ``block_size`` out of range for the drafter.
+    """
+
+    def __init__(self, pair: Any, *, max_batch: int, block_size: Optional[int | str] = None, max_queue: int = 16,
+                 metrics: Optional[ServerMetrics] = None, prefill_step_size: Optional[int] = None):
+        super().__init__(pair, block_size=block_size, max_queue=max_queue, metrics=metrics,
+                         prefill_step_size=prefill_step_size)
+        self.slots = max_batch
+        width = check_block_size(None if block_size == "auto" else block_size, pair.drafter)
+        self.decoder = BatchDecoder(pair.target, pair.drafter, width)
+        self._inbox: Deque[Job] = deque()
+        self._joining: Deque[_Request] = deque()
+        self._active: List[_Request] = []
+        self._wake = threading.Condition()
+        self._worker = threading.Thread(target=self._loop, name="dflash-engine-batch", daemon=True)
+        self._worker.start()
+
+    def _dispatch(self, job: Job) -> None:
+        with self._wake:
+            self._inbox.append(job)
+            self._wake.notify()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        with self._wake:
+            self._wake.notify()
+
+    # -- the worker ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        """Admit, prefill one chunk, step the batch; until shutdown with nothing left."""
+        while True:
+            admitted = self._take()
+            if admitted is None:
+                return
+            try:
+                for job in admitted:
+                    self._admit(job)
+                self._drop_stopped()
+                if self._joining:
+                    self._prefill_chunk()
+                if self._active:
+                    self._step()
+            except Exception as e:  # a bug: every request in flight gets a 500, the worker goes on
+                log.exception("batch step failed")
+                self._fail_all(e)
+
+    def _take(self) -> Optional[List[Job]]:
+        """Wait for work; the jobs to admit now (room permitting), or None at shutdown."""
+        with self._wake:
+            while not self._inbox and not self._joining and not self._active:
+                if self._closing:
+                    return None
+                self._wake.wait(timeout=1.0)
+            room = self.slots - len(self._joining) - len(self._active)
+            return [self._inbox.popleft() for _ in range(min(room, len(self._inbox)))]
+
+    def _admit(self, job: Job) -> None:
+        """Prepare a job (tokenize, check) and start its prefill; or end it at once."""
+        waited = time.perf_counter() - job.submitted
+        if job.cancelled.is_set():
+            log.info("request %s: client gone before it started", job.id)
+            self._count(job, None, "cancelled")
+            return self._release(job)
+        if job.expired():
+            self._timed_out(job, None)
+            return self._release(job)
+        if self.metrics is not None:
+            self.metrics.queue_wait.observe(waited)
+        if waited > 0.05:
+            log.info("request %s starts after waiting %.2f s", job.id, waited)
+        if job.prepare is not None:
+            try:
+                job.spec = job.prepare()
+            except Exception as e:  # the request's fault (a 400) or a bug: the handler decides
+                job.push(e)
+                return self._release(job)
+        job.push(_STARTED)
+        self._joining.append(self._start(job))
+
+    def _start(self, job: Job) -> _Request:
+        spec, tokenizer = job.spec, self.pair.tokenizer
+        sampler = make_sampler(spec.temperature, spec.top_p, spec.min_p, spec.top_k, self.pair.target.vocab_size)
+        stop = StopCondition(spec.max_tokens, tuple(tokenizer.eos_token_ids), spec.stop, tokenizer.decode)
+        step = self.prefill_step_size or 2048
+        joining = self.decoder.start(job, spec.ids, sampler, stop, step, job.should_stop,
+                                     seed=spec.seed if spec.temperature > 0 else None)
+        return _Request(job, spec, TextStream(tokenizer, spec.stop), joining)
+
+    def _drop_stopped(self) -> None:
+        """Requests closed by their client or past their deadline leave now."""
+        for req in [r for r in list(self._joining) + self._active if r.job.should_stop()]:
+            if req in self._active:
+                self._active.remove(req)
+                self.decoder.remove([req.job])
+            else:
+                self._joining.remove(req)
+            self._stopped(req)
+
+    def _stopped(self, req: _Request) -> None:
+        stats = req.joining.stats
+        if req.job.cancelled.is_set():
+            log.info("request %s stopped: client gone after %d of %d tokens", req.job.id, stats.generation_tokens,
+                     req.spec.max_tokens)
+            self._count(req.job, stats, "cancelled")
+        else:
+            self._timed_out(req.job, stats)
+        self._release(req.job)
+
+    def _prefill_chunk(self) -> None:
+        req = self._joining[0]
+        try:
+            result = req.joining.advance()
+        except PrefillStopped:
+            self._joining.popleft()
+            return self._stopped(req)
+        if result is None:
+            return
+        self._joining.popleft()
+        req.first = time.perf_counter()
+        req.joining.stats.prompt_s = req.first - req.started
+        if result.finish_reason is None:
+            self._active.append(req)
+        self._emit(req, result)
+
+    def _step(self) -> None:
+        by_job = {id(r.job): r for r in self._active}
+        requests = [by_job[id(s.key)] for s in self.decoder.sequences]
+        for req, result in zip(requests, self.decoder.step()):
+            self._emit(req, result)
+        if self.metrics is not None:
+            self.metrics.batch_size.set(len(self.decoder))
+
+    def _emit(self, req: _Request, result: StepResult) -> None:
+        """Hand one step's text to the request; at its end, count and release it."""
+        stats, last = req.joining.stats, result.finish_reason is not None
+        stats.generation_tokens += len(result.tokens)
+        stats.generation_s = time.perf_counter() - req.first
+        text = req.text.add(result.tokens, last)
+        u = usage(len(req.spec.ids), 0, stats) if last else None
+        req.job.push(Chunk(text, result.finish_reason, u))
+        if last:
+            if req in self._active:
+                self._active.remove(req)
+            log.info("request %s: %d prompt tokens, %d generated, tau %.2f, %.1f tokens/s (batched)",
+                     req.job.id, len(req.spec.ids), stats.generation_tokens, stats.tau, stats.generation_tps)
+            self._count(req.job, stats, "completed")
+            self._release(req.job)
+
+    def _fail_all(self, error: Exception) -> None:
+        for req in list(self._joining) + self._active:
+            req.job.push(Chunk(error=f"generation failed: {type(error).__name__}: {error}"))
+            self._count(req.job, None, "error")
+            self._release(req.job)
+        self.decoder.remove([r.job for r in self._active])
+        self._joining.clear()
+        self._active.clear()
+
+    def _release(self, job: Job) -> None:
+        with self._lock:
+            self._pending -= 1
+            self._jobs.discard(job)
+        self._gauge()
+        job.push(None)
+
+
+def make_engine(pair: Any, max_batch: int, metrics: ServerMetrics, **kwargs) -> Engine:
+    """The engine for ``--max-batch``: :class:`BatchEngine` when ``max_batch`` > 1 and the
+    target can batch exactly, else the one-at-a-time :class:`Engine` (with ``store``,
+    the prompt cache). Says which in the log and in ``dflash_batching``.
+
+    Args:
+        kwargs: the engines' shared arguments (block_size, max_queue, prefill_step_size,
+            store; ``store`` goes to the one-at-a-time engine only).
+    """
+    store = kwargs.pop("store", None)
+    refusal = batch_refusal(pair.target) if max_batch > 1 else None
+    if max_batch > 1 and refusal is None:
+        metrics.batching.set(1)
+        log.info("continuous batching: up to %d requests decode together (the prompt cache is used with "
+                 "--max-batch 1 only)", max_batch)
+        return BatchEngine(pair, max_batch=max_batch, metrics=metrics, **kwargs)
+    metrics.batching.set(0)
+    if refusal is not None:
+        log.warning("--max-batch %d: batching is off for this target, requests run one at a time: %s",
+                    max_batch, refusal)
+    return Engine(pair, metrics=metrics, store=store, **kwargs)

@@ -1,0 +1,123 @@
+"""The target cache of a batch of sequences (continuous batching, ``dflash serve --max-batch``).
+
+Each layer's cache is mlx-lm's ``BatchKVCache``: sequences are left-padded so that
+they all write their next rows at one shared column, each has its own offset (RoPE
+position) and its own left padding (masked). A verify feeds every sequence the same
+number of rows, but each accepts its own number of drafts, so each must drop its own
+number of rejected rows. mlx-lm's ``trim`` drops the same number from every sequence;
+:func:`rollback_ragged` trims the fewest rejected rows from all, then moves each
+sequence's remaining rejected rows out of the way by rolling its rows right and
+counting the rolled-in columns as left padding: mlx-lm's own right-padding machinery
+(``prepare(right_padding=...)`` then ``finalize()``), which does exactly that for
+right-padded prompts. A sequence's kept rows, their positions and what its queries
+see are then exactly those of a cache that never held the rejected rows.
+
+A Gated-DeltaNet layer (hybrid targets) has no rows: its batched cache is a
+:class:`~dflash_mlx.targets.batch_gated_delta.BatchGatedDeltaCache`, which replays
+each sequence's kept prefix. Targets with a sliding-window layer
+(:class:`~dflash_mlx.targets.window_cache.WindowKVCache`) have no batched form with
+per-sequence rollback here (:func:`batch_refusal` says so); they are served one
+request at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from .batch_gated_delta import BatchGatedDeltaCache
+from .gated_delta_cache import GatedDeltaCache
+
+
+def batch_refusal(target: Any) -> Optional[str]:
+    """Why ``target`` cannot decode in a batch exactly, or None when it can.
+
+    A target can when every layer cache it makes (``target.make_cache``) is a plain
+    ``KVCache`` or a Gated-DeltaNet layer's ``GatedDeltaCache`` (no sliding window).
+    """
+    for i, c in enumerate(target.make_cache(1)):
+        if type(c) not in (KVCache, GatedDeltaCache):
+            return f"target layer {i} keeps a {type(c).__name__} (a sliding window), which has no batched rollback"
+    return None
+
+
+def to_batch(cache: Sequence[Any]) -> List[Any]:
+    """One sequence's prefilled cache (a ``KVCache`` or ``GatedDeltaCache`` per layer)
+    as a batch of one."""
+    return [BatchGatedDeltaCache(c) if isinstance(c, GatedDeltaCache) else BatchKVCache.merge([c]) for c in cache]
+
+
+def extend(batch: Optional[List[BatchKVCache]], cache: Sequence[KVCache]) -> List[BatchKVCache]:
+    """Append one sequence (its prefilled ``KVCache`` per layer) as the batch's last row.
+
+    Returns:
+        The batch cache (``batch`` extended in place, or a new one when ``batch`` is None).
+    """
+    joined = to_batch(cache)
+    if batch is None:
+        return joined
+    for b, c in zip(batch, joined):
+        b.extend(c)
+    return batch
+
+
+def keep_rows(batch: List[BatchKVCache], rows: Sequence[int]) -> Optional[List[BatchKVCache]]:
+    """Keep only the sequences at ``rows`` (in that order); None when none is left."""
+    if not rows:
+        return None
+    index = mx.array(list(rows), dtype=mx.int32)
+    for b in batch:
+        b.filter(index)
+    return batch
+
+
+def rollback_ragged(batch: Sequence[BatchKVCache], rejected: Sequence[int]) -> None:
+    """Drop the last ``rejected[i]`` rows of sequence i from every layer.
+
+    Args:
+        batch: one ``BatchKVCache`` per layer, N sequences each.
+        rejected: [N] rows to drop per sequence (each 0..rows of the last forward).
+
+    The common part is trimmed (mlx-lm's ``trim``); the rest, different per sequence,
+    is rolled past the shared write column and becomes left padding (see the module
+    doc). The rolled-in columns hold stale rows, masked as padding.
+    """
+    low = min(rejected)
+    extra = [r - low for r in rejected]
+    for b in batch:
+        if isinstance(b, BatchGatedDeltaCache):
+            b.trim_ragged(rejected)
+            continue
+        if low:
+            b.trim(low)
+        if any(extra):
+            b.prepare(right_padding=extra)
+            b.finalize()
+
+
+def sequence_rows(batch: Sequence[BatchKVCache], i: int) -> List[KVCache]:
+    """Sequence i's rows of every layer as a plain ``KVCache`` each (mlx-lm's ``extract``;
+    an ``ArraysCache`` of its states for a Gated-DeltaNet layer): what a solo run's cache
+    would hold. For tests and checks."""
+    return [b.extract(i) for b in batch]
+
+
+COMPACT_AT = 32  # columns of padding every sequence has before they are dropped (a copy of the cache)
+
+
+def compact(batch: Optional[Sequence[Any]], at_least: int = COMPACT_AT) -> None:
+    """Drop the padding columns every sequence has (ragged rollbacks add padding to all
+    but the sequence that kept the most rows; over steps each sequence gets some), once
+    there are ``at_least`` of them: mlx-lm's ``filter`` keeping every row shifts them
+    out. Attention then reads fewer padded columns. Gated-DeltaNet layers have none."""
+    rows = [b for b in batch or () if isinstance(b, BatchKVCache)]
+    if not rows or rows[0].keys is None:
+        return
+    padding = rows[0].left_padding.tolist()  # the same in every layer
+    if min(padding) >= at_least:
+        keep = mx.arange(len(padding))
+        for b in rows:
+            b.filter(keep)
+

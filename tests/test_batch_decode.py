@@ -1,0 +1,329 @@
+"""Continuous batching (decode/batch.py): every sequence of a batch emits exactly the
+tokens it emits alone, with ragged acceptance (full, partial and none in one verify),
+joins mid-decode, prefills in chunks, stop tokens and strings, and cancellations;
+the batched cache holds, per sequence, exactly the rows of a solo cache."""
+
+import random
+from collections import deque
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx import generate_step
+from dflash_mlx.decode import batch as batch_module
+from dflash_mlx.decode.batch import BatchDecoder
+from dflash_mlx.decode.stopping import StopCondition
+from dflash_mlx.targets.batch_cache import batch_refusal, sequence_rows
+from dflash_mlx.targets.batch_gated_delta import BatchGatedDeltaCache
+from dflash_mlx.targets.gated_delta_cache import GatedDeltaCache
+from conftest import ByteTokenizer, _Position, assert_varied, tiny_drafter, tiny_target
+
+BATCHED = ("llama", "qwen3", "qwen3_5", "qwen3_next")  # attention targets and Gated-DeltaNet hybrids
+_TARGETS = {}
+
+
+def target_of(family):
+    if family not in _TARGETS:
+        _TARGETS[family] = tiny_target(family)[1]
+    return _TARGETS[family]
+
+
+def solo(target, prompt, n, stop_strings=(), stop_ids=()):
+    """The request run alone: plain greedy decoding of the target."""
+    stop = StopCondition(n, stop_ids, stop_strings, ByteTokenizer().decode)
+    steps = generate_step(mx.array(prompt, dtype=mx.int32), target, None, stop=stop)
+    return [t for s in steps for t in s.tokens]
+
+
+class JoinOrderDrafter:
+    """Scripted drafts per sequence: ``scripts[key] = (continuation, correct)``, given to
+    a sequence's drafter cache when it joins (:meth:`assign`): its first ``correct``
+    slots right, the rest wrong (``correct`` None: a random number per block, so blocks
+    are fully, partly and not accepted within one batch)."""
+
+    def __init__(self, scripts, block_size, vocab=256, seed=0, check_anchor=True):
+        self.scripts, self.block_size, self.vocab = scripts, block_size, vocab
+        self.check_anchor = check_anchor
+        self.target_layer_ids = [1]
+        self.rng = random.Random(seed)
+
+    def make_cache(self):
+        return [_Position()]
+
+    def assign(self, cache, key):
+        cache[0].sequence, cache[0].correct = self.scripts[key]
+
+    def ingest(self, context, cache):
+        cache[0].offset += context.shape[1]
+
+    def draft(self, token, context, cache, block_size):
+        c = cache[0]
+        pos = c.offset = c.offset + context.shape[1]
+        assert not self.check_anchor or int(token.item()) == c.sequence[pos], "t_last is not at offset + S"
+        correct = self.rng.randrange(block_size) if c.correct is None else c.correct
+        out = []
+        for k in range(1, block_size):
+            right = c.sequence[pos + k] if pos + k < len(c.sequence) else 0
+            out.append(right if k <= correct else (right + 1) % self.vocab)
+        return mx.array(out, dtype=mx.int32)
+
+
+def drive(decoder, plan, chunk=3, max_batch=None):
+    """Run a schedule: ``plan`` is a list of dicts (key, prompt, n, join, cancel, stop);
+    a request joins at step ``join`` or later, when fewer than ``max_batch`` are in
+    (prefilled one chunk per step), leaves at step ``cancel`` (None: never). Returns
+    ``{key: tokens}``."""
+    out = {p["key"]: [] for p in plan}
+    waiting, joining, step = deque(sorted(plan, key=lambda p: p["join"])), deque(), 0
+    room = lambda: max_batch is None or len(joining) + len(decoder) < max_batch  # noqa: E731
+    while waiting or joining or len(decoder):
+        while waiting and waiting[0]["join"] <= step and room():
+            p = waiting.popleft()
+            stop = StopCondition(p["n"], (), p.get("stop", ()), ByteTokenizer().decode)
+            joining.append(decoder.start(p["key"], p["prompt"], None, stop, step_size=chunk))
+        decoder.remove([p["key"] for p in plan if p.get("cancel") is not None and p["cancel"] <= step])
+        if joining:
+            r = joining[0].advance()
+            if r is not None:
+                key = joining.popleft().key
+                out[key] += r.tokens
+                if r.finish_reason is None and hasattr(decoder.drafter, "assign"):
+                    decoder.drafter.assign(decoder.sequences[-1].draft_cache, key)
+        keys = [s.key for s in decoder.sequences]
+        for key, r in zip(keys, decoder.step()):
+            out[key] += r.tokens
+        step += 1
+    return out
+
+
+def prompts(count, seed=0, vocab=256):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab - 1) for _ in range(rng.randint(1, 12))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("family", BATCHED)
+def test_ragged_acceptance_equals_solo(family):
+    """Four sequences joining at different steps; drafts fully accepted, half accepted,
+    all rejected and random, so every verify is ragged."""
+    target, B, n = target_of(family), 6, 60
+    ps = prompts(4, seed=1)
+    refs = [solo(target, p, n + B) for p in ps]
+    assert_varied(refs[0][:n])
+    scripts = {f"r{i}": (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 2, 0, None)))}
+    decoder = BatchDecoder(target, JoinOrderDrafter(scripts, B), B)
+    plan = [dict(key=f"r{i}", prompt=p, n=n, join=3 * i) for i, p in enumerate(ps)]
+    out = drive(decoder, plan)
+    for i, p in enumerate(ps):
+        assert out[f"r{i}"] == refs[i][:n], f"sequence {i} differs from its solo run"
+
+
+@pytest.mark.parametrize("family", BATCHED)
+def test_random_drafter_joins_stops_and_cancellations(family):
+    """A real (random) DFlash drafter; 12 requests of random lengths through a batch,
+    some with stop strings, two cancelled mid-decode (their tokens so far are a prefix
+    of the solo run; the others are unaffected)."""
+    target = target_of(family)
+    rng = random.Random(3)
+    plan = []
+    for i, p in enumerate(prompts(12, seed=4)):
+        plan.append(dict(key=f"r{i}", prompt=p, n=rng.randint(1, 40), join=rng.randint(0, 30),
+                         stop=("ab",) if i % 3 == 0 else ()))
+    plan[2]["cancel"], plan[5]["cancel"] = plan[2]["join"] + 6, plan[5]["join"] + 9
+    out = drive(BatchDecoder(target, tiny_drafter(target, block_size=8), 8), plan)
+    for p in plan:
+        ref = solo(target, p["prompt"], p["n"], p.get("stop", ()))
+        got = out[p["key"]]
+        if "cancel" in p:
+            assert got == ref[: len(got)] and len(got) < len(ref)
+        else:
+            assert got == ref, f"{p['key']} differs from its solo run"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_cache_rows_equal_a_solo_cache(family):
+    """After ragged steps, each sequence's rows of the batched cache (keys and values,
+    not only offsets; a hybrid's conv and recurrent states) are those of the target run
+    alone over the same tokens."""
+    target, B = target_of(family), 5
+    ps = prompts(3, seed=7)
+    refs = [solo(target, p, 110) for p in ps]
+    scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 1, None)))}
+    decoder = BatchDecoder(target, JoinOrderDrafter(scripts, B, seed=2), B)
+    plan = [dict(key=i, prompt=p, n=100, join=i) for i, p in enumerate(ps)]
+    waiting, emitted = deque(plan), {i: [] for i in range(3)}
+    for step in range(9):  # part-way: all three active
+        if waiting and waiting[0]["join"] <= step:
+            p = waiting.popleft()
+            j = decoder.start(p["key"], p["prompt"], None, StopCondition(p["n"]), step_size=64)
+            emitted[p["key"]] += j.advance().tokens
+            decoder.drafter.assign(decoder.sequences[-1].draft_cache, p["key"])
+        keys = [s.key for s in decoder.sequences]
+        for k, r in zip(keys, decoder.step()):
+            emitted[k] += r.tokens
+    assert len(decoder) == 3
+    for i, p in enumerate(ps):
+        rows = sequence_rows(decoder.cache, i)
+        tokens = p + emitted[i][:-1]  # the last committed token is not in the cache yet
+        fresh = target.make_cache()
+        target(mx.array(tokens, dtype=mx.int32)[None], fresh)
+        for layer, (got, want) in enumerate(zip(rows, fresh)):
+            if isinstance(want, GatedDeltaCache):  # conv state, recurrent state
+                pairs = list(zip(got.cache, want.cache))
+            else:
+                assert got.offset == want.offset == len(tokens)
+                pairs = [(a[..., : want.offset, :], b[..., : want.offset, :])
+                         for a, b in ((got.keys, want.keys), (got.values, want.values))]
+            for a, b in pairs:
+                np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4,
+                                           err_msg=f"sequence {i} layer {layer}")
+
+
+def test_broken_per_sequence_rollback_is_caught(monkeypatch):
+    """The lossless check has power: trimming every sequence by the batch's fewest
+    rejected rows (no per-sequence rollback) must change the output."""
+    def common_only(cache, rejected):
+        for c in cache:
+            c.trim(min(rejected))
+
+    monkeypatch.setattr(batch_module, "rollback_ragged", common_only)
+    target, B, n = target_of("llama"), 6, 40
+    ps = prompts(3, seed=1)
+    refs = [solo(target, p, n + B) for p in ps]
+    scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 2, 0)))}
+    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, check_anchor=False), B),
+                [dict(key=i, prompt=p, n=n, join=0) for i, p in enumerate(ps)])
+    assert any(out[i] != refs[i][:n] for i in range(3))
+
+
+def test_broken_recurrent_rollback_is_caught(monkeypatch):
+    """For a hybrid, rolling every sequence's Gated-DeltaNet state back to the batch's
+    longest kept prefix (no per-sequence replay) must change the output."""
+    real = BatchGatedDeltaCache.trim_ragged
+    monkeypatch.setattr(BatchGatedDeltaCache, "trim_ragged", lambda self, rejected: real(
+        self, [min(rejected)] * len(rejected)))
+    target, B, n = target_of("qwen3_5"), 6, 40
+    ps = prompts(3, seed=1)
+    refs = [solo(target, p, n + B) for p in ps]
+    scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 2, 0)))}
+    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, check_anchor=False), B),
+                [dict(key=i, prompt=p, n=n, join=0) for i, p in enumerate(ps)])
+    assert any(out[i] != refs[i][:n] for i in range(3))
+
+
+def test_plain_batch_equals_solo():
+    target = target_of("qwen3")
+    plan = [dict(key=i, prompt=p, n=25, join=2 * i) for i, p in enumerate(prompts(5, seed=9))]
+    out = drive(BatchDecoder(target, None, 1), plan)
+    for p in plan:
+        assert out[p["key"]] == solo(target, p["prompt"], 25)
+
+
+@pytest.mark.parametrize("family,batchable", [("llama", True), ("qwen3_moe", True), ("qwen3_5", True),
+                                               ("qwen3_5_moe", True), ("llama-sliding", False), ("gpt_oss", False),
+                                               ("gemma3_text", False)])
+def test_batch_refusal_names_the_reason(family, batchable):
+    reason = batch_refusal(tiny_target(family)[1])
+    assert (reason is None) == batchable
+    if not batchable:
+        assert "sliding window" in reason
+
+
+def test_one_drafter_pass_drafts_as_each_sequence_alone():
+    """The batched drafter pass (ragged new context rows, different context lengths)
+    gives every sequence the drafts and context cache rows of its own drafter run."""
+    from dflash_mlx.targets.batch_cache import sequence_rows as rows_of
+
+    target = target_of("llama")
+    drafter = tiny_drafter(target, block_size=6)
+    batch = drafter.batch_drafts()
+    assert batch is not None
+    rng = np.random.default_rng(0)
+    F = len(drafter.target_layer_ids) * target.hidden_size
+    solos, tokens = [], [mx.array([t], dtype=mx.int32) for t in (5, 77, 130)]
+    for P in (3, 9, 1):
+        prompt = mx.array(rng.standard_normal((1, P, F)).astype(np.float32))
+        batch.join(prompt)
+        solos.append(drafter.make_cache())
+        drafter.ingest(prompt, solos[-1])
+    for step in range(3):
+        contexts = [None if step == 0 else mx.array(rng.standard_normal((1, int(s), F)).astype(np.float32))
+                    for s in rng.integers(1, 6, size=3)]
+        got = batch.propose(tokens, contexts, 6)
+        for i, (context, cache) in enumerate(zip(contexts, solos)):
+            if context is None:
+                context = mx.zeros((1, 0, F))
+            want = drafter.propose(tokens[i], context, cache, 6)
+            assert got[i].tokens.tolist() == want.tokens.tolist(), f"step {step} sequence {i}"
+    for i, cache in enumerate(solos):
+        for got, want in zip(rows_of(batch.cache, i), cache):
+            assert got.offset == want.offset
+            np.testing.assert_allclose(np.array(got.keys[..., : got.offset, :]),
+                                       np.array(want.keys[..., : want.offset, :]), rtol=1e-4, atol=1e-5)
+
+
+def test_drafters_without_a_batched_pass_draft_per_sequence():
+    from conftest import format_drafter
+
+    target = target_of("llama")
+    assert format_drafter(target, "dflash2").batch_drafts() is None
+    assert format_drafter(target, "v1-sliding").batch_drafts() is None
+    plan = [dict(key=i, prompt=p, n=30, join=i) for i, p in enumerate(prompts(3, seed=12))]
+    out = drive(BatchDecoder(target, format_drafter(target, "v1-sliding", block_size=5), 5), plan)
+    for p in plan:
+        assert out[p["key"]] == solo(target, p["prompt"], 30)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_200_requests_equal_their_solo_runs(family):
+    """200 requests of random prompts and lengths, a third with stop strings, a fifth
+    cancelled mid-decode, joining at random steps (at most 8 decode at once), drafts
+    accepted fully, partly or not at random: each equals its solo run (a prefix of it
+    when cancelled)."""
+    target, B, rng = target_of(family), 6, random.Random(21)
+    plan, join = [], 0
+    for i, p in enumerate(prompts(200, seed=22)):
+        join += rng.choice([0, 0, 1, 3])
+        plan.append(dict(key=i, prompt=p, n=rng.randint(1, 24), join=join,
+                         stop=("ab", "e") if rng.random() < 0.33 else (),
+                         cancel=join + rng.randint(1, 12) if rng.random() < 0.2 else None))
+    refs = {p["key"]: solo(target, p["prompt"], p["n"], p["stop"]) for p in plan}
+    full = {p["key"]: solo(target, p["prompt"], p["n"] + B) for p in plan}  # what the scripted drafts follow
+    scripts = {p["key"]: (p["prompt"] + full[p["key"]], None) for p in plan}
+    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, seed=5), B), plan, max_batch=8)
+    assert_varied([t for r in refs.values() for t in r], at_least=100)
+    cancelled = 0
+    for p in plan:
+        got, ref = out[p["key"]], refs[p["key"]]
+        if p["cancel"] is not None and len(got) < len(ref):
+            cancelled += 1
+            assert got == ref[: len(got)], p["key"]
+        else:
+            assert got == ref, p["key"]
+    assert cancelled >= 10
+
+
+@pytest.mark.parametrize("prompt,n,words", [([], 5, "prompt is empty"), ([1, 2], 0, "max_tokens must be at least 1")])
+def test_bad_requests_are_refused_before_anything_runs(prompt, n, words):
+    from dflash_mlx.errors import InputError
+
+    decoder = BatchDecoder(target_of("llama"), None, 1)
+    with pytest.raises(InputError, match=words):
+        decoder.start("x", prompt, None, StopCondition(n))
+    assert len(decoder) == 0 and decoder.cache is None
+
+
+def test_compacting_padding_every_step_keeps_every_sequence_exact(monkeypatch):
+    """Dropping the common padding columns as soon as there is one (instead of 32)
+    changes nothing a sequence emits."""
+    from dflash_mlx.targets import batch_cache
+
+    monkeypatch.setattr(batch_module, "compact", lambda batch: batch_cache.compact(batch, at_least=1))
+    target, B, n = target_of("llama"), 6, 60
+    ps = prompts(4, seed=1)
+    refs = [solo(target, p, n + B) for p in ps]
+    scripts = {f"r{i}": (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 2, 0, None)))}
+    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B), B),
+                [dict(key=f"r{i}", prompt=p, n=n, join=3 * i) for i, p in enumerate(ps)])
+    for i in range(4):
+        assert out[f"r{i}"] == refs[i][:n]

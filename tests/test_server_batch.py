@@ -1,0 +1,171 @@
+"""The batching engine (serve/batch_engine.py) without HTTP, and `dflash serve --max-batch`:
+concurrent requests each equal to their solo run, a cancelled request leaving the batch
+with the others unaffected, the queue bound, seeded sampling, the fallback for targets
+the batch path cannot run (said in the log and /metrics), and the new metrics."""
+
+import asyncio
+import logging
+import random
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx import stream_generate
+from dflash_mlx.serve.app import ServerConfig, create_app
+from dflash_mlx.serve.batch_engine import BatchEngine, make_engine
+from dflash_mlx.serve.engine import Engine, GenerationJob, QueueFullError
+from dflash_mlx.serve.metrics import ServerMetrics
+import conftest
+from conftest import tiny_drafter, tiny_target
+
+
+class Tokenizer(conftest.ByteTokenizer):
+    has_chat_template = False
+
+
+def make_pair(family="llama", block_size=8):
+    model, target = tiny_target(family)
+    return SimpleNamespace(model=model, target=target, tokenizer=Tokenizer(), draft_path="tiny",
+                           drafter=tiny_drafter(target, block_size=block_size))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_pair()
+
+
+def solo_text(pair, ids, n, stop=()):
+    """The request run alone (``dflash generate``'s code path)."""
+    return "".join(r.text for r in stream_generate(pair.target, pair.tokenizer, mx.array(ids, dtype=mx.int32),
+                                                   pair.drafter, max_tokens=n, stop_strings=stop))
+
+
+async def collect(job, close_after=None):
+    """(text, last chunk, chunks seen); closes the job after ``close_after`` chunks."""
+    text, last, n = "", None, 0
+    async for c in job:
+        text, n = text + c.text, n + 1
+        last = c if c.finish_reason or c.error else last
+        if close_after is not None and n == close_after:
+            job.close()
+    return text, last, n
+
+
+def random_jobs(count, seed):
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(count):
+        ids = [rng.randrange(1, 255) for _ in range(rng.randint(1, 20))]
+        jobs.append(GenerationJob(ids, rng.randint(1, 50), stop=["e"] if i % 3 == 0 else []))
+    return jobs
+
+
+def test_concurrent_requests_equal_their_solo_runs(pair):
+    metrics = ServerMetrics(8)
+    jobs = random_jobs(12, seed=5)
+    sizes, real_set = [], metrics.batch_size.set
+    metrics.batch_size.set = lambda v: (sizes.append(v), real_set(v))
+
+    async def main():
+        engine = BatchEngine(pair, max_batch=4, block_size=6, metrics=metrics, prefill_step_size=4)
+        out = await asyncio.gather(*(collect(engine.submit(j)) for j in jobs))
+        engine.shutdown()
+        return out
+
+    for job, (text, last, _) in zip(jobs, asyncio.run(main())):
+        assert text == solo_text(pair, job.ids, job.max_tokens, job.stop)
+        assert last.finish_reason in ("stop", "length") and last.usage["completion_tokens"] >= 1
+    rendered = metrics.render().decode()
+    assert metrics.requests.labels("chat", "completed")._value.get() == 12
+    assert 2 <= max(sizes) <= 4 and sizes[-1] == 0 == metrics.batch_size._value.get()  # batched, then emptied
+    assert "dflash_queue_wait_seconds_count 12.0" in rendered
+    assert "dflash_request_tau_count 12.0" in rendered
+
+
+def test_a_cancelled_request_leaves_and_the_others_are_unaffected(pair):
+    metrics = ServerMetrics(8)
+    jobs = [GenerationJob([5, 6, 7], 60), GenerationJob([9, 10, 11, 12], 200), GenerationJob([40], 45)]
+
+    async def main():
+        engine = BatchEngine(pair, max_batch=8, block_size=4, metrics=metrics)
+        submitted = [engine.submit(j) for j in jobs]
+        out = await asyncio.gather(collect(submitted[0]), collect(submitted[1], close_after=3),
+                                   collect(submitted[2]))
+        engine.shutdown()
+        return out
+
+    (a, _, _), (b, b_last, b_chunks), (c, _, _) = asyncio.run(main())
+    assert a == solo_text(pair, jobs[0].ids, 60) and c == solo_text(pair, jobs[2].ids, 45)
+    assert b_last is None and b_chunks <= 4  # at most one more step after the close
+    assert solo_text(pair, jobs[1].ids, 200).startswith(b)
+    assert metrics.requests.labels("chat", "cancelled")._value.get() == 1
+    assert metrics.requests.labels("chat", "completed")._value.get() == 2
+
+
+def test_queue_bound_counts_beyond_the_batch(pair):
+    async def main():
+        engine = BatchEngine(pair, max_batch=2, max_queue=1, block_size=4)
+        held = [engine.submit(GenerationJob([1, 2, 3], 300)) for _ in range(3)]  # 2 running + 1 waiting
+        with pytest.raises(QueueFullError, match="1 requests are waiting"):
+            engine.submit(GenerationJob([1, 2, 3], 3))
+        for job in held:
+            job.close()
+        await asyncio.gather(*(collect(j) for j in held), return_exceptions=True)
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(pair):
+    seeded = GenerationJob([3, 4, 5], 40, temperature=1.0, top_p=0.9, seed=11)
+
+    async def run(mates):
+        engine = BatchEngine(pair, max_batch=8, block_size=4)
+        others = [engine.submit(GenerationJob([m, m + 1], 30, temperature=0.8)) for m in range(mates)]
+        out = await asyncio.gather(collect(engine.submit(seeded)), *(collect(o) for o in others))
+        engine.shutdown()
+        return out[0][0]
+
+    alone, crowded = asyncio.run(run(0)), asyncio.run(run(5))
+    assert alone == crowded and len(alone) > 0
+
+
+@pytest.mark.parametrize("family,batching", [("llama", 1), ("qwen3_5", 1), ("llama-sliding", 0), ("gpt_oss", 0)])
+def test_engine_choice_is_said_in_log_and_metrics(family, batching, caplog):
+    pair = make_pair(family, block_size=4)
+    metrics = ServerMetrics(4)
+    with caplog.at_level(logging.INFO, logger="dflash.serve"):
+        engine = make_engine(pair, 8, metrics, block_size=4)
+    engine.shutdown()
+    assert isinstance(engine, BatchEngine) == bool(batching)
+    assert metrics.batching._value.get() == batching
+    if not batching:
+        assert type(engine) is Engine
+        assert "batching is off for this target, requests run one at a time" in caplog.text
+
+
+def test_max_batch_one_is_todays_engine(pair):
+    metrics = ServerMetrics(8)
+    engine = make_engine(pair, 1, metrics, block_size=4)
+    engine.shutdown()
+    assert type(engine) is Engine and metrics.batching._value.get() == 0
+
+
+def test_batched_fallback_server_answers_exactly():
+    """A sliding-window target under --max-batch 8: served one at a time, output exact."""
+    from starlette.testclient import TestClient
+
+    hybrid = make_pair("llama-sliding", block_size=4)
+    app = create_app(hybrid, ServerConfig(model_id="tiny", max_batch=8, block_size=4))
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 20})
+        assert "dflash_batching 0.0" in c.get("/metrics").text
+    assert r.json()["choices"][0]["text"] == solo_text(hybrid, [5, 6, 7], 20)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "100000"])
+def test_bad_max_batch_is_a_one_line_error(value):
+    from test_cli_hardened import dflash, one_line_error
+
+    one_line_error(dflash("serve", "--model", "nowhere", "--max-batch", value), "--max-batch")
