@@ -1,4 +1,4 @@
-# Over 400 lines: the chat session and its reply decoding; split after the hardening work lands
+# Over 400 lines: the chat session with the reply decoder and stop-text holder that only it uses
 """A multi-turn chat over one target/drafter pair that keeps both caches between turns.
 
 Both caches and the ids their rows hold are a :class:`~dflash_mlx.chat.prompt_cache.PairCache`

@@ -1,4 +1,4 @@
-# Over 400 lines: one cost model and its fitting, read together; split once the auto work in flight lands
+# Over 400 lines: one cost model and its fitting, read together
 """A cost model, measured on this machine, that picks each step's verify (issues 14, 19).
 
 For each chain width n (tokens fed to one target forward: the last committed token

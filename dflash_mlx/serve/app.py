@@ -1,4 +1,4 @@
-# Over 400 lines: one ASGI app; split after the hardening work lands
+# Over 400 lines: one ASGI app: its routes, streams and error mapping read together
 """``dflash serve``: an OpenAI-compatible HTTP server over one target/drafter pair.
 
 FastAPI validates requests (:mod:`dflash_mlx.serve.api`), the :class:`Engine` runs

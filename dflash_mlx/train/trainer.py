@@ -1,4 +1,4 @@
-# Over 400 lines: the trainer; split after the hardening work lands
+# Over 400 lines: the trainer and what one training step uses (feature cache, batches, losses, evaluation)
 """Train a DFlash drafter against a frozen target (DFLASH_SPEC.md section 6).
 
 The target is frozen and so are the embedding and head the drafter borrows from it;
