@@ -179,6 +179,18 @@ def test_cache_rows_equal_a_solo_cache(family):
                                            err_msg=f"sequence {i} layer {layer}")
 
 
+
+def assert_batch_differs_from_solo(family: str, B: int = 6, n: int = 40) -> None:
+    """Three sequences (blocks fully, partly and not accepted) batched on ``family``:
+    at least one output must differ from its solo run (for tests of broken rollbacks)."""
+    target = target_of(family)
+    ps = prompts(3, seed=1)
+    refs = [solo(target, p, n + B) for p in ps]
+    scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 2, 0)))}
+    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, check_anchor=False), B),
+                [dict(key=i, prompt=p, n=n, join=0) for i, p in enumerate(ps)])
+    assert any(out[i] != refs[i][:n] for i in range(3))
+
 def test_broken_per_sequence_rollback_is_caught(monkeypatch):
     """The lossless check has power: trimming every sequence by the batch's fewest
     rejected rows (no per-sequence rollback) must change the output."""
@@ -187,13 +199,7 @@ def test_broken_per_sequence_rollback_is_caught(monkeypatch):
             c.trim(min(rejected))
 
     monkeypatch.setattr(batch_module, "rollback_ragged", common_only)
-    target, B, n = target_of("llama"), 6, 40
-    ps = prompts(3, seed=1)
-    refs = [solo(target, p, n + B) for p in ps]
-    scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 2, 0)))}
-    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, check_anchor=False), B),
-                [dict(key=i, prompt=p, n=n, join=0) for i, p in enumerate(ps)])
-    assert any(out[i] != refs[i][:n] for i in range(3))
+    assert_batch_differs_from_solo("llama")
 
 
 def test_broken_recurrent_rollback_is_caught(monkeypatch):
@@ -202,13 +208,7 @@ def test_broken_recurrent_rollback_is_caught(monkeypatch):
     real = BatchGatedDeltaCache.trim_ragged
     monkeypatch.setattr(BatchGatedDeltaCache, "trim_ragged", lambda self, rejected: real(
         self, [min(rejected)] * len(rejected)))
-    target, B, n = target_of("qwen3_5"), 6, 40
-    ps = prompts(3, seed=1)
-    refs = [solo(target, p, n + B) for p in ps]
-    scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 2, 0)))}
-    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, check_anchor=False), B),
-                [dict(key=i, prompt=p, n=n, join=0) for i, p in enumerate(ps)])
-    assert any(out[i] != refs[i][:n] for i in range(3))
+    assert_batch_differs_from_solo("qwen3_5")
 
 
 def test_plain_batch_equals_solo():
