@@ -28,6 +28,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import mlx.core as mx
 
 from .acceptance import choose_rule, count_accepted
+from .batch_width import BatchWidths
 from .generate import NO_DRAFTER, PrefillStopped, StepResult
 from .stopping import StopCondition
 from ..errors import InputError
@@ -37,7 +38,8 @@ from ..targets import TargetAdapter
 from ..targets.batch_cache import compact, extend, keep_rows, rollback_ragged
 
 Sampler = Callable[[mx.array], mx.array]
-BATCHED = "continuous batching verifies chains of the block size (no auto widths, no trees)"
+BATCHED = "continuous batching verifies chains of the block size (no trees)"
+BATCHED_AUTO = "continuous batching: auto chooses one chain width per step for the whole batch (no trees)"
 
 
 @dataclass
@@ -98,7 +100,9 @@ class Joining:
                                      speculative=decoder.drafter is not None,
                                      drafter_format=getattr(decoder.drafter, "drafter_format", None))
         if decoder.drafter is not None:
-            self.stats.verify = {"block_size": decoder.width, "tree_budget": None, "reason": BATCHED}
+            auto = decoder.widths is not None and seed is None
+            self.stats.verify = {"block_size": "auto" if auto else decoder.width, "tree_budget": None,
+                                 "reason": BATCHED_AUTO if auto else BATCHED}
         else:
             self.stats.reason = NO_DRAFTER
 
@@ -140,16 +144,20 @@ class BatchDecoder:
             (:func:`dflash_mlx.targets.batch_cache.batch_refusal` is None).
         drafter: a bound drafter, or None (plain decoding, one token per step).
         block_size: B, tokens every verify feeds per sequence (2..the drafter's
-            trained size; 1 without a drafter).
+            trained size; 1 without a drafter); with ``widths``, the widest.
+        widths: chooses each step's width (``--block-size auto``), or None: every
+            step verifies B.
 
     Attributes:
         sequences: the active sequences, in batch-row order.
         cache: one ``BatchKVCache`` per target layer, or None while the batch is empty.
     """
 
-    def __init__(self, target: TargetAdapter, drafter: Optional[Drafter], block_size: int):
+    def __init__(self, target: TargetAdapter, drafter: Optional[Drafter], block_size: int,
+                 widths: Optional[BatchWidths] = None):
         self.target, self.drafter = target, drafter
         self.width = block_size if drafter is not None else 1
+        self.widths = widths if drafter is not None else None
         self.capture = drafter.target_layer_ids if drafter is not None else None
         self.sequences: List[BatchSequence] = []
         self.cache = None
@@ -209,15 +217,17 @@ class BatchDecoder:
         if self.drafter is None:
             return self._plain_step()
         tic = time.perf_counter()  # for the statistics only
-        proposals = self._propose()
+        started = self.widths.start() if self.widths is not None else None
+        w = self.width if self._fixed_width() else self.widths.choose(len(self.sequences))
+        proposals = self._propose(w)
         inputs = mx.stack([mx.concatenate([s.token, p.tokens]) for s, p in zip(self.sequences, proposals)])
         h, features = self.target(inputs, self.cache, self.capture)
         logits = self.target.lm_head(h)
         decided = self._decide(proposals, logits, features)
         results, rejected, seconds = [], [], time.perf_counter() - tic
         for i, (s, (a, out)) in enumerate(zip(self.sequences, decided)):
-            rejected.append(self.width - 1 - a)
-            s.stats.record_plan("chain", self.width, seconds, a, self.width - 1)
+            rejected.append(w - 1 - a)
+            s.stats.record_plan("chain", w, seconds, a, w - 1)
             s.pending = [features[i : i + 1, : a + 1]]
             s.token = mx.array(out[a : a + 1], dtype=mx.int32)
             results.append(StepResult(out[: a + 1], a, None))
@@ -225,7 +235,14 @@ class BatchDecoder:
         compact(self.cache)
         if self.drafts is not None:
             compact(self.drafts.cache)
+        if not self._fixed_width():
+            self.widths.observe(started, w, [r.accepted for r in results])
         return self._settle(results)
+
+    def _fixed_width(self) -> bool:
+        """Whether this step verifies B: no auto widths, or a seeded sampled sequence
+        is active (its text must not depend on the timings that choose widths)."""
+        return self.widths is None or any(s.seed is not None for s in self.sequences)
 
     def _decide(self, proposals: List[Proposal], logits: mx.array, features: mx.array) -> List[tuple]:
         """Each sequence's acceptance rule on its verify rows (logits [N, B, V]): one
@@ -247,17 +264,17 @@ class BatchDecoder:
             out.append((count_accepted(drafts[i], y) if a is None else a.item(), y))
         return out
 
-    def _propose(self) -> List[Proposal]:
-        """Drafts of every sequence (lazy): one batched pass when the drafter has one."""
+    def _propose(self, width: int) -> List[Proposal]:
+        """Drafts of every sequence at ``width`` (lazy): one batched pass when the drafter has one."""
         contexts = [_rows(s.pending) if s.pending else None for s in self.sequences]
         for s in self.sequences:
             s.pending = []
         if self.drafts is not None:
-            return self.drafts.propose([s.token for s in self.sequences], contexts, self.width)
+            return self.drafts.propose([s.token for s in self.sequences], contexts, width)
         proposals = []
         for s, context in zip(self.sequences, contexts):
             s.reseed(0)
-            proposals.append(s.rule.propose(self.drafter, s.token, context, s.draft_cache, self.width))
+            proposals.append(s.rule.propose(self.drafter, s.token, context, s.draft_cache, width))
         return proposals
 
     def _plain_step(self) -> List[StepResult]:

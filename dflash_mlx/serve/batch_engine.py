@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, List, Optional
 
 from ..decode.batch import BatchDecoder, Joining
+from ..decode.batch_width import BatchWidths
 from ..decode.generate import PrefillStopped, StepResult, check_block_size
 from ..decode.stopping import StopCondition
 from ..sampling import make_sampler
@@ -59,8 +60,9 @@ class BatchEngine(Engine):
         pair: the loaded :class:`dflash_mlx.Pair`; its target must batch
             (:func:`~dflash_mlx.targets.batch_cache.batch_refusal` is None).
         max_batch: most requests decoding at once (>= 2).
-        block_size: B of every verify (None or "auto": the drafter's trained size;
-            auto's per-step widths are a one-at-a-time feature).
+        block_size: B of every verify (None: the drafter's trained size); "auto":
+            one width per batched step, chosen from the batch's measured step times
+            and pooled acceptance (:class:`~dflash_mlx.decode.batch_width.BatchWidths`).
         max_queue: most requests waiting beyond the ``max_batch`` running; past it,
             :meth:`submit` raises :class:`~dflash_mlx.serve.engine.QueueFullError`.
         metrics: where each generation and step is counted.
@@ -76,8 +78,9 @@ class BatchEngine(Engine):
         super().__init__(pair, block_size=block_size, max_queue=max_queue, metrics=metrics,
                          prefill_step_size=prefill_step_size)
         self.slots = max_batch
-        width = check_block_size(None if block_size == "auto" else block_size, pair.drafter)
-        self.decoder = BatchDecoder(pair.target, pair.drafter, width)
+        width = check_block_size(block_size, pair.drafter)
+        widths = BatchWidths(width) if block_size == "auto" and pair.drafter is not None else None
+        self.decoder = BatchDecoder(pair.target, pair.drafter, width, widths)
         self._inbox: Deque[Job] = deque()
         self._joining: Deque[_Request] = deque()
         self._active: List[_Request] = []

@@ -1,0 +1,151 @@
+"""``--block-size auto`` with batching (decode/batch_width.py): the width of each batched
+step comes from injected step times and the pooled acceptance, and a batch whose width
+changes from step to step still gives every sequence exactly its solo tokens."""
+
+import random
+
+import pytest
+
+from dflash_mlx.decode.batch import BatchDecoder
+from dflash_mlx.decode.batch_width import BatchWidths, block_widths
+from dflash_mlx.serve.batch_engine import BatchEngine
+from conftest import assert_varied, tiny_drafter
+from test_batch_decode import JoinOrderDrafter, drive, prompts, solo, target_of
+
+
+class StepClock:
+    """A clock that a step of width w with n sequences advances by ``cost(w, n)`` seconds."""
+
+    def __init__(self, cost):
+        self.cost, self.now = cost, 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def run(widths, clock, n, accepted_of, steps):
+    """``steps`` batched steps of ``n`` sequences; ``accepted_of(w)`` gives each
+    sequence's accepted drafts at width w. Returns the widths chosen."""
+    chosen = []
+    for _ in range(steps):
+        started = widths.start()
+        w = widths.choose(n)
+        clock.now += clock.cost(w, n)
+        widths.observe(started, w, [accepted_of(w) for _ in range(n)])
+        chosen.append(w)
+    return chosen
+
+
+def test_block_widths():
+    assert block_widths(16) == [2, 4, 8, 16]
+    assert block_widths(6) == [2, 4, 6]
+    assert block_widths(2) == [2]
+
+
+def test_every_width_is_timed_twice_before_choosing():
+    clock = StepClock(lambda w, n: 0.01)
+    widths = BatchWidths(16, clock=clock)
+    assert run(widths, clock, 4, lambda w: w - 1, 8) == [2, 2, 4, 4, 8, 8, 16, 16]
+    assert widths.estimate(8, 4) == pytest.approx(0.01)
+    assert widths.estimate(8, 5) is None  # a new batch size is timed anew
+    assert widths.choose(5) == 2
+
+
+def test_cheap_verify_and_right_drafts_choose_the_widest():
+    clock = StepClock(lambda w, n: 0.010 + 0.0001 * w * n)
+    widths = BatchWidths(16, clock=clock)
+    chosen = run(widths, clock, 8, lambda w: w - 1, 60)
+    assert chosen[-20:].count(16) == 20
+
+
+def test_costly_wide_verify_and_poor_drafts_choose_a_narrow_width():
+    """Seconds grow with w * N (a CPU), drafts 2-3 right: width 4 (3.5 tokens for a
+    4-wide verify) beats 2, 8 and 16, and every ``wide_every`` steps one step is 8 wide."""
+    rng = random.Random(0)
+    clock = StepClock(lambda w, n: 0.01 + 0.001 * w * n)
+    widths = BatchWidths(16, clock=clock)
+    chosen = run(widths, clock, 8, lambda w: min(w - 1, rng.choice([2, 3])), 80)
+    tail = chosen[-40:]
+    assert set(tail) == {4, 8} and tail.count(8) == 5, tail
+
+
+def test_a_pause_is_not_a_timing():
+    costs = {"pause": False}
+    clock = StepClock(lambda w, n: 10.0 if costs["pause"] else 0.01)
+    widths = BatchWidths(4, clock=clock)
+    run(widths, clock, 2, lambda w: w - 1, 4)  # 2, 2, 4, 4
+    costs["pause"] = True
+    run(widths, clock, 2, lambda w: w - 1, 1)
+    assert widths.estimate(4, 2) == pytest.approx(0.01) and widths.estimate(2, 2) == pytest.approx(0.01)
+
+
+def test_survival_learns_where_drafts_fail():
+    widths = BatchWidths(8)
+    for _ in range(50):
+        widths.observe(widths.start(), 8, [2, 2, 2])  # drafts 1-2 right, the third wrong
+    s = widths.survival()
+    assert s[0] > 0.95 and s[1] > 0.95 and s[2] < 0.05
+    assert widths.expected_tokens(8) == pytest.approx(1 + sum(s[:7]))
+    assert 2.9 < widths.expected_tokens(8) < 3.1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_changing_widths_keep_every_sequence_exact(family):
+    """Twelve requests joining and leaving a batch whose width changes between steps
+    (every width tried at every batch size, then chosen by injected times), drafts
+    right, partly right or wrong at random: each equals its solo run."""
+    target, B = target_of(family), 8
+    ps = prompts(12, seed=7)
+    rng = random.Random(8)
+    plan = [dict(key=f"r{i}", prompt=p, n=rng.randint(8, 40), join=rng.randint(0, 20)) for i, p in enumerate(ps)]
+    full = {p["key"]: solo(target, p["prompt"], p["n"] + B) for p in plan}
+    scripts = {p["key"]: (p["prompt"] + full[p["key"]], None) for p in plan}
+    clock = StepClock(None)
+    widths = BatchWidths(B, clock=clock)
+    chosen = []
+    choose = widths.choose
+
+    def timed_choose(n):
+        w = choose(n)
+        chosen.append(w)
+        clock.now += 0.001 * (1 + w) * n + rng.random() * 0.002
+        return w
+
+    widths.choose = timed_choose
+    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, seed=9), B, widths), plan, max_batch=6)
+    assert set(chosen) == {2, 4, 8}
+    assert_varied([t for p in plan for t in out[p["key"]]], at_least=40)
+    for p in plan:
+        assert out[p["key"]] == solo(target, p["prompt"], p["n"]), f"{p['key']} differs from its solo run"
+
+
+def test_a_seeded_sampled_sequence_keeps_the_batch_at_the_block_size():
+    """Seeded draws must not depend on timings: while one is active, steps verify B."""
+    target = target_of("llama")
+    decoder = BatchDecoder(target, tiny_drafter(target, block_size=8), 8, BatchWidths(8))
+    decoder.widths.choose = lambda n: pytest.fail("auto chose a width with a seeded sequence active")
+    from dflash_mlx.decode.stopping import StopCondition
+    from dflash_mlx.sampling import make_sampler
+    joining = decoder.start("s", [3, 4, 5], make_sampler(1.0, 1.0, 0.0, 0, target.vocab_size),
+                            StopCondition(6, (), (), None), seed=11)
+    while joining.advance() is None:
+        pass
+    while len(decoder):
+        decoder.step()
+    assert joining.stats.verify["block_size"] == 8
+
+
+def test_the_batch_engine_uses_auto_widths_for_auto(monkeypatch):
+    """``serve --block-size auto --max-batch N`` chooses widths per step; a fixed B does not."""
+    monkeypatch.setattr(BatchEngine, "_loop", lambda self: None)  # no worker: only the wiring is checked
+    target = target_of("llama")
+
+    class Pair:
+        pass
+
+    pair = Pair()
+    pair.target, pair.drafter, pair.tokenizer = target, tiny_drafter(target, block_size=8), None
+    auto = BatchEngine(pair, max_batch=4, block_size="auto")
+    fixed = BatchEngine(pair, max_batch=4, block_size=4)
+    assert isinstance(auto.decoder.widths, BatchWidths) and auto.decoder.width == 8
+    assert fixed.decoder.widths is None and fixed.decoder.width == 4
