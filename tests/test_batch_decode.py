@@ -19,7 +19,8 @@ from dflash_mlx.targets.batch_gated_delta import BatchGatedDeltaCache
 from dflash_mlx.targets.gated_delta_cache import GatedDeltaCache
 from conftest import ByteTokenizer, _Position, assert_varied, tiny_drafter, tiny_target
 
-BATCHED = ("llama", "qwen3", "qwen3_5", "qwen3_next")  # attention targets and Gated-DeltaNet hybrids
+# attention targets, Gated-DeltaNet hybrids and sliding-window targets (more in test_batch_window.py)
+BATCHED = ("llama", "qwen3", "qwen3_5", "qwen3_next", "llama-sliding", "gemma3_text", "gemma4_text", "gpt_oss")
 _TARGETS = {}
 
 
@@ -219,14 +220,24 @@ def test_plain_batch_equals_solo():
         assert out[p["key"]] == solo(target, p["prompt"], 25)
 
 
-@pytest.mark.parametrize("family,batchable", [("llama", True), ("qwen3_moe", True), ("qwen3_5", True),
-                                               ("qwen3_5_moe", True), ("llama-sliding", False), ("gpt_oss", False),
-                                               ("gemma3_text", False)])
-def test_batch_refusal_names_the_reason(family, batchable):
-    reason = batch_refusal(tiny_target(family)[1])
-    assert (reason is None) == batchable
-    if not batchable:
-        assert "sliding window" in reason
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "llama-sliding", "gpt_oss",
+                                    "gemma3_text", "gemma4_text"])
+def test_every_family_batches(family):
+    """Attention, hybrid and sliding-window targets all have a batched cache."""
+    assert batch_refusal(tiny_target(family)[1]) is None
+
+
+def test_batch_refusal_names_the_reason():
+    """A layer cache with no batched form (here mlx-lm's RotatingKVCache, which our
+    targets replace) is refused, naming the layer and the cache."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    class Odd:
+        def make_cache(self, max_verify):
+            return [KVCache(), RotatingKVCache(8)]
+
+    reason = batch_refusal(Odd())
+    assert "layer 1" in reason and "RotatingKVCache" in reason and "no batched form" in reason
 
 
 def test_one_drafter_pass_drafts_as_each_sequence_alone():

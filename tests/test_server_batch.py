@@ -1,7 +1,8 @@
 """The batching engine (serve/batch_engine.py) without HTTP, and `dflash serve --max-batch`:
 concurrent requests each equal to their solo run, a cancelled request leaving the batch
-with the others unaffected, the queue bound, seeded sampling, the fallback for targets
-the batch path cannot run (said in the log and /metrics), and the new metrics."""
+with the others unaffected, the queue bound, seeded sampling, every family batching
+(sliding-window targets included), the fallback for a target the batch path cannot run
+(said in the log and /metrics), and the new metrics."""
 
 import asyncio
 import logging
@@ -131,18 +132,31 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(pair):
     assert alone == crowded and len(alone) > 0
 
 
-@pytest.mark.parametrize("family,batching", [("llama", 1), ("qwen3_5", 1), ("llama-sliding", 0), ("gpt_oss", 0)])
-def test_engine_choice_is_said_in_log_and_metrics(family, batching, caplog):
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "llama-sliding", "gpt_oss"])
+def test_engine_choice_is_said_in_log_and_metrics(family, caplog):
+    """Every family batches: attention, hybrids and sliding-window targets."""
     pair = make_pair(family, block_size=4)
     metrics = ServerMetrics(4)
     with caplog.at_level(logging.INFO, logger="dflash.serve"):
         engine = make_engine(pair, 8, metrics, block_size=4)
     engine.shutdown()
-    assert isinstance(engine, BatchEngine) == bool(batching)
-    assert metrics.batching._value.get() == batching
-    if not batching:
-        assert type(engine) is Engine
-        assert "batching is off for this target, requests run one at a time" in caplog.text
+    assert isinstance(engine, BatchEngine) and metrics.batching._value.get() == 1
+    assert "continuous batching: up to 8 requests decode together" in caplog.text
+
+
+def test_a_refused_target_falls_back_to_one_at_a_time(caplog, monkeypatch):
+    """A target the batch path cannot run (a layer cache with no batched form) is served
+    one request at a time, said in the log and in ``dflash_batching``."""
+    from dflash_mlx.serve import batch_engine
+
+    monkeypatch.setattr(batch_engine, "batch_refusal", lambda target: "target layer 0 keeps an OddCache")
+    metrics = ServerMetrics(4)
+    with caplog.at_level(logging.INFO, logger="dflash.serve"):
+        engine = make_engine(make_pair("llama", block_size=4), 8, metrics, block_size=4)
+    engine.shutdown()
+    assert type(engine) is Engine and metrics.batching._value.get() == 0
+    assert "batching is off for this target, requests run one at a time: target layer 0 keeps an OddCache" \
+        in caplog.text
 
 
 def test_max_batch_one_is_todays_engine(pair):
@@ -152,16 +166,23 @@ def test_max_batch_one_is_todays_engine(pair):
     assert type(engine) is Engine and metrics.batching._value.get() == 0
 
 
-def test_batched_fallback_server_answers_exactly():
-    """A sliding-window target under --max-batch 8: served one at a time, output exact."""
+def test_batched_sliding_window_server_answers_exactly():
+    """A sliding-window target (window 8) under --max-batch 8: batched, and concurrent
+    requests running past the window each equal their solo run."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from starlette.testclient import TestClient
 
-    hybrid = make_pair("llama-sliding", block_size=4)
-    app = create_app(hybrid, ServerConfig(model_id="tiny", max_batch=8, block_size=4))
+    sliding = make_pair("llama-sliding", block_size=4)
+    prompts = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [200]]
+    app = create_app(sliding, ServerConfig(model_id="tiny", max_batch=8, block_size=4))
     with TestClient(app) as c:
-        r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 20})
-        assert "dflash_batching 0.0" in c.get("/metrics").text
-    assert r.json()["choices"][0]["text"] == solo_text(hybrid, [5, 6, 7], 20)
+        post = lambda ids: c.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 30})  # noqa: E731
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(post, prompts))
+        assert "dflash_batching 1.0" in c.get("/metrics").text
+    for ids, r in zip(prompts, replies):
+        assert r.json()["choices"][0]["text"] == solo_text(sliding, ids, 30)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "100000"])

@@ -1,7 +1,8 @@
 """Continuous batching: the DFlash loop (DFLASH_SPEC.md section 5) for many sequences at once.
 
 Every step drafts a block for each active sequence, then verifies all of them in ONE
-target forward ([N, B] tokens over a left-padded ``BatchKVCache``), and each sequence
+target forward ([N, B] tokens over a left-padded ``BatchKVCache``; sliding-window
+layers too, their window in the mask, see :mod:`dflash_mlx.targets.batch_window`), and each sequence
 keeps its own acceptance length: its own committed tokens, its own rollback
 (:func:`dflash_mlx.targets.batch_cache.rollback_ragged`) and its own drafter context.
 Sequences join between steps (their prompts prefilled alone, one chunk at a time, by
@@ -292,6 +293,7 @@ class BatchDecoder:
             s.token = y
             s.stats.record_step(0, drafted=0)
             results.append(StepResult(y.tolist(), None, None))
+        compact(self.cache)  # sliding-window layers drop rows out of every window
         return self._settle(results)
 
     def _settle(self, results: List[StepResult]) -> List[StepResult]:

@@ -9,10 +9,11 @@ whose deadline passed, leaves the batch before the next step; nothing else chang
 for the others. Requests are submitted, bounded (429) and consumed exactly as with the
 one-at-a-time :class:`~dflash_mlx.serve.engine.Engine`, whose :class:`Job` this reuses.
 
-:func:`make_engine` picks the engine: a target the batch path cannot run exactly
-(sliding-window layers, see :func:`dflash_mlx.targets.batch_cache.batch_refusal`) is
-served one request at a time, with a warning in the log and ``dflash_batching 0`` in
-``/metrics``.
+:func:`make_engine` picks the engine: every target family here batches exactly
+(attention, Gated-DeltaNet hybrids, sliding-window layers); a target the batch path
+cannot run (a layer cache with no batched form, see
+:func:`dflash_mlx.targets.batch_cache.batch_refusal`) is served one request at a time,
+with a warning in the log and ``dflash_batching 0`` in ``/metrics``.
 
 The prompt cache (prefix reuse) is used by the one-at-a-time engine only: batched
 requests prefill their whole prompt.
@@ -239,8 +240,10 @@ class BatchEngine(Engine):
 
 def make_engine(pair: Any, max_batch: int, metrics: ServerMetrics, **kwargs) -> Engine:
     """The engine for ``--max-batch``: :class:`BatchEngine` when ``max_batch`` > 1 and the
-    target can batch exactly, else the one-at-a-time :class:`Engine` (with ``store``,
-    the prompt cache). Says which in the log and in ``dflash_batching``.
+    target can batch exactly (every family here, sliding-window ones included; see
+    :func:`~dflash_mlx.targets.batch_cache.batch_refusal`), else the one-at-a-time
+    :class:`Engine` (with ``store``, the prompt cache). Says which in the log and in
+    ``dflash_batching``.
 
     Args:
         kwargs: the engines' shared arguments (block_size, max_queue, prefill_step_size,

@@ -14,10 +14,12 @@ see are then exactly those of a cache that never held the rejected rows.
 
 A Gated-DeltaNet layer (hybrid targets) has no rows: its batched cache is a
 :class:`~dflash_mlx.targets.batch_gated_delta.BatchGatedDeltaCache`, which replays
-each sequence's kept prefix. Targets with a sliding-window layer
-(:class:`~dflash_mlx.targets.window_cache.WindowKVCache`) have no batched form with
-per-sequence rollback here (:func:`batch_refusal` says so); they are served one
-request at a time.
+each sequence's kept prefix. A sliding-window layer (a
+:class:`~dflash_mlx.targets.window_cache.WindowKVCache` alone) is a
+:class:`~dflash_mlx.targets.batch_window.BatchWindowKVCache`: a ``BatchKVCache``
+rolled back as above, the window applied by its mask, rows out of every window
+dropped with the padding (:func:`compact`). So every target family batches;
+:func:`batch_refusal` names a layer cache of any other kind.
 """
 
 from __future__ import annotations
@@ -28,25 +30,39 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .batch_gated_delta import BatchGatedDeltaCache
+from .batch_window import BatchWindowKVCache
 from .gated_delta_cache import GatedDeltaCache
+from .window_cache import WindowKVCache
+
+BATCHABLE = (KVCache, GatedDeltaCache, WindowKVCache)  # layer cache types with a batched form
 
 
 def batch_refusal(target: Any) -> Optional[str]:
     """Why ``target`` cannot decode in a batch exactly, or None when it can.
 
     A target can when every layer cache it makes (``target.make_cache``) is a plain
-    ``KVCache`` or a Gated-DeltaNet layer's ``GatedDeltaCache`` (no sliding window).
+    ``KVCache``, a Gated-DeltaNet layer's ``GatedDeltaCache`` or a sliding-window
+    layer's ``WindowKVCache``: every family here.
     """
     for i, c in enumerate(target.make_cache(1)):
-        if type(c) not in (KVCache, GatedDeltaCache):
-            return f"target layer {i} keeps a {type(c).__name__} (a sliding window), which has no batched rollback"
+        if type(c) not in BATCHABLE:
+            return f"target layer {i} keeps a {type(c).__name__}, which has no batched form with per-sequence rollback"
     return None
 
 
 def to_batch(cache: Sequence[Any]) -> List[Any]:
-    """One sequence's prefilled cache (a ``KVCache`` or ``GatedDeltaCache`` per layer)
-    as a batch of one."""
-    return [BatchGatedDeltaCache(c) if isinstance(c, GatedDeltaCache) else BatchKVCache.merge([c]) for c in cache]
+    """One sequence's prefilled cache (a ``KVCache``, ``GatedDeltaCache`` or
+    ``WindowKVCache`` per layer) as a batch of one."""
+    return [_batch_layer(c) for c in cache]
+
+
+def _batch_layer(c: Any) -> Any:
+    """One layer's solo cache as the batched cache of its kind, a batch of one."""
+    if isinstance(c, GatedDeltaCache):
+        return BatchGatedDeltaCache(c)
+    if isinstance(c, WindowKVCache):
+        return BatchWindowKVCache.from_solo(c)
+    return BatchKVCache.merge([c])
 
 
 def extend(batch: Optional[List[BatchKVCache]], cache: Sequence[KVCache]) -> List[BatchKVCache]:
@@ -111,13 +127,18 @@ def compact(batch: Optional[Sequence[Any]], at_least: int = COMPACT_AT) -> None:
     """Drop the padding columns every sequence has (ragged rollbacks add padding to all
     but the sequence that kept the most rows; over steps each sequence gets some), once
     there are ``at_least`` of them: mlx-lm's ``filter`` keeping every row shifts them
-    out. Attention then reads fewer padded columns. Gated-DeltaNet layers have none."""
-    rows = [b for b in batch or () if isinstance(b, BatchKVCache)]
-    if not rows or rows[0].keys is None:
-        return
-    padding = rows[0].left_padding.tolist()  # the same in every layer
-    if min(padding) >= at_least:
-        keep = mx.arange(len(padding))
-        for b in rows:
-            b.filter(keep)
-
+    out. Attention then reads fewer padded columns. Sliding-window layers first count
+    the rows out of every window as padding (``hide_old_rows``), so they keep about
+    W - 1 + ``at_least`` columns. Gated-DeltaNet layers have none.
+    """
+    layers = [b for b in batch or () if isinstance(b, BatchKVCache) and b.keys is not None]
+    for b in layers:
+        if isinstance(b, BatchWindowKVCache):
+            b.hide_old_rows()
+    # Full and window layers each share one column layout (the same ops on each).
+    for group in ([b for b in layers if not isinstance(b, BatchWindowKVCache)],
+                  [b for b in layers if isinstance(b, BatchWindowKVCache)]):
+        if group and min(group[0].left_padding.tolist()) >= at_least:
+            keep = mx.arange(len(group[0].left_padding))
+            for b in group:
+                b.filter(keep)
