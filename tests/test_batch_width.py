@@ -89,7 +89,7 @@ def test_survival_learns_where_drafts_fail():
     assert 2.9 < widths.expected_tokens(8) < 3.1
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "llama-sliding", "gemma4_text"])
 def test_changing_widths_keep_every_sequence_exact(family):
     """Twelve requests joining and leaving a batch whose width changes between steps
     (every width tried at every batch size, then chosen by injected times), drafts

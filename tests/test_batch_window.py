@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
 from dflash_mlx.targets.batch_cache import COMPACT_AT, sequence_rows
@@ -115,6 +116,37 @@ def test_window_rows_equal_a_solo_cache_and_stay_bounded(family):
             for a, b in zip(got.rows(), want.rows()):
                 np.testing.assert_allclose(np.array(a), np.array(b[..., lo:, :]), rtol=1e-4, atol=1e-4,
                                            err_msg=f"sequence {i} layer {layer}")
+
+
+@pytest.mark.parametrize("family", ["llama-sliding", "gemma3_text"])
+def test_plain_batch_past_the_window_equals_solo(family):
+    """Plain decoding (no drafter, one token per step) of five joining sequences."""
+    target, n = target_of(family), 40
+    W = window_of(target)
+    plan = [dict(key=i, prompt=p, n=n, join=2 * i) for i, p in enumerate(prompts(5, seed=13))]
+    refs = {p["key"]: solo(target, p["prompt"], n) for p in plan}
+    assert_varied(refs[0])
+    assert n > 4 * W
+    out = drive(BatchDecoder(target, None, 1), plan)
+    for p in plan:
+        assert out[p["key"]] == refs[p["key"]], p["key"]
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "gpt_oss"])
+def test_compacting_every_step_past_the_window_keeps_every_sequence_exact(family, monkeypatch):
+    """Dropping hidden columns (padding and rows out of every window) as soon as there is
+    one, every step, changes nothing a sequence emits."""
+    from dflash_mlx.targets import batch_cache
+
+    monkeypatch.setattr(batch_module, "compact", lambda batch: batch_cache.compact(batch, at_least=1))
+    target, B, n = target_of(family), 6, 50
+    ps = prompts(4, seed=14)
+    refs = [solo(target, p, n + B) for p in ps]
+    scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 3, 0, None)))}
+    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, seed=3), B),
+                [dict(key=i, prompt=p, n=n, join=2 * i) for i, p in enumerate(ps)])
+    for i in range(4):
+        assert out[i] == refs[i][:n], f"sequence {i} differs from its solo run"
 
 
 @pytest.mark.parametrize("family", ["llama-sliding", "gemma4_text"])

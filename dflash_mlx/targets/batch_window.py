@@ -13,8 +13,8 @@ position distances: per sequence, exactly the solo window ``p - W < k <= p``.
 Rows no future query can see (more than ``W - 1`` columns before the write column,
 between steps) are counted as left padding by :meth:`BatchWindowKVCache.hide_old_rows`,
 and :func:`~dflash_mlx.targets.batch_cache.compact` drops them with the other padding:
-a window layer of a batch holds about ``W - 1 + COMPACT_AT`` rows per sequence plus the
-longest sequence's excess, not the whole context.
+between steps a window layer of a batch is under ``W - 1 + COMPACT_AT`` columns wide
+(plus one verify's rows during a forward), not the whole context.
 """
 
 from __future__ import annotations
