@@ -58,8 +58,10 @@ class BatchWindowKVCache(BatchKVCache):
         return batch
 
     def make_mask(self, N: int, window_size: Optional[int] = None, **kwargs) -> mx.array:
-        """[N, 1, N_q, _idx + N_q] bool: causal, windowed, padding hidden (mlx-lm's
-        ``BatchKVCache`` mask with this layer's window unless one is given)."""
+        """[B, 1, N, _idx + N] bool for B sequences and N new queries: causal, windowed,
+        padding hidden (mlx-lm's ``BatchKVCache`` mask, this layer's window unless given)."""
+        # mlx-lm's mask is in columns, which are positions per sequence here (module doc);
+        # the families pass window_size themselves, the default covers a caller that does not.
         return super().make_mask(N, window_size=window_size or self.window, **kwargs)
 
     def hide_old_rows(self) -> None:
