@@ -47,12 +47,14 @@ def free_port() -> int:
 
 
 def server_command(kind: str, args, port: int) -> List[str]:
-    """The command line of one server kind: ``dflash-bN`` or ``mlx_lm``."""
+    """The command line of one server kind: ``dflash-bN`` (``--max-batch N``),
+    ``dflash-bN-BK`` (and ``--block-size K``, for this server only) or ``mlx_lm``."""
     if kind == "mlx_lm":
         return [sys.executable, "-m", "mlx_lm.server", "--model", args.model, "--port", str(port),
                 "--log-level", "WARNING"]
-    batch = kind.split("-b")[1]
+    batch, _, own_block = kind.split("-b")[1].partition("-B")
     block = args.baseline_block_size if batch == "1" and args.baseline_block_size else args.block_size
+    block = own_block or block
     cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--model", args.model, "--port", str(port),
            "--max-batch", batch, "--log-level", "warning", "--block-size", block]
     return cmd + (["--draft-model", args.draft_model] if args.draft_model else [])
@@ -178,7 +180,8 @@ def main() -> None:
     p.add_argument("--block-size", default="auto", help="dflash serve --block-size (both dflash servers)")
     p.add_argument("--baseline-block-size", default=None, help="--block-size of the --max-batch 1 server "
                    "(default: --block-size)")
-    p.add_argument("--servers", default="dflash-b8,dflash-b1,mlx_lm", help="dflash-bN (--max-batch N), mlx_lm")
+    p.add_argument("--servers", default="dflash-b8,dflash-b1,mlx_lm",
+                   help="dflash-bN (--max-batch N), dflash-bN-BK (and --block-size K), mlx_lm")
     p.add_argument("--clients", default="1,2,4,8")
     p.add_argument("--requests", type=int, default=3, help="requests per client per round")
     p.add_argument("--max-tokens", type=int, default=128)
