@@ -25,25 +25,19 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Dict, List
 
 import httpx
 
+from serve_load import free_port, run_clients  # benchmarks/ is on the path when run as a script
+
 PROMPTS = ["Once upon a time", "One day, a little boy", "The cat sat on", "Lily and Ben went to",
            "Tom had a big red", "The sun was hot and", "Sara found a shiny", "A little dog named"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_command(kind: str, args, port: int) -> List[str]:
@@ -110,13 +104,7 @@ def load_round(url: str, model: str, clients: int, requests: int, max_tokens: in
         except Exception as e:  # noqa: BLE001 (reported)
             errors.append(repr(e))
 
-    threads = [threading.Thread(target=loop, args=(i,)) for i in range(clients)]
-    tic = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - tic
+    wall = run_clients(loop, clients)
     if errors:
         raise SystemExit(f"client errors: {errors[:3]}")
     ttft = sorted(r["ttft"] for r in results if r["ttft"] is not None)

@@ -119,6 +119,17 @@ def request(client: httpx.Client, url: str, model: str, prompt: str, max_tokens:
     return text, time.perf_counter() - tic, n
 
 
+def run_clients(loop, clients: int) -> float:
+    """Run ``loop(i)`` for i in 0..clients-1 on as many threads at once; wall seconds."""
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(clients)]
+    tic = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - tic
+
+
 def load_round(url, model, prompts, refs, max_tokens, clients, per_client) -> dict:
     latencies, tokens, wrong, errors = [], [], [], []
 
@@ -136,13 +147,7 @@ def load_round(url, model, prompts, refs, max_tokens, clients, per_client) -> di
                 if text != refs[p]:
                     wrong.append(p)
 
-    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(clients)]
-    tic = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - tic
+    wall = run_clients(client_loop, clients)
     return {
         "requests": len(latencies), "errors": len(errors), "outputs_differing": len(wrong),
         "wall_s": wall, "requests_per_s": len(latencies) / wall,

@@ -409,6 +409,26 @@ def test_other_bad_requests(server, model):
 # -- a second server: plain decoding, no queue ----------------------------------------------
 
 
+def send_at_once(url, body, count, timeout=120):
+    """``count`` completions of ``body`` sent together (a barrier); their status codes.
+    Each 429 must be the one-line "busy" error."""
+    start, codes = threading.Barrier(count), []
+
+    def send():
+        start.wait()
+        r = post(url, "/v1/completions", body, key=None)
+        codes.append(r.status_code)
+        if r.status_code == 429:
+            check_error(r, 429, words="busy")
+
+    threads = [threading.Thread(target=send) for _ in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return codes
+
+
 def test_plain_server_says_why_and_refuses_past_its_queue(stories, tmp_path):
     """Without a drafter, usage says speculation did not run and why. With --max-queue 0,
     requests that arrive while one runs get a 429: of 4 sent at once (each a few hundred
@@ -419,21 +439,7 @@ def test_plain_server_says_why_and_refuses_past_its_queue(stories, tmp_path):
         r = post(url, "/v1/completions", {"model": model, "prompt": PROMPTS[0], "max_tokens": 4}, key=None).json()
         assert r["usage"]["dflash"]["speculative"] is False
         assert "no drafter" in r["usage"]["dflash"]["reason"]
-        body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 400}
-        start, codes = threading.Barrier(4), []
-
-        def send():
-            start.wait()
-            r = post(url, "/v1/completions", body, key=None)
-            codes.append(r.status_code)
-            if r.status_code == 429:
-                check_error(r, 429, words="busy")
-
-        threads = [threading.Thread(target=send) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        codes = send_at_once(url, {"model": model, "prompt": PROMPTS[0], "max_tokens": 400}, 4)
         assert sorted(codes)[0] == 200 and 429 in codes and set(codes) == {200, 429}, codes
         m = metrics(url)
         assert m['dflash_requests_total{endpoint="completions",outcome="rejected"}'] == codes.count(429)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from conftest import needs_shared
-from test_server import KEY, N, PROMPTS, check_error, live_server, metrics, post, reference  # noqa: F401
+from test_server import KEY, N, PROMPTS, check_error, live_server, metrics, post, reference, send_at_once  # noqa: F401
 
 openai = pytest.importorskip("openai")
 
@@ -113,21 +113,7 @@ def test_plain_batching_server_says_why_and_bounds_its_queue(stories, tmp_path):
         model = str(stories)
         r = post(url, "/v1/completions", {"model": model, "prompt": PROMPTS[0], "max_tokens": 4}, key=None).json()
         assert r["usage"]["dflash"]["speculative"] is False and "no drafter" in r["usage"]["dflash"]["reason"]
-        body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 400}
-        start, codes = threading.Barrier(5), []
-
-        def send():
-            start.wait()
-            r = post(url, "/v1/completions", body, key=None)
-            codes.append(r.status_code)
-            if r.status_code == 429:
-                check_error(r, 429, words="busy")
-
-        threads = [threading.Thread(target=send) for _ in range(5)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+        codes = send_at_once(url, {"model": model, "prompt": PROMPTS[0], "max_tokens": 400}, 5)
         assert codes.count(200) >= 2 and 429 in codes and set(codes) == {200, 429}, codes
         m = metrics(url)
         assert m["dflash_batching"] == 1.0
