@@ -26,6 +26,8 @@ import mlx.core as mx
 
 from dflash_mlx import generate_step, load
 from dflash_mlx.decode.batch import BatchDecoder
+from dflash_mlx.decode.batch_width import BatchWidths
+from dflash_mlx.decode.generate import check_block_size
 from dflash_mlx.decode.stopping import StopCondition
 
 STOPS = [".", "!", " the", "\n", " and", "ed"]
@@ -86,7 +88,7 @@ def main() -> None:
     p.add_argument("--draft-model", default=None)
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--block-size", default="8", help="B, or auto: widths chosen per batched step")
     p.add_argument("--max-tokens", type=int, default=120)
     p.add_argument("--prefill-step", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
@@ -94,13 +96,15 @@ def main() -> None:
     pair = load(args.model, args.draft_model)
     requests = make_requests(pair.tokenizer, args.requests, args.seed, args.max_tokens)
     tic = time.perf_counter()
-    decoder = BatchDecoder(pair.target, pair.drafter, args.block_size if pair.drafter is not None else 1)
+    auto = args.block_size == "auto" and pair.drafter is not None
+    width = check_block_size(args.block_size, pair.drafter)
+    decoder = BatchDecoder(pair.target, pair.drafter, width, BatchWidths(width) if auto else None)
     got = run_batch(decoder, requests, pair.tokenizer, args.max_batch, args.prefill_step)
     batch_s = time.perf_counter() - tic
     equal = prefix = differ = 0
     distinct = set()
     for r in requests:
-        ref = solo(pair, r, args.block_size)
+        ref = solo(pair, r, width)  # greedy: the target's own tokens, whatever the block size
         distinct.update(ref)
         if r["cancel"] is not None and len(got[r["key"]]) < len(ref):
             ok = got[r["key"]] == ref[: len(got[r["key"]])]
@@ -112,7 +116,10 @@ def main() -> None:
             differ += 1
             print(f"request {r['key']} differs: batch {got[r['key']][:20]} solo {ref[:20]}")
     stopped = sum(1 for r in requests if r["stop"])
-    print(f"{args.requests} requests (max batch {args.max_batch}, block {args.block_size}, {stopped} with stop "
+    steps_at = {w: sum(n for (v, _), n in decoder.widths.runs.items() if v == w) for w in decoder.widths.widths} \
+        if auto else {}
+    widths = f", steps per width {steps_at}" if auto else ""
+    print(f"{args.requests} requests (max batch {args.max_batch}, block {args.block_size}{widths}, {stopped} with stop "
           f"strings, {sum(r['cancel'] is not None for r in requests)} with a cancel step): {equal} equal to their "
           f"solo run, {prefix} cancelled as a prefix of it, {differ} different; {len(distinct)} distinct tokens "
           f"in the references; batch run {batch_s:.1f} s")
