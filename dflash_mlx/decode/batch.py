@@ -12,7 +12,13 @@ dropped by the caller: a cancelled request).
 Why not mlx-lm's ``BatchGenerator``: it decodes one token per sequence per step and
 has no drafts, verify or per-sequence rollback; its cache classes are used here.
 
-Drafting: a drafter with ``propose_batch`` drafts every sequence in one pass; any
+Prompt cache: with a store (:class:`dflash_mlx.prefix.store.PrefixStore`), a joining
+sequence resumes from the longest stored prefix of its prompt and prefills only the rest,
+then stores its prompt (:mod:`dflash_mlx.prefix.batch`); only where both caches trim to
+any row count and the drafter drafts the batch in one pass (else ``prefix_refusal`` says
+why, and every prompt is prefilled whole).
+
+Drafting: a drafter with ``batch_drafts`` drafts every sequence in one pass; any
 other (scripted and simulated drafters) drafts sequence by sequence, lazily, so the
 drafts and the verify are still one graph and one sync.
 
@@ -33,6 +39,8 @@ from .batch_width import BatchWidths
 from .generate import NO_DRAFTER, PrefillStopped, StepResult
 from .stopping import StopCondition
 from ..errors import InputError
+from ..prefix.batch import BatchPrefix, batch_prefix_refusal
+from ..prefix.store import PrefixStore
 from ..protocol import Drafter, Proposal
 from ..stats import GenerationStats
 from ..targets import TargetAdapter
@@ -87,6 +95,15 @@ class Joining:
         step_size: prompt tokens per prefill chunk (the longest stall it causes the batch).
         should_stop: checked before each chunk; True raises :class:`PrefillStopped`.
         seed: see :class:`BatchSequence`.
+
+    Attributes:
+        reused: prompt tokens found in the prompt cache (not prefilled); set by the first
+            :meth:`advance`.
+        source: where they came from (``"memory"``, ``"disk"``) or None.
+        cache: the target's solo caches while prefilling (None once done: the batch
+            holds a copy).
+        draft_cache: the drafter's solo context caches while prefilling, when the
+            prompt cache is used (restored, or fresh), else None.
     """
 
     def __init__(self, decoder: "BatchDecoder", key: Any, prompt: mx.array, sampler: Optional[Sampler],
@@ -94,8 +111,10 @@ class Joining:
                  seed: Optional[int] = None):
         self.decoder, self.key, self.stop, self.seed = decoder, key, stop, seed
         self.rule = choose_rule(decoder.drafter, sampler)
-        self.rest, self.step_size, self.should_stop = prompt, max(1, step_size), should_stop
+        self.prompt, self.rest, self.step_size, self.should_stop = prompt, prompt, max(1, step_size), should_stop
         self.cache = decoder.target.make_cache(decoder.width)
+        self.draft_cache: Optional[List[Any]] = None
+        self.reused, self.source, self._looked_up = 0, None, decoder.prefix is None
         self.features: List[mx.array] = []
         self.stats = GenerationStats(block_size=decoder.width, prompt_tokens=int(prompt.size),
                                      speculative=decoder.drafter is not None,
@@ -117,6 +136,8 @@ class Joining:
         """
         if self.should_stop is not None and self.should_stop():
             raise PrefillStopped()
+        if not self._looked_up:
+            self._resume()
         target, capture = self.decoder.target, self.decoder.capture
         last = self.rest.size <= self.step_size
         chunk = self.rest if last else self.rest[: self.step_size]
@@ -132,9 +153,31 @@ class Joining:
         t = self.rule.choose(target.lm_head(h[:, -1]))
         mx.eval(t)
         tokens, finish = self.stop.cut(t.tolist())
+        context = [_rows(self.features)] if self.features else []  # empty without a drafter
         if finish is None:
-            self.decoder.add(self, t, [_rows(self.features)] if capture else [])
+            self.decoder.add(self, t, context)
+        if self.decoder.prefix is not None:
+            self._keep(context, joined=finish is None)
+        self.cache, self.draft_cache, self.features = None, None, []  # the batch holds copies: free these
         return StepResult(tokens, None, finish)
+
+    def _resume(self) -> None:
+        """Restore the longest stored prefix of the prompt into fresh solo caches (trimmed
+        to the matched rows); only the rest is prefilled."""
+        self._looked_up = True
+        found = self.decoder.prefix.resume(self.prompt.tolist())
+        self.cache, self.draft_cache = found.cache, found.draft_cache
+        self.reused, self.source = found.rows, found.level
+        self.rest = self.prompt[found.rows:]
+        self.stats.prompt_tokens = int(self.rest.size)
+
+    def _keep(self, context: List[mx.array], joined: bool) -> None:
+        """Store the prompt's entry from the solo caches (both hold every prompt row: the
+        batched drafter ingested the new rows into ``draft_cache`` when it joined, and
+        joining copies the solo caches, leaving them as they were)."""
+        if not joined and self.draft_cache is not None and context:
+            self.decoder.drafter.ingest(context[0], self.draft_cache)
+        self.decoder.prefix.keep(self.prompt.tolist(), self.cache, self.draft_cache)
 
 
 class BatchDecoder:
@@ -148,14 +191,17 @@ class BatchDecoder:
             trained size; 1 without a drafter); with ``widths``, the widest.
         widths: chooses each step's width (``--block-size auto``), or None: every
             step verifies B.
+        store: the prompt cache, or None. Used where :attr:`prefix_refusal` is None.
 
     Attributes:
         sequences: the active sequences, in batch-row order.
         cache: one ``BatchKVCache`` per target layer, or None while the batch is empty.
+        prefix: looks up and keeps prompt-cache entries (None: no store, or refused).
+        prefix_refusal: why a given store is not used in this batch, or None.
     """
 
     def __init__(self, target: TargetAdapter, drafter: Optional[Drafter], block_size: int,
-                 widths: Optional[BatchWidths] = None):
+                 widths: Optional[BatchWidths] = None, store: Optional[PrefixStore] = None):
         self.target, self.drafter = target, drafter
         self.width = block_size if drafter is not None else 1
         self.widths = widths if drafter is not None else None
@@ -164,6 +210,12 @@ class BatchDecoder:
         self.cache = None
         # One drafter pass for the batch where the drafter has one; else per sequence.
         self.drafts = drafter.batch_drafts() if hasattr(drafter, "batch_drafts") else None
+        self.prefix: Optional[BatchPrefix] = None
+        self.prefix_refusal: Optional[str] = None
+        if store is not None:
+            self.prefix_refusal = batch_prefix_refusal(target, drafter, self.drafts is not None, self.width)
+            if self.prefix_refusal is None:
+                self.prefix = BatchPrefix(store, target, drafter, self.width)
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -189,7 +241,7 @@ class BatchDecoder:
         if self.drafter is not None:
             joining.stats.acceptance_rule = joining.rule.name
         if self.drafts is not None:  # the prompt's context rows go to the batched drafter cache now
-            self.drafts.join(_rows(pending))
+            self.drafts.join(_rows(pending) if pending else None, joining.draft_cache)
             pending = []
         self.cache = extend(self.cache, joining.cache)
         self.sequences.append(BatchSequence(joining.key, joining.rule, joining.stop, joining.stats, token,

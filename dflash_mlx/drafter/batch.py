@@ -59,10 +59,18 @@ class BatchDrafts:
         self.drafter = drafter
         self.cache = None
 
-    def join(self, context: mx.array) -> None:
-        """Append a sequence as the last row, its prompt's context rows [1, P, F] cached."""
-        solo = self.drafter.make_cache()
-        self.drafter.ingest(context, solo)
+    def join(self, context: Optional[mx.array], cache: Optional[List[Any]] = None) -> None:
+        """Append a sequence as the last row.
+
+        Args:
+            context: its prompt's new context rows [1, S, F] (None: S = 0).
+            cache: its solo drafter cache already holding the prompt's first rows
+                (restored from the prompt cache): ``context`` is appended to it, and it
+                is left holding them all (the batch copies it). None: a fresh one.
+        """
+        solo = cache if cache is not None else self.drafter.make_cache()
+        if context is not None:
+            self.drafter.ingest(context, solo)
         self.cache = extend(self.cache, solo)
 
     def keep(self, rows: Sequence[int]) -> None:

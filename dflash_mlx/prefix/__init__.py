@@ -6,6 +6,8 @@ disk, so a later prompt sharing those tokens prefills only the rest (issue 22).
 - ``entry.py``: an entry (both caches after some tokens), written and checked on disk.
 - ``store.py``: memory and disk levels, longest-prefix lookup, least-recently-used eviction.
 - ``resume.py``: states kept at prompt boundaries for pairs that cannot trim back.
+- ``batch.py``: lookup, restore and store for the requests of a batch (``serve --max-batch N``).
 
-:class:`dflash_mlx.chat.prompt_cache.PairCache` uses them (chat, serve, generate).
+:class:`dflash_mlx.chat.prompt_cache.PairCache` uses them (chat, serve, generate), and
+:class:`dflash_mlx.decode.batch.Joining` (continuous batching) through ``batch.py``.
 """

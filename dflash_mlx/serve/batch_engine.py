@@ -15,8 +15,13 @@ cannot run (a layer cache with no batched form, see
 :func:`dflash_mlx.targets.batch_cache.batch_refusal`) is served one request at a time,
 with a warning in the log and ``dflash_batching 0`` in ``/metrics``.
 
-The prompt cache (prefix reuse) is used by the one-at-a-time engine only: batched
-requests prefill their whole prompt.
+The prompt cache (a :class:`~dflash_mlx.prefix.store.PrefixStore`): each batched
+request resumes from the longest stored prefix of its prompt, prefills only the rest and
+stores its prompt, in memory and on disk (:mod:`dflash_mlx.prefix.batch`), where every
+layer cache of the target and the drafter is a plain attention KV cache and the drafter
+drafts the batch in one pass (or there is none). Elsewhere (Gated-DeltaNet hybrids,
+sliding-window layers, drafters without a batched pass) batched requests prefill their
+whole prompt, and the log says so once at start, with the reason.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from ..decode.batch import BatchDecoder, Joining
 from ..decode.batch_width import BatchWidths
 from ..decode.generate import PrefillStopped, StepResult, check_block_size
 from ..decode.stopping import StopCondition
+from ..prefix.store import PrefixStore
 from ..sampling import make_sampler
 from ..targets.batch_cache import batch_refusal
 from .api import usage
@@ -69,19 +75,26 @@ class BatchEngine(Engine):
         metrics: where each generation and step is counted.
         prefill_step_size: prompt tokens per prefill chunk (default 2048): the longest
             a new request's prefill stalls the batch.
+        store: the prompt cache, or None; see the module docstring for where it is used.
 
     Raises:
         InputError: ``block_size`` out of range for the drafter.
     """
 
     def __init__(self, pair: Any, *, max_batch: int, block_size: Optional[int | str] = None, max_queue: int = 16,
-                 metrics: Optional[ServerMetrics] = None, prefill_step_size: Optional[int] = None):
+                 metrics: Optional[ServerMetrics] = None, prefill_step_size: Optional[int] = None,
+                 store: Optional[PrefixStore] = None):
         super().__init__(pair, block_size=block_size, max_queue=max_queue, metrics=metrics,
                          prefill_step_size=prefill_step_size)
         self.slots = max_batch
         width = check_block_size(block_size, pair.drafter)
         widths = BatchWidths(width) if block_size == "auto" and pair.drafter is not None else None
-        self.decoder = BatchDecoder(pair.target, pair.drafter, width, widths)
+        self.decoder = BatchDecoder(pair.target, pair.drafter, width, widths, store=store)
+        if self.decoder.prefix_refusal is not None:
+            log.warning("prompt cache: not used by batched requests, which prefill their whole prompt: %s "
+                        "(--max-batch 1 uses it)", self.decoder.prefix_refusal)
+        elif store is not None:
+            log.info("prompt cache: batched requests resume from stored prefixes and store their prompts")
         self._inbox: Deque[Job] = deque()
         self._joining: Deque[_Request] = deque()
         self._active: List[_Request] = []
@@ -176,9 +189,9 @@ class BatchEngine(Engine):
         if req.job.cancelled.is_set():
             log.info("request %s stopped: client gone after %d of %d tokens", req.job.id, stats.generation_tokens,
                      req.spec.max_tokens)
-            self._count(req.job, stats, "cancelled")
+            self._count(req.job, stats, "cancelled", req.joining.reused)
         else:
-            self._timed_out(req.job, stats)
+            self._timed_out(req.job, stats, req.joining.reused)
         self._release(req.job)
 
     def _prefill_chunk(self) -> None:
@@ -211,14 +224,15 @@ class BatchEngine(Engine):
         stats.generation_tokens += len(result.tokens)
         stats.generation_s = time.perf_counter() - req.first
         text = req.text.add(result.tokens, last)
-        u = usage(len(req.spec.ids), 0, stats) if last else None
+        u = usage(len(req.spec.ids), req.joining.reused, stats) if last else None
         req.job.push(Chunk(text, result.finish_reason, u))
         if last:
             if req in self._active:
                 self._active.remove(req)
-            log.info("request %s: %d prompt tokens, %d generated, tau %.2f, %.1f tokens/s (batched)",
-                     req.job.id, len(req.spec.ids), stats.generation_tokens, stats.tau, stats.generation_tps)
-            self._count(req.job, stats, "completed")
+            log.info("request %s: %d prompt tokens (%d reused), %d generated, tau %.2f, %.1f tokens/s (batched)",
+                     req.job.id, len(req.spec.ids), req.joining.reused, stats.generation_tokens, stats.tau,
+                     stats.generation_tps)
+            self._count(req.job, stats, "completed", req.joining.reused)
             self._release(req.job)
 
     def _fail_all(self, error: Exception) -> None:
@@ -242,20 +256,21 @@ def make_engine(pair: Any, max_batch: int, metrics: ServerMetrics, **kwargs) -> 
     """The engine for ``--max-batch``: :class:`BatchEngine` when ``max_batch`` > 1 and the
     target can batch exactly (every family here, sliding-window ones included; see
     :func:`~dflash_mlx.targets.batch_cache.batch_refusal`), else the one-at-a-time
-    :class:`Engine` (with ``store``, the prompt cache). Says which in the log and in
-    ``dflash_batching``.
+    :class:`Engine`. Says which in the log and in ``dflash_batching``.
 
     Args:
         kwargs: the engines' shared arguments (block_size, max_queue, prefill_step_size,
-            store; ``store`` goes to the one-at-a-time engine only).
+            store). ``store``, the prompt cache, goes to either engine: the one-at-a-time
+            engine always uses it; the batching engine where both caches are plain
+            attention KV caches and the drafter drafts the batch in one pass (else it
+            says once in the log why batched requests prefill their whole prompt).
     """
     store = kwargs.pop("store", None)
     refusal = batch_refusal(pair.target) if max_batch > 1 else None
     if max_batch > 1 and refusal is None:
         metrics.batching.set(1)
-        log.info("continuous batching: up to %d requests decode together (the prompt cache is used with "
-                 "--max-batch 1 only)", max_batch)
-        return BatchEngine(pair, max_batch=max_batch, metrics=metrics, **kwargs)
+        log.info("continuous batching: up to %d requests decode together", max_batch)
+        return BatchEngine(pair, max_batch=max_batch, metrics=metrics, store=store, **kwargs)
     metrics.batching.set(0)
     if refusal is not None:
         log.warning("--max-batch %d: batching is off for this target, requests run one at a time: %s",

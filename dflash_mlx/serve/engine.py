@@ -334,18 +334,20 @@ class Engine:
             return
         self._count(job, stats, outcome)
 
-    def _timed_out(self, job: Job, stats) -> None:
+    def _timed_out(self, job: Job, stats, reused: Optional[int] = None) -> None:
         n = stats.generation_tokens if stats is not None else 0
         log.info("request %s stopped: past its deadline after %d tokens", job.id, n)
-        self._count(job, stats, "timeout")  # before the client hears of it, so /metrics agrees
+        self._count(job, stats, "timeout", reused)  # before the client hears of it, so /metrics agrees
         job.push(Chunk(error="the request ran past the server's --request-timeout", status=408))
 
-    def _count(self, job: Job, stats, outcome: str) -> None:
+    def _count(self, job: Job, stats, outcome: str, reused: Optional[int] = None) -> None:
+        """Count a request's outcome and generation; ``reused``: its prompt tokens found in
+        the caches (None: the pair cache's last generation's)."""
         if self.metrics is not None:
             self.metrics.request(job.endpoint, outcome)
             if stats is not None:
-                self.metrics.generation(stats, len(job.spec.ids), self.pair_cache.last_reused,
-                                        time.perf_counter() - job.submitted)
+                reused = self.pair_cache.last_reused if reused is None else reused
+                self.metrics.generation(stats, len(job.spec.ids), reused, time.perf_counter() - job.submitted)
 
     def _gauge(self) -> None:
         if self.metrics is not None:

@@ -1,0 +1,129 @@
+"""The prompt cache for requests of a batch (continuous batching, ``dflash serve --max-batch N``).
+
+A request of a batch is prefilled alone (:class:`dflash_mlx.decode.batch.Joining`)
+before it joins the batch. With a store, it first looks up the longest stored prefix of
+its prompt (all but its last token, as :class:`~dflash_mlx.chat.prompt_cache.PairCache`
+does), restores the target cache and the drafter's context cache from that entry into
+fresh solo caches, trims both to the matched rows and prefills only the rest; once its
+prompt is done it puts an entry for the whole prompt into the store (memory and disk;
+the disk write runs on the batch's thread, so the batch waits for it, as one chunk).
+
+Only where one entry serves every shorter prefix and the solo caches carry straight into
+the batch: every layer cache of the target and of the drafter trims to any row count
+(plain attention KV caches, :func:`~dflash_mlx.prefix.resume.trims_anywhere`), and the
+drafter drafts the batch in one pass (or there is no drafter). Elsewhere
+(Gated-DeltaNet hybrids, sliding-window layers, drafters without a batched pass)
+:func:`batch_prefix_refusal` names the reason and batched requests prefill their whole
+prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+from ..chat.prompt_cache import trim_cache
+from .entry import restore, take_snapshot
+from .key import key_id, pair_key
+from .layers import LayerMismatch
+from .resume import trims_anywhere
+from .store import PrefixStore
+
+
+def batch_prefix_refusal(target: Any, drafter: Optional[Any], batched_drafter: bool, block_size: int) -> Optional[str]:
+    """Why batched requests cannot use the prompt cache with this pair, or None when they can.
+
+    Args:
+        target: the target adapter.
+        drafter: the bound drafter, or None (plain decoding).
+        batched_drafter: whether the drafter drafts the batch in one pass.
+        block_size: B, as the batch makes the target's caches.
+    """
+    if not trims_anywhere(target.make_cache(block_size)):
+        return "the target's layer caches cannot be trimmed to any row count (Gated-DeltaNet or sliding-window layers)"
+    if drafter is None:
+        return None
+    if not batched_drafter:
+        return "the drafter has no batched pass (it drafts sequence by sequence)"
+    if not trims_anywhere(drafter.make_cache()):
+        kinds = sorted({type(c).__name__ for c in drafter.make_cache()})
+        return f"the drafter's context caches cannot be trimmed to any row count ({', '.join(kinds)})"
+    return None
+
+
+@dataclass
+class Resumed:
+    """Fresh solo caches of one request, filled from the store where it held a prefix.
+
+    Attributes:
+        rows: prompt tokens both caches hold (0..len(ids) - 1): the tokens reused.
+        cache: the target's solo caches, one per layer, ``rows`` rows each.
+        draft_cache: the drafter's solo context caches, ``rows`` rows each (None without a drafter).
+        level: where the entry came from: ``"memory"``, ``"disk"``, or None (nothing reused).
+    """
+
+    rows: int
+    cache: List[Any]
+    draft_cache: Optional[List[Any]]
+    level: Optional[str] = None
+
+
+class BatchPrefix:
+    """Looks up, restores and keeps prompt-cache entries for the requests of a batch.
+
+    Args:
+        store: the prompt cache.
+        target: the target adapter (its caches trim anywhere, see :func:`batch_prefix_refusal`).
+        drafter: the bound drafter, or None.
+        block_size: B, as the batch makes the target's caches.
+    """
+
+    def __init__(self, store: PrefixStore, target: Any, drafter: Optional[Any], block_size: int):
+        self.store, self.target, self.drafter, self.block_size = store, target, drafter, block_size
+        self._key: Optional[Tuple[dict, str]] = None
+
+    def key(self) -> Tuple[dict, str]:
+        """``(key dict, key id)`` of the pair (computed once: it hashes the weights)."""
+        if self._key is None:
+            key = pair_key(self.target, self.drafter)
+            self._key = (key, key_id(key))
+        return self._key
+
+    def fresh(self) -> Resumed:
+        """Empty solo caches (0 rows)."""
+        draft_cache = self.drafter.make_cache() if self.drafter is not None else None
+        return Resumed(0, self.target.make_cache(self.block_size), draft_cache)
+
+    def resume(self, ids: Sequence[int]) -> Resumed:
+        """Solo caches holding the longest stored prefix of ``ids`` (at most all but its last token).
+
+        Args:
+            ids: the whole prompt, token ids (at least one).
+
+        Returns:
+            Caches trimmed to the matched rows; fresh ones (rows 0) when nothing matches
+            or the entry does not fit this pair (one warning through the store).
+        """
+        found = self.store.lookup(self.key()[1], ids)
+        if found is None:
+            return self.fresh()
+        snap, rows = found
+        out = self.fresh()
+        try:
+            restore(snap, out.cache, out.draft_cache)
+        except (LayerMismatch, KeyError, TypeError) as e:  # KeyError, TypeError: a side file that lies about its arrays
+            self.store.warn(f"prompt cache: an entry does not fit this pair ({e}); prefilling instead")
+            return self.fresh()
+        sides = [out.cache] + ([out.draft_cache] if out.draft_cache is not None else [])
+        if not all(trim_cache(c, rows) for c in sides):  # cannot happen where every layer trims anywhere
+            return self.fresh()
+        out.rows, out.level = rows, self.store.last_level
+        return out
+
+    def keep(self, tokens: Sequence[int], cache: List[Any], draft_cache: Optional[List[Any]]) -> None:
+        """Put an entry of ``tokens`` into the store (memory and disk) from the solo caches,
+        which hold ``len(tokens)`` rows each; nothing when they hold another count."""
+        snap = take_snapshot(tokens, cache, draft_cache)
+        if snap is not None:
+            key, kid = self.key()
+            self.store.put(kid, snap, key)
