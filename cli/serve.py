@@ -13,7 +13,9 @@ from .common import (block_size_option, draft_model_option, guard, load_pair, mo
 from .prompt_cache import make_store, no_prompt_cache_option, prompt_cache_dir_option, prompt_cache_gb_option
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-BATCH_FALLBACK = "Targets with sliding-window layers run one at a time (the log says so)."
+BATCH_PROMPT_CACHE = ("Batched requests use it too where the target and drafter keep plain attention KV caches "
+                      "and the drafter has a batched pass; else (hybrids, sliding-window layers) they prefill "
+                      "whole prompts (the log says so).")
 MAX_BATCH = 256  # a batch's cache grows with it: a typo (8000) should not take the memory
 
 
@@ -33,7 +35,7 @@ def serve(
     max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait behind the running ones; "
                                   "past that, 429."),
     max_batch: int = typer.Option(8, "--max-batch", help="Requests decoding together (continuous batching); "
-                                  "1: one at a time, with the prompt cache. " + BATCH_FALLBACK),
+                                  "1: one at a time, with the prompt cache. " + BATCH_PROMPT_CACHE),
     max_body_mb: float = typer.Option(4.0, "--max-body-mb", help="Largest request body, in MB (2^20 bytes); "
                                       "past it, 413."),
     chat_template_config: Optional[str] = typer.Option(
@@ -65,7 +67,9 @@ def serve(
     --max-batch 1 they run one at a time, both caches are kept between them, and
     prefixes of earlier prompts in the prompt cache (memory and disk,
     --prompt-cache-dir), so a prompt that shares the beginning of an earlier one
-    prefills only the rest.
+    prefills only the rest. Batched requests use the prompt cache too where the
+    target and drafter keep plain attention KV caches and the drafter has a batched
+    pass (hybrids and sliding-window layers: whole prompts, said in the log).
 
     Each response's usage has a "dflash" object: tau, steps, acceptance histogram.
 

@@ -81,7 +81,9 @@ class ServerConfig:
             default); an abandoned request stops between two chunks.
         prompt_store: the prompt cache (:class:`dflash_mlx.prefix.store.PrefixStore`):
             requests also resume from prefixes kept there, in memory and on disk
-            (None: from the previous request's caches only). One-at-a-time engine only.
+            (None: from the previous request's caches only). The batching engine uses it
+            where both caches are plain attention KV caches and the drafter has a
+            batched pass (else it says why in the log, once).
         max_batch: most requests decoding together (``--max-batch``); 1 runs them one
             at a time (:class:`Engine`), more batches them
             (:class:`~dflash_mlx.serve.batch_engine.BatchEngine`) where the target allows.
