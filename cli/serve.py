@@ -16,6 +16,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 BATCH_PROMPT_CACHE = ("Batched requests use it too where the target and drafter keep plain attention KV caches "
                       "and the drafter has a batched pass; else (hybrids, sliding-window layers) they prefill "
                       "whole prompts (the log says so).")
+MAX_BATCH_HELP = ("Requests decoding together (continuous batching); 1: one at a time, with the prompt cache. "
+                  + BATCH_PROMPT_CACHE)
 MAX_BATCH = 256  # a batch's cache grows with it: a typo (8000) should not take the memory
 
 
@@ -34,8 +36,7 @@ def serve(
         help="Require 'Authorization: Bearer KEY' on every endpoint but /health (or set DFLASH_API_KEY)."),
     max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait behind the running ones; "
                                   "past that, 429."),
-    max_batch: int = typer.Option(8, "--max-batch", help="Requests decoding together (continuous batching); "
-                                  "1: one at a time, with the prompt cache. " + BATCH_PROMPT_CACHE),
+    max_batch: int = typer.Option(8, "--max-batch", help=MAX_BATCH_HELP),
     max_body_mb: float = typer.Option(4.0, "--max-body-mb", help="Largest request body, in MB (2^20 bytes); "
                                       "past it, 413."),
     chat_template_config: Optional[str] = typer.Option(
@@ -63,13 +64,12 @@ def serve(
 ) -> None:
     """Serve the pair over the OpenAI API (chat, completions, models, health, metrics).
 
-    Up to --max-batch requests decode together (continuous batching); with
-    --max-batch 1 they run one at a time, both caches are kept between them, and
-    prefixes of earlier prompts in the prompt cache (memory and disk,
-    --prompt-cache-dir), so a prompt that shares the beginning of an earlier one
-    prefills only the rest. Batched requests use the prompt cache too where the
-    target and drafter keep plain attention KV caches and the drafter has a batched
-    pass (hybrids and sliding-window layers: whole prompts, said in the log).
+    Up to --max-batch requests decode together (continuous batching; --block-size
+    auto picks one width per step for the batch). Prefixes of earlier prompts are
+    kept in the prompt cache (memory and disk, --prompt-cache-dir), so a prompt that
+    shares the beginning of an earlier one prefills only the rest: batched requests
+    where target and drafter keep plain attention KV caches (hybrids and
+    sliding-window layers prefill whole prompts, said in the log); --max-batch 1 always.
 
     Each response's usage has a "dflash" object: tau, steps, acceptance histogram.
 
