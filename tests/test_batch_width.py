@@ -47,8 +47,23 @@ def test_every_width_is_timed_twice_before_choosing():
     widths = BatchWidths(16, clock=clock)
     assert run(widths, clock, 4, lambda w: w - 1, 8) == [2, 2, 4, 4, 8, 8, 16, 16]
     assert widths.estimate(8, 4) == pytest.approx(0.01)
-    assert widths.estimate(8, 5) is None  # a new batch size is timed anew
-    assert widths.choose(5) == 2
+    assert not widths.timed(8, 5) and widths.estimate(8, 5) == pytest.approx(0.01)  # from N = 4
+
+
+def test_a_new_batch_size_is_estimated_not_explored():
+    """Widths timed at N = 2 only: at N = 6 each is estimated from N = 2, scaled by what
+    the width run at both batch sizes took; the best estimate runs, nothing is explored."""
+    cost = {(2, 2): 0.010, (4, 2): 0.012, (8, 2): 0.016, (2, 6): 0.030}
+    clock = StepClock(lambda w, n: cost[(w, n)])
+    widths = BatchWidths(8, clock=clock)
+    run(widths, clock, 2, lambda w: w - 1, 6)  # 2, 2, 4, 4, 8, 8
+    assert widths.estimate(4, 6) == pytest.approx(0.012)  # nothing timed at 6 yet
+    widths.choose = lambda n: 2
+    run(widths, clock, 6, lambda w: w - 1, 2)
+    del widths.choose
+    assert widths.timed(2, 6) and not widths.timed(4, 6)
+    assert widths.estimate(4, 6) == pytest.approx(0.012 * 3) and widths.estimate(8, 6) == pytest.approx(0.048)
+    assert widths.choose(6) == 8  # right drafts: about 7 tokens for 0.048 s beat 4 for 0.036 s
 
 
 def test_cheap_verify_and_right_drafts_choose_the_widest():

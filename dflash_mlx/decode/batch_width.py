@@ -15,11 +15,13 @@ for the N sequences active now.
   as in the one-request model). Positions past the widths in use are learned from a
   wider step every ``wide_every`` steps; until seen they take the prior.
 - **seconds(w, N)**: what whole batched steps of w took with N sequences, measured on
-  this machine (an exponentially weighted mean per (w, N)). A (w, N) never timed is
-  run, twice (the first run of a new shape pays for its setup and is not kept), before
-  the choice at N is made from the measurements; until all widths are timed at N,
-  the untimed ones are tried smallest first. A step more than three times off its
-  mean is a pause, not a timing.
+  this machine (an exponentially weighted mean per (w, N); a cell counts once run twice,
+  since the first run of a new shape pays for its setup and is not kept). Each width is
+  first run at the first batch size seen. A (w, N) not yet timed is estimated from w
+  at the nearest timed batch size M, scaled by t(v, N) / t(v, M) of a width v timed at
+  both (requests join and leave all the time: timing every width at every N would
+  spend many steps on widths that lose). A step more than three times off its mean is
+  a pause, not a timing.
 
 Timings come from ``clock`` (injectable: tests give fixed seconds; nothing here decides
 what a test checks from the wall clock).
@@ -63,7 +65,7 @@ class BatchWidths:
     Attributes:
         widths: the candidate widths (:func:`block_widths`).
         seconds: ``{(w, N): mean seconds of a whole step}``.
-        runs: ``{(w, N): steps timed}`` (the first is dropped).
+        runs: ``{(w, N): steps run}`` (the first one's seconds are dropped).
         tried, right: weighted counts per draft position i = 1..trained-1 (index i-1).
         steps: batched steps observed.
     """
@@ -97,11 +99,22 @@ class BatchWidths:
         """E[tokens committed per sequence | a step of ``width``] = 1 + sum_{i < w} S(i)."""
         return 1.0 + sum(self.survival()[: width - 1])
 
+    def timed(self, width: int, n: int) -> bool:
+        """Whether steps of ``width`` with ``n`` sequences have a measured mean."""
+        return self.runs.get((width, n), 0) >= 2
+
     def estimate(self, width: int, n: int) -> float | None:
-        """Seconds of a step of ``width`` with ``n`` sequences, or None if not yet timed."""
-        if self.runs.get((width, n), 0) < 2:
+        """Seconds of a step of ``width`` with ``n`` sequences: measured, or scaled from
+        the nearest batch size it was measured at; None if ``width`` was never timed."""
+        if self.timed(width, n):
+            return self.seconds[(width, n)]
+        sizes = [m for (w, m) in self.seconds if w == width and self.timed(w, m)]
+        if not sizes:
             return None
-        return self.seconds[(width, n)]
+        m = min(sizes, key=lambda s: (abs(s - n), s))
+        scale = next((self.seconds[(v, n)] / self.seconds[(v, m)] for v in self.widths
+                      if self.timed(v, n) and self.timed(v, m)), 1.0)
+        return self.seconds[(width, m)] * scale
 
     def choose(self, n: int) -> int:
         """The width of the next step with ``n`` active sequences (n >= 1)."""
