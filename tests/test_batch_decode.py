@@ -181,16 +181,19 @@ def test_cache_rows_equal_a_solo_cache(family):
 
 
 
-def assert_batch_differs_from_solo(family: str, B: int = 6, n: int = 40) -> None:
+def assert_batch_differs_from_solo(family: str, B: int = 6, n: int = 40, every: bool = False) -> None:
     """Three sequences (blocks fully, partly and not accepted) batched on ``family``:
-    at least one output must differ from its solo run (for tests of broken rollbacks)."""
+    at least one output (``every``: each one) must differ from its solo run (for tests
+    of a broken rollback or mask)."""
     target = target_of(family)
     ps = prompts(3, seed=1)
     refs = [solo(target, p, n + B) for p in ps]
     scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 2, 0)))}
     out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, check_anchor=False), B),
                 [dict(key=i, prompt=p, n=n, join=0) for i, p in enumerate(ps)])
-    assert any(out[i] != refs[i][:n] for i in range(3))
+    differs = [out[i] != refs[i][:n] for i in range(3)]
+    assert all(differs) if every else any(differs), differs
+
 
 def test_broken_per_sequence_rollback_is_caught(monkeypatch):
     """The lossless check has power: trimming every sequence by the batch's fewest

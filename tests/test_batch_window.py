@@ -17,7 +17,7 @@ from dflash_mlx.targets.batch_cache import COMPACT_AT, sequence_rows
 from dflash_mlx.targets.batch_window import BatchWindowKVCache
 from dflash_mlx.targets.window_cache import WindowKVCache
 from conftest import assert_varied, tiny_drafter
-from test_batch_decode import JoinOrderDrafter, drive, prompts, solo, target_of
+from test_batch_decode import JoinOrderDrafter, assert_batch_differs_from_solo, drive, prompts, solo, target_of
 
 WINDOWED = ("llama-sliding", "gemma3_text", "gemma4_text", "gpt_oss")
 
@@ -158,10 +158,4 @@ def test_full_attention_in_window_layers_is_caught(family, monkeypatch):
     monkeypatch.setattr(BatchWindowKVCache, "make_mask",
                         lambda self, N, window_size=None, **kw: BatchKVCache.make_mask(self, N))
     monkeypatch.setattr(BatchWindowKVCache, "hide_old_rows", lambda self: None)
-    target, B, n = target_of(family), 6, 40
-    ps = prompts(3, seed=1)
-    refs = [solo(target, p, n + B) for p in ps]
-    scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 2, 0)))}
-    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, check_anchor=False), B),
-                [dict(key=i, prompt=p, n=n, join=0) for i, p in enumerate(ps)])
-    assert all(out[i] != refs[i][:n] for i in range(3))
+    assert_batch_differs_from_solo(family, every=True)

@@ -270,8 +270,9 @@ class BatchDecoder:
         if self.drafter is None:
             return self._plain_step()
         tic = time.perf_counter()  # for the statistics only
-        started = self.widths.start() if self.widths is not None else None
-        w = self.width if self._fixed_width() else self.widths.choose(len(self.sequences))
+        auto = not self._fixed_width()
+        started = self.widths.start() if auto else None
+        w = self.widths.choose(len(self.sequences)) if auto else self.width
         proposals = self._propose(w)
         inputs = mx.stack([mx.concatenate([s.token, p.tokens]) for s, p in zip(self.sequences, proposals)])
         h, features = self.target(inputs, self.cache, self.capture)
@@ -288,7 +289,7 @@ class BatchDecoder:
         compact(self.cache)
         if self.drafts is not None:
             compact(self.drafts.cache)
-        if not self._fixed_width():
+        if auto:
             self.widths.observe(started, w, [r.accepted for r in results])
         return self._settle(results)
 
