@@ -23,11 +23,13 @@ bits may differ, never the output (the target verifies every draft).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
 from ..protocol import Proposal
+from .network import compile_enabled
 from ..targets.batch_cache import extend, keep_rows
 
 
@@ -98,8 +100,9 @@ class BatchDrafts:
         if d.args.input_embedding_scale != 1.0:
             h = h * d.args.input_embedding_scale
         fused = self._fused(contexts, rows)
+        one_layer = _compiled_layer if compile_enabled() else _layer
         for layer, c in zip(d.layers, self.cache):
-            h = _layer(layer, h, fused, rows, c)
+            h = one_layer(layer, h, fused, rows, c)
         logits = d.logits(d.norm(h[:, 1:]))
         drafts = mx.argmax(logits, axis=-1).astype(mx.int32)
         return [Proposal(drafts[i]) for i in range(len(tokens))]
@@ -129,15 +132,65 @@ def _layer(layer: Any, h: mx.array, fused: Optional[mx.array], rows: List[int], 
     queries = attn.rope(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)), offset=start)
     block_keys, block_values = attn._keys_values(x)
     block_keys = attn.rope(block_keys, offset=start)
-    if fused is not None:
-        ctx_keys, ctx_values = attn._keys_values(fused)
-        cache.update_and_fetch(attn.rope(ctx_keys, offset=cache.offset), ctx_values)
-        cache.prepare(right_padding=[fused.shape[1] - r for r in rows])
-        cache.finalize()
+    _append_context(attn, fused, rows, cache)
     ctx_keys, ctx_values = cache.keys_and_values()
     out = _attend(attn, queries, ctx_keys, ctx_values, block_keys, block_values, cache.left_padding)
     h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))
     return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+class _BatchKernels:
+    """A drafter layer's compiled halves for a batch (as
+    :meth:`~dflash_mlx.drafter.network.DrafterLayer._compiled_step` for one sequence):
+    the block rows' norm, projections and RoPE before the attention, the output
+    projection and MLP after it. On a CPU a batched step costs about its number of
+    small ops, which compiling fuses. Their shapes depend only on the batch size and
+    the width, so MLX traces each pair once; the context rows, whose number changes
+    every step, stay outside. The layer's parameters are inputs, read at every call.
+    Held outside the module tree, so never saved or trained."""
+
+    def __init__(self, layer: Any):
+        self.pre = mx.compile(partial(_block_pre, layer), inputs=layer.state)
+        self.post = mx.compile(partial(_post, layer), inputs=layer.state)
+
+
+def _block_pre(layer: Any, h: mx.array, start: mx.array):
+    """Block queries [N, n_heads, B, hd] and keys, values [N, n_kv, B, hd], RoPE at ``start`` [N]."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    queries = attn.rope(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)), offset=start)
+    keys, values = attn._keys_values(x)
+    return queries, attn.rope(keys, offset=start), values
+
+
+def _post(layer: Any, h: mx.array, out: mx.array) -> mx.array:
+    N, _, B, _ = out.shape
+    h = h + layer.self_attn.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _compiled_layer(layer: Any, h: mx.array, fused: Optional[mx.array], rows: List[int], cache: Any) -> mx.array:
+    """:func:`_layer` with its block halves compiled (:class:`_BatchKernels`)."""
+    kernels = layer.__dict__.get("_batch_kernels")
+    if kernels is None:
+        kernels = layer.__dict__["_batch_kernels"] = _BatchKernels(layer)
+    attn = layer.self_attn
+    queries, block_keys, block_values = kernels.pre(h, cache.offset + mx.array(rows))
+    _append_context(attn, fused, rows, cache)
+    ctx_keys, ctx_values = cache.keys_and_values()
+    out = _attend(attn, queries, ctx_keys, ctx_values, block_keys, block_values, cache.left_padding)
+    return kernels.post(h, out)
+
+
+def _append_context(attn: Any, fused: Optional[mx.array], rows: List[int], cache: Any) -> None:
+    """Append the new context rows' keys and values (sequence i's first ``rows[i]`` of
+    ``fused``; its padding rolled into its left padding)."""
+    if fused is None:
+        return
+    ctx_keys, ctx_values = attn._keys_values(fused)
+    cache.update_and_fetch(attn.rope(ctx_keys, offset=cache.offset), ctx_values)
+    cache.prepare(right_padding=[fused.shape[1] - r for r in rows])
+    cache.finalize()
 
 
 def _attend(attn: Any, queries: mx.array, ctx_keys: mx.array, ctx_values: mx.array, block_keys: mx.array,
