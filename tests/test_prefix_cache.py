@@ -191,6 +191,35 @@ def test_least_recently_used_entries_go_past_the_byte_cap(tmp_path):
     assert store.lookup(kid, prompts[0] + [1]) and store.lookup(kid, prompts[2] + [1])
 
 
+def test_the_byte_cap_holds_without_a_scan_after_every_write(tmp_path, monkeypatch):
+    # A store adds its own writes to its last scan's total and scans (and evicts) again
+    # when that passes the cap, or when RESCAN_S has passed (other processes' entries).
+    _, target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    store = PrefixStore(tmp_path, memory_entries=0)
+    scans, evict = [], store.evict
+    monkeypatch.setattr(store, "evict", lambda: scans.append(1) or evict())
+    pc = PairCache(target, ByteTokenizer(), drafter, store=store)
+    prompts = [[k] + PROMPT[1:] for k in (11, 12, 13, 14)]
+    run(pc, prompts[0], 5)
+    assert len(scans) == 1  # the first write scans
+    run(pc, prompts[1], 5)
+    assert len(scans) == 1  # later ones are counted
+    on_disk = lambda: sum(f.stat().st_size for f in tmp_path.glob("*/*") if f.name != "key.json")  # noqa: E731
+    assert store._disk_bytes == on_disk()
+    store.max_bytes = on_disk() + 100
+    run(pc, prompts[2], 5)
+    assert len(scans) == 2 and on_disk() <= store.max_bytes  # past the cap: scanned, the oldest went
+    kid = pc.pair_key()[1]
+    assert store.lookup(kid, prompts[0] + [1]) is None and store.lookup(kid, prompts[2] + [1])
+    other = PrefixStore(tmp_path, memory_entries=0)  # another process writes past the cap
+    run(PairCache(target, ByteTokenizer(), drafter, store=other), prompts[3], 5)
+    other_grew = on_disk()
+    monkeypatch.setattr(store, "RESCAN_S", -1.0)
+    run(pc, prompts[2], 5)
+    assert len(scans) == 3 and on_disk() <= store.max_bytes < other_grew + 1
+
+
 def test_another_pair_never_meets_these_entries(tmp_path):
     _, target = tiny_target("llama")
     drafter, other = tiny_drafter(target, seed=1), tiny_drafter(target, seed=5)

@@ -48,7 +48,8 @@ class PrefixStore:
 
     Args:
         root: the folder (default :func:`default_root`); None with ``disk=False``: memory only.
-        max_bytes: most bytes on disk under ``root`` (every pair's entries together).
+        max_bytes: most bytes on disk under ``root`` (every pair's entries together; what other
+            processes write is counted at the next scan, at most :attr:`RESCAN_S` seconds on).
         memory_entries: most entries kept in memory (0: none).
         disk: write and read entries on disk.
         warn: where one-line warnings go (a corrupt entry, a folder that cannot be written).
@@ -57,6 +58,8 @@ class PrefixStore:
         hits: lookups answered, by level (``{"memory": n, "disk": n}``).
         last_level: the level that answered the last lookup (``"memory"``, ``"disk"``, None).
     """
+
+    RESCAN_S = 30.0
 
     def __init__(self, root: Optional[Path] = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
                  memory_entries: int = DEFAULT_MEMORY_ENTRIES, disk: bool = True,
@@ -69,6 +72,8 @@ class PrefixStore:
         self._index: Dict[Path, Tuple[int, dict]] = {}  # json path -> (mtime_ns, parsed), read once
         self._clock = 0
         self._disk_ok = True
+        self._disk_bytes: Optional[int] = None  # every pair's bytes under root, as counted (see _evict_if_full)
+        self._scanned_at = 0.0
         if self.disk:
             self._remove_leftovers()
 
@@ -135,7 +140,7 @@ class PrefixStore:
             if key is not None and not (folder / "key.json").exists():
                 (folder / "key.json").write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
             self._touch(folder / f"{name}.json")
-            self.evict()
+            self._evict_if_full(folder, name)
         except OSError as e:
             self._disk_ok = False
             self.warn(f"prompt cache: cannot write under {self.root} ({e.strerror or e}); keeping entries in memory only")
@@ -147,6 +152,19 @@ class PrefixStore:
         self.memory.move_to_end((kid, name))
         while len(self.memory) > self.memory_entries:
             self.memory.popitem(last=False)
+
+    def _evict_if_full(self, folder: Path, name: str) -> None:
+        """After a write: :meth:`evict` when the bytes on disk may pass ``max_bytes``.
+        The total is counted by the last scan plus what this process wrote since, so a
+        server does not list and stat every entry after every request; a scan at least
+        every :attr:`RESCAN_S` seconds counts what other processes wrote."""
+        if self._disk_bytes is None or time.monotonic() - self._scanned_at > self.RESCAN_S:
+            self.evict()
+            return
+        for suffix in (".json", ".safetensors"):
+            self._disk_bytes += (folder / f"{name}{suffix}").stat().st_size
+        if self._disk_bytes > self.max_bytes:
+            self.evict()
 
     def evict(self) -> List[Path]:
         """Remove least recently used entries (every pair's) until the disk holds at most
@@ -170,6 +188,7 @@ class PrefixStore:
             self.memory.pop((side.parent.name, side.stem), None)
             total -= size
             removed.append(side)
+        self._disk_bytes, self._scanned_at = total, time.monotonic()
         return removed
 
     # -- disk bookkeeping ----------------------------------------------------------
