@@ -104,6 +104,32 @@ def test_a_cancelled_request_leaves_and_the_others_are_unaffected(pair):
     assert metrics.requests.labels("chat", "completed")._value.get() == 2
 
 
+def test_a_steps_chunks_reach_the_event_loop_in_one_wake_up(pair, monkeypatch):
+    # Each batched step hands every request's chunk (and any end) to the event loop in
+    # one call, in order; the texts are still each request's solo text.
+    from dflash_mlx.serve import engine as engine_module
+
+    jobs = [GenerationJob([5, 6, 7], 30), GenerationJob([9, 10, 11, 12], 40), GenerationJob([40], 20)]
+    groups = []
+
+    def counting(group):
+        groups.append([job for job, _ in group])
+        return put_all(group)
+
+    async def main():
+        engine = BatchEngine(pair, max_batch=8, block_size=4)
+        out = await asyncio.gather(*(collect(engine.submit(j)) for j in jobs))
+        engine.shutdown()
+        return out
+
+    put_all = engine_module._put_all
+    monkeypatch.setattr(engine_module, "_put_all", counting)
+    results = asyncio.run(main())
+    for job, (text, last, _) in zip(jobs, results):
+        assert text == solo_text(pair, job.ids, job.max_tokens) and last.finish_reason == "length"
+    assert groups and max(len(set(map(id, g))) for g in groups) == 3  # a step of three requests: one call
+
+
 def test_queue_bound_counts_beyond_the_batch(pair):
     async def main():
         engine = BatchEngine(pair, max_batch=2, max_queue=1, block_size=4)

@@ -41,7 +41,7 @@ from ..prefix.store import PrefixStore
 from ..sampling import make_sampler
 from ..targets.batch_cache import batch_refusal
 from .api import usage
-from .engine import _STARTED, Chunk, Engine, GenerationJob, Job
+from .engine import _STARTED, Chunk, Engine, GenerationJob, Job, push_together
 from .metrics import ServerMetrics
 from .text_stream import TextStream
 
@@ -98,6 +98,7 @@ class BatchEngine(Engine):
         self._inbox: Deque[Job] = deque()
         self._joining: Deque[_Request] = deque()
         self._active: List[_Request] = []
+        self._outbox: Optional[List[tuple]] = None  # during a step: (job, chunk) sent together after it
         self._wake = threading.Condition()
         self._worker = threading.Thread(target=self._loop, name="dflash-engine-batch", daemon=True)
         self._worker.start()
@@ -213,8 +214,13 @@ class BatchEngine(Engine):
     def _step(self) -> None:
         by_job = {id(r.job): r for r in self._active}
         requests = [by_job[id(s.key)] for s in self.decoder.sequences]
-        for req, result in zip(requests, self.decoder.step()):
-            self._emit(req, result)
+        self._outbox = []
+        try:
+            for req, result in zip(requests, self.decoder.step()):
+                self._emit(req, result)
+        finally:
+            outbox, self._outbox = self._outbox, None
+            push_together(outbox)
         if self.metrics is not None:
             self.metrics.batch_size.set(len(self.decoder))
 
@@ -225,7 +231,7 @@ class BatchEngine(Engine):
         stats.generation_s = time.perf_counter() - req.first
         text = req.text.add(result.tokens, last)
         u = usage(len(req.spec.ids), req.joining.reused, stats) if last else None
-        req.job.push(Chunk(text, result.finish_reason, u))
+        self._send(req.job, Chunk(text, result.finish_reason, u))
         if last:
             if req in self._active:
                 self._active.remove(req)
@@ -249,7 +255,14 @@ class BatchEngine(Engine):
             self._pending -= 1
             self._jobs.discard(job)
         self._gauge()
-        job.push(None)
+        self._send(job, None)
+
+    def _send(self, job: Job, chunk: Any) -> None:
+        """Push ``chunk`` to ``job`` now, or with the step's other chunks (one wake-up of the event loop)."""
+        if self._outbox is None:
+            job.push(chunk)
+        else:
+            self._outbox.append((job, chunk))
 
 
 def make_engine(pair: Any, max_batch: int, metrics: ServerMetrics, **kwargs) -> Engine:

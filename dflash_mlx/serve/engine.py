@@ -26,7 +26,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, List, Optional, Union
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -99,6 +99,26 @@ class Chunk:
 
 
 Prepare = Callable[[], GenerationJob]
+
+
+def push_together(items: Sequence[Tuple["Job", Any]]) -> None:
+    """From the worker thread: hand chunks of several jobs (in order) to their event
+    loops with one wake-up per loop, not one per chunk (a batched step makes a chunk
+    for every request in the batch)."""
+    by_loop: Dict[Any, List[Tuple["Job", Any]]] = {}
+    for job, chunk in items:
+        by_loop.setdefault(job._loop, []).append((job, chunk))
+    for loop, group in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, group)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            for job, _ in group:
+                job.cancelled.set()
+
+
+def _put_all(group: List[Tuple["Job", Any]]) -> None:
+    for job, chunk in group:
+        job._queue.put_nowait(chunk)
 
 
 class Job:
