@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Batched decoding in one process, no server: mlx-lm's ``BatchGenerator`` (plain) against
+our batch (:class:`dflash_mlx.decode.batch.BatchDecoder`) at fixed widths and auto, the
+same N prompts, greedy, ``--max-tokens`` each; settings in turn, ``--repeats`` rounds;
+tokens/s from the first prefill to the last token, median per setting.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
+        taskset -c 0 python benchmarks/batch_inprocess.py --model OUT/target --draft-model OUT/drafter
+"""
+
+import argparse
+import statistics
+import time
+
+from mlx_lm.generate import BatchGenerator
+
+from dflash_mlx import load
+from dflash_mlx.decode.batch import BatchDecoder
+from dflash_mlx.decode.batch_width import BatchWidths
+from dflash_mlx.decode.stopping import StopCondition
+
+from batch_serve import PROMPTS  # benchmarks/ is on the path when run as a script
+
+
+def ours(pair, ids, width, max_tokens: int) -> float:
+    auto = width == "auto"
+    dec = BatchDecoder(pair.target, pair.drafter, 16 if auto else int(width), BatchWidths(16) if auto else None)
+    eos = tuple(pair.tokenizer.eos_token_ids)
+    tic, n = time.perf_counter(), 0
+    for k, p in enumerate(ids):
+        n += len(dec.start(k, p, None, StopCondition(max_tokens, eos)).advance().tokens)
+    while len(dec):
+        n += sum(len(r.tokens) for r in dec.step())
+    return n / (time.perf_counter() - tic)
+
+
+def mlx_lm_batch(pair, ids, max_tokens: int) -> float:
+    gen = BatchGenerator(pair.target.model, max_tokens=max_tokens, stop_tokens=set(pair.tokenizer.eos_token_ids))
+    tic, n = time.perf_counter(), 0
+    gen.insert(ids, [max_tokens] * len(ids))
+    while True:
+        out = gen.next_generated()
+        if not out:
+            break
+        n += len(out)
+    gen.close()
+    return n / (time.perf_counter() - tic)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--draft-model", required=True)
+    p.add_argument("--sequences", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--settings", default="mlx_lm,2,4,8,auto")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    pair = load(args.model, args.draft_model)
+    ids = [pair.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.sequences)]
+    settings = args.settings.split(",")
+    figures = {s: [] for s in settings}
+    for _ in range(args.repeats):
+        for s in settings:
+            tps = mlx_lm_batch(pair, ids, args.max_tokens) if s == "mlx_lm" else ours(pair, ids, s, args.max_tokens)
+            figures[s].append(tps)
+    print("| setting | tok/s (median) | all repeats |")
+    print("|---|---:|---|")
+    for s in settings:
+        print(f"| {s} | {statistics.median(figures[s]):.0f} | {[round(f) for f in figures[s]]} |")
+
+
+if __name__ == "__main__":
+    main()
