@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import signal
 from pathlib import Path
 from typing import List
 
@@ -18,6 +19,11 @@ from mlx_lm.models import (gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, ll
                            qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl, qwen3_vl_moe)
 
 from dflash_mlx import DFlashDrafter, DrafterArgs, bind_drafter, make_adapter, save_drafter
+
+# A run started in the background by a non-interactive shell (`bash .ci/run &`) ignores
+# SIGINT, and processes the tests start would inherit that: the Ctrl-C tests need their
+# children to get it. A handler (unlike an ignored signal) is reset to the default on exec.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
