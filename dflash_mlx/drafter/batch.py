@@ -100,9 +100,9 @@ class BatchDrafts:
         if d.args.input_embedding_scale != 1.0:
             h = h * d.args.input_embedding_scale
         fused = self._fused(contexts, rows)
-        one_layer = _compiled_layer if compile_enabled() else _layer
+        compiled = compile_enabled()
         for layer, c in zip(d.layers, self.cache):
-            h = one_layer(layer, h, fused, rows, c)
+            h = _layer(layer, h, fused, rows, c, compiled)
         logits = d.logits(d.norm(h[:, 1:]))
         drafts = mx.argmax(logits, axis=-1).astype(mx.int32)
         return [Proposal(drafts[i]) for i in range(len(tokens))]
@@ -122,21 +122,29 @@ class BatchDrafts:
         return self.drafter.hidden_norm(self.drafter.fc(mx.concatenate(padded, axis=0)))
 
 
-def _layer(layer: Any, h: mx.array, fused: Optional[mx.array], rows: List[int], cache: Any) -> mx.array:
+def _layer(layer: Any, h: mx.array, fused: Optional[mx.array], rows: List[int], cache: Any,
+           compiled: bool) -> mx.array:
     """One drafter layer over the batch: h [N, B, H] block rows; ``fused`` [N, max S, H]
-    new context rows (sequence i's first ``rows[i]`` real) appended to ``cache``."""
+    new context rows (sequence i's first ``rows[i]`` real) appended to ``cache``, their
+    padding rolled into each sequence's left padding. ``compiled``: the block halves
+    run through :class:`_BatchKernels`."""
+    if compiled:
+        kernels = layer.__dict__.get("_batch_kernels")
+        if kernels is None:
+            kernels = layer.__dict__["_batch_kernels"] = _BatchKernels(layer)
+        pre, post = kernels.pre, kernels.post
+    else:
+        pre, post = partial(_block_pre, layer), partial(_post, layer)
     attn = layer.self_attn
-    N, B, _ = h.shape
-    x = layer.input_layernorm(h)
-    start = cache.offset + mx.array(rows)  # per sequence: position of t_last
-    queries = attn.rope(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)), offset=start)
-    block_keys, block_values = attn._keys_values(x)
-    block_keys = attn.rope(block_keys, offset=start)
-    _append_context(attn, fused, rows, cache)
+    queries, block_keys, block_values = pre(h, cache.offset + mx.array(rows))  # t_last at offset + rows
+    if fused is not None:
+        ctx_keys, ctx_values = attn._keys_values(fused)
+        cache.update_and_fetch(attn.rope(ctx_keys, offset=cache.offset), ctx_values)
+        cache.prepare(right_padding=[fused.shape[1] - r for r in rows])
+        cache.finalize()
     ctx_keys, ctx_values = cache.keys_and_values()
     out = _attend(attn, queries, ctx_keys, ctx_values, block_keys, block_values, cache.left_padding)
-    h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return post(h, out)
 
 
 class _BatchKernels:
@@ -164,33 +172,10 @@ def _block_pre(layer: Any, h: mx.array, start: mx.array):
 
 
 def _post(layer: Any, h: mx.array, out: mx.array) -> mx.array:
+    """Residual, output projection of ``out`` [N, n_heads, B, hd], then the MLP: [N, B, H]."""
     N, _, B, _ = out.shape
     h = h + layer.self_attn.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))
     return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
-def _compiled_layer(layer: Any, h: mx.array, fused: Optional[mx.array], rows: List[int], cache: Any) -> mx.array:
-    """:func:`_layer` with its block halves compiled (:class:`_BatchKernels`)."""
-    kernels = layer.__dict__.get("_batch_kernels")
-    if kernels is None:
-        kernels = layer.__dict__["_batch_kernels"] = _BatchKernels(layer)
-    attn = layer.self_attn
-    queries, block_keys, block_values = kernels.pre(h, cache.offset + mx.array(rows))
-    _append_context(attn, fused, rows, cache)
-    ctx_keys, ctx_values = cache.keys_and_values()
-    out = _attend(attn, queries, ctx_keys, ctx_values, block_keys, block_values, cache.left_padding)
-    return kernels.post(h, out)
-
-
-def _append_context(attn: Any, fused: Optional[mx.array], rows: List[int], cache: Any) -> None:
-    """Append the new context rows' keys and values (sequence i's first ``rows[i]`` of
-    ``fused``; its padding rolled into its left padding)."""
-    if fused is None:
-        return
-    ctx_keys, ctx_values = attn._keys_values(fused)
-    cache.update_and_fetch(attn.rope(ctx_keys, offset=cache.offset), ctx_values)
-    cache.prepare(right_padding=[fused.shape[1] - r for r in rows])
-    cache.finalize()
 
 
 def _attend(attn: Any, queries: mx.array, ctx_keys: mx.array, ctx_values: mx.array, block_keys: mx.array,
