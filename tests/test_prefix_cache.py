@@ -16,7 +16,7 @@ import pytest
 from dflash_mlx import generate_step
 from dflash_mlx.chat.prompt_cache import PairCache
 from dflash_mlx.prefix import layers
-from dflash_mlx.prefix.entry import restore, take_snapshot
+from dflash_mlx.prefix.entry import restore, restore_or_warn, take_snapshot
 from dflash_mlx.prefix.key import key_id, pair_key
 from dflash_mlx.prefix.resume import trims_anywhere
 from dflash_mlx.prefix.store import PrefixStore
@@ -79,6 +79,26 @@ def test_a_restore_from_disk_in_a_new_process_is_exact(pair, tmp_path):
     assert run(later, cont, 25) == cold(target, drafter, cont, 25)
     assert later.last_reused == len(PROMPT) + len(reply) - 1 and later.last_source == "disk"
     assert later.is_consistent()
+
+
+def test_an_entry_of_other_layers_is_refused_with_one_warning(tmp_path):
+    # An entry whose layers do not fit the pair is refused with one line (never used),
+    # and a pair that meets one under its own key prefills instead, exactly.
+    _, target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    pc = new_process(target, drafter, tmp_path)
+    run(pc, PROMPT, 5)
+    snap, _ = PrefixStore(tmp_path, memory_entries=0).lookup(pc.pair_key()[1], PROMPT + [0])
+    warnings = []
+    assert restore_or_warn(snap, target.make_cache(4), drafter.make_cache(), warnings.append)
+    assert not restore_or_warn(snap, target.make_cache(4)[:-1], drafter.make_cache(), warnings.append)
+    assert len(warnings) == 1 and "does not fit this pair" in warnings[0] and "prefilling instead" in warnings[0]
+    _, other = tiny_target("qwen3_5")  # Gated-DeltaNet layers: caches of other kinds
+    other_drafter = tiny_drafter(other)
+    later = new_process(other, other_drafter, tmp_path, warnings)
+    later.pair_key = pc.pair_key  # the other pair meets this entry under its own key
+    assert run(later, PROMPT, 5) == cold(other, other_drafter, PROMPT, 5)
+    assert later.last_reused == 0 and len(warnings) == 2
 
 
 def test_the_longest_stored_prefix_is_resumed(pair, tmp_path):

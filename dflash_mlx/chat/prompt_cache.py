@@ -34,9 +34,8 @@ from mlx_lm.models.cache import KVCache
 from ..targets.caches import can_trim
 from ..errors import RollbackError
 from ..decode.generate import GenerationResponse, stream_generate
-from ..prefix.entry import Snapshot, restore, take_snapshot
+from ..prefix.entry import Snapshot, restore_or_warn, take_snapshot
 from ..prefix.key import key_id, pair_key
-from ..prefix.layers import LayerMismatch
 from ..prefix.resume import boundaries, boundary_interval, prefill_to, trims_anywhere
 from ..prefix.store import PrefixStore
 
@@ -198,10 +197,7 @@ class PairCache:
             return live
         snap, rows = found
         cache, draft_cache = self._new_caches()
-        try:
-            restore(snap, cache, draft_cache)
-        except (LayerMismatch, KeyError, TypeError) as e:  # KeyError, TypeError: a side file that lies about its arrays
-            self.store.warn(f"prompt cache: an entry does not fit this pair ({e}); prefilling instead")
+        if not restore_or_warn(snap, cache, draft_cache, self.store.warn):
             return live
         self.cache, self.draft_cache, self.tokens = cache, draft_cache, list(snap.tokens)
         self.settle(ids, rows)

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..chat.prompt_cache import trim_cache
-from .entry import restore, take_snapshot
+from .entry import restore_or_warn, take_snapshot
 from .key import key_id, pair_key
-from .layers import LayerMismatch
 from .resume import trims_anywhere
 from .store import PrefixStore
 
@@ -109,10 +108,7 @@ class BatchPrefix:
             return self.fresh()
         snap, rows = found
         out = self.fresh()
-        try:
-            restore(snap, out.cache, out.draft_cache)
-        except (LayerMismatch, KeyError, TypeError) as e:  # KeyError, TypeError: a side file that lies about its arrays
-            self.store.warn(f"prompt cache: an entry does not fit this pair ({e}); prefilling instead")
+        if not restore_or_warn(snap, out.cache, out.draft_cache, self.store.warn):
             return self.fresh()
         sides = [out.cache] + ([out.draft_cache] if out.draft_cache is not None else [])
         if not all(trim_cache(c, rows) for c in sides):  # cannot happen where every layer trims anywhere

@@ -21,7 +21,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -116,6 +116,19 @@ def restore(snap: Snapshot, cache: List[Any], draft_cache: Optional[List[Any]]) 
             prefix = f"{side}.{i}."
             mine = {k[len(prefix):]: v for k, v in snap.arrays.items() if k.startswith(prefix)}
             layers.put(c, m["kind"], mine, m["ints"])
+
+
+def restore_or_warn(snap: Snapshot, cache: List[Any], draft_cache: Optional[List[Any]],
+                    warn: Callable[[str], None]) -> bool:
+    """:func:`restore`, or False after one warning line when the entry does not fit
+    this pair (its layers, or a side file that lies about its arrays: KeyError,
+    TypeError); the caches are then unusable."""
+    try:
+        restore(snap, cache, draft_cache)
+    except (layers.LayerMismatch, KeyError, TypeError) as e:
+        warn(f"prompt cache: an entry does not fit this pair ({e}); prefilling instead")
+        return False
+    return True
 
 
 def file_sha256(path: Path) -> str:
