@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import signal
+import sys
 from pathlib import Path
 from typing import List
 
@@ -24,6 +26,14 @@ from dflash_mlx import DFlashDrafter, DrafterArgs, bind_drafter, make_adapter, s
 # SIGINT, and processes the tests start would inherit that: the Ctrl-C tests need their
 # children to get it. A handler (unlike an ignored signal) is reset to the default on exec.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# Debian's OpenBLAS makes MLX's float32 CPU matmul far faster (README, "Run the tests"). Set here,
+# before pytest-xdist starts its workers, so they and the `dflash` processes tests start
+# load it; one BLAS thread each, as the workers already fill the cores.
+_OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+if sys.platform == "linux" and "LD_PRELOAD" not in os.environ and os.path.isfile(_OPENBLAS):
+    os.environ["LD_PRELOAD"] = _OPENBLAS
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
