@@ -23,14 +23,21 @@ from batch_serve import PROMPTS  # benchmarks/ is on the path when run as a scri
 
 
 def ours(pair, ids, width, max_tokens: int) -> float:
-    auto = width == "auto"
-    dec = BatchDecoder(pair.target, pair.drafter, 16 if auto else int(width), BatchWidths(16) if auto else None)
+    """``width``: a fixed block size, ``auto``, or ``plain`` (our batch without the drafter)."""
+    auto, plain = width == "auto", width == "plain"
+    B = pair.drafter.block_size if auto else 1 if plain else int(width)
+    dec = BatchDecoder(pair.target, None if plain else pair.drafter, B, BatchWidths(B) if auto else None)
     eos = tuple(pair.tokenizer.eos_token_ids)
     tic, n = time.perf_counter(), 0
     for k, p in enumerate(ids):
         n += len(dec.start(k, p, None, StopCondition(max_tokens, eos)).advance().tokens)
     while len(dec):
         n += sum(len(r.tokens) for r in dec.step())
+    if auto:
+        runs = {}
+        for (w, _), k in dec.widths.runs.items():
+            runs[w] = runs.get(w, 0) + k
+        print(f"auto steps by width: {dict(sorted(runs.items()))}", flush=True)
     return n / (time.perf_counter() - tic)
 
 
@@ -53,7 +60,7 @@ def main() -> None:
     p.add_argument("--draft-model", required=True)
     p.add_argument("--sequences", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--settings", default="mlx_lm,2,4,8,auto")
+    p.add_argument("--settings", default="mlx_lm,plain,2,4,8,auto")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     pair = load(args.model, args.draft_model)

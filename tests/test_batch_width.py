@@ -4,6 +4,8 @@ changes from step to step still gives every sequence exactly its solo tokens."""
 
 import random
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from dflash_mlx.decode.batch import BatchDecoder
@@ -37,15 +39,15 @@ def run(widths, clock, n, accepted_of, steps):
 
 
 def test_block_widths():
-    assert block_widths(16) == [2, 4, 8, 16]
-    assert block_widths(6) == [2, 4, 6]
-    assert block_widths(2) == [2]
+    assert block_widths(16) == [1, 2, 4, 8, 16]
+    assert block_widths(6) == [1, 2, 4, 6]
+    assert block_widths(2) == [1, 2]
 
 
 def test_every_width_is_timed_twice_before_choosing():
     clock = StepClock(lambda w, n: 0.01)
     widths = BatchWidths(16, clock=clock)
-    assert run(widths, clock, 4, lambda w: w - 1, 8) == [2, 2, 4, 4, 8, 8, 16, 16]
+    assert run(widths, clock, 4, lambda w: w - 1, 10) == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
     assert widths.estimate(8, 4) == pytest.approx(0.01)
     assert not widths.timed(8, 5) and widths.estimate(8, 5) == pytest.approx(0.01)  # from N = 4
 
@@ -56,6 +58,7 @@ def test_a_new_batch_size_is_estimated_not_explored():
     cost = {(2, 2): 0.010, (4, 2): 0.012, (8, 2): 0.016, (2, 6): 0.030}
     clock = StepClock(lambda w, n: cost[(w, n)])
     widths = BatchWidths(8, clock=clock)
+    widths.widths = [2, 4, 8]  # no plain steps here
     run(widths, clock, 2, lambda w: w - 1, 6)  # 2, 2, 4, 4, 8, 8
     assert widths.estimate(4, 6) == pytest.approx(0.012)  # nothing timed at 6 yet
     widths.choose = lambda n: 2
@@ -84,11 +87,22 @@ def test_costly_wide_verify_and_poor_drafts_choose_a_narrow_width():
     assert set(tail) == {4, 8} and tail.count(8) == 5, tail
 
 
+def test_poor_drafts_on_a_costly_verify_choose_plain_steps_and_probe_at_two():
+    """Seconds grow with w * N and no draft is ever right: a plain step (1 token for
+    the cost of a 1-wide forward) beats every width, and every ``wide_every`` steps one
+    step is 2 wide, so the drafts' acceptance is still measured."""
+    clock = StepClock(lambda w, n: 0.001 + 0.002 * w * n)
+    widths = BatchWidths(16, clock=clock)
+    tail = run(widths, clock, 8, lambda w: 0, 80)[-40:]
+    assert set(tail) == {1, 2} and tail.count(2) == 5, tail
+    assert widths.expected_tokens(1) == 1.0 and widths.survival()[0] < 0.1
+
+
 def test_a_pause_is_not_a_timing():
     costs = {"pause": False}
     clock = StepClock(lambda w, n: 10.0 if costs["pause"] else 0.01)
     widths = BatchWidths(4, clock=clock)
-    run(widths, clock, 2, lambda w: w - 1, 4)  # 2, 2, 4, 4
+    run(widths, clock, 2, lambda w: w - 1, 6)  # 1, 1, 2, 2, 4, 4
     costs["pause"] = True
     run(widths, clock, 2, lambda w: w - 1, 1)
     assert widths.estimate(4, 2) == pytest.approx(0.01) and widths.estimate(2, 2) == pytest.approx(0.01)
@@ -128,10 +142,82 @@ def test_changing_widths_keep_every_sequence_exact(family):
 
     widths.choose = timed_choose
     out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, seed=9), B, widths), plan, max_batch=6)
-    assert set(chosen) == {2, 4, 8}
+    assert set(chosen) == {1, 2, 4, 8}
     assert_varied([t for p in plan for t in out[p["key"]]], at_least=40)
     for p in plan:
         assert out[p["key"]] == solo(target, p["prompt"], p["n"]), f"{p['key']} differs from its solo run"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "llama-sliding"])
+def test_plain_steps_among_chains_keep_every_sequence_exact(family):
+    """Injected times that make plain steps the best (a width-w step costs w^2): the
+    batch runs mostly plain steps, chains of 2 every ``wide_every`` steps. Each draft
+    after plain steps is anchored where the scripted drafter expects it (so each plain
+    step's context row reached the drafter) and each request equals its solo run."""
+    target, B = target_of(family), 8
+    ps = prompts(8, seed=17)
+    rng = random.Random(18)
+    plan = [dict(key=f"p{i}", prompt=p, n=rng.randint(12, 40), join=rng.randint(0, 12)) for i, p in enumerate(ps)]
+    full = {p["key"]: solo(target, p["prompt"], p["n"] + B) for p in plan}
+    scripts = {p["key"]: (p["prompt"] + full[p["key"]], None) for p in plan}
+    clock = StepClock(None)
+    widths = BatchWidths(B, clock=clock)
+    chosen, choose = [], widths.choose
+
+    def timed_choose(n):
+        w = choose(n)
+        chosen.append(w)
+        clock.now += 0.001 * w * w * n
+        return w
+
+    widths.choose = timed_choose
+    decoder = BatchDecoder(target, JoinOrderDrafter(scripts, B, seed=19), B, widths)
+    out = drive(decoder, plan, max_batch=5)
+    assert chosen.count(1) > len(chosen) / 2 and 2 in chosen[-20:]
+    assert_varied([t for p in plan for t in out[p["key"]]], at_least=30)
+    for p in plan:
+        assert out[p["key"]] == solo(target, p["prompt"], p["n"]), f"{p['key']} differs from its solo run"
+
+
+def test_plain_steps_with_a_drafter_network_keep_its_context():
+    """A real (tiny, random) drafter drafting the batch in one pass, widths 1, 2 and 4
+    in turn: every draft's anchor token follows exactly the context rows the drafter has
+    been given for that sequence, those rows equal the target's own features of the
+    sequence's tokens (one row per token, none lost or doubled by plain steps), and
+    each text equals its solo run."""
+    target = target_of("llama")
+    drafter = tiny_drafter(target, block_size=4)
+    widths = BatchWidths(4)
+    plan_widths = iter([1, 1, 1, 4, 1, 2, 1, 1, 4] * 20)
+    widths.choose = lambda n: next(plan_widths)
+    decoder = BatchDecoder(target, drafter, 4, widths)
+    plan = [dict(key=f"q{i}", prompt=p, n=24, join=2 * i) for i, p in enumerate(prompts(3, seed=23))]
+    rows, anchors = {}, []
+    join, propose = decoder.drafts.join, decoder.drafts.propose
+
+    def joined(context, cache=None):
+        rows[plan[len(rows)]["key"]] = [context]
+        return join(context, cache)
+
+    def proposed(tokens, contexts, width):
+        for s, token, context in zip(decoder.sequences, tokens, contexts):
+            rows[s.key] += [] if context is None else [context]
+            anchors.append((s.key, sum(r.shape[1] for r in rows[s.key]), token.item()))
+        return propose(tokens, contexts, width)
+
+    decoder.drafts.join, decoder.drafts.propose = joined, proposed
+    out = drive(decoder, plan, max_batch=3)
+    assert len(anchors) >= 20
+    for p in plan:
+        assert out[p["key"]] == solo(target, p["prompt"], p["n"])
+    for key, n_rows, token in anchors:
+        p = next(q for q in plan if q["key"] == key)
+        assert token == (p["prompt"] + out[key])[n_rows], f"{key}: the anchor is not the token after its context"
+    for p in plan:
+        tokens = p["prompt"] + out[p["key"]]
+        _, want = target(mx.array(tokens)[None], target.make_cache(4), drafter.target_layer_ids)
+        got = mx.concatenate(rows[p["key"]], axis=1)
+        np.testing.assert_allclose(np.array(got), np.array(want[:, : got.shape[1]]), rtol=1e-4, atol=1e-4)
 
 
 def test_a_seeded_sampled_sequence_keeps_the_batch_at_the_block_size():

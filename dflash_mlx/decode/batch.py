@@ -273,6 +273,8 @@ class BatchDecoder:
         auto = not self._fixed_width()
         started = self.widths.start() if auto else None
         w = self.widths.choose(len(self.sequences)) if auto else self.width
+        if w == 1:
+            return self._plain_step(started)
         proposals = self._propose(w)
         inputs = mx.stack([mx.concatenate([s.token, p.tokens]) for s, p in zip(self.sequences, proposals)])
         h, features = self.target(inputs, self.cache, self.capture)
@@ -331,22 +333,33 @@ class BatchDecoder:
             proposals.append(s.rule.propose(self.drafter, s.token, context, s.draft_cache, width))
         return proposals
 
-    def _plain_step(self) -> List[StepResult]:
-        """Plain decoding: one token per sequence, one target forward for all."""
+    def _plain_step(self, started: Optional[float] = None) -> List[StepResult]:
+        """Plain decoding: one token per sequence, one target forward for all. With a
+        drafter (auto chose width 1; ``started`` is its clock reading) each sequence's
+        context row is kept for its next draft."""
+        tic = time.perf_counter()  # for the statistics only
         inputs = mx.stack([s.token for s in self.sequences])
-        h, _ = self.target(inputs, self.cache)
+        h, features = self.target(inputs, self.cache, self.capture)
         logits = self.target.lm_head(h[:, -1])
+        greedy = all(getattr(s.rule, "greedy", False) for s in self.sequences)
+        argmax = mx.argmax(logits, axis=-1, keepdims=True).astype(mx.int32) if greedy else None
         picks = []
         for i, s in enumerate(self.sequences):
             s.reseed(1)
-            picks.append(s.rule.choose(logits[i : i + 1]))
-        mx.eval(picks)
-        results = []
-        for s, y in zip(self.sequences, picks):
+            picks.append(argmax[i] if greedy else s.rule.choose(logits[i : i + 1]))
+        mx.eval(picks, features if features is not None else [])
+        results, seconds = [], time.perf_counter() - tic
+        for i, (s, y) in enumerate(zip(self.sequences, picks)):
             s.token = y
-            s.stats.record_step(0, drafted=0)
+            if self.drafter is None:
+                s.stats.record_step(0, drafted=0)
+            else:
+                s.stats.record_plan("plain", 1, seconds, 0, 0)
+                s.pending.append(features[i : i + 1])
             results.append(StepResult(y.tolist(), None, None))
         compact(self.cache)  # sliding-window layers drop rows out of every window
+        if started is not None:
+            self.widths.observe(started, 1, [0] * len(results))
         return self._settle(results)
 
     def _settle(self, results: List[StepResult]) -> List[StepResult]:

@@ -7,7 +7,11 @@ maximises
 
     rate(w, N) = N * E[tokens | w] / seconds(w, N)
 
-for the N sequences active now.
+for the N sequences active now. Width 1 is a plain step: every sequence's last token
+alone, no drafts (E[tokens | 1] = 1), its context rows kept for the next draft. On a
+backend where a batched verify costs about its width in plain steps (MLX's CPU: issue 21)
+a full batch with poor drafts runs plain steps, and every ``wide_every``-th step is
+width 2, so the drafts' acceptance stays known.
 
 - **E[tokens | w]** = 1 + sum_{i < w} S(i), S(i) the pooled survival of drafts 1..i
   (every sequence's every block counts, exponentially weighted): a block verified at
@@ -38,12 +42,13 @@ OUTLIER = 3.0  # a step this many times off its mean is not counted
 
 
 def block_widths(trained: int) -> List[int]:
-    """The widths a batch chooses among: 2, 4, 8, ... below the trained size, and it.
+    """The widths a batch chooses among: 1 (a plain step), 2, 4, 8, ... below the
+    trained size, and it.
 
     Args:
         trained: the drafter's trained block size (>= 2).
     """
-    widths, w = [], 2
+    widths, w = [1], 2
     while w < trained:
         widths.append(w)
         w *= 2
@@ -136,7 +141,7 @@ class BatchWidths:
         Args:
             started: :meth:`start`'s value for this step.
             width: the step's width w.
-            accepted: per sequence, drafts accepted (0..w-1).
+            accepted: per sequence, drafts accepted (0..w-1; 0 in a plain step).
         """
         seconds, key = self.clock() - started, (width, len(accepted))
         runs = self.runs.get(key, 0)
