@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Batched decoding in one process, no server: mlx-lm's ``BatchGenerator`` (plain) against
-our batch (:class:`dflash_mlx.decode.batch.BatchDecoder`) at fixed widths and auto, the
-same N prompts, greedy, ``--max-tokens`` each; settings in turn, ``--repeats`` rounds;
-tokens/s from the first prefill to the last token, median per setting.
+our batch (:class:`dflash_mlx.decode.batch.BatchDecoder`) at fixed widths, auto, and
+without the drafter (``plain``), the same N prompts, greedy, ``--max-tokens`` each;
+settings in turn, ``--repeats`` rounds; tokens/s from the first prefill to the last token,
+median per setting. ``--warm`` keeps one decoder per setting across rounds (a server's
+compiled shapes, and auto's timings and acceptance), after an untimed round.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
         taskset -c 0 python benchmarks/batch_inprocess.py --model OUT/target --draft-model OUT/drafter
@@ -22,11 +24,18 @@ from dflash_mlx.decode.stopping import StopCondition
 from batch_serve import PROMPTS  # benchmarks/ is on the path when run as a script
 
 
-def ours(pair, ids, width, max_tokens: int) -> float:
+def decoder(pair, width) -> BatchDecoder:
     """``width``: a fixed block size, ``auto``, or ``plain`` (our batch without the drafter)."""
     auto, plain = width == "auto", width == "plain"
     B = pair.drafter.block_size if auto else 1 if plain else int(width)
-    dec = BatchDecoder(pair.target, None if plain else pair.drafter, B, BatchWidths(B) if auto else None)
+    return BatchDecoder(pair.target, None if plain else pair.drafter, B, BatchWidths(B) if auto else None)
+
+
+def ours(pair, ids, width, max_tokens: int, dec=None) -> float:
+    """Tokens/s of one round; ``dec``: a decoder kept from earlier rounds (a running
+    server's: its compiled shapes and, for auto, its timings and acceptance), else a new one."""
+    dec = dec if dec is not None else decoder(pair, width)
+    auto = dec.widths is not None
     eos = tuple(pair.tokenizer.eos_token_ids)
     tic, n = time.perf_counter(), 0
     for k, p in enumerate(ids):
@@ -37,7 +46,7 @@ def ours(pair, ids, width, max_tokens: int) -> float:
         runs = {}
         for (w, _), k in dec.widths.runs.items():
             runs[w] = runs.get(w, 0) + k
-        print(f"auto steps by width: {dict(sorted(runs.items()))}", flush=True)
+        print(f"auto steps by width (this decoder so far): {dict(sorted(runs.items()))}", flush=True)
     return n / (time.perf_counter() - tic)
 
 
@@ -62,15 +71,22 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--settings", default="mlx_lm,plain,2,4,8,auto")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warm", action="store_true",
+                   help="one decoder per setting for every round, after an untimed round (as a server runs)")
     args = p.parse_args()
     pair = load(args.model, args.draft_model)
     ids = [pair.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.sequences)]
     settings = args.settings.split(",")
     figures = {s: [] for s in settings}
-    for _ in range(args.repeats):
+    kept = {s: decoder(pair, s) for s in settings if s != "mlx_lm"} if args.warm else {}
+    for r in range(args.repeats + args.warm):
         for s in settings:
-            tps = mlx_lm_batch(pair, ids, args.max_tokens) if s == "mlx_lm" else ours(pair, ids, s, args.max_tokens)
-            figures[s].append(tps)
+            if s == "mlx_lm":
+                tps = mlx_lm_batch(pair, ids, args.max_tokens)
+            else:
+                tps = ours(pair, ids, s, args.max_tokens, kept.get(s))
+            if r >= args.warm:
+                figures[s].append(tps)
     print("| setting | tok/s (median) | all repeats |")
     print("|---|---:|---|")
     for s in settings:
