@@ -48,7 +48,8 @@ from ..targets.batch_cache import compact, extend, keep_rows, rollback_ragged
 
 Sampler = Callable[[mx.array], mx.array]
 BATCHED = "continuous batching verifies chains of the block size (no trees)"
-BATCHED_AUTO = "continuous batching: auto chooses one chain width per step for the whole batch (no trees)"
+BATCHED_AUTO = ("continuous batching: auto chooses a plain step or one chain width per step for the whole batch "
+                "(no trees)")
 
 
 @dataclass
