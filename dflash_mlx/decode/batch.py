@@ -301,11 +301,15 @@ class BatchDecoder:
         is active (its text must not depend on the timings that choose widths)."""
         return self.widths is None or any(s.seed is not None for s in self.sequences)
 
+    def _greedy(self) -> List[bool]:
+        """Per sequence, whether its rule is greedy (one argmax serves all those rows)."""
+        return [bool(getattr(s.rule, "greedy", False)) for s in self.sequences]
+
     def _decide(self, proposals: List[Proposal], logits: mx.array, features: mx.array) -> List[tuple]:
         """Each sequence's acceptance rule on its verify rows (logits [N, B, V]): one
         argmax for all greedy sequences, their own rule (and seed) for the others; one
         sync. Returns ``(accepted a, the target's tokens [B])`` per sequence, on the host."""
-        greedy = [bool(getattr(s.rule, "greedy", False)) for s in self.sequences]
+        greedy = self._greedy()
         argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(greedy) else None
         decided = []
         for i, (s, p) in enumerate(zip(self.sequences, proposals)):
@@ -342,12 +346,12 @@ class BatchDecoder:
         inputs = mx.stack([s.token for s in self.sequences])
         h, features = self.target(inputs, self.cache, self.capture)
         logits = self.target.lm_head(h[:, -1])
-        greedy = all(getattr(s.rule, "greedy", False) for s in self.sequences)
-        argmax = mx.argmax(logits, axis=-1, keepdims=True).astype(mx.int32) if greedy else None
+        greedy = self._greedy()
+        argmax = mx.argmax(logits, axis=-1, keepdims=True).astype(mx.int32) if any(greedy) else None
         picks = []
         for i, s in enumerate(self.sequences):
             s.reseed(1)
-            picks.append(argmax[i] if greedy else s.rule.choose(logits[i : i + 1]))
+            picks.append(argmax[i] if greedy[i] else s.rule.choose(logits[i : i + 1]))
         mx.eval(picks, features if features is not None else [])
         results, seconds = [], time.perf_counter() - tic
         for i, (s, y) in enumerate(zip(self.sequences, picks)):
