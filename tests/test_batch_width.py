@@ -38,6 +38,29 @@ def run(widths, clock, n, accepted_of, steps):
     return chosen
 
 
+def timed_batch(target, B, plan, cost, drafter_seed, max_batch):
+    """Drive ``plan`` through a batch whose widths auto chooses (:class:`BatchWidths`)
+    from injected step times: choosing width w with n sequences advances the clock by
+    ``cost(w, n)`` seconds. Scripted drafts follow each request's solo continuation,
+    right, partly right or wrong at random. Returns ``({key: tokens}, widths chosen)``."""
+    full = {p["key"]: solo(target, p["prompt"], p["n"] + B) for p in plan}
+    scripts = {p["key"]: (p["prompt"] + full[p["key"]], None) for p in plan}
+    clock = StepClock(None)
+    widths = BatchWidths(B, clock=clock)
+    chosen, choose = [], widths.choose
+
+    def timed_choose(n):
+        w = choose(n)
+        chosen.append(w)
+        clock.now += cost(w, n)
+        return w
+
+    widths.choose = timed_choose
+    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, seed=drafter_seed), B, widths), plan,
+                max_batch=max_batch)
+    return out, chosen
+
+
 def test_block_widths():
     assert block_widths(16) == [1, 2, 4, 8, 16]
     assert block_widths(6) == [1, 2, 4, 6]
@@ -127,21 +150,8 @@ def test_changing_widths_keep_every_sequence_exact(family):
     ps = prompts(12, seed=7)
     rng = random.Random(8)
     plan = [dict(key=f"r{i}", prompt=p, n=rng.randint(8, 40), join=rng.randint(0, 20)) for i, p in enumerate(ps)]
-    full = {p["key"]: solo(target, p["prompt"], p["n"] + B) for p in plan}
-    scripts = {p["key"]: (p["prompt"] + full[p["key"]], None) for p in plan}
-    clock = StepClock(None)
-    widths = BatchWidths(B, clock=clock)
-    chosen = []
-    choose = widths.choose
-
-    def timed_choose(n):
-        w = choose(n)
-        chosen.append(w)
-        clock.now += 0.001 * (1 + w) * n + rng.random() * 0.002
-        return w
-
-    widths.choose = timed_choose
-    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, seed=9), B, widths), plan, max_batch=6)
+    out, chosen = timed_batch(target, B, plan, lambda w, n: 0.001 * (1 + w) * n + rng.random() * 0.002,
+                              drafter_seed=9, max_batch=6)
     assert set(chosen) == {1, 2, 4, 8}
     assert_varied([t for p in plan for t in out[p["key"]]], at_least=40)
     for p in plan:
@@ -158,21 +168,7 @@ def test_plain_steps_among_chains_keep_every_sequence_exact(family):
     ps = prompts(8, seed=17)
     rng = random.Random(18)
     plan = [dict(key=f"p{i}", prompt=p, n=rng.randint(12, 40), join=rng.randint(0, 12)) for i, p in enumerate(ps)]
-    full = {p["key"]: solo(target, p["prompt"], p["n"] + B) for p in plan}
-    scripts = {p["key"]: (p["prompt"] + full[p["key"]], None) for p in plan}
-    clock = StepClock(None)
-    widths = BatchWidths(B, clock=clock)
-    chosen, choose = [], widths.choose
-
-    def timed_choose(n):
-        w = choose(n)
-        chosen.append(w)
-        clock.now += 0.001 * w * w * n
-        return w
-
-    widths.choose = timed_choose
-    decoder = BatchDecoder(target, JoinOrderDrafter(scripts, B, seed=19), B, widths)
-    out = drive(decoder, plan, max_batch=5)
+    out, chosen = timed_batch(target, B, plan, lambda w, n: 0.001 * w * w * n, drafter_seed=19, max_batch=5)
     assert chosen.count(1) > len(chosen) / 2 and 2 in chosen[-20:]
     assert_varied([t for p in plan for t in out[p["key"]]], at_least=30)
     for p in plan:
