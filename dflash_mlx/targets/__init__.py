@@ -13,6 +13,7 @@ from mlx_lm.utils import MODEL_REMAPPING
 
 from ..errors import MismatchError
 from .base import TargetAdapter
+from .fused import fuse_layers
 from .hybrid import HybridAdapter
 
 
@@ -40,7 +41,8 @@ def make_adapter(model: nn.Module) -> TargetAdapter:
 
     The family is the ``model_type`` after mlx-lm's own ``MODEL_REMAPPING`` (e.g. a
     ``mistral`` checkpoint is built as mlx-lm's ``llama`` model, so it gets the
-    llama adapter).
+    llama adapter). On MLX's CPU backend the model's ``nn.RMSNorm`` and ``nn.RoPE``
+    become their fused, bit-identical subclasses first (:mod:`dflash_mlx.targets.fused`).
 
     Raises:
         MismatchError: the model's ``model_type`` has no adapter (one line naming
@@ -53,6 +55,7 @@ def make_adapter(model: nn.Module) -> TargetAdapter:
             f"target model_type '{model_type}' is not supported yet; "
             f"supported: {', '.join(sorted(ADAPTERS))}"
         )
+    fuse_layers(model)
     return ADAPTERS[model_type](model)
 
 

@@ -1,8 +1,10 @@
 """Run an mlx-lm model while capturing context features, without changing it.
 
 The adapter walks the loaded model's own modules (embedding, decoder layers, final
-norm, head) in the same order as the family's ``__call__``; it never patches or
-wraps them, so the model is left exactly as loaded. Each family file overrides
+norm, head) in the same order as the family's ``__call__``; it never wraps them
+(on MLX's CPU backend :func:`~dflash_mlx.targets.make_adapter` only swaps the class
+of its RMSNorm and RoPE modules for fused ones that compute the same bits,
+:mod:`dflash_mlx.targets.fused`). Each family file overrides
 only what differs from this generic decoder (masks, embedding scale, the layer
 walk, the head), and where a layer's mlx-lm cache cannot roll back, the cache
 class that replaces it (:mod:`dflash_mlx.targets.caches`). What only some families

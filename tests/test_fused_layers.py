@@ -1,0 +1,116 @@
+"""Fused RMSNorm and RoPE (dflash_mlx.targets.fused) compute the same bits as mlx-lm's."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from dflash_mlx.targets import fused
+from dflash_mlx.targets.fused import FusedRMSNorm, FusedRoPE, fuse_layers
+
+from conftest import FAMILIES, tiny_target
+
+DTYPES = [mx.float32, mx.bfloat16, mx.float16]
+
+
+def logits_by_step(model, prompt, widths):
+    """Logits of a prefill then of one forward per width, each fed the last greedy
+    token repeated (a verify block), through mlx-lm's own forward and cache."""
+    cache = make_prompt_cache(model)
+    out = [model(prompt[None], cache=cache)]
+    for w in widths:
+        token = mx.argmax(out[-1][0, -1])
+        out.append(model(mx.broadcast_to(token, (1, w)), cache=cache))
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_fused_target_gives_the_same_logits_bit_for_bit(family, monkeypatch):
+    monkeypatch.setenv(fused.ENV_VAR, "0")
+    plain, _ = tiny_target(family)
+    monkeypatch.delenv(fused.ENV_VAR)
+    model, _ = tiny_target(family)
+    kinds = {type(m) for m in model.modules()}
+    assert not kinds & {nn.RMSNorm, nn.RoPE}, "make_adapter leaves no unfused RMSNorm/RoPE"
+    assert not {type(m) for m in plain.modules()} & {FusedRMSNorm, FusedRoPE}
+    prompt = mx.array([(7 * i + 3) % 200 for i in range(70)], dtype=mx.int32)  # past the fused RoPE limit
+    widths = [1, 3, 16, 1, 8]
+    # MLX's CPU gather matmul (mixture-of-experts layers) runs in float32 only.
+    moe = any(type(m).__name__ == "SwitchGLU" for m in model.modules())
+    for dtype in DTYPES[:1] if moe else DTYPES:
+        plain.set_dtype(dtype)
+        model.set_dtype(dtype)
+        for a, b in zip(logits_by_step(plain, prompt, widths), logits_by_step(model, prompt, widths)):
+            assert a.dtype == b.dtype == dtype
+            assert mx.array_equal(a, b).item(), f"{family} {dtype}: fused logits differ"
+
+
+def test_families_with_mlx_norms_and_rope_get_them_fused():
+    llama, _ = tiny_target("llama")
+    qwen3, _ = tiny_target("qwen3")
+    assert sum(isinstance(m, FusedRMSNorm) for m in llama.modules()) == 2 * 4 + 1
+    assert sum(isinstance(m, FusedRoPE) for m in llama.modules()) == 4
+    assert sum(isinstance(m, FusedRMSNorm) for m in qwen3.modules()) == 4 * 4 + 1  # q_norm and k_norm too
+
+
+def test_other_norms_and_scaled_rope_are_left_alone():
+    gemma, _ = tiny_target("gemma3_text")
+    llama31, _ = tiny_target("llama3.1")
+    assert not any(isinstance(m, FusedRMSNorm) for m in gemma.modules())  # Gemma's norm scales by 1 + w
+    assert not any(isinstance(m, FusedRoPE) for m in llama31.modules())  # Llama3RoPE
+
+
+@pytest.mark.parametrize("traditional", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_rope_equals_rope_at_int_and_per_sequence_offsets(traditional, dtype):
+    rope = nn.RoPE(16, traditional=traditional, base=10000.0)
+    fast = nn.RoPE(16, traditional=traditional, base=10000.0)
+    fast.__class__ = FusedRoPE
+    mx.random.seed(0)
+    for shape, offset in [((1, 4, 16, 16), 0), ((1, 2, 1, 16), 517), ((1, 4, 7, 16), 33),
+                          ((3, 4, 5, 16), mx.array([0, 9, 300])), ((1, 4, 100, 16), 12)]:
+        x = (3 * mx.random.normal(shape)).astype(dtype)
+        assert mx.array_equal(rope(x, offset), fast(x, offset)).item(), (shape, offset)
+    assert mx.array_equal(rope(x), fast(x)).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_rms_norm_equals_rms_norm(dtype):
+    norm = nn.RMSNorm(32, eps=1e-6)
+    mx.random.seed(1)
+    norm.weight = mx.random.normal((32,))
+    norm.set_dtype(dtype)
+    fast = nn.RMSNorm(32, eps=1e-6)
+    fast.update(norm.parameters())
+    fast.__class__ = FusedRMSNorm
+    for shape in [(1, 1, 32), (1, 16, 32), (2, 4, 9, 32)]:
+        x = (2 * mx.random.normal(shape)).astype(dtype)
+        assert mx.array_equal(norm(x), fast(x)).item(), shape
+
+
+def test_swapping_keeps_the_parameter_tree(monkeypatch):
+    monkeypatch.setenv(fused.ENV_VAR, "0")
+    plain, _ = tiny_target("qwen3")
+    monkeypatch.delenv(fused.ENV_VAR)
+    model, _ = tiny_target("qwen3")
+    keys = [k for k, _ in tree_flatten(model.parameters())]
+    assert keys == [k for k, _ in tree_flatten(plain.parameters())]
+    assert "model.layers.0.input_layernorm.weight" in keys
+
+
+@pytest.mark.parametrize("setting", ["0", "off"])
+def test_the_environment_variable_turns_fusing_off(setting, monkeypatch):
+    monkeypatch.setenv(fused.ENV_VAR, setting)
+    model, _ = tiny_target("llama")
+    assert not any(isinstance(m, (FusedRMSNorm, FusedRoPE)) for m in model.modules())
+    assert fuse_layers(model) == 0
+
+
+def test_nothing_is_swapped_on_a_gpu_default_device(monkeypatch):
+    monkeypatch.setattr(fused.mx, "default_device", lambda: mx.gpu)
+    norm = nn.RMSNorm(8)
+    assert fuse_layers(norm) == 0 and type(norm) is nn.RMSNorm
