@@ -14,6 +14,7 @@ import argparse
 import statistics
 import time
 
+import mlx_lm
 from mlx_lm.generate import BatchGenerator
 
 from dflash_mlx import load
@@ -50,8 +51,8 @@ def ours(pair, ids, width, max_tokens: int, dec=None) -> float:
     return n / (time.perf_counter() - tic)
 
 
-def mlx_lm_batch(pair, ids, max_tokens: int) -> float:
-    gen = BatchGenerator(pair.target.model, max_tokens=max_tokens, stop_tokens=set(pair.tokenizer.eos_token_ids))
+def mlx_lm_batch(pair, model, ids, max_tokens: int) -> float:
+    gen = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=set(pair.tokenizer.eos_token_ids))
     tic, n = time.perf_counter(), 0
     gen.insert(ids, [max_tokens] * len(ids))
     while True:
@@ -75,6 +76,8 @@ def main() -> None:
                    help="one decoder per setting for every round, after an untimed round (as a server runs)")
     args = p.parse_args()
     pair = load(args.model, args.draft_model)
+    # mlx-lm's own copy, as mlx-lm loads it (our load fuses the target's norms and RoPE on a CPU).
+    reference = mlx_lm.load(args.model)[0] if "mlx_lm" in args.settings.split(",") else None
     ids = [pair.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.sequences)]
     settings = args.settings.split(",")
     figures = {s: [] for s in settings}
@@ -82,7 +85,7 @@ def main() -> None:
     for r in range(args.repeats + args.warm):
         for s in settings:
             if s == "mlx_lm":
-                tps = mlx_lm_batch(pair, ids, args.max_tokens)
+                tps = mlx_lm_batch(pair, reference, ids, args.max_tokens)
             else:
                 tps = ours(pair, ids, s, args.max_tokens, kept.get(s))
             if r >= args.warm:
