@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx.targets import fused
-from dflash_mlx.targets.fused import FusedRMSNorm, FusedRoPE, fuse_layers
+from dflash_mlx.targets.fused import FusedRMSNorm, FusedRoPE, fuse_layers, unfused
 
 from conftest import FAMILIES, tiny_target
 
@@ -114,3 +114,12 @@ def test_nothing_is_swapped_on_a_gpu_default_device(monkeypatch):
     monkeypatch.setattr(fused.mx, "default_device", lambda: mx.gpu)
     norm = nn.RMSNorm(8)
     assert fuse_layers(norm) == 0 and type(norm) is nn.RMSNorm
+
+
+def test_unfused_gives_mlx_lm_its_own_modules_for_a_while():
+    model, _ = tiny_target("llama")
+    fused_modules = [m for m in model.modules() if isinstance(m, (FusedRMSNorm, FusedRoPE))]
+    with unfused(model):
+        assert not any(isinstance(m, (FusedRMSNorm, FusedRoPE)) for m in model.modules())
+        assert sum(type(m) in (nn.RMSNorm, nn.RoPE) for m in model.modules()) == len(fused_modules)
+    assert all(isinstance(m, (FusedRMSNorm, FusedRoPE)) for m in fused_modules)

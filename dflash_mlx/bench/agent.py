@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from ..errors import InputError
+from ..targets.fused import unfused
 
 MODES = ("cold", "disk", "live", "mlx-lm")
 BUCKETS = (1024, 2048, 4096, 8192, 16384)  # prompt-length buckets for tau against context
@@ -138,6 +139,11 @@ def replay_mlx_lm(pair: Any, trace: str, prompts: List[List[int]], max_tokens: i
                   prefill_step_size: int = 2048) -> List[RequestRecord]:
     """Replay with mlx-lm's ``stream_generate`` and one prompt cache trimmed to each next
     prompt's common prefix with what it holds (at least the last prompt token is fed)."""
+    with unfused(pair.model):  # mlx-lm's model as mlx-lm loads it
+        return _replay_mlx_lm(pair, trace, prompts, max_tokens, prefill_step_size)
+
+
+def _replay_mlx_lm(pair, trace, prompts, max_tokens, prefill_step_size):
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 

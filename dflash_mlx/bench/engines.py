@@ -11,6 +11,7 @@ import mlx.core as mx
 from ..decode.generate import check_block_size, generate_step
 from ..protocol import Drafter
 from ..stats import GenerationStats
+from ..targets.fused import unfused
 
 
 def variant_label(block_size, tree_budget) -> int | str:
@@ -81,12 +82,13 @@ class MlxLmEngine(Engine):
 
         stops = set(stop_ids)
         prompt = mx.array(ids, dtype=mx.int32)
-        for token, _ in mlx_generate_step(prompt, self.model, max_tokens=max_tokens, sampler=sampler):
-            stats.record_step(0)
-            if token in stops:
-                yield []
-                return
-            yield [token]
+        with unfused(self.model):  # mlx-lm's model as mlx-lm loads it
+            for token, _ in mlx_generate_step(prompt, self.model, max_tokens=max_tokens, sampler=sampler):
+                stats.record_step(0)
+                if token in stops:
+                    yield []
+                    return
+                yield [token]
 
 
 class MlxLmSpeculativeEngine(Engine):
@@ -115,19 +117,20 @@ class MlxLmSpeculativeEngine(Engine):
         prompt = mx.array(ids, dtype=mx.int32)
         cycle: List[int] = []
         n = 0
-        for token, _, from_draft in speculative_generate_step(
-            prompt, self.model, self.draft_model, num_draft_tokens=self.num_draft_tokens,
-            max_tokens=max_tokens, sampler=sampler,
-        ):
-            n += 1
-            if token in stops:
-                stats.record_step(len(cycle), self.num_draft_tokens)
+        with unfused(self.model, self.draft_model):  # mlx-lm's models as mlx-lm loads them
+            for token, _, from_draft in speculative_generate_step(
+                prompt, self.model, self.draft_model, num_draft_tokens=self.num_draft_tokens,
+                max_tokens=max_tokens, sampler=sampler,
+            ):
+                n += 1
+                if token in stops:
+                    stats.record_step(len(cycle), self.num_draft_tokens)
+                    yield cycle
+                    return
+                cycle.append(token)
+                if not from_draft or n == max_tokens:
+                    stats.record_step(min(len(cycle) - 1, self.num_draft_tokens), self.num_draft_tokens)
+                    yield cycle
+                    cycle = []
+            if cycle:
                 yield cycle
-                return
-            cycle.append(token)
-            if not from_draft or n == max_tokens:
-                stats.record_step(min(len(cycle) - 1, self.num_draft_tokens), self.num_draft_tokens)
-                yield cycle
-                cycle = []
-        if cycle:
-            yield cycle

@@ -14,14 +14,16 @@ model (those exact classes only: a family's own norm, such as Gemma's ``1 + w``,
 a scaled RoPE, is left alone) for a subclass whose ``__call__`` runs the same
 ``mx.fast`` call compiled. Weights, attributes and the parameter tree stay as
 loaded. On a GPU default device, where both are single Metal kernels, and with
-``DFLASH_COMPILE=0``, nothing is swapped.
+``DFLASH_COMPILE=0``, nothing is swapped. :func:`unfused` swaps them back for a while,
+for baselines that must run mlx-lm's model exactly as mlx-lm loads it.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from functools import lru_cache, partial
-from typing import Callable, Union
+from typing import Callable, Iterator, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -91,3 +93,18 @@ def fuse_layers(model: nn.Module) -> int:
             module.__class__ = fused
             count += 1
     return count
+
+
+@contextmanager
+def unfused(*models: nn.Module) -> Iterator[None]:
+    """Run ``models`` with mlx-lm's own ``nn.RMSNorm`` / ``nn.RoPE`` inside the block
+    (a baseline timed as mlx-lm runs the model), then with the fused ones again."""
+    back = {FusedRMSNorm: nn.RMSNorm, FusedRoPE: nn.RoPE}
+    swapped = [(m, type(m)) for model in models for m in model.modules() if type(m) in back]
+    for m, fused in swapped:
+        m.__class__ = back[fused]
+    try:
+        yield
+    finally:
+        for m, fused in swapped:
+            m.__class__ = fused
