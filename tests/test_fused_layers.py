@@ -30,9 +30,9 @@ def logits_by_step(model, prompt, widths):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_fused_target_gives_the_same_logits_bit_for_bit(family, monkeypatch):
-    monkeypatch.setenv(fused.ENV_VAR, "0")
+    monkeypatch.setenv(fused.COMPILE_ENV, "0")
     plain, _ = tiny_target(family)
-    monkeypatch.delenv(fused.ENV_VAR)
+    monkeypatch.delenv(fused.COMPILE_ENV)
     model, _ = tiny_target(family)
     kinds = {type(m) for m in model.modules()}
     assert not kinds & {nn.RMSNorm, nn.RoPE}, "make_adapter leaves no unfused RMSNorm/RoPE"
@@ -93,9 +93,9 @@ def test_fused_rms_norm_equals_rms_norm(dtype):
 
 
 def test_swapping_keeps_the_parameter_tree(monkeypatch):
-    monkeypatch.setenv(fused.ENV_VAR, "0")
+    monkeypatch.setenv(fused.COMPILE_ENV, "0")
     plain, _ = tiny_target("qwen3")
-    monkeypatch.delenv(fused.ENV_VAR)
+    monkeypatch.delenv(fused.COMPILE_ENV)
     model, _ = tiny_target("qwen3")
     keys = [k for k, _ in tree_flatten(model.parameters())]
     assert keys == [k for k, _ in tree_flatten(plain.parameters())]
@@ -104,7 +104,7 @@ def test_swapping_keeps_the_parameter_tree(monkeypatch):
 
 @pytest.mark.parametrize("setting", ["0", "off"])
 def test_the_environment_variable_turns_fusing_off(setting, monkeypatch):
-    monkeypatch.setenv(fused.ENV_VAR, setting)
+    monkeypatch.setenv(fused.COMPILE_ENV, setting)
     model, _ = tiny_target("llama")
     assert not any(isinstance(m, (FusedRMSNorm, FusedRoPE)) for m in model.modules())
     assert fuse_layers(model) == 0

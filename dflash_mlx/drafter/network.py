@@ -21,7 +21,6 @@ hyper-parameters :mod:`dflash_mlx.drafter.config`; loading and saving
 
 from __future__ import annotations
 
-import os
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -31,6 +30,7 @@ from mlx_lm.models.qwen3 import MLP  # the same SwiGLU MLP and keys as the check
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..targets.caches import ContextWindowCache
+from ..targets.fused import compile_enabled  # DFLASH_COMPILE, shared with the target's fused layers
 from .config import DrafterArgs
 from ..errors import ConfigError, InputError
 from ..kernels import fast_softmax
@@ -314,13 +314,6 @@ class DrafterLayer(nn.Module):
         h = h + self.self_attn.output(attention)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-
-COMPILE_ENV = "DFLASH_COMPILE"
-
-
-def compile_enabled() -> bool:
-    """Whether the drafter's inference step runs compiled (``DFLASH_COMPILE=0`` turns it off)."""
-    return os.environ.get(COMPILE_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 class _LayerKernels:

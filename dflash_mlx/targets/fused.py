@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-ENV_VAR = "DFLASH_COMPILE"  # also turns off the drafter's compiled step (drafter/network.py)
+COMPILE_ENV = "DFLASH_COMPILE"
 # RoPE is compiled per input shape (its fallback slices cannot be traced shapeless),
 # so only short inputs (verify blocks, plain and batched steps) take the fused path:
 # a bounded number of traces; a prefill chunk is compute, not op count.
@@ -70,10 +70,17 @@ class FusedRoPE(nn.RoPE):
         return _rope_kernel(self.dims, self.traditional, self.base, self.scale)(x, offset)
 
 
+def compile_enabled() -> bool:
+    """Whether ``mx.compile`` is used: of the target's norms and RoPE here, and of the
+    drafter's inference step (:mod:`dflash_mlx.drafter.network`). ``DFLASH_COMPILE=0``
+    (or off, false, no) turns both off."""
+    return os.environ.get(COMPILE_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
 def fused_layers_enabled() -> bool:
     """True where :func:`fuse_layers` swaps: the default device is the CPU and
-    ``DFLASH_COMPILE`` is not 0."""
-    return mx.default_device() == mx.cpu and os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "off", "false", "no")
+    :func:`compile_enabled`."""
+    return mx.default_device() == mx.cpu and compile_enabled()
 
 
 def fuse_layers(model: nn.Module) -> int:
