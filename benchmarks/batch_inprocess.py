@@ -14,13 +14,13 @@ import argparse
 import statistics
 import time
 
-import mlx_lm
 from mlx_lm.generate import BatchGenerator
 
 from dflash_mlx import load
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.batch_width import BatchWidths
 from dflash_mlx.decode.stopping import StopCondition
+from dflash_mlx.targets.fused import unfused
 
 from batch_serve import PROMPTS  # benchmarks/ is on the path when run as a script
 
@@ -51,16 +51,17 @@ def ours(pair, ids, width, max_tokens: int, dec=None) -> float:
     return n / (time.perf_counter() - tic)
 
 
-def mlx_lm_batch(pair, model, ids, max_tokens: int) -> float:
-    gen = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=set(pair.tokenizer.eos_token_ids))
-    tic, n = time.perf_counter(), 0
-    gen.insert(ids, [max_tokens] * len(ids))
-    while True:
-        out = gen.next_generated()
-        if not out:
-            break
-        n += len(out)
-    gen.close()
+def mlx_lm_batch(pair, ids, max_tokens: int) -> float:
+    with unfused(pair.target.model):  # mlx-lm's own modules, as mlx-lm loads the model
+        gen = BatchGenerator(pair.target.model, max_tokens=max_tokens, stop_tokens=set(pair.tokenizer.eos_token_ids))
+        tic, n = time.perf_counter(), 0
+        gen.insert(ids, [max_tokens] * len(ids))
+        while True:
+            out = gen.next_generated()
+            if not out:
+                break
+            n += len(out)
+        gen.close()
     return n / (time.perf_counter() - tic)
 
 
@@ -76,8 +77,6 @@ def main() -> None:
                    help="one decoder per setting for every round, after an untimed round (as a server runs)")
     args = p.parse_args()
     pair = load(args.model, args.draft_model)
-    # mlx-lm's own copy, as mlx-lm loads it (our load fuses the target's norms and RoPE on a CPU).
-    reference = mlx_lm.load(args.model)[0] if "mlx_lm" in args.settings.split(",") else None
     ids = [pair.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.sequences)]
     settings = args.settings.split(",")
     figures = {s: [] for s in settings}
@@ -85,7 +84,7 @@ def main() -> None:
     for r in range(args.repeats + args.warm):
         for s in settings:
             if s == "mlx_lm":
-                tps = mlx_lm_batch(pair, reference, ids, args.max_tokens)
+                tps = mlx_lm_batch(pair, ids, args.max_tokens)
             else:
                 tps = ours(pair, ids, s, args.max_tokens, kept.get(s))
             if r >= args.warm:

@@ -14,11 +14,8 @@ their ratio, and whether the logits are the same bits.
 from __future__ import annotations
 
 import argparse
-import collections
-import re
 import statistics
 import sys
-import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -30,11 +27,8 @@ from dflash_mlx import load
 from dflash_mlx.decode.generate import prefill
 from dflash_mlx.targets.fused import unfused
 
-
-def ops(*outputs) -> int:
-    path = tempfile.mktemp(suffix=".dot")
-    mx.export_to_dot(path, *outputs)
-    return len(re.findall(r'label ="([A-Za-z_]+)', Path(path).read_text()))
+sys.path.insert(0, str(Path(__file__).parent))
+from step_graphs import nodes  # noqa: E402  (ops by primitive, mx.export_to_dot)
 
 
 def main() -> int:
@@ -69,7 +63,7 @@ def main() -> int:
             for fused in (True, False):
                 with unfused(pair.model) if not fused else nullcontext():
                     graph = forward(run=False)
-                    counts.append(ops(*graph))
+                    counts.append(sum(nodes(*graph).values()))
                     mx.eval(graph)
                     target.rollback(cache, width)
                     outs.append(graph[0])

@@ -39,6 +39,7 @@ import mlx_lm
 from mlx_lm import stream_generate as mlx_stream_generate
 
 from dflash_mlx import load, stream_generate
+from dflash_mlx.targets.fused import unfused
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "models" / "stories260K"
@@ -75,11 +76,12 @@ def run_ours(pair, ids, n):
 
 def run_mlx_lm(pair, ids, n):
     # One response per token; the last one carries the stop token if it stopped. mlx-lm runs
-    # its own copy of the model, as mlx-lm loads it (ours has its norms and RoPE fused on a CPU).
-    return timed(
-        mlx_stream_generate(pair.reference, pair.tokenizer, ids, max_tokens=n),
-        lambda r: [] if r.finish_reason == "stop" else [r.token],
-    )
+    # the model with its own modules, as mlx-lm loads it (ours has its norms and RoPE fused on a CPU).
+    with unfused(pair.model):
+        return timed(
+            mlx_stream_generate(pair.model, pair.tokenizer, ids, max_tokens=n),
+            lambda r: [] if r.finish_reason == "stop" else [r.token],
+        )
 
 
 def main() -> int:
@@ -110,7 +112,6 @@ def main() -> int:
         tmp = tempfile.TemporaryDirectory()
         args.model = str(convert_stories260k(Path(tmp.name) / "stories260K"))
     pair = load(args.model)
-    pair.reference = mlx_lm.load(args.model)[0]
     ids = pair.tokenizer.encode(args.prompt)
     engines = {"ours": run_ours, "mlx_lm": run_mlx_lm}
 
