@@ -89,7 +89,10 @@ def test_interrupted_training_says_where_its_checkpoint_is(stories, tmp_path):
     while not list(out.glob("checkpoints/step_*")) and time.monotonic() < deadline and p.poll() is None:
         time.sleep(0.1)  # (only the newest three are kept: step_0000001 may be gone already)
     p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=120)
+    try:
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()  # a run that ignored the interrupt must not train on through the rest of the suite
     assert p.returncode == 130, err
     note = err.splitlines()[-1]
     assert "Traceback" not in err and "The newest checkpoint is" in note and "--resume continues" in note
