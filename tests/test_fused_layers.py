@@ -11,7 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from dflash_mlx.targets import fused
 from dflash_mlx.targets.fused import FusedRMSNorm, FusedRoPE, fuse_layers, unfused
 
-from conftest import FAMILIES, tiny_target
+from conftest import FAMILIES, FORMATS, format_drafter, tiny_target
 
 DTYPES = [mx.float32, mx.bfloat16, mx.float16]
 
@@ -49,6 +49,81 @@ def test_a_fused_target_gives_the_same_logits_bit_for_bit(family, monkeypatch):
             assert mx.array_equal(a, b).item(), f"{family} {dtype}: fused logits differ"
 
 
+def adapter_outputs(target, prompt, widths, monkeypatch, compile_setting):
+    """Hidden states and captured features of the adapter's own forward (its masks
+    included): a prefill, then one forward per width, with ``DFLASH_COMPILE`` set as
+    given while it runs."""
+    monkeypatch.setenv(fused.COMPILE_ENV, compile_setting)
+    cache = target.make_cache(16)
+    capture = [1, target.num_layers - 1]
+    out = [target(prompt[None], cache, capture)]
+    for w in widths:
+        token = mx.argmax(target.lm_head(out[-1][0])[0, -1])
+        out.append(target(mx.broadcast_to(token, (1, w)), cache, capture))
+    mx.eval(out)
+    monkeypatch.delenv(fused.COMPILE_ENV)
+    return [a for pair in out for a in pair]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_adapter_forward_with_fused_layers_and_mask_arrays_gives_the_same_bits(family, monkeypatch):
+    """The adapter's masks are arrays for short fused inputs (built once per forward)
+    and mlx-lm's "causal" otherwise; hidden states and features are the same bits."""
+    monkeypatch.setenv(fused.COMPILE_ENV, "0")
+    _, plain = tiny_target(family)
+    monkeypatch.delenv(fused.COMPILE_ENV)
+    _, target = tiny_target(family)
+    prompt = mx.array([(5 * i + 1) % 200 for i in range(70)], dtype=mx.int32)
+    h = target.embed(prompt[None, :16])
+    assert isinstance(fused.attention_mask(h, None), mx.array)
+    assert fused.attention_mask(h[:, :1], None) is None
+    assert fused.attention_mask(target.embed(prompt[None]), None) == "causal"  # past the fused length
+    moe = any(type(m).__name__ == "SwitchGLU" for m in target.model.modules())
+    for dtype in DTYPES[:1] if moe else DTYPES:
+        plain.model.set_dtype(dtype)
+        target.model.set_dtype(dtype)
+        want = adapter_outputs(plain, prompt, [1, 3, 16, 1, 8, 64], monkeypatch, "0")
+        got = adapter_outputs(target, prompt, [1, 3, 16, 1, 8, 64], monkeypatch, "1")
+        for a, b in zip(want, got):
+            assert mx.array_equal(a, b).item(), f"{family} {dtype}: the fused forward differs"
+
+
+def drafter_logits(drafter, steps, dtype):
+    """The drafter's block logits over several steps (context rows fewer than, as
+    many as and more than the block), one cache."""
+    cache = drafter.make_cache()
+    F = len(drafter.target_layer_ids) * drafter.args.hidden_size
+    out = []
+    for i, (rows, token) in enumerate(steps):
+        context = mx.random.normal((1, rows, F), key=mx.random.key(i)).astype(dtype)
+        block = mx.array([[token] + [drafter.args.mask_token_id] * (drafter.block_size - 1)], dtype=mx.int32)
+        out.append(drafter(block, context, cache))
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_the_drafter_step_with_rope_tables_gives_the_same_bits(fmt, monkeypatch):
+    """The drafter's compiled step rotates by shared RoPE tables on the CPU; its logits
+    equal those of the same compiled step with RoPE itself, bit for bit."""
+    from dflash_mlx.drafter import network
+
+    _, target = tiny_target("llama")
+    steps = [(5, 17), (3, 42), (8, 9), (11, 3), (1, 5), (300, 7), (2, 8)]  # the table grows past 256
+    for dtype in DTYPES:
+        drafter = format_drafter(target, fmt)
+        drafter.set_dtype(dtype)
+        calls = []
+        monkeypatch.setattr(network, "rope_rows", lambda *a: calls.append(a) or fused.rope_rows(*a))
+        got = drafter_logits(drafter, steps, dtype)
+        compiled = "attention_conv" not in drafter.layers[0]  # DFlash2's convolutions run uncompiled
+        assert bool(calls) == compiled, "the compiled step takes RoPE tables on the CPU"
+        monkeypatch.setattr(network, "rope_rows", lambda *a: None)
+        want = drafter_logits(drafter, steps, dtype)
+        for a, b in zip(want, got):
+            assert mx.array_equal(a, b).item(), f"{fmt} {dtype}: drafter logits differ"
+
+
 def test_families_with_mlx_norms_and_rope_get_them_fused():
     llama, _ = tiny_target("llama")
     qwen3, _ = tiny_target("qwen3")
@@ -71,8 +146,11 @@ def test_fused_rope_equals_rope_at_int_and_per_sequence_offsets(traditional, dty
     fast = nn.RoPE(16, traditional=traditional, base=10000.0)
     fast.__class__ = FusedRoPE
     mx.random.seed(0)
+    # positions within the shared table, past it (its growth), beyond its cap and negative
     for shape, offset in [((1, 4, 16, 16), 0), ((1, 2, 1, 16), 517), ((1, 4, 7, 16), 33),
-                          ((3, 4, 5, 16), mx.array([0, 9, 300])), ((1, 4, 100, 16), 12)]:
+                          ((3, 4, 5, 16), mx.array([0, 9, 300])), ((1, 4, 100, 16), 12), ((1, 4, 3, 16), 4000),
+                          ((1, 2, 2, 16), fused.MAX_TABLE_POSITIONS - 1), ((1, 2, 16), 70000), ((1, 2, 4, 16), -3),
+                          ((2, 1, 2, 3, 16), mx.array([5, 70001]))]:
         x = (3 * mx.random.normal(shape)).astype(dtype)
         assert mx.array_equal(rope(x, offset), fast(x, offset)).item(), (shape, offset)
     assert mx.array_equal(rope(x), fast(x)).item()

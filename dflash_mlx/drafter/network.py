@@ -30,7 +30,7 @@ from mlx_lm.models.qwen3 import MLP  # the same SwiGLU MLP and keys as the check
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..targets.caches import ContextWindowCache
-from ..targets.fused import compile_enabled  # DFLASH_COMPILE, shared with the target's fused layers
+from ..targets.fused import compile_enabled, rope_rows, rotate  # shared with the target's fused layers
 from .config import DrafterArgs
 from ..errors import ConfigError, InputError
 from ..kernels import fast_softmax
@@ -293,7 +293,12 @@ class DrafterLayer(nn.Module):
         B, S = h.shape[1], context.shape[1]
         if S < B:
             context = mx.concatenate([context, mx.zeros((1, B - S, context.shape[2]), context.dtype)], axis=1)
-        queries, keys, values = kernels.pre(h, context, mx.array(cache.offset, dtype=mx.int32), mx.array(S))
+        rope = self.self_attn.rope
+        block_rows = rope_rows(rope, B, cache.offset + S)
+        if block_rows is not None:  # RoPE tables shared by the layers (CPU): fewer ops than RoPE itself
+            queries, keys, values = kernels.pre_tables(h, context, *rope_rows(rope, B, cache.offset), *block_rows)
+        else:
+            queries, keys, values = kernels.pre(h, context, mx.array(cache.offset, dtype=mx.int32), mx.array(S))
         out = self.self_attn.attend(queries, keys[:, :, :S], values[:, :, :S], keys[:, :, B:], values[:, :, B:],
                                     cache)
         return kernels.post(h, out)
@@ -310,6 +315,20 @@ class DrafterLayer(nn.Module):
                               axis=2)
         return queries, keys, values
 
+    def _pre_tables(self, h: mx.array, context: mx.array, ctx_cos: mx.array, ctx_sin: mx.array,
+                    block_cos: mx.array, block_sin: mx.array):
+        """:meth:`_pre` with RoPE as :func:`~dflash_mlx.targets.fused.rotate` by the
+        positions' tables (context rows, then block rows): the same bits."""
+        attn = self.self_attn
+        traditional = attn.rope.traditional
+        x = self.input_layernorm(h)
+        queries = rotate(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)), block_cos, block_sin, traditional)
+        keys, values = attn._keys_values(mx.concatenate([context, x], axis=1))
+        P = context.shape[1]
+        keys = mx.concatenate([rotate(keys[:, :, :P], ctx_cos, ctx_sin, traditional),
+                               rotate(keys[:, :, P:], block_cos, block_sin, traditional)], axis=2)
+        return queries, keys, values
+
     def _post(self, h: mx.array, attention: mx.array) -> mx.array:
         h = h + self.self_attn.output(attention)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -324,6 +343,7 @@ class _LayerKernels:
 
     def __init__(self, layer: "DrafterLayer"):
         self.pre = mx.compile(layer._pre, inputs=layer.state)
+        self.pre_tables = mx.compile(layer._pre_tables, inputs=layer.state)
         self.post = mx.compile(layer._post, inputs=layer.state)
 
 

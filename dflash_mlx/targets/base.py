@@ -20,11 +20,11 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from .caches import EXACT_TRIM, GatedDeltaCache, WindowKVCache, can_trim
 from ..errors import MismatchError, RollbackError
+from .fused import attention_mask
 from .tree_verify import TreeVerify
 
 
@@ -82,7 +82,7 @@ class TargetAdapter(TreeVerify):
 
     def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
         """One attention mask per layer (all causal here)."""
-        mask = create_attention_mask(h, cache[0])
+        mask = attention_mask(h, cache[0])
         return [mask] * self.num_layers
 
     def run_layers(self, inputs: mx.array, h: mx.array, cache: Sequence[Any]) -> Iterator[mx.array]:

@@ -8,9 +8,9 @@ others sliding-window, and a head tied or not by the model's own flag.
 from typing import Any, List, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.base import create_attention_mask
 
 from .base import TargetAdapter
+from .fused import attention_mask
 
 
 class Gemma3TextAdapter(TargetAdapter):
@@ -25,8 +25,8 @@ class Gemma3TextAdapter(TargetAdapter):
     def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
         inner = self.inner
         pattern = inner.sliding_window_pattern
-        full = create_attention_mask(h, cache[pattern - 1])
-        window = create_attention_mask(h, cache[0], window_size=inner.window_size) if pattern > 1 else None
+        full = attention_mask(h, cache[pattern - 1])
+        window = attention_mask(h, cache[0], window_size=inner.window_size) if pattern > 1 else None
         return [full if i % pattern == pattern - 1 else window for i in range(self.num_layers)]
 
     def lm_head(self, h: mx.array) -> mx.array:

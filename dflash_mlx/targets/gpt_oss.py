@@ -9,9 +9,9 @@ the adapter gives each layer its mask, windowed for the sliding layers, whose
 from typing import Any, List, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.base import create_attention_mask
 
 from .base import TargetAdapter
+from .fused import attention_mask
 
 
 class GptOssAdapter(TargetAdapter):
@@ -19,8 +19,8 @@ class GptOssAdapter(TargetAdapter):
 
     def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
         inner = self.inner
-        full = create_attention_mask(h, cache[inner.ga_idx])
-        window = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.window_size)
+        full = attention_mask(h, cache[inner.ga_idx])
+        window = attention_mask(h, cache[inner.swa_idx], window_size=inner.window_size)
         return [full if kind == "full_attention" else window for kind in inner.layer_types]
 
 

@@ -18,13 +18,14 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.base import create_ssm_mask
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 from .gated_delta_cache import GatedDeltaCache
 from .base import TargetAdapter
 from ..errors import MismatchError, RollbackError
+from .fused import attention_mask
 
 
 class HybridAdapter(TargetAdapter):
@@ -33,7 +34,7 @@ class HybridAdapter(TargetAdapter):
 
     def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
         inner = self.inner
-        fa = create_attention_mask(h, cache[inner.fa_idx]) if inner.fa_idx is not None else None
+        fa = attention_mask(h, cache[inner.fa_idx]) if inner.fa_idx is not None else None
         ssm = create_ssm_mask(h, cache[inner.ssm_idx]) if inner.ssm_idx is not None else None
         return [ssm if layer.is_linear else fa for layer in self.layers]
 

@@ -3,9 +3,9 @@
 from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.base import create_attention_mask
 
 from .base import TargetAdapter
+from .fused import attention_mask
 
 
 class LlamaAdapter(TargetAdapter):
@@ -18,10 +18,10 @@ class LlamaAdapter(TargetAdapter):
 
     def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
         inner = self.inner
-        full = create_attention_mask(h, cache[inner.fa_idx])
+        full = attention_mask(h, cache[inner.fa_idx])
         if inner.swa_idx is None:
             return [full] * self.num_layers
-        window = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.sliding_window)
+        window = attention_mask(h, cache[inner.swa_idx], window_size=inner.sliding_window)
         return [window if layer.use_sliding else full for layer in self.layers]
 
 
