@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from functools import partial
+from functools import lru_cache
 from typing import Callable, Iterator, Optional, Tuple, Union
 
 import mlx.core as mx
@@ -45,9 +45,25 @@ COMPILE_ENV = "DFLASH_COMPILE"
 MAX_FUSED_ROPE_TOKENS = 64
 
 
-@partial(mx.compile, shapeless=True)
-def _rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    return mx.fast.rms_norm(x, weight, eps)
+@lru_cache(maxsize=None)
+def _result_type(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
+    return (mx.zeros((0,), dtype=a) * mx.zeros((0,), dtype=b)).dtype
+
+
+@lru_cache(maxsize=None)
+def _rms_norm_kernel(dims: int, eps: float, out_type: mx.Dtype) -> Callable:
+    """``mx.fast.rms_norm``'s CPU fallback over ``dims`` features, compiled: float32
+    ``x * rsqrt(mean(x**2) + eps)``, cast to ``out_type``, times the weight. The mean's
+    ``1/dims`` is a constant here (the fallback computes it in an op of its own, as
+    ``float32(1.0 / dims)``, the same value)."""
+    inverse, eps = mx.array(1.0 / dims, dtype=mx.float32), mx.array(eps, dtype=mx.float32)
+
+    def rms_norm(x: mx.array, weight: mx.array) -> mx.array:
+        x = x.astype(mx.float32)
+        x = x * mx.rsqrt(mx.sum(mx.square(x), axis=-1, keepdims=True) * inverse + eps)
+        return x.astype(out_type) * weight.astype(out_type)
+
+    return mx.compile(rms_norm, shapeless=True)
 
 
 def _rotate(x: mx.array, cos: mx.array, sin: mx.array, traditional: bool) -> mx.array:
@@ -161,7 +177,8 @@ class FusedRMSNorm(nn.RMSNorm):
     """``nn.RMSNorm`` computed by one compiled kernel (same weights, same result)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        return _rms_norm(x, self["weight"], self.eps)
+        weight = self["weight"]
+        return _rms_norm_kernel(x.shape[-1], self.eps, _result_type(x.dtype, weight.dtype))(x, weight)
 
 
 class FusedRoPE(nn.RoPE):
