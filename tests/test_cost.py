@@ -100,7 +100,7 @@ def test_calibration_interpolates_widths_and_extends_the_context():
 def test_a_chain_is_drafted_at_the_smallest_timed_block_that_holds_it_and_now_and_then_wider():
     m = calibrated(16, {1: 1.0, 16: 2.0}, {2: 0.1, 4: 0.2, 8: 0.4, 16: 0.8}, wide_every=4)
     assert [m.draft_block(n) for n in (2, 3, 4, 5, 8, 9, 16)] == [2, 4, 4, 8, 8, 16, 16]
-    assert m.estimate("chain", 5, 0) == pytest.approx(m.calibration.forward(5, 0) + 0.4)
+    assert m.estimate("chain", 5, 0) == pytest.approx(m.calibration.chain(8, 0))  # its block's step, timed
     assert m.estimate("tree", 9, 0) == pytest.approx(m.calibration.forward(9, 0) + 0.8)  # trees draft the block
     assert [m.probe_block(4) for _ in range(8)] == [4, 4, 4, 8] * 2  # now and then one size up
     assert [m.probe_block(8) for _ in range(4)] == [8, 8, 8, 16] and m.probe_block(16) == 16
@@ -121,10 +121,19 @@ def test_the_machine_speed_is_shared_by_every_mode():
 def test_a_chain_step_costs_what_it_was_timed_at_and_a_wide_probe_its_extra_drafting():
     m = calibrated(16, {1: 1.0, 16: 2.0}, {4: 0.2, 16: 0.8})
     assert m.estimate("chain", 4, 0) == pytest.approx(m.calibration.chain(4, 0))
-    assert m.estimate("chain", 3, 0) == pytest.approx(m.calibration.chain(4, 0) - m.calibration.forward(4, 0)
-                                                      + m.calibration.forward(3, 0))
+    # a narrower verify of the same drafted block costs the timed step: no interpolated saving
+    assert m.estimate("chain", 3, 0) == pytest.approx(m.calibration.chain(4, 0))
     assert m.estimate("chain", 4, 0, block=16) == pytest.approx(m.calibration.chain(4, 0) + 0.6)
     assert m.estimate("plain", 1, 0) == 1.0
+
+
+def test_the_best_chain_verifies_a_whole_timed_block():
+    # Drafts right 5 times in a row: verifying 6 of a block of 8 is taken to cost the
+    # block's timed step, so the whole block (more tokens when a run goes longer) wins.
+    m = calibrated(16, {1: 1.0, 4: 1.1, 8: 1.3, 16: 2.0}, {2: 0.1, 4: 0.2, 8: 0.4, 16: 0.8})
+    observe(m, 50, right=5)
+    assert m.best_width() == 8
+    assert m.rate(6, 0) < m.rate(8, 0) and m.rate(3, 0) < m.rate(4, 0)
 
 
 def test_a_probe_costs_a_plain_step_and_its_drafting():
