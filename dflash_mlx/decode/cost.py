@@ -11,7 +11,9 @@ candidate, so speculation is used only when it pays.
 
 - **Drafted block**: a chain of n is drafted at D, the smallest timed block size
   >= n (2, 4, 8, 16, ..., the trained size): drafting 16 to verify 6 would pay for
-  ten drafts nobody checks. Every ``wide_every`` chain steps drafted below the
+  ten drafts nobody checks. Its step costs D's timed step: verifying fewer of the
+  drafts saves too little to measure (on a CPU, BLAS takes rows in groups), so the
+  best chain is a whole timed block. Every ``wide_every`` chain steps drafted below the
   trained size, one drafts the next block size up instead (a wide probe), so what
   wider verifies would accept stays known.
 - **Seconds**: a whole plain step (in a pipelined run) and a whole chain step of
