@@ -149,8 +149,10 @@ def test_fused_rope_equals_rope_at_int_and_per_sequence_offsets(traditional, dty
     # positions within the shared table, past it (its growth), beyond its cap and negative
     for shape, offset in [((1, 4, 16, 16), 0), ((1, 2, 1, 16), 517), ((1, 4, 7, 16), 33),
                           ((3, 4, 5, 16), mx.array([0, 9, 300])), ((1, 4, 100, 16), 12), ((1, 4, 3, 16), 4000),
-                          ((1, 2, 2, 16), fused.MAX_TABLE_POSITIONS - 1), ((1, 2, 16), 70000), ((1, 2, 4, 16), -3),
-                          ((2, 1, 2, 3, 16), mx.array([5, 70001]))]:
+                          ((1, 2, 2, 16), fused.MAX_TABLE_POSITIONS - 1),
+                          ((1, 2, 16), fused.MAX_TABLE_POSITIONS + 3), ((1, 2, 4, 16), -3),
+                          ((2, 1, 2, 3, 16), mx.array([5, fused.MAX_TABLE_POSITIONS + 9])),
+                          ((1, 2, 3, 24), 7)]:  # RoPE over part of the head: nn.RoPE's own
         x = (3 * mx.random.normal(shape)).astype(dtype)
         assert mx.array_equal(rope(x, offset), fast(x, offset)).item(), (shape, offset)
     assert mx.array_equal(rope(x), fast(x)).item()

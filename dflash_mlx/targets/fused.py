@@ -4,9 +4,10 @@ On the CPU backend ``mx.fast.rms_norm`` and ``mx.fast.rope`` have no kernel of t
 own: each call is built from its composed fallback (some 6 and 20 small ops), and at
 a few tokens per forward each op is a task handed to the stream's thread, so a
 small target's verify and plain step cost their op count more than their flops.
-Here (stories260K, ops per 16-token verify: 776 as mlx-lm builds it, 400 here):
+Here (stories260K, ops per 16-token verify: 776 as mlx-lm builds it, 389 here):
 
-- RMSNorm: the fallback under ``mx.compile``, which fuses its element-wise ops.
+- RMSNorm: the fallback's formula under ``mx.compile`` (which fuses its element-wise
+  ops), the mean's ``1/n`` a constant.
 - RoPE: the cosines and sines come from a table of positions kept per RoPE
   configuration (computed by ``mx.fast.rope`` itself, see :class:`_Tables`), sliced
   once per forward for all layers; the rotation is one compiled element-wise kernel
@@ -47,6 +48,7 @@ MAX_FUSED_ROPE_TOKENS = 64
 
 @lru_cache(maxsize=None)
 def _result_type(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
+    """MLX's type promotion of ``a`` and ``b`` (the norm's output dtype)."""
     return (mx.zeros((0,), dtype=a) * mx.zeros((0,), dtype=b)).dtype
 
 
@@ -85,9 +87,10 @@ def _rotate(x: mx.array, cos: mx.array, sin: mx.array, traditional: bool) -> mx.
 _rotate_kernel = mx.compile(_rotate)  # traced once per input shape (few: at most MAX_FUSED_ROPE_TOKENS)
 
 # Positions below 2**24 are exact in float32, where the fallback computes them, so a
-# table row at position p has the bits of a forward at offset p. Tables stop at 64K
-# positions (8 MB per 64 rotated dims in float32); past them each forward computes its rows.
-MAX_TABLE_POSITIONS = 1 << 16
+# table row at position p has the bits of a forward at offset p. Tables stop at 16K
+# positions (cos and sin: 8 MB per 64 rotated dims in float32); past them each forward
+# computes its own rows once, for all layers.
+MAX_TABLE_POSITIONS = 1 << 14
 
 
 class _Tables:
@@ -187,6 +190,7 @@ class FusedRoPE(nn.RoPE):
     keys), the rotation by one compiled kernel (same result as ``mx.fast.rope``).
 
     ``offset`` is an int or an int array (one per sequence in a batch), as for ``nn.RoPE``.
+    Longer inputs and a RoPE over part of the head (``dims`` < head size) run ``nn.RoPE``.
     """
 
     def __call__(self, x: mx.array, offset: Union[int, mx.array] = 0) -> mx.array:
