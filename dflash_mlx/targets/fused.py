@@ -47,12 +47,6 @@ MAX_FUSED_ROPE_TOKENS = 64
 
 
 @lru_cache(maxsize=None)
-def _result_type(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
-    """MLX's type promotion of ``a`` and ``b`` (the norm's output dtype)."""
-    return (mx.zeros((0,), dtype=a) * mx.zeros((0,), dtype=b)).dtype
-
-
-@lru_cache(maxsize=None)
 def _rms_norm_kernel(dims: int, eps: float, out_type: mx.Dtype) -> Callable:
     """``mx.fast.rms_norm``'s CPU fallback over ``dims`` features, compiled: float32
     ``x * rsqrt(mean(x**2) + eps)``, cast to ``out_type``, times the weight. The mean's
@@ -181,7 +175,7 @@ class FusedRMSNorm(nn.RMSNorm):
 
     def __call__(self, x: mx.array) -> mx.array:
         weight = self["weight"]
-        return _rms_norm_kernel(x.shape[-1], self.eps, _result_type(x.dtype, weight.dtype))(x, weight)
+        return _rms_norm_kernel(x.shape[-1], self.eps, mx.result_type(x.dtype, weight.dtype))(x, weight)
 
 
 class FusedRoPE(nn.RoPE):
