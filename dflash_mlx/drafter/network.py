@@ -303,31 +303,31 @@ class DrafterLayer(nn.Module):
                                     cache)
         return kernels.post(h, out)
 
-    def _pre(self, h: mx.array, context: mx.array, offset: mx.array, rows: mx.array):
-        """Queries of the block, keys and values of ``context`` (B rows, the first
-        ``rows`` real) then the block: context at ``offset``, block at ``offset + rows``."""
+    def _project(self, h: mx.array, context: mx.array, rope_context: Callable[[mx.array], mx.array],
+                 rope_block: Callable[[mx.array], mx.array]):
+        """Queries of the block, keys and values of ``context`` (B rows) then the block,
+        RoPE applied by ``rope_context`` to the context rows and ``rope_block`` to the block's."""
         attn = self.self_attn
         x = self.input_layernorm(h)
-        queries = attn.rope(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)), offset=offset + rows)
+        queries = rope_block(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)))
         keys, values = attn._keys_values(mx.concatenate([context, x], axis=1))
         P = context.shape[1]
-        keys = mx.concatenate([attn.rope(keys[:, :, :P], offset=offset), attn.rope(keys[:, :, P:], offset=offset + rows)],
-                              axis=2)
+        keys = mx.concatenate([rope_context(keys[:, :, :P]), rope_block(keys[:, :, P:])], axis=2)
         return queries, keys, values
+
+    def _pre(self, h: mx.array, context: mx.array, offset: mx.array, rows: mx.array):
+        """:meth:`_project` for ``context`` of B rows, the first ``rows`` real: context at
+        ``offset``, block at ``offset + rows``."""
+        rope = self.self_attn.rope
+        return self._project(h, context, lambda x: rope(x, offset=offset), lambda x: rope(x, offset=offset + rows))
 
     def _pre_tables(self, h: mx.array, context: mx.array, ctx_cos: mx.array, ctx_sin: mx.array,
                     block_cos: mx.array, block_sin: mx.array):
         """:meth:`_pre` with RoPE as :func:`~dflash_mlx.targets.fused.rotate` by the
         positions' tables (context rows, then block rows): the same bits."""
-        attn = self.self_attn
-        traditional = attn.rope.traditional
-        x = self.input_layernorm(h)
-        queries = rotate(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)), block_cos, block_sin, traditional)
-        keys, values = attn._keys_values(mx.concatenate([context, x], axis=1))
-        P = context.shape[1]
-        keys = mx.concatenate([rotate(keys[:, :, :P], ctx_cos, ctx_sin, traditional),
-                               rotate(keys[:, :, P:], block_cos, block_sin, traditional)], axis=2)
-        return queries, keys, values
+        traditional = self.self_attn.rope.traditional
+        return self._project(h, context, lambda x: rotate(x, ctx_cos, ctx_sin, traditional),
+                             lambda x: rotate(x, block_cos, block_sin, traditional))
 
     def _post(self, h: mx.array, attention: mx.array) -> mx.array:
         h = h + self.self_attn.output(attention)
