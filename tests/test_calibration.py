@@ -92,6 +92,8 @@ def test_cost_model_state_round_trip_and_bad_states():
     cost.calibrate(FixedTimings().calibrate(None, None, [1, 2, 4], [2, 4]))
     cost.record_step("chain", 4, 2 * cost.estimate("chain", 4, 0), 0, overhead=1e-4)
     cost.record_step("plain", 1, 0.8 * 2 * cost.estimate("plain", 1, 0), 0)
+    cost.record_step("chain", 4, 2 * cost.estimate("chain", 4, 0), 0)  # a switch back: the widths' factors differ
+    assert cost.width_factor[4].value != 1.0
     for s in range(5):
         cost.record_drafts(4 * s, [7, 7, 0])
         cost.record_committed([7, 7, 8, 9], 4 * s)
@@ -104,6 +106,8 @@ def test_cost_model_state_round_trip_and_bad_states():
     fresh = CostModel(block_size=4)
     assert not fresh.restore({**state, "tried": [1.0, 1.0]})  # another block size
     assert not fresh.restore({**state, "speed": float("nan")})
+    assert not fresh.restore({**state, "width_factor": {"4": 0.0}})  # a step that costs nothing
+    assert not fresh.restore({**state, "width_factor": {"four": 1.0}})
     assert not fresh.restore({**state, "calibration": {**state["calibration"], "verify_s": {"1": [-1.0, 1.0]}}})
     assert not fresh.restore({"tried": "x"})
     assert fresh.tried == [0.0] * 3 and fresh.calibration is None  # nothing half-restored

@@ -118,6 +118,39 @@ def test_the_machine_speed_is_shared_by_every_mode():
     assert m.step_seconds("plain", 1, 0) == pytest.approx(2.5, rel=0.05)
 
 
+def test_what_the_calibration_got_wrong_between_widths_is_learned_at_switches():
+    # Timed: a chain of 4 at 1.2 s, of 8 at 2.0 s; so with drafts right 4 times in a
+    # row, chains of 4 look best. Really a chain of 8 takes 1.2 s too, on a machine
+    # 1.7x slower than when it was timed.
+    m = calibrated(8, {1: 1.0, 4: 1.0, 8: 1.0}, {4: 0.2, 8: 1.0})
+    observe(m, 50, right=4)
+    assert m.best_width() == 4
+    for width in [4, 8] * 6:
+        for _ in range(3):
+            m.record_step("chain", width, 1.7 * 1.2, 0)
+    assert m.best_width() == 8
+    for width in (4, 8):  # speed times the width's factor: the real step
+        assert m.step_seconds("chain", width, 0) == pytest.approx(1.7 * 1.2, rel=0.05)
+
+
+def test_a_run_of_one_width_and_its_first_step_teach_its_factor_nothing():
+    m = calibrated(8, {1: 1.0, 4: 1.0, 8: 1.0}, {4: 0.2, 8: 1.0})
+    m.record_step("chain", 4, 1.2, 0)
+    m.record_step("chain", 8, 2.5 * 2.0, 0)  # a width's first step in a process compiles
+    assert m.width_factor == {}
+    for _ in range(30):  # a busy spell while one width runs: the speed moves, not the factor
+        m.record_step("chain", 8, 2.5 * 2.0, 0)
+    assert m.width_factor == {} and m.speed.value == pytest.approx(2.5, rel=0.05)
+    m.record_step("chain", 4, 2.5 * 1.2, 0)  # back to 4 at the same speed: nothing to correct
+    assert m.width_factor[4].value == pytest.approx(1.0, rel=0.05)
+    short, long = (calibrated(8, {1: 1.0, 8: 1.0}, {8: 1.0}) for _ in range(2))
+    for m, steps in ((short, 1), (long, 32)):
+        m.record_step("chain", 8, 2.0, 0)
+        m.record_step("plain", 1, 1.5, 0, steps=steps)  # plain steps half again slower than timed
+    assert 1 not in short.width_factor  # a first plain step alone may be compiling
+    assert long.width_factor[1].value > 1.1  # a long run's first compile is spread thin
+
+
 def test_a_chain_step_costs_what_it_was_timed_at_and_a_wide_probe_its_extra_drafting():
     m = calibrated(16, {1: 1.0, 16: 2.0}, {4: 0.2, 16: 0.8})
     assert m.estimate("chain", 4, 0) == pytest.approx(m.calibration.chain(4, 0))

@@ -18,6 +18,7 @@ from here too).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Protocol, Sequence, Tuple
@@ -28,7 +29,7 @@ from ..fingerprint import folder_fingerprint  # noqa: F401 (its old place)
 from .calibration_store import (  # noqa: F401 (the store's names, importable from here as before)
     CACHE_ENV, STORE_FORMAT, CalibrationStore, cache_root, device_name, store_key)
 
-TIMED_REPEATS = 3  # timed runs of each forward and draft, after one unseen
+TIMED_ROUNDS = 5  # timed rounds, each timing every forward, draft and step once (after rounds unseen)
 PLAIN_TIMED_STEPS = 8  # plain steps in a timed run (a plain step is timed pipelined, as the loop runs it)
 
 
@@ -231,7 +232,8 @@ def calibrate(target, drafter, widths: Sequence[int], blocks: Sequence[int],
               contexts: Tuple[int, int] = CONTEXTS) -> Calibration:
     """Time the target's forward at each width and a drafter pass at each block size,
     after each of two context lengths, on scratch caches (the real caches are never
-    touched): the fastest of a few runs, after a warm-up round.
+    touched): each the median of :data:`TIMED_ROUNDS` interleaved rounds, after a
+    warm-up round (:func:`_interleaved`).
 
     Args:
         target: a :class:`~dflash_mlx.targets.TargetAdapter`.
@@ -256,20 +258,16 @@ def calibrate(target, drafter, widths: Sequence[int], blocks: Sequence[int],
         cache = target.make_cache(max(widths))
         _, features = target((mx.arange(context + 1, dtype=mx.int32) % V)[None], cache, layer_ids)
         mx.eval([c.state for c in cache], features)
-        for warm in ((True, False) if i == 0 else (False,)):  # a process's first forwards run slow: a round unseen
-            for n in sorted(verify):
-                t = _time_runs(lambda: None, lambda: _forward(target, cache, layer_ids, n))
-                verify[n] += [] if warm else [t]
-            for b in sorted(draft):
-                t = _time_runs(lambda: _scratch_drafter_cache(drafter, features),
-                               lambda c: mx.eval(drafter.draft(token, features[:, -1:], c, b)))
-                draft[b] += [] if warm else [t]
-            t = _time_runs(lambda: None, lambda: _plain_run(target, cache, layer_ids)) / PLAIN_TIMED_STEPS
-            chain[1] += [] if warm else [t]
-            for n in sorted(chain)[1:]:
-                t = _time_runs(lambda: _scratch_drafter_cache(drafter, features),
-                               lambda c: _chain(target, cache, drafter, c, token, features, n, chain_block(n, blocks)))
-                chain[n] += [] if warm else [t]
+        runs = [(verify[n], lambda: None, lambda n=n: _forward(target, cache, layer_ids, n)) for n in sorted(verify)]
+        runs += [(draft[b], lambda: _scratch_drafter_cache(drafter, features),
+                  lambda c, b=b: mx.eval(drafter.draft(token, features[:, -1:], c, b))) for b in sorted(draft)]
+        runs += [(chain[1], lambda: None, lambda: _plain_run(target, cache, layer_ids))]
+        runs += [(chain[n], lambda: _scratch_drafter_cache(drafter, features),
+                  lambda c, n=n: _chain(target, cache, drafter, c, token, features, n, chain_block(n, blocks)))
+                 for n in sorted(chain)[1:]]
+        times = _interleaved(runs, warm=2 if i == 0 else 1)  # a process's first forwards run slow: rounds unseen
+        for (table, _, _), t in zip(runs, times):
+            table.append(t / (PLAIN_TIMED_STEPS if table is chain[1] else 1))
     tables = []
     for table in (verify, draft, chain):  # a cost does not fall as the context grows: the lower one is the truer
         tables.append({key: (min(t0, t1), t1) for key, (t0, t1) in table.items()})
@@ -323,13 +321,21 @@ def _chain(target, cache, drafter, draft_cache, token: mx.array, features: mx.ar
     target.rollback(cache, width)
 
 
-def _time_runs(setup, run) -> float:
-    """The fastest of :data:`TIMED_REPEATS` timed runs after one unseen (noise only
-    adds time); ``setup`` (untimed) makes ``run``'s argument, or None for none."""
-    times = []
-    for _ in range(TIMED_REPEATS + 1):
-        arg = setup()
-        tic = time.perf_counter()
-        run() if arg is None else run(arg)
-        times.append(time.perf_counter() - tic)
-    return min(times[1:])
+def _interleaved(runs, warm: int) -> list:
+    """Seconds of each ``(table, setup, run)`` in ``runs``: the median of
+    :data:`TIMED_ROUNDS` rounds that each time every run once, after ``warm`` rounds
+    unseen. ``setup`` (untimed) makes ``run``'s argument, or None for none.
+
+    Interleaved, a slow spell of a shared machine falls on every width alike, so
+    it does not tilt the choice between them; the median is what a typical step
+    costs (the fastest run of each width, taken one width after another, let a
+    lucky run of one width make it look up to half again cheaper than the others)."""
+    times = [[] for _ in runs]
+    for r in range(warm + TIMED_ROUNDS):
+        for out, (_, setup, run) in zip(times, runs):
+            arg = setup()
+            tic = time.perf_counter()
+            run() if arg is None else run(arg)
+            if r >= warm:
+                out.append(time.perf_counter() - tic)
+    return [statistics.median(t) for t in times]

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-STORE_FORMAT = 2
+STORE_FORMAT = 3  # 3: medians of interleaved rounds, and the per-width step factors
 CACHE_ENV = "DFLASH_CACHE_DIR"
 
 

@@ -24,10 +24,14 @@ candidate, so speculation is used only when it pays.
   steps, tree from the forward of its nodes plus a pass at the trained size. Every
   real step's time drafting and verifying refreshes one factor, the machine's speed,
   shared by every mode (a busy spell slows plain and speculative estimates alike, so
-  it does not push the choice either way); trees, estimated from parts, also learn
-  their own factor over it. Apart, each mode's overhead per step (planning,
-  bookkeeping). A step more than three times off its estimate (the first run of a
-  new shape compiles; a pause) is not counted.
+  it does not push the choice either way). What the calibration got wrong between
+  widths is learned where widths meet: the first step of a timed width after a step
+  of another (a switch) is compared with the speed the other just showed, and that
+  width's own factor moves toward the ratio; within a run of one width only the
+  speed moves. Trees, estimated from parts, learn their own factor over the speed.
+  Apart, each mode's overhead per step (planning, bookkeeping). A step more than
+  three times off its estimate (a pause) is not counted, nor, for its factor, a
+  width's first step in a process (its first run compiles).
 - **Committed tokens**: every drafted block is later compared with the tokens the
   target committed at its positions, however many of them were verified, so the
   acceptance of every width up to the block drafted is observed ("shadow"
@@ -63,6 +67,8 @@ from .calibration import Calibration
 PLAIN, CHAIN, TREE = "plain", "chain", "tree"
 PRIOR = 0.6  # prior conditional acceptance of a draft, before any block (see CostModel.survival)
 FACTOR_DECAY = 0.05  # a step's factor over the machine's speed changes slowly
+SWITCH_WEIGHT = 0.3  # weight of one comparison at a switch of widths in that width's factor
+PLAIN_RUN_STEPS = 8  # a plain run this long teaches its factor even in its first run (its compile is spread thin)
 RESTORED_BLOCKS = 6.0  # weight, in blocks, a kept acceptance profile falls to when this run's text differs
 SURPRISE_BLOCKS, SURPRISE = 6, 0.05  # ... judged by the first drafts of the first blocks: this unlikely under it
 OUTLIER = 3.0  # a step more than this many times off its estimate is not a timing (a first compile, a pause)
@@ -111,6 +117,9 @@ class CostModel:
         mode_factor: ``{"tree": Ema}`` what tree steps took over their estimate (a
             forward and a draft timed apart) at that speed, learned slowly; plain and
             chain steps were timed whole, as the loop runs them.
+        width_factor: ``{D: Ema}`` what steps of a timed width (1: plain; D: a chain
+            drafted at block D) took over their estimate at that speed, learned at
+            switches between widths (see the module doc); 1.0 until one is seen.
         overhead: ``{mode: Ema}`` seconds a step of that mode spends outside drafting
             and verifying (planning, bookkeeping), the same at every width.
         tried, right: weighted counts per position i = 1..B-1: blocks whose drafts
@@ -127,6 +136,9 @@ class CostModel:
     calibration: Optional[Calibration] = None
     speed: Ema = field(default_factory=lambda: Ema(0.1, 1.0))
     mode_factor: Dict[str, Ema] = field(default_factory=dict)
+    width_factor: Dict[int, Ema] = field(default_factory=dict)
+    last_width: Optional[int] = None  # the timed width of the last plain or chain step
+    seen_widths: set = field(default_factory=set)  # timed widths stepped in this process
     overhead: Dict[str, Ema] = field(default_factory=dict)
     tried: List[float] = field(default_factory=list)
     right: List[float] = field(default_factory=list)
@@ -158,6 +170,7 @@ class CostModel:
             "calibration": self.calibration.to_dict() if self.calibration else None,
             "speed": self.speed.value,
             "mode_factor": {m: e.value for m, e in self.mode_factor.items()},
+            "width_factor": {str(w): e.value for w, e in self.width_factor.items()},
             "overhead": {m: e.value for m, e in self.overhead.items()},
             "tried": list(self.tried),
             "right": list(self.right),
@@ -174,6 +187,7 @@ class CostModel:
             tried = [float(x) for x in state["tried"]]
             right = [float(x) for x in state["right"]]
             ratio = {str(m): float(r) for m, r in state.get("mode_factor", {}).items()}
+            widths = {int(w): float(r) for w, r in state.get("width_factor", {}).items()}
             speed = float(state.get("speed", 1.0))
             overhead = {str(m): float(o) for m, o in state.get("overhead", {}).items()}
             trees = {int(n): float(t) for n, t in state.get("tree_tokens", {}).items()}
@@ -183,7 +197,8 @@ class CostModel:
             return False
         numbers = tried + right + list(ratio.values()) + list(trees.values()) + list(overhead.values()) + [speed]
         if len(tried) != self.block_size - 1 or len(right) != len(tried) \
-                or not all(math.isfinite(x) and x >= 0 for x in numbers):
+                or not all(math.isfinite(x) and x >= 0 for x in numbers) \
+                or not all(math.isfinite(r) and r > 0 for r in widths.values()):
             return False
         # the earlier runs' profile is kept whole, unless this run's first blocks say its
         # text suits the drafter much better or worse (stories after math): see _surprise
@@ -197,6 +212,8 @@ class CostModel:
             self.speed = Ema(self.decay, speed)
             for m, r in ratio.items():
                 self.mode_factor[m] = Ema(FACTOR_DECAY, r)
+            for w, r in widths.items():
+                self.width_factor[w] = Ema(SWITCH_WEIGHT, r)
             for m, o in overhead.items():
                 self.overhead[m] = Ema(self.decay, o)
             for n, t in trees.items():
@@ -263,18 +280,27 @@ class CostModel:
         return t
 
     def record_step(self, mode: str, width: int, seconds: float, context: int, block: Optional[int] = None,
-                    overhead: float = 0.0) -> None:
+                    overhead: float = 0.0, steps: int = 1) -> None:
         """A real step of ``mode`` (``plain``, ``chain``, ``tree``) feeding ``width``
         tokens after ``context`` tokens, drafted at ``block`` (plain: a probe), took ``seconds`` to draft
         and verify, and a step of this mode ``overhead`` seconds besides (planning,
-        bookkeeping: the same whatever the width)."""
+        bookkeeping: the same whatever the width); ``steps``: how many steps of a
+        plain run ``seconds`` is the mean of (a first step's compiling is spread thin
+        over many)."""
         self.steps += 1
         self.overhead.setdefault(mode, Ema(self.decay, overhead)).update(overhead)
         est = self.estimate(mode, width, context, block)
         if not est or not 1 / OUTLIER < seconds / est < OUTLIER:  # a first compile of a shape, a pause
             return
         q = seconds / est
-        self.speed.update(q / self._factor(mode))
+        timed = self._timed_width(mode, width, block)
+        if timed is not None and timed != self.last_width and self.last_width is not None \
+                and (timed in self.seen_widths or steps >= PLAIN_RUN_STEPS):  # a switch: against the speed the other just showed
+            self.width_factor.setdefault(timed, Ema(SWITCH_WEIGHT, 1.0)).update(q / self.speed.value)
+        self.speed.update(q / self._factor(mode, width))
+        if timed is not None:
+            self.last_width = timed
+            self.seen_widths.add(timed)
         if mode == TREE:  # plain and chain steps were timed whole, as the loop runs them; a tree from its parts
             self.mode_factor.setdefault(mode, Ema(FACTOR_DECAY, 1.0)).update(q / self.speed.value)
 
@@ -285,10 +311,20 @@ class CostModel:
         est = self.estimate(mode, width, context)
         if est is None:
             return None
-        return est * self.speed.value * self._factor(mode) + self._overhead(mode)
+        return est * self.speed.value * self._factor(mode, width) + self._overhead(mode)
 
-    def _factor(self, mode: str) -> float:
-        f = self.mode_factor.get(mode)
+    def _timed_width(self, mode: str, width: int, block: Optional[int] = None) -> Optional[int]:
+        """The timed step a plain or chain step is estimated from (1, or its draft
+        block D); None for trees and probes (a probe drafts too: it tells the speed only)."""
+        if mode == PLAIN:
+            return None if block else 1
+        return self.draft_block(min(width, self.block_size)) if mode == CHAIN else None
+
+    def _factor(self, mode: str, width: int = 1) -> float:
+        if mode == TREE:
+            f = self.mode_factor.get(mode)
+        else:
+            f = self.width_factor.get(self._timed_width(mode, width))
         return f.value if f is not None else 1.0
 
     def _overhead(self, mode: str) -> float:
@@ -410,12 +446,13 @@ class CostModel:
             return 1, 0.0
         w = self._context_weight(context)
         self.expected_tokens(1)  # fills the cumulative sums
-        costs = {m: (self.speed.value * self._factor(m), self._overhead(m)) for m in (PLAIN, CHAIN)}
+        overheads = {m: self._overhead(m) for m in (PLAIN, CHAIN)}
         best, best_rate = 1, -1.0
         for n in widths:
             mode = PLAIN if n == 1 else CHAIN
-            factor, overhead = costs[mode]
-            rate = self._cumulative[min(n, self.block_size) - 1] / (self._seconds(mode, n, None, w) * factor + overhead)
+            factor = self.speed.value * self._factor(mode, n)
+            rate = self._cumulative[min(n, self.block_size) - 1] / (self._seconds(mode, n, None, w) * factor
+                                                                    + overheads[mode])
             if rate > best_rate:
                 best, best_rate = n, rate
         return best, best_rate

@@ -189,7 +189,7 @@ class Policy:
         block = plan.block if plan.mode != PLAIN or plan.probe else None  # a probe drafts too
         if seconds is not None:
             cost.record_step(plan.mode, width, self.timings.step(plan.mode, width, seconds, block), context, block,
-                             self.timings.overhead(overhead))
+                             self.timings.overhead(overhead), steps=plan.steps)
         if drafts:
             cost.record_drafts(context + 1, drafts)
         tail = history[-3 * self.block:]  # every block still pending lies within it
