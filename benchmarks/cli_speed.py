@@ -72,13 +72,18 @@ def run_dflash(model: str, draft: str, prompt: str, max_tokens: int, setting: st
             "calibration_ms": out["calibration_ms"], "host_ms": out.get("host_ms_per_step")}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_pair_args(p: argparse.ArgumentParser) -> None:
+    """The pair, prompts and reply length (shared with ``auto_vs_fixed_cli.py``)."""
     p.add_argument("--model", required=True)
     p.add_argument("--draft-model", required=True)
     p.add_argument("--prompts", type=Path, default=ROOT / "scripts" / "data" / "story_openings.jsonl")
     p.add_argument("-n", "--num-prompts", type=int, default=10)
     p.add_argument("-m", "--max-tokens", type=int, default=256)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_pair_args(p)
     p.add_argument("--settings", nargs="+", default=["auto", "4", "8", "16"], help="--block-size values")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path)
