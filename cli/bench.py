@@ -136,7 +136,7 @@ def parse_block_sizes(values: Optional[List[str]], extra: List[str], flag: str =
     Raises:
         InputError: a value that is neither an integer nor ``auto``, or stray arguments.
     """
-    from dflash_mlx import InputError
+    from dflash_mlx.errors import InputError
 
     if extra and not values:
         raise InputError(f"unexpected argument(s): {' '.join(extra)}")
@@ -160,8 +160,7 @@ def parse_simulate_acceptance(value: Optional[str]):
     Raises:
         InputError: naming the flag, when it is neither an int nor a readable trace.
     """
-    from dflash_mlx import InputError
-    from dflash_mlx.bench.simulate import read_trace
+    from dflash_mlx.errors import InputError
 
     if value is None:
         return None
@@ -169,6 +168,8 @@ def parse_simulate_acceptance(value: Optional[str]):
         return int(value)
     except ValueError:
         pass
+    from dflash_mlx.bench.simulate import read_trace
+
     try:
         return read_trace(value)
     except ValueError as e:
@@ -197,10 +198,10 @@ def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_siz
         BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
     )
 
-    from dflash_mlx import InputError
-    from dflash_mlx.bench import BenchConfig, bench
-    from dflash_mlx.bench.report import cycle_table, histogram_lines, results_table
+    from dflash_mlx.errors import InputError
 
+    # Flags first, then the imports of mlx-lm and transformers (2-3 s): a bad flag is
+    # reported at once.
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
     if num_samples < 0:
         raise InputError(f"--num-samples must be 0 (all samples) or more, got {num_samples}")
@@ -215,10 +216,15 @@ def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_siz
         raise InputError("dflash bench needs --draft-model (the DFlash drafter to measure)")
     datasets = [d for spec in dataset for d in spec.split(",") if d]
     simulate_acceptance = parse_simulate_acceptance(simulate_acceptance)
+    window = parse_draft_window(draft_window)
+
+    from dflash_mlx.bench import BenchConfig, bench
+    from dflash_mlx.bench.report import cycle_table, histogram_lines, results_table
+
     config = BenchConfig(max_tokens=max_tokens, block_sizes=sizes, tree_budgets=budgets, temp=temp, top_p=top_p, top_k=top_k,
                          min_p=min_p, seed=seed, repeats=repeats, simulate_acceptance=simulate_acceptance,
                          enable_thinking=enable_thinking, warmup_tokens=warmup_tokens,
-                         draft_window=parse_draft_window(draft_window))
+                         draft_window=window)
 
     console = Console(stderr=True)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -114,13 +114,11 @@ def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed
          session_file, prompt_cache_dir, no_prompt_cache, prompt_cache_gb) -> None:
     import mlx.core as mx
 
-    from dflash_mlx import InputError
-    from dflash_mlx.decode.generate import check_block_size
-    from dflash_mlx.chat.session import ChatSession
     from dflash_mlx.chat.session_file import read_session
+    from dflash_mlx.errors import InputError
 
-    from .chat_ui import PlainView, RichView
-
+    # Flags first, then the imports of mlx-lm and transformers (2-3 s): a bad flag is
+    # reported at once.
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
     stops = parse_stops(stop)
     window = parse_draft_window(draft_window)
@@ -128,13 +126,19 @@ def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model, verify)
     prefill_step_size = resolve_prefill_step(prefill_step_size)
-    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb)
     history = read_session(session_file) if session_file else []
     from dflash_mlx.decode.policy import parse_block_size
 
     block_size = parse_block_size(block_size)
     if block_size not in (None, "auto") and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
+    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb)
+
+    from dflash_mlx.chat.session import ChatSession
+    from dflash_mlx.decode.generate import check_block_size
+
+    from .chat_ui import PlainView, RichView
+
     if draft_model is not None:
         template.setdefault("enable_thinking", False)
     if seed is not None:

@@ -79,11 +79,10 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
          prompt_cache_dir, no_prompt_cache, prompt_cache_gb, verbose, as_json) -> None:
     import mlx.core as mx
 
-    from dflash_mlx import InputError, stream_generate
-    from dflash_mlx.chat.prompt_cache import PairCache
-    from dflash_mlx.sampling import make_sampler
-    from dflash_mlx.chat.session import context_length
+    from dflash_mlx.errors import InputError
 
+    # Flags first, then the imports of mlx-lm and transformers (2-3 s): a bad flag is
+    # reported at once.
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
     stops = parse_stops(stop)
     window = parse_draft_window(draft_window)
@@ -92,7 +91,6 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model, verify)
     prefill_step_size = resolve_prefill_step(prefill_step_size)
-    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb, warn)
     from dflash_mlx.decode.policy import parse_block_size, parse_tree_budget
 
     block_size, tree_budget = parse_block_size(block_size), parse_tree_budget(tree_budget)
@@ -100,6 +98,13 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
     if tree_budget is not None and draft_model is None:
         raise InputError("--tree-budget needs --draft-model (plain decoding has no drafts)")
+    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb, warn)
+
+    from dflash_mlx import stream_generate
+    from dflash_mlx.chat.prompt_cache import PairCache
+    from dflash_mlx.chat.session import context_length
+    from dflash_mlx.sampling import make_sampler
+
     if draft_model is not None:
         template.setdefault("enable_thinking", False)
     if seed is not None:

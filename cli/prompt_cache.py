@@ -39,10 +39,10 @@ def make_store(directory: Optional[str], off: bool, gb: float, warn=None):
         return None
     if not gb > 0:
         raise InputError(f"--prompt-cache-gb must be > 0, got {gb}")
-    from dflash_mlx.prefix.store import PrefixStore
-
     root = Path(directory).expanduser() if directory else None
     if root is not None and root.exists() and not root.is_dir():
         raise InputError(f"--prompt-cache-dir {root} is a file, not a folder")
+    from dflash_mlx.prefix.store import PrefixStore
+
     kwargs = {} if warn is None else {"warn": warn}
     return PrefixStore(root, max_bytes=int(gb * 2**30), **kwargs)

@@ -87,13 +87,12 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
          max_body_mb,
          chat_template_config, allow_request_templates, max_prompt_chars, request_timeout, idle_timeout,
          prefill_step_size, prompt_cache_dir, no_prompt_cache, prompt_cache_gb, log_level) -> None:
-    import uvicorn
-
-    from dflash_mlx import InputError
-    from dflash_mlx.serve.app import ServerConfig, create_app
+    from dflash_mlx.errors import InputError
 
     from .common import parse_template_config
 
+    # Flags first, then the imports of the server, mlx-lm and transformers (2-3 s): a bad
+    # flag is reported at once.
     if log_level not in LOG_LEVELS:
         raise InputError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level}")
     if max_tokens < 1:
@@ -113,7 +112,6 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     if not 0 <= port <= 65535:
         raise InputError(f"--port must be in 0..65535, got {port}")
     prefill_step_size = resolve_prefill_step(prefill_step_size)
-    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model)
@@ -122,6 +120,11 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     block_size = parse_block_size(block_size)
     if block_size not in (None, "auto") and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
+    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb)
+
+    import uvicorn
+
+    from dflash_mlx.serve.app import ServerConfig, create_app
     if draft_model is not None:
         template.setdefault("enable_thinking", False)
 

@@ -61,20 +61,25 @@ def _data(model, out, prompts, text, self_prompts, self_prompt_tokens, self_prom
           max_length, temp, batch_size, shard_size, seed) -> None:
     import numpy as np
 
-    from dflash_mlx import InputError, load
+    from dflash_mlx.errors import InputError
+
+    from .common import check_out_folder
+
+    # Flags first, then the imports of mlx-lm and transformers (2-3 s): a bad flag is
+    # reported at once.
+    check_out_folder(out)
+
+    if not (prompts or text or self_prompts):
+        raise InputError("no prompt source: give --prompts FILE, --text FILE or --self-prompts N")
+    template = parse_template_config(chat_template_config)
+
+    from dflash_mlx import load
     from dflash_mlx.chat.session import context_length
     from dflash_mlx.train.data import (
         encode_prompts, prompts_from_text, read_prompt_file, regenerate, response_end_token,
     )
     from dflash_mlx.train.data import self_prompts as sample_openings
 
-    from .common import check_out_folder
-
-    check_out_folder(out)
-
-    if not (prompts or text or self_prompts):
-        raise InputError("no prompt source: give --prompts FILE, --text FILE or --self-prompts N")
-    template = parse_template_config(chat_template_config)
     quiet_transformers()
     pair = load(model)
     max_length = check_lengths(max_tokens, max_length, context_length(pair.target))

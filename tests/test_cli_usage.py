@@ -154,3 +154,22 @@ def test_interactive_prefill_step_is_small(stories, capsys, monkeypatch):
     assert seen == [512 if mx.default_device() == mx.gpu else 128, 64]
     code, _, err = run_main(capsys, *base, "--prefill-step-size", "0")
     assert code == 1 and "--prefill-step-size" in err
+
+
+@pytest.mark.parametrize("args", [
+    ["generate", "--model", "m", "-p", "x", "--temp", "-1"],
+    ["generate", "--model", "m", "-p", "x", "--block-size", "4"],
+    ["generate", "--model", "m", "-p", "x", "--prompt-cache-gb", "0"],
+    ["chat", "--model", "m", "-m", "0"],
+    ["serve", "--model", "m", "--max-batch", "0"],
+    ["bench", "--model", "m", "--draft-model", "d", "--temp", "-1"],
+    ["data", "--model", "m", "--out", "o"],
+])
+def test_a_bad_flag_is_reported_before_mlx_lm_is_imported(args, tmp_path):
+    """Flags are checked before the 2-3 s of importing mlx-lm and transformers: a fresh
+    process that fails on a flag has not imported them (no clock read)."""
+    code = ("import sys\nfrom dflash_mlx.cli.main import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, 'mlx_lm' in sys.modules, 'transformers' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.stdout.strip() == "exit 1 False False", (r.stdout, r.stderr)
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
