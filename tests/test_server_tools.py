@@ -347,3 +347,24 @@ def test_openai_client_tool_round_trip(pair):
         assert finish == "tool_calls" and list(calls) == [0]
         assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {"city": "Paris"}
         assert calls[0]["id"].startswith("call_")
+
+
+def test_parallel_tool_calls_false_returns_one_call_and_the_rest_as_text(tok, caplog):
+    second = CALL.replace("get_weather", "get_time")
+    with caplog.at_level(logging.WARNING, "dflash.serve"):
+        whole, _ = feed(ReplySplitter(tok, [], TOOLS, single=True), CALL + "\n" + second, 7)
+    assert [c["function"]["name"] for c in whole.tool_calls] == ["get_weather"]
+    assert whole.content == "\n" + second  # as written, never dropped
+    assert len([r for r in caplog.records if "parallel_tool_calls is false" in r.getMessage()]) == 1
+    whole, _ = feed(ReplySplitter(tok, [], TOOLS, single=False), CALL + "\n" + second, 7)
+    assert len(whole.tool_calls) == 2  # the default: every call
+
+
+def test_parallel_tool_calls_is_read_and_checked(client):
+    body = chat(tools=TOOLS, chat_template_kwargs={"enable_thinking": False})
+    for value in (False, True):
+        r = client.post("/v1/chat/completions", json={**body, "parallel_tool_calls": value})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "tool_calls", r.text
+    r = client.post("/v1/chat/completions", json={**body, "parallel_tool_calls": "no"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "parallel_tool_calls", r.text
+    assert ChatCompletionRequest.model_validate({**body, "parallel_tool_calls": False}).parallel_tool_calls is False

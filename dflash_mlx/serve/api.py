@@ -167,11 +167,13 @@ class GenerationFields(BaseModel):
 class ChatCompletionRequest(GenerationFields):
     """``POST /v1/chat/completions``. ``tools`` and ``chat_template_kwargs`` (e.g.
     ``{"enable_thinking": true}``) are passed to the chat template; ``tools``,
-    ``tool_choice`` and messages' ``tool_calls`` are bounded (:mod:`.tool_requests`)."""
+    ``tool_choice`` and messages' ``tool_calls`` are bounded (:mod:`.tool_requests`);
+    ``parallel_tool_calls`` false returns at most one call (see :mod:`.tools`)."""
 
     messages: List[ChatMessage] = Field(min_length=1)
     tools: Optional[List[ToolDefinition]] = Field(None, max_length=MAX_TOOLS)
     tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
 
     @model_validator(mode="before")

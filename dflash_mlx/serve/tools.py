@@ -105,17 +105,20 @@ class ReplySplitter:
             calls are not wanted (see the module's notes).
         required: ``tool_choice`` asked for a call ("required" or a named function):
             decoding is not constrained, so a reply without one is logged.
+        single: ``parallel_tool_calls`` is false: the first call is returned as a call,
+            and any later one as the text it was written as (logged; decoding is not
+            constrained, so the model may write more than one).
     """
 
     def __init__(self, tokenizer: Any, prompt: Sequence[int], tools: Optional[List[Dict[str, Any]]],
-                 required: bool = False):
+                 required: bool = False, single: bool = False):
         thinking = getattr(tokenizer, "has_thinking", False)
         calling = getattr(tokenizer, "has_tool_calling", False)
         self.machine = make_text_state_machine(tokenizer) if thinking or calling else None
         self.state = self.machine.make_state(initial_state(tokenizer, prompt)) if self.machine else None
         self.parser: Optional[Callable] = tokenizer.tool_parser if calling and tools is not None else None
         self.markers = (tokenizer.tool_call_start, tokenizer.tool_call_end or "") if calling else ("", "")
-        self.tools, self.calls, self.failed, self.required = tools, 0, 0, required
+        self.tools, self.calls, self.failed, self.required, self.single = tools, 0, 0, required, single
         self._where, self._tool_text, self._origin = "normal", "", "normal"  # _origin: where the call began
 
     def feed(self, text: str) -> Delta:
@@ -188,6 +191,10 @@ class ReplySplitter:
                         len(raw), getattr(self.parser, "__module__", "the tool parser"),
                         "" if ended else " (the reply ended inside it)")
             return as_text
+        if self.single and self.calls + len(calls) > 1:
+            log.warning("parallel_tool_calls is false and the reply holds %s tool call; returned as text",
+                        "another" if self.calls else "more than one")
+            return as_text
         out = Delta(tool_calls=[{"index": self.calls + i, **c} for i, c in enumerate(calls)])
         self.calls += len(calls)
         return out
@@ -197,7 +204,8 @@ def reply_splitter(tokenizer: Any, req: Any, prompt: Sequence[int]) -> ReplySpli
     """The splitter of a chat request's reply (``req``: an ``api.ChatCompletionRequest``):
     tool calls parsed only when the request wants them."""
     tools = req.template_tools() if req.wants_tool_calls() else None
-    return ReplySplitter(tokenizer, prompt, tools, required=req.tool_choice not in (None, "none", "auto"))
+    return ReplySplitter(tokenizer, prompt, tools, required=req.tool_choice not in (None, "none", "auto"),
+                         single=req.parallel_tool_calls is False)
 
 
 def parse_calls(parser: Callable, text: str, tools: Optional[List[dict]]) -> Optional[List[Dict[str, Any]]]:
