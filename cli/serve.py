@@ -67,9 +67,11 @@ def serve(
     Up to --max-batch requests decode together (continuous batching; --block-size
     auto picks one width per step for the batch). Prefixes of earlier prompts are
     kept in the prompt cache (memory and disk, --prompt-cache-dir), so a prompt that
-    shares the beginning of an earlier one prefills only the rest: batched requests
-    where target and drafter keep plain attention KV caches (hybrids and
-    sliding-window layers prefill whole prompts, said in the log); --max-batch 1 always.
+    shares the beginning of an earlier one prefills only the rest (hybrids and
+    sliding-window layers resume at stored states: every 4,096 tokens and the prompt
+    but its last token). Batched requests need a drafter that drafts the batch in one
+    pass, or none (else they prefill whole prompts, said in the log); --max-batch 1
+    always.
 
     Each response's usage has a "dflash" object: tau, steps, acceptance histogram.
 

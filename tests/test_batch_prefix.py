@@ -2,7 +2,7 @@
 stored prefix of their prompt (memory, and disk through a new store: a later process),
 prefill only the rest and store their prompt; their greedy output equals a cold solo
 run; restored caches hold the saved arrays; ``usage`` and the metrics report the reuse;
-a hybrid target prefills whole prompts, said once in the log."""
+hybrid and sliding-window targets store and resume states at boundaries."""
 
 import asyncio
 import logging
@@ -17,7 +17,7 @@ import pytest
 from dflash_mlx import generate_step
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
-from dflash_mlx.prefix import layers
+from dflash_mlx.prefix import layers, resume
 from dflash_mlx.prefix.batch import BatchPrefix
 from dflash_mlx.prefix.store import PrefixStore
 from dflash_mlx.serve.batch_engine import BatchEngine, make_engine
@@ -214,17 +214,70 @@ def test_the_server_reports_batched_reuse(tmp_path, caplog):
     assert f'dflash_prompt_tokens_total{{source="prefilled"}} {float(sum(map(len, prompts)) - 70)}' in rendered
 
 
-def test_a_hybrid_batch_prefills_whole_prompts_and_says_so_once(tmp_path, caplog):
+# Rows SHARES_30 resumes at: a Gated-DeltaNet state only at a stored boundary (16); the
+# sliding-window caches of the entry at 32 still hold the rows to go back to 30.
+@pytest.mark.parametrize("family,shared", [("qwen3_5", 16), ("llama-sliding", 30)])
+def test_caches_that_cannot_go_back_resume_at_stored_boundaries(family, shared, tmp_path, monkeypatch):
+    """A Gated-DeltaNet hybrid, or sliding-window layers past their window: each prompt is
+    prefilled in chunks ending at the boundaries (every 16 tokens here, and the prompt but
+    its last token) and the state at each is stored; a later prompt resumes at the last
+    stored state it can use, from memory and from disk, and decodes as a cold solo run."""
+    monkeypatch.setattr(resume, "DEFAULT_INTERVAL", 16)
+    target, drafter = pair_of(family)
+    n = 24
+    refs = {}
+    ref = lambda ids: refs.setdefault(tuple(ids), cold(target, drafter, ids, n))  # noqa: E731
+    first = [PROMPT] + others(2, seed=3)
+    decoder = BatchDecoder(target, drafter, B, store=PrefixStore(tmp_path / "first", memory_entries=16))
+    assert decoder.prefix_refusal is None and decoder.prefix.at_boundaries
+    out, joinings = run_batch(decoder, first, n)
+    assert_varied(out[0], at_least=10)
+    assert out == [ref(p) for p in first] and [j.reused for j in joinings] == [0, 0, 0]
+    kid = decoder.prefix.key()[1]
+    stored = sorted(len(PrefixStore(tmp_path / "first", memory_entries=0).lookup(kid, PROMPT[:r] + [0])[0].tokens)
+                    for r in (16, 32, 39))
+    assert stored == [16, 32, 39]
+    shutil.copytree(tmp_path / "first", tmp_path / "later")
+    later = others(1, seed=4)
+    for store, level in ((None, "memory"), (PrefixStore(tmp_path / "later", memory_entries=0), "disk")):
+        decoder = BatchDecoder(target, drafter, B, store=store or joinings[0].decoder.prefix.store)
+        prompts = [SHARES_30, later[0], EXTENDS, PROMPT]
+        out, resumed = run_batch(decoder, prompts, n)
+        assert out == [ref(p) for p in prompts], level
+        assert [j.reused for j in resumed] == [shared, 0, 39, 39], level
+        assert [j.source for j in resumed] == [level, None, level, level]
+        assert [j.stats.prompt_tokens for j in resumed] == [40 - shared, len(later[0]), 4, 1]
+
+
+def test_a_restored_boundary_state_holds_exactly_the_saved_arrays(tmp_path, monkeypatch):
+    monkeypatch.setattr(resume, "DEFAULT_INTERVAL", 16)
+    target, drafter = pair_of("qwen3_5")
+    run_batch(BatchDecoder(target, drafter, B, store=PrefixStore(tmp_path)), [PROMPT], 5)
+    prefix = BatchPrefix(PrefixStore(tmp_path, memory_entries=0), target, drafter, B)
+    snap, rows = prefix.store.lookup(prefix.key()[1], SHARES_30)
+    assert rows == len(snap.tokens) == 16
+    resumed = prefix.resume(SHARES_30)
+    assert resumed.rows == 16 and resumed.level == "disk"
+    kinds = set()
+    for side, caches in (("target", resumed.cache), ("drafter", resumed.draft_cache)):
+        for i, c in enumerate(caches):
+            held, _ = layers.take(c)
+            kinds.add(layers.kind_of(c))
+            for name, a in held.items():
+                saved = snap.arrays[f"{side}.{i}.{name}"]
+                assert a.shape == saved.shape and mx.array_equal(a, saved).item(), (side, i, name)
+    assert len(kinds) >= 2  # Gated-DeltaNet states and attention KV both restored
+
+
+def test_a_hybrid_batch_reuses_through_the_server(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(resume, "DEFAULT_INTERVAL", 16)
     pair, n = make_pair("qwen3_5"), 16
     batches = [[PROMPT], [SHARES_30, EXTENDS]]
     with caplog.at_level(logging.INFO, logger="dflash.serve"):
         out, metrics = serve(pair, PrefixStore(tmp_path), batches, n)
     prompts = [p for b in batches for p in b]
     assert [t for t, _ in out] == [text_of(pair, p, n) for p in prompts]
-    assert [u["prompt_tokens_details"]["cached_tokens"] for _, u in out] == [0, 0, 0]
-    assert [u["dflash"]["prompt_tokens_prefilled"] for _, u in out] == [len(p) for p in prompts]
-    said = [r.getMessage() for r in caplog.records if "prompt cache" in r.getMessage()]
-    assert said == ["prompt cache: not used by batched requests, which prefill their whole prompt: the target's "
-                    "layer caches cannot be trimmed to any row count (Gated-DeltaNet or sliding-window layers) "
-                    "(--max-batch 1 uses it)"]
-    assert not list(tmp_path.glob("*/*.safetensors"))  # nothing stored either
+    assert [u["prompt_tokens_details"]["cached_tokens"] for _, u in out] == [0, 16, 39]
+    assert [u["dflash"]["prompt_tokens_prefilled"] for _, u in out] == [40, 24, 4]
+    assert "prompt cache: batched requests resume from stored prefixes" in caplog.text
+    assert "not used by batched requests" not in caplog.text

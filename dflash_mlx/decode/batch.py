@@ -14,9 +14,9 @@ has no drafts, verify or per-sequence rollback; its cache classes are used here.
 
 Prompt cache: with a store (:class:`dflash_mlx.prefix.store.PrefixStore`), a joining
 sequence resumes from the longest stored prefix of its prompt and prefills only the rest,
-then stores its prompt (:mod:`dflash_mlx.prefix.batch`); only where both caches trim to
-any row count and the drafter drafts the batch in one pass (else ``prefix_refusal`` says
-why, and every prompt is prefilled whole).
+then stores its prompt, or for caches that cannot go back the states at its boundaries
+(:mod:`dflash_mlx.prefix.batch`); only where the drafter drafts the batch in one pass or
+there is none (else ``prefix_refusal`` says why, and every prompt is prefilled whole).
 
 Drafting: a drafter with ``batch_drafts`` drafts every sequence in one pass; any
 other (scripted and simulated drafters) drafts sequence by sequence, lazily, so the
@@ -116,6 +116,7 @@ class Joining:
         self.cache = decoder.target.make_cache(decoder.width)
         self.draft_cache: Optional[List[Any]] = None
         self.reused, self.source, self._looked_up = 0, None, decoder.prefix is None
+        self._stops: List[int] = []  # prompt rows where states are stored (caches that cannot go back)
         self.features: List[mx.array] = []
         self.stats = GenerationStats(block_size=decoder.width, prompt_tokens=int(prompt.size),
                                      speculative=decoder.drafter is not None,
@@ -140,14 +141,20 @@ class Joining:
         if not self._looked_up:
             self._resume()
         target, capture = self.decoder.target, self.decoder.capture
-        last = self.rest.size <= self.step_size
-        chunk = self.rest if last else self.rest[: self.step_size]
+        done = int(self.prompt.size - self.rest.size)
+        n = min(self.step_size, int(self.rest.size))
+        if self._stops:
+            n = min(n, self._stops[0] - done)  # chunks end at the boundaries
+        last = n == self.rest.size
+        chunk = self.rest[:n]
         h, f = target(chunk[None], self.cache, capture)
-        self.rest = self.rest[chunk.size:]
+        self.rest = self.rest[n:]
         if f is not None:
             self.features.append(f)
         if not last:
             mx.eval([c.state for c in self.cache], self.features)
+            if self._stops and self._stops[0] == done + n:
+                self._keep_state(self._stops.pop(0))
             return None
         if self.seed is not None:
             mx.random.seed(self.seed)
@@ -157,7 +164,7 @@ class Joining:
         context = [_rows(self.features)] if self.features else []  # empty without a drafter
         if finish is None:
             self.decoder.add(self, t, context)
-        if self.decoder.prefix is not None:
+        if self.decoder.prefix is not None and not self.decoder.prefix.at_boundaries:
             self._keep(context, joined=finish is None)
         self.cache, self.draft_cache, self.features = None, None, []  # the batch holds copies: free these
         return StepResult(tokens, None, finish)
@@ -171,6 +178,15 @@ class Joining:
         self.reused, self.source = found.rows, found.level
         self.rest = self.prompt[found.rows:]
         self.stats.prompt_tokens = int(self.rest.size)
+        self._stops = self.decoder.prefix.stops(found.rows, int(self.prompt.size), self.step_size)
+
+    def _keep_state(self, rows: int) -> None:
+        """Store both caches at a boundary of ``rows`` prompt rows (caches that cannot go
+        back): the drafter's cache ingests the context rows so far first."""
+        if self.draft_cache is not None and self.features:
+            self.decoder.drafter.ingest(_rows(self.features), self.draft_cache)
+            self.features = []
+        self.decoder.prefix.keep(self.prompt[:rows].tolist(), self.cache, self.draft_cache)
 
     def _keep(self, context: List[mx.array], joined: bool) -> None:
         """Store the prompt's entry from the solo caches (both hold every prompt row: the

@@ -8,11 +8,15 @@ fresh solo caches, trims both to the matched rows and prefills only the rest; on
 prompt is done it puts an entry for the whole prompt into the store (memory and disk;
 the disk write runs on the batch's thread, so the batch waits for it, as one chunk).
 
-Only where one entry serves every shorter prefix and the solo caches carry straight into
-the batch: every layer cache of the target and of the drafter trims to any row count
-(plain attention KV caches, :func:`~dflash_mlx.prefix.resume.trims_anywhere`), and the
-drafter drafts the batch in one pass (or there is no drafter). Elsewhere
-(Gated-DeltaNet hybrids, sliding-window layers, drafters without a batched pass)
+Where every layer cache of the target trims to any row count (plain attention KV caches,
+:func:`~dflash_mlx.prefix.resume.trims_anywhere`) one entry per prompt serves every
+shorter prefix. Where some cannot go back (Gated-DeltaNet hybrids, sliding-window layers),
+the prompt is prefilled in chunks that end at the boundaries of
+:func:`~dflash_mlx.prefix.resume.boundaries` (every few thousand tokens, and the prompt
+but its last token) and the state at each is stored, as
+:class:`~dflash_mlx.chat.prompt_cache.PairCache` does for one request; an entry then
+resumes a prompt only at its exact row count. The drafter must draft the batch in one
+pass (or be absent), its context caches trimming anywhere; else
 :func:`batch_prefix_refusal` names the reason and batched requests prefill their whole
 prompt.
 """
@@ -25,7 +29,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from ..chat.prompt_cache import trim_cache
 from .entry import restore_or_warn, take_snapshot
 from .key import key_id, pair_key
-from .resume import trims_anywhere
+from .resume import boundaries, boundary_interval, trims_anywhere
 from .store import PrefixStore
 
 
@@ -38,8 +42,6 @@ def batch_prefix_refusal(target: Any, drafter: Optional[Any], batched_drafter: b
         batched_drafter: whether the drafter drafts the batch in one pass.
         block_size: B, as the batch makes the target's caches.
     """
-    if not trims_anywhere(target.make_cache(block_size)):
-        return "the target's layer caches cannot be trimmed to any row count (Gated-DeltaNet or sliding-window layers)"
     if drafter is None:
         return None
     if not batched_drafter:
@@ -72,14 +74,31 @@ class BatchPrefix:
 
     Args:
         store: the prompt cache.
-        target: the target adapter (its caches trim anywhere, see :func:`batch_prefix_refusal`).
-        drafter: the bound drafter, or None.
+        target: the target adapter.
+        drafter: the bound drafter (see :func:`batch_prefix_refusal`), or None.
         block_size: B, as the batch makes the target's caches.
+        interval: prompt tokens between stored states where caches cannot go back
+            (default :data:`~dflash_mlx.prefix.resume.DEFAULT_INTERVAL`).
+
+    Attributes:
+        at_boundaries: the target's caches cannot go back (hybrid, sliding window):
+            states are stored at :meth:`stops`, not once per prompt.
     """
 
-    def __init__(self, store: PrefixStore, target: Any, drafter: Optional[Any], block_size: int):
+    def __init__(self, store: PrefixStore, target: Any, drafter: Optional[Any], block_size: int,
+                 interval: Optional[int] = None):
         self.store, self.target, self.drafter, self.block_size = store, target, drafter, block_size
+        self.at_boundaries = not trims_anywhere(target.make_cache(block_size))
+        self.interval = interval
         self._key: Optional[Tuple[dict, str]] = None
+
+    def stops(self, start: int, prompt_len: int, step: int) -> List[int]:
+        """Where a prompt of ``prompt_len`` tokens, prefilled from row ``start`` in chunks
+        of ``step``, stores states (increasing row counts); none where caches trim anywhere
+        (the whole prompt is stored once it is done)."""
+        if not self.at_boundaries:
+            return []
+        return boundaries(start, prompt_len, boundary_interval(step, self.interval))
 
     def key(self) -> Tuple[dict, str]:
         """``(key dict, key id)`` of the pair (computed once: it hashes the weights)."""

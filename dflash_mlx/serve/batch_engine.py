@@ -274,9 +274,9 @@ def make_engine(pair: Any, max_batch: int, metrics: ServerMetrics, **kwargs) -> 
     Args:
         kwargs: the engines' shared arguments (block_size, max_queue, prefill_step_size,
             store). ``store``, the prompt cache, goes to either engine: the one-at-a-time
-            engine always uses it; the batching engine where both caches are plain
-            attention KV caches and the drafter drafts the batch in one pass (else it
-            says once in the log why batched requests prefill their whole prompt).
+            engine always uses it; the batching engine where the drafter drafts the
+            batch in one pass or there is none (else it says once in the log why
+            batched requests prefill their whole prompt).
     """
     store = kwargs.pop("store", None)
     refusal = batch_refusal(pair.target) if max_batch > 1 else None
