@@ -200,9 +200,7 @@ def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_siz
 
     from dflash_mlx.errors import InputError
 
-    # Flags first, then the imports of mlx-lm and transformers (2-3 s): a bad flag is
-    # reported at once.
-    check_sampling(temp, top_p, top_k, min_p, max_tokens)
+    check_sampling(temp, top_p, top_k, min_p, max_tokens)  # flags first: mlx-lm takes 2-3 s to import
     if num_samples < 0:
         raise InputError(f"--num-samples must be 0 (all samples) or more, got {num_samples}")
     extra_sizes, extra_budgets = split_extra(block_size, tree_budget, extra)
@@ -217,14 +215,12 @@ def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_siz
     datasets = [d for spec in dataset for d in spec.split(",") if d]
     simulate_acceptance = parse_simulate_acceptance(simulate_acceptance)
     window = parse_draft_window(draft_window)
-
     from dflash_mlx.bench import BenchConfig, bench
     from dflash_mlx.bench.report import cycle_table, histogram_lines, results_table
 
     config = BenchConfig(max_tokens=max_tokens, block_sizes=sizes, tree_budgets=budgets, temp=temp, top_p=top_p, top_k=top_k,
                          min_p=min_p, seed=seed, repeats=repeats, simulate_acceptance=simulate_acceptance,
-                         enable_thinking=enable_thinking, warmup_tokens=warmup_tokens,
-                         draft_window=window)
+                         enable_thinking=enable_thinking, warmup_tokens=warmup_tokens, draft_window=window)
 
     console = Console(stderr=True)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

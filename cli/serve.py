@@ -68,10 +68,8 @@ def serve(
     auto picks one width per step for the batch). Prefixes of earlier prompts are
     kept in the prompt cache (memory and disk, --prompt-cache-dir), so a prompt that
     shares the beginning of an earlier one prefills only the rest (hybrids and
-    sliding-window layers resume at stored states: every 4,096 tokens and the prompt
-    but its last token). Batched requests need a drafter that drafts the batch in one
-    pass, or none (else they prefill whole prompts, said in the log); --max-batch 1
-    always.
+    sliding-window layers at stored states, every 4,096 tokens and before the last).
+    Batched requests need a drafter with a batched pass (or none); said in the log.
 
     Each response's usage has a "dflash" object: tau, steps, acceptance histogram.
 
