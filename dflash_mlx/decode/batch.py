@@ -230,7 +230,7 @@ class BatchDecoder:
         self.prefix: Optional[BatchPrefix] = None
         self.prefix_refusal: Optional[str] = None
         if store is not None:
-            self.prefix_refusal = batch_prefix_refusal(target, drafter, self.drafts is not None, self.width)
+            self.prefix_refusal = batch_prefix_refusal(drafter, self.drafts is not None)
             if self.prefix_refusal is None:
                 self.prefix = BatchPrefix(store, target, drafter, self.width)
 

@@ -33,14 +33,13 @@ from .resume import boundaries, boundary_interval, trims_anywhere
 from .store import PrefixStore
 
 
-def batch_prefix_refusal(target: Any, drafter: Optional[Any], batched_drafter: bool, block_size: int) -> Optional[str]:
-    """Why batched requests cannot use the prompt cache with this pair, or None when they can.
+def batch_prefix_refusal(drafter: Optional[Any], batched_drafter: bool) -> Optional[str]:
+    """Why batched requests cannot use the prompt cache with this drafter, or None when
+    they can (every target can: see the module's notes).
 
     Args:
-        target: the target adapter.
         drafter: the bound drafter, or None (plain decoding).
         batched_drafter: whether the drafter drafts the batch in one pass.
-        block_size: B, as the batch makes the target's caches.
     """
     if drafter is None:
         return None
