@@ -76,19 +76,15 @@ class BatchPrefix:
         target: the target adapter.
         drafter: the bound drafter (see :func:`batch_prefix_refusal`), or None.
         block_size: B, as the batch makes the target's caches.
-        interval: prompt tokens between stored states where caches cannot go back
-            (default :data:`~dflash_mlx.prefix.resume.DEFAULT_INTERVAL`).
 
     Attributes:
         at_boundaries: the target's caches cannot go back (hybrid, sliding window):
             states are stored at :meth:`stops`, not once per prompt.
     """
 
-    def __init__(self, store: PrefixStore, target: Any, drafter: Optional[Any], block_size: int,
-                 interval: Optional[int] = None):
+    def __init__(self, store: PrefixStore, target: Any, drafter: Optional[Any], block_size: int):
         self.store, self.target, self.drafter, self.block_size = store, target, drafter, block_size
         self.at_boundaries = not trims_anywhere(target.make_cache(block_size))
-        self.interval = interval
         self._key: Optional[Tuple[dict, str]] = None
 
     def stops(self, start: int, prompt_len: int, step: int) -> List[int]:
@@ -97,7 +93,7 @@ class BatchPrefix:
         (the whole prompt is stored once it is done)."""
         if not self.at_boundaries:
             return []
-        return boundaries(start, prompt_len, boundary_interval(step, self.interval))
+        return boundaries(start, prompt_len, boundary_interval(step))
 
     def key(self) -> Tuple[dict, str]:
         """``(key dict, key id)`` of the pair (computed once: it hashes the weights)."""
