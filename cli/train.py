@@ -158,6 +158,11 @@ def train(
         0.0, "--kl-weight", help="Distillation: weight of a KL term to the target's own next-token distribution (0: off)."
     ),
     kl_temperature: float = typer.Option(1.0, "--kl-temperature", help="Temperature of both distributions in the KL term."),
+    miss_anchors: float = typer.Option(
+        0.0, "--miss-anchors",
+        help="Fraction of a sequence's blocks anchored where generation starts one: right after a miss of the "
+        "drafter on that sequence's previous visit (0: uniform anchors only).",
+    ),
     grad_clip: float = typer.Option(1.0, "--grad-clip", help="Max gradient norm."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     held_out: int = typer.Option(16, "--held-out", help="The last N sequences (of the last --data) are held out for evaluation."),
@@ -198,7 +203,7 @@ def train(
 
 # Over 60 lines: one training run's wiring; split after the hardening work lands
 def _train(model, data_dirs, out, layers, block_size, block_sizes, target_layer_ids, mask_token_id, intermediate_size,
-           steps, lr, warmup, grad_accum, anchors, anchor_chunk, gamma, kl_weight, kl_temperature, grad_clip, dtype,
+           steps, lr, warmup, grad_accum, anchors, anchor_chunk, gamma, kl_weight, kl_temperature, miss_anchors, grad_clip, dtype,
            held_out, eval_every, save_every, cache_features, features_dir, resume, overwrite, seed) -> None:
     from dflash_mlx import InputError, load
     from dflash_mlx.train.data import load_sequences
@@ -233,7 +238,8 @@ def _train(model, data_dirs, out, layers, block_size, block_sizes, target_layer_
     config = TrainConfig(steps=steps, grad_accum=grad_accum, anchors=anchors, anchor_chunk=anchor_chunk, lr=lr,
                          warmup=warmup, grad_clip=grad_clip, gamma=gammas[0] if gammas and len(gammas) == 1 else gammas,
                          dtype=dtype, seed=seed, eval_every=eval_every, eval_sequences=n_held, save_every=save_every,
-                         block_sizes=sizes, kl_weight=kl_weight, kl_temperature=kl_temperature)
+                         block_sizes=sizes, kl_weight=kl_weight, kl_temperature=kl_temperature,
+                         miss_anchors=miss_anchors)
     features = features_dir or (out / "features" if cache_features else None)
     if resume:
         trainer = Trainer.resume(pair.target, train_seqs, config, out, eval_seqs, features)

@@ -34,6 +34,34 @@ def sample_anchors(rng: np.random.Generator, length: int, response_start: int,
     return np.sort(rng.choice(candidates, size=n, replace=False)).astype(np.int32)
 
 
+def sample_anchors_after_misses(rng: np.random.Generator, length: int, response_start: int, block_size: int,
+                                num_anchors: int, after_misses: np.ndarray, fraction: float) -> np.ndarray:
+    """Like :func:`sample_anchors`, with up to ``fraction`` of the anchors drawn from
+    ``after_misses`` (positions where generation would start a block: right after a
+    miss of the drafter; :func:`next_anchors`), the rest uniformly from the others.
+
+    Returns:
+        [N] int32 distinct sorted anchor positions, N = min(num_anchors, valid anchors).
+    """
+    candidates = valid_anchors(length, response_start, block_size)
+    preferred = np.intersect1d(after_misses, candidates)
+    k = min(int(round(num_anchors * fraction)), preferred.size, num_anchors)
+    chosen = rng.choice(preferred, size=k, replace=False) if k else np.zeros((0,), dtype=np.int64)
+    others = np.setdiff1d(candidates, chosen)
+    rest = rng.choice(others, size=min(num_anchors - k, others.size), replace=False)
+    return np.sort(np.concatenate([chosen, rest])).astype(np.int32)
+
+
+def next_anchors(anchors: np.ndarray, lengths: np.ndarray, length: int) -> np.ndarray:
+    """Where generation would anchor the block after each block: ``anchor + length``
+    (length: accepted drafts + 1, 1..B), those inside the sequence, distinct.
+
+    Returns:
+        [M] int64 sorted positions.
+    """
+    return np.unique((anchors + lengths)[anchors + lengths < length]).astype(np.int64)
+
+
 def block_mask(anchors: np.ndarray, length: int, block_size: int) -> np.ndarray:
     """Attention mask of the training forward.
 

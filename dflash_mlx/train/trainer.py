@@ -45,17 +45,20 @@ from ..pair.loading import bind_drafter
 from ..stats import teacher_forced
 from ..targets import TargetAdapter
 from .chained import evaluate_chained
-from .blocks import block_mask, default_gamma, position_weights, sample_anchors, valid_anchors
+from .blocks import (block_mask, default_gamma, next_anchors, position_weights, sample_anchors,
+                     sample_anchors_after_misses, valid_anchors)
 from .data import TrainSequence, read_json
 
 CHECKPOINTS = "checkpoints"
+AFTER_MISSES = "after_misses.npz"  # a checkpoint's anchors after misses (--miss-anchors)
 FEATURES = "features"
 # Settings that shape a run (schedule, data order, anchors, numerics), with their flags:
 # a resumed run must use the checkpoint's values to continue the same run.
 RUN_SETTINGS = {"steps": "--steps", "grad_accum": "--grad-accum", "anchors": "--anchors", "lr": "--lr",
                 "warmup": "--warmup", "min_lr": "min_lr", "weight_decay": "weight_decay",
                 "grad_clip": "--grad-clip", "gamma": "--gamma", "dtype": "--dtype", "seed": "--seed",
-                "block_sizes": "--block-sizes", "kl_weight": "--kl-weight", "kl_temperature": "--kl-temperature"}
+                "block_sizes": "--block-sizes", "kl_weight": "--kl-weight", "kl_temperature": "--kl-temperature",
+                "miss_anchors": "--miss-anchors"}
 
 
 @dataclass
@@ -80,6 +83,9 @@ class TrainConfig:
             (repeat a size to draw it more often); None: the drafter's only.
         kl_weight: weight of the distillation term (0: cross-entropy only).
         kl_temperature: temperature T of both distributions in that term.
+        miss_anchors: fraction of a sequence's anchors drawn from the positions
+            where generation would start a block, right after a miss of the
+            drafter on the sequence's previous visit (0: uniform anchors only).
         eval_every, save_every: in optimizer steps (0 = never).
     """
 
@@ -98,6 +104,7 @@ class TrainConfig:
     block_sizes: Optional[List[int]] = None
     kl_weight: float = 0.0
     kl_temperature: float = 1.0
+    miss_anchors: float = 0.0
     eval_every: int = 0
     eval_sequences: int = 16
     save_every: int = 0
@@ -360,7 +367,7 @@ def distill_kl(logits: mx.array, target_logits: mx.array, temperature: float = 1
 
 def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask, weights,
                num_blocks: Optional[int] = None, target_logits: Optional[mx.array] = None,
-               kl_weight: float = 0.0, kl_temperature: float = 1.0) -> mx.array:
+               kl_weight: float = 0.0, kl_temperature: float = 1.0, with_lengths: bool = False):
     """Weighted cross-entropy of block rows 1..B-1 (plus ``kl_weight`` times the
     distillation term :func:`distill_kl` where ``target_logits`` are given),
     normalised by the weight sum.
@@ -372,12 +379,21 @@ def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask,
             of all blocks at once.
         target_logits: [N, B-1, V] the target's logits at the same rows
             (:func:`target_block_logits`).
+        with_lengths: also return each block's acceptance length under greedy
+            drafting ([N] int32, accepted rows + 1), for anchors after misses.
+
+    Returns:
+        The scalar loss, or ``(loss, lengths)`` with ``with_lengths``.
     """
     logits = drafter.block_logits(blocks, features, anchors, mask).astype(mx.float32)
     per_row = fast_softmax.cross_entropy(logits, targets)  # nn.losses' exp is slow on CPUs
     if target_logits is not None and kl_weight:
         per_row = per_row + kl_weight * distill_kl(logits, target_logits, kl_temperature)
-    return (per_row * weights).sum() / (weights.sum() * (num_blocks or blocks.shape[0]))
+    loss = (per_row * weights).sum() / (weights.sum() * (num_blocks or blocks.shape[0]))
+    if not with_lengths:
+        return loss
+    right = mx.stop_gradient(logits.argmax(axis=-1) == targets).astype(mx.int32)
+    return loss, mx.cumprod(right, axis=-1).sum(axis=-1) + 1
 
 
 def chunks(n: int, size: int) -> List[slice]:
@@ -388,7 +404,8 @@ def chunks(n: int, size: int) -> List[slice]:
 
 def sequence_loss_and_grad(loss_and_grad: Callable, features: mx.array, seq: TrainSequence, anchors: np.ndarray,
                            block_size: int, mask_id: int, anchor_chunk: int = 0,
-                           hidden: Optional[mx.array] = None, target: Optional[TargetAdapter] = None):
+                           hidden: Optional[mx.array] = None, target: Optional[TargetAdapter] = None,
+                           lengths_out: Optional[List[np.ndarray]] = None):
     """Loss and gradients over every anchor of one sequence, ``anchor_chunk`` at a time.
 
     Each chunk's loss is normalised by the sequence's anchor count, so the chunks
@@ -404,6 +421,9 @@ def sequence_loss_and_grad(loss_and_grad: Callable, features: mx.array, seq: Tra
         hidden, target: for distillation, the target's final hidden states
             [1, L, H] of ``seq`` and the target whose head turns them into logits;
             ``target_logits`` is then passed to ``loss_and_grad``.
+        lengths_out: where ``loss_and_grad`` returns ``(loss, lengths)`` (block
+            lengths, as :func:`block_loss` ``with_lengths``), each chunk's lengths
+            are appended here.
 
     Returns:
         ``(loss, grads)``, evaluated.
@@ -411,10 +431,13 @@ def sequence_loss_and_grad(loss_and_grad: Callable, features: mx.array, seq: Tra
     loss, grads = None, None
     for context, batch in chunk_batches(seq, features, anchors, block_size, mask_id, anchor_chunk):
         extra = () if hidden is None else (target_block_logits(target, hidden, batch[2], block_size),)
-        part_loss, part_grads = loss_and_grad(context, *batch, anchors.size, *extra)
+        value, part_grads = loss_and_grad(context, *batch, anchors.size, *extra)
+        part_loss, lengths = value if isinstance(value, tuple) else (value, None)
+        if lengths is not None and lengths_out is not None:
+            lengths_out.append(lengths)
         loss = part_loss if loss is None else loss + part_loss
         grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
-        mx.eval(loss, grads)
+        mx.eval(loss, grads, lengths if lengths is not None else [])
     return loss, grads
 
 
@@ -544,6 +567,8 @@ class Trainer:
         usable = [s for s in sequences if valid_anchors(s.tokens.size, s.response_start, B).size]
         if not usable:
             raise InputError(f"no training sequence is long enough for block size {B}")
+        if not 0 <= config.miss_anchors <= 1:
+            raise InputError(f"--miss-anchors must be a fraction from 0 to 1, got {config.miss_anchors}")
         if config.kl_weight < 0 or config.kl_temperature <= 0:
             raise InputError(f"--kl-weight must be 0 or more and --kl-temperature above 0, got "
                              f"{config.kl_weight} and {config.kl_temperature}")
@@ -558,12 +583,13 @@ class Trainer:
         self.features = FeatureCache(target, drafter.target_layer_ids, feature_cache, hidden=config.kl_weight > 0,
                                      sequences=usable)
         self.step = 0
+        self.after_misses: Dict[int, np.ndarray] = {}  # sequence index -> next_anchors of its last visit
         self._loss_and_grad = nn.value_and_grad(drafter, self._loss)
 
     def _loss(self, features, blocks, targets, anchors, mask, num_blocks, target_logits=None):
         c = self.config
         return block_loss(self.drafter, features, blocks, targets, anchors, mask, self.weights[blocks.shape[1]],
-                          num_blocks, target_logits, c.kl_weight, c.kl_temperature)
+                          num_blocks, target_logits, c.kl_weight, c.kl_temperature, with_lengths=c.miss_anchors > 0)
 
     def _sequence(self, index: int) -> int:
         epoch, i = divmod(index, len(self.sequences))
@@ -583,10 +609,19 @@ class Trainer:
         index = self._sequence(step * c.grad_accum + micro)
         seq = self.sequences[index]
         rng = np.random.default_rng([c.seed, step, micro])
-        anchors = sample_anchors(rng, seq.tokens.size, seq.response_start, B, c.anchors)
+        if index in self.after_misses:
+            anchors = sample_anchors_after_misses(rng, seq.tokens.size, seq.response_start, B, c.anchors,
+                                                  self.after_misses[index], c.miss_anchors)
+        else:
+            anchors = sample_anchors(rng, seq.tokens.size, seq.response_start, B, c.anchors)
         feats, hidden = self.features.get(index, seq, self.dtype)
+        lengths = []
         loss, grads = sequence_loss_and_grad(self._loss_and_grad, feats, seq, anchors, B,
-                                             self.drafter.args.mask_token_id, c.anchor_chunk, hidden, self.target)
+                                             self.drafter.args.mask_token_id, c.anchor_chunk, hidden, self.target,
+                                             lengths)
+        if lengths:
+            self.after_misses[index] = next_anchors(anchors, np.concatenate([np.array(x) for x in lengths]),
+                                                    seq.tokens.size)
         return loss, grads, anchors.size * (B - 1)
 
     def run(self) -> Iterator[StepInfo]:
@@ -625,6 +660,8 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         save_drafter(self.drafter, tmp)
         mx.savez(str(tmp / "optimizer.npz"), **dict(tree_flatten(self.optimizer.state)))
+        if self.after_misses:  # so a resumed run draws the same anchors
+            np.savez(tmp / AFTER_MISSES, **{str(i): a for i, a in self.after_misses.items()})
         state = {"step": self.step, "config": asdict(self.config), "target": target_fingerprint(self.target)}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
         shutil.rmtree(final, ignore_errors=True)
@@ -687,6 +724,9 @@ class Trainer:
         drafter = bind_drafter(load_drafter(str(ckpt)), target, str(ckpt))
         trainer = cls(drafter, target, sequences, config, out_dir, held_out, feature_cache)
         trainer.optimizer.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.npz")).items()))
+        if (ckpt / AFTER_MISSES).exists():
+            with np.load(ckpt / AFTER_MISSES) as saved_misses:
+                trainer.after_misses = {int(i): saved_misses[i] for i in saved_misses.files}
         trainer.step = state["step"]
         trainer.rebuilding = rebuild  # run() trains no step and writes the drafter again
         return trainer
