@@ -203,8 +203,8 @@ def train(
 
 # Over 60 lines: one training run's wiring; split after the hardening work lands
 def _train(model, data_dirs, out, layers, block_size, block_sizes, target_layer_ids, mask_token_id, intermediate_size,
-           steps, lr, warmup, grad_accum, anchors, anchor_chunk, gamma, kl_weight, kl_temperature, miss_anchors, grad_clip, dtype,
-           held_out, eval_every, save_every, cache_features, features_dir, resume, overwrite, seed) -> None:
+           steps, lr, warmup, grad_accum, anchors, anchor_chunk, gamma, kl_weight, kl_temperature, miss_anchors,
+           grad_clip, dtype, held_out, eval_every, save_every, cache_features, features_dir, resume, overwrite, seed) -> None:
     from dflash_mlx import InputError, load
     from dflash_mlx.train.data import load_sequences
     from dflash_mlx.train.trainer import TrainConfig, Trainer, check_fresh_out, init_drafter, pick_mask_token

@@ -125,3 +125,13 @@ def test_runs_share_a_features_folder_only_for_the_same_data_and_layers(stories,
     r = run(*train, "--out", str(tmp_path / "c"), "--target-layer-ids", "1,2")
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert f"error: {feats}: holds target features of other data, target_layer_ids or target" in " ".join(r.stderr.split())
+
+
+@needs_shared
+def test_a_miss_anchors_fraction_outside_0_to_1_is_one_line(stories, tmp_path):
+    regenerate(stories, tmp_path / "data")
+    r = run("train", "--model", str(stories), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "d"),
+            "--block-size", "4", "--steps", "2", "--anchors", "4", "--miss-anchors", "1.5")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "--miss-anchors must be a fraction from 0 to 1, got 1.5" in " ".join(r.stderr.split())
+    assert not (tmp_path / "d" / "checkpoints").exists()
