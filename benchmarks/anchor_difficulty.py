@@ -24,20 +24,19 @@ import numpy as np
 from dflash_mlx import load
 from dflash_mlx.train.blocks import valid_anchors
 from dflash_mlx.train.data import load_sequences
-from dflash_mlx.train.trainer import make_batch, target_features
+from dflash_mlx.train.trainer import chunk_batches, target_features
 
 
 def block_lengths(pair, seq, block_size: int) -> dict:
-    """{anchor: L} for every valid anchor of one sequence, 64 blocks per forward."""
+    """{anchor: L} for every valid anchor of one sequence, 64 blocks per forward (as training)."""
     d = pair.drafter
     feats = target_features(pair.target, seq.tokens, d.target_layer_ids, mx.float32)
     anchors = valid_anchors(seq.tokens.size, seq.response_start, block_size).astype(np.int32)
     out = {}
-    for i in range(0, anchors.size, 64):
-        part = anchors[i:i + 64]
-        blocks, targets, anchors_mx, mask = make_batch(seq, block_size, d.args.mask_token_id, part)
-        right = np.array(d.block_logits(blocks, feats, anchors_mx, mask).argmax(-1)) == np.array(targets)
-        out.update(zip(part.tolist(), (np.cumprod(right, axis=1).sum(1) + 1).tolist()))
+    for context, (blocks, targets, anchors_mx, mask) in chunk_batches(seq, feats, anchors, block_size,
+                                                                      d.args.mask_token_id, 64):
+        right = np.array(d.block_logits(blocks, context, anchors_mx, mask).argmax(-1)) == np.array(targets)
+        out.update(zip(np.array(anchors_mx).tolist(), (np.cumprod(right, axis=1).sum(1) + 1).tolist()))
     return out
 
 

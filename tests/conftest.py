@@ -184,6 +184,24 @@ def mlx_lm_greedy(model, prompt: List[int], n: int) -> List[int]:
     return out
 
 
+def tiny_training_set(count: int, response: int):
+    """The training tests' tiny qwen3 target and ``count`` sequences of it: a random
+    4-token prompt and the target's own greedy ``response`` tokens (response_start 4).
+
+    Returns:
+        ``(model, target, [TrainSequence])``.
+    """
+    from dflash_mlx.train.data import TrainSequence
+
+    model, target = tiny_target("qwen3", vocab=64, hidden=32, layers=3, seed=5, scale=1.5)
+    rng = np.random.default_rng(0)
+    seqs = []
+    for _ in range(count):
+        prompt = rng.integers(3, 64, size=4).tolist()
+        seqs.append(TrainSequence(np.array(prompt + mlx_lm_greedy(model, prompt, response), dtype=np.int32), 4))
+    return model, target, seqs
+
+
 def assert_varied(tokens: List[int], at_least: int = 20) -> None:
     """A lossless test is only as strong as its reference is varied."""
     assert len(set(tokens)) >= at_least, f"reference output too repetitive: {len(set(tokens))} distinct tokens"

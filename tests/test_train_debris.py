@@ -9,21 +9,16 @@ from mlx.utils import tree_flatten
 
 import mlx.core as mx
 
-from conftest import mlx_lm_greedy, needs_shared, tiny_target
+from conftest import needs_shared, tiny_training_set
 from dflash_mlx import load_drafter
 from dflash_mlx.errors import InputError
-from dflash_mlx.train.data import MANIFEST, TrainSequence, _write_shard, load_sequences, read_shard, regenerate
+from dflash_mlx.train.data import MANIFEST, _write_shard, load_sequences, read_shard, regenerate
 from dflash_mlx.train.trainer import FeatureCache, TrainConfig, Trainer, init_drafter
 
 
 @pytest.fixture(scope="module")
 def setup():
-    model, target = tiny_target("qwen3", vocab=64, hidden=32, layers=3, seed=5, scale=1.5)
-    rng = np.random.default_rng(0)
-    seqs = []
-    for _ in range(6):
-        prompt = rng.integers(3, 64, size=4).tolist()
-        seqs.append(TrainSequence(np.array(prompt + mlx_lm_greedy(model, prompt, 24), dtype=np.int32), 4))
+    _, target, seqs = tiny_training_set(6, 24)
     return target, seqs
 
 

@@ -9,24 +9,18 @@ from mlx.utils import tree_flatten
 
 from dflash_mlx.errors import InputError
 from dflash_mlx.train.blocks import position_weights, sample_anchors
-from dflash_mlx.train.data import TrainSequence
 from dflash_mlx.train.trainer import (
     FeatureCache, TrainConfig, Trainer, block_loss, block_size_plan, distill_kl, evaluate, evaluate_block_sizes,
     init_drafter, make_batch, sequence_loss_and_grad, target_block_logits, target_outputs,
 )
-from conftest import mlx_lm_greedy, tiny_target
+from conftest import tiny_training_set
 
 B = 8
 
 
 @pytest.fixture(scope="module")
 def setup():
-    model, target = tiny_target("qwen3", vocab=64, hidden=32, layers=3, seed=5, scale=1.5)
-    rng = np.random.default_rng(0)
-    seqs = []
-    for _ in range(8):
-        prompt = rng.integers(3, 64, size=4).tolist()
-        seqs.append(TrainSequence(np.array(prompt + mlx_lm_greedy(model, prompt, 40), dtype=np.int32), 4))
+    _, target, seqs = tiny_training_set(8, 40)
     return target, seqs
 
 

@@ -8,24 +8,17 @@ from mlx.utils import tree_flatten
 
 from dflash_mlx.errors import InputError
 from dflash_mlx.train.blocks import next_anchors, position_weights, sample_anchors_after_misses, valid_anchors
-from dflash_mlx.train.data import TrainSequence
 from dflash_mlx.train.trainer import (
     TrainConfig, Trainer, block_loss, init_drafter, make_batch, sequence_loss_and_grad, target_features,
 )
-from conftest import mlx_lm_greedy, tiny_target
+from conftest import tiny_training_set
 
 B = 8
 
 
 @pytest.fixture(scope="module")
 def setup():
-    model, target = tiny_target("qwen3", vocab=64, hidden=32, layers=3, seed=5, scale=1.5)
-    rng = np.random.default_rng(0)
-    seqs = []
-    for _ in range(12):
-        prompt = rng.integers(3, 64, size=4).tolist()
-        seqs.append(TrainSequence(np.array(prompt + mlx_lm_greedy(model, prompt, 48), dtype=np.int32), 4))
-    return model, target, seqs
+    return tiny_training_set(12, 48)
 
 
 def _drafter(target):
