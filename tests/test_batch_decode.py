@@ -243,14 +243,16 @@ def test_batch_refusal_names_the_reason():
     assert "layer 1" in reason and "RotatingKVCache" in reason and "no batched form" in reason
 
 
-@pytest.mark.parametrize("compiled", ["1", "0"])
-def test_one_drafter_pass_drafts_as_each_sequence_alone(compiled, monkeypatch):
+@pytest.mark.parametrize("compiled,fast_exp", [("1", "1"), ("0", "1"), ("1", "0")])
+def test_one_drafter_pass_drafts_as_each_sequence_alone(compiled, fast_exp, monkeypatch):
     """The batched drafter pass (ragged new context rows, different context lengths),
-    with its block halves compiled and not, gives every sequence the drafts and context
-    cache rows of its own drafter run."""
+    with its block halves compiled and not, its attention with the CPU's fast exp and
+    MLX's fused one, gives every sequence the drafts and context cache rows of its own
+    drafter run."""
     from dflash_mlx.targets.batch_cache import sequence_rows as rows_of
 
     monkeypatch.setenv("DFLASH_COMPILE", compiled)
+    monkeypatch.setenv("DFLASH_FAST_EXP", fast_exp)
 
     target = target_of("llama")
     drafter = tiny_drafter(target, block_size=6)

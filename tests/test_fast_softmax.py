@@ -34,6 +34,13 @@ def test_softmax_and_logsumexp_match_mlx_with_gradients(shape):
     assert mx.allclose(g1, g2, atol=1e-6).item()
 
 
+def test_softmax_any_shape_matches_mlx_without_a_trace_per_shape():
+    for n in (5, 6, 300):  # a new length each call, as attention over a growing cache
+        x = mx.random.normal((2, 3, 4, n), key=mx.random.key(n)) * 4
+        x = mx.where(mx.arange(n) < 2, -mx.inf, x)  # masked columns, as left padding
+        assert mx.allclose(fs.softmax_any_shape(x), mx.softmax(x, axis=-1), atol=1e-6).item()
+
+
 def test_cross_entropy_matches_mlx():
     logits = mx.random.normal((4, 6, 50), key=mx.random.key(3)) * 3
     targets = mx.random.randint(0, 50, (4, 6), key=mx.random.key(4))

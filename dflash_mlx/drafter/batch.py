@@ -16,9 +16,9 @@ a batched form of their own. Those drafters draft sequence by sequence (lazily, 
 same graph as the verify).
 
 Drafts are the argmax of the same network, computed in one batched graph (its attention
-MLX's fused ``scaled_dot_product_attention`` with a padding mask, a third faster per pass
-here than the float32 reference path of one sequence) rather than per sequence: the last
-bits may differ, never the output (the target verifies every draft).
+MLX's fused ``scaled_dot_product_attention`` with a padding mask, or on the CPU backend the
+attention with the fast exp) rather than per sequence: the last bits may differ, never the
+output (the target verifies every draft).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..kernels import fast_softmax
 from ..protocol import Proposal
 from .network import compile_enabled
 from ..targets.batch_cache import extend, keep_rows
@@ -186,5 +187,20 @@ def _attend(attn: Any, queries: mx.array, ctx_keys: mx.array, ctx_values: mx.arr
     keys = mx.concatenate([ctx_keys, block_keys], axis=2)
     values = mx.concatenate([ctx_values, block_values], axis=2)
     visible = mx.arange(n_ctx + B)[None] >= left_padding[:, None]  # block columns: always (padding < n_ctx)
+    if fast_softmax.use_fast_exp() and queries.dtype == mx.float32:
+        return _attend_fast_exp(queries * attn.scale, keys, values, visible)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale,
                                                 mask=visible[:, None, None, :])
+
+
+def _attend_fast_exp(queries: mx.array, keys: mx.array, values: mx.array, visible: mx.array) -> mx.array:
+    """Scaled queries [N, n_heads, B, hd] over keys, values [N, n_kv, L, hd] where
+    ``visible`` [N, L]: the attention with :mod:`~dflash_mlx.kernels.fast_softmax`'s exp.
+    On MLX's CPU backend the fused attention's exp is most of a drafter pass (about
+    1.5x this, per layer, at 100-400 cached rows). Drafts only propose (the target
+    verifies them), so the last bits do not matter."""
+    N, n_heads, B, hd = queries.shape
+    n_kv = keys.shape[1]
+    q = queries.reshape(N, n_kv, n_heads // n_kv * B, hd)  # a query group shares its K/V head
+    scores = mx.where(visible[:, None, None, :], q @ keys.swapaxes(-1, -2), -mx.inf)
+    return (fast_softmax.softmax_any_shape(scores) @ values).reshape(N, n_heads, B, hd)

@@ -41,10 +41,12 @@ def _exp(x: mx.array) -> mx.array:
 _exp_kernel = mx.compile(_exp)
 
 
-@mx.compile
-def _softmax(x: mx.array) -> mx.array:
+def _softmax_eager(x: mx.array) -> mx.array:
     e = _exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
+
+
+_softmax = mx.compile(_softmax_eager)
 
 
 @mx.compile
@@ -100,6 +102,16 @@ def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis (float32 on the CPU path; other dtypes use ``mx.softmax``)."""
     if use_fast_exp() and x.dtype == mx.float32:
         return _fast_softmax(x)
+    return mx.softmax(x, axis=-1)
+
+
+def softmax_any_shape(x: mx.array) -> mx.array:
+    """:func:`softmax` without a compiled trace (no gradient): for inputs whose shape
+    changes at every call, such as attention over a growing cache, where a shaped
+    compile would trace (and keep) one graph per length. Unfused, it is still about
+    2x ``mx.softmax`` on the CPU backend (the exp is most of the cost)."""
+    if use_fast_exp() and x.dtype == mx.float32:
+        return _softmax_eager(x)
     return mx.softmax(x, axis=-1)
 
 
