@@ -9,12 +9,13 @@ from collections import deque
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import BatchKVCache
 
 from dflash_mlx import generate_step
 from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
-from dflash_mlx.targets.batch_cache import batch_refusal, sequence_rows
+from dflash_mlx.targets.batch_cache import batch_refusal, common_padding, roll_right, sequence_rows
 from dflash_mlx.targets.batch_gated_delta import BatchGatedDeltaCache
 from dflash_mlx.targets.gated_delta_cache import GatedDeltaCache
 from conftest import ByteTokenizer, _Position, assert_varied, tiny_drafter, tiny_target
@@ -178,6 +179,39 @@ def test_cache_rows_equal_a_solo_cache(family):
             for a, b in pairs:
                 np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4,
                                            err_msg=f"sequence {i} layer {layer}")
+    full = [b for b in decoder.cache if type(b) is BatchKVCache]
+    assert full and all(min(b.left_padding.tolist()) == 0 for b in full)  # columns: the longest sequence's rows
+
+
+def test_roll_right_is_mlx_lm_roll_then_filter():
+    """:func:`roll_right` (one gather) leaves each sequence's rows, offset and padding as
+    mlx-lm's ``prepare(right_padding)`` + ``finalize()`` then ``filter`` (which drops the
+    padding every sequence has) do."""
+    rng = np.random.default_rng(3)
+    right = [1, 0, 3]
+
+    def cache() -> BatchKVCache:
+        b = BatchKVCache([2, 5, 3])
+        k = mx.array(rng.standard_normal((3, 2, 10, 4)).astype(np.float32))
+        b.update_and_fetch(k, k + 1)
+        return b
+
+    mine, theirs = cache(), cache()
+    theirs.keys, theirs.values = mine.keys, mine.values
+    drop = common_padding(mine, right)
+    assert drop == 3
+    roll_right(mine, right, drop)
+    theirs.prepare(right_padding=right)
+    theirs.finalize()
+    theirs.filter(mx.arange(3))
+    assert mine._idx == theirs._idx == 7
+    assert mine.left_padding.tolist() == theirs.left_padding.tolist() == [0, 2, 3]
+    assert mine.offset.tolist() == theirs.offset.tolist() == [7, 5, 4]
+    for i in range(3):
+        a, b = mine.extract(i), theirs.extract(i)
+        assert a.offset == b.offset
+        np.testing.assert_array_equal(np.array(a.keys[..., : a.offset, :]), np.array(b.keys[..., : b.offset, :]))
+        np.testing.assert_array_equal(np.array(a.values[..., : a.offset, :]), np.array(b.values[..., : b.offset, :]))
 
 
 
@@ -275,6 +309,7 @@ def test_one_drafter_pass_drafts_as_each_sequence_alone(compiled, fast_exp, monk
                 context = mx.zeros((1, 0, F))
             want = drafter.propose(tokens[i], context, cache, 6)
             assert got[i].tokens.tolist() == want.tokens.tolist(), f"step {step} sequence {i}"
+    assert all(min(c.left_padding.tolist()) == 0 for c in batch.cache)  # no column is padding in every row
     for i, cache in enumerate(solos):
         for got, want in zip(rows_of(batch.cache, i), cache):
             assert got.offset == want.offset

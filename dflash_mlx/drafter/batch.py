@@ -5,8 +5,8 @@ rows thrown away), but one step drafts every sequence's block in ONE forward: th
 context caches of all sequences are one left-padded mlx-lm ``BatchKVCache`` per
 drafter layer. Sequences bring different numbers of new context rows each step (their
 own accepted drafts + 1), so every sequence appends the most rows any brings, its
-extra rows rolled into its left padding (mlx-lm's right-padding machinery, as
-:func:`dflash_mlx.targets.batch_cache.rollback_ragged` does for the target), and each
+extra rows rolled into its left padding (:func:`dflash_mlx.targets.batch_cache.roll_right`,
+as :func:`~dflash_mlx.targets.batch_cache.rollback_ragged` does for the target), and each
 block attends over its own rows only (a padding mask).
 
 Covers the v1 drafter with full-attention, bidirectional layers and no draft window
@@ -31,7 +31,7 @@ import mlx.core as mx
 from ..kernels import fast_softmax
 from ..protocol import Proposal
 from .network import compile_enabled
-from ..targets.batch_cache import extend, keep_rows
+from ..targets.batch_cache import common_padding, extend, keep_rows, roll_right
 
 
 def batch_drafting_refusal(drafter: Any) -> Optional[str]:
@@ -101,9 +101,11 @@ class BatchDrafts:
         if d.args.input_embedding_scale != 1.0:
             h = h * d.args.input_embedding_scale
         fused = self._fused(contexts, rows)
+        right = [max(rows) - r for r in rows]  # each sequence's padding rows among the new ones
+        drop = common_padding(self.cache[0], right) if any(right) else 0  # the layers share one layout
         compiled = compile_enabled()
         for layer, c in zip(d.layers, self.cache):
-            h = _layer(layer, h, fused, rows, c, compiled)
+            h = _layer(layer, h, fused, rows, c, compiled, right, drop)
         logits = d.logits(d.norm(h[:, 1:]))
         drafts = mx.argmax(logits, axis=-1).astype(mx.int32)
         return [Proposal(drafts[i]) for i in range(len(tokens))]
@@ -124,11 +126,12 @@ class BatchDrafts:
 
 
 def _layer(layer: Any, h: mx.array, fused: Optional[mx.array], rows: List[int], cache: Any,
-           compiled: bool) -> mx.array:
+           compiled: bool, right: List[int], drop: int) -> mx.array:
     """One drafter layer over the batch: h [N, B, H] block rows; ``fused`` [N, max S, H]
-    new context rows (sequence i's first ``rows[i]`` real) appended to ``cache``, their
-    padding rolled into each sequence's left padding. ``compiled``: the block halves
-    run through :class:`_BatchKernels`."""
+    new context rows (sequence i's first ``rows[i]`` real) appended to ``cache``, the
+    ``right[i]`` padding rows after them rolled into each sequence's left padding and
+    ``drop`` columns of padding every sequence has dropped (:func:`roll_right`).
+    ``compiled``: the block halves run through :class:`_BatchKernels`."""
     if compiled:
         kernels = layer.__dict__.get("_batch_kernels")
         if kernels is None:
@@ -141,8 +144,8 @@ def _layer(layer: Any, h: mx.array, fused: Optional[mx.array], rows: List[int], 
     if fused is not None:
         ctx_keys, ctx_values = attn._keys_values(fused)
         cache.update_and_fetch(attn.rope(ctx_keys, offset=cache.offset), ctx_values)
-        cache.prepare(right_padding=[fused.shape[1] - r for r in rows])
-        cache.finalize()
+        if any(right):
+            roll_right(cache, right, drop)
     ctx_keys, ctx_values = cache.keys_and_values()
     out = _attend(attn, queries, ctx_keys, ctx_values, block_keys, block_values, cache.left_padding)
     return post(h, out)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll
 
 from .batch_gated_delta import BatchGatedDeltaCache
 from .batch_window import BatchWindowKVCache
@@ -98,19 +98,51 @@ def rollback_ragged(batch: Sequence[BatchKVCache], rejected: Sequence[int]) -> N
 
     The common part is trimmed (mlx-lm's ``trim``); the rest, different per sequence,
     is rolled past the shared write column and becomes left padding (see the module
-    doc). The rolled-in columns hold stale rows, masked as padding.
+    doc). The rolled-in columns hold stale rows, masked as padding. In full-attention
+    layers the same roll also drops the padding every sequence then has
+    (:func:`roll_right`), so their columns are the longest sequence's rows.
     """
     low = min(rejected)
     extra = [r - low for r in rejected]
+    drop = None  # full-attention layers share one column layout: computed once
     for b in batch:
         if isinstance(b, BatchGatedDeltaCache):
             b.trim_ragged(rejected)
             continue
         if low:
             b.trim(low)
-        if any(extra):
+        if not any(extra):
+            continue
+        if type(b) is BatchKVCache:
+            drop = common_padding(b, extra) if drop is None else drop
+            roll_right(b, extra, drop)
+        else:  # window layers: their padding is dropped by compact(), after hide_old_rows
             b.prepare(right_padding=extra)
             b.finalize()
+
+
+def common_padding(b: BatchKVCache, right: Sequence[int]) -> int:
+    """Columns of left padding every sequence of ``b`` has once its last ``right[i]``
+    rows are rolled into its padding (one small host read)."""
+    return min(p + r for p, r in zip(b.left_padding.tolist(), right))
+
+
+def roll_right(b: BatchKVCache, right: Sequence[int], drop: int = 0) -> None:
+    """Roll sequence i's rows right by ``right[i]`` columns, its last ``right[i]``
+    rows becoming left padding (mlx-lm's ``prepare(right_padding=...)`` then
+    ``finalize()``), and drop the first ``drop`` columns, padding in every sequence
+    (``drop <= common_padding(b, right)``; as mlx-lm's ``filter`` does): one gather
+    of the keys and one of the values.
+
+    Why not mlx-lm's two steps: on a CPU a step's attention costs about one exp per
+    cached column, and the padding every sequence has would otherwise stay until
+    :func:`compact` copies the cache again."""
+    right = mx.array(list(right))
+    b.keys = dynamic_roll(b.keys, (right - drop)[:, None], axis=2)
+    b.values = dynamic_roll(b.values, (right - drop)[:, None], axis=2)
+    b.offset = b.offset - right
+    b.left_padding = b.left_padding + right - drop
+    b._idx -= drop
 
 
 def sequence_rows(batch: Sequence[BatchKVCache], i: int) -> List[KVCache]:
