@@ -9,8 +9,10 @@ with the official ``openai`` client (greedy, ``--max-tokens`` each, prompts in t
 after one warm-up request. Per C and server: aggregate tokens/s (completion tokens of
 every request, from ``usage``, over the wall time of the round), p50 / p95 time to first
 token (send to the first chunk with text). Rounds are repeated ``--repeats`` times in
-turn over the servers; medians are reported, with the ratios to ``--max-batch 1`` and to
-mlx_lm.server of each repeat's figures (ratios of the same repeat, then the median).
+turn over the servers (reversed every other repeat); medians are reported, with the
+ratios to ``--max-batch 1`` and to mlx_lm.server of each repeat's figures (ratios of the
+same repeat, then the median) and a one-sided sign test of those ratios
+(:func:`dflash_mlx.stats.sign_test`).
 
 Every dflash reply is checked against mlx_lm.server's reply for the same prompt
 (greedy: both are the target's own greedy text).
@@ -34,6 +36,7 @@ from typing import Dict, List
 
 import httpx
 
+from dflash_mlx.stats import sign_test
 from serve_load import free_port, run_clients  # benchmarks/ is on the path when run as a script
 
 PROMPTS = ["Once upon a time", "One day, a little boy", "The cat sat on", "Lily and Ben went to",
@@ -148,6 +151,8 @@ def summarize(runs: Dict[str, List[List[Dict]]], clients: List[int], kinds: List
                 if base in runs and base != kind:
                     ratios = [f["tokens_per_s"] / b[i]["tokens_per_s"] for f, b in zip(figures, runs[base])]
                     row[f"vs_{base}"] = statistics.median(ratios)
+                    row[f"vs_{base}_all"] = [round(r, 3) for r in ratios]
+                    row[f"vs_{base}_sign_test"] = sign_test(ratios)
             rows.append(row)
     return rows
 
@@ -187,7 +192,7 @@ def main() -> None:
     runs: Dict[str, List[List[Dict]]] = {k: [] for k in kinds}
     for repeat in range(args.repeats):
         print(f"repeat {repeat + 1}/{args.repeats}", flush=True)
-        for kind in kinds:
+        for kind in kinds if repeat % 2 == 0 else kinds[::-1]:  # A B, B A, ...: a drift favours neither
             runs[kind].append(run_server(kind, args, log_dir, repeat))
     rows = summarize(runs, args.clients, kinds)
     mismatches = check_texts(runs)
@@ -199,6 +204,11 @@ def main() -> None:
         print(f"| {r['server']} | {r['clients']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s_all']} | "
               f"{r.get('vs_dflash-b1', float('nan')):.2f}x | {r.get('vs_mlx_lm', float('nan')):.2f}x | "
               f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} |")
+    for r in rows:
+        if "vs_mlx_lm_sign_test" in r:
+            t = r["vs_mlx_lm_sign_test"]
+            print(f"{r['server']}, {r['clients']} clients: ahead of mlx_lm.server in {t['above']} of {t['n']} "
+                  f"repeats (one-sided sign test p = {t['p']:.3f}); ratios {r['vs_mlx_lm_all']}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "rows": rows, "mismatches": mismatches,
                                                    "runs": runs}, indent=1))

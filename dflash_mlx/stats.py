@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from math import comb
 from typing import Dict, Iterable, Iterator, List, Optional
 
 import mlx.core as mx
@@ -348,3 +349,22 @@ def teacher_forced(right: np.ndarray) -> dict:
     leading = np.cumprod(right, axis=1)
     return {"accuracy": right.mean(0).round(4).tolist(), "acceptance": leading.mean(0).round(4).tolist(),
             "tau": round(1 + leading.sum() / n, 4), "blocks": n}
+
+
+def sign_test(ratios: Iterable[float]) -> dict:
+    """One-sided exact sign test that paired ratios (ours / a baseline, one per repeat
+    run under the same conditions) are above 1 more often than chance.
+
+    Args:
+        ratios: per repeat, ours over the baseline (ratios of exactly 1 are dropped).
+
+    Returns:
+        ``{"above": repeats above 1, "n": repeats counted, "p": P(at least "above" of
+        "n" fair coin flips come up heads)}``; p = 1.0 when n = 0. Makes no assumption
+        about the noise's distribution (a CPU's bimodal speed states), only that the
+        repeats are independent.
+    """
+    signs = [r > 1.0 for r in ratios if r != 1.0]
+    n, above = len(signs), sum(signs)
+    p = sum(comb(n, k) for k in range(above, n + 1)) / 2**n if n else 1.0
+    return {"above": above, "n": n, "p": p}
