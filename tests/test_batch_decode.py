@@ -15,7 +15,7 @@ from dflash_mlx import generate_step
 from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
-from dflash_mlx.targets.batch_cache import batch_refusal, common_padding, roll_right, sequence_rows
+from dflash_mlx.targets.batch_cache import RaggedRoll, batch_refusal, common_padding, sequence_rows
 from dflash_mlx.targets.batch_gated_delta import BatchGatedDeltaCache
 from dflash_mlx.targets.gated_delta_cache import GatedDeltaCache
 from conftest import ByteTokenizer, _Position, assert_varied, tiny_drafter, tiny_target
@@ -150,7 +150,8 @@ def test_cache_rows_equal_a_solo_cache(family):
     target, B = target_of(family), 5
     ps = prompts(3, seed=7)
     refs = [solo(target, p, 110) for p in ps]
-    scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 1, None)))}
+    # No sequence keeps a whole block, so each ragged rollback also trims rows from all (mlx-lm's trim).
+    scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 2, 1, 0)))}
     decoder = BatchDecoder(target, JoinOrderDrafter(scripts, B, seed=2), B)
     plan = [dict(key=i, prompt=p, n=100, join=i) for i, p in enumerate(ps)]
     waiting, emitted = deque(plan), {i: [] for i in range(3)}
@@ -183,10 +184,10 @@ def test_cache_rows_equal_a_solo_cache(family):
     assert full and all(min(b.left_padding.tolist()) == 0 for b in full)  # columns: the longest sequence's rows
 
 
-def test_roll_right_is_mlx_lm_roll_then_filter():
-    """:func:`roll_right` (one gather) leaves each sequence's rows, offset and padding as
-    mlx-lm's ``prepare(right_padding)`` + ``finalize()`` then ``filter`` (which drops the
-    padding every sequence has) do."""
+def test_ragged_roll_is_mlx_lm_roll_then_filter():
+    """:class:`RaggedRoll` (one gather per array, one index for all layers) leaves each
+    sequence's rows, offset and padding as mlx-lm's ``prepare(right_padding)`` +
+    ``finalize()`` then ``filter`` (which drops the padding every sequence has) do."""
     rng = np.random.default_rng(3)
     right = [1, 0, 3]
 
@@ -200,7 +201,7 @@ def test_roll_right_is_mlx_lm_roll_then_filter():
     theirs.keys, theirs.values = mine.keys, mine.values
     drop = common_padding(mine, right)
     assert drop == 3
-    roll_right(mine, right, drop)
+    RaggedRoll(right, drop)(mine)
     theirs.prepare(right_padding=right)
     theirs.finalize()
     theirs.filter(mx.arange(3))

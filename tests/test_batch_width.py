@@ -175,35 +175,50 @@ def test_plain_steps_among_chains_keep_every_sequence_exact(family):
         assert out[p["key"]] == solo(target, p["prompt"], p["n"]), f"{p['key']} differs from its solo run"
 
 
-def test_plain_steps_with_a_drafter_network_keep_its_context():
+@pytest.mark.parametrize("cycle", [[1, 1, 1, 4, 1, 2, 1, 1, 4], [4, 4, 2, 4]])
+def test_plain_steps_with_a_drafter_network_keep_its_context(cycle):
     """A real (tiny, random) drafter drafting the batch in one pass, widths 1, 2 and 4
-    in turn: every draft's anchor token follows exactly the context rows the drafter has
+    in turn (or verifies only: the drafter then takes the last verify's features as one
+    array): every draft's anchor token follows exactly the context rows the drafter has
     been given for that sequence, those rows equal the target's own features of the
     sequence's tokens (one row per token, none lost or doubled by plain steps), and
     each text equals its solo run."""
     target = target_of("llama")
     drafter = tiny_drafter(target, block_size=4)
     widths = BatchWidths(4)
-    plan_widths = iter([1, 1, 1, 4, 1, 2, 1, 1, 4] * 20)
+    plan_widths = iter(cycle * 60)
     widths.choose = lambda n: next(plan_widths)
     decoder = BatchDecoder(target, drafter, 4, widths)
-    plan = [dict(key=f"q{i}", prompt=p, n=24, join=2 * i) for i, p in enumerate(prompts(3, seed=23))]
+    plan = [dict(key=f"q{i}", prompt=p, n=40, join=2 * i) for i, p in enumerate(prompts(3, seed=23))]
     rows, anchors = {}, []
-    join, propose = decoder.drafts.join, decoder.drafts.propose
+    join, draft = decoder.drafts.join, decoder.drafts.draft
 
     def joined(context, cache=None):
         rows[plan[len(rows)]["key"]] = [context]
         return join(context, cache)
 
-    def proposed(tokens, contexts, width):
-        for s, token, context in zip(decoder.sequences, tokens, contexts):
-            rows[s.key] += [] if context is None else [context]
-            anchors.append((s.key, sum(r.shape[1] for r in rows[s.key]), token.item()))
-        return propose(tokens, contexts, width)
+    refs = {p["key"]: p["prompt"] + solo(target, p["prompt"], p["n"] + 4) for p in plan}
 
-    decoder.drafts.join, decoder.drafts.propose = joined, proposed
+    seen = []
+
+    def drafted(tokens, context, counts, width):
+        seen.extend(counts)
+        drafts = draft(tokens, context, counts, width).tolist()
+        for i, (s, n) in enumerate(zip(decoder.sequences, counts)):
+            rows[s.key] += [context[i : i + 1, :n]] if n else []
+            anchors.append((s.key, sum(r.shape[1] for r in rows[s.key]), tokens[i].item()))
+            mode, at = (len(anchors) + i) % 3, anchors[-1][1]
+            right = (refs[s.key][at + 1 : at + width] + [0] * width)[: width - 1]
+            if mode == 1:  # all right
+                drafts[i] = right
+            elif mode == 2:  # the last one wrong: ragged acceptance, new rows of 1..width
+                drafts[i] = right[:-1] + [right[-1] ^ 1]
+        return mx.array(drafts, dtype=mx.int32)
+
+    decoder.drafts.join, decoder.drafts.draft = joined, drafted
     out = drive(decoder, plan, max_batch=3)
     assert len(anchors) >= 20
+    assert {1, 2, 3} <= set(seen), "new context rows were not ragged"
     for p in plan:
         assert out[p["key"]] == solo(target, p["prompt"], p["n"])
     for key, n_rows, token in anchors:

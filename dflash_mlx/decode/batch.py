@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -41,6 +41,7 @@ from .stopping import StopCondition
 from ..errors import InputError
 from ..prefix.batch import BatchPrefix, batch_prefix_refusal
 from ..prefix.store import PrefixStore
+from ..drafter.batch import pad_contexts
 from ..protocol import Drafter, Proposal
 from ..stats import GenerationStats
 from ..targets import TargetAdapter
@@ -225,6 +226,9 @@ class BatchDecoder:
         self.capture = drafter.target_layer_ids if drafter is not None else None
         self.sequences: List[BatchSequence] = []
         self.cache = None
+        # (features [N, B, F], rows [N]) of the last verify while they are every
+        # sequence's pending rows (no join, leave or plain step since): one slice for the drafter.
+        self._context: Optional[Tuple[mx.array, List[int]]] = None
         # One drafter pass for the batch where the drafter has one; else per sequence.
         self.drafts = drafter.batch_drafts() if hasattr(drafter, "batch_drafts") else None
         self.prefix: Optional[BatchPrefix] = None
@@ -261,6 +265,7 @@ class BatchDecoder:
             self.drafts.join(_rows(pending) if pending else None, joining.draft_cache)
             pending = []
         self.cache = extend(self.cache, joining.cache)
+        self._context = None
         self.sequences.append(BatchSequence(joining.key, joining.rule, joining.stop, joining.stats, token,
                                             pending, draft_cache, joining.seed))
 
@@ -272,6 +277,7 @@ class BatchDecoder:
             return
         self.sequences = [self.sequences[i] for i in rows]
         self.cache = keep_rows(self.cache, rows)
+        self._context = None
         if self.drafts is not None:
             self.drafts.keep(rows)
 
@@ -292,11 +298,11 @@ class BatchDecoder:
         w = self.widths.choose(len(self.sequences)) if auto else self.width
         if w == 1:
             return self._plain_step(started)
-        proposals = self._propose(w)
-        inputs = mx.stack([mx.concatenate([s.token, p.tokens]) for s, p in zip(self.sequences, proposals)])
-        h, features = self.target(inputs, self.cache, self.capture)
+        tokens = mx.concatenate([s.token for s in self.sequences])  # [N] t_last
+        drafts, proposals = self._propose(tokens, w)
+        h, features = self.target(mx.concatenate([tokens[:, None], drafts], axis=1), self.cache, self.capture)
         logits = self.target.lm_head(h)
-        decided = self._decide(proposals, logits, features)
+        decided = self._decide(drafts, proposals, logits, features)
         results, rejected, seconds = [], [], time.perf_counter() - tic
         for i, (s, (a, out)) in enumerate(zip(self.sequences, decided)):
             rejected.append(w - 1 - a)
@@ -304,6 +310,7 @@ class BatchDecoder:
             s.pending = [features[i : i + 1, : a + 1]]
             s.token = mx.array(out[a : a + 1], dtype=mx.int32)
             results.append(StepResult(out[: a + 1], a, None))
+        self._context = (features, [r.accepted + 1 for r in results])  # every pending row, as one array
         rollback_ragged(self.cache, rejected)
         compact(self.cache)
         if self.drafts is not None:
@@ -321,17 +328,19 @@ class BatchDecoder:
         """Per sequence, whether its rule is greedy (one argmax serves all those rows)."""
         return [bool(getattr(s.rule, "greedy", False)) for s in self.sequences]
 
-    def _decide(self, proposals: List[Proposal], logits: mx.array, features: mx.array) -> List[tuple]:
-        """Each sequence's acceptance rule on its verify rows (logits [N, B, V]): one
-        argmax for all greedy sequences, their own rule (and seed) for the others; one
-        sync. Returns ``(accepted a, the target's tokens [B])`` per sequence, on the host."""
+    def _decide(self, drafts: mx.array, proposals: Optional[List[Proposal]], logits: mx.array,
+                features: mx.array) -> List[tuple]:
+        """Each sequence's acceptance rule on its verify rows (logits [N, B, V]; drafts
+        [N, B-1]; ``proposals``: per sequence, or None for the drafts alone): one argmax for
+        all greedy sequences, their own rule (and seed) for the others; one sync. Returns
+        ``(accepted a, the target's tokens [B])`` per sequence, on the host."""
         greedy = self._greedy()
         argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(greedy) else None
         decided = []
-        for i, (s, p) in enumerate(zip(self.sequences, proposals)):
+        for i, s in enumerate(self.sequences):
             s.reseed(1)
+            p = None if greedy[i] else proposals[i] if proposals is not None else Proposal(drafts[i])
             decided.append((None, None) if greedy[i] else s.rule.accept(p, logits[i]))
-        drafts = mx.stack([p.tokens for p in proposals])
         mx.eval(argmax if argmax is not None else [], [d for pair in decided for d in pair if d is not None],
                 features, drafts)
         drafts, argmax = drafts.tolist(), argmax.tolist() if argmax is not None else None
@@ -341,24 +350,37 @@ class BatchDecoder:
             out.append((count_accepted(drafts[i], y) if a is None else a.item(), y))
         return out
 
-    def _propose(self, width: int) -> List[Proposal]:
-        """Drafts of every sequence at ``width`` (lazy): one batched pass when the drafter has one."""
-        contexts = [_rows(s.pending) if s.pending else None for s in self.sequences]
-        for s in self.sequences:
-            s.pending = []
+    def _propose(self, tokens: mx.array, width: int) -> Tuple[mx.array, Optional[List[Proposal]]]:
+        """Drafts [N, width-1] of every sequence (lazy) from ``tokens`` [N] (``t_last``),
+        and the per-sequence proposals (None from a batched pass: drafts alone). One
+        batched pass when the drafter has one, its new context rows as one array: the
+        last verify's features, when they are every sequence's pending rows."""
         if self.drafts is not None:
-            return self.drafts.propose([s.token for s in self.sequences], contexts, width)
+            if self._context is not None:
+                context, rows = self._context
+                context = context[:, : max(rows)]
+            else:
+                contexts = [_rows(s.pending) if s.pending else None for s in self.sequences]
+                rows = [0 if c is None else c.shape[1] for c in contexts]
+                context = pad_contexts(contexts, rows)
+            for s in self.sequences:
+                s.pending = []
+            self._context = None
+            return self.drafts.draft(tokens, context, rows, width), None
         proposals = []
-        for s, context in zip(self.sequences, contexts):
+        for s in self.sequences:
             s.reseed(0)
+            context = _rows(s.pending) if s.pending else None
+            s.pending = []
             proposals.append(s.rule.propose(self.drafter, s.token, context, s.draft_cache, width))
-        return proposals
+        return mx.stack([p.tokens for p in proposals]), proposals
 
     def _plain_step(self, started: Optional[float] = None) -> List[StepResult]:
         """Plain decoding: one token per sequence, one target forward for all. With a
         drafter (auto chose width 1; ``started`` is its clock reading) each sequence's
         context row is kept for its next draft."""
         tic = time.perf_counter()  # for the statistics only
+        self._context = None  # the rows pending are now more than one verify's
         inputs = mx.stack([s.token for s in self.sequences])
         h, features = self.target(inputs, self.cache, self.capture)
         logits = self.target.lm_head(h[:, -1])

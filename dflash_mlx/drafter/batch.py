@@ -5,7 +5,7 @@ rows thrown away), but one step drafts every sequence's block in ONE forward: th
 context caches of all sequences are one left-padded mlx-lm ``BatchKVCache`` per
 drafter layer. Sequences bring different numbers of new context rows each step (their
 own accepted drafts + 1), so every sequence appends the most rows any brings, its
-extra rows rolled into its left padding (:func:`dflash_mlx.targets.batch_cache.roll_right`,
+extra rows rolled into its left padding (:class:`dflash_mlx.targets.batch_cache.RaggedRoll`,
 as :func:`~dflash_mlx.targets.batch_cache.rollback_ragged` does for the target), and each
 block attends over its own rows only (a padding mask).
 
@@ -23,15 +23,17 @@ output (the target verifies every draft).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from ..kernels import fast_softmax
 from ..protocol import Proposal
 from .network import compile_enabled
-from ..targets.batch_cache import common_padding, extend, keep_rows, roll_right
+from ..targets.batch_cache import RaggedRoll, common_padding, extend, keep_rows
+from ..targets.fused import rope_rows, rotate
 
 
 def batch_drafting_refusal(drafter: Any) -> Optional[str]:
@@ -92,62 +94,121 @@ class BatchDrafts:
         Returns:
             One :class:`~dflash_mlx.protocol.Proposal` per sequence ([B-1] drafts).
         """
-        d = self.drafter
         rows = [0 if c is None else c.shape[1] for c in contexts]
-        block = mx.concatenate([mx.concatenate(tokens).reshape(-1, 1).astype(mx.int32),
-                                mx.full((len(tokens), block_size - 1), d.args.mask_token_id, dtype=mx.int32)],
+        drafts = self.draft(mx.concatenate(tokens), pad_contexts(contexts, rows), rows, block_size)
+        return [Proposal(drafts[i]) for i in range(len(tokens))]
+
+    def draft(self, tokens: mx.array, context: Optional[mx.array], rows: List[int], block_size: int) -> mx.array:
+        """:meth:`propose` for a batch held as arrays: the decoder's fast path.
+
+        Args:
+            tokens: [N] int32, each sequence's ``t_last``.
+            context: [N, S, F] new context rows, sequence i's first ``rows[i]`` real (the
+                rest may hold anything finite: they become padding); None when S = 0.
+            rows: [N] real rows per sequence.
+            block_size: B.
+
+        Returns:
+            [N, B-1] int32 argmax drafts (lazy).
+        """
+        d = self.drafter
+        block = mx.concatenate([tokens.reshape(-1, 1).astype(mx.int32),
+                                mx.full((tokens.size, block_size - 1), d.args.mask_token_id, dtype=mx.int32)],
                                axis=1)
         h = d.embed_block(block)
         if d.args.input_embedding_scale != 1.0:
             h = h * d.args.input_embedding_scale
-        fused = self._fused(contexts, rows)
-        right = [max(rows) - r for r in rows]  # each sequence's padding rows among the new ones
-        drop = common_padding(self.cache[0], right) if any(right) else 0  # the layers share one layout
-        compiled = compile_enabled()
+        fused = None if context is None else d.hidden_norm(d.fc(context))
+        shared = _Shared.of(d, self.cache[0], rows, block_size)
         for layer, c in zip(d.layers, self.cache):
-            h = _layer(layer, h, fused, rows, c, compiled, right, drop)
+            h = _layer(layer, h, fused, c, shared)
         logits = d.logits(d.norm(h[:, 1:]))
-        drafts = mx.argmax(logits, axis=-1).astype(mx.int32)
-        return [Proposal(drafts[i]) for i in range(len(tokens))]
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
 
-    def _fused(self, contexts: Sequence[Optional[mx.array]], rows: List[int]) -> Optional[mx.array]:
-        """Fused context rows [N, max S, H], each sequence's rows first, zeros after."""
+
+def pad_contexts(contexts: Sequence[Optional[mx.array]], rows: List[int]) -> Optional[mx.array]:
+    """Per-sequence context rows ([1, S_i, F] or None) as one [N, max S, F] array, each
+    sequence's rows first, zeros after; None when every S_i is 0."""
+    most = max(rows)
+    if most == 0:
+        return None
+    first = next(c for c in contexts if c is not None)
+    padded = []
+    for c, r in zip(contexts, rows):
+        if r < most:
+            pad = mx.zeros((1, most - r, first.shape[2]), first.dtype)
+            c = pad if c is None else mx.concatenate([c, pad], axis=1)
+        padded.append(c)
+    return mx.concatenate(padded, axis=0)
+
+
+@dataclass
+class _Shared:
+    """What every layer of one batched pass shares, built once (the layers' caches have
+    one column layout): on a CPU a small drafter's pass costs about its number of ops.
+
+    Attributes:
+        rows: [N] new context rows per sequence (``max(rows)`` appended to every cache).
+        start: [N] int32 block positions (``t_last`` at the cache's offset + rows).
+        roll: rolls each sequence's padding rows among the new ones into its left
+            padding, dropping the padding every sequence then has; None when none.
+        ctx_rope, block_rope: ``(cos, sin)`` RoPE tables of the new context rows and of
+            the block rows (:func:`~dflash_mlx.targets.fused.rope_rows`), or None: each
+            layer's own RoPE (a GPU, compiling off, or a RoPE the tables do not cover).
+        compiled: the block halves run through :class:`_BatchKernels`.
+        visible: [N, L] the columns each sequence sees, set by the first layer.
+    """
+
+    rows: List[int]
+    start: mx.array
+    roll: Optional[RaggedRoll]
+    ctx_rope: Optional[Tuple[mx.array, mx.array]]
+    block_rope: Optional[Tuple[mx.array, mx.array]]
+    compiled: bool
+    visible: Optional[mx.array] = None
+
+    @classmethod
+    def of(cls, drafter: Any, cache: Any, rows: List[int], block_size: int) -> "_Shared":
         most = max(rows)
-        if most == 0:
-            return None
-        first = next(c for c in contexts if c is not None)
-        padded = []
-        for c, r in zip(contexts, rows):
-            if r < most:
-                pad = mx.zeros((1, most - r, first.shape[2]), first.dtype)
-                c = pad if c is None else mx.concatenate([c, pad], axis=1)
-            padded.append(c)
-        return self.drafter.hidden_norm(self.drafter.fc(mx.concatenate(padded, axis=0)))
+        right = [most - r for r in rows]  # each sequence's padding rows among the new ones
+        roll = RaggedRoll(right, common_padding(cache, right)) if any(right) else None
+        start = cache.offset + mx.array(rows)
+        rope = drafter.layers[0].self_attn.rope
+        block_rope = rope_rows(rope, block_size, start)
+        ctx_rope = rope_rows(rope, most, cache.offset) if most and block_rope is not None else None
+        return cls(rows, start, roll, ctx_rope, block_rope, compile_enabled())
 
 
-def _layer(layer: Any, h: mx.array, fused: Optional[mx.array], rows: List[int], cache: Any,
-           compiled: bool, right: List[int], drop: int) -> mx.array:
+def _layer(layer: Any, h: mx.array, fused: Optional[mx.array], cache: Any, shared: _Shared) -> mx.array:
     """One drafter layer over the batch: h [N, B, H] block rows; ``fused`` [N, max S, H]
-    new context rows (sequence i's first ``rows[i]`` real) appended to ``cache``, the
-    ``right[i]`` padding rows after them rolled into each sequence's left padding and
-    ``drop`` columns of padding every sequence has dropped (:func:`roll_right`).
-    ``compiled``: the block halves run through :class:`_BatchKernels`."""
-    if compiled:
+    new context rows (sequence i's first ``shared.rows[i]`` real) appended to ``cache``,
+    then ``shared.roll`` (see :class:`_Shared`)."""
+    attn = layer.self_attn
+    if shared.compiled:
         kernels = layer.__dict__.get("_batch_kernels")
         if kernels is None:
             kernels = layer.__dict__["_batch_kernels"] = _BatchKernels(layer)
-        pre, post = kernels.pre, kernels.post
+        post = kernels.post
+        if shared.block_rope is not None:
+            queries, block_keys, block_values = kernels.pre_tables(h, *shared.block_rope)
+        else:
+            queries, block_keys, block_values = kernels.pre(h, shared.start)
     else:
-        pre, post = partial(_block_pre, layer), partial(_post, layer)
-    attn = layer.self_attn
-    queries, block_keys, block_values = pre(h, cache.offset + mx.array(rows))  # t_last at offset + rows
+        post = partial(_post, layer)
+        queries, block_keys, block_values = _block_pre(layer, h, shared.start)
     if fused is not None:
         ctx_keys, ctx_values = attn._keys_values(fused)
-        cache.update_and_fetch(attn.rope(ctx_keys, offset=cache.offset), ctx_values)
-        if any(right):
-            roll_right(cache, right, drop)
+        if shared.ctx_rope is not None:
+            ctx_keys = rotate(ctx_keys, *shared.ctx_rope, attn.rope.traditional)
+        else:
+            ctx_keys = attn.rope(ctx_keys, offset=cache.offset)
+        cache.update_and_fetch(ctx_keys, ctx_values)
+        if shared.roll is not None:
+            shared.roll(cache)
     ctx_keys, ctx_values = cache.keys_and_values()
-    out = _attend(attn, queries, ctx_keys, ctx_values, block_keys, block_values, cache.left_padding)
+    if shared.visible is None:  # block columns: always (padding < context columns)
+        shared.visible = mx.arange(ctx_keys.shape[2] + h.shape[1])[None] >= cache.left_padding[:, None]
+    out = _attend(attn, queries, ctx_keys, ctx_values, block_keys, block_values, shared.visible)
     return post(h, out)
 
 
@@ -163,6 +224,7 @@ class _BatchKernels:
 
     def __init__(self, layer: Any):
         self.pre = mx.compile(partial(_block_pre, layer), inputs=layer.state)
+        self.pre_tables = mx.compile(partial(_block_pre_tables, layer), inputs=layer.state)
         self.post = mx.compile(partial(_post, layer), inputs=layer.state)
 
 
@@ -175,6 +237,15 @@ def _block_pre(layer: Any, h: mx.array, start: mx.array):
     return queries, attn.rope(keys, offset=start), values
 
 
+def _block_pre_tables(layer: Any, h: mx.array, cos: mx.array, sin: mx.array):
+    """:func:`_block_pre` with RoPE by the block positions' tables ([N, 1, B, dims]): the same bits."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    queries = rotate(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)), cos, sin, attn.rope.traditional)
+    keys, values = attn._keys_values(x)
+    return queries, rotate(keys, cos, sin, attn.rope.traditional), values
+
+
 def _post(layer: Any, h: mx.array, out: mx.array) -> mx.array:
     """Residual, output projection of ``out`` [N, n_heads, B, hd], then the MLP: [N, B, H]."""
     N, _, B, _ = out.shape
@@ -183,13 +254,12 @@ def _post(layer: Any, h: mx.array, out: mx.array) -> mx.array:
 
 
 def _attend(attn: Any, queries: mx.array, ctx_keys: mx.array, ctx_values: mx.array, block_keys: mx.array,
-            block_values: mx.array, left_padding: mx.array) -> mx.array:
-    """Block queries [N, n_heads, B, hd] over each sequence's cached rows (its left
-    padding hidden) and its whole block: MLX's fused attention with a padding mask."""
-    n_ctx, B = ctx_keys.shape[2], block_keys.shape[2]
+            block_values: mx.array, visible: mx.array) -> mx.array:
+    """Block queries [N, n_heads, B, hd] over each sequence's cached rows and its whole
+    block, the columns ``visible`` [N, L + B] (left padding hidden): MLX's fused
+    attention with a padding mask."""
     keys = mx.concatenate([ctx_keys, block_keys], axis=2)
     values = mx.concatenate([ctx_values, block_values], axis=2)
-    visible = mx.arange(n_ctx + B)[None] >= left_padding[:, None]  # block columns: always (padding < n_ctx)
     if fast_softmax.use_fast_exp() and queries.dtype == mx.float32:
         return _attend_fast_exp(queries * attn.scale, keys, values, visible)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale,

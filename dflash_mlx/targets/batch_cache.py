@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .batch_gated_delta import BatchGatedDeltaCache
 from .batch_window import BatchWindowKVCache
@@ -100,11 +100,11 @@ def rollback_ragged(batch: Sequence[BatchKVCache], rejected: Sequence[int]) -> N
     is rolled past the shared write column and becomes left padding (see the module
     doc). The rolled-in columns hold stale rows, masked as padding. In full-attention
     layers the same roll also drops the padding every sequence then has
-    (:func:`roll_right`), so their columns are the longest sequence's rows.
+    (:class:`RaggedRoll`), so their columns are the longest sequence's rows.
     """
     low = min(rejected)
     extra = [r - low for r in rejected]
-    drop = None  # full-attention layers share one column layout: computed once
+    roll = None  # full-attention layers share one column layout: one roll for all
     for b in batch:
         if isinstance(b, BatchGatedDeltaCache):
             b.trim_ragged(rejected)
@@ -114,8 +114,8 @@ def rollback_ragged(batch: Sequence[BatchKVCache], rejected: Sequence[int]) -> N
         if not any(extra):
             continue
         if type(b) is BatchKVCache:
-            drop = common_padding(b, extra) if drop is None else drop
-            roll_right(b, extra, drop)
+            roll = roll or RaggedRoll(extra, common_padding(b, extra))
+            roll(b)
         else:  # window layers: their padding is dropped by compact(), after hide_old_rows
             b.prepare(right_padding=extra)
             b.finalize()
@@ -127,22 +127,38 @@ def common_padding(b: BatchKVCache, right: Sequence[int]) -> int:
     return min(p + r for p, r in zip(b.left_padding.tolist(), right))
 
 
-def roll_right(b: BatchKVCache, right: Sequence[int], drop: int = 0) -> None:
-    """Roll sequence i's rows right by ``right[i]`` columns, its last ``right[i]``
-    rows becoming left padding (mlx-lm's ``prepare(right_padding=...)`` then
-    ``finalize()``), and drop the first ``drop`` columns, padding in every sequence
-    (``drop <= common_padding(b, right)``; as mlx-lm's ``filter`` does): one gather
-    of the keys and one of the values.
+class RaggedRoll:
+    """Roll sequence i's rows right by ``right[i]`` columns, its last ``right[i]`` rows
+    becoming left padding (mlx-lm's ``prepare(right_padding=...)`` then ``finalize()``),
+    and drop the first ``drop`` columns, padding in every sequence (``drop <=
+    common_padding(b, right)``; as mlx-lm's ``filter`` does): one gather of the keys and
+    one of the values per layer, called on each layer of one column layout.
 
     Why not mlx-lm's two steps: on a CPU a step's attention costs about one exp per
     cached column, and the padding every sequence has would otherwise stay until
-    :func:`compact` copies the cache again."""
-    right = mx.array(list(right))
-    b.keys = dynamic_roll(b.keys, (right - drop)[:, None], axis=2)
-    b.values = dynamic_roll(b.values, (right - drop)[:, None], axis=2)
-    b.offset = b.offset - right
-    b.left_padding = b.left_padding + right - drop
-    b._idx -= drop
+    :func:`compact` copies the cache again; and a small model's step costs about its
+    number of ops, so the gather's index is built once for all layers, not per array.
+
+    Args:
+        right: [N] columns to roll each sequence by.
+        drop: columns to drop from the left.
+    """
+
+    def __init__(self, right: Sequence[int], drop: int = 0):
+        self.right, self.drop = mx.array(list(right)), drop
+        self._shift = (self.right - drop)[:, None, None, None]
+        self._index = {}  # columns of the buffer -> [N, 1, columns, 1] gather index
+
+    def __call__(self, b: BatchKVCache) -> None:
+        n = b.keys.shape[2]
+        index = self._index.get(n)
+        if index is None:
+            index = self._index[n] = (mx.arange(n)[:, None] - self._shift) % n
+        b.keys = mx.take_along_axis(b.keys, index, axis=2)
+        b.values = mx.take_along_axis(b.values, index, axis=2)
+        b.offset = b.offset - self.right
+        b.left_padding = b.left_padding + self._shift.reshape(-1)
+        b._idx -= self.drop
 
 
 def sequence_rows(batch: Sequence[BatchKVCache], i: int) -> List[KVCache]:
