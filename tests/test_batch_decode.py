@@ -15,7 +15,7 @@ from dflash_mlx import generate_step
 from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
-from dflash_mlx.targets.batch_cache import RaggedRoll, batch_refusal, common_padding, sequence_rows
+from dflash_mlx.targets.batch_cache import RaggedRoll, batch_refusal, common_padding, sequence_rows, share_offsets
 from dflash_mlx.targets.batch_gated_delta import BatchGatedDeltaCache
 from dflash_mlx.targets.gated_delta_cache import GatedDeltaCache
 from conftest import ByteTokenizer, _Position, assert_varied, tiny_drafter, tiny_target
@@ -214,6 +214,31 @@ def test_ragged_roll_is_mlx_lm_roll_then_filter():
         np.testing.assert_array_equal(np.array(a.keys[..., : a.offset, :]), np.array(b.keys[..., : b.offset, :]))
         np.testing.assert_array_equal(np.array(a.values[..., : a.offset, :]), np.array(b.values[..., : b.offset, :]))
 
+
+
+def test_shared_offsets_are_never_updated_in_place():
+    """``share_offsets`` relies on mlx-lm's ``BatchKVCache`` replacing its offset array,
+    never updating it in place: after every cache operation a batch uses, each of two
+    layers sharing one offset object holds what it would alone."""
+    def layer() -> BatchKVCache:
+        b = BatchKVCache([2, 0])
+        k = mx.ones((2, 1, 6, 4))
+        b.update_and_fetch(k, k)
+        return b
+
+    shared, alone = [layer(), layer()], [layer(), layer()]
+    for step in range(2):
+        share_offsets(shared)
+        assert shared[0].offset is shared[1].offset
+        for b in shared + alone:
+            b.update_and_fetch(mx.ones((2, 1, 3, 4)), mx.ones((2, 1, 3, 4)))
+            b.trim(1)
+            RaggedRoll([1, 0], 0)(b)
+            b.prepare(right_padding=[0, 1])
+            b.finalize()
+            b.filter(mx.arange(2))
+        for b, want in zip(shared, alone):
+            assert b.offset.tolist() == want.offset.tolist(), f"step {step}"
 
 
 def assert_batch_differs_from_solo(family: str, B: int = 6, n: int = 40, every: bool = False) -> None:

@@ -45,7 +45,7 @@ from ..drafter.batch import pad_contexts
 from ..protocol import Drafter, Proposal
 from ..stats import GenerationStats
 from ..targets import TargetAdapter
-from ..targets.batch_cache import compact, extend, keep_rows, rollback_ragged
+from ..targets.batch_cache import compact, extend, keep_rows, rollback_ragged, share_offsets
 
 Sampler = Callable[[mx.array], mx.array]
 BATCHED = "continuous batching verifies chains of the block size (no trees)"
@@ -300,6 +300,7 @@ class BatchDecoder:
             return self._plain_step(started)
         tokens = mx.concatenate([s.token for s in self.sequences])  # [N] t_last
         drafts, proposals = self._propose(tokens, w)
+        share_offsets(self.cache)
         h, features = self.target(mx.concatenate([tokens[:, None], drafts], axis=1), self.cache, self.capture)
         logits = self.target.lm_head(h)
         decided = self._decide(drafts, proposals, logits, features)
@@ -382,6 +383,7 @@ class BatchDecoder:
         tic = time.perf_counter()  # for the statistics only
         self._context = None  # the rows pending are now more than one verify's
         inputs = mx.stack([s.token for s in self.sequences])
+        share_offsets(self.cache)
         h, features = self.target(inputs, self.cache, self.capture)
         logits = self.target.lm_head(h[:, -1])
         greedy = self._greedy()

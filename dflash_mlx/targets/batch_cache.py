@@ -161,6 +161,22 @@ class RaggedRoll:
         b._idx -= self.drop
 
 
+def share_offsets(batch: Sequence[Any]) -> None:
+    """Make the full-attention layers' offsets one array object for the next forward.
+
+    Their values are equal (one column layout), and the fused RoPE computes its tables
+    once per offset object (:class:`~dflash_mlx.targets.fused.FusedRoPE`): shared, once
+    per forward instead of once per layer (about 15 ops each). Safe because between this
+    call and a layer's ``update_and_fetch`` the layer only reads its offset (RoPE), and
+    ``update_and_fetch`` gives it a new array: mlx-lm's ``BatchKVCache`` replaces its
+    offset, never updates it in place (checked against the installed mlx-lm by
+    ``tests/test_batch_decode.py``).
+    """
+    full = [b for b in batch or () if type(b) is BatchKVCache]
+    for b in full[1:]:
+        b.offset = full[0].offset
+
+
 def sequence_rows(batch: Sequence[BatchKVCache], i: int) -> List[KVCache]:
     """Sequence i's rows of every layer as a plain ``KVCache`` each (mlx-lm's ``extract``;
     an ``ArraysCache`` of its states for a Gated-DeltaNet layer): what a solo run's cache
