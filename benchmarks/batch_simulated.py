@@ -13,8 +13,9 @@ N sequences (random 32-token prompts) decode ``--max-tokens`` tokens each:
 - **mlx-lm BatchGenerator**: plain batched decoding of the same N prompts (what
   ``mlx_lm.server`` runs), no drafter.
 
-Aggregate tokens/s of each (all tokens over the wall time, prefill included), the ratios
-in the same run, and whether every batched sequence equals its solo greedy run.
+Aggregate tokens/s of each (all tokens over the wall time, prefill included), after
+``--warmup`` untimed rounds of each per batch size, the ratios in the same run, and
+whether every batched sequence equals its solo greedy run.
 
     python benchmarks/batch_simulated.py --batches 1,2,4,8 --accept 7 --block-size 16 --max-tokens 48
 """
@@ -26,7 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -39,7 +40,6 @@ from dflash_mlx import generate_step  # noqa: E402
 from dflash_mlx.bench.simulate import SimulatedDrafter  # noqa: E402
 from dflash_mlx.decode.batch import BatchDecoder  # noqa: E402
 from dflash_mlx.decode.stopping import StopCondition  # noqa: E402
-from dflash_mlx.protocol import Proposal  # noqa: E402
 
 
 class SimulatedBatchDrafts:
@@ -54,24 +54,23 @@ class SimulatedBatchDrafts:
     def cache(self):
         return self.real.cache
 
-    def join(self, context: mx.array) -> None:
-        self.real.join(context)
-        self.rows.append([self.pending.pop(0), context.shape[1]])
+    def join(self, context: Optional[mx.array], cache=None) -> None:
+        self.real.join(context, cache)
+        self.rows.append([self.pending.pop(0), 0 if context is None else context.shape[1]])
 
     def keep(self, rows) -> None:
         self.real.keep(rows)
         self.rows = [self.rows[i] for i in rows]
 
-    def propose(self, tokens, contexts, block_size: int) -> List[Proposal]:
-        mx.eval([p.tokens for p in self.real.propose(tokens, contexts, block_size)])
+    def draft(self, tokens: mx.array, context: Optional[mx.array], counts: List[int], block_size: int) -> mx.array:
+        mx.eval(self.real.draft(tokens, context, counts, block_size))
         out = []
-        for row, context in zip(self.rows, contexts):
-            row[1] += 0 if context is None else context.shape[1]
+        for row, n in zip(self.rows, counts):
+            row[1] += n
             seq, pos = row
             right = [seq[pos + k] if pos + k < len(seq) else 0 for k in range(1, block_size)]
-            out.append(Proposal(mx.array([t if k < self.accept else (t + 1) % self.vocab
-                                          for k, t in enumerate(right)], dtype=mx.int32)))
-        return out
+            out.append([t if k < self.accept else (t + 1) % self.vocab for k, t in enumerate(right)])
+        return mx.array(out, dtype=mx.int32)
 
 
 def batched(target, drafter, prompts, sequences, args) -> tuple:
@@ -117,6 +116,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds of each per batch size first")
     args = p.parse_args()
     model, target, drafter = random_pair(block_size=args.block_size)
     rng = np.random.default_rng(0)
@@ -131,6 +131,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for n in sizes:
         rows = []
+        for _ in range(args.warmup):  # untimed: compiled shapes and first-use costs, as a running server has paid
+            batched(target, drafter, prompts[:n], sequences[:n], args)
+            one_at_a_time(target, drafter, prompts[:n], sequences[:n], args)
+            mlx_lm_batch(model, prompts[:n], args)
         for _ in range(args.repeats):
             b_s, tokens = batched(target, drafter, prompts[:n], sequences[:n], args)
             rows.append((b_s, one_at_a_time(target, drafter, prompts[:n], sequences[:n], args),
