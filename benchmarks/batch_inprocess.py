@@ -22,7 +22,7 @@ from dflash_mlx.decode.batch_width import BatchWidths
 from dflash_mlx.decode.stopping import StopCondition
 from dflash_mlx.targets.fused import unfused
 
-from batch_serve import PROMPTS  # benchmarks/ is on the path when run as a script
+from story_openings import PROMPTS  # benchmarks/ is on the path when run as a script
 
 
 def decoder(pair, width) -> BatchDecoder:

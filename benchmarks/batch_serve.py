@@ -38,9 +38,7 @@ import httpx
 
 from dflash_mlx.stats import sign_test
 from serve_load import free_port, run_clients  # benchmarks/ is on the path when run as a script
-
-PROMPTS = ["Once upon a time", "One day, a little boy", "The cat sat on", "Lily and Ben went to",
-           "Tom had a big red", "The sun was hot and", "Sara found a shiny", "A little dog named"]
+from story_openings import PROMPTS
 
 
 def server_command(kind: str, args, port: int) -> List[str]:

@@ -28,9 +28,8 @@ from dflash_mlx import load
 from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
+from story_openings import PROMPTS  # benchmarks/ is on the path when run as a script
 
-PROMPTS = ["Once upon a time", "One day, a little boy", "The cat sat on", "Lily and Ben went to",
-           "Tom had a big red", "The sun was hot and", "Sara found a shiny", "A little dog named"]
 
 
 def counting(counts: list):

@@ -38,10 +38,10 @@ from .acceptance import choose_rule, count_accepted
 from .batch_width import BatchWidths
 from .generate import NO_DRAFTER, PrefillStopped, StepResult
 from .stopping import StopCondition
+from ..drafter.batch import pad_contexts
 from ..errors import InputError
 from ..prefix.batch import BatchPrefix, batch_prefix_refusal
 from ..prefix.store import PrefixStore
-from ..drafter.batch import pad_contexts
 from ..protocol import Drafter, Proposal
 from ..stats import GenerationStats
 from ..targets import TargetAdapter
