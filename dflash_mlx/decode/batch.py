@@ -6,8 +6,8 @@ layers too, their window in the mask, see :mod:`dflash_mlx.targets.batch_window`
 keeps its own acceptance length: its own committed tokens, its own rollback
 (:func:`dflash_mlx.targets.batch_cache.rollback_ragged`) and its own drafter context.
 Sequences join between steps (their prompts prefilled alone, one chunk at a time, by
-:class:`Joining`, then merged into the batch) and leave between steps (finished, or
-dropped by the caller: a cancelled request).
+:class:`~dflash_mlx.decode.batch_join.Joining`, then merged into the batch) and leave
+between steps (finished, or dropped by the caller: a cancelled request).
 
 Why not mlx-lm's ``BatchGenerator``: it decodes one token per sequence per step and
 has no drafts, verify or per-sequence rollback; its cache classes are used here.
@@ -34,9 +34,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .acceptance import choose_rule, count_accepted
+from .acceptance import count_accepted
+from .batch_join import Joining, Sampler, context_rows
 from .batch_width import BatchWidths
-from .generate import NO_DRAFTER, PrefillStopped, StepResult
+from .generate import StepResult
 from .stopping import StopCondition
 from ..drafter.batch import pad_contexts
 from ..errors import InputError
@@ -47,10 +48,6 @@ from ..stats import GenerationStats
 from ..targets import TargetAdapter
 from ..targets.batch_cache import compact, extend, keep_rows, rollback_ragged, share_offsets
 
-Sampler = Callable[[mx.array], mx.array]
-BATCHED = "continuous batching verifies chains of the block size (no trees)"
-BATCHED_AUTO = ("continuous batching: auto chooses a plain step or one chain width per step for the whole batch "
-                "(no trees)")
 
 
 @dataclass
@@ -83,119 +80,6 @@ class BatchSequence:
         """Seed the PRNG for this sequence's next draws (seeded sequences only)."""
         if self.seed is not None:
             mx.random.seed((self.seed * 1_000_003 + self.stats.steps * 2 + phase) % 2**32)
-
-
-class Joining:
-    """A sequence being prefilled before it joins the batch, one chunk per :meth:`advance`.
-
-    Args:
-        decoder: the batch it will join.
-        key: the caller's handle.
-        prompt: [P] int32 ids, P >= 1.
-        sampler: its sampler (greedy when None).
-        stop: its stop condition.
-        step_size: prompt tokens per prefill chunk (the longest stall it causes the batch).
-        should_stop: checked before each chunk; True raises :class:`PrefillStopped`.
-        seed: see :class:`BatchSequence`.
-
-    Attributes:
-        reused: prompt tokens found in the prompt cache (not prefilled); set by the first
-            :meth:`advance`.
-        source: where they came from (``"memory"``, ``"disk"``) or None.
-        cache: the target's solo caches while prefilling (None once done: the batch
-            holds a copy).
-        draft_cache: the drafter's solo context caches while prefilling, when the
-            prompt cache is used (restored, or fresh), else None.
-    """
-
-    def __init__(self, decoder: "BatchDecoder", key: Any, prompt: mx.array, sampler: Optional[Sampler],
-                 stop: StopCondition, step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
-                 seed: Optional[int] = None):
-        self.decoder, self.key, self.stop, self.seed = decoder, key, stop, seed
-        self.rule = choose_rule(decoder.drafter, sampler)
-        self.prompt, self.rest, self.step_size, self.should_stop = prompt, prompt, max(1, step_size), should_stop
-        self.cache = decoder.target.make_cache(decoder.width)
-        self.draft_cache: Optional[List[Any]] = None
-        self.reused, self.source, self._looked_up = 0, None, decoder.prefix is None
-        self._stops: List[int] = []  # prompt rows where states are stored (caches that cannot go back)
-        self.features: List[mx.array] = []
-        self.stats = GenerationStats(block_size=decoder.width, prompt_tokens=int(prompt.size),
-                                     speculative=decoder.drafter is not None,
-                                     drafter_format=getattr(decoder.drafter, "drafter_format", None))
-        if decoder.drafter is not None:
-            auto = decoder.widths is not None and seed is None
-            self.stats.verify = {"block_size": "auto" if auto else decoder.width, "tree_budget": None,
-                                 "reason": BATCHED_AUTO if auto else BATCHED}
-        else:
-            self.stats.reason = NO_DRAFTER
-
-    def advance(self) -> Optional[StepResult]:
-        """Prefill one chunk. When the prompt is done: sample the first token, join the
-        batch and return its :class:`StepResult` (its ``finish_reason`` may be set: then
-        it does not join). Returns None while chunks remain.
-
-        Raises:
-            PrefillStopped: ``should_stop()`` was true.
-        """
-        if self.should_stop is not None and self.should_stop():
-            raise PrefillStopped()
-        if not self._looked_up:
-            self._resume()
-        target, capture = self.decoder.target, self.decoder.capture
-        done = int(self.prompt.size - self.rest.size)
-        n = min(self.step_size, int(self.rest.size))
-        if self._stops:
-            n = min(n, self._stops[0] - done)  # chunks end at the boundaries
-        last = n == self.rest.size
-        chunk = self.rest[:n]
-        h, f = target(chunk[None], self.cache, capture)
-        self.rest = self.rest[n:]
-        if f is not None:
-            self.features.append(f)
-        if not last:
-            mx.eval([c.state for c in self.cache], self.features)
-            if self._stops and self._stops[0] == done + n:
-                self._keep_state(self._stops.pop(0))
-            return None
-        if self.seed is not None:
-            mx.random.seed(self.seed)
-        t = self.rule.choose(target.lm_head(h[:, -1]))
-        mx.eval(t)
-        tokens, finish = self.stop.cut(t.tolist())
-        context = [_rows(self.features)] if self.features else []  # empty without a drafter
-        if finish is None:
-            self.decoder.add(self, t, context)
-        if self.decoder.prefix is not None and not self.decoder.prefix.at_boundaries:
-            self._keep(context, joined=finish is None)
-        self.cache, self.draft_cache, self.features = None, None, []  # the batch holds copies: free these
-        return StepResult(tokens, None, finish)
-
-    def _resume(self) -> None:
-        """Restore the longest stored prefix of the prompt into fresh solo caches (trimmed
-        to the matched rows); only the rest is prefilled."""
-        self._looked_up = True
-        found = self.decoder.prefix.resume(self.prompt.tolist())
-        self.cache, self.draft_cache = found.cache, found.draft_cache
-        self.reused, self.source = found.rows, found.level
-        self.rest = self.prompt[found.rows:]
-        self.stats.prompt_tokens = int(self.rest.size)
-        self._stops = self.decoder.prefix.stops(found.rows, int(self.prompt.size), self.step_size)
-
-    def _keep_state(self, rows: int) -> None:
-        """Store both caches at a boundary of ``rows`` prompt rows (caches that cannot go
-        back): the drafter's cache ingests the context rows so far first."""
-        if self.draft_cache is not None and self.features:
-            self.decoder.drafter.ingest(_rows(self.features), self.draft_cache)
-            self.features = []
-        self.decoder.prefix.keep(self.prompt[:rows].tolist(), self.cache, self.draft_cache)
-
-    def _keep(self, context: List[mx.array], joined: bool) -> None:
-        """Store the prompt's entry from the solo caches (both hold every prompt row: the
-        batched drafter ingested the new rows into ``draft_cache`` when it joined, and
-        joining copies the solo caches, leaving them as they were)."""
-        if not joined and self.draft_cache is not None and context:
-            self.decoder.drafter.ingest(context[0], self.draft_cache)
-        self.decoder.prefix.keep(self.prompt.tolist(), self.cache, self.draft_cache)
 
 
 class BatchDecoder:
@@ -262,7 +146,7 @@ class BatchDecoder:
         if self.drafter is not None:
             joining.stats.acceptance_rule = joining.rule.name
         if self.drafts is not None:  # the prompt's context rows go to the batched drafter cache now
-            self.drafts.join(_rows(pending) if pending else None, joining.draft_cache)
+            self.drafts.join(context_rows(pending) if pending else None, joining.draft_cache)
             pending = []
         self.cache = extend(self.cache, joining.cache)
         self._context = None
@@ -361,7 +245,7 @@ class BatchDecoder:
                 context, rows = self._context
                 context = context[:, : max(rows)]
             else:
-                contexts = [_rows(s.pending) if s.pending else None for s in self.sequences]
+                contexts = [context_rows(s.pending) if s.pending else None for s in self.sequences]
                 rows = [0 if c is None else c.shape[1] for c in contexts]
                 context = pad_contexts(contexts, rows)
             for s in self.sequences:
@@ -371,7 +255,7 @@ class BatchDecoder:
         proposals = []
         for s in self.sequences:
             s.reseed(0)
-            context = _rows(s.pending) if s.pending else None
+            context = context_rows(s.pending) if s.pending else None
             s.pending = []
             proposals.append(s.rule.propose(self.drafter, s.token, context, s.draft_cache, width))
         return mx.stack([p.tokens for p in proposals]), proposals
@@ -416,8 +300,3 @@ class BatchDecoder:
                 done.append(s.key)
         self.remove(done)
         return results
-
-
-def _rows(pending: List[mx.array]) -> Optional[mx.array]:
-    """The pending context rows as one [1, S, F] array."""
-    return pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)

@@ -9,5 +9,5 @@ disk, so a later prompt sharing those tokens prefills only the rest (issue 22).
 - ``batch.py``: lookup, restore and store for the requests of a batch (``serve --max-batch N``).
 
 :class:`dflash_mlx.chat.prompt_cache.PairCache` uses them (chat, serve, generate), and
-:class:`dflash_mlx.decode.batch.Joining` (continuous batching) through ``batch.py``.
+:class:`dflash_mlx.decode.batch_join.Joining` (continuous batching) through ``batch.py``.
 """

@@ -1,6 +1,6 @@
 """The prompt cache for requests of a batch (continuous batching, ``dflash serve --max-batch N``).
 
-A request of a batch is prefilled alone (:class:`dflash_mlx.decode.batch.Joining`)
+A request of a batch is prefilled alone (:class:`dflash_mlx.decode.batch_join.Joining`)
 before it joins the batch. With a store, it first looks up the longest stored prefix of
 its prompt (all but its last token, as :class:`~dflash_mlx.chat.prompt_cache.PairCache`
 does), restores the target cache and the drafter's context cache from that entry into
