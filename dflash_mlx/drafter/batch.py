@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -228,22 +228,24 @@ class _BatchKernels:
         self.post = mx.compile(partial(_post, layer), inputs=layer.state)
 
 
-def _block_pre(layer: Any, h: mx.array, start: mx.array):
-    """Block queries [N, n_heads, B, hd] and keys, values [N, n_kv, B, hd], RoPE at ``start`` [N]."""
+def _block_project(layer: Any, h: mx.array, rope: Callable[[mx.array], mx.array]):
+    """Block queries [N, n_heads, B, hd] and keys, values [N, n_kv, B, hd], ``rope``
+    applied to the queries and keys."""
     attn = layer.self_attn
     x = layer.input_layernorm(h)
-    queries = attn.rope(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)), offset=start)
+    queries = rope(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)))
     keys, values = attn._keys_values(x)
-    return queries, attn.rope(keys, offset=start), values
+    return queries, rope(keys), values
+
+
+def _block_pre(layer: Any, h: mx.array, start: mx.array):
+    """:func:`_block_project` with the layer's RoPE at ``start`` [N]."""
+    return _block_project(layer, h, lambda x: layer.self_attn.rope(x, offset=start))
 
 
 def _block_pre_tables(layer: Any, h: mx.array, cos: mx.array, sin: mx.array):
-    """:func:`_block_pre` with RoPE by the block positions' tables ([N, 1, B, dims]): the same bits."""
-    attn = layer.self_attn
-    x = layer.input_layernorm(h)
-    queries = rotate(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)), cos, sin, attn.rope.traditional)
-    keys, values = attn._keys_values(x)
-    return queries, rotate(keys, cos, sin, attn.rope.traditional), values
+    """:func:`_block_project` with RoPE by the block positions' tables ([N, 1, B, dims]): the same bits."""
+    return _block_project(layer, h, lambda x: rotate(x, cos, sin, layer.self_attn.rope.traditional))
 
 
 def _post(layer: Any, h: mx.array, out: mx.array) -> mx.array:
