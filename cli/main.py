@@ -17,6 +17,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch w
 def main(args: Optional[List[str]] = None) -> None:
     """Run ``dflash`` with ``args`` (default: ``sys.argv[1:]``) and exit with its code."""
     try:
+        keep_interrupts()
         from .stdio import protect
 
         protect()  # closed stdin/stdout: /dev/null on the descriptor, a named error on use
@@ -25,6 +26,31 @@ def main(args: Optional[List[str]] = None) -> None:
     except KeyboardInterrupt:  # before the app runs (typer turns later ones into Exit(130))
         code = 130
     sys.exit(code)
+
+
+def keep_interrupts() -> None:
+    """Make a Ctrl-C that lands inside a finalizer (a ``__del__``, such as the regex
+    module's during imports) act as one anywhere else. Python cannot raise from a
+    finalizer: it would print "Exception ignored in ..." with a KeyboardInterrupt
+    traceback and carry on as if no key was pressed. The hook delivers the interrupt
+    again to the main thread, where it exits with 130 quietly; other unraisable errors
+    go to the default hook. Delivered from a timer thread 10 ms on: from the hook itself
+    it would be raised inside the finalizer again (if it lands in another one, the hook
+    runs again)."""
+    import _thread
+    import threading
+
+    default = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            timer = threading.Timer(0.01, _thread.interrupt_main)
+            timer.daemon = True
+            timer.start()
+        else:
+            default(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _run(args: Optional[List[str]]) -> int:

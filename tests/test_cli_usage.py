@@ -115,6 +115,32 @@ def test_ctrl_c_at_any_time_exits_130_without_a_traceback(stories, delay):
     assert out == "" or out.endswith("\n")
 
 
+def test_an_interrupt_inside_a_finalizer_is_delivered_again_quietly():
+    """A Ctrl-C raised inside a ``__del__`` (where the 1.5 s case above once landed, in the
+    regex module during imports) reaches the main thread as a KeyboardInterrupt, with no
+    "Exception ignored" traceback; without the hook it is printed and lost."""
+    code = """
+import sys, time
+from dflash_mlx.cli.main import keep_interrupts
+if sys.argv[1] == "hook":
+    keep_interrupts()
+class Dies:
+    def __del__(self):
+        raise KeyboardInterrupt
+try:
+    Dies()
+    for _ in range(200):
+        time.sleep(0.005)
+    print("lost")
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+    for mode, want in (("hook", "interrupted"), ("none", "lost")):
+        p = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=60)
+        assert p.stdout.strip() == want, (mode, p.stdout, p.stderr)
+        assert ("Exception ignored" in p.stderr) == (mode == "none"), p.stderr
+
+
 @needs_shared
 def test_interrupted_generate_ends_its_line(stories, capsys, monkeypatch):
     import dflash_mlx
