@@ -31,7 +31,6 @@ from dflash_mlx.decode.stopping import StopCondition
 from story_openings import PROMPTS  # benchmarks/ is on the path when run as a script
 
 
-
 def counting(counts: list):
     """A stand-in for ``mlx.core`` whose ``eval`` first counts the ops it will run."""
     def eval_counted(*args):

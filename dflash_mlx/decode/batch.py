@@ -49,7 +49,6 @@ from ..targets import TargetAdapter
 from ..targets.batch_cache import compact, extend, keep_rows, rollback_ragged, share_offsets
 
 
-
 @dataclass
 class BatchSequence:
     """One sequence of the batch.
@@ -60,7 +59,9 @@ class BatchSequence:
         stop: its stop condition (stop tokens, strings, max tokens).
         stats: its statistics (steps, acceptance histogram, tau).
         token: [1] int32, its last committed token (not in the target cache yet).
-        pending: context rows [1, S, F] the drafter has not seen yet.
+        pending: context rows [1, S, F] the drafter has not seen yet (the last
+            verify's rows stay in the decoder's one array until a join, a leave or a
+            plain step moves them here: :meth:`BatchDecoder._spill`).
         draft_cache: its drafter's context cache (None without a drafter).
         seed: its PRNG seed at T > 0, or None: each of its steps then draws from a
             PRNG state seeded by (seed, step), whatever else the batch holds, so the
@@ -110,8 +111,8 @@ class BatchDecoder:
         self.capture = drafter.target_layer_ids if drafter is not None else None
         self.sequences: List[BatchSequence] = []
         self.cache = None
-        # (features [N, B, F], rows [N]) of the last verify while they are every
-        # sequence's pending rows (no join, leave or plain step since): one slice for the drafter.
+        # (features [N, B, F], rows [N]): the last verify's context rows, sequence i's first
+        # rows[i], not yet in any sequence's pending rows (one slice for the drafter).
         self._context: Optional[Tuple[mx.array, List[int]]] = None
         # One drafter pass for the batch where the drafter has one; else per sequence.
         self.drafts = drafter.batch_drafts() if hasattr(drafter, "batch_drafts") else None
@@ -148,8 +149,8 @@ class BatchDecoder:
         if self.drafts is not None:  # the prompt's context rows go to the batched drafter cache now
             self.drafts.join(context_rows(pending) if pending else None, joining.draft_cache)
             pending = []
+        self._spill()
         self.cache = extend(self.cache, joining.cache)
-        self._context = None
         self.sequences.append(BatchSequence(joining.key, joining.rule, joining.stop, joining.stats, token,
                                             pending, draft_cache, joining.seed))
 
@@ -159,9 +160,9 @@ class BatchDecoder:
         rows = [i for i, s in enumerate(self.sequences) if id(s.key) not in gone]
         if len(rows) == len(self.sequences):
             return
+        self._spill()
         self.sequences = [self.sequences[i] for i in rows]
         self.cache = keep_rows(self.cache, rows)
-        self._context = None
         if self.drafts is not None:
             self.drafts.keep(rows)
 
@@ -192,10 +193,9 @@ class BatchDecoder:
         for i, (s, (a, out)) in enumerate(zip(self.sequences, decided)):
             rejected.append(w - 1 - a)
             s.stats.record_plan("chain", w, seconds, a, w - 1)
-            s.pending = [features[i : i + 1, : a + 1]]
             s.token = mx.array(out[a : a + 1], dtype=mx.int32)
             results.append(StepResult(out[: a + 1], a, None))
-        self._context = (features, [r.accepted + 1 for r in results])  # every pending row, as one array
+        self._context = (features, [r.accepted + 1 for r in results])
         rollback_ragged(self.cache, rejected)
         compact(self.cache)
         if self.drafts is not None:
@@ -239,9 +239,9 @@ class BatchDecoder:
         """Drafts [N, width-1] of every sequence (lazy) from ``tokens`` [N] (``t_last``),
         and the per-sequence proposals (None from a batched pass: drafts alone). One
         batched pass when the drafter has one, its new context rows as one array: the
-        last verify's features, when they are every sequence's pending rows."""
+        last verify's features as they are, when no sequence has other pending rows."""
         if self.drafts is not None:
-            if self._context is not None:
+            if self._context is not None:  # then every pending list is empty (see _spill)
                 context, rows = self._context
                 context = context[:, : max(rows)]
             else:
@@ -252,6 +252,7 @@ class BatchDecoder:
                 s.pending = []
             self._context = None
             return self.drafts.draft(tokens, context, rows, width), None
+        self._spill()
         proposals = []
         for s in self.sequences:
             s.reseed(0)
@@ -260,12 +261,21 @@ class BatchDecoder:
             proposals.append(s.rule.propose(self.drafter, s.token, context, s.draft_cache, width))
         return mx.stack([p.tokens for p in proposals]), proposals
 
+    def _spill(self) -> None:
+        """Move the last verify's context rows into each sequence's pending rows (before
+        the sequences change, or other rows are added after them)."""
+        if self._context is not None:
+            features, rows = self._context
+            for i, (s, n) in enumerate(zip(self.sequences, rows)):
+                s.pending.append(features[i : i + 1, :n])
+            self._context = None
+
     def _plain_step(self, started: Optional[float] = None) -> List[StepResult]:
         """Plain decoding: one token per sequence, one target forward for all. With a
         drafter (auto chose width 1; ``started`` is its clock reading) each sequence's
         context row is kept for its next draft."""
         tic = time.perf_counter()  # for the statistics only
-        self._context = None  # the rows pending are now more than one verify's
+        self._spill()  # a plain step's row joins each sequence's pending rows
         inputs = mx.stack([s.token for s in self.sequences])
         share_offsets(self.cache)
         h, features = self.target(inputs, self.cache, self.capture)
