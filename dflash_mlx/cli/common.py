@@ -375,7 +375,7 @@ def guard(fn):
     A closed output pipe (``dflash generate ... | head``) stops the work quietly with
     exit code 141 (128 + SIGPIPE), the status ``yes | head`` gives ``yes``. A closed
     stdin or stdout, or one that cannot be written, is a one-line error
-    (``cli/stdio.py``); so is a file system error on a named path.
+    (``dflash_mlx/cli/stdio.py``); so is a file system error on a named path.
     """
     try:
         result = fn()

@@ -87,7 +87,7 @@ def _run(args: Optional[List[str]]) -> int:
 
 def _warn_conflicts() -> None:
     """One line on stderr when another installed distribution also provides the
-    ``dflash`` command or the ``dflash_mlx`` package (``cli/conflicts.py``)."""
+    ``dflash`` command or the ``dflash_mlx`` package (``dflash_mlx/cli/conflicts.py``)."""
     from .conflicts import conflicts, warning
 
     line = warning(conflicts())

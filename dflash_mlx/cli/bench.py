@@ -178,7 +178,7 @@ def parse_simulate_acceptance(value: Optional[str]):
 
 def _agent(model, draft_model, verify, traces, max_tokens, block_size, extra, prefill_step_size, out,
            overwrite) -> None:
-    """``--agent-trace``: the prompt-cache benchmark (cli/bench_agent.py) instead of the prompt sets."""
+    """``--agent-trace``: the prompt-cache benchmark (dflash_mlx/cli/bench_agent.py) instead of the prompt sets."""
     from dflash_mlx import InputError
 
     from .bench_agent import run_agent_traces
