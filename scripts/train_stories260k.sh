@@ -34,9 +34,9 @@ dflash data --model "$OUT/target" --self-prompts 2000 --self-prompt-tokens 96 --
 # Two layers: in trials a second layer raised tau from 2.07 to 2.28 at a cost (0.55 ms per
 # draft) far below a 16-token verify of the target on a CPU (about 5 ms). Block sizes 4, 8
 # and 16 in one run, so the drafter also drafts at 4 and 8. No distillation: without it a
-# step costs about 60% of the time and tau comes out slightly higher (docs/benchmarks.md, issue 24).
+# step costs about 60% of the time and tau comes out slightly higher (docs/benchmarks.md, "What else was tried").
 # Half the anchors where generation starts a block (after a miss): +0.1 tau as generated on
-# held-out sequences at no measurable cost per step; three times the data did not (issue 24).
+# held-out sequences at no measurable cost per step; three times the data did not (same section).
 dflash train --model "$OUT/target" --data "$OUT/data-prefix" --data "$OUT/data-openings" --out "$OUT/drafter" \
     --layers 2 --block-size 16 --block-sizes 4,8,16 --target-layer-ids 1,2,3,4 --intermediate-size 256 \
     --steps "$STEPS" --anchors 64 --miss-anchors 0.5 --grad-accum 2 --lr 3e-3 --warmup 0.02 \

@@ -9,7 +9,7 @@
 // (a watchdog reports a deadlock). This is stricter than a GPU, where a simd function in
 // divergent code reduces over the active lanes only.
 //
-// Not faithful, by design (see README "Block attention kernel"):
+// Not faithful, by design (see docs/architecture.md, "The block attention kernel"):
 // - simd_sum adds in a fixed pairwise order; the GPU's order is unspecified, so results agree
 //   to rounding, not bit for bit. metal::exp is std::exp (not Metal's exp).
 // - `threadgroup` variables become function statics shared by the running threadgroup; the
