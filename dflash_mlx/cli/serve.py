@@ -20,6 +20,10 @@ MAX_BATCH_HELP = ("Requests decoding together (continuous batching); 1: one at a
                   + BATCH_PROMPT_CACHE)
 MAX_BATCH = 256  # a batch's cache grows with it: a typo (8000) should not take the memory
 MAX_CONNECTIONS = 128  # well under macOS's default of 256 open files per process
+IDLE_TIMEOUT_HELP = ("Seconds a connection may idle between requests (uvicorn's keep-alive timeout), its request "
+                     "headers may take to arrive in full, and a request body may stall between chunks (then 408).")
+MAX_CONNECTIONS_HELP = ("Open connections at once; a request past it gets a 503 (keeps the server within its "
+                        "file descriptors).")
 
 
 def serve(
@@ -54,13 +58,8 @@ def serve(
     request_timeout: float = typer.Option(
         600.0, "--request-timeout", help="Seconds from a request's arrival (queue wait included) after which "
         "its generation stops and it gets a 408; 0: no limit."),
-    idle_timeout: float = typer.Option(
-        5.0, "--idle-timeout", help="Seconds a connection may idle between requests (uvicorn's keep-alive "
-        "timeout), its request headers may take to arrive in full, and a request body may stall between "
-        "chunks (then 408)."),
-    max_connections: int = typer.Option(
-        MAX_CONNECTIONS, "--max-connections", help="Open connections at once; a request past it gets a 503 "
-        "(keeps the server within its file descriptors)."),
+    idle_timeout: float = typer.Option(5.0, "--idle-timeout", help=IDLE_TIMEOUT_HELP),
+    max_connections: int = typer.Option(MAX_CONNECTIONS, "--max-connections", help=MAX_CONNECTIONS_HELP),
     prefill_step_size: Optional[int] = prefill_step_option(),
     prompt_cache_dir: Optional[str] = prompt_cache_dir_option(),
     no_prompt_cache: bool = no_prompt_cache_option(),
@@ -88,9 +87,9 @@ def serve(
     guard(lambda: _run(**args))
 
 
+# Over 60 lines: every serve flag is checked here, in order, before the model loads
 def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, api_key, max_queue, max_batch,
-         max_body_mb,
-         chat_template_config, allow_request_templates, max_prompt_chars, request_timeout, idle_timeout,
+         max_body_mb, chat_template_config, allow_request_templates, max_prompt_chars, request_timeout, idle_timeout,
          max_connections, prefill_step_size, prompt_cache_dir, no_prompt_cache, prompt_cache_gb, log_level) -> None:
     from dflash_mlx.errors import InputError
 
