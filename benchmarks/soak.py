@@ -23,7 +23,7 @@ from ``../shared/models/stories260K`` as the tests do (or ``--model``) and the d
    and the end, faults injected, prompt-cache warnings in the server's log. Exit 1 when
    any 5xx, any valid reply differs or fails, or a hostile request got an unexpected status.
 
-    python benchmarks/soak.py --draft-model PATH [--minutes 30] [--model FOLDER]
+    python benchmarks/soak.py --draft-model PATH [--minutes 30] [--model FOLDER] [--log serve.log]
 """
 
 from __future__ import annotations
@@ -262,6 +262,16 @@ def client_loop(seed: int, port: int, model: str, refs: dict, until: float, out:
                         out["unexpected"].append({"kind": kind, "status": status})
 
 
+def first_traceback(log: str) -> str:
+    """The first traceback of the server's log with the line before it, or ""."""
+    lines = log.splitlines()
+    at = next((i for i, line in enumerate(lines) if line.startswith("Traceback")), None)
+    if at is None:
+        return ""
+    end = next((j for j in range(at + 1, len(lines)) if lines[j] and not lines[j][0].isspace()), len(lines) - 1)
+    return "\n".join(lines[max(0, at - 1) : end + 1])
+
+
 def soak(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="dflash-soak-"))
     try:
@@ -298,6 +308,8 @@ def soak(args) -> dict:
                 proc.kill()
                 proc.wait()
         text = log.read_text()
+        if args.log:
+            shutil.copy(log, args.log)
         statuses = out["statuses"]
         fives = sum(n for k, n in statuses.items() if k.split(":")[-1].isdigit() and k.split(":")[-1][0] == "5")
         return {
@@ -310,6 +322,7 @@ def soak(args) -> dict:
             "faults_injected": faults.count,
             "prompt_cache_warnings": text.count("prompt cache"),
             "tracebacks_in_log": text.count("Traceback"),
+            "first_traceback": first_traceback(text),
             "rss_mb_start": round(rss_start, 1), "rss_mb_end": round(rss_end, 1),
             "health_after": health,
             "examples": {"differ": out["differ"][:5], "unexpected": out["unexpected"][:5]},
@@ -326,6 +339,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--fault-every", type=float, default=20.0, help="seconds between two breaks of the cache folder")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log", help="copy the server's log here")
     args = ap.parse_args()
     report = soak(args)
     print(json.dumps(report, indent=1))

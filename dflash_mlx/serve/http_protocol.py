@@ -129,8 +129,12 @@ class GuardedH11Protocol(H11Protocol):
         self._answered = True
         self._disarm()
         self.flow.resume_reading()
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
+        try:
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+        except OSError:  # the client is gone already
+            self.transport.close()
+            return
         self.loop.call_later(LINGER_S, self.transport.close)
 
 
