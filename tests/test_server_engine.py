@@ -12,6 +12,7 @@ from dflash_mlx.serve.app import APIError, chat_prompt_ids
 from dflash_mlx.serve.api import ChatCompletionRequest, usage
 from dflash_mlx.serve.engine import Engine, GenerationJob, QueueFullError
 from dflash_mlx.serve.metrics import ServerMetrics
+from dflash_mlx.serve.tools import check_tool_support
 import conftest
 from conftest import tiny_drafter, tiny_target
 
@@ -122,8 +123,9 @@ def test_chat_template_errors_are_400():
     assert e.value.status == 400 and e.value.param == "messages" and "no such role" in e.value.message
     tools = ChatCompletionRequest.model_validate({"model": "m", "tools": [{"type": "function", "function": {"name": "f"}}],
                                                   "messages": [{"role": "user", "content": "a"}]})
-    with pytest.raises(APIError, match="no chat template"):
-        chat_prompt_ids(ByteTokenizer(template=False), tools, {})
+    with pytest.raises(APIError, match="no chat template") as e:  # checked before the request is queued
+        check_tool_support(ByteTokenizer(template=False), bool(tools.tools), tools.tool_choice, set())
+    assert e.value.param == "tools"
 
 
 def test_usage_counts_and_dflash_stats():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import select
 import socket
 import threading
 import time
@@ -26,6 +27,7 @@ from dflash_mlx.serve import engine as server_engine
 from dflash_mlx.sampling import MIN_TEMP, Sampling
 from dflash_mlx.serve.app import ServerConfig, create_app
 from dflash_mlx.serve.guard import CHARS_PER_TOKEN
+from dflash_mlx.serve.http_protocol import uvicorn_options
 
 openai = pytest.importorskip("openai")
 
@@ -201,7 +203,7 @@ def test_request_timeout_is_408(pair):
     with make_client(pair, request_timeout=0.0) as c:
         err = check_error(c.post("/v1/completions", json={"model": MODEL, "prompt": "a"}), 408, None,
                           "--request-timeout")
-        assert err["code"] == "request_timeout"
+        assert err["code"] == "request_timeout" and err["type"] == "timeout"
         metrics = c.get("/metrics").text
     assert 'dflash_requests_total{endpoint="completions",outcome="timeout"} 1.0' in metrics
     assert 'outcome="invalid"' not in metrics  # counted once, as a timeout
@@ -303,7 +305,7 @@ def test_stalled_body_is_408():
         reply = read_reply(sock)
         sock.close()
     assert reply.startswith("HTTP/1.1 408"), reply
-    assert "--idle-timeout" in reply
+    assert "--idle-timeout" in reply and '"type": "timeout"' in reply.replace('":"', '": "')
 
 
 def test_openai_client_gets_400_for_a_request_template(pair):
@@ -386,10 +388,132 @@ def test_request_timeout_mid_generation(monkeypatch, streaming):
         assert r.status_code == 200
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         assert events[-1]["error"]["code"] == "request_timeout"  # then [DONE], as after any error event
+        assert events[-1]["error"]["type"] == "timeout"
         assert not any(e.get("choices") and e["choices"][0]["finish_reason"] for e in events)
     else:
-        assert check_error(r, 408, None, "--request-timeout")["code"] == "request_timeout"
+        err = check_error(r, 408, None, "--request-timeout")
+        assert err["code"] == "request_timeout" and err["type"] == "timeout"
     assert 'dflash_requests_total{endpoint="completions",outcome="timeout"} 1.0' in metrics
     generated = float(next(l.split()[-1] for l in metrics.splitlines()
                            if l.startswith("dflash_generation_tokens_total")))
     assert 0 < generated < 300
+
+
+# -- HTTP limits of a server facing the network (a live server, real sockets) -------------
+
+
+def closed_or_reply(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+def test_headers_that_never_come_are_timed_out(pair):
+    """A connection that sends nothing, and one that trickles its headers a byte at a time
+    (each byte well within the timeout, so uvicorn's keep-alive would never fire), are
+    closed after --idle-timeout; the trickling one gets a 408 typed timeout. The header
+    is long enough that sending it all would take minutes."""
+    app = create_app(pair, ServerConfig(model_id=MODEL, idle_timeout=0.5))
+    with live(app, **uvicorn_options(0.5, 64)) as port:
+        silent = socket.create_connection(("127.0.0.1", port), timeout=60)
+        assert closed_or_reply(silent) == b""
+        silent.close()
+        slow = socket.create_connection(("127.0.0.1", port), timeout=60)
+        head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 2000 + b"\r\n\r\n"
+        sent = 0
+        for byte in head:
+            try:
+                slow.sendall(bytes([byte]))
+            except OSError:  # closed by the server
+                break
+            sent += 1
+            if select.select([slow], [], [], 0.1)[0]:
+                break
+        reply = closed_or_reply(slow).decode()
+        slow.close()
+        assert sent < len(head), "the server waited for the whole trickled header"
+        assert reply.startswith("HTTP/1.1 408"), reply
+        body = json.loads(reply.partition("\r\n\r\n")[2])
+        assert body["error"]["type"] == "timeout" and "--idle-timeout" in body["error"]["message"]
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+
+
+def test_oversized_headers_are_431(pair):
+    """200 KB of headers: a 431 as OpenAI's JSON error, read by the client (no reset)."""
+    app = create_app(pair, ServerConfig(model_id=MODEL))
+    with live(app, **uvicorn_options(5.0, 64)) as port:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n")
+        reply = closed_or_reply(sock).decode()
+        sock.close()
+        assert reply.startswith("HTTP/1.1 431"), reply
+        err = json.loads(reply.partition("\r\n\r\n")[2])["error"]
+        assert err["code"] == "request_header_fields_too_large" and "headers are larger" in err["message"]
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+
+
+def test_connections_past_the_limit_get_503(pair):
+    app = create_app(pair, ServerConfig(model_id=MODEL))
+    with live(app, **uvicorn_options(60.0, 3)) as port:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(3)]
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503
+        for s in idle:
+            s.close()
+        for _ in range(600):  # until the server has seen them close (not deciding anything)
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def keyed(pair):
+    """A live server with an API key; yields its URL."""
+    app = create_app(pair, ServerConfig(model_id=MODEL, max_tokens=4, api_key="sekrit"))
+    with live(app, **uvicorn_options(5.0, 64)) as port:
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("header,status", [("Bearer sekrit", 200), ("bearer sekrit", 200), ("BEARER  sekrit", 200),
+                                           ("Basic sekrit", 401), ("Bearer wrong", 401), ("sekrit", 401)])
+def test_auth_scheme_is_case_insensitive(keyed, header, status):
+    r = httpx.get(f"{keyed}/v1/models", headers={"Authorization": header})
+    assert r.status_code == status, r.text
+
+
+def test_tool_message_needs_tool_call_id(keyed):
+    c = openai.OpenAI(base_url=f"{keyed}/v1", api_key="sekrit", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                      "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "content": "20C"}]
+    with pytest.raises(openai.BadRequestError, match="tool_call_id") as e:
+        c.chat.completions.create(model=MODEL, messages=messages)
+    assert e.value.body["param"] == "messages.2.tool_call_id"
+    with pytest.raises(openai.BadRequestError, match="tool_call_id"):
+        c.chat.completions.create(model=MODEL, messages=messages[:2] + [{**messages[2], "tool_call_id": ""}])
+    r = c.chat.completions.create(model=MODEL, messages=messages[:2] + [{**messages[2], "tool_call_id": "c1"}])
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_prompt_plus_max_tokens_past_the_context_is_400(keyed):
+    c = openai.OpenAI(base_url=f"{keyed}/v1", api_key="sekrit", max_retries=0, timeout=60)
+    prompt = list(range(3, 3 + 50))
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt=prompt, max_tokens=20)
+    assert e.value.body["param"] == "max_tokens" and e.value.body["code"] == "context_length_exceeded"
+    assert "the prompt is 50 tokens and max_tokens is 20, past the model's context of 64" in e.value.message
+    with pytest.raises(openai.BadRequestError, match="max_completion_tokens is 20, past"):
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a" * 30}],
+                                  max_completion_tokens=20)
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=14)  # exactly the context
+    assert r.usage.completion_tokens == 14 and r.choices[0].finish_reason == "length"
+    r = c.completions.create(model=MODEL, prompt=list(range(3, 3 + 62)))  # the default is capped: 2 left
+    assert r.usage.completion_tokens == 2

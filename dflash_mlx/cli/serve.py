@@ -19,6 +19,11 @@ BATCH_PROMPT_CACHE = ("Batched requests use it too where the target and drafter 
 MAX_BATCH_HELP = ("Requests decoding together (continuous batching); 1: one at a time, with the prompt cache. "
                   + BATCH_PROMPT_CACHE)
 MAX_BATCH = 256  # a batch's cache grows with it: a typo (8000) should not take the memory
+MAX_CONNECTIONS = 128  # well under macOS's default of 256 open files per process
+IDLE_TIMEOUT_HELP = ("Seconds a connection may idle between requests (uvicorn's keep-alive timeout), its request "
+                     "headers may take to arrive in full, and a request body may stall between chunks (then 408).")
+MAX_CONNECTIONS_HELP = ("Open connections at once; a request past it gets a 503 (keeps the server within its "
+                        "file descriptors).")
 
 
 def serve(
@@ -53,9 +58,8 @@ def serve(
     request_timeout: float = typer.Option(
         600.0, "--request-timeout", help="Seconds from a request's arrival (queue wait included) after which "
         "its generation stops and it gets a 408; 0: no limit."),
-    idle_timeout: float = typer.Option(
-        5.0, "--idle-timeout", help="Seconds a connection may idle between requests (uvicorn's keep-alive "
-        "timeout), and a request body between its chunks (then 408)."),
+    idle_timeout: float = typer.Option(5.0, "--idle-timeout", help=IDLE_TIMEOUT_HELP),
+    max_connections: int = typer.Option(MAX_CONNECTIONS, "--max-connections", help=MAX_CONNECTIONS_HELP),
     prefill_step_size: Optional[int] = prefill_step_option(),
     prompt_cache_dir: Optional[str] = prompt_cache_dir_option(),
     no_prompt_cache: bool = no_prompt_cache_option(),
@@ -83,10 +87,10 @@ def serve(
     guard(lambda: _run(**args))
 
 
+# Over 60 lines: every serve flag is checked here, in order, before the model loads
 def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, api_key, max_queue, max_batch,
-         max_body_mb,
-         chat_template_config, allow_request_templates, max_prompt_chars, request_timeout, idle_timeout,
-         prefill_step_size, prompt_cache_dir, no_prompt_cache, prompt_cache_gb, log_level) -> None:
+         max_body_mb, chat_template_config, allow_request_templates, max_prompt_chars, request_timeout, idle_timeout,
+         max_connections, prefill_step_size, prompt_cache_dir, no_prompt_cache, prompt_cache_gb, log_level) -> None:
     from dflash_mlx.errors import InputError
 
     from .common import parse_template_config
@@ -109,6 +113,8 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
         raise InputError(f"--request-timeout must be >= 0, got {request_timeout}")
     if not idle_timeout > 0:
         raise InputError(f"--idle-timeout must be > 0, got {idle_timeout}")
+    if max_connections < 2:
+        raise InputError(f"--max-connections must be at least 2, got {max_connections}")
     if not 0 <= port <= 65535:
         raise InputError(f"--port must be in 0..65535, got {port}")
     prefill_step_size = resolve_prefill_step(prefill_step_size)
@@ -125,6 +131,7 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     import uvicorn
 
     from dflash_mlx.serve.app import ServerConfig, create_app
+    from dflash_mlx.serve.http_protocol import uvicorn_options
     if draft_model is not None:
         template.setdefault("enable_thinking", False)
 
@@ -142,7 +149,7 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", host)
     drafter = f" + {draft_model}" if draft_model else " (no drafter: plain decoding)"
     log.info("serving %s%s on http://%s:%d", model, drafter, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=idle_timeout)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, **uvicorn_options(idle_timeout, max_connections))
 
 
 def _is_loopback(host: str) -> bool:

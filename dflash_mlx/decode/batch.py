@@ -166,8 +166,36 @@ class BatchDecoder:
         if self.drafts is not None:
             self.drafts.keep(rows)
 
+    def clear(self) -> None:
+        """Drop every sequence (after a failed step: the batch's caches are in no known state)."""
+        self.sequences, self.cache, self._context = [], None, None
+        if self.drafts is not None:
+            self.drafts.keep([])
+
+    def inconsistency(self) -> Optional[str]:
+        """What is wrong with the batch's bookkeeping, or None: every layer cache (the
+        target's and the batched drafter's) must hold one row per sequence, and none
+        while the batch is empty."""
+        caches = {"target": self.cache}
+        if self.drafts is not None:
+            caches["drafter"] = self.drafts.cache
+        for name, cache in caches.items():
+            if cache is None:
+                if self.sequences:
+                    return f"{len(self.sequences)} sequences but no {name} cache"
+                continue
+            rows = {int(c.left_padding.shape[0]) for c in cache if hasattr(c, "left_padding")}
+            if rows and rows != {len(self.sequences)}:
+                return f"the {name} cache holds {sorted(rows)} rows for {len(self.sequences)} sequences"
+        return None
+
     def step(self) -> List[StepResult]:
         """One draft + verify for every active sequence; finished ones leave the batch.
+
+        A failure that belongs to one sequence (its stop condition) ends that sequence
+        only: its result carries the ``error`` and it leaves the batch. A failure of the
+        batched work (drafting, the verify forward) empties the batch (:meth:`clear`)
+        and is raised: every sequence of the batch has then left it.
 
         Returns:
             One :class:`StepResult` per sequence active before the step, in the order
@@ -175,8 +203,15 @@ class BatchDecoder:
         """
         if not self.sequences:
             return []
-        if self.drafter is None:
-            return self._plain_step()
+        try:
+            results = self._plain_step() if self.drafter is None else self._verify_step()
+        except Exception:
+            self.clear()
+            raise
+        return self._settle(results)
+
+    def _verify_step(self) -> List[StepResult]:
+        """The step with a drafter (a plain one where auto chose width 1), unsettled."""
         tic = time.perf_counter()  # for the statistics only
         auto = not self._fixed_width()
         started = self.widths.start() if auto else None
@@ -202,7 +237,7 @@ class BatchDecoder:
             compact(self.drafts.cache)
         if auto:
             self.widths.observe(started, w, [r.accepted for r in results])
-        return self._settle(results)
+        return results
 
     def _fixed_width(self) -> bool:
         """Whether this step verifies B: no auto widths, or a seeded sampled sequence
@@ -271,9 +306,9 @@ class BatchDecoder:
             self._context = None
 
     def _plain_step(self, started: Optional[float] = None) -> List[StepResult]:
-        """Plain decoding: one token per sequence, one target forward for all. With a
-        drafter (auto chose width 1; ``started`` is its clock reading) each sequence's
-        context row is kept for its next draft."""
+        """Plain decoding: one token per sequence, one target forward for all, unsettled.
+        With a drafter (auto chose width 1; ``started`` is its clock reading) each
+        sequence's context row is kept for its next draft."""
         tic = time.perf_counter()  # for the statistics only
         self._spill()  # a plain step's row joins each sequence's pending rows
         inputs = mx.stack([s.token for s in self.sequences])
@@ -299,14 +334,18 @@ class BatchDecoder:
         compact(self.cache)  # sliding-window layers drop rows out of every window
         if started is not None:
             self.widths.observe(started, 1, [0] * len(results))
-        return self._settle(results)
+        return results
 
     def _settle(self, results: List[StepResult]) -> List[StepResult]:
-        """Cut each sequence's tokens at its stops; finished sequences leave."""
+        """Cut each sequence's tokens at its stops; finished sequences, and those whose
+        stop condition failed (``error`` set), leave."""
         done = []
         for s, r in zip(self.sequences, results):
-            r.tokens, r.finish_reason = s.stop.cut(r.tokens)
-            if r.finish_reason is not None:
+            try:
+                r.tokens, r.finish_reason = s.stop.cut(r.tokens)
+            except Exception as e:  # this sequence's fault only: it leaves, the others go on
+                r.tokens, r.error = [], e
+            if r.finish_reason is not None or r.error is not None:
                 done.append(s.key)
         self.remove(done)
         return results

@@ -75,6 +75,10 @@ class Joining:
         batch and return its :class:`StepResult` (its ``finish_reason`` may be set: then
         it does not join). Returns None while chunks remain.
 
+        A prompt-cache write that fails is a warning through the store; the sequence
+        goes on. Anything else raised leaves the batch as it was, unless the sequence
+        had joined it (``decoder.remove([key])`` then takes it out).
+
         Raises:
             PrefillStopped: ``should_stop()`` was true.
         """
@@ -96,7 +100,7 @@ class Joining:
         if not last:
             mx.eval([c.state for c in self.cache], self.features)
             if self._stops and self._stops[0] == done + n:
-                self._keep_state(self._stops.pop(0))
+                self._store(self._keep_state, self._stops.pop(0))
             return None
         if self.seed is not None:
             mx.random.seed(self.seed)
@@ -107,7 +111,7 @@ class Joining:
         if finish is None:
             self.decoder.add(self, t, context)
         if self.decoder.prefix is not None and not self.decoder.prefix.at_boundaries:
-            self._keep(context, joined=finish is None)
+            self._store(self._keep, context, finish is None)
         self.cache, self.draft_cache, self.features = None, None, []  # the batch holds copies: free these
         return StepResult(tokens, None, finish)
 
@@ -121,6 +125,14 @@ class Joining:
         self.rest = self.prompt[found.rows:]
         self.stats.prompt_tokens = int(self.rest.size)
         self._stops = self.decoder.prefix.stops(found.rows, int(self.prompt.size), self.step_size)
+
+    def _store(self, keep: Callable[..., None], *args: Any) -> None:
+        """Run ``keep`` (a prompt-cache write); a failure of any kind is one warning
+        through the store, and the sequence goes on without its entry."""
+        try:
+            keep(*args)
+        except Exception as e:  # a write that fails costs a cache entry, never the request
+            self.decoder.prefix.store.warn(f"prompt cache: an entry was not stored ({type(e).__name__}: {e})")
 
     def _keep_state(self, rows: int) -> None:
         """Store both caches at a boundary of ``rows`` prompt rows (caches that cannot go

@@ -45,11 +45,14 @@ class StepResult:
             token (from prefill) and in plain decoding.
         finish_reason: "stop" (stop token or stop string), "length" (max tokens)
             or None.
+        error: set when this sequence failed (batched decoding: it left the batch,
+            the others go on); None otherwise.
     """
 
     tokens: List[int]
     accepted: Optional[int]
     finish_reason: Optional[str] = None
+    error: Optional[BaseException] = None
 
 
 @dataclass

@@ -32,6 +32,7 @@ from .tool_requests import (
 MAX_STOP = 16  # stop strings per request (OpenAI takes 4)
 MAX_STOP_CHARS = 1000  # characters per stop string (each is matched at every step)
 REQUEST_ERROR = "dflash_request"  # pydantic error type of the checks below; ctx["param"] names the field
+TIMEOUT_TYPE = "timeout"  # the error type of a 408: the request was well formed, time ran out
 
 # OpenAI fields not implemented here, each with the values that mean "not used".
 UNSUPPORTED = {
@@ -189,6 +190,10 @@ class ChatCompletionRequest(GenerationFields):
         for i, m in enumerate(self.messages):
             if m.role == "user" and not m.text():
                 raise request_error(f"messages.{i}.content", "a user message needs text (it is empty)")
+            call_id = (m.model_extra or {}).get("tool_call_id")
+            if m.role == "tool" and not (isinstance(call_id, str) and call_id):
+                raise request_error(f"messages.{i}.tool_call_id", "a tool message needs tool_call_id, a "
+                                    "non-empty string: the id of the assistant's tool call it answers")
             bad = arguments_problem(m.tool_calls or [])
             if bad is not None:
                 raise request_error(f"messages.{i}.{bad[0]}", bad[1])

@@ -32,13 +32,13 @@ from ..errors import DFlashError
 from ..decode.generate import check_block_size
 from ..prompt import encode_messages
 from .api import (
-    ChatCompletionRequest, CompletionRequest, GenerationFields, chat_chunk, chat_completion, error_body,
-    text_completion, usage_chunk,
+    TIMEOUT_TYPE, ChatCompletionRequest, CompletionRequest, GenerationFields, chat_chunk, chat_completion,
+    error_body, text_completion, usage_chunk,
 )
 from .engine import GenerationJob, Job, JobCancelled, QueueFullError, RequestTimeout
 from .guard import (
     APIError, GuardMiddleware, body_timeout, check_prompt_chars, check_template_kwargs, count_chars,
-    prompt_char_cap, too_large, validation_message, watch_disconnect,
+    prompt_char_cap, timed_out, too_large, validation_message, watch_disconnect,
 )
 from .batch_engine import make_engine
 from .metrics import ServerMetrics
@@ -172,8 +172,9 @@ class Server:
     def job(self, req: GenerationFields, ids: List[int], endpoint: str) -> GenerationJob:
         """Check the prompt and ``max_tokens`` against the context; the engine's job.
 
-        ``max_tokens`` is capped to the context left after the prompt (the reply then
-        ends with ``finish_reason`` "length").
+        A ``max_tokens`` the request sets must fit in the context with the prompt (else
+        400 naming both, as OpenAI answers); the server's default (``--max-tokens``) is
+        capped to the context left (the reply then ends with ``finish_reason`` "length").
         """
         limit = self.context
         where = "messages" if endpoint == "chat" else "prompt"
@@ -182,9 +183,11 @@ class Server:
                                 f"{limit} tokens", where, "context_length_exceeded")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         n = req.requested_max_tokens()
+        if n is not None and limit is not None and len(ids) + n > limit:
+            raise APIError(400, f"{param}: the prompt is {len(ids)} tokens and {param} is {n}, past the model's "
+                                f"context of {limit} tokens", param, "context_length_exceeded")
         if n is not None and n > (limit or NO_CONTEXT_LIMIT):
-            what = f"the model's context of {limit}" if limit else f"the {NO_CONTEXT_LIMIT} this server allows"
-            raise APIError(400, f"{param}: {n} is more than {what} tokens", param)
+            raise APIError(400, f"{param}: {n} is more than the {NO_CONTEXT_LIMIT} tokens this server allows", param)
         n = self.config.max_tokens if n is None else n
         if limit is not None:
             n = min(n, limit - len(ids))
@@ -224,7 +227,7 @@ class Server:
             except QueueFullError:
                 raise APIError(503, "the server is shutting down", type_="server_error") from None
             except RequestTimeout as e:
-                raise APIError(408, str(e), code="request_timeout", counted=True) from None
+                raise timed_out(str(e), counted=True) from None
             rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
             split = reply_splitter(self.tokenizer, req, spec.ids) if endpoint == "chat" else None
             if req.stream:  # the watcher stays: starlette may cancel the stream before it starts
@@ -236,7 +239,7 @@ class Server:
             async for c in job:
                 if c.error:
                     if c.status == 408:
-                        raise APIError(408, c.error, code="request_timeout", counted=True)
+                        raise timed_out(c.error, counted=True)
                     raise APIError(500, c.error, type_="server_error", counted=True)
                 text.append(c.text)
                 finish, usage_ = c.finish_reason or finish, c.usage or usage_
@@ -266,7 +269,7 @@ class Server:
             async for c in job:
                 if c.error:
                     yield _sse(error_body(c.error, "server_error") if c.status != 408
-                               else error_body(c.error, code="request_timeout"))
+                               else error_body(c.error, TIMEOUT_TYPE, code="request_timeout"))
                     break
                 delta = split.chunk(c.text, c.finish_reason) if chat else {}
                 if delta or (c.text and not chat):
@@ -299,14 +302,11 @@ def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, defaults: Dict[s
     one the messages' text joined, as ``dflash generate`` and ``chat`` do.
 
     Raises:
-        APIError: 400 when the template cannot render the messages, or ``tools`` come
-            for a model without a template.
+        APIError: 400 when the template cannot render the messages.
     """
     messages = [m.for_template() for m in req.messages]
     template = {**defaults, **(req.chat_template_kwargs or {})}
     if req.tools:
-        if not tokenizer.has_chat_template:
-            raise APIError(400, "tools: this model has no chat template to render them", "tools")
         template["tools"] = req.template_tools()
     try:
         return encode_messages(tokenizer, messages, template)

@@ -99,6 +99,7 @@ class BatchEngine(Engine):
         self._joining: Deque[_Request] = deque()
         self._active: List[_Request] = []
         self._outbox: Optional[List[tuple]] = None  # during a step: (job, chunk) sent together after it
+        self.mismatches = 0  # worker turns that ended with the batch inconsistent (a bug; see inconsistency)
         self._wake = threading.Condition()
         self._worker = threading.Thread(target=self._loop, name="dflash-engine-batch", daemon=True)
         self._worker.start()
@@ -116,7 +117,8 @@ class BatchEngine(Engine):
     # -- the worker ---------------------------------------------------------------
 
     def _loop(self) -> None:
-        """Admit, prefill one chunk, step the batch; until shutdown with nothing left."""
+        """Admit, prefill one chunk, step the batch; until shutdown with nothing left.
+        After every turn the batch is checked (:meth:`inconsistency`)."""
         while True:
             admitted = self._take()
             if admitted is None:
@@ -129,9 +131,27 @@ class BatchEngine(Engine):
                     self._prefill_chunk()
                 if self._active:
                     self._step()
-            except Exception as e:  # a bug: every request in flight gets a 500, the worker goes on
+            except Exception as e:  # a bug here: every request in flight gets a 500, the worker goes on
                 log.exception("batch step failed")
-                self._fail_all(e)
+                self._fail(list(self._joining) + self._active, e)
+            problem = self.inconsistency()
+            if problem is not None:  # a bug: said, counted, and the batch starts afresh
+                self.mismatches += 1
+                log.error("the batch is inconsistent (%s): every request in flight ends with an error", problem)
+                self._fail(list(self._joining) + self._active, RuntimeError(problem))
+                self.decoder.clear()
+
+    def inconsistency(self) -> Optional[str]:
+        """What breaks the batch's bookkeeping, or None: the decoder's sequences must be
+        exactly the engine's decoding requests, in any order (a joining request has no
+        sequence yet), and its caches must hold one row per sequence
+        (:meth:`BatchDecoder.inconsistency`). The worker checks it after every turn;
+        :attr:`mismatches` counts the turns that failed it."""
+        keys = [id(s.key) for s in self.decoder.sequences]
+        active = [id(r.job) for r in self._active]
+        if sorted(keys) != sorted(active):
+            return f"{len(keys)} sequences in the decoder for {len(active)} decoding requests"
+        return self.decoder.inconsistency()
 
     def _take(self) -> Optional[List[Job]]:
         """Wait for work; the jobs to admit now (room permitting), or None at shutdown."""
@@ -157,14 +177,15 @@ class BatchEngine(Engine):
             self.metrics.queue_wait.observe(waited)
         if waited > 0.05:
             log.info("request %s starts after waiting %.2f s", job.id, waited)
-        if job.prepare is not None:
-            try:
+        try:
+            if job.prepare is not None:
                 job.spec = job.prepare()
-            except Exception as e:  # the request's fault (a 400) or a bug: the handler decides
-                job.push(e)
-                return self._release(job)
+            req = self._start(job)
+        except Exception as e:  # the request's fault (a 400) or a bug (a 500, logged): the handler decides
+            job.push(e)
+            return self._release(job)
         job.push(_STARTED)
-        self._joining.append(self._start(job))
+        self._joining.append(req)
 
     def _start(self, job: Job) -> _Request:
         spec, tokenizer = job.spec, self.pair.tokenizer
@@ -202,6 +223,9 @@ class BatchEngine(Engine):
         except PrefillStopped:
             self._joining.popleft()
             return self._stopped(req)
+        except Exception as e:  # this request's prefill or join failed: it alone ends
+            log.exception("request %s: prefill failed", req.job.id)
+            return self._fail([req], e)
         if result is None:
             return
         self._joining.popleft()
@@ -212,12 +236,25 @@ class BatchEngine(Engine):
         self._emit(req, result)
 
     def _step(self) -> None:
+        """One batched step; a request whose part of it fails ends with an error, the
+        others go on (a failed batched forward ends every decoding request)."""
         by_job = {id(r.job): r for r in self._active}
         requests = [by_job[id(s.key)] for s in self.decoder.sequences]
         self._outbox = []
         try:
-            for req, result in zip(requests, self.decoder.step()):
-                self._emit(req, result)
+            try:
+                results = self.decoder.step()
+            except Exception as e:  # the decoder has emptied the batch
+                log.exception("batched step failed: its %d requests end with an error", len(requests))
+                return self._fail(requests, e)
+            for req, result in zip(requests, results):
+                try:
+                    if result.error is not None:
+                        raise result.error
+                    self._emit(req, result)
+                except Exception as e:
+                    log.error("request %s failed in a batched step: %s: %s", req.job.id, type(e).__name__, e)
+                    self._fail([req], e)
         finally:
             outbox, self._outbox = self._outbox, None
             push_together(outbox)
@@ -241,17 +278,25 @@ class BatchEngine(Engine):
             self._count(req.job, stats, "completed", req.joining.reused)
             self._release(req.job)
 
-    def _fail_all(self, error: Exception) -> None:
-        for req in list(self._joining) + self._active:
-            req.job.push(Chunk(error=f"generation failed: {type(error).__name__}: {error}"))
+    def _fail(self, requests: List[_Request], error: BaseException) -> None:
+        """End ``requests`` with an error (a 500, or an error event in a stream): out of
+        the engine's lists and the decoder's batch, counted, released."""
+        for req in requests:
+            if req in self._active:
+                self._active.remove(req)
+            if req in self._joining:
+                self._joining.remove(req)
+        self.decoder.remove([r.job for r in requests])
+        for req in requests:
+            self._send(req.job, Chunk(error=f"generation failed: {type(error).__name__}: {error}"))
             self._count(req.job, None, "error")
             self._release(req.job)
-        self.decoder.remove([r.job for r in self._active])
-        self._joining.clear()
-        self._active.clear()
 
     def _release(self, job: Job) -> None:
+        """The job is done (its end is sent); a second call does nothing."""
         with self._lock:
+            if job not in self._jobs:
+                return
             self._pending -= 1
             self._jobs.discard(job)
         self._gauge()

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .api import REQUEST_ERROR, error_body
+from .api import REQUEST_ERROR, TIMEOUT_TYPE, error_body
 
 # Default prompt cap: this many characters per token of context. Text averages 3 to 5
 # characters per token with current tokenizers, so 8 leaves room; --max-prompt-chars
@@ -68,14 +68,19 @@ def too_large(cap: int) -> APIError:
                     code="request_too_large")
 
 
+def timed_out(message: str, counted: bool = False) -> APIError:
+    """A 408, typed ``timeout`` (the request was well formed; time ran out)."""
+    return APIError(408, message, code="request_timeout", type_=TIMEOUT_TYPE, counted=counted)
+
+
 def body_timeout(seconds: float) -> APIError:
-    return APIError(408, f"the request body stalled for more than {seconds:g} s (--idle-timeout)",
-                    code="request_timeout")
+    return timed_out(f"the request body stalled for more than {seconds:g} s (--idle-timeout)")
 
 
 class GuardMiddleware:
     """Before a request's body is read: refuse it without ``Authorization: Bearer
-    <api_key>`` (when a key is set; ``/health`` stays open; compared in constant time),
+    <api_key>`` (when a key is set; ``/health`` stays open; the scheme in any case, the
+    key compared in constant time),
     or when its declared ``Content-Length`` is past the cap. A body sent without a
     length is counted while it is read, and a body that stalls for more than
     ``idle_timeout`` seconds between chunks is refused with 408. (FastAPI's own
@@ -84,7 +89,7 @@ class GuardMiddleware:
 
     def __init__(self, app, api_key: Optional[str], max_body_bytes: int, idle_timeout: Optional[float] = None):
         self.app, self.max_body_bytes, self.idle_timeout = app, max_body_bytes, idle_timeout
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -119,8 +124,9 @@ class GuardMiddleware:
 
     def _check(self, headers: Headers, path: str) -> Optional[APIError]:
         if self.expected is not None and path != "/health":
-            given = headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected):
+            given = headers.get("authorization", "")
+            scheme, _, key = given.strip().partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.expected):
                 what = "a wrong API key" if given else "no API key"
                 return APIError(401, f"{what}: send the server's --api-key as 'Authorization: Bearer KEY'",
                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -248,9 +248,14 @@ def check_tool_support(tokenizer: Any, tools: bool, choice: Any, warned: set) ->
         warned: what was logged already (a set kept by the server; updated).
 
     Raises:
-        APIError: 400 naming ``tool_choice`` when it asks for a call ("required" or a
-            named function) and the tokenizer has no tool-call format mlx-lm parses.
+        APIError: 400 naming ``tools`` when the model has no chat template (nothing
+            could show it the tools); 400 naming ``tool_choice`` when it asks for a call
+            ("required" or a named function) and the tokenizer has no tool-call format
+            mlx-lm parses.
     """
+    if tools and not getattr(tokenizer, "has_chat_template", False):
+        raise APIError(400, "tools: this model has no chat template, so nothing can show it the tools; send the "
+                            "request without tools", "tools")
     if not tools or choice == "none" or getattr(tokenizer, "has_tool_calling", False):
         return  # "none": no call is wanted, so nothing is missing
     if choice not in (None, "none", "auto"):
