@@ -139,6 +139,9 @@ def staging(out: Path, force: bool = False, flag: str = "--out",
 
     Raises:
         InputError: ``out`` appeared meanwhile and ``force`` is off (names ``flag``).
+        WriteError: a write or the rename failed (an ``OSError`` of any errno; MLX's
+            ``RuntimeError`` where the block writes through :func:`atomic_file`), after
+            the cleanup.
         Terminated: SIGTERM arrived (after the cleanup).
     """
     remove_stale(out, say)
@@ -152,10 +155,12 @@ def staging(out: Path, force: bool = False, flag: str = "--out",
             tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output should not be
             yield tmp
             _replace(tmp, out, force, flag)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if created is not None:
                 shutil.rmtree(created, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise write_error(e, out) from e
             raise
 
 

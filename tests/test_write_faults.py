@@ -35,8 +35,9 @@ def inject(monkeypatch, fault, under: Path):
     """From now on, writes under ``under`` fail with ``fault``."""
     if fault == "mlx RuntimeError":
         def save(path, *a, **k):
-            raise RuntimeError(f"[save_safetensors] Failed to open file {path}")
+            raise RuntimeError(f"[save] Failed to open file {path}")
         monkeypatch.setattr(mx, "save_safetensors", save)
+        monkeypatch.setattr(mx, "savez", save)
         return
     code = getattr(errno, fault)
 
@@ -278,3 +279,52 @@ def test_chat_with_a_session_that_cannot_be_written_runs_every_line(stories, tmp
     assert r.stdout.count("Generation:") == 1 and r.stderr.count(" reused\n") == 2  # every line ran
     assert r.stderr.strip().splitlines()[-1] == f"error: --session {session}: the conversation was not written"
     assert r.returncode == 1
+
+
+# -- train and convert: the write is the job, so a one-line error -------------------
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_checkpoint_that_cannot_be_written_keeps_the_earlier_one(fault, tmp_path, monkeypatch):
+    from dflash_mlx import load_drafter
+    from dflash_mlx.train.trainer import TrainConfig, Trainer, init_drafter
+    from conftest import tiny_training_set
+
+    _, target, seqs = tiny_training_set(4, 24)
+    drafter = init_drafter(target, mask_token_id=0, layers=1, block_size=4, target_layer_ids=[1, 2], seed=0)
+    trainer = Trainer(drafter, target, seqs, TrainConfig(steps=3, anchors=4, save_every=1), tmp_path)
+    steps = trainer.run()
+    assert next(steps).step == 1
+    first = snapshot(tmp_path / "checkpoints")
+    inject(monkeypatch, fault, tmp_path)
+    with pytest.raises(WriteError) as e:
+        next(steps)
+    assert e.value.filename and e.value.strerror and "\n" not in str(e.value)
+    assert trainer.step == 2  # the in-memory state goes on
+    assert snapshot(tmp_path / "checkpoints") == first  # no half checkpoint, the earlier one whole
+    monkeypatch.undo()
+    load_drafter(str(tmp_path / "checkpoints" / "step_0000001"))
+
+
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+    from hf_checkpoints import write_drafter, write_hf_target
+
+    root = tmp_path_factory.mktemp("hf-qwen3")
+    return write_hf_target(root / "target", "qwen3"), write_drafter(root / "drafter", "qwen3")
+
+
+@pytest.mark.parametrize("fault", FAULTS[:-1])
+def test_convert_that_cannot_write_is_a_one_line_error(hf_pair, fault, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli.main import app
+
+    out = tmp_path / "out"
+    inject(monkeypatch, fault, tmp_path)
+    r = CliRunner().invoke(app, ["convert", "--model", str(hf_pair[0]), "--draft-model", str(hf_pair[1]),
+                                 "--out", str(out), "--no-validate"])
+    assert r.exit_code == 1 and not isinstance(r.exception, (OSError, RuntimeError)), r.output
+    last = r.output.strip().splitlines()[-1]
+    assert last.startswith("error: ") and os.strerror(getattr(errno, fault)) in last, r.output
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # nothing half-written left

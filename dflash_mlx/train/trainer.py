@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -34,7 +33,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..atomic import atomic_file
+from ..atomic import atomic_file, staging
 from ..drafter.checkpoint import load_drafter, save_drafter
 from ..drafter.network import DFlashDrafter
 from ..drafter.config import DrafterArgs, default_target_layer_ids
@@ -653,19 +652,25 @@ class Trainer:
         save_drafter(self.drafter, self.out)
 
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_NNNNNNN/`` atomically; keep the newest few."""
+        """Write ``checkpoints/step_NNNNNNN/`` atomically (:func:`~dflash_mlx.atomic.staging`);
+        keep the newest few.
+
+        Raises:
+            WriteError: the checkpoint could not be written (any errno, or MLX's
+                RuntimeError); the earlier checkpoints and the in-memory state are as they were.
+        """
         root = self.out / CHECKPOINTS
         final = root / f"step_{self.step:07d}"
-        tmp = root / f".tmp_step_{self.step:07d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_drafter(self.drafter, tmp)
-        mx.savez(str(tmp / "optimizer.npz"), **dict(tree_flatten(self.optimizer.state)))
-        if self.after_misses:  # so a resumed run draws the same anchors
-            np.savez(tmp / AFTER_MISSES, **{str(i): a for i, a in self.after_misses.items()})
         state = {"step": self.step, "config": asdict(self.config), "target": target_fingerprint(self.target)}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        with staging(final, force=True) as tmp:
+            save_drafter(self.drafter, tmp)
+            with atomic_file(tmp / "optimizer.npz") as f:
+                mx.savez(str(f), **dict(tree_flatten(self.optimizer.state)))
+            if self.after_misses:  # so a resumed run draws the same anchors
+                with atomic_file(tmp / AFTER_MISSES) as f:
+                    np.savez(f, **{str(i): a for i, a in self.after_misses.items()})
+            with atomic_file(tmp / "trainer_state.json") as f:
+                f.write_text(json.dumps(state, indent=2))
         for old in sorted(root.glob("step_*"))[: -self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return final
