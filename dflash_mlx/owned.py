@@ -55,6 +55,15 @@ def claim(folder: Path, writer: str, flag: str) -> Path:
         folder = sub
         if marked(folder, writer):
             return folder
-    with atomic_file(folder / MARKER, parents=True) as tmp:
-        tmp.write_text(json.dumps({"writer": writer}) + "\n")
+    mark(folder, writer)
     return folder
+
+
+def mark(folder: Path, writer: str) -> None:
+    """Create ``folder`` when missing and mark it as ``writer``'s.
+
+    Raises:
+        WriteError: it cannot be created or marked (any errno).
+    """
+    with atomic_file(Path(folder) / MARKER, parents=True) as tmp:
+        tmp.write_text(json.dumps({"writer": writer}) + "\n")

@@ -328,3 +328,37 @@ def test_convert_that_cannot_write_is_a_one_line_error(hf_pair, fault, tmp_path,
     last = r.output.strip().splitlines()[-1]
     assert last.startswith("error: ") and os.strerror(getattr(errno, fault)) in last, r.output
     assert not out.exists() and list(tmp_path.iterdir()) == []  # nothing half-written left
+
+
+# -- bench results -------------------------------------------------------------------
+
+
+@needs_shared
+@pytest.mark.parametrize("fault", FAULTS[:-1])
+def test_bench_results_that_cannot_be_written_still_print(stories, random_drafter, fault, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli.main import app
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Once upon a time"}\n')
+    out = tmp_path / "out"
+    inject(monkeypatch, fault, out)
+    r = CliRunner().invoke(app, ["bench", "--model", str(stories), "--draft-model", str(random_drafter), "--dataset",
+                                 str(prompts), "-n", "1", "-m", "8", "--warmup-tokens", "0", "--no-plots",
+                                 "--out", str(out)])
+    assert r.exit_code == 0 and r.exception is None, r.output
+    assert "dflash B=" in r.output  # the table
+    warnings = [line for line in r.output.splitlines() if line.startswith("warning: cannot write")]
+    assert len(warnings) == 1 and os.strerror(getattr(errno, fault)) in warnings[0], r.output
+    assert not (out / "results.json").exists()
+
+
+def test_train_overwrite_deletes_only_a_training_runs_files(tmp_path):
+    from dflash_mlx.train.trainer import check_fresh_out
+
+    for name in ("config.json", "model.safetensors"):  # a model folder given as --out
+        (tmp_path / name).write_text(name)
+    with pytest.raises(InputError, match=r"did not write \(no \.dflash-mlx\); --overwrite deletes only"):
+        check_fresh_out(tmp_path, overwrite=True)
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]

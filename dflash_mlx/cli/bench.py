@@ -250,3 +250,6 @@ def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_siz
         console.print(line)
     for path in report["files"].values():
         console.print(f"wrote {path}")
+    if report.get("not_written"):
+        console.print(f"warning: cannot write {report['not_written']}; the results are in the table above only",
+                      markup=False, highlight=False, soft_wrap=True)
