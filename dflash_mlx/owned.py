@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .atomic import atomic_file
+from .atomic import atomic_file, write_error
 from .errors import InputError
 
 MARKER = ".dflash-mlx"
@@ -48,14 +48,17 @@ def claim(folder: Path, writer: str, flag: str) -> Path:
         raise InputError(f"{flag} {folder} is a file, not a folder")
     if marked(folder, writer):
         return folder
-    if not _empty(folder):
-        sub = folder / f"dflash-{writer}"
-        if sub.exists() and not (sub.is_dir() and (marked(sub, writer) or _empty(sub))):
-            raise InputError(f"{flag} {folder} holds files of others, and so does {sub}; give a folder of its own")
-        folder = sub
-        if marked(folder, writer):
-            return folder
-    mark(folder, writer)
+    try:
+        if not _empty(folder):
+            sub = folder / f"dflash-{writer}"
+            if sub.exists() and not (sub.is_dir() and (marked(sub, writer) or _empty(sub))):
+                raise InputError(f"{flag} {folder} holds files of others, and so does {sub}; give a folder of its own")
+            folder = sub
+            if marked(folder, writer):
+                return folder
+        mark(folder, writer)
+    except OSError as e:  # a folder that cannot be listed counts as one that cannot be written
+        raise write_error(e, folder) from e
     return folder
 
 

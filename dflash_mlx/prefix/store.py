@@ -111,7 +111,7 @@ class PrefixStore:
 
     def _degrade(self, e: OSError) -> None:
         """Stop writing to disk, with one warning line."""
-        self.degraded = f"cannot write under {e.filename or self.root}: {e.strerror or e}"
+        self.degraded = f"cannot write under {self.root}: {e.strerror or e}"
         self.warn(f"prompt cache: {self.degraded}; keeping entries in memory only")
 
     # -- lookup ------------------------------------------------------------------
