@@ -156,9 +156,15 @@ def test_a_subfolder_of_others_is_refused_in_one_line(tmp_path):
 def test_folders_named_like_entries_do_not_stop_start_up(pair, tmp_path):
     target, drafter = pair
     kid = key_id(pair_key(target, drafter))
-    name = "0123456789abcdef01234567"
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    name, other = "0123456789abcdef01234567", "89abcdef0123456789abcdef"
     claim(tmp_path, "prompt-cache", "--prompt-cache-dir")
-    for odd in (f"{name}.safetensors", f"{name}.json", f".{name}.safetensors.tmp-1.safetensors"):
+    odds = (f"{name}.safetensors", f".{name}.safetensors.tmp-{dead.pid}.safetensors", f"{other}.json")
+    for odd in odds:  # an arrays file without its JSON, a dead writer's temporary, an index
         (tmp_path / kid / odd).mkdir(parents=True)
     warnings = []
     store = PrefixStore(tmp_path, memory_entries=0, warn=warnings.append)
@@ -166,7 +172,7 @@ def test_folders_named_like_entries_do_not_stop_start_up(pair, tmp_path):
     assert run(pc, PROMPT, 8) == cold(target, drafter, PROMPT, 8)
     later = PairCache(target, ByteTokenizer(), drafter, store=PrefixStore(tmp_path, memory_entries=0))
     assert run(later, PROMPT + [4], 4) == cold(target, drafter, PROMPT + [4], 4) and later.last_reused > 0
-    assert all((tmp_path / kid / odd).is_dir() for odd in (f"{name}.safetensors", f"{name}.json"))
+    assert all((tmp_path / kid / odd).is_dir() for odd in odds)
     assert store.degraded is None and not warnings
 
 
