@@ -368,3 +368,15 @@ def test_train_overwrite_deletes_only_a_training_runs_files(tmp_path):
     with pytest.raises(InputError, match=r"did not write \(no \.dflash-mlx\); --overwrite deletes only"):
         check_fresh_out(tmp_path, overwrite=True)
     assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_prompt_cache_written_before_marks_is_still_used(pair, tmp_path):
+    target, drafter = pair
+    run(PairCache(target, ByteTokenizer(), drafter, store=PrefixStore(tmp_path, memory_entries=0)), PROMPT, 8)
+    (tmp_path / MARKER).unlink()  # as an earlier version left it
+    store = PrefixStore(tmp_path, memory_entries=0)
+    assert store.root == tmp_path and (tmp_path / MARKER).is_file()
+    later = PairCache(target, ByteTokenizer(), drafter, store=store)
+    run(later, PROMPT + [4], 4)
+    assert later.last_source == "disk"
+    assert not (tmp_path / "dflash-prompt-cache").exists()

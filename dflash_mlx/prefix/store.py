@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..atomic import WriteError, atomic_file, pid_alive
 from ..decode.calibration import cache_root
-from ..owned import claim
+from ..owned import MARKER, claim, mark
 from .entry import CorruptEntry, Snapshot, read, read_index, usable_rows, write
 
 DEFAULT_MAX_BYTES = 8 << 30  # 8 GiB on disk
@@ -95,6 +95,8 @@ class PrefixStore:
         self._scanned_at = 0.0
         if self.disk:
             try:
+                if _earlier_cache(self.root):
+                    mark(self.root, WRITER)
                 self.root = claim(self.root, WRITER, "--prompt-cache-dir")
             except WriteError as e:
                 self.disk = False
@@ -287,6 +289,22 @@ class PrefixStore:
             for data in folder.glob("*.safetensors"):
                 if _OURS.fullmatch(data.stem) and not data.with_suffix(".json").exists():
                     _unlink_file(data)
+
+
+def _earlier_cache(root: Path) -> bool:
+    """Whether ``root`` is a prompt cache written before folders were marked: unmarked,
+    not empty, and nothing in it but KEY folders of entries, ``key.json`` and temporaries."""
+    try:
+        if (root / MARKER).exists() or not root.is_dir():
+            return False
+        folders = list(root.iterdir())
+        names = [f.name for folder in folders for f in folder.iterdir()] if all(
+            _OURS.fullmatch(f.name) and f.is_dir() for f in folders) else None
+    except OSError:
+        return False
+    return bool(folders) and names is not None and all(
+        n == "key.json" or ".tmp-" in n or (_OURS.fullmatch(n.rsplit(".", 1)[0]) and n.endswith((".json", ".safetensors")))
+        for n in names)
 
 
 def _unlink_file(path: Path) -> None:
