@@ -3,8 +3,11 @@
 - :func:`staging`: a whole output folder built beside its destination and renamed
   into place (``convert``); SIGTERM cleans up as Ctrl-C does, and what a killed run
   (SIGKILL, power loss) left is found and removed at the next start.
-- :func:`atomic_file`: one file written under a temporary name and renamed (feature
-  caches, data shards, the final drafter).
+- :func:`atomic_file`: one file written under a temporary name and renamed (every
+  file dflash-mlx writes: prompt-cache entries, chat sessions, calibrations, feature
+  caches, data shards, checkpoints, the final drafter). Whatever makes the write fail
+  (an ``OSError`` of any errno, MLX's ``RuntimeError`` from a save) leaves as one
+  :class:`WriteError`, so each caller handles one exception.
 
 Temporary names carry the writer's process id (``.OUT.tmp-PID-xxxx``,
 ``.NAME.tmp-PID``), so a later run can tell a dead writer's leftovers from a live one's.
@@ -12,6 +15,7 @@ Temporary names carry the writer's process id (``.OUT.tmp-PID-xxxx``,
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -23,6 +27,20 @@ from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
 from .errors import InputError
+
+
+class WriteError(OSError):
+    """A write that failed: an ``OSError`` of any errno, or MLX's ``RuntimeError`` from
+    ``mx.save_safetensors``/``mx.savez`` (errno EIO). ``filename`` names the path."""
+
+
+def write_error(e: BaseException, path: Path) -> WriteError:
+    """``e`` (raised while writing ``path``) as a :class:`WriteError`."""
+    if isinstance(e, WriteError):
+        return e
+    code = getattr(e, "errno", None) or errno.EIO
+    reason = getattr(e, "strerror", None) or " ".join(str(e).split()) or type(e).__name__
+    return WriteError(code, reason, str(getattr(e, "filename", None) or path))
 
 
 class Terminated(KeyboardInterrupt):
@@ -121,6 +139,9 @@ def staging(out: Path, force: bool = False, flag: str = "--out",
 
     Raises:
         InputError: ``out`` appeared meanwhile and ``force`` is off (names ``flag``).
+        WriteError: a write or the rename failed (an ``OSError`` of any errno; MLX's
+            ``RuntimeError`` where the block writes through :func:`atomic_file`), after
+            the cleanup.
         Terminated: SIGTERM arrived (after the cleanup).
     """
     remove_stale(out, say)
@@ -134,10 +155,12 @@ def staging(out: Path, force: bool = False, flag: str = "--out",
             tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output should not be
             yield tmp
             _replace(tmp, out, force, flag)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if created is not None:
                 shutil.rmtree(created, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise write_error(e, out) from e
             raise
 
 
@@ -158,16 +181,33 @@ def _replace(tmp: Path, out: Path, force: bool, flag: str) -> None:
 
 
 @contextmanager
-def atomic_file(path: Path) -> Iterator[Path]:
-    """A temporary path beside ``path`` (``.NAME.tmp-PID``, not matching ``path``'s
-    glob patterns) to write to; renamed over ``path`` when the block succeeds,
-    removed when it fails. Write to it by name, or as an open file (``np.save`` and
-    ``np.savez`` append their suffix to a name without it)."""
+def atomic_file(path: Path, parents: bool = False) -> Iterator[Path]:
+    """A temporary path beside ``path`` (``.NAME.tmp-PID.SUFFIX``, not matching ``path``'s
+    glob patterns, ending as ``path`` does so that ``mx.save_safetensors``, ``np.save`` and
+    ``np.savez`` keep it) to write to; renamed over ``path`` when the block succeeds,
+    removed when it fails. ``parents``: create the missing folders first.
+
+    Raises:
+        WriteError: the folder, the write or the rename failed (an ``OSError`` of any
+            errno or a ``RuntimeError`` raised in the block); nothing is left behind.
+    """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
     try:
+        if parents:
+            path.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        _unlink_quietly(tmp)
+        raise write_error(e, path) from e
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _unlink_quietly(tmp)
         raise
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:  # a read-only folder, or a folder by that name: nothing of ours to remove
+        pass

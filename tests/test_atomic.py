@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from dflash_mlx.atomic import atomic_file, remove_stale
+from dflash_mlx.atomic import WriteError, atomic_file, remove_stale
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,13 @@ def test_atomic_file(tmp_path):
         with open(tmp, "wb") as f:
             np.savez(f, a=np.arange(3))
     assert list(np.load(path)["a"]) == [0, 1, 2] and [p.name for p in tmp_path.iterdir()] == [path.name]
-    with pytest.raises(RuntimeError):
+    with pytest.raises(WriteError, match="killed mid-write"):  # MLX's failed save: one exception type
         with atomic_file(path) as tmp:
             tmp.write_bytes(b"half")
             raise RuntimeError("killed mid-write")
+    assert list(np.load(path)["a"]) == [0, 1, 2] and [p.name for p in tmp_path.iterdir()] == [path.name]
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_file(path) as tmp:
+            tmp.write_bytes(b"half")
+            raise KeyboardInterrupt
     assert list(np.load(path)["a"]) == [0, 1, 2] and [p.name for p in tmp_path.iterdir()] == [path.name]

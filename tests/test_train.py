@@ -195,7 +195,7 @@ def test_fresh_run_into_an_earlier_run(setup, tmp_path):
     with pytest.raises(InputError, match="checkpoints up to step_0000002.*--resume.*--overwrite"):
         check_fresh_out(tmp_path)
     check_fresh_out(tmp_path, overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".dflash-mlx", "notes.txt"]  # the run's mark stays
     check_fresh_out(tmp_path)
 
 

@@ -133,7 +133,8 @@ def bench(
 
     Returns:
         The report dict (the contents of ``results.json``), with ``files`` listing
-        what was written.
+        what was written, and ``not_written`` (the path and the reason) when a write
+        into ``out_dir`` failed (any errno): the results are then in the dict only.
 
     Raises:
         DFlashError subclasses for bad input (datasets, flags, checkpoints).
@@ -155,12 +156,15 @@ def bench(
                           command)
     files: Dict[str, str] = {}
     if out_dir is not None:
-        files["results"] = str(write_report(report, out_dir))
-        if plots:
-            from .plots import write_plots
+        try:
+            files["results"] = str(write_report(report, out_dir))
+            if plots:
+                from .plots import write_plots
 
-            files.update({k: str(v) for k, v in write_plots(report, out_dir).items()})
-        remove_stale(out_dir, list(files.values()))
+                files.update({k: str(v) for k, v in write_plots(report, out_dir).items()})
+            remove_stale(out_dir, list(files.values()))
+        except OSError as e:  # WriteError: any errno; the report is still returned (and printed)
+            report["not_written"] = f"{e.filename or out_dir}: {e.strerror or e}"
     report["files"] = files
     return report
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..atomic import atomic_file
 from ..errors import InputError
 from ..targets.fused import unfused
 
@@ -224,8 +225,12 @@ def _tau_buckets(rs: Sequence[RequestRecord]) -> Dict[str, float]:
 
 
 def write_results(path: Path, records: Sequence[RequestRecord], rows: List[dict], command: List[str]) -> Path:
-    """``results.json``: the command, the summary rows and every request's record."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"command": command, "summary": rows,
-                                "requests": [asdict(r) for r in records]}, indent=1) + "\n")
+    """``results.json``: the command, the summary rows and every request's record.
+
+    Raises:
+        WriteError: the folder or the file cannot be written (any errno).
+    """
+    with atomic_file(path, parents=True) as tmp:
+        tmp.write_text(json.dumps({"command": command, "summary": rows,
+                                   "requests": [asdict(r) for r in records]}, indent=1) + "\n")
     return path

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List
 
+from ..atomic import atomic_file
 from ..errors import InputError
 from .report import variant_name, variant_order
 
@@ -69,8 +70,11 @@ def plot_speedup(report: dict, path: Path) -> Path:
 def save_figure(fig, path: Path) -> Path:
     """Lay out, write and close a figure; returns ``path``."""
     fig.tight_layout()
-    fig.savefig(path)
-    _pyplot().close(fig)
+    try:
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, format="png")
+    finally:
+        _pyplot().close(fig)
     return path
 
 

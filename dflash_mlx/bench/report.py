@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+from ..atomic import atomic_file
 from ..stats import GenerationStats, histogram_dict, pooled
 from .runner import DatasetResult, RunRecord
 
@@ -216,11 +217,14 @@ def build_report(results: Sequence[DatasetResult], config: dict, command: Sequen
 
 
 def write_report(report: dict, out_dir: str | Path) -> Path:
-    """Write ``DIR/results.json``; returns its path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "results.json"
-    path.write_text(to_json(report) + "\n")
+    """Write ``DIR/results.json``; returns its path.
+
+    Raises:
+        WriteError: the folder or the file cannot be written (any errno).
+    """
+    path = Path(out_dir) / "results.json"
+    with atomic_file(path, parents=True) as tmp:
+        tmp.write_text(to_json(report) + "\n")
     return path
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..atomic import atomic_file
 from ..errors import InputError
 from ..decode.generate import check_block_size
 from ..prompt import encode_messages
@@ -432,14 +433,20 @@ class ChatSession:
         return lines
 
     def save(self, path: str | Path, meta: Optional[dict] = None) -> Path:
-        """Write the transcript: JSON for ``*.json`` (messages and ``meta``), else Markdown."""
+        """Write the transcript: JSON for ``*.json`` (messages and ``meta``), else Markdown.
+
+        Raises:
+            WriteError: the file cannot be written (any errno).
+        """
         path = Path(path)
         if path.suffix.lower() == ".json":
-            path.write_text(json.dumps({**(meta or {}), "messages": self.messages}, indent=2) + "\n")
-            return path
-        out = ["# Chat transcript\n"]
-        out += [f"- {k}: {v}" for k, v in (meta or {}).items()]
-        for m in self.messages:
-            out.append(f"\n## {m['role'].capitalize()}\n\n{m['content']}")
-        path.write_text("\n".join(out) + "\n")
+            text = json.dumps({**(meta or {}), "messages": self.messages}, indent=2) + "\n"
+        else:
+            out = ["# Chat transcript\n"]
+            out += [f"- {k}: {v}" for k, v in (meta or {}).items()]
+            for m in self.messages:
+                out.append(f"\n## {m['role'].capitalize()}\n\n{m['content']}")
+            text = "\n".join(out) + "\n"
+        with atomic_file(path) as tmp:
+            tmp.write_text(text)
         return path

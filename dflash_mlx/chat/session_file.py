@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 from ..atomic import atomic_file
 from ..errors import InputError
@@ -41,11 +41,51 @@ def read_session(path: Path) -> List[Dict[str, str]]:
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
             raise InputError(f"--session {path}: messages[{i}] needs a role ({', '.join(ROLES)}) and a text content")
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError:  # JSON allows "\ud800" alone; no tokenizer takes it
+            raise InputError(f"--session {path}: messages[{i}].content holds a lone surrogate (not valid Unicode)") \
+                from None
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def write_session(path: Path, messages: List[Dict[str, str]]) -> None:
-    """Write the messages to ``path`` atomically (a kill leaves the previous file whole)."""
+    """Write the messages to ``path`` atomically (a kill leaves the previous file whole).
+
+    Raises:
+        WriteError: the file cannot be written (any errno).
+    """
     path = Path(path)
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps({"format": FORMAT, "messages": messages}, indent=1) + "\n")
+
+
+class SessionWriter:
+    """Writes the session file after every line; a write that fails is one warning, the
+    conversation stays in memory and is written again after the next line.
+
+    Args:
+        path: the ``--session`` file.
+        warn: where the warning (and the notice that a later write succeeded) goes.
+
+    Attributes:
+        failing: whether the last write failed.
+    """
+
+    def __init__(self, path: Path, warn: Callable[[str], None]):
+        self.path, self.warn, self.failing = Path(path), warn, False
+
+    def save(self, messages: List[Dict[str, str]]) -> bool:
+        """Write ``messages``; False (one warning per run of failures) when it fails."""
+        try:
+            write_session(self.path, messages)
+        except OSError as e:  # WriteError: any errno
+            if not self.failing:
+                self.warn(f"warning: --session {self.path}: cannot write ({e.strerror or e}); the conversation "
+                          "is kept in memory and written again after the next line")
+            self.failing = True
+            return False
+        if self.failing:
+            self.warn(f"--session {self.path}: written again")
+        self.failing = False
+        return True

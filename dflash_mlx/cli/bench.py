@@ -190,6 +190,14 @@ def _agent(model, draft_model, verify, traces, max_tokens, block_size, extra, pr
     run_agent_traces(model, draft_model, traces, max_tokens, sizes[0], prefill_step_size, out, overwrite)
 
 
+def files_lines(report: dict) -> List[str]:
+    """``wrote PATH`` per file written, and one warning when a write failed."""
+    lines = [f"wrote {path}" for path in report["files"].values()]
+    if report.get("not_written"):
+        lines.append(f"warning: cannot write {report['not_written']}; the results are in the table above only")
+    return lines
+
+
 def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_size, tree_budget, temp, top_p, top_k, min_p,
          seed, baseline, num_draft_tokens, enable_thinking, simulate_acceptance, draft_window, repeats, warmup_tokens,
          out, overwrite, plots, extra) -> None:
@@ -248,5 +256,5 @@ def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_siz
     stdout.print(cycle_table(report))
     for line in histogram_lines(report):
         console.print(line)
-    for path in report["files"].values():
-        console.print(f"wrote {path}")
+    for line in files_lines(report):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)

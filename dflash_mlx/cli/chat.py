@@ -157,17 +157,20 @@ def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed
         session.messages = history
         view.notice(f"resumed {len(history)} messages from {session_file}")
     if _loop(session, settings, view, pair, session_file) and not view.interactive:
-        raise typer.Exit(1)  # a piped script with a failed line fails
+        raise typer.Exit(1)  # a piped script with a failed line (or a session never written) fails
 
 
 def _loop(session, settings: Settings, view, pair, session_file: Optional[str] = None) -> int:
     """Read and run lines until /quit or the end of input; returns how many failed.
-    With ``session_file``, the conversation is written there after every line."""
+    With ``session_file``, the conversation is written there after every line (a write
+    that fails warns once and is tried again after the next line; still unwritten at
+    the end, it counts as a failure)."""
     from dflash_mlx import DFlashError
     from dflash_mlx.chat.session import ContextFullError
-    from dflash_mlx.chat.session_file import write_session
+    from dflash_mlx.chat.session_file import SessionWriter
 
     failed = 0
+    writer = SessionWriter(session_file, view.notice) if session_file else None
     while True:
         try:
             line, replaced = utf8(view.read())
@@ -200,8 +203,11 @@ def _loop(session, settings: Settings, view, pair, session_file: Optional[str] =
             view.error(str(e))
             failed += 1
         finally:
-            if session_file:
-                write_session(session_file, session.messages)
+            if writer is not None:
+                writer.save(session.messages)
+    if writer is not None and writer.failing and not writer.save(session.messages):
+        view.error(f"--session {session_file}: the conversation was not written")
+        failed += 1
     return failed
 
 

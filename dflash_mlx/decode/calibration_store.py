@@ -6,21 +6,24 @@ new process starts calibrated and with that profile instead of a prior.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 import mlx.core as mx
 
+from ..atomic import atomic_file
+from ..errors import InputError
+from ..owned import claim, marked
+
 STORE_FORMAT = 3  # 3: medians of interleaved rounds, and the per-width step factors
 CACHE_ENV = "DFLASH_CACHE_DIR"
+WRITER = "calibration"
 
 
 def cache_root() -> Path:
@@ -92,7 +95,9 @@ class CalibrationStore:
 
     Writes go to a temporary file renamed into place, so a kill never leaves half a
     file; a file that does not parse, or whose key differs, is ignored (and later
-    overwritten).
+    overwritten). The ``calibration`` folder is claimed (:func:`dflash_mlx.owned.claim`):
+    one that holds other files is left as it is and its ``dflash-calibration`` subfolder
+    is used.
 
     Args:
         root: the cache folder (default :func:`cache_root`).
@@ -102,8 +107,12 @@ class CalibrationStore:
         self.root = Path(root) if root is not None else cache_root()
 
     def path(self, key: dict) -> Path:
+        """Where ``key``'s state is read from (the claimed folder when it is there)."""
         name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:40]
-        return self.root / "calibration" / f"{name}.json"
+        folder = self.root / "calibration"
+        if not marked(folder, WRITER) and marked(folder / f"dflash-{WRITER}", WRITER):
+            folder = folder / f"dflash-{WRITER}"
+        return folder / f"{name}.json"
 
     def load(self, key: dict) -> Optional[dict]:
         """The stored state for ``key``, or None (none stored, unreadable, or stale)."""
@@ -117,17 +126,13 @@ class CalibrationStore:
 
     def save(self, key: dict, state: dict) -> bool:
         """Write ``state`` for ``key`` atomically; False (and nothing written) when the
-        folder cannot be written (a read-only home is not an error)."""
-        path, tmp = self.path(key), None
+        folder cannot be written, any errno (a read-only home is not an error), or holds
+        other files in both places :func:`~dflash_mlx.owned.claim` tries."""
+        path = self.path(key)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"key": key, "state": state, "saved": time.time()}, f)
-            os.replace(tmp, path)
+            folder = claim(path.parent, WRITER, "$DFLASH_CACHE_DIR/calibration")
+            with atomic_file(folder / path.name) as tmp:
+                tmp.write_text(json.dumps({"key": key, "state": state, "saved": time.time()}))
             return True
-        except OSError:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+        except (OSError, InputError):  # WriteError: any errno
             return False

@@ -31,7 +31,7 @@ from ..drafter.checkpoint import DRAFTER_FILES, load_drafter, read_config
 from ..errors import CheckpointError, ConfigError, InputError, ValidationError
 from ..hub import resolve_model_path
 from .loading import TARGET_FILES, check_pair
-from .manifest import hash_files, write_manifest
+from .manifest import MANIFEST, hash_files, write_manifest
 from ..prompt import encode_messages
 from ..targets import TargetAdapter, make_adapter
 from .validation import VALIDATION_MESSAGES, Check, SourceRun, validate
@@ -108,6 +108,7 @@ def convert(
     out = Path(out).expanduser()
     check_options(quantize, q_bits, q_group_size, q_mode, draft_q_bits, draft_q_group_size, dtype)
     check_out(out, force)
+    check_replaceable(out)
     say = progress or (lambda _: None)
 
     say(f"fetching the target {model}")
@@ -151,6 +152,18 @@ def convert(
 
 
 # -- options and sources ------------------------------------------------------------
+
+
+def check_replaceable(out: Path) -> None:
+    """``--force`` replaces only what convert wrote: an empty folder, or one with a
+    ``dflash.json`` manifest.
+
+    Raises:
+        InputError: ``out`` holds other files (names it).
+    """
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise InputError(f"--out {out} holds files that convert did not write (no {MANIFEST}); "
+                         "--force replaces only a converted folder: give another --out")
 
 
 def check_options(quantize: bool, q_bits: Optional[int], q_group_size: Optional[int], q_mode: str,

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..atomic import atomic_file
 from . import layers
 
 FORMAT = 1
@@ -142,28 +142,22 @@ def file_sha256(path: Path) -> str:
 
 def write(snap: Snapshot, folder: Path, name: str) -> int:
     """Write ``snap`` as ``folder/name.safetensors`` and ``folder/name.json``, each to a
-    temporary name renamed into place, the JSON last (it commits the entry).
+    temporary name renamed into place (:func:`dflash_mlx.atomic.atomic_file`), the JSON
+    last (it commits the entry).
 
     Returns:
         Bytes written (both files).
 
     Raises:
-        OSError: the folder cannot be written (nothing is left behind but temporaries
-            the store removes).
+        WriteError: the folder cannot be written (any errno, or MLX's RuntimeError);
+            nothing is left behind but what the store removes.
     """
-    folder.mkdir(parents=True, exist_ok=True)
-    data, side = folder / f"{name}.safetensors", folder / f"{name}.json"
-    tmp = folder / f".{name}.tmp-{os.getpid()}.safetensors"  # mx appends .safetensors to other names
-    try:
+    with atomic_file(folder / f"{name}.safetensors", parents=True) as tmp:
         mx.save_safetensors(str(tmp), snap.arrays if snap.arrays else {"empty": mx.zeros((0,))})
         size, sha = tmp.stat().st_size, file_sha256(tmp)
-        os.replace(tmp, data)
-        text = json.dumps({**snap.describe(), "bytes": size, "sha256": sha})
-        tmp = folder / f".{name}.tmp-{os.getpid()}.json"
+    text = json.dumps({**snap.describe(), "bytes": size, "sha256": sha})
+    with atomic_file(folder / f"{name}.json") as tmp:
         tmp.write_text(text)
-        os.replace(tmp, side)
-    finally:
-        tmp.unlink(missing_ok=True)
     return size + len(text)
 
 

@@ -8,6 +8,15 @@ ROOT. Use is recorded as the JSON file's modification time, so the order survive
 processes. A lookup takes the entry that resumes the most rows of a prompt (longest
 prefix, see :meth:`Snapshot.usable`); an entry that fails its checks on load is removed
 with one warning line and the next best is tried.
+
+Ownership: ROOT is claimed for the prompt cache (:func:`dflash_mlx.owned.claim`): a folder
+that holds other files is left as it is and the cache lives in its ``dflash-prompt-cache``
+subfolder. Clean-up and eviction touch only files named as the store names them (24 hex
+digits) inside KEY folders (24 hex digits).
+
+Failure: a write that fails (any errno, or MLX's RuntimeError) turns the store
+memory-only for the rest of the process, with one warning line; :attr:`PrefixStore.state`
+says so (``dflash serve`` reports it at ``/health``).
 """
 
 from __future__ import annotations
@@ -15,18 +24,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..atomic import pid_alive
+from ..atomic import WriteError, atomic_file, pid_alive
 from ..decode.calibration import cache_root
+from ..owned import MARKER, claim, mark
 from .entry import CorruptEntry, Snapshot, read, read_index, usable_rows, write
 
 DEFAULT_MAX_BYTES = 8 << 30  # 8 GiB on disk
 DEFAULT_MEMORY_ENTRIES = 4
+WRITER = "prompt-cache"
+_OURS = re.compile(r"[0-9a-f]{24}")  # key folders and entry names (sha256 prefixes)
 
 
 def default_root() -> Path:
@@ -54,7 +67,13 @@ class PrefixStore:
         disk: write and read entries on disk.
         warn: where one-line warnings go (a corrupt entry, a folder that cannot be written).
 
+    Raises:
+        InputError: ``root`` is a file, or holds other files and so does its
+            ``dflash-prompt-cache`` subfolder.
+
     Attributes:
+        root: the folder the entries are in (``root``, or its ``dflash-prompt-cache``).
+        degraded: why the store is memory-only after all (None: it is not).
         hits: lookups answered, by level (``{"memory": n, "disk": n}``).
         last_level: the level that answered the last lookup (``"memory"``, ``"disk"``, None).
     """
@@ -71,11 +90,31 @@ class PrefixStore:
         self.last_level: Optional[str] = None
         self._index: Dict[Path, Tuple[int, dict]] = {}  # json path -> (mtime_ns, parsed), read once
         self._clock = 0
-        self._disk_ok = True
+        self.degraded: Optional[str] = None
         self._disk_bytes: Optional[int] = None  # every pair's bytes under root, as counted (see _evict_if_full)
         self._scanned_at = 0.0
         if self.disk:
+            try:
+                if _earlier_cache(self.root):
+                    mark(self.root, WRITER)
+                self.root = claim(self.root, WRITER, "--prompt-cache-dir")
+            except WriteError as e:
+                self.disk = False
+                self._degrade(e)
+                return
             self._remove_leftovers()
+
+    @property
+    def state(self) -> str:
+        """``"disk (ROOT)"``, ``"memory-only (REASON)"`` after a failed write, or ``"memory-only"``."""
+        if self.degraded is not None:
+            return f"memory-only ({self.degraded})"
+        return f"disk ({self.root})" if self.disk else "memory-only"
+
+    def _degrade(self, e: OSError) -> None:
+        """Stop writing to disk, with one warning line."""
+        self.degraded = f"cannot write under {self.root}: {e.strerror or e}"
+        self.warn(f"prompt cache: {self.degraded}; keeping entries in memory only")
 
     # -- lookup ------------------------------------------------------------------
 
@@ -132,18 +171,18 @@ class PrefixStore:
             return
         name = entry_name(snap.tokens)
         self._remember(kid, name, snap)
-        if not (disk and self.disk and self._disk_ok) or snap.nbytes > self.max_bytes:
+        if not (disk and self.disk and self.degraded is None) or snap.nbytes > self.max_bytes:
             return
         folder = self.root / kid
         try:
             write(snap, folder, name)
             if key is not None and not (folder / "key.json").exists():
-                (folder / "key.json").write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
+                with atomic_file(folder / "key.json") as tmp:
+                    tmp.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
             self._touch(folder / f"{name}.json")
             self._evict_if_full(folder, name)
-        except OSError as e:
-            self._disk_ok = False
-            self.warn(f"prompt cache: cannot write under {self.root} ({e.strerror or e}); keeping entries in memory only")
+        except OSError as e:  # WriteError included: any errno, or MLX's RuntimeError
+            self._degrade(e)
 
     def _remember(self, kid: str, name: str, snap: Snapshot) -> None:
         if self.memory_entries <= 0:
@@ -171,7 +210,7 @@ class PrefixStore:
         ``max_bytes``; returns the JSON paths removed."""
         entries = []
         for side in self.root.glob("*/*.json"):
-            if side.name == "key.json":
+            if not (_OURS.fullmatch(side.stem) and _OURS.fullmatch(side.parent.name)):
                 continue
             try:
                 st = side.stat()
@@ -199,7 +238,7 @@ class PrefixStore:
             return []
         out = []
         for side in sorted((self.root / kid).glob("*.json")):
-            if side.name == "key.json":
+            if not (_OURS.fullmatch(side.stem) and side.is_file()):
                 continue
             try:
                 mtime = side.stat().st_mtime_ns
@@ -230,16 +269,49 @@ class PrefixStore:
 
     def _remove(self, folder: Path, name: str) -> None:
         for suffix in (".json", ".safetensors"):
-            (folder / f"{name}{suffix}").unlink(missing_ok=True)
+            _unlink_file(folder / f"{name}{suffix}")
             self._index.pop(folder / f"{name}{suffix}", None)
 
     def _remove_leftovers(self) -> None:
         """Temporaries of writers that are gone (killed mid-write), and arrays files whose
-        JSON was never written (the write was cut between the two renames)."""
-        for tmp in self.root.glob("*/.*.tmp-*"):
-            pid = tmp.name.rsplit(".tmp-", 1)[1].split(".", 1)[0]
-            if not pid.isdigit() or not pid_alive(int(pid)):
-                tmp.unlink(missing_ok=True)
-        for data in self.root.glob("*/*.safetensors"):
-            if not data.with_suffix(".json").exists():
-                data.unlink(missing_ok=True)
+        JSON was never written (the write was cut between the two renames): only files
+        named as the store names them, in KEY folders."""
+        try:
+            folders = [f for f in self.root.iterdir() if _OURS.fullmatch(f.name) and f.is_dir()]
+        except OSError:
+            return
+        for folder in folders:
+            for tmp in folder.glob(".*.tmp-*"):
+                base, _, pid = tmp.name.partition(".tmp-")
+                stem, pid = base[1:].split(".", 1)[0], pid.split(".", 1)[0]
+                if (stem == "key" or _OURS.fullmatch(stem)) and not (pid.isdigit() and pid_alive(int(pid))):
+                    _unlink_file(tmp)
+            for data in folder.glob("*.safetensors"):
+                if _OURS.fullmatch(data.stem) and not data.with_suffix(".json").exists():
+                    _unlink_file(data)
+
+
+def _earlier_cache(root: Path) -> bool:
+    """Whether ``root`` is a prompt cache written before folders were marked: unmarked,
+    not empty, and nothing in it but KEY folders of entries, ``key.json`` and temporaries."""
+    try:
+        if (root / MARKER).exists() or not root.is_dir():
+            return False
+        folders = list(root.iterdir())
+        names = [f.name for folder in folders for f in folder.iterdir()] if all(
+            _OURS.fullmatch(f.name) and f.is_dir() for f in folders) else None
+    except OSError:
+        return False
+    return bool(folders) and names is not None and all(
+        n == "key.json" or ".tmp-" in n or (_OURS.fullmatch(n.rsplit(".", 1)[0]) and n.endswith((".json", ".safetensors")))
+        for n in names)
+
+
+def _unlink_file(path: Path) -> None:
+    """Remove ``path`` when it is a file; a folder by that name, or a removal the system
+    refuses, is left as it is."""
+    try:
+        if path.is_file():
+            path.unlink()
+    except OSError:
+        pass

@@ -396,7 +396,10 @@ def create_app(pair: Any, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Dict[str, Union[str, int]]:
-        return {"status": "ok", "model": config.model_id, "queue": server.engine.pending}
+        out: Dict[str, Union[str, int]] = {"status": "ok", "model": config.model_id, "queue": server.engine.pending}
+        if config.prompt_store is not None:  # "disk (ROOT)", or "memory-only (why)" after a failed write
+            out["prompt_cache"] = config.prompt_store.state
+        return out
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -291,11 +290,10 @@ def regenerate(
 
 def _write_shard(path: Path, prompts: List[List[int]], responses: List[List[int]]) -> None:
     seqs = [p + r for p, r in zip(prompts, responses)]
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, tokens=np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]),
-             lengths=np.array([len(s) for s in seqs], dtype=np.int32),
-             response_starts=np.array([len(p) for p in prompts], dtype=np.int32))
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        np.savez(tmp, tokens=np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]),
+                 lengths=np.array([len(s) for s in seqs], dtype=np.int32),
+                 response_starts=np.array([len(p) for p in prompts], dtype=np.int32))
 
 
 def load_sequences(data_dir: str | Path) -> List[TrainSequence]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -34,7 +33,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..atomic import atomic_file
+from ..atomic import atomic_file, staging
+from ..owned import MARKER, mark, marked
 from ..drafter.checkpoint import load_drafter, save_drafter
 from ..drafter.network import DFlashDrafter
 from ..drafter.config import DrafterArgs, default_target_layer_ids
@@ -50,6 +50,7 @@ from .blocks import (block_mask, default_gamma, next_anchors, position_weights, 
 from .data import TrainSequence, read_json
 
 CHECKPOINTS = "checkpoints"
+WRITER = "train"  # the mark of a training run's --out (dflash_mlx.owned)
 AFTER_MISSES = "after_misses.npz"  # a checkpoint's anchors after misses (--miss-anchors)
 FEATURES = "features"
 # Settings that shape a run (schedule, data order, anchors, numerics), with their flags:
@@ -519,10 +520,12 @@ def check_fresh_out(out_dir: str | Path, overwrite: bool = False) -> None:
     """Before a fresh run: ``out_dir`` must not hold an earlier run, whose checkpoints a
     later ``--resume`` would pick up (and whose cached features belong to other data).
 
-    With ``overwrite``, that run's checkpoints, cached features and drafter are deleted.
+    With ``overwrite``, that run's checkpoints, cached features and drafter are deleted,
+    and only when a training run marked the folder as its own (:mod:`dflash_mlx.owned`).
 
     Raises:
-        InputError: ``out_dir`` is a file, or holds a run and ``overwrite`` is False.
+        InputError: ``out_dir`` is a file, or holds a run and ``overwrite`` is False, or
+            holds such files without the mark of a training run.
     """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -536,6 +539,9 @@ def check_fresh_out(out_dir: str | Path, overwrite: bool = False) -> None:
         what = f"checkpoints up to {ckpts[-1].name}" if ckpts else ", ".join(p.name for p in found)
         raise InputError(f"--out {out}: holds an earlier training run ({what}); pass --resume to continue it, "
                          "--overwrite to delete it and start afresh, or a new --out")
+    if not marked(out, WRITER):
+        raise InputError(f"--out {out}: holds {', '.join(p.name for p in found)} that dflash train did not write "
+                         f"(no {MARKER}); --overwrite deletes only a training run's files: give a new --out")
     for p in found:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
@@ -625,8 +631,15 @@ class Trainer:
         return loss, grads, anchors.size * (B - 1)
 
     def run(self) -> Iterator[StepInfo]:
-        """Train from ``self.step`` to ``config.steps``, yielding after every step."""
+        """Train from ``self.step`` to ``config.steps``, yielding after every step.
+
+        Raises:
+            WriteError: a checkpoint or the drafter could not be written (any errno, or
+                MLX's RuntimeError); the earlier checkpoints are whole.
+        """
         c = self.config
+        if not marked(self.out, WRITER):
+            mark(self.out, WRITER)  # so that --overwrite may later delete what this run writes
         while self.step < c.steps:
             tic = time.perf_counter()
             total, grads_sum, tokens = 0.0, None, 0
@@ -653,19 +666,25 @@ class Trainer:
         save_drafter(self.drafter, self.out)
 
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_NNNNNNN/`` atomically; keep the newest few."""
+        """Write ``checkpoints/step_NNNNNNN/`` atomically (:func:`~dflash_mlx.atomic.staging`);
+        keep the newest few.
+
+        Raises:
+            WriteError: the checkpoint could not be written (any errno, or MLX's
+                RuntimeError); the earlier checkpoints and the in-memory state are as they were.
+        """
         root = self.out / CHECKPOINTS
         final = root / f"step_{self.step:07d}"
-        tmp = root / f".tmp_step_{self.step:07d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_drafter(self.drafter, tmp)
-        mx.savez(str(tmp / "optimizer.npz"), **dict(tree_flatten(self.optimizer.state)))
-        if self.after_misses:  # so a resumed run draws the same anchors
-            np.savez(tmp / AFTER_MISSES, **{str(i): a for i, a in self.after_misses.items()})
         state = {"step": self.step, "config": asdict(self.config), "target": target_fingerprint(self.target)}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        with staging(final, force=True) as tmp:
+            save_drafter(self.drafter, tmp)
+            with atomic_file(tmp / "optimizer.npz") as f:
+                mx.savez(str(f), **dict(tree_flatten(self.optimizer.state)))
+            if self.after_misses:  # so a resumed run draws the same anchors
+                with atomic_file(tmp / AFTER_MISSES) as f:
+                    np.savez(f, **{str(i): a for i, a in self.after_misses.items()})
+            with atomic_file(tmp / "trainer_state.json") as f:
+                f.write_text(json.dumps(state, indent=2))
         for old in sorted(root.glob("step_*"))[: -self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return final

@@ -1,0 +1,72 @@
+"""Folders dflash-mlx writes in, marked as its own, so that clean-up never touches
+what someone else put there.
+
+A writer (the prompt cache, the calibration store, a training run) claims a folder
+with :func:`claim`: a folder that is new or empty gets a marker file (``.dflash-mlx``,
+JSON ``{"writer": NAME}``) and is the writer's; a folder that already carries the
+writer's marker is used as it is; a folder that holds anything else is left as it is
+and the writer uses a subfolder of its own (``dflash-NAME``) under the same rule.
+Clean-up (removing leftovers, evicting) runs only inside a claimed folder, and only
+on names of the writer's own pattern.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .atomic import atomic_file, write_error
+from .errors import InputError
+
+MARKER = ".dflash-mlx"
+
+
+def marked(folder: Path, writer: str) -> bool:
+    """Whether ``folder`` carries ``writer``'s marker (never raises)."""
+    try:
+        return json.loads((Path(folder) / MARKER).read_text()).get("writer") == writer
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _empty(folder: Path) -> bool:
+    return not folder.exists() or not any(folder.iterdir())
+
+
+def claim(folder: Path, writer: str, flag: str) -> Path:
+    """The folder ``writer`` writes in: ``folder`` when it is new, empty or marked as
+    ``writer``'s, else ``folder/dflash-WRITER`` (new, empty or marked); created and
+    marked when needed. Nothing that is there already is changed.
+
+    Raises:
+        InputError: ``folder`` is a file, or its ``dflash-WRITER`` subfolder holds
+            files that are not ``writer``'s (names ``flag``).
+        WriteError: the folder cannot be created or marked (any errno).
+    """
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{flag} {folder} is a file, not a folder")
+    if marked(folder, writer):
+        return folder
+    try:
+        if not _empty(folder):
+            sub = folder / f"dflash-{writer}"
+            if sub.exists() and not (sub.is_dir() and (marked(sub, writer) or _empty(sub))):
+                raise InputError(f"{flag} {folder} holds files of others, and so does {sub}; give a folder of its own")
+            folder = sub
+            if marked(folder, writer):
+                return folder
+        mark(folder, writer)
+    except OSError as e:  # a folder that cannot be listed counts as one that cannot be written
+        raise write_error(e, folder) from e
+    return folder
+
+
+def mark(folder: Path, writer: str) -> None:
+    """Create ``folder`` when missing and mark it as ``writer``'s.
+
+    Raises:
+        WriteError: it cannot be created or marked (any errno).
+    """
+    with atomic_file(Path(folder) / MARKER, parents=True) as tmp:
+        tmp.write_text(json.dumps({"writer": writer}) + "\n")
