@@ -303,7 +303,7 @@ def test_bad_format_config_value(saved_dflash2, edit, key):
 
 
 def test_bad_draft_window():
-    from cli.common import parse_draft_window
+    from dflash_mlx.cli.common import parse_draft_window
     from dflash_mlx import load
 
     for value in ["64", "a,b", "-1,10", "64,0", "1,2,3"]:
