@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from contextlib import contextmanager
@@ -27,6 +28,12 @@ from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
 from .errors import InputError
+
+
+def stderr_warning(message: str) -> None:
+    """One ``warning: MESSAGE`` line on stderr: how a write that failed, and that the caller
+    goes on without, is reported."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 class WriteError(OSError):

@@ -216,11 +216,14 @@ def test_a_session_with_a_lone_surrogate_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.parametrize("fault", FAULTS[:-1])
-def test_a_calibration_that_cannot_be_written_is_not_an_error(fault, tmp_path, monkeypatch):
+def test_a_calibration_that_cannot_be_written_is_one_warning(fault, tmp_path, monkeypatch, capsys):
     store = CalibrationStore(tmp_path)
     assert store.save({"k": 1}, {"a": 1}) and store.load({"k": 1}) == {"a": 1}
     inject(monkeypatch, fault, tmp_path)
     assert store.save({"k": 1}, {"a": 2}) is False and store.load({"k": 1}) == {"a": 1}
+    assert store.save({"k": 1}, {"a": 3}) is False
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: calibration not kept (") and str(tmp_path) in err[0], err
 
 
 def test_the_calibration_folder_of_others_is_left_alone(tmp_path):

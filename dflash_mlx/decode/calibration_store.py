@@ -17,13 +17,14 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from ..atomic import atomic_file
+from ..atomic import atomic_file, stderr_warning
 from ..errors import InputError
 from ..owned import claim, marked
 
 STORE_FORMAT = 3  # 3: medians of interleaved rounds, and the per-width step factors
 CACHE_ENV = "DFLASH_CACHE_DIR"
 WRITER = "calibration"
+_WARNED: set = set()  # roots whose failed write was reported (one warning per process)
 
 
 def cache_root() -> Path:
@@ -126,13 +127,17 @@ class CalibrationStore:
 
     def save(self, key: dict, state: dict) -> bool:
         """Write ``state`` for ``key`` atomically; False (and nothing written) when the
-        folder cannot be written, any errno (a read-only home is not an error), or holds
-        other files in both places :func:`~dflash_mlx.owned.claim` tries."""
+        folder cannot be written, any errno, or holds other files in both places
+        :func:`~dflash_mlx.owned.claim` tries. The first failure under a root prints one
+        warning; decoding goes on (a later process calibrates again)."""
         path = self.path(key)
         try:
             folder = claim(path.parent, WRITER, "$DFLASH_CACHE_DIR/calibration")
             with atomic_file(folder / path.name) as tmp:
                 tmp.write_text(json.dumps({"key": key, "state": state, "saved": time.time()}))
             return True
-        except (OSError, InputError):  # WriteError: any errno
+        except (OSError, InputError) as e:  # WriteError: any errno
+            if self.root not in _WARNED:
+                _WARNED.add(self.root)
+                stderr_warning(f"calibration not kept ({e}); --block-size auto calibrates again in the next process")
             return False

@@ -25,13 +25,12 @@ import hashlib
 import json
 import os
 import re
-import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..atomic import WriteError, atomic_file, pid_alive
+from ..atomic import WriteError, atomic_file, pid_alive, stderr_warning
 from ..decode.calibration import cache_root
 from ..owned import MARKER, claim, mark
 from .entry import CorruptEntry, Snapshot, read, read_index, usable_rows, write
@@ -45,10 +44,6 @@ _OURS = re.compile(r"[0-9a-f]{24}")  # key folders and entry names (sha256 prefi
 def default_root() -> Path:
     """``$DFLASH_CACHE_DIR/prompts``, else the user's cache folder's ``dflash-mlx/prompts``."""
     return cache_root() / "prompts"
-
-
-def _stderr_warning(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def entry_name(tokens: Sequence[int]) -> str:
@@ -82,7 +77,7 @@ class PrefixStore:
 
     def __init__(self, root: Optional[Path] = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
                  memory_entries: int = DEFAULT_MEMORY_ENTRIES, disk: bool = True,
-                 warn: Callable[[str], None] = _stderr_warning):
+                 warn: Callable[[str], None] = stderr_warning):
         self.root = Path(root) if root is not None else default_root()
         self.max_bytes, self.memory_entries, self.disk, self.warn = int(max_bytes), int(memory_entries), disk, warn
         self.memory: "OrderedDict[Tuple[str, str], Snapshot]" = OrderedDict()
