@@ -7,7 +7,10 @@ from typing import List, Optional
 
 import typer
 
-from .common import MODEL_HELP, check_sampling, guard, parse_draft_window, resolve_models, top_k_option, verify_option
+from dflash_mlx.ranges import check_number
+
+from .common import (MODEL_HELP, check_sampling, guard, parse_draft_window, resolve_models, top_k_option, verify_option,
+                     warn)
 
 
 # Over 60 lines: a typer command: its length is its option list
@@ -201,26 +204,29 @@ def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_siz
     from dflash_mlx.errors import InputError
 
     check_sampling(temp, top_p, top_k, min_p, max_tokens)  # flags first: mlx-lm takes 2-3 s to import
-    if num_samples < 0:
-        raise InputError(f"--num-samples must be 0 (all samples) or more, got {num_samples}")
+    check_number("--num-samples", num_samples, at_least=0, rule="0 (all samples) or more")
+    check_number("--num-draft-tokens", num_draft_tokens, at_least=1)
     extra_sizes, extra_budgets = split_extra(block_size, tree_budget, extra)
     budgets = parse_block_sizes(tree_budget, extra_budgets, "--tree-budget", default=())
     sizes = parse_block_sizes(block_size, extra_sizes) if block_size or extra_sizes or not budgets else []
-    for n in budgets:
-        if n != "auto" and n < 1:
-            raise InputError(f"--tree-budget must be a node count >= 1 or 'auto', got {n}")
+    datasets = [d for spec in dataset for d in spec.split(",") if d]
+    from dflash_mlx.bench.plots import plots_available
+    from dflash_mlx.bench.runner import BenchConfig
+
+    config = BenchConfig(max_tokens=max_tokens, block_sizes=sizes, tree_budgets=budgets, temp=temp, top_p=top_p, top_k=top_k,
+                         min_p=min_p, seed=seed, repeats=repeats,
+                         simulate_acceptance=parse_simulate_acceptance(simulate_acceptance),
+                         enable_thinking=enable_thinking, warmup_tokens=warmup_tokens,
+                         draft_window=parse_draft_window(draft_window))
+    config.check()
     model, draft_model = resolve_models(model, draft_model, verify)
     if draft_model is None:
         raise InputError("dflash bench needs --draft-model (the DFlash drafter to measure)")
-    datasets = [d for spec in dataset for d in spec.split(",") if d]
-    simulate_acceptance = parse_simulate_acceptance(simulate_acceptance)
-    window = parse_draft_window(draft_window)
-    from dflash_mlx.bench import BenchConfig, bench
+    if plots and not plots_available():
+        warn("matplotlib is not installed: no plots are drawn (pip install 'dflash-mlx[plot]', or pass --no-plots)")
+        plots = False
+    from dflash_mlx.bench import bench
     from dflash_mlx.bench.report import cycle_table, histogram_lines, results_table
-
-    config = BenchConfig(max_tokens=max_tokens, block_sizes=sizes, tree_budgets=budgets, temp=temp, top_p=top_p, top_k=top_k,
-                         min_p=min_p, seed=seed, repeats=repeats, simulate_acceptance=simulate_acceptance,
-                         enable_thinking=enable_thinking, warmup_tokens=warmup_tokens, draft_window=window)
 
     console = Console(stderr=True)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -21,10 +21,10 @@ def run_agent_traces(model: str, draft_model: Optional[str], traces: List[str], 
     from rich.table import Table
 
     from dflash_mlx import InputError, load
+    from dflash_mlx.ranges import check_number
     from dflash_mlx.bench.agent import MODES, encode_requests, read_agent_trace, run_trace, summarize, write_results
 
-    if prefill_step_size is not None and prefill_step_size < 1:
-        raise InputError(f"--prefill-step-size must be at least 1, got {prefill_step_size}")
+    check_number("--prefill-step-size", prefill_step_size, at_least=1)
     requests = {Path(t).stem: read_agent_trace(t) for t in traces}
     results = Path(out) / "results.json"
     if results.exists() and not overwrite:
