@@ -25,8 +25,19 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"dflash-mlx {version('dflash-mlx')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version (dflash-mlx X.Y.Z) and exit."),
+) -> None:
     """DFlash speculative decoding on MLX."""
 
 
