@@ -96,6 +96,7 @@ def bench(
       dflash bench --model M --draft-model D --dataset gsm8k --simulate-acceptance 5
       dflash bench --model M --draft-model D --agent-trace benchmarks/traces/agent_mbpp.jsonl
     """
+    guard(lambda: check_number("--prefill-step-size", prefill_step_size, at_least=1))
     if agent_trace:
         return guard(lambda: _agent(model, draft_model, verify, agent_trace, max_tokens, block_size, list(ctx.args),
                                     prefill_step_size, out, overwrite))

@@ -14,17 +14,15 @@ def run_agent_traces(model: str, draft_model: Optional[str], traces: List[str], 
     """Replay each trace in every mode and report (see :mod:`dflash_mlx.bench.agent`).
 
     Raises:
-        InputError: a trace that cannot be read, ``--out`` holding results without ``--overwrite``,
-            or ``--prefill-step-size`` below 1.
+        InputError: a trace that cannot be read, ``--out`` holding results without ``--overwrite``
+            (``--prefill-step-size`` is checked by the command).
     """
     from rich.console import Console
     from rich.table import Table
 
     from dflash_mlx import InputError, load
-    from dflash_mlx.ranges import check_number
     from dflash_mlx.bench.agent import MODES, encode_requests, read_agent_trace, run_trace, summarize, write_results
 
-    check_number("--prefill-step-size", prefill_step_size, at_least=1)
     requests = {Path(t).stem: read_agent_trace(t) for t in traces}
     results = Path(out) / "results.json"
     if results.exists() and not overwrite:
