@@ -44,6 +44,13 @@ def one_line_error(result, *needles) -> str:
     return err
 
 
+@pytest.fixture(autouse=True)
+def no_conflicts_scan(monkeypatch):
+    """Skip the scan of every installed distribution at each start (tests/test_conflicts.py
+    covers it): it would be most of each in-process run's time here."""
+    monkeypatch.setattr("dflash_mlx.cli.conflicts.conflicts", lambda: [])
+
+
 @pytest.fixture(scope="module")
 def missing(tmp_path_factory) -> Path:
     """A scratch folder; its ``model`` and ``drafter`` do not exist."""
@@ -54,6 +61,7 @@ def base_args(command: str, root: Path) -> list:
     """Arguments with which a run that passes its flag checks stops cheaply: the model
     (and data) folders are missing, no prompt cache is opened."""
     model, drafter = root / "model", root / "drafter"
+    (root / "a-file").touch()
     pair = ["--model", model, "--draft-model", drafter]
     return {
         "generate": [*pair, "-p", "Once", "--no-prompt-cache"],
@@ -62,7 +70,7 @@ def base_args(command: str, root: Path) -> list:
         "bench": [*pair, "--no-plots", "--out", root / "bench", "--dataset", root / "missing.jsonl"],
         "data": ["--model", model, "--out", root / "data", "--prompts", root / "missing.jsonl"],
         "train": ["--model", model, "--data", root / "no-data", "--out", root / "train"],
-        "convert": [*pair, "--out", root / "converted"],
+        "convert": [*pair, "--out", root / "a-file" / "converted"],  # its stages print lines: stop before
     }[command]
 
 
@@ -77,8 +85,7 @@ def numeric_flags():
 
 
 FLAGS = list(numeric_flags())
-SPECIAL = ["0", "-1", "-3", "nan", "inf", "-inf", "1e308", str(10**30), "99", "0.5"]
-VALUES = st.one_of(st.sampled_from(SPECIAL), st.integers().map(str),
+VALUES = st.one_of(st.sampled_from(["-inf", "1e308", "0.5", "99"]), st.integers().map(str),
                    st.floats(allow_nan=True, allow_infinity=True).map(repr))
 
 
@@ -89,7 +96,7 @@ def test_every_command_has_numeric_flags():
 
 
 @pytest.mark.parametrize("command,flag", FLAGS)
-@settings(max_examples=6, deadline=None, derandomize=True, database=None,
+@settings(max_examples=4, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @example(value="0")
 @example(value="-1")
