@@ -269,7 +269,7 @@ def test_auto_and_tree_rows_are_lossless_and_labelled(pair, tmp_path):
 
 
 def test_list_flags_take_the_values_click_leaves_over():
-    from cli.bench import parse_block_sizes, split_extra
+    from dflash_mlx.cli.bench import parse_block_sizes, split_extra
 
     argv = ["dflash", "bench", "--block-size", "4", "8", "--tree-budget", "16", "32", "auto"]
     assert split_extra(["4"], ["16"], ["8", "32", "auto"], argv) == (["8"], ["32", "auto"])

@@ -194,6 +194,29 @@ def _agent(model, draft_model, verify, traces, max_tokens, block_size, extra, pr
     run_agent_traces(model, draft_model, traces, max_tokens, sizes[0], prefill_step_size, out, overwrite)
 
 
+def checked_config(max_tokens, block_size, tree_budget, temp, top_p, top_k, min_p, seed, enable_thinking,
+                   simulate_acceptance, draft_window, repeats, warmup_tokens, extra):
+    """The run's flags as a :class:`dflash_mlx.bench.runner.BenchConfig`, checked before
+    anything loads (mlx-lm takes 2-3 s to import).
+
+    Raises:
+        InputError: naming the flag out of range.
+    """
+    check_sampling(temp, top_p, top_k, min_p, max_tokens)
+    extra_sizes, extra_budgets = split_extra(block_size, tree_budget, extra)
+    budgets = parse_block_sizes(tree_budget, extra_budgets, "--tree-budget", default=())
+    sizes = parse_block_sizes(block_size, extra_sizes) if block_size or extra_sizes or not budgets else []
+    from dflash_mlx.bench.runner import BenchConfig
+
+    config = BenchConfig(max_tokens=max_tokens, block_sizes=sizes, tree_budgets=budgets, temp=temp, top_p=top_p,
+                         top_k=top_k, min_p=min_p, seed=seed, repeats=repeats,
+                         simulate_acceptance=parse_simulate_acceptance(simulate_acceptance),
+                         enable_thinking=enable_thinking, warmup_tokens=warmup_tokens,
+                         draft_window=parse_draft_window(draft_window))
+    config.check()
+    return config
+
+
 def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_size, tree_budget, temp, top_p, top_k, min_p,
          seed, baseline, num_draft_tokens, enable_thinking, simulate_acceptance, draft_window, repeats, warmup_tokens,
          out, overwrite, plots, extra) -> None:
@@ -204,22 +227,13 @@ def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_siz
 
     from dflash_mlx.errors import InputError
 
-    check_sampling(temp, top_p, top_k, min_p, max_tokens)  # flags first: mlx-lm takes 2-3 s to import
     check_number("--num-samples", num_samples, at_least=0, rule="0 (all samples) or more")
     check_number("--num-draft-tokens", num_draft_tokens, at_least=1)
-    extra_sizes, extra_budgets = split_extra(block_size, tree_budget, extra)
-    budgets = parse_block_sizes(tree_budget, extra_budgets, "--tree-budget", default=())
-    sizes = parse_block_sizes(block_size, extra_sizes) if block_size or extra_sizes or not budgets else []
+    config = checked_config(max_tokens, block_size, tree_budget, temp, top_p, top_k, min_p, seed, enable_thinking,
+                            simulate_acceptance, draft_window, repeats, warmup_tokens, extra)
     datasets = [d for spec in dataset for d in spec.split(",") if d]
     from dflash_mlx.bench.plots import plots_available
-    from dflash_mlx.bench.runner import BenchConfig
 
-    config = BenchConfig(max_tokens=max_tokens, block_sizes=sizes, tree_budgets=budgets, temp=temp, top_p=top_p, top_k=top_k,
-                         min_p=min_p, seed=seed, repeats=repeats,
-                         simulate_acceptance=parse_simulate_acceptance(simulate_acceptance),
-                         enable_thinking=enable_thinking, warmup_tokens=warmup_tokens,
-                         draft_window=parse_draft_window(draft_window))
-    config.check()
     model, draft_model = resolve_models(model, draft_model, verify)
     if draft_model is None:
         raise InputError("dflash bench needs --draft-model (the DFlash drafter to measure)")

@@ -331,7 +331,6 @@ def _sse(obj: Dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-# Over 60 lines: the routes, read together; split after the hardening work lands
 def real_path(name: str) -> Optional[str]:
     """``name`` as a path with ``~``, links, ``.`` and ``..`` resolved; None when it cannot be one."""
     try:
@@ -340,6 +339,7 @@ def real_path(name: str) -> Optional[str]:
         return None
 
 
+# Over 60 lines: the routes, read together; split after the hardening work lands
 def create_app(pair: Any, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving ``pair``; run it with uvicorn (``dflash serve`` does).
 
