@@ -45,6 +45,6 @@ def resolve_model_path(path_or_repo: str, allow_patterns: List[str], what: str =
         raise CheckpointError(
             f"{what} '{path_or_repo}' is neither a local folder nor downloadable from "
             f"the Hugging Face hub ({type(e).__name__}). Offline, pass a local folder "
-            f"instead, e.g. `huggingface-cli download {path_or_repo} --local-dir DIR` "
+            f"instead, e.g. `hf download {path_or_repo} --local-dir DIR` "
             "on a connected machine, then point the flag at DIR."
         ) from None

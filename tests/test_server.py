@@ -387,6 +387,22 @@ def test_unknown_model(server):
     assert err["code"] == "model_not_found"
 
 
+def test_any_spelling_of_the_served_folder(server, model, tmp_path):
+    """As mlx_lm.server: `model` may name the folder the server was started with in any
+    spelling (the server runs in this test's working directory)."""
+    link = tmp_path / "link"
+    link.symlink_to(model)
+    relative = os.path.relpath(model)
+    spellings = [model + "/", relative, "./" + relative, f"~/{os.path.relpath(model, os.path.expanduser('~'))}",
+                 str(link), Path(model).name]
+    for name in spellings:
+        r = post(server[0], "/v1/completions", {"model": name, "prompt": "Once", "max_tokens": 2})
+        assert r.status_code == 200, (name, r.text)
+    for name in (model + "-other", str(tmp_path), "bad\x00name"):
+        err = check_error(post(server[0], "/v1/completions", {"model": name, "prompt": "Once"}), 404, "model")
+        assert err["code"] == "model_not_found"
+
+
 def test_prompt_past_the_context(server, model):
     ids = [3 + i % 500 for i in range(600)]
     err = check_error(post(server[0], "/v1/completions", {"model": model, "prompt": ids}),

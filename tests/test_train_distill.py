@@ -172,8 +172,9 @@ def test_evaluation_per_block_size(setup, tmp_path):
 
 def test_bad_kl_settings(setup, tmp_path):
     target, seqs = setup
-    for kw in (dict(kl_weight=-1.0), dict(kl_weight=1.0, kl_temperature=0.0)):
-        with pytest.raises(InputError, match="--kl-weight must be 0 or more and --kl-temperature above 0"):
+    for kw, message in ((dict(kl_weight=-1.0), "--kl-weight must be >= 0, got -1.0"),
+                        (dict(kl_weight=1.0, kl_temperature=0.0), "--kl-temperature must be > 0, got 0.0")):
+        with pytest.raises(InputError, match=message):
             Trainer(_drafter(target), target, seqs, TrainConfig(steps=1, **kw), tmp_path)
 
 

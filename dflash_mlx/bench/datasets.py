@@ -201,7 +201,7 @@ def _offline() -> bool:
 
 def _how_to_pass_a_file(name: str) -> str:
     local = HF_DATASETS[name][3]
-    example = f"../shared/datasets/{local}" if local else "prompts.jsonl"
+    example = local or "prompts.jsonl"
     return (f"Pass a local file instead: --dataset PATH (e.g. --dataset {example}); a JSONL in the "
             f"{name} format, or rows of 'prompt' or 'messages', is detected by its fields.")
 
@@ -217,12 +217,12 @@ def load_hub(name: str, num_samples: Optional[int] = None) -> List[Sample]:
     repo = args[0]
     if _offline():
         raise InputError(
-            f"dataset '{name}' ({repo} on the Hugging Face hub) cannot be downloaded: offline "
+            f"--dataset {name}: {repo} on the Hugging Face hub cannot be downloaded: offline "
             f"(HF_HUB_OFFLINE is set). {_how_to_pass_a_file(name)}"
         )
     if importlib.util.find_spec("datasets") is None:
         raise InputError(
-            f"dataset '{name}' ({repo}) loads from the Hugging Face hub with the 'datasets' "
+            f"--dataset {name}: {repo} loads from the Hugging Face hub with the 'datasets' "
             f"package, which is not installed (pip install datasets). {_how_to_pass_a_file(name)}"
         )
     from datasets import load_dataset as hf_load_dataset
@@ -231,7 +231,7 @@ def load_hub(name: str, num_samples: Optional[int] = None) -> List[Sample]:
         rows = hf_load_dataset(*args, split=split)
     except Exception as e:
         raise InputError(
-            f"dataset '{name}' ({repo}) could not be loaded from the Hugging Face hub "
+            f"--dataset {name}: {repo} could not be loaded from the Hugging Face hub "
             f"({type(e).__name__}). {_how_to_pass_a_file(name)}"
         ) from None
     fmt = next(f for f in FORMATS if f.name == fmt_name)

@@ -22,6 +22,13 @@ from .report import variant_name, variant_order
 PLOT_FILES = ("speedup.png", "acceptance_histogram.png", "tokens_per_s.png")
 
 
+def plots_available() -> bool:
+    """Whether matplotlib can be imported (the ``plot`` extra is installed)."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def require_matplotlib() -> None:
     """Raises InputError (naming the extra and --no-plots) when matplotlib is missing."""
     _pyplot()

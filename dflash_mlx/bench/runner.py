@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import mlx.core as mx
 
 from ..errors import InputError
+from ..ranges import check_number
 from ..decode.generate import check_block_size, generate_step
 from ..sampling import Sampling
 from .simulate import SimulatedDrafter
@@ -195,21 +196,46 @@ class BenchConfig:
     draft_window: Optional[tuple] = None
 
     def check(self) -> None:
-        """Raises InputError naming the flag that is out of range."""
-        if self.max_tokens < 1:
-            raise InputError(f"--max-tokens must be at least 1, got {self.max_tokens}")
-        if self.repeats < 1:
-            raise InputError(f"--repeats must be at least 1, got {self.repeats}")
+        """Raises InputError naming the flag that is out of range (before anything loads)."""
+        check_number("--max-tokens", self.max_tokens, at_least=1)
+        check_number("--repeats", self.repeats, at_least=1)
+        check_number("--warmup-tokens", self.warmup_tokens, at_least=0)
+        check_number("--seed", self.seed, at_least=0, at_most=2**64 - 1)
+        for b in self.block_sizes:
+            if isinstance(b, int):
+                check_number("--block-size", b, at_least=2, rule="at least 2 (or 'auto')")
+        for n in self.tree_budgets:
+            if n != "auto":
+                check_number("--tree-budget", n, at_least=1, rule="a node count >= 1 or 'auto'")
         if self.simulate_acceptance is not None:
-            trace = [self.simulate_acceptance] if isinstance(self.simulate_acceptance, int) \
-                else list(self.simulate_acceptance)
-            if not trace or min(trace) < 0:
-                raise InputError(f"--simulate-acceptance must be >= 0 (or a trace of such), got {self.simulate_acceptance}")
             if self.temp != 0:
                 raise InputError("--simulate-acceptance needs --temp 0 (it replays the greedy continuation)")
+            fixed = [b for b in self.block_sizes if isinstance(b, int)]
+            if not self.tree_budgets and fixed and len(fixed) == len(self.block_sizes):
+                check_acceptance(self.simulate_acceptance, max(fixed))
+            else:
+                check_acceptance(self.simulate_acceptance, None)
 
     def sampler(self) -> Sampling:
         return Sampling(self.temp, self.top_p, self.min_p, self.top_k)
+
+
+def check_acceptance(accept: Union[int, Sequence[int]], block_size: Optional[int]) -> None:
+    """``--simulate-acceptance``: A in ``0..B-1``, the drafts of the largest block B
+    drafted (no upper bound while B is not known); a trace's counts >= 0 (recorded at
+    the trained block size, they are cut to B-1 at smaller ones).
+
+    Raises:
+        InputError: naming the flag and B; an empty trace.
+    """
+    if isinstance(accept, int):
+        most = None if block_size is None else block_size - 1
+        rule = "at least 0" if most is None else f"in 0..{most} (a block of {block_size} holds {most} drafts)"
+        check_number("--simulate-acceptance", accept, at_least=0, at_most=most, rule=rule)
+    elif not accept:
+        raise InputError("--simulate-acceptance: the trace is empty")
+    else:
+        check_number("--simulate-acceptance", min(accept), at_least=0, rule="a trace of counts >= 0")
 
 
 @dataclass
@@ -259,6 +285,8 @@ class Runner:
         self.variants = [(b if b == "auto" else check_block_size(b, drafter), None) for b in config.block_sizes]
         self.variants += [("auto" if n == "auto" else None, n) for n in config.tree_budgets]
         self.block_sizes = [check_block_size(b, drafter) for b, _ in self.variants]
+        if config.simulate_acceptance is not None:
+            check_acceptance(config.simulate_acceptance, max(self.block_sizes))
         self._warm = False
         self._continuations: Dict[tuple, List[int]] = {}
         self._prompts = 0  # prompts seen, for where a replayed trace starts

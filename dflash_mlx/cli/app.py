@@ -1,6 +1,8 @@
 """``dflash``: the Typer app. Each command is thin wiring over the library;
 :mod:`dflash_mlx.cli.main` runs it and turns flag errors into one line."""
 
+from functools import lru_cache
+
 import typer
 
 from .bench import bench
@@ -25,8 +27,19 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"dflash-mlx {version('dflash-mlx')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version (dflash-mlx X.Y.Z) and exit."),
+) -> None:
     """DFlash speculative decoding on MLX."""
 
 
@@ -38,3 +51,10 @@ app.command(short_help="Train a drafter for a target.")(train)
 app.command(context_settings={"allow_extra_args": True}, short_help="Benchmark against a baseline.")(bench)
 app.command(short_help="Serve the pair over the OpenAI API.")(serve)
 app.command(short_help="Convert a target and its drafter into one folder.")(convert)
+
+
+@lru_cache(maxsize=None)
+def command():
+    """The app as a click command, built once per process (typer builds it at each call
+    of ``app``; a process that runs several commands, such as the tests, reuses it)."""
+    return typer.main.get_command(app)

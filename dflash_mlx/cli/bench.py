@@ -7,7 +7,10 @@ from typing import List, Optional
 
 import typer
 
-from .common import MODEL_HELP, check_sampling, guard, parse_draft_window, resolve_models, top_k_option, verify_option
+from dflash_mlx.ranges import check_number
+
+from .common import (MODEL_HELP, check_sampling, guard, parse_draft_window, resolve_models, top_k_option, verify_option,
+                     warn)
 
 
 # Over 60 lines: a typer command: its length is its option list
@@ -93,6 +96,7 @@ def bench(
       dflash bench --model M --draft-model D --dataset gsm8k --simulate-acceptance 5
       dflash bench --model M --draft-model D --agent-trace benchmarks/traces/agent_mbpp.jsonl
     """
+    guard(lambda: check_number("--prefill-step-size", prefill_step_size, at_least=1))
     if agent_trace:
         return guard(lambda: _agent(model, draft_model, verify, agent_trace, max_tokens, block_size, list(ctx.args),
                                     prefill_step_size, out, overwrite))
@@ -198,6 +202,29 @@ def files_lines(report: dict) -> List[str]:
     return lines
 
 
+def checked_config(max_tokens, block_size, tree_budget, temp, top_p, top_k, min_p, seed, enable_thinking,
+                   simulate_acceptance, draft_window, repeats, warmup_tokens, extra):
+    """The run's flags as a :class:`dflash_mlx.bench.runner.BenchConfig`, checked before
+    anything loads (mlx-lm takes 2-3 s to import).
+
+    Raises:
+        InputError: naming the flag out of range.
+    """
+    check_sampling(temp, top_p, top_k, min_p, max_tokens)
+    extra_sizes, extra_budgets = split_extra(block_size, tree_budget, extra)
+    budgets = parse_block_sizes(tree_budget, extra_budgets, "--tree-budget", default=())
+    sizes = parse_block_sizes(block_size, extra_sizes) if block_size or extra_sizes or not budgets else []
+    from dflash_mlx.bench.runner import BenchConfig
+
+    config = BenchConfig(max_tokens=max_tokens, block_sizes=sizes, tree_budgets=budgets, temp=temp, top_p=top_p,
+                         top_k=top_k, min_p=min_p, seed=seed, repeats=repeats,
+                         simulate_acceptance=parse_simulate_acceptance(simulate_acceptance),
+                         enable_thinking=enable_thinking, warmup_tokens=warmup_tokens,
+                         draft_window=parse_draft_window(draft_window))
+    config.check()
+    return config
+
+
 def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_size, tree_budget, temp, top_p, top_k, min_p,
          seed, baseline, num_draft_tokens, enable_thinking, simulate_acceptance, draft_window, repeats, warmup_tokens,
          out, overwrite, plots, extra) -> None:
@@ -208,27 +235,21 @@ def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_siz
 
     from dflash_mlx.errors import InputError
 
-    check_sampling(temp, top_p, top_k, min_p, max_tokens)  # flags first: mlx-lm takes 2-3 s to import
-    if num_samples < 0:
-        raise InputError(f"--num-samples must be 0 (all samples) or more, got {num_samples}")
-    extra_sizes, extra_budgets = split_extra(block_size, tree_budget, extra)
-    budgets = parse_block_sizes(tree_budget, extra_budgets, "--tree-budget", default=())
-    sizes = parse_block_sizes(block_size, extra_sizes) if block_size or extra_sizes or not budgets else []
-    for n in budgets:
-        if n != "auto" and n < 1:
-            raise InputError(f"--tree-budget must be a node count >= 1 or 'auto', got {n}")
+    check_number("--num-samples", num_samples, at_least=0, rule="0 (all samples) or more")
+    check_number("--num-draft-tokens", num_draft_tokens, at_least=1)
+    config = checked_config(max_tokens, block_size, tree_budget, temp, top_p, top_k, min_p, seed, enable_thinking,
+                            simulate_acceptance, draft_window, repeats, warmup_tokens, extra)
+    datasets = [d for spec in dataset for d in spec.split(",") if d]
+    from dflash_mlx.bench.plots import plots_available
+
     model, draft_model = resolve_models(model, draft_model, verify)
     if draft_model is None:
         raise InputError("dflash bench needs --draft-model (the DFlash drafter to measure)")
-    datasets = [d for spec in dataset for d in spec.split(",") if d]
-    simulate_acceptance = parse_simulate_acceptance(simulate_acceptance)
-    window = parse_draft_window(draft_window)
-    from dflash_mlx.bench import BenchConfig, bench
+    if plots and not plots_available():
+        warn("matplotlib is not installed: no plots are drawn (pip install 'dflash-mlx[plot]', or pass --no-plots)")
+        plots = False
+    from dflash_mlx.bench import bench
     from dflash_mlx.bench.report import cycle_table, histogram_lines, results_table
-
-    config = BenchConfig(max_tokens=max_tokens, block_sizes=sizes, tree_budgets=budgets, temp=temp, top_p=top_p, top_k=top_k,
-                         min_p=min_p, seed=seed, repeats=repeats, simulate_acceptance=simulate_acceptance,
-                         enable_thinking=enable_thinking, warmup_tokens=warmup_tokens, draft_window=window)
 
     console = Console(stderr=True)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

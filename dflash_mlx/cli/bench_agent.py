@@ -14,8 +14,8 @@ def run_agent_traces(model: str, draft_model: Optional[str], traces: List[str], 
     """Replay each trace in every mode and report (see :mod:`dflash_mlx.bench.agent`).
 
     Raises:
-        InputError: a trace that cannot be read, ``--out`` holding results without ``--overwrite``,
-            or ``--prefill-step-size`` below 1.
+        InputError: a trace that cannot be read, ``--out`` holding results without ``--overwrite``
+            (``--prefill-step-size`` is checked by the command).
     """
     from rich.console import Console
     from rich.table import Table
@@ -23,8 +23,6 @@ def run_agent_traces(model: str, draft_model: Optional[str], traces: List[str], 
     from dflash_mlx import InputError, load
     from dflash_mlx.bench.agent import MODES, encode_requests, read_agent_trace, run_trace, summarize, write_results
 
-    if prefill_step_size is not None and prefill_step_size < 1:
-        raise InputError(f"--prefill-step-size must be at least 1, got {prefill_step_size}")
     requests = {Path(t).stem: read_agent_trace(t) for t in traces}
     results = Path(out) / "results.json"
     if results.exists() and not overwrite:

@@ -12,6 +12,7 @@ import typer
 
 from dflash_mlx.errors import DFlashError, InputError
 from dflash_mlx.hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
+from dflash_mlx.ranges import check_number
 
 MODEL_HELP = (
     "Target model: a local mlx-lm folder or a Hugging Face repo id (downloaded into "
@@ -196,8 +197,7 @@ def resolve_prefill_step(value: Optional[int]) -> int:
         import mlx.core as mx
 
         return PREFILL_STEP_GPU if mx.default_device() == mx.gpu else PREFILL_STEP_CPU
-    if value < 1:
-        raise InputError(f"--prefill-step-size must be at least 1, got {value}")
+    check_number("--prefill-step-size", value, at_least=1)
     return value
 
 
@@ -209,11 +209,18 @@ def fail(message: str, code: int = 1) -> None:
 
 def resolve_models(model: Optional[str], draft_model: Optional[str], verify: bool = False) -> tuple[str, Optional[str]]:
     """Defaults: no flags -> the Qwen3-4B pair; --model alone -> plain decoding, unless
-    it is a `dflash convert` folder (its target/ and drafter/; hashes checked if ``verify``)."""
+    it is a `dflash convert` folder (its target/ and drafter/; hashes checked if ``verify``).
+
+    Raises:
+        InputError: ``--draft-model`` or ``--verify`` without ``--model``.
+    """
     from dflash_mlx.pair.manifest import resolve_pair
 
     if verify and model is None:
         raise InputError("--verify needs --model DIR, a folder written by dflash convert")
+    if model is None and draft_model is not None:
+        raise InputError(f"--draft-model needs --model, the target it drafts for "
+                         f"(with neither flag: {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL})")
     if model is None and draft_model is None:
         return DEFAULT_MODEL, DEFAULT_DRAFT_MODEL
     model, draft_model = resolve_pair(model, draft_model, verify)
@@ -280,25 +287,20 @@ def parse_template_config(value: Optional[str]) -> dict:
 def check_sampling(temp: float, top_p: float, top_k: int, min_p: float, max_tokens: int) -> None:
     """Range checks for the sampling flags; errors name the flag."""
     check_temp(temp)
-    if not 0 < top_p <= 1:
-        raise InputError(f"--top-p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise InputError(f"--top-k must be >= 0, got {top_k}")
-    if not 0 <= min_p <= 1:
-        raise InputError(f"--min-p must be in [0, 1], got {min_p}")
+    check_number("--top-p", top_p, above=0, at_most=1)
+    check_number("--top-k", top_k, at_least=0)
+    check_number("--min-p", min_p, at_least=0, at_most=1)
     check_max_tokens(max_tokens)
 
 
 def check_temp(temp: float, name: str = "--temp") -> None:
-    """Raises InputError naming ``name`` (the flag, or the chat command) if temp < 0."""
-    if temp < 0:
-        raise InputError(f"{name} must be >= 0, got {temp}")
+    """Raises InputError naming ``name`` (the flag, or the chat command) unless 0 <= temp < inf."""
+    check_number(name, temp, at_least=0)
 
 
 def check_max_tokens(max_tokens: int, name: str = "--max-tokens") -> None:
     """Raises InputError naming ``name`` if max_tokens < 1."""
-    if max_tokens < 1:
-        raise InputError(f"{name} must be at least 1, got {max_tokens}")
+    check_number(name, max_tokens, at_least=1)
 
 
 def check_system_prompt(system_prompt: Optional[str], tokenizer, ignore_chat_template: bool) -> None:

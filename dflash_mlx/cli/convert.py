@@ -64,10 +64,12 @@ def _run(validate, **kwargs) -> None:
     from rich.console import Console
 
     from dflash_mlx import ValidationError
-    from dflash_mlx.pair.convert import convert as convert_pair
+    from dflash_mlx.pair.convert import check_options, convert as convert_pair
 
     from .common import check_out_folder
 
+    check_options(*(kwargs[k] for k in ("quantize", "q_bits", "q_group_size", "q_mode", "draft_q_bits",
+                                        "draft_q_group_size", "dtype")))  # flags first, then the folders
     check_out_folder(kwargs["out"])
     console = Console(stderr=True)
     stages = _Stages(console)

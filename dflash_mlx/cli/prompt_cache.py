@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from dflash_mlx.errors import InputError
+from dflash_mlx.ranges import check_number
 
 
 def prompt_cache_dir_option():
@@ -33,12 +34,11 @@ def make_store(directory: Optional[str], off: bool, gb: float, warn=None):
     """The prompt cache the flags ask for, or None (``--no-prompt-cache``).
 
     Raises:
-        InputError: ``--prompt-cache-gb`` not above 0, or ``--prompt-cache-dir`` a file.
+        InputError: ``--prompt-cache-gb`` not a finite number above 0, or ``--prompt-cache-dir`` a file.
     """
+    check_number("--prompt-cache-gb", gb, above=0)
     if off:
         return None
-    if not gb > 0:
-        raise InputError(f"--prompt-cache-gb must be > 0, got {gb}")
     root = Path(directory).expanduser() if directory else None
     if root is not None and root.exists() and not root.is_dir():
         raise InputError(f"--prompt-cache-dir {root} is a file, not a folder")

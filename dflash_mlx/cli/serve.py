@@ -8,6 +8,8 @@ from typing import Optional
 
 import typer
 
+from dflash_mlx.ranges import check_number
+
 from .common import (block_size_option, draft_model_option, guard, load_pair, model_option, prefill_step_option,
                      recalibrate_option, resolve_models, resolve_prefill_step)
 from .prompt_cache import make_store, no_prompt_cache_option, prompt_cache_dir_option, prompt_cache_gb_option
@@ -99,24 +101,14 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     # flag is reported at once.
     if log_level not in LOG_LEVELS:
         raise InputError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level}")
-    if max_tokens < 1:
-        raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
-    if max_queue < 0:
-        raise InputError(f"--max-queue must be >= 0, got {max_queue}")
-    if not 1 <= max_batch <= MAX_BATCH:
-        raise InputError(f"--max-batch must be in 1..{MAX_BATCH}, got {max_batch}")
-    if max_body_mb <= 0:
-        raise InputError(f"--max-body-mb must be > 0, got {max_body_mb}")
-    if max_prompt_chars is not None and max_prompt_chars < 1:
-        raise InputError(f"--max-prompt-chars must be at least 1, got {max_prompt_chars}")
-    if not request_timeout >= 0:
-        raise InputError(f"--request-timeout must be >= 0, got {request_timeout}")
-    if not idle_timeout > 0:
-        raise InputError(f"--idle-timeout must be > 0, got {idle_timeout}")
-    if max_connections < 2:
-        raise InputError(f"--max-connections must be at least 2, got {max_connections}")
-    if not 0 <= port <= 65535:
-        raise InputError(f"--port must be in 0..65535, got {port}")
+    for flag, value, least in (("--max-tokens", max_tokens, 1), ("--max-queue", max_queue, 0),
+                               ("--max-prompt-chars", max_prompt_chars, 1), ("--request-timeout", request_timeout, 0)):
+        check_number(flag, value, at_least=least)
+    check_number("--max-batch", max_batch, at_least=1, at_most=MAX_BATCH)
+    check_number("--max-body-mb", max_body_mb, above=0)
+    check_number("--idle-timeout", idle_timeout, above=0)
+    check_number("--max-connections", max_connections, at_least=2)
+    check_number("--port", port, at_least=0, at_most=65535)
     prefill_step_size = resolve_prefill_step(prefill_step_size)
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None

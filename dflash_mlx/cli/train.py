@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
 
@@ -10,6 +11,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from dflash_mlx.ranges import check_number
 
 from .common import guard, parse_template_config, quiet_transformers
 
@@ -67,6 +70,11 @@ def _data(model, out, prompts, text, self_prompts, self_prompt_tokens, self_prom
 
     # Flags first, then the imports of mlx-lm and transformers (2-3 s): a bad flag is
     # reported at once.
+    check_lengths(max_tokens, max_length, None)
+    for flag, value, least in (("--self-prompts", self_prompts, 0), ("--self-prompt-tokens", self_prompt_tokens, 1),
+                               ("--temp", temp, 0), ("--batch-size", batch_size, 1), ("--shard-size", shard_size, 1)):
+        check_number(flag, value, at_least=least)
+    check_number("--seed", seed, at_least=0, at_most=2**63 - 1)  # seed + i seeds the i-th batch
     check_out_folder(out)
 
     if not (prompts or text or self_prompts):
@@ -111,10 +119,8 @@ def check_lengths(max_tokens: int, max_length: Optional[int], context: Optional[
     """
     from dflash_mlx import InputError
 
-    if max_tokens < 1:
-        raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
-    if max_length is not None and max_length < 2:
-        raise InputError(f"--max-length must be at least 2, got {max_length}")
+    check_number("--max-tokens", max_tokens, at_least=1)
+    check_number("--max-length", max_length, at_least=2)
     if context is not None:
         if max_tokens >= context:
             raise InputError(f"--max-tokens {max_tokens} does not fit the target's context of {context} tokens "
@@ -211,16 +217,23 @@ def _train(model, data_dirs, out, layers, block_size, block_sizes, target_layer_
 
     from .common import check_out_folder
 
-    check_out_folder(out)
-
+    # Flags first, then the folders, then the target: a bad value is reported at once.
     if dtype not in ("float32", "bfloat16"):
         raise InputError(f"--dtype must be float32 or bfloat16, got {dtype}")
-    try:
-        ids = [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None
-    except ValueError:
-        raise InputError(f"--target-layer-ids must be comma-separated integers, got {target_layer_ids!r}") from None
+    ids = parse_numbers(target_layer_ids, "--target-layer-ids", int)
     sizes = parse_numbers(block_sizes, "--block-sizes", int)
     gammas = parse_numbers(gamma, "--gamma", float)
+    for flag, value, least in (("--layers", layers, 1), ("--block-size", block_size, 2),
+                               ("--mask-token-id", mask_token_id, 0), ("--intermediate-size", intermediate_size, 1),
+                               *(("--target-layer-ids", i, 0) for i in ids or ())):
+        check_number(flag, value, at_least=least)
+    config = TrainConfig(steps=steps, grad_accum=grad_accum, anchors=anchors, anchor_chunk=anchor_chunk, lr=lr,
+                         warmup=warmup, grad_clip=grad_clip, gamma=gammas[0] if gammas and len(gammas) == 1 else gammas,
+                         dtype=dtype, seed=seed, eval_every=eval_every, eval_sequences=held_out, save_every=save_every,
+                         block_sizes=sizes, kl_weight=kl_weight, kl_temperature=kl_temperature,
+                         miss_anchors=miss_anchors)
+    config.check()
+    check_out_folder(out)
     if sizes and block_size is not None and block_size != max(sizes):
         raise InputError(f"--block-size {block_size}: the drafter's block size is the largest of --block-sizes "
                          f"({max(sizes)}); leave --block-size out")
@@ -233,13 +246,7 @@ def _train(model, data_dirs, out, layers, block_size, block_sizes, target_layer_
     sequences = [seq for folder in data_dirs for seq in load_sequences(folder)]
     n_held = min(held_out, len(sequences) // 2)
     train_seqs, eval_seqs = sequences[: len(sequences) - n_held], sequences[len(sequences) - n_held:]
-    if anchor_chunk < 0:
-        raise InputError(f"--anchor-chunk must be 0 (all at once) or more, got {anchor_chunk}")
-    config = TrainConfig(steps=steps, grad_accum=grad_accum, anchors=anchors, anchor_chunk=anchor_chunk, lr=lr,
-                         warmup=warmup, grad_clip=grad_clip, gamma=gammas[0] if gammas and len(gammas) == 1 else gammas,
-                         dtype=dtype, seed=seed, eval_every=eval_every, eval_sequences=n_held, save_every=save_every,
-                         block_sizes=sizes, kl_weight=kl_weight, kl_temperature=kl_temperature,
-                         miss_anchors=miss_anchors)
+    config = replace(config, eval_sequences=n_held)
     features = features_dir or (out / "features" if cache_features else None)
     if resume:
         trainer = Trainer.resume(pair.target, train_seqs, config, out, eval_seqs, features)

@@ -19,6 +19,7 @@ import numpy as np
 from .calibration import Calibration, CalibrationStore, MeasuredTimings, Timings, store_key
 from .cost import CHAIN, PLAIN, TREE, CostModel
 from ..errors import InputError
+from ..ranges import check_number
 from .tree import DraftTree, build_tree
 
 AUTO = "auto"
@@ -50,14 +51,16 @@ def parse_block_size(value) -> Optional[int | str]:
     """``--block-size``: ``auto``, an integer, or None (the drafter's trained size).
 
     Raises:
-        InputError: neither an integer nor ``auto``.
+        InputError: neither an integer nor ``auto``, or an integer below 2.
     """
     if value is None or value == AUTO or isinstance(value, int):
         return value
     try:
-        return int(value)
+        n = int(value)
     except ValueError:
         raise InputError(f"--block-size must be an integer or 'auto', got {value!r}") from None
+    check_number("--block-size", n, at_least=2, rule="at least 2 (or 'auto')")
+    return n
 
 
 def parse_tree_budget(value) -> Optional[int | str]:
@@ -72,8 +75,7 @@ def parse_tree_budget(value) -> Optional[int | str]:
         n = int(value)
     except (TypeError, ValueError):
         raise InputError(f"--tree-budget must be a node count >= 1 or 'auto', got {value!r}") from None
-    if n < 1:
-        raise InputError(f"--tree-budget must be a node count >= 1 or 'auto', got {n}")
+    check_number("--tree-budget", n, at_least=1, rule="a node count >= 1 or 'auto'")
     return n
 
 

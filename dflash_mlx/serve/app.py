@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -127,14 +128,20 @@ class Server:
                                   store=config.prompt_store)
         self.context = context_length(pair.model)
         self.char_cap = prompt_char_cap(self.context, config.max_prompt_chars)
-        self.names = {config.model_id, PurePath(config.model_id).name}
+        self.names = {config.model_id, PurePath(config.model_id).name, real_path(config.model_id)}
         self.created = int(time.time())
         self.tool_warnings: set = set()  # what check_tool_support logged once
 
     # -- requests to prompt ids ---------------------------------------------------
 
     def check_model(self, name: str) -> None:
-        if name not in self.names:
+        """The request's ``model``: the served name, its folder's base name, or any
+        spelling of the same folder (relative, ``~``, a trailing slash, a link).
+
+        Raises:
+            APIError: 404 ``model_not_found`` for anything else.
+        """
+        if name not in self.names and real_path(name) not in self.names:
             raise APIError(404, f"model: '{name}' is not served here; this server serves "
                                 f"'{self.config.model_id}' (see GET /v1/models)", "model", "model_not_found")
 
@@ -322,6 +329,14 @@ def gone() -> Response:
 
 def _sse(obj: Dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+def real_path(name: str) -> Optional[str]:
+    """``name`` as a path with ``~``, links, ``.`` and ``..`` resolved; None when it cannot be one."""
+    try:
+        return os.path.realpath(os.path.expanduser(name))
+    except (ValueError, OSError):  # a NUL byte, a name too long
+        return None
 
 
 # Over 60 lines: the routes, read together; split after the hardening work lands

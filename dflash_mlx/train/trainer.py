@@ -39,6 +39,7 @@ from ..drafter.checkpoint import load_drafter, save_drafter
 from ..drafter.network import DFlashDrafter
 from ..drafter.config import DrafterArgs, default_target_layer_ids
 from ..errors import InputError, MismatchError
+from ..ranges import check_number
 from ..pair.manifest import sha256_file
 from ..kernels import fast_softmax
 from ..pair.loading import bind_drafter
@@ -110,6 +111,31 @@ class TrainConfig:
     eval_sequences: int = 16
     save_every: int = 0
     keep_checkpoints: int = 3
+
+    def check(self) -> None:
+        """Range checks of every setting, before anything is loaded.
+
+        Raises:
+            InputError: naming the flag of the first setting out of range (NaN and
+                infinities included).
+        """
+        flag = {**RUN_SETTINGS, "anchor_chunk": "--anchor-chunk", "eval_every": "--eval-every",
+                "save_every": "--save-every", "eval_sequences": "--held-out", "keep_checkpoints": "keep_checkpoints"}
+        for name in ("steps", "grad_accum", "anchors", "keep_checkpoints"):
+            check_number(flag[name], getattr(self, name), at_least=1)
+        for name in ("anchor_chunk", "eval_every", "save_every", "eval_sequences", "min_lr", "weight_decay",
+                     "kl_weight"):
+            check_number(flag[name], getattr(self, name), at_least=0)
+        for name in ("lr", "grad_clip", "kl_temperature"):
+            check_number(flag[name], getattr(self, name), above=0)
+        check_number("--warmup", self.warmup, at_least=0, at_most=1, rule="a fraction from 0 to 1")
+        check_number("--miss-anchors", self.miss_anchors, at_least=0, at_most=1, rule="a fraction from 0 to 1")
+        check_number("--seed", self.seed, at_least=0, at_most=2**64 - 1)
+        gammas = self.gamma if isinstance(self.gamma, (list, tuple)) else [self.gamma]
+        for g in gammas:
+            check_number("--gamma", g, above=0)
+        for b in self.block_sizes or ():
+            check_number("--block-sizes", b, at_least=2)
 
 
 @dataclass
@@ -568,16 +594,12 @@ class Trainer:
     def __init__(self, drafter: DFlashDrafter, target: TargetAdapter, sequences: List[TrainSequence],
                  config: TrainConfig, out_dir: str | Path, held_out: Optional[List[TrainSequence]] = None,
                  feature_cache: Optional[str | Path] = None):
+        config.check()
         B = drafter.block_size
         self.plan = block_size_plan(config, B)
         usable = [s for s in sequences if valid_anchors(s.tokens.size, s.response_start, B).size]
         if not usable:
             raise InputError(f"no training sequence is long enough for block size {B}")
-        if not 0 <= config.miss_anchors <= 1:
-            raise InputError(f"--miss-anchors must be a fraction from 0 to 1, got {config.miss_anchors}")
-        if config.kl_weight < 0 or config.kl_temperature <= 0:
-            raise InputError(f"--kl-weight must be 0 or more and --kl-temperature above 0, got "
-                             f"{config.kl_weight} and {config.kl_temperature}")
         self.drafter, self.target, self.sequences, self.config = drafter, target, usable, config
         self.held_out = held_out or []
         self.out = Path(out_dir)
