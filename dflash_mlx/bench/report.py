@@ -108,8 +108,9 @@ def engine_summary(runs: Sequence[RunRecord]) -> dict:
         "s_per_token_median": median(seconds_per_token(r) for r in runs),
         "generation_tokens_total": sum(r.generation_tokens for r in runs),
         "steps": stats.steps,
-        "tau": stats.tau if stats.steps else None,
-        "acceptance_rate": stats.acceptance_rate if stats.drafted else None,
+        "plain_steps": stats.plain_steps,
+        "tau": stats.tau,
+        "acceptance_rate": stats.acceptance_rate,
         "acceptance_histogram": histogram_dict(stats.histogram),
     }
 

@@ -416,13 +416,13 @@ class ChatSession:
         t = self.totals
         lines = [
             f"Turns: {self.turns} ({self.interrupted} interrupted)",
-            f"Prompt: {t.prompt_tokens} tokens prefilled, {self.reused_tokens} reused from the cache, "
-            f"{t.prompt_tps:.3f} tokens-per-sec",
+            t.prompt_line(),
             f"Generation: {t.generation_tokens} tokens, {t.generation_tps:.3f} tokens-per-sec",
         ]
         if self.drafter is not None:
             lines.append(f"Acceptance: {t.acceptance_line()}")
-            lines.append("Histogram: " + format_histogram(t.histogram))
+            if t.steps:
+                lines.append("Histogram: " + format_histogram(t.histogram))
         lines.append(f"Peak memory: {t.peak_memory_gb:.3f} GB")
         offs = {k: sorted(set(v)) for k, v in self.offsets().items()}
         where = ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in offs.items())

@@ -145,15 +145,11 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
     if off:
         warn(f"--tree-budget is off, chains verify instead: {off}")
     if as_json:
-        reused = cached.last_reused if cached is not None else 0
-        print(json.dumps({"text": "".join(out), "finish_reason": finish, **stats.to_dict(),
-                          "prompt_tokens": len(ids), "prompt_tokens_reused": reused,
-                          "prompt_tokens_prefilled": stats.prompt_tokens, "ttft_s": stats.prompt_s}))
+        print(json.dumps({"text": "".join(out), "finish_reason": finish, **stats.to_dict(), "ttft_s": stats.prompt_s}))
     else:
         print()
     if verbose:
         for line in stats.format_lines():
             print(line, file=sys.stderr)
-        if cached is not None:
-            source = f" (from {cached.last_source})" if cached.last_source else ""
-            print(f"Prompt cache: {cached.last_reused} of {len(ids)} prompt tokens reused{source}", file=sys.stderr)
+        if cached is not None and cached.last_source:
+            print(f"Prompt cache: reused from {cached.last_source}", file=sys.stderr)

@@ -241,10 +241,10 @@ def usage(prompt_tokens: int, reused: int, stats: GenerationStats) -> Dict[str, 
     Returns:
         ``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
         ``prompt_tokens_details.cached_tokens``, and ``dflash``: the statistics of
-        :meth:`GenerationStats.to_dict` (tau, steps, acceptance histogram keyed by
-        acceptance length, tokens/s, ``speculative`` and ``reason``) with
-        ``prompt_tokens_reused`` and ``prompt_tokens_prefilled`` in place of its
-        ``prompt_tokens``.
+        :meth:`GenerationStats.to_dict` (tau, steps, plain steps, acceptance histogram
+        keyed by acceptance length, tokens/s, ``speculative`` and ``reason``,
+        ``prompt_tokens_reused`` and ``prompt_tokens_prefilled``) but its
+        ``prompt_tokens`` and ``tokens`` (given above).
     """
     d = stats.to_dict(trace=False)
     d.pop("prompt_tokens")
@@ -254,7 +254,7 @@ def usage(prompt_tokens: int, reused: int, stats: GenerationStats) -> Dict[str, 
         "completion_tokens": stats.generation_tokens,
         "total_tokens": prompt_tokens + stats.generation_tokens,
         "prompt_tokens_details": {"cached_tokens": reused},
-        "dflash": {"prompt_tokens_reused": reused, "prompt_tokens_prefilled": stats.prompt_tokens, **d},
+        "dflash": d,
     }
 
 
