@@ -230,13 +230,12 @@ class CompletionRequest(GenerationFields):
 # -- responses -----------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, reused: int, stats: GenerationStats) -> Dict[str, Any]:
+def usage(stats: GenerationStats) -> Dict[str, Any]:
     """The ``usage`` object: OpenAI's counts plus ``dflash``.
 
     Args:
-        prompt_tokens: tokens of the whole prompt.
-        reused: of those, tokens found in the caches (not prefilled).
-        stats: the generation's statistics (``dflash_mlx.stats``).
+        stats: the generation's statistics (``dflash_mlx.stats``): its prompt
+            tokens are the whole prompt's, ``prompt_reused`` those found in the caches.
 
     Returns:
         ``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
@@ -250,10 +249,10 @@ def usage(prompt_tokens: int, reused: int, stats: GenerationStats) -> Dict[str, 
     d.pop("prompt_tokens")
     d.pop("tokens")
     return {
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generation_tokens,
-        "total_tokens": prompt_tokens + stats.generation_tokens,
-        "prompt_tokens_details": {"cached_tokens": reused},
+        "total_tokens": stats.prompt_tokens + stats.generation_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.prompt_reused},
         "dflash": d,
     }
 

@@ -230,7 +230,7 @@ class BatchEngine(Engine):
         stats.generation_tokens += len(result.tokens)
         stats.generation_s = time.perf_counter() - req.first
         text = req.text.add(result.tokens, last)
-        u = usage(len(req.spec.ids), req.joining.reused, stats) if last else None
+        u = usage(stats) if last else None
         self._send(req.job, Chunk(text, result.finish_reason, u))
         if last:
             if req in self._active:

@@ -335,7 +335,7 @@ class Engine:
                     outcome = "timeout"
                     break
                 last = r.finish_reason is not None
-                u = usage(len(spec.ids), self.pair_cache.last_reused, r.stats) if last else None
+                u = usage(r.stats) if last else None
                 job.push(Chunk(r.text, r.finish_reason, u))
                 if last:
                     outcome = "completed"
