@@ -39,22 +39,12 @@ def print_table(table: Table, console: Optional[Console] = None) -> None:
 
 
 def fitted(table: Table, width: int) -> Table:
-    """``table`` made to fit ``width`` terminal columns: a light box, cells that fold
-    (never cut to ``…``), and the widest columns capped, one character at a time, until
-    its narrowest layout fits (Rich cannot fold a cell below its longest word otherwise)."""
+    """``table`` made to fit ``width`` terminal columns: a light box without edges,
+    padding shared between neighbours, and cells (headers too) that fold onto the next
+    line where a column must narrow, never cut to ``…``."""
     table.box, table.show_edge, table.pad_edge, table.collapse_padding = box.SIMPLE_HEAD, False, False, True
     for column in table.columns:
         column.overflow, column.no_wrap = "fold", False
-    wide = Console(width=PLAIN_WIDTH)
-    excess = wide.measure(table).minimum - width
-    if excess <= 0:
-        return table
-    least = [max(wide.measure(cell).minimum for cell in [column.header, *column.cells]) for column in table.columns]
-    while excess > 0 and max(least) > 3:
-        least[least.index(max(least))] -= 1
-        excess -= 1
-    for column, most in zip(table.columns, least):
-        column.max_width = most
     return table
 
 
