@@ -287,7 +287,7 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         self.pair_cache.reset()
         self.totals = GenerationStats(block_size=self.drafter.block_size if self.drafter is not None else 1)
-        self.turns = self.interrupted = self.reused_tokens = 0
+        self.turns = self.interrupted = 0
 
     def stream(
         self,
@@ -361,7 +361,7 @@ class ChatSession:
                 self.messages.append({"role": "assistant", "content": content if cut is None else content[:cut]})
             else:
                 self.messages.pop()
-            self._count(stats, self.pair_cache.last_reused, interrupted=not finished)
+            self._count(stats, interrupted=not finished)
 
     def reply_text(self, ids: Sequence[int], reply: Sequence[int]) -> str:
         """A reply's text for the history: decoded on its own with a template, else as
@@ -402,10 +402,9 @@ class ChatSession:
 
     # -- statistics and transcript ------------------------------------------------
 
-    def _count(self, stats: Optional[GenerationStats], reused: int, interrupted: bool) -> None:
+    def _count(self, stats: Optional[GenerationStats], interrupted: bool) -> None:
         self.turns += 1
         self.interrupted += interrupted
-        self.reused_tokens += reused
         if stats is None:
             return
         self.totals.add(stats)
