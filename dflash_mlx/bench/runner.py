@@ -97,7 +97,13 @@ class RunRecord:
 
     @property
     def steps(self) -> int:
+        """Verify steps."""
         return self.stats.steps
+
+    @property
+    def forwards(self) -> int:
+        """Target forwards after the first token: verify steps and plain steps."""
+        return self.stats.steps + self.stats.plain_steps
 
     @property
     def decode_tps(self) -> Optional[float]:
