@@ -29,10 +29,13 @@ def print_table(table: Table, console: Optional[Console] = None) -> None:
     if console.is_terminal:
         console.print(fitted(table, console.width))
         return
-    table.box, table.show_edge, table.pad_edge, table.title_justify = None, False, False, "left"
+    title, table.title = table.title, None  # on a line of its own, whole
+    table.box, table.show_edge, table.pad_edge = None, False, False
     width = Console(width=PLAIN_WIDTH).measure(table).maximum
     text = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False, highlight=False,
                    emoji=False)
+    if title:
+        text.print(title, soft_wrap=True, markup=False)
     text.print(table)
     console.file.write("".join(line.rstrip() + "\n" for line in text.file.getvalue().splitlines()))
     console.file.flush()
