@@ -1,16 +1,19 @@
-"""Decoding statistics: the only place tau, acceptance and rates are computed.
+"""Decoding statistics: the only place tau, acceptance and rates are computed;
+``generate``, ``chat``, ``bench`` and ``serve`` all read and print them from here.
 
-``generate``, ``chat``, ``bench`` and the session all read them from here.
-
-- A verify step that accepts ``a`` of its ``B - 1`` drafts commits ``a + 1`` tokens:
-  its **acceptance length** is ``a + 1`` (spec section 5).
-- **tau** is the mean acceptance length over verify steps.
-- The **acceptance rate** is accepted drafts over drafted tokens, summed over steps,
-  so it stays right when the block size changes between steps or turns.
-- The **histogram** counts steps by acceptance length (1..B).
-- **Bandwidth** is the weight bytes read per second, as gpt-fast prints it: the
-  bytes of the target and drafter weights times target forwards (verify steps) per
-  second of decoding.
+- The first token comes from prefill; each later target forward is a step. A
+  **verify step** checks drafts: accepting ``a`` of its ``B - 1`` drafts commits
+  ``a + 1`` tokens, its **acceptance length** (spec section 5). A **plain step**
+  checks none: every step without a drafter, those ``--block-size auto`` chose.
+- **tau** is the mean acceptance length over verify steps only: None (said in
+  words, never 0) when none ran; never shown without a drafter.
+- The **acceptance rate** is accepted drafts over drafted tokens, summed over steps
+  (right when the block size changes between steps or turns); the **histogram**
+  counts verify steps by acceptance length (1..B).
+- **Bandwidth**, as gpt-fast prints it: weight bytes read per second of decoding
+  (target + drafter per verify step, target per plain step); None without a time.
+- The **prompt** is the whole prompt: ``prompt_reused`` tokens came from the prompt
+  cache, the rest were prefilled; its rate is over the prefilled ones.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from math import comb
 from typing import Dict, Iterable, Iterator, List, Optional
 
 import mlx.core as mx
@@ -34,20 +36,19 @@ class GenerationStats:
 
     Attributes:
         block_size: B of this run (1 for plain decoding); the trained B for totals.
-        prompt_tokens: tokens prefilled.
+        prompt_tokens: tokens of the whole prompt.
+        prompt_reused: of those, tokens found in the prompt cache (not prefilled).
         generation_tokens: tokens emitted (stop tokens excluded).
         steps: verify steps (target forwards after prefill that checked drafts).
         drafted: drafts proposed, summed over steps (B-1 per step at block size B).
         accepted: drafts accepted, summed over steps.
         histogram: ``{acceptance length: steps}``.
         phase_s: seconds the generator spent in each phase (prefill, draft, verify,
-            host = acceptance, rollback and bookkeeping); in plain decoding
-            "verify" is the 1-token target step.
+            host = acceptance, rollback and bookkeeping); a plain step is "verify".
         prompt_s: seconds to the first token (prefill and first sample).
         generation_s: seconds from the first token to the last.
         peak_memory_gb: ``mx.get_peak_memory()`` in GB (1e9 bytes).
-        model_bytes: bytes of the weights read per step (target + drafter), for
-            :attr:`bandwidth_gbps`; 0 when unknown.
+        target_bytes, drafter_bytes: weight bytes, for :attr:`bandwidth_gbps` (0: unknown).
         speculative: whether speculative decoding ran.
         reason: why it did not (None when it ran), e.g. "no drafter was given".
         drafter_format: the drafter's checkpoint format (``architectures[0]``, e.g.
@@ -59,8 +60,7 @@ class GenerationStats:
             or None}``, and with auto ``"calibration"``: ``"timed"`` now, ``"stored"``
             (kept on disk by an earlier process), ``"kept"`` (earlier in this
             process) or ``"fixed"`` (given timings)); None without a drafter.
-        plain_steps: 1-token target steps taken because plain decoding was expected to
-            be faster (``--block-size auto``); not verify steps, not in tau.
+        plain_steps: 1-token target steps after the first token (module doc).
         widths: ``{"plain": steps, "chain N": steps, "tree N": steps}``: the verifies chosen.
         mode_s: seconds spent per mode (``plain``, ``chain``, ``tree``), drafting included.
         calibration_s: seconds spent timing the widths for ``--block-size auto`` (the
@@ -76,6 +76,7 @@ class GenerationStats:
 
     block_size: int
     prompt_tokens: int = 0
+    prompt_reused: int = 0
     generation_tokens: int = 0
     steps: int = 0
     drafted: int = 0
@@ -85,7 +86,8 @@ class GenerationStats:
     prompt_s: float = 0.0
     generation_s: float = 0.0
     peak_memory_gb: float = 0.0
-    model_bytes: int = 0
+    target_bytes: int = 0
+    drafter_bytes: int = 0
     speculative: bool = True
     reason: Optional[str] = None
     drafter_format: Optional[str] = None
@@ -112,6 +114,11 @@ class GenerationStats:
             self.trace.append([accepted, drafted])
         self.histogram[accepted + 1] = self.histogram.get(accepted + 1, 0) + 1
 
+    def record_plain(self, seconds: float = 0.0) -> None:
+        """Count one plain step (see :attr:`plain_steps`) that took ``seconds``."""
+        self.plain_steps += 1
+        self.phase_s["verify"] += seconds
+
     def time_draft(self) -> bool:
         """Whether this speculative step should time its drafting on its own: the
         first and every 16th. Drafting and verifying are one graph (one sync) on the
@@ -129,8 +136,7 @@ class GenerationStats:
         self.widths[key] = self.widths.get(key, 0) + 1
         self.mode_s[mode] = self.mode_s.get(mode, 0.0) + seconds
         if mode == "plain":
-            self.plain_steps += 1
-            self.phase_s["verify"] += seconds
+            self.record_plain(seconds)
             return
         self.record_step(accepted, drafted)
         if draft_s is not None and seconds > 0:
@@ -147,6 +153,7 @@ class GenerationStats:
         is not joined: it is one generation's (a server's totals would grow with every
         step it ever ran)."""
         self.prompt_tokens += other.prompt_tokens
+        self.prompt_reused += other.prompt_reused
         self.generation_tokens += other.generation_tokens
         self.steps += other.steps
         self.drafted += other.drafted
@@ -158,7 +165,8 @@ class GenerationStats:
         self.prompt_s += other.prompt_s
         self.generation_s += other.generation_s
         self.peak_memory_gb = max(self.peak_memory_gb, other.peak_memory_gb)
-        self.model_bytes = max(self.model_bytes, other.model_bytes)
+        self.target_bytes = max(self.target_bytes, other.target_bytes)
+        self.drafter_bytes = max(self.drafter_bytes, other.drafter_bytes)
         self.plain_steps += other.plain_steps
         self.host_s += other.host_s
         for k, n in other.widths.items():
@@ -196,19 +204,24 @@ class GenerationStats:
             self.phase_s[name] += time.perf_counter() - tic
 
     @property
-    def tau(self) -> float:
-        """Mean acceptance length, tokens per verify step; 0.0 when no verify step ran."""
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+    def tau(self) -> Optional[float]:
+        """Mean acceptance length, tokens per verify step; None when no verify step ran."""
+        return (self.accepted + self.steps) / self.steps if self.steps else None
 
     @property
-    def acceptance_rate(self) -> float:
-        """Accepted drafts over drafted tokens, 0..1; 0.0 when nothing was drafted."""
-        return self.accepted / self.drafted if self.drafted else 0.0
+    def acceptance_rate(self) -> Optional[float]:
+        """Accepted drafts over drafted tokens, 0..1; None when nothing was drafted."""
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
-    def prompt_tps(self) -> float:
-        """Prompt tokens per second of prefill."""
-        return self.prompt_tokens / self.prompt_s if self.prompt_s else 0.0
+    def prompt_prefilled(self) -> int:
+        """Prompt tokens prefilled (not found in the prompt cache)."""
+        return self.prompt_tokens - self.prompt_reused
+
+    @property
+    def prompt_tps(self) -> Optional[float]:
+        """Prefilled prompt tokens per second of prefill; None when none was timed."""
+        return self.prompt_prefilled / self.prompt_s if self.prompt_s and self.prompt_prefilled else None
 
     @property
     def generation_tps(self) -> float:
@@ -216,9 +229,11 @@ class GenerationStats:
         return self.generation_tokens / self.generation_s if self.generation_s else 0.0
 
     @property
-    def bandwidth_gbps(self) -> float:
-        """Weight bytes read per second of decoding, GB/s (see the module doc)."""
-        return self.model_bytes * self.steps / self.generation_s / 1e9 if self.generation_s else 0.0
+    def bandwidth_gbps(self) -> Optional[float]:
+        """Weight bytes read per second of decoding, GB/s (see the module doc); None
+        without a decoding time or weight sizes."""
+        read = (self.target_bytes + self.drafter_bytes) * self.steps + self.target_bytes * self.plain_steps
+        return read / self.generation_s / 1e9 if self.generation_s and read else None
 
     def update_memory(self) -> None:
         self.peak_memory_gb = mx.get_peak_memory() / 1e9
@@ -227,9 +242,9 @@ class GenerationStats:
         return {p: round(s * 1e3, 3) for p, s in self.phase_s.items()}
 
     def to_dict(self, trace: bool = True) -> dict:
-        """The ``--json`` keys (counts in tokens, rates in tokens/s, memory in GB,
-        bandwidth in GB/s, histogram keyed by acceptance length); ``trace``: with
-        ``acceptance_trace`` (one entry per verify step: a server's usage leaves it out)."""
+        """The ``--json`` keys (counts in tokens, rates in tokens/s, memory in GB, bandwidth
+        in GB/s, histogram keyed by acceptance length; null: nothing to divide by);
+        ``trace``: with ``acceptance_trace`` (per verify step; a server's usage has none)."""
         d = {
             "speculative": self.speculative,
             "reason": self.reason,
@@ -243,27 +258,56 @@ class GenerationStats:
             "calibration_ms": round(self.calibration_s * 1e3, 3),
             "host_ms_per_step": round(self.host_ms_per_step, 4),
             "tokens": self.generation_tokens,
-            "tau": round(self.tau, 4),
+            "tau": _rounded(self.tau, 4),
             "steps": self.steps,
             "block_size": self.block_size,
-            "acceptance_rate": round(self.acceptance_rate, 4),
+            "acceptance_rate": _rounded(self.acceptance_rate, 4),
             "acceptance_histogram": histogram_dict(self.histogram),
             "prompt_tokens": self.prompt_tokens,
-            "prompt_tps": round(self.prompt_tps, 3),
+            "prompt_tokens_reused": self.prompt_reused,
+            "prompt_tokens_prefilled": self.prompt_prefilled,
+            "prompt_tps": _rounded(self.prompt_tps, 3),
             "generation_tokens": self.generation_tokens,
             "generation_tps": round(self.generation_tps, 3),
             "peak_memory": round(self.peak_memory_gb, 3),
-            "bandwidth_gbps": round(self.bandwidth_gbps, 3),
+            "bandwidth_gbps": _rounded(self.bandwidth_gbps, 3),
             "timings_ms": self.timings_ms(),
         }
         if trace:
             d["acceptance_trace"] = self.trace
         return d
 
-    def acceptance_line(self) -> str:
-        """``tau T tokens/step over N steps (X% of drafts accepted)``."""
-        return (f"tau {self.tau:.2f} tokens/step over {self.steps} steps "
-                f"({100 * self.acceptance_rate:.1f}% of drafts accepted)")
+    def prompt_line(self) -> str:
+        """mlx-lm's ``Prompt: N tokens, X tokens-per-sec``; when the prompt cache held
+        part of it, ``Prompt: N tokens (R reused from the prompt cache, P prefilled), X
+        tokens-per-sec`` with X over the P prefilled tokens (no rate when none was timed)."""
+        line = f"Prompt: {self.prompt_tokens} tokens"
+        if self.prompt_reused:
+            line += f" ({self.prompt_reused} reused from the prompt cache, {self.prompt_prefilled} prefilled)"
+        tps = self.prompt_tps
+        return line if tps is None else f"{line}, {tps:.3f} tokens-per-sec"
+
+    def tau_text(self) -> Optional[str]:
+        """The short form for one-line summaries: ``tau 2.31``, or ``no draft steps``;
+        None without a drafter (no tau is shown then)."""
+        if not self.speculative:
+            return None
+        return f"tau {self.tau:.2f}" if self.steps else "no draft steps"
+
+    def acceptance_line(self) -> Optional[str]:
+        """``tau T tokens/step over N verify steps (X% of drafts accepted)``, with
+        ``, and P plain steps`` when ``--block-size auto`` took some; ``no draft steps:
+        ...`` and why when no verify step ran; None without a drafter."""
+        if not self.speculative:
+            return None
+        plain = f"{self.plain_steps} plain step" + ("s" if self.plain_steps != 1 else "")
+        if self.steps:
+            line = (f"tau {self.tau:.2f} tokens/step over {self.steps} verify steps "
+                    f"({100 * self.acceptance_rate:.1f}% of drafts accepted)")
+            return line + (f", and {plain}" if self.plain_steps else "")
+        if self.plain_steps:
+            return f"no draft steps: decoded plainly ({plain}) because block size auto expected that to be faster"
+        return "no draft steps: the reply ended with its first token (from prefill)"
 
     def verify_line(self) -> str:
         """How the drafts were verified, e.g. ``auto: chain 16 x40, plain x12 (plain
@@ -284,27 +328,32 @@ class GenerationStats:
     def format_lines(self) -> List[str]:
         """mlx-lm's stats lines, then ``Acceptance:``, ``Histogram:`` and ``Timings:``."""
         lines = [
-            f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.3f} tokens-per-sec",
+            self.prompt_line(),
             f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.3f} tokens-per-sec",
             f"Peak memory: {self.peak_memory_gb:.3f} GB",
         ]
         if not self.speculative:
             lines.append(f"Speculative decoding: off ({self.reason})")
-        elif self.block_size > 1:
+        else:
             rule = f", {self.acceptance_rule}" if self.acceptance_rule else ""
             fmt = f" ({self.drafter_format}{rule})" if self.drafter_format else ""
-            lines.append(f"Acceptance: {self.acceptance_line()} at block size {self.block_size}{fmt}")
-            lines.append("Histogram: " + format_histogram(self.histogram))
+            lines.append(f"Acceptance: {self.acceptance_line()}; block size {self.block_size}{fmt}")
+            if self.steps:
+                lines.append("Histogram: " + format_histogram(self.histogram))
         if self.speculative and self.verify is not None:
             lines.append("Verify: " + self.verify_line())
         if self.block_attention:
             path = self.block_attention
             lines.append(f"Block attention: {path['block_attention']} ({path['reason']})")
-        if self.model_bytes:
+        if self.bandwidth_gbps is not None:
             lines.append(f"Bandwidth: {self.bandwidth_gbps:.2f} GB/s")
         ms = self.timings_ms()
         lines.append("Timings: " + ", ".join(f"{p} {ms[p]:.1f} ms" for p in PHASES))
         return lines
+
+
+def _rounded(x: Optional[float], digits: int) -> Optional[float]:
+    return None if x is None else round(x, digits)
 
 
 def pooled(stats: Iterable[GenerationStats], block_size: int = 1) -> GenerationStats:
@@ -349,22 +398,3 @@ def teacher_forced(right: np.ndarray) -> dict:
     leading = np.cumprod(right, axis=1)
     return {"accuracy": right.mean(0).round(4).tolist(), "acceptance": leading.mean(0).round(4).tolist(),
             "tau": round(1 + leading.sum() / n, 4), "blocks": n}
-
-
-def sign_test(ratios: Iterable[float]) -> dict:
-    """One-sided exact sign test that paired ratios (ours / a baseline, one per repeat
-    run under the same conditions) are above 1 more often than chance.
-
-    Args:
-        ratios: per repeat, ours over the baseline (ratios of exactly 1 are dropped).
-
-    Returns:
-        ``{"above": repeats above 1, "n": repeats counted, "p": P(at least "above" of
-        "n" fair coin flips come up heads)}``; p = 1.0 when n = 0. Makes no assumption
-        about the noise's distribution (a CPU's bimodal speed states), only that the
-        repeats are independent.
-    """
-    signs = [r > 1.0 for r in ratios if r != 1.0]
-    n, above = len(signs), sum(signs)
-    p = sum(comb(n, k) for k in range(above, n + 1)) / 2**n if n else 1.0
-    return {"above": above, "n": n, "p": p}

@@ -111,7 +111,7 @@ def test_batched_requests_resume_from_memory_and_disk_exactly(tmp_path):
         assert out == [ref(p) for p in prompts], level
         assert [j.reused for j in joinings_2] == [30, 0, 40], level
         assert [j.source for j in joinings_2] == [level, None, level]
-        assert [j.stats.prompt_tokens for j in joinings_2] == [10, len(later[0]), 3]
+        assert [j.stats.prompt_prefilled for j in joinings_2] == [10, len(later[0]), 3]
 
 
 def test_a_resumed_request_stores_its_whole_prompt_in_both_caches(tmp_path):
@@ -246,7 +246,7 @@ def test_caches_that_cannot_go_back_resume_at_stored_boundaries(family, shared, 
         assert out == [ref(p) for p in prompts], level
         assert [j.reused for j in resumed] == [shared, 0, 39, 39], level
         assert [j.source for j in resumed] == [level, None, level, level]
-        assert [j.stats.prompt_tokens for j in resumed] == [40 - shared, len(later[0]), 4, 1]
+        assert [j.stats.prompt_prefilled for j in resumed] == [40 - shared, len(later[0]), 4, 1]
 
 
 def test_a_restored_boundary_state_holds_exactly_the_saved_arrays(tmp_path, monkeypatch):

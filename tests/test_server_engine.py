@@ -129,10 +129,10 @@ def test_chat_template_errors_are_400():
 
 
 def test_usage_counts_and_dflash_stats():
-    s = GenerationStats(block_size=4, prompt_tokens=3, generation_tokens=7)
+    s = GenerationStats(block_size=4, prompt_tokens=10, prompt_reused=7, generation_tokens=7)
     s.record_step(2)
     s.record_step(3)
-    u = usage(10, 7, s)
+    u = usage(s)
     assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == (10, 7, 17)
     assert u["prompt_tokens_details"] == {"cached_tokens": 7}
     d = u["dflash"]

@@ -19,9 +19,27 @@ def test_tau_and_histogram_by_acceptance_length():
     assert histogram_dict(s.histogram) == {"1": 1, "2": 1, "4": 2}
 
 
-def test_tau_and_rate_are_zero_without_steps():
+def test_tau_and_rate_are_none_without_verify_steps_and_the_lines_say_why():
     s = GenerationStats(block_size=16)
-    assert s.tau == 0.0 and s.acceptance_rate == 0.0 and format_histogram(s.histogram) == "(no steps)"
+    assert s.tau is None and s.acceptance_rate is None and format_histogram(s.histogram) == "(no steps)"
+    assert s.acceptance_line() == "no draft steps: the reply ended with its first token (from prefill)"
+    s.record_plan("plain", 1, 0.01, 0, 0)
+    s.record_plan("plain", 1, 0.01, 0, 0)
+    assert s.tau is None and s.plain_steps == 2 and s.steps == 0
+    assert s.acceptance_line().startswith("no draft steps: decoded plainly (2 plain steps) because block size auto")
+    assert s.tau_text() == "no draft steps"
+    d = s.to_dict()
+    assert d["tau"] is None and d["acceptance_rate"] is None and d["plain_steps"] == 2 and d["steps"] == 0
+    assert not any(line.startswith(("Histogram", "Bandwidth")) for line in s.format_lines())
+
+
+def test_plain_steps_are_counted_apart_from_verify_steps():
+    s = GenerationStats(block_size=4)
+    s.record_step(3)
+    s.record_plan("plain", 1, 0.01, 0, 0)
+    assert s.steps == 1 and s.plain_steps == 1 and s.tau == 4.0 and s.histogram == {4: 1}
+    assert s.acceptance_line() == ("tau 4.00 tokens/step over 1 verify steps (100.0% of drafts accepted), "
+                                   "and 1 plain step")
 
 
 def test_acceptance_rate_is_right_when_block_sizes_vary():
@@ -34,7 +52,7 @@ def test_acceptance_rate_is_right_when_block_sizes_vary():
 
 def test_rates_bandwidth_and_lines():
     s = GenerationStats(block_size=4, prompt_tokens=10, generation_tokens=50, prompt_s=0.5, generation_s=2.0,
-                        model_bytes=int(1e9))
+                        target_bytes=int(0.75e9), drafter_bytes=int(0.25e9))
     s.record_step(2)
     s.phase_s["verify"] = 0.25
     assert s.prompt_tps == 20 and s.generation_tps == 25
@@ -43,18 +61,30 @@ def test_rates_bandwidth_and_lines():
     assert lines[0] == "Prompt: 10 tokens, 20.000 tokens-per-sec"
     assert lines[1] == "Generation: 50 tokens, 25.000 tokens-per-sec"
     assert lines[2].startswith("Peak memory: ")
-    assert lines[3] == "Acceptance: tau 3.00 tokens/step over 1 steps (66.7% of drafts accepted) at block size 4"
+    assert lines[3] == "Acceptance: tau 3.00 tokens/step over 1 verify steps (66.7% of drafts accepted); block size 4"
     assert lines[4] == "Histogram: 3:1"
     assert lines[5] == "Bandwidth: 0.50 GB/s"
     d = s.to_dict()
     assert d["timings_ms"]["verify"] == 250.0 and d["acceptance_histogram"] == {"3": 1}
     assert d["acceptance_rate"] == pytest.approx(0.6667) and d["bandwidth_gbps"] == 0.5
+    s.record_plain(0.1)  # a plain step reads the target's weights alone
+    assert s.bandwidth_gbps == pytest.approx((1e9 + 0.75e9) / 2 / 1e9)
+    assert GenerationStats(block_size=4, target_bytes=10).bandwidth_gbps is None  # no decoding time
+
+
+def test_prompt_line_with_a_cached_prompt_rates_the_prefilled_tokens():
+    s = GenerationStats(block_size=1, prompt_tokens=5, prompt_reused=4, prompt_s=0.5)
+    assert s.prompt_prefilled == 1 and s.prompt_tps == 2.0
+    assert s.prompt_line() == "Prompt: 5 tokens (4 reused from the prompt cache, 1 prefilled), 2.000 tokens-per-sec"
+    d = s.to_dict()
+    assert (d["prompt_tokens"], d["prompt_tokens_reused"], d["prompt_tokens_prefilled"]) == (5, 4, 1)
 
 
 def test_plain_stats_say_speculation_is_off_and_why():
     s = GenerationStats(block_size=1, speculative=False, reason="no drafter was given (--draft-model)")
     lines = s.format_lines()
-    assert not any(line.startswith("Acceptance") for line in lines)
+    assert not any(line.startswith(("Acceptance", "Histogram")) for line in lines)
+    assert s.tau_text() is None and s.acceptance_line() is None
     assert "Speculative decoding: off (no drafter was given (--draft-model))" in lines
     assert s.to_dict()["speculative"] is False and s.to_dict()["reason"].startswith("no drafter")
 
@@ -100,7 +130,7 @@ def test_teacher_forced_acceptance():
 def test_sign_test_is_the_exact_binomial_tail():
     from scipy.stats import binomtest
 
-    from dflash_mlx.stats import sign_test
+    from dflash_mlx.bench.significance import sign_test
 
     ratios = [1.28, 0.99, 1.15, 0.68, 1.32, 1.21, 0.91, 1.17, 0.81, 1.15, 1.0]
     got = sign_test(ratios)

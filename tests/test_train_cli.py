@@ -1,6 +1,7 @@
 """`dflash data` -> `dflash train` -> `dflash generate --draft-model` on stories260K."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -49,6 +50,10 @@ def test_data_train_generate(stories, tmp_path):
             "--eval-every", "3", "--save-every", "3")
     assert r.returncode == 0, r.stderr
     assert "held-out tau" in r.stderr
+    # a log gets the last held-out table as plain text (no box drawing), then the last line on its own
+    assert re.search(r"^held-out acceptance at step \d+ \(teacher forced\)\n *B +tau", r.stderr, re.M), r.stderr
+    assert "\u2500" not in r.stderr
+    assert r.stderr.endswith(f"\nwrote drafter to {out}\n")
     assert f"{40 + n_openings - 4} train / 4 held-out" in " ".join(r.stderr.split())
     assert (out / "checkpoints" / "step_0000006").is_dir()
     config = json.loads((out / "config.json").read_text())

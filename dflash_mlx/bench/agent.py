@@ -51,7 +51,7 @@ class RequestRecord:
     ttft_s: float
     total_s: float
     generated: int
-    tau: float
+    tau: Optional[float]  # None: no verify step ran
     text: str
     same_as_cold: Optional[bool] = None
 
@@ -130,9 +130,8 @@ def replay_dflash(pair: Any, trace: str, prompts: List[List[int]], mode: str, fo
     for i, ids in enumerate(prompts):
         pc = live if live is not None else new_cache(0)
         ttft, total, text, stats = _dflash_request(pc, ids, max_tokens, **kwargs)
-        tau = stats.tau if pair.drafter is not None else 1.0
         out.append(RequestRecord(trace, i, mode, len(ids), pc.last_reused, len(ids) - pc.last_reused, ttft, total,
-                                 stats.generation_tokens, tau, text))
+                                 stats.generation_tokens, stats.tau, text))
     return out
 
 
@@ -217,7 +216,8 @@ def _tau_buckets(rs: Sequence[RequestRecord]) -> Dict[str, float]:
     out = {}
     lo = 0
     for hi in BUCKETS + (None,):
-        sel = [r.tau for r in rs if r.prompt_tokens >= lo and (hi is None or r.prompt_tokens < hi)]
+        sel = [r.tau for r in rs
+               if r.tau is not None and r.prompt_tokens >= lo and (hi is None or r.prompt_tokens < hi)]
         if sel:
             out[f"{lo}-{hi or ''}"] = round(statistics.mean(sel), 3)
         lo = hi or lo

@@ -83,8 +83,10 @@ class MlxLmEngine(Engine):
         stops = set(stop_ids)
         prompt = mx.array(ids, dtype=mx.int32)
         with unfused(self.model):  # mlx-lm's model as mlx-lm loads it
-            for token, _ in mlx_generate_step(prompt, self.model, max_tokens=max_tokens, sampler=sampler):
-                stats.record_step(0)
+            for n, (token, _) in enumerate(mlx_generate_step(prompt, self.model, max_tokens=max_tokens,
+                                                             sampler=sampler)):
+                if n:  # the first token comes from prefill
+                    stats.record_plain()
                 if token in stops:
                     yield []
                     return

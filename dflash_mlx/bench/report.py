@@ -57,12 +57,13 @@ def pooled_stats(runs: Sequence[RunRecord]) -> GenerationStats:
 
 
 def cycle_ms(run: RunRecord) -> Dict[str, Optional[float]]:
-    """Per-verify-cycle milliseconds: draft, verify, host and other (the rest of decode)."""
-    if not run.steps:
+    """Milliseconds per target forward (a verify step, or a plain step ``--block-size
+    auto`` chose): draft, verify, host and other (the rest of decode)."""
+    if not run.forwards:
         return {k: None for k in ("draft", "verify", "host", "other")}
     ph = {k: run.stats.phase_s.get(k, 0.0) for k in ("draft", "verify", "host")}
     other = run.decode_s - sum(ph.values())
-    return {**{k: 1e3 * v / run.steps for k, v in ph.items()}, "other": 1e3 * other / run.steps}
+    return {**{k: 1e3 * v / run.forwards for k, v in ph.items()}, "other": 1e3 * other / run.forwards}
 
 
 def seconds_per_token(run: RunRecord) -> Optional[float]:
@@ -72,9 +73,10 @@ def seconds_per_token(run: RunRecord) -> Optional[float]:
 
 
 def tokens_per_step(run: RunRecord) -> Optional[float]:
-    """Decode tokens over verify steps: tau as the output sees it (the last block
-    cut at max tokens or a stop token counts only the tokens it emitted)."""
-    return run.decode_tokens / run.steps if run.steps else None
+    """Decode tokens per target forward (verify and plain steps): tau as the output
+    sees it (the last block cut at max tokens or a stop token counts only the tokens
+    it emitted; a plain step counts one)."""
+    return run.decode_tokens / run.forwards if run.forwards else None
 
 
 def ideal_speedup(run: RunRecord, base: RunRecord, tau: Optional[float] = None) -> Optional[float]:
@@ -88,10 +90,10 @@ def ideal_speedup(run: RunRecord, base: RunRecord, tau: Optional[float] = None) 
     """
     t_ar = seconds_per_token(base)
     tau = tokens_per_step(run) if tau is None else tau
-    if run.steps == 0 or t_ar is None or not tau:
+    if run.forwards == 0 or t_ar is None or not tau:
         return None
     phases = run.stats.phase_s
-    cycle = (phases.get("draft", 0.0) + phases.get("verify", 0.0)) / run.steps
+    cycle = (phases.get("draft", 0.0) + phases.get("verify", 0.0)) / run.forwards
     return tau * t_ar / cycle if cycle > 0 else None
 
 
@@ -109,8 +111,9 @@ def engine_summary(runs: Sequence[RunRecord]) -> dict:
         "s_per_token_median": median(seconds_per_token(r) for r in runs),
         "generation_tokens_total": sum(r.generation_tokens for r in runs),
         "steps": stats.steps,
-        "tau": stats.tau if stats.steps else None,
-        "acceptance_rate": stats.acceptance_rate if stats.drafted else None,
+        "plain_steps": stats.plain_steps,
+        "tau": stats.tau,
+        "acceptance_rate": stats.acceptance_rate,
         "acceptance_histogram": histogram_dict(stats.histogram),
     }
 

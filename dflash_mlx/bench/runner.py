@@ -98,7 +98,13 @@ class RunRecord:
 
     @property
     def steps(self) -> int:
+        """Verify steps."""
         return self.stats.steps
+
+    @property
+    def forwards(self) -> int:
+        """Target forwards after the first token: verify steps and plain steps."""
+        return self.stats.steps + self.stats.plain_steps
 
     @property
     def decode_tps(self) -> Optional[float]:
@@ -120,8 +126,8 @@ class RunRecord:
             "block_size": self.block_size, "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens, "decode_tokens": self.decode_tokens,
             "prompt_s": r(self.prompt_s), "decode_s": r(self.decode_s), "prompt_tps": r(self.prompt_tps, 3),
-            "decode_tps": r(self.decode_tps, 3), "steps": s.steps,
-            "tau": r(s.tau, 4) if s.steps else None, "acceptance_rate": r(s.acceptance_rate, 4),
+            "decode_tps": r(self.decode_tps, 3), "steps": s.steps, "plain_steps": s.plain_steps,
+            "tau": r(s.tau, 4), "acceptance_rate": r(s.acceptance_rate, 4),
             "acceptance_rule": s.acceptance_rule,
             "acceptance_histogram": histogram_dict(s.histogram),
             "phase_s": {k: r(v) for k, v in s.phase_s.items()},

@@ -168,7 +168,7 @@ class PairCache:
             for r in self.generate(self.target, self.tokenizer, ids[start:], self.drafter,
                                    prompt_cache=self.cache, draft_cache=self.draft_cache, **kwargs):
                 if first:  # the rows prefilled here count as the prompt's, the time spent here as its time
-                    r.stats.prompt_tokens += start - reused
+                    r.stats.prompt_tokens, r.stats.prompt_reused = len(ids), reused
                     r.stats.prompt_s += pre_s
                     first = False
                 reply.extend(r.tokens)

@@ -288,7 +288,7 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         self.pair_cache.reset()
         self.totals = GenerationStats(block_size=self.drafter.block_size if self.drafter is not None else 1)
-        self.turns = self.interrupted = self.reused_tokens = 0
+        self.turns = self.interrupted = 0
 
     def stream(
         self,
@@ -362,7 +362,7 @@ class ChatSession:
                 self.messages.append({"role": "assistant", "content": content if cut is None else content[:cut]})
             else:
                 self.messages.pop()
-            self._count(stats, self.pair_cache.last_reused, interrupted=not finished)
+            self._count(stats, interrupted=not finished)
 
     def reply_text(self, ids: Sequence[int], reply: Sequence[int]) -> str:
         """A reply's text for the history: decoded on its own with a template, else as
@@ -403,10 +403,9 @@ class ChatSession:
 
     # -- statistics and transcript ------------------------------------------------
 
-    def _count(self, stats: Optional[GenerationStats], reused: int, interrupted: bool) -> None:
+    def _count(self, stats: Optional[GenerationStats], interrupted: bool) -> None:
         self.turns += 1
         self.interrupted += interrupted
-        self.reused_tokens += reused
         if stats is None:
             return
         self.totals.add(stats)
@@ -417,13 +416,13 @@ class ChatSession:
         t = self.totals
         lines = [
             f"Turns: {self.turns} ({self.interrupted} interrupted)",
-            f"Prompt: {t.prompt_tokens} tokens prefilled, {self.reused_tokens} reused from the cache, "
-            f"{t.prompt_tps:.3f} tokens-per-sec",
+            t.prompt_line(),
             f"Generation: {t.generation_tokens} tokens, {t.generation_tps:.3f} tokens-per-sec",
         ]
         if self.drafter is not None:
             lines.append(f"Acceptance: {t.acceptance_line()}")
-            lines.append("Histogram: " + format_histogram(t.histogram))
+            if t.steps:
+                lines.append("Histogram: " + format_histogram(t.histogram))
         lines.append(f"Peak memory: {t.peak_memory_gb:.3f} GB")
         offs = {k: sorted(set(v)) for k, v in self.offsets().items()}
         where = ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in offs.items())

@@ -270,11 +270,10 @@ def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_siz
     finally:
         if tasks:
             bar.stop()
-    stdout = Console()
-    if not stdout.is_terminal:
-        stdout = Console(width=120)
-    stdout.print(results_table(report))
-    stdout.print(cycle_table(report))
+    from .render import print_table
+
+    print_table(results_table(report))
+    print_table(cycle_table(report))
     for line in histogram_lines(report):
         console.print(line)
     for line in files_lines(report):

@@ -20,6 +20,8 @@ def run_agent_traces(model: str, draft_model: Optional[str], traces: List[str], 
     from rich.console import Console
     from rich.table import Table
 
+    from .render import print_table
+
     from dflash_mlx import InputError, load
     from dflash_mlx.bench.agent import MODES, encode_requests, read_agent_trace, run_trace, summarize, write_results
 
@@ -50,7 +52,6 @@ def run_agent_traces(model: str, draft_model: Optional[str], traces: List[str], 
                       str(r["prefilled"]), f"{r['ttft_median_ms']:.1f}", f"{r['ttft_total_s']:.3f}",
                       f"{r.get('ttft_vs_cold', 1.0):.3f}", f"{r['total_s']:.2f}", f"{r.get('total_vs_cold', 1.0):.3f}",
                       same, taus)
-    stdout = Console() if Console().is_terminal else Console(width=200)
-    stdout.print(table)
+    print_table(table)
     path = write_results(results, records, rows, ["dflash", *sys.argv[1:]])
     console.print(f"wrote {path}")

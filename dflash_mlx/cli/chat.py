@@ -219,7 +219,7 @@ def _turn(text: str, session, settings: Settings, view) -> None:
     with closing(events):
         last, interrupted = view.stream(events)
     if last is not None:
-        view.summary(summary_line(last.stats, session.last_reused, interrupted))
+        view.summary(summary_line(last.stats, interrupted))
     if interrupted:
         view.notice(f"stopped: both caches rolled back to {len(session.tokens)} tokens")
     if session.context_left is not None and session.context_left <= 0:

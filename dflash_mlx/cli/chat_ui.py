@@ -25,13 +25,14 @@ DRAFTED = "cyan"  # tokens the target accepted from the drafter
 PROMPT = ">>> "
 
 
-def summary_line(stats, reused: int, interrupted: bool = False) -> str:
-    """``N tokens · X tok/s · tau Y · Z GB peak`` plus prefill and reuse."""
-    tau = stats.tau if stats.block_size > 1 else 1.0
+def summary_line(stats, interrupted: bool = False) -> str:
+    """``N tokens · X tok/s · tau Y · Z GB peak · prefill P tokens, R reused``; without
+    a drafter no tau, and ``no draft steps`` when none ran (:meth:`GenerationStats.tau_text`)."""
     head = "interrupted · " if interrupted else ""
+    tau = stats.tau_text()
     return (f"{head}{stats.generation_tokens} tokens · {stats.generation_tps:.1f} tok/s · "
-            f"tau {tau:.2f} · {stats.peak_memory_gb:.3f} GB peak · "
-            f"prefill {stats.prompt_tokens} tokens, {reused} reused")
+            + (f"{tau} · " if tau else "") + f"{stats.peak_memory_gb:.3f} GB peak · "
+            f"prefill {stats.prompt_prefilled} tokens, {stats.prompt_reused} reused")
 
 
 class PlainView:
@@ -127,7 +128,8 @@ class _Reply:
                 self.console.print(part)
             self.line = last
         s = ev.stats
-        self.numbers = (s.generation_tokens, s.tau, 100 * s.acceptance_rate, s.generation_tps, s.block_size)
+        accept = None if s.acceptance_rate is None else f"accept {100 * s.acceptance_rate:.1f}%"
+        self.numbers = (s.generation_tokens, " · ".join(x for x in (s.tau_text(), accept) if x), s.generation_tps)
         self.shown = self.line.copy()
 
     def __rich__(self):
@@ -135,8 +137,8 @@ class _Reply:
         if self.numbers is None:
             status = f"prefill · {elapsed:.1f} s"
         else:
-            n, tau, acc, tps, B = self.numbers
-            spec = f"tau {tau:.2f} · accept {acc:.1f}% · " if B > 1 else ""
+            n, spec, tps = self.numbers
+            spec = f"{spec} · " if spec else ""
             status = f"{n} tokens · {spec}{tps:.1f} tok/s · {elapsed:.1f} s"
         return Group(self.shown, Text("  ⋯ " + status, style="dim"))
 

@@ -340,9 +340,12 @@ def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_wind
     from dflash_mlx import CheckpointError, load
     from dflash_mlx.decode.policy import recalibrate as recalibrate_next
 
+    from .render import spinner
+
     quiet_transformers()
     try:
-        pair = load(model, draft_model, draft_window=draft_window)
+        with spinner(f"loading {model}" + (f" and {draft_model}" if draft_model else "")):
+            pair = load(model, draft_model, draft_window=draft_window)
         if recalibrate and pair.drafter is not None:
             recalibrate_next(pair.drafter)
         return pair

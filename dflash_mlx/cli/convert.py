@@ -67,6 +67,7 @@ def _run(validate, **kwargs) -> None:
     from dflash_mlx.pair.convert import check_options, convert as convert_pair
 
     from .common import check_out_folder
+    from .render import print_table
 
     check_options(*(kwargs[k] for k in ("quantize", "q_bits", "q_group_size", "q_mode", "draft_q_bits",
                                         "draft_q_group_size", "dtype")))  # flags first, then the folders
@@ -78,12 +79,12 @@ def _run(validate, **kwargs) -> None:
             result = convert_pair(validate_output=validate, progress=stages, **kwargs)
     except ValidationError as e:
         stages.close()
-        Console().print(checks_table(e.checks))
+        print_table(checks_table(e.checks))
         raise
     finally:
         stages.close()
     if result.checks:
-        Console().print(checks_table(result.checks))
+        print_table(checks_table(result.checks))
     console.print(f"wrote {result.out}: target/, drafter/, dflash.json. Run: dflash chat --model {result.out}",
                   soft_wrap=True)
 

@@ -51,6 +51,9 @@ def generate(
     prompt_cache_gb: float = prompt_cache_gb_option(),
     verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print stats on stderr."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text and stats) instead of the text."),
+    compare: bool = typer.Option(
+        False, "--compare", help="Then decode the prompt plainly (same target and sampling) and print the speedup "
+        "and whether the text is the same. Needs --draft-model."),
 ) -> None:
     """Generate from one prompt. Text streams to stdout, stats go to stderr.
 
@@ -66,6 +69,7 @@ def generate(
       dflash generate -p "List three colours, one per line." --stop "\\n\\n"
       dflash generate --draft-window 64,1024 -p - < long_document.txt
       dflash generate --model M --draft-model D --tree-budget 32 -p "Once upon a time"
+      dflash generate --model M --draft-model D --compare -p "Once upon a time"
     """
     args = dict(locals())
     guard(lambda: _run(**args))
@@ -76,7 +80,7 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
          tree_budget,
          draft_window,
          system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size,
-         prompt_cache_dir, no_prompt_cache, prompt_cache_gb, verbose, as_json) -> None:
+         prompt_cache_dir, no_prompt_cache, prompt_cache_gb, verbose, as_json, compare) -> None:
     import mlx.core as mx
 
     from dflash_mlx.errors import InputError
@@ -98,6 +102,8 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
     if tree_budget is not None and draft_model is None:
         raise InputError("--tree-budget needs --draft-model (plain decoding has no drafts)")
+    if compare and draft_model is None:
+        raise InputError("--compare needs --draft-model (it compares DFlash with plain decoding)")
     store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb, warn)
 
     from dflash_mlx import stream_generate
@@ -144,16 +150,31 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
     off = (stats.verify or {}).get("reason")
     if off:
         warn(f"--tree-budget is off, chains verify instead: {off}")
+    if not as_json:
+        print(flush=True)
+    against = None
+    if compare:
+        from dflash_mlx.compare import compare_with_plain
+
+        against = compare_with_plain(pair.target, pair.tokenizer, ids, "".join(out), stats, seed=seed, sampler=sampler,
+                                     max_tokens=max_tokens, stop_strings=stops, prefill_step_size=prefill_step_size)
     if as_json:
-        reused = cached.last_reused if cached is not None else 0
-        print(json.dumps({"text": "".join(out), "finish_reason": finish, **stats.to_dict(),
-                          "prompt_tokens": len(ids), "prompt_tokens_reused": reused,
-                          "prompt_tokens_prefilled": stats.prompt_tokens, "ttft_s": stats.prompt_s}))
-    else:
-        print()
-    if verbose:
-        for line in stats.format_lines():
-            print(line, file=sys.stderr)
-        if cached is not None:
-            source = f" (from {cached.last_source})" if cached.last_source else ""
-            print(f"Prompt cache: {cached.last_reused} of {len(ids)} prompt tokens reused{source}", file=sys.stderr)
+        extra = {"compare": against} if compare else {}
+        print(json.dumps({"text": "".join(out), "finish_reason": finish, **stats.to_dict(), "ttft_s": stats.prompt_s,
+                          **extra}))
+    _print_stats(stats, cached, against, temp == 0, verbose)
+
+
+def _print_stats(stats, cached, against, greedy: bool, verbose: bool) -> None:
+    """The stats lines on stderr (``--verbose``), then the prompt cache's source and
+    the ``--compare`` line."""
+    from dflash_mlx.compare import compare_line
+
+    if not verbose:
+        return
+    for line in stats.format_lines():
+        print(line, file=sys.stderr)
+    if cached is not None and cached.last_source:
+        print(f"Prompt cache: reused from {cached.last_source}", file=sys.stderr)
+    if against is not None:
+        print(compare_line(against, greedy), file=sys.stderr)

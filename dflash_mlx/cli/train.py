@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
@@ -15,6 +16,7 @@ from rich.table import Table
 from dflash_mlx.ranges import check_number
 
 from .common import guard, parse_template_config, quiet_transformers
+from .render import fitted, print_table
 
 console = Console(stderr=True)
 
@@ -267,18 +269,24 @@ def _train(model, data_dirs, out, layers, block_size, block_sizes, target_layer_
     try:
         progress = _progress()
         task = progress.add_task("training", total=steps, completed=trainer.step, status="")
-        with Live(Group(progress), console=console, refresh_per_second=4) as live:
+        live = Live(Group(progress), console=console, refresh_per_second=4) if console.is_terminal else None
+        evaluated = None  # a log (not a terminal) gets one line per evaluation, and the last table at the end
+        with live or nullcontext():
             for info in trainer.run():
                 progress.update(task, completed=info.step,
                                 status=f"loss {info.loss:.3f} lr {info.lr:.2e} {info.tokens_per_s:,.0f} tok/s")
                 if info.eval:
-                    live.update(Group(progress, eval_table(info.step, info.eval)))
-                    live.console.print(eval_line(info.step, info.eval), highlight=False)
+                    evaluated = info
+                    if live is not None:
+                        live.update(Group(progress, fitted(eval_table(info.step, info.eval), console.width)))
+                    console.print(eval_line(info.step, info.eval), highlight=False)
     except KeyboardInterrupt:
         console.print(interrupted_note(out, trainer.step, save_every), soft_wrap=True, markup=False,
                       highlight=False)  # paths stay whole, for copying
         raise typer.Exit(130)
-    console.print(f"wrote drafter to {out}")
+    if live is None and evaluated is not None:
+        print_table(eval_table(evaluated.step, evaluated.eval), console)
+    console.print(f"wrote drafter to {out}", soft_wrap=True, highlight=False)
 
 
 def parse_numbers(value: Optional[str], flag: str, kind=int) -> Optional[list]:

@@ -80,7 +80,7 @@ class BatchSequence:
     def reseed(self, phase: int) -> None:
         """Seed the PRNG for this sequence's next draws (seeded sequences only)."""
         if self.seed is not None:
-            mx.random.seed((self.seed * 1_000_003 + self.stats.steps * 2 + phase) % 2**32)
+            mx.random.seed((self.seed * 1_000_003 + (self.stats.steps + self.stats.plain_steps) * 2 + phase) % 2**32)
 
 
 class BatchDecoder:
@@ -326,7 +326,7 @@ class BatchDecoder:
         for i, (s, y) in enumerate(zip(self.sequences, picks)):
             s.token = y
             if self.drafter is None:
-                s.stats.record_step(0, drafted=0)
+                s.stats.record_plain()
             else:
                 s.stats.record_plan("plain", 1, seconds, 0, 0)
                 s.pending.append(features[i : i + 1])

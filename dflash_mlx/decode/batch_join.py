@@ -123,7 +123,7 @@ class Joining:
         self.cache, self.draft_cache = found.cache, found.draft_cache
         self.reused, self.source = found.rows, found.level
         self.rest = self.prompt[found.rows:]
-        self.stats.prompt_tokens = int(self.rest.size)
+        self.stats.prompt_reused = found.rows
         self._stops = self.decoder.prefix.stops(found.rows, int(self.prompt.size), self.step_size)
 
     def _store(self, keep: Callable[..., None], *args: Any) -> None:

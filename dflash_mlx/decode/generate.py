@@ -365,7 +365,7 @@ def _plain_steps(target, cache, y, tokens, finish, sampler, stop, stats, committ
                 next_y = step(y)
                 mx.async_eval(next_y)
             tokens, finish = stop.cut(y.tolist())
-        stats.record_step(0, drafted=0)
+        stats.record_plain()
         if finish is not None:
             _finish(target, cache, committed + stop.emitted - 1)
         yield StepResult(tokens, None, finish)
@@ -445,7 +445,8 @@ def stream_generate(
     stats = GenerationStats(
         block_size=check_block_size(kwargs.get("block_size"), drafter),
         prompt_tokens=prompt.size,
-        model_bytes=weight_bytes(target.model, drafter if isinstance(drafter, nn.Module) else None),
+        target_bytes=weight_bytes(target.model),
+        drafter_bytes=weight_bytes(drafter) if isinstance(drafter, nn.Module) else 0,
         speculative=drafter is not None,
         reason=None if drafter is not None else NO_DRAFTER,
         drafter_format=getattr(drafter, "drafter_format", None),

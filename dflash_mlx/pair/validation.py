@@ -161,7 +161,7 @@ def validate(root: Path, source: SourceRun, draft_src: Path) -> List[Check]:
     # Lossless is tested in the test suite; here a difference is reported, not fatal:
     # a B-row verify and a 1-row decode may round a near-tie differently (spec section 5).
     checks.append(Check("DFlash vs target",
-                        f"{_agreement(tokens, own)}; tau {stats.tau:.2f} at block {stats.block_size}",
+                        f"{_agreement(tokens, own)}; {stats.tau_text()} at block {stats.block_size}",
                         True if tokens == own else None))
 
     converted = load_drafter(str(root / "drafter"))

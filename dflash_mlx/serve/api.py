@@ -235,31 +235,30 @@ class CompletionRequest(GenerationFields):
 # -- responses -----------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, reused: int, stats: GenerationStats) -> Dict[str, Any]:
+def usage(stats: GenerationStats) -> Dict[str, Any]:
     """The ``usage`` object: OpenAI's counts plus ``dflash``.
 
     Args:
-        prompt_tokens: tokens of the whole prompt.
-        reused: of those, tokens found in the caches (not prefilled).
-        stats: the generation's statistics (``dflash_mlx.stats``).
+        stats: the generation's statistics (``dflash_mlx.stats``): its prompt
+            tokens are the whole prompt's, ``prompt_reused`` those found in the caches.
 
     Returns:
         ``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
         ``prompt_tokens_details.cached_tokens``, and ``dflash``: the statistics of
-        :meth:`GenerationStats.to_dict` (tau, steps, acceptance histogram keyed by
-        acceptance length, tokens/s, ``speculative`` and ``reason``) with
-        ``prompt_tokens_reused`` and ``prompt_tokens_prefilled`` in place of its
-        ``prompt_tokens``.
+        :meth:`GenerationStats.to_dict` (tau, steps, plain steps, acceptance histogram
+        keyed by acceptance length, tokens/s, ``speculative`` and ``reason``,
+        ``prompt_tokens_reused`` and ``prompt_tokens_prefilled``) but its
+        ``prompt_tokens`` and ``tokens`` (given above).
     """
     d = stats.to_dict(trace=False)
     d.pop("prompt_tokens")
     d.pop("tokens")
     return {
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generation_tokens,
-        "total_tokens": prompt_tokens + stats.generation_tokens,
-        "prompt_tokens_details": {"cached_tokens": reused},
-        "dflash": {"prompt_tokens_reused": reused, "prompt_tokens_prefilled": stats.prompt_tokens, **d},
+        "total_tokens": stats.prompt_tokens + stats.generation_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.prompt_reused},
+        "dflash": d,
     }
 
 

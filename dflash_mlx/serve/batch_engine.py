@@ -267,14 +267,14 @@ class BatchEngine(Engine):
         stats.generation_tokens += len(result.tokens)
         stats.generation_s = time.perf_counter() - req.first
         text = req.text.add(result.tokens, last)
-        u = usage(len(req.spec.ids), req.joining.reused, stats) if last else None
+        u = usage(stats) if last else None
         self._send(req.job, Chunk(text, result.finish_reason, u))
         if last:
             if req in self._active:
                 self._active.remove(req)
-            log.info("request %s: %d prompt tokens (%d reused), %d generated, tau %.2f, %.1f tokens/s (batched)",
-                     req.job.id, len(req.spec.ids), req.joining.reused, stats.generation_tokens, stats.tau,
-                     stats.generation_tps)
+            log.info("request %s: %d prompt tokens (%d reused), %d generated, %s, %.1f tokens/s (batched)",
+                     req.job.id, len(req.spec.ids), req.joining.reused, stats.generation_tokens,
+                     stats.tau_text() or "no drafter", stats.generation_tps)
             self._count(req.job, stats, "completed", req.joining.reused)
             self._release(req.job)
 

@@ -335,13 +335,13 @@ class Engine:
                     outcome = "timeout"
                     break
                 last = r.finish_reason is not None
-                u = usage(len(spec.ids), self.pair_cache.last_reused, r.stats) if last else None
+                u = usage(r.stats) if last else None
                 job.push(Chunk(r.text, r.finish_reason, u))
                 if last:
                     outcome = "completed"
-                    log.info("request %s: %d prompt tokens (%d reused), %d generated, tau %.2f, %.1f tokens/s",
+                    log.info("request %s: %d prompt tokens (%d reused), %d generated, %s, %.1f tokens/s",
                              job.id, len(spec.ids), self.pair_cache.last_reused, r.stats.generation_tokens,
-                             r.stats.tau, r.stats.generation_tps)
+                             r.stats.tau_text() or "no drafter", r.stats.generation_tps)
         except PrefillStopped:  # closed or timed out while its prompt was prefilled
             outcome = "cancelled" if job.cancelled.is_set() else "timeout"
         finally:

@@ -85,8 +85,9 @@ class ServerMetrics:
         self.steps.inc(stats.steps)
         for length, n in stats.histogram.items():
             self.acceptance.labels(str(length)).inc(n)
-        self.tau.set(self.totals.tau)
-        self.acceptance_rate.set(self.totals.acceptance_rate)
+        if self.totals.steps:
+            self.tau.set(self.totals.tau)
+            self.acceptance_rate.set(self.totals.acceptance_rate)
         self.tokens_per_second.set(self.totals.generation_tps)
         self.latency.observe(seconds)
         if stats.steps:

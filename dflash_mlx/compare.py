@@ -1,0 +1,60 @@
+"""DFlash against plain decoding: the same prompt, target and sampling, decoded again
+by the project's plain path (:func:`dflash_mlx.decode.generate.generate` without a
+drafter), for ``dflash generate --compare``."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import mlx.core as mx
+
+from .decode.generate import generate
+from .stats import GenerationStats
+
+
+def compare_with_plain(target: Any, tokenizer: Any, prompt: List[int], text: str, stats: GenerationStats, *,
+                       seed: Optional[int] = None, **kwargs) -> dict:
+    """Decode ``prompt`` plainly and set the result beside a DFlash run's.
+
+    Args:
+        target, tokenizer: the pair's target adapter and tokenizer.
+        prompt: the prompt's token ids (all of them: the plain run prefills them all,
+            without the prompt cache).
+        text, stats: the DFlash run's text and statistics.
+        seed: the PRNG seed the DFlash run started from, set again first (None: not set).
+        kwargs: what the DFlash run was given (sampler, max_tokens, stop_strings,
+            prefill_step_size), but the drafter's options.
+
+    Returns:
+        ``{"plain_generation_tokens", "plain_generation_tps" (tokens/s, None without a
+        decoding time), "speedup" (DFlash's generation tokens/s over plain's, None when
+        either is missing), "same_output" (whether the two texts are equal),
+        "plain_text" (only when they differ)}``.
+    """
+    if seed is not None:
+        mx.random.seed(seed)
+    plain_text, plain = generate(target, tokenizer, prompt, None, **kwargs)
+    plain_tps = plain.generation_tps if plain.generation_s else None
+    ours = stats.generation_tps if stats.generation_s else None
+    out = {"plain_generation_tokens": plain.generation_tokens,
+           "plain_generation_tps": None if plain_tps is None else round(plain_tps, 3),
+           "speedup": round(ours / plain_tps, 4) if ours and plain_tps else None,
+           "same_output": plain_text == text}
+    if plain_text != text:
+        out["plain_text"] = plain_text
+    return out
+
+
+def compare_line(compare: dict, greedy: bool) -> str:
+    """``Compare: plain decoding 412.3 tokens-per-sec; DFlash 2.31x, same output``; a
+    differing text is flagged as a bug when decoding was greedy (it must be equal)."""
+    tps = compare["plain_generation_tps"]
+    plain = "plain decoding " + (f"{tps:.1f} tokens-per-sec" if tps is not None else "(no decoding time)")
+    speed = f"DFlash {compare['speedup']:.2f}x" if compare["speedup"] is not None else "no speedup measured"
+    if compare["same_output"]:
+        same = "same output"
+    elif greedy:
+        same = "the output DIFFERS from plain greedy decoding: a bug, please report it"
+    else:
+        same = "different output (sampled: expected)"
+    return f"Compare: {plain}; {speed}, {same}"
