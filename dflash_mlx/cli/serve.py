@@ -120,9 +120,10 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     block_size = parse_block_size(block_size)
     if block_size not in (None, "auto") and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
-    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb)
+    from dflash_mlx.serve.lifecycle import listen, serve as serve_on
 
-    import uvicorn
+    sock = listen(host, port)  # a port in use is an error now, not after the model loaded
+    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb)
 
     from dflash_mlx.serve.app import ServerConfig, create_app
     if draft_model is not None:
@@ -141,8 +142,8 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     if not api_key and not _is_loopback(host):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", host)
     drafter = f" + {draft_model}" if draft_model else " (no drafter: plain decoding)"
-    log.info("serving %s%s on http://%s:%d", model, drafter, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=idle_timeout)
+    log.info("serving %s%s on http://%s:%d", model, drafter, host, sock.getsockname()[1])
+    serve_on(app, sock, app.state.server.engine, log_level=log_level, timeout_keep_alive=idle_timeout)
 
 
 def _is_loopback(host: str) -> bool:

@@ -220,9 +220,9 @@ class Server:
             try:
                 spec = await job.start()
             except JobCancelled:
-                return gone()
+                return self.unfinished()
             except QueueFullError:
-                raise APIError(503, "the server is shutting down", type_="server_error") from None
+                raise shutting_down() from None
             except RequestTimeout as e:
                 raise APIError(408, str(e), code="request_timeout", counted=True) from None
             rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -245,9 +245,7 @@ class Server:
                 watcher.cancel()
                 job.close()
         if finish is None:
-            if job.cancelled.is_set():
-                return gone()
-            raise APIError(503, "the server is shutting down", type_="server_error")
+            return self.unfinished()
         if endpoint == "chat":
             message, finish = split.whole("".join(text), finish)
             return JSONResponse(chat_completion(rid, req.model, message, finish, usage_))
@@ -259,11 +257,12 @@ class Server:
         the usage chunk if asked, then ``[DONE]``. Leaving early (the client went
         away) stops the generation; ``watcher`` (the disconnect watch) is cancelled
         at the end."""
-        chat = endpoint == "chat"
+        chat, finished = endpoint == "chat", False
         try:
             if chat:
                 yield _sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
             async for c in job:
+                finished = finished or bool(c.error or c.finish_reason)
                 if c.error:
                     yield _sse(error_body(c.error, "server_error") if c.status != 408
                                else error_body(c.error, code="request_timeout"))
@@ -278,10 +277,23 @@ class Server:
                     if include_usage:
                         obj = "chat.completion.chunk" if chat else "text_completion"
                         yield _sse(usage_chunk(rid, model, obj, c.usage))
+            if not finished and self.engine.closing:  # stopped by the shutdown, not by the client
+                yield _sse(error_body(shutting_down().message, "server_error"))
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
             job.close()
+
+    def unfinished(self) -> Response:
+        """The answer to a job that ended without finishing: stopped by the shutdown
+        (503), else its client went away (499, which nobody reads).
+
+        Raises:
+            APIError: 503 when the server is shutting down.
+        """
+        if self.engine.closing:
+            raise shutting_down()
+        return gone()
 
     def models(self) -> Dict[str, Any]:
         pair = self.pair
@@ -315,6 +327,10 @@ def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, defaults: Dict[s
                        "messages") from None
 
 
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", type_="server_error", counted=True)
+
+
 def gone() -> Response:
     """The answer to a client that went away (nobody reads it; nginx's 499)."""
     return Response(status_code=499)
@@ -336,7 +352,7 @@ def create_app(pair: Any, config: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        server.engine.shutdown()
+        await asyncio.to_thread(server.engine.shutdown, True)  # the worker ends before the app
 
     app = FastAPI(title="dflash-mlx", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
