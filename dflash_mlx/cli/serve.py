@@ -121,7 +121,6 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     if block_size not in (None, "auto") and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
     from dflash_mlx.serve.lifecycle import listen, serve as serve_on
-
     sock = listen(host, port)  # a port in use is an error now, not after the model loaded
     store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb)
 
