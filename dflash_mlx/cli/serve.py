@@ -80,7 +80,16 @@ def serve(
       DFLASH_API_KEY=secret dflash serve --host 0.0.0.0 --port 8000
     """
     args = dict(locals())
-    guard(lambda: _run(**args))
+    guard(lambda: _until_stopped(lambda: _run(**args)))
+
+
+def _until_stopped(run) -> None:
+    """``run()`` with SIGTERM taken as Ctrl-C: while loading, exit 130; once serving,
+    both stop the server (:func:`dflash_mlx.serve.lifecycle.serve`)."""
+    from dflash_mlx.atomic import sigterm_as_interrupt
+
+    with sigterm_as_interrupt():
+        run()
 
 
 def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, api_key, max_queue, max_batch,
