@@ -8,7 +8,7 @@ loads, and a uvicorn server that ends the engine's work when it is told to stop.
 - :func:`serve`: uvicorn on that socket until SIGINT (Ctrl-C) or SIGTERM. At the
   signal, requests in flight stop after their current step (a 503, or an error event
   for a stream) instead of running to their end, so the server stops within a step
-  or two; the engine's worker thread has ended, and released what MLX keeps for it
+  or two (a second Ctrl-C does not cut that short); the engine's worker thread has ended, and released what MLX keeps for it
   (:func:`release_streams`), before :func:`serve` returns.
 - :func:`release_streams`: what a thread that ran MLX work does last.
 """
@@ -75,6 +75,12 @@ def serve(app: Any, sock: socket.socket, engine: Any, **config: Any) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            # A second Ctrl-C would skip the app's shutdown (a CancelledError traceback);
+            # the first one already stops the work in flight within a step.
+            self.force_exit = False
+
         async def shutdown(self, sockets=None) -> None:
             engine.shutdown()  # requests in flight end after their step; uvicorn then waits for them
             await super().shutdown(sockets)
