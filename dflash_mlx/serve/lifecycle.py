@@ -8,8 +8,9 @@ loads, and a uvicorn server that ends the engine's work when it is told to stop.
 - :func:`serve`: uvicorn on that socket until SIGINT (Ctrl-C) or SIGTERM. At the
   signal, requests in flight stop after their current step (a 503, or an error event
   for a stream) instead of running to their end, so the server stops within a step
-  or two (a second Ctrl-C does not cut that short); the engine's worker thread has ended, and released what MLX keeps for it
-  (:func:`release_streams`), before :func:`serve` returns.
+  or two (a second Ctrl-C does not cut that short); the engine's worker thread has
+  ended, and released what MLX keeps for it (:func:`release_streams`), before
+  :func:`serve` returns.
 - :func:`release_streams`: what a thread that ran MLX work does last.
 """
 
