@@ -17,6 +17,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Tuple
 
 import httpx
 import pytest
@@ -40,9 +41,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def live_server(log: Path, *args: str):
-    """`dflash serve ARGS` on a free loopback port; yields its base URL, stops it after."""
+def start_server(log: Path, *args: str) -> Tuple[subprocess.Popen, str]:
+    """`dflash serve ARGS` on a free loopback port, its output in ``log``; returns once
+    /health answers: (the process, its base URL). Killed if it does not start."""
     port = free_port()
     cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--port", str(port), *args]
     with open(log, "w") as out:
@@ -55,11 +56,22 @@ def live_server(log: Path, *args: str):
             assert proc.poll() is None, f"the server exited: {log.read_text()}"
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
+                    return proc, url
             except httpx.TransportError:
                 pass
             assert time.monotonic() < deadline, f"the server did not start: {log.read_text()}"
             time.sleep(0.2)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+@contextmanager
+def live_server(log: Path, *args: str):
+    """`dflash serve ARGS` on a free loopback port; yields its base URL, stops it after."""
+    proc, url = start_server(log, *args)
+    try:
         yield url
     finally:
         proc.terminate()

@@ -86,7 +86,16 @@ def serve(
       DFLASH_API_KEY=secret dflash serve --host 0.0.0.0 --port 8000
     """
     args = dict(locals())
-    guard(lambda: _run(**args))
+    guard(lambda: _until_stopped(lambda: _run(**args)))
+
+
+def _until_stopped(run) -> None:
+    """``run()`` with SIGTERM taken as Ctrl-C: while loading, exit 130; once serving,
+    both stop the server (:func:`dflash_mlx.serve.lifecycle.serve`)."""
+    from dflash_mlx.atomic import sigterm_as_interrupt
+
+    with sigterm_as_interrupt():
+        run()
 
 
 # Over 60 lines: every serve flag is checked here, in order, before the model loads
@@ -118,9 +127,9 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     block_size = parse_block_size(block_size)
     if block_size not in (None, "auto") and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
+    from dflash_mlx.serve.lifecycle import listen, serve as serve_on
+    sock = listen(host, port)  # a port in use is an error now, not after the model loaded
     store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb)
-
-    import uvicorn
 
     from dflash_mlx.serve.app import ServerConfig, create_app
     from dflash_mlx.serve.http_protocol import uvicorn_options
@@ -140,8 +149,8 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     if not api_key and not _is_loopback(host):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", host)
     drafter = f" + {draft_model}" if draft_model else " (no drafter: plain decoding)"
-    log.info("serving %s%s on http://%s:%d", model, drafter, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, **uvicorn_options(idle_timeout, max_connections))
+    log.info("serving %s%s on http://%s:%d", model, drafter, host, sock.getsockname()[1])
+    serve_on(app, sock, app.state.server.engine, log_level=log_level, **uvicorn_options(idle_timeout, max_connections))
 
 
 def _is_loopback(host: str) -> bool:

@@ -230,9 +230,9 @@ class Server:
             try:
                 spec = await job.start()
             except JobCancelled:
-                return gone()
+                return self.unfinished()
             except QueueFullError:
-                raise APIError(503, "the server is shutting down", type_="server_error") from None
+                raise shutting_down() from None
             except RequestTimeout as e:
                 raise timed_out(str(e), counted=True) from None
             rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -255,9 +255,7 @@ class Server:
                 watcher.cancel()
                 job.close()
         if finish is None:
-            if job.cancelled.is_set():
-                return gone()
-            raise APIError(503, "the server is shutting down", type_="server_error")
+            return self.unfinished()
         if endpoint == "chat":
             message, finish = split.whole("".join(text), finish)
             return JSONResponse(chat_completion(rid, req.model, message, finish, usage_))
@@ -269,11 +267,12 @@ class Server:
         the usage chunk if asked, then ``[DONE]``. Leaving early (the client went
         away) stops the generation; ``watcher`` (the disconnect watch) is cancelled
         at the end."""
-        chat = endpoint == "chat"
+        chat, finished = endpoint == "chat", False
         try:
             if chat:
                 yield _sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
             async for c in job:
+                finished = finished or bool(c.error or c.finish_reason)
                 if c.error:
                     yield _sse(error_body(c.error, "server_error") if c.status != 408
                                else error_body(c.error, TIMEOUT_TYPE, code="request_timeout"))
@@ -288,10 +287,23 @@ class Server:
                     if include_usage:
                         obj = "chat.completion.chunk" if chat else "text_completion"
                         yield _sse(usage_chunk(rid, model, obj, c.usage))
+            if not finished and self.engine.closing:  # stopped by the shutdown, not by the client
+                yield _sse(error_body(shutting_down().message, "server_error"))
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
             job.close()
+
+    def unfinished(self) -> Response:
+        """The answer to a job that ended without finishing: stopped by the shutdown
+        (503), else its client went away (499, which nobody reads).
+
+        Raises:
+            APIError: 503 when the server is shutting down.
+        """
+        if self.engine.closing:
+            raise shutting_down()
+        return gone()
 
     def models(self) -> Dict[str, Any]:
         pair = self.pair
@@ -320,6 +332,10 @@ def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, defaults: Dict[s
     except Exception as e:  # jinja2 and template errors of any kind: the request is at fault
         raise APIError(400, f"messages: the chat template cannot render them ({type(e).__name__}: {e})",
                        "messages") from None
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", type_="server_error", counted=True)
 
 
 def gone() -> Response:
@@ -351,7 +367,7 @@ def create_app(pair: Any, config: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        server.engine.shutdown()
+        await asyncio.to_thread(server.engine.shutdown, True)  # the worker ends before the app
 
     app = FastAPI(title="dflash-mlx", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server

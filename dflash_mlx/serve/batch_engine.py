@@ -42,6 +42,7 @@ from ..sampling import make_sampler
 from ..targets.batch_cache import batch_refusal
 from .api import usage
 from .engine import _STARTED, Chunk, Engine, GenerationJob, Job, push_together
+from .lifecycle import release_streams
 from .metrics import ServerMetrics
 from .text_stream import TextStream
 
@@ -101,7 +102,7 @@ class BatchEngine(Engine):
         self._outbox: Optional[List[tuple]] = None  # during a step: (job, chunk) sent together after it
         self.mismatches = 0  # worker turns that ended with the batch inconsistent (a bug; see inconsistency)
         self._wake = threading.Condition()
-        self._worker = threading.Thread(target=self._loop, name="dflash-engine-batch", daemon=True)
+        self._worker = threading.Thread(target=self._work, name="dflash-engine-batch", daemon=True)
         self._worker.start()
 
     def _dispatch(self, job: Job) -> None:
@@ -109,12 +110,19 @@ class BatchEngine(Engine):
             self._inbox.append(job)
             self._wake.notify()
 
-    def shutdown(self) -> None:
-        super().shutdown()
+    def _stop_worker(self, first: bool, wait: bool) -> None:
         with self._wake:
             self._wake.notify()
+        if wait:
+            self._worker.join()
 
     # -- the worker ---------------------------------------------------------------
+
+    def _work(self) -> None:
+        try:
+            self._loop()
+        finally:
+            release_streams()
 
     def _loop(self) -> None:
         """Admit, prefill one chunk, step the batch; until shutdown with nothing left.
@@ -167,7 +175,7 @@ class BatchEngine(Engine):
         """Prepare a job (tokenize, check) and start its prefill; or end it at once."""
         waited = time.perf_counter() - job.submitted
         if job.cancelled.is_set():
-            log.info("request %s: client gone before it started", job.id)
+            log.info("request %s: %s before it started", job.id, self._gone())
             self._count(job, None, "cancelled")
             return self._release(job)
         if job.expired():
@@ -209,7 +217,7 @@ class BatchEngine(Engine):
     def _stopped(self, req: _Request) -> None:
         stats = req.joining.stats
         if req.job.cancelled.is_set():
-            log.info("request %s stopped: client gone after %d of %d tokens", req.job.id, stats.generation_tokens,
+            log.info("request %s stopped: %s after %d of %d tokens", req.job.id, self._gone(), stats.generation_tokens,
                      req.spec.max_tokens)
             self._count(req.job, stats, "cancelled", req.joining.reused)
         else:

@@ -35,6 +35,7 @@ from ..decode.generate import PrefillStopped
 from ..chat.prompt_cache import PairCache
 from ..sampling import make_sampler
 from .api import usage
+from .lifecycle import release_streams
 from .metrics import ServerMetrics
 
 log = logging.getLogger("dflash.serve")
@@ -282,7 +283,7 @@ class Engine:
         try:
             waited = time.perf_counter() - job.submitted
             if job.cancelled.is_set():
-                log.info("request %s: client gone before it started", job.id)
+                log.info("request %s: %s before it started", job.id, self._gone())
                 self._count(job, None, "cancelled")
                 return
             if job.expired():
@@ -348,7 +349,7 @@ class Engine:
             steps.close()  # settles both caches, whatever happened
         if outcome == "cancelled":
             n = stats.generation_tokens if stats is not None else 0
-            log.info("request %s stopped: client gone after %d of %d tokens", job.id, n, spec.max_tokens)
+            log.info("request %s stopped: %s after %d of %d tokens", job.id, self._gone(), n, spec.max_tokens)
         if outcome == "timeout":
             self._timed_out(job, stats)
             return
@@ -373,10 +374,26 @@ class Engine:
         if self.metrics is not None:
             self.metrics.queue.set(self._pending)
 
-    def shutdown(self) -> None:
-        """Stop taking jobs; the running one stops after its step, waiting ones end at once."""
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`shutdown` was called (jobs stopped since were stopped by it)."""
+        return self._closing
+
+    def _gone(self) -> str:
+        return "stopped by the shutdown" if self._closing else "client gone"
+
+    def shutdown(self, wait: bool = False) -> None:
+        """Stop taking jobs; the running one stops after its step, waiting ones end at once.
+        ``wait``: return once the worker thread has ended, its MLX streams synchronized and
+        released (:func:`~dflash_mlx.serve.lifecycle.release_streams`)."""
         with self._lock:
-            self._closing = True
+            first, self._closing = not self._closing, True
             for job in self._jobs:
                 job.close()
-        self._executor.shutdown(wait=False)
+        self._stop_worker(first, wait)
+
+    def _stop_worker(self, first: bool, wait: bool) -> None:
+        if first:  # the worker's last task, after the jobs queued before it (which end at once)
+            self._executor.submit(release_streams)
+        self._executor.shutdown(wait=wait)
+
