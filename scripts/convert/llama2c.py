@@ -38,6 +38,7 @@ Requires numpy, mlx, transformers and sentencepiece.
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -352,6 +353,7 @@ def write_tokenizer(
         special: Its special tokens, from :func:`read_special_tokens`.
         max_length: Context length to record as ``model_max_length``.
     """
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" on stderr
     from transformers import AutoTokenizer
 
     config = {
