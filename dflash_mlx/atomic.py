@@ -30,6 +30,11 @@ from typing import Callable, Iterator, List, Optional
 from .errors import InputError
 
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read once, at import, before any thread could race with it
+_FILE_MODE = 0o666 & ~_UMASK  # a new file's mode under the process's umask
+
+
 def stderr_warning(message: str) -> None:
     """One ``warning: MESSAGE`` line on stderr: how a write that failed, and that the caller
     goes on without, is reported."""
@@ -192,7 +197,8 @@ def atomic_file(path: Path, parents: bool = False) -> Iterator[Path]:
     """A temporary path beside ``path`` (``.NAME.tmp-PID.SUFFIX``, not matching ``path``'s
     glob patterns, ending as ``path`` does so that ``mx.save_safetensors``, ``np.save`` and
     ``np.savez`` keep it) to write to; renamed over ``path`` when the block succeeds,
-    removed when it fails. ``parents``: create the missing folders first.
+    removed when it fails; the file gets the mode a plain ``open()`` gives under the umask.
+    ``parents``: create the missing folders first.
 
     Raises:
         WriteError: the folder, the write or the rename failed (an ``OSError`` of any
@@ -204,6 +210,7 @@ def atomic_file(path: Path, parents: bool = False) -> Iterator[Path]:
         if parents:
             path.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
+        os.chmod(tmp, _FILE_MODE)  # as open() would make it: some writers (safetensors) make theirs 0600
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
         _unlink_quietly(tmp)

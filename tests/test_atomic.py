@@ -64,3 +64,16 @@ def test_atomic_file(tmp_path):
             tmp.write_bytes(b"half")
             raise KeyboardInterrupt
     assert list(np.load(path)["a"]) == [0, 1, 2] and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_a_saved_drafter_has_the_mode_open_gives(tmp_path):
+    """safetensors writes its files 0600; atomic_file leaves every file as open() would."""
+    from conftest import tiny_drafter, tiny_target
+    from dflash_mlx import save_drafter
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    _, target = tiny_target("qwen3")
+    folder = save_drafter(tiny_drafter(target), tmp_path / "drafter")
+    for name in ("model.safetensors", "config.json"):
+        assert (folder / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
