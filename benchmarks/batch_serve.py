@@ -37,7 +37,7 @@ from typing import Dict, List
 import httpx
 
 from dflash_mlx.bench.significance import sign_test
-from serve_load import free_port, run_clients  # benchmarks/ is on the path when run as a script
+from serve_load import free_port, launch_server, run_clients  # benchmarks/ is on the path when run as a script
 from story_openings import PROMPTS
 
 
@@ -59,20 +59,7 @@ def start(kind: str, args, log: Path):
     """Start a server pinned to ``--server-cpu``; returns (process, base URL) once it answers."""
     port = free_port()
     cmd = ["taskset", "-c", args.server_cpu, *server_command(kind, args, port)]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "DFLASH_API_KEY": ""})
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        if proc.poll() is not None:
-            raise SystemExit(f"{kind} exited: {log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise SystemExit(f"{kind} did not start: {log.read_text()}")
+    return launch_server(cmd, port, log)
 
 
 def one_request(client, model: str, prompt: str, max_tokens: int) -> Dict:

@@ -35,21 +35,10 @@ from pathlib import Path
 
 import httpx
 
+from serve_load import free_port, rss_mb  # benchmarks/ is on the path when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 BOMB = '{% set x = "a" * 500000000 %}{{ x | length }}'
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_mb(pid: int, key: str = "VmRSS") -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {key} for {pid}")
 
 
 class Peak:

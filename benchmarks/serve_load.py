@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import List, Tuple
 
 import httpx
 import numpy as np
@@ -50,21 +51,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, draft: str, port: int, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--model", model, "--draft-model", draft,
-           "--port", str(port), "--log-level", "warning"]
+def rss_mb(pid: int, key: str = "VmRSS") -> float:
+    """A process's resident memory (``VmRSS``, or ``key`` such as ``VmHWM``) in MB, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {key} for {pid}")
+
+
+def launch_server(cmd: List[str], port: int, log: Path) -> Tuple[subprocess.Popen, str]:
+    """Start a ``dflash serve`` command (its output into ``log``, no API key from the
+    environment) and wait until its ``/health`` answers; returns (process, base URL).
+    Exits with the log when the server ends or does not answer in 2 minutes."""
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "DFLASH_API_KEY": ""})
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    for _ in range(1200):
         if proc.poll() is not None:
             sys.exit(f"the server exited: {log.read_text()}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc
+                return proc, url
         except httpx.TransportError:
-            time.sleep(0.1)
-    sys.exit("the server did not start in 60 s")
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    sys.exit(f"the server did not start: {log.read_text()}")
+
+
+def start_server(model: str, draft: str, port: int, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--model", model, "--draft-model", draft,
+           "--port", str(port), "--log-level", "warning"]
+    return launch_server(cmd, port, log)[0]
 
 
 class Baseline:

@@ -46,6 +46,8 @@ from pathlib import Path
 
 import httpx
 
+from serve_load import free_port, launch_server, rss_mb  # benchmarks/ is on the path when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 STORIES = ROOT.parent / "shared" / "models" / "stories260K"
 KEY = "soak-key"
@@ -56,19 +58,6 @@ HOSTILE = {  # kind: the statuses that are right for it (None: the client leaves
     "bad_json": {400}, "huge_headers": {431}, "slowloris": {408, 0}, "bad_auth": {401},
     "past_context": {400}, "bad_tool_message": {400}, "disconnect": {None},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
 
 
 def convert_stories(out: Path) -> Path:
@@ -216,19 +205,7 @@ def start_server(args, model: str, cache: Path, log: Path):
     cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--model", model, "--draft-model",
            args.draft_model, "--port", str(port), "--api-key", KEY, "--max-batch", "8", "--prompt-cache-dir",
            str(cache), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "DFLASH_API_KEY": ""})
-    for _ in range(600):
-        if proc.poll() is not None:
-            sys.exit(f"the server exited: {log.read_text()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc, port
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    sys.exit(f"the server did not start: {log.read_text()}")
+    return launch_server(cmd, port, log)[0], port
 
 
 def client_loop(seed: int, port: int, model: str, refs: dict, until: float, out: dict, lock: threading.Lock):
