@@ -72,6 +72,12 @@ def run_dflash(model: str, draft: str, prompt: str, max_tokens: int, setting: st
             "calibration_ms": out["calibration_ms"], "host_ms": out.get("host_ms_per_step")}
 
 
+def median_or_none(values) -> float | None:
+    """The median of the values that are not None (tau is None for a run with no verify step)."""
+    kept = [v for v in values if v is not None]
+    return round(statistics.median(kept), 2) if kept else None
+
+
 def add_pair_args(p: argparse.ArgumentParser) -> None:
     """The pair, prompts and reply length (shared with ``auto_vs_fixed_cli.py``)."""
     p.add_argument("--model", required=True)
@@ -127,7 +133,7 @@ def main() -> int:
             "block_size": e, "speed_vs_mlx_lm": round(statistics.median(speed), 3),
             "process_time_ratio": round(statistics.median(wall), 3),
             "per_prompt_speed": [round(x, 3) for x in speed],
-            "tau": round(statistics.median(x["tau"] for mine in runs[e] for x in mine), 2),
+            "tau": median_or_none([x["tau"] for mine in runs[e] for x in mine]),
             "identical": f"{same}/{len(prompts)}", "capped_by_context": capped, "widths": dict(sorted(widths.items(), key=lambda kv: -kv[1])),
             "calibration": sorted({x["calibration"] for mine in runs[e] for x in mine if x["calibration"]}),
             "host_ms_per_step": statistics.median(x["host_ms"] for mine in runs[e] for x in mine)
@@ -140,7 +146,7 @@ def main() -> int:
     for row in rows:
         top = ", ".join(f"{k} x{n}" for k, n in list(row["widths"].items())[:4])
         print(f"| {row['block_size']} | {row['speed_vs_mlx_lm']:.2f}x | {row['process_time_ratio']:.2f}x | "
-              f"{row['tau']:.2f} | {row['identical']} | {top} |")
+              f"{row['tau'] if row['tau'] is None else format(row['tau'], '.2f')} | {row['identical']} | {top} |")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         report = {"command": shlex.join(sys.argv), "prompts": str(args.prompts), "num_prompts": len(prompts),
