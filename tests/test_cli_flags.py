@@ -170,6 +170,16 @@ def test_bench_names_the_dataset_it_cannot_have(missing, monkeypatch):
 
 
 @needs_shared
+def test_a_dataset_that_cannot_be_had_leaves_no_results_folder(stories, random_drafter, tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    out = tmp_path / "results"
+    one_line_error(run("bench", "--model", stories, "--draft-model", random_drafter, "--dataset", "gsm8k",
+                       "--no-plots", "--out", out), "--dataset gsm8k:")
+    assert not out.exists()
+
+
+@needs_shared
 def test_bench_without_matplotlib_skips_the_plots_with_a_warning(stories, random_drafter, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed (no 'plot' extra)
     prompts = tmp_path / "p.jsonl"

@@ -56,12 +56,12 @@ def make_baseline(spec: str, pair, num_draft_tokens: int = 3) -> Engine:
 RESULTS_FILE = "results.json"
 
 
-def prepare_out_dir(out_dir: str | Path, overwrite: bool = False, plots: bool = True) -> Path:
-    """Check the output folder before any work, and create it.
+def check_out_dir(out_dir: str | Path, overwrite: bool = False, plots: bool = True) -> Path:
+    """Check the output folder before any work (it is made by :func:`make_out_dir`).
 
     Raises:
-        InputError: ``out_dir`` is a file, cannot be created, or already holds
-            files and ``overwrite`` is False; plots asked for without matplotlib.
+        InputError: ``out_dir`` is a file, or already holds files and ``overwrite`` is
+            False; plots asked for without matplotlib.
     """
     from ..errors import InputError
 
@@ -75,6 +75,19 @@ def prepare_out_dir(out_dir: str | Path, overwrite: bool = False, plots: bool = 
         from .plots import require_matplotlib
 
         require_matplotlib()
+    return out
+
+
+def make_out_dir(out_dir: str | Path) -> Path:
+    """Create the output folder, once the datasets are in (a dataset that cannot be had
+    leaves no empty folder behind).
+
+    Raises:
+        InputError: the folder cannot be created (any errno).
+    """
+    from ..errors import InputError
+
+    out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -145,8 +158,10 @@ def bench(
     config = config or BenchConfig()
     config.check()
     if out_dir is not None:
-        prepare_out_dir(out_dir, overwrite, plots)
+        check_out_dir(out_dir, overwrite, plots)
     loaded = [load_dataset(d, num_samples) for d in datasets]  # fail before loading models
+    if out_dir is not None:
+        make_out_dir(out_dir)
     pair = pair or load(model, draft_model, draft_window=config.draft_window)
     config = replace(config, top_k=effective_top_k(config.top_k, pair.target.vocab_size))
     engine = make_baseline(baseline, pair, num_draft_tokens)
@@ -182,6 +197,6 @@ def _config_dict(config: BenchConfig, pair, baseline, datasets, num_samples, num
 
 __all__: List[str] = [
     "BenchConfig", "DFlashEngine", "DatasetResult", "Engine", "MlxLmEngine", "MlxLmSpeculativeEngine",
-    "RunRecord", "Runner", "Sample", "bench", "prepare_out_dir", "remove_stale", "build_report", "load_dataset", "make_baseline",
+    "RunRecord", "Runner", "Sample", "bench", "check_out_dir", "make_out_dir", "remove_stale", "build_report", "load_dataset", "make_baseline",
     "results_table", "summarize", "timed_run", "write_report",
 ]
