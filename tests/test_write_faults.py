@@ -86,6 +86,24 @@ def test_a_failed_prompt_cache_write_goes_memory_only_with_one_warning(pair, fau
     assert not [p for p in tmp_path.rglob(".*tmp-*")]  # no temporaries left behind
 
 
+def test_an_entry_whose_json_cannot_be_written_leaves_no_arrays_behind(pair, tmp_path, monkeypatch):
+    """The arrays file is renamed into place first; when the JSON that commits it fails,
+    the arrays go too: no half-written entry stays for a later process to find."""
+    target, drafter = pair
+    warnings = []
+    store = PrefixStore(tmp_path, warn=warnings.append)
+    pc = PairCache(target, ByteTokenizer(), drafter, store=store)
+
+    def replace(src, dst, *a, **k):
+        if str(dst).endswith(".json") and str(dst).startswith(str(tmp_path)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+        return real_replace(src, dst, *a, **k)
+    monkeypatch.setattr(os, "replace", replace)
+    assert run(pc, PROMPT, 8) == cold(target, drafter, PROMPT, 8)
+    assert len(warnings) == 1 and store.state.startswith("memory-only (")
+    assert not list(tmp_path.rglob("*.safetensors"))
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_batched_server_keeps_answering_after_a_failed_write(pair, fault, tmp_path, monkeypatch):
     """The prompt cache's folder fails while serving with --max-batch: every later request

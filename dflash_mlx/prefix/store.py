@@ -177,6 +177,7 @@ class PrefixStore:
             self._touch(folder / f"{name}.json")
             self._evict_if_full(folder, name)
         except OSError as e:  # WriteError included: any errno, or MLX's RuntimeError
+            self._remove(folder, name)  # no half-written entry (new arrays beside an old JSON) stays
             self._degrade(e)
 
     def _remember(self, kid: str, name: str, snap: Snapshot) -> None:
