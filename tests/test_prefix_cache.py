@@ -300,3 +300,18 @@ def test_a_side_file_with_malformed_layers_is_dropped(tmp_path):
     later = new_process(target, drafter, tmp_path, warnings)
     assert run(later, cont, 20) == cold(target, drafter, cont, 20)
     assert later.last_reused == 0 and len(warnings) == 1 and '"layers" malformed' in warnings[0]
+
+
+def test_an_entry_stored_again_is_read_back_without_a_warning(tmp_path):
+    """The same tokens stored again with other arrays (a batched prefill rounds differently
+    from a single one): the store reads the new entry back, never its old side file."""
+    from dflash_mlx.prefix.entry import Snapshot
+
+    warnings = []
+    store = PrefixStore(tmp_path, memory_entries=0, warn=warnings.append)
+    layers = {"target": [{"kind": "KVCache", "ints": {"offset": 2}}]}
+    for value in (1.0, 2.0):
+        store.put("a" * 24, Snapshot([7, 8], {"target.0.keys": mx.full((1, 1, 2, 4), value)}, layers))
+        snap, rows = store.lookup("a" * 24, [7, 8, 9])
+        assert rows == 2 and snap.arrays["target.0.keys"].max().item() == value
+    assert not warnings, warnings

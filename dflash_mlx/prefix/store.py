@@ -171,6 +171,7 @@ class PrefixStore:
         folder = self.root / kid
         try:
             write(snap, folder, name)
+            self._index.pop(folder / f"{name}.json", None)  # its side file is new: read it again
             if key is not None and not (folder / "key.json").exists():
                 with atomic_file(folder / "key.json") as tmp:
                     tmp.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
