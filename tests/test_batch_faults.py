@@ -191,6 +191,31 @@ def test_a_failed_batched_forward_ends_the_batch_and_the_engine_goes_on(pair, so
     assert engine.mismatches == 0 and len(engine.decoder) == 0 and engine.pending == 0
 
 
+def test_a_check_that_raises_ends_the_batch_and_the_engine_goes_on(pair, solo, monkeypatch):
+    """The worker's own bookkeeping check failing (a bug in it) is a failed check: the
+    requests in flight end with an error, none hangs, and the worker takes the next one."""
+    async def main():
+        engine = BatchEngine(pair, max_batch=4, block_size=4)
+        checks = {"n": 0}
+        real = engine.decoder.inconsistency
+
+        def broken_once():
+            checks["n"] += 1
+            if checks["n"] == 2:
+                raise AttributeError("'NoneType' object has no attribute 'shape'")
+            return real()
+        monkeypatch.setattr(engine.decoder, "inconsistency", broken_once)
+        out = await asyncio.wait_for(asyncio.gather(*(outcome(engine.submit(j)) for j in GOOD)), 120)
+        after = await asyncio.wait_for(outcome(engine.submit(NEXT)), 120)
+        engine.shutdown(wait=True)
+        return engine, out, after
+
+    engine, out, after = asyncio.run(main())
+    assert engine.mismatches == 1 and any(o[0] == "error" for o in out), out
+    assert all(o == ("ok", solo[tuple(j.ids)]) for j, o in zip(GOOD, out) if o[0] == "ok")
+    assert after == ("ok", solo[tuple(NEXT.ids)])
+
+
 def test_failing_prompt_cache_writes_never_wedge_the_server(pair, monkeypatch, tmp_path):
     """Every disk write of the prompt cache raises (as MLX does when a file cannot be
     written): every request still gets its 200, the next ones too."""

@@ -184,7 +184,7 @@ class BatchDecoder:
                 if self.sequences:
                     return f"{len(self.sequences)} sequences but no {name} cache"
                 continue
-            rows = {int(c.left_padding.shape[0]) for c in cache if hasattr(c, "left_padding")}
+            rows = {int(c.left_padding.shape[0]) for c in cache if getattr(c, "left_padding", None) is not None}
             if rows and rows != {len(self.sequences)}:
                 return f"the {name} cache holds {sorted(rows)} rows for {len(self.sequences)} sequences"
         return None

@@ -142,7 +142,10 @@ class BatchEngine(Engine):
             except Exception as e:  # a bug here: every request in flight gets a 500, the worker goes on
                 log.exception("batch step failed")
                 self._fail(list(self._joining) + self._active, e)
-            problem = self.inconsistency()
+            try:
+                problem = self.inconsistency()
+            except Exception as e:  # the check itself broke: as unsafe as a failed check
+                problem = f"the check failed: {e!r}"
             if problem is not None:  # a bug: said, counted, and the batch starts afresh
                 self.mismatches += 1
                 log.error("the batch is inconsistent (%s): every request in flight ends with an error", problem)
