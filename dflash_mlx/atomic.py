@@ -162,9 +162,7 @@ def staging(out: Path, force: bool = False, flag: str = "--out",
     with sigterm_as_interrupt():
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
         try:
-            umask = os.umask(0)
-            os.umask(umask)
-            tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output should not be
+            tmp.chmod(0o777 & ~_UMASK)  # mkdtemp makes it private; the output should not be
             yield tmp
             _replace(tmp, out, force, flag)
         except BaseException as e:
