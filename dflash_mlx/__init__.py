@@ -13,8 +13,6 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-from . import _moved
-
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -35,8 +33,6 @@ _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in nam
 
 __all__ = sorted(_MODULE_OF)
 
-_moved.install()  # the old flat module paths (dflash_mlx.generate, ...) still import, with a DeprecationWarning
-
 
 def __getattr__(name: str):
     module = _MODULE_OF.get(name)
@@ -52,16 +48,16 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and editors
-    from .drafter.checkpoint import load_drafter, save_drafter  # noqa: F401
-    from .drafter.network import DFlashDrafter  # noqa: F401
-    from .drafter.config import DrafterArgs  # noqa: F401
-    from .errors import (  # noqa: F401
+    from .drafter.checkpoint import load_drafter, save_drafter
+    from .drafter.network import DFlashDrafter
+    from .drafter.config import DrafterArgs
+    from .errors import (
         CheckpointError, ConfigError, DFlashError, InputError, MismatchError, RollbackError, ValidationError,
     )
-    from .protocol import Drafter, Proposal, WrappedDrafter  # noqa: F401
-    from .sampling import Sampling  # noqa: F401
-    from .decode.generate import GenerationResponse, StepResult, generate, generate_step, stream_generate  # noqa: F401
-    from .pair.loading import Pair, bind_drafter, check_pair, load, load_target  # noqa: F401
-    from .chat.session import ChatSession  # noqa: F401
-    from .stats import GenerationStats  # noqa: F401
-    from .targets import TargetAdapter, make_adapter  # noqa: F401
+    from .protocol import Drafter, Proposal, WrappedDrafter
+    from .sampling import Sampling
+    from .decode.generate import GenerationResponse, StepResult, generate, generate_step, stream_generate
+    from .pair.loading import Pair, bind_drafter, check_pair, load, load_target
+    from .chat.session import ChatSession
+    from .stats import GenerationStats
+    from .targets import TargetAdapter, make_adapter

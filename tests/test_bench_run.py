@@ -222,7 +222,7 @@ def test_cli_bench_out_is_checked_before_the_work(tmp_path):
 
 @needs_shared
 @pytest.mark.parametrize("args, needle", [
-    (["--block-size", "4", "x"], "--block-size expects integers"),
+    (["--block-size", "4", "x"], "--block-size must be an integer or 'auto', got 'x'"),
     (["stray"], "unexpected argument"),
     (["--simulate-acceptance", "2", "--temp", "0.5"], "needs --temp 0"),
     (["--simulate-acceptance", "no-such-trace.json"], "--simulate-acceptance: no-such-trace.json"),
@@ -276,5 +276,5 @@ def test_list_flags_take_the_values_click_leaves_over():
     assert split_extra(["4"], ["16"], ["8", "32"], ["x"]) == ([], ["8", "32"])  # no command line: the last flag
     assert split_extra(None, ["16"], ["32"]) == ([], ["32"])
     assert parse_block_sizes(["4", "auto"], ["8,16"]) == [4, "auto", 8, 16]
-    with pytest.raises(InputError, match="--tree-budget expects integers or 'auto', got 'x'"):
+    with pytest.raises(InputError, match="--tree-budget must be a node count >= 1 or 'auto', got 'x'"):
         parse_block_sizes(["x"], [], "--tree-budget")

@@ -295,11 +295,11 @@ def test_a_second_process_starts_calibrated_and_recalibrate_times_again(stories,
 @pytest.mark.parametrize("flags,message", [
     (["--seed", "-1"], "error: invalid value for '--seed': input should be greater than or equal to 0, got '-1' "
                        "(see dflash generate --help)"),
-    (["--tree-budget", "0"], "error: invalid value for '--tree-budget': 0 is not a node count >= 1 or 'auto' "
+    (["--tree-budget", "0"], "error: --tree-budget must be a node count >= 1 or 'auto', got 0 "
                              "(see dflash generate --help)"),
-    (["--tree-budget", "many"], "error: invalid value for '--tree-budget': 'many' is not a node count or 'auto' "
+    (["--tree-budget", "many"], "error: --tree-budget must be a node count >= 1 or 'auto', got 'many' "
                                 "(see dflash generate --help)"),
-    (["--block-size", "big"], "error: invalid value for '--block-size': 'big' is not an integer or 'auto' "
+    (["--block-size", "big"], "error: --block-size must be an integer or 'auto', got 'big' "
                               "(see dflash generate --help)"),
 ])
 def test_bad_block_size_or_tree_budget_is_one_line(flags, message, tmp_path):

@@ -304,7 +304,7 @@ def slow_write(drafter, dst, *args, **kwargs):  # the drafter folder half writte
     time.sleep(120)
 
 convert.write_drafter = slow_write
-from dflash_mlx.cli.main import app
+from dflash_mlx.cli.app import app
 app(sys.argv[1:])
 """
 
@@ -386,7 +386,7 @@ def converted(qwen3, tmp_path_factory):
 
 
 def run_cli(*args, input=None):
-    from dflash_mlx.cli.main import app
+    from dflash_mlx.cli.app import app
 
     return CliRunner().invoke(app, list(args), input=input)
 

@@ -1,12 +1,10 @@
 """The layout's promises: a target family is one file in targets/, a drafter format one entry
-in drafter/formats.py, the old flat module paths still import (deprecated), and no import cycles."""
+in drafter/formats.py, and no import cycles."""
 
 import ast
 import dataclasses
-import importlib
 import shutil
 import sys
-import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,7 +12,6 @@ import pytest
 
 import dflash_mlx.targets as targets
 from dflash_mlx import generate_step, load_drafter, make_adapter, save_drafter
-from dflash_mlx._moved import MOVED
 from dflash_mlx.drafter import formats
 from conftest import ROOT, assert_varied, mlx_lm_greedy, tiny_drafter, tiny_target
 
@@ -72,25 +69,6 @@ def test_a_drafter_format_is_one_entry_in_formats(monkeypatch, tmp_path):
     run = [[t for s in generate_step(prompt, target, d, max_tokens=40, block_size=4) for t in s.tokens]
            for d in (drafter, loaded.bind(target.embed, target.lm_head))]
     assert run[0] == run[1]
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_old_module_paths_import_with_a_warning(old, monkeypatch):
-    name = f"dflash_mlx.{old}"
-    monkeypatch.delitem(sys.modules, name, raising=False)
-    with pytest.warns(DeprecationWarning, match=f"{name} moved to dflash_mlx.{MOVED[old]}"):
-        module = importlib.import_module(name)
-    assert module is importlib.import_module(f"dflash_mlx.{MOVED[old]}")
-
-
-def test_old_drafter_module_names_forward_with_a_warning():
-    from dflash_mlx.drafter.network import DFlashDrafter
-    with pytest.warns(DeprecationWarning, match="dflash_mlx.drafter.DFlashDrafter moved"):
-        from dflash_mlx.drafter import DFlashDrafter as old
-    assert old is DFlashDrafter
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        from dflash_mlx.drafter import config  # noqa: F401 (a submodule, no warning)
 
 
 def _imports(path: Path, package: str):

@@ -106,7 +106,7 @@ def model(stories):
 @pytest.fixture(scope="module")
 def reference(stories, random_drafter):
     """`dflash generate --json` on a prompt (greedy, the CLI's own code path); memoized."""
-    from dflash_mlx.cli.main import app
+    from dflash_mlx.cli.app import app
 
     memo = {}
 

@@ -345,7 +345,7 @@ def hf_pair(tmp_path_factory):
 def test_convert_that_cannot_write_is_a_one_line_error(hf_pair, fault, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from dflash_mlx.cli.main import app
+    from dflash_mlx.cli.app import app
 
     out = tmp_path / "out"
     inject(monkeypatch, fault, tmp_path)
@@ -365,7 +365,7 @@ def test_convert_that_cannot_write_is_a_one_line_error(hf_pair, fault, tmp_path,
 def test_bench_results_that_cannot_be_written_still_print(stories, random_drafter, fault, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from dflash_mlx.cli.main import app
+    from dflash_mlx.cli.app import app
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Once upon a time"}\n')

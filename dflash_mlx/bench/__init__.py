@@ -43,7 +43,7 @@ def make_baseline(spec: str, pair, num_draft_tokens: int = 3) -> Engine:
     from ..errors import MismatchError
     from ..pair.loading import load_model
 
-    draft_model, _ = load_model(path, what="baseline draft model")
+    draft_model, _, _ = load_model(path, what="baseline draft model")
     vocab = getattr(draft_model.args, "vocab_size", None)
     if vocab != pair.target.vocab_size:
         raise MismatchError(

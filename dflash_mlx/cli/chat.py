@@ -1,27 +1,23 @@
-"""``dflash chat``: a terminal chat; caches kept across turns, live acceptance stats.
-
-Wiring only: flags, :class:`dflash_mlx.chat.session.ChatSession`, and a view from
-``chat_ui`` (rich in a terminal, plain text when stdin or stdout is not one).
-"""
+"""``dflash chat``: a terminal chat over :class:`dflash_mlx.chat.session.ChatSession`, in a view from
+``chat_ui`` (rich in a terminal, plain text when stdin or stdout is not one)."""
 
 from __future__ import annotations
 
 import sys
 from contextlib import closing
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from types import SimpleNamespace
+from typing import Annotated, List, Optional, Tuple
 
 import typer
 
+from dflash_mlx.ranges import check_number
+
 from .common import (
-    check_max_tokens, check_sampling, check_system_prompt, check_temp, guard, load_pair, parse_stops,
-    parse_template_config, resolve_models, resolve_prefill_step, utf8,
-    block_size_option, draft_model_option, min_p_option, model_option, prefill_step_option, seed_option,
-    stop_option, system_prompt_option, temp_option, top_k_option, top_p_option, draft_window_option,
-    parse_draft_window, recalibrate_option,
+    BlockSize, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
+    PromptCacheDir, PromptCacheGb, Recalibrate, Seed, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP, Verify,
+    check_pair_flags, check_sampling, check_system_prompt, guard, load_pair, parse_draft_window, parse_stops, utf8,
 )
-from .common import verify_option
-from .prompt_cache import make_store, no_prompt_cache_option, prompt_cache_dir_option, prompt_cache_gb_option
 
 COMMANDS = [
     ("/help", "this list"),
@@ -35,6 +31,10 @@ COMMANDS = [
     ("/save FILE", "save the transcript: FILE.json as JSON, else Markdown"),
     ("/quit", "exit (Ctrl-D too)"),
 ]
+Color = Annotated[bool, typer.Option("--color/--no-color", help="Colour the tokens accepted from the drafter.")]
+Session = Annotated[Optional[str], typer.Option(
+    "--session", help="Keep the conversation in this JSON file and resume it when it exists: with the prompt "
+    "cache on, a later process prefills only the new turn, not the history.")]
 
 
 @dataclass
@@ -57,36 +57,28 @@ class Settings:
 
 
 def chat(
-    model: Optional[str] = model_option(),
-    draft_model: Optional[str] = draft_model_option(),
-    verify: bool = verify_option(),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens per reply."),
-    temp: float = temp_option(),
-    top_p: float = top_p_option(),
-    top_k: int = top_k_option(),
-    min_p: float = min_p_option(),
-    seed: Optional[int] = seed_option(),
-    block_size: str = block_size_option(),
-    recalibrate: bool = recalibrate_option(),
-    draft_window: Optional[str] = draft_window_option(),
-    system_prompt: Optional[str] = system_prompt_option(),
-    stop: List[str] = stop_option(),
-    chat_template_config: Optional[str] = typer.Option(
-        None, "--chat-template-config",
-        help="JSON for apply_chat_template, e.g. '{\"enable_thinking\": true}'. "
-        "With a drafter, thinking is off unless set here or with /think on.",
-    ),
-    ignore_chat_template: bool = typer.Option(
-        False, "--ignore-chat-template", help="Concatenate the turns' text instead of using the template."
-    ),
-    prefill_step_size: Optional[int] = prefill_step_option(),
-    color: bool = typer.Option(True, "--color/--no-color", help="Colour the tokens accepted from the drafter."),
-    session_file: Optional[str] = typer.Option(
-        None, "--session", help="Keep the conversation in this JSON file and resume it when it exists: with the "
-        "prompt cache on, a later process prefills only the new turn, not the history."),
-    prompt_cache_dir: Optional[str] = prompt_cache_dir_option(),
-    no_prompt_cache: bool = no_prompt_cache_option(),
-    prompt_cache_gb: float = prompt_cache_gb_option(),
+    model: Model = None,
+    draft_model: DraftModel = None,
+    verify: Verify = False,
+    max_tokens: MaxTokens = 256,
+    temp: Temp = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    min_p: MinP = 0.0,
+    seed: Seed = None,
+    block_size: BlockSize = "auto",
+    recalibrate: Recalibrate = False,
+    draft_window: DraftWindow = None,
+    system_prompt: SystemPrompt = None,
+    stop: Stop = [],
+    chat_template_config: TemplateConfig = None,
+    ignore_chat_template: IgnoreTemplate = False,
+    prefill_step_size: PrefillStep = None,
+    color: Color = True,
+    session_file: Session = None,
+    prompt_cache_dir: PromptCacheDir = None,
+    no_prompt_cache: NoPromptCache = False,
+    prompt_cache_gb: PromptCacheGb = 8.0,
 ) -> None:
     """Chat in the terminal. Both caches are kept across turns; Ctrl-C stops a reply.
 
@@ -102,71 +94,48 @@ def chat(
       printf 'Once upon a time\\n/stats\\n' | dflash chat --model ./stories260K
       dflash chat --session ~/notes/chat.json
     """
-    args = dict(locals())
+    o = SimpleNamespace(**locals())
     try:
-        guard(lambda: _run(**args))
+        guard(lambda: _run(o))
     except KeyboardInterrupt:  # while loading
         raise typer.Exit(130)
 
 
-def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed, block_size, recalibrate, draft_window,
-         system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size, color,
-         session_file, prompt_cache_dir, no_prompt_cache, prompt_cache_gb) -> None:
-    import mlx.core as mx
-
+def _run(o) -> None:
     from dflash_mlx.chat.session_file import read_session
-    from dflash_mlx.errors import InputError
 
-    # Flags first, then the imports of mlx-lm and transformers (2-3 s): a bad flag is
-    # reported at once.
-    check_sampling(temp, top_p, top_k, min_p, max_tokens)
-    stops = parse_stops(stop)
-    window = parse_draft_window(draft_window)
-    template = parse_template_config(chat_template_config)
-    defaults = model is None and draft_model is None
-    model, draft_model = resolve_models(model, draft_model, verify)
-    prefill_step_size = resolve_prefill_step(prefill_step_size)
-    history = read_session(session_file) if session_file else []
-    from dflash_mlx.decode.policy import parse_block_size
-
-    block_size = parse_block_size(block_size)
-    if block_size not in (None, "auto") and draft_model is None:
-        raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
-    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb)
+    check_sampling(o.temp, o.top_p, o.top_k, o.min_p, o.max_tokens)  # flags first, then the 2-3 s of imports
+    stops, window = parse_stops(o.stop), parse_draft_window(o.draft_window)
+    check_pair_flags(o)
+    history = read_session(o.session_file) if o.session_file else []
+    import mlx.core as mx
 
     from dflash_mlx.chat.session import ChatSession
     from dflash_mlx.decode.generate import check_block_size
 
     from .chat_ui import PlainView, RichView
 
-    if draft_model is not None:
-        template.setdefault("enable_thinking", False)
-    if seed is not None:
-        mx.random.seed(seed)
-
-    pair = load_pair(model, draft_model, defaults, window, recalibrate)
-    check_block_size(block_size, pair.drafter)
-    check_system_prompt(system_prompt, pair.tokenizer, ignore_chat_template)
-    session = ChatSession.from_pair(pair, system_prompt=system_prompt, template_config=template,
-                                    use_template=not ignore_chat_template, prefill_step_size=prefill_step_size,
-                                    store=store)
-    settings = Settings(max_tokens, temp, top_p, top_k, min_p, block_size, pair.target.vocab_size, stops)
-    view = RichView(color) if sys.stdin.isatty() and sys.stdout.isatty() else PlainView()
+    if o.seed is not None:
+        mx.random.seed(o.seed)
+    pair = load_pair(o.model, o.draft_model, o.defaults, window, o.recalibrate)
+    check_block_size(o.block_size, pair.drafter)
+    check_system_prompt(o.system_prompt, pair.tokenizer, o.ignore_chat_template)
+    session = ChatSession.from_pair(pair, system_prompt=o.system_prompt, template_config=o.template,
+                                    use_template=not o.ignore_chat_template, prefill_step_size=o.prefill_step_size,
+                                    store=o.store)
+    settings = Settings(o.max_tokens, o.temp, o.top_p, o.top_k, o.min_p, o.block_size, pair.target.vocab_size, stops)
+    view = RichView(o.color) if sys.stdin.isatty() and sys.stdout.isatty() else PlainView()
     view.header(header_rows(pair, session, settings))
     if history:
         session.messages = history
-        view.notice(f"resumed {len(history)} messages from {session_file}")
-    if _loop(session, settings, view, pair, session_file) and not view.interactive:
+        view.notice(f"resumed {len(history)} messages from {o.session_file}")
+    if _loop(session, settings, view, pair, o.session_file) and not view.interactive:
         raise typer.Exit(1)  # a piped script with a failed line (or a session never written) fails
 
 
 def _loop(session, settings: Settings, view, pair, session_file: Optional[str] = None) -> int:
-    """Read and run lines until /quit or the end of input; returns how many failed.
-    With ``session_file``, the conversation is written there after every line (a write
-    that fails warns once and is tried again after the next line; still unwritten at
-    the end, it counts as a failure)."""
-    from dflash_mlx import DFlashError
-    from dflash_mlx.chat.session import ContextFullError
+    """Run lines until /quit or the end of input; returns how many failed. With ``session_file``, the
+    conversation is written after every line; still unwritten at the end, that counts as a failure."""
     from dflash_mlx.chat.session_file import SessionWriter
 
     failed = 0
@@ -174,7 +143,6 @@ def _loop(session, settings: Settings, view, pair, session_file: Optional[str] =
     while True:
         try:
             line, replaced = utf8(view.read())
-            line = line.strip()
         except EOFError:  # Ctrl-D, or the end of piped input
             if view.interactive:
                 print()
@@ -186,29 +154,35 @@ def _loop(session, settings: Settings, view, pair, session_file: Optional[str] =
             continue
         if replaced:
             view.notice("warning: the line is not valid UTF-8: the invalid bytes were replaced by U+FFFD")
-        if not line:
+        if line.strip() == "":
             continue
-        try:
-            if line.startswith("/"):
-                if _command(line, session, settings, view, pair):
-                    break
-            else:
-                _turn(line, session, settings, view)
-        except KeyboardInterrupt:
-            view.notice("interrupted")
-        except ContextFullError as e:
-            view.error(f"{e} (/reset)")
-            failed += 1
-        except DFlashError as e:
-            view.error(str(e))
-            failed += 1
-        finally:
-            if writer is not None:
-                writer.save(session.messages)
+        ok, quit = _line(line.strip(), session, settings, view, pair)
+        failed += not ok
+        if writer is not None:
+            writer.save(session.messages)
+        if quit:
+            break
     if writer is not None and writer.failing and not writer.save(session.messages):
         view.error(f"--session {session_file}: the conversation was not written")
         failed += 1
     return failed
+
+
+def _line(line: str, session, settings: Settings, view, pair) -> Tuple[bool, bool]:
+    """Run one line (a turn or a /command); returns ``(ok, quit)``."""
+    from dflash_mlx import DFlashError
+    from dflash_mlx.chat.session import ContextFullError
+
+    try:
+        if line.startswith("/"):
+            return True, _command(line, session, settings, view, pair)
+        _turn(line, session, settings, view)
+    except KeyboardInterrupt:
+        view.notice("interrupted")
+    except DFlashError as e:
+        view.error(f"{e} (/reset)" if isinstance(e, ContextFullError) else str(e))
+        return False, False
+    return True, False
 
 
 def _turn(text: str, session, settings: Settings, view) -> None:
@@ -227,7 +201,11 @@ def _turn(text: str, session, settings: Settings, view) -> None:
 
 
 def _command(line: str, session, settings: Settings, view, pair) -> bool:
-    """Run one /command; returns True to quit."""
+    """Run one /command; returns True to quit.
+
+    Raises:
+        InputError: a bad argument or an unknown command (named).
+    """
     from dflash_mlx import InputError
 
     name, _, arg = line.partition(" ")
@@ -243,46 +221,52 @@ def _command(line: str, session, settings: Settings, view, pair) -> bool:
     elif name == "/stats":
         view.output(session.stats_lines())
     elif name == "/block":
-        if pair.drafter is None:
-            raise InputError("/block needs a drafter (--draft-model)")
-        trained = pair.drafter.block_size
-        B = "auto" if arg.strip() == "auto" else _number(arg, int, "/block N")
-        if B != "auto" and not 2 <= B <= trained:
-            raise InputError(f"/block {B} is out of range: this drafter supports 2..{trained} "
-                             "(its trained block size)")
-        settings.block_size = B
-        view.notice(f"block size {B}")
-    elif name == "/temp":
-        T = _number(arg, float, "/temp T")
-        check_temp(T, "/temp")
-        settings.temp = T
-        view.notice(f"temperature {T}")
-    elif name == "/max":
-        n = _number(arg, int, "/max N")
-        check_max_tokens(n, "/max")
-        settings.max_tokens = n
-        view.notice(f"max tokens {settings.max_tokens}")
-    elif name == "/think":
-        if arg not in ("on", "off"):
-            raise InputError("usage: /think on|off")
+        settings.block_size = _block(arg, pair.drafter)
+        view.notice(f"block size {settings.block_size}")
+    elif name in ("/temp", "/max"):
+        temp = name == "/temp"
+        value = _number(arg, float if temp else int, "/temp T" if temp else "/max N")
+        check_number(name, value, at_least=0 if temp else 1)
+        setattr(settings, "temp" if temp else "max_tokens", value)
+        view.notice(f"temperature {value}" if temp else f"max tokens {value}")
+    elif name in ("/think", "/color"):
+        if arg not in (("on", "off") if name == "/think" else ("", "on", "off")):
+            raise InputError("usage: /think on|off" if name == "/think" else "usage: /color [on|off]")
+        if name == "/color":
+            view.set_color((not view.color) if not arg else arg == "on")
+            return False
         session.thinking = arg == "on"
-        note = "" if session.use_template else " (this model has no chat template: no effect)"
-        view.notice(f"thinking {arg}{note}")
-    elif name == "/color":
-        if arg not in ("", "on", "off"):
-            raise InputError("usage: /color [on|off]")
-        view.set_color((not view.color) if not arg else arg == "on")
+        view.notice(f"thinking {arg}" + ("" if session.use_template else
+                                         " (this model has no chat template: no effect)"))
     elif name == "/save":
-        if not arg:
-            raise InputError("usage: /save FILE (FILE.json for JSON, else Markdown)")
-        try:
-            path = session.save(arg, meta={"model": pair.model_path, "draft_model": pair.draft_path})
-        except OSError as e:
-            raise InputError(f"{arg}: cannot write ({e.strerror})") from None
-        view.notice(f"saved {len(session.messages)} messages to {path}")
+        _save(arg, session, view, pair)
     else:
         raise InputError(f"unknown command {name}: /help lists them")
     return False
+
+
+def _block(arg: str, drafter):
+    from dflash_mlx import InputError
+
+    if drafter is None:
+        raise InputError("/block needs a drafter (--draft-model)")
+    B = "auto" if arg == "auto" else _number(arg, int, "/block N")
+    if B != "auto" and not 2 <= B <= drafter.block_size:
+        raise InputError(f"/block {B} is out of range: this drafter supports 2..{drafter.block_size} "
+                         "(its trained block size)")
+    return B
+
+
+def _save(arg: str, session, view, pair) -> None:
+    from dflash_mlx import InputError
+
+    if not arg:
+        raise InputError("usage: /save FILE (FILE.json for JSON, else Markdown)")
+    try:
+        path = session.save(arg, meta={"model": pair.model_path, "draft_model": pair.draft_path})
+    except OSError as e:
+        raise InputError(f"{arg}: cannot write ({e.strerror})") from None
+    view.notice(f"saved {len(session.messages)} messages to {path}")
 
 
 def _number(arg: str, kind, usage: str):
@@ -298,6 +282,8 @@ def header_rows(pair, session, settings: Settings) -> List[Tuple[str, str]]:
     """What the header panel shows: the pair, block size, quantization, memory, context."""
     import mlx.core as mx
 
+    from dflash_mlx.pair.loading import quantization, weights_gb
+
     drafter = pair.drafter
     rows = [("target", str(pair.model_path))]
     if drafter is not None:
@@ -306,10 +292,8 @@ def header_rows(pair, session, settings: Settings) -> List[Tuple[str, str]]:
         rows += [("drafter", str(pair.draft_path)), ("block size", f"{shown} (trained {drafter.block_size})")]
     else:
         rows += [("drafter", "none (plain decoding)")]
-    rows.append(("quantization", quantization(pair.model, pair.target.dtype)))
-    mem = f"weights {weights_gb(pair.model):.3f} GB"
-    if drafter is not None:
-        mem += f" + drafter {weights_gb(drafter):.3f} GB"
+    rows.append(("quantization", quantization(pair.model)))
+    mem = f"weights {weights_gb(pair.model):.3f} GB" + (f" + drafter {weights_gb(drafter):.3f} GB" if drafter else "")
     rows.append(("memory", f"{mem} · {mx.get_active_memory() / 1e9:.3f} GB in use"))
     template = "chat template" if session.use_template else "none: turns concatenated"
     limit = f"{session.max_context} tokens" if session.max_context else "unlimited"
@@ -318,21 +302,3 @@ def header_rows(pair, session, settings: Settings) -> List[Tuple[str, str]]:
         rows.append(("thinking", {None: "template default", True: "on", False: "off"}[session.thinking]))
     rows.append(("sampling", f"temp {settings.temp} · max {settings.max_tokens} tokens"))
     return rows
-
-
-def quantization(model, dtype) -> str:
-    """``4-bit (group 64)`` from the model's quantized layers, or ``none (dtype)``."""
-    import mlx.nn as nn
-
-    kinds = sorted({(m.bits, m.group_size) for m in model.modules()
-                    if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))})
-    if not kinds:
-        return f"none ({str(dtype).replace('mlx.core.', '')})"
-    return ", ".join(f"{b}-bit (group {g})" for b, g in kinds)
-
-
-def weights_gb(module) -> float:
-    """Bytes of a module's parameters, in GB."""
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(module.parameters())) / 1e9

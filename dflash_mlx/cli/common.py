@@ -1,4 +1,5 @@
-"""Flags, prompt reading and error reporting shared by the commands."""
+"""The flags the commands share (each defined once, as an ``Annotated`` alias), their checks, prompt
+reading and error reporting."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Annotated, List, Optional, Tuple
 
 import typer
 
@@ -15,116 +16,117 @@ from dflash_mlx.hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from dflash_mlx.ranges import check_number
 
 MODEL_HELP = (
-    "Target model: a local mlx-lm folder or a Hugging Face repo id (downloaded into "
-    f"the HF cache). Default with neither flag: {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL}. "
-    "A folder written by `dflash convert` gives both target and drafter."
+    "Target model: a local mlx-lm folder or a Hugging Face repo id (downloaded into the HF cache). Default with "
+    f"neither flag: {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL}. A folder written by `dflash convert` gives both."
 )
-DRAFT_HELP = (
-    "DFlash drafter: a local folder or repo id in the released format. Without it, "
-    "the same engine decodes plainly (for comparison)."
-)
+PREFILL_STEP_GPU, PREFILL_STEP_CPU = 512, 128  # Ctrl-C waits for one chunk: small ones on a CPU
+
+def _parsed(parser: str):
+    """A callback parsing a flag's value with ``dflash_mlx.decode.policy.<parser>`` as click parses it (before
+    stdin is read); its InputError becomes a usage error."""
+    def callback(ctx: typer.Context, value):
+        from dflash_mlx.decode import policy
+
+        try:
+            return getattr(policy, parser)(value)
+        except InputError as e:
+            ctx.fail(str(e))
+
+    return callback
 
 
-# Flags shared by generate and chat (and bench): one definition, the same help text.
-def model_option():
-    return typer.Option(None, "--model", help=MODEL_HELP)
+Model = Annotated[Optional[str], typer.Option("--model", help=MODEL_HELP)]
+DraftModel = Annotated[Optional[str], typer.Option(
+    "--draft-model", help="DFlash drafter: a local folder or repo id in the released format. Without it, the "
+    "same engine decodes plainly (for comparison).")]
+Verify = Annotated[bool, typer.Option(
+    "--verify", help="Check a `dflash convert` folder's files against the sha256 in its dflash.json first.")]
+MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m", help="Most tokens to generate (per reply).")]
+Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 is greedy.")]
+TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")]
+TopK = Annotated[int, typer.Option(
+    "--top-k", help="Sample from the k most likely tokens; 0, or the vocabulary size and above, is off.")]
+MinP = Annotated[float, typer.Option("--min-p", help="Min-p threshold, in [0, 1]; 0 is off.")]
+Seed = Annotated[Optional[int], typer.Option(
+    "--seed", min=0, max=2**64 - 1, help="PRNG seed, for reproducible sampling at a fixed --block-size "
+    "(with auto, the draws follow the widths chosen, which follow timings).")]
+BlockSize = Annotated[str, typer.Option(
+    "--block-size", callback=_parsed("parse_block_size"), help="auto (default): draft at the trained block size and verify the width that measured "
+    "timings say commits the most tokens per second, plain decoding included; or a fixed B, 2..the drafter's "
+    "trained size.")]
+TreeBudget = Annotated[Optional[str], typer.Option(
+    "--tree-budget", callback=_parsed("parse_tree_budget"), help="DDTree: verify the N most likely draft prefixes as one tree (e.g. 32), or auto "
+    "(budgets and chains chosen by measured cost). Attention-only targets; hybrid targets keep chains and say so.")]
+Recalibrate = Annotated[bool, typer.Option(
+    "--recalibrate", help="Time the widths again for --block-size auto instead of reusing the calibration kept "
+    "for this model pair and machine (in $DFLASH_CACHE_DIR, default ~/.cache/dflash-mlx); what was learned of "
+    "the drafter's acceptance is kept.")]
+DraftWindow = Annotated[Optional[str], typer.Option(
+    "--draft-window", help="SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows "
+    "(e.g. 64,1024), so drafting cost stops growing with the context. Off by default.")]
+SystemPrompt = Annotated[Optional[str], typer.Option(
+    "--system-prompt", help="System prompt for the chat template; without one, plain text before the prompt "
+    "(with a warning).")]
+Stop = Annotated[List[str], typer.Option(
+    "--stop", help="Stop the reply at this text, which is not printed; repeatable. \\n and \\t are expanded.")]
+TemplateConfig = Annotated[Optional[str], typer.Option(
+    "--chat-template-config", help="JSON for apply_chat_template, e.g. '{\"enable_thinking\": true}'. With a "
+    "drafter, thinking is off unless set here (released drafters were trained without it).")]
+IgnoreTemplate = Annotated[bool, typer.Option(
+    "--ignore-chat-template", help="Use the raw text (chat: the turns' text concatenated).")]
+PrefillStep = Annotated[Optional[int], typer.Option(
+    "--prefill-step-size", help="Prompt tokens per prefill chunk; Ctrl-C waits for the chunk in flight. "
+    f"Default: {PREFILL_STEP_GPU} on a GPU, {PREFILL_STEP_CPU} on a CPU.")]
+PromptCacheDir = Annotated[Optional[str], typer.Option(
+    "--prompt-cache-dir", help="Folder of the prompt cache on disk: the caches of prompts' prefixes, reused by "
+    "later requests, processes and days. Default: $DFLASH_CACHE_DIR/prompts, else ~/.cache/dflash-mlx/prompts.")]
+NoPromptCache = Annotated[bool, typer.Option(
+    "--no-prompt-cache", help="Neither read nor write the prompt cache (every prompt is prefilled whole).")]
+PromptCacheGb = Annotated[float, typer.Option(
+    "--prompt-cache-gb", help="Most GB (2^30 bytes) the prompt cache keeps on disk; least recently used go first.")]
 
 
-def draft_model_option():
-    return typer.Option(None, "--draft-model", help=DRAFT_HELP)
+def fail(message: str, code: int = 1) -> None:
+    """Print a one-line error on stderr and exit with ``code``."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
 
 
-def verify_option():
-    return typer.Option(
-        False, "--verify", help="Check a `dflash convert` folder's weight files against the sha256 in its dflash.json first."
-    )
+def warn(message: str) -> None:
+    """Print a one-line warning on stderr."""
+    typer.echo(f"warning: {message}", err=True)
 
 
-def temp_option():
-    return typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
+def check_pair_flags(o) -> None:
+    """Check and resolve, in place on the namespace ``o`` of generate, chat or serve: the model flags
+    (:func:`resolve_models`), --prefill-step-size, --chat-template-config (thinking off with a drafter), the
+    prompt cache flags, and the flags that need a drafter.
+
+    Raises:
+        InputError: naming the flag.
+    """
+    o.tree_budget = getattr(o, "tree_budget", None)
+    o.template = parse_template_config(o.chat_template_config)
+    o.defaults = o.model is None and o.draft_model is None
+    o.model, o.draft_model = resolve_models(o.model, o.draft_model, getattr(o, "verify", False))
+    o.prefill_step_size = resolve_prefill_step(o.prefill_step_size)
+    for flag, given, why in (("--block-size", o.block_size not in (None, "auto"), "plain decoding has no blocks"),
+                             ("--tree-budget", o.tree_budget is not None, "plain decoding has no drafts"),
+                             ("--compare", getattr(o, "compare", False), "it compares DFlash with plain decoding")):
+        if given and o.draft_model is None:
+            raise InputError(f"{flag} needs --draft-model ({why})")
+    o.store = make_store(o.prompt_cache_dir, o.no_prompt_cache, o.prompt_cache_gb)
+    if o.draft_model is not None:
+        o.template.setdefault("enable_thinking", False)
 
 
-def top_p_option():
-    return typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1].")
-
-
-def top_k_option():
-    return typer.Option(
-        0, "--top-k", help="Sample from the k most likely tokens; 0, or the vocabulary size and above, is off."
-    )
-
-
-def min_p_option():
-    return typer.Option(0.0, "--min-p", help="Min-p threshold, in [0, 1]; 0 is off.")
-
-
-def seed_option():
-    return typer.Option(
-        None, "--seed", min=0, max=2**64 - 1,
-        help="PRNG seed, for reproducible sampling at a fixed --block-size (with auto, the draws follow "
-        "the widths chosen, which follow timings).",
-    )
-
-
-def _block_size_value(value):
-    """Checked at parse time, as typer checks an int option (before stdin is read)."""
-    if value is None or value == "auto":
-        return value
-    try:
-        return str(int(value))
-    except ValueError:
-        raise typer.BadParameter(f"'{value}' is not an integer or 'auto'.") from None
-
-
-def _tree_budget_value(value):
-    if value is None or value == "auto":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        raise typer.BadParameter(f"'{value}' is not a node count or 'auto'.") from None
-    if n < 1:
-        raise typer.BadParameter(f"{n} is not a node count >= 1 or 'auto'.")
-    return value
-
-
-def block_size_option():
-    return typer.Option(
-        "auto", "--block-size", callback=_block_size_value,
-        help="auto (default): draft at the trained block size and verify the width that measured "
-        "timings say commits the most tokens per second, plain decoding included; or a fixed B, "
-        "2..the drafter's trained size.",
-    )
-
-
-def tree_budget_option():
-    return typer.Option(
-        None, "--tree-budget", callback=_tree_budget_value,
-        help="DDTree: verify the N most likely draft prefixes as one tree (e.g. 32), or auto (budgets and "
-        "chains chosen by measured cost). Attention-only targets; hybrid targets keep chains and say so.",
-    )
-
-
-def drafter_flag_given(block_size, tree_budget=None) -> bool:
-    """Whether a flag that needs a drafter was given (``--block-size auto`` is the default)."""
-    return (block_size not in (None, "auto")) or tree_budget is not None
-
-
-def recalibrate_option():
-    return typer.Option(
-        False, "--recalibrate",
-        help="Time the widths again for --block-size auto instead of reusing the calibration kept for this "
-        "model pair and machine (in $DFLASH_CACHE_DIR, default ~/.cache/dflash-mlx); what was learned of the "
-        "drafter's acceptance is kept.",
-    )
-
-
-def draft_window_option():
-    return typer.Option(
-        None, "--draft-window",
-        help="SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows (e.g. 64,1024), "
-        "so drafting cost stops growing with the context. Off by default.",
-    )
+def check_sampling(temp: float, top_p: float, top_k: int, min_p: float, max_tokens: int) -> None:
+    """Range checks of the sampling flags; errors name the flag."""
+    check_number("--temp", temp, at_least=0)
+    check_number("--top-p", top_p, above=0, at_most=1)
+    check_number("--top-k", top_k, at_least=0)
+    check_number("--min-p", min_p, at_least=0, at_most=1)
+    check_number("--max-tokens", max_tokens, at_least=1)
 
 
 def parse_draft_window(value: Optional[str]) -> Optional[tuple[int, int]]:
@@ -135,9 +137,8 @@ def parse_draft_window(value: Optional[str]) -> Optional[tuple[int, int]]:
     """
     if value is None:
         return None
-    parts = value.split(",")
     try:
-        sink, window = (int(p) for p in parts)
+        sink, window = (int(p) for p in value.split(","))
     except ValueError:
         raise InputError(f"--draft-window {value}: expected SINK,WINDOW, e.g. 64,1024") from None
     if sink < 0 or window < 1:
@@ -145,46 +146,21 @@ def parse_draft_window(value: Optional[str]) -> Optional[tuple[int, int]]:
     return sink, window
 
 
-def system_prompt_option():
-    return typer.Option(
-        None, "--system-prompt",
-        help="System prompt for the chat template; without one, plain text before the prompt (with a warning).",
-    )
-
-
-def stop_option():
-    return typer.Option(
-        [], "--stop",
-        help="Stop the reply at this text, which is not printed; repeatable. \\n and \\t are expanded.",
-    )
+def unescape(text: str) -> str:
+    """``\\n`` and ``\\t`` in a flag's text expanded, as mlx-lm does for ``--prompt``."""
+    return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
 def parse_stops(values) -> Tuple[str, ...]:
-    """``--stop`` values with ``\\n`` and ``\\t`` expanded (as in ``--prompt``).
+    """``--stop`` values, escapes expanded.
 
     Raises:
         InputError: an empty stop string.
     """
-    stops = tuple(v.replace("\\n", "\n").replace("\\t", "\t") for v in values or ())
+    stops = tuple(unescape(v) for v in values or ())
     if any(not s for s in stops):
         raise InputError("--stop needs a non-empty text")
     return stops
-
-
-# Ctrl-C is seen between two evaluations, so one prefill chunk is the longest wait.
-# mlx-lm's 2048 tokens take seconds on a large target; measured on a 2-core CPU at a
-# Qwen3-0.6B width, 512-token chunks still make it wait 1.4 s (median), 128-token ones
-# 0.2 s and prefill no slower (docs/benchmarks.md). A GPU's chunks are several times
-# faster, and small ones waste it, so it keeps 512.
-PREFILL_STEP_GPU, PREFILL_STEP_CPU = 512, 128
-
-
-def prefill_step_option():
-    return typer.Option(
-        None, "--prefill-step-size",
-        help=f"Prompt tokens per prefill chunk; Ctrl-C waits for the chunk in flight. "
-        f"Default: {PREFILL_STEP_GPU} on a GPU, {PREFILL_STEP_CPU} on a CPU.",
-    )
 
 
 def resolve_prefill_step(value: Optional[int]) -> int:
@@ -201,15 +177,9 @@ def resolve_prefill_step(value: Optional[int]) -> int:
     return value
 
 
-def fail(message: str, code: int = 1) -> None:
-    """Print a one-line error on stderr and exit non-zero."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
-
-
 def resolve_models(model: Optional[str], draft_model: Optional[str], verify: bool = False) -> tuple[str, Optional[str]]:
-    """Defaults: no flags -> the Qwen3-4B pair; --model alone -> plain decoding, unless
-    it is a `dflash convert` folder (its target/ and drafter/; hashes checked if ``verify``).
+    """No flags: the default pair; ``--model`` alone: plain decoding, unless it is a `dflash convert` folder
+    (its target/ and drafter/, hashes checked if ``verify``).
 
     Raises:
         InputError: ``--draft-model`` or ``--verify`` without ``--model``.
@@ -221,25 +191,31 @@ def resolve_models(model: Optional[str], draft_model: Optional[str], verify: boo
     if model is None and draft_model is not None:
         raise InputError(f"--draft-model needs --model, the target it drafts for "
                          f"(with neither flag: {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL})")
-    if model is None and draft_model is None:
+    if model is None:
         return DEFAULT_MODEL, DEFAULT_DRAFT_MODEL
     model, draft_model = resolve_pair(model, draft_model, verify)
     return model or DEFAULT_MODEL, draft_model
 
 
-def warn(message: str) -> None:
-    """Print a one-line warning on stderr."""
-    typer.echo(f"warning: {message}", err=True)
+def make_store(directory: Optional[str], off: bool, gb: float):
+    """The :class:`~dflash_mlx.prefix.store.PrefixStore` the prompt cache flags ask for, or None.
+
+    Raises:
+        InputError: ``--prompt-cache-gb`` not a finite number above 0, or ``--prompt-cache-dir`` a file.
+    """
+    check_number("--prompt-cache-gb", gb, above=0)
+    if off:
+        return None
+    root = Path(directory).expanduser() if directory else None
+    if root is not None and root.exists() and not root.is_dir():
+        raise InputError(f"--prompt-cache-dir {root} is a file, not a folder")
+    from dflash_mlx.prefix.store import PrefixStore
+
+    return PrefixStore(root, max_bytes=int(gb * 2**30))
 
 
 def utf8(text: str) -> Tuple[str, bool]:
-    """Text read with ``surrogateescape`` (argv, or stdin read that way) as valid UTF-8.
-
-    Bytes that are not UTF-8 become U+FFFD, as ``bytes.decode(errors="replace")`` does.
-
-    Returns:
-        ``(text, replaced)``: ``replaced`` is True when some bytes were invalid.
-    """
+    """Text read with ``surrogateescape`` as valid UTF-8 (bad bytes become U+FFFD); True if any were."""
     data = text.encode("utf-8", "surrogateescape")
     try:
         return data.decode("utf-8"), False
@@ -248,11 +224,8 @@ def utf8(text: str) -> Tuple[str, bool]:
 
 
 def read_prompt(prompt: Optional[str]) -> str:
-    """``--prompt TEXT``; ``--prompt -`` or a piped stdin reads stdin.
-
-    Like mlx-lm, ``\\n`` and ``\\t`` escapes in TEXT are expanded. Trailing newlines of
-    stdin are dropped (``echo`` adds one). Bytes that are not UTF-8 are replaced by
-    U+FFFD, with a warning on stderr.
+    """``--prompt TEXT`` (escapes expanded); ``--prompt -`` or a piped stdin reads stdin, trailing newlines
+    dropped. Bytes that are not UTF-8 become U+FFFD, with a warning.
 
     Raises:
         InputError: no prompt given, or the prompt is empty.
@@ -262,7 +235,7 @@ def read_prompt(prompt: Optional[str]) -> str:
             raise InputError("no prompt: pass --prompt TEXT, --prompt - or pipe it on stdin")
         text = sys.stdin.buffer.read().decode("utf-8", "surrogateescape").rstrip("\n")
     else:
-        text = prompt.replace("\\n", "\n").replace("\\t", "\t")
+        text = unescape(prompt)
     text, replaced = utf8(text)
     if replaced:
         warn("the prompt is not valid UTF-8: the invalid bytes were replaced by U+FFFD")
@@ -272,7 +245,11 @@ def read_prompt(prompt: Optional[str]) -> str:
 
 
 def parse_template_config(value: Optional[str]) -> dict:
-    """Parse ``--chat-template-config`` (a JSON object)."""
+    """``--chat-template-config``: a JSON object.
+
+    Raises:
+        InputError: not JSON, or not an object.
+    """
     if value is None:
         return {}
     try:
@@ -284,83 +261,54 @@ def parse_template_config(value: Optional[str]) -> dict:
     return config
 
 
-def check_sampling(temp: float, top_p: float, top_k: int, min_p: float, max_tokens: int) -> None:
-    """Range checks for the sampling flags; errors name the flag."""
-    check_temp(temp)
-    check_number("--top-p", top_p, above=0, at_most=1)
-    check_number("--top-k", top_k, at_least=0)
-    check_number("--min-p", min_p, at_least=0, at_most=1)
-    check_max_tokens(max_tokens)
-
-
-def check_temp(temp: float, name: str = "--temp") -> None:
-    """Raises InputError naming ``name`` (the flag, or the chat command) unless 0 <= temp < inf."""
-    check_number(name, temp, at_least=0)
-
-
-def check_max_tokens(max_tokens: int, name: str = "--max-tokens") -> None:
-    """Raises InputError naming ``name`` if max_tokens < 1."""
-    check_number(name, max_tokens, at_least=1)
-
-
 def check_system_prompt(system_prompt: Optional[str], tokenizer, ignore_chat_template: bool) -> None:
-    """Warn (one line) when a system prompt has no chat template to go into: it is then
-    put before the first turn as plain text."""
-    if system_prompt is None:
-        return
-    if ignore_chat_template or not tokenizer.has_chat_template:
+    """Warn when a system prompt has no chat template to go into (it then goes before the first turn)."""
+    if system_prompt is not None and (ignore_chat_template or not tokenizer.has_chat_template):
         why = "--ignore-chat-template is set" if ignore_chat_template else "this model has no chat template"
         warn(f"{why}: the --system-prompt text goes before the prompt as plain text")
 
 
 def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: dict,
                   ignore_chat_template: bool) -> list[int]:
-    """Apply the chat template as ``mlx_lm.generate`` does, then tokenize. Without one,
-    the raw text (after the system prompt, if any, as ``dflash chat`` does)."""
-    from dflash_mlx.prompt import encode_messages
+    """Token ids of one user turn (after the system prompt, if any), through the chat template unless
+    ``ignore_chat_template`` or the tokenizer has none (then the texts concatenated, as chat does)."""
     from dflash_mlx.chat.session import plain_text
+    from dflash_mlx.prompt import encode_messages
 
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": text})
-    return encode_messages(tokenizer, messages, template, use_template=not ignore_chat_template,
-                           plain=plain_text)
-
-
-def quiet_transformers() -> None:
-    """No transformers warnings (e.g. "sequence length is longer than ...") on stderr:
-    the CLI checks lengths itself and says so in one line."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
+    return encode_messages(tokenizer, messages, template, use_template=not ignore_chat_template, plain=plain_text)
 
 
 def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None, recalibrate: bool = False):
-    """Load the pair; when the defaults cannot be had, say how to pass folders.
-    ``recalibrate``: its first generation re-times the widths (``--recalibrate``)."""
+    """:func:`dflash_mlx.load` under a spinner; ``recalibrate``: the first generation re-times the widths.
+
+    Raises:
+        CheckpointError: with ``defaults``, saying how to pass local folders instead.
+    """
     from dflash_mlx import CheckpointError, load
     from dflash_mlx.decode.policy import recalibrate as recalibrate_next
 
+    from transformers.utils import logging as hf_logging
+
     from .render import spinner
 
-    quiet_transformers()
+    hf_logging.set_verbosity_error()  # the CLI checks lengths itself
     try:
         with spinner(f"loading {model}" + (f" and {draft_model}" if draft_model else "")):
             pair = load(model, draft_model, draft_window=draft_window)
-        if recalibrate and pair.drafter is not None:
-            recalibrate_next(pair.drafter)
-        return pair
     except CheckpointError as e:
         if not defaults:
             raise
-        raise CheckpointError(
-            f"the default pair {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL} is not available "
-            f"({e}). Pass local folders instead: --model DIR --draft-model DIR"
-        ) from None
+        raise CheckpointError(f"the default pair {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL} is not available "
+                              f"({e}). Pass local folders instead: --model DIR --draft-model DIR") from None
+    if recalibrate and pair.drafter is not None:
+        recalibrate_next(pair.drafter)
+    return pair
 
 
 def check_out_folder(path, flag: str = "--out") -> None:
-    """Refuse an output folder that cannot be made, before any model is loaded:
-    the path, or a folder above it, is a file.
+    """Refuse an output folder that cannot be made (it, or a folder above it, is a file).
 
     Raises:
         InputError: naming the flag and the file in the way.
@@ -375,13 +323,8 @@ def check_out_folder(path, flag: str = "--out") -> None:
 
 
 def guard(fn):
-    """Run ``fn``; DFlashError becomes a one-line error and exit code 1.
-
-    A closed output pipe (``dflash generate ... | head``) stops the work quietly with
-    exit code 141 (128 + SIGPIPE), the status ``yes | head`` gives ``yes``. A closed
-    stdin or stdout, or one that cannot be written, is a one-line error
-    (``dflash_mlx/cli/stdio.py``); so is a file system error on a named path.
-    """
+    """Run ``fn``: a DFlashError or an OSError on a named path is one line and exit 1; a closed output pipe
+    (``| head``) exits 141 quietly (128 + SIGPIPE)."""
     try:
         result = fn()
         sys.stdout.flush()  # a write that fails (> /dev/full) surfaces here, as a StreamError
@@ -389,11 +332,9 @@ def guard(fn):
     except DFlashError as e:
         fail(str(e))
     except BrokenPipeError:
-        # Python ignores SIGPIPE, so the write raised instead; what is still buffered
-        # for stdout goes nowhere rather than raising again at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more is written at exit
         raise typer.Exit(141)
-    except OSError as e:  # a path the system refused (--out under a file, no permission, disk full)
+    except OSError as e:
         if e.filename is None:
             raise
         fail(f"{e.filename}: {e.strerror or e}")

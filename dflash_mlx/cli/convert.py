@@ -6,42 +6,46 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import redirect_stdout
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
-from .common import fail, guard
+from .common import check_out_folder, fail, guard
+from .render import print_table
+
+Target = Annotated[str, typer.Option(
+    "--model", help="Target: a Hugging Face repo id or a local folder (Hugging Face or mlx-lm format).")]
+Drafter = Annotated[str, typer.Option("--draft-model", help="Its DFlash drafter: a repo id or a local folder.")]
+Out = Annotated[str, typer.Option("--out", "-o", help="Output folder: target/, drafter/ and dflash.json.")]
+Quantize = Annotated[bool, typer.Option("--quantize", "-q", help="Quantize the target with mlx-lm.")]
+QBits = Annotated[Optional[int], typer.Option("--q-bits", help="Target bits per weight: 4 or 8 (default 4).")]
+QGroup = Annotated[Optional[int], typer.Option("--q-group-size", help="Target group size: 32, 64 or 128 "
+                                               "(default 64).")]
+QMode = Annotated[str, typer.Option("--q-mode", help="Target quantization mode: affine, mxfp4, nvfp4 or mxfp8.")]
+DraftBits = Annotated[Optional[int], typer.Option(
+    "--draft-q-bits", help="Quantize the drafter to 4 or 8 bits (default: keep it float). fc, hidden_norm and the "
+    "norms stay float; it computes in float32.")]
+DraftGroup = Annotated[int, typer.Option("--draft-q-group-size", help="Drafter group size: 32, 64 or 128.")]
+Dtype = Annotated[Optional[str], typer.Option(
+    "--dtype", help="float16, bfloat16 or float32 for the float weights (default: the target's torch_dtype; the "
+    "drafter as stored).")]
+Force = Annotated[bool, typer.Option("--force", help="Replace an existing output folder (once the new one is "
+                                     "complete).")]
+Validate = Annotated[bool, typer.Option(
+    "--validate/--no-validate", help="Check the result against the sources (short greedy runs; needs memory for "
+    "the larger of the unconverted and converted targets).")]
 
 
-def convert(
-    model: str = typer.Option(..., "--model", help="Target: a Hugging Face repo id or a local folder "
-                              "(Hugging Face or mlx-lm format)."),
-    draft_model: str = typer.Option(..., "--draft-model", help="Its DFlash drafter: a repo id or a local folder."),
-    out: str = typer.Option(..., "--out", "-o", help="Output folder: target/, drafter/ and dflash.json."),
-    quantize: bool = typer.Option(False, "--quantize", "-q", help="Quantize the target with mlx-lm."),
-    q_bits: Optional[int] = typer.Option(None, "--q-bits", help="Target bits per weight: 4 or 8 (default 4)."),
-    q_group_size: Optional[int] = typer.Option(None, "--q-group-size", help="Target group size: 32, 64 or 128 (default 64)."),
-    q_mode: str = typer.Option("affine", "--q-mode", help="Target quantization mode: affine, mxfp4, nvfp4 or mxfp8."),
-    draft_q_bits: Optional[int] = typer.Option(
-        None, "--draft-q-bits",
-        help="Quantize the drafter to 4 or 8 bits (default: keep it float). fc, hidden_norm and the "
-        "norms stay float; it computes in float32.",
-    ),
-    draft_q_group_size: int = typer.Option(64, "--draft-q-group-size", help="Drafter group size: 32, 64 or 128."),
-    dtype: Optional[str] = typer.Option(
-        None, "--dtype", help="float16, bfloat16 or float32 for the float weights (default: the target's torch_dtype; "
-        "the drafter as stored).",
-    ),
-    force: bool = typer.Option(False, "--force", help="Replace an existing output folder (once the new one is complete)."),
-    validate: bool = typer.Option(
-        True, "--validate/--no-validate",
-        help="Check the result against the sources (short greedy runs; needs memory for the larger of the "
-        "unconverted and converted targets).",
-    ),
-) -> None:
+def convert(model: Target, draft_model: Drafter, out: Out, quantize: Quantize = False, q_bits: QBits = None,
+            q_group_size: QGroup = None, q_mode: QMode = "affine", draft_q_bits: DraftBits = None,
+            draft_q_group_size: DraftGroup = 64, dtype: Dtype = None, force: Force = False,
+            validate: Validate = True) -> None:
     """Convert a target and its drafter into one folder that `dflash generate|chat|bench --model DIR` runs.
 
-    The target goes through mlx-lm's convert (an mlx-lm folder is copied unless asked otherwise), the drafter through dflash's loader. Writes go to a temporary folder beside OUT, renamed into place at the end: a failure, Ctrl-C or SIGTERM leaves nothing, and what a killed run left is removed at the next start. A short validation table follows.
+    The target goes through mlx-lm's convert (an mlx-lm folder is copied unless asked otherwise), the drafter
+    through dflash's loader. Writes go to a temporary folder beside OUT, renamed into place at the end: a
+    failure, Ctrl-C or SIGTERM leaves nothing, and what a killed run left is removed at the next start. A short
+    validation table follows.
 
     \b
     Examples:
@@ -66,9 +70,6 @@ def _run(validate, **kwargs) -> None:
     from dflash_mlx import ValidationError
     from dflash_mlx.pair.convert import check_options, convert as convert_pair
 
-    from .common import check_out_folder
-    from .render import print_table
-
     check_options(*(kwargs[k] for k in ("quantize", "q_bits", "q_group_size", "q_mode", "draft_q_bits",
                                         "draft_q_group_size", "dtype")))  # flags first, then the folders
     check_out_folder(kwargs["out"])
@@ -90,8 +91,8 @@ def _run(validate, **kwargs) -> None:
 
 
 class _Stages:
-    """One line per stage on stderr, with a spinner while it runs (none while
-    huggingface_hub downloads, which draws its own progress bars)."""
+    """One line per stage on stderr, with a spinner while it runs (none while downloading: huggingface_hub
+    draws its own bars)."""
 
     def __init__(self, console):
         self.console, self.status, self.start = console, None, time.perf_counter()
@@ -114,9 +115,8 @@ def checks_table(checks):
     from rich.table import Table
 
     table = Table(title="validation", title_justify="left")
-    table.add_column("check")
-    table.add_column("result")
-    table.add_column("", justify="center")
+    for name, justify in (("check", "left"), ("result", "left"), ("", "center")):
+        table.add_column(name, justify=justify)
     marks = {True: "[green]ok[/green]", False: "[red]FAIL[/red]", None: "[dim]measured[/dim]"}
     for check in checks:
         table.add_row(check.name, check.result, marks[check.ok])

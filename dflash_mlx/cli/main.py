@@ -1,9 +1,5 @@
-"""``dflash``: the entry point. Exit codes: 0 success, 1 error (one line on stderr,
-bad flags included), 130 interrupted (Ctrl-C), 141 output pipe closed (``| head``).
-
-Everything, imports included, runs inside :func:`main`, so Ctrl-C at any moment
-exits quietly with 130.
-"""
+"""``dflash``: the entry point. Exit codes: 0 success, 1 error (one line on stderr, bad flags included),
+130 interrupted (Ctrl-C, at any moment: imports run inside :func:`main`), 141 output pipe closed."""
 
 from __future__ import annotations
 
@@ -18,10 +14,13 @@ def main(args: Optional[List[str]] = None) -> None:
     """Run ``dflash`` with ``args`` (default: ``sys.argv[1:]``) and exit with its code."""
     try:
         keep_interrupts()
+        from .conflicts import conflicts, warning
         from .stdio import protect
 
         protect()  # closed stdin/stdout: /dev/null on the descriptor, a named error on use
-        _warn_conflicts()
+        line = warning(conflicts())
+        if line:
+            print(line, file=sys.stderr)
         code = _run(args)
     except KeyboardInterrupt:  # before the app runs (typer turns later ones into Exit(130))
         code = 130
@@ -29,14 +28,8 @@ def main(args: Optional[List[str]] = None) -> None:
 
 
 def keep_interrupts() -> None:
-    """Make a Ctrl-C that lands inside a finalizer (a ``__del__``, such as the regex
-    module's during imports) act as one anywhere else. Python cannot raise from a
-    finalizer: it would print "Exception ignored in ..." with a KeyboardInterrupt
-    traceback and carry on as if no key was pressed. The hook delivers the interrupt
-    again to the main thread, where it exits with 130 quietly; other unraisable errors
-    go to the default hook. Delivered from a timer thread 10 ms on: from the hook itself
-    it would be raised inside the finalizer again (if it lands in another one, the hook
-    runs again)."""
+    """Make a Ctrl-C that lands inside a finalizer (a ``__del__``, which cannot raise) act as one anywhere
+    else: it is delivered again to the main thread from a timer thread, outside the finalizer."""
     import _thread
     import threading
 
@@ -85,16 +78,6 @@ def _run(args: Optional[List[str]]) -> int:
     return code if isinstance(code, int) else 0
 
 
-def _warn_conflicts() -> None:
-    """One line on stderr when another installed distribution also provides the
-    ``dflash`` command or the ``dflash_mlx`` package (``dflash_mlx/cli/conflicts.py``)."""
-    from .conflicts import conflicts, warning
-
-    line = warning(conflicts())
-    if line:
-        print(line, file=sys.stderr)
-
-
 def _one_line(message: str) -> str:
     text = " ".join(message.split()).rstrip(".")
     return text[:1].lower() + text[1:]
@@ -109,15 +92,6 @@ def _usage_message(e: Exception) -> str:
         detail = first["msg"].split(",")[0]  # "Input should be a valid integer"
         text = text.replace(first["msg"], f"{detail[:1].lower()}{detail[1:]}, got {first['input']!r}")
     return _one_line(text)
-
-
-def __getattr__(name: str):
-    """``dflash_mlx.cli.main.app``, the Typer app, imported on first use."""
-    if name == "app":
-        from .app import app
-
-        return app
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,11 @@
-"""Output a person reads: tables that fit the terminal, plain text in pipes and logs,
-a spinner while a model loads.
-
-Every Rich table of the CLI is printed through :func:`print_table`.
-"""
+"""Output a person reads: tables that fit the terminal (plain text in pipes and logs), progress bars and
+a spinner while a model loads. Every Rich table of the CLI is printed through :func:`print_table`."""
 
 from __future__ import annotations
 
 import io
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from rich import box
 from rich.console import Console
@@ -18,13 +15,8 @@ PLAIN_WIDTH = 10_000  # wide enough that no row of a plain table is folded
 
 
 def print_table(table: Table, console: Optional[Console] = None) -> None:
-    """Print ``table`` on ``console`` (default: stdout).
-
-    On a terminal the table fits its width (:func:`fitted`). Elsewhere (a pipe, a
-    file, a log) it is plain text: no box drawing, no colour, every row on one line,
-    columns two spaces apart, no trailing spaces, and a last newline, so whatever is
-    printed next starts on its own line.
-    """
+    """Print ``table`` on ``console`` (default: stdout): fitted to a terminal's width (:func:`fitted`), else
+    plain text (no box or colour, a row per line, columns two spaces apart, no trailing spaces)."""
     console = console or Console()
     if console.is_terminal:
         console.print(fitted(table, console.width))
@@ -42,8 +34,7 @@ def print_table(table: Table, console: Optional[Console] = None) -> None:
 
 
 def fitted(table: Table, width: int) -> Table:
-    """``table`` made to fit ``width`` terminal columns: a light box without edges,
-    padding shared between neighbours, and cells (headers too) that fold onto the next
+    """``table`` made to fit ``width`` columns: a light box without edges, and cells that fold onto the next
     line where a column must narrow, never cut to ``…``."""
     table.box, table.show_edge, table.pad_edge, table.collapse_padding = box.SIMPLE_HEAD, False, False, True
     for column in table.columns:
@@ -53,11 +44,35 @@ def fitted(table: Table, width: int) -> Table:
 
 @contextmanager
 def spinner(text: str) -> Iterator[None]:
-    """A spinner with ``text`` on stderr while the body runs, only when stderr is a
-    terminal (a pipe or a log gets nothing)."""
+    """A spinner with ``text`` on stderr while the body runs, only when stderr is a terminal."""
     console = Console(stderr=True)
     if not console.is_terminal:
         yield
         return
     with console.status(text):
         yield
+
+
+@contextmanager
+def progress_bars(console: Console) -> Iterator[Callable[[str, int, int], None]]:
+    """Yields ``progress(name, done, total)``: a bar per name on ``console``, shown from the first call on
+    (so errors found up front stay one line)."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("ETA"), TimeRemainingColumn(), console=console)
+    tasks = {}
+
+    def progress(name: str, done: int, total: int) -> None:
+        if not tasks:
+            bar.start()
+        if name not in tasks:
+            tasks[name] = bar.add_task(name, total=total)
+        bar.update(tasks[name], completed=done)
+
+    try:
+        yield progress
+    finally:
+        if tasks:
+            bar.stop()

@@ -4,69 +4,76 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from typing import Optional
+from types import SimpleNamespace
+from typing import Annotated, Optional
 
 import typer
 
 from dflash_mlx.ranges import check_number
 
-from .common import (block_size_option, draft_model_option, guard, load_pair, model_option, prefill_step_option,
-                     recalibrate_option, resolve_models, resolve_prefill_step)
-from .prompt_cache import make_store, no_prompt_cache_option, prompt_cache_dir_option, prompt_cache_gb_option
+from .common import (BlockSize, DraftModel, Model, NoPromptCache, PrefillStep, PromptCacheDir, PromptCacheGb,
+                     Recalibrate, check_pair_flags, guard, load_pair)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-BATCH_PROMPT_CACHE = ("Batched requests use it too where the target and drafter keep plain attention KV caches "
-                      "and the drafter has a batched pass; else (hybrids, sliding-window layers) they prefill "
-                      "whole prompts (the log says so).")
-MAX_BATCH_HELP = ("Requests decoding together (continuous batching); 1: one at a time, with the prompt cache. "
-                  + BATCH_PROMPT_CACHE)
 MAX_BATCH = 256  # a batch's cache grows with it: a typo (8000) should not take the memory
 MAX_CONNECTIONS = 128  # well under macOS's default of 256 open files per process
-IDLE_TIMEOUT_HELP = ("Seconds a connection may idle between requests (uvicorn's keep-alive timeout), its request "
-                     "headers may take to arrive in full, and a request body may stall between chunks (then 408).")
-MAX_CONNECTIONS_HELP = ("Open connections at once; a request past it gets a 503 (keeps the server within its "
-                        "file descriptors).")
+
+
+Host = Annotated[str, typer.Option("--host", help="Address to bind. The default answers this Mac only; anything else "
+                           "should go with --api-key.")]
+Port = Annotated[int, typer.Option("--port", help="TCP port.")]
+MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m", help="Tokens per request when the request does not say.")]
+ApiKey = Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_API_KEY", help="Require 'Authorization: Bearer "
+                                       "KEY' on every endpoint but /health (or set DFLASH_API_KEY).")]
+MaxQueue = Annotated[int, typer.Option("--max-queue", help="Requests that may wait behind the running ones; past that, 429.")]
+MaxBatch = Annotated[int, typer.Option("--max-batch", help=(
+    "Requests decoding together (continuous batching); 1: one at a time, with the prompt cache. Batched requests "
+    "use it too where the target and drafter keep plain attention KV caches and the drafter has a batched pass; "
+    "else (hybrids, sliding-window layers) they prefill whole prompts (the log says so)."))]
+MaxBodyMb = Annotated[float, typer.Option("--max-body-mb", help="Largest request body, in MB (2^20 bytes); past it, 413.")]
+TemplateConfig = Annotated[Optional[str], typer.Option("--chat-template-config", help=(
+    "Default JSON for apply_chat_template; a request's chat_template_kwargs override it. With a drafter, thinking "
+    "is off unless set here or in the request."))]
+AllowTemplates = Annotated[bool, typer.Option("--allow-request-templates", help=(
+    "Let requests send their own Jinja chat template (chat_template_kwargs.chat_template). Off: such a request "
+    "gets a 400, since a template runs on the server and can take any memory or time."))]
+MaxPromptChars = Annotated[Optional[int], typer.Option("--max-prompt-chars", help=(
+    "Most characters of prompt text per request, checked before tokenizing (default: 8 per token of the "
+    "target's context); past it, 400."))]
+RequestTimeout = Annotated[float, typer.Option("--request-timeout", help=(
+    "Seconds from a request's arrival (queue wait included) after which its generation stops and it gets a 408; "
+    "0: no limit."))]
+IdleTimeout = Annotated[float, typer.Option("--idle-timeout", help=(
+    "Seconds a connection may idle between requests (uvicorn's keep-alive timeout), its request headers may take "
+    "to arrive in full, and a request body may stall between chunks (then 408)."))]
+MaxConnections = Annotated[int, typer.Option("--max-connections", help=(
+    "Open connections at once; a request past it gets a 503 (keeps the server within its file descriptors)."))]
+LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
 
 
 def serve(
-    model: Optional[str] = model_option(),
-    draft_model: Optional[str] = draft_model_option(),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind. The default answers this Mac only; "
-                             "anything else should go with --api-key."),
-    port: int = typer.Option(8080, "--port", help="TCP port."),
-    block_size: str = block_size_option(),
-    recalibrate: bool = recalibrate_option(),
-    max_tokens: int = typer.Option(512, "--max-tokens", "-m",
-                                   help="Tokens per request when the request does not say (max_tokens)."),
-    api_key: Optional[str] = typer.Option(
-        None, "--api-key", envvar="DFLASH_API_KEY",
-        help="Require 'Authorization: Bearer KEY' on every endpoint but /health (or set DFLASH_API_KEY)."),
-    max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait behind the running ones; "
-                                  "past that, 429."),
-    max_batch: int = typer.Option(8, "--max-batch", help=MAX_BATCH_HELP),
-    max_body_mb: float = typer.Option(4.0, "--max-body-mb", help="Largest request body, in MB (2^20 bytes); "
-                                      "past it, 413."),
-    chat_template_config: Optional[str] = typer.Option(
-        None, "--chat-template-config",
-        help="Default JSON for apply_chat_template; a request's chat_template_kwargs override it. "
-        "With a drafter, thinking is off unless set here or in the request."),
-    allow_request_templates: bool = typer.Option(
-        False, "--allow-request-templates",
-        help="Let requests send their own Jinja chat template (chat_template_kwargs.chat_template). Off: "
-        "such a request gets a 400, since a template runs on the server and can take any memory or time."),
-    max_prompt_chars: Optional[int] = typer.Option(
-        None, "--max-prompt-chars", help="Most characters of prompt text per request, checked before "
-        "tokenizing (default: 8 per token of the target's context); past it, 400."),
-    request_timeout: float = typer.Option(
-        600.0, "--request-timeout", help="Seconds from a request's arrival (queue wait included) after which "
-        "its generation stops and it gets a 408; 0: no limit."),
-    idle_timeout: float = typer.Option(5.0, "--idle-timeout", help=IDLE_TIMEOUT_HELP),
-    max_connections: int = typer.Option(MAX_CONNECTIONS, "--max-connections", help=MAX_CONNECTIONS_HELP),
-    prefill_step_size: Optional[int] = prefill_step_option(),
-    prompt_cache_dir: Optional[str] = prompt_cache_dir_option(),
-    no_prompt_cache: bool = no_prompt_cache_option(),
-    prompt_cache_gb: float = prompt_cache_gb_option(),
-    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+    model: Model = None,
+    draft_model: DraftModel = None,
+    host: Host = "127.0.0.1",
+    port: Port = 8080,
+    block_size: BlockSize = "auto",
+    recalibrate: Recalibrate = False,
+    max_tokens: MaxTokens = 512,
+    api_key: ApiKey = None,
+    max_queue: MaxQueue = 16,
+    max_batch: MaxBatch = 8,
+    max_body_mb: MaxBodyMb = 4.0,
+    chat_template_config: TemplateConfig = None,
+    allow_request_templates: AllowTemplates = False,
+    max_prompt_chars: MaxPromptChars = None,
+    request_timeout: RequestTimeout = 600.0,
+    idle_timeout: IdleTimeout = 5.0,
+    max_connections: MaxConnections = MAX_CONNECTIONS,
+    prefill_step_size: PrefillStep = None,
+    prompt_cache_dir: PromptCacheDir = None,
+    no_prompt_cache: NoPromptCache = False,
+    prompt_cache_gb: PromptCacheGb = 8.0,
+    log_level: LogLevel = "info",
 ) -> None:
     """Serve the pair over the OpenAI API (chat, completions, models, health, metrics).
 
@@ -85,72 +92,63 @@ def serve(
       dflash serve --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16
       DFLASH_API_KEY=secret dflash serve --host 0.0.0.0 --port 8000
     """
-    args = dict(locals())
-    guard(lambda: _until_stopped(lambda: _run(**args)))
+    o = SimpleNamespace(**locals())
+    guard(lambda: _until_stopped(lambda: _run(o)))
 
 
 def _until_stopped(run) -> None:
-    """``run()`` with SIGTERM taken as Ctrl-C: while loading, exit 130; once serving,
-    both stop the server (:func:`dflash_mlx.serve.lifecycle.serve`)."""
+    """``run()`` with SIGTERM taken as Ctrl-C: while loading, exit 130; once serving, both stop the server."""
     from dflash_mlx.atomic import sigterm_as_interrupt
 
     with sigterm_as_interrupt():
         run()
 
 
-# Over 60 lines: every serve flag is checked here, in order, before the model loads
-def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, api_key, max_queue, max_batch,
-         max_body_mb, chat_template_config, allow_request_templates, max_prompt_chars, request_timeout, idle_timeout,
-         max_connections, prefill_step_size, prompt_cache_dir, no_prompt_cache, prompt_cache_gb, log_level) -> None:
+def _check(o) -> None:
+    """Every serve flag, in order, before the model loads.
+
+    Raises:
+        InputError: naming the flag.
+    """
     from dflash_mlx.errors import InputError
 
-    from .common import parse_template_config
-
-    # Flags first, then the imports of the server, mlx-lm and transformers (2-3 s): a bad
-    # flag is reported at once.
-    if log_level not in LOG_LEVELS:
-        raise InputError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level}")
-    for flag, value, least in (("--max-tokens", max_tokens, 1), ("--max-queue", max_queue, 0),
-                               ("--max-prompt-chars", max_prompt_chars, 1), ("--request-timeout", request_timeout, 0)):
+    if o.log_level not in LOG_LEVELS:
+        raise InputError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {o.log_level}")
+    for flag, value, least in (("--max-tokens", o.max_tokens, 1), ("--max-queue", o.max_queue, 0),
+                               ("--max-prompt-chars", o.max_prompt_chars, 1),
+                               ("--request-timeout", o.request_timeout, 0), ("--max-connections", o.max_connections, 2)):
         check_number(flag, value, at_least=least)
-    check_number("--max-batch", max_batch, at_least=1, at_most=MAX_BATCH)
-    check_number("--max-body-mb", max_body_mb, above=0)
-    check_number("--idle-timeout", idle_timeout, above=0)
-    check_number("--max-connections", max_connections, at_least=2)
-    check_number("--port", port, at_least=0, at_most=65535)
-    prefill_step_size = resolve_prefill_step(prefill_step_size)
-    template = parse_template_config(chat_template_config)
-    defaults = model is None and draft_model is None
-    model, draft_model = resolve_models(model, draft_model)
-    from dflash_mlx.decode.policy import parse_block_size
+    check_number("--max-batch", o.max_batch, at_least=1, at_most=MAX_BATCH)
+    check_number("--max-body-mb", o.max_body_mb, above=0)
+    check_number("--idle-timeout", o.idle_timeout, above=0)
+    check_number("--port", o.port, at_least=0, at_most=65535)
+    check_pair_flags(o)
 
-    block_size = parse_block_size(block_size)
-    if block_size not in (None, "auto") and draft_model is None:
-        raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
+
+def _run(o) -> None:
+    _check(o)
     from dflash_mlx.serve.lifecycle import listen, serve as serve_on
-    sock = listen(host, port)  # a port in use is an error now, not after the model loaded
-    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb)
 
+    sock = listen(o.host, o.port)  # a port in use is an error now, not after the model loaded
     from dflash_mlx.serve.app import ServerConfig, create_app
     from dflash_mlx.serve.http_protocol import uvicorn_options
-    if draft_model is not None:
-        template.setdefault("enable_thinking", False)
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("dflash")
-    log.setLevel(log_level.upper())
-    pair = load_pair(model, draft_model, defaults, recalibrate=recalibrate)
-    config = ServerConfig(model_id=model, max_tokens=max_tokens, block_size=block_size, api_key=api_key,
-                          max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20), template=template,
-                          allow_request_templates=allow_request_templates, max_prompt_chars=max_prompt_chars,
-                          request_timeout=request_timeout or None, idle_timeout=idle_timeout,
-                          prefill_step_size=prefill_step_size, prompt_store=store, max_batch=max_batch)
+    log.setLevel(o.log_level.upper())
+    pair = load_pair(o.model, o.draft_model, o.defaults, recalibrate=o.recalibrate)
+    config = ServerConfig(model_id=o.model, max_tokens=o.max_tokens, block_size=o.block_size, api_key=o.api_key,
+                          max_queue=o.max_queue, max_body_bytes=int(o.max_body_mb * 2**20), template=o.template,
+                          allow_request_templates=o.allow_request_templates, max_prompt_chars=o.max_prompt_chars,
+                          request_timeout=o.request_timeout or None, idle_timeout=o.idle_timeout,
+                          prefill_step_size=o.prefill_step_size, prompt_store=o.store, max_batch=o.max_batch)
     app = create_app(pair, config)
-    if not api_key and not _is_loopback(host):
-        log.warning("listening on %s without --api-key: anyone who can reach it can use it", host)
-    drafter = f" + {draft_model}" if draft_model else " (no drafter: plain decoding)"
-    log.info("serving %s%s on http://%s:%d", model, drafter, host, sock.getsockname()[1])
-    serve_on(app, sock, app.state.server.engine, log_level=log_level, **uvicorn_options(idle_timeout, max_connections))
+    if not o.api_key and not _is_loopback(o.host):
+        log.warning("listening on %s without --api-key: anyone who can reach it can use it", o.host)
+    drafter = f" + {o.draft_model}" if o.draft_model else " (no drafter: plain decoding)"
+    log.info("serving %s%s on http://%s:%d", o.model, drafter, o.host, sock.getsockname()[1])
+    serve_on(app, sock, app.state.server.engine, log_level=o.log_level,
+             **uvicorn_options(o.idle_timeout, o.max_connections))
 
 
 def _is_loopback(host: str) -> bool:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import List, Optional
+from types import SimpleNamespace
+from typing import Annotated, List, Optional
 
 import typer
 from rich.console import Console, Group
@@ -15,10 +16,33 @@ from rich.table import Table
 
 from dflash_mlx.ranges import check_number
 
-from .common import guard, parse_template_config, quiet_transformers
+from .common import check_out_folder, guard, load_pair, parse_template_config
 from .render import fitted, print_table
 
 console = Console(stderr=True)
+
+
+def _opt(flag: str, help: str, kind=int):
+    return Annotated[kind, typer.Option(flag, help=help)]
+
+
+Target = _opt("--model", "Target: local mlx-lm folder or HF repo id (frozen).", str)
+Seed = _opt("--seed", "PRNG seed.")
+DataOut = _opt("--out", "Data folder (shards + manifest). Re-running resumes.", Path)
+Prompts = _opt("--prompts", "JSONL of {'prompt': ...} or {'messages': [...]} rows; repeatable.", List[Path])
+Text = _opt("--text", "Plain text cut into prompts (documents split by blank lines); repeatable.", List[Path])
+SelfPrompts = _opt("--self-prompts", "Also sample N openings from the target itself (base models).")
+SelfTokens = _opt("--self-prompt-tokens", "Tokens sampled per opening.")
+SelfStyle = _opt("--self-prompt-style", "prefix: BOS + the sampled tokens; sentence: a few words from a sentence "
+                 "inside the sampled text.", str)
+DataTemplate = _opt("--chat-template-config", "JSON for the chat template, e.g. '{\"enable_thinking\": false}': "
+                    "match later use.", Optional[str])
+DataMaxTokens = _opt("--max-tokens", "Response tokens per prompt; less than the target's context.")
+MaxLength = _opt("--max-length", "Most tokens per sequence, at most the target's context; longer prompts are an "
+                 "error. Default: 3072 or the context, whichever is smaller.", Optional[int])
+DataTemp = _opt("--temp", "Regeneration temperature (0 = greedy).", float)
+BatchSize = _opt("--batch-size", "Sequences generated together.")
+ShardSize = _opt("--shard-size", "Prompts per shard.")
 
 
 def _progress() -> Progress:
@@ -27,90 +51,58 @@ def _progress() -> Progress:
                     console=console)
 
 
-def data(
-    model: str = typer.Option(..., "--model", help="Target: local mlx-lm folder or HF repo id."),
-    out: Path = typer.Option(..., "--out", help="Data folder (shards + manifest). Re-running resumes."),
-    prompts: List[Path] = typer.Option([], "--prompts", help="JSONL of {'prompt': ...} or {'messages': [...]} rows; repeatable."),
-    text: List[Path] = typer.Option([], "--text", help="Plain text cut into prompts (documents split by blank lines); repeatable."),
-    self_prompts: int = typer.Option(0, "--self-prompts", help="Also sample N openings from the target itself (base models)."),
-    self_prompt_tokens: int = typer.Option(32, "--self-prompt-tokens", help="Tokens sampled per opening."),
-    self_prompt_style: str = typer.Option(
-        "prefix", "--self-prompt-style",
-        help="prefix: BOS + the sampled tokens; sentence: a few words from a sentence inside the sampled text.",
-    ),
-    chat_template_config: Optional[str] = typer.Option(
-        None, "--chat-template-config", help="JSON for the chat template, e.g. '{\"enable_thinking\": false}': match later use."
-    ),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="Response tokens per prompt; less than the target's context."),
-    max_length: Optional[int] = typer.Option(
-        None, "--max-length",
-        help="Most tokens per sequence, at most the target's context; longer prompts are an error. "
-        "Default: 3072 or the context, whichever is smaller.",
-    ),
-    temp: float = typer.Option(0.0, "--temp", help="Regeneration temperature (0 = greedy)."),
-    batch_size: int = typer.Option(32, "--batch-size", help="Sequences generated together."),
-    shard_size: int = typer.Option(256, "--shard-size", help="Prompts per shard."),
-    seed: int = typer.Option(0, "--seed"),
-) -> None:
+def data(model: Target, out: DataOut, prompts: Prompts = [], text: Text = [], self_prompts: SelfPrompts = 0,
+         self_prompt_tokens: SelfTokens = 32, self_prompt_style: SelfStyle = "prefix",
+         chat_template_config: DataTemplate = None, max_tokens: DataMaxTokens = 256, max_length: MaxLength = None,
+         temp: DataTemp = 0.0, batch_size: BatchSize = 32, shard_size: ShardSize = 256, seed: Seed = 0) -> None:
     """Regenerate responses with the target itself, into resumable shards.
 
     \b
     Example:
       dflash data --model Qwen/Qwen3-4B --prompts prompts.jsonl --chat-template-config '{"enable_thinking": false}' --out data/
     """
-    args = dict(locals())
-    guard(lambda: _data(**args))
+    o = SimpleNamespace(**locals())
+    guard(lambda: _data(o))
 
 
-def _data(model, out, prompts, text, self_prompts, self_prompt_tokens, self_prompt_style, chat_template_config, max_tokens,
-          max_length, temp, batch_size, shard_size, seed) -> None:
+def _data(o) -> None:
+    from dflash_mlx import InputError
+
+    check_lengths(o.max_tokens, o.max_length, None)  # flags first, then the 2-3 s of imports
+    for flag, value, least in (("--self-prompts", o.self_prompts, 0), ("--self-prompt-tokens", o.self_prompt_tokens, 1),
+                               ("--temp", o.temp, 0), ("--batch-size", o.batch_size, 1),
+                               ("--shard-size", o.shard_size, 1)):
+        check_number(flag, value, at_least=least)
+    check_number("--seed", o.seed, at_least=0, at_most=2**63 - 1)  # seed + i seeds the i-th batch
+    check_out_folder(o.out)
+    if not (o.prompts or o.text or o.self_prompts):
+        raise InputError("no prompt source: give --prompts FILE, --text FILE or --self-prompts N")
+    template = parse_template_config(o.chat_template_config)
     import numpy as np
 
-    from dflash_mlx.errors import InputError
-
-    from .common import check_out_folder
-
-    # Flags first, then the imports of mlx-lm and transformers (2-3 s): a bad flag is
-    # reported at once.
-    check_lengths(max_tokens, max_length, None)
-    for flag, value, least in (("--self-prompts", self_prompts, 0), ("--self-prompt-tokens", self_prompt_tokens, 1),
-                               ("--temp", temp, 0), ("--batch-size", batch_size, 1), ("--shard-size", shard_size, 1)):
-        check_number(flag, value, at_least=least)
-    check_number("--seed", seed, at_least=0, at_most=2**63 - 1)  # seed + i seeds the i-th batch
-    check_out_folder(out)
-
-    if not (prompts or text or self_prompts):
-        raise InputError("no prompt source: give --prompts FILE, --text FILE or --self-prompts N")
-    template = parse_template_config(chat_template_config)
-
-    from dflash_mlx import load
     from dflash_mlx.chat.session import context_length
-    from dflash_mlx.train.data import (
-        encode_prompts, prompts_from_text, read_prompt_file, regenerate, response_end_token,
-    )
-    from dflash_mlx.train.data import self_prompts as sample_openings
+    from dflash_mlx.train.data import encode_prompts, prompts_from_text, read_prompt_file, regenerate
+    from dflash_mlx.train.data import response_end_token, self_prompts as sample_openings
 
-    quiet_transformers()
-    pair = load(model)
-    max_length = check_lengths(max_tokens, max_length, context_length(pair.target))
-    rows = [row for path in prompts for row in read_prompt_file(path)]
-    rng = np.random.default_rng(seed)
-    rows += [row for path in text for row in prompts_from_text(path, rng)]
+    pair = load_pair(o.model, None, defaults=False)
+    max_length = check_lengths(o.max_tokens, o.max_length, context_length(pair.target))
+    rng = np.random.default_rng(o.seed)
+    rows = [row for path in o.prompts for row in read_prompt_file(path)]
+    rows += [row for path in o.text for row in prompts_from_text(path, rng)]
     ids = encode_prompts(pair.tokenizer, rows, template)
-    # Rows are rendered with the chat template when there is one; openings never are.
-    ends = [response_end_token(pair.tokenizer, templated=True)] * len(ids)
-    if self_prompts:
-        with console.status(f"sampling {self_prompts} openings from the target"):
-            openings = sample_openings(pair.model, pair.tokenizer, self_prompts, self_prompt_tokens, seed,
-                                       style=self_prompt_style)
+    ends = [response_end_token(pair.tokenizer, templated=True)] * len(ids)  # openings are never templated
+    if o.self_prompts:
+        with console.status(f"sampling {o.self_prompts} openings from the target"):
+            openings = sample_openings(pair.model, pair.tokenizer, o.self_prompts, o.self_prompt_tokens, o.seed,
+                                       style=o.self_prompt_style)
         ids += openings
         ends += [response_end_token(pair.tokenizer, templated=False)] * len(openings)
     with _progress() as progress:
         task = progress.add_task("regenerating", total=len(ids), status="")
-        regenerate(pair.model, pair.tokenizer, ids, out, max_tokens=max_tokens, max_length=max_length, temp=temp,
-                   shard_size=shard_size, batch_size=batch_size, seed=seed, target_id=str(model), end_tokens=ends,
-                   progress=lambda done, total: progress.update(task, completed=done))
-    console.print(f"wrote {len(ids)} sequences to {out}")
+        regenerate(pair.model, pair.tokenizer, ids, o.out, max_tokens=o.max_tokens, max_length=max_length,
+                   temp=o.temp, shard_size=o.shard_size, batch_size=o.batch_size, seed=o.seed, target_id=str(o.model),
+                   end_tokens=ends, progress=lambda done, total: progress.update(task, completed=done))
+    console.print(f"wrote {len(ids)} sequences to {o.out}")
 
 
 def check_lengths(max_tokens: int, max_length: Optional[int], context: Optional[int]) -> int:
@@ -123,74 +115,61 @@ def check_lengths(max_tokens: int, max_length: Optional[int], context: Optional[
 
     check_number("--max-tokens", max_tokens, at_least=1)
     check_number("--max-length", max_length, at_least=2)
-    if context is not None:
-        if max_tokens >= context:
-            raise InputError(f"--max-tokens {max_tokens} does not fit the target's context of {context} tokens "
-                             "(max_position_embeddings) with a prompt")
-        if max_length is not None and max_length > context:
-            raise InputError(f"--max-length {max_length} is past the target's context of {context} tokens "
-                             "(max_position_embeddings)")
+    if context is not None and max_tokens >= context:
+        raise InputError(f"--max-tokens {max_tokens} does not fit the target's context of {context} tokens "
+                         "(max_position_embeddings) with a prompt")
+    if context is not None and max_length is not None and max_length > context:
+        raise InputError(f"--max-length {max_length} is past the target's context of {context} tokens "
+                         "(max_position_embeddings)")
     return max_length if max_length is not None else min(3072, context or 3072)
 
 
-# Over 60 lines: a typer command: its length is its option list
-def train(
-    model: str = typer.Option(..., "--model", help="Target: local mlx-lm folder or HF repo id (frozen)."),
-    data_dirs: List[Path] = typer.Option(..., "--data", help="Folder made by `dflash data`; repeat to mix several."),
-    out: Path = typer.Option(..., "--out", help="Drafter folder (released format); checkpoints go in OUT/checkpoints."),
-    layers: int = typer.Option(1, "--layers", help="Drafter layers."),
-    block_size: Optional[int] = typer.Option(
-        None, "--block-size", help="The drafter's block size B (the largest it drafts); default 16, or the largest of --block-sizes."
-    ),
-    block_sizes: Optional[str] = typer.Option(
-        None, "--block-sizes",
-        help="Train at several block sizes, one drawn per sequence, e.g. 4,8,16: the drafter then drafts well at each. "
-        "Default: --block-size only.",
-    ),
-    target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Comma list, e.g. 1,9,17; default: spread evenly."),
-    mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="MASK id; default: an unused vocabulary id."),
-    intermediate_size: Optional[int] = typer.Option(None, "--intermediate-size", help="Drafter MLP width; default: the target's."),
-    steps: int = typer.Option(1000, "--steps", help="Optimizer steps."),
-    lr: float = typer.Option(6e-4, "--lr", help="Peak AdamW learning rate."),
-    warmup: float = typer.Option(0.04, "--warmup", help="Warm-up fraction of the steps, then cosine decay."),
-    grad_accum: int = typer.Option(4, "--grad-accum", help="Sequences per optimizer step."),
-    anchors: int = typer.Option(512, "--anchors", help="Blocks sampled per sequence."),
-    anchor_chunk: int = typer.Option(
-        64, "--anchor-chunk",
-        help="Blocks per forward/backward pass (0: all at once); bounds memory, same result up to rounding.",
-    ),
-    gamma: Optional[str] = typer.Option(
-        None, "--gamma", help="Loss decay over block rows: one value, or one per --block-sizes entry; default 7 (B=16), 4 (B<=8)."
-    ),
-    kl_weight: float = typer.Option(
-        0.0, "--kl-weight", help="Distillation: weight of a KL term to the target's own next-token distribution (0: off)."
-    ),
-    kl_temperature: float = typer.Option(1.0, "--kl-temperature", help="Temperature of both distributions in the KL term."),
-    miss_anchors: float = typer.Option(
-        0.0, "--miss-anchors",
-        help="Fraction of a sequence's blocks anchored where generation starts one: right after a miss of the "
-        "drafter on that sequence's previous visit (0: uniform anchors only).",
-    ),
-    grad_clip: float = typer.Option(1.0, "--grad-clip", help="Max gradient norm."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
-    held_out: int = typer.Option(16, "--held-out", help="The last N sequences (of the last --data) are held out for evaluation."),
-    eval_every: int = typer.Option(200, "--eval-every", help="Evaluate every N steps (0 = never)."),
-    save_every: int = typer.Option(200, "--save-every", help="Checkpoint every N steps (0 = only the end)."),
-    cache_features: bool = typer.Option(False, "--cache-features", help="Compute target features once, keep them in OUT/features."),
-    features_dir: Optional[Path] = typer.Option(
-        None, "--features-dir",
-        help="Cache target features here instead of OUT/features (implies --cache-features); runs on the same data "
-        "and --target-layer-ids can share it.",
-    ),
-    resume: bool = typer.Option(
-        False, "--resume",
-        help="Continue from the newest checkpoint in OUT/checkpoints; --steps, --lr and the other run settings must match.",
-    ),
-    overwrite: bool = typer.Option(
-        False, "--overwrite", help="Delete an earlier run in OUT (checkpoints, cached features, drafter) and start afresh."
-    ),
-    seed: int = typer.Option(0, "--seed"),
-) -> None:
+DataDirs = _opt("--data", "Folder made by `dflash data`; repeat to mix several.", List[Path])
+TrainOut = _opt("--out", "Drafter folder (released format); checkpoints go in OUT/checkpoints.", Path)
+Layers = _opt("--layers", "Drafter layers.")
+TrainBlock = _opt("--block-size", "The drafter's block size B (the largest it drafts); default 16, or the largest "
+                  "of --block-sizes.", Optional[int])
+TrainBlocks = _opt("--block-sizes", "Train at several block sizes, one drawn per sequence, e.g. 4,8,16: the "
+                   "drafter then drafts well at each. Default: --block-size only.", Optional[str])
+LayerIds = _opt("--target-layer-ids", "Comma list, e.g. 1,9,17; default: spread evenly.", Optional[str])
+MaskId = _opt("--mask-token-id", "MASK id; default: an unused vocabulary id.", Optional[int])
+Intermediate = _opt("--intermediate-size", "Drafter MLP width; default: the target's.", Optional[int])
+Steps = _opt("--steps", "Optimizer steps.")
+Lr = _opt("--lr", "Peak AdamW learning rate.", float)
+Warmup = _opt("--warmup", "Warm-up fraction of the steps, then cosine decay.", float)
+GradAccum = _opt("--grad-accum", "Sequences per optimizer step.")
+Anchors = _opt("--anchors", "Blocks sampled per sequence.")
+AnchorChunk = _opt("--anchor-chunk", "Blocks per forward/backward pass (0: all at once); bounds memory, same "
+                   "result up to rounding.")
+Gamma = _opt("--gamma", "Loss decay over block rows: one value, or one per --block-sizes entry; default 7 (B=16), "
+             "4 (B<=8).", Optional[str])
+KlWeight = _opt("--kl-weight", "Distillation: weight of a KL term to the target's own next-token distribution "
+                "(0: off).", float)
+KlTemp = _opt("--kl-temperature", "Temperature of both distributions in the KL term.", float)
+MissAnchors = _opt("--miss-anchors", "Fraction of a sequence's blocks anchored where generation starts one: right "
+                   "after a miss of the drafter on that sequence's previous visit (0: uniform anchors only).", float)
+GradClip = _opt("--grad-clip", "Max gradient norm.", float)
+Dtype = _opt("--dtype", "float32 or bfloat16.", str)
+HeldOut = _opt("--held-out", "The last N sequences (of the last --data) are held out for evaluation.")
+EvalEvery = _opt("--eval-every", "Evaluate every N steps (0 = never).")
+SaveEvery = _opt("--save-every", "Checkpoint every N steps (0 = only the end).")
+CacheFeatures = _opt("--cache-features", "Compute target features once, keep them in OUT/features.", bool)
+FeaturesDir = _opt("--features-dir", "Cache target features here instead of OUT/features (implies "
+                   "--cache-features); runs on the same data and --target-layer-ids can share it.", Optional[Path])
+Resume = _opt("--resume", "Continue from the newest checkpoint in OUT/checkpoints; --steps, --lr and the other run "
+              "settings must match.", bool)
+Overwrite = _opt("--overwrite", "Delete an earlier run in OUT (checkpoints, cached features, drafter) and start "
+                 "afresh.", bool)
+
+
+def train(model: Target, data_dirs: DataDirs, out: TrainOut, layers: Layers = 1, block_size: TrainBlock = None,
+          block_sizes: TrainBlocks = None, target_layer_ids: LayerIds = None, mask_token_id: MaskId = None,
+          intermediate_size: Intermediate = None, steps: Steps = 1000, lr: Lr = 6e-4, warmup: Warmup = 0.04,
+          grad_accum: GradAccum = 4, anchors: Anchors = 512, anchor_chunk: AnchorChunk = 64, gamma: Gamma = None,
+          kl_weight: KlWeight = 0.0, kl_temperature: KlTemp = 1.0, miss_anchors: MissAnchors = 0.0,
+          grad_clip: GradClip = 1.0, dtype: Dtype = "float32", held_out: HeldOut = 16, eval_every: EvalEvery = 200,
+          save_every: SaveEvery = 200, cache_features: CacheFeatures = False, features_dir: FeaturesDir = None,
+          resume: Resume = False, overwrite: Overwrite = False, seed: Seed = 0) -> None:
     """Train a DFlash drafter for a frozen target, on data from `dflash data`.
 
     OUT must not hold an earlier run unless --resume or --overwrite is given. Each
@@ -205,70 +184,84 @@ def train(
     One drafter for block sizes 4, 8 and 16, distilled from the target's distribution:
       dflash train --model Qwen/Qwen3-4B --data data/ --out my-drafter --block-sizes 4,8,16 --kl-weight 1
     """
-    args = dict(locals())
-    guard(lambda: _train(**args))
+    o = SimpleNamespace(**locals())
+    guard(lambda: _fit(o, _trainer(o)))
 
 
-# Over 60 lines: one training run's wiring; split after the hardening work lands
-def _train(model, data_dirs, out, layers, block_size, block_sizes, target_layer_ids, mask_token_id, intermediate_size,
-           steps, lr, warmup, grad_accum, anchors, anchor_chunk, gamma, kl_weight, kl_temperature, miss_anchors,
-           grad_clip, dtype, held_out, eval_every, save_every, cache_features, features_dir, resume, overwrite, seed) -> None:
-    from dflash_mlx import InputError, load
-    from dflash_mlx.train.data import load_sequences
-    from dflash_mlx.train.trainer import TrainConfig, Trainer, check_fresh_out, init_drafter, pick_mask_token
+def _config(o):
+    """The checked :class:`~dflash_mlx.train.trainer.TrainConfig` of the flags; sets ``o.block_size`` and
+    ``o.ids`` (the parsed --target-layer-ids).
 
-    from .common import check_out_folder
+    Raises:
+        InputError: naming the flag.
+    """
+    from dflash_mlx import InputError
+    from dflash_mlx.train.trainer import TrainConfig
 
-    # Flags first, then the folders, then the target: a bad value is reported at once.
-    if dtype not in ("float32", "bfloat16"):
-        raise InputError(f"--dtype must be float32 or bfloat16, got {dtype}")
-    ids = parse_numbers(target_layer_ids, "--target-layer-ids", int)
-    sizes = parse_numbers(block_sizes, "--block-sizes", int)
-    gammas = parse_numbers(gamma, "--gamma", float)
-    for flag, value, least in (("--layers", layers, 1), ("--block-size", block_size, 2),
-                               ("--mask-token-id", mask_token_id, 0), ("--intermediate-size", intermediate_size, 1),
-                               *(("--target-layer-ids", i, 0) for i in ids or ())):
+    if o.dtype not in ("float32", "bfloat16"):
+        raise InputError(f"--dtype must be float32 or bfloat16, got {o.dtype}")
+    o.ids = parse_numbers(o.target_layer_ids, "--target-layer-ids", int)
+    sizes = parse_numbers(o.block_sizes, "--block-sizes", int)
+    gammas = parse_numbers(o.gamma, "--gamma", float)
+    for flag, value, least in (("--layers", o.layers, 1), ("--block-size", o.block_size, 2),
+                               ("--mask-token-id", o.mask_token_id, 0), ("--intermediate-size", o.intermediate_size, 1),
+                               *(("--target-layer-ids", i, 0) for i in o.ids or ())):
         check_number(flag, value, at_least=least)
-    config = TrainConfig(steps=steps, grad_accum=grad_accum, anchors=anchors, anchor_chunk=anchor_chunk, lr=lr,
-                         warmup=warmup, grad_clip=grad_clip, gamma=gammas[0] if gammas and len(gammas) == 1 else gammas,
-                         dtype=dtype, seed=seed, eval_every=eval_every, eval_sequences=held_out, save_every=save_every,
-                         block_sizes=sizes, kl_weight=kl_weight, kl_temperature=kl_temperature,
-                         miss_anchors=miss_anchors)
+    config = TrainConfig(steps=o.steps, grad_accum=o.grad_accum, anchors=o.anchors, anchor_chunk=o.anchor_chunk,
+                         lr=o.lr, warmup=o.warmup, grad_clip=o.grad_clip, dtype=o.dtype, seed=o.seed,
+                         gamma=gammas[0] if gammas and len(gammas) == 1 else gammas, eval_every=o.eval_every,
+                         eval_sequences=o.held_out, save_every=o.save_every, block_sizes=sizes, kl_weight=o.kl_weight,
+                         kl_temperature=o.kl_temperature, miss_anchors=o.miss_anchors)
     config.check()
-    check_out_folder(out)
-    if sizes and block_size is not None and block_size != max(sizes):
-        raise InputError(f"--block-size {block_size}: the drafter's block size is the largest of --block-sizes "
+    check_out_folder(o.out)
+    if sizes and o.block_size is not None and o.block_size != max(sizes):
+        raise InputError(f"--block-size {o.block_size}: the drafter's block size is the largest of --block-sizes "
                          f"({max(sizes)}); leave --block-size out")
-    block_size = max(sizes) if sizes else block_size or 16
-    if resume and overwrite:
+    o.block_size = max(sizes) if sizes else o.block_size or 16
+    if o.resume and o.overwrite:
         raise InputError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
-    if not resume and not overwrite:
-        check_fresh_out(out)  # before loading anything; --overwrite deletes only once the rest is checked
-    pair = load(model)
-    sequences = [seq for folder in data_dirs for seq in load_sequences(folder)]
-    n_held = min(held_out, len(sequences) // 2)
+    return config
+
+
+def _trainer(o):
+    """The :class:`~dflash_mlx.train.trainer.Trainer` of the flags: resumed, or a new drafter."""
+    from dflash_mlx.train.data import load_sequences
+    from dflash_mlx.train.trainer import Trainer, check_fresh_out, init_drafter, pick_mask_token
+
+    config = _config(o)
+    if not o.resume and not o.overwrite:
+        check_fresh_out(o.out)  # before loading anything; --overwrite deletes only once the rest is checked
+    pair = load_pair(o.model, None, defaults=False)
+    sequences = [seq for folder in o.data_dirs for seq in load_sequences(folder)]
+    n_held = min(o.held_out, len(sequences) // 2)
     train_seqs, eval_seqs = sequences[: len(sequences) - n_held], sequences[len(sequences) - n_held:]
-    config = replace(config, eval_sequences=n_held)
-    features = features_dir or (out / "features" if cache_features else None)
-    if resume:
-        trainer = Trainer.resume(pair.target, train_seqs, config, out, eval_seqs, features)
+    config, o.counts = replace(config, eval_sequences=n_held), (len(train_seqs), n_held)
+    features = o.features_dir or (o.out / "features" if o.cache_features else None)
+    if o.resume:
+        trainer = Trainer.resume(pair.target, train_seqs, config, o.out, eval_seqs, features)
         if trainer.rebuilding:
             console.print(f"the run had finished, but {trainer.rebuilding}: writing the drafter again",
                           soft_wrap=True, markup=False, highlight=False)
-    else:
-        check_fresh_out(out, overwrite)
-        mask = mask_token_id if mask_token_id is not None else pick_mask_token(pair.tokenizer, pair.target.vocab_size, sequences)
-        drafter = init_drafter(pair.target, mask, layers, block_size, ids, intermediate_size, seed)
-        trainer = Trainer(drafter, pair.target, train_seqs, config, out, eval_seqs, features)
+        return trainer
+    check_fresh_out(o.out, o.overwrite)
+    mask = o.mask_token_id
+    if mask is None:
+        mask = pick_mask_token(pair.tokenizer, pair.target.vocab_size, sequences)
+    drafter = init_drafter(pair.target, mask, o.layers, o.block_size, o.ids, o.intermediate_size, o.seed)
+    return Trainer(drafter, pair.target, train_seqs, config, o.out, eval_seqs, features)
+
+
+def _fit(o, trainer) -> None:
+    """Run the training with a progress bar and the held-out evaluations; Ctrl-C says where the run stands."""
     a = trainer.drafter.args
     plan = ", ".join(f"{b} (gamma {g:g})" for b, g in trainer.plan.items())
-    distill = f"; KL weight {kl_weight:g} at T={kl_temperature:g}" if kl_weight else ""
+    distill = f"; KL weight {o.kl_weight:g} at T={o.kl_temperature:g}" if o.kl_weight else ""
     console.print(f"drafter: {a.num_hidden_layers} layer(s), hidden {a.hidden_size}, MLP {a.intermediate_size}, "
                   f"block {a.block_size}, target_layer_ids {a.target_layer_ids}, mask {a.mask_token_id}; "
-                  f"trained at block sizes {plan}{distill}; {len(train_seqs)} train / {n_held} held-out sequences")
+                  f"trained at block sizes {plan}{distill}; {o.counts[0]} train / {o.counts[1]} held-out sequences")
     try:
         progress = _progress()
-        task = progress.add_task("training", total=steps, completed=trainer.step, status="")
+        task = progress.add_task("training", total=o.steps, completed=trainer.step, status="")
         live = Live(Group(progress), console=console, refresh_per_second=4) if console.is_terminal else None
         evaluated = None  # a log (not a terminal) gets one line per evaluation, and the last table at the end
         with live or nullcontext():
@@ -281,12 +274,12 @@ def _train(model, data_dirs, out, layers, block_size, block_sizes, target_layer_
                         live.update(Group(progress, fitted(eval_table(info.step, info.eval), console.width)))
                     console.print(eval_line(info.step, info.eval), highlight=False)
     except KeyboardInterrupt:
-        console.print(interrupted_note(out, trainer.step, save_every), soft_wrap=True, markup=False,
+        console.print(interrupted_note(o.out, trainer.step, o.save_every), soft_wrap=True, markup=False,
                       highlight=False)  # paths stay whole, for copying
         raise typer.Exit(130)
     if live is None and evaluated is not None:
         print_table(eval_table(evaluated.step, evaluated.eval), console)
-    console.print(f"wrote drafter to {out}", soft_wrap=True, highlight=False)
+    console.print(f"wrote drafter to {o.out}", soft_wrap=True, highlight=False)
 
 
 def parse_numbers(value: Optional[str], flag: str, kind=int) -> Optional[list]:
@@ -300,17 +293,14 @@ def parse_numbers(value: Optional[str], flag: str, kind=int) -> Optional[list]:
     if value is None:
         return None
     try:
-        numbers = [kind(x) for x in value.split(",")]
+        return [kind(x) for x in value.split(",")]
     except ValueError:
         what = "integers" if kind is int else "numbers"
         raise InputError(f"{flag} must be comma-separated {what}, got {value!r}") from None
-    return numbers
 
 
 def eval_line(step: int, result: dict) -> str:
-    """``step N: held-out tau 4.12 at B=16 (as generated 3.40; acceptance by position .90 .80 ...), ...``:
-    the teacher-forced figures of :func:`dflash_mlx.stats.teacher_forced`, per block size, and
-    tau along generation's own schedule (:mod:`dflash_mlx.train.chained`) where measured."""
+    """``step N: held-out tau 4.12 at B=16 (as generated 3.40; acceptance by position .90 .80 ...), ...``."""
     parts = [f"{r['tau']:.2f} at B={b} (" + (f"as generated {r['tau_generation']:.2f}; " if "tau_generation" in r else "")
              + "acceptance by position " + " ".join(f"{x:.2f}" for x in r["acceptance"]) + ")"
              for b, r in result.items()]
@@ -321,11 +311,8 @@ def eval_table(step: int, result: dict) -> Table:
     """The latest held-out evaluation: tau and acceptance by block position, per block size."""
     width = max(len(r["acceptance"]) for r in result.values())
     table = Table(title=f"held-out acceptance at step {step} (teacher forced)", title_justify="left")
-    table.add_column("B", justify="right")
-    table.add_column("tau", justify="right")
-    table.add_column("as generated", justify="right")
-    for k in range(1, width + 1):
-        table.add_column(str(k), justify="right")
+    for name in ("B", "tau", "as generated", *map(str, range(1, width + 1))):
+        table.add_column(name, justify="right")
     for b, r in result.items():
         cells = [f"{x:.2f}" for x in r["acceptance"]]
         generated = f"{r['tau_generation']:.2f}" if "tau_generation" in r else ""

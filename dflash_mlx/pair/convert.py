@@ -1,19 +1,6 @@
-"""``dflash convert``: a target and its drafter into one folder that runs on a Mac.
-
-The output folder holds:
-
-- ``target/``: mlx-lm format, written by mlx-lm's own convert and quantization
-  (an already-MLX target is copied, or re-quantized when asked for another one);
-- ``drafter/``: the released drafter format, loaded with :func:`load_drafter` and
-  written with :func:`save_drafter`, so every format the loader reads converts;
-  optionally quantized (:func:`quantize_drafter`);
-- ``dflash.json``: the manifest (:mod:`dflash_mlx.pair.manifest`).
-
-Everything is written into a temporary folder beside the output, validated
-(:func:`dflash_mlx.pair.validation.validate`), then renamed into place; an error or
-Ctrl-C removes it. This file runs the steps and checks the options and sources; the
-writers of each part are in :mod:`dflash_mlx.pair.writing` (importable from here too).
-"""
+"""``dflash convert``: a target and its drafter into one folder (``target/`` in mlx-lm format, ``drafter/``
+in the released format, the ``dflash.json`` manifest), staged beside the output, validated, then renamed
+into place (an error or Ctrl-C leaves nothing)."""
 
 from __future__ import annotations
 
@@ -35,9 +22,7 @@ from .manifest import MANIFEST, hash_files, write_manifest
 from ..prompt import encode_messages
 from ..targets import TargetAdapter, make_adapter
 from .validation import VALIDATION_MESSAGES, Check, SourceRun, validate
-from .writing import (  # noqa: F401 (the writers, importable from here as before)
-    DRAFT_Q_GROUP_SIZE, copy_model_files, make_manifest, quantize_drafter, weights_format, write_drafter,
-    write_target)
+from .writing import DRAFT_Q_GROUP_SIZE, make_manifest, write_drafter, write_target
 
 Q_BITS = (4, 8)
 Q_GROUP_SIZES = (32, 64, 128)
@@ -46,8 +31,6 @@ DTYPES = tuple(MODEL_CONVERSION_DTYPES)
 # Released layouts that keep target_layer_ids and mask_token_id in 'dflash_config'.
 DFLASH_CONFIG_LAYOUTS = ("DFlashDraftModel", "DFlash2DraftModel")
 LAYOUT_SCRIPT = "scripts/convert/drafter_layout.py"
-
-
 Progress = Callable[[str], None]
 
 
@@ -60,49 +43,27 @@ class ConvertResult:
     checks: List[Check] = field(default_factory=list)
 
 
-# Over 60 lines: the conversion pipeline's steps in order; split after the hardening work lands
-def convert(
-    model: str,
-    draft_model: str,
-    out: str | Path,
-    *,
-    quantize: bool = False,
-    q_bits: Optional[int] = None,
-    q_group_size: Optional[int] = None,
-    q_mode: str = "affine",
-    draft_q_bits: Optional[int] = None,
-    draft_q_group_size: int = DRAFT_Q_GROUP_SIZE,
-    dtype: Optional[str] = None,
-    force: bool = False,
-    validate_output: bool = True,
-    progress: Optional[Progress] = None,
-) -> ConvertResult:
+def convert(model: str, draft_model: str, out: str | Path, *, quantize: bool = False, q_bits: Optional[int] = None,
+            q_group_size: Optional[int] = None, q_mode: str = "affine", draft_q_bits: Optional[int] = None,
+            draft_q_group_size: int = DRAFT_Q_GROUP_SIZE, dtype: Optional[str] = None, force: bool = False,
+            validate_output: bool = True, progress: Optional[Progress] = None) -> ConvertResult:
     """Convert a target and its drafter into one folder (``target/``, ``drafter/``, ``dflash.json``).
 
     Args:
-        model: target, a local folder (Hugging Face or mlx-lm format) or a repo id
-            (downloaded through huggingface_hub into its cache).
-        draft_model: drafter, a local folder or repo id in a format :func:`load_drafter` reads.
-        out: output folder; must not exist unless ``force``.
-        quantize, q_bits, q_group_size, q_mode: quantize the target with mlx-lm
-            (bits 4 or 8, group size 32/64/128; None: mlx-lm's default for the mode).
-        draft_q_bits: quantize the drafter to 4 or 8 bits (default: keep it float).
-        draft_q_group_size: group size for the drafter's quantization.
-        dtype: float16, bfloat16 or float32 for the float weights of both (default:
-            the target's ``torch_dtype``; the drafter as stored).
-        force: replace an existing ``out`` (only once the new folder is complete).
+        model, draft_model: local folders or repo ids (downloaded into the Hugging Face cache).
+        out: output folder; must not exist unless ``force`` (replaced once the new one is complete).
+        quantize, q_bits, q_group_size, q_mode: quantize the target with mlx-lm (bits 4 or 8, group size
+            32/64/128; None: mlx-lm's default for the mode).
+        draft_q_bits, draft_q_group_size: quantize the drafter (default: keep it float).
+        dtype: float16, bfloat16 or float32 for the float weights (default: the target's ``torch_dtype``).
         validate_output: run :func:`validate` before the folder is moved into place.
         progress: called with a short description at the start of each stage.
-
-    Returns:
-        A :class:`ConvertResult`.
 
     Raises:
         InputError: a bad option, or ``out`` exists without ``force``.
         CheckpointError: a source is missing or unreadable (or offline and not cached).
-        ConfigError: an unknown target architecture, or a drafter config without
-            ``dflash_config`` (older layout) or otherwise invalid.
-        MismatchError: the drafter does not fit the target (vocabulary, hidden size, layers).
+        ConfigError: an unknown target architecture, or a drafter config of the older layout or invalid.
+        MismatchError: the drafter does not fit the target.
         ValidationError: the converted folder failed a check (nothing is written).
     """
     out = Path(out).expanduser()
@@ -110,7 +71,6 @@ def convert(
     check_out(out, force)
     check_replaceable(out)
     say = progress or (lambda _: None)
-
     say(f"fetching the target {model}")
     target_src = resolve_model_path(model, TARGET_FILES, what="target model")
     say(f"fetching the drafter {draft_model}")
@@ -118,12 +78,10 @@ def convert(
     check_not_inside(out, target_src, draft_src)
     draft_config = read_config(draft_src / "config.json")
     require_dflash_config(draft_config, draft_src / "config.json")
-
     say("checking that the drafter fits the target")
     source_net, tokenizer, source = load_source_target(target_src)
     drafter = load_drafter(str(draft_src))
     check_pair(drafter, source, draft_model)
-
     with staging(out, force, say=say) as tmp:
         say("converting the target with mlx-lm")
         target_entry = write_target(target_src, tmp / "target", quantize=quantize, q_bits=q_bits,
@@ -138,25 +96,28 @@ def convert(
         if validate_output:
             say("validating the converted pair")
             prompt = encode_messages(tokenizer, VALIDATION_MESSAGES, {"enable_thinking": False})
-            # The unconverted target runs first and is released before the converted
-            # one loads: peak memory is the larger of the two, not their sum.
             reference = SourceRun.of(source, prompt)
-            del source_net, source, drafter
+            del source_net, source, drafter  # peak memory: the larger target, not both
             mx.clear_cache()
-            checks = validate(tmp, reference, draft_src)
-            failed = [c.name for c in checks if c.ok is False]
-            if failed:
-                raise ValidationError(f"{out}: the converted pair failed {', '.join(failed)}; nothing was written",
-                                      checks)
+            checks = _validated(out, tmp, reference, draft_src)
     return ConvertResult(out, manifest, checks)
 
 
-# -- options and sources ------------------------------------------------------------
+def _validated(out: Path, tmp: Path, reference: SourceRun, draft_src: Path) -> List[Check]:
+    """The checks of the staged folder ``tmp``.
+
+    Raises:
+        ValidationError: one failed (names them; nothing is written).
+    """
+    checks = validate(tmp, reference, draft_src)
+    failed = [c.name for c in checks if c.ok is False]
+    if failed:
+        raise ValidationError(f"{out}: the converted pair failed {', '.join(failed)}; nothing was written", checks)
+    return checks
 
 
 def check_replaceable(out: Path) -> None:
-    """``--force`` replaces only what convert wrote: an empty folder, or one with a
-    ``dflash.json`` manifest.
+    """``--force`` replaces only what convert wrote: an empty folder, or one with a ``dflash.json``.
 
     Raises:
         InputError: ``out`` holds other files (names it).
@@ -173,22 +134,15 @@ def check_options(quantize: bool, q_bits: Optional[int], q_group_size: Optional[
     Raises:
         InputError: a value outside its choices, or a target quantization flag without ``-q``.
     """
-    def choose(flag: str, value, choices) -> None:
+    for flag, value, choices in (("--q-bits", q_bits, Q_BITS), ("--q-group-size", q_group_size, Q_GROUP_SIZES),
+                                 ("--q-mode", q_mode, Q_MODES), ("--draft-q-bits", draft_q_bits, Q_BITS),
+                                 ("--draft-q-group-size", draft_q_group_size, Q_GROUP_SIZES), ("--dtype", dtype, DTYPES)):
         if value is not None and value not in choices:
             raise InputError(f"{flag} must be one of {', '.join(map(str, choices))}, got {value}")
-
-    choose("--q-bits", q_bits, Q_BITS)
-    choose("--q-group-size", q_group_size, Q_GROUP_SIZES)
-    choose("--q-mode", q_mode, Q_MODES)
-    choose("--draft-q-bits", draft_q_bits, Q_BITS)
-    choose("--draft-q-group-size", draft_q_group_size, Q_GROUP_SIZES)
-    choose("--dtype", dtype, DTYPES)
-    if not quantize:
-        for flag, value in (("--q-bits", q_bits), ("--q-group-size", q_group_size)):
-            if value is not None:
-                raise InputError(f"{flag} needs -q/--quantize (the target is kept unquantized without it)")
-        if q_mode != "affine":
-            raise InputError("--q-mode needs -q/--quantize (the target is kept unquantized without it)")
+    for flag, given in (("--q-bits", q_bits is not None), ("--q-group-size", q_group_size is not None),
+                        ("--q-mode", q_mode != "affine")):
+        if given and not quantize:
+            raise InputError(f"{flag} needs -q/--quantize (the target is kept unquantized without it)")
 
 
 def check_not_inside(out: Path, *sources: Path) -> None:
@@ -205,11 +159,8 @@ def check_not_inside(out: Path, *sources: Path) -> None:
 
 
 def require_dflash_config(config: dict, source: Path) -> None:
-    """Refuse a DFlash drafter config without ``dflash_config`` (the older layout).
-
-    The loader would take ``target_layer_ids`` and ``mask_token_id`` from the top
-    level, or derive the ids; convert writes the released layout and does not
-    guess, so the older layout goes through :data:`LAYOUT_SCRIPT` first.
+    """Refuse a DFlash drafter config without ``dflash_config`` (the older layout): convert does not guess
+    the ids, the older layout goes through :data:`LAYOUT_SCRIPT` first.
 
     Raises:
         ConfigError: naming the file, the key and the script.
@@ -224,10 +175,7 @@ def require_dflash_config(config: dict, source: Path) -> None:
 
 
 def load_source_target(path: Path) -> Tuple[nn.Module, object, TargetAdapter]:
-    """Load the unconverted target lazily (no weights read yet) with mlx-lm.
-
-    Returns:
-        ``(model, tokenizer, adapter)``.
+    """Load the unconverted target lazily (no weights read yet) with mlx-lm: ``(model, tokenizer, adapter)``.
 
     Raises:
         ConfigError: mlx-lm does not know the ``model_type`` (names config.json).

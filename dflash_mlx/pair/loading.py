@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from mlx_lm.utils import load as mlx_lm_load
@@ -21,7 +22,7 @@ from .manifest import resolve_pair
 from ..targets import TargetAdapter, make_adapter
 
 TARGET_FILES = DEFAULT_ALLOW_PATTERNS  # what mlx-lm itself downloads for a model
-# `architectures` of DFlash drafter checkpoints (DFLASH_SPEC.md section 2): v1, DFlash2, Muse-Glimmer.
+# `architectures` of DFlash drafter checkpoints (spec section 2): v1, DFlash2, Muse-Glimmer.
 DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "MuseGlimmerAssistantModel")
 
 
@@ -41,30 +42,18 @@ def load_model(path_or_repo: str, what: str = "model"):
     """Load any mlx-lm model and its tokenizer from a folder or repo id.
 
     Returns:
-        ``(model, tokenizer)``.
+        ``(model, tokenizer, folder)``: ``folder`` is the local folder it loaded from.
 
     Raises:
-        See :func:`load_model_from`.
-    """
-    model, tokenizer, _ = load_model_from(path_or_repo, what)
-    return model, tokenizer
-
-
-def load_model_from(path_or_repo: str, what: str = "model"):
-    """:func:`load_model`, and the local folder it loaded from.
-
-    Returns:
-        ``(model, tokenizer, folder)``.
-
-    Raises:
-        CheckpointError: missing or unreadable checkpoint, or a DFlash drafter
-            (names the path and ``what``).
-        ConfigError: ``config.json`` is not a JSON object with a ``model_type``, or
-            mlx-lm cannot build the model from it (names the file).
+        CheckpointError: missing or unreadable checkpoint, or a DFlash drafter (names the path and ``what``).
+        ConfigError: ``config.json`` is not a JSON object with a ``model_type``, or mlx-lm cannot build the
+            model from it (names the file).
     """
     path = resolve_model_path(path_or_repo, TARGET_FILES, what=what)
     config_file = path / "config.json"
-    config = read_model_config(config_file, path)
+    config = read_config(config_file, missing=f"not found (is {path} an mlx-lm model folder?)")
+    if not isinstance(config, dict):
+        raise ConfigError(f"{config_file}: expected a JSON object, found {type(config).__name__}")
     if is_drafter_config(config):
         raise CheckpointError(f"{path}: this is a DFlash drafter, not a {what}; pass it as --draft-model")
     if "model_type" not in config:
@@ -78,19 +67,6 @@ def load_model_from(path_or_repo: str, what: str = "model"):
         raise ConfigError(f"{config_file}: cannot build the {what} from it ({type(e).__name__}: {e})") from None
 
 
-def read_model_config(config_file: Path, folder: Path) -> dict:
-    """A model folder's ``config.json`` as a dict.
-
-    Raises:
-        CheckpointError: the file is missing. ConfigError: not a JSON object, or a
-            ``torch_dtype`` that names no float type (names the file).
-    """
-    config = read_config(config_file, missing=f"not found (is {folder} an mlx-lm model folder?)")
-    if not isinstance(config, dict):
-        raise ConfigError(f"{config_file}: expected a JSON object, found {type(config).__name__}")
-    return config
-
-
 def is_drafter_config(config: dict) -> bool:
     """Whether a ``config.json`` describes a DFlash drafter (its architecture or ``dflash_config``)."""
     archs = config.get("architectures") or []
@@ -98,16 +74,12 @@ def is_drafter_config(config: dict) -> bool:
 
 
 def load_target(path_or_repo: str):
-    """Load a target: :func:`load_model` plus the adapter of its family.
-
-    Returns:
-        ``(model, tokenizer, adapter)``.
+    """Load a target: :func:`load_model` plus the adapter of its family, ``(model, tokenizer, adapter)``.
 
     Raises:
-        CheckpointError: missing or unreadable checkpoint (names the path).
-        MismatchError: the family has no adapter yet.
+        CheckpointError: missing or unreadable checkpoint (names the path). MismatchError: no adapter.
     """
-    model, tokenizer, folder = load_model_from(path_or_repo, what="target model")
+    model, tokenizer, folder = load_model(path_or_repo, what="target model")
     target = make_adapter(model)
     target.fingerprint = folder_fingerprint(folder)  # keys its calibration (dflash_mlx.decode.calibration_store)
     return model, tokenizer, target
@@ -117,30 +89,20 @@ def check_pair(drafter: DFlashDrafter, target: TargetAdapter, draft_source: str 
     """Check that a drafter fits a target.
 
     Raises:
-        MismatchError: vocabulary size, hidden size, target layer ids or the
-            number of target layers differ; the message names the config key.
+        MismatchError: vocabulary size, hidden size, target layer ids or the number of target layers differ;
+            the message names the config key.
     """
     args = drafter.args
-    if args.vocab_size != target.vocab_size:
-        raise MismatchError(
-            f"{draft_source}: vocab_size {args.vocab_size} does not match the target's "
-            f"{target.vocab_size}; this drafter was trained for another target"
-        )
-    if args.hidden_size != target.hidden_size:
-        raise MismatchError(
-            f"{draft_source}: hidden_size {args.hidden_size} does not match the target's "
-            f"{target.hidden_size}; this drafter was trained for another target"
-        )
+    for key, theirs in (("vocab_size", target.vocab_size), ("hidden_size", target.hidden_size)):
+        if getattr(args, key) != theirs:
+            raise MismatchError(f"{draft_source}: {key} {getattr(args, key)} does not match the target's "
+                                f"{theirs}; this drafter was trained for another target")
     if args.num_target_layers is not None and args.num_target_layers != target.num_layers:
-        raise MismatchError(
-            f"{draft_source}: num_target_layers {args.num_target_layers} does not match "
-            f"the target's {target.num_layers} layers"
-        )
+        raise MismatchError(f"{draft_source}: num_target_layers {args.num_target_layers} does not match "
+                            f"the target's {target.num_layers} layers")
     if max(args.target_layer_ids) >= target.num_layers:
-        raise MismatchError(
-            f"{draft_source}: dflash_config.target_layer_ids {args.target_layer_ids} "
-            f"name layers beyond the target's {target.num_layers}"
-        )
+        raise MismatchError(f"{draft_source}: dflash_config.target_layer_ids {args.target_layer_ids} "
+                            f"name layers beyond the target's {target.num_layers}")
 
 
 def is_quantized(module: nn.Module) -> bool:
@@ -148,18 +110,33 @@ def is_quantized(module: nn.Module) -> bool:
     return any(isinstance(m, nn.QuantizedLinear) for m in module.modules())
 
 
-# A quantized drafter computes in float32, whatever the target's dtype. On M1/M2
-# (bf16 emulated) fp16 activations made quantized DFlash2 drafters' logits NaN, 0%
-# acceptance (z-lab/dflash#160, bstnxbt/dflash-mlx#60), and float32 was the fastest
-# setting there. Its weights are 4/8-bit, so a B-row block in float32 costs little.
+def float_dtype(module: nn.Module) -> mx.Dtype:
+    """The dtype of a module's first floating-point parameter."""
+    return next(v.dtype for _, v in tree_flatten(module.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+
+
+def quantization(module: nn.Module) -> str:
+    """``4-bit (group 64)`` from the module's quantized layers, or ``none (float16)``."""
+    kinds = sorted({(m.bits, m.group_size) for m in module.modules()
+                    if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))})
+    if not kinds:
+        return f"none ({str(float_dtype(module)).replace('mlx.core.', '')})"
+    return ", ".join(f"{b}-bit (group {g})" for b, g in kinds)
+
+
+def weights_gb(module: nn.Module) -> float:
+    """Bytes of a module's parameters, in GB (10^9)."""
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters())) / 1e9
+
+
+# A quantized drafter computes in float32, whatever the target's dtype (fp16 activations gave NaN logits
+# on M1/M2; z-lab/dflash#160).
 QUANTIZED_DRAFTER_DTYPE = mx.float32
 
 
 def bind_drafter(drafter: DFlashDrafter, target: TargetAdapter, draft_source: str = "drafter") -> DFlashDrafter:
-    """Check the pair, bind the target's embedding and head, and choose the
-    drafter's activation dtype: the target's for a float drafter, float32 for a
-    quantized one (:data:`QUANTIZED_DRAFTER_DTYPE`; its embeddings are cast in, its
-    hidden states cast back to the target's dtype before the head)."""
+    """Check the pair, bind the target's embedding and head, and set the drafter's activation dtype: the
+    target's for a float drafter, :data:`QUANTIZED_DRAFTER_DTYPE` for a quantized one (cast at both ends)."""
     check_pair(drafter, target, draft_source)
     if is_quantized(drafter) and mx.issubdtype(target.dtype, mx.floating):
         dtype, head_dtype = QUANTIZED_DRAFTER_DTYPE, target.dtype
@@ -175,20 +152,14 @@ def load(model: str = DEFAULT_MODEL, draft_model: Optional[str] = None, verify: 
          draft_window: Optional[Tuple[int, int]] = None) -> Pair:
     """Load a target and, if given, its drafter, ready for :func:`stream_generate`.
 
-    A folder written by ``dflash convert`` (with ``dflash.json``) as ``model`` gives
-    both: its ``target/`` and, unless ``draft_model`` is given, its ``drafter/``.
-
     Args:
-        model, draft_model: folders or repo ids.
-        verify: check the converted folder's weight files against the sha256 in
-            its manifest first (see :func:`dflash_mlx.pair.manifest.verify`).
-        draft_window: ``(sink, window)`` context rows the drafter's full-attention
-            layers keep (``--draft-window``); None keeps all.
+        model, draft_model: folders or repo ids; a ``dflash convert`` folder as ``model`` gives both.
+        verify: check a converted folder's files against its manifest first (:func:`.manifest.verify`).
+        draft_window: ``(sink, window)`` context rows the drafter's full-attention layers keep; None: all.
 
     Raises:
         CheckpointError, ConfigError, MismatchError: see the loaders above.
-        InputError: ``verify`` for a model that is not a converted folder; a draft
-            window without a drafter or out of range.
+        InputError: ``verify`` for a model that is not a converted folder; a draft window without a drafter.
     """
     model, draft_model = resolve_pair(model, draft_model, verify)
     if draft_window is not None and draft_model is None:

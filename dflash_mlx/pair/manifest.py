@@ -1,12 +1,6 @@
-"""``dflash.json``: the manifest of a folder written by ``dflash convert``.
-
-A converted folder holds ``target/`` (mlx-lm format), ``drafter/`` (released drafter
-format) and this manifest, which records where each came from, the drafter format,
-block size and target_layer_ids, the quantization of each, and the sha256 of every
-file the loaders read: weights, ``config.json``, the tokenizer and chat template
-files (version 2; a version-1 manifest lists the weight files only, and ``--verify``
-then checks only those). ``--model DIR`` finds both halves through it.
-"""
+"""``dflash.json``, the manifest of a ``dflash convert`` folder: where ``target/`` and ``drafter/`` came
+from, the drafter's format and ids, their quantization, and the sha256 of every file the loaders read
+(version 2; version 1 lists the weight files only)."""
 
 from __future__ import annotations
 
@@ -32,21 +26,15 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def weight_files(root: Path, parts: Tuple[str, ...] = ("target", "drafter")) -> Dict[str, Path]:
-    """``{relative path: path}`` of every weight file under the given subfolders."""
-    return {f"{part}/{f.name}": f for part in parts for f in sorted((root / part).glob(WEIGHT_GLOB))}
-
-
-def loaded_files(root: Path, parts: Tuple[str, ...] = ("target", "drafter")) -> Dict[str, Path]:
-    """``{relative path: path}`` of every file in the given subfolders but hidden ones:
-    weights, configs, tokenizer and chat template files, whatever a loader may read."""
-    return {f"{part}/{f.name}": f for part in parts for f in sorted((root / part).iterdir())
-            if f.is_file() and not f.name.startswith(".")}
+def loaded_files(root: Path, weights_only: bool = False) -> Dict[str, Path]:
+    """``{relative path: path}`` of every file of ``target/`` and ``drafter/`` but hidden ones (only the
+    ``*.safetensors`` with ``weights_only``)."""
+    return {f"{part}/{f.name}": f for part in ("target", "drafter") for f in sorted((root / part).iterdir())
+            if f.is_file() and not f.name.startswith(".") and (not weights_only or f.match(WEIGHT_GLOB))}
 
 
 def hash_files(root: Path) -> Dict[str, str]:
-    """``{relative path: sha256}`` of every file of a converted folder's halves
-    (:func:`loaded_files`)."""
+    """``{relative path: sha256}`` of every file of :func:`loaded_files`."""
     return {name: sha256_file(path) for name, path in loaded_files(root).items()}
 
 
@@ -62,8 +50,7 @@ def read_manifest(root: Path) -> dict:
     """Read and check ``root/dflash.json``.
 
     Raises:
-        ConfigError: invalid JSON, or a missing ``target``/``drafter``/``files`` entry
-            (the message names the file and key).
+        ConfigError: invalid JSON, or a missing ``target``/``drafter``/``files`` entry (names file and key).
     """
     path = Path(root) / MANIFEST
     try:
@@ -91,15 +78,14 @@ def verify(root: Path, manifest: Optional[dict] = None) -> None:
     """Check every listed file against the sha256 in the manifest.
 
     Raises:
-        CheckpointError: a listed file is missing or changed, or a file is not
-            listed (any file of ``target/`` or ``drafter/``, or with a version-1
-            manifest any weight file; the message names the file).
+        CheckpointError: a listed file is missing or changed, or a file is not listed (version 1: a weight
+            file); the message names the file.
     """
     manifest = manifest or read_manifest(root)
     listed = manifest["files"]
     version = manifest.get("dflash_convert", 1)
     every = isinstance(version, int) and version >= 2
-    present = loaded_files(root) if every else weight_files(root)
+    present = loaded_files(root, weights_only=not every)
     for name, want in listed.items():
         path = root / name
         if not path.is_file():
@@ -114,14 +100,8 @@ def verify(root: Path, manifest: Optional[dict] = None) -> None:
 
 def resolve_pair(model: Optional[str], draft_model: Optional[str],
                  verify_hashes: bool = False) -> Tuple[Optional[str], Optional[str]]:
-    """Expand a converted folder into its target and drafter folders.
-
-    ``--model DIR`` with ``DIR/dflash.json`` becomes ``DIR/target`` plus, unless
-    ``draft_model`` is given, ``DIR/drafter``. Anything else is returned as is.
-
-    Args:
-        model, draft_model: the ``--model`` / ``--draft-model`` values.
-        verify_hashes: check every weight file's sha256 against the manifest first.
+    """``(model, draft_model)`` with a converted folder ``model`` expanded into ``DIR/target`` and, unless
+    ``draft_model`` is given, ``DIR/drafter`` (hashes checked first with ``verify_hashes``).
 
     Raises:
         InputError: ``verify_hashes`` for a model that is not a converted folder.

@@ -1,10 +1,4 @@
-"""Validation of a converted pair against its sources (``dflash convert``'s table).
-
-The checks: vocabulary, hidden size and layers; the converted target's greedy output
-against the unconverted one's; DFlash's greedy output against the converted
-target's own, and tau; the largest logit difference between the converted and the
-unconverted drafter on a fixed input.
-"""
+"""Validation of a converted pair against its sources: the rows of ``dflash convert``'s table."""
 
 from __future__ import annotations
 
@@ -14,13 +8,12 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step as mlx_lm_generate_step
 
 from ..drafter.checkpoint import load_drafter
 from ..drafter.network import DFlashDrafter
 from ..decode.generate import generate_step
-from .loading import is_quantized, load
+from .loading import float_dtype, is_quantized, load, quantization
 from ..stats import GenerationStats
 from ..targets import TargetAdapter
 
@@ -31,14 +24,8 @@ FLOAT_TOLERANCE = 1e-5  # relative logit difference of a float drafter of unchan
 
 @dataclass
 class Check:
-    """One row of the validation table.
-
-    Attributes:
-        name: what was checked ("vocabulary", "target vs unconverted", ...).
-        result: the measured values, in words.
-        ok: True passed, False failed, None measured only (expected to differ,
-            e.g. a quantized target's greedy output).
-    """
+    """One row of the validation table: ``ok`` True passed, False failed, None measured only (expected to
+    differ, e.g. a quantized target's greedy output)."""
 
     name: str
     result: str
@@ -53,8 +40,7 @@ def greedy_tokens(model: nn.Module, prompt: Sequence[int], n: int) -> List[int]:
 
 def dflash_tokens(target: TargetAdapter, drafter, prompt: Sequence[int], n: int,
                   stop_token_ids: Sequence[int] = ()):
-    """Up to n greedy tokens through DFlash (ending before a stop token), and their
-    statistics (tau)."""
+    """Up to n greedy tokens through DFlash (ending before a stop token), and their statistics."""
     stats = GenerationStats(block_size=drafter.block_size)
     tokens: List[int] = []
     for step in generate_step(mx.array(prompt, dtype=mx.int32), target, drafter, max_tokens=n,
@@ -64,10 +50,8 @@ def dflash_tokens(target: TargetAdapter, drafter, prompt: Sequence[int], n: int,
 
 
 def drafter_logits(drafter: DFlashDrafter, target: TargetAdapter, prompt: Sequence[int]) -> mx.array:
-    """One drafter forward on a fixed input, in float32: the prompt's context
-    features from ``target``, block ``[target's next token, MASK x (B-1)]``.
-
-    The drafter is cast to float32 and bound to ``target`` in place.
+    """One drafter forward in float32 (the drafter is cast and bound to ``target`` in place): the prompt's
+    context features, block ``[target's next token, MASK x (B-1)]``.
 
     Returns:
         [B-1, V] float32 logits.
@@ -98,13 +82,8 @@ def _agreement(got: List[int], want: List[int]) -> str:
 
 @dataclass
 class SourceRun:
-    """What validation needs from the unconverted target, so it can be released first.
-
-    Attributes:
-        prompt: the fixed prompt's token ids.
-        tokens: the unconverted target's greedy continuation (mlx-lm's generate_step).
-        vocab_size, hidden_size, num_layers, dtype: its shape and float dtype.
-    """
+    """What validation needs from the unconverted target (so it can be released first): the prompt, its
+    greedy continuation (mlx-lm's generate_step), the target's shape and float dtype."""
 
     prompt: List[int]
     tokens: List[int]
@@ -120,24 +99,12 @@ class SourceRun:
 
 
 def validate(root: Path, source: SourceRun, draft_src: Path) -> List[Check]:
-    """Check a converted folder against its sources.
+    """Check the converted folder ``root`` against the unconverted target's run and drafter folder.
 
-    - vocabulary, hidden size and layers of the converted pair (and unchanged from the source);
-    - greedy output of the converted target against the unconverted one (must be
-      equal on the float path: unquantized and the same dtype);
-    - DFlash greedy output through the converted pair against the converted
-      target's own (lossless; a difference is reported, not fatal), and tau;
-    - the largest logit difference between the converted and the unconverted
-      drafter on a fixed input, both in float32 on the converted target (must be
-      below :data:`FLOAT_TOLERANCE` relative for a float drafter of unchanged dtype).
-
-    Args:
-        root: the converted folder (``target/``, ``drafter/``).
-        source: the unconverted target's run on the fixed prompt.
-        draft_src: the unconverted drafter folder.
-
-    Returns:
-        The checks, in table order.
+    Rows: vocabulary, hidden size and layers; the converted target's greedy output against the unconverted
+    one's (must be equal when unquantized in the same dtype); DFlash's greedy output against the converted
+    target's (a difference is reported, not fatal) and tau; the drafters' largest logit difference in float32
+    (at most :data:`FLOAT_TOLERANCE` relative for a float drafter of unchanged dtype).
     """
     prompt, n = source.prompt, len(source.tokens)
     pair = load(str(root / "target"), str(root / "drafter"))
@@ -158,8 +125,7 @@ def validate(root: Path, source: SourceRun, draft_src: Path) -> List[Check]:
     checks.append(Check("target vs unconverted", _agreement(own, source.tokens) + why,
                         own == source.tokens if float_path else None))
     tokens, stats = dflash_tokens(target, pair.drafter, prompt, n)
-    # Lossless is tested in the test suite; here a difference is reported, not fatal:
-    # a B-row verify and a 1-row decode may round a near-tie differently (spec section 5).
+    # A B-row verify and a 1-row decode may round a near-tie differently (spec section 5): not fatal here.
     checks.append(Check("DFlash vs target",
                         f"{_agreement(tokens, own)}; {stats.tau_text()} at block {stats.block_size}",
                         True if tokens == own else None))
@@ -167,22 +133,12 @@ def validate(root: Path, source: SourceRun, draft_src: Path) -> List[Check]:
     converted = load_drafter(str(root / "drafter"))
     original = load_drafter(str(draft_src))
     exact = not is_quantized(converted) and float_dtype(converted) == float_dtype(original)
+    bits = quantization(converted) if is_quantized(converted) else "float"
     diff, rel = logit_difference(drafter_logits(converted, target, prompt), drafter_logits(original, target, prompt))
     checks.append(Check("drafter logits",
-                        f"max |diff| {diff:.3g} = {rel:.2%} of max |logit| ({converted_bits(converted)}, float32)",
+                        f"max |diff| {diff:.3g} = {rel:.2%} of max |logit| ({bits}, float32)",
                         rel <= FLOAT_TOLERANCE if exact else None))
     return checks
-
-
-def converted_bits(drafter: nn.Module) -> str:
-    """"8-bit", "4-bit" or "float" (the first quantized layer's bits)."""
-    bits = [m.bits for m in drafter.modules() if isinstance(m, nn.QuantizedLinear)]
-    return f"{bits[0]}-bit" if bits else "float"
-
-
-def float_dtype(module: nn.Module) -> mx.Dtype:
-    """The dtype of a module's first floating-point parameter."""
-    return next(v.dtype for _, v in tree_flatten(module.parameters()) if mx.issubdtype(v.dtype, mx.floating))
 
 
 def dtype_name(dtype: mx.Dtype) -> str:

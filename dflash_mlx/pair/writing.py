@@ -1,7 +1,5 @@
-"""What ``dflash convert`` writes (:mod:`dflash_mlx.pair.convert` runs the steps): the target
-in mlx-lm format through mlx-lm's own convert and quantization, the drafter in its released
-format (cast and quantized if asked), and the ``dflash.json`` manifest's contents.
-"""
+"""What ``dflash convert`` writes: the target through mlx-lm's own convert, the drafter in its released
+format (cast and quantized if asked), and the ``dflash.json`` manifest's contents."""
 
 from __future__ import annotations
 
@@ -17,15 +15,15 @@ from mlx_lm.convert import convert as mlx_lm_convert
 from ..drafter.checkpoint import read_config, save_drafter
 from ..drafter.network import DFlashDrafter
 from ..errors import CheckpointError, InputError
-from .loading import QUANTIZED_DRAFTER_DTYPE, TARGET_FILES
+from .loading import QUANTIZED_DRAFTER_DTYPE, TARGET_FILES, float_dtype
 from .manifest import MANIFEST_VERSION
-from .validation import dtype_name, float_dtype
+from .validation import dtype_name
 
 DRAFT_Q_GROUP_SIZE = 64
 
 
 def weights_format(path: Path) -> Optional[str]:
-    """The ``format`` metadata of a folder's first safetensors file: "mlx" for mlx-lm's, "pt" for transformers'."""
+    """The ``format`` metadata of a folder's first safetensors file ("mlx": mlx-lm's, "pt": transformers')."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -41,11 +39,8 @@ def weights_format(path: Path) -> Optional[str]:
 def write_target(src: Path, dst: Path, *, quantize: bool = False, q_bits: Optional[int] = None,
                  q_group_size: Optional[int] = None, q_mode: str = "affine",
                  dtype: Optional[str] = None) -> dict:
-    """Write the target in mlx-lm format with mlx-lm's own convert.
-
-    An mlx-lm folder (quantized, or with mlx-lm's safetensors metadata) is copied
-    unless a dtype or a different quantization is asked for; a quantized one is then
-    dequantized and quantized again, both by ``mlx_lm.convert``.
+    """Write the target in mlx-lm format with mlx-lm's own convert. An mlx-lm folder is copied unless a
+    dtype or another quantization is asked for (a quantized one is then dequantized and quantized again).
 
     Returns:
         The manifest entry: ``method``, ``model_type``, ``dtype``, ``quantization``.
@@ -112,14 +107,8 @@ def _folder_dtype(path: Path) -> str:
 
 
 def quantize_drafter(drafter: nn.Module, bits: int, group_size: int = DRAFT_Q_GROUP_SIZE) -> dict:
-    """Quantize, in place, the linear layers inside the drafter's decoder layers.
-
-    Only ``layers.*`` linears (attention and MLP projections: nearly all the
-    weights) are quantized. Everything else stays float: ``fc`` and ``hidden_norm``
-    (the fusion of context features every layer reads), the norms and a DFlash2
-    drafter's ``candidate_selector`` codebooks and projection. Scales are computed
-    from float32 weights, then stored in the drafter's dtype. The quantized drafter
-    computes in float32 (see :data:`dflash_mlx.pair.loading.QUANTIZED_DRAFTER_DTYPE`).
+    """Quantize, in place, the ``layers.*`` linears (attention and MLP projections); ``fc``, ``hidden_norm``,
+    the norms and a DFlash2 ``candidate_selector`` stay float. Scales are computed from float32 weights.
 
     Returns:
         ``{"group_size", "bits", "mode"}``, as :func:`save_drafter` records it.
@@ -167,8 +156,7 @@ def _source(name: str, path: Path) -> str:
 
 def make_manifest(model: str, draft_model: str, target_src: Path, draft_src: Path, draft_config: dict,
                   args, target_entry: dict, drafter_entry: dict, files: dict) -> dict:
-    """The ``dflash.json`` contents (see :mod:`dflash_mlx.pair.manifest`); ``args`` are the
-    loaded drafter's (block size, target_layer_ids, mask token)."""
+    """The ``dflash.json`` contents (:mod:`.manifest`); ``args``: the loaded drafter's."""
     import mlx_lm
 
     from .. import __version__
