@@ -14,11 +14,8 @@ from .train import data, train
 
 app = typer.Typer(
     name="dflash",
-    help=(
-        "DFlash speculative decoding on MLX: a block-diffusion drafter proposes a whole "
-        "block of tokens, the target verifies it in one pass. Output is exactly the "
-        "target's own."
-    ),
+    help="DFlash speculative decoding on MLX: a block-diffusion drafter proposes a whole block of tokens, the "
+    "target verifies it in one pass. Output is exactly the target's own.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -55,6 +52,5 @@ app.command(short_help="Convert a target and its drafter into one folder.")(conv
 
 @lru_cache(maxsize=None)
 def command():
-    """The app as a click command, built once per process (typer builds it at each call
-    of ``app``; a process that runs several commands, such as the tests, reuses it)."""
+    """The app as a click command, built once per process."""
     return typer.main.get_command(app)

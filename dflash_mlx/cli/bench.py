@@ -119,12 +119,8 @@ def split_extra(block_size, tree_budget, extra: List[str], argv: Optional[List[s
 
 def parse_block_sizes(values: Optional[List[str]], extra: List[str], flag: str = "--block-size",
                       default=(None,)) -> list:
-    """``--block-size 4 8 16 auto`` (or ``--tree-budget``): the values after the first come as click's extra
-    arguments; commas work too. Each value is parsed by :mod:`dflash_mlx.decode.policy`.
-
-    Raises:
-        InputError: a bad value (named), or stray arguments.
-    """
+    """``--block-size 4 8 16 auto`` (or ``--tree-budget``; the values after the first come as click's extra
+    arguments; commas work too), each parsed by :mod:`dflash_mlx.decode.policy`; InputError for a bad one."""
     from dflash_mlx.decode.policy import parse_block_size, parse_tree_budget
     from dflash_mlx.errors import InputError
 
@@ -136,11 +132,7 @@ def parse_block_sizes(values: Optional[List[str]], extra: List[str], flag: str =
 
 
 def parse_simulate_acceptance(value: Optional[str]):
-    """``--simulate-acceptance``: an int A, or the accepted lengths of a trace file (a list).
-
-    Raises:
-        InputError: naming the flag, when it is neither an int nor a readable trace.
-    """
+    """``--simulate-acceptance``: an int A, or the accepted lengths of a trace file (else InputError)."""
     from dflash_mlx.bench.simulate import read_trace
     from dflash_mlx.errors import InputError
 
@@ -157,11 +149,7 @@ def parse_simulate_acceptance(value: Optional[str]):
 
 
 def checked_config(o):
-    """The run's flags as a :class:`dflash_mlx.bench.runner.BenchConfig`, checked before anything loads.
-
-    Raises:
-        InputError: naming the flag out of range.
-    """
+    """The flags as a checked :class:`dflash_mlx.bench.runner.BenchConfig` (InputError naming the flag)."""
     check_sampling(o.temp, o.top_p, o.top_k, o.min_p, o.max_tokens)
     check_number("--num-samples", o.num_samples, at_least=0, rule="0 (all samples) or more")
     check_number("--num-draft-tokens", o.num_draft_tokens, at_least=1)

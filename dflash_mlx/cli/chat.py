@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 from contextlib import closing
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Annotated, List, Optional, Tuple
 
@@ -37,25 +36,6 @@ Session = Annotated[Optional[str], typer.Option(
     "cache on, a later process prefills only the new turn, not the history.")]
 
 
-@dataclass
-class Settings:
-    """What the commands change between turns."""
-
-    max_tokens: int
-    temp: float
-    top_p: float
-    top_k: int
-    min_p: float
-    block_size: Optional[int]
-    vocab_size: Optional[int] = None
-    stop: Tuple[str, ...] = ()
-
-    def sampler(self):
-        from dflash_mlx.sampling import make_sampler
-
-        return make_sampler(self.temp, self.top_p, self.min_p, self.top_k, self.vocab_size)
-
-
 def chat(
     model: Model = None,
     draft_model: DraftModel = None,
@@ -82,10 +62,8 @@ def chat(
 ) -> None:
     """Chat in the terminal. Both caches are kept across turns; Ctrl-C stops a reply.
 
-    Models without a chat template (base models) see the turns' text concatenated.
-    When stdin is not a terminal, each line is a turn (or a /command) and the
-    replies are written as plain text; a line that fails prints an error and the
-    next lines still run, and the exit code is then 1.
+    When stdin is not a terminal, each line is a turn (or a /command) and replies are plain text; a line
+    that fails prints an error, the next lines still run, and the exit code is then 1.
 
     \b
     Examples:
@@ -105,7 +83,7 @@ def _run(o) -> None:
     from dflash_mlx.chat.session_file import read_session
 
     check_sampling(o.temp, o.top_p, o.top_k, o.min_p, o.max_tokens)  # flags first, then the 2-3 s of imports
-    stops, window = parse_stops(o.stop), parse_draft_window(o.draft_window)
+    o.stop, window = parse_stops(o.stop), parse_draft_window(o.draft_window)
     check_pair_flags(o)
     history = read_session(o.session_file) if o.session_file else []
     import mlx.core as mx
@@ -119,27 +97,27 @@ def _run(o) -> None:
         mx.random.seed(o.seed)
     pair = load_pair(o.model, o.draft_model, o.defaults, window, o.recalibrate)
     check_block_size(o.block_size, pair.drafter)
+    o.vocab_size = pair.target.vocab_size
     check_system_prompt(o.system_prompt, pair.tokenizer, o.ignore_chat_template)
     session = ChatSession.from_pair(pair, system_prompt=o.system_prompt, template_config=o.template,
                                     use_template=not o.ignore_chat_template, prefill_step_size=o.prefill_step_size,
                                     store=o.store)
-    settings = Settings(o.max_tokens, o.temp, o.top_p, o.top_k, o.min_p, o.block_size, pair.target.vocab_size, stops)
     view = RichView(o.color) if sys.stdin.isatty() and sys.stdout.isatty() else PlainView()
-    view.header(header_rows(pair, session, settings))
+    view.header(header_rows(pair, session, o))
     if history:
         session.messages = history
         view.notice(f"resumed {len(history)} messages from {o.session_file}")
-    if _loop(session, settings, view, pair, o.session_file) and not view.interactive:
+    if _loop(session, o, view, pair) and not view.interactive:
         raise typer.Exit(1)  # a piped script with a failed line (or a session never written) fails
 
 
-def _loop(session, settings: Settings, view, pair, session_file: Optional[str] = None) -> int:
-    """Run lines until /quit or the end of input; returns how many failed. With ``session_file``, the
+def _loop(session, o, view, pair) -> int:
+    """Run lines until /quit or the end of input; returns how many failed. With ``--session``, the
     conversation is written after every line; still unwritten at the end, that counts as a failure."""
     from dflash_mlx.chat.session_file import SessionWriter
 
     failed = 0
-    writer = SessionWriter(session_file, view.notice) if session_file else None
+    writer = SessionWriter(o.session_file, view.notice) if o.session_file else None
     while True:
         try:
             line, replaced = utf8(view.read())
@@ -156,27 +134,27 @@ def _loop(session, settings: Settings, view, pair, session_file: Optional[str] =
             view.notice("warning: the line is not valid UTF-8: the invalid bytes were replaced by U+FFFD")
         if line.strip() == "":
             continue
-        ok, quit = _line(line.strip(), session, settings, view, pair)
+        ok, quit = _line(line.strip(), session, o, view, pair)
         failed += not ok
         if writer is not None:
             writer.save(session.messages)
         if quit:
             break
     if writer is not None and writer.failing and not writer.save(session.messages):
-        view.error(f"--session {session_file}: the conversation was not written")
+        view.error(f"--session {o.session_file}: the conversation was not written")
         failed += 1
     return failed
 
 
-def _line(line: str, session, settings: Settings, view, pair) -> Tuple[bool, bool]:
+def _line(line: str, session, o, view, pair) -> Tuple[bool, bool]:
     """Run one line (a turn or a /command); returns ``(ok, quit)``."""
     from dflash_mlx import DFlashError
     from dflash_mlx.chat.session import ContextFullError
 
     try:
         if line.startswith("/"):
-            return True, _command(line, session, settings, view, pair)
-        _turn(line, session, settings, view)
+            return True, _command(line, session, o, view, pair)
+        _turn(line, session, o, view)
     except KeyboardInterrupt:
         view.notice("interrupted")
     except DFlashError as e:
@@ -185,11 +163,14 @@ def _line(line: str, session, settings: Settings, view, pair) -> Tuple[bool, boo
     return True, False
 
 
-def _turn(text: str, session, settings: Settings, view) -> None:
+def _turn(text: str, session, o, view) -> None:
+    from dflash_mlx.sampling import make_sampler
+
     from .chat_ui import summary_line
 
-    events = session.stream(text, sampler=settings.sampler(), max_tokens=settings.max_tokens,
-                            block_size=settings.block_size, stop_strings=settings.stop)
+    sampler = make_sampler(o.temp, o.top_p, o.min_p, o.top_k, o.vocab_size)
+    events = session.stream(text, sampler=sampler, max_tokens=o.max_tokens, block_size=o.block_size,
+                            stop_strings=o.stop)
     with closing(events):
         last, interrupted = view.stream(events)
     if last is not None:
@@ -200,12 +181,8 @@ def _turn(text: str, session, settings: Settings, view) -> None:
         view.notice(f"the context ({session.max_context} tokens) is full: /reset to start over")
 
 
-def _command(line: str, session, settings: Settings, view, pair) -> bool:
-    """Run one /command; returns True to quit.
-
-    Raises:
-        InputError: a bad argument or an unknown command (named).
-    """
+def _command(line: str, session, o, view, pair) -> bool:
+    """Run one /command; returns True to quit. A bad argument or command raises InputError."""
     from dflash_mlx import InputError
 
     name, _, arg = line.partition(" ")
@@ -221,13 +198,13 @@ def _command(line: str, session, settings: Settings, view, pair) -> bool:
     elif name == "/stats":
         view.output(session.stats_lines())
     elif name == "/block":
-        settings.block_size = _block(arg, pair.drafter)
-        view.notice(f"block size {settings.block_size}")
+        o.block_size = _block(arg, pair.drafter)
+        view.notice(f"block size {o.block_size}")
     elif name in ("/temp", "/max"):
         temp = name == "/temp"
         value = _number(arg, float if temp else int, "/temp T" if temp else "/max N")
         check_number(name, value, at_least=0 if temp else 1)
-        setattr(settings, "temp" if temp else "max_tokens", value)
+        setattr(o, "temp" if temp else "max_tokens", value)
         view.notice(f"temperature {value}" if temp else f"max tokens {value}")
     elif name in ("/think", "/color"):
         if arg not in (("on", "off") if name == "/think" else ("", "on", "off")):
@@ -278,7 +255,7 @@ def _number(arg: str, kind, usage: str):
         raise InputError(f"usage: {usage}") from None
 
 
-def header_rows(pair, session, settings: Settings) -> List[Tuple[str, str]]:
+def header_rows(pair, session, o) -> List[Tuple[str, str]]:
     """What the header panel shows: the pair, block size, quantization, memory, context."""
     import mlx.core as mx
 
@@ -287,7 +264,7 @@ def header_rows(pair, session, settings: Settings) -> List[Tuple[str, str]]:
     drafter = pair.drafter
     rows = [("target", str(pair.model_path))]
     if drafter is not None:
-        B = settings.block_size or drafter.block_size
+        B = o.block_size or drafter.block_size
         shown = "auto (width by measured cost)" if B == "auto" else str(B)
         rows += [("drafter", str(pair.draft_path)), ("block size", f"{shown} (trained {drafter.block_size})")]
     else:
@@ -300,5 +277,5 @@ def header_rows(pair, session, settings: Settings) -> List[Tuple[str, str]]:
     rows.append(("context", f"{limit} · {template}"))
     if session.use_template:
         rows.append(("thinking", {None: "template default", True: "on", False: "off"}[session.thinking]))
-    rows.append(("sampling", f"temp {settings.temp} · max {settings.max_tokens} tokens"))
+    rows.append(("sampling", f"temp {o.temp} · max {o.max_tokens} tokens"))
     return rows

@@ -1,9 +1,5 @@
-"""Rendering for ``dflash chat``: a rich terminal view and a plain one for pipes.
-
-Both consume :class:`dflash_mlx.chat.session.ChatEvent` streams; neither touches the
-decode loop. The rich view prints finished lines as they come and keeps the line
-being written plus a status line (tau, acceptance, tokens/s, elapsed) live below.
-"""
+"""Views of ``dflash chat`` over :class:`dflash_mlx.chat.session.ChatEvent` streams: a rich one for a
+terminal (finished lines printed, the line being written and a status line live below) and a plain one."""
 
 from __future__ import annotations
 
@@ -26,8 +22,7 @@ PROMPT = ">>> "
 
 
 def summary_line(stats, interrupted: bool = False) -> str:
-    """``N tokens · X tok/s · tau Y · Z GB peak · prefill P tokens, R reused``; without
-    a drafter no tau, and ``no draft steps`` when none ran (:meth:`GenerationStats.tau_text`)."""
+    """``N tokens · X tok/s · tau Y · Z GB peak · prefill P tokens, R reused`` (no tau without a drafter)."""
     head = "interrupted · " if interrupted else ""
     tau = stats.tau_text()
     return (f"{head}{stats.generation_tokens} tokens · {stats.generation_tps:.1f} tok/s · "
@@ -36,8 +31,7 @@ def summary_line(stats, interrupted: bool = False) -> str:
 
 
 class PlainView:
-    """Not a terminal: one turn per input line, replies on stdout as plain text,
-    summaries and notices on stderr, no ANSI codes."""
+    """Not a terminal: a turn per input line, replies on stdout, summaries and notices on stderr, no ANSI."""
 
     color = False
     interactive = False
@@ -49,7 +43,7 @@ class PlainView:
         self.notice("colour: not a terminal, the output stays plain text")
 
     def read(self) -> str:
-        """One line, bytes that are not UTF-8 kept as surrogate escapes (see ``common.utf8``)."""
+        """One line, bytes that are not UTF-8 kept as surrogate escapes."""
         line = sys.stdin.buffer.readline()
         if not line:
             raise EOFError
@@ -85,8 +79,7 @@ class PlainView:
 
 @contextmanager
 def no_echo() -> Iterator[None]:
-    """Keys typed during a reply are not echoed over it (they stay buffered for the
-    next prompt); ``^C`` is not printed either."""
+    """Keys typed during a reply (``^C`` too) are not echoed over it; they stay buffered for the next prompt."""
     try:
         import termios
 

@@ -4,7 +4,6 @@ reading and error reporting."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, List, Optional, Tuple
@@ -15,11 +14,14 @@ from dflash_mlx.errors import DFlashError, InputError
 from dflash_mlx.hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from dflash_mlx.ranges import check_number
 
+from .stdio import silence_stdout
+
 MODEL_HELP = (
     "Target model: a local mlx-lm folder or a Hugging Face repo id (downloaded into the HF cache). Default with "
     f"neither flag: {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL}. A folder written by `dflash convert` gives both."
 )
 PREFILL_STEP_GPU, PREFILL_STEP_CPU = 512, 128  # Ctrl-C waits for one chunk: small ones on a CPU
+
 
 def _parsed(parser: str):
     """A callback parsing a flag's value with ``dflash_mlx.decode.policy.<parser>`` as click parses it (before
@@ -51,12 +53,12 @@ Seed = Annotated[Optional[int], typer.Option(
     "--seed", min=0, max=2**64 - 1, help="PRNG seed, for reproducible sampling at a fixed --block-size "
     "(with auto, the draws follow the widths chosen, which follow timings).")]
 BlockSize = Annotated[str, typer.Option(
-    "--block-size", callback=_parsed("parse_block_size"), help="auto (default): draft at the trained block size and verify the width that measured "
-    "timings say commits the most tokens per second, plain decoding included; or a fixed B, 2..the drafter's "
-    "trained size.")]
+    "--block-size", callback=_parsed("parse_block_size"), help="auto (default): draft at the trained block size "
+    "and verify the width measured timings say commits the most tokens per second, plain decoding included; or a "
+    "fixed B, 2..the drafter's trained size.")]
 TreeBudget = Annotated[Optional[str], typer.Option(
-    "--tree-budget", callback=_parsed("parse_tree_budget"), help="DDTree: verify the N most likely draft prefixes as one tree (e.g. 32), or auto "
-    "(budgets and chains chosen by measured cost). Attention-only targets; hybrid targets keep chains and say so.")]
+    "--tree-budget", callback=_parsed("parse_tree_budget"), help="DDTree: verify the N most likely draft "
+    "prefixes as one tree (e.g. 32), or auto (chosen by measured cost). Attention-only targets; hybrids keep chains.")]
 Recalibrate = Annotated[bool, typer.Option(
     "--recalibrate", help="Time the widths again for --block-size auto instead of reusing the calibration kept "
     "for this model pair and machine (in $DFLASH_CACHE_DIR, default ~/.cache/dflash-mlx); what was learned of "
@@ -98,9 +100,8 @@ def warn(message: str) -> None:
 
 
 def check_pair_flags(o) -> None:
-    """Check and resolve, in place on the namespace ``o`` of generate, chat or serve: the model flags
-    (:func:`resolve_models`), --prefill-step-size, --chat-template-config (thinking off with a drafter), the
-    prompt cache flags, and the flags that need a drafter.
+    """Check and resolve, in place on the flags ``o`` of generate, chat or serve: the pair, --prefill-step-size,
+    --chat-template-config (thinking off with a drafter), the prompt cache, the flags that need a drafter.
 
     Raises:
         InputError: naming the flag.
@@ -152,11 +153,7 @@ def unescape(text: str) -> str:
 
 
 def parse_stops(values) -> Tuple[str, ...]:
-    """``--stop`` values, escapes expanded.
-
-    Raises:
-        InputError: an empty stop string.
-    """
+    """``--stop`` values, escapes expanded. Raises InputError for an empty one."""
     stops = tuple(unescape(v) for v in values or ())
     if any(not s for s in stops):
         raise InputError("--stop needs a non-empty text")
@@ -164,11 +161,7 @@ def parse_stops(values) -> Tuple[str, ...]:
 
 
 def resolve_prefill_step(value: Optional[int]) -> int:
-    """``--prefill-step-size``, or the default of the device MLX runs on.
-
-    Raises:
-        InputError: a value below 1.
-    """
+    """``--prefill-step-size``, or the default of the device MLX runs on. Raises InputError below 1."""
     if value is None:
         import mlx.core as mx
 
@@ -245,11 +238,7 @@ def read_prompt(prompt: Optional[str]) -> str:
 
 
 def parse_template_config(value: Optional[str]) -> dict:
-    """``--chat-template-config``: a JSON object.
-
-    Raises:
-        InputError: not JSON, or not an object.
-    """
+    """``--chat-template-config``: a JSON object (else InputError)."""
     if value is None:
         return {}
     try:
@@ -282,10 +271,7 @@ def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: 
 
 def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None, recalibrate: bool = False):
     """:func:`dflash_mlx.load` under a spinner; ``recalibrate``: the first generation re-times the widths.
-
-    Raises:
-        CheckpointError: with ``defaults``, saying how to pass local folders instead.
-    """
+    A CheckpointError of the default pair says how to pass local folders instead."""
     from dflash_mlx import CheckpointError, load
     from dflash_mlx.decode.policy import recalibrate as recalibrate_next
 
@@ -308,11 +294,7 @@ def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_wind
 
 
 def check_out_folder(path, flag: str = "--out") -> None:
-    """Refuse an output folder that cannot be made (it, or a folder above it, is a file).
-
-    Raises:
-        InputError: naming the flag and the file in the way.
-    """
+    """Raise InputError, naming the flag and the file in the way, when ``path`` or a folder above it is a file."""
     path = Path(path)
     for p in [path, *path.parents]:
         if p.exists():
@@ -332,7 +314,7 @@ def guard(fn):
     except DFlashError as e:
         fail(str(e))
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more is written at exit
+        silence_stdout()
         raise typer.Exit(141)
     except OSError as e:
         if e.filename is None:

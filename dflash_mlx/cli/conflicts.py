@@ -1,10 +1,5 @@
-"""Other installed distributions that clash with this one: another package that also
-installs a ``dflash`` command (the one on PATH is whichever was installed last) or a
-top-level ``dflash_mlx`` package (its files and ours overwrite each other).
-
-Found through ``importlib.metadata`` (each distribution's ``entry_points.txt`` and
-``top_level.txt``, else its file list): about 10 ms for 70 distributions.
-"""
+"""Other installed distributions that also provide a ``dflash`` command or a top-level ``dflash_mlx`` package
+(found through ``importlib.metadata``)."""
 
 from __future__ import annotations
 

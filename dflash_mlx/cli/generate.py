@@ -54,10 +54,8 @@ def generate(
 ) -> None:
     """Generate from one prompt. Text streams to stdout, stats go to stderr.
 
-    A prompt longer than the target's context is refused; the reply stops at the
-    context's end. The caches of the prompt are kept on disk (--prompt-cache-dir), so a
-    later prompt sharing its beginning prefills only the rest. Exit codes: 0 done, 1 bad input, 130 Ctrl-C,
-    141 output pipe closed.
+    A later prompt sharing this one's beginning prefills only the rest (the prompt cache, on disk).
+    Exit codes: 0 done, 1 bad input, 130 Ctrl-C, 141 output pipe closed.
 
     \b
     Examples:
@@ -108,11 +106,8 @@ def _run(o) -> None:
 
 
 def fit_context(prompt_tokens: int, max_tokens: int, limit: Optional[int]) -> int:
-    """``max_tokens`` cut to what the target's context leaves after the prompt (with a warning).
-
-    Raises:
-        InputError: the prompt alone fills the context.
-    """
+    """``max_tokens`` cut (with a warning) to what the target's context leaves after the prompt; InputError
+    when the prompt alone fills it."""
     from dflash_mlx.errors import InputError
 
     if limit is None or prompt_tokens + max_tokens <= limit:

@@ -77,14 +77,9 @@ def serve(
 ) -> None:
     """Serve the pair over the OpenAI API (chat, completions, models, health, metrics).
 
-    Up to --max-batch requests decode together (continuous batching; --block-size
-    auto picks one width per step for the batch). Prefixes of earlier prompts are
-    kept in the prompt cache (memory and disk, --prompt-cache-dir), so a prompt that
-    shares the beginning of an earlier one prefills only the rest (hybrids and
-    sliding-window layers at stored states, every 4,096 tokens and before the last).
-    Batched requests need a drafter with a batched pass (or none); said in the log.
-
-    Each response's usage has a "dflash" object: tau, steps, acceptance histogram.
+    Up to --max-batch requests decode together (continuous batching). A prompt that shares the beginning of an
+    earlier one prefills only the rest (the prompt cache, in memory and on disk). Each response's usage has a
+    "dflash" object: tau, steps, acceptance histogram.
 
     \b
     Examples:
@@ -97,7 +92,7 @@ def serve(
 
 
 def _until_stopped(run) -> None:
-    """``run()`` with SIGTERM taken as Ctrl-C: while loading, exit 130; once serving, both stop the server."""
+    """``run()`` with SIGTERM taken as Ctrl-C (exit 130 while loading; once serving, both stop the server)."""
     from dflash_mlx.atomic import sigterm_as_interrupt
 
     with sigterm_as_interrupt():
@@ -105,11 +100,7 @@ def _until_stopped(run) -> None:
 
 
 def _check(o) -> None:
-    """Every serve flag, in order, before the model loads.
-
-    Raises:
-        InputError: naming the flag.
-    """
+    """Check every serve flag before the model loads (InputError naming the flag)."""
     from dflash_mlx.errors import InputError
 
     if o.log_level not in LOG_LEVELS:

@@ -1,11 +1,6 @@
-"""Standard streams the shell closed (``<&-``, ``>&-``) or that cannot be written
-(``> /dev/full``), named as such in one line instead of a traceback or a wrong error.
-
-A closed descriptor 0, 1 or 2 is a trap beyond Python: the next file opened (a model's
-weights) gets that number, and MLX, which treats descriptor 0 as "no file", then
-fails to load it. So :func:`protect` puts ``/dev/null`` on each closed descriptor
-first, and replaces the Python stream with one whose use raises :class:`StreamError`.
-"""
+"""Standard streams the shell closed (``<&-``) or that cannot be written (``> /dev/full``): one line naming
+the stream. A closed descriptor gets ``/dev/null`` first, so the next file opened (MLX reads descriptor 0 as
+"no file") does not take its number."""
 
 from __future__ import annotations
 
@@ -40,8 +35,7 @@ class ClosedStream:
 
 
 class CheckedStdout:
-    """``sys.stdout`` whose failed writes (``/dev/full``: ENOSPC, EIO, ...) raise
-    :class:`StreamError` naming standard output. A closed pipe still raises
+    """``sys.stdout`` whose failed writes raise :class:`StreamError`; a closed pipe still raises
     ``BrokenPipeError`` (exit 141, see ``common.guard``)."""
 
     def __init__(self, stream):
@@ -67,8 +61,7 @@ class CheckedStdout:
 
 
 def silence_stdout() -> None:
-    """Point descriptor 1 at /dev/null, so what is still buffered goes nowhere at exit
-    instead of failing again."""
+    """Point descriptor 1 at /dev/null: what is still buffered goes nowhere at exit instead of failing again."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     except OSError:
@@ -76,12 +69,8 @@ def silence_stdout() -> None:
 
 
 def protect() -> List[int]:
-    """Put /dev/null on every closed standard descriptor and a :class:`ClosedStream` in
-    its ``sys`` slot; wrap a working stdout in :class:`CheckedStdout`.
-
-    Returns:
-        The descriptors that were closed.
-    """
+    """Put /dev/null on every closed standard descriptor and a :class:`ClosedStream` in its ``sys`` slot;
+    wrap a working stdout in :class:`CheckedStdout`. Returns the descriptors that were closed."""
     closed = []
     for fd in (0, 1, 2):
         try:

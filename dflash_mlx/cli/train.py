@@ -106,11 +106,8 @@ def _data(o) -> None:
 
 
 def check_lengths(max_tokens: int, max_length: Optional[int], context: Optional[int]) -> int:
-    """``--max-length`` (default 3072, capped at the target's context) after range checks.
-
-    Raises:
-        InputError: ``--max-tokens`` or ``--max-length`` below 1 or past the context.
-    """
+    """``--max-length`` (default 3072, capped at the target's context); InputError naming ``--max-tokens`` or
+    ``--max-length`` when out of range or past the context."""
     from dflash_mlx import InputError
 
     check_number("--max-tokens", max_tokens, at_least=1)
@@ -189,12 +186,8 @@ def train(model: Target, data_dirs: DataDirs, out: TrainOut, layers: Layers = 1,
 
 
 def _config(o):
-    """The checked :class:`~dflash_mlx.train.trainer.TrainConfig` of the flags; sets ``o.block_size`` and
-    ``o.ids`` (the parsed --target-layer-ids).
-
-    Raises:
-        InputError: naming the flag.
-    """
+    """The checked :class:`~dflash_mlx.train.trainer.TrainConfig` of the flags (InputError naming the flag);
+    sets ``o.block_size`` and ``o.ids`` (the parsed --target-layer-ids)."""
     from dflash_mlx import InputError
     from dflash_mlx.train.trainer import TrainConfig
 
@@ -283,11 +276,7 @@ def _fit(o, trainer) -> None:
 
 
 def parse_numbers(value: Optional[str], flag: str, kind=int) -> Optional[list]:
-    """A comma list of numbers (``4,8,16``), or None when the flag is not given.
-
-    Raises:
-        InputError: an entry that is not a number of that kind.
-    """
+    """A comma list of numbers (``4,8,16``), or None when the flag is not given; InputError for a bad entry."""
     from dflash_mlx import InputError
 
     if value is None:
