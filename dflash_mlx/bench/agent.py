@@ -5,8 +5,8 @@ chat template) or ``{"messages": [...]}``. Each is generated greedily in turn, i
 of these modes:
 
 - ``cold``: every request prefilled whole (a new process with no prompt cache);
-- ``disk``: every request in a new :class:`~dflash_mlx.chat.prompt_cache.PairCache` over a
-  new :class:`~dflash_mlx.prefix.store.PrefixStore` with no memory level, on one folder:
+- ``disk``: every request in a new :class:`~dflash_mlx.prompt_cache.pair.PairCache` over a
+  new :class:`~dflash_mlx.prompt_cache.store.PrefixStore` with no memory level, on one folder:
   what a new process finds on disk from the requests before it (the model stays loaded,
   so process start and model load, the same for every mode, are not in the times);
 - ``live``: one PairCache and store for the whole trace, as ``dflash serve`` keeps them;
@@ -118,8 +118,8 @@ def replay_dflash(pair: Any, trace: str, prompts: List[List[int]], mode: str, fo
         folder: the prompt cache's folder (``disk``, ``live``); must start empty for a fair run.
         kwargs: passed to :meth:`PairCache.stream` (block_size, prefill_step_size, ...).
     """
-    from ..chat.prompt_cache import PairCache
-    from ..prefix.store import PrefixStore
+    from ..prompt_cache.pair import PairCache
+    from ..prompt_cache.store import PrefixStore
 
     def new_cache(memory: int) -> PairCache:
         store = None if mode == "cold" else PrefixStore(folder, memory_entries=memory, warn=lambda m: None)
@@ -147,7 +147,7 @@ def _replay_mlx_lm(pair, trace, prompts, max_tokens, prefill_step_size):
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-    from ..chat.prompt_cache import common_prefix
+    from ..prompt_cache.pair import common_prefix
 
     cache, held, out = make_prompt_cache(pair.model), [], []
     for i, ids in enumerate(prompts):

@@ -191,7 +191,7 @@ def resolve_models(model: Optional[str], draft_model: Optional[str], verify: boo
 
 
 def make_store(directory: Optional[str], off: bool, gb: float):
-    """The :class:`~dflash_mlx.prefix.store.PrefixStore` the prompt cache flags ask for, or None.
+    """The :class:`~dflash_mlx.prompt_cache.store.PrefixStore` the prompt cache flags ask for, or None.
 
     Raises:
         InputError: ``--prompt-cache-gb`` not a finite number above 0, or ``--prompt-cache-dir`` a file.
@@ -202,7 +202,7 @@ def make_store(directory: Optional[str], off: bool, gb: float):
     root = Path(directory).expanduser() if directory else None
     if root is not None and root.exists() and not root.is_dir():
         raise InputError(f"--prompt-cache-dir {root} is a file, not a folder")
-    from dflash_mlx.prefix.store import PrefixStore
+    from dflash_mlx.prompt_cache.store import PrefixStore
 
     return PrefixStore(root, max_bytes=int(gb * 2**30))
 

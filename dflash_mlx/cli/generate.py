@@ -123,7 +123,7 @@ def fit_context(prompt_tokens: int, max_tokens: int, limit: Optional[int]) -> in
 def _stream(pair, ids, o, run: dict):
     """Stream the reply to stdout (unless --json); returns ``(text, stats, finish_reason, prompt cache)``."""
     from dflash_mlx import stream_generate
-    from dflash_mlx.chat.prompt_cache import PairCache
+    from dflash_mlx.prompt_cache.pair import PairCache
 
     cached = None if o.store is None else PairCache(pair.target, pair.tokenizer, pair.drafter, store=o.store,
                                                     generate=stream_generate)
