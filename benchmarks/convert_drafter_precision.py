@@ -29,9 +29,8 @@ import mlx.core as mx
 
 from dflash_mlx import load, load_drafter
 from dflash_mlx.pair.convert import convert
-from dflash_mlx.pair.validation import (
-    dflash_tokens, drafter_logits, dtype_name, float_dtype, greedy_tokens, logit_difference,
-)
+from dflash_mlx.pair.loading import dtype_name, float_dtype
+from dflash_mlx.pair.validation import dflash_tokens, drafter_logits, greedy_tokens, logit_difference
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,4 @@
-"""DFlash against plain decoding: the same prompt, target and sampling, decoded again
-by the project's plain path (:func:`dflash_mlx.decode.generate.generate` without a
-drafter), for ``dflash generate --compare``."""
+"""``dflash generate --compare``: the same prompt, target and sampling decoded again without a drafter."""
 
 from __future__ import annotations
 
@@ -14,22 +12,13 @@ from .stats import GenerationStats
 
 def compare_with_plain(target: Any, tokenizer: Any, prompt: List[int], text: str, stats: GenerationStats, *,
                        seed: Optional[int] = None, **kwargs) -> dict:
-    """Decode ``prompt`` plainly and set the result beside a DFlash run's.
-
-    Args:
-        target, tokenizer: the pair's target adapter and tokenizer.
-        prompt: the prompt's token ids (all of them: the plain run prefills them all,
-            without the prompt cache).
-        text, stats: the DFlash run's text and statistics.
-        seed: the PRNG seed the DFlash run started from, set again first (None: not set).
-        kwargs: what the DFlash run was given (sampler, max_tokens, stop_strings,
-            prefill_step_size), but the drafter's options.
+    """Decode ``prompt`` (all its token ids, no prompt cache) plainly, from ``seed`` if given, with the DFlash
+    run's other ``kwargs`` (sampler, max_tokens, stop_strings, prefill_step_size).
 
     Returns:
-        ``{"plain_generation_tokens", "plain_generation_tps" (tokens/s, None without a
-        decoding time), "speedup" (DFlash's generation tokens/s over plain's, None when
-        either is missing), "same_output" (whether the two texts are equal),
-        "plain_text" (only when they differ)}``.
+        ``{"plain_generation_tokens", "plain_generation_tps" (tokens/s; None without a decoding time),
+        "speedup" (DFlash's tokens/s over plain's; None when either is missing), "same_output",
+        "plain_text" (only when the texts differ)}``.
     """
     if seed is not None:
         mx.random.seed(seed)
@@ -46,8 +35,8 @@ def compare_with_plain(target: Any, tokenizer: Any, prompt: List[int], text: str
 
 
 def compare_line(compare: dict, greedy: bool) -> str:
-    """``Compare: plain decoding 412.3 tokens-per-sec; DFlash 2.31x, same output``; a
-    differing text is flagged as a bug when decoding was greedy (it must be equal)."""
+    """``Compare: plain decoding 412.3 tokens-per-sec; DFlash 2.31x, same output``; a differing greedy text is
+    flagged as a bug."""
     tps = compare["plain_generation_tps"]
     plain = "plain decoding " + (f"{tps:.1f} tokens-per-sec" if tps is not None else "(no decoding time)")
     speed = f"DFlash {compare['speedup']:.2f}x" if compare["speedup"] is not None else "no speedup measured"

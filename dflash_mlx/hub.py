@@ -20,15 +20,11 @@ def looks_like_repo_id(name: str) -> bool:
 
 
 def resolve_model_path(path_or_repo: str, allow_patterns: List[str], what: str = "model") -> Path:
-    """Return a local folder for a path or a repo id.
-
-    A repo id is fetched with ``huggingface_hub.snapshot_download`` into the Hugging
-    Face cache (with its progress bars); a cached copy is used offline.
+    """A local folder for a path or a repo id (fetched into the Hugging Face cache; a cached copy offline).
 
     Raises:
-        CheckpointError: the folder does not exist, or the repo can be neither
-            downloaded nor found in the cache. The message names the path or repo
-            and says how to pass a local folder instead.
+        CheckpointError: the folder does not exist, or the repo can be neither downloaded nor found in the
+            cache (names it and says how to pass a local folder instead).
     """
     path = Path(path_or_repo).expanduser()
     if path.is_dir():

@@ -1,5 +1,4 @@
-"""The range check of a numeric setting: every command's flags (and the library's
-configs, whose errors name the same flags) go through :func:`check_number`."""
+"""The one range check of a numeric setting: every flag and config value goes through :func:`check_number`."""
 
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ from .common import (DraftModel, DraftWindow, MaxTokens, MinP, Model, PrefillSte
 Dataset = Annotated[List[str], typer.Option(
     "--dataset", "-d", help="gsm8k, math500, humaneval, mbpp, mt-bench, alpaca (Hugging Face, online) or a local "
     "file: a .jsonl/.jsonl.gz in those formats or of 'prompt' or 'messages' rows. Repeat or separate with commas.")]
-NumSamples = Annotated[int, typer.Option("--num-samples", "-n", help="First N samples of each dataset; 0 for all of them.")]
+NumSamples = Annotated[int, typer.Option("--num-samples", "-n",
+                                         help="First N samples of each dataset; 0 for all of them.")]
 BlockSizes = Annotated[Optional[List[str]], typer.Option(
     "--block-size", help="Block sizes to sweep: '--block-size 4 8 16 auto' (or 4,8,16,auto); auto chooses the "
     "verify width per step by measured cost, plain decoding included. Default: the drafter's trained size.")]

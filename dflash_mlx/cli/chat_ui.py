@@ -145,7 +145,7 @@ class RichView:
         self.color = color
         self.console = Console(highlight=False)
         try:
-            import readline  # noqa: F401  (line editing and history for input())
+            import readline  # importing it gives input() line editing and history
         except ImportError:
             pass
         if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach chat as escapes

@@ -22,15 +22,18 @@ MAX_CONNECTIONS = 128  # well under macOS's default of 256 open files per proces
 Host = Annotated[str, typer.Option("--host", help="Address to bind. The default answers this Mac only; anything else "
                            "should go with --api-key.")]
 Port = Annotated[int, typer.Option("--port", help="TCP port.")]
-MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m", help="Tokens per request when the request does not say.")]
-ApiKey = Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_API_KEY", help="Require 'Authorization: Bearer "
-                                       "KEY' on every endpoint but /health (or set DFLASH_API_KEY).")]
-MaxQueue = Annotated[int, typer.Option("--max-queue", help="Requests that may wait behind the running ones; past that, 429.")]
+MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m",
+                                        help="Tokens per request when the request does not say.")]
+ApiKey = Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_API_KEY", help=(
+    "Require 'Authorization: Bearer KEY' on every endpoint but /health (or set DFLASH_API_KEY)."))]
+MaxQueue = Annotated[int, typer.Option("--max-queue",
+                                       help="Requests that may wait behind the running ones; past that, 429.")]
 MaxBatch = Annotated[int, typer.Option("--max-batch", help=(
     "Requests decoding together (continuous batching); 1: one at a time, with the prompt cache. Batched requests "
     "use it too where the target and drafter keep plain attention KV caches and the drafter has a batched pass; "
     "else (hybrids, sliding-window layers) they prefill whole prompts (the log says so)."))]
-MaxBodyMb = Annotated[float, typer.Option("--max-body-mb", help="Largest request body, in MB (2^20 bytes); past it, 413.")]
+MaxBodyMb = Annotated[float, typer.Option("--max-body-mb",
+                                          help="Largest request body, in MB (2^20 bytes); past it, 413.")]
 TemplateConfig = Annotated[Optional[str], typer.Option("--chat-template-config", help=(
     "Default JSON for apply_chat_template; a request's chat_template_kwargs override it. With a drafter, thinking "
     "is off unless set here or in the request."))]
@@ -107,7 +110,8 @@ def _check(o) -> None:
         raise InputError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {o.log_level}")
     for flag, value, least in (("--max-tokens", o.max_tokens, 1), ("--max-queue", o.max_queue, 0),
                                ("--max-prompt-chars", o.max_prompt_chars, 1),
-                               ("--request-timeout", o.request_timeout, 0), ("--max-connections", o.max_connections, 2)):
+                               ("--request-timeout", o.request_timeout, 0),
+                               ("--max-connections", o.max_connections, 2)):
         check_number(flag, value, at_least=least)
     check_number("--max-batch", o.max_batch, at_least=1, at_most=MAX_BATCH)
     check_number("--max-body-mb", o.max_body_mb, above=0)

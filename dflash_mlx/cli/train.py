@@ -59,7 +59,8 @@ def data(model: Target, out: DataOut, prompts: Prompts = [], text: Text = [], se
 
     \b
     Example:
-      dflash data --model Qwen/Qwen3-4B --prompts prompts.jsonl --chat-template-config '{"enable_thinking": false}' --out data/
+      dflash data --model Qwen/Qwen3-4B --prompts prompts.jsonl --out data/ \\
+        --chat-template-config '{"enable_thinking": false}'
     """
     o = SimpleNamespace(**locals())
     guard(lambda: _data(o))
@@ -290,9 +291,12 @@ def parse_numbers(value: Optional[str], flag: str, kind=int) -> Optional[list]:
 
 def eval_line(step: int, result: dict) -> str:
     """``step N: held-out tau 4.12 at B=16 (as generated 3.40; acceptance by position .90 .80 ...), ...``."""
-    parts = [f"{r['tau']:.2f} at B={b} (" + (f"as generated {r['tau_generation']:.2f}; " if "tau_generation" in r else "")
-             + "acceptance by position " + " ".join(f"{x:.2f}" for x in r["acceptance"]) + ")"
-             for b, r in result.items()]
+    def part(b, r) -> str:
+        generated = f"as generated {r['tau_generation']:.2f}; " if "tau_generation" in r else ""
+        accepted = " ".join(f"{x:.2f}" for x in r["acceptance"])
+        return f"{r['tau']:.2f} at B={b} ({generated}acceptance by position {accepted})"
+
+    parts = [part(b, r) for b, r in result.items()]
     return f"step {step}: held-out tau " + ", ".join(parts)
 
 

@@ -6,21 +6,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.convert import MODEL_CONVERSION_DTYPES
-from mlx_lm.utils import load as mlx_lm_load
 
 from ..atomic import check_out, staging
 from ..drafter.checkpoint import DRAFTER_FILES, load_drafter, read_config
-from ..errors import CheckpointError, ConfigError, InputError, ValidationError
+from ..errors import ConfigError, InputError, ValidationError
 from ..hub import resolve_model_path
-from .loading import TARGET_FILES, check_pair
+from .loading import TARGET_FILES, check_pair, load_model
 from .manifest import MANIFEST, hash_files, write_manifest
 from ..prompt import encode_messages
-from ..targets import TargetAdapter, make_adapter
+from ..targets import make_adapter
 from .validation import VALIDATION_MESSAGES, Check, SourceRun, validate
 from .writing import DRAFT_Q_GROUP_SIZE, make_manifest, write_drafter, write_target
 
@@ -79,7 +77,8 @@ def convert(model: str, draft_model: str, out: str | Path, *, quantize: bool = F
     draft_config = read_config(draft_src / "config.json")
     require_dflash_config(draft_config, draft_src / "config.json")
     say("checking that the drafter fits the target")
-    source_net, tokenizer, source = load_source_target(target_src)
+    source_net, tokenizer, _ = load_model(str(target_src), "target model", lazy=True)
+    source = make_adapter(source_net)
     drafter = load_drafter(str(draft_src))
     check_pair(drafter, source, draft_model)
     with staging(out, force, say=say) as tmp:
@@ -136,7 +135,8 @@ def check_options(quantize: bool, q_bits: Optional[int], q_group_size: Optional[
     """
     for flag, value, choices in (("--q-bits", q_bits, Q_BITS), ("--q-group-size", q_group_size, Q_GROUP_SIZES),
                                  ("--q-mode", q_mode, Q_MODES), ("--draft-q-bits", draft_q_bits, Q_BITS),
-                                 ("--draft-q-group-size", draft_q_group_size, Q_GROUP_SIZES), ("--dtype", dtype, DTYPES)):
+                                 ("--draft-q-group-size", draft_q_group_size, Q_GROUP_SIZES),
+                                 ("--dtype", dtype, DTYPES)):
         if value is not None and value not in choices:
             raise InputError(f"{flag} must be one of {', '.join(map(str, choices))}, got {value}")
     for flag, given in (("--q-bits", q_bits is not None), ("--q-group-size", q_group_size is not None),
@@ -172,29 +172,3 @@ def require_dflash_config(config: dict, source: Path) -> None:
             f"target_layer_ids/mask_token_id); convert it to the released layout first: "
             f"python {LAYOUT_SCRIPT} {source.parent} NEW_DIR"
         )
-
-
-def load_source_target(path: Path) -> Tuple[nn.Module, object, TargetAdapter]:
-    """Load the unconverted target lazily (no weights read yet) with mlx-lm: ``(model, tokenizer, adapter)``.
-
-    Raises:
-        ConfigError: mlx-lm does not know the ``model_type`` (names config.json).
-        MismatchError: the family has no target adapter (DFlash cannot run it).
-        CheckpointError: the folder cannot be loaded otherwise.
-    """
-    config_file = path / "config.json"
-    config = read_config(config_file)
-    try:
-        net, tokenizer = mlx_lm_load(str(path), lazy=True)
-    except ValueError as e:
-        if "not supported" in str(e):
-            import mlx_lm
-
-            raise ConfigError(
-                f"{config_file}: model_type '{config.get('model_type')}' "
-                f"(architectures {config.get('architectures')}) is not supported by mlx-lm {mlx_lm.__version__}"
-            ) from None
-        raise CheckpointError(f"{path}: cannot load the target ({' '.join(str(e).split())})") from None
-    except (FileNotFoundError, RuntimeError, KeyError) as e:
-        raise CheckpointError(f"{path}: cannot load the target ({' '.join(str(e).split())})") from None
-    return net, tokenizer, make_adapter(net)

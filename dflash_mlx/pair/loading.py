@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -17,7 +16,7 @@ from ..drafter.checkpoint import load_drafter, read_config
 from ..drafter.network import DFlashDrafter
 from ..errors import CheckpointError, ConfigError, InputError, MismatchError
 from ..fingerprint import folder_fingerprint
-from ..hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, resolve_model_path
+from ..hub import DEFAULT_MODEL, resolve_model_path
 from .manifest import resolve_pair
 from ..targets import TargetAdapter, make_adapter
 
@@ -38,16 +37,16 @@ class Pair:
     draft_path: Optional[str]
 
 
-def load_model(path_or_repo: str, what: str = "model"):
-    """Load any mlx-lm model and its tokenizer from a folder or repo id.
+def load_model(path_or_repo: str, what: str = "model", lazy: bool = False):
+    """Load any mlx-lm model and its tokenizer from a folder or repo id (``lazy``: no weights read yet).
 
     Returns:
         ``(model, tokenizer, folder)``: ``folder`` is the local folder it loaded from.
 
     Raises:
         CheckpointError: missing or unreadable checkpoint, or a DFlash drafter (names the path and ``what``).
-        ConfigError: ``config.json`` is not a JSON object with a ``model_type``, or mlx-lm cannot build the
-            model from it (names the file).
+        ConfigError: ``config.json`` is not a JSON object with a ``model_type`` mlx-lm supports, or mlx-lm
+            cannot build the model from it (names the file).
     """
     path = resolve_model_path(path_or_repo, TARGET_FILES, what=what)
     config_file = path / "config.json"
@@ -59,10 +58,16 @@ def load_model(path_or_repo: str, what: str = "model"):
     if "model_type" not in config:
         raise ConfigError(f"{config_file}: missing key 'model_type'")
     try:
-        model, tokenizer = mlx_lm_load(str(path))
+        model, tokenizer = mlx_lm_load(str(path), lazy=lazy)
         return model, tokenizer, path
     except (FileNotFoundError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: cannot load the {what} ({e})") from None
+        if isinstance(e, ValueError) and "not supported" in str(e):
+            import mlx_lm
+
+            raise ConfigError(f"{config_file}: model_type '{config.get('model_type')}' (architectures "
+                              f"{config.get('architectures')}) is not supported by mlx-lm "
+                              f"{mlx_lm.__version__}") from None
+        raise CheckpointError(f"{path}: cannot load the {what} ({' '.join(str(e).split())})") from None
     except (TypeError, KeyError, AttributeError) as e:  # mlx-lm building ModelArgs from bad values
         raise ConfigError(f"{config_file}: cannot build the {what} from it ({type(e).__name__}: {e})") from None
 
@@ -115,12 +120,17 @@ def float_dtype(module: nn.Module) -> mx.Dtype:
     return next(v.dtype for _, v in tree_flatten(module.parameters()) if mx.issubdtype(v.dtype, mx.floating))
 
 
+def dtype_name(dtype: mx.Dtype) -> str:
+    """``mx.bfloat16`` -> "bfloat16"."""
+    return str(dtype).replace("mlx.core.", "")
+
+
 def quantization(module: nn.Module) -> str:
     """``4-bit (group 64)`` from the module's quantized layers, or ``none (float16)``."""
     kinds = sorted({(m.bits, m.group_size) for m in module.modules()
                     if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))})
     if not kinds:
-        return f"none ({str(float_dtype(module)).replace('mlx.core.', '')})"
+        return f"none ({dtype_name(float_dtype(module))})"
     return ", ".join(f"{b}-bit (group {g})" for b, g in kinds)
 
 

@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step as mlx_lm_generate_step
 from ..drafter.checkpoint import load_drafter
 from ..drafter.network import DFlashDrafter
 from ..decode.generate import generate_step
-from .loading import float_dtype, is_quantized, load, quantization
+from .loading import dtype_name, float_dtype, is_quantized, load, quantization
 from ..stats import GenerationStats
 from ..targets import TargetAdapter
 
@@ -139,8 +139,3 @@ def validate(root: Path, source: SourceRun, draft_src: Path) -> List[Check]:
                         f"max |diff| {diff:.3g} = {rel:.2%} of max |logit| ({bits}, float32)",
                         rel <= FLOAT_TOLERANCE if exact else None))
     return checks
-
-
-def dtype_name(dtype: mx.Dtype) -> str:
-    """``mx.bfloat16`` -> "bfloat16"."""
-    return str(dtype).replace("mlx.core.", "")

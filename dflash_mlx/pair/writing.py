@@ -15,9 +15,8 @@ from mlx_lm.convert import convert as mlx_lm_convert
 from ..drafter.checkpoint import read_config, save_drafter
 from ..drafter.network import DFlashDrafter
 from ..errors import CheckpointError, InputError
-from .loading import QUANTIZED_DRAFTER_DTYPE, TARGET_FILES, float_dtype
+from .loading import QUANTIZED_DRAFTER_DTYPE, TARGET_FILES, dtype_name, float_dtype
 from .manifest import MANIFEST_VERSION
-from .validation import dtype_name
 
 DRAFT_Q_GROUP_SIZE = 64
 
