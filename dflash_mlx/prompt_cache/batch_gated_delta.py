@@ -1,17 +1,5 @@
-"""The Gated-DeltaNet layer cache of a batch of sequences, with per-sequence rollback.
-
-A recurrent layer has no rows and no positions: its state per sequence is a conv
-state [K-1, C] and a recurrent state [Hv, Dv, Dk], so a batch is those stacked along
-the first axis, and sequences join (``extend``) and leave (``filter``) as mlx-lm's
-``ArraysCache`` does. Every verify feeds each sequence the same number of tokens, all
-real, so no padding mask is needed. After a verify, sequence i keeps its first
-``keep[i]`` tokens: the recurrence is replayed from the state before the verify over
-the recorded inputs with a mask that stops sequence i after ``keep[i]`` steps (a
-masked step keeps the state, in mlx-lm's own ``gated_delta_update``), and each conv
-state is rows ``keep[i] .. keep[i]+K-2`` of its conv input. Step by step the same
-recurrence as the one-sequence :class:`GatedDeltaCache` replays, so the kept state is
-the one the verify itself passed through.
-"""
+"""The Gated-DeltaNet layer cache of a batch: per-sequence states stacked on the first axis; sequence i
+keeps the first ``keep[i]`` tokens of a verify by a masked replay of the recurrence (spec section 10)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
-"""The sliding-window attention layer cache of a batch of sequences, with per-sequence rollback.
-
-One sequence decodes with a :class:`~dflash_mlx.prompt_cache.window.WindowKVCache`. In a
-batch, a window layer's cache is mlx-lm's ``BatchKVCache`` (:class:`BatchWindowKVCache`):
-the same left-padded rows, shared write column, per-sequence offsets and ragged rollback
-(:func:`~dflash_mlx.prompt_cache.batch.rollback_ragged`) as a full-attention layer. The
-window is applied by the mask alone: mlx-lm's ``BatchKVCache.make_mask(N, window_size=W)``
-lets the query in column q see key columns ``q - W < k <= q`` not in its left padding.
-Each sequence's rows are contiguous and end at the shared write column (appends,
-``trim`` and the right roll of a ragged rollback keep them so), so column distances are
-position distances: per sequence, exactly the solo window ``p - W < k <= p``.
-
-Rows no future query can see (more than ``W - 1`` columns before the write column,
-between steps) are counted as left padding by :meth:`BatchWindowKVCache.hide_old_rows`,
-and :func:`~dflash_mlx.prompt_cache.batch.compact` drops them with the other padding:
-between steps a window layer of a batch is under ``W - 1 + COMPACT_AT`` columns wide
-(plus one verify's rows during a forward), not the whole context.
-"""
+"""The sliding-window layer cache of a batch: mlx-lm's ``BatchKVCache`` (left-padded rows ending at one
+write column, per-sequence offsets and ragged rollback) with the window applied by the mask; rows no
+query can see any more count as padding, which :func:`~dflash_mlx.prompt_cache.batch.compact` drops."""
 
 from __future__ import annotations
 
@@ -47,8 +32,7 @@ class BatchWindowKVCache(BatchKVCache):
 
     @classmethod
     def from_solo(cls, solo: WindowKVCache) -> "BatchWindowKVCache":
-        """One sequence's prefilled window cache as a batch of one: its held rows
-        (positions ``start..offset-1``), offset ``solo.offset``, no padding."""
+        """One sequence's prefilled window cache as a batch of one (its held rows, no padding)."""
         batch = cls(solo.window, [0])
         if solo.keys is not None:
             keys, values = solo.rows()
@@ -58,21 +42,16 @@ class BatchWindowKVCache(BatchKVCache):
         return batch
 
     def make_mask(self, N: int, window_size: Optional[int] = None, **kwargs) -> mx.array:
-        """[B, 1, N, _idx + N] bool for B sequences and N new queries: causal, windowed,
-        padding hidden (mlx-lm's ``BatchKVCache`` mask, this layer's window unless given)."""
-        # mlx-lm's mask is in columns, which are positions per sequence here (module doc);
-        # the families pass window_size themselves, the default covers a caller that does not.
+        """[B, 1, N, _idx + N] bool: causal, windowed (this layer's window unless given), padding hidden."""
         return super().make_mask(N, window_size=window_size or self.window, **kwargs)
 
     def hide_old_rows(self) -> None:
-        """Count as padding the columns before ``_idx - (W - 1)``: between steps, the next
-        forward's first query is at column ``_idx`` or later (a rollback never drops a
-        row of an earlier forward), so no query sees them."""
+        """Count as padding the columns before ``_idx - (W - 1)`` (between steps no query sees them)."""
         if self.keys is not None:
             self.left_padding = mx.maximum(self.left_padding, self._idx - (self.window - 1))
 
     def extract(self, idx: int) -> WindowKVCache:
-        """Sequence ``idx``'s visible rows as a solo ``WindowKVCache`` (for tests and checks)."""
+        """Sequence ``idx``'s visible rows as a solo ``WindowKVCache``."""
         solo, rows = WindowKVCache(self.window), super().extract(idx)
         solo.keys, solo.values = rows.keys, rows.values
         solo.offset = int(self.offset[idx].item())

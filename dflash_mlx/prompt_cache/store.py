@@ -1,23 +1,9 @@
-"""The prefix cache's two levels: entries in memory (least recently used dropped first)
-and on disk under one folder (a byte cap, least recently used dropped first).
+"""The prefix cache's two levels: entries in memory and on disk, least recently used dropped first.
 
-Layout: ``ROOT/KEY/ID.safetensors`` + ``ROOT/KEY/ID.json`` (:mod:`dflash_mlx.prompt_cache.entry`),
-where KEY names the pair (:func:`dflash_mlx.prompt_cache.key.key_id`, its identity kept in
-``ROOT/KEY/key.json``) and ID the tokens. The byte cap counts every pair's entries under
-ROOT. Use is recorded as the JSON file's modification time, so the order survives
-processes. A lookup takes the entry that resumes the most rows of a prompt (longest
-prefix, see :meth:`Snapshot.usable`); an entry that fails its checks on load is removed
-with one warning line and the next best is tried.
-
-Ownership: ROOT is claimed for the prompt cache (:func:`dflash_mlx.owned.claim`): a folder
-that holds other files is left as it is and the cache lives in its ``dflash-prompt-cache``
-subfolder. Clean-up and eviction touch only files named as the store names them (24 hex
-digits) inside KEY folders (24 hex digits).
-
-Failure: a write that fails (any errno, or MLX's RuntimeError) turns the store
-memory-only for the rest of the process, with one warning line; :attr:`PrefixStore.state`
-says so (``dflash serve`` reports it at ``/health``).
-"""
+Layout: ``ROOT/KEY/ID.safetensors`` and ``ROOT/KEY/ID.json`` (:mod:`~dflash_mlx.prompt_cache.entry`), KEY
+the pair (:func:`~dflash_mlx.prompt_cache.key.key_id`, kept in ``ROOT/KEY/key.json``), ID the tokens, use
+as the JSON file's modification time. ROOT is claimed (:func:`dflash_mlx.owned.claim`); clean-up touches
+only names of 24 hex digits in KEY folders. A failed write turns the store memory-only with one warning."""
 
 from __future__ import annotations
 
@@ -38,11 +24,11 @@ from .entry import CorruptEntry, Snapshot, read, read_index, usable_rows, write
 DEFAULT_MAX_BYTES = 8 << 30  # 8 GiB on disk
 DEFAULT_MEMORY_ENTRIES = 4
 WRITER = "prompt-cache"
-_OURS = re.compile(r"[0-9a-f]{24}")  # key folders and entry names (sha256 prefixes)
+_OURS = re.compile(r"[0-9a-f]{24}")  # key folders and entry names
 
 
 def default_root() -> Path:
-    """``$DFLASH_CACHE_DIR/prompts``, else the user's cache folder's ``dflash-mlx/prompts``."""
+    """``prompts`` under the cache root (``$DFLASH_CACHE_DIR``, else the user's ``dflash-mlx`` cache)."""
     return cache_root() / "prompts"
 
 
@@ -55,16 +41,15 @@ class PrefixStore:
     """Prefix-cache entries of any number of pairs, in memory and on disk.
 
     Args:
-        root: the folder (default :func:`default_root`); None with ``disk=False``: memory only.
-        max_bytes: most bytes on disk under ``root`` (every pair's entries together; what other
-            processes write is counted at the next scan, at most :attr:`RESCAN_S` seconds on).
+        root: the folder (default :func:`default_root`).
+        max_bytes: most bytes on disk under ``root``, every pair's entries together (other processes'
+            writes counted at the next scan, at most :attr:`RESCAN_S` seconds on).
         memory_entries: most entries kept in memory (0: none).
         disk: write and read entries on disk.
-        warn: where one-line warnings go (a corrupt entry, a folder that cannot be written).
+        warn: where one-line warnings go.
 
     Raises:
-        InputError: ``root`` is a file, or holds other files and so does its
-            ``dflash-prompt-cache`` subfolder.
+        InputError: ``root`` is a file, or holds other files and so does its ``dflash-prompt-cache``.
 
     Attributes:
         root: the folder the entries are in (``root``, or its ``dflash-prompt-cache``).
@@ -83,10 +68,10 @@ class PrefixStore:
         self.memory: "OrderedDict[Tuple[str, str], Snapshot]" = OrderedDict()
         self.hits = {"memory": 0, "disk": 0}
         self.last_level: Optional[str] = None
-        self._index: Dict[Path, Tuple[int, dict]] = {}  # json path -> (mtime_ns, parsed), read once
+        self._index: Dict[Path, Tuple[int, dict]] = {}  # json path -> (mtime_ns, parsed)
         self._clock = 0
         self.degraded: Optional[str] = None
-        self._disk_bytes: Optional[int] = None  # every pair's bytes under root, as counted (see _evict_if_full)
+        self._disk_bytes: Optional[int] = None  # bytes under root: the last scan plus this process's writes
         self._scanned_at = 0.0
         if self.disk:
             try:
@@ -111,15 +96,10 @@ class PrefixStore:
         self.degraded = f"cannot write under {self.root}: {e.strerror or e}"
         self.warn(f"prompt cache: {self.degraded}; keeping entries in memory only")
 
-    # -- lookup ------------------------------------------------------------------
-
     def lookup(self, kid: str, ids: Sequence[int]) -> Optional[Tuple[Snapshot, int]]:
-        """The entry of pair ``kid`` that resumes the most rows of prompt ``ids``.
-
-        Returns:
-            ``(snapshot, rows)`` with ``rows >= 1`` (the snapshot may hold more tokens;
-            trim to ``rows``), or None.
-        """
+        """``(snapshot, rows)``: the entry of pair ``kid`` that resumes the most rows (>= 1) of prompt
+        ``ids`` (the snapshot may hold more; trim to ``rows``), or None. A corrupt entry is dropped
+        with one warning and the next best tried."""
         self.last_level = None
         found = [(snap.usable(ids), 1, name, None) for (k, name), snap in self.memory.items() if k == kid]
         in_memory = {name for _, _, name, _ in found}
@@ -156,12 +136,9 @@ class PrefixStore:
         self._remember(kid, name, snap)
         return snap
 
-    # -- storing -----------------------------------------------------------------
-
     def put(self, kid: str, snap: Snapshot, key: Optional[dict] = None, disk: bool = True) -> None:
-        """Keep ``snap`` for pair ``kid`` in memory and (``disk``) on disk, replacing an
-        entry of the same tokens; then drop least recently used entries past the limits.
-        ``key``: the pair's identity, written once to ``ROOT/KID/key.json`` for people."""
+        """Keep ``snap`` for pair ``kid`` in memory and (``disk``) on disk, replacing one of the same tokens,
+        then evict past the limits; ``key``: the pair's identity, written once to ``ROOT/KID/key.json``."""
         if not snap.tokens:
             return
         name = entry_name(snap.tokens)
@@ -190,10 +167,8 @@ class PrefixStore:
             self.memory.popitem(last=False)
 
     def _evict_if_full(self, folder: Path, name: str) -> None:
-        """After a write: :meth:`evict` when the bytes on disk may pass ``max_bytes``.
-        The total is counted by the last scan plus what this process wrote since, so a
-        server does not list and stat every entry after every request; a scan at least
-        every :attr:`RESCAN_S` seconds counts what other processes wrote."""
+        """After a write: :meth:`evict` when the bytes on disk may pass ``max_bytes`` (or the last scan is
+        more than :attr:`RESCAN_S` seconds old)."""
         if self._disk_bytes is None or time.monotonic() - self._scanned_at > self.RESCAN_S:
             self.evict()
             return
@@ -226,8 +201,6 @@ class PrefixStore:
             removed.append(side)
         self._disk_bytes, self._scanned_at = total, time.monotonic()
         return removed
-
-    # -- disk bookkeeping ----------------------------------------------------------
 
     def _disk_entries(self, kid: str) -> List[Tuple[Path, dict]]:
         """``(json path, index)`` of pair ``kid``'s entries; an unreadable JSON is removed."""
@@ -270,9 +243,7 @@ class PrefixStore:
             self._index.pop(folder / f"{name}{suffix}", None)
 
     def _remove_leftovers(self) -> None:
-        """Temporaries of writers that are gone (killed mid-write), and arrays files whose
-        JSON was never written (the write was cut between the two renames): only files
-        named as the store names them, in KEY folders."""
+        """Remove the temporaries of writers that are gone and arrays files without their JSON (in KEY folders)."""
         try:
             folders = [f for f in self.root.iterdir() if _OURS.fullmatch(f.name) and f.is_dir()]
         except OSError:
@@ -289,8 +260,8 @@ class PrefixStore:
 
 
 def _earlier_cache(root: Path) -> bool:
-    """Whether ``root`` is a prompt cache written before folders were marked: unmarked,
-    not empty, and nothing in it but KEY folders of entries, ``key.json`` and temporaries."""
+    """Whether ``root`` is an unmarked, non-empty folder of nothing but KEY folders of entries,
+    ``key.json`` and temporaries (a prompt cache to mark as ours)."""
     try:
         if (root / MARKER).exists() or not root.is_dir():
             return False
@@ -305,8 +276,7 @@ def _earlier_cache(root: Path) -> bool:
 
 
 def _unlink_file(path: Path) -> None:
-    """Remove ``path`` when it is a file; a folder by that name, or a removal the system
-    refuses, is left as it is."""
+    """Remove ``path`` when it is a file; anything else, or a refused removal, is left."""
     try:
         if path.is_file():
             path.unlink()
