@@ -9,13 +9,104 @@ from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.gated_delta import gated_delta_update
 
-from .batch_gated_delta import BatchGatedDeltaCache
-from .batch_window import BatchWindowKVCache
 from .gated_delta import GatedDeltaCache
 from .window import WindowKVCache
 
 BATCHABLE = (KVCache, GatedDeltaCache, WindowKVCache)  # layer cache types with a batched form
+
+
+class BatchWindowKVCache(BatchKVCache):
+    """A ``BatchKVCache`` of a sliding-window layer: the window applied by the mask; rows no query can see
+    any more count as padding (:meth:`hide_old_rows`), which :func:`compact` drops.
+
+    Args:
+        window: W, the layer's sliding window in tokens.
+        left_padding: [N] columns of padding per sequence.
+
+    Attributes:
+        keys, values: [N, n_kv_heads, capacity, head_dim]; sequence i's rows are columns
+            ``left_padding[i] .. _idx-1``.
+        offset: [N] each sequence's absolute position after its last row.
+    """
+
+    def __init__(self, window: int, left_padding: list):
+        super().__init__(left_padding)
+        self.window = int(window)
+
+    @classmethod
+    def from_solo(cls, solo: WindowKVCache) -> "BatchWindowKVCache":
+        """One sequence's prefilled window cache as a batch of one (its held rows, no padding)."""
+        batch = cls(solo.window, [0])
+        if solo.keys is not None:
+            keys, values = solo.rows()
+            batch.keys, batch.values = mx.contiguous(keys), mx.contiguous(values)
+            batch._idx = solo.held
+        batch.offset = mx.array([solo.offset])
+        return batch
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, **kwargs) -> mx.array:
+        """[B, 1, N, _idx + N] bool: causal, windowed (this layer's window unless given), padding hidden."""
+        return super().make_mask(N, window_size=window_size or self.window, **kwargs)
+
+    def hide_old_rows(self) -> None:
+        """Count as padding the columns before ``_idx - (W - 1)`` (between steps no query sees them)."""
+        if self.keys is not None:
+            self.left_padding = mx.maximum(self.left_padding, self._idx - (self.window - 1))
+
+    def extract(self, idx: int) -> WindowKVCache:
+        """Sequence ``idx``'s visible rows as a solo ``WindowKVCache``."""
+        solo, rows = WindowKVCache(self.window), super().extract(idx)
+        solo.keys, solo.values = rows.keys, rows.values
+        solo.offset = int(self.offset[idx].item())
+        solo.start = solo.offset - rows.offset
+        return solo
+
+
+class BatchGatedDeltaCache(GatedDeltaCache):
+    """A :class:`GatedDeltaCache` whose states hold N sequences (first axis); sequence i keeps the first
+    ``keep[i]`` tokens of a verify by a masked replay of the recurrence (spec section 10).
+
+    Args:
+        solo: one sequence's prefilled cache (its conv and recurrent state are taken).
+    """
+
+    def __init__(self, solo: GatedDeltaCache):
+        super().__init__(solo.owner, solo.slack)
+        self.cache = list(solo.cache)
+        self.offset = solo.offset  # tokens fed to the batch's forwards; not a position
+
+    def extend(self, other: "BatchGatedDeltaCache") -> None:
+        """Append ``other``'s sequences (between steps)."""
+        super().extend(other)
+        self._last = None
+
+    def filter(self, batch_indices: mx.array) -> None:
+        """Keep only the sequences at ``batch_indices`` (between steps)."""
+        super().filter(batch_indices)
+        self._last = None
+
+    def trim_ragged(self, rejected: Sequence[int]) -> None:
+        """Drop the last ``rejected[i]`` tokens of the last forward from sequence i.
+
+        Raises:
+            ValueError: the last forward was not recorded or is shorter than a rejection.
+        """
+        if not any(rejected):
+            return
+        f = self._last
+        if f is None or max(rejected) > f.rows:
+            raise ValueError("Gated-DeltaNet batch cache: the last forward cannot be rolled back")
+        keep = mx.array([f.rows - r for r in rejected], dtype=mx.int32)
+        steps = mx.arange(f.rows)[None] < keep[:, None]  # [N, L]
+        _, state = gated_delta_update(f.q, f.k, f.v, f.a, f.b, f.A_log, f.dt_bias, f.before[1], steps,
+                                      use_kernel=f.use_kernel)
+        width = f.conv_input.shape[1] - f.rows  # K - 1
+        rows = (keep[:, None] + mx.arange(width)[None])[..., None]  # [N, K-1, 1]
+        conv = mx.take_along_axis(f.conv_input, rows, axis=1)
+        self.cache = [conv, state]
+        self._last = None
 
 
 def batch_refusal(target: Any) -> Optional[str]:

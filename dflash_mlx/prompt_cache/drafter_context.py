@@ -30,7 +30,8 @@ class ContextWindowCache(RowCache):
 
     def __init__(self, sink: int, window: int, slack: int = 0):
         if sink < 0 or window < 1 or slack < 0:
-            raise ValueError(f"ContextWindowCache needs sink >= 0, window >= 1, slack >= 0; got {sink}, {window}, {slack}")
+            raise ValueError(f"ContextWindowCache needs sink >= 0, window >= 1, slack >= 0; "
+                             f"got {sink}, {window}, {slack}")
         self.sink, self.window, self.slack = int(sink), int(window), int(slack)
         self.offset = self.held = 0
 

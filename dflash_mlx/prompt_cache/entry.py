@@ -45,18 +45,11 @@ class Snapshot:
         """Bytes of the arrays."""
         return sum(a.nbytes for a in self.arrays.values())
 
-    def usable(self, ids: Sequence[int]) -> int:
-        """Rows a prompt ``ids`` can resume from: the common prefix of ``tokens`` and all but the last of
-        ``ids``, when every layer can be trimmed to it exactly (else 0)."""
-        return usable_rows(self.tokens, self.layers, ids)
-
-    def describe(self) -> dict:
-        """The JSON side file's format, tokens and layers."""
-        return {"format": FORMAT, "tokens": list(self.tokens), "layers": self.layers}
 
 
 def usable_rows(tokens: Sequence[int], layer_meta: Dict[str, List[dict]], ids: Sequence[int]) -> int:
-    """:meth:`Snapshot.usable` of an entry whose arrays are still on disk."""
+    """Rows of an entry (its ``tokens`` and layers) a prompt ``ids`` can resume from: the common prefix of
+    ``tokens`` and all but the last of ``ids``, when every layer can be trimmed to it exactly (else 0)."""
     n, limit = 0, min(len(tokens), len(ids) - 1)
     while n < limit and tokens[n] == ids[n]:
         n += 1
@@ -135,7 +128,8 @@ def write(snap: Snapshot, folder: Path, name: str) -> int:
     with atomic_file(folder / f"{name}.safetensors", parents=True) as tmp:
         mx.save_safetensors(str(tmp), snap.arrays if snap.arrays else {"empty": mx.zeros((0,))})
         size, sha = tmp.stat().st_size, file_sha256(tmp)
-    text = json.dumps({**snap.describe(), "bytes": size, "sha256": sha})
+    text = json.dumps({"format": FORMAT, "tokens": list(snap.tokens), "layers": snap.layers, "bytes": size,
+                       "sha256": sha})
     with atomic_file(folder / f"{name}.json") as tmp:
         tmp.write_text(text)
     return size + len(text)
@@ -156,8 +150,9 @@ def read_index(side_file: Path) -> dict:
     if not all(k in d for k in ("tokens", "layers", "bytes", "sha256")):
         raise CorruptEntry(f"{side_file}: fields missing")
     metas = [m for side in d["layers"].values() for m in side] if isinstance(d["layers"], dict) else None
-    if metas is None or not all(isinstance(m, dict) and m.get("kind") in layers.KINDS and isinstance(m.get("ints"), dict)
-                                and isinstance(m["ints"].get("offset"), int) for m in metas):
+    if metas is None or not all(isinstance(m, dict) and m.get("kind") in layers.KINDS
+                                and isinstance(m.get("ints"), dict) and isinstance(m["ints"].get("offset"), int)
+                                for m in metas):
         raise CorruptEntry(f"{side_file}: \"layers\" malformed")
     return d
 

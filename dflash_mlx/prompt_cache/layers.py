@@ -58,7 +58,8 @@ def take(c: Any) -> Tuple[Arrays, Ints]:
         return {}, ints
     n = c.offset if kind in ("KVCache", "QuantizedKVCache") else c.held
     if kind == "QuantizedKVCache":
-        return {f"{name}.{i}": a[..., :n, :] for name in ("keys", "values") for i, a in enumerate(getattr(c, name))}, ints
+        parts = {name: getattr(c, name) for name in ("keys", "values")}
+        return {f"{name}.{i}": a[..., :n, :] for name, arrays in parts.items() for i, a in enumerate(arrays)}, ints
     return {"keys": c.keys[..., :n, :], "values": c.values[..., :n, :]}, ints
 
 

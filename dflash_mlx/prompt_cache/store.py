@@ -101,13 +101,12 @@ class PrefixStore:
         ``ids`` (the snapshot may hold more; trim to ``rows``), or None. A corrupt entry is dropped
         with one warning and the next best tried."""
         self.last_level = None
-        found = [(snap.usable(ids), 1, name, None) for (k, name), snap in self.memory.items() if k == kid]
-        in_memory = {name for _, _, name, _ in found}
+        found = {name: (usable_rows(snap.tokens, snap.layers, ids), 1, None)
+                 for (k, name), snap in self.memory.items() if k == kid}
         for path, index in self._disk_entries(kid):
-            if path.stem not in in_memory:
-                found.append((usable_rows(index["tokens"], index["layers"], ids), 0, path.stem, index))
-        for rows, level, name, index in sorted(found, key=lambda f: (f[0], f[1], -len(f[3]["tokens"]) if f[3] else 0),
-                                               reverse=True):
+            found.setdefault(path.stem, (usable_rows(index["tokens"], index["layers"], ids), 0, index))
+        order = sorted(found.items(), key=lambda f: (f[1][0], f[1][1], -len(f[1][2]["tokens"]) if f[1][2] else 0))
+        for name, (rows, _, index) in reversed(order):
             if rows <= 0:
                 return None
             snap = self._get(kid, name, index)
@@ -117,24 +116,25 @@ class PrefixStore:
 
     def _get(self, kid: str, name: str, index: Optional[dict]) -> Optional[Snapshot]:
         """Entry ``name`` from memory (index None) or disk, moved to most recently used."""
+        folder, level = self.root / kid, "memory" if index is None else "disk"
         if index is None:
             self.memory.move_to_end((kid, name))
-            self.hits["memory"] += 1
-            self.last_level = "memory"
-            self._touch(self.root / kid / f"{name}.json")
-            return self.memory[(kid, name)]
-        folder = self.root / kid
-        try:
-            snap = read(folder, name, index)
-        except CorruptEntry as e:
-            self.warn(f"prompt cache: dropped a corrupt entry ({e})")
-            self._remove(folder, name)
-            return None
-        self.hits["disk"] += 1
-        self.last_level = "disk"
+            snap = self.memory[(kid, name)]
+        else:
+            try:
+                snap = read(folder, name, index)
+            except CorruptEntry as e:
+                self._drop_corrupt(folder, name, e)
+                return None
+            self._remember(kid, name, snap)
+        self.hits[level] += 1
+        self.last_level = level
         self._touch(folder / f"{name}.json")
-        self._remember(kid, name, snap)
         return snap
+
+    def _drop_corrupt(self, folder: Path, name: str, e: CorruptEntry) -> None:
+        self.warn(f"prompt cache: dropped a corrupt entry ({e})")
+        self._remove(folder, name)
 
     def put(self, kid: str, snap: Snapshot, key: Optional[dict] = None, disk: bool = True) -> None:
         """Keep ``snap`` for pair ``kid`` in memory and (``disk``) on disk, replacing one of the same tokens,
@@ -185,12 +185,10 @@ class PrefixStore:
             if not (_OURS.fullmatch(side.stem) and _OURS.fullmatch(side.parent.name)):
                 continue
             try:
-                st = side.stat()
-                data = side.with_suffix(".safetensors").stat().st_size
+                st, data = side.stat(), side.with_suffix(".safetensors").stat()
             except OSError:
-                data, st = 0, None
-            if st is not None:
-                entries.append((st.st_mtime_ns, side, st.st_size + data))
+                continue
+            entries.append((st.st_mtime_ns, side, st.st_size + data.st_size))
         total, removed = sum(e[2] for e in entries), []
         for _, side, size in sorted(entries):
             if total <= self.max_bytes:
@@ -219,8 +217,7 @@ class PrefixStore:
                 try:
                     cached = (mtime, read_index(side))
                 except CorruptEntry as e:
-                    self.warn(f"prompt cache: dropped a corrupt entry ({e})")
-                    self._remove(side.parent, side.stem)
+                    self._drop_corrupt(side.parent, side.stem, e)
                     continue
                 self._index[side] = cached
             out.append((side, cached[1]))
@@ -270,9 +267,12 @@ def _earlier_cache(root: Path) -> bool:
             _OURS.fullmatch(f.name) and f.is_dir() for f in folders) else None
     except OSError:
         return False
-    return bool(folders) and names is not None and all(
-        n == "key.json" or ".tmp-" in n or (_OURS.fullmatch(n.rsplit(".", 1)[0]) and n.endswith((".json", ".safetensors")))
-        for n in names)
+    return bool(folders) and names is not None and all(n == "key.json" or ".tmp-" in n or _entry_file(n)
+                                                       for n in names)
+
+
+def _entry_file(name: str) -> bool:
+    return bool(_OURS.fullmatch(name.rsplit(".", 1)[0])) and name.endswith((".json", ".safetensors"))
 
 
 def _unlink_file(path: Path) -> None:

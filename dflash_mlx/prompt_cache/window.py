@@ -42,12 +42,6 @@ class RowCache(_BaseCache):
         self.offset += n
         return n
 
-    def can_trim(self, n: int) -> bool:
-        raise NotImplementedError
-
-    def _remove(self, n: int) -> None:
-        raise NotImplementedError
-
     def trim(self, n: int) -> int:
         """Remove the last ``n`` rows; returns ``n``, or 0 (nothing removed) where :meth:`can_trim` is False."""
         if not self.can_trim(n):
