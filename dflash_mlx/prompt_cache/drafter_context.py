@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import mlx.core as mx
+
 from .window import RowCache
 
 

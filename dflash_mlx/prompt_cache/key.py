@@ -71,6 +71,6 @@ def pair_key(target: Any, drafter: Optional[Any]) -> dict:
     return key
 
 
-def key_id(key: dict) -> str:
-    """A folder name for ``key``: 24 hex digits of the sha256 of its sorted JSON."""
+def key_id(key: Any) -> str:
+    """24 hex digits of the sha256 of ``key``'s sorted JSON: a pair's folder, an entry's name (its tokens)."""
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]

@@ -7,7 +7,6 @@ only names of 24 hex digits in KEY folders. A failed write turns the store memor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -20,6 +19,7 @@ from ..atomic import WriteError, atomic_file, pid_alive, stderr_warning
 from ..decode.calibration import cache_root
 from ..owned import MARKER, claim, mark
 from .entry import CorruptEntry, Snapshot, read, read_index, usable_rows, write
+from .key import key_id
 
 DEFAULT_MAX_BYTES = 8 << 30  # 8 GiB on disk
 DEFAULT_MEMORY_ENTRIES = 4
@@ -30,11 +30,6 @@ _OURS = re.compile(r"[0-9a-f]{24}")  # key folders and entry names
 def default_root() -> Path:
     """``prompts`` under the cache root (``$DFLASH_CACHE_DIR``, else the user's ``dflash-mlx`` cache)."""
     return cache_root() / "prompts"
-
-
-def entry_name(tokens: Sequence[int]) -> str:
-    """An entry's file name: 24 hex digits of the sha256 of its token ids."""
-    return hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()[:24]
 
 
 class PrefixStore:
@@ -141,7 +136,7 @@ class PrefixStore:
         then evict past the limits; ``key``: the pair's identity, written once to ``ROOT/KID/key.json``."""
         if not snap.tokens:
             return
-        name = entry_name(snap.tokens)
+        name = key_id(list(snap.tokens))
         self._remember(kid, name, snap)
         if not (disk and self.disk and self.degraded is None) or snap.nbytes > self.max_bytes:
             return
