@@ -1,17 +1,6 @@
-"""Writes that leave nothing half-done, whatever signal arrives.
-
-- :func:`staging`: a whole output folder built beside its destination and renamed
-  into place (``convert``); SIGTERM cleans up as Ctrl-C does, and what a killed run
-  (SIGKILL, power loss) left is found and removed at the next start.
-- :func:`atomic_file`: one file written under a temporary name and renamed (every
-  file dflash-mlx writes: prompt-cache entries, chat sessions, calibrations, feature
-  caches, data shards, checkpoints, the final drafter). Whatever makes the write fail
-  (an ``OSError`` of any errno, MLX's ``RuntimeError`` from a save) leaves as one
-  :class:`WriteError`, so each caller handles one exception.
-
-Temporary names carry the writer's process id (``.OUT.tmp-PID-xxxx``,
-``.NAME.tmp-PID``), so a later run can tell a dead writer's leftovers from a live one's.
-"""
+"""Writes that leave nothing half-done, whatever signal arrives: :func:`staging` (a whole folder renamed
+into place) and :func:`atomic_file` (one file). Any failure leaves as one :class:`WriteError`; temporary
+names carry the writer's process id, so a later run can remove a dead writer's leftovers."""
 
 from __future__ import annotations
 
@@ -36,14 +25,13 @@ _FILE_MODE = 0o666 & ~_UMASK  # a new file's mode under the process's umask
 
 
 def stderr_warning(message: str) -> None:
-    """One ``warning: MESSAGE`` line on stderr: how a write that failed, and that the caller
-    goes on without, is reported."""
+    """One ``warning: MESSAGE`` line on stderr."""
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 class WriteError(OSError):
-    """A write that failed: an ``OSError`` of any errno, or MLX's ``RuntimeError`` from
-    ``mx.save_safetensors``/``mx.savez`` (errno EIO). ``filename`` names the path."""
+    """A write that failed: an ``OSError`` of any errno, or MLX's ``RuntimeError`` (errno EIO); ``filename``
+    names the path."""
 
 
 def write_error(e: BaseException, path: Path) -> WriteError:
@@ -61,8 +49,7 @@ class Terminated(KeyboardInterrupt):
 
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """Inside the block, SIGTERM raises :class:`Terminated` instead of ending the
-    process on the spot (main thread only; elsewhere signals cannot be caught)."""
+    """Inside the block SIGTERM raises :class:`Terminated` (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -86,7 +73,7 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process
-        return True
+        pass
     return True
 
 
@@ -96,44 +83,27 @@ def _writer_pid(name: str, marker: str) -> Optional[int]:
 
 
 def remove_stale(out: Path, say: Callable[[str], None] = lambda _: None) -> List[Path]:
-    """Clean up after a run that was killed while writing ``out``.
-
-    ``.OUT.tmp-*`` folders whose writer is gone are removed (also ones from before
-    names carried a process id). A ``.OUT.old-PID`` folder (the previous ``out``,
-    moved aside just before the new one was renamed in) whose writer is gone is
-    renamed back to ``out`` when ``out`` is missing, else removed.
-
-    Returns:
-        The paths removed or restored.
-    """
+    """Clean up after a run killed while writing ``out``: ``.OUT.tmp-*`` of writers that are gone are
+    removed, a ``.OUT.old-PID`` (the previous ``out``) restored when ``out`` is missing, else removed.
+    Returns the paths removed or restored."""
     done = []
-    for p in sorted(out.parent.glob(f".{out.name}.tmp-*")):
-        pid = _writer_pid(p.name, ".tmp-")
-        if pid is not None and pid_alive(pid):
-            continue
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        say(f"removed {p}, left by an interrupted run")
-        done.append(p)
-    for p in sorted(out.parent.glob(f".{out.name}.old-*")):
-        pid = _writer_pid(p.name, ".old-")
-        if pid is not None and pid_alive(pid):
-            continue
-        if not out.exists():
-            p.rename(out)
-            say(f"restored {out} from {p}, moved aside by an interrupted run")
-        else:
-            shutil.rmtree(p, ignore_errors=True)
-            say(f"removed {p}, left by an interrupted run")
-        done.append(p)
+    for kind in ("tmp", "old"):
+        for p in sorted(out.parent.glob(f".{out.name}.{kind}-*")):
+            pid = _writer_pid(p.name, f".{kind}-")
+            if pid is not None and pid_alive(pid):
+                continue
+            if kind == "old" and not out.exists():
+                p.rename(out)
+                say(f"restored {out} from {p}, moved aside by an interrupted run")
+            else:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                say(f"removed {p}, left by an interrupted run")
+            done.append(p)
     return done
 
 
 def check_out(out: Path, force: bool, flag: str = "--out") -> None:
-    """Refuse an existing output folder unless ``force``; refuse a file always.
-
-    Raises:
-        InputError: naming ``flag`` and the path.
-    """
+    """Refuse an existing output folder unless ``force``, and a file always (``InputError`` naming ``flag``)."""
     if out.exists() and not out.is_dir():
         raise InputError(f"{flag} {out} is a file; give a folder path")
     if out.exists() and not force:
@@ -143,18 +113,13 @@ def check_out(out: Path, force: bool, flag: str = "--out") -> None:
 @contextmanager
 def staging(out: Path, force: bool = False, flag: str = "--out",
             say: Callable[[str], None] = lambda _: None) -> Iterator[Path]:
-    """A temporary folder beside ``out`` that replaces it when the block succeeds.
-
-    Leftovers of a killed run are removed first (:func:`remove_stale`). On any
-    exception, Ctrl-C and SIGTERM included, the temporary folder (and any parent
-    folder this created) is removed and ``out`` is left as it was.
+    """A temporary folder beside ``out`` that replaces it when the block succeeds; on any exception
+    (Ctrl-C and SIGTERM included) it and any parent folder made here are removed, ``out`` left as it was.
 
     Raises:
         InputError: ``out`` appeared meanwhile and ``force`` is off (names ``flag``).
-        WriteError: a write or the rename failed (an ``OSError`` of any errno; MLX's
-            ``RuntimeError`` where the block writes through :func:`atomic_file`), after
-            the cleanup.
-        Terminated: SIGTERM arrived (after the cleanup).
+        WriteError: a write or the rename failed.
+        Terminated: SIGTERM arrived.
     """
     remove_stale(out, say)
     created = next((p for p in reversed([out.parent, *out.parent.parents]) if not p.exists()), None)
@@ -192,15 +157,12 @@ def _replace(tmp: Path, out: Path, force: bool, flag: str) -> None:
 
 @contextmanager
 def atomic_file(path: Path, parents: bool = False) -> Iterator[Path]:
-    """A temporary path beside ``path`` (``.NAME.tmp-PID.SUFFIX``, not matching ``path``'s
-    glob patterns, ending as ``path`` does so that ``mx.save_safetensors``, ``np.save`` and
-    ``np.savez`` keep it) to write to; renamed over ``path`` when the block succeeds,
-    removed when it fails; the file gets the mode a plain ``open()`` gives under the umask.
-    ``parents``: create the missing folders first.
+    """A temporary path beside ``path`` (``.NAME.tmp-PID.SUFFIX``) to write to, renamed over ``path`` when
+    the block succeeds (mode as ``open()`` under the umask), removed when it fails; ``parents``: create
+    the missing folders first.
 
     Raises:
-        WriteError: the folder, the write or the rename failed (an ``OSError`` of any
-            errno or a ``RuntimeError`` raised in the block); nothing is left behind.
+        WriteError: the folder, the write or the rename failed; nothing is left behind.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")

@@ -1,12 +1,8 @@
-"""Errors raised for bad input: each names the file, key or flag at fault."""
+"""User-facing errors; each message names the file, key or flag at fault."""
 
 
 class DFlashError(Exception):
-    """Base class for every user-facing error of dflash-mlx.
-
-    The CLI prints ``str(error)`` on one line and exits non-zero; the message
-    names the file, config key or flag that is wrong.
-    """
+    """Every user-facing error: the CLI prints it on one line and exits 1."""
 
 
 class CheckpointError(DFlashError):

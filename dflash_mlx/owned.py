@@ -1,14 +1,5 @@
-"""Folders dflash-mlx writes in, marked as its own, so that clean-up never touches
-what someone else put there.
-
-A writer (the prompt cache, the calibration store, a training run) claims a folder
-with :func:`claim`: a folder that is new or empty gets a marker file (``.dflash-mlx``,
-JSON ``{"writer": NAME}``) and is the writer's; a folder that already carries the
-writer's marker is used as it is; a folder that holds anything else is left as it is
-and the writer uses a subfolder of its own (``dflash-NAME``) under the same rule.
-Clean-up (removing leftovers, evicting) runs only inside a claimed folder, and only
-on names of the writer's own pattern.
-"""
+"""Folders dflash-mlx writes in, marked as a writer's own (``.dflash-mlx``, JSON ``{"writer": NAME}``),
+so that clean-up runs only there, and only on names of the writer's own pattern."""
 
 from __future__ import annotations
 
@@ -34,14 +25,12 @@ def _empty(folder: Path) -> bool:
 
 
 def claim(folder: Path, writer: str, flag: str) -> Path:
-    """The folder ``writer`` writes in: ``folder`` when it is new, empty or marked as
-    ``writer``'s, else ``folder/dflash-WRITER`` (new, empty or marked); created and
-    marked when needed. Nothing that is there already is changed.
+    """The folder ``writer`` writes in: ``folder`` when it is new, empty or marked as ``writer``'s, else
+    ``folder/dflash-WRITER`` under the same rule; created and marked when needed.
 
     Raises:
-        InputError: ``folder`` is a file, or its ``dflash-WRITER`` subfolder holds
-            files that are not ``writer``'s (names ``flag``).
-        WriteError: the folder cannot be created or marked (any errno).
+        InputError: ``folder`` is a file, or it and its ``dflash-WRITER`` hold others' files (names ``flag``).
+        WriteError: the folder cannot be created or marked.
     """
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
@@ -63,10 +52,6 @@ def claim(folder: Path, writer: str, flag: str) -> Path:
 
 
 def mark(folder: Path, writer: str) -> None:
-    """Create ``folder`` when missing and mark it as ``writer``'s.
-
-    Raises:
-        WriteError: it cannot be created or marked (any errno).
-    """
+    """Create ``folder`` when missing and mark it as ``writer``'s; raises ``WriteError`` when it cannot."""
     with atomic_file(Path(folder) / MARKER, parents=True) as tmp:
         tmp.write_text(json.dumps({"writer": writer}) + "\n")

@@ -1,16 +1,6 @@
-"""Sampling settings and the probabilities they give, exactly as mlx-lm's sampler.
-
-mlx-lm's ``make_sampler`` filters log-probabilities at temperature 1 (top-p, then
-min-p, then top-k) and draws from ``softmax(filtered / temp)``. Speculative sampling
-needs those probabilities themselves (the target's p and the drafter's q, DFLASH_SPEC.md
-section 9), so :meth:`Sampling.log_probs` applies the same mlx-lm filters in the same
-order; :class:`Sampling` is also a sampler, so it can go wherever mlx-lm's does.
-
-One rule is added for top-k: k at or above the vocabulary size keeps every token, so
-it means "no top-k" (mlx-lm refuses such a k). And one for temperature: below
-:data:`MIN_TEMP` it is greedy (0), since ``1 / temp`` overflows (``5e-324`` would
-otherwise turn every score into inf or NaN and draw garbage).
-"""
+"""Sampling settings and the probabilities they give, exactly as mlx-lm's sampler filters them (top-p,
+then min-p, then top-k, at temperature 1) and draws from ``softmax(filtered / temp)``. A top-k at or
+above the vocabulary size is off; a temperature below :data:`MIN_TEMP` is greedy."""
 
 from __future__ import annotations
 
@@ -23,9 +13,7 @@ from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
 Sampler = Callable[[mx.array], mx.array]
 
-# Temperatures in (0, MIN_TEMP) sample as greedy. At 1e-3 a float16 log-probability of
-# -12 (the most likely token's worst case at V = 2^17) scales to -12000, still finite.
-MIN_TEMP = 1e-3
+MIN_TEMP = 1e-3  # temperatures in (0, MIN_TEMP) are greedy (1 / temp would overflow)
 
 
 def effective_top_k(top_k: int, vocab_size: Optional[int]) -> int:
@@ -35,18 +23,8 @@ def effective_top_k(top_k: int, vocab_size: Optional[int]) -> int:
 
 @dataclass(frozen=True)
 class Sampling:
-    """Temperature, top-p, min-p and top-k, as the CLI flags give them.
-
-    Calling it samples like ``mlx_lm.sample_utils.make_sampler(temp, top_p, min_p, 1,
-    top_k=top_k)``: [..., V] log-probabilities in, [...] int32 tokens out.
-
-    Attributes:
-        temp: temperature; 0, or anything below :data:`MIN_TEMP`, is greedy (argmax).
-        top_p: nucleus mass in (0, 1]; 1 is off.
-        min_p: min-p threshold in [0, 1]; 0 is off.
-        top_k: keep the k most likely tokens; 0, or ``vocab_size`` and above, is off.
-        vocab_size: the target's vocabulary size V (None: unknown).
-    """
+    """Temperature (0: greedy), top-p (1: off), min-p (0: off), top-k (0: off) and the vocabulary size V
+    (None: unknown); calling it samples [..., V] log-probabilities to [...] int32 tokens as mlx-lm does."""
 
     temp: float = 0.0
     top_p: float = 1.0
@@ -69,16 +47,8 @@ class Sampling:
         return self._sampler(logprobs)
 
     def log_probs(self, logits: mx.array) -> mx.array:
-        """Log-probabilities of the distribution a sample is drawn from.
-
-        Args:
-            logits: [..., N] float scores over N outcomes (a vocabulary, or a
-                drafter's N candidates); any shift per row gives the same result.
-
-        Returns:
-            [..., N] float32 ``log softmax(filter(log_softmax(logits)) / temp)``, -inf
-            where a filter removed an outcome. top-k is applied only when k < N
-            (keeping all N is what a larger k means).
+        """[..., N] float32 ``log softmax(filter(log_softmax(logits)) / temp)`` of [..., N] scores: the
+        distribution a sample is drawn from (spec section 9), -inf where a filter removed an outcome.
 
         Raises:
             ValueError: at temperature 0 (greedy has no distribution to shape).
@@ -103,13 +73,5 @@ class Sampling:
 
 def make_sampler(temp: float = 0.0, top_p: float = 1.0, min_p: float = 0.0, top_k: int = 0,
                  vocab_size: Optional[int] = None) -> Sampling:
-    """mlx-lm's ``make_sampler(temp, top_p, min_p, 1, top_k=...)`` over [N, V] log-probabilities,
-    as a :class:`Sampling` (so speculative sampling can form p and q from it).
-
-    Args:
-        temp: temperature; 0 is greedy.
-        top_p, min_p: nucleus mass and min-p threshold (1.0 and 0.0 are off).
-        top_k: the k most likely tokens; 0, or ``vocab_size`` and above, is off.
-        vocab_size: the target's vocabulary size V (the logits' last dimension).
-    """
+    """mlx-lm's ``make_sampler(temp, top_p, min_p, 1, top_k=...)`` as a :class:`Sampling`."""
     return Sampling(temp, top_p, min_p, top_k, vocab_size)

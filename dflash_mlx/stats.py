@@ -1,33 +1,24 @@
-"""Decoding statistics: the only place tau, acceptance and rates are computed;
-``generate``, ``chat``, ``bench`` and ``serve`` all read and print them from here.
+"""Decoding statistics, the one place tau, acceptance and rates are computed (spec section 5).
 
-- The first token comes from prefill; each later target forward is a step. A
-  **verify step** checks drafts: accepting ``a`` of its ``B - 1`` drafts commits
-  ``a + 1`` tokens, its **acceptance length** (spec section 5). A **plain step**
-  checks none: every step without a drafter, those ``--block-size auto`` chose.
-- **tau** is the mean acceptance length over verify steps only: None (said in
-  words, never 0) when none ran; never shown without a drafter.
-- The **acceptance rate** is accepted drafts over drafted tokens, summed over steps
-  (right when the block size changes between steps or turns); the **histogram**
-  counts verify steps by acceptance length (1..B).
-- **Bandwidth**, as gpt-fast prints it: weight bytes read per second of decoding
-  (target + drafter per verify step, target per plain step); None without a time.
-- The **prompt** is the whole prompt: ``prompt_reused`` tokens came from the prompt
-  cache, the rest were prefilled; its rate is over the prefilled ones.
-"""
+The first token comes from prefill; each later target forward is a verify step (accepting ``a`` of its
+``B - 1`` drafts commits ``a + 1`` tokens, its acceptance length) or a plain step (no drafts). tau is
+the mean acceptance length over verify steps (None when none ran); the acceptance rate is accepted over
+drafted tokens; bandwidth is weight bytes read per second of decoding."""
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, List, Optional
+from typing import Callable, ContextManager, Dict, Iterable, Iterator, List, Optional
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
 PHASES = ("prefill", "draft", "verify", "host")
+_SUMS = ("prompt_tokens", "prompt_reused", "generation_tokens", "steps", "drafted", "accepted", "prompt_s",
+         "generation_s", "plain_steps", "host_s")
 
 
 @dataclass
@@ -35,43 +26,30 @@ class GenerationStats:
     """Counters and timings of one generation (or several, see :meth:`add`).
 
     Attributes:
-        block_size: B of this run (1 for plain decoding); the trained B for totals.
-        prompt_tokens: tokens of the whole prompt.
-        prompt_reused: of those, tokens found in the prompt cache (not prefilled).
+        block_size: B of this run (1 for plain decoding).
+        prompt_tokens, prompt_reused: tokens of the whole prompt; of those, found in the prompt cache.
         generation_tokens: tokens emitted (stop tokens excluded).
-        steps: verify steps (target forwards after prefill that checked drafts).
-        drafted: drafts proposed, summed over steps (B-1 per step at block size B).
-        accepted: drafts accepted, summed over steps.
+        steps, drafted, accepted: verify steps; drafts proposed and accepted over them.
         histogram: ``{acceptance length: steps}``.
-        phase_s: seconds the generator spent in each phase (prefill, draft, verify,
-            host = acceptance, rollback and bookkeeping); a plain step is "verify".
-        prompt_s: seconds to the first token (prefill and first sample).
-        generation_s: seconds from the first token to the last.
+        phase_s: seconds per phase (:data:`PHASES`; a plain step counts as verify).
+        prompt_s, generation_s: seconds to the first token; from the first token to the last.
         peak_memory_gb: ``mx.get_peak_memory()`` in GB (1e9 bytes).
-        target_bytes, drafter_bytes: weight bytes, for :attr:`bandwidth_gbps` (0: unknown).
-        speculative: whether speculative decoding ran.
-        reason: why it did not (None when it ran), e.g. "no drafter was given".
-        drafter_format: the drafter's checkpoint format (``architectures[0]``, e.g.
-            ``DFlash2DraftModel``); None without a drafter.
-        acceptance_rule: ``greedy``, ``sample-and-match`` or ``speculative``
-            (:mod:`dflash_mlx.decode.acceptance`); None without a drafter.
+        target_bytes, drafter_bytes: weight bytes (0: unknown).
+        speculative, reason: whether speculative decoding ran; why not (None when it ran).
+        drafter_format, acceptance_rule: the drafter's ``architectures[0]`` and acceptance rule.
         verify: what verified the drafts and why (``{"block_size": B or "auto",
             "tree_budget": None, N or "auto", "reason": why a requested tree is off,
             or None}``, and with auto ``"calibration"``: ``"timed"`` now, ``"stored"``
             (kept on disk by an earlier process), ``"kept"`` (earlier in this
             process) or ``"fixed"`` (given timings)); None without a drafter.
-        plain_steps: 1-token target steps after the first token (module doc).
-        widths: ``{"plain": steps, "chain N": steps, "tree N": steps}``: the verifies chosen.
-        mode_s: seconds spent per mode (``plain``, ``chain``, ``tree``), drafting included.
+        plain_steps: plain steps.
+        widths: ``{"plain": steps, "chain N": steps, "tree N": steps}``.
+        mode_s: seconds per mode (``plain``, ``chain``, ``tree``), drafting included.
         calibration_s: seconds spent timing the widths for ``--block-size auto`` (the
             first generation of a process only); not counted in ``prompt_s``.
-        host_s: seconds of host work in decode steps (see :attr:`host_ms_per_step`).
-        trace: ``[[accepted, drafted], ...]`` per verify step, in order: the
-            acceptance trace ``bench --simulate-acceptance FILE`` replays.
-        block_attention: which path computed the drafter's block attention and why,
-            ``{"block_attention": "metal" | "reference", "reason": str}`` (from
-            :func:`dflash_mlx.kernels.block_attention.attention_path`); None without
-            a drafter.
+        host_s: seconds of host work in decode steps.
+        trace: ``[[accepted, drafted], ...]`` per verify step, in order.
+        block_attention: ``{"block_attention": "metal" | "reference", "reason": str}``, or None.
     """
 
     block_size: int
@@ -104,8 +82,7 @@ class GenerationStats:
     trace: List[List[int]] = field(default_factory=list)
 
     def record_step(self, accepted: int, drafted: Optional[int] = None) -> None:
-        """Count one verify step that accepted ``accepted`` of ``drafted`` drafts
-        (default ``block_size - 1``)."""
+        """Count one verify step: ``accepted`` of ``drafted`` (default ``block_size - 1``) drafts."""
         drafted = self.block_size - 1 if drafted is None else drafted
         self.steps += 1
         self.accepted += accepted
@@ -115,22 +92,19 @@ class GenerationStats:
         self.histogram[accepted + 1] = self.histogram.get(accepted + 1, 0) + 1
 
     def record_plain(self, seconds: float = 0.0) -> None:
-        """Count one plain step (see :attr:`plain_steps`) that took ``seconds``."""
+        """Count one plain step of ``seconds``."""
         self.plain_steps += 1
         self.phase_s["verify"] += seconds
 
     def time_draft(self) -> bool:
-        """Whether this speculative step should time its drafting on its own: the
-        first and every 16th. Drafting and verifying are one graph (one sync) on the
-        other steps, so their phase split follows the share measured here."""
+        """Whether this step times its drafting on its own (the first and every 16th); the others split
+        draft and verify time by the share measured then."""
         return (self.steps + self.plain_steps) % 16 == 0 or self.draft_share is None
 
     def record_plan(self, mode: str, width: int, seconds: float, accepted: int, drafted: int,
                     draft_s: Optional[float] = None, wait_s: float = 0.0) -> None:
-        """Count one step of ``mode`` (``plain``, ``chain``, ``tree``) of ``width``
-        (tokens, or tree nodes) that took ``seconds`` and accepted ``accepted`` of
-        ``drafted`` drafts; ``draft_s``: its drafting seconds when timed on its own;
-        ``wait_s``: the part of ``seconds`` the host waited for the device."""
+        """Count one step of ``mode`` (``plain``, ``chain``, ``tree``) and ``width`` (tokens or nodes) of
+        ``seconds``, ``wait_s`` of them waiting for the device and ``draft_s`` drafting (when timed)."""
         self.host_s += max(seconds - wait_s - (draft_s or 0.0), 0.0)
         key = "plain" if mode == "plain" else f"{mode} {width}"
         self.widths[key] = self.widths.get(key, 0) + 1
@@ -148,60 +122,32 @@ class GenerationStats:
         self.phase_s["verify"] += (1 - share) * seconds
 
     def add(self, other: "GenerationStats") -> None:
-        """Accumulate another generation's counts and times (a chat's turns, a
-        benchmark's runs). Peak memory is the larger of the two. The acceptance trace
-        is not joined: it is one generation's (a server's totals would grow with every
-        step it ever ran)."""
-        self.prompt_tokens += other.prompt_tokens
-        self.prompt_reused += other.prompt_reused
-        self.generation_tokens += other.generation_tokens
-        self.steps += other.steps
-        self.drafted += other.drafted
-        self.accepted += other.accepted
-        for k, n in other.histogram.items():
-            self.histogram[k] = self.histogram.get(k, 0) + n
-        for p, s in other.phase_s.items():
-            self.phase_s[p] = self.phase_s.get(p, 0.0) + s
-        self.prompt_s += other.prompt_s
-        self.generation_s += other.generation_s
-        self.peak_memory_gb = max(self.peak_memory_gb, other.peak_memory_gb)
-        self.target_bytes = max(self.target_bytes, other.target_bytes)
-        self.drafter_bytes = max(self.drafter_bytes, other.drafter_bytes)
-        self.plain_steps += other.plain_steps
-        self.host_s += other.host_s
-        for k, n in other.widths.items():
-            self.widths[k] = self.widths.get(k, 0) + n
-        for k, v in other.mode_s.items():
-            self.mode_s[k] = self.mode_s.get(k, 0.0) + v
-        self.verify = self.verify or other.verify
-        self.drafter_format = self.drafter_format or other.drafter_format
-        self.acceptance_rule = self.acceptance_rule or other.acceptance_rule
+        """Accumulate another generation's counts and times; peak memory and weight bytes are the larger,
+        the acceptance trace is not joined."""
+        for name in _SUMS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("peak_memory_gb", "target_bytes", "drafter_bytes"):
+            setattr(self, name, max(getattr(self, name), getattr(other, name)))
+        for name in ("histogram", "phase_s", "widths", "mode_s"):
+            mine = getattr(self, name)
+            for k, v in getattr(other, name).items():
+                mine[k] = mine.get(k, 0) + v
+        for name in ("verify", "drafter_format", "acceptance_rule"):
+            setattr(self, name, getattr(self, name) or getattr(other, name))
 
-    @contextmanager
-    def host_work(self) -> Iterator[None]:
+    def host_work(self) -> ContextManager[None]:
         """Add the wall time of the ``with`` body to :attr:`host_s`."""
-        tic = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.host_s += time.perf_counter() - tic
+        return _timed(lambda s: setattr(self, "host_s", self.host_s + s))
 
     @property
     def host_ms_per_step(self) -> float:
-        """Host work per decode step, ms: the Python thread building graphs,
-        dispatching them, accepting and rolling back, and bookkeeping, outside its
-        waits for the device (MLX's own dispatch inside ``mx.eval`` counts as waiting)."""
+        """Host work per decode step, ms (outside waits for the device)."""
         n = self.steps + self.plain_steps
         return 1e3 * self.host_s / n if n else 0.0
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str) -> ContextManager[None]:
         """Add the wall time of the ``with`` body to ``phase_s[name]``."""
-        tic = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phase_s[name] += time.perf_counter() - tic
+        return _timed(lambda s: self.phase_s.__setitem__(name, self.phase_s[name] + s))
 
     @property
     def tau(self) -> Optional[float]:
@@ -230,21 +176,19 @@ class GenerationStats:
 
     @property
     def bandwidth_gbps(self) -> Optional[float]:
-        """Weight bytes read per second of decoding, GB/s (see the module doc); None
-        without a decoding time or weight sizes."""
+        """Weight bytes read per second of decoding, GB/s; None without a time or weight sizes."""
         read = (self.target_bytes + self.drafter_bytes) * self.steps + self.target_bytes * self.plain_steps
         return read / self.generation_s / 1e9 if self.generation_s and read else None
 
-    def update_memory(self) -> None:
+    def update_memory(self) -> None:  # peak_memory_gb from mx.get_peak_memory()
         self.peak_memory_gb = mx.get_peak_memory() / 1e9
 
     def timings_ms(self) -> Dict[str, float]:
         return {p: round(s * 1e3, 3) for p, s in self.phase_s.items()}
 
     def to_dict(self, trace: bool = True) -> dict:
-        """The ``--json`` keys (counts in tokens, rates in tokens/s, memory in GB, bandwidth
-        in GB/s, histogram keyed by acceptance length; null: nothing to divide by);
-        ``trace``: with ``acceptance_trace`` (per verify step; a server's usage has none)."""
+        """The ``--json`` keys (tokens, tokens/s, GB, GB/s, ms; null: nothing to divide by); ``trace``:
+        with ``acceptance_trace``."""
         d = {
             "speculative": self.speculative,
             "reason": self.reason,
@@ -278,9 +222,7 @@ class GenerationStats:
         return d
 
     def prompt_line(self) -> str:
-        """mlx-lm's ``Prompt: N tokens, X tokens-per-sec``; when the prompt cache held
-        part of it, ``Prompt: N tokens (R reused from the prompt cache, P prefilled), X
-        tokens-per-sec`` with X over the P prefilled tokens (no rate when none was timed)."""
+        """``Prompt: N tokens[ (R reused from the prompt cache, P prefilled)][, X tokens-per-sec]``."""
         line = f"Prompt: {self.prompt_tokens} tokens"
         if self.prompt_reused:
             line += f" ({self.prompt_reused} reused from the prompt cache, {self.prompt_prefilled} prefilled)"
@@ -288,16 +230,14 @@ class GenerationStats:
         return line if tps is None else f"{line}, {tps:.3f} tokens-per-sec"
 
     def tau_text(self) -> Optional[str]:
-        """The short form for one-line summaries: ``tau 2.31``, or ``no draft steps``;
-        None without a drafter (no tau is shown then)."""
+        """``tau 2.31`` or ``no draft steps``; None without a drafter."""
         if not self.speculative:
             return None
         return f"tau {self.tau:.2f}" if self.steps else "no draft steps"
 
     def acceptance_line(self) -> Optional[str]:
-        """``tau T tokens/step over N verify steps (X% of drafts accepted)``, with
-        ``, and P plain steps`` when ``--block-size auto`` took some; ``no draft steps:
-        ...`` and why when no verify step ran; None without a drafter."""
+        """``tau T tokens/step over N verify steps (X% of drafts accepted)[, and P plain steps]``, or
+        ``no draft steps: WHY``; None without a drafter."""
         if not self.speculative:
             return None
         plain = f"{self.plain_steps} plain step" + ("s" if self.plain_steps != 1 else "")
@@ -310,8 +250,8 @@ class GenerationStats:
         return "no draft steps: the reply ended with its first token (from prefill)"
 
     def verify_line(self) -> str:
-        """How the drafts were verified, e.g. ``auto: chain 16 x40, plain x12 (plain
-        1.2 s, chain 3.4 s)``, and why a requested tree did not run."""
+        """How the drafts were verified, e.g. ``block size auto: chain 16 x40, plain x12 (chain 3.40 s, plain
+        1.20 s)``, and why a requested tree did not run."""
         v = self.verify or {}
         what = f"block size {v.get('block_size')}"
         if v.get("tree_budget") is not None:
@@ -352,6 +292,15 @@ class GenerationStats:
         return lines
 
 
+@contextmanager
+def _timed(add: Callable[[float], None]) -> Iterator[None]:
+    tic = time.perf_counter()
+    try:
+        yield
+    finally:
+        add(time.perf_counter() - tic)
+
+
 def _rounded(x: Optional[float], digits: int) -> Optional[float]:
     return None if x is None else round(x, digits)
 
@@ -380,16 +329,14 @@ def weight_bytes(*modules) -> int:
 
 
 def teacher_forced(right: np.ndarray) -> dict:
-    """Acceptance implied by held-out drafts under teacher forcing (training evaluation).
+    """Acceptance implied by held-out drafts under teacher forcing.
 
     Args:
-        right: [N, B-1] bool, block n's draft at position k (1..B-1) equals the
-            true token.
+        right: [N, B-1] bool, block n's draft at position k equals the true token.
 
     Returns:
-        ``{"accuracy": [B-1] share right per position, "acceptance": [B-1] share of
-        blocks whose drafts 1..k are all right (position k accepted), "tau": 1 +
-        mean number of leading right drafts (the acceptance length), "blocks": N}``.
+        ``{"accuracy": [B-1] share right per position, "acceptance": [B-1] share of blocks whose drafts
+        1..k are all right, "tau": 1 + mean leading right drafts, "blocks": N}``.
     """
     n = right.shape[0]
     if n == 0:

@@ -16,7 +16,7 @@ from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
 from dflash_mlx.prompt_cache.batch import RaggedRoll, batch_refusal, common_padding, sequence_rows, share_offsets
-from dflash_mlx.prompt_cache.batch_gated_delta import BatchGatedDeltaCache
+from dflash_mlx.prompt_cache.batch import BatchGatedDeltaCache
 from dflash_mlx.prompt_cache.gated_delta import GatedDeltaCache
 from conftest import ByteTokenizer, _Position, assert_varied, tiny_drafter, tiny_target
 

@@ -14,7 +14,7 @@ from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
 from dflash_mlx.prompt_cache.batch import COMPACT_AT, sequence_rows
-from dflash_mlx.prompt_cache.batch_window import BatchWindowKVCache
+from dflash_mlx.prompt_cache.batch import BatchWindowKVCache
 from dflash_mlx.prompt_cache.window import WindowKVCache
 from conftest import assert_varied, tiny_drafter
 from test_batch_decode import JoinOrderDrafter, assert_batch_differs_from_solo, drive, prompts, solo, target_of

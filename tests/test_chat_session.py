@@ -12,7 +12,7 @@ from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 from dflash_mlx import InputError, generate_step, load
 from dflash_mlx.chat.session import (ChatSession, ContextFullError, ReplyDecoder, common_prefix, plain_text,
                                 starts_thinking, trim_cache)
-from dflash_mlx.targets import HybridAdapter
+from dflash_mlx.targets.hybrid import HybridAdapter
 from conftest import needs_shared, tiny_drafter, tiny_target
 
 THINK, UNTHINK = 3, 4

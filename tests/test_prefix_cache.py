@@ -20,7 +20,7 @@ from dflash_mlx.prompt_cache.entry import restore, restore_or_warn, take_snapsho
 from dflash_mlx.prompt_cache.key import key_id, pair_key
 from dflash_mlx.prompt_cache.resume import trims_anywhere
 from dflash_mlx.prompt_cache.store import PrefixStore
-from dflash_mlx.targets import HybridAdapter
+from dflash_mlx.targets.hybrid import HybridAdapter
 from conftest import ROOT, ByteTokenizer, tiny_drafter, tiny_target
 
 STEP, EVERY = 8, 16  # prefill chunk; tokens between stored states of pairs that cannot trim back

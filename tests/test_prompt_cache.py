@@ -6,7 +6,7 @@ import pytest
 
 from dflash_mlx import generate_step
 from dflash_mlx.prompt_cache.pair import PairCache
-from dflash_mlx.targets import HybridAdapter
+from dflash_mlx.targets.hybrid import HybridAdapter
 from conftest import ByteTokenizer, tiny_drafter, tiny_target
 
 

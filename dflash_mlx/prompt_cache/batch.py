@@ -1,26 +1,7 @@
-"""The target cache of a batch of sequences (continuous batching, ``dflash serve --max-batch``).
-
-Each layer's cache is mlx-lm's ``BatchKVCache``: sequences are left-padded so that
-they all write their next rows at one shared column, each has its own offset (RoPE
-position) and its own left padding (masked). A verify feeds every sequence the same
-number of rows, but each accepts its own number of drafts, so each must drop its own
-number of rejected rows. mlx-lm's ``trim`` drops the same number from every sequence;
-:func:`rollback_ragged` trims the fewest rejected rows from all, then moves each
-sequence's remaining rejected rows out of the way by rolling its rows right and
-counting the rolled-in columns as left padding: mlx-lm's own right-padding machinery
-(``prepare(right_padding=...)`` then ``finalize()``), which does exactly that for
-right-padded prompts. A sequence's kept rows, their positions and what its queries
-see are then exactly those of a cache that never held the rejected rows.
-
-A Gated-DeltaNet layer (hybrid targets) has no rows: its batched cache is a
-:class:`~dflash_mlx.prompt_cache.batch_gated_delta.BatchGatedDeltaCache`, which replays
-each sequence's kept prefix. A sliding-window layer (a
-:class:`~dflash_mlx.prompt_cache.window.WindowKVCache` alone) is a
-:class:`~dflash_mlx.prompt_cache.batch_window.BatchWindowKVCache`: a ``BatchKVCache``
-rolled back as above, the window applied by its mask, rows out of every window
-dropped with the padding (:func:`compact`). So every target family batches;
-:func:`batch_refusal` names a layer cache of any other kind.
-"""
+"""The target cache of a batch of sequences (``dflash serve --max-batch``): per layer mlx-lm's
+``BatchKVCache`` (left-padded, one shared write column, per-sequence offsets), a ``BatchWindowKVCache``
+or a ``BatchGatedDeltaCache``, with a rollback of a different number of rows per sequence that leaves
+each sequence's rows and mask exactly those of a cache that never held its rejected rows."""
 
 from __future__ import annotations
 
@@ -28,22 +9,109 @@ from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.gated_delta import gated_delta_update
 
-from .batch_gated_delta import BatchGatedDeltaCache
-from .batch_window import BatchWindowKVCache
 from .gated_delta import GatedDeltaCache
 from .window import WindowKVCache
 
 BATCHABLE = (KVCache, GatedDeltaCache, WindowKVCache)  # layer cache types with a batched form
 
 
-def batch_refusal(target: Any) -> Optional[str]:
-    """Why ``target`` cannot decode in a batch exactly, or None when it can.
+class BatchWindowKVCache(BatchKVCache):
+    """A ``BatchKVCache`` of a sliding-window layer: the window applied by the mask; rows no query can see
+    any more count as padding (:meth:`hide_old_rows`), which :func:`compact` drops.
 
-    A target can when every layer cache it makes (``target.make_cache``) is a plain
-    ``KVCache``, a Gated-DeltaNet layer's ``GatedDeltaCache`` or a sliding-window
-    layer's ``WindowKVCache``: every family here.
+    Args:
+        window: W, the layer's sliding window in tokens.
+        left_padding: [N] columns of padding per sequence.
+
+    Attributes:
+        keys, values: [N, n_kv_heads, capacity, head_dim]; sequence i's rows are columns
+            ``left_padding[i] .. _idx-1``.
+        offset: [N] each sequence's absolute position after its last row.
     """
+
+    def __init__(self, window: int, left_padding: list):
+        super().__init__(left_padding)
+        self.window = int(window)
+
+    @classmethod
+    def from_solo(cls, solo: WindowKVCache) -> "BatchWindowKVCache":
+        """One sequence's prefilled window cache as a batch of one (its held rows, no padding)."""
+        batch = cls(solo.window, [0])
+        if solo.keys is not None:
+            keys, values = solo.rows()
+            batch.keys, batch.values = mx.contiguous(keys), mx.contiguous(values)
+            batch._idx = solo.held
+        batch.offset = mx.array([solo.offset])
+        return batch
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, **kwargs) -> mx.array:
+        """[B, 1, N, _idx + N] bool: causal, windowed (this layer's window unless given), padding hidden."""
+        return super().make_mask(N, window_size=window_size or self.window, **kwargs)
+
+    def hide_old_rows(self) -> None:
+        """Count as padding the columns before ``_idx - (W - 1)`` (between steps no query sees them)."""
+        if self.keys is not None:
+            self.left_padding = mx.maximum(self.left_padding, self._idx - (self.window - 1))
+
+    def extract(self, idx: int) -> WindowKVCache:
+        """Sequence ``idx``'s visible rows as a solo ``WindowKVCache``."""
+        solo, rows = WindowKVCache(self.window), super().extract(idx)
+        solo.keys, solo.values = rows.keys, rows.values
+        solo.offset = int(self.offset[idx].item())
+        solo.start = solo.offset - rows.offset
+        return solo
+
+
+class BatchGatedDeltaCache(GatedDeltaCache):
+    """A :class:`GatedDeltaCache` whose states hold N sequences (first axis); sequence i keeps the first
+    ``keep[i]`` tokens of a verify by a masked replay of the recurrence (spec section 10).
+
+    Args:
+        solo: one sequence's prefilled cache (its conv and recurrent state are taken).
+    """
+
+    def __init__(self, solo: GatedDeltaCache):
+        super().__init__(solo.owner, solo.slack)
+        self.cache = list(solo.cache)
+        self.offset = solo.offset  # tokens fed to the batch's forwards; not a position
+
+    def extend(self, other: "BatchGatedDeltaCache") -> None:
+        """Append ``other``'s sequences (between steps)."""
+        super().extend(other)
+        self._last = None
+
+    def filter(self, batch_indices: mx.array) -> None:
+        """Keep only the sequences at ``batch_indices`` (between steps)."""
+        super().filter(batch_indices)
+        self._last = None
+
+    def trim_ragged(self, rejected: Sequence[int]) -> None:
+        """Drop the last ``rejected[i]`` tokens of the last forward from sequence i.
+
+        Raises:
+            ValueError: the last forward was not recorded or is shorter than a rejection.
+        """
+        if not any(rejected):
+            return
+        f = self._last
+        if f is None or max(rejected) > f.rows:
+            raise ValueError("Gated-DeltaNet batch cache: the last forward cannot be rolled back")
+        keep = mx.array([f.rows - r for r in rejected], dtype=mx.int32)
+        steps = mx.arange(f.rows)[None] < keep[:, None]  # [N, L]
+        _, state = gated_delta_update(f.q, f.k, f.v, f.a, f.b, f.A_log, f.dt_bias, f.before[1], steps,
+                                      use_kernel=f.use_kernel)
+        width = f.conv_input.shape[1] - f.rows  # K - 1
+        rows = (keep[:, None] + mx.arange(width)[None])[..., None]  # [N, K-1, 1]
+        conv = mx.take_along_axis(f.conv_input, rows, axis=1)
+        self.cache = [conv, state]
+        self._last = None
+
+
+def batch_refusal(target: Any) -> Optional[str]:
+    """Why ``target`` cannot decode in a batch exactly (names the layer cache), or None when every layer
+    cache it makes is of a kind in :data:`BATCHABLE`."""
     for i, c in enumerate(target.make_cache(1)):
         if type(c) not in BATCHABLE:
             return f"target layer {i} keeps a {type(c).__name__}, which has no batched form with per-sequence rollback"
@@ -51,13 +119,11 @@ def batch_refusal(target: Any) -> Optional[str]:
 
 
 def to_batch(cache: Sequence[Any]) -> List[Any]:
-    """One sequence's prefilled cache (a ``KVCache``, ``GatedDeltaCache`` or
-    ``WindowKVCache`` per layer) as a batch of one."""
+    """One sequence's prefilled cache (a :data:`BATCHABLE` cache per layer) as a batch of one."""
     return [_batch_layer(c) for c in cache]
 
 
 def _batch_layer(c: Any) -> Any:
-    """One layer's solo cache as the batched cache of its kind, a batch of one."""
     if isinstance(c, GatedDeltaCache):
         return BatchGatedDeltaCache(c)
     if isinstance(c, WindowKVCache):
@@ -66,11 +132,8 @@ def _batch_layer(c: Any) -> Any:
 
 
 def extend(batch: Optional[List[BatchKVCache]], cache: Sequence[KVCache]) -> List[BatchKVCache]:
-    """Append one sequence (its prefilled ``KVCache`` per layer) as the batch's last row.
-
-    Returns:
-        The batch cache (``batch`` extended in place, or a new one when ``batch`` is None).
-    """
+    """Append one sequence's prefilled cache as the batch's last row; returns ``batch`` (extended in
+    place) or, when it is None, a new batch."""
     joined = to_batch(cache)
     if batch is None:
         return joined
@@ -93,14 +156,11 @@ def rollback_ragged(batch: Sequence[BatchKVCache], rejected: Sequence[int]) -> N
     """Drop the last ``rejected[i]`` rows of sequence i from every layer.
 
     Args:
-        batch: one ``BatchKVCache`` per layer, N sequences each.
+        batch: one batched cache per layer, N sequences each.
         rejected: [N] rows to drop per sequence (each 0..rows of the last forward).
 
-    The common part is trimmed (mlx-lm's ``trim``); the rest, different per sequence,
-    is rolled past the shared write column and becomes left padding (see the module
-    doc). The rolled-in columns hold stale rows, masked as padding. In full-attention
-    layers the same roll also drops the padding every sequence then has
-    (:class:`RaggedRoll`), so their columns are the longest sequence's rows.
+    The common part is trimmed (mlx-lm's ``trim``); the rest is rolled past the write column into
+    left padding (mlx-lm's ``prepare(right_padding=...)`` and ``finalize()``, or :class:`RaggedRoll`).
     """
     low = min(rejected)
     extra = [r - low for r in rejected]
@@ -122,22 +182,15 @@ def rollback_ragged(batch: Sequence[BatchKVCache], rejected: Sequence[int]) -> N
 
 
 def common_padding(b: BatchKVCache, right: Sequence[int]) -> int:
-    """Columns of left padding every sequence of ``b`` has once its last ``right[i]``
-    rows are rolled into its padding (one small host read)."""
+    """Columns of left padding every sequence of ``b`` has once its last ``right[i]`` rows are padding."""
     return min(p + r for p, r in zip(b.left_padding.tolist(), right))
 
 
 class RaggedRoll:
-    """Roll sequence i's rows right by ``right[i]`` columns, its last ``right[i]`` rows
-    becoming left padding (mlx-lm's ``prepare(right_padding=...)`` then ``finalize()``),
-    and drop the first ``drop`` columns, padding in every sequence (``drop <=
-    common_padding(b, right)``; as mlx-lm's ``filter`` does): one gather of the keys and
-    one of the values per layer, called on each layer of one column layout.
-
-    Why not mlx-lm's two steps: on a CPU a step's attention costs about one exp per
-    cached column, and the padding every sequence has would otherwise stay until
-    :func:`compact` copies the cache again; and a small model's step costs about its
-    number of ops, so the gather's index is built once for all layers, not per array.
+    """Roll sequence i's rows right by ``right[i]`` columns into its left padding and drop the first
+    ``drop`` columns (padding in every sequence, ``drop <= common_padding(b, right)``): mlx-lm's
+    ``prepare(right_padding=...)``, ``finalize()`` and ``filter`` as one gather per array, its index built
+    once for every layer of one column layout.
 
     Args:
         right: [N] columns to roll each sequence by.
@@ -162,44 +215,28 @@ class RaggedRoll:
 
 
 def share_offsets(batch: Sequence[Any]) -> None:
-    """Make the full-attention layers' offsets one array object for the next forward.
-
-    Their values are equal (one column layout), and the fused RoPE computes its tables
-    once per offset object (:class:`~dflash_mlx.targets.fused.FusedRoPE`): shared, once
-    per forward instead of once per layer (about 15 ops each). Safe because between this
-    call and a layer's ``update_and_fetch`` the layer only reads its offset (RoPE), and
-    ``update_and_fetch`` gives it a new array: mlx-lm's ``BatchKVCache`` replaces its
-    offset, never updates it in place (checked against the installed mlx-lm by
-    ``tests/test_batch_decode.py``).
-    """
+    """Make the full-attention layers' (equal) offsets one array object, so the fused RoPE computes its
+    rows once per forward; mlx-lm's ``BatchKVCache`` replaces its offset, never updates it in place."""
     full = [b for b in batch or () if type(b) is BatchKVCache]
     for b in full[1:]:
         b.offset = full[0].offset
 
 
 def sequence_rows(batch: Sequence[BatchKVCache], i: int) -> List[KVCache]:
-    """Sequence i's rows of every layer as a plain ``KVCache`` each (mlx-lm's ``extract``;
-    an ``ArraysCache`` of its states for a Gated-DeltaNet layer): what a solo run's cache
-    would hold. For tests and checks."""
+    """Sequence i's rows of every layer as a solo cache each (mlx-lm's ``extract``)."""
     return [b.extract(i) for b in batch]
 
 
-COMPACT_AT = 32  # columns of padding every sequence has before they are dropped (a copy of the cache)
+COMPACT_AT = 32  # columns of padding every sequence has before they are dropped
 
 
 def compact(batch: Optional[Sequence[Any]], at_least: int = COMPACT_AT) -> None:
-    """Drop the padding columns every sequence has (ragged rollbacks add padding to all
-    but the sequence that kept the most rows; over steps each sequence gets some), once
-    there are ``at_least`` of them: mlx-lm's ``filter`` keeping every row shifts them
-    out. Attention then reads fewer padded columns. Sliding-window layers first count
-    the rows out of every window as padding (``hide_old_rows``), so they keep about
-    W - 1 + ``at_least`` columns. Gated-DeltaNet layers have none.
-    """
+    """Drop the padding columns every sequence has once there are ``at_least`` (mlx-lm's ``filter``
+    keeping every row), window layers first counting rows out of every window as padding."""
     layers = [b for b in batch or () if isinstance(b, BatchKVCache) and b.keys is not None]
     for b in layers:
         if isinstance(b, BatchWindowKVCache):
             b.hide_old_rows()
-    # Full and window layers each share one column layout (the same ops on each).
     for group in ([b for b in layers if not isinstance(b, BatchWindowKVCache)],
                   [b for b in layers if isinstance(b, BatchWindowKVCache)]):
         if group and min(group[0].left_padding.tolist()) >= at_least:

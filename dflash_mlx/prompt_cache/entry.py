@@ -1,18 +1,8 @@
-"""One prefix-cache entry: both caches of a pair at rest after some tokens, and those tokens.
+"""One prefix-cache entry: both caches of a pair after some tokens (every target layer and the drafter's
+context), and those tokens; no logits (a resumed prompt always feeds at least one token).
 
-An entry holds everything a generation needs to resume exactly where a prompt's first
-``len(tokens)`` tokens left the pair: every target layer cache (attention rows, sliding
-windows, Gated-DeltaNet states) and the drafter's context caches. No logits are kept:
-at rest both caches hold every token but the last one a generation feeds
-(:func:`dflash_mlx.decode.generate.generate_step`), so a resumed prompt always feeds at
-least one token and gets its logits from that forward.
-
-On disk an entry is two files in one folder: ``ID.safetensors`` (the arrays) and
-``ID.json`` (tokens, layer kinds and integers, byte size and sha256 of the arrays file).
-The JSON is written last, each under a temporary name renamed into place, so a write cut
-anywhere (kill -9) leaves either a whole entry, or an arrays file without its JSON that
-the store removes; a file that does not match its recorded size and hash is refused.
-"""
+On disk: ``ID.safetensors`` (arrays) and ``ID.json`` (tokens, layer kinds and integers, size and sha256
+of the arrays), each renamed into place, the JSON last; a file not matching its size and hash is refused."""
 
 from __future__ import annotations
 
@@ -32,7 +22,7 @@ SIDES = ("target", "drafter")
 
 
 class CorruptEntry(ValueError):
-    """An entry on disk that is truncated, altered or unreadable (never used)."""
+    """An entry on disk that is truncated, altered or unreadable."""
 
 
 @dataclass
@@ -42,8 +32,8 @@ class Snapshot:
     Attributes:
         tokens: the ids whose rows the caches hold (row i is token i).
         arrays: ``"target.3.keys"``-style names to arrays (rows held only).
-        layers: per side (``"target"``, ``"drafter"``), per layer ``{"kind", "ints"}``;
-            ``"drafter"`` is absent for plain decoding.
+        layers: per side (``"target"``, ``"drafter"`` absent for plain decoding), per layer
+            ``{"kind", "ints"}``.
     """
 
     tokens: List[int]
@@ -55,20 +45,11 @@ class Snapshot:
         """Bytes of the arrays."""
         return sum(a.nbytes for a in self.arrays.values())
 
-    def usable(self, ids: Sequence[int]) -> int:
-        """Rows of this entry a prompt ``ids`` can resume from: the common prefix of
-        ``tokens`` and ``ids`` (all but the last prompt token) when every layer can be
-        trimmed to it exactly, else 0 (a Gated-DeltaNet state or a sliding window that
-        moved past the common prefix; its whole ``tokens`` when they all match)."""
-        return usable_rows(self.tokens, self.layers, ids)
-
-    def describe(self) -> dict:
-        """What the JSON side file keeps: format, tokens and layers."""
-        return {"format": FORMAT, "tokens": list(self.tokens), "layers": self.layers}
 
 
 def usable_rows(tokens: Sequence[int], layer_meta: Dict[str, List[dict]], ids: Sequence[int]) -> int:
-    """See :meth:`Snapshot.usable` (here for entries whose arrays are still on disk)."""
+    """Rows of an entry (its ``tokens`` and layers) a prompt ``ids`` can resume from: the common prefix of
+    ``tokens`` and all but the last of ``ids``, when every layer can be trimmed to it exactly (else 0)."""
     n, limit = 0, min(len(tokens), len(ids) - 1)
     while n < limit and tokens[n] == ids[n]:
         n += 1
@@ -79,8 +60,8 @@ def usable_rows(tokens: Sequence[int], layer_meta: Dict[str, List[dict]], ids: S
 
 
 def take_snapshot(tokens: Sequence[int], cache: List[Any], draft_cache: Optional[List[Any]]) -> Optional[Snapshot]:
-    """A snapshot of both caches holding ``tokens`` (evaluated), or None when some layer
-    cache is of a kind that cannot be stored, or the caches do not hold ``len(tokens)`` rows."""
+    """A snapshot of both caches holding ``tokens`` (evaluated), or None when a layer cache cannot be
+    stored or does not hold ``len(tokens)`` rows."""
     arrays: Dict[str, mx.array] = {}
     meta: Dict[str, List[dict]] = {}
     for side, caches in zip(SIDES, (cache, draft_cache)):
@@ -98,12 +79,11 @@ def take_snapshot(tokens: Sequence[int], cache: List[Any], draft_cache: Optional
 
 
 def restore(snap: Snapshot, cache: List[Any], draft_cache: Optional[List[Any]]) -> None:
-    """Fill the fresh caches ``cache`` and ``draft_cache`` (as the target and drafter
-    make them) from ``snap``; they then hold ``len(snap.tokens)`` rows.
+    """Fill fresh caches (as the target and drafter make them) from ``snap``.
 
     Raises:
-        layers.LayerMismatch: another number of layers, or a layer of another kind or
-            window (the entry was made with other settings); the caches are then unusable.
+        layers.LayerMismatch: another number of layers, or a layer of another kind or window;
+            the caches are then unusable.
     """
     for side, caches in zip(SIDES, (cache, draft_cache)):
         stored = snap.layers.get(side)
@@ -120,9 +100,8 @@ def restore(snap: Snapshot, cache: List[Any], draft_cache: Optional[List[Any]]) 
 
 def restore_or_warn(snap: Snapshot, cache: List[Any], draft_cache: Optional[List[Any]],
                     warn: Callable[[str], None]) -> bool:
-    """:func:`restore`, or False after one warning line when the entry does not fit
-    this pair (its layers, or a side file that lies about its arrays: KeyError,
-    TypeError); the caches are then unusable."""
+    """:func:`restore`, or False after one warning line when the entry does not fit this pair (the
+    caches are then unusable)."""
     try:
         restore(snap, cache, draft_cache)
     except (layers.LayerMismatch, KeyError, TypeError) as e:
@@ -141,31 +120,26 @@ def file_sha256(path: Path) -> str:
 
 
 def write(snap: Snapshot, folder: Path, name: str) -> int:
-    """Write ``snap`` as ``folder/name.safetensors`` and ``folder/name.json``, each to a
-    temporary name renamed into place (:func:`dflash_mlx.atomic.atomic_file`), the JSON
-    last (it commits the entry).
-
-    Returns:
-        Bytes written (both files).
+    """Write ``snap`` as ``folder/name.safetensors`` then ``folder/name.json``; returns the bytes written.
 
     Raises:
-        WriteError: the folder cannot be written (any errno, or MLX's RuntimeError);
-            nothing is left behind but what the store removes.
+        WriteError: the folder cannot be written; nothing is left but what the store removes.
     """
     with atomic_file(folder / f"{name}.safetensors", parents=True) as tmp:
         mx.save_safetensors(str(tmp), snap.arrays if snap.arrays else {"empty": mx.zeros((0,))})
         size, sha = tmp.stat().st_size, file_sha256(tmp)
-    text = json.dumps({**snap.describe(), "bytes": size, "sha256": sha})
+    text = json.dumps({"format": FORMAT, "tokens": list(snap.tokens), "layers": snap.layers, "bytes": size,
+                       "sha256": sha})
     with atomic_file(folder / f"{name}.json") as tmp:
         tmp.write_text(text)
     return size + len(text)
 
 
 def read_index(side_file: Path) -> dict:
-    """The JSON side file of an entry, checked for form (not the arrays).
+    """The JSON side file of an entry, checked for form.
 
     Raises:
-        CorruptEntry: unreadable, not this format, or fields missing.
+        CorruptEntry: unreadable, not this format, or fields missing or malformed.
     """
     try:
         d = json.loads(side_file.read_text())
@@ -176,14 +150,15 @@ def read_index(side_file: Path) -> dict:
     if not all(k in d for k in ("tokens", "layers", "bytes", "sha256")):
         raise CorruptEntry(f"{side_file}: fields missing")
     metas = [m for side in d["layers"].values() for m in side] if isinstance(d["layers"], dict) else None
-    if metas is None or not all(isinstance(m, dict) and m.get("kind") in layers.KINDS and isinstance(m.get("ints"), dict)
-                                and isinstance(m["ints"].get("offset"), int) for m in metas):
+    if metas is None or not all(isinstance(m, dict) and m.get("kind") in layers.KINDS
+                                and isinstance(m.get("ints"), dict) and isinstance(m["ints"].get("offset"), int)
+                                for m in metas):
         raise CorruptEntry(f"{side_file}: \"layers\" malformed")
     return d
 
 
 def read(folder: Path, name: str, index: Optional[dict] = None) -> Snapshot:
-    """Load entry ``name`` from ``folder``, checking the arrays file's size and sha256.
+    """Entry ``name`` of ``folder``, its arrays checked against the recorded size and sha256.
 
     Raises:
         CorruptEntry: a file is missing, truncated, altered or unreadable.

@@ -1,9 +1,4 @@
-"""The cache of a Gated-DeltaNet layer (hybrid targets), with exact rollback.
-
-mlx-lm keeps such a layer's state in an ``ArraysCache`` (conv state, recurrent state)
-that has no rows to drop at all; :class:`GatedDeltaCache` keeps what it needs to replay
-the accepted prefix of the last forward (DFLASH_SPEC.md section 10).
-"""
+"""The cache of a Gated-DeltaNet layer (hybrid targets) with exact rollback (spec section 10)."""
 
 from __future__ import annotations
 
@@ -17,10 +12,8 @@ from mlx_lm.models.gated_delta import gated_delta_update
 
 @dataclass
 class _Forward:
-    """What :class:`GatedDeltaCache` keeps of the last forward (L tokens) to replay
-    a prefix of it: the state before it, the conv input ``[1, K-1+L, C]`` and the
-    recurrence inputs ``q, k [1, L, Hk, Dk]``, ``v [1, L, Hv, Dv]``, ``a, b [1, L, Hv]``
-    exactly as the forward computed them."""
+    """The last forward of L tokens as recorded: the state before it, the conv input [1, K-1+L, C] and
+    the recurrence inputs ``q, k`` [1, L, Hk, Dk], ``v`` [1, L, Hv, Dv], ``a, b`` [1, L, Hv]."""
 
     start: int
     before: List[Optional[mx.array]]
@@ -41,37 +34,14 @@ class _Forward:
 
 
 class GatedDeltaCache(ArraysCache):
-    """mlx-lm's ``ArraysCache`` of one Gated-DeltaNet layer, with exact rollback.
-
-    The state ``[conv_state [1, K-1, C], recurrent_state [1, Hv, Dv, Dk] float32]`` has
-    no rows to drop, so a rollback rebuilds the state of a run that only saw the
-    first ``keep`` tokens of the last forward (DFLASH_SPEC.md section 10): the conv
-    state is rows ``keep .. keep+K-2`` of that forward's conv input, and the
-    recurrent state is mlx-lm's own ``gated_delta_update`` replayed over the first
-    ``keep`` steps of the recorded recurrence inputs, from the state before the
-    forward. The recurrence runs step by step, so the replayed state is bit for bit
-    the state the forward itself passed through after ``keep`` steps.
-
-    Why this design. Exactness first: the replayed state is bit for bit the one the
-    verify itself reached after ``keep`` steps, so it agrees with the logits that
-    accepted those tokens; re-running the layer's own module on the kept rows would
-    recompute the projections with another row count (other matmul kernels, last-bit
-    differences). Then cost (docs/benchmarks.md, Qwen3.5-0.8B shape, CPU): the replay
-    costs 1.4-18% of a verify depending on ``keep``, re-running the module 2-7x
-    more, since it re-reads the input projections' weights. Keeping per-step states
-    would cost ``L * Hv * Dv * Dk`` floats per layer and forward, and mlx-lm's
-    ``gated_delta_update`` returns only the last one.
-
-    The forward that records (see :meth:`store`) is the adapter's, which computes
-    the layer exactly as mlx-lm's module does. A forward of more than ``slack``
-    tokens (a prefill chunk) keeps nothing, to bound memory; so does one run by the
-    mlx-lm module itself (through ``cache[i] = ...`` and :meth:`advance`). Such a
-    forward cannot be rolled back into.
+    """mlx-lm's ``ArraysCache`` of one Gated-DeltaNet layer (``[conv_state [1, K-1, C], recurrent_state
+    [1, Hv, Dv, Dk] float32]``) with exact rollback: a trim to the first ``keep`` tokens of the last forward
+    replays mlx-lm's ``gated_delta_update`` over the recorded inputs from the state before it (the same
+    bits the forward passed through) and takes the conv state from its conv input. A forward of more than
+    ``slack`` tokens, or one run by mlx-lm's own module (:meth:`advance`), records nothing.
 
     Args:
-        owner: the layer's ``linear_attn`` module;
-            :meth:`~dflash_mlx.targets.hybrid.HybridAdapter.check_layer_cache` refuses a
-            cache whose owner is another model's layer.
+        owner: the layer's ``linear_attn`` module (a cache of another layer is refused by the adapter).
         slack: most tokens of a forward that can be rolled back (the largest verify).
 
     Attributes:
@@ -87,13 +57,8 @@ class GatedDeltaCache(ArraysCache):
     def store(self, conv_input: mx.array, state: mx.array, q: mx.array, k: mx.array, v: mx.array,
               a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array, mask: Optional[mx.array],
               use_kernel: bool) -> None:
-        """Take the new state of one forward of L tokens and keep what a rollback
-        replays (shapes as in :class:`_Forward`; ``state`` [1, Hv, Dv, Dk]).
-
-        The conv state becomes the last K-1 rows of ``conv_input``, as mlx-lm keeps
-        it. State, offset and record change in one statement, so an interrupt leaves
-        either the whole forward or none of it.
-        """
+        """Take the state after one forward of L tokens (``state`` [1, Hv, Dv, Dk], the rest as in
+        :class:`_Forward`) and record it when L <= ``slack``; all or nothing under an interrupt."""
         L = q.shape[1]
         width = conv_input.shape[1] - L  # K - 1
         forward = None
@@ -104,13 +69,12 @@ class GatedDeltaCache(ArraysCache):
         self.cache, self.offset, self._last = [conv, state], self.offset + L, forward
 
     def advance(self, N: int) -> None:
-        """A forward run by mlx-lm's module: counted, but it keeps nothing to replay."""
+        """Count a forward run by mlx-lm's module (nothing recorded)."""
         super().advance(N)
         self.offset, self._last = self.offset + N, None
 
     def can_trim(self, n: int) -> bool:
-        """Whether the last ``n`` tokens can be removed exactly: they lie within the
-        last forward, and that forward was recorded."""
+        """Whether the last ``n`` tokens lie within the last forward, and it was recorded."""
         if n == 0:
             return True
         f = self._last
@@ -120,9 +84,8 @@ class GatedDeltaCache(ArraysCache):
         return True
 
     def trim(self, n: int) -> int:
-        """Remove the last ``n`` tokens; returns ``n``, or 0 (nothing changed) when
-        :meth:`can_trim` says no. Can be called again for fewer tokens of the same
-        forward (the loop trims rejected drafts, then a block cut at a stop token)."""
+        """Remove the last ``n`` tokens (again for fewer of the same forward, if need be); returns ``n``,
+        or 0 (nothing changed) where :meth:`can_trim` is False."""
         if n == 0 or not self.can_trim(n):
             return 0
         f = self._last

@@ -1,12 +1,6 @@
-"""What a prefix-cache entry must match to be reused: the pair's identity.
-
-Two pairs share entries only when every part that shapes a cached row is the same: the
-target's and the drafter's weights (the loaders' folder fingerprint, see
-:func:`dflash_mlx.pair.loading.load_target`, else a hash of the weights themselves), the
-layers whose features the drafter reads, weight dtypes and quantization, the drafter's
-context window, and the library versions that compute the rows. A changed model gets
-another key, so it never meets a stale entry.
-"""
+"""A pair's identity, which a prefix-cache entry must match to be reused: both models' weights (folder
+fingerprint, else a hash of the weights), captured layers, dtypes, quantization, draft window and the
+library versions."""
 
 from __future__ import annotations
 
@@ -22,8 +16,7 @@ KEY_FORMAT = 1
 
 
 def weights_hash(module: Any) -> str:
-    """sha256 (32 hex digits) of a module's parameter names, dtypes, shapes and bytes.
-    Reads every weight: for models built in memory; loaded ones carry a ``fingerprint``."""
+    """sha256 (32 hex digits) of a module's parameter names, dtypes, shapes and bytes."""
     digest = hashlib.sha256()
     for name, p in tree_flatten(module.parameters()):
         digest.update(f"{name}:{p.dtype}:{tuple(p.shape)}".encode())
@@ -52,11 +45,7 @@ def _dtypes(module: Any) -> list:
 
 
 def pair_key(target: Any, drafter: Optional[Any]) -> dict:
-    """The identity of a target (adapter) and its bound drafter (or None: plain decoding).
-
-    Returns:
-        A JSON-able dict; :func:`key_id` names its folder in the store.
-    """
+    """The JSON-able identity of a target (adapter) and its bound drafter (None: plain decoding)."""
     import mlx_lm
 
     model = getattr(target, "model", target)
@@ -82,6 +71,6 @@ def pair_key(target: Any, drafter: Optional[Any]) -> dict:
     return key
 
 
-def key_id(key: dict) -> str:
-    """A folder name for ``key``: 24 hex digits of the sha256 of its sorted JSON."""
+def key_id(key: Any) -> str:
+    """24 hex digits of the sha256 of ``key``'s sorted JSON: a pair's folder, an entry's name (its tokens)."""
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]

@@ -1,27 +1,12 @@
-"""The prefix cache's two levels: entries in memory (least recently used dropped first)
-and on disk under one folder (a byte cap, least recently used dropped first).
+"""The prefix cache's two levels: entries in memory and on disk, least recently used dropped first.
 
-Layout: ``ROOT/KEY/ID.safetensors`` + ``ROOT/KEY/ID.json`` (:mod:`dflash_mlx.prompt_cache.entry`),
-where KEY names the pair (:func:`dflash_mlx.prompt_cache.key.key_id`, its identity kept in
-``ROOT/KEY/key.json``) and ID the tokens. The byte cap counts every pair's entries under
-ROOT. Use is recorded as the JSON file's modification time, so the order survives
-processes. A lookup takes the entry that resumes the most rows of a prompt (longest
-prefix, see :meth:`Snapshot.usable`); an entry that fails its checks on load is removed
-with one warning line and the next best is tried.
-
-Ownership: ROOT is claimed for the prompt cache (:func:`dflash_mlx.owned.claim`): a folder
-that holds other files is left as it is and the cache lives in its ``dflash-prompt-cache``
-subfolder. Clean-up and eviction touch only files named as the store names them (24 hex
-digits) inside KEY folders (24 hex digits).
-
-Failure: a write that fails (any errno, or MLX's RuntimeError) turns the store
-memory-only for the rest of the process, with one warning line; :attr:`PrefixStore.state`
-says so (``dflash serve`` reports it at ``/health``).
-"""
+Layout: ``ROOT/KEY/ID.safetensors`` and ``ROOT/KEY/ID.json`` (:mod:`~dflash_mlx.prompt_cache.entry`), KEY
+the pair (:func:`~dflash_mlx.prompt_cache.key.key_id`, kept in ``ROOT/KEY/key.json``), ID the tokens, use
+as the JSON file's modification time. ROOT is claimed (:func:`dflash_mlx.owned.claim`); clean-up touches
+only names of 24 hex digits in KEY folders. A failed write turns the store memory-only with one warning."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -34,37 +19,32 @@ from ..atomic import WriteError, atomic_file, pid_alive, stderr_warning
 from ..decode.calibration import cache_root
 from ..owned import MARKER, claim, mark
 from .entry import CorruptEntry, Snapshot, read, read_index, usable_rows, write
+from .key import key_id
 
 DEFAULT_MAX_BYTES = 8 << 30  # 8 GiB on disk
 DEFAULT_MEMORY_ENTRIES = 4
 WRITER = "prompt-cache"
-_OURS = re.compile(r"[0-9a-f]{24}")  # key folders and entry names (sha256 prefixes)
+_OURS = re.compile(r"[0-9a-f]{24}")  # key folders and entry names
 
 
 def default_root() -> Path:
-    """``$DFLASH_CACHE_DIR/prompts``, else the user's cache folder's ``dflash-mlx/prompts``."""
+    """``prompts`` under the cache root (``$DFLASH_CACHE_DIR``, else the user's ``dflash-mlx`` cache)."""
     return cache_root() / "prompts"
-
-
-def entry_name(tokens: Sequence[int]) -> str:
-    """An entry's file name: 24 hex digits of the sha256 of its token ids."""
-    return hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()[:24]
 
 
 class PrefixStore:
     """Prefix-cache entries of any number of pairs, in memory and on disk.
 
     Args:
-        root: the folder (default :func:`default_root`); None with ``disk=False``: memory only.
-        max_bytes: most bytes on disk under ``root`` (every pair's entries together; what other
-            processes write is counted at the next scan, at most :attr:`RESCAN_S` seconds on).
+        root: the folder (default :func:`default_root`).
+        max_bytes: most bytes on disk under ``root``, every pair's entries together (other processes'
+            writes counted at the next scan, at most :attr:`RESCAN_S` seconds on).
         memory_entries: most entries kept in memory (0: none).
         disk: write and read entries on disk.
-        warn: where one-line warnings go (a corrupt entry, a folder that cannot be written).
+        warn: where one-line warnings go.
 
     Raises:
-        InputError: ``root`` is a file, or holds other files and so does its
-            ``dflash-prompt-cache`` subfolder.
+        InputError: ``root`` is a file, or holds other files and so does its ``dflash-prompt-cache``.
 
     Attributes:
         root: the folder the entries are in (``root``, or its ``dflash-prompt-cache``).
@@ -83,10 +63,10 @@ class PrefixStore:
         self.memory: "OrderedDict[Tuple[str, str], Snapshot]" = OrderedDict()
         self.hits = {"memory": 0, "disk": 0}
         self.last_level: Optional[str] = None
-        self._index: Dict[Path, Tuple[int, dict]] = {}  # json path -> (mtime_ns, parsed), read once
+        self._index: Dict[Path, Tuple[int, dict]] = {}  # json path -> (mtime_ns, parsed)
         self._clock = 0
         self.degraded: Optional[str] = None
-        self._disk_bytes: Optional[int] = None  # every pair's bytes under root, as counted (see _evict_if_full)
+        self._disk_bytes: Optional[int] = None  # bytes under root: the last scan plus this process's writes
         self._scanned_at = 0.0
         if self.disk:
             try:
@@ -111,23 +91,17 @@ class PrefixStore:
         self.degraded = f"cannot write under {self.root}: {e.strerror or e}"
         self.warn(f"prompt cache: {self.degraded}; keeping entries in memory only")
 
-    # -- lookup ------------------------------------------------------------------
-
     def lookup(self, kid: str, ids: Sequence[int]) -> Optional[Tuple[Snapshot, int]]:
-        """The entry of pair ``kid`` that resumes the most rows of prompt ``ids``.
-
-        Returns:
-            ``(snapshot, rows)`` with ``rows >= 1`` (the snapshot may hold more tokens;
-            trim to ``rows``), or None.
-        """
+        """``(snapshot, rows)``: the entry of pair ``kid`` that resumes the most rows (>= 1) of prompt
+        ``ids`` (the snapshot may hold more; trim to ``rows``), or None. A corrupt entry is dropped
+        with one warning and the next best tried."""
         self.last_level = None
-        found = [(snap.usable(ids), 1, name, None) for (k, name), snap in self.memory.items() if k == kid]
-        in_memory = {name for _, _, name, _ in found}
+        found = {name: (usable_rows(snap.tokens, snap.layers, ids), 1, None)
+                 for (k, name), snap in self.memory.items() if k == kid}
         for path, index in self._disk_entries(kid):
-            if path.stem not in in_memory:
-                found.append((usable_rows(index["tokens"], index["layers"], ids), 0, path.stem, index))
-        for rows, level, name, index in sorted(found, key=lambda f: (f[0], f[1], -len(f[3]["tokens"]) if f[3] else 0),
-                                               reverse=True):
+            found.setdefault(path.stem, (usable_rows(index["tokens"], index["layers"], ids), 0, index))
+        order = sorted(found.items(), key=lambda f: (f[1][0], f[1][1], -len(f[1][2]["tokens"]) if f[1][2] else 0))
+        for name, (rows, _, index) in reversed(order):
             if rows <= 0:
                 return None
             snap = self._get(kid, name, index)
@@ -137,34 +111,32 @@ class PrefixStore:
 
     def _get(self, kid: str, name: str, index: Optional[dict]) -> Optional[Snapshot]:
         """Entry ``name`` from memory (index None) or disk, moved to most recently used."""
+        folder, level = self.root / kid, "memory" if index is None else "disk"
         if index is None:
             self.memory.move_to_end((kid, name))
-            self.hits["memory"] += 1
-            self.last_level = "memory"
-            self._touch(self.root / kid / f"{name}.json")
-            return self.memory[(kid, name)]
-        folder = self.root / kid
-        try:
-            snap = read(folder, name, index)
-        except CorruptEntry as e:
-            self.warn(f"prompt cache: dropped a corrupt entry ({e})")
-            self._remove(folder, name)
-            return None
-        self.hits["disk"] += 1
-        self.last_level = "disk"
+            snap = self.memory[(kid, name)]
+        else:
+            try:
+                snap = read(folder, name, index)
+            except CorruptEntry as e:
+                self._drop_corrupt(folder, name, e)
+                return None
+            self._remember(kid, name, snap)
+        self.hits[level] += 1
+        self.last_level = level
         self._touch(folder / f"{name}.json")
-        self._remember(kid, name, snap)
         return snap
 
-    # -- storing -----------------------------------------------------------------
+    def _drop_corrupt(self, folder: Path, name: str, e: CorruptEntry) -> None:
+        self.warn(f"prompt cache: dropped a corrupt entry ({e})")
+        self._remove(folder, name)
 
     def put(self, kid: str, snap: Snapshot, key: Optional[dict] = None, disk: bool = True) -> None:
-        """Keep ``snap`` for pair ``kid`` in memory and (``disk``) on disk, replacing an
-        entry of the same tokens; then drop least recently used entries past the limits.
-        ``key``: the pair's identity, written once to ``ROOT/KID/key.json`` for people."""
+        """Keep ``snap`` for pair ``kid`` in memory and (``disk``) on disk, replacing one of the same tokens,
+        then evict past the limits; ``key``: the pair's identity, written once to ``ROOT/KID/key.json``."""
         if not snap.tokens:
             return
-        name = entry_name(snap.tokens)
+        name = key_id(list(snap.tokens))
         self._remember(kid, name, snap)
         if not (disk and self.disk and self.degraded is None) or snap.nbytes > self.max_bytes:
             return
@@ -190,10 +162,8 @@ class PrefixStore:
             self.memory.popitem(last=False)
 
     def _evict_if_full(self, folder: Path, name: str) -> None:
-        """After a write: :meth:`evict` when the bytes on disk may pass ``max_bytes``.
-        The total is counted by the last scan plus what this process wrote since, so a
-        server does not list and stat every entry after every request; a scan at least
-        every :attr:`RESCAN_S` seconds counts what other processes wrote."""
+        """After a write: :meth:`evict` when the bytes on disk may pass ``max_bytes`` (or the last scan is
+        more than :attr:`RESCAN_S` seconds old)."""
         if self._disk_bytes is None or time.monotonic() - self._scanned_at > self.RESCAN_S:
             self.evict()
             return
@@ -210,12 +180,10 @@ class PrefixStore:
             if not (_OURS.fullmatch(side.stem) and _OURS.fullmatch(side.parent.name)):
                 continue
             try:
-                st = side.stat()
-                data = side.with_suffix(".safetensors").stat().st_size
+                st, data = side.stat(), side.with_suffix(".safetensors").stat()
             except OSError:
-                data, st = 0, None
-            if st is not None:
-                entries.append((st.st_mtime_ns, side, st.st_size + data))
+                continue
+            entries.append((st.st_mtime_ns, side, st.st_size + data.st_size))
         total, removed = sum(e[2] for e in entries), []
         for _, side, size in sorted(entries):
             if total <= self.max_bytes:
@@ -226,8 +194,6 @@ class PrefixStore:
             removed.append(side)
         self._disk_bytes, self._scanned_at = total, time.monotonic()
         return removed
-
-    # -- disk bookkeeping ----------------------------------------------------------
 
     def _disk_entries(self, kid: str) -> List[Tuple[Path, dict]]:
         """``(json path, index)`` of pair ``kid``'s entries; an unreadable JSON is removed."""
@@ -246,8 +212,7 @@ class PrefixStore:
                 try:
                     cached = (mtime, read_index(side))
                 except CorruptEntry as e:
-                    self.warn(f"prompt cache: dropped a corrupt entry ({e})")
-                    self._remove(side.parent, side.stem)
+                    self._drop_corrupt(side.parent, side.stem, e)
                     continue
                 self._index[side] = cached
             out.append((side, cached[1]))
@@ -270,9 +235,7 @@ class PrefixStore:
             self._index.pop(folder / f"{name}{suffix}", None)
 
     def _remove_leftovers(self) -> None:
-        """Temporaries of writers that are gone (killed mid-write), and arrays files whose
-        JSON was never written (the write was cut between the two renames): only files
-        named as the store names them, in KEY folders."""
+        """Remove the temporaries of writers that are gone and arrays files without their JSON (in KEY folders)."""
         try:
             folders = [f for f in self.root.iterdir() if _OURS.fullmatch(f.name) and f.is_dir()]
         except OSError:
@@ -289,8 +252,8 @@ class PrefixStore:
 
 
 def _earlier_cache(root: Path) -> bool:
-    """Whether ``root`` is a prompt cache written before folders were marked: unmarked,
-    not empty, and nothing in it but KEY folders of entries, ``key.json`` and temporaries."""
+    """Whether ``root`` is an unmarked, non-empty folder of nothing but KEY folders of entries,
+    ``key.json`` and temporaries (a prompt cache to mark as ours)."""
     try:
         if (root / MARKER).exists() or not root.is_dir():
             return False
@@ -299,14 +262,16 @@ def _earlier_cache(root: Path) -> bool:
             _OURS.fullmatch(f.name) and f.is_dir() for f in folders) else None
     except OSError:
         return False
-    return bool(folders) and names is not None and all(
-        n == "key.json" or ".tmp-" in n or (_OURS.fullmatch(n.rsplit(".", 1)[0]) and n.endswith((".json", ".safetensors")))
-        for n in names)
+    return bool(folders) and names is not None and all(n == "key.json" or ".tmp-" in n or _entry_file(n)
+                                                       for n in names)
+
+
+def _entry_file(name: str) -> bool:
+    return bool(_OURS.fullmatch(name.rsplit(".", 1)[0])) and name.endswith((".json", ".safetensors"))
 
 
 def _unlink_file(path: Path) -> None:
-    """Remove ``path`` when it is a file; a folder by that name, or a removal the system
-    refuses, is left as it is."""
+    """Remove ``path`` when it is a file; anything else, or a refused removal, is left."""
     try:
         if path.is_file():
             path.unlink()

@@ -1,8 +1,4 @@
-"""Target adapters, one small file per mlx-lm family, chosen by ``model_type``.
-
-Adding a family is adding a file here (its adapter and ``MODEL_TYPES``) and its test;
-docs/architecture.md shows one.
-"""
+"""Target adapters, one file per mlx-lm family (its adapter and ``MODEL_TYPES``), chosen by ``model_type``."""
 
 import pkgutil
 from importlib import import_module
@@ -14,14 +10,13 @@ from mlx_lm.utils import MODEL_REMAPPING
 from ..errors import MismatchError
 from .base import TargetAdapter
 from .fused import fuse_layers
-from .hybrid import HybridAdapter
 
 
 def find_families(paths: Iterable[str] = __path__) -> Dict[str, Type[TargetAdapter]]:
-    """``model_type`` -> adapter class, from the ``MODEL_TYPES`` of every module in ``paths``.
+    """``model_type`` -> adapter class, from the ``MODEL_TYPES`` dict of every module in ``paths``.
 
-    A family is one file here: its adapter and a ``MODEL_TYPES`` dict (vision-language
-    wrappers map to the adapter of the text model inside, ``model.language_model``).
+    Raises:
+        RuntimeError: two adapters claim one ``model_type``.
     """
     found: Dict[str, Type[TargetAdapter]] = {}
     for info in sorted(pkgutil.iter_modules(list(paths)), key=lambda m: m.name):
@@ -37,16 +32,11 @@ ADAPTERS: Dict[str, Type[TargetAdapter]] = find_families()
 
 
 def make_adapter(model: nn.Module) -> TargetAdapter:
-    """Wrap a loaded mlx-lm model in the adapter of its family.
-
-    The family is the ``model_type`` after mlx-lm's own ``MODEL_REMAPPING`` (e.g. a
-    ``mistral`` checkpoint is built as mlx-lm's ``llama`` model, so it gets the
-    llama adapter). On MLX's CPU backend the model's ``nn.RMSNorm`` and ``nn.RoPE``
-    become their fused, bit-identical subclasses first (:mod:`dflash_mlx.targets.fused`).
+    """Wrap a loaded mlx-lm model in the adapter of its ``model_type`` (after mlx-lm's
+    ``MODEL_REMAPPING``), its norms and RoPE fused first (:func:`~dflash_mlx.targets.fused.fuse_layers`).
 
     Raises:
-        MismatchError: the model's ``model_type`` has no adapter (one line naming
-            it and the supported ones).
+        MismatchError: no adapter for the ``model_type`` (names it and the supported ones).
     """
     model_type = getattr(model, "model_type", None) or getattr(model.args, "model_type", None)
     model_type = MODEL_REMAPPING.get(model_type, model_type)
@@ -57,13 +47,3 @@ def make_adapter(model: nn.Module) -> TargetAdapter:
         )
     fuse_layers(model)
     return ADAPTERS[model_type](model)
-
-
-def __getattr__(name: str):  # each family's adapter class by name (``from dflash_mlx.targets import LlamaAdapter``)
-    for adapter in ADAPTERS.values():
-        if adapter.__name__ == name:
-            return adapter
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["ADAPTERS", "HybridAdapter", "TargetAdapter", "find_families", "make_adapter"]

@@ -1,17 +1,5 @@
-"""Run an mlx-lm model while capturing context features, without changing it.
-
-The adapter walks the loaded model's own modules (embedding, decoder layers, final
-norm, head) in the same order as the family's ``__call__``; it never wraps them
-(on MLX's CPU backend :func:`~dflash_mlx.targets.make_adapter` only swaps the class
-of its RMSNorm and RoPE modules for fused ones that compute the same bits,
-:mod:`dflash_mlx.targets.fused`). Each family file overrides
-only what differs from this generic decoder (masks, embedding scale, the layer
-walk, the head), and where a layer's mlx-lm cache cannot roll back, the cache
-class that replaces it (:mod:`dflash_mlx.prompt_cache.trim`). What only some families
-use lives beside them: tree verify in :mod:`dflash_mlx.targets.tree_verify` (the
-:class:`~dflash_mlx.targets.tree_verify.TreeVerify` mixin), the Gated-DeltaNet
-layers and their cache checks in :mod:`dflash_mlx.targets.hybrid`.
-"""
+"""The generic decoder adapter: runs an mlx-lm model's own modules in its ``__call__`` order,
+capturing context features (spec section 3); family files override only what differs."""
 
 from __future__ import annotations
 
@@ -34,16 +22,13 @@ class TargetAdapter(TreeVerify):
     """Feature-capturing forward for one mlx-lm family.
 
     Args:
-        model: an mlx-lm ``Model``. Its text model is ``model.language_model`` when
-            there is one (vision-language wrappers such as ``qwen3_vl``, and every
-            ``qwen3_5`` model), else ``model`` itself; the text model's ``model``
-            holds ``embed_tokens``, ``layers`` and ``norm``.
+        model: an mlx-lm ``Model``; its text model is ``model.language_model`` when there is one.
 
     Attributes:
-        model: the model as loaded (weights and memory are counted on it).
-        text: the text model (has ``args``, ``model`` and, when untied, ``lm_head``).
-        inner: ``text.model``, the decoder stack.
-        args: ``text.args``, the text model's ``ModelArgs``.
+        model: the model as loaded.
+        text: the text model (``args``, ``model``, and ``lm_head`` when untied).
+        inner: ``text.model``, the decoder stack (``embed_tokens``, ``layers``, ``norm``).
+        args: ``text.args``.
     """
 
     def __init__(self, model: nn.Module):
@@ -88,16 +73,8 @@ class TargetAdapter(TreeVerify):
         return [mask] * self.num_layers
 
     def run_layers(self, inputs: mx.array, h: mx.array, cache: Sequence[Any]) -> Iterator[mx.array]:
-        """Run the decoder layers on the embedded inputs, as the family's ``__call__``.
-
-        Args:
-            inputs: [1, L] token ids (for families that embed more than once).
-            h: [1, L, H] output of :meth:`embed`.
-            cache: one entry per layer.
-
-        Yields:
-            [1, L, H] the residual stream after each layer, in order.
-        """
+        """Yield [1, L, H], the residual stream after each layer, from ``h`` = :meth:`embed` of
+        ``inputs`` [1, L] and one cache entry per layer."""
         for layer, c, mask in zip(self.layers, cache, self.masks(h, cache)):
             h = layer(h, mask, c)
             yield h
@@ -114,15 +91,10 @@ class TargetAdapter(TreeVerify):
         Args:
             inputs: [1, L] int32 token ids.
             cache: the model's prompt cache (updated in place).
-            capture: target layer ids whose OUTPUT is captured: Hugging Face's
-                ``hidden_states[l+1]`` (spec section 3), i.e. the residual stream
-                after layer l, and for the last layer the output after the final
-                norm, as Hugging Face models return it. Training and inference both
-                capture here, so they always agree.
-            tree: for a tree verify (DDTree, spec section 7), ``(positions [L] int
-                absolute position of each input, ancestors [L, L] bool)``: each input
-                sees every cached row and, among the inputs, only its ancestors and
-                itself. Only for families with :attr:`supports_tree`.
+            capture: layer ids whose output is captured, Hugging Face's ``hidden_states[l+1]``
+                (spec section 3); the last layer's is after the final norm.
+            tree: for a tree verify (spec section 7), ``(positions [L] int, ancestors [L, L]
+                bool)``; only for families with :attr:`supports_tree`.
 
         Returns:
             ``(hidden, features)``: hidden [1, L, H] after the final norm (feed it to
@@ -150,18 +122,10 @@ class TargetAdapter(TreeVerify):
         return h, features
 
     def make_cache(self, max_verify: int = 1) -> List[Any]:
-        """A fresh prompt cache, as mlx-lm makes it, that rolls back exactly.
-
-        Layers whose mlx-lm cache cannot roll back get one of ours (see
-        :meth:`exact_cache`): a :class:`~dflash_mlx.prompt_cache.window.WindowKVCache` instead of a
-        ``RotatingKVCache`` (which cannot be trimmed once it wraps), and in hybrid
-        targets (:mod:`dflash_mlx.targets.hybrid`) a
-        :class:`~dflash_mlx.prompt_cache.gated_delta.GatedDeltaCache` instead of a Gated-DeltaNet
-        layer's ``ArraysCache``.
+        """mlx-lm's prompt cache, each layer made exact by :meth:`exact_cache`.
 
         Args:
-            max_verify: most tokens one verify forward feeds (the block size, or a
-                tree's node count + 1): the most rows one rollback removes.
+            max_verify: most tokens one verify feeds: the most rows one rollback removes.
 
         Raises:
             RollbackError: a layer cache that cannot be made exact (names it).
@@ -171,7 +135,7 @@ class TargetAdapter(TreeVerify):
         return cache
 
     def exact_cache(self, i: int, c: Any, max_verify: int) -> Any:
-        """Layer ``i``'s cache as mlx-lm made it, or ours where it cannot roll back.
+        """Layer ``i``'s mlx-lm cache, or a ``WindowKVCache`` for a ``RotatingKVCache``.
 
         Raises:
             RollbackError: a ``RotatingKVCache`` with sink rows (``keep > 0``).
@@ -186,14 +150,11 @@ class TargetAdapter(TreeVerify):
         return c
 
     def check_cache(self, cache: Sequence[Any], max_verify: int) -> None:
-        """Refuse, before generation starts, a cache that cannot roll back exactly or
-        that another model built.
+        """Refuse a cache that cannot roll back ``max_verify`` rows exactly or that another model built.
 
         Raises:
-            MismatchError: the cache has another number of layers, or a recurrent
-                layer's cache belongs to another model (one line, names the layer).
-            RollbackError: one line naming the first layer whose cache cannot roll
-                back exactly, and its cache type.
+            MismatchError: another number of layers, or a layer cache of another model.
+            RollbackError: names the first layer that cannot roll back exactly, and its cache type.
         """
         expected = len(make_prompt_cache(self.model))
         if len(cache) != expected:
@@ -205,13 +166,7 @@ class TargetAdapter(TreeVerify):
             self.check_layer_cache(i, c, max_verify)
 
     def check_layer_cache(self, i: int, c: Any, max_verify: int) -> None:
-        """Refuse layer ``i``'s cache when it cannot roll back ``max_verify`` rows exactly
-        or another model built it (:class:`~dflash_mlx.targets.hybrid.HybridAdapter`
-        adds its Gated-DeltaNet layers' checks).
-
-        Raises:
-            MismatchError, RollbackError: as :meth:`check_cache`.
-        """
+        """:meth:`check_cache` for layer ``i``; raises as it does."""
         if isinstance(c, GatedDeltaCache):
             raise MismatchError(
                 f"target layer {i} is an attention layer but its cache is a Gated-DeltaNet "
@@ -234,10 +189,7 @@ class TargetAdapter(TreeVerify):
             )
 
     def rollback(self, cache: Sequence[Any], num_tokens: int) -> None:
-        """Remove the last ``num_tokens`` rows (rejected drafts) from every layer.
-
-        Every layer is checked first and every trimmed count is verified, so the
-        cache is either rolled back exactly or left as it was and an error raised.
+        """Remove the last ``num_tokens`` rows from every layer, or none (every layer is checked first).
 
         Raises:
             RollbackError: a layer cannot remove that many rows exactly.

@@ -1,9 +1,4 @@
-"""Gemma 3 targets (``gemma3_text``; the ``gemma3`` vision wrapper holds one).
-
-Differs from the generic decoder in: the embedding scale (sqrt(hidden), rounded to
-bfloat16 as mlx-lm does), every ``sliding_window_pattern``-th layer global and the
-others sliding-window, and a head tied or not by the model's own flag.
-"""
+"""Gemma 3 targets: scaled embeddings, every ``sliding_window_pattern``-th layer global, the others windowed."""
 
 from typing import Any, List, Sequence
 
@@ -17,8 +12,7 @@ class Gemma3TextAdapter(TargetAdapter):
     """mlx_lm.models.gemma3_text."""
 
     def embed(self, inputs: mx.array) -> mx.array:
-        """Scaled embeddings, as the model's first step (and Hugging Face's
-        ``Gemma3TextScaledWordEmbedding``, which drafters are trained on)."""
+        """Embeddings times sqrt(hidden) rounded to bfloat16, as the model does."""
         h = self.inner.embed_tokens(inputs)
         return h * mx.array(self.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
 
@@ -35,5 +29,4 @@ class Gemma3TextAdapter(TargetAdapter):
         return self.text.lm_head(h)
 
 
-# model_type -> adapter: targets/__init__.py collects these from every file in targets/
 MODEL_TYPES = {"gemma3_text": Gemma3TextAdapter, "gemma3": Gemma3TextAdapter}

@@ -1,17 +1,5 @@
-"""Gemma 4 targets (``gemma4_text``; the ``gemma4`` vision wrapper holds one).
-
-Differs from the generic decoder in:
-- the embedding scale (sqrt(hidden));
-- per-layer inputs (small models): a second embedding of the ids plus a projection
-  of the scaled embedding, one slice per layer, built by the model's own methods;
-- KV sharing: the last ``num_kv_shared_layers`` layers have no cache and reuse the
-  keys, values and positions of the last earlier layer of their kind;
-- sliding-window and full layers by ``layer_types``, masks from the first layer
-  of each kind;
-- logit softcapping after the head (``final_logit_softcapping``).
-Per-layer scalars, MoE blocks and ``attention_k_eq_v`` live inside the layers,
-which run as loaded.
-"""
+"""Gemma 4 targets: scaled embeddings, per-layer inputs, KV-shared last layers (no cache),
+masks by ``layer_types``, logit softcapping."""
 
 from typing import Any, Iterator, Sequence
 
@@ -25,15 +13,13 @@ class Gemma4TextAdapter(TargetAdapter):
     """mlx_lm.models.gemma4_text."""
 
     def embed(self, inputs: mx.array) -> mx.array:
-        """Scaled embeddings, as the model's first step (and Hugging Face's scaled
-        word embedding, which drafters are trained on)."""
+        """Embeddings times the model's ``embed_scale``."""
         return self.inner.embed_tokens(inputs) * self.inner.embed_scale
 
     def run_layers(self, inputs: mx.array, h: mx.array, cache: Sequence[Any]) -> Iterator[mx.array]:
         inner, n = self.inner, self.num_layers
         per_layer = [None] * n
         if inner.hidden_size_per_layer_input:
-            # The model's own (private) helpers, so the per-layer inputs are its own.
             slices = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(inputs))
             per_layer = [slices[:, :, i, :] for i in range(n)]
         cache = list(cache) + [None] * (n - len(cache))  # KV-shared layers have none
@@ -53,5 +39,4 @@ class Gemma4TextAdapter(TargetAdapter):
         return out
 
 
-# model_type -> adapter: targets/__init__.py collects these from every file in targets/
 MODEL_TYPES = {"gemma4_text": Gemma4TextAdapter, "gemma4": Gemma4TextAdapter}

@@ -1,10 +1,4 @@
-"""gpt-oss targets (``gpt_oss``): attention sinks, alternating sliding-window and full
-layers, MoE blocks.
-
-The sinks and the experts live inside the model's own layers, which run as loaded;
-the adapter gives each layer its mask, windowed for the sliding layers, whose
-``RotatingKVCache`` becomes a :class:`~dflash_mlx.prompt_cache.window.WindowKVCache`.
-"""
+"""gpt-oss targets: sliding-window and full layers by ``layer_types`` (sinks and experts run as loaded)."""
 
 from typing import Any, List, Sequence
 
@@ -24,5 +18,4 @@ class GptOssAdapter(TargetAdapter):
         return [full if kind == "full_attention" else window for kind in inner.layer_types]
 
 
-# model_type -> adapter: targets/__init__.py collects these from every file in targets/
 MODEL_TYPES = {"gpt_oss": GptOssAdapter}

@@ -1,16 +1,6 @@
-"""Hybrid targets: Gated-DeltaNet (linear attention) layers between attention layers.
-
-Shared by ``qwen3_5``, ``qwen3_5_moe`` and ``qwen3_next``. Attention layers run as
-the model's own modules. A Gated-DeltaNet layer is run here, from the layer's own
-sub-modules and mlx-lm's ``normalize_qk`` / ``gated_delta_update``, in the order of
-mlx-lm's ``GatedDeltaNet.__call__`` (tests pin the logits bit for bit): the only
-difference is that it hands its recurrence inputs to the layer's
-:class:`~dflash_mlx.prompt_cache.gated_delta.GatedDeltaCache`, which replays the accepted prefix on a
-rollback (DFLASH_SPEC.md section 10). The family files give the input projections,
-the one place where the families' layers differ. What only hybrids need of the cache
-checks lives here too: which layers are recurrent (``recurrent_module``) and what
-their caches must be (``check_layer_cache``).
-"""
+"""Hybrid targets (``qwen3_5``, ``qwen3_5_moe``, ``qwen3_next``): Gated-DeltaNet layers between attention
+layers. A Gated-DeltaNet layer runs here as mlx-lm's ``GatedDeltaNet.__call__`` (same bits), handing its
+recurrence inputs to its ``GatedDeltaCache`` for rollback (spec section 10); family files give the projections."""
 
 from __future__ import annotations
 
@@ -29,8 +19,7 @@ from .fused import attention_mask
 
 
 class HybridAdapter(TargetAdapter):
-    """Layers with ``is_linear`` run a Gated-DeltaNet (``linear_attn``), the others
-    attention (``self_attn``); the decoder stack has ``fa_idx`` / ``ssm_idx``."""
+    """Layers with ``is_linear`` run a Gated-DeltaNet (``linear_attn``), the others attention."""
 
     def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
         inner = self.inner
@@ -58,9 +47,7 @@ class HybridAdapter(TargetAdapter):
         return super().exact_cache(i, c, max_verify)
 
     def check_layer_cache(self, i: int, c: Any, max_verify: int) -> None:
-        """As the generic check for attention layers; a Gated-DeltaNet layer's cache must
-        be a :class:`~dflash_mlx.prompt_cache.gated_delta.GatedDeltaCache` built for this very
-        layer with room to roll back ``max_verify`` tokens.
+        """A Gated-DeltaNet layer's cache must be a ``GatedDeltaCache`` of this layer with room for ``max_verify``.
 
         Raises:
             MismatchError: another model's cache (mlx-lm's own ``ArraysCache`` aside).
@@ -93,18 +80,13 @@ class HybridAdapter(TargetAdapter):
             )
 
     def project(self, gdn: nn.Module, x: mx.array) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
-        """The layer's input projections of [1, S, H] inputs.
-
-        Returns:
-            ``(qkv [1, S, conv_dim], z [1, S, Hv, Dv], b [1, S, Hv], a [1, S, Hv])``.
-        """
+        """``(qkv [1, S, conv_dim], z [1, S, Hv, Dv], b [1, S, Hv], a [1, S, Hv])`` of inputs [1, S, H]."""
         raise NotImplementedError
 
     def gated_delta_net(self, gdn: nn.Module, x: mx.array, mask: Optional[mx.array],
                         cache: GatedDeltaCache) -> mx.array:
-        """One Gated-DeltaNet layer (``gdn`` is its ``linear_attn``) on [1, S, H]
-        normed inputs, as mlx-lm computes it (batch 1, no padding); updates the
-        cache and records the forward for rollback. Returns [1, S, H]."""
+        """One Gated-DeltaNet layer (``gdn``: its ``linear_attn``) on [1, S, H] normed inputs -> [1, S, H];
+        updates ``cache`` (a ``GatedDeltaCache`` records the forward for rollback)."""
         B, S, _ = x.shape
         qkv, z, b, a = self.project(gdn, x)
         conv_state = cache[0]

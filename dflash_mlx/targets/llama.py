@@ -25,5 +25,4 @@ class LlamaAdapter(TargetAdapter):
         return [window if layer.use_sliding else full for layer in self.layers]
 
 
-# model_type -> adapter: targets/__init__.py collects these from every file in targets/
 MODEL_TYPES = {"llama": LlamaAdapter}

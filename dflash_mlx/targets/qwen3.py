@@ -9,5 +9,4 @@ class Qwen3Adapter(TargetAdapter):
     supports_tree = True
 
 
-# model_type -> adapter: targets/__init__.py collects these from every file in targets/
 MODEL_TYPES = {"qwen3": Qwen3Adapter, "qwen3_vl": Qwen3Adapter}

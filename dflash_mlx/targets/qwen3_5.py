@@ -1,8 +1,4 @@
-"""Qwen3.5 / Qwen3.6 targets (``qwen3_5``): Gated-DeltaNet and gated-attention layers.
-
-mlx-lm always loads them as a wrapper whose ``language_model`` is the text model
-(with or without vision weights in the checkpoint); the adapter runs that.
-"""
+"""Qwen3.5 / Qwen3.6 targets (``qwen3_5``): Gated-DeltaNet and gated-attention layers."""
 
 from typing import Tuple
 
@@ -22,5 +18,4 @@ class Qwen35Adapter(HybridAdapter):
         return qkv, z, gdn.in_proj_b(x), gdn.in_proj_a(x)
 
 
-# model_type -> adapter: targets/__init__.py collects these from every file in targets/
 MODEL_TYPES = {"qwen3_5": Qwen35Adapter}

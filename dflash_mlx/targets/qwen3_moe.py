@@ -9,5 +9,4 @@ class Qwen3MoeAdapter(TargetAdapter):
     supports_tree = True
 
 
-# model_type -> adapter: targets/__init__.py collects these from every file in targets/
 MODEL_TYPES = {"qwen3_moe": Qwen3MoeAdapter, "qwen3_vl_moe": Qwen3MoeAdapter}

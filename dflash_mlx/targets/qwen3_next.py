@@ -20,5 +20,4 @@ class Qwen3NextAdapter(HybridAdapter):
         return qkv, z, b, a
 
 
-# model_type -> adapter: targets/__init__.py collects these from every file in targets/
 MODEL_TYPES = {"qwen3_next": Qwen3NextAdapter}
