@@ -1,6 +1,5 @@
-"""What the bench times: each engine takes prompt ids and yields lists of committed token ids,
-one list per target forward (DFlash, this loop without a drafter, mlx-lm plain and speculative).
-Nothing here detokenizes or reads the clock; :mod:`dflash_mlx.bench.runner` does the timing."""
+"""What the bench times: engines that take prompt ids and yield lists of committed token ids, one
+list per target forward. None of them detokenizes or reads the clock."""
 
 from __future__ import annotations
 
@@ -14,24 +13,12 @@ from ..stats import GenerationStats
 from ..targets.fused import unfused
 
 
-def variant_label(block_size, tree_budget) -> int | str:
-    """A DFlash variant's name in reports: B (fixed chains), ``auto``, ``tree N``
-    (fixed trees of N nodes) or ``auto+tree`` (widths and tree budgets by cost)."""
-    if tree_budget is None:
-        return block_size
-    return "auto+tree" if tree_budget == "auto" else f"tree {tree_budget}"
-
-
 class Engine:
-    """A way to decode: ``stream`` yields lists of committed token ids.
-
-    Attributes:
-        name: ``ar``, ``mlx-lm``, ``draft-model`` or ``dflash``.
-        block_size: tokens per target forward at most (1 for plain decoding).
-    """
+    """A way to decode. ``name``: ``ar``, ``mlx-lm``, ``draft-model`` or ``dflash``;
+    ``block_size``: its label in reports (1 for plain decoding)."""
 
     name = "engine"
-    block_size = 1
+    block_size: int | str = 1
 
     def stream(self, ids: List[int], max_tokens: int, sampler, stop_ids: Sequence[int],
                stats: GenerationStats) -> Iterator[List[int]]:
@@ -39,38 +26,36 @@ class Engine:
 
 
 class DFlashEngine(Engine):
-    """This project's engine: DFlash with a drafter, plain decoding (``ar``) without.
+    """This project's loop: DFlash with a drafter, plain decoding (``ar``) with None.
 
     Args:
-        target: the target adapter.
-        drafter: a bound drafter (or a :class:`SimulatedDrafter`), or None for ``ar``.
-        block_size: B (default: the drafter's trained block size), or ``"auto"``.
-        tree_budget: None (chains), a tree budget N, or ``"auto"``.
+        block_size: B (default: the drafter's trained size) or ``"auto"``.
+        tree_budget: None (chains), N nodes or ``"auto"``.
 
-    ``block_size`` is the report's label of this variant: B for fixed chains, else
-    ``"auto"``, ``"tree N"`` or ``"auto+tree"`` (see :func:`variant_label`).
+    Its label is B, ``"auto"``, ``"tree N"`` or ``"auto+tree"``.
     """
 
     def __init__(self, target, drafter: Optional[Drafter] = None, block_size: Optional[int | str] = None,
                  tree_budget: Optional[int | str] = None):
-        self.target, self.drafter = target, drafter
+        self.target, self.drafter, self.tree_budget = target, drafter, tree_budget
         self.draft_block = check_block_size(block_size, drafter)
         self.verify_block = block_size if block_size == "auto" else self.draft_block
-        self.tree_budget = tree_budget
-        self.block_size = variant_label(self.verify_block, tree_budget) if drafter is not None else 1
-        self.name = "dflash" if drafter is not None else "ar"
+        if drafter is None:
+            self.block_size, self.name = 1, "ar"
+        else:
+            self.name = "dflash"
+            self.block_size = self.verify_block if tree_budget is None else \
+                "auto+tree" if tree_budget == "auto" else f"tree {tree_budget}"
 
     def stream(self, ids, max_tokens, sampler, stop_ids, stats):
-        prompt = mx.array(ids, dtype=mx.int32)
-        for step in generate_step(prompt, self.target, self.drafter, sampler=sampler, max_tokens=max_tokens,
-                                  block_size=self.verify_block if self.drafter is not None else None,
-                                  tree_budget=self.tree_budget, stop_token_ids=stop_ids, stats=stats):
+        for step in generate_step(mx.array(ids, dtype=mx.int32), self.target, self.drafter, sampler=sampler,
+                                  max_tokens=max_tokens, tree_budget=self.tree_budget, stop_token_ids=stop_ids,
+                                  block_size=self.verify_block if self.drafter is not None else None, stats=stats):
             yield step.tokens
 
 
 class MlxLmEngine(Engine):
-    """Plain mlx-lm decoding (``mlx_lm.generate.generate_step``, what its
-    ``stream_generate`` runs)."""
+    """Plain mlx-lm decoding (``mlx_lm.generate.generate_step``)."""
 
     name = "mlx-lm"
 
@@ -80,31 +65,22 @@ class MlxLmEngine(Engine):
     def stream(self, ids, max_tokens, sampler, stop_ids, stats):
         from mlx_lm.generate import generate_step as mlx_generate_step
 
-        stops = set(stop_ids)
-        prompt = mx.array(ids, dtype=mx.int32)
         with unfused(self.model):  # mlx-lm's model as mlx-lm loads it
-            for n, (token, _) in enumerate(mlx_generate_step(prompt, self.model, max_tokens=max_tokens,
-                                                             sampler=sampler)):
+            steps = mlx_generate_step(mx.array(ids, dtype=mx.int32), self.model, max_tokens=max_tokens,
+                                      sampler=sampler)
+            for n, (token, _) in enumerate(steps):
                 if n:  # the first token comes from prefill
                     stats.record_plain()
-                if token in stops:
+                if token in stop_ids:
                     yield []
                     return
                 yield [token]
 
 
 class MlxLmSpeculativeEngine(Engine):
-    """mlx-lm speculative decoding with an autoregressive draft model
-    (``mlx_lm.generate.speculative_generate_step``).
-
-    Tokens of one draft/verify cycle are yielded as one list (a cycle ends with
-    the target's own token), so its acceptance histogram is comparable to DFlash's.
-
-    Args:
-        model: the target mlx-lm model.
-        draft_model: a small mlx-lm model with the target's vocabulary.
-        num_draft_tokens: drafts per cycle (mlx-lm's CLI default is 3).
-    """
+    """mlx-lm speculative decoding with an autoregressive draft model of the target's vocabulary
+    (``mlx_lm.generate.speculative_generate_step``); the tokens of one draft/verify cycle come as
+    one list, so its acceptance histogram compares with DFlash's."""
 
     name = "draft-model"
 
@@ -115,17 +91,13 @@ class MlxLmSpeculativeEngine(Engine):
     def stream(self, ids, max_tokens, sampler, stop_ids, stats):
         from mlx_lm.generate import speculative_generate_step
 
-        stops = set(stop_ids)
-        prompt = mx.array(ids, dtype=mx.int32)
         cycle: List[int] = []
-        n = 0
         with unfused(self.model, self.draft_model):  # mlx-lm's models as mlx-lm loads them
-            for token, _, from_draft in speculative_generate_step(
-                prompt, self.model, self.draft_model, num_draft_tokens=self.num_draft_tokens,
-                max_tokens=max_tokens, sampler=sampler,
-            ):
-                n += 1
-                if token in stops:
+            steps = speculative_generate_step(mx.array(ids, dtype=mx.int32), self.model, self.draft_model,
+                                              num_draft_tokens=self.num_draft_tokens, max_tokens=max_tokens,
+                                              sampler=sampler)
+            for n, (token, _, from_draft) in enumerate(steps, 1):
+                if token in stop_ids:
                     stats.record_step(len(cycle), self.num_draft_tokens)
                     yield cycle
                     return

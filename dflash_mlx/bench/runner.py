@@ -1,45 +1,34 @@
 """Run a baseline and DFlash alternately over a prompt set, in one process.
 
-Every engine is consumed the same way: the prompt ids go in, lists of committed
-token ids come out (one list per target forward), and the consumer stamps each
-list with ``time.perf_counter``. No engine detokenizes while it is timed (mlx-lm's
-``stream_generate`` and ours wrap exactly these generators and add the detokenizer),
-so the figures compare decoding and nothing else.
-
-Per run:
-
-- prompt time: from the call to the first committed token (prefill + first sample;
-  for mlx-lm speculative decoding, whose first tokens come out of its first
-  draft/verify cycle, that cycle too);
-- decode time: from the first committed list to the last one; decode tokens are
-  the tokens after the first list. A stop token ends the run; its step is timed,
-  the token is not counted (as mlx-lm's ``stream_generate`` does);
-- peak memory: ``mx.get_peak_memory()`` after ``mx.reset_peak_memory()``, in GB
-  (1e9 bytes), weights included.
+Engines yield lists of committed token ids (one per target forward) and :func:`timed_run` stamps
+each with ``time.perf_counter``; nothing detokenizes while timed. Prompt time runs from the call
+to the first list, decode time from the first list to the last; a stop token's step is timed but
+the token is not counted. Peak memory is ``mx.get_peak_memory()`` in GB (1e9 bytes).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from ..decode.generate import check_block_size, generate_step
 from ..errors import InputError
 from ..ranges import check_number
-from ..decode.generate import check_block_size, generate_step
 from ..sampling import Sampling
-from .simulate import SimulatedDrafter
 from ..stats import GenerationStats, histogram_dict
 from .datasets import Sample, encode_sample_turn
 from .engines import DFlashEngine, Engine
+from .simulate import SimulatedDrafter
 
 ProgressFn = Callable[[str, int, int], None]  # (dataset, items done, items in all)
+TRACE_STRIDE = 61  # blocks between the starts of two prompts' replay of a trace
 
 
 def parse_baseline(spec: str) -> tuple[str, Optional[str]]:
-    """Split ``--baseline``: ``ar``, ``mlx-lm`` or ``draft-model:PATH``.
+    """``--baseline``: ``ar``, ``mlx-lm`` or ``draft-model:PATH``, as ``(kind, path or None)``.
 
     Raises:
         InputError: any other value.
@@ -51,27 +40,13 @@ def parse_baseline(spec: str) -> tuple[str, Optional[str]]:
     raise InputError(f"--baseline {spec}: expected ar, mlx-lm or draft-model:PATH")
 
 
-# --------------------------------------------------------------------------- one run
-
-
 @dataclass
 class RunRecord:
-    """The figures of one timed generation.
+    """One timed generation: seconds, tokens, GB.
 
-    Attributes:
-        sample, turn, repeat: which item (turn of a multi-turn sample) and which repeat.
-        engine: engine name; ``block_size``: its B (1 for plain decoding), or the
-            label of an adaptive or tree variant (``"auto"``, ``"tree 32"``).
-        prompt_tokens: tokens prefilled.
-        tokens: committed token ids (not written to JSON).
-        first_tokens: tokens in the first committed list (not decode tokens).
-        prompt_s: seconds from the call to the first committed list.
-        decode_s: seconds from the first committed list to the last one.
-        stats: the engine's :class:`~dflash_mlx.stats.GenerationStats` (verify steps,
-            acceptance, phase seconds; the phases are zero for mlx-lm engines).
-        peak_memory_gb: peak MLX memory during the run, GB.
-        matches_baseline: at temperature 0, whether the tokens equal the baseline's
-            (None for the baseline itself or when sampling).
+    ``block_size`` is the variant's label (B, 1 for plain decoding, ``"auto"``, ``"tree N"``,
+    ``"auto+tree"``); ``first_tokens`` the size of the first committed list; ``matches_baseline``
+    (temperature 0 only) whether the tokens equal the baseline run's; ``tokens`` is not written out.
     """
 
     sample: str
@@ -98,7 +73,6 @@ class RunRecord:
 
     @property
     def steps(self) -> int:
-        """Verify steps."""
         return self.stats.steps
 
     @property
@@ -108,7 +82,6 @@ class RunRecord:
 
     @property
     def decode_tps(self) -> Optional[float]:
-        """Decode tokens per second (None when nothing was decoded after the first list)."""
         return self.decode_tokens / self.decode_s if self.decode_s > 0 and self.decode_tokens > 0 else None
 
     @property
@@ -116,7 +89,6 @@ class RunRecord:
         return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else None
 
     def to_dict(self) -> dict:
-        """JSON figures (seconds to the microsecond, tokens/s, GB); token ids are left out."""
         def r(x, n=6):
             return None if x is None else round(x, n)
 
@@ -127,20 +99,14 @@ class RunRecord:
             "generation_tokens": self.generation_tokens, "decode_tokens": self.decode_tokens,
             "prompt_s": r(self.prompt_s), "decode_s": r(self.decode_s), "prompt_tps": r(self.prompt_tps, 3),
             "decode_tps": r(self.decode_tps, 3), "steps": s.steps, "plain_steps": s.plain_steps,
-            "tau": r(s.tau, 4), "acceptance_rate": r(s.acceptance_rate, 4),
-            "acceptance_rule": s.acceptance_rule,
-            "acceptance_histogram": histogram_dict(s.histogram),
-            "phase_s": {k: r(v) for k, v in s.phase_s.items()},
+            "tau": r(s.tau, 4), "acceptance_rate": r(s.acceptance_rate, 4), "acceptance_rule": s.acceptance_rule,
+            "acceptance_histogram": histogram_dict(s.histogram), "phase_s": {k: r(v) for k, v in s.phase_s.items()},
             "peak_memory_gb": r(self.peak_memory_gb), "matches_baseline": self.matches_baseline,
         }
 
 
 def timed_run(engine: Engine, ids: List[int], max_tokens: int, sampler, stop_ids: Sequence[int]) -> RunRecord:
-    """Run ``engine`` once on ``ids`` and time it in the consumer (see module doc).
-
-    Returns:
-        A :class:`RunRecord` with sample/turn/repeat left blank.
-    """
+    """Run ``engine`` once on ``ids``, timed by the consumer; sample, turn and repeat left blank."""
     stats = GenerationStats(block_size=getattr(engine, "draft_block", engine.block_size), prompt_tokens=len(ids))
     tokens: List[int] = []
     first = last = None
@@ -154,37 +120,23 @@ def timed_run(engine: Engine, ids: List[int], max_tokens: int, sampler, stop_ids
             first, first_tokens = last, len(chunk)
         tokens.extend(chunk)
     return RunRecord(
-        sample="", turn=0, repeat=0, engine=engine.name, block_size=engine.block_size,
-        prompt_tokens=len(ids), tokens=tokens, first_tokens=first_tokens,
-        prompt_s=(first - tic) if first is not None else 0.0,
-        decode_s=(last - first) if first is not None else 0.0,
-        stats=stats, peak_memory_gb=mx.get_peak_memory() / 1e9,
+        sample="", turn=0, repeat=0, engine=engine.name, block_size=engine.block_size, prompt_tokens=len(ids),
+        tokens=tokens, first_tokens=first_tokens, prompt_s=(first - tic) if first is not None else 0.0,
+        decode_s=(last - first) if first is not None else 0.0, stats=stats,
+        peak_memory_gb=mx.get_peak_memory() / 1e9,
     )
-
-
-# --------------------------------------------------------------------------- a dataset
 
 
 @dataclass
 class BenchConfig:
     """What to run.
 
-    Attributes:
-        max_tokens: most tokens per generation.
-        block_sizes: DFlash block sizes to sweep (None = the drafter's trained size;
-            ``"auto"``: widths chosen by measured cost).
-        tree_budgets: DDTree budgets to run too (N nodes, or ``"auto"``), each drafted
-            at the trained block size.
-        temp, top_p, top_k, min_p: sampling (mlx-lm's sampler; temp 0 is greedy).
-        seed: PRNG seed; each run reseeds with ``seed`` so runs are reproducible.
-        repeats: runs of each engine per prompt.
-        simulate_acceptance: A; when set, DFlash's proposals are the target's greedy
-            continuation for the first A slots and wrong after (needs temp 0); or a
-            trace of A values, one per block drafted (:func:`dflash_mlx.bench.simulate.read_trace`).
-        enable_thinking: passed to the chat template.
-        warmup_tokens: tokens of the warm-up run of each engine (0: no warm-up).
-        draft_window: ``(sink, window)`` context rows the drafter keeps
-            (``--draft-window``), or None: all.
+    ``block_sizes``: B values, None (the drafter's trained size) or ``"auto"``; ``tree_budgets``:
+    DDTree budgets (N nodes or ``"auto"``) drafted at the trained size; ``repeats``: runs of each
+    engine per prompt, each reseeded with ``seed``; ``simulate_acceptance``: A (the first A drafts
+    of each block right, needs temp 0) or a trace of A values, one per block
+    (:func:`.simulate.read_trace`); ``warmup_tokens``: untimed warm-up per engine (0: none);
+    ``draft_window``: ``(sink, window)`` or None.
     """
 
     max_tokens: int = 256
@@ -202,7 +154,7 @@ class BenchConfig:
     draft_window: Optional[tuple] = None
 
     def check(self) -> None:
-        """Raises InputError naming the flag that is out of range (before anything loads)."""
+        """Raises InputError naming the flag that is out of range."""
         check_number("--max-tokens", self.max_tokens, at_least=1)
         check_number("--repeats", self.repeats, at_least=1)
         check_number("--warmup-tokens", self.warmup_tokens, at_least=0)
@@ -217,22 +169,19 @@ class BenchConfig:
             if self.temp != 0:
                 raise InputError("--simulate-acceptance needs --temp 0 (it replays the greedy continuation)")
             fixed = [b for b in self.block_sizes if isinstance(b, int)]
-            if not self.tree_budgets and fixed and len(fixed) == len(self.block_sizes):
-                check_acceptance(self.simulate_acceptance, max(fixed))
-            else:
-                check_acceptance(self.simulate_acceptance, None)
+            only_fixed = not self.tree_budgets and fixed and len(fixed) == len(self.block_sizes)
+            check_acceptance(self.simulate_acceptance, max(fixed) if only_fixed else None)
 
     def sampler(self) -> Sampling:
         return Sampling(self.temp, self.top_p, self.min_p, self.top_k)
 
 
 def check_acceptance(accept: Union[int, Sequence[int]], block_size: Optional[int]) -> None:
-    """``--simulate-acceptance``: A in ``0..B-1``, the drafts of the largest block B
-    drafted (no upper bound while B is not known); a trace's counts >= 0 (recorded at
-    the trained block size, they are cut to B-1 at smaller ones).
+    """``--simulate-acceptance``: A in ``0..B-1`` for the largest B drafted (>= 0 while B is not
+    known), or a non-empty trace of counts >= 0.
 
     Raises:
-        InputError: naming the flag and B; an empty trace.
+        InputError: naming the flag and B.
     """
     if isinstance(accept, int):
         most = None if block_size is None else block_size - 1
@@ -246,7 +195,7 @@ def check_acceptance(accept: Union[int, Sequence[int]], block_size: Optional[int
 
 @dataclass
 class DatasetResult:
-    """All runs of one dataset; :func:`dflash_mlx.bench.report.summarize` digests them."""
+    """All runs of one dataset, for :func:`.report.summarize`."""
 
     name: str
     num_samples: int
@@ -255,7 +204,7 @@ class DatasetResult:
 
 
 def greedy_continuation(target, ids: List[int], max_tokens: int, stop_ids: Sequence[int]) -> List[int]:
-    """Prompt plus the target's plain greedy continuation (``max_tokens`` tokens at most)."""
+    """``ids`` followed by the target's plain greedy continuation (``max_tokens`` at most)."""
     out = list(ids)
     for step in generate_step(mx.array(ids, dtype=mx.int32), target, None, max_tokens=max_tokens,
                               stop_token_ids=stop_ids):
@@ -263,21 +212,18 @@ def greedy_continuation(target, ids: List[int], max_tokens: int, stop_ids: Seque
     return out
 
 
-TRACE_STRIDE = 61  # blocks between the starts of two prompts' replay of a trace
-
-
 class Runner:
-    """Alternates a baseline and DFlash at each block size over samples.
+    """Alternates a baseline and DFlash at each variant over samples.
 
     Args:
-        target: the target adapter (used for DFlash and the ``ar`` baseline).
-        drafter: the bound drafter.
+        target, drafter: the target adapter and the bound drafter.
         baseline: the baseline :class:`Engine`.
         config: :class:`BenchConfig`.
-        tokenizer: mlx-lm ``TokenizerWrapper`` for text samples (chat template,
-            stop tokens, decoding of multi-turn answers); None when every sample
-            carries ``prompt_ids``.
+        tokenizer: mlx-lm ``TokenizerWrapper`` for text samples; None when every sample has ``prompt_ids``.
         stop_ids: stop token ids (default: the tokenizer's EOS ids, else none).
+
+    Raises:
+        InputError: a block size the drafter cannot draft, or a bad config.
     """
 
     def __init__(self, target, drafter, baseline: Engine, config: BenchConfig, tokenizer=None,
@@ -294,31 +240,25 @@ class Runner:
         if config.simulate_acceptance is not None:
             check_acceptance(config.simulate_acceptance, max(self.block_sizes))
         self._warm = False
-        self._continuations: Dict[tuple, List[int]] = {}
-        self._prompts = 0  # prompts seen, for where a replayed trace starts
+        self._continuation: tuple = ((), [])
+        self._prompts = 0  # prompts seen: where a replayed trace starts
         self._simulated: Dict[tuple, SimulatedDrafter] = {}
 
-    def _encode(self, messages: List[dict]) -> List[int]:
-        if self.tokenizer is None:
-            raise InputError("text prompts need a tokenizer; give samples with prompt_ids instead")
-        return encode_sample_turn(self.tokenizer, messages, self.config.enable_thinking)
-
     def _dflash(self, variant: tuple, ids: List[int]) -> DFlashEngine:
-        drafter = self.drafter
-        A = self.config.simulate_acceptance
-        if A is not None:
-            key = tuple(ids)
-            if key not in self._continuations:  # one plain greedy run per prompt, untimed
-                horizon = self.config.max_tokens + max(self.block_sizes) + 64
-                self._continuations = {key: greedy_continuation(self.target, ids, horizon, self.stop_ids)}
-                self._prompts += 1
-            if not isinstance(A, int):  # a trace: each prompt replays it from its own place, every engine alike
-                at = (self._prompts - 1) * TRACE_STRIDE % len(A)
-                A = list(A[at:]) + list(A[:at])
-            drafter = self._simulated.get(variant)  # one per variant: auto learns across prompts, as in use
-            if drafter is None:
-                drafter = self._simulated[variant] = SimulatedDrafter(self.drafter, (), 0, self.target.vocab_size)
-            drafter.reset(self._continuations[key], A)
+        accept = self.config.simulate_acceptance
+        if accept is None:
+            return DFlashEngine(self.target, self.drafter, *variant)
+        if self._continuation[0] != tuple(ids):  # one untimed plain greedy run per prompt
+            horizon = self.config.max_tokens + max(self.block_sizes) + 64
+            self._continuation = (tuple(ids), greedy_continuation(self.target, ids, horizon, self.stop_ids))
+            self._prompts += 1
+        if not isinstance(accept, int):  # each prompt replays the trace from its own place
+            at = (self._prompts - 1) * TRACE_STRIDE % len(accept)
+            accept = list(accept[at:]) + list(accept[:at])
+        drafter = self._simulated.get(variant)  # one per variant: auto learns across prompts, as in use
+        if drafter is None:
+            drafter = self._simulated[variant] = SimulatedDrafter(self.drafter, (), 0, self.target.vocab_size)
+        drafter.reset(self._continuation[1], accept)
         return DFlashEngine(self.target, drafter, *variant)
 
     def _run(self, engine: Engine, ids: List[int], max_tokens: int) -> RunRecord:
@@ -326,72 +266,53 @@ class Runner:
         return timed_run(engine, ids, max_tokens, self.config.sampler(), self.stop_ids)
 
     def warmup(self, ids: List[int]) -> None:
-        """One short run of every engine, so allocation and first-call costs are not timed."""
-        n = self.config.warmup_tokens
-        if n <= 0 or self._warm:
+        """One short untimed run of every engine, once."""
+        if self.config.warmup_tokens <= 0 or self._warm:
             return
-        self._run(self.baseline, ids, n)
+        self._run(self.baseline, ids, self.config.warmup_tokens)
         for variant in self.variants:
-            self._run(self._dflash(variant, ids), ids, n)
+            self._run(self._dflash(variant, ids), ids, self.config.warmup_tokens)
         self._warm = True
 
-    def turns(self, sample: Sample) -> int:
-        return 1 if sample.prompt_ids is not None else max(len(sample.turns), 1)
+    def _prompt(self, sample: Sample, messages: List[dict], turn: int) -> List[int]:
+        if sample.prompt_ids is not None:
+            return list(sample.prompt_ids)
+        if sample.turns:
+            messages.append({"role": "user", "content": sample.turns[turn]})
+        if self.tokenizer is None:
+            raise InputError("text prompts need a tokenizer; give samples with prompt_ids instead")
+        return encode_sample_turn(self.tokenizer, messages, self.config.enable_thinking)
 
     def run_dataset(self, name: str, samples: Sequence[Sample], progress: Optional[ProgressFn] = None) -> DatasetResult:
-        """Run every sample (every turn, every repeat): baseline and DFlash at each
-        block size back to back, the order reversed on every other run to cancel drift.
-
-        Args:
-            name: dataset name for the report.
-            samples: from :func:`dflash_mlx.bench.datasets.load_dataset`, or with ``prompt_ids``.
-            progress: called as ``progress(name, done, total)`` after each item
-                (an item is one turn of one sample, all engines, one repeat).
-
-        Returns:
-            :class:`DatasetResult` with one :class:`RunRecord` per run.
-        """
+        """Every turn of every sample, every repeat: baseline and each variant back to back, the
+        order reversed on every other run. ``progress(name, done, total)`` follows each item
+        (one turn, all engines, one repeat). A later turn sees the baseline's earlier answers."""
         result = DatasetResult(name, len(samples), self.baseline.name)
-        total = sum(self.turns(s) for s in samples) * self.config.repeats
-        done = 0
+        turns = [1 if s.prompt_ids is not None else max(len(s.turns), 1) for s in samples]
+        done, total = 0, sum(turns) * self.config.repeats
         for index, sample in enumerate(samples):
             messages = list(sample.messages)
-            for turn in range(self.turns(sample)):
-                if sample.prompt_ids is not None:
-                    ids = list(sample.prompt_ids)
-                else:
-                    if sample.turns:
-                        messages.append({"role": "user", "content": sample.turns[turn]})
-                    ids = self._encode(messages)
+            for turn in range(turns[index]):
+                ids = self._prompt(sample, messages, turn)
                 self.warmup(ids)
-                answer = None
                 for repeat in range(self.config.repeats):
                     runs = self._pair(ids, reverse=(index + repeat) % 2 == 1)
                     for r in runs:
                         r.sample, r.turn, r.repeat = sample.id, turn, repeat
                     result.runs.extend(runs)
-                    answer = runs[0].tokens
                     done += 1
                     if progress is not None:
                         progress(name, done, total)
-                if sample.turns and turn + 1 < len(sample.turns):
-                    messages.append({"role": "assistant", "content": self.tokenizer.decode(answer)})
+                if turn + 1 < len(sample.turns):
+                    messages.append({"role": "assistant", "content": self.tokenizer.decode(runs[0].tokens)})
         return result
 
     def _pair(self, ids: List[int], reverse: bool) -> List[RunRecord]:
-        """Baseline then DFlash at each B (reversed order if ``reverse``); baseline first in the list."""
-        engines: List[Any] = [self.baseline] + [self._dflash(v, ids) for v in self.variants]
-        order = list(range(len(engines)))
-        if reverse:
-            order.reverse()
-        records: Dict[int, RunRecord] = {}
-        for i in order:
-            records[i] = self._run(engines[i], ids, self.config.max_tokens)
-        base = records[0]
-        out = [base]
-        for i in range(1, len(engines)):
-            r = records[i]
-            if self.config.temp == 0:
-                r.matches_baseline = r.tokens == base.tokens
-            out.append(r)
-        return out
+        """The baseline's run, then each variant's (run in reverse order if ``reverse``)."""
+        engines = [self.baseline] + [self._dflash(v, ids) for v in self.variants]
+        order = range(len(engines) - 1, -1, -1) if reverse else range(len(engines))
+        records = {i: self._run(engines[i], ids, self.config.max_tokens) for i in order}
+        for r in list(records.values()):
+            if self.config.temp == 0 and r is not records[0]:
+                r.matches_baseline = r.tokens == records[0].tokens
+        return [records[i] for i in range(len(engines))]

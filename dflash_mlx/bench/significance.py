@@ -1,4 +1,4 @@
-"""Whether one engine beats another over repeated runs, without assuming how the noise is distributed."""
+"""Whether one engine beats another over repeated runs, with no assumption on the noise."""
 
 from __future__ import annotations
 
@@ -7,17 +7,12 @@ from typing import Iterable
 
 
 def sign_test(ratios: Iterable[float]) -> dict:
-    """One-sided exact sign test that paired ratios (ours / a baseline, one per repeat
-    run under the same conditions) are above 1 more often than chance.
-
-    Args:
-        ratios: per repeat, ours over the baseline (ratios of exactly 1 are dropped).
+    """One-sided exact sign test that paired ratios (ours / a baseline, one per independent repeat)
+    are above 1 more often than chance; ratios of exactly 1 are dropped.
 
     Returns:
-        ``{"above": repeats above 1, "n": repeats counted, "p": P(at least "above" of
-        "n" fair coin flips come up heads)}``; p = 1.0 when n = 0. Makes no assumption
-        about the noise's distribution (a CPU's bimodal speed states), only that the
-        repeats are independent.
+        ``{"above": count above 1, "n": count, "p": P(at least "above" heads in "n" fair flips)}``,
+        p = 1.0 when n = 0.
     """
     signs = [r > 1.0 for r in ratios if r != 1.0]
     n, above = len(signs), sum(signs)

@@ -1,18 +1,5 @@
-"""A drafter wrapper that accepts a known number of drafts, at the real drafter's cost.
-
-``--simulate-acceptance A`` measures the decode loop's speed at a chosen acceptance
-on any target, including random-weight targets with a real model's shape: the
-wrapped drafter runs its real forward pass (so drafting costs what it costs), then
-its proposals are replaced by the target's own greedy continuation for the first A
-positions of the block and by wrong tokens after them. At temperature 0 every
-verify then accepts min(A, B-1) drafts, so tau = min(A, B-1) + 1, except where the
-block reaches past the end of the known continuation.
-
-A replayed **acceptance trace** (a list of A values, one per drafted block, in
-order, e.g. the accepted lengths a real run recorded in ``--json``'s
-``acceptance_trace``) gives real, varying acceptance at any target's shape: the k-th
-block drafted makes its first ``trace[k mod len(trace)]`` drafts right.
-"""
+"""A drafter wrapper that makes a known number of drafts right, at the real drafter's cost
+(``--simulate-acceptance``), and the reader of acceptance traces to replay."""
 
 from __future__ import annotations
 
@@ -26,20 +13,20 @@ from ..protocol import Drafter, WrappedDrafter
 
 
 class SimulatedDrafter(WrappedDrafter):
-    """Wraps a drafter; proposes ``sequence`` right for ``accept`` slots, then wrong.
+    """Runs the wrapped drafter, then proposes ``sequence`` right for ``accept`` slots and wrong after.
 
     Args:
-        drafter: a bound drafter (``draft``, ``ingest``, ``make_cache``,
-            ``block_size``, ``target_layer_ids``), run for its cost.
-        sequence: prompt ids followed by the target's greedy continuation (from a
-            plain greedy run), as absolute positions: ``sequence[p]`` is the token
-            at position ``p``.
-        accept: A, the number of leading drafts per block to make right (>= 0), or a
-            trace of A values (non-empty), the k-th for the k-th block drafted.
-        vocab_size: the vocabulary size; a wrong token is ``(right + 1) % vocab_size``.
+        drafter: a bound drafter, run for its cost.
+        sequence: the prompt ids then the target's greedy continuation; ``sequence[p]`` is the token
+            at position p. Past its end any token is proposed.
+        accept: A >= 0, or a non-empty trace of such, the k-th for the k-th block drafted (cyclic).
+        vocab_size: a wrong token is ``(right + 1) % vocab_size``.
 
-    The position of ``t_last`` is the drafter cache's offset plus the new context
-    rows (the spec's invariant ``off + S``), so the wrapper needs no other state.
+    At temperature 0 every verify then accepts ``min(A, B - 1)`` drafts. ``t_last`` sits at the
+    drafter cache's offset plus the new context rows.
+
+    Raises:
+        ValueError: a negative A or an empty trace.
     """
 
     def __init__(self, drafter: Drafter, sequence: Sequence[int], accept: Union[int, Sequence[int]],
@@ -49,36 +36,25 @@ class SimulatedDrafter(WrappedDrafter):
         self.reset(sequence, accept)
 
     def reset(self, sequence: Sequence[int], accept: Union[int, Sequence[int]]) -> None:
-        """Script another generation (another prompt's continuation, trace) with this
-        same drafter, so what the decode loop learned of it carries over, as it does
-        for a real drafter across generations."""
+        """Script another generation with this same drafter (what the loop learned of it stays)."""
         trace = [accept] if isinstance(accept, int) else list(accept)
         if not trace or any(a < 0 for a in trace):
             raise ValueError(f"accept must be >= 0 (or a non-empty trace of such), got {accept}")
-        self.sequence = list(sequence)
-        self.trace = trace
-        self.accept = trace[0]
-        self.blocks = 0  # blocks drafted so far: the trace's index
+        self.sequence, self.trace, self.accept, self.blocks = list(sequence), trace, trace[0], 0
 
     def proposals(self, pos: int, block_size: int) -> List[int]:
         """Drafts d_1..d_{B-1} for a block whose ``t_last`` sits at ``pos``."""
         out = []
         for k in range(1, block_size):
-            right = self.sequence[pos + k] if pos + k < len(self.sequence) else None
-            if right is None:
-                out.append(0)  # past the known continuation: any token
-            elif k <= self.accept:
-                out.append(right)
+            if pos + k >= len(self.sequence):
+                out.append(0)
             else:
-                out.append((right + 1) % self.vocab_size)
+                right = self.sequence[pos + k]
+                out.append(right if k <= self.accept else (right + 1) % self.vocab_size)
         return out
 
     def draft(self, token: mx.array, context: mx.array, cache: Sequence[Any], block_size: int) -> mx.array:
-        """Run the real drafter, then return the scripted proposals ([B-1] int32, lazy).
-
-        The result depends on the real drafts (through a select that always picks
-        the scripted token), so evaluating it evaluates the real forward pass.
-        """
+        """The scripted proposals, [B-1] int32, lazy and dependent on the real drafts."""
         pos = cache[0].offset + context.shape[1]
         self.accept = self.trace[self.blocks % len(self.trace)]
         self.blocks += 1
@@ -88,9 +64,8 @@ class SimulatedDrafter(WrappedDrafter):
 
 
 def read_trace(path: Union[str, Path]) -> List[int]:
-    """The accepted lengths of an acceptance trace file: ``dflash generate --json``'s
-    output (its ``acceptance_trace``: ``[[accepted, drafted], ...]``), one such output
-    per line (JSON lines, traces joined), or a JSON list of ints.
+    """Accepted lengths from ``dflash generate --json`` output (its ``acceptance_trace`` of
+    ``[accepted, drafted]``), JSON lines of such (joined), or a JSON list of ints.
 
     Raises:
         ValueError: naming the file, when it holds no trace of counts >= 0.
@@ -102,7 +77,7 @@ def read_trace(path: Union[str, Path]) -> List[int]:
     try:
         docs = [json.loads(text)]
     except json.JSONDecodeError:
-        try:  # JSON lines: one --json output per line
+        try:
             docs = [json.loads(line) for line in text.splitlines() if line.strip()]
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not JSON or JSON lines ({e})") from None
