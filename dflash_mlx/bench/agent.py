@@ -23,6 +23,7 @@ import mlx.core as mx
 from ..atomic import atomic_file
 from ..errors import InputError
 from ..targets.fused import unfused
+from .datasets import read_rows
 
 MODES = ("cold", "disk", "live", "mlx-lm")
 BUCKETS = (1024, 2048, 4096, 8192, 16384)  # prompt-length buckets for tau against context
@@ -50,24 +51,14 @@ def read_agent_trace(path: str | Path) -> List[Any]:
     """The requests of a trace file: prompt strings or message lists.
 
     Raises:
-        InputError: an unreadable file, or a line that is not a request (names the file and line).
+        InputError: an unreadable file, or a row that is not a request (names the file and row).
     """
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise InputError(f"--agent-trace {path}: {e.strerror or e}") from None
     out = []
-    for n, line in enumerate(lines, 1):
-        try:
-            row = json.loads(line) if line.strip() else None
-        except ValueError:
-            raise InputError(f"--agent-trace {path}:{n}: not JSON") from None
-        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            out.append(row["prompt"])
-        elif isinstance(row, dict) and isinstance(row.get("messages"), list):
-            out.append(row["messages"])
-        elif row is not None:
-            raise InputError(f"--agent-trace {path}:{n}: needs a \"prompt\" string or a \"messages\" list")
+    for n, row in enumerate(read_rows(path, "--agent-trace"), 1):
+        prompt, messages = (row.get("prompt"), row.get("messages")) if isinstance(row, dict) else (None, None)
+        if not isinstance(prompt, str) and not isinstance(messages, list):
+            raise InputError(f"--agent-trace {path}: row {n}: needs a \"prompt\" string or a \"messages\" list")
+        out.append(prompt if isinstance(prompt, str) else messages)
     if not out:
         raise InputError(f"--agent-trace {path}: no requests")
     return out

@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..errors import InputError
 from ..prompt import encode_messages
@@ -112,30 +112,29 @@ def to_sample(row: dict, index: int, fmt: Format, source: str = "row") -> Sample
     return Sample(sid, messages=[dict(m) for m in messages])
 
 
-def read_rows(path: Path) -> List[dict]:
-    """Rows of a ``.jsonl``, ``.jsonl.gz`` or ``.json`` (a list) file.
+def read_rows(path: str | Path, flag: str = "--dataset") -> List[Any]:
+    """The rows of a JSON document (a list: its items) or of JSON lines; ``.gz`` files are gunzipped.
 
     Raises:
-        InputError: a missing file or invalid JSON (names the file and line).
+        InputError: ``{flag} {path}: ...``, the file unreadable or a line not JSON (names the line).
     """
-    if not path.is_file():
-        raise InputError(f"{path}: dataset file not found")
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
-        text = f.read()
-    if not path.name.endswith(".json"):
-        rows = []
-        for n, line in enumerate(text.splitlines(), 1):
-            try:
-                rows += [json.loads(line)] if line.strip() else []
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{n}: invalid JSON line ({e})") from None
-        return rows
+    path = Path(path).expanduser()
     try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: invalid JSON ({e})") from None
-    if not isinstance(rows, list):
-        raise InputError(f"{path}: a .json dataset must be a list of rows")
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{flag} {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        doc = json.loads(text)
+        return doc if isinstance(doc, list) else [doc]
+    except json.JSONDecodeError:
+        pass
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        try:
+            rows += [json.loads(line)] if line.strip() else []
+        except json.JSONDecodeError as e:
+            raise InputError(f"{flag} {path}:{n}: not JSON ({e.msg})") from None
     return rows
 
 

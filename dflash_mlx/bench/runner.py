@@ -1,10 +1,6 @@
-"""Run a baseline and DFlash alternately over a prompt set, in one process.
-
-Engines yield lists of committed token ids (one per target forward) and :func:`timed_run` stamps
-each with ``time.perf_counter``; nothing detokenizes while timed. Prompt time runs from the call
-to the first list, decode time from the first list to the last; a stop token's step is timed but
-the token is not counted. Peak memory is ``mx.get_peak_memory()`` in GB (1e9 bytes).
-"""
+"""Run a baseline and DFlash alternately over a prompt set, in one process, timed by the consumer:
+prompt time from the call to the first committed list, decode time from there to the last one (a
+stop token's step is timed, its token not counted); peak memory in GB (1e9 bytes)."""
 
 from __future__ import annotations
 
@@ -42,12 +38,8 @@ def parse_baseline(spec: str) -> tuple[str, Optional[str]]:
 
 @dataclass
 class RunRecord:
-    """One timed generation: seconds, tokens, GB.
-
-    ``block_size`` is the variant's label (B, 1 for plain decoding, ``"auto"``, ``"tree N"``,
-    ``"auto+tree"``); ``first_tokens`` the size of the first committed list; ``matches_baseline``
-    (temperature 0 only) whether the tokens equal the baseline run's; ``tokens`` is not written out.
-    """
+    """One timed generation (seconds, GB). ``block_size``: the engine's label; ``first_tokens``: the
+    first committed list's size; ``matches_baseline``: at temperature 0, tokens equal the baseline's."""
 
     sample: str
     turn: int
@@ -70,10 +62,6 @@ class RunRecord:
     @property
     def decode_tokens(self) -> int:
         return len(self.tokens) - self.first_tokens
-
-    @property
-    def steps(self) -> int:
-        return self.stats.steps
 
     @property
     def forwards(self) -> int:
@@ -106,7 +94,7 @@ class RunRecord:
 
 
 def timed_run(engine: Engine, ids: List[int], max_tokens: int, sampler, stop_ids: Sequence[int]) -> RunRecord:
-    """Run ``engine`` once on ``ids``, timed by the consumer; sample, turn and repeat left blank."""
+    """Run ``engine`` once on ``ids``; sample, turn and repeat left blank."""
     stats = GenerationStats(block_size=getattr(engine, "draft_block", engine.block_size), prompt_tokens=len(ids))
     tokens: List[int] = []
     first = last = None
@@ -129,15 +117,9 @@ def timed_run(engine: Engine, ids: List[int], max_tokens: int, sampler, stop_ids
 
 @dataclass
 class BenchConfig:
-    """What to run.
-
-    ``block_sizes``: B values, None (the drafter's trained size) or ``"auto"``; ``tree_budgets``:
-    DDTree budgets (N nodes or ``"auto"``) drafted at the trained size; ``repeats``: runs of each
-    engine per prompt, each reseeded with ``seed``; ``simulate_acceptance``: A (the first A drafts
-    of each block right, needs temp 0) or a trace of A values, one per block
-    (:func:`.simulate.read_trace`); ``warmup_tokens``: untimed warm-up per engine (0: none);
-    ``draft_window``: ``(sink, window)`` or None.
-    """
+    """What to run: ``block_sizes`` (B, None: the trained size, or ``"auto"``), ``tree_budgets`` (N
+    nodes or ``"auto"``), ``repeats`` per prompt (each reseeded with ``seed``), ``simulate_acceptance``
+    (A or a trace of A values, temp 0 only), ``warmup_tokens`` per engine (0: none), ``draft_window``."""
 
     max_tokens: int = 256
     block_sizes: Sequence[Optional[int | str]] = (None,)
@@ -177,12 +159,8 @@ class BenchConfig:
 
 
 def check_acceptance(accept: Union[int, Sequence[int]], block_size: Optional[int]) -> None:
-    """``--simulate-acceptance``: A in ``0..B-1`` for the largest B drafted (>= 0 while B is not
-    known), or a non-empty trace of counts >= 0.
-
-    Raises:
-        InputError: naming the flag and B.
-    """
+    """Raises InputError unless A is in ``0..B-1`` (B the largest block, None: unknown) or the trace
+    is a non-empty list of counts >= 0."""
     if isinstance(accept, int):
         most = None if block_size is None else block_size - 1
         rule = "at least 0" if most is None else f"in 0..{most} (a block of {block_size} holds {most} drafts)"
@@ -213,14 +191,8 @@ def greedy_continuation(target, ids: List[int], max_tokens: int, stop_ids: Seque
 
 
 class Runner:
-    """Alternates a baseline and DFlash at each variant over samples.
-
-    Args:
-        target, drafter: the target adapter and the bound drafter.
-        baseline: the baseline :class:`Engine`.
-        config: :class:`BenchConfig`.
-        tokenizer: mlx-lm ``TokenizerWrapper`` for text samples; None when every sample has ``prompt_ids``.
-        stop_ids: stop token ids (default: the tokenizer's EOS ids, else none).
+    """Alternates the ``baseline`` engine and DFlash at each variant of ``config`` over samples;
+    ``tokenizer`` is needed for text samples, ``stop_ids`` default to its EOS ids.
 
     Raises:
         InputError: a block size the drafter cannot draft, or a bad config.

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, List, Sequence, Union
 
 import mlx.core as mx
 
+from ..errors import InputError
 from ..protocol import Drafter, WrappedDrafter
+from .datasets import read_rows
 
 
 class SimulatedDrafter(WrappedDrafter):
@@ -64,33 +65,23 @@ class SimulatedDrafter(WrappedDrafter):
 
 
 def read_trace(path: Union[str, Path]) -> List[int]:
-    """Accepted lengths from ``dflash generate --json`` output (its ``acceptance_trace`` of
-    ``[accepted, drafted]``), JSON lines of such (joined), or a JSON list of ints.
+    """Accepted lengths from ``dflash generate --json`` outputs (their ``acceptance_trace`` of
+    ``[accepted, drafted]``; one, or JSON lines of several, joined) or from a JSON list of ints.
 
     Raises:
-        ValueError: naming the file, when it holds no trace of counts >= 0.
+        InputError: naming the flag and file, when it holds no trace of counts >= 0.
     """
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not a readable acceptance trace ({e})") from None
-    try:
-        docs = [json.loads(text)]
-    except json.JSONDecodeError:
-        try:
-            docs = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not JSON or JSON lines ({e})") from None
+    where = f"--simulate-acceptance {path}"
     out: List[int] = []
-    for doc in docs:
-        steps = doc.get("acceptance_trace") if isinstance(doc, dict) else doc
+    for row in read_rows(path, "--simulate-acceptance"):
+        steps = row.get("acceptance_trace") if isinstance(row, dict) else [row]
         if not isinstance(steps, list):
-            raise ValueError(f"{path}: no acceptance_trace (write one with dflash generate --json)")
+            raise InputError(f"{where}: no acceptance_trace (write one with dflash generate --json)")
         for step in steps:
             a = step[0] if isinstance(step, list) and step else step
             if not isinstance(a, int) or isinstance(a, bool) or a < 0:
-                raise ValueError(f"{path}: acceptance_trace holds {step!r}, not a count >= 0")
+                raise InputError(f"{where}: acceptance_trace holds {step!r}, not a count >= 0")
             out.append(a)
     if not out:
-        raise ValueError(f"{path}: the acceptance trace is empty")
+        raise InputError(f"{where}: the acceptance trace is empty")
     return out
