@@ -36,7 +36,7 @@ from typing import Dict, List
 
 import httpx
 
-from dflash_mlx.bench.significance import sign_test
+from dflash_mlx.bench.report import sign_test
 from serve_load import free_port, launch_server, run_clients  # benchmarks/ is on the path when run as a script
 from story_openings import PROMPTS
 

@@ -8,9 +8,10 @@ import sys
 import pytest
 
 from dflash_mlx import InputError
-from dflash_mlx.bench import BenchConfig, DFlashEngine, MlxLmEngine, MlxLmSpeculativeEngine, Runner, Sample
+from dflash_mlx.bench.datasets import Sample
+from dflash_mlx.bench.engines import DFlashEngine, MlxLmEngine
 from dflash_mlx.bench.report import build_report, results_table, summarize
-from dflash_mlx.bench.runner import greedy_continuation, parse_baseline, timed_run
+from dflash_mlx.bench.runner import BenchConfig, Runner, greedy_continuation, parse_baseline, timed_run
 from dflash_mlx.bench.simulate import SimulatedDrafter
 from mlx_lm.sample_utils import make_sampler
 
@@ -133,7 +134,7 @@ def test_mlx_lm_baselines_match_greedy(pair):
     sampler = make_sampler(0.0)
     plain = timed_run(MlxLmEngine(model), ids, n, sampler, ())
     assert plain.tokens == want and plain.decode_tokens == n - 1
-    spec = timed_run(MlxLmSpeculativeEngine(model, small, num_draft_tokens=3), ids, n, sampler, ())
+    spec = timed_run(MlxLmEngine(model, small, num_draft_tokens=3), ids, n, sampler, ())
     assert spec.tokens == want
     assert max(spec.stats.histogram) <= 4 and spec.stats.steps == sum(spec.stats.histogram.values())
     assert spec.stats.tau >= 1 and spec.stats.drafted == 3 * spec.stats.steps

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 from ..errors import InputError, MismatchError
-from .datasets import Sample, load_dataset
-from .engines import DFlashEngine, Engine, MlxLmEngine, MlxLmSpeculativeEngine
-from .report import build_report, results_table, summarize, write_report
-from .runner import BenchConfig, DatasetResult, Runner, RunRecord, parse_baseline, timed_run
+from .datasets import load_dataset
+from .engines import DFlashEngine, Engine, MlxLmEngine
+from .report import build_report, write_report
+from .runner import BenchConfig, Runner, parse_baseline
 
 RESULTS_FILE = "results.json"
 
@@ -24,8 +24,7 @@ def make_baseline(spec: str, pair, num_draft_tokens: int = 3) -> Engine:
     """The ``--baseline`` engine (``ar``, ``mlx-lm`` or ``draft-model:PATH``) for a loaded pair.
 
     Raises:
-        InputError: unknown spec. CheckpointError, MismatchError: the draft model cannot be loaded
-            or its vocabulary differs from the target's.
+        InputError, CheckpointError, MismatchError: a bad spec or draft model (vocabulary included).
     """
     kind, path = parse_baseline(spec)
     if kind == "ar":
@@ -39,15 +38,12 @@ def make_baseline(spec: str, pair, num_draft_tokens: int = 3) -> Engine:
     if vocab != pair.target.vocab_size:
         raise MismatchError(f"--baseline {spec}: the draft model's vocab_size {vocab} differs from the target's "
                             f"{pair.target.vocab_size}; mlx-lm speculative decoding needs the same vocabulary")
-    return MlxLmSpeculativeEngine(pair.model, draft_model, num_draft_tokens)
+    return MlxLmEngine(pair.model, draft_model, num_draft_tokens)
 
 
 def check_out_dir(out_dir: str | Path, overwrite: bool = False, plots: bool = True) -> Path:
-    """Check the output folder before any work.
-
-    Raises:
-        InputError: a file, a folder holding files without ``overwrite``, or plots without matplotlib.
-    """
+    """Raises InputError for a file, a folder holding files without ``overwrite``, or plots without
+    matplotlib."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out}: is a file; give a folder for results.json and the plots")
@@ -61,23 +57,9 @@ def check_out_dir(out_dir: str | Path, overwrite: bool = False, plots: bool = Tr
     return out
 
 
-def make_out_dir(out_dir: str | Path) -> Path:
-    """Create the output folder.
-
-    Raises:
-        InputError: it cannot be created (any errno).
-    """
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InputError(f"--out {out}: cannot create the folder ({e.strerror})") from None
-    return out
-
-
 def write_outputs(report: dict, out_dir: str | Path, plots: bool) -> Dict[str, str]:
-    """Write ``results.json`` and the plots, and delete an earlier run's outputs this run did not
-    rewrite. A failed write (any errno) is recorded as ``report["not_written"]``, not raised."""
+    """Write ``results.json`` and the plots and delete an earlier run's outputs not rewritten; returns
+    ``{name: path}``. A failed write (any errno) goes to ``report["not_written"]``, not raised."""
     from .plots import PLOT_FILES
 
     files: Dict[str, str] = {}
@@ -122,8 +104,11 @@ def bench(model: str, draft_model: str, datasets: Sequence[str], *, num_samples:
     if out_dir is not None:
         check_out_dir(out_dir, overwrite, plots)
     loaded = [load_dataset(d, num_samples) for d in datasets]  # fail before loading models
-    if out_dir is not None:
-        make_out_dir(out_dir)
+    try:
+        if out_dir is not None:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--out {out_dir}: cannot create the folder ({e.strerror})") from None
     pair = pair or load(model, draft_model, draft_window=config.draft_window)
     config = replace(config, top_k=effective_top_k(config.top_k, pair.target.vocab_size))
     runner = Runner(pair.target, pair.drafter, make_baseline(baseline, pair, num_draft_tokens), config,
@@ -138,9 +123,3 @@ def bench(model: str, draft_model: str, datasets: Sequence[str], *, num_samples:
     report["files"] = write_outputs(report, out_dir, plots) if out_dir is not None else {}
     return report
 
-
-__all__: List[str] = [
-    "BenchConfig", "DFlashEngine", "DatasetResult", "Engine", "MlxLmEngine", "MlxLmSpeculativeEngine", "RunRecord",
-    "Runner", "Sample", "bench", "build_report", "check_out_dir", "load_dataset", "make_baseline", "make_out_dir",
-    "results_table", "summarize", "timed_run", "write_report",
-]

@@ -1,12 +1,8 @@
-"""Agent traces: replay requests whose prompts share growing prefixes.
-
-A trace is JSONL, one request a line: ``{"prompt": "..."}`` (raw text) or ``{"messages": [...]}``.
-Each request is generated greedily in turn, in one of ``MODES``: ``cold`` (prefilled whole),
-``disk`` (a new prompt cache per request over one store folder with no memory level: what a new
-process finds), ``live`` (one prompt cache and store, as ``dflash serve``) or ``mlx-lm`` (mlx-lm's
-``stream_generate`` with one prompt cache trimmed to each next prompt's common prefix, no drafter).
-Times are seconds, from the call; time to first token includes any restore.
-"""
+"""Agent traces: JSONL of ``{"prompt": "..."}`` (raw text) or ``{"messages": [...]}`` requests whose
+prompts share growing prefixes, replayed greedily in one of ``MODES``: ``cold`` (prefilled whole),
+``disk`` (a new prompt cache per request over one store folder: what a new process finds), ``live``
+(one prompt cache, as ``dflash serve``) or ``mlx-lm`` (its prompt cache trimmed to each next prompt's
+common prefix, no drafter). Times in seconds from the call, any restore included."""
 
 from __future__ import annotations
 
@@ -48,11 +44,7 @@ class RequestRecord:
 
 
 def read_agent_trace(path: str | Path) -> List[Any]:
-    """The requests of a trace file: prompt strings or message lists.
-
-    Raises:
-        InputError: an unreadable file, or a row that is not a request (names the file and row).
-    """
+    """The requests of a trace file (prompt strings or message lists); InputError names a bad row."""
     out = []
     for n, row in enumerate(read_rows(path, "--agent-trace"), 1):
         prompt, messages = (row.get("prompt"), row.get("messages")) if isinstance(row, dict) else (None, None)
@@ -68,11 +60,7 @@ def encode_requests(tokenizer: Any, requests: Sequence[Any]) -> List[List[int]]:
     """Token ids of each request: raw prompts as text, message lists through the chat template."""
     from ..prompt import encode_messages
 
-    def joined(ms):
-        return "\n".join(m["content"] for m in ms)
-
-    return [list(tokenizer.encode(r)) if isinstance(r, str) else list(encode_messages(tokenizer, r, {}, True, joined))
-            for r in requests]
+    return [list(tokenizer.encode(r)) if isinstance(r, str) else encode_messages(tokenizer, r) for r in requests]
 
 
 def _timed(stream, text: Callable[[Any], str], tic: float) -> tuple:
@@ -86,8 +74,8 @@ def _timed(stream, text: Callable[[Any], str], tic: float) -> tuple:
 
 def replay_dflash(pair: Any, trace: str, prompts: List[List[int]], mode: str, folder: Optional[Path],
                   max_tokens: int, **kwargs) -> List[RequestRecord]:
-    """Replay ``prompts`` in mode ``cold``, ``disk`` or ``live``; ``folder`` (empty at the start) holds
-    the store; ``kwargs`` go to the prompt cache's ``stream`` (block_size, prefill_step_size, ...)."""
+    """Replay in mode ``cold``, ``disk`` or ``live`` over the store ``folder`` (empty at the start);
+    ``kwargs`` go to the prompt cache's ``stream``."""
     from ..chat.prompt_cache import PairCache
     from ..prefix.store import PrefixStore
 
@@ -108,8 +96,7 @@ def replay_dflash(pair: Any, trace: str, prompts: List[List[int]], mode: str, fo
 
 def replay_mlx_lm(pair: Any, trace: str, prompts: List[List[int]], max_tokens: int,
                   prefill_step_size: int = 2048) -> List[RequestRecord]:
-    """Replay with mlx-lm's ``stream_generate`` and one prompt cache, trimmed to each next prompt's
-    common prefix with what it holds (the last prompt token is always fed)."""
+    """Replay with mlx-lm's ``stream_generate`` and one prompt cache (the last prompt token is always fed)."""
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
@@ -136,8 +123,7 @@ def replay_mlx_lm(pair: Any, trace: str, prompts: List[List[int]], max_tokens: i
 
 def run_trace(pair: Any, trace: str, prompts: List[List[int]], modes: Sequence[str], max_tokens: int,
               progress: Callable[[str], None] = lambda _: None, **kwargs) -> List[RequestRecord]:
-    """Every mode of ``modes`` over one trace, each ``disk``/``live`` run in a new empty folder;
-    records carry ``same_as_cold`` when ``cold`` ran."""
+    """Every mode of ``modes`` over one trace, each in a new empty folder; ``same_as_cold`` set when cold ran."""
     records: List[RequestRecord] = []
     for mode in modes:
         progress(f"{trace}: {mode}")
@@ -154,8 +140,7 @@ def run_trace(pair: Any, trace: str, prompts: List[List[int]], modes: Sequence[s
 
 
 def summarize(records: Sequence[RequestRecord]) -> List[Dict[str, Any]]:
-    """One row per (trace, mode): tokens reused and prefilled, time to first token (median ms,
-    total s), total s, their ratios to the cold run, and mean tau per prompt-length bucket."""
+    """One row per (trace, mode): tokens, time to first token, total time, ratios to cold, tau by prompt length."""
     rows = []
     for trace, mode in dict.fromkeys((r.trace, r.mode) for r in records):
         rs = [r for r in records if (r.trace, r.mode) == (trace, mode)]
@@ -181,11 +166,7 @@ def summarize(records: Sequence[RequestRecord]) -> List[Dict[str, Any]]:
 
 
 def write_results(path: Path, records: Sequence[RequestRecord], rows: List[dict], command: List[str]) -> Path:
-    """``results.json``: the command, the summary rows and every request's record.
-
-    Raises:
-        WriteError: any errno.
-    """
+    """Write the command, the summary rows and every request's record; raises WriteError (any errno)."""
     with atomic_file(path, parents=True) as tmp:
         tmp.write_text(json.dumps({"command": command, "summary": rows,
                                    "requests": [asdict(r) for r in records]}, indent=1) + "\n")

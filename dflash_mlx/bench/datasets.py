@@ -1,9 +1,5 @@
-"""Prompt sets for ``dflash bench``: local files and the DFlash benchmark's Hugging Face sets.
-
-A file (``.jsonl``, ``.jsonl.gz`` or a ``.json`` list) has its format detected from its first
-row's fields: GSM8K, MATH-500, HumanEval, MBPP, MT-Bench, Alpaca, or rows of ``prompt`` (a string)
-or ``messages`` (a chat). Prompts are worded as in the authors' ``dflash/benchmark.py``.
-"""
+"""Prompt sets for ``dflash bench``: local files, their format detected from the first row's fields
+(``FORMATS``), and the DFlash benchmark's Hugging Face sets, worded as in the authors' benchmark."""
 
 from __future__ import annotations
 
@@ -24,8 +20,7 @@ HUMANEVAL_PREFIX = "Write a solution to the following problem and make sure that
 
 @dataclass
 class Sample:
-    """One benchmark item: user ``turns`` asked in order (each sees the earlier answers), or a
-    whole chat in ``messages`` sent before them, or ``prompt_ids`` used as is (no template)."""
+    """User ``turns`` asked in order after the chat ``messages``, or ``prompt_ids`` used as is."""
 
     id: str
     turns: List[str] = field(default_factory=list)
@@ -35,7 +30,7 @@ class Sample:
 
 @dataclass(frozen=True)
 class Format:
-    """A row format: the fields that identify it and its prompt's wording."""
+    """A row format: the fields that identify it, and its prompt turns."""
 
     name: str
     fields: tuple
@@ -76,11 +71,7 @@ HF_DATASETS: Dict[str, tuple] = {
 
 
 def detect_format(row: dict, source: str = "row") -> Format:
-    """The first format of ``FORMATS`` whose fields ``row`` has.
-
-    Raises:
-        InputError: none matches; lists the accepted fields.
-    """
+    """The first of ``FORMATS`` whose fields ``row`` has; raises InputError listing them when none."""
     for fmt in FORMATS if isinstance(row, dict) else ():
         if all(k in row for k in fmt.fields):
             return fmt
@@ -113,10 +104,10 @@ def to_sample(row: dict, index: int, fmt: Format, source: str = "row") -> Sample
 
 
 def read_rows(path: str | Path, flag: str = "--dataset") -> List[Any]:
-    """The rows of a JSON document (a list: its items) or of JSON lines; ``.gz`` files are gunzipped.
+    """The rows of a JSON document (a list: its items) or of JSON lines, gunzipped if ``.gz``.
 
     Raises:
-        InputError: ``{flag} {path}: ...``, the file unreadable or a line not JSON (names the line).
+        InputError: ``{flag} {path}``: unreadable, or a line that is not JSON (named).
     """
     path = Path(path).expanduser()
     try:
@@ -139,11 +130,7 @@ def read_rows(path: str | Path, flag: str = "--dataset") -> List[Any]:
 
 
 def load_file(path: str | Path, num_samples: Optional[int] = None) -> tuple[str, List[Sample]]:
-    """``(format name, samples)`` of a local file's first ``num_samples`` rows (None: all).
-
-    Raises:
-        InputError: a missing or empty file, an unknown format, bad rows.
-    """
+    """``(format name, samples)`` of a file's first ``num_samples`` rows; InputError for bad ones."""
     path = Path(path).expanduser()
     rows = read_rows(path)
     if not rows:
@@ -181,10 +168,8 @@ def load_hub(name: str, num_samples: Optional[int] = None) -> List[Sample]:
 
 
 def load_dataset(spec: str, num_samples: Optional[int] = None) -> tuple[str, List[Sample]]:
-    """``--dataset``: an existing file, else a name of ``HF_DATASETS``; the first ``num_samples``.
-
-    Returns:
-        ``(name, samples)``: the built-in name, a file's detected benchmark format, or its stem.
+    """``--dataset``: ``(name, first num_samples samples)`` of a file (named by its benchmark format
+    or its stem), else of a name in ``HF_DATASETS``.
 
     Raises:
         InputError: an unknown name, a bad file, offline, ``num_samples`` < 1.
@@ -203,6 +188,6 @@ def load_dataset(spec: str, num_samples: Optional[int] = None) -> tuple[str, Lis
 
 
 def encode_sample_turn(tokenizer, messages: Sequence[dict], enable_thinking: bool = False) -> List[int]:
-    """Token ids for a chat ending with a user turn, through the chat template when there is one
-    (``enable_thinking`` passed to it); without one, the contents joined by newlines, with BOS."""
+    """Token ids of a chat ending with a user turn, through the chat template (``enable_thinking``
+    passed) when there is one; else the contents joined by newlines, with BOS."""
     return encode_messages(tokenizer, messages, {"enable_thinking": enable_thinking})

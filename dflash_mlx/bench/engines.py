@@ -26,14 +26,8 @@ class Engine:
 
 
 class DFlashEngine(Engine):
-    """This project's loop: DFlash with a drafter, plain decoding (``ar``) with None.
-
-    Args:
-        block_size: B (default: the drafter's trained size) or ``"auto"``.
-        tree_budget: None (chains), N nodes or ``"auto"``.
-
-    Its label is B, ``"auto"``, ``"tree N"`` or ``"auto+tree"``.
-    """
+    """This project's loop: DFlash with a drafter (``block_size`` B, None: trained, or ``"auto"``;
+    ``tree_budget`` None, N or ``"auto"``), plain decoding (``ar``) without one."""
 
     def __init__(self, target, drafter: Optional[Drafter] = None, block_size: Optional[int | str] = None,
                  tree_budget: Optional[int | str] = None):
@@ -55,56 +49,45 @@ class DFlashEngine(Engine):
 
 
 class MlxLmEngine(Engine):
-    """Plain mlx-lm decoding (``mlx_lm.generate.generate_step``)."""
+    """mlx-lm decoding: plain (``name`` ``mlx-lm``), or speculative with an autoregressive
+    ``draft_model`` of the target's vocabulary (``draft-model``), each draft/verify cycle's tokens
+    one list so that its acceptance histogram compares with DFlash's."""
 
-    name = "mlx-lm"
-
-    def __init__(self, model):
-        self.model = model
-
-    def stream(self, ids, max_tokens, sampler, stop_ids, stats):
-        from mlx_lm.generate import generate_step as mlx_generate_step
-
-        with unfused(self.model):  # mlx-lm's model as mlx-lm loads it
-            steps = mlx_generate_step(mx.array(ids, dtype=mx.int32), self.model, max_tokens=max_tokens,
-                                      sampler=sampler)
-            for n, (token, _) in enumerate(steps):
-                if n:  # the first token comes from prefill
-                    stats.record_plain()
-                if token in stop_ids:
-                    yield []
-                    return
-                yield [token]
-
-
-class MlxLmSpeculativeEngine(Engine):
-    """mlx-lm speculative decoding with an autoregressive draft model of the target's vocabulary
-    (``mlx_lm.generate.speculative_generate_step``); the tokens of one draft/verify cycle come as
-    one list, so its acceptance histogram compares with DFlash's."""
-
-    name = "draft-model"
-
-    def __init__(self, model, draft_model, num_draft_tokens: int = 3):
+    def __init__(self, model, draft_model=None, num_draft_tokens: int = 3):
         self.model, self.draft_model, self.num_draft_tokens = model, draft_model, num_draft_tokens
-        self.block_size = num_draft_tokens + 1
+        self.name = "mlx-lm" if draft_model is None else "draft-model"
+        self.block_size = 1 if draft_model is None else num_draft_tokens + 1
+
+    def _steps(self, ids: List[int], max_tokens: int, sampler) -> Iterator[tuple]:
+        """``(token, from_draft)`` pairs."""
+        from mlx_lm.generate import generate_step as plain, speculative_generate_step as speculative
+
+        prompt = mx.array(ids, dtype=mx.int32)
+        if self.draft_model is None:
+            return ((t, False) for t, _ in plain(prompt, self.model, max_tokens=max_tokens, sampler=sampler))
+        steps = speculative(prompt, self.model, self.draft_model, num_draft_tokens=self.num_draft_tokens,
+                            max_tokens=max_tokens, sampler=sampler)
+        return ((t, from_draft) for t, _, from_draft in steps)
+
+    def _record(self, stats: GenerationStats, n: int, cycle: List[int], stopped: bool) -> None:
+        if self.draft_model is None:
+            if n > 1:  # the first token comes from prefill
+                stats.record_plain()
+        else:
+            accepted = len(cycle) if stopped else min(len(cycle) - 1, self.num_draft_tokens)
+            stats.record_step(accepted, self.num_draft_tokens)
 
     def stream(self, ids, max_tokens, sampler, stop_ids, stats):
-        from mlx_lm.generate import speculative_generate_step
-
         cycle: List[int] = []
-        with unfused(self.model, self.draft_model):  # mlx-lm's models as mlx-lm loads them
-            steps = speculative_generate_step(mx.array(ids, dtype=mx.int32), self.model, self.draft_model,
-                                              num_draft_tokens=self.num_draft_tokens, max_tokens=max_tokens,
-                                              sampler=sampler)
-            for n, (token, _, from_draft) in enumerate(steps, 1):
-                if token in stop_ids:
-                    stats.record_step(len(cycle), self.num_draft_tokens)
+        with unfused(self.model, *([self.draft_model] if self.draft_model is not None else [])):
+            for n, (token, from_draft) in enumerate(self._steps(ids, max_tokens, sampler), 1):
+                stopped = token in stop_ids
+                cycle += [] if stopped else [token]
+                if stopped or not from_draft or n == max_tokens:
+                    self._record(stats, n, cycle, stopped)
                     yield cycle
-                    return
-                cycle.append(token)
-                if not from_draft or n == max_tokens:
-                    stats.record_step(min(len(cycle) - 1, self.num_draft_tokens), self.num_draft_tokens)
-                    yield cycle
+                    if stopped:
+                        return
                     cycle = []
-            if cycle:
-                yield cycle
+        if cycle:
+            yield cycle

@@ -21,11 +21,7 @@ def plots_available() -> bool:
 
 
 def pyplot():
-    """``matplotlib.pyplot`` on the Agg backend.
-
-    Raises:
-        InputError: matplotlib is missing (names the extra and ``--no-plots``).
-    """
+    """``matplotlib.pyplot`` on the Agg backend; InputError (naming the extra) without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -67,8 +63,8 @@ def plot_speedup(report: dict, path: Path) -> Path:
               edgecolor="black", linewidth=0.8, label="ideal" if j == 0 else None)
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xticks(range(len(datasets)), [ds["name"] for ds in datasets])
-    ax.set_ylabel(f"speedup over {datasets[0]['baseline']['engine'] if datasets else 'baseline'}")
-    ax.set_title("DFlash speedup (median of per-pair ratios)", fontsize=10)
+    ax.set(ylabel=f"speedup over {datasets[0]['baseline']['engine'] if datasets else 'baseline'}",
+           title="DFlash speedup (median of per-pair ratios)")
     ax.legend(fontsize=7)
     return save_figure(fig, path)
 
@@ -85,9 +81,7 @@ def plot_acceptance(report: dict, path: Path) -> Path:
             _bars(ax, lengths, 0.8 / max(len(ds["dflash"]), 1), j, len(ds["dflash"]),
                   [hist.get(k, 0) / (sum(hist.values()) or 1) for k in lengths],
                   label=f"{variant_name(d['block_size'])} (tau {d['tau'] or 0:.2f})")
-        ax.set_title(ds["name"])
-        ax.set_xlabel("acceptance length (tokens per verify)")
-        ax.set_ylabel("share of steps")
+        ax.set(title=ds["name"], xlabel="acceptance length (tokens per verify)", ylabel="share of steps")
         ax.legend(fontsize=7)
     return save_figure(fig, path)
 
@@ -103,19 +97,14 @@ def plot_tokens_per_s(report: dict, path: Path) -> Path:
         if ds["baseline"]["decode_tps_median"]:
             ax.axhline(ds["baseline"]["decode_tps_median"], color=line.get_color(), linestyle="--", linewidth=0.8,
                        label=f"{ds['name']} {ds['baseline']['engine']}")
-    ax.set_xlabel("verify (block size B, auto, tree budget)")
-    ax.set_ylabel("decode tokens/s (median)")
-    ax.set_title("tokens/s vs block size")
+    ax.set(xlabel="verify (block size B, auto, tree budget)", ylabel="decode tokens/s (median)",
+           title="tokens/s vs block size")
     ax.legend(fontsize=7)
     return save_figure(fig, path)
 
 
 def write_plots(report: dict, out_dir: str | Path) -> Dict[str, Path]:
-    """Write the three PNGs into ``out_dir``; returns ``{name: path}``.
-
-    Raises:
-        InputError: matplotlib is missing.
-    """
+    """Write the three PNGs into ``out_dir``; returns ``{name: path}``. InputError without matplotlib."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     return {"speedup": plot_speedup(report, out / PLOT_FILES[0]),

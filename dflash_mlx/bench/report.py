@@ -1,12 +1,6 @@
-"""Digest bench runs into ``results.json`` figures and Rich tables.
-
-Per dataset and variant, pooled over runs: tau, the acceptance rate and histogram
-(:mod:`dflash_mlx.stats`); the median decode tokens/s; the speedup as the ratio of the medians
-and as the median of per-pair ratios (each DFlash run over its back-to-back baseline run);
-milliseconds per target forward for draft, verify, host and ``other`` (the rest of decode); the
-ideal speedup ``tau x t_AR / (t_draft + t_verify)`` with tau the decode tokens per forward, so that
-``measured_over_ideal`` is the share of decode time spent drafting and verifying.
-"""
+"""Digest bench runs into ``results.json`` figures and Rich tables: per dataset and variant, pooled
+acceptance, median tokens/s, the speedup (ratio of medians; median of per-pair ratios), milliseconds
+per target forward by phase, and the ideal speedup ``tau x t_AR / (t_draft + t_verify)``."""
 
 from __future__ import annotations
 
@@ -16,6 +10,7 @@ import platform
 import statistics
 import sys
 import time
+from math import comb
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -25,6 +20,14 @@ from .runner import DatasetResult, RunRecord
 
 SCHEMA = "dflash-bench/1"
 PHASES = ("draft", "verify", "host", "other")
+
+
+def sign_test(ratios: Iterable[float]) -> dict:
+    """One-sided exact sign test that paired ratios (ours / a baseline, one per independent repeat)
+    are above 1 more often than chance, ratios of 1 dropped: ``{"above", "n", "p"}`` (p = 1 when n = 0)."""
+    signs = [r > 1.0 for r in ratios if r != 1.0]
+    n, above = len(signs), sum(signs)
+    return {"above": above, "n": n, "p": sum(comb(n, k) for k in range(above, n + 1)) / 2**n if n else 1.0}
 
 
 def median(values: Iterable[Optional[float]]) -> Optional[float]:
@@ -52,14 +55,13 @@ def seconds_per_token(run: RunRecord) -> Optional[float]:
 
 
 def tokens_per_step(run: RunRecord) -> Optional[float]:
-    """Decode tokens per target forward: tau as the output sees it (a block cut short counts
-    what it emitted, a plain step one)."""
+    """Decode tokens per target forward (verify or plain step)."""
     return run.decode_tokens / run.forwards if run.forwards else None
 
 
 def ideal_speedup(run: RunRecord, base: RunRecord, tau: Optional[float] = None) -> Optional[float]:
-    """``tau x t_AR / (t_draft + t_verify)`` of a DFlash run over its paired baseline run; tau
-    defaults to :func:`tokens_per_step`."""
+    """``tau x t_AR / (t_draft + t_verify)`` of a DFlash run and its baseline run (tau: default
+    :func:`tokens_per_step`, making measured/ideal the share of decode time in draft and verify)."""
     tau = tokens_per_step(run) if tau is None else tau
     t_ar = seconds_per_token(base)
     if tau is None or t_ar is None or not run.forwards:
@@ -77,7 +79,7 @@ def engine_summary(runs: Sequence[RunRecord]) -> dict:
         "prompt_tps_median": median(r.prompt_tps for r in runs),
         "peak_memory_gb_max": max((r.peak_memory_gb for r in runs), default=None),
         "s_per_token_median": median(seconds_per_token(r) for r in runs),
-        "generation_tokens_total": sum(r.generation_tokens for r in runs), "steps": stats.steps,
+        "generation_tokens_total": sum(len(r.tokens) for r in runs), "steps": stats.steps,
         "plain_steps": stats.plain_steps, "tau": stats.tau, "acceptance_rate": stats.acceptance_rate,
         "acceptance_histogram": histogram_dict(stats.histogram),
     }
@@ -155,23 +157,10 @@ def build_report(results: Sequence[DatasetResult], config: dict, command: Sequen
 
 
 def write_report(report: dict, out_dir: str | Path) -> Path:
-    """Write ``DIR/results.json`` (each run's record on one line); returns its path.
-
-    Raises:
-        WriteError: any errno.
-    """
-    runs = {}
-    datasets = []
-    for i, ds in enumerate(report.get("datasets", [])):
-        keys = [f"@run-{i}-{j}@" for j in range(len(ds["runs"]))]
-        runs.update({f'"{k}"': json.dumps(r) for k, r in zip(keys, ds["runs"])})
-        datasets.append({**ds, "runs": keys})
-    text = json.dumps({**report, "datasets": datasets}, indent=1)
-    for key, line in runs.items():
-        text = text.replace(key, line)
+    """Write ``DIR/results.json``; returns its path. Raises WriteError (any errno)."""
     path = Path(out_dir) / "results.json"
     with atomic_file(path, parents=True) as tmp:
-        tmp.write_text(text + "\n")
+        tmp.write_text(json.dumps(report, indent=1) + "\n")
     return path
 
 

@@ -14,7 +14,7 @@ from ..decode.generate import check_block_size, generate_step
 from ..errors import InputError
 from ..ranges import check_number
 from ..sampling import Sampling
-from ..stats import GenerationStats, histogram_dict
+from ..stats import GenerationStats
 from .datasets import Sample, encode_sample_turn
 from .engines import DFlashEngine, Engine
 from .simulate import SimulatedDrafter
@@ -56,10 +56,6 @@ class RunRecord:
     matches_baseline: Optional[bool] = None
 
     @property
-    def generation_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
     def decode_tokens(self) -> int:
         return len(self.tokens) - self.first_tokens
 
@@ -77,18 +73,19 @@ class RunRecord:
         return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else None
 
     def to_dict(self) -> dict:
+        """The JSON record: seconds to the microsecond, no token ids."""
         def r(x, n=6):
             return None if x is None else round(x, n)
 
-        s = self.stats
+        stats = self.stats.to_dict(trace=False)
         return {
             "sample": self.sample, "turn": self.turn, "repeat": self.repeat, "engine": self.engine,
             "block_size": self.block_size, "prompt_tokens": self.prompt_tokens,
-            "generation_tokens": self.generation_tokens, "decode_tokens": self.decode_tokens,
+            "generation_tokens": len(self.tokens), "decode_tokens": self.decode_tokens,
             "prompt_s": r(self.prompt_s), "decode_s": r(self.decode_s), "prompt_tps": r(self.prompt_tps, 3),
-            "decode_tps": r(self.decode_tps, 3), "steps": s.steps, "plain_steps": s.plain_steps,
-            "tau": r(s.tau, 4), "acceptance_rate": r(s.acceptance_rate, 4), "acceptance_rule": s.acceptance_rule,
-            "acceptance_histogram": histogram_dict(s.histogram), "phase_s": {k: r(v) for k, v in s.phase_s.items()},
+            "decode_tps": r(self.decode_tps, 3), "phase_s": {k: r(v) for k, v in self.stats.phase_s.items()},
+            **{k: stats[k] for k in ("steps", "plain_steps", "tau", "acceptance_rate", "acceptance_rule",
+                                     "acceptance_histogram")},
             "peak_memory_gb": r(self.peak_memory_gb), "matches_baseline": self.matches_baseline,
         }
 
@@ -161,14 +158,13 @@ class BenchConfig:
 def check_acceptance(accept: Union[int, Sequence[int]], block_size: Optional[int]) -> None:
     """Raises InputError unless A is in ``0..B-1`` (B the largest block, None: unknown) or the trace
     is a non-empty list of counts >= 0."""
-    if isinstance(accept, int):
-        most = None if block_size is None else block_size - 1
-        rule = "at least 0" if most is None else f"in 0..{most} (a block of {block_size} holds {most} drafts)"
-        check_number("--simulate-acceptance", accept, at_least=0, at_most=most, rule=rule)
-    elif not accept:
-        raise InputError("--simulate-acceptance: the trace is empty")
-    else:
-        check_number("--simulate-acceptance", min(accept), at_least=0, rule="a trace of counts >= 0")
+    if not isinstance(accept, int):
+        if not accept or min(accept) < 0:
+            raise InputError("--simulate-acceptance: the trace must be a non-empty list of counts >= 0")
+        return
+    most = None if block_size is None else block_size - 1
+    rule = "at least 0" if most is None else f"in 0..{most} (a block of {block_size} holds {most} drafts)"
+    check_number("--simulate-acceptance", accept, at_least=0, at_most=most, rule=rule)
 
 
 @dataclass
@@ -237,13 +233,11 @@ class Runner:
         mx.random.seed(self.config.seed)
         return timed_run(engine, ids, max_tokens, self.config.sampler(), self.stop_ids)
 
-    def warmup(self, ids: List[int]) -> None:
+    def _warmup(self, ids: List[int]) -> None:
         """One short untimed run of every engine, once."""
-        if self.config.warmup_tokens <= 0 or self._warm:
-            return
-        self._run(self.baseline, ids, self.config.warmup_tokens)
-        for variant in self.variants:
-            self._run(self._dflash(variant, ids), ids, self.config.warmup_tokens)
+        if self.config.warmup_tokens > 0 and not self._warm:
+            for engine in [self.baseline] + [self._dflash(v, ids) for v in self.variants]:
+                self._run(engine, ids, self.config.warmup_tokens)
         self._warm = True
 
     def _prompt(self, sample: Sample, messages: List[dict], turn: int) -> List[int]:
@@ -266,7 +260,7 @@ class Runner:
             messages = list(sample.messages)
             for turn in range(turns[index]):
                 ids = self._prompt(sample, messages, turn)
-                self.warmup(ids)
+                self._warmup(ids)
                 for repeat in range(self.config.repeats):
                     runs = self._pair(ids, reverse=(index + repeat) % 2 == 1)
                     for r in runs:

@@ -14,17 +14,10 @@ from .datasets import read_rows
 
 
 class SimulatedDrafter(WrappedDrafter):
-    """Runs the wrapped drafter, then proposes ``sequence`` right for ``accept`` slots and wrong after.
-
-    Args:
-        drafter: a bound drafter, run for its cost.
-        sequence: the prompt ids then the target's greedy continuation; ``sequence[p]`` is the token
-            at position p. Past its end any token is proposed.
-        accept: A >= 0, or a non-empty trace of such, the k-th for the k-th block drafted (cyclic).
-        vocab_size: a wrong token is ``(right + 1) % vocab_size``.
-
-    At temperature 0 every verify then accepts ``min(A, B - 1)`` drafts. ``t_last`` sits at the
-    drafter cache's offset plus the new context rows.
+    """Runs ``drafter`` for its cost, then proposes ``sequence`` (prompt ids and the target's greedy
+    continuation, by position) right for the first A slots of a block and ``(right + 1) % vocab_size``
+    after; ``accept`` is A or a cyclic trace of A per block. At temperature 0 each verify accepts
+    ``min(A, B - 1)``.
 
     Raises:
         ValueError: a negative A or an empty trace.
@@ -45,14 +38,9 @@ class SimulatedDrafter(WrappedDrafter):
 
     def proposals(self, pos: int, block_size: int) -> List[int]:
         """Drafts d_1..d_{B-1} for a block whose ``t_last`` sits at ``pos``."""
-        out = []
-        for k in range(1, block_size):
-            if pos + k >= len(self.sequence):
-                out.append(0)
-            else:
-                right = self.sequence[pos + k]
-                out.append(right if k <= self.accept else (right + 1) % self.vocab_size)
-        return out
+        seq = self.sequence
+        return [0 if pos + k >= len(seq) else seq[pos + k] if k <= self.accept else (seq[pos + k] + 1) % self.vocab_size
+                for k in range(1, block_size)]
 
     def draft(self, token: mx.array, context: mx.array, cache: Sequence[Any], block_size: int) -> mx.array:
         """The scripted proposals, [B-1] int32, lazy and dependent on the real drafts."""
@@ -65,12 +53,8 @@ class SimulatedDrafter(WrappedDrafter):
 
 
 def read_trace(path: Union[str, Path]) -> List[int]:
-    """Accepted lengths from ``dflash generate --json`` outputs (their ``acceptance_trace`` of
-    ``[accepted, drafted]``; one, or JSON lines of several, joined) or from a JSON list of ints.
-
-    Raises:
-        InputError: naming the flag and file, when it holds no trace of counts >= 0.
-    """
+    """Accepted lengths of ``dflash generate --json`` outputs' ``acceptance_trace`` (JSON lines
+    joined), or of a JSON list of ints; raises InputError (flag and file) without counts >= 0."""
     where = f"--simulate-acceptance {path}"
     out: List[int] = []
     for row in read_rows(path, "--simulate-acceptance"):
