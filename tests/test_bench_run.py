@@ -10,7 +10,7 @@ import pytest
 from dflash_mlx import InputError
 from dflash_mlx.bench.datasets import Sample
 from dflash_mlx.bench.engines import DFlashEngine, MlxLmEngine
-from dflash_mlx.bench.report import build_report, results_table, summarize
+from dflash_mlx.bench.report import build_report, summarize
 from dflash_mlx.bench.runner import BenchConfig, Runner, greedy_continuation, parse_baseline, timed_run
 from dflash_mlx.bench.simulate import SimulatedDrafter
 from mlx_lm.sample_utils import make_sampler
@@ -267,6 +267,8 @@ def test_auto_and_tree_rows_are_lossless_and_labelled(pair, tmp_path):
 
     assert write_plots(report, tmp_path)  # labels that are not numbers plot too
     from rich.console import Console
+
+    from dflash_mlx.cli.bench_tables import results_table
 
     console = Console(width=200, record=True)
     console.print(results_table(report))

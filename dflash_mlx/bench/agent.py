@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from ..atomic import atomic_file
 from ..errors import InputError
+from ..prompt import encode_messages
 from ..targets.fused import unfused
 from .datasets import read_rows
 
@@ -58,8 +59,6 @@ def read_agent_trace(path: str | Path) -> List[Any]:
 
 def encode_requests(tokenizer: Any, requests: Sequence[Any]) -> List[List[int]]:
     """Token ids of each request: raw prompts as text, message lists through the chat template."""
-    from ..prompt import encode_messages
-
     return [list(tokenizer.encode(r)) if isinstance(r, str) else encode_messages(tokenizer, r) for r in requests]
 
 

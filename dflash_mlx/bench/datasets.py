@@ -81,11 +81,8 @@ def detect_format(row: dict, source: str = "row") -> Format:
 
 
 def to_sample(row: dict, index: int, fmt: Format, source: str = "row") -> Sample:
-    """One row as a :class:`Sample`; a chat's final assistant turn is dropped.
-
-    Raises:
-        InputError: ``messages`` that are not role/content dicts ending with a user turn; an empty prompt.
-    """
+    """One row as a :class:`Sample`, a chat's final assistant turn dropped; InputError for an empty
+    prompt or ``messages`` that are not role/content dicts with a user turn."""
     sid = str(row.get("task_id", row.get("question_id", row.get("id", index))))
     if fmt.name != "messages":
         turns = fmt.turns(row)
@@ -104,11 +101,8 @@ def to_sample(row: dict, index: int, fmt: Format, source: str = "row") -> Sample
 
 
 def read_rows(path: str | Path, flag: str = "--dataset") -> List[Any]:
-    """The rows of a JSON document (a list: its items) or of JSON lines, gunzipped if ``.gz``.
-
-    Raises:
-        InputError: ``{flag} {path}``: unreadable, or a line that is not JSON (named).
-    """
+    """The rows of a JSON document (a list: its items) or of JSON lines, gunzipped if ``.gz``;
+    InputError ``{flag} {path}: ...`` when unreadable or a line is not JSON."""
     path = Path(path).expanduser()
     try:
         with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
@@ -140,11 +134,8 @@ def load_file(path: str | Path, num_samples: Optional[int] = None) -> tuple[str,
 
 
 def load_hub(name: str, num_samples: Optional[int] = None) -> List[Sample]:
-    """A built-in set from the Hugging Face hub, through the ``datasets`` package.
-
-    Raises:
-        InputError: offline, ``datasets`` missing or the download failed; says how to pass a file.
-    """
+    """A built-in set from the Hugging Face hub through ``datasets``; InputError (saying how to pass a
+    file) when offline, without ``datasets`` or when the download fails."""
     args, split, fmt_name, local = HF_DATASETS[name]
     instead = (f"Pass a local file instead: --dataset PATH (e.g. --dataset {local or 'prompts.jsonl'}); a JSONL in "
                f"the {name} format, or rows of 'prompt' or 'messages', is detected by its fields.")
@@ -168,12 +159,8 @@ def load_hub(name: str, num_samples: Optional[int] = None) -> List[Sample]:
 
 
 def load_dataset(spec: str, num_samples: Optional[int] = None) -> tuple[str, List[Sample]]:
-    """``--dataset``: ``(name, first num_samples samples)`` of a file (named by its benchmark format
-    or its stem), else of a name in ``HF_DATASETS``.
-
-    Raises:
-        InputError: an unknown name, a bad file, offline, ``num_samples`` < 1.
-    """
+    """``--dataset``: ``(name, first num_samples samples)`` of a file (named by its benchmark format or
+    its stem), else of a name in ``HF_DATASETS``; InputError for anything else or ``num_samples`` < 1."""
     if num_samples is not None and num_samples < 1:
         raise InputError(f"--num-samples must be at least 1, got {num_samples}")
     path = Path(spec).expanduser()

@@ -24,11 +24,7 @@ TRACE_STRIDE = 61  # blocks between the starts of two prompts' replay of a trace
 
 
 def parse_baseline(spec: str) -> tuple[str, Optional[str]]:
-    """``--baseline``: ``ar``, ``mlx-lm`` or ``draft-model:PATH``, as ``(kind, path or None)``.
-
-    Raises:
-        InputError: any other value.
-    """
+    """``--baseline`` ``ar``, ``mlx-lm`` or ``draft-model:PATH`` as ``(kind, path or None)``; else InputError."""
     if spec in ("ar", "mlx-lm"):
         return spec, None
     if spec.startswith("draft-model:") and spec.split(":", 1)[1]:

@@ -249,7 +249,7 @@ def _run(model, draft_model, verify, dataset, num_samples, max_tokens, block_siz
         warn("matplotlib is not installed: no plots are drawn (pip install 'dflash-mlx[plot]', or pass --no-plots)")
         plots = False
     from dflash_mlx.bench import bench
-    from dflash_mlx.bench.report import cycle_table, histogram_lines, results_table
+    from .bench_tables import cycle_table, histogram_lines, results_table
 
     console = Console(stderr=True)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
