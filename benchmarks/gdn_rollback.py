@@ -24,7 +24,7 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache
 
 from dflash_mlx import make_adapter
-from dflash_mlx.targets.caches import GatedDeltaCache
+from dflash_mlx.prompt_cache.gated_delta import GatedDeltaCache
 
 # Gated-DeltaNet layers: 16 key heads x 128 (as published for Qwen3.5-0.8B); the other
 # sizes are assumptions of this benchmark, close to the released small Qwen3.5 models.

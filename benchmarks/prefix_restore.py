@@ -18,8 +18,8 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from dflash_mlx.prefix.entry import restore, take_snapshot
-from dflash_mlx.prefix.store import PrefixStore
+from dflash_mlx.prompt_cache.entry import restore, take_snapshot
+from dflash_mlx.prompt_cache.store import PrefixStore
 
 LAYERS, HEADS, DIM = 28, 8, 128
 

@@ -15,9 +15,9 @@ from dflash_mlx import generate_step
 from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
-from dflash_mlx.targets.batch_cache import RaggedRoll, batch_refusal, common_padding, sequence_rows, share_offsets
-from dflash_mlx.targets.batch_gated_delta import BatchGatedDeltaCache
-from dflash_mlx.targets.gated_delta_cache import GatedDeltaCache
+from dflash_mlx.prompt_cache.batch import RaggedRoll, batch_refusal, common_padding, sequence_rows, share_offsets
+from dflash_mlx.prompt_cache.batch_gated_delta import BatchGatedDeltaCache
+from dflash_mlx.prompt_cache.gated_delta import GatedDeltaCache
 from conftest import ByteTokenizer, _Position, assert_varied, tiny_drafter, tiny_target
 
 # attention targets, Gated-DeltaNet hybrids and sliding-window targets (more in test_batch_window.py)
@@ -309,7 +309,7 @@ def test_one_drafter_pass_drafts_as_each_sequence_alone(compiled, fast_exp, monk
     with its block halves compiled and not, its attention with the CPU's fast exp and
     MLX's fused one, gives every sequence the drafts and context cache rows of its own
     drafter run."""
-    from dflash_mlx.targets.batch_cache import sequence_rows as rows_of
+    from dflash_mlx.prompt_cache.batch import sequence_rows as rows_of
 
     monkeypatch.setenv("DFLASH_COMPILE", compiled)
     monkeypatch.setenv("DFLASH_FAST_EXP", fast_exp)
@@ -399,7 +399,7 @@ def test_bad_requests_are_refused_before_anything_runs(prompt, n, words):
 def test_compacting_padding_every_step_keeps_every_sequence_exact(monkeypatch):
     """Dropping the common padding columns as soon as there is one (instead of 32)
     changes nothing a sequence emits."""
-    from dflash_mlx.targets import batch_cache
+    from dflash_mlx.prompt_cache import batch as batch_cache
 
     monkeypatch.setattr(batch_module, "compact", lambda batch: batch_cache.compact(batch, at_least=1))
     target, B, n = target_of("llama"), 6, 60

@@ -17,8 +17,8 @@ from conftest import tiny_drafter, tiny_target
 from dflash_mlx import stream_generate
 from dflash_mlx.decode.batch_join import Joining
 from dflash_mlx.decode.stopping import StopCondition
-from dflash_mlx.prefix import store as store_module
-from dflash_mlx.prefix.store import PrefixStore
+from dflash_mlx.prompt_cache import store as store_module
+from dflash_mlx.prompt_cache.store import PrefixStore
 from dflash_mlx.serve.app import ServerConfig, create_app
 from dflash_mlx.serve.batch_engine import BatchEngine
 from dflash_mlx.serve.engine import GenerationJob

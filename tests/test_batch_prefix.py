@@ -17,9 +17,9 @@ import pytest
 from dflash_mlx import generate_step
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
-from dflash_mlx.prefix import layers, resume
-from dflash_mlx.prefix.batch import BatchPrefix
-from dflash_mlx.prefix.store import PrefixStore
+from dflash_mlx.prompt_cache import layers, resume
+from dflash_mlx.prompt_cache.batch_prefix import BatchPrefix
+from dflash_mlx.prompt_cache.store import PrefixStore
 from dflash_mlx.serve.batch_engine import BatchEngine, make_engine
 from dflash_mlx.serve.engine import GenerationJob
 from dflash_mlx.serve.metrics import ServerMetrics

@@ -13,9 +13,9 @@ import pytest
 from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
-from dflash_mlx.targets.batch_cache import COMPACT_AT, sequence_rows
-from dflash_mlx.targets.batch_window import BatchWindowKVCache
-from dflash_mlx.targets.window_cache import WindowKVCache
+from dflash_mlx.prompt_cache.batch import COMPACT_AT, sequence_rows
+from dflash_mlx.prompt_cache.batch_window import BatchWindowKVCache
+from dflash_mlx.prompt_cache.window import WindowKVCache
 from conftest import assert_varied, tiny_drafter
 from test_batch_decode import JoinOrderDrafter, assert_batch_differs_from_solo, drive, prompts, solo, target_of
 
@@ -136,7 +136,7 @@ def test_plain_batch_past_the_window_equals_solo(family):
 def test_compacting_every_step_past_the_window_keeps_every_sequence_exact(family, monkeypatch):
     """Dropping hidden columns (padding and rows out of every window) as soon as there is
     one, every step, changes nothing a sequence emits."""
-    from dflash_mlx.targets import batch_cache
+    from dflash_mlx.prompt_cache import batch as batch_cache
 
     monkeypatch.setattr(batch_module, "compact", lambda batch: batch_cache.compact(batch, at_least=1))
     target, B, n = target_of(family), 6, 50

@@ -19,7 +19,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dflash_mlx import DrafterArgs, bind_drafter, generate_step, load_drafter, save_drafter
-from dflash_mlx.targets.caches import ContextWindowCache
+from dflash_mlx.prompt_cache.drafter_context import ContextWindowCache
 from dflash_mlx.bench.simulate import SimulatedDrafter
 from conftest import FORMATS, assert_varied, format_drafter, mlx_lm_greedy, tiny_target
 

@@ -14,12 +14,12 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import generate_step
-from dflash_mlx.chat.prompt_cache import PairCache
-from dflash_mlx.prefix import layers
-from dflash_mlx.prefix.entry import restore, restore_or_warn, take_snapshot
-from dflash_mlx.prefix.key import key_id, pair_key
-from dflash_mlx.prefix.resume import trims_anywhere
-from dflash_mlx.prefix.store import PrefixStore
+from dflash_mlx.prompt_cache.pair import PairCache
+from dflash_mlx.prompt_cache import layers
+from dflash_mlx.prompt_cache.entry import restore, restore_or_warn, take_snapshot
+from dflash_mlx.prompt_cache.key import key_id, pair_key
+from dflash_mlx.prompt_cache.resume import trims_anywhere
+from dflash_mlx.prompt_cache.store import PrefixStore
 from dflash_mlx.targets import HybridAdapter
 from conftest import ROOT, ByteTokenizer, tiny_drafter, tiny_target
 
@@ -159,8 +159,8 @@ def test_a_corrupt_entry_is_dropped_with_one_warning(damage, tmp_path):
 WRITER = """
 import sys
 import mlx.core as mx
-from dflash_mlx.prefix.entry import Snapshot
-from dflash_mlx.prefix.store import PrefixStore
+from dflash_mlx.prompt_cache.entry import Snapshot
+from dflash_mlx.prompt_cache.store import PrefixStore
 store = PrefixStore(sys.argv[1], memory_entries=0)
 big = mx.random.normal((1, 4, 1 << 18, 16))  # 64 MiB, twice a file: the kill lands mid-write
 i = 0
@@ -305,7 +305,7 @@ def test_a_side_file_with_malformed_layers_is_dropped(tmp_path):
 def test_an_entry_stored_again_is_read_back_without_a_warning(tmp_path):
     """The same tokens stored again with other arrays (a batched prefill rounds differently
     from a single one): the store reads the new entry back, never its old side file."""
-    from dflash_mlx.prefix.entry import Snapshot
+    from dflash_mlx.prompt_cache.entry import Snapshot
 
     warnings = []
     store = PrefixStore(tmp_path, memory_entries=0, warn=warnings.append)

@@ -8,7 +8,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from dflash_mlx import RollbackError, generate_step, make_adapter
-from dflash_mlx.targets.caches import GatedDeltaCache, WindowKVCache
+from dflash_mlx.prompt_cache.gated_delta import GatedDeltaCache
+from dflash_mlx.prompt_cache.window import WindowKVCache
 from conftest import ScriptedDrafter, assert_varied, mlx_lm_greedy, tiny_drafter, tiny_target
 
 

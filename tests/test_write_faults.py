@@ -16,13 +16,13 @@ import pytest
 
 from dflash_mlx import generate_step
 from dflash_mlx.atomic import WriteError
-from dflash_mlx.chat.prompt_cache import PairCache
+from dflash_mlx.prompt_cache.pair import PairCache
 from dflash_mlx.chat.session_file import SessionWriter, read_session
 from dflash_mlx.decode.calibration_store import CalibrationStore
 from dflash_mlx.errors import InputError
 from dflash_mlx.owned import MARKER, claim
-from dflash_mlx.prefix.key import key_id, pair_key
-from dflash_mlx.prefix.store import PrefixStore
+from dflash_mlx.prompt_cache.key import key_id, pair_key
+from dflash_mlx.prompt_cache.store import PrefixStore
 from conftest import ByteTokenizer, needs_shared, tiny_drafter, tiny_target
 
 ERRNOS = [errno.EACCES, errno.ENOSPC, errno.EIO, errno.EROFS]

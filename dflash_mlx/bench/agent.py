@@ -75,8 +75,8 @@ def replay_dflash(pair: Any, trace: str, prompts: List[List[int]], mode: str, fo
                   max_tokens: int, **kwargs) -> List[RequestRecord]:
     """Replay in mode ``cold``, ``disk`` or ``live`` over the store ``folder`` (empty at the start);
     ``kwargs`` go to the prompt cache's ``stream``."""
-    from ..chat.prompt_cache import PairCache
-    from ..prefix.store import PrefixStore
+    from ..prompt_cache.pair import PairCache
+    from ..prompt_cache.store import PrefixStore
 
     def new_cache(memory: int) -> PairCache:
         store = None if mode == "cold" else PrefixStore(folder, memory_entries=memory, warn=lambda m: None)
@@ -99,7 +99,7 @@ def replay_mlx_lm(pair: Any, trace: str, prompts: List[List[int]], max_tokens: i
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-    from ..chat.prompt_cache import common_prefix
+    from ..prompt_cache.pair import common_prefix
 
     out: List[RequestRecord] = []
     with unfused(pair.model):  # mlx-lm's model as mlx-lm loads it

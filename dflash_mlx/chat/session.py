@@ -1,7 +1,7 @@
 # Over 400 lines: the chat session with the reply decoder and stop-text holder that only it uses
 """A multi-turn chat over one target/drafter pair that keeps both caches between turns.
 
-Both caches and the ids their rows hold are a :class:`~dflash_mlx.chat.prompt_cache.PairCache`
+Both caches and the ids their rows hold are a :class:`~dflash_mlx.prompt_cache.pair.PairCache`
 (common-prefix reuse, exact trimming, rollback on interrupts; the server uses the same).
 A turn renders the whole conversation (chat template, or plain concatenation for models
 without one) and lets it reuse the longest common prefix. So a new turn prefills its own
@@ -23,7 +23,7 @@ from ..atomic import atomic_file
 from ..errors import InputError
 from ..decode.generate import check_block_size
 from ..prompt import encode_messages
-from .prompt_cache import PairCache, common_prefix, trim_cache  # noqa: F401 (trim_cache: re-exported)
+from ..prompt_cache.pair import PairCache, common_prefix, trim_cache  # noqa: F401 (trim_cache: re-exported)
 from ..stats import GenerationStats, format_histogram
 from ..decode.stopping import held_back, text_before_stop
 
@@ -228,7 +228,7 @@ class ChatSession:
         max_context: the model's context in tokens (default: the target's
             ``max_position_embeddings``; None: no limit).
         prefill_step_size: prefill chunk size (default 2048).
-        store: a :class:`~dflash_mlx.prefix.store.PrefixStore`: turns also resume from
+        store: a :class:`~dflash_mlx.prompt_cache.store.PrefixStore`: turns also resume from
             caches kept there (other sessions, earlier processes); None: this session's only.
 
     Attributes:

@@ -2,7 +2,7 @@
 
 The file holds the messages only (JSON: ``{"format": "dflash-chat-session", "messages": [...]}``);
 the caches of the conversation are in the prompt cache on disk
-(:mod:`dflash_mlx.prefix`), keyed by the pair and the tokens. So a later process that
+(:mod:`dflash_mlx.prompt_cache`), keyed by the pair and the tokens. So a later process that
 reads the file renders the same conversation, finds its caches there and prefills only
 the new turn; with another pair, or the prompt cache off, it prefills the history once.
 """

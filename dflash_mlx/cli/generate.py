@@ -107,7 +107,7 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
     store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb, warn)
 
     from dflash_mlx import stream_generate
-    from dflash_mlx.chat.prompt_cache import PairCache
+    from dflash_mlx.prompt_cache.pair import PairCache
     from dflash_mlx.chat.session import context_length
     from dflash_mlx.sampling import make_sampler
 

@@ -1,5 +1,5 @@
 """The prompt-cache flags shared by ``generate``, ``chat``, ``serve`` and ``bench``, and
-the store they make (:class:`dflash_mlx.prefix.store.PrefixStore`)."""
+the store they make (:class:`dflash_mlx.prompt_cache.store.PrefixStore`)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def make_store(directory: Optional[str], off: bool, gb: float, warn=None):
     root = Path(directory).expanduser() if directory else None
     if root is not None and root.exists() and not root.is_dir():
         raise InputError(f"--prompt-cache-dir {root} is a file, not a folder")
-    from dflash_mlx.prefix.store import PrefixStore
+    from dflash_mlx.prompt_cache.store import PrefixStore
 
     kwargs = {} if warn is None else {"warn": warn}
     return PrefixStore(root, max_bytes=int(gb * 2**30), **kwargs)

@@ -2,9 +2,9 @@
 
 Every step drafts a block for each active sequence, then verifies all of them in ONE
 target forward ([N, B] tokens over a left-padded ``BatchKVCache``; sliding-window
-layers too, their window in the mask, see :mod:`dflash_mlx.targets.batch_window`), and each sequence
+layers too, their window in the mask, see :mod:`dflash_mlx.prompt_cache.batch_window`), and each sequence
 keeps its own acceptance length: its own committed tokens, its own rollback
-(:func:`dflash_mlx.targets.batch_cache.rollback_ragged`) and its own drafter context.
+(:func:`dflash_mlx.prompt_cache.batch.rollback_ragged`) and its own drafter context.
 Sequences join between steps (their prompts prefilled alone, one chunk at a time, by
 :class:`~dflash_mlx.decode.batch_join.Joining`, then merged into the batch) and leave
 between steps (finished, or dropped by the caller: a cancelled request).
@@ -12,10 +12,10 @@ between steps (finished, or dropped by the caller: a cancelled request).
 Why not mlx-lm's ``BatchGenerator``: it decodes one token per sequence per step and
 has no drafts, verify or per-sequence rollback; its cache classes are used here.
 
-Prompt cache: with a store (:class:`dflash_mlx.prefix.store.PrefixStore`), a joining
+Prompt cache: with a store (:class:`dflash_mlx.prompt_cache.store.PrefixStore`), a joining
 sequence resumes from the longest stored prefix of its prompt and prefills only the rest,
 then stores its prompt, or for caches that cannot go back the states at its boundaries
-(:mod:`dflash_mlx.prefix.batch`); only where the drafter drafts the batch in one pass or
+(:mod:`dflash_mlx.prompt_cache.batch_prefix`); only where the drafter drafts the batch in one pass or
 there is none (else ``prefix_refusal`` says why, and every prompt is prefilled whole).
 
 Drafting: a drafter with ``batch_drafts`` drafts every sequence in one pass; any
@@ -41,12 +41,12 @@ from .generate import StepResult
 from .stopping import StopCondition
 from ..drafter.batch import pad_contexts
 from ..errors import InputError
-from ..prefix.batch import BatchPrefix, batch_prefix_refusal
-from ..prefix.store import PrefixStore
+from ..prompt_cache.batch_prefix import BatchPrefix, batch_prefix_refusal
+from ..prompt_cache.store import PrefixStore
 from ..protocol import Drafter, Proposal
 from ..stats import GenerationStats
 from ..targets import TargetAdapter
-from ..targets.batch_cache import compact, extend, keep_rows, rollback_ragged, share_offsets
+from ..prompt_cache.batch import compact, extend, keep_rows, rollback_ragged, share_offsets
 
 
 @dataclass
@@ -88,7 +88,7 @@ class BatchDecoder:
 
     Args:
         target: a target adapter whose caches can batch
-            (:func:`dflash_mlx.targets.batch_cache.batch_refusal` is None).
+            (:func:`dflash_mlx.prompt_cache.batch.batch_refusal` is None).
         drafter: a bound drafter, or None (plain decoding, one token per step).
         block_size: B, tokens every verify feeds per sequence (2..the drafter's
             trained size; 1 without a drafter); with ``widths``, the widest.

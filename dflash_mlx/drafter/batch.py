@@ -5,8 +5,8 @@ rows thrown away), but one step drafts every sequence's block in ONE forward: th
 context caches of all sequences are one left-padded mlx-lm ``BatchKVCache`` per
 drafter layer. Sequences bring different numbers of new context rows each step (their
 own accepted drafts + 1), so every sequence appends the most rows any brings, its
-extra rows rolled into its left padding (:class:`dflash_mlx.targets.batch_cache.RaggedRoll`,
-as :func:`~dflash_mlx.targets.batch_cache.rollback_ragged` does for the target), and each
+extra rows rolled into its left padding (:class:`dflash_mlx.prompt_cache.batch.RaggedRoll`,
+as :func:`~dflash_mlx.prompt_cache.batch.rollback_ragged` does for the target), and each
 block attends over its own rows only (a padding mask).
 
 Covers the v1 drafter with full-attention, bidirectional layers and no draft window
@@ -32,7 +32,7 @@ import mlx.core as mx
 from ..kernels import fast_softmax
 from ..protocol import Proposal
 from .network import compile_enabled
-from ..targets.batch_cache import RaggedRoll, common_padding, extend, keep_rows
+from ..prompt_cache.batch import RaggedRoll, common_padding, extend, keep_rows
 from ..targets.fused import rope_rows, rotate
 
 

@@ -8,7 +8,7 @@ the B-1 masked positions. The newer formats (spec section 9) add, in this file:
 - sliding-window layers: a layer keeps the last W-1 context rows and its block
   queries see keys less than W positions back, causal inside the block
   (:func:`~dflash_mlx.kernels.block_attention.block_attention`,
-  :class:`~dflash_mlx.targets.caches.ContextWindowCache`);
+  :class:`~dflash_mlx.prompt_cache.trim.ContextWindowCache`);
 - DFlash2: a grouped dynamic causal convolution around attention and MLP
   (:class:`BlockConv`), scaled embeddings, scaled and soft-capped logits, and a
   candidate selector that walks one coherent path through each position's top-k
@@ -29,7 +29,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP  # the same SwiGLU MLP and keys as the checkpoints
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..targets.caches import ContextWindowCache
+from ..prompt_cache.drafter_context import ContextWindowCache
 from ..targets.fused import compile_enabled, rope_rows, rotate  # shared with the target's fused layers
 from .config import DrafterArgs
 from ..errors import ConfigError, InputError

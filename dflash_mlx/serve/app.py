@@ -80,7 +80,7 @@ class ServerConfig:
             request body between its chunks (408).
         prefill_step_size: prompt tokens per prefill chunk (None: generate's
             default); an abandoned request stops between two chunks.
-        prompt_store: the prompt cache (:class:`dflash_mlx.prefix.store.PrefixStore`):
+        prompt_store: the prompt cache (:class:`dflash_mlx.prompt_cache.store.PrefixStore`):
             requests also resume from prefixes kept there, in memory and on disk
             (None: from the previous request's caches only). The batching engine uses it
             where both caches are plain attention KV caches and the drafter has a

@@ -12,12 +12,12 @@ one-at-a-time :class:`~dflash_mlx.serve.engine.Engine`, whose :class:`Job` this 
 :func:`make_engine` picks the engine: every target family here batches exactly
 (attention, Gated-DeltaNet hybrids, sliding-window layers); a target the batch path
 cannot run (a layer cache with no batched form, see
-:func:`dflash_mlx.targets.batch_cache.batch_refusal`) is served one request at a time,
+:func:`dflash_mlx.prompt_cache.batch.batch_refusal`) is served one request at a time,
 with a warning in the log and ``dflash_batching 0`` in ``/metrics``.
 
-The prompt cache (a :class:`~dflash_mlx.prefix.store.PrefixStore`): each batched
+The prompt cache (a :class:`~dflash_mlx.prompt_cache.store.PrefixStore`): each batched
 request resumes from the longest stored prefix of its prompt, prefills only the rest and
-stores its prompt, in memory and on disk (:mod:`dflash_mlx.prefix.batch`), where every
+stores its prompt, in memory and on disk (:mod:`dflash_mlx.prompt_cache.batch_prefix`), where every
 layer cache of the target and the drafter is a plain attention KV cache and the drafter
 drafts the batch in one pass (or there is none). Elsewhere (Gated-DeltaNet hybrids,
 sliding-window layers, drafters without a batched pass) batched requests prefill their
@@ -37,9 +37,9 @@ from ..decode.batch import BatchDecoder, Joining
 from ..decode.batch_width import BatchWidths
 from ..decode.generate import PrefillStopped, StepResult, check_block_size
 from ..decode.stopping import StopCondition
-from ..prefix.store import PrefixStore
+from ..prompt_cache.store import PrefixStore
 from ..sampling import make_sampler
-from ..targets.batch_cache import batch_refusal
+from ..prompt_cache.batch import batch_refusal
 from .api import usage
 from .engine import _STARTED, Chunk, Engine, GenerationJob, Job, push_together
 from .lifecycle import release_streams
@@ -66,7 +66,7 @@ class BatchEngine(Engine):
 
     Args:
         pair: the loaded :class:`dflash_mlx.Pair`; its target must batch
-            (:func:`~dflash_mlx.targets.batch_cache.batch_refusal` is None).
+            (:func:`~dflash_mlx.prompt_cache.batch.batch_refusal` is None).
         max_batch: most requests decoding at once (>= 2).
         block_size: B of every verify (None: the drafter's trained size); "auto":
             one width per batched step, chosen from the batch's measured step times
@@ -324,7 +324,7 @@ class BatchEngine(Engine):
 def make_engine(pair: Any, max_batch: int, metrics: ServerMetrics, **kwargs) -> Engine:
     """The engine for ``--max-batch``: :class:`BatchEngine` when ``max_batch`` > 1 and the
     target can batch exactly (every family here, sliding-window ones included; see
-    :func:`~dflash_mlx.targets.batch_cache.batch_refusal`), else the one-at-a-time
+    :func:`~dflash_mlx.prompt_cache.batch.batch_refusal`), else the one-at-a-time
     :class:`Engine`. Says which in the log and in ``dflash_batching``.
 
     Args:

@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from ..errors import DFlashError
 from ..decode.generate import PrefillStopped
-from ..chat.prompt_cache import PairCache
+from ..prompt_cache.pair import PairCache
 from ..sampling import make_sampler
 from .api import usage
 from .lifecycle import release_streams
@@ -220,7 +220,7 @@ class Engine:
         prefill_step_size: prompt tokens per prefill chunk (None: generate's default);
             a closed or timed-out job stops between two chunks.
         store: the prompt cache kept beyond the previous request (a
-            :class:`dflash_mlx.prefix.store.PrefixStore`), or None.
+            :class:`dflash_mlx.prompt_cache.store.PrefixStore`), or None.
 
     Attributes:
         pair_cache: both caches, kept between requests.

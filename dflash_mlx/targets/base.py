@@ -7,7 +7,7 @@ of its RMSNorm and RoPE modules for fused ones that compute the same bits,
 :mod:`dflash_mlx.targets.fused`). Each family file overrides
 only what differs from this generic decoder (masks, embedding scale, the layer
 walk, the head), and where a layer's mlx-lm cache cannot roll back, the cache
-class that replaces it (:mod:`dflash_mlx.targets.caches`). What only some families
+class that replaces it (:mod:`dflash_mlx.prompt_cache.trim`). What only some families
 use lives beside them: tree verify in :mod:`dflash_mlx.targets.tree_verify` (the
 :class:`~dflash_mlx.targets.tree_verify.TreeVerify` mixin), the Gated-DeltaNet
 layers and their cache checks in :mod:`dflash_mlx.targets.hybrid`.
@@ -22,7 +22,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from .caches import EXACT_TRIM, GatedDeltaCache, WindowKVCache, can_trim
+from ..prompt_cache.gated_delta import GatedDeltaCache
+from ..prompt_cache.trim import EXACT_TRIM, can_trim
+from ..prompt_cache.window import WindowKVCache
 from ..errors import MismatchError, RollbackError
 from .fused import attention_mask
 from .tree_verify import TreeVerify
@@ -151,10 +153,10 @@ class TargetAdapter(TreeVerify):
         """A fresh prompt cache, as mlx-lm makes it, that rolls back exactly.
 
         Layers whose mlx-lm cache cannot roll back get one of ours (see
-        :meth:`exact_cache`): a :class:`~dflash_mlx.targets.window_cache.WindowKVCache` instead of a
+        :meth:`exact_cache`): a :class:`~dflash_mlx.prompt_cache.window.WindowKVCache` instead of a
         ``RotatingKVCache`` (which cannot be trimmed once it wraps), and in hybrid
         targets (:mod:`dflash_mlx.targets.hybrid`) a
-        :class:`~dflash_mlx.targets.gated_delta_cache.GatedDeltaCache` instead of a Gated-DeltaNet
+        :class:`~dflash_mlx.prompt_cache.gated_delta.GatedDeltaCache` instead of a Gated-DeltaNet
         layer's ``ArraysCache``.
 
         Args:

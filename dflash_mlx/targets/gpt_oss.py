@@ -3,7 +3,7 @@ layers, MoE blocks.
 
 The sinks and the experts live inside the model's own layers, which run as loaded;
 the adapter gives each layer its mask, windowed for the sliding layers, whose
-``RotatingKVCache`` becomes a :class:`~dflash_mlx.targets.window_cache.WindowKVCache`.
+``RotatingKVCache`` becomes a :class:`~dflash_mlx.prompt_cache.window.WindowKVCache`.
 """
 
 from typing import Any, List, Sequence

@@ -5,7 +5,7 @@ the model's own modules. A Gated-DeltaNet layer is run here, from the layer's ow
 sub-modules and mlx-lm's ``normalize_qk`` / ``gated_delta_update``, in the order of
 mlx-lm's ``GatedDeltaNet.__call__`` (tests pin the logits bit for bit): the only
 difference is that it hands its recurrence inputs to the layer's
-:class:`~dflash_mlx.targets.gated_delta_cache.GatedDeltaCache`, which replays the accepted prefix on a
+:class:`~dflash_mlx.prompt_cache.gated_delta.GatedDeltaCache`, which replays the accepted prefix on a
 rollback (DFLASH_SPEC.md section 10). The family files give the input projections,
 the one place where the families' layers differ. What only hybrids need of the cache
 checks lives here too: which layers are recurrent (``recurrent_module``) and what
@@ -22,7 +22,7 @@ from mlx_lm.models.base import create_ssm_mask
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from .gated_delta_cache import GatedDeltaCache
+from ..prompt_cache.gated_delta import GatedDeltaCache
 from .base import TargetAdapter
 from ..errors import MismatchError, RollbackError
 from .fused import attention_mask
@@ -59,7 +59,7 @@ class HybridAdapter(TargetAdapter):
 
     def check_layer_cache(self, i: int, c: Any, max_verify: int) -> None:
         """As the generic check for attention layers; a Gated-DeltaNet layer's cache must
-        be a :class:`~dflash_mlx.targets.gated_delta_cache.GatedDeltaCache` built for this very
+        be a :class:`~dflash_mlx.prompt_cache.gated_delta.GatedDeltaCache` built for this very
         layer with room to roll back ``max_verify`` tokens.
 
         Raises:

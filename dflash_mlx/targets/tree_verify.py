@@ -25,8 +25,8 @@ import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from .caches import can_trim
-from .window_cache import WindowKVCache
+from ..prompt_cache.trim import can_trim
+from ..prompt_cache.window import WindowKVCache
 from ..errors import InputError, RollbackError
 
 

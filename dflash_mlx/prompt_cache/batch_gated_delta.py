@@ -20,7 +20,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.gated_delta import gated_delta_update
 
-from .gated_delta_cache import GatedDeltaCache
+from .gated_delta import GatedDeltaCache
 
 
 class BatchGatedDeltaCache(GatedDeltaCache):

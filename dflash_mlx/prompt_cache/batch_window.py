@@ -1,9 +1,9 @@
 """The sliding-window attention layer cache of a batch of sequences, with per-sequence rollback.
 
-One sequence decodes with a :class:`~dflash_mlx.targets.window_cache.WindowKVCache`. In a
+One sequence decodes with a :class:`~dflash_mlx.prompt_cache.window.WindowKVCache`. In a
 batch, a window layer's cache is mlx-lm's ``BatchKVCache`` (:class:`BatchWindowKVCache`):
 the same left-padded rows, shared write column, per-sequence offsets and ragged rollback
-(:func:`~dflash_mlx.targets.batch_cache.rollback_ragged`) as a full-attention layer. The
+(:func:`~dflash_mlx.prompt_cache.batch.rollback_ragged`) as a full-attention layer. The
 window is applied by the mask alone: mlx-lm's ``BatchKVCache.make_mask(N, window_size=W)``
 lets the query in column q see key columns ``q - W < k <= q`` not in its left padding.
 Each sequence's rows are contiguous and end at the shared write column (appends,
@@ -12,7 +12,7 @@ position distances: per sequence, exactly the solo window ``p - W < k <= p``.
 
 Rows no future query can see (more than ``W - 1`` columns before the write column,
 between steps) are counted as left padding by :meth:`BatchWindowKVCache.hide_old_rows`,
-and :func:`~dflash_mlx.targets.batch_cache.compact` drops them with the other padding:
+and :func:`~dflash_mlx.prompt_cache.batch.compact` drops them with the other padding:
 between steps a window layer of a batch is under ``W - 1 + COMPACT_AT`` columns wide
 (plus one verify's rows during a forward), not the whole context.
 """
@@ -24,7 +24,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from .window_cache import WindowKVCache
+from .window import WindowKVCache
 
 
 class BatchWindowKVCache(BatchKVCache):

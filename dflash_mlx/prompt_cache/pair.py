@@ -15,13 +15,13 @@ the consumer closing it), both caches are trimmed back to the rows known to be
 complete: the common prefix if no step had been received, else the committed tokens
 received but the last. What is missing is prefilled next time.
 
-With a :class:`~dflash_mlx.prefix.store.PrefixStore` (``store``), the caches are also
+With a :class:`~dflash_mlx.prompt_cache.store.PrefixStore` (``store``), the caches are also
 kept as entries beyond the last generation: in memory and on disk, for later requests,
 processes and days. A prompt then resumes from whichever holds more of it, the live
 caches or a stored entry (longest common prefix). The pair's state is stored after each
 generation and, for pairs whose caches cannot be trimmed back far (Gated-DeltaNet
 layers, sliding windows), also at boundaries every few thousand prompt tokens
-(:mod:`dflash_mlx.prefix.resume`); disk writes happen once the generation is done.
+(:mod:`dflash_mlx.prompt_cache.resume`); disk writes happen once the generation is done.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 
 from mlx_lm.models.cache import KVCache
 
-from ..targets.caches import can_trim
+from .trim import can_trim
 from ..errors import RollbackError
 from ..decode.generate import GenerationResponse, stream_generate
-from ..prefix.entry import Snapshot, restore_or_warn, take_snapshot
-from ..prefix.key import key_id, pair_key
-from ..prefix.resume import boundaries, boundary_interval, prefill_to, trims_anywhere
-from ..prefix.store import PrefixStore
+from .entry import Snapshot, restore_or_warn, take_snapshot
+from .key import key_id, pair_key
+from .resume import boundaries, boundary_interval, prefill_to, trims_anywhere
+from .store import PrefixStore
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: Optional[int] = None) -> int:
@@ -87,7 +87,7 @@ class PairCache:
         drafter: a bound drafter, or None for plain decoding (no drafter cache).
         store: where entries are kept beyond the last generation (None: the live caches only).
         interval: prompt tokens between stored states for pairs that cannot trim back
-            (default :data:`dflash_mlx.prefix.resume.DEFAULT_INTERVAL`, rounded to chunks).
+            (default :data:`dflash_mlx.prompt_cache.resume.DEFAULT_INTERVAL`, rounded to chunks).
         generate: what generates from the caches (default
             :func:`dflash_mlx.decode.generate.stream_generate`; the CLI passes the one it imported).
 
@@ -205,7 +205,7 @@ class PairCache:
         return len(self.tokens)
 
     def _prefill_boundaries(self, ids: List[int], start: int, kwargs: dict) -> int:
-        """For pairs that cannot trim back (see :mod:`dflash_mlx.prefix.resume`), prefill
+        """For pairs that cannot trim back (see :mod:`dflash_mlx.prompt_cache.resume`), prefill
         ``ids`` from ``start`` to its last boundary, keeping the state at each one.
 
         Returns:

@@ -13,10 +13,10 @@ right-padded prompts. A sequence's kept rows, their positions and what its queri
 see are then exactly those of a cache that never held the rejected rows.
 
 A Gated-DeltaNet layer (hybrid targets) has no rows: its batched cache is a
-:class:`~dflash_mlx.targets.batch_gated_delta.BatchGatedDeltaCache`, which replays
+:class:`~dflash_mlx.prompt_cache.batch_gated_delta.BatchGatedDeltaCache`, which replays
 each sequence's kept prefix. A sliding-window layer (a
-:class:`~dflash_mlx.targets.window_cache.WindowKVCache` alone) is a
-:class:`~dflash_mlx.targets.batch_window.BatchWindowKVCache`: a ``BatchKVCache``
+:class:`~dflash_mlx.prompt_cache.window.WindowKVCache` alone) is a
+:class:`~dflash_mlx.prompt_cache.batch_window.BatchWindowKVCache`: a ``BatchKVCache``
 rolled back as above, the window applied by its mask, rows out of every window
 dropped with the padding (:func:`compact`). So every target family batches;
 :func:`batch_refusal` names a layer cache of any other kind.
@@ -31,8 +31,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .batch_gated_delta import BatchGatedDeltaCache
 from .batch_window import BatchWindowKVCache
-from .gated_delta_cache import GatedDeltaCache
-from .window_cache import WindowKVCache
+from .gated_delta import GatedDeltaCache
+from .window import WindowKVCache
 
 BATCHABLE = (KVCache, GatedDeltaCache, WindowKVCache)  # layer cache types with a batched form
 

@@ -2,7 +2,7 @@
 
 mlx-lm's ``save_prompt_cache``/``load_prompt_cache`` cannot serve here: loading builds
 each cache from its class name looked up among mlx-lm's own classes, so our caches
-(:class:`~dflash_mlx.targets.caches.WindowKVCache`, ``GatedDeltaCache``,
+(:class:`~dflash_mlx.prompt_cache.trim.WindowKVCache`, ``GatedDeltaCache``,
 ``ContextWindowCache``) cannot come back; and its ``KVCache.state`` is the whole
 preallocated buffer, not the rows held. So each kind is taken apart here: only the rows
 it holds, and the integers that place them. A restore fills a fresh cache of the same
@@ -17,7 +17,10 @@ from typing import Any, Callable, Dict, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from ..targets.caches import ContextWindowCache, GatedDeltaCache, WindowKVCache, can_trim
+from .drafter_context import ContextWindowCache
+from .gated_delta import GatedDeltaCache
+from .trim import can_trim
+from .window import WindowKVCache
 
 Arrays = Dict[str, mx.array]
 Ints = Dict[str, int]

@@ -1,8 +1,8 @@
 """The prefix cache's two levels: entries in memory (least recently used dropped first)
 and on disk under one folder (a byte cap, least recently used dropped first).
 
-Layout: ``ROOT/KEY/ID.safetensors`` + ``ROOT/KEY/ID.json`` (:mod:`dflash_mlx.prefix.entry`),
-where KEY names the pair (:func:`dflash_mlx.prefix.key.key_id`, its identity kept in
+Layout: ``ROOT/KEY/ID.safetensors`` + ``ROOT/KEY/ID.json`` (:mod:`dflash_mlx.prompt_cache.entry`),
+where KEY names the pair (:func:`dflash_mlx.prompt_cache.key.key_id`, its identity kept in
 ``ROOT/KEY/key.json``) and ID the tokens. The byte cap counts every pair's entries under
 ROOT. Use is recorded as the JSON file's modification time, so the order survives
 processes. A lookup takes the entry that resumes the most rows of a prompt (longest
