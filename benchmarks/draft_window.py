@@ -204,9 +204,9 @@ def draft_only(drafter, args, window) -> int:
 
 
 def plot(rows, path: Path, sink: int, size: int) -> Path:
-    from dflash_mlx.bench.plots import _pyplot, save_figure
+    from dflash_mlx.bench.plots import pyplot, save_figure
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(4.6, 3.2), dpi=100)
     for name in dict.fromkeys(r["engine"] for r in rows if r["engine"] != "ar"):
         pts = [(r["prompt_tokens"], r["draft_ms"]) for r in rows if r["engine"] == name]

@@ -23,7 +23,6 @@ of the medians is printed too. Exits 1 if any run's tokens differ, 2 if the boun
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -40,17 +39,9 @@ from mlx_lm import stream_generate as mlx_stream_generate
 
 from dflash_mlx import load, stream_generate
 from dflash_mlx.targets.fused import unfused
+from story_openings import convert_stories260k  # benchmarks/ is on the path when run as a script
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "models" / "stories260K"
 BOUND = 1.10
-
-
-def convert_stories260k(out: Path) -> Path:
-    spec = importlib.util.spec_from_file_location("llama2c", ROOT / "scripts" / "convert" / "llama2c.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.convert_llama2c(SHARED / "stories260K.bin", SHARED / "tok512.model", out)
 
 
 def timed(responses, tokens_of):
