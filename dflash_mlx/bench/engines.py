@@ -34,12 +34,11 @@ class DFlashEngine(Engine):
         self.target, self.drafter, self.tree_budget = target, drafter, tree_budget
         self.draft_block = check_block_size(block_size, drafter)
         self.verify_block = block_size if block_size == "auto" else self.draft_block
-        if drafter is None:
-            self.block_size, self.name = 1, "ar"
+        self.name = "dflash" if drafter is not None else "ar"
+        if drafter is None or tree_budget is None:
+            self.block_size = self.verify_block if drafter is not None else 1
         else:
-            self.name = "dflash"
-            self.block_size = self.verify_block if tree_budget is None else \
-                "auto+tree" if tree_budget == "auto" else f"tree {tree_budget}"
+            self.block_size = "auto+tree" if tree_budget == "auto" else f"tree {tree_budget}"
 
     def stream(self, ids, max_tokens, sampler, stop_ids, stats):
         for step in generate_step(mx.array(ids, dtype=mx.int32), self.target, self.drafter, sampler=sampler,

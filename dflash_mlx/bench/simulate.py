@@ -38,9 +38,11 @@ class SimulatedDrafter(WrappedDrafter):
 
     def proposals(self, pos: int, block_size: int) -> List[int]:
         """Drafts d_1..d_{B-1} for a block whose ``t_last`` sits at ``pos``."""
-        seq = self.sequence
-        return [0 if pos + k >= len(seq) else seq[pos + k] if k <= self.accept else (seq[pos + k] + 1) % self.vocab_size
-                for k in range(1, block_size)]
+        out = []
+        for k in range(1, block_size):
+            right = self.sequence[pos + k] if pos + k < len(self.sequence) else None
+            out.append(0 if right is None else right if k <= self.accept else (right + 1) % self.vocab_size)
+        return out
 
     def draft(self, token: mx.array, context: mx.array, cache: Sequence[Any], block_size: int) -> mx.array:
         """The scripted proposals, [B-1] int32, lazy and dependent on the real drafts."""
