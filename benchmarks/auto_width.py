@@ -33,8 +33,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from dflash_mlx.bench import BenchConfig, MlxLmEngine, Runner, Sample
-from dflash_mlx.bench.report import build_report, results_table, write_report
+from dflash_mlx.bench.datasets import Sample
+from dflash_mlx.bench.engines import MlxLmEngine
+from dflash_mlx.bench.report import build_report, write_report
+from dflash_mlx.bench.runner import BenchConfig, Runner
+from dflash_mlx.cli.bench_tables import results_table
 from dflash_mlx.bench.simulate import read_trace
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -12,7 +12,7 @@ token (send to the first chunk with text). Rounds are repeated ``--repeats`` tim
 turn over the servers (reversed every other repeat); medians are reported, with the
 ratios to ``--max-batch 1`` and to mlx_lm.server of each repeat's figures (ratios of the
 same repeat, then the median) and a one-sided sign test of those ratios
-(:func:`dflash_mlx.bench.significance.sign_test`).
+(:func:`dflash_mlx.bench.report.sign_test`).
 
 Every dflash reply is checked against mlx_lm.server's reply for the same prompt
 (greedy: both are the target's own greedy text).
@@ -28,15 +28,13 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Dict, List
 
-import httpx
 
-from dflash_mlx.bench.significance import sign_test
+from dflash_mlx.bench.report import sign_test
 from serve_load import free_port, launch_server, run_clients  # benchmarks/ is on the path when run as a script
 from story_openings import PROMPTS
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -45,6 +44,7 @@ import mlx.core as mx
 from dflash_mlx import GenerationStats, generate_step
 from dflash_mlx.decode.generate import prefill
 from dflash_mlx.chat.session import trim_cache
+from dflash_mlx.bench.report import machine_info
 from dflash_mlx.bench.simulate import SimulatedDrafter, read_trace
 from simulated_speedup import random_pair
 
@@ -147,7 +147,7 @@ def main() -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        report = {"command": ["python", *sys.argv], "config": vars(args), "machine": platform.platform(),
+        report = {"command": ["python", *sys.argv], "config": vars(args), "machine": machine_info(),
                   "target": "random Qwen3-0.6B shape (float32)",
                   "drafter": f"random {args.drafter_layers}-layer DFlash drafter, width 1024", "rows": rows_out}
         (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -196,7 +196,7 @@ def draft_only(drafter, args, window) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        report = {"command": ["python", *sys.argv], "config": vars(args), "machine": platform.platform(),
+        report = {"command": ["python", *sys.argv], "config": vars(args), "machine": machine_info(),
                   "drafter": f"random {args.drafter_layers}-layer DFlash drafter, width 1024", "rows": rows}
         (out / "draft_only.json").write_text(json.dumps(report, indent=2) + "\n")
         plot(rows, out / "draft_only.png", *window)
@@ -204,9 +204,9 @@ def draft_only(drafter, args, window) -> int:
 
 
 def plot(rows, path: Path, sink: int, size: int) -> Path:
-    from dflash_mlx.bench.plots import _pyplot, save_figure
+    from dflash_mlx.bench.plots import pyplot, save_figure
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(4.6, 3.2), dpi=100)
     for name in dict.fromkeys(r["engine"] for r in rows if r["engine"] != "ar"):
         pts = [(r["prompt_tokens"], r["draft_ms"]) for r in rows if r["engine"] == name]

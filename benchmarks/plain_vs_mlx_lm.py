@@ -23,10 +23,7 @@ of the medians is printed too. Exits 1 if any run's tokens differ, 2 if the boun
 """
 
 import argparse
-import importlib.util
 import json
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -34,23 +31,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlx.core as mx
-import mlx_lm
 from mlx_lm import stream_generate as mlx_stream_generate
 
 from dflash_mlx import load, stream_generate
+from dflash_mlx.bench.report import machine_info
 from dflash_mlx.targets.fused import unfused
+from story_openings import convert_stories260k  # benchmarks/ is on the path when run as a script
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "models" / "stories260K"
 BOUND = 1.10
-
-
-def convert_stories260k(out: Path) -> Path:
-    spec = importlib.util.spec_from_file_location("llama2c", ROOT / "scripts" / "convert" / "llama2c.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.convert_llama2c(SHARED / "stories260K.bin", SHARED / "tok512.model", out)
 
 
 def timed(responses, tokens_of):
@@ -95,15 +83,7 @@ def main() -> int:
     args = p.parse_args()
 
     print("command:", shlex.join([sys.executable, *sys.argv]))
-    env = {
-        "LD_PRELOAD": os.environ.get("LD_PRELOAD", "(not set)"),
-        "mlx": mx.__version__,
-        "mlx_lm": mlx_lm.__version__,
-        "device": str(mx.default_device()),
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-    }
+    env = machine_info()
     for k, v in env.items():
         print(f"  {k}: {v}")
 

@@ -39,8 +39,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3
 
 from dflash_mlx import DFlashDrafter, DrafterArgs, bind_drafter, make_adapter
-from dflash_mlx.bench import BenchConfig, DatasetResult, DFlashEngine, Runner, Sample
-from dflash_mlx.bench.report import build_report, cycle_table, results_table, write_report
+from dflash_mlx.bench.datasets import Sample
+from dflash_mlx.bench.engines import DFlashEngine
+from dflash_mlx.bench.report import build_report, write_report
+from dflash_mlx.bench.runner import BenchConfig, DatasetResult, Runner
+from dflash_mlx.cli.bench_tables import cycle_table, results_table
 from dflash_mlx.drafter.config import default_target_layer_ids
 
 BOUND = 0.9
@@ -94,9 +97,9 @@ def _materialize(module, bits: Optional[int]) -> None:
 
 
 def plot_sweep(report: dict, path: Path) -> Path:
-    from dflash_mlx.bench.plots import _pyplot, save_figure
+    from dflash_mlx.bench.plots import pyplot, save_figure
 
-    plt = _pyplot()
+    plt = pyplot()
     rows = [(ds["dflash"][0]["tau"], ds["dflash"][0]["speedup_median_of_ratios"], ds["dflash"][0]["ideal_speedup"])
             for ds in report["datasets"]]
     fig, ax = plt.subplots(figsize=(4.6, 3.2), dpi=100)

@@ -29,9 +29,7 @@ from ``../shared/models/stories260K`` as the tests do (or ``--model``) and the d
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import random
 import select
 import shutil
@@ -47,9 +45,9 @@ from pathlib import Path
 import httpx
 
 from serve_load import free_port, launch_server, rss_mb  # benchmarks/ is on the path when run as a script
+from story_openings import convert_stories260k
 
 ROOT = Path(__file__).resolve().parents[1]
-STORIES = ROOT.parent / "shared" / "models" / "stories260K"
 KEY = "soak-key"
 CONTEXT = 512  # stories260K's
 PROMPTS = [json.loads(line)["prompt"] for line in (ROOT / "benchmarks" / "prompts" / "tinystories.jsonl")
@@ -58,13 +56,6 @@ HOSTILE = {  # kind: the statuses that are right for it (None: the client leaves
     "bad_json": {400}, "huge_headers": {431}, "slowloris": {408, 0}, "bad_auth": {401},
     "past_context": {400}, "bad_tool_message": {400}, "disconnect": {None},
 }
-
-
-def convert_stories(out: Path) -> Path:
-    spec = importlib.util.spec_from_file_location("llama2c", ROOT / "scripts" / "convert" / "llama2c.py")
-    llama2c = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(llama2c)
-    return llama2c.convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.model", out)
 
 
 # -- requests ---------------------------------------------------------------------
@@ -252,7 +243,7 @@ def first_traceback(log: str) -> str:
 def soak(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="dflash-soak-"))
     try:
-        model = args.model or str(convert_stories(work / "stories260K"))
+        model = args.model or str(convert_stories260k(work / "stories260K"))
         cache, log = work / "prompt-cache", work / "serve.log"
         proc, port = start_server(args, model, cache, log)
         try:

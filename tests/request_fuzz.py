@@ -2,7 +2,7 @@
 schema with any field set to any JSON value (lone surrogates, NaN, huge numbers,
 wrong types, nested junk), plus bodies that are not JSON at all.
 
-Used by tests/test_server_fuzz.py and benchmarks/serve_hostile.py."""
+Used by tests/test_server_fuzz.py."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def test_replay_reuses_growing_prefixes_with_the_cold_text():
 def test_bad_trace_files_are_one_line_errors(tmp_path):
     bad = tmp_path / "t.jsonl"
     bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
-    with pytest.raises(InputError, match=r't.jsonl:2: needs a "prompt" string or a "messages" list'):
+    with pytest.raises(InputError, match=r't.jsonl: row 2: needs a "prompt" string or a "messages" list'):
         read_agent_trace(bad)
     bad.write_text("not json\n")
     with pytest.raises(InputError, match=r"t.jsonl:1: not JSON"):

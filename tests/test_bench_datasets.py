@@ -88,7 +88,7 @@ def test_user_jsonl_prompt_and_messages(tmp_path):
 
 @pytest.mark.parametrize("content, needle", [
     ('{"text": "no known field"}\n', "unknown row format"),
-    ('{"prompt": "ok"}\nnot json\n', ":2: invalid JSON"),
+    ('{"prompt": "ok"}\nnot json\n', ":2: not JSON"),
     ('{"messages": "not a list"}\n', "'messages' must be"),
     ('{"prompt": "   "}\n', "empty prompt"),
     ("", "has no rows"),

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from dflash_mlx.bench.report import (
-    SCHEMA, build_report, cycle_ms, cycle_table, histogram_lines, ideal_speedup, median, ratio,
-    results_table, summarize, tokens_per_step, write_report,
+    SCHEMA, build_report, cycle_ms, ideal_speedup, median, ratio, summarize, tokens_per_step, write_report,
 )
+from dflash_mlx.cli.bench_tables import cycle_table, histogram_lines, results_table
 from dflash_mlx.bench.runner import DatasetResult, RunRecord
 from dflash_mlx.stats import GenerationStats
 

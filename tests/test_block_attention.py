@@ -2,6 +2,9 @@
 
 import dataclasses
 import itertools
+import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -10,6 +13,7 @@ import pytest
 from dflash_mlx import InputError, generate_step
 from dflash_mlx.drafter.network import DFlashDrafter
 from dflash_mlx.kernels import block_attention as ba
+from dflash_mlx.kernels import block_attention_metal as bam
 from dflash_mlx.kernels.block_attention import attention_path, block_attention, block_attention_reference
 from dflash_mlx.pair.loading import bind_drafter
 from conftest import tiny_drafter_args, tiny_target
@@ -158,18 +162,25 @@ def test_bad_kill_switch_value_is_an_error(monkeypatch):
         block_attention(*_drafter_shaped(), scale=0.125)
 
 
-def test_attention_path_before_any_call(monkeypatch):
-    monkeypatch.setattr(ba, "_last_path", {})
-    monkeypatch.setenv(ba.ENV_VAR, "0")
-    assert attention_path() == {"block_attention": "reference", "reason": "DFLASH_BLOCK_KERNEL=0"}
+def test_attention_path_before_any_call():
+    code = "from dflash_mlx.kernels.block_attention import attention_path; print(attention_path())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, ba.ENV_VAR: "0"}).stdout
+    assert out.strip() == str({"block_attention": "reference", "reason": "DFLASH_BLOCK_KERNEL=0"})
 
 
-def test_uncovered_shapes_name_the_reason():
+def test_uncovered_shapes_name_the_reason(monkeypatch):
+    monkeypatch.delenv(ba.ENV_VAR, raising=False)
     q, ck, cv, bk, bv = _drafter_shaped()
-    assert ba._shape_reason(q, ck, cv, bk, bv) is None
-    assert "head_dim 48" in ba._shape_reason(*(x[..., :48] for x in (q, ck, cv, bk, bv)))
-    assert "head_dim 512" in ba._shape_reason(*(mx.concatenate([x] * 8, axis=-1) for x in (q, ck, cv, bk, bv)))
-    assert "mixed input dtypes" in ba._shape_reason(q.astype(mx.float16), ck, cv, bk, bv)
+
+    def reason(*arrays):
+        block_attention(*arrays, scale=0.125)
+        return attention_path()["reason"]
+
+    assert "head_dim" not in reason(q, ck, cv, bk, bv) and "dtype" not in reason(q, ck, cv, bk, bv)
+    assert "head_dim 48" in reason(*(x[..., :48] for x in (q, ck, cv, bk, bv)))
+    assert "head_dim 512" in reason(*(mx.concatenate([x] * 8, axis=-1) for x in (q, ck, cv, bk, bv)))
+    assert "mixed input dtypes" in reason(q.astype(mx.float16), ck, cv, bk, bv)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -189,11 +200,11 @@ def test_bad_input_names_the_argument(bad, match):
 
 
 def test_kernel_launch_shapes():
-    launch = ba.kernel_launch((1, 32, 16, 128), 8, mx.bfloat16)
-    assert launch.template == [("T", mx.bfloat16), ("D", 128), ("QT", 8), ("NS", ba.SIMDGROUPS)]
-    assert launch.grid == (8 * ba.SIMDGROUPS * 32, 8, 1) and launch.threadgroup == (ba.SIMDGROUPS * 32, 1, 1)
-    assert ba.kernel_launch((2, 8, 1, 256), 8, mx.float16).template[2] == ("QT", 1)
-    assert ba.kernel_launch((1, 16, 5, 256), 2, mx.float16).template[2] == ("QT", 4)
+    launch = bam.kernel_launch((1, 32, 16, 128), 8, mx.bfloat16)
+    assert launch.template == [("T", mx.bfloat16), ("D", 128), ("QT", 8), ("NS", bam.SIMDGROUPS)]
+    assert launch.grid == (8 * bam.SIMDGROUPS * 32, 8, 1) and launch.threadgroup == (bam.SIMDGROUPS * 32, 1, 1)
+    assert bam.kernel_launch((2, 8, 1, 256), 8, mx.float16).template[2] == ("QT", 1)
+    assert bam.kernel_launch((1, 16, 5, 256), 2, mx.float16).template[2] == ("QT", 4)
 
 
 # ---- On a Mac: the Metal kernel itself ----
@@ -266,10 +277,10 @@ def test_greedy_engine_output_identical_with_kernel_on_and_off(monkeypatch):
     prompt = mx.array([1, 17, 33, 2, 9, 100, 42], dtype=mx.int32)
 
     def run(value):
+        monkeypatch.setenv(ba.ENV_VAR, "0" if value == "1" else "1")  # the other path first
+        block_attention(*_drafter_shaped(), scale=0.125)
         monkeypatch.setenv(ba.ENV_VAR, value)
-        monkeypatch.setattr(ba, "_last_path", {})
         steps = list(generate_step(prompt, target, drafter, max_tokens=120, block_size=8))
-        assert ba._last_path, "the drafter did not call block_attention"
         return [s.tokens for s in steps], [s.accepted for s in steps], attention_path()["block_attention"]
 
     on, off = run("1"), run("0")

@@ -1,6 +1,6 @@
 """The Metal block-attention kernel body, compiled with g++ and run on the CPU against the reference.
 
-tests/kernel_harness/ wraps ``_SOURCE`` in the signature ``mx.fast.metal_kernel`` writes and
+tests/kernel_harness/ wraps ``SOURCE`` in the signature ``mx.fast.metal_kernel`` writes and
 runs it over the real grid, one OS thread per GPU thread, with real barriers; simd_sum and
 simd_max are barrier exchanges among the 32 lanes. Not bit-faithful to a GPU: the order of
 simd_sum's additions and metal::exp's rounding differ, so results are compared with a
@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx.kernels import block_attention as ba
+from dflash_mlx.kernels import block_attention_metal as ba
 from dflash_mlx.kernels.block_attention import block_attention_reference
 from kernel_harness.emulator import GXX, Emulator, KernelSpec, array_arg, bfloat16_round
 from test_block_attention import KERNEL_TOLERANCE
@@ -20,7 +20,7 @@ from test_block_attention import KERNEL_TOLERANCE
 pytestmark = pytest.mark.skipif(
     GXX is None, reason="g++ not found: the CPU harness compiles the Metal kernel body with g++ (CI has it)")
 
-KERNEL = KernelSpec("dflash_block_attention", tuple(ba.INPUT_NAMES), tuple(ba.OUTPUT_NAMES), ba._SOURCE)
+KERNEL = KernelSpec("dflash_block_attention", tuple(ba.INPUT_NAMES), tuple(ba.OUTPUT_NAMES), ba.SOURCE)
 NUMPY_DTYPES = {mx.float16: np.float16}
 
 
@@ -121,8 +121,8 @@ def test_emulated_kernel_matches_reference(emulator, name):
 # ---- The harness notices a broken kernel ----
 
 def _mutant(name: str, old: str, new: str) -> KernelSpec:
-    assert ba._SOURCE.count(old) == 1, f"mutation {name} no longer matches the kernel source"
-    return KernelSpec(f"mutant_{name}", KERNEL.input_names, KERNEL.output_names, ba._SOURCE.replace(old, new))
+    assert ba.SOURCE.count(old) == 1, f"mutation {name} no longer matches the kernel source"
+    return KernelSpec(f"mutant_{name}", KERNEL.input_names, KERNEL.output_names, ba.SOURCE.replace(old, new))
 
 
 MUTANTS = {

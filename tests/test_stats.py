@@ -130,7 +130,7 @@ def test_teacher_forced_acceptance():
 def test_sign_test_is_the_exact_binomial_tail():
     from scipy.stats import binomtest
 
-    from dflash_mlx.bench.significance import sign_test
+    from dflash_mlx.bench.report import sign_test
 
     ratios = [1.28, 0.99, 1.15, 0.68, 1.32, 1.21, 0.91, 1.17, 0.81, 1.15, 1.0]
     got = sign_test(ratios)

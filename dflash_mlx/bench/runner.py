@@ -1,49 +1,30 @@
-"""Run a baseline and DFlash alternately over a prompt set, in one process.
-
-Every engine is consumed the same way: the prompt ids go in, lists of committed
-token ids come out (one list per target forward), and the consumer stamps each
-list with ``time.perf_counter``. No engine detokenizes while it is timed (mlx-lm's
-``stream_generate`` and ours wrap exactly these generators and add the detokenizer),
-so the figures compare decoding and nothing else.
-
-Per run:
-
-- prompt time: from the call to the first committed token (prefill + first sample;
-  for mlx-lm speculative decoding, whose first tokens come out of its first
-  draft/verify cycle, that cycle too);
-- decode time: from the first committed list to the last one; decode tokens are
-  the tokens after the first list. A stop token ends the run; its step is timed,
-  the token is not counted (as mlx-lm's ``stream_generate`` does);
-- peak memory: ``mx.get_peak_memory()`` after ``mx.reset_peak_memory()``, in GB
-  (1e9 bytes), weights included.
-"""
+"""Run a baseline and DFlash alternately over a prompt set, in one process, timed by the consumer:
+prompt time from the call to the first committed list, decode time from there to the last one (a
+stop token's step is timed, its token not counted); peak memory in GB (1e9 bytes)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from ..decode.generate import check_block_size, generate_step
 from ..errors import InputError
 from ..ranges import check_number
-from ..decode.generate import check_block_size, generate_step
 from ..sampling import Sampling
-from .simulate import SimulatedDrafter
-from ..stats import GenerationStats, histogram_dict
+from ..stats import GenerationStats
 from .datasets import Sample, encode_sample_turn
 from .engines import DFlashEngine, Engine
+from .simulate import SimulatedDrafter
 
 ProgressFn = Callable[[str, int, int], None]  # (dataset, items done, items in all)
+TRACE_STRIDE = 61  # blocks between the starts of two prompts' replay of a trace
 
 
 def parse_baseline(spec: str) -> tuple[str, Optional[str]]:
-    """Split ``--baseline``: ``ar``, ``mlx-lm`` or ``draft-model:PATH``.
-
-    Raises:
-        InputError: any other value.
-    """
+    """``--baseline`` ``ar``, ``mlx-lm`` or ``draft-model:PATH`` as ``(kind, path or None)``; else InputError."""
     if spec in ("ar", "mlx-lm"):
         return spec, None
     if spec.startswith("draft-model:") and spec.split(":", 1)[1]:
@@ -51,28 +32,10 @@ def parse_baseline(spec: str) -> tuple[str, Optional[str]]:
     raise InputError(f"--baseline {spec}: expected ar, mlx-lm or draft-model:PATH")
 
 
-# --------------------------------------------------------------------------- one run
-
-
 @dataclass
 class RunRecord:
-    """The figures of one timed generation.
-
-    Attributes:
-        sample, turn, repeat: which item (turn of a multi-turn sample) and which repeat.
-        engine: engine name; ``block_size``: its B (1 for plain decoding), or the
-            label of an adaptive or tree variant (``"auto"``, ``"tree 32"``).
-        prompt_tokens: tokens prefilled.
-        tokens: committed token ids (not written to JSON).
-        first_tokens: tokens in the first committed list (not decode tokens).
-        prompt_s: seconds from the call to the first committed list.
-        decode_s: seconds from the first committed list to the last one.
-        stats: the engine's :class:`~dflash_mlx.stats.GenerationStats` (verify steps,
-            acceptance, phase seconds; the phases are zero for mlx-lm engines).
-        peak_memory_gb: peak MLX memory during the run, GB.
-        matches_baseline: at temperature 0, whether the tokens equal the baseline's
-            (None for the baseline itself or when sampling).
-    """
+    """One timed generation (seconds, GB). ``block_size``: the engine's label; ``first_tokens``: the
+    first committed list's size; ``matches_baseline``: at temperature 0, tokens equal the baseline's."""
 
     sample: str
     turn: int
@@ -89,17 +52,8 @@ class RunRecord:
     matches_baseline: Optional[bool] = None
 
     @property
-    def generation_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
     def decode_tokens(self) -> int:
         return len(self.tokens) - self.first_tokens
-
-    @property
-    def steps(self) -> int:
-        """Verify steps."""
-        return self.stats.steps
 
     @property
     def forwards(self) -> int:
@@ -108,7 +62,6 @@ class RunRecord:
 
     @property
     def decode_tps(self) -> Optional[float]:
-        """Decode tokens per second (None when nothing was decoded after the first list)."""
         return self.decode_tokens / self.decode_s if self.decode_s > 0 and self.decode_tokens > 0 else None
 
     @property
@@ -116,31 +69,25 @@ class RunRecord:
         return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else None
 
     def to_dict(self) -> dict:
-        """JSON figures (seconds to the microsecond, tokens/s, GB); token ids are left out."""
+        """The JSON record: seconds to the microsecond, no token ids."""
         def r(x, n=6):
             return None if x is None else round(x, n)
 
-        s = self.stats
+        stats = self.stats.to_dict(trace=False)
         return {
             "sample": self.sample, "turn": self.turn, "repeat": self.repeat, "engine": self.engine,
             "block_size": self.block_size, "prompt_tokens": self.prompt_tokens,
-            "generation_tokens": self.generation_tokens, "decode_tokens": self.decode_tokens,
+            "generation_tokens": len(self.tokens), "decode_tokens": self.decode_tokens,
             "prompt_s": r(self.prompt_s), "decode_s": r(self.decode_s), "prompt_tps": r(self.prompt_tps, 3),
-            "decode_tps": r(self.decode_tps, 3), "steps": s.steps, "plain_steps": s.plain_steps,
-            "tau": r(s.tau, 4), "acceptance_rate": r(s.acceptance_rate, 4),
-            "acceptance_rule": s.acceptance_rule,
-            "acceptance_histogram": histogram_dict(s.histogram),
-            "phase_s": {k: r(v) for k, v in s.phase_s.items()},
+            "decode_tps": r(self.decode_tps, 3), "phase_s": {k: r(v) for k, v in self.stats.phase_s.items()},
+            **{k: stats[k] for k in ("steps", "plain_steps", "tau", "acceptance_rate", "acceptance_rule",
+                                     "acceptance_histogram")},
             "peak_memory_gb": r(self.peak_memory_gb), "matches_baseline": self.matches_baseline,
         }
 
 
 def timed_run(engine: Engine, ids: List[int], max_tokens: int, sampler, stop_ids: Sequence[int]) -> RunRecord:
-    """Run ``engine`` once on ``ids`` and time it in the consumer (see module doc).
-
-    Returns:
-        A :class:`RunRecord` with sample/turn/repeat left blank.
-    """
+    """Run ``engine`` once on ``ids``; sample, turn and repeat left blank."""
     stats = GenerationStats(block_size=getattr(engine, "draft_block", engine.block_size), prompt_tokens=len(ids))
     tokens: List[int] = []
     first = last = None
@@ -154,38 +101,18 @@ def timed_run(engine: Engine, ids: List[int], max_tokens: int, sampler, stop_ids
             first, first_tokens = last, len(chunk)
         tokens.extend(chunk)
     return RunRecord(
-        sample="", turn=0, repeat=0, engine=engine.name, block_size=engine.block_size,
-        prompt_tokens=len(ids), tokens=tokens, first_tokens=first_tokens,
-        prompt_s=(first - tic) if first is not None else 0.0,
-        decode_s=(last - first) if first is not None else 0.0,
-        stats=stats, peak_memory_gb=mx.get_peak_memory() / 1e9,
+        sample="", turn=0, repeat=0, engine=engine.name, block_size=engine.block_size, prompt_tokens=len(ids),
+        tokens=tokens, first_tokens=first_tokens, prompt_s=(first - tic) if first is not None else 0.0,
+        decode_s=(last - first) if first is not None else 0.0, stats=stats,
+        peak_memory_gb=mx.get_peak_memory() / 1e9,
     )
-
-
-# --------------------------------------------------------------------------- a dataset
 
 
 @dataclass
 class BenchConfig:
-    """What to run.
-
-    Attributes:
-        max_tokens: most tokens per generation.
-        block_sizes: DFlash block sizes to sweep (None = the drafter's trained size;
-            ``"auto"``: widths chosen by measured cost).
-        tree_budgets: DDTree budgets to run too (N nodes, or ``"auto"``), each drafted
-            at the trained block size.
-        temp, top_p, top_k, min_p: sampling (mlx-lm's sampler; temp 0 is greedy).
-        seed: PRNG seed; each run reseeds with ``seed`` so runs are reproducible.
-        repeats: runs of each engine per prompt.
-        simulate_acceptance: A; when set, DFlash's proposals are the target's greedy
-            continuation for the first A slots and wrong after (needs temp 0); or a
-            trace of A values, one per block drafted (:func:`dflash_mlx.bench.simulate.read_trace`).
-        enable_thinking: passed to the chat template.
-        warmup_tokens: tokens of the warm-up run of each engine (0: no warm-up).
-        draft_window: ``(sink, window)`` context rows the drafter keeps
-            (``--draft-window``), or None: all.
-    """
+    """What to run: ``block_sizes`` (B, None: the trained size, or ``"auto"``), ``tree_budgets`` (N
+    nodes or ``"auto"``), ``repeats`` per prompt (each reseeded with ``seed``), ``simulate_acceptance``
+    (A or a trace of A values, temp 0 only), ``warmup_tokens`` per engine (0: none), ``draft_window``."""
 
     max_tokens: int = 256
     block_sizes: Sequence[Optional[int | str]] = (None,)
@@ -202,7 +129,7 @@ class BenchConfig:
     draft_window: Optional[tuple] = None
 
     def check(self) -> None:
-        """Raises InputError naming the flag that is out of range (before anything loads)."""
+        """Raises InputError naming the flag that is out of range."""
         check_number("--max-tokens", self.max_tokens, at_least=1)
         check_number("--repeats", self.repeats, at_least=1)
         check_number("--warmup-tokens", self.warmup_tokens, at_least=0)
@@ -217,36 +144,28 @@ class BenchConfig:
             if self.temp != 0:
                 raise InputError("--simulate-acceptance needs --temp 0 (it replays the greedy continuation)")
             fixed = [b for b in self.block_sizes if isinstance(b, int)]
-            if not self.tree_budgets and fixed and len(fixed) == len(self.block_sizes):
-                check_acceptance(self.simulate_acceptance, max(fixed))
-            else:
-                check_acceptance(self.simulate_acceptance, None)
+            only_fixed = not self.tree_budgets and fixed and len(fixed) == len(self.block_sizes)
+            check_acceptance(self.simulate_acceptance, max(fixed) if only_fixed else None)
 
     def sampler(self) -> Sampling:
         return Sampling(self.temp, self.top_p, self.min_p, self.top_k)
 
 
 def check_acceptance(accept: Union[int, Sequence[int]], block_size: Optional[int]) -> None:
-    """``--simulate-acceptance``: A in ``0..B-1``, the drafts of the largest block B
-    drafted (no upper bound while B is not known); a trace's counts >= 0 (recorded at
-    the trained block size, they are cut to B-1 at smaller ones).
-
-    Raises:
-        InputError: naming the flag and B; an empty trace.
-    """
-    if isinstance(accept, int):
-        most = None if block_size is None else block_size - 1
-        rule = "at least 0" if most is None else f"in 0..{most} (a block of {block_size} holds {most} drafts)"
-        check_number("--simulate-acceptance", accept, at_least=0, at_most=most, rule=rule)
-    elif not accept:
-        raise InputError("--simulate-acceptance: the trace is empty")
-    else:
-        check_number("--simulate-acceptance", min(accept), at_least=0, rule="a trace of counts >= 0")
+    """Raises InputError unless A is in ``0..B-1`` (B the largest block, None: unknown) or the trace
+    is a non-empty list of counts >= 0."""
+    if not isinstance(accept, int):
+        if not accept or min(accept) < 0:
+            raise InputError("--simulate-acceptance: the trace must be a non-empty list of counts >= 0")
+        return
+    most = None if block_size is None else block_size - 1
+    rule = "at least 0" if most is None else f"in 0..{most} (a block of {block_size} holds {most} drafts)"
+    check_number("--simulate-acceptance", accept, at_least=0, at_most=most, rule=rule)
 
 
 @dataclass
 class DatasetResult:
-    """All runs of one dataset; :func:`dflash_mlx.bench.report.summarize` digests them."""
+    """All runs of one dataset, for :func:`.report.summarize`."""
 
     name: str
     num_samples: int
@@ -255,7 +174,7 @@ class DatasetResult:
 
 
 def greedy_continuation(target, ids: List[int], max_tokens: int, stop_ids: Sequence[int]) -> List[int]:
-    """Prompt plus the target's plain greedy continuation (``max_tokens`` tokens at most)."""
+    """``ids`` followed by the target's plain greedy continuation (``max_tokens`` at most)."""
     out = list(ids)
     for step in generate_step(mx.array(ids, dtype=mx.int32), target, None, max_tokens=max_tokens,
                               stop_token_ids=stop_ids):
@@ -263,21 +182,12 @@ def greedy_continuation(target, ids: List[int], max_tokens: int, stop_ids: Seque
     return out
 
 
-TRACE_STRIDE = 61  # blocks between the starts of two prompts' replay of a trace
-
-
 class Runner:
-    """Alternates a baseline and DFlash at each block size over samples.
+    """Alternates the ``baseline`` engine and DFlash at each variant of ``config`` over samples;
+    ``tokenizer`` is needed for text samples, ``stop_ids`` default to its EOS ids.
 
-    Args:
-        target: the target adapter (used for DFlash and the ``ar`` baseline).
-        drafter: the bound drafter.
-        baseline: the baseline :class:`Engine`.
-        config: :class:`BenchConfig`.
-        tokenizer: mlx-lm ``TokenizerWrapper`` for text samples (chat template,
-            stop tokens, decoding of multi-turn answers); None when every sample
-            carries ``prompt_ids``.
-        stop_ids: stop token ids (default: the tokenizer's EOS ids, else none).
+    Raises:
+        InputError: a block size the drafter cannot draft, or a bad config.
     """
 
     def __init__(self, target, drafter, baseline: Engine, config: BenchConfig, tokenizer=None,
@@ -294,104 +204,77 @@ class Runner:
         if config.simulate_acceptance is not None:
             check_acceptance(config.simulate_acceptance, max(self.block_sizes))
         self._warm = False
-        self._continuations: Dict[tuple, List[int]] = {}
-        self._prompts = 0  # prompts seen, for where a replayed trace starts
+        self._continuation: tuple = ((), [])
+        self._prompts = 0  # prompts seen: where a replayed trace starts
         self._simulated: Dict[tuple, SimulatedDrafter] = {}
 
-    def _encode(self, messages: List[dict]) -> List[int]:
-        if self.tokenizer is None:
-            raise InputError("text prompts need a tokenizer; give samples with prompt_ids instead")
-        return encode_sample_turn(self.tokenizer, messages, self.config.enable_thinking)
-
     def _dflash(self, variant: tuple, ids: List[int]) -> DFlashEngine:
-        drafter = self.drafter
-        A = self.config.simulate_acceptance
-        if A is not None:
-            key = tuple(ids)
-            if key not in self._continuations:  # one plain greedy run per prompt, untimed
-                horizon = self.config.max_tokens + max(self.block_sizes) + 64
-                self._continuations = {key: greedy_continuation(self.target, ids, horizon, self.stop_ids)}
-                self._prompts += 1
-            if not isinstance(A, int):  # a trace: each prompt replays it from its own place, every engine alike
-                at = (self._prompts - 1) * TRACE_STRIDE % len(A)
-                A = list(A[at:]) + list(A[:at])
-            drafter = self._simulated.get(variant)  # one per variant: auto learns across prompts, as in use
-            if drafter is None:
-                drafter = self._simulated[variant] = SimulatedDrafter(self.drafter, (), 0, self.target.vocab_size)
-            drafter.reset(self._continuations[key], A)
+        accept = self.config.simulate_acceptance
+        if accept is None:
+            return DFlashEngine(self.target, self.drafter, *variant)
+        if self._continuation[0] != tuple(ids):  # one untimed plain greedy run per prompt
+            horizon = self.config.max_tokens + max(self.block_sizes) + 64
+            self._continuation = (tuple(ids), greedy_continuation(self.target, ids, horizon, self.stop_ids))
+            self._prompts += 1
+        if not isinstance(accept, int):  # each prompt replays the trace from its own place
+            at = (self._prompts - 1) * TRACE_STRIDE % len(accept)
+            accept = list(accept[at:]) + list(accept[:at])
+        drafter = self._simulated.get(variant)  # one per variant: auto learns across prompts, as in use
+        if drafter is None:
+            drafter = self._simulated[variant] = SimulatedDrafter(self.drafter, (), 0, self.target.vocab_size)
+        drafter.reset(self._continuation[1], accept)
         return DFlashEngine(self.target, drafter, *variant)
 
     def _run(self, engine: Engine, ids: List[int], max_tokens: int) -> RunRecord:
         mx.random.seed(self.config.seed)
         return timed_run(engine, ids, max_tokens, self.config.sampler(), self.stop_ids)
 
-    def warmup(self, ids: List[int]) -> None:
-        """One short run of every engine, so allocation and first-call costs are not timed."""
-        n = self.config.warmup_tokens
-        if n <= 0 or self._warm:
-            return
-        self._run(self.baseline, ids, n)
-        for variant in self.variants:
-            self._run(self._dflash(variant, ids), ids, n)
+    def _warmup(self, ids: List[int]) -> None:
+        """One short untimed run of every engine, once."""
+        if self.config.warmup_tokens > 0 and not self._warm:
+            for engine in [self.baseline] + [self._dflash(v, ids) for v in self.variants]:
+                self._run(engine, ids, self.config.warmup_tokens)
         self._warm = True
 
-    def turns(self, sample: Sample) -> int:
-        return 1 if sample.prompt_ids is not None else max(len(sample.turns), 1)
+    def _prompt(self, sample: Sample, messages: List[dict], turn: int) -> List[int]:
+        if sample.prompt_ids is not None:
+            return list(sample.prompt_ids)
+        if sample.turns:
+            messages.append({"role": "user", "content": sample.turns[turn]})
+        if self.tokenizer is None:
+            raise InputError("text prompts need a tokenizer; give samples with prompt_ids instead")
+        return encode_sample_turn(self.tokenizer, messages, self.config.enable_thinking)
 
     def run_dataset(self, name: str, samples: Sequence[Sample], progress: Optional[ProgressFn] = None) -> DatasetResult:
-        """Run every sample (every turn, every repeat): baseline and DFlash at each
-        block size back to back, the order reversed on every other run to cancel drift.
-
-        Args:
-            name: dataset name for the report.
-            samples: from :func:`dflash_mlx.bench.datasets.load_dataset`, or with ``prompt_ids``.
-            progress: called as ``progress(name, done, total)`` after each item
-                (an item is one turn of one sample, all engines, one repeat).
-
-        Returns:
-            :class:`DatasetResult` with one :class:`RunRecord` per run.
-        """
+        """Every turn of every sample, every repeat: baseline and each variant back to back, the
+        order reversed on every other run. ``progress(name, done, total)`` follows each item
+        (one turn, all engines, one repeat). A later turn sees the baseline's earlier answers."""
         result = DatasetResult(name, len(samples), self.baseline.name)
-        total = sum(self.turns(s) for s in samples) * self.config.repeats
-        done = 0
+        turns = [1 if s.prompt_ids is not None else max(len(s.turns), 1) for s in samples]
+        done, total = 0, sum(turns) * self.config.repeats
         for index, sample in enumerate(samples):
             messages = list(sample.messages)
-            for turn in range(self.turns(sample)):
-                if sample.prompt_ids is not None:
-                    ids = list(sample.prompt_ids)
-                else:
-                    if sample.turns:
-                        messages.append({"role": "user", "content": sample.turns[turn]})
-                    ids = self._encode(messages)
-                self.warmup(ids)
-                answer = None
+            for turn in range(turns[index]):
+                ids = self._prompt(sample, messages, turn)
+                self._warmup(ids)
                 for repeat in range(self.config.repeats):
                     runs = self._pair(ids, reverse=(index + repeat) % 2 == 1)
                     for r in runs:
                         r.sample, r.turn, r.repeat = sample.id, turn, repeat
                     result.runs.extend(runs)
-                    answer = runs[0].tokens
                     done += 1
                     if progress is not None:
                         progress(name, done, total)
-                if sample.turns and turn + 1 < len(sample.turns):
-                    messages.append({"role": "assistant", "content": self.tokenizer.decode(answer)})
+                if turn + 1 < len(sample.turns):
+                    messages.append({"role": "assistant", "content": self.tokenizer.decode(runs[0].tokens)})
         return result
 
     def _pair(self, ids: List[int], reverse: bool) -> List[RunRecord]:
-        """Baseline then DFlash at each B (reversed order if ``reverse``); baseline first in the list."""
-        engines: List[Any] = [self.baseline] + [self._dflash(v, ids) for v in self.variants]
-        order = list(range(len(engines)))
-        if reverse:
-            order.reverse()
-        records: Dict[int, RunRecord] = {}
-        for i in order:
-            records[i] = self._run(engines[i], ids, self.config.max_tokens)
-        base = records[0]
-        out = [base]
-        for i in range(1, len(engines)):
-            r = records[i]
-            if self.config.temp == 0:
-                r.matches_baseline = r.tokens == base.tokens
-            out.append(r)
-        return out
+        """The baseline's run, then each variant's (run in reverse order if ``reverse``)."""
+        engines = [self.baseline] + [self._dflash(v, ids) for v in self.variants]
+        order = range(len(engines) - 1, -1, -1) if reverse else range(len(engines))
+        records = {i: self._run(engines[i], ids, self.config.max_tokens) for i in order}
+        for r in list(records.values()):
+            if self.config.temp == 0 and r is not records[0]:
+                r.matches_baseline = r.tokens == records[0].tokens
+        return [records[i] for i in range(len(engines))]

@@ -199,7 +199,7 @@ def _run(o) -> None:
     _pair(o)
     from dflash_mlx.bench import bench
     from dflash_mlx.bench.plots import plots_available
-    from dflash_mlx.bench.report import cycle_table, histogram_lines, results_table
+    from .bench_tables import cycle_table, histogram_lines, results_table
 
     if o.plots and not plots_available():
         warn("matplotlib is not installed: no plots are drawn (pip install 'dflash-mlx[plot]', or pass --no-plots)")

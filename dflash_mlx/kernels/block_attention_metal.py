@@ -1,26 +1,11 @@
-"""The Metal kernel of the drafter's block attention: its source, built once, and its launch.
+"""The Metal kernel of the drafter's block attention (one pass, online softmax in float32).
 
-:func:`~dflash_mlx.kernels.block_attention.block_attention` chooses between this kernel and
-the ops reference; this file holds only what runs on the GPU (as mlx-lm keeps a kernel's
-``_SOURCE`` and its ``mx.fast.metal_kernel`` at module level).
-
-Kernel design (one pass, online softmax in float32):
-
-- One threadgroup per (batch row, KV head, tile of ``QT`` query rows). The query rows
-  of a KV head are its ``group = n_heads / n_kv_heads`` query heads times the B block
-  rows, so GQA shares one K/V read among the heads of a group.
-- ``NS`` simdgroups split the keys (context rows then block rows) in tiles of 32: lane
-  ``l`` scores key ``base + l`` against the tile's queries (kept in threadgroup memory),
-  the simdgroup updates a running max and sum per query with ``simd_max``/``simd_sum``,
-  and each lane accumulates the output dimensions ``d = lane + 32 e`` of every query.
-- Masked keys (sliding window, causal block) get weight exactly 0 through a flag, never
-  through ``-inf`` arithmetic; a finite sentinel stands for "no key yet", so a simdgroup
-  that sees no key contributes nothing.
-- The simdgroups merge their partial (max, sum, output) through threadgroup memory.
-- Inputs are read through their strides, so slices of a preallocated KV cache need no copy.
-
-Testing: ``tests/kernel_harness`` compiles this very ``_SOURCE`` with g++ and runs it over
-the real grid on a CPU; ``scripts/bench_kernel.py`` checks it on a Mac.
+One threadgroup per (batch row, KV head, tile of ``QT`` query rows): the query rows of a KV head
+are its ``n_heads / n_kv_heads`` heads times the B block rows, so GQA shares one K/V read.
+``NS`` simdgroups split the keys (context rows, then block rows) in tiles of 32 and merge their
+partial (max, sum, output) at the end. Masked keys get weight 0 through a flag, never through
+``-inf``; inputs are read through their strides. ``tests/kernel_harness`` runs this ``SOURCE``
+on a CPU.
 """
 
 from __future__ import annotations
@@ -31,18 +16,13 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 
 SIMDGROUPS = 8  # simdgroups per threadgroup: 256 threads
-
-INPUT_NAMES = [
-    "queries", "ctx_keys", "ctx_values", "block_keys", "block_values",
-    "n_ctx", "delta", "window", "causal", "scale",
-]
+INPUT_NAMES = ["queries", "ctx_keys", "ctx_values", "block_keys", "block_values",
+               "n_ctx", "delta", "window", "causal", "scale"]
 OUTPUT_NAMES = ["out"]
 
-# Template: T (input and output type), D (head_dim, multiple of 32, <= 256),
-# QT (query rows per threadgroup), NS (simdgroups per threadgroup).
-# Scalars: n_ctx (context rows C), delta (q_start - ctx_start), window (W, 0 = none),
-# causal (0/1, in-block), scale.
-_SOURCE = """
+# Template: T (dtype), D (head_dim), QT (query rows per threadgroup), NS (simdgroups).
+# Scalars: n_ctx (C), delta (q_start - ctx_start), window (0: none), causal (0/1), scale.
+SOURCE = """
     constexpr int EPL = D / 32;
     constexpr int NT = NS * 32;
     constexpr float NEG = -1.0e30f;
@@ -224,33 +204,15 @@ _SOURCE = """
     }
 """
 
-
-def _make_kernel():
-    # Built once, and only where Metal exists (as mlx-lm's gated_delta guards its kernels).
-    if not mx.metal.is_available():
-        return None
-    return mx.fast.metal_kernel(
-        name="dflash_block_attention",
-        input_names=INPUT_NAMES,
-        output_names=OUTPUT_NAMES,
-        source=_SOURCE,
-        ensure_row_contiguous=False,
-    )
-
-
-_KERNEL = _make_kernel()
+KERNEL_AVAILABLE = mx.metal.is_available()
+_KERNEL = mx.fast.metal_kernel(name="dflash_block_attention", input_names=INPUT_NAMES, output_names=OUTPUT_NAMES,
+                               source=SOURCE, ensure_row_contiguous=False) if KERNEL_AVAILABLE else None
 
 
 @dataclass(frozen=True)
 class KernelLaunch:
-    """How the kernel is launched for one shape (also used by the CPU test harness).
-
-    Attributes:
-        template: ``[("T", dtype), ("D", head_dim), ("QT", rows), ("NS", simdgroups)]``.
-        grid: threads per dimension ``(tiles * NS * 32, n_kv_heads, batch)``.
-        threadgroup: ``(NS * 32, 1, 1)``.
-        output_shape: ``[batch, n_heads, B, head_dim]``.
-    """
+    """Template ``[("T", dtype), ("D", head_dim), ("QT", rows), ("NS", simdgroups)]``, grid
+    ``(tiles * NS * 32, n_kv_heads, batch)``, threadgroup ``(NS * 32, 1, 1)`` and output shape."""
 
     template: List[Tuple[str, object]]
     grid: Tuple[int, int, int]
@@ -259,37 +221,21 @@ class KernelLaunch:
 
 
 def kernel_launch(queries_shape: Tuple[int, ...], n_kv_heads: int, dtype: mx.Dtype) -> KernelLaunch:
-    """Template arguments, grid and threadgroup for queries of ``queries_shape``.
-
-    Args:
-        queries_shape: ``(batch, n_heads, B, head_dim)``.
-        n_kv_heads: KV heads; divides ``n_heads``.
-        dtype: the inputs' dtype (float16, bfloat16 or float32).
-
-    Returns:
-        The :class:`KernelLaunch`; ``QT`` is at most 8 rows (4 when ``head_dim`` > 128)
-        so that per-thread registers stay small.
-    """
+    """The launch for queries of shape ``(batch, n_heads, B, head_dim)``; ``QT`` is at most 8 rows
+    (4 when ``head_dim`` > 128)."""
     batch, n_heads, block, head_dim = (int(x) for x in queries_shape)
     rows = (n_heads // n_kv_heads) * block
     qt = min(rows, 8 if head_dim <= 128 else 4)
-    tiles = -(-rows // qt)
     threads = SIMDGROUPS * 32
-    return KernelLaunch(
-        template=[("T", dtype), ("D", head_dim), ("QT", qt), ("NS", SIMDGROUPS)],
-        grid=(tiles * threads, n_kv_heads, batch),
-        threadgroup=(threads, 1, 1),
-        output_shape=(batch, n_heads, block, head_dim),
-    )
+    return KernelLaunch(template=[("T", dtype), ("D", head_dim), ("QT", qt), ("NS", SIMDGROUPS)],
+                        grid=(-(-rows // qt) * threads, n_kv_heads, batch), threadgroup=(threads, 1, 1),
+                        output_shape=(batch, n_heads, block, head_dim))
 
 
 def kernel_inputs(queries, ctx_keys, ctx_values, block_keys, block_values, n_ctx: int, delta: int,
                   window: Optional[int], causal: bool, scale: float) -> list:
-    """The kernel's inputs in ``INPUT_NAMES`` order (the CPU test harness passes its own arrays).
-
-    With no context rows (``n_ctx`` 0) the block K/V stand in for the context arrays,
-    since an empty array cannot be bound; the kernel never reads them then.
-    """
+    """The inputs in ``INPUT_NAMES`` order; with no context rows the block K/V stand in for the
+    (unread) context arrays, since an empty array cannot be bound."""
     if n_ctx == 0:
         ctx_keys, ctx_values = block_keys, block_values
     return [queries, ctx_keys, ctx_values, block_keys, block_values, int(n_ctx), int(delta),
@@ -298,16 +244,10 @@ def kernel_inputs(queries, ctx_keys, ctx_values, block_keys, block_values, n_ctx
 
 def metal_block_attention(queries, ctx_keys, ctx_values, block_keys, block_values,
                           scale: float, window: Optional[int], causal: bool, delta: int) -> mx.array:
-    """The kernel's [batch, n_heads, B, head_dim] result, in the queries' dtype, for inputs
-    already checked (arguments as ``block_attention``'s; ``delta`` is q_start - ctx_start).
-    Only where Metal is available (``_KERNEL`` is None elsewhere)."""
+    """The kernel's result for checked inputs (as ``block_attention``'s; ``delta`` = q_start - ctx_start).
+    Needs ``KERNEL_AVAILABLE``."""
     launch = kernel_launch(queries.shape, block_keys.shape[1], queries.dtype)
-    return _KERNEL(
-        inputs=kernel_inputs(queries, ctx_keys, ctx_values, block_keys, block_values,
-                             ctx_keys.shape[2], delta, window, causal, scale),
-        template=launch.template,
-        grid=launch.grid,
-        threadgroup=launch.threadgroup,
-        output_shapes=[launch.output_shape],
-        output_dtypes=[queries.dtype],
-    )[0]
+    inputs = kernel_inputs(queries, ctx_keys, ctx_values, block_keys, block_values,
+                           ctx_keys.shape[2], delta, window, causal, scale)
+    return _KERNEL(inputs=inputs, template=launch.template, grid=launch.grid, threadgroup=launch.threadgroup,
+                   output_shapes=[launch.output_shape], output_dtypes=[queries.dtype])[0]

@@ -10,8 +10,8 @@ as medians of repeats and as ratios to that pre-kernel path measured in the same
 The context K/V are slices of an mlx-lm KVCache, as in the drafter. Without Metal it says
 so in one line and times the two other paths.
 
-    python scripts/bench_kernel.py
-    python scripts/bench_kernel.py --contexts 1024 4096 16384 --repeats 50 --window 2048 --causal
+    python benchmarks/bench_kernel.py
+    python benchmarks/bench_kernel.py --contexts 1024 4096 16384 --repeats 50 --window 2048 --causal
 """
 
 import argparse
@@ -21,8 +21,8 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from dflash_mlx.kernels import block_attention as ba
 from dflash_mlx.kernels.block_attention import attention_path, block_attention, block_attention_reference
+from dflash_mlx.kernels.block_attention_metal import metal_block_attention
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -123,7 +123,7 @@ def main() -> None:
         paths = {"concat + SDPA": lambda *a: concat_sdpa(*a, scale, args.window, args.causal),
                  "reference": lambda *a: block_attention_reference(*a, **kw)}
         if kernel_runs:
-            paths["kernel"] = lambda *a: ba._metal_block_attention(
+            paths["kernel"] = lambda *a: metal_block_attention(
                 *a, scale, args.window, args.causal, a[1].shape[2])
         medians = time_paths(paths, arrays, args.repeats)
         base = medians["concat + SDPA"]

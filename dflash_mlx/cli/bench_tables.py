@@ -1,0 +1,65 @@
+"""The tables ``dflash bench`` prints from a bench report (:mod:`dflash_mlx.bench.report`)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Sequence
+
+from rich.table import Table
+
+from dflash_mlx.bench.report import PHASES, variant_name
+
+
+def _f(value: Any, fmt: str = "{:.2f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], left: int) -> Table:
+    table = Table(title=title)
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i < left else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def results_table(report: dict) -> Table:
+    """A Rich table: each dataset's baseline, then one row per DFlash variant."""
+    rows = []
+    for ds in report["datasets"]:
+        b = ds["baseline"]
+        rows.append([ds["name"], f"{b['engine']} (baseline)", _f(b["tau"]) if b["engine"] == "draft-model" else "",
+                     _f(b["decode_tps_median"], "{:.1f}"), _f(b["prompt_tps_median"], "{:.0f}"),
+                     _f(b["peak_memory_gb_max"], "{:.3f}"), "1.00x", "1.00x", ""])
+        for d in ds["dflash"]:
+            differ = "-" if d["outputs_differing"] is None else f"{d['outputs_differing']}/{d['outputs_compared']}"
+            rows.append(["", f"dflash {variant_name(d['block_size'])}", _f(d["tau"]),
+                         _f(d["decode_tps_median"], "{:.1f}"), _f(d["prompt_tps_median"], "{:.0f}"),
+                         _f(d["peak_memory_gb_max"], "{:.3f}"), _f(d["speedup_ratio_of_medians"]) + "x",
+                         _f(d["speedup_median_of_ratios"]) + "x", differ])
+    return _table("dflash bench: speed and acceptance", ("dataset", "engine", "tau", "tok/s", "prompt tok/s",
+                  "peak GB", "speedup\n(med/med)", "speedup\n(med ratio)", "outputs\ndiffer"), rows, 2)
+
+
+def cycle_table(report: dict) -> Table:
+    """A Rich table of DFlash's time per verify cycle and the ideal against the measured speedup."""
+    rows = []
+    for ds in report["datasets"]:
+        t_ar = ds["baseline"]["s_per_token_median"]
+        for d in ds["dflash"]:
+            rows.append([ds["name"], str(d["block_size"]), *(_f(d["cycle_ms"][k]) for k in PHASES),
+                         _f(None if t_ar is None else 1e3 * t_ar), _f(d["tokens_per_step"]),
+                         _f(d["ideal_speedup"]) + "x", _f(d["speedup_median_of_ratios"]) + "x",
+                         _f(d["measured_over_ideal"], "{:.3f}")])
+    return _table("time per verify cycle (ms, medians) and loop overhead", ("dataset", "B", *PHASES, "t_AR/token",
+                  "tok/step", "ideal", "measured", "measured\n/ideal"), rows, 1)
+
+
+def histogram_lines(report: dict) -> List[str]:
+    """Per dataset and variant, the acceptance-length histogram as shares of steps."""
+    lines = []
+    for ds in report["datasets"]:
+        for d in ds["dflash"]:
+            steps = d["steps"] or 1
+            bins = " ".join(f"{k}:{100 * n / steps:.0f}%" for k, n in d["acceptance_histogram"].items() if n)
+            lines.append(f"{ds['name']} {variant_name(d['block_size'])}: acceptance length {bins or '(no steps)'}")
+    return lines
