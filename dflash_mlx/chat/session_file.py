@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from ..atomic import atomic_file
 from ..errors import InputError
@@ -89,3 +89,20 @@ class SessionWriter:
             self.warn(f"--session {self.path}: written again")
         self.failing = False
         return True
+
+
+def write_transcript(path: Path, messages: List[Dict[str, str]], meta: Optional[dict] = None) -> Path:
+    """Write a transcript: JSON for ``*.json`` (``meta`` and ``messages``), else Markdown.
+
+    Raises:
+        WriteError: the file cannot be written (any errno).
+    """
+    if path.suffix.lower() == ".json":
+        text = json.dumps({**(meta or {}), "messages": messages}, indent=2) + "\n"
+    else:
+        out = ["# Chat transcript\n"] + [f"- {k}: {v}" for k, v in (meta or {}).items()]
+        out += [f"\n## {m['role'].capitalize()}\n\n{m['content']}" for m in messages]
+        text = "\n".join(out) + "\n"
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+    return path

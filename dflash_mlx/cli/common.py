@@ -318,7 +318,7 @@ def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: 
     """Apply the chat template as ``mlx_lm.generate`` does, then tokenize. Without one,
     the raw text (after the system prompt, if any, as ``dflash chat`` does)."""
     from dflash_mlx.prompt import encode_messages
-    from dflash_mlx.chat.session import plain_text
+    from dflash_mlx.prompt import plain_text
 
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": text})

@@ -108,7 +108,7 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
 
     from dflash_mlx import stream_generate
     from dflash_mlx.prompt_cache.pair import PairCache
-    from dflash_mlx.chat.session import context_length
+    from dflash_mlx.prompt import context_length
     from dflash_mlx.sampling import make_sampler
 
     if draft_model is not None:

@@ -84,7 +84,7 @@ def _data(model, out, prompts, text, self_prompts, self_prompt_tokens, self_prom
     template = parse_template_config(chat_template_config)
 
     from dflash_mlx import load
-    from dflash_mlx.chat.session import context_length
+    from dflash_mlx.prompt import context_length
     from dflash_mlx.train.data import (
         encode_prompts, prompts_from_text, read_prompt_file, regenerate, response_end_token,
     )

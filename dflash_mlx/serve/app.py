@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import DFlashError
 from ..decode.generate import check_block_size
-from ..prompt import encode_messages
+from ..prompt import context_length, encode_messages
 from .api import (
     TIMEOUT_TYPE, ChatCompletionRequest, CompletionRequest, GenerationFields, chat_chunk, chat_completion,
     error_body, text_completion, usage_chunk,
@@ -44,7 +44,7 @@ from .guard import (
 from .batch_engine import make_engine
 from .metrics import ServerMetrics
 from .tools import ReplySplitter, check_tool_support, reply_splitter
-from ..chat.session import context_length
+
 
 log = logging.getLogger("dflash.serve")
 
