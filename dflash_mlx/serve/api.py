@@ -1,18 +1,7 @@
-"""The OpenAI API as ``dflash serve`` speaks it: request models (validated by pydantic)
-and the response, chunk, usage and error bodies.
-
-Field names and shapes follow OpenAI's chat completions and (legacy) completions API.
-Validation is strict: a number sent as a string, or a string as a list, is a 400, not
-coerced. Unknown fields are ignored, as OpenAI's own server does for fields it does
-not know; but OpenAI fields this server does not implement (``logprobs``,
-``presence_penalty``, ``logit_bias``, ...) are refused when set to anything but their
-default, so a client never gets silently less than it asked for. Every string in the
-body must be valid Unicode (a lone surrogate, ``"\\ud800"``, is refused), and a user
-message must have text.
-
-Errors raised here are pydantic errors of :data:`REQUEST_ERROR` type whose context
-carries the field (``param``); ``server._validation_message`` turns them into a 400.
-"""
+"""The OpenAI API as ``dflash serve`` speaks it: strict request models (unknown fields
+ignored, unimplemented OpenAI fields refused unless at their default, lone surrogates
+refused) and the response, chunk, usage and error bodies. Checks raise pydantic errors
+of type :data:`REQUEST_ERROR` whose context names the field (``param``)."""
 
 from __future__ import annotations
 
@@ -55,9 +44,8 @@ def _is_default(value: Any, defaults: tuple) -> bool:
 
 
 def first_bad_string(value: Any, path: str = "") -> Optional[str]:
-    """The dotted path of the first string (or dict key) in ``value`` that is not valid
-    Unicode (a lone surrogate, which JSON's ``\\uD800`` escapes can carry and UTF-8
-    cannot encode), or None."""
+    """The dotted path of the first string (or dict key) in ``value`` that UTF-8 cannot
+    encode (a lone surrogate), or None."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -166,10 +154,8 @@ class GenerationFields(BaseModel):
 
 
 class ChatCompletionRequest(GenerationFields):
-    """``POST /v1/chat/completions``. ``tools`` and ``chat_template_kwargs`` (e.g.
-    ``{"enable_thinking": true}``) are passed to the chat template; ``tools``,
-    ``tool_choice`` and messages' ``tool_calls`` are bounded (:mod:`.tool_requests`);
-    ``parallel_tool_calls`` false returns at most one call (see :mod:`.tools`)."""
+    """``POST /v1/chat/completions``; ``tools`` and ``chat_template_kwargs`` go to the chat
+    template (bounded by :mod:`.tool_requests`)."""
 
     messages: List[ChatMessage] = Field(min_length=1)
     tools: Optional[List[ToolDefinition]] = Field(None, max_length=MAX_TOOLS)
@@ -232,24 +218,10 @@ class CompletionRequest(GenerationFields):
         return p
 
 
-# -- responses -----------------------------------------------------------------
-
-
 def usage(stats: GenerationStats) -> Dict[str, Any]:
-    """The ``usage`` object: OpenAI's counts plus ``dflash``.
-
-    Args:
-        stats: the generation's statistics (``dflash_mlx.stats``): its prompt
-            tokens are the whole prompt's, ``prompt_reused`` those found in the caches.
-
-    Returns:
-        ``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
-        ``prompt_tokens_details.cached_tokens``, and ``dflash``: the statistics of
-        :meth:`GenerationStats.to_dict` (tau, steps, plain steps, acceptance histogram
-        keyed by acceptance length, tokens/s, ``speculative`` and ``reason``,
-        ``prompt_tokens_reused`` and ``prompt_tokens_prefilled``) but its
-        ``prompt_tokens`` and ``tokens`` (given above).
-    """
+    """The ``usage`` object: OpenAI's counts (``prompt_tokens_details.cached_tokens``: the
+    prompt tokens found in the caches) and ``dflash``: :meth:`GenerationStats.to_dict`
+    without its ``prompt_tokens`` and ``tokens``."""
     d = stats.to_dict(trace=False)
     d.pop("prompt_tokens")
     d.pop("tokens")
