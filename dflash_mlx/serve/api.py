@@ -91,12 +91,8 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
     def for_template(self) -> Dict[str, Any]:
-        """The message as a dict for ``apply_chat_template``: text parts joined, a
-        missing content (a tool-call turn) as ""."""
-        out = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            out["content"] = "".join(p.text for p in self.content)
-        out.setdefault("content", "")
+        """The message as ``apply_chat_template`` takes it (content: :meth:`text`)."""
+        out = {**self.model_dump(exclude_none=True), "content": self.text()}
         if self.tool_calls:
             out["tool_calls"] = calls_for_template(self.tool_calls)
         return out
@@ -234,32 +230,30 @@ def usage(stats: GenerationStats) -> Dict[str, Any]:
     }
 
 
+def _envelope(rid: str, object_: str, model: str, **fields: Any) -> Dict[str, Any]:
+    return {"id": rid, "object": object_, "created": int(time.time()), "model": model, **fields}
+
+
 def chat_completion(rid: str, model: str, message: Dict[str, Any], finish_reason: Optional[str],
                     usage_: Optional[dict]) -> Dict[str, Any]:
-    """A whole ``chat.completion``; ``message`` holds the message's fields but its
-    role (``content``, and ``reasoning_content`` and ``tool_calls`` if any)."""
-    return {
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", **message},
-                     "finish_reason": finish_reason, "logprobs": None}],
-        "usage": usage_,
-    }
+    """A whole ``chat.completion``; ``message`` holds the message's fields but its role."""
+    choice = {"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish_reason,
+              "logprobs": None}
+    return _envelope(rid, "chat.completion", model, choices=[choice], usage=usage_)
 
 
 def chat_chunk(rid: str, model: str, delta: Dict[str, Any], finish_reason: Optional[str] = None
                ) -> Dict[str, Any]:
     """One ``chat.completion.chunk`` of a stream."""
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    return _envelope(rid, "chat.completion.chunk", model, choices=[choice])
 
 
 def text_completion(rid: str, model: str, text: str, finish_reason: Optional[str],
                     usage_: Optional[dict] = None, chunk: bool = False) -> Dict[str, Any]:
     """A ``text_completion`` (whole, or one chunk of a stream)."""
-    out = {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
-    }
+    out = _envelope(rid, "text_completion", model,
+                    choices=[{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}])
     if usage_ is not None or not chunk:
         out["usage"] = usage_
     return out
@@ -267,8 +261,7 @@ def text_completion(rid: str, model: str, text: str, finish_reason: Optional[str
 
 def usage_chunk(rid: str, model: str, object_: str, usage_: dict) -> Dict[str, Any]:
     """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
-    return {"id": rid, "object": object_, "created": int(time.time()), "model": model,
-            "choices": [], "usage": usage_}
+    return _envelope(rid, object_, model, choices=[], usage=usage_)
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,

@@ -23,10 +23,11 @@ from ..prompt import context_length, encode_messages
 from .api import ChatCompletionRequest, CompletionRequest, GenerationFields
 from .batch_engine import make_engine
 from .engine import GenerationJob
-from .guard import GuardMiddleware, check_prompt_chars, check_template_kwargs, count_chars, prompt_char_cap
+from .guard import GuardMiddleware, check_prompt_chars, check_template_kwargs, prompt_char_cap
 from .http_errors import APIError, add_error_handlers
 from .metrics import ServerMetrics
 from .replies import respond
+from .tool_requests import count_chars
 from .tools import check_tool_support
 
 MAX_BODY_BYTES = 4 * 1024 * 1024

@@ -96,17 +96,6 @@ def check_template_kwargs(kwargs: Optional[Dict[str, Any]], allow_templates: boo
             raise APIError(400, f"{param}: set by the server, not by a request{hint}", param)
 
 
-def count_chars(value: Any) -> int:
-    """Characters in every string (and dict key) inside ``value``."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(len(str(k)) + count_chars(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return sum(count_chars(v) for v in value)
-    return 0
-
-
 def prompt_char_cap(context: Optional[int], max_prompt_chars: Optional[int]) -> Optional[int]:
     """The most prompt characters a request may send: ``max_prompt_chars`` if given,
     else :data:`CHARS_PER_TOKEN` per token of ``context`` (None: no cap)."""
