@@ -52,17 +52,11 @@ def first_bad_string(value: Any, path: str = "") -> Optional[str]:
         except UnicodeEncodeError:
             return path or "body"
         return None
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list):
-        items = enumerate(value)
-    else:
-        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for k, v in items:
-        where = f"{path}.{k}" if path else str(k)
         if isinstance(k, str) and first_bad_string(k) is not None:
             return path or "body"
-        bad = first_bad_string(v, where)
+        bad = first_bad_string(v, f"{path}.{k}" if path else str(k))
         if bad is not None:
             return bad
     return None
