@@ -31,3 +31,18 @@ def encode_messages(
                                              **(template or {}))
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(plain(messages), add_special_tokens=True))
+
+
+def plain_text(messages: Messages) -> str:
+    """A conversation for a model without a chat template: a reply continues its user
+    turn directly; every other turn starts on a new line."""
+    out = ""
+    for m in messages:
+        out += m["content"] if m["role"] == "assistant" or not out else "\n" + m["content"]
+    return out
+
+
+def context_length(model) -> Optional[int]:
+    """The context in tokens (``args.max_position_embeddings``) of a model or target
+    adapter, or None."""
+    return getattr(getattr(model, "args", None), "max_position_embeddings", None) or None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import os
@@ -311,3 +312,143 @@ def random_drafter(tmp_path_factory) -> Path:
     ))
     mx.eval(drafter.parameters())
     return save_drafter(drafter, tmp_path_factory.mktemp("drafter"))
+
+
+# -- servers: `dflash serve` processes, in-process apps, clients --------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(log: Path, *args: str):
+    """`dflash serve ARGS` on a free loopback port, its output in ``log``; returns
+    (the process, its base URL) once /health answers. Killed if it does not start."""
+    import subprocess
+    import time
+
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--port", str(port), *args]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "DFLASH_API_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"the server exited: {log.read_text()}"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return proc, url
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"the server did not start: {log.read_text()}"
+            time.sleep(0.2)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+@contextlib.contextmanager
+def live_server(log: Path, *args: str):
+    """`dflash serve ARGS` on a free loopback port; yields its base URL, stops it after."""
+    import subprocess
+
+    proc, url = start_server(log, *args)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def live_app(app, **kw):
+    """``app`` under uvicorn on a free loopback port, in a thread; yields the port."""
+    import threading
+    import time
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning", **kw))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(3000):  # waiting for the start, not deciding anything
+            if server.started:
+                break
+            time.sleep(0.01)
+        assert server.started, "uvicorn did not start"
+        yield server.config.port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def openai_client(url: str, key: str = "none", timeout: float = 120):
+    """An OpenAI client of the server at ``url`` (no retries)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=timeout)
+
+
+def parse_metrics(text: str) -> dict:
+    """``{"name{labels}": value}`` of a Prometheus text exposition."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+class TemplateTokenizer(ByteTokenizer):
+    """Byte tokens and a toy chat template; records where and how it was called."""
+
+    has_chat_template = True
+
+    def __init__(self):
+        self.threads, self.template_kwargs = [], []
+
+    def encode(self, text, add_special_tokens=True):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        return super().encode(text, add_special_tokens)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs):
+        self.template_kwargs.append(kwargs)
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+SERVED = "tiny"  # the model name of :func:`tiny_server_pair`'s apps
+
+
+def tiny_server_pair(context: int = 64):
+    """A pair for in-process servers: tiny llama target (``context`` tokens), drafter, TemplateTokenizer."""
+    from types import SimpleNamespace
+
+    model, target = tiny_target("llama")
+    model.args.max_position_embeddings = context  # what the server reads as the context
+    return SimpleNamespace(model=model, target=target, tokenizer=TemplateTokenizer(), drafter=tiny_drafter(target),
+                           draft_path="tiny-drafter")
+
+
+def app_client(pair, model_id: str = SERVED, max_tokens: int = 4, **config):
+    """A starlette TestClient of ``create_app(pair, ServerConfig(...))``."""
+    from starlette.testclient import TestClient
+
+    from dflash_mlx.serve.app import ServerConfig, create_app
+
+    app = create_app(pair, ServerConfig(model_id=model_id, max_tokens=max_tokens, **config))
+    return TestClient(app, raise_server_exceptions=False)

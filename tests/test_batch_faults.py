@@ -22,7 +22,7 @@ from dflash_mlx.prompt_cache.store import PrefixStore
 from dflash_mlx.serve.app import ServerConfig, create_app
 from dflash_mlx.serve.batch_engine import BatchEngine
 from dflash_mlx.serve.engine import GenerationJob
-from dflash_mlx.serve.text_stream import TextStream
+from dflash_mlx.decode.stopping import TextStream
 
 BAD = 250  # the first prompt id of the request that fails
 BAD_MAX = 33  # its max_tokens

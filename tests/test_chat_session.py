@@ -10,8 +10,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 
 from dflash_mlx import InputError, generate_step, load
-from dflash_mlx.chat.session import (ChatSession, ContextFullError, ReplyDecoder, common_prefix, plain_text,
-                                starts_thinking, trim_cache)
+from dflash_mlx.chat.session import ChatSession, ContextFullError, ReplyDecoder, starts_thinking
+from dflash_mlx.prompt import plain_text
+from dflash_mlx.prompt_cache.pair import common_prefix, trim_cache
 from dflash_mlx.targets.hybrid import HybridAdapter
 from conftest import needs_shared, tiny_drafter, tiny_target
 
@@ -61,8 +62,8 @@ def run_turn(session, text, n, B=4):
 
 
 def check_consistent(session):
-    offsets = session.offsets()
-    assert session.is_consistent(), (offsets, len(session.tokens))
+    offsets = session.pair_cache.offsets()
+    assert session.pair_cache.is_consistent(), (offsets, len(session.tokens))
     assert set(offsets["target"]) == set(offsets["drafter"]) == {len(session.tokens)}
 
 
@@ -91,9 +92,9 @@ def test_turns_reuse_caches_exactly(pair, template):
             # The history changed inside the last reply (the template's think block;
             # a reply of invalid UTF-8 that re-encodes differently): a Gated-DeltaNet
             # state cannot go back that far, so the session re-prefilled everything.
-            assert s.last_reused == 0
+            assert s.pair_cache.last_reused == 0
         else:
-            assert s.last_reused == common >= len(prev) - 2 * template
+            assert s.pair_cache.last_reused == common >= len(prev) - 2 * template
         prev = ids
     assert [m["role"] for m in s.messages] == ["system"] + ["user", "assistant"] * 3
 
@@ -125,7 +126,7 @@ def test_hybrid_turns_reuse_the_cache(family, drafted):
         assert reply == fresh(target, drafter, ids, n, B=B)
         if drafted:
             check_consistent(s)
-        assert s.last_reused == cached and (i == 0 or cached > 0)
+        assert s.pair_cache.last_reused == cached and (i == 0 or cached > 0)
 
 
 def test_plain_decoding_session(family):
@@ -134,7 +135,7 @@ def test_plain_decoding_session(family):
     for text in TURNS[:2]:
         reply, ids = run_turn(s, text, 12, B=None)
         assert reply == fresh(target, None, ids, 12, B=None)
-        assert set(s.offsets()["target"]) == {len(s.tokens)} and "drafter" not in s.offsets()
+        assert set(s.pair_cache.offsets()["target"]) == {len(s.tokens)} and "drafter" not in s.pair_cache.offsets()
 
 
 class Interrupt:
@@ -174,9 +175,9 @@ def test_interrupt_rolls_both_caches_back(pair, where):
     before = list(s.messages)
     sampler = None
     if where in ("prefill", "verify"):  # target forward 1 is the prefill, 4 a verify
-        s.target = Interrupt(target, 1 if where == "prefill" else 4)
+        s.pair_cache.target = Interrupt(target, 1 if where == "prefill" else 4)
     elif where == "draft":
-        s.drafter = Interrupt(drafter, 3)
+        s.pair_cache.drafter = Interrupt(drafter, 3)
     elif where == "sampler":
         sampler = Interrupt(lambda lp: mx.argmax(lp, axis=-1), 5)
 
@@ -188,7 +189,7 @@ def test_interrupt_rolls_both_caches_back(pair, where):
             if where == "consumer" and len(got) > 6:
                 raise KeyboardInterrupt  # in the consumer: the generator is suspended
     events.close()
-    s.target, s.drafter = target, drafter
+    s.pair_cache.target, s.pair_cache.drafter = target, drafter
     check_consistent(s)
     if where == "prefill":  # nothing generated: the turn is dropped
         assert s.messages == before and s.interrupted == 1
@@ -225,7 +226,7 @@ def test_reset_trims_both_caches_and_starts_the_totals_afresh(pair):
     assert s.turns == 0 and s.totals.generation_tokens == 0 and s.totals.steps == 0
     check_consistent(s)
     reply, ids = run_turn(s, TURNS[2], 20)
-    assert s.last_reused == 0 and reply == fresh(target, drafter, ids, 20)
+    assert s.pair_cache.last_reused == 0 and reply == fresh(target, drafter, ids, 20)
     # /stats after /reset counts the new conversation only.
     assert s.turns == 1 and "Turns: 1 (0 interrupted)" in s.stats_lines()
     assert f"Generation: {len(reply)} tokens" in "\n".join(s.stats_lines())
@@ -236,10 +237,10 @@ def test_context_limit(pair):
     s = ChatSession(target, ByteTokenizer(False), drafter, max_context=40)
     reply, ids = run_turn(s, "0123456789", 100)
     assert len(ids) + len(reply) == 40 and s.context_left <= 0
-    state = (list(s.messages), list(s.tokens), s.offsets())
+    state = (list(s.messages), list(s.tokens), s.pair_cache.offsets())
     with pytest.raises(ContextFullError, match="40 tokens"):
         s.stream("more")
-    assert state == (s.messages, s.tokens, s.offsets())
+    assert state == (s.messages, s.tokens, s.pair_cache.offsets())
     s.reset()
     assert len([t for ev in s.stream("again", max_tokens=5) for t in ev.tokens]) == 5
 
@@ -327,7 +328,7 @@ def test_stories_turns_equal_fresh_runs(stories, random_drafter, tmp_path, templ
         assert reply == [t for st in ref for t in st.tokens]
         assert "".join(x.text for ev in events for x in ev.pieces) == s.messages[-1]["content"]
         # The history re-tokenizes to what was generated: all the cache is reused.
-        assert s.last_reused == held
+        assert s.pair_cache.last_reused == held
         held = len(s.tokens)
         check_consistent(s)
 
@@ -353,11 +354,10 @@ def test_stop_string_cuts_the_reply_and_keeps_caches_consistent(pair, template):
         s.stream(TURNS[2], stop_strings=[""])
 
 
-def test_stop_text_holds_back_a_possible_start():
-    from dflash_mlx.chat.session import Piece, StopText
-
-    st = StopText(["STOP"])
-    assert [p.text for p in st.add([Piece("abc S", drafted=True)], False)] == ["abc "]
-    assert [p.text for p in st.add([Piece("T"), Piece("x")], False)] == ["S", "T", "x"]
-    assert [(p.text, p.drafted) for p in st.add([Piece("yST", True), Piece("OPz")], True)] == [("y", True)]
-    assert StopText().add([Piece("anything")], False)[0].text == "anything"
+def test_reply_holds_back_a_possible_stop_start():
+    d = ReplyDecoder(ByteTokenizer(True), stop_strings=["STOP"])
+    assert [(p.text, p.drafted) for p in d.add([*b"abc S"], accepted=5)] == [("abc ", True)]
+    assert [(p.text, p.drafted) for p in d.add([*b"Tx"], accepted=0)] == [("S", True), ("Tx", False)]
+    assert [(p.text, p.drafted) for p in d.add([*b"ySTOPz"], accepted=3, final=True)] == [("y", True)]
+    assert d.text() == "abc STxy"
+    assert ReplyDecoder(ByteTokenizer(True)).add([*b"anything"], accepted=None)[0].text == "anything"

@@ -10,20 +10,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Tuple
 
 import httpx
 import pytest
 from typer.testing import CliRunner
 
-from conftest import needs_shared
+from conftest import live_server, needs_shared, openai_client, parse_metrics
 
 openai = pytest.importorskip("openai")
 
@@ -33,53 +28,6 @@ KEY = "test-key"
 PROMPTS = ["Once upon a time", "One day, a little boy", "The cat sat on", "Lily and Ben went to",
            "Tom had a big red"]
 N = 16  # tokens per request: small, so the file runs in well under a minute
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(log: Path, *args: str) -> Tuple[subprocess.Popen, str]:
-    """`dflash serve ARGS` on a free loopback port, its output in ``log``; returns once
-    /health answers: (the process, its base URL). Killed if it does not start."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--port", str(port), *args]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "DFLASH_API_KEY": ""})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"the server exited: {log.read_text()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    return proc, url
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"the server did not start: {log.read_text()}"
-            time.sleep(0.2)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-
-
-@contextmanager
-def live_server(log: Path, *args: str):
-    """`dflash serve ARGS` on a free loopback port; yields its base URL, stops it after."""
-    proc, url = start_server(log, *args)
-    try:
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +43,7 @@ def server(stories, random_drafter, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, max_retries=0, timeout=60)
+    return openai_client(server[0], KEY, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -123,13 +71,7 @@ def reference(stories, random_drafter):
 
 def metrics(url: str) -> dict:
     """``{"name{labels}": value}`` of /metrics."""
-    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return parse_metrics(httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
 
 
 def post(url: str, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
@@ -264,7 +206,7 @@ def test_load_8_clients_and_a_disconnect(server, model, reference):
         results.append((prompt, text, usage.prompt_tokens, usage.completion_tokens))
 
     def client_loop(i: int):
-        c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        c = openai_client(url, KEY)
         try:
             for k in range(5):
                 one(c, i, k)

@@ -12,12 +12,12 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from request_fuzz import hostile_request  # noqa: E402
-from test_server_limits import MODEL, make_client, tiny_pair  # noqa: E402
+from conftest import SERVED as MODEL, app_client, tiny_server_pair  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def client():
-    with make_client(tiny_pair()) as c:
+    with app_client(tiny_server_pair()) as c:
         yield c
 
 

@@ -14,15 +14,11 @@ import select
 import socket
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
-import uvicorn
-from starlette.testclient import TestClient
 
-import conftest
-from conftest import tiny_drafter, tiny_target
+from conftest import SERVED, app_client, live_app, openai_client, parse_metrics, tiny_server_pair
 from dflash_mlx.serve import engine as server_engine
 from dflash_mlx.sampling import MIN_TEMP, Sampling
 from dflash_mlx.serve.app import ServerConfig, create_app
@@ -31,48 +27,19 @@ from dflash_mlx.serve.http_protocol import uvicorn_options
 
 openai = pytest.importorskip("openai")
 
-MODEL = "tiny"
+MODEL = SERVED
 CONTEXT = 64  # tokens: keeps every request of the fuzz test short
-
-
-class TemplateTokenizer(conftest.ByteTokenizer):
-    """Byte tokens and a toy chat template; records where and how it was called."""
-
-    has_chat_template = True
-
-    def __init__(self):
-        self.threads, self.template_kwargs = [], []
-
-    def encode(self, text, add_special_tokens=True):
-        self.threads.append(threading.current_thread().name)
-        return super().encode(text, add_special_tokens)
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs):
-        self.template_kwargs.append(kwargs)
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-
-
-def tiny_pair(context: int = CONTEXT):
-    model, target = tiny_target("llama")
-    model.args.max_position_embeddings = context  # what the server reads as the context
-    return SimpleNamespace(model=model, target=target, tokenizer=TemplateTokenizer(), drafter=tiny_drafter(target),
-                           draft_path="tiny-drafter")
-
-
-def make_client(pair, **config) -> TestClient:
-    app = create_app(pair, ServerConfig(model_id=MODEL, max_tokens=4, **config))
-    return TestClient(app, raise_server_exceptions=False)
 
 
 @pytest.fixture(scope="module")
 def pair():
-    return tiny_pair()
+    return tiny_server_pair(CONTEXT)
 
 
 @pytest.fixture(scope="module", params=[1, 8], ids=["one-at-a-time", "batching"])
 def client(pair, request):
     """The server one request at a time, and with continuous batching (--max-batch 8)."""
-    with make_client(pair, max_batch=request.param) as c:
+    with app_client(pair, max_batch=request.param) as c:
         yield c
 
 
@@ -106,8 +73,8 @@ def test_request_template_refused_by_default(client, pair):
 
 
 def test_request_template_allowed_with_the_flag():
-    pair = tiny_pair()
-    with make_client(pair, allow_request_templates=True) as c:
+    pair = tiny_server_pair()
+    with app_client(pair, allow_request_templates=True) as c:
         r = c.post("/v1/chat/completions", json=chat(chat_template_kwargs={"chat_template": "{{ 1 }}"}))
     assert r.status_code == 200, r.text
     assert pair.tokenizer.template_kwargs == [{"chat_template": "{{ 1 }}"}]
@@ -132,7 +99,7 @@ def test_prompt_chars_checked_before_tokenizing(client, pair):
 
 
 def test_max_prompt_chars_flag(pair):
-    with make_client(pair, max_prompt_chars=10) as c:
+    with app_client(pair, max_prompt_chars=10) as c:
         check_error(c.post("/v1/completions", json={"model": MODEL, "prompt": "a" * 11}), 400, "prompt",
                     "at most 10")
         assert c.post("/v1/completions", json={"model": MODEL, "prompt": "a" * 10}).status_code == 200
@@ -200,7 +167,7 @@ def test_tiny_temperature_is_greedy(client):
 
 def test_request_timeout_is_408(pair):
     """A deadline of 0 s has passed before the worker takes the job: 408, not a generation."""
-    with make_client(pair, request_timeout=0.0) as c:
+    with app_client(pair, request_timeout=0.0) as c:
         err = check_error(c.post("/v1/completions", json={"model": MODEL, "prompt": "a"}), 408, None,
                           "--request-timeout")
         assert err["code"] == "request_timeout" and err["type"] == "timeout"
@@ -210,27 +177,6 @@ def test_request_timeout_is_408(pair):
 
 
 # -- live server: disconnects and stalled bodies ----------------------------------------
-
-
-@contextlib.contextmanager
-def live(app, **kw):
-    """``app`` under uvicorn on a free loopback port, in a thread; yields the port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **kw))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        for _ in range(3000):  # waiting for the start, not deciding anything
-            if server.started:
-                break
-            time.sleep(0.01)
-        assert server.started, "uvicorn did not start"
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def raw_request(port: int, body: bytes, path: str = "/v1/completions", length=None) -> socket.socket:
@@ -259,7 +205,7 @@ def test_abandoned_request_stops_within_one_step(monkeypatch, streaming):
     under way: the engine generates at most one more verify step, counts it cancelled,
     and the next request runs. The first step is held until the server closes the job
     (or 60 s pass, when the test fails on the step count)."""
-    pair = tiny_pair(context=4096)
+    pair = tiny_server_pair(context=4096)
     app = create_app(pair, ServerConfig(model_id=MODEL))
     engine = app.state.server.engine
     first_step, closed, steps = threading.Event(), threading.Event(), []
@@ -282,7 +228,7 @@ def test_abandoned_request_stops_within_one_step(monkeypatch, streaming):
 
     monkeypatch.setattr(server_engine.Job, "close", close)
     monkeypatch.setattr(engine.pair_cache, "stream", stream)
-    with live(app) as port:
+    with live_app(app) as port:
         sock = raw_request(port, json.dumps({"model": MODEL, "prompt": "Once upon", "max_tokens": 400,
                                              "stream": streaming}).encode())
         assert first_step.wait(60)
@@ -298,9 +244,9 @@ def test_abandoned_request_stops_within_one_step(monkeypatch, streaming):
 
 
 def test_stalled_body_is_408():
-    pair = tiny_pair()
+    pair = tiny_server_pair()
     app = create_app(pair, ServerConfig(model_id=MODEL, idle_timeout=0.2))
-    with live(app) as port:
+    with live_app(app) as port:
         sock = raw_request(port, b'{"model": "tiny", ', length=100)  # promises 100 bytes, sends 18
         reply = read_reply(sock)
         sock.close()
@@ -310,8 +256,8 @@ def test_stalled_body_is_408():
 
 def test_openai_client_gets_400_for_a_request_template(pair):
     app = create_app(pair, ServerConfig(model_id=MODEL))
-    with live(app) as port:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    with live_app(app) as port:
+        c = openai_client(f"http://127.0.0.1:{port}", timeout=60)
         with pytest.raises(openai.BadRequestError, match="allow-request-templates"):
             c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                       extra_body={"chat_template_kwargs": {"chat_template": "{{ 1 }}"}})
@@ -333,7 +279,7 @@ def test_abandoned_during_prefill_stops_between_chunks(monkeypatch):
     from dflash_mlx.serve.engine import Engine, GenerationJob
     from dflash_mlx.serve.metrics import ServerMetrics
 
-    pair = tiny_pair(context=4096)
+    pair = tiny_server_pair(context=4096)
     checks = []
 
     def should_stop(job):
@@ -359,8 +305,9 @@ def test_abandoned_during_prefill_stops_between_chunks(monkeypatch):
 
     engine, out = asyncio.run(main())
     assert len(checks) == 3  # stopped at the third chunk, out of 19
-    assert engine.metrics.requests.labels("chat", "cancelled")._value.get() == 1
-    assert engine.metrics.generation_tokens._value.get() == 12  # the second job's only
+    counts = parse_metrics(engine.metrics.render().decode())
+    assert counts['dflash_requests_total{endpoint="chat",outcome="cancelled"}'] == 1
+    assert counts["dflash_generation_tokens_total"] == 12  # the second job's only
     assert engine.pair_cache.is_consistent()
     steps = generate_step(mx.array(ids[:40], dtype=mx.int32), pair.target, pair.drafter, max_tokens=12)
     fresh = [t for s in steps for t in s.tokens]
@@ -379,8 +326,8 @@ def test_request_timeout_mid_generation(monkeypatch, streaming):
         return len(calls) >= 3
 
     monkeypatch.setattr(server_engine.Job, "expired", expired)
-    pair = tiny_pair(context=4096)
-    with make_client(pair) as c:
+    pair = tiny_server_pair(context=4096)
+    with app_client(pair) as c:
         body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 300, "stream": streaming}
         r = c.post("/v1/completions", json=body)
         metrics = c.get("/metrics").text
@@ -421,7 +368,7 @@ def test_headers_that_never_come_are_timed_out(pair):
     closed after --idle-timeout; the trickling one gets a 408 typed timeout. The header
     is long enough that sending it all would take minutes."""
     app = create_app(pair, ServerConfig(model_id=MODEL, idle_timeout=0.5))
-    with live(app, **uvicorn_options(0.5, 64)) as port:
+    with live_app(app, **uvicorn_options(0.5, 64)) as port:
         silent = socket.create_connection(("127.0.0.1", port), timeout=60)
         assert closed_or_reply(silent) == b""
         silent.close()
@@ -448,7 +395,7 @@ def test_headers_that_never_come_are_timed_out(pair):
 def test_oversized_headers_are_431(pair):
     """200 KB of headers: a 431 as OpenAI's JSON error, read by the client (no reset)."""
     app = create_app(pair, ServerConfig(model_id=MODEL))
-    with live(app, **uvicorn_options(5.0, 64)) as port:
+    with live_app(app, **uvicorn_options(5.0, 64)) as port:
         sock = socket.create_connection(("127.0.0.1", port), timeout=60)
         sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n")
         reply = closed_or_reply(sock).decode()
@@ -461,7 +408,7 @@ def test_oversized_headers_are_431(pair):
 
 def test_connections_past_the_limit_get_503(pair):
     app = create_app(pair, ServerConfig(model_id=MODEL))
-    with live(app, **uvicorn_options(60.0, 3)) as port:
+    with live_app(app, **uvicorn_options(60.0, 3)) as port:
         idle = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(3)]
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503
         for s in idle:
@@ -477,7 +424,7 @@ def test_connections_past_the_limit_get_503(pair):
 def keyed(pair):
     """A live server with an API key; yields its URL."""
     app = create_app(pair, ServerConfig(model_id=MODEL, max_tokens=4, api_key="sekrit"))
-    with live(app, **uvicorn_options(5.0, 64)) as port:
+    with live_app(app, **uvicorn_options(5.0, 64)) as port:
         yield f"http://127.0.0.1:{port}"
 
 

@@ -19,18 +19,14 @@ import threading
 
 import pytest
 
-from conftest import needs_shared
+from conftest import free_port, needs_shared, openai_client, start_server
 from dflash_mlx.errors import InputError
 from dflash_mlx.serve.lifecycle import listen
-from test_server import PROMPTS, free_port, start_server
+from test_server import PROMPTS
 
 openai = pytest.importorskip("openai")
 
 LONG = 480  # tokens of the requests in flight at the signal: most of stories260K's 512 context
-
-
-def client(url: str) -> "openai.OpenAI":
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def four_requests(url: str, model: str) -> None:
@@ -38,7 +34,7 @@ def four_requests(url: str, model: str) -> None:
     replies = [None] * 4
 
     def one(i: int) -> None:
-        replies[i] = client(url).completions.create(model=model, prompt=PROMPTS[i], max_tokens=16)
+        replies[i] = openai_client(url).completions.create(model=model, prompt=PROMPTS[i], max_tokens=16)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
     for t in threads:
@@ -66,7 +62,7 @@ class InFlight:
     def _stream(self) -> None:
         try:
             finish = None
-            for chunk in client(self.url).completions.create(model=self.model, prompt=PROMPTS[0],
+            for chunk in openai_client(self.url).completions.create(model=self.model, prompt=PROMPTS[0],
                                                              max_tokens=LONG, stream=True):
                 self.streaming.set()
                 finish = chunk.choices[0].finish_reason or finish
@@ -78,7 +74,7 @@ class InFlight:
 
     def _plain(self) -> None:
         try:
-            r = client(self.url).completions.create(model=self.model, prompt=PROMPTS[1], max_tokens=LONG)
+            r = openai_client(self.url).completions.create(model=self.model, prompt=PROMPTS[1], max_tokens=LONG)
             self._ended("plain", "finished" if r.choices[0].finish_reason else "no finish_reason")
         except openai.APIStatusError as e:
             self._ended("plain", "shutting down" if e.status_code == 503 else repr(e))
@@ -97,6 +93,7 @@ class InFlight:
 def stop(proc: subprocess.Popen, sig: int, log) -> str:
     """Send ``sig`` to the running server; its output once it exited 0 or 130."""
     assert proc.poll() is None, f"the server ended before the signal: {log.read_text()}"
+    assert "Shutting down" not in log.read_text(), "the server was stopping before the signal"
     proc.send_signal(sig)
     try:
         proc.wait(timeout=120)
@@ -105,7 +102,7 @@ def stop(proc: subprocess.Popen, sig: int, log) -> str:
     out = log.read_text()
     assert proc.returncode in (0, 130), out
     assert "terminate called" not in out and "Traceback" not in out, out
-    assert "Shutting down" in out, out  # uvicorn's line: the server stopped on the signal, not otherwise
+    assert "Shutting down" in out, out  # uvicorn's line, written after the signal: it stopped because of it
     return out
 
 

@@ -12,9 +12,8 @@ import json
 import logging
 
 import pytest
-from starlette.testclient import TestClient
 
-from conftest import ByteTokenizer
+from conftest import ByteTokenizer, app_client, live_app, openai_client, tiny_server_pair
 from dflash_mlx.serve.api import ChatCompletionRequest
 from dflash_mlx.serve.app import ServerConfig, chat_prompt_ids, create_app
 from dflash_mlx.serve.tool_requests import MAX_SCHEMA_DEPTH, MAX_TOOL_CHARS, MAX_TOOLS
@@ -56,8 +55,7 @@ def pair(tok_dir, tok):
 
 @pytest.fixture(scope="module")
 def client(pair):
-    app = create_app(pair, ServerConfig(model_id=MODEL, max_tokens=200))
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with app_client(pair, MODEL, max_tokens=200) as c:
         yield c
 
 
@@ -294,9 +292,7 @@ def test_bad_tool_calls_in_messages_are_400(client, calls, param):
 
 
 def test_no_tool_format_refuses_required_and_says_so_once(caplog):
-    from test_server_limits import make_client, tiny_pair  # a toy template, no tool-call format
-
-    with make_client(tiny_pair()) as c, caplog.at_level(logging.WARNING, "dflash.serve"):
+    with app_client(tiny_server_pair()) as c, caplog.at_level(logging.WARNING, "dflash.serve"):
         for choice in ("required", {"type": "function", "function": {"name": "f"}}):
             r = c.post("/v1/chat/completions", json=chat(tools=[tool()], tool_choice=choice))
             assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
@@ -315,11 +311,9 @@ def test_no_tool_format_refuses_required_and_says_so_once(caplog):
 def test_openai_client_tool_round_trip(pair):
     """A tool defined, called, its result sent back, the final answer; then the same
     first turn streamed, its tool-call deltas put together as a client does."""
-    from test_server_limits import live
-
     app = create_app(pair, ServerConfig(model_id=MODEL, max_tokens=200))
-    with live(app) as port:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+    with live_app(app) as port:
+        c = openai_client(f"http://127.0.0.1:{port}")
         messages = [{"role": "user", "content": "What is the weather in Paris?"}]
         first = c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="auto")
         choice = first.choices[0]

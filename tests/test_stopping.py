@@ -73,3 +73,17 @@ def test_stream_stops_before_the_stop_string_and_settles_caches(stories):
         assert responses[-1].finish_reason == "stop"
         assert "Lily" in pair.tokenizer.decode(tokens) and tokens == ref_ids[: len(tokens)]
         assert all(c.offset == len(ids) + len(tokens) - 1 for c in cache)
+
+
+def test_text_stream_holds_back_a_possible_stop_and_cuts_at_it():
+    from types import SimpleNamespace
+
+    from dflash_mlx.decode.stopping import TextStream
+
+    text = TextStream(SimpleNamespace(decode=decode), stop_strings=["cde"])
+    assert text.add([0, 1, 2]) == "ab"  # "c" could begin the stop string
+    assert text.add([3]) == ""
+    assert text.add([5]) == "cdf"  # not the stop string after all
+    assert text.add([2, 3, 4, 9], final=True) == "" and text.text == "abcdfcdexy"
+    plain = TextStream(SimpleNamespace(decode=decode))
+    assert plain.add([0, 9]) + plain.add([1], final=True) == "axyb"

@@ -1,17 +1,12 @@
-"""``dflash chat --session FILE``: the conversation kept in a file between processes.
-
-The file holds the messages only (JSON: ``{"format": "dflash-chat-session", "messages": [...]}``);
-the caches of the conversation are in the prompt cache on disk
-(:mod:`dflash_mlx.prompt_cache`), keyed by the pair and the tokens. So a later process that
-reads the file renders the same conversation, finds its caches there and prefills only
-the new turn; with another pair, or the prompt cache off, it prefills the history once.
-"""
+"""``dflash chat --session FILE``: the messages kept in a file between processes
+(``{"format": "dflash-chat-session", "messages": [...]}``; the caches live in the prompt
+cache), and transcripts."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from ..atomic import atomic_file
 from ..errors import InputError
@@ -61,16 +56,8 @@ def write_session(path: Path, messages: List[Dict[str, str]]) -> None:
 
 
 class SessionWriter:
-    """Writes the session file after every line; a write that fails is one warning, the
-    conversation stays in memory and is written again after the next line.
-
-    Args:
-        path: the ``--session`` file.
-        warn: where the warning (and the notice that a later write succeeded) goes.
-
-    Attributes:
-        failing: whether the last write failed.
-    """
+    """Writes the ``--session`` file after every line; a failed write is one ``warn``ing and
+    is retried after the next line (``failing``: the last write failed)."""
 
     def __init__(self, path: Path, warn: Callable[[str], None]):
         self.path, self.warn, self.failing = Path(path), warn, False
@@ -89,3 +76,20 @@ class SessionWriter:
             self.warn(f"--session {self.path}: written again")
         self.failing = False
         return True
+
+
+def write_transcript(path: Path, messages: List[Dict[str, str]], meta: Optional[dict] = None) -> Path:
+    """Write a transcript: JSON for ``*.json`` (``meta`` and ``messages``), else Markdown.
+
+    Raises:
+        WriteError: the file cannot be written (any errno).
+    """
+    if path.suffix.lower() == ".json":
+        text = json.dumps({**(meta or {}), "messages": messages}, indent=2) + "\n"
+    else:
+        out = ["# Chat transcript\n"] + [f"- {k}: {v}" for k, v in (meta or {}).items()]
+        out += [f"\n## {m['role'].capitalize()}\n\n{m['content']}" for m in messages]
+        text = "\n".join(out) + "\n"
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+    return path

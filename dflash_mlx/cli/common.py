@@ -261,7 +261,7 @@ def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: 
                   ignore_chat_template: bool) -> list[int]:
     """Token ids of one user turn (after the system prompt, if any), through the chat template unless
     ``ignore_chat_template`` or the tokenizer has none (then the texts concatenated, as chat does)."""
-    from dflash_mlx.chat.session import plain_text
+    from dflash_mlx.prompt import plain_text
     from dflash_mlx.prompt import encode_messages
 
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []

@@ -78,7 +78,7 @@ def _run(o) -> None:
     check_pair_flags(o)
     import mlx.core as mx
 
-    from dflash_mlx.chat.session import context_length
+    from dflash_mlx.prompt import context_length
     from dflash_mlx.sampling import make_sampler
 
     if o.seed is not None:

@@ -81,7 +81,7 @@ def _data(o) -> None:
     template = parse_template_config(o.chat_template_config)
     import numpy as np
 
-    from dflash_mlx.chat.session import context_length
+    from dflash_mlx.prompt import context_length
     from dflash_mlx.train.data import encode_prompts, prompts_from_text, read_prompt_file, regenerate
     from dflash_mlx.train.data import response_end_token, self_prompts as sample_openings
 

@@ -1,19 +1,10 @@
-"""Where a generation ends: a stop token, a stop string, or the token budget.
-
-The decode loop hands every run of tokens it is about to commit (one verify's
-``a + 1`` tokens) to :meth:`StopCondition.cut`, which keeps the tokens up to the
-first stop and says why it stopped, so a block is cut at its first stop token or
-stop string and the caches can be settled to exactly what was committed.
-
-Stop strings are matched on decoded text, as the OpenAI API defines them. mlx-lm's
-``StopSequences`` matches the stop word's own token ids instead, which misses a stop
-string that the tokenizer spells with other tokens in context (``"\\n\\n"`` merged
-into one token, a word-initial space), so this small matcher is our own.
-"""
+"""Where a generation ends (a stop token, a stop string, the token budget) and the text
+shown up to there. Stop strings match decoded text, as the OpenAI API defines them."""
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from os.path import commonprefix
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 Decode = Callable[[List[int]], str]
 
@@ -48,8 +39,7 @@ class StopCondition:
         self.stop_strings = tuple(stop_strings)
         self.decode = decode
         self.emitted = 0
-        # Tokens of left context that can hold the start of a stop string: a token
-        # decodes to at least one character almost always; the margin covers the rest.
+        # left context that can hold the start of a stop string
         self._window = 2 * max((len(s) for s in self.stop_strings), default=0) + 4
         self._tail: List[int] = []
 
@@ -103,11 +93,7 @@ def text_before_stop(text: str, stop_strings: Sequence[str]) -> Optional[int]:
 
 
 def held_back(text: str, stop_strings: Sequence[str]) -> int:
-    """Length of the longest end of ``text`` that could begin a stop string.
-
-    A streaming consumer holds these characters back until the next tokens show
-    whether a stop string follows, so no part of a stop string is ever shown.
-    """
+    """Length of the longest end of ``text`` that could begin a stop string."""
     longest = 0
     for s in stop_strings:
         for n in range(min(len(s) - 1, len(text)), longest, -1):
@@ -115,3 +101,59 @@ def held_back(text: str, stop_strings: Sequence[str]) -> int:
                 longest = n
                 break
     return longest
+
+
+class TextStream:
+    """The text of one generation as its tokens arrive, cut before the first stop string.
+
+    A run's text is ``decode(left + run)`` past ``decode(left)`` over up to ``window``
+    tokens of left context, so word-initial spaces land on the right token; a run that
+    ends inside a multi-byte character waits for the next tokens. Text that could begin
+    a stop string is held back until the next tokens settle it.
+
+    Args:
+        tokenizer: has ``decode(ids) -> str``.
+        stop_strings: texts that end the generation (never shown).
+        context: prompt ids the text continues (left context only; empty: it stands alone).
+        window: tokens of left context.
+
+    Attributes:
+        text: the decoded text so far, stop strings included.
+        shown: characters of ``text`` returned so far.
+    """
+
+    def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = (), context: Sequence[int] = (),
+                 window: int = 8):
+        self.decode, self.window = tokenizer.decode, window
+        self.stop_strings = tuple(stop_strings)
+        self.ids: List[int] = list(context[-window:]) if window else []
+        self.done = len(self.ids)  # ids whose text is in ``text``
+        self.text, self.shown, self.stopped = "", 0, False
+
+    def add(self, tokens: Sequence[int], final: bool = False) -> str:
+        """Take committed tokens; returns the new text safe to show (may be empty).
+        ``final``: no tokens follow (incomplete characters are flushed)."""
+        self.ids.extend(tokens)
+        self._decode(final)
+        if self.stopped:
+            return ""
+        cut = text_before_stop(self.text[self.shown:], self.stop_strings)
+        if cut is not None:
+            end, self.stopped = self.shown + cut, True
+        elif final:
+            end = len(self.text)
+        else:
+            end = len(self.text) - held_back(self.text, self.stop_strings)
+        segment = self.text[self.shown:max(end, self.shown)]
+        self.shown += len(segment)
+        return segment
+
+    def _decode(self, final: bool) -> None:
+        start = max(0, self.done - self.window)
+        before = self.decode(self.ids[start:self.done]) if self.done > start else ""
+        for stop in range(len(self.ids), max(self.done, len(self.ids) - 4), -1):  # back off a split character
+            after = self.decode(self.ids[start:stop])
+            if final or not after.endswith("\ufffd"):
+                self.text += after[len(commonprefix([before, after])):]
+                self.done = stop
+                return

@@ -1,18 +1,7 @@
-"""The OpenAI API as ``dflash serve`` speaks it: request models (validated by pydantic)
-and the response, chunk, usage and error bodies.
-
-Field names and shapes follow OpenAI's chat completions and (legacy) completions API.
-Validation is strict: a number sent as a string, or a string as a list, is a 400, not
-coerced. Unknown fields are ignored, as OpenAI's own server does for fields it does
-not know; but OpenAI fields this server does not implement (``logprobs``,
-``presence_penalty``, ``logit_bias``, ...) are refused when set to anything but their
-default, so a client never gets silently less than it asked for. Every string in the
-body must be valid Unicode (a lone surrogate, ``"\\ud800"``, is refused), and a user
-message must have text.
-
-Errors raised here are pydantic errors of :data:`REQUEST_ERROR` type whose context
-carries the field (``param``); ``server._validation_message`` turns them into a 400.
-"""
+"""The OpenAI API as ``dflash serve`` speaks it: strict request models (unknown fields
+ignored, unimplemented OpenAI fields refused unless at their default, lone surrogates
+refused) and the response, chunk, usage and error bodies. Checks raise pydantic errors
+of type :data:`REQUEST_ERROR` whose context names the field (``param``)."""
 
 from __future__ import annotations
 
@@ -55,26 +44,19 @@ def _is_default(value: Any, defaults: tuple) -> bool:
 
 
 def first_bad_string(value: Any, path: str = "") -> Optional[str]:
-    """The dotted path of the first string (or dict key) in ``value`` that is not valid
-    Unicode (a lone surrogate, which JSON's ``\\uD800`` escapes can carry and UTF-8
-    cannot encode), or None."""
+    """The dotted path of the first string (or dict key) in ``value`` that UTF-8 cannot
+    encode (a lone surrogate), or None."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
             return path or "body"
         return None
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list):
-        items = enumerate(value)
-    else:
-        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for k, v in items:
-        where = f"{path}.{k}" if path else str(k)
         if isinstance(k, str) and first_bad_string(k) is not None:
             return path or "body"
-        bad = first_bad_string(v, where)
+        bad = first_bad_string(v, f"{path}.{k}" if path else str(k))
         if bad is not None:
             return bad
     return None
@@ -103,12 +85,8 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
     def for_template(self) -> Dict[str, Any]:
-        """The message as a dict for ``apply_chat_template``: text parts joined, a
-        missing content (a tool-call turn) as ""."""
-        out = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            out["content"] = "".join(p.text for p in self.content)
-        out.setdefault("content", "")
+        """The message as ``apply_chat_template`` takes it (content: :meth:`text`)."""
+        out = {**self.model_dump(exclude_none=True), "content": self.text()}
         if self.tool_calls:
             out["tool_calls"] = calls_for_template(self.tool_calls)
         return out
@@ -166,10 +144,8 @@ class GenerationFields(BaseModel):
 
 
 class ChatCompletionRequest(GenerationFields):
-    """``POST /v1/chat/completions``. ``tools`` and ``chat_template_kwargs`` (e.g.
-    ``{"enable_thinking": true}``) are passed to the chat template; ``tools``,
-    ``tool_choice`` and messages' ``tool_calls`` are bounded (:mod:`.tool_requests`);
-    ``parallel_tool_calls`` false returns at most one call (see :mod:`.tools`)."""
+    """``POST /v1/chat/completions``; ``tools`` and ``chat_template_kwargs`` go to the chat
+    template (bounded by :mod:`.tool_requests`)."""
 
     messages: List[ChatMessage] = Field(min_length=1)
     tools: Optional[List[ToolDefinition]] = Field(None, max_length=MAX_TOOLS)
@@ -232,24 +208,10 @@ class CompletionRequest(GenerationFields):
         return p
 
 
-# -- responses -----------------------------------------------------------------
-
-
 def usage(stats: GenerationStats) -> Dict[str, Any]:
-    """The ``usage`` object: OpenAI's counts plus ``dflash``.
-
-    Args:
-        stats: the generation's statistics (``dflash_mlx.stats``): its prompt
-            tokens are the whole prompt's, ``prompt_reused`` those found in the caches.
-
-    Returns:
-        ``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
-        ``prompt_tokens_details.cached_tokens``, and ``dflash``: the statistics of
-        :meth:`GenerationStats.to_dict` (tau, steps, plain steps, acceptance histogram
-        keyed by acceptance length, tokens/s, ``speculative`` and ``reason``,
-        ``prompt_tokens_reused`` and ``prompt_tokens_prefilled``) but its
-        ``prompt_tokens`` and ``tokens`` (given above).
-    """
+    """The ``usage`` object: OpenAI's counts (``prompt_tokens_details.cached_tokens``: the
+    prompt tokens found in the caches) and ``dflash``: :meth:`GenerationStats.to_dict`
+    without its ``prompt_tokens`` and ``tokens``."""
     d = stats.to_dict(trace=False)
     d.pop("prompt_tokens")
     d.pop("tokens")
@@ -262,32 +224,30 @@ def usage(stats: GenerationStats) -> Dict[str, Any]:
     }
 
 
+def _envelope(rid: str, object_: str, model: str, **fields: Any) -> Dict[str, Any]:
+    return {"id": rid, "object": object_, "created": int(time.time()), "model": model, **fields}
+
+
 def chat_completion(rid: str, model: str, message: Dict[str, Any], finish_reason: Optional[str],
                     usage_: Optional[dict]) -> Dict[str, Any]:
-    """A whole ``chat.completion``; ``message`` holds the message's fields but its
-    role (``content``, and ``reasoning_content`` and ``tool_calls`` if any)."""
-    return {
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", **message},
-                     "finish_reason": finish_reason, "logprobs": None}],
-        "usage": usage_,
-    }
+    """A whole ``chat.completion``; ``message`` holds the message's fields but its role."""
+    choice = {"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish_reason,
+              "logprobs": None}
+    return _envelope(rid, "chat.completion", model, choices=[choice], usage=usage_)
 
 
 def chat_chunk(rid: str, model: str, delta: Dict[str, Any], finish_reason: Optional[str] = None
                ) -> Dict[str, Any]:
     """One ``chat.completion.chunk`` of a stream."""
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    return _envelope(rid, "chat.completion.chunk", model, choices=[choice])
 
 
 def text_completion(rid: str, model: str, text: str, finish_reason: Optional[str],
                     usage_: Optional[dict] = None, chunk: bool = False) -> Dict[str, Any]:
     """A ``text_completion`` (whole, or one chunk of a stream)."""
-    out = {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
-    }
+    out = _envelope(rid, "text_completion", model,
+                    choices=[{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}])
     if usage_ is not None or not chunk:
         out["usage"] = usage_
     return out
@@ -295,8 +255,7 @@ def text_completion(rid: str, model: str, text: str, finish_reason: Optional[str
 
 def usage_chunk(rid: str, model: str, object_: str, usage_: dict) -> Dict[str, Any]:
     """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
-    return {"id": rid, "object": object_, "created": int(time.time()), "model": model,
-            "choices": [], "usage": usage_}
+    return _envelope(rid, object_, model, choices=[], usage=usage_)
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,

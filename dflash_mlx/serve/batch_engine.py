@@ -44,7 +44,7 @@ from .api import usage
 from .engine import _STARTED, Chunk, Engine, GenerationJob, Job, push_together
 from .lifecycle import release_streams
 from .metrics import ServerMetrics
-from .text_stream import TextStream
+from ..decode.stopping import TextStream
 
 log = logging.getLogger("dflash.serve")
 

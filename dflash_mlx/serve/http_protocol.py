@@ -1,19 +1,8 @@
-"""The HTTP/1.1 connection of ``dflash serve``: uvicorn's h11 protocol, with the limits a
-server facing the network needs that uvicorn does not set itself.
-
-- Headers have ``header_timeout`` seconds to arrive in full, from the connection's
-  first byte (or its opening) or from the end of the previous response's keep-alive
-  wait; a connection that sends nothing, or trickles its headers a byte at a time
-  (slowloris), is closed then (a 408 if it had sent anything). uvicorn's own
-  ``timeout_keep_alive`` only runs between requests and restarts at every byte.
-- Headers past h11's size limit (``h11_max_incomplete_event_size``, 16 KB by default)
-  get a 431, and a request h11 cannot parse a 400, both as OpenAI's JSON error object;
-  the connection then reads and drops what the client still sends for up to
-  :data:`LINGER_S` before closing, so the client reads the answer instead of a reset.
-
-Connections past uvicorn's ``limit_concurrency`` get uvicorn's 503 (see
-:func:`uvicorn_options`).
-"""
+"""uvicorn's h11 protocol with the limits uvicorn does not set: headers must arrive in
+full within ``header_timeout`` seconds (else the connection closes, with a 408 if it sent
+anything); headers past h11's size limit get a 431 and unparsable requests a 400, as
+OpenAI's JSON error object, and the connection is drained for :data:`LINGER_S` before it
+closes."""
 
 from __future__ import annotations
 
@@ -44,8 +33,7 @@ class _Connection(h11.Connection):
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header timeout and JSON 400/431 answers (module doc).
-    Made by :func:`guarded_protocol`, which sets :attr:`header_timeout`."""
+    """The guarded protocol (module doc); :func:`guarded_protocol` sets :attr:`header_timeout`."""
 
     header_timeout: float = 5.0
 
@@ -101,8 +89,7 @@ class GuardedH11Protocol(H11Protocol):
         self._answer(408, body, raw=True)
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a request h11 refused: 431 for headers past the size limit,
-        else 400, as JSON; then the linger (module doc)."""
+        """431 for headers past the size limit, else 400, as JSON; then the linger."""
         status = 431 if self.conn.error_status == 431 else 400
         if status == 431:
             body = error_body(f"the request's headers are larger than {self.max_header_bytes} bytes", param=None,
@@ -112,8 +99,7 @@ class GuardedH11Protocol(H11Protocol):
         self._answer(status, body, raw=False)
 
     def _answer(self, status: int, body: Dict[str, Any], raw: bool) -> None:
-        """Send ``body`` with ``status`` and ``Connection: close``; then read and drop what
-        comes for up to :data:`LINGER_S` (the client reads the answer, not a reset).
+        """Send ``body`` with ``Connection: close``, then drain for :data:`LINGER_S`.
         ``raw``: no request was parsed, so h11 cannot frame the response."""
         data = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
@@ -144,12 +130,7 @@ def guarded_protocol(header_timeout: float) -> type:
 
 
 def uvicorn_options(idle_timeout: float, max_connections: int) -> Dict[str, Any]:
-    """uvicorn settings of ``dflash serve`` (``uvicorn.run(app, **uvicorn_options(...))``).
-
-    Args:
-        idle_timeout: seconds a connection may idle between requests (uvicorn's
-            keep-alive) and its headers may take to arrive (:class:`GuardedH11Protocol`).
-        max_connections: connections (and requests) at once; past it uvicorn answers 503.
-    """
+    """uvicorn settings: ``idle_timeout`` s of keep-alive and for headers to arrive, and
+    at most ``max_connections`` at once (past it uvicorn answers 503)."""
     return {"http": guarded_protocol(idle_timeout), "timeout_keep_alive": idle_timeout,
             "limit_concurrency": max_connections}

@@ -1,18 +1,6 @@
-"""Start and stop of ``dflash serve``: the listening socket, taken before the model
-loads, and a uvicorn server that ends the engine's work when it is told to stop.
-
-- :func:`listen`: ``--host``/``--port`` checked by binding them (a port in use, a host
-  this machine does not have: one-line errors), before anything slow runs. The socket
-  listens from then on, so the port stays ours; connections made while the model
-  loads wait in its backlog and are answered once it is ready.
-- :func:`serve`: uvicorn on that socket until SIGINT (Ctrl-C) or SIGTERM. At the
-  signal, requests in flight stop after their current step (a 503, or an error event
-  for a stream) instead of running to their end, so the server stops within a step
-  or two (a second Ctrl-C does not cut that short); the engine's worker thread has
-  ended, and released what MLX keeps for it (:func:`release_streams`), before
-  :func:`serve` returns.
-- :func:`release_streams`: what a thread that ran MLX work does last.
-"""
+"""Start and stop of ``dflash serve``: the socket, taken before the model loads; uvicorn
+until SIGINT or SIGTERM, at which requests in flight stop after their step and the
+engine's worker ends before :func:`serve` returns."""
 
 from __future__ import annotations
 
@@ -30,9 +18,7 @@ BACKLOG = 2048  # uvicorn's default
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` and listening, as uvicorn would bind it
-    (IPv6 for a host with a colon; SO_REUSEADDR, so a port whose last connections are
-    in TIME_WAIT is taken, and one another server listens on is not).
+    """A TCP socket listening on ``host:port`` as uvicorn would bind it (SO_REUSEADDR).
 
     Raises:
         InputError: the port is in use or not allowed, or the host is not an address
@@ -65,22 +51,14 @@ def _bind_error(host: str, port: int, e: OSError) -> str:
 
 
 def serve(app: Any, sock: socket.socket, engine: Any, **config: Any) -> None:
-    """Run uvicorn with ``app`` on ``sock`` until a stop signal; return once the
-    engine's worker has ended.
-
-    Args:
-        engine: the app's :class:`~dflash_mlx.serve.engine.Engine`; shut down at the
-            signal and waited for at the end, however uvicorn ended.
-        config: ``uvicorn.Config`` settings (log_level, timeout_keep_alive, ...).
-    """
+    """Run uvicorn with ``app`` on ``sock`` (``config``: ``uvicorn.Config`` settings) until a
+    stop signal; shut ``engine`` down then and return once its worker has ended."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
-            # A second Ctrl-C would skip the app's shutdown (a CancelledError traceback);
-            # the first one already stops the work in flight within a step.
-            self.force_exit = False
+            self.force_exit = False  # a second Ctrl-C must not skip the app's shutdown
 
         async def shutdown(self, sockets=None) -> None:
             engine.shutdown()  # requests in flight end after their step; uvicorn then waits for them
@@ -99,12 +77,8 @@ def serve(app: Any, sock: socket.socket, engine: Any, **config: Any) -> None:
 
 
 def release_streams() -> None:
-    """End the calling thread's MLX work: wait for its stream, then free what MLX keeps
-    per thread (streams, compiled functions' cache, random key). Call it last on a
-    worker thread. Left to the thread's exit, the compile cache and the random key are
-    freed under the GIL; once the interpreter is finishing, taking the GIL ends the
-    thread inside that C++ destructor and the process aborts ("terminate called without
-    an active exception")."""
+    """Wait for the calling thread's MLX stream, then free what MLX keeps per thread; call
+    it last on a worker thread (left to the thread's exit, it can abort the process)."""
     import mlx.core as mx
 
     try:

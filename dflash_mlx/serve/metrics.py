@@ -1,9 +1,4 @@
-"""``GET /metrics`` of ``dflash serve``, in Prometheus text format (prometheus_client).
-
-Counters count requests and tokens; the tau, acceptance-rate and tokens/s gauges are
-those of every generation so far pooled, computed by :mod:`dflash_mlx.stats`
-(:meth:`GenerationStats.add`), never here.
-"""
+"""``GET /metrics``: Prometheus counters and gauges; pooled statistics come from :mod:`dflash_mlx.stats`."""
 
 from __future__ import annotations
 
@@ -16,15 +11,8 @@ TAU_BUCKETS = (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 16)
 
 
 class ServerMetrics:
-    """The server's Prometheus metrics, in a registry of their own.
-
-    Args:
-        block_size: the drafter's trained block size (1 without a drafter), for the
-            pooled statistics.
-
-    Attributes:
-        totals: every generation's statistics, pooled.
-    """
+    """The server's Prometheus metrics, in a registry of their own; ``totals`` pools every
+    generation's statistics (``block_size``: the drafter's trained one, 1 without)."""
 
     def __init__(self, block_size: int = 1):
         self.registry = r = CollectorRegistry()
@@ -70,14 +58,8 @@ class ServerMetrics:
         self.requests.labels(endpoint, outcome).inc()
 
     def generation(self, stats: GenerationStats, prompt_tokens: int, reused: int, seconds: float) -> None:
-        """Count one generation (finished or stopped early).
-
-        Args:
-            stats: its statistics.
-            prompt_tokens: its whole prompt, tokens.
-            reused: of those, tokens found in the caches.
-            seconds: from arrival at the engine to the last token.
-        """
+        """Count one generation: its prompt tokens (``reused`` of them from the caches) and the
+        ``seconds`` from arrival at the engine to its last token."""
         self.totals.add(stats)
         self.prompt_tokens.labels("reused").inc(reused)
         self.prompt_tokens.labels("prefilled").inc(prompt_tokens - reused)

@@ -1,20 +1,8 @@
-"""The tool fields of a chat request, validated: ``tools``, ``tool_choice`` and the
-``tool_calls`` of assistant messages sent back.
-
-Every bound here is a 400 naming the field (through :func:`api.request_error`):
-
-- ``tools``: at most :data:`MAX_TOOLS` (OpenAI's own limit), each a ``function``
-  with a name of 1 to 64 letters, digits, ``_`` or ``-`` (OpenAI's rule), unique in
-  the request, a ``parameters`` object nested at most :data:`MAX_SCHEMA_DEPTH`
-  levels, and at most :data:`MAX_TOOL_CHARS` characters in all. (Every tool is also
-  counted in the prompt's character cap, see ``guard.check_prompt_chars``.)
-- ``tool_choice``: "none", "auto", "required" or ``{"type": "function",
-  "function": {"name": NAME}}`` naming one of ``tools``; anything but "none" and
-  "auto" needs ``tools``.
-- ``messages.N.tool_calls``: at most :data:`MAX_TOOLS` calls, each with a function
-  name and ``arguments`` that are a JSON object in a string, as the server returns
-  them. The arguments go to the chat template decoded (templates read their keys).
-"""
+"""The tool fields of a chat request: ``tools`` (at most :data:`MAX_TOOLS` function tools,
+names of 1 to 64 ``[A-Za-z0-9_-]``, unique, ``parameters`` nested at most
+:data:`MAX_SCHEMA_DEPTH`, at most :data:`MAX_TOOL_CHARS` characters each), ``tool_choice``
+("none", "auto", "required" or a named one of ``tools``) and messages' ``tool_calls``
+(``arguments`` a JSON object in a string). Each bound is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -87,19 +75,19 @@ def depth(value: Any) -> int:
     return 0
 
 
-def _chars(value: Any) -> int:
+def count_chars(value: Any) -> int:
+    """Characters in every string (and dict key) inside ``value``."""
     if isinstance(value, str):
         return len(value)
     if isinstance(value, dict):
-        return sum(len(str(k)) + _chars(v) for k, v in value.items())
-    if isinstance(value, list):
-        return sum(_chars(v) for v in value)
+        return sum(len(str(k)) + count_chars(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(count_chars(v) for v in value)
     return 0
 
 
 def other_tool_type(data: Any) -> Optional[tuple]:
-    """Before field validation: the first tool whose ``type`` is not "function", as
-    ``(param, message)`` (one error naming ``tools.N.type``, not one per field), or None."""
+    """The first raw tool whose ``type`` is not "function", as ``(param, message)``, or None."""
     tools = data.get("tools") if isinstance(data, dict) else None
     for i, tool in enumerate(tools if isinstance(tools, list) else []):
         if isinstance(tool, dict) and "type" in tool and tool["type"] != "function":
@@ -108,16 +96,14 @@ def other_tool_type(data: Any) -> Optional[tuple]:
 
 
 def tool_problem(tools: Optional[List[ToolDefinition]], choice: Optional[ToolChoice]) -> Optional[tuple]:
-    """The first thing wrong with ``tools`` and ``tool_choice`` together, as
-    ``(param, message)``, or None. Sizes, depth and names are checked here (after
-    each field's own validation)."""
+    """The first thing wrong with ``tools`` and ``tool_choice`` together, as ``(param, message)``, or None."""
     seen = set()
     for i, tool in enumerate(tools or []):
         where = f"tools.{i}.function"
         params = tool.function.parameters
         if params is not None and depth(params) > MAX_SCHEMA_DEPTH:
             return f"{where}.parameters", f"nested deeper than {MAX_SCHEMA_DEPTH} levels"
-        n = _chars(tool.model_dump(exclude_none=True))
+        n = count_chars(tool.model_dump(exclude_none=True))
         if n > MAX_TOOL_CHARS:
             return f"tools.{i}", f"the tool definition is {n} characters; at most {MAX_TOOL_CHARS}"
         if tool.function.name in seen:
@@ -158,8 +144,7 @@ def calls_for_template(calls: List[ToolCallIn]) -> List[Dict[str, Any]]:
 
 
 def template_tools(tools: Optional[List[ToolDefinition]], choice: Optional[ToolChoice]) -> Optional[List[dict]]:
-    """The tools the chat template renders: all of them, or only the one a named
-    ``tool_choice`` picks (the model is shown that tool alone); None without tools."""
+    """The tools the chat template renders: all, or the one a named ``tool_choice`` picks; None without tools."""
     if not tools:
         return None
     if isinstance(choice, NamedToolChoice):

@@ -1,27 +1,7 @@
-"""A chat reply split into OpenAI's fields: ``content``, ``reasoning_content`` and
-``tool_calls``. Only how the generated text is presented changes; the tokens are
-the target's, untouched.
-
-The formats are mlx-lm's, read from the tokenizer it loaded
-(``mlx_lm.tokenizer_utils.TokenizerWrapper``): its thinking tags (``think_start``,
-``think_end``), its tool-call markers (``tool_call_start``, ``tool_call_end``) and
-its parser for the text between them (``tool_parser``, from
-``mlx_lm.tool_parsers``). The text is split by mlx-lm's own ``TextStateMachine``
-(``mlx_lm.generate.make_text_state_machine``), fed as the engine streams it, so
-markers cut across chunks are found and never shown.
-
-What this module decides (see the README's serve section):
-
-- Tool calls are returned only when the request has ``tools`` and ``tool_choice``
-  is not "none"; otherwise a call the model writes stays text, markers and all, in
-  the field it was written in (``content``, or ``reasoning_content`` inside thinking).
-- A call the parser cannot read (cut by ``max_tokens`` or a stop string, or not
-  valid) is returned the same way, as written, and logged; never dropped.
-- A reply with a tool call that ended on its own has ``finish_reason``
-  "tool_calls"; "length" stays "length".
-- A reply starts in reasoning when the prompt ends inside an open thinking tag
-  (the template opened it), as mlx-lm decides.
-"""
+"""A chat reply's text split into OpenAI's ``content``, ``reasoning_content`` and
+``tool_calls`` with the tokenizer's mlx-lm formats (thinking tags, tool-call markers,
+``tool_parser``) and mlx-lm's ``TextStateMachine``. A call that is not wanted or cannot
+be parsed stays text where it was written; the tokens are never changed."""
 
 from __future__ import annotations
 
@@ -33,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 
-from .guard import APIError
+from .http_errors import APIError
 
 log = logging.getLogger("dflash.serve")
 
@@ -42,21 +22,14 @@ REASONING, TOOL = "reasoning", "tool"  # mlx-lm's state names
 
 @dataclass
 class Delta:
-    """What a piece of reply adds to each field.
-
-    Attributes:
-        content: text outside thinking and tool calls.
-        reasoning: text inside thinking tags (``reasoning_content``).
-        tool_calls: OpenAI tool calls, each ``{"index", "id", "type": "function",
-            "function": {"name", "arguments"}}`` (``arguments`` a JSON string).
-    """
+    """What a piece of reply adds to ``content``, ``reasoning_content`` and ``tool_calls``
+    (each ``{"index", "id", "type": "function", "function": {"name", "arguments"}}``)."""
 
     content: str = ""
     reasoning: str = ""
     tool_calls: List[Dict[str, Any]] = field(default_factory=list)
 
     def add(self, other: "Delta") -> None:
-        """Append ``other``'s fields to this one's."""
         self.content += other.content
         self.reasoning += other.reasoning
         self.tool_calls.extend(other.tool_calls)
@@ -73,9 +46,7 @@ class Delta:
         return out
 
     def message(self) -> Dict[str, Any]:
-        """The fields of a ``chat.completion``'s ``message`` besides its role:
-        ``content`` (None when the reply is only tool calls), and
-        ``reasoning_content`` and ``tool_calls`` when there are any."""
+        """A ``chat.completion``'s ``message`` fields but its role (``content`` None for only tool calls)."""
         out: Dict[str, Any] = {"content": self.content if self.content or not self.tool_calls else None}
         if self.reasoning:
             out["reasoning_content"] = self.reasoning
@@ -85,8 +56,7 @@ class Delta:
 
 
 def initial_state(tokenizer: Any, prompt: Sequence[int]) -> str:
-    """"reasoning" when ``prompt`` ends inside an open thinking tag, else "normal"
-    (a response format's own initial state wins), as mlx-lm's server decides."""
+    """"reasoning" when ``prompt`` ends inside an open thinking tag, else "normal" (as mlx-lm's server)."""
     state = "normal"
     if getattr(tokenizer, "has_thinking", False):
         if tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
@@ -98,16 +68,11 @@ class ReplySplitter:
     """Splits one reply's text, fed chunk by chunk, into :class:`Delta` pieces.
 
     Args:
-        tokenizer: the pair's tokenizer; a tokenizer without mlx-lm's formats (no
-            ``has_thinking`` / ``has_tool_calling``) passes text through as content.
-        prompt: the prompt's token ids (where the reply starts: in thinking or not).
-        tools: the request's tools as dicts (given to the parser), or None when tool
-            calls are not wanted (see the module's notes).
-        required: ``tool_choice`` asked for a call ("required" or a named function):
-            decoding is not constrained, so a reply without one is logged.
-        single: ``parallel_tool_calls`` is false: the first call is returned as a call,
-            and any later one as the text it was written as (logged; decoding is not
-            constrained, so the model may write more than one).
+        tokenizer: the pair's tokenizer (without mlx-lm's formats, text is all content).
+        prompt: the prompt's token ids.
+        tools: the request's tools (given to the parser), or None: calls are not wanted.
+        required: ``tool_choice`` asked for a call (a reply without one is logged).
+        single: ``parallel_tool_calls`` is false: calls after the first stay text.
     """
 
     def __init__(self, tokenizer: Any, prompt: Sequence[int], tools: Optional[List[Dict[str, Any]]],
@@ -143,15 +108,13 @@ class ReplySplitter:
         return out
 
     def whole(self, text: str, reason: Optional[str]) -> Tuple[Dict[str, Any], Optional[str]]:
-        """A whole reply's ``message`` fields (see :meth:`Delta.message`) and its
-        finish reason."""
+        """A whole reply's ``message`` fields and its finish reason."""
         out = self.feed(text)
         out.add(self.finish())
         return out.message(), self.finish_reason(reason)
 
     def chunk(self, text: str, reason: Optional[str]) -> Dict[str, Any]:
-        """The ``delta`` of one streamed step's ``text`` (the last step's, with
-        ``reason`` set, includes the rest); empty when there is nothing to send."""
+        """The ``delta`` of one streamed step's ``text`` (with ``reason``: and the rest)."""
         out = self.feed(text)
         if reason is not None:
             out.add(self.finish())
@@ -201,18 +164,15 @@ class ReplySplitter:
 
 
 def reply_splitter(tokenizer: Any, req: Any, prompt: Sequence[int]) -> ReplySplitter:
-    """The splitter of a chat request's reply (``req``: an ``api.ChatCompletionRequest``):
-    tool calls parsed only when the request wants them."""
+    """The splitter of an ``api.ChatCompletionRequest``'s reply."""
     tools = req.template_tools() if req.wants_tool_calls() else None
     return ReplySplitter(tokenizer, prompt, tools, required=req.tool_choice not in (None, "none", "auto"),
                          single=req.parallel_tool_calls is False)
 
 
 def parse_calls(parser: Callable, text: str, tools: Optional[List[dict]]) -> Optional[List[Dict[str, Any]]]:
-    """The calls mlx-lm's ``parser`` reads in ``text`` (one or a list), as OpenAI's
-    ``tool_calls`` entries (see :func:`openai_call`); None when the parser fails, or
-    returns anything but dicts with a string ``name`` and JSON-encodable
-    ``arguments``. The text is the model's, so any exception counts as a failure."""
+    """The calls mlx-lm's ``parser`` reads in ``text`` as OpenAI ``tool_calls`` entries;
+    None when it fails or returns anything but dicts with a string ``name``."""
     try:
         parsed = parser(text, tools)
         calls = parsed if isinstance(parsed, list) else [parsed]
@@ -224,9 +184,7 @@ def parse_calls(parser: Callable, text: str, tools: Optional[List[dict]]) -> Opt
 
 
 def openai_call(call: Dict[str, Any]) -> Dict[str, Any]:
-    """A parsed call as OpenAI's ``tool_calls`` entry: ``arguments`` as a JSON string
-    (kept as is when the model wrote a string), and an ``id`` (the parser's, or
-    ``call_`` and 24 hex digits).
+    """A parsed call as OpenAI's ``tool_calls`` entry (``arguments`` a JSON string).
 
     Raises:
         TypeError, ValueError: arguments JSON cannot encode (NaN, a set, ...).
@@ -239,19 +197,11 @@ def openai_call(call: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def check_tool_support(tokenizer: Any, tools: bool, choice: Any, warned: set) -> None:
-    """Refuse what this model cannot do with tools; say once what it does instead.
-
-    Args:
-        tokenizer: the pair's tokenizer.
-        tools: whether the request has tools.
-        choice: its ``tool_choice`` ("none", "auto", "required", a named choice, None).
-        warned: what was logged already (a set kept by the server; updated).
+    """Refuse what this model cannot do with tools; log once (``warned``) what it does instead.
 
     Raises:
-        APIError: 400 naming ``tools`` when the model has no chat template (nothing
-            could show it the tools); 400 naming ``tool_choice`` when it asks for a call
-            ("required" or a named function) and the tokenizer has no tool-call format
-            mlx-lm parses.
+        APIError: 400 ``tools`` without a chat template; 400 ``tool_choice`` asking for a
+            call when mlx-lm parses no tool-call format of this tokenizer.
     """
     if tools and not getattr(tokenizer, "has_chat_template", False):
         raise APIError(400, "tools: this model has no chat template, so nothing can show it the tools; send the "
