@@ -1,27 +1,20 @@
-# Over 400 lines: the drafter network in one file, as the method is read (attention, layers, DFlash2 pieces, drafting)
 """The DFlash drafter: a small block-diffusion model conditioned on target features.
 
-One forward pass ("block denoising", DFLASH_SPEC.md section 4) turns the block
-``[t_last, MASK x (B-1)]`` plus the target's new context features into logits for
-the B-1 masked positions. The newer formats (spec section 9) add, in this file:
+One forward ("block denoising", spec section 4) turns the block ``[t_last, MASK x (B-1)]`` and the
+target's new context features into logits for the B-1 masked positions. Spec section 9 adds
+sliding-window layers, and DFlash2's block convolutions (:class:`BlockConv`), scaled embeddings and
+logits, and candidate selector (:class:`CandidateSelector`).
 
-- sliding-window layers: a layer keeps the last W-1 context rows and its block
-  queries see keys less than W positions back, causal inside the block
-  (:func:`~dflash_mlx.kernels.block_attention.block_attention`,
-  :class:`~dflash_mlx.targets.caches.ContextWindowCache`);
-- DFlash2: a grouped dynamic causal convolution around attention and MLP
-  (:class:`BlockConv`), scaled embeddings, scaled and soft-capped logits, and a
-  candidate selector that walks one coherent path through each position's top-k
-  (:class:`CandidateSelector`).
-
-Which format a checkpoint is, and its key names, is :mod:`dflash_mlx.drafter.formats`;
-hyper-parameters :mod:`dflash_mlx.drafter.config`; loading and saving
-:mod:`dflash_mlx.drafter.checkpoint`.
+A drafter layer is written once (:class:`DrafterLayer`): :meth:`~DrafterLayer.pre` (norm, projections,
+RoPE), an ``attend`` the caller passes, :meth:`~DrafterLayer.post` (output projection, MLP). Inference
+of one sequence (:func:`cached_attention`), a batch (:mod:`dflash_mlx.drafter.batch`) and training
+(:meth:`DFlashDrafter.block_logits`) differ only in that ``attend``, the RoPE positions and whether the
+two halves run compiled.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,29 +22,67 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP  # the same SwiGLU MLP and keys as the checkpoints
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..targets.caches import ContextWindowCache
-from ..targets.fused import compile_enabled, rope_rows, rotate  # shared with the target's fused layers
-from .config import DrafterArgs
 from ..errors import ConfigError, InputError
 from ..kernels import fast_softmax
 from ..kernels.block_attention import block_attention
 from ..protocol import Proposal
 from ..sampling import Sampling
+from ..targets.caches import ContextWindowCache
+from ..targets.fused import compile_enabled, rope_rows, rotate
+from .config import DrafterArgs
+
+# Where rows sit for RoPE: a first position (an int, a 0-d or an [N] int array) or rope_rows' (cos, sin).
+At = Union[int, mx.array, Tuple[mx.array, mx.array]]
+KV = Tuple[mx.array, mx.array]
+# attend(attention module, queries [N, n_heads, B, hd], new context (keys, values), block (keys, values))
+Attend = Callable[["DrafterAttention", mx.array, Optional[KV], KV], mx.array]
+
+
+def rope_at(rope: nn.Module, x: mx.array, at: At) -> mx.array:
+    """``rope`` applied to x [N, heads, L, hd] whose first row sits at ``at``."""
+    if isinstance(at, tuple):
+        return rotate(x, *at, rope.traditional)
+    return rope(x, offset=at)
+
+
+def positions(rope: nn.Module, ctx_start, block_start, block_size: int, compiled: bool) -> Tuple[At, At]:
+    """RoPE positions of B context rows from ``ctx_start`` and the B block rows from ``block_start``
+    (ints or [N] arrays): shared (cos, sin) tables where :func:`rope_rows` gives them and the step runs
+    compiled; else the starts, as arrays when compiled (one trace for every position)."""
+    if not compiled:
+        return ctx_start, block_start
+    block = rope_rows(rope, block_size, block_start)
+    if block is None:
+        return mx.array(ctx_start), mx.array(block_start)
+    return rope_rows(rope, block_size, ctx_start), block
+
+
+def masked_attention(queries: mx.array, ctx: KV, block: KV, visible: mx.array, scale: float,
+                     softmax: Callable[[mx.array], mx.array] = fast_softmax.softmax) -> mx.array:
+    """Block queries [N, n_heads, B, hd] over context keys, values ([N or 1, n_kv, L, hd]: one shared
+    context broadcasts over the N blocks) and block keys, values [N, n_kv, B, hd], where ``visible``
+    ([N, 1, B or 1, L + B] bool) allows. Scores in float32; returns [N, n_heads, B, hd]."""
+    N, n_heads, B, hd = queries.shape
+    n_kv, W = block[0].shape[1], visible.shape[-1]
+    group = n_heads // n_kv
+    q = (queries.astype(mx.float32) * scale).reshape(N, n_kv, group * B, hd)  # a query group shares its K/V
+    scores = mx.concatenate([q @ ctx[0].astype(mx.float32).swapaxes(-1, -2),
+                             q @ block[0].astype(mx.float32).swapaxes(-1, -2)], axis=-1)
+    if visible.shape[2] > 1:
+        visible = mx.broadcast_to(visible[:, :, None], (N, 1, group, B, W)).reshape(N, 1, group * B, W)
+    weights = softmax(mx.where(visible, scores, -mx.inf)).astype(queries.dtype)
+    L = ctx[0].shape[2]
+    out = weights[..., :L] @ ctx[1] + weights[..., L:] @ block[1]
+    return out.reshape(N, n_heads, B, hd)
 
 
 class DrafterAttention(nn.Module):
-    """Block queries over cached context K/V plus the block's own K/V.
-
-    Context and block rows share ``k_proj``/``v_proj`` (KV injection, spec section 4).
-    A sliding layer (spec section 9) has ``window`` W and, by default, causal in-block
-    attention.
-    """
+    """Block queries over cached context K/V plus the block's own K/V. Context and block rows share
+    ``k_proj``/``v_proj`` (spec section 4). A sliding layer (spec section 9) has ``window`` W."""
 
     def __init__(self, args: DrafterArgs, layer: int = 0):
         super().__init__()
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = args.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         self.scale = args.head_dim**-0.5
         self.window = args.sliding_window if args.is_sliding(layer) else None
         self.causal = args.is_causal_layer(layer)
@@ -62,110 +93,50 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=False)
         self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
-        self.rope = initialize_rope(
-            hd, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings
-        )
+        self.rope = initialize_rope(hd, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings)
 
     def _heads(self, x: mx.array, n: int) -> mx.array:
-        return x.reshape(x.shape[0], x.shape[1], n, -1).transpose(0, 2, 1, 3)
+        return x.reshape(x.shape[0], x.shape[1], n, self.head_dim).transpose(0, 2, 1, 3)
 
-    def _keys_values(self, rows: mx.array):
-        """Shared K/V projections of context and block rows: normed keys, values (no RoPE)."""
+    def queries(self, x: mx.array, at: At) -> mx.array:
+        """[N, L, H] normed rows -> queries [N, n_heads, L, hd] with RoPE."""
+        return rope_at(self.rope, self.q_norm(self._heads(self.q_proj(x), self.n_heads)), at)
+
+    def keys_values(self, rows: mx.array, at: At) -> KV:
+        """[N, L, H] rows -> keys (normed, RoPE) and values [N, n_kv, L, hd]."""
         keys = self.k_norm(self._heads(self.k_proj(rows), self.n_kv_heads))
-        return keys, self._heads(self.v_proj(rows), self.n_kv_heads)
-
-    def ingest(self, context: mx.array, cache) -> Tuple[mx.array, mx.array]:
-        """Append [1, S, H] fused context rows at ``cache.offset``; returns the cached
-        context K/V the next block sees (RoPE at absolute positions)."""
-        keys, values = self._keys_values(context)
-        return cache.update_and_fetch(self.rope(keys, offset=cache.offset), values)
-
-    def __call__(self, x: mx.array, context: mx.array, cache) -> mx.array:
-        """Inference: x [1, B, H] block rows; context [1, S, H] new fused context rows."""
-        queries, keys, values = self.project(x, context, cache.offset)
-        S = context.shape[1]
-        return self.output(self.attend(queries, keys[:, :, :S], values[:, :, :S], keys[:, :, S:], values[:, :, S:],
-                                       cache))
-
-    def project(self, x: mx.array, context: mx.array, offset) -> Tuple[mx.array, mx.array, mx.array]:
-        """Queries of the B block rows, keys and values of the S context rows then the
-        block rows, RoPE applied (context at ``offset``, an int or a 0-d array, then
-        the block): ``([1, n_heads, B, hd], [1, n_kv, S + B, hd], [1, n_kv, S + B, hd])``.
-
-        Context and block rows sit at consecutive positions, so they share one
-        projection, one norm and one RoPE (fewer, larger ops: a draft is a few ms).
-        """
-        S = context.shape[1]
-        queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=offset + S)
-        keys, values = self._keys_values(mx.concatenate([context, x], axis=1) if S else x)
-        return queries, self.rope(keys, offset=offset), values
-
-    def attend(self, queries: mx.array, ctx_keys: mx.array, ctx_values: mx.array, block_keys: mx.array,
-               block_values: mx.array, cache) -> mx.array:
-        """Append the new context rows' keys and values to ``cache``; the block queries'
-        attention over every cached row and the block's own rows ([1, n_heads, B, hd]):
-        the Metal kernel where it can run, else the MLX reference
-        (:mod:`dflash_mlx.kernels.block_attention`)."""
-        ctx_keys, ctx_values = cache.update_and_fetch(ctx_keys, ctx_values)
-        return block_attention(queries, ctx_keys, ctx_values, block_keys, block_values,
-                               scale=self.scale, window=self.window, causal=self.causal)
+        return rope_at(self.rope, keys, at), self._heads(self.v_proj(rows), self.n_kv_heads)
 
     def output(self, out: mx.array) -> mx.array:
-        """[1, n_heads, B, hd] attention output -> [1, B, H] (``o_proj``)."""
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, out.shape[2], -1))
-
-    def blocks(self, x: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
-        """Training: many blocks of one sequence at once (spec section 6).
-
-        Args:
-            x: [N, B, H] block rows, block n at positions ``anchors[n] + 0..B-1``.
-            context: [1, L, H] fused context rows at positions 0..L-1.
-            anchors: [N] int32 anchor positions.
-            mask: [N, 1, B, L + B] bool, True where a query may look (context
-                columns first, then the block's own rows).
-
-        Memory: the context K/V ([1, n_kv, L, head_dim]) is shared by every block
-        through broadcasting matmuls; ``scaled_dot_product_attention`` would need one
-        copy per block (N x L rows). The scores ([N, n_heads, B, L + B], float32)
-        are the largest tensor here; callers bound N (the trainer's ``anchor_chunk``).
-        """
-        N, B, _ = x.shape
-        L = context.shape[1]
-        group = self.n_heads // self.n_kv_heads
-        queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=anchors)
-        block_keys, block_values = self._keys_values(x)
-        block_keys = self.rope(block_keys, offset=anchors)
-        ctx_keys, ctx_values = self._keys_values(context)
-        ctx_keys = self.rope(ctx_keys, offset=0)
-        # Row g * B + i: query head kv * group + g, block row i (GQA: a group shares its K/V).
-        q = (queries.astype(mx.float32) * self.scale).reshape(N, self.n_kv_heads, group * B, self.head_dim)
-        scores = mx.concatenate([q @ ctx_keys.astype(mx.float32).swapaxes(-1, -2),
-                                 q @ block_keys.astype(mx.float32).swapaxes(-1, -2)], axis=-1)
-        visible = mx.broadcast_to(mask[:, :, None], (N, 1, group, B, L + B)).reshape(N, 1, group * B, L + B)
-        weights = fast_softmax.softmax(mx.where(visible, scores, -mx.inf)).astype(x.dtype)  # mx.softmax is slow on CPUs
-        out = weights[..., :L] @ ctx_values + weights[..., L:] @ block_values  # [N, n_kv, group * B, hd]
-        out = out.reshape(N, self.n_heads, B, self.head_dim)
+        """[N, n_heads, B, hd] attention output -> [N, B, H] (``o_proj``)."""
+        N, _, B, _ = out.shape
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))
+
+
+def cached_attention(cache, rows: int) -> Attend:
+    """``attend`` for one sequence: append the first ``rows`` new context rows to ``cache``, then
+    the block attention over every cached row and the block (window and causality per layer)."""
+
+    def attend(attn: DrafterAttention, queries: mx.array, ctx: Optional[KV], block: KV) -> mx.array:
+        keys, values = cache.update_and_fetch(ctx[0][:, :, :rows], ctx[1][:, :, :rows])
+        return block_attention(queries, keys, values, *block, scale=attn.scale, window=attn.window,
+                               causal=attn.causal)
+
+    return attend
 
 
 class BlockConv(nn.Module):
     """DFlash2's grouped dynamic causal convolution along the block (spec section 9).
 
-    ``conv(z, base, dyn)[p] = sum_{o<K} (base[o] + dyn[p, o, group]) * z[p - o]`` with
-    ``z[p - o] = 0`` before the block start; ``base`` is per channel, ``dyn`` per group
-    of g channels (channel c is in group c // g). One projection of the sublayer input
-    gives both kernels: :meth:`prepare` convolves the input with the first,
-    :meth:`finish` the sublayer's output with the second.
-
-    Parameters (checkpoint keys ``layers.{i}.{attention,mlp}_conv.*``):
-    ``base_kernel`` [2, K, H], ``kernel_projection.weight`` [2*K*(H/g), H].
+    Parameters (``layers.{i}.{attention,mlp}_conv.*``): ``base_kernel`` [2, K, H],
+    ``kernel_projection.weight`` [2*K*(H/g), H]. :meth:`prepare` convolves the sublayer input with the
+    first kernel, :meth:`finish` the sublayer output with the second.
     """
 
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
         super().__init__()
         self.kernel_size, self.group_size = kernel_size, group_size
-        # Tap 0 = 1: a fresh convolution starts as the identity.
-        self.base_kernel = mx.zeros((2, kernel_size, hidden_size)).at[:, 0].add(1.0)
+        self.base_kernel = mx.zeros((2, kernel_size, hidden_size)).at[:, 0].add(1.0)  # starts as the identity
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * (hidden_size // group_size), bias=False)
 
     def prepare(self, x: mx.array) -> Tuple[mx.array, mx.array]:
@@ -175,7 +146,7 @@ class BlockConv(nn.Module):
         return self._conv(x, self.base_kernel[0], dyn[:, :, 0]), dyn[:, :, 1]
 
     def finish(self, y: mx.array, dyn: mx.array) -> mx.array:
-        """Convolve the sublayer output y [N, L, H] with the kernel from :meth:`prepare`."""
+        """y [N, L, H] convolved with the kernel from :meth:`prepare`."""
         return self._conv(y, self.base_kernel[1], dyn)
 
     def _conv(self, z: mx.array, base: mx.array, dyn: mx.array) -> mx.array:
@@ -189,16 +160,9 @@ class BlockConv(nn.Module):
 
 
 class CandidateSelector(nn.Module):
-    """DFlash2's candidate selector: one coherent draft path through per-position top-k.
-
-    Walking the block left to right from ``prev`` = the block's first token, candidate
-    c at position p scores ``logit(c) + sum_r pred[prev, r] * hr[p, r] * succ[c, r]``
-    with ``hr = hidden_projection(hidden)``; the draft is the argmax (T = 0) or a sample
-    of ``q = softmax(score / T)`` over the k candidates (shaped like the target's p).
-
-    Parameters (checkpoint keys, spec section 9): ``predecessor_codebook`` [V, r] and
-    ``successor_codebook`` [V, r] (no ``.weight`` suffix), ``hidden_projection.weight`` [r, H].
-    """
+    """DFlash2's candidate selector: one coherent draft path through each position's top-k (spec
+    section 9). Parameters: ``predecessor_codebook``, ``successor_codebook`` [V, r] (no ``.weight``),
+    ``hidden_projection.weight`` [r, H]."""
 
     def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
         super().__init__()
@@ -209,17 +173,14 @@ class CandidateSelector(nn.Module):
 
     def walk(self, hidden: mx.array, logits: mx.array, first: mx.array,
              sampling: Optional[Sampling] = None) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
-        """Choose one candidate per position.
+        """One candidate per position, walking from ``prev`` = ``first`` ([1] int32).
 
         Args:
-            hidden: [L, H] final normed hidden states of block rows 1..L.
-            logits: [L, V] their logits (after multiplier and softcap).
-            first: [1] int32, the block's first token.
-            sampling: None or greedy: argmax path; else sample each position from q.
+            hidden: [L, H] final normed hidden states of block rows 1..L; logits: [L, V] theirs.
+            sampling: None or greedy: the argmax path; else a sample of q = softmax(score / T).
 
         Returns:
-            ``(tokens [L] int32, candidate ids [L, k] int32, q [L, k] float32 or None)``;
-            q is the distribution each token was drawn from (None for the argmax path).
+            ``(tokens [L] int32, candidate ids [L, k] int32, q [L, k] float32 or None when greedy)``.
         """
         k = min(self.top_k, logits.shape[-1])
         ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
@@ -229,8 +190,7 @@ class CandidateSelector(nn.Module):
         prev = first.reshape(())
         tokens, qs = [], []
         for p in range(logits.shape[0]):
-            pair = (self.predecessor_codebook[prev] * projected[p]) @ successors[p].T  # [k]
-            score = unary[p] + pair.astype(mx.float32)
+            score = unary[p] + ((self.predecessor_codebook[prev] * projected[p]) @ successors[p].T).astype(mx.float32)
             if sampling is None or sampling.greedy:
                 j = mx.argmax(score)
             else:
@@ -243,8 +203,8 @@ class CandidateSelector(nn.Module):
 
 
 class DrafterLayer(nn.Module):
-    """Pre-norm transformer layer: KV-injected attention, then SwiGLU MLP; with
-    DFlash2, each half wrapped in a :class:`BlockConv`."""
+    """Pre-norm layer: KV-injected attention, then the SwiGLU MLP; with DFlash2 each half wrapped in a
+    :class:`BlockConv`."""
 
     def __init__(self, args: DrafterArgs, layer: int = 0):
         super().__init__()
@@ -256,118 +216,64 @@ class DrafterLayer(nn.Module):
             conv = (args.hidden_size, args.conv_kernel_size, args.conv_group_size)
             self.attention_conv, self.mlp_conv = BlockConv(*conv), BlockConv(*conv)
 
-    def _wrapped(self, name: str, fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
-        """``fn(x)``, or ``finish(fn(prepare(x)))`` through the layer's BlockConv ``name``."""
-        conv = self.get(name)
-        if conv is None:
-            return fn(x)
-        x, dyn = conv.prepare(x)
-        return conv.finish(fn(x), dyn)
+    def pre(self, h: mx.array, context: mx.array, ctx_at: At, block_at: At):
+        """Before the attention: h [N, B, H] block rows, context [N or 1, S, H] fused context rows.
 
-    def __call__(self, h: mx.array, context: mx.array, cache=None,
-                 anchors: Optional[mx.array] = None, mask: Optional[mx.array] = None) -> mx.array:
-        """Inference with ``cache``; training with ``anchors`` and ``mask`` instead."""
-        if cache is not None and "attention_conv" not in self and context.shape[1] <= h.shape[1] \
-                and compile_enabled():
-            return self._compiled_step(h, context, cache)
-        if cache is not None:
-            attend = lambda x: self.self_attn(x, context, cache)  # noqa: E731
-        else:
-            attend = lambda x: self.self_attn.blocks(x, context, anchors, mask)  # noqa: E731
-        h = h + self._wrapped("attention_conv", attend, self.input_layernorm(h))
-        return h + self._wrapped("mlp_conv", self.mlp, self.post_attention_layernorm(h))
-
-
-    def _compiled_step(self, h: mx.array, context: mx.array, cache) -> mx.array:
-        """The inference step with its two fixed-shape halves compiled (MLX fuses their
-        element-wise ops: on a CPU, RoPE and RMSNorm are some 40 small ops each): the
-        norm and projections before the attention, the output projection and the MLP
-        after it. The attention between them sees a context that grows every step.
-
-        The S <= B new context rows are padded to B, so each block size is traced
-        once, not once per number of accepted drafts (a trace costs a few ms, which a
-        fresh process would pay for each)."""
-        kernels = self.__dict__.get("_kernels")
-        if kernels is None:
-            kernels = self.__dict__["_kernels"] = _LayerKernels(self)
-        B, S = h.shape[1], context.shape[1]
-        if S < B:
-            context = mx.concatenate([context, mx.zeros((1, B - S, context.shape[2]), context.dtype)], axis=1)
-        rope = self.self_attn.rope
-        block_rows = rope_rows(rope, B, cache.offset + S)
-        if block_rows is not None:  # RoPE tables shared by the layers (CPU): fewer ops than RoPE itself
-            queries, keys, values = kernels.pre_tables(h, context, *rope_rows(rope, B, cache.offset), *block_rows)
-        else:
-            queries, keys, values = kernels.pre(h, context, mx.array(cache.offset, dtype=mx.int32), mx.array(S))
-        out = self.self_attn.attend(queries, keys[:, :, :S], values[:, :, :S], keys[:, :, B:], values[:, :, B:],
-                                    cache)
-        return kernels.post(h, out)
-
-    def _project(self, h: mx.array, context: mx.array, rope_context: Callable[[mx.array], mx.array],
-                 rope_block: Callable[[mx.array], mx.array]):
-        """Queries of the block, keys and values of ``context`` (B rows) then the block,
-        RoPE applied by ``rope_context`` to the context rows and ``rope_block`` to the block's."""
+        Returns:
+            ``(queries [N, n_heads, B, hd], context (keys, values), block (keys, values), dyn)``;
+            ``dyn`` is the attention convolution's second kernel (None without one).
+        """
+        x, dyn = self.input_layernorm(h), None
+        if "attention_conv" in self:
+            x, dyn = self.attention_conv.prepare(x)
         attn = self.self_attn
-        x = self.input_layernorm(h)
-        queries = rope_block(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)))
-        keys, values = attn._keys_values(mx.concatenate([context, x], axis=1))
-        P = context.shape[1]
-        keys = mx.concatenate([rope_context(keys[:, :, :P]), rope_block(keys[:, :, P:])], axis=2)
-        return queries, keys, values
+        return attn.queries(x, block_at), attn.keys_values(context, ctx_at), attn.keys_values(x, block_at), dyn
 
-    def _pre(self, h: mx.array, context: mx.array, offset: mx.array, rows: mx.array):
-        """:meth:`_project` for ``context`` of B rows, the first ``rows`` real: context at
-        ``offset``, block at ``offset + rows``."""
-        rope = self.self_attn.rope
-        return self._project(h, context, lambda x: rope(x, offset=offset), lambda x: rope(x, offset=offset + rows))
+    def post(self, h: mx.array, out: mx.array, dyn: Optional[mx.array]) -> mx.array:
+        """After the attention (``out`` [N, n_heads, B, hd]): residual, then the MLP half."""
+        a = self.self_attn.output(out)
+        h = h + (a if dyn is None else self.attention_conv.finish(a, dyn))
+        x = self.post_attention_layernorm(h)
+        if "mlp_conv" not in self:
+            return h + self.mlp(x)
+        x, dyn = self.mlp_conv.prepare(x)
+        return h + self.mlp_conv.finish(self.mlp(x), dyn)
 
-    def _pre_tables(self, h: mx.array, context: mx.array, ctx_cos: mx.array, ctx_sin: mx.array,
-                    block_cos: mx.array, block_sin: mx.array):
-        """:meth:`_pre` with RoPE as :func:`~dflash_mlx.targets.fused.rotate` by the
-        positions' tables (context rows, then block rows): the same bits."""
-        traditional = self.self_attn.rope.traditional
-        return self._project(h, context, lambda x: rotate(x, ctx_cos, ctx_sin, traditional),
-                             lambda x: rotate(x, block_cos, block_sin, traditional))
-
-    def _post(self, h: mx.array, attention: mx.array) -> mx.array:
-        h = h + self.self_attn.output(attention)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-
-class _LayerKernels:
-    """A layer's compiled halves (:meth:`DrafterLayer._compiled_step`). The layer's
-    parameters are inputs of the compiled functions, read at every call, so new
-    weights (training, ``load_weights``, a dtype change) are always the ones used.
-    Held outside the module's tree, so it is never saved or trained."""
-
-    def __init__(self, layer: "DrafterLayer"):
-        self.pre = mx.compile(layer._pre, inputs=layer.state)
-        self.pre_tables = mx.compile(layer._pre_tables, inputs=layer.state)
-        self.post = mx.compile(layer._post, inputs=layer.state)
+    def __call__(self, h: mx.array, context: mx.array, ctx_at: At, block_at: At, attend: Attend,
+                 compiled: bool = False) -> mx.array:
+        """One layer: :meth:`pre`, ``attend``, :meth:`post`; ``compiled`` runs both halves through
+        ``mx.compile`` (the layer's parameters are inputs, read at every call)."""
+        pre, post = self.pre, self.post
+        if compiled:
+            kernels = self.__dict__.get("_compiled")  # outside the module tree: never saved or trained
+            if kernels is None:
+                kernels = self.__dict__["_compiled"] = (mx.compile(self.pre, inputs=self.state),
+                                                        mx.compile(self.post, inputs=self.state))
+            pre, post = kernels
+        queries, ctx, block, dyn = pre(h, context, ctx_at, block_at)
+        return post(h, attend(self.self_attn, queries, ctx, block), dyn)
 
 
 class DFlashDrafter(nn.Module):
-    """The drafter network. Embedding and lm_head are borrowed from the target.
+    """The drafter network; embedding and lm_head are borrowed from the target (:meth:`bind`).
 
-    Parameters (network names; :mod:`dflash_mlx.drafter.formats` maps checkpoint names):
-    ``fc`` [H, K*H], ``hidden_norm`` [H], ``layers.{i}.*``, ``norm`` [H], and for
-    DFlash2 ``candidate_selector.*``. Call :meth:`bind` before use.
+    Parameters (network names; :mod:`dflash_mlx.drafter.formats` maps checkpoint names): ``fc``
+    [H, K*H], ``hidden_norm`` [H], ``layers.{i}.*``, ``norm`` [H], optionally ``mask_embedding`` [H],
+    and for DFlash2 ``candidate_selector.*``.
 
     Attributes:
         draft_window: ``(sink, window)`` context rows the full-attention layers keep
-            (``--draft-window``), or None: all (the default).
+            (``--draft-window``), or None: all.
     """
 
     def __init__(self, args: DrafterArgs):
         super().__init__()
         self.args = args
-        n_ctx = len(args.target_layer_ids) * args.hidden_size
-        self.fc = nn.Linear(n_ctx, args.hidden_size, bias=False)
+        self.fc = nn.Linear(len(args.target_layer_ids) * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.layers = [DrafterLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        if args.mask_embedding:  # a checkpoint's own row for masked positions (variants.py)
+        if args.mask_embedding:
             self.mask_embedding = mx.zeros((args.hidden_size,))
         if args.selector_rank:
             self.candidate_selector = CandidateSelector(args.hidden_size, args.vocab_size,
@@ -391,24 +297,23 @@ class DFlashDrafter(nn.Module):
 
     @property
     def samples_drafts(self) -> bool:
-        """True when drafts at T > 0 are samples of a real proposal q (the DFlash2
-        selector), so speculative sampling applies; v1 drafts stay argmax."""
+        """True when drafts at T > 0 are samples of a real q (the DFlash2 selector); v1 drafts stay argmax."""
         return "candidate_selector" in self
 
-    def bind(self, embed: Callable[[mx.array], mx.array], lm_head: Callable[[mx.array], mx.array]) -> "DFlashDrafter":
-        """Borrow the target's (frozen) embedding and output head.
+    @property
+    def compilable(self) -> bool:
+        """Whether the layers' halves run compiled (``DFLASH_COMPILE``; DFlash2's convolutions run eager)."""
+        return compile_enabled() and not self.args.conv_kernel_size
 
-        ``embed`` includes the target's own embedding scale, if any. Stored as plain
-        callables, so they never appear in ``parameters()``, are never saved and are
-        never trained.
-        """
+    def bind(self, embed: Callable[[mx.array], mx.array], lm_head: Callable[[mx.array], mx.array]) -> "DFlashDrafter":
+        """Borrow the target's frozen embedding (with its own scale) and head, as plain callables:
+        never in ``parameters()``, never saved or trained."""
         self._embed, self._lm_head = embed, lm_head
         return self
 
     def set_draft_window(self, window: Optional[Tuple[int, int]]) -> None:
-        """Keep only ``sink`` first and ``window`` last context rows in the full-attention
-        layers' caches (``--draft-window SINK,WINDOW``); None keeps all. Applies to
-        caches made afterwards.
+        """Keep only ``sink`` first and ``window`` last context rows in the full-attention layers'
+        caches made afterwards (``--draft-window SINK,WINDOW``); None keeps all.
 
         Raises:
             InputError: sink < 0 or window < 1 (names ``--draft-window``).
@@ -421,14 +326,13 @@ class DFlashDrafter(nn.Module):
         self.draft_window = window
 
     def make_cache(self) -> List[object]:
-        """One context-only cache per drafter layer: a sliding layer keeps its last
-        W-1 rows, a full layer everything (a ``KVCache``) or, with a draft window,
-        its sink and window rows."""
+        """One context-only cache per layer: a sliding layer keeps its last W-1 rows, a full layer all
+        (a ``KVCache``) or, with a draft window, its sink and window rows."""
         caches = []
         for layer in self.layers:
-            attn = layer.self_attn
-            if attn.window is not None:
-                caches.append(ContextWindowCache(0, max(attn.window - 1, 1)))
+            window = layer.self_attn.window
+            if window is not None:
+                caches.append(ContextWindowCache(0, max(window - 1, 1)))
             elif self.draft_window is not None:
                 caches.append(ContextWindowCache(*self.draft_window))
             else:
@@ -436,9 +340,8 @@ class DFlashDrafter(nn.Module):
         return caches
 
     def _context(self, context: mx.array, cache: Sequence[object]) -> mx.array:
-        """Fused context rows ``hidden_norm(fc(features))`` [1, S', H] of the rows some
-        layer will see. Rows no layer's cache keeps (between a sink and the window,
-        or before a sliding window) are skipped, not computed; caches advance past them."""
+        """Fused context rows ``hidden_norm(fc(features))`` [1, S', H] of the rows some layer will
+        see (spec section 3); rows no layer's cache keeps are skipped, the caches advanced past them."""
         S = context.shape[1]
         ranges = [c.invisible(S) if isinstance(c, ContextWindowCache) else (0, 0) for c in cache]
         lo, hi = max(r[0] for r in ranges), min(r[1] for r in ranges)
@@ -450,137 +353,122 @@ class DFlashDrafter(nn.Module):
             context = context[:, hi:]
         return self.hidden_norm(self.fc(context))
 
-    def hidden(self, block: mx.array, context: mx.array, cache: Sequence[object]) -> mx.array:
-        """Final normed hidden states [1, B-1, H] of block rows 1..B-1 (one pass; the
-        context rows are appended to ``cache``). Arguments as in :meth:`__call__`."""
+    def embed_block(self, block: mx.array) -> mx.array:
+        """[N, B] int32 block tokens -> [N, B, H]: the target's embedding (the drafter's own
+        ``mask_embedding`` at ``mask_token_id``), times ``input_embedding_scale``."""
         if self._embed is None:
             raise RuntimeError("DFlashDrafter.bind(...) must be called before use")
-        h = self.embed_block(block)
-        if self.args.input_embedding_scale != 1.0:
-            h = h * self.args.input_embedding_scale
-        fused = self._context(context, cache)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, fused, c)
-        return self.norm(h[:, 1:])
-
-    def embed_block(self, block: mx.array) -> mx.array:
-        """[N, B] int32 block tokens -> [N, B, H] embeddings: the target's, with the
-        drafter's own ``mask_embedding`` row at ``mask_token_id`` positions when it has one."""
         h = self._embed(block)
         if "mask_embedding" in self:
             h = mx.where((block == self.args.mask_token_id)[..., None], self.mask_embedding.astype(h.dtype), h)
-        return h
+        scale = self.args.input_embedding_scale
+        return h if scale == 1.0 else h * scale
+
+    def blocks_of(self, tokens: mx.array, block_size: int) -> mx.array:
+        """[N] int t_last -> [N, B] int32 blocks ``[t_last, MASK x (B-1)]``."""
+        tokens = tokens.reshape(-1, 1).astype(mx.int32)
+        return mx.concatenate([tokens, mx.full((tokens.shape[0], block_size - 1), self.args.mask_token_id,
+                                               dtype=mx.int32)], axis=1)
+
+    def forward(self, block: mx.array, context: mx.array, ctx_at: At, block_at: At, attends: Sequence[Attend],
+                compiled: bool = False) -> mx.array:
+        """Every layer (one ``attend`` each) over blocks [N, B] int32 and fused context rows
+        [N or 1, S, H]; returns the final normed hidden states [N, B-1, H] of block rows 1..B-1."""
+        h = self.embed_block(block)
+        for layer, attend in zip(self.layers, attends):
+            h = layer(h, context, ctx_at, block_at, attend, compiled)
+        return self.norm(h[:, 1:])
+
+    def hidden(self, block: mx.array, context: mx.array, cache: Sequence[object]) -> mx.array:
+        """[1, B-1, H] final normed hidden states of one block; the context rows join ``cache``.
+        Arguments as in :meth:`__call__`."""
+        fused = self._context(context, cache)
+        B, S = block.shape[1], fused.shape[1]
+        compiled = self.compilable and S <= B
+        if compiled:  # padded to B rows: one trace per block size
+            fused = mx.concatenate([fused, mx.zeros((1, B - S, fused.shape[2]), fused.dtype)], axis=1)
+        offset = cache[0].offset
+        ctx_at, block_at = positions(self.layers[0].self_attn.rope, offset, offset + S, B, compiled)
+        return self.forward(block, fused, ctx_at, block_at, [cached_attention(c, S) for c in cache], compiled)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        """``lm_head(hidden) * output_multiplier``, then ``cap * tanh(logits / cap)`` when
-        ``final_logit_softcapping`` is set (both DFlash2; identity for v1)."""
+        """``lm_head(hidden) * output_multiplier``, then ``cap * tanh(logits / cap)`` with
+        ``final_logit_softcapping`` (DFlash2; identity for v1)."""
         logits = self._lm_head(hidden)
         if self.args.output_multiplier != 1.0:
             logits = logits * self.args.output_multiplier
         cap = self.args.final_logit_softcapping
-        if cap:
-            logits = cap * mx.tanh(logits / cap)
-        return logits
+        return cap * mx.tanh(logits / cap) if cap else logits
 
     def __call__(self, block: mx.array, context: mx.array, cache: Sequence[object]) -> mx.array:
-        """One block-denoising pass.
+        """One block-denoising pass (spec section 4).
 
         Args:
-            block: [1, B] int32, ``[t_last, MASK x (B-1)]``.
-            context: [1, S, K*H] new context features (target dtype), the rows at
-                positions ``[cache.offset, cache.offset + S)``; ``t_last`` sits at
-                ``cache.offset + S``.
+            block: [1, B] int32 ``[t_last, MASK x (B-1)]``.
+            context: [1, S, K*H] new context features at ``[cache offset, cache offset + S)``.
             cache: from :meth:`make_cache`; context K/V are appended in place.
 
         Returns:
-            [1, B-1, V] logits for block positions 1..B-1 (row k predicts the
-            token at block position k).
+            [1, B-1, V] logits; row k predicts the token at block position k.
         """
         return self.logits(self.hidden(block, context, cache))
 
     def block_logits(self, blocks: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
-        """Training forward over many blocks of one sequence.
+        """Training forward over many blocks of one sequence (spec section 6).
 
         Args:
             blocks: [N, B] int32, each ``[token at anchor, MASK x (B-1)]``.
-            context: [1, L, K*H] target features of the whole sequence.
-            anchors: [N] int32 anchor positions.
-            mask: [N, 1, B, L + B] bool from :func:`dflash_mlx.train.blocks.block_mask`.
+            context: [1, L, K*H] target features of the whole sequence (positions 0..L-1).
+            anchors: [N] int32 anchor positions (block n at ``anchors[n] + 0..B-1``).
+            mask: [N, 1, B, L + B] bool (:func:`dflash_mlx.train.blocks.block_mask`).
 
         Returns:
             [N, B-1, V] logits for block rows 1..B-1.
 
         Raises:
-            ConfigError: the drafter is not a full-attention v1-style drafter (training
-                covers those only).
+            ConfigError: not a full-attention v1-style drafter (training covers those only).
         """
         a = self.args
         if a.format.dflash2 or any(a.is_sliding(i) or a.is_causal_layer(i) for i in range(a.num_hidden_layers)):
             raise ConfigError(f"training supports full-attention v1 drafters only, not {a.architecture} "
                               "with these layer types")
-        h = self.embed_block(blocks)
+        attend: Attend = lambda attn, q, ctx, block: masked_attention(q, ctx, block, mask, attn.scale)  # noqa: E731
         fused = self.hidden_norm(self.fc(context))
-        for layer in self.layers:
-            h = layer(h, fused, anchors=anchors, mask=mask)
-        return self._lm_head(self.norm(h[:, 1:]))
+        return self.logits(self.forward(blocks, fused, 0, anchors, [attend] * len(self.layers)))
 
     def batch_drafts(self):
-        """A :class:`~dflash_mlx.drafter.batch.BatchDrafts` (one pass drafts a whole batch of
-        sequences), or None when this drafter's layers have no batched form
-        (:func:`~dflash_mlx.drafter.batch.batch_drafting_refusal`)."""
+        """A :class:`~dflash_mlx.drafter.batch.BatchDrafts`, or None when this drafter's layers have
+        no batched form (:func:`~dflash_mlx.drafter.batch.batch_drafting_refusal`)."""
         from .batch import BatchDrafts, batch_drafting_refusal
 
         return BatchDrafts(self) if batch_drafting_refusal(self) is None else None
 
     def ingest(self, context: mx.array, cache: Sequence[object]) -> None:
-        """Cache context rows without drafting, so the drafter covers what the target
-        cache covers (used when a generation ends; the next turn continues from it).
-
-        Args:
-            context: [1, S, K*H] context features at positions ``[offset, offset+S)``.
-        """
+        """Cache context rows [1, S, K*H] without drafting, so the drafter covers what the target cache covers."""
         if context.shape[1] == 0:
             return
         fused = self._context(context, cache)
         for layer, c in zip(self.layers, cache):
-            layer.self_attn.ingest(fused, c)
-
-    def _block(self, token: mx.array, block_size: int) -> mx.array:
-        masks = mx.full((block_size - 1,), self.args.mask_token_id, dtype=mx.int32)
-        return mx.concatenate([token.reshape(1).astype(mx.int32), masks])[None]
+            c.update_and_fetch(*layer.self_attn.keys_values(fused, c.offset))
 
     def draft(self, token: mx.array, context: mx.array, cache: Sequence[object], block_size: int) -> mx.array:
-        """Greedy drafts for one block: the argmax (v1) or the selector's argmax path (DFlash2).
-
-        Args:
-            token: scalar or [1] int, the last committed token ``t_last``.
-            context: [1, S, K*H] new context features.
-            cache: drafter cache.
-            block_size: B, 2 <= B <= trained block size.
-
-        Returns:
-            [B-1] int32 draft tokens d_1..d_{B-1} (lazy).
-        """
+        """Greedy drafts [B-1] int32 (lazy) of :meth:`propose`."""
         return self.propose(token, context, cache, block_size).tokens
 
     def propose(self, token: mx.array, context: mx.array, cache: Sequence[object], block_size: int,
                 sampling: Optional[Sampling] = None) -> Proposal:
-        """Drafts for one block with the distribution they come from (one pass).
-
-        v1 drafts are the argmax at any temperature (a one-hot q: sampling a v1
-        drafter per position lowers acceptance, spec section 9). DFlash2 drafts walk
-        the candidate selector: its argmax path, or at T > 0 a sample of its q shaped
-        by ``sampling`` as the target's p is.
+        """Drafts for one block with the distribution they come from (one pass, spec section 9).
 
         Args:
-            token, context, cache, block_size: as in :meth:`draft`.
-            sampling: temperature and filters (None: greedy).
+            token: scalar or [1] int ``t_last``; context: [1, S, K*H] new context features.
+            cache: drafter cache; block_size: B, 2 <= B <= the trained block size.
+            sampling: None: greedy. v1 drafts are the argmax at any temperature; DFlash2 drafts walk
+                the selector (its argmax path, or at T > 0 a sample of its q).
 
         Returns:
-            :class:`~dflash_mlx.protocol.Proposal` (lazy arrays), with the pass's
-            per-position ``logprobs`` [B-1, V].
+            :class:`~dflash_mlx.protocol.Proposal` (lazy), with per-position ``logprobs`` [B-1, V].
         """
-        block = self._block(token, block_size)
+        block = self.blocks_of(mx.array(token), block_size)
         hidden = self.hidden(block, context, cache)[0]
         logits = self.logits(hidden)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
