@@ -1,14 +1,6 @@
-"""One drafter pass for a whole batch of sequences (continuous batching, ``dflash serve``).
-
-Each sequence keeps its own context rows (spec section 4) in one left-padded mlx-lm ``BatchKVCache``
-per layer. A step appends the most new rows any sequence brings to every sequence, each sequence's
-extra rows rolled into its left padding (:class:`~dflash_mlx.targets.batch_cache.RaggedRoll`), and
-each block attends over its own columns only. The layer math is the drafter's own
-(:class:`~dflash_mlx.drafter.network.DrafterLayer`); only the ``attend`` differs.
-
-Covers v1 drafters with full-attention, bidirectional layers and no draft window
-(:func:`batch_drafting_refusal`); the others draft sequence by sequence.
-"""
+"""One drafter pass for a batch of sequences: each sequence's context rows in one left-padded mlx-lm
+``BatchKVCache`` per layer; the drafter's own layers with a padding-masked ``attend``. v1 drafters with
+full, bidirectional layers and no draft window only (:func:`batch_drafting_refusal`)."""
 
 from __future__ import annotations
 
@@ -19,7 +11,7 @@ import mlx.core as mx
 from ..kernels import fast_softmax
 from ..protocol import Proposal
 from ..targets.batch_cache import RaggedRoll, common_padding, extend, keep_rows
-from .network import KV, Attend, DrafterAttention, masked_attention, positions
+from .network import KV, Attend, DrafterAttention, masked_attention
 
 
 def batch_drafting_refusal(drafter: Any) -> Optional[str]:
@@ -35,15 +27,8 @@ def batch_drafting_refusal(drafter: Any) -> Optional[str]:
 
 
 class BatchDrafts:
-    """The drafter's context caches of a batch and its one-pass drafting.
-
-    Args:
-        drafter: a bound :class:`~dflash_mlx.drafter.network.DFlashDrafter` that
-            :func:`batch_drafting_refusal` accepts.
-
-    Attributes:
-        cache: one ``BatchKVCache`` per drafter layer (rows in batch order), or None while the batch is empty.
-    """
+    """A bound drafter's context caches of a batch (``cache``: one ``BatchKVCache`` per layer, rows in
+    batch order; None while empty) and its one-pass drafting."""
 
     def __init__(self, drafter: Any):
         self.drafter = drafter
@@ -70,41 +55,25 @@ class BatchDrafts:
         return [Proposal(drafts[i]) for i in range(len(tokens))]
 
     def draft(self, tokens: mx.array, context: Optional[mx.array], rows: List[int], block_size: int) -> mx.array:
-        """:meth:`propose` for a batch held as arrays.
-
-        Args:
-            tokens: [N] int32 ``t_last`` per sequence.
-            context: [N, S, F] new context rows, sequence i's first ``rows[i]`` real (the rest finite);
-                None when every row count is 0.
-            rows: [N] real rows per sequence.
-            block_size: B.
-
-        Returns:
-            [N, B-1] int32 argmax drafts (lazy).
-        """
-        d, N, most = self.drafter, tokens.size, max(rows)
-        compiled = d.compilable and most <= block_size
-        H = d.args.hidden_size
+        """[N, B-1] int32 argmax drafts (lazy) from tokens [N] int32 ``t_last`` and new context rows
+        [N, S, F], sequence i's first ``rows[i]`` real (the rest finite), or None when all rows are 0."""
+        d, most = self.drafter, max(rows)
         if context is None:
-            fused = mx.zeros((N, 0, H), d.hidden_norm.weight.dtype)
+            fused = mx.zeros((tokens.size, 0, d.args.hidden_size), d.hidden_norm.weight.dtype)
         else:
             fused = d.hidden_norm(d.fc(context[:, :most]))
-        if compiled:  # padded to B rows: one trace per batch size and block size
-            fused = mx.concatenate([fused, mx.zeros((N, block_size - most, H), fused.dtype)], axis=1)
         offset = self.cache[0].offset
-        ctx_at, block_at = positions(d.layers[0].self_attn.rope, offset, offset + mx.array(rows), block_size,
-                                     compiled)
         right = [most - r for r in rows]  # each sequence's padding rows among the new ones
         roll = RaggedRoll(right, common_padding(self.cache[0], right)) if any(right) else None
-        visible = []  # [N, 1, 1, L + B], made by the first layer: every layer has one column layout
+        visible = []  # [N, 1, 1, L + B], made by the first layer (all layers have one column layout)
         attends = [_batch_attention(c, most, roll, visible) for c in self.cache]
-        hidden = d.forward(d.blocks_of(tokens, block_size), fused, ctx_at, block_at, attends, compiled)
+        hidden = d.forward(d.blocks_of(tokens, block_size), fused, offset, offset + mx.array(rows), attends)
         return mx.argmax(d.logits(hidden), axis=-1).astype(mx.int32)
 
 
 def _batch_attention(cache: Any, rows: int, roll: Optional[RaggedRoll], visible: list) -> Attend:
-    """``attend`` of one layer over the batch: append ``rows`` new context rows to ``cache``, roll,
-    then each block over its own cached columns and its block."""
+    """``attend`` of one layer: append ``rows`` new context rows to ``cache``, roll the ragged ones into
+    the left padding, then each block over its own columns."""
 
     def attend(attn: DrafterAttention, queries: mx.array, ctx: Optional[KV], block: KV) -> mx.array:
         if rows:
@@ -128,10 +97,5 @@ def pad_contexts(contexts: Sequence[Optional[mx.array]], rows: List[int]) -> Opt
     if most == 0:
         return None
     first = next(c for c in contexts if c is not None)
-    padded = []
-    for c, r in zip(contexts, rows):
-        if r < most:
-            pad = mx.zeros((1, most - r, first.shape[2]), first.dtype)
-            c = pad if c is None else mx.concatenate([c, pad], axis=1)
-        padded.append(c)
-    return mx.concatenate(padded, axis=0)
+    return mx.concatenate([mx.zeros((1, most, first.shape[2]), first.dtype) if c is None
+                           else mx.pad(c, [(0, 0), (0, most - r), (0, 0)]) for c, r in zip(contexts, rows)], axis=0)

@@ -1,15 +1,9 @@
-"""The DFlash drafter: a small block-diffusion model conditioned on target features.
+"""The DFlash drafter (spec section 4; sliding layers and DFlash2, spec section 9).
 
-One forward ("block denoising", spec section 4) turns the block ``[t_last, MASK x (B-1)]`` and the
-target's new context features into logits for the B-1 masked positions. Spec section 9 adds
-sliding-window layers, and DFlash2's block convolutions (:class:`BlockConv`), scaled embeddings and
-logits, and candidate selector (:class:`CandidateSelector`).
-
-A drafter layer is written once (:class:`DrafterLayer`): :meth:`~DrafterLayer.pre` (norm, projections,
-RoPE), an ``attend`` the caller passes, :meth:`~DrafterLayer.post` (output projection, MLP). Inference
-of one sequence (:func:`cached_attention`), a batch (:mod:`dflash_mlx.drafter.batch`) and training
-(:meth:`DFlashDrafter.block_logits`) differ only in that ``attend``, the RoPE positions and whether the
-two halves run compiled.
+A layer is :meth:`DrafterLayer.pre` (norm, projections, RoPE), an ``attend`` the caller passes, then
+:meth:`DrafterLayer.post` (output projection, MLP). One sequence (:func:`cached_attention`), a batch
+(:mod:`dflash_mlx.drafter.batch`) and training (:meth:`DFlashDrafter.block_logits`) differ only in that
+``attend``, the RoPE positions and whether the two halves run compiled.
 """
 
 from __future__ import annotations
@@ -30,6 +24,7 @@ from ..sampling import Sampling
 from ..targets.caches import ContextWindowCache
 from ..targets.fused import compile_enabled, rope_rows, rotate
 from .config import DrafterArgs
+from .dflash2 import BlockConv, CandidateSelector
 
 # Where rows sit for RoPE: a first position (an int, a 0-d or an [N] int array) or rope_rows' (cos, sin).
 At = Union[int, mx.array, Tuple[mx.array, mx.array]]
@@ -43,18 +38,6 @@ def rope_at(rope: nn.Module, x: mx.array, at: At) -> mx.array:
     if isinstance(at, tuple):
         return rotate(x, *at, rope.traditional)
     return rope(x, offset=at)
-
-
-def positions(rope: nn.Module, ctx_start, block_start, block_size: int, compiled: bool) -> Tuple[At, At]:
-    """RoPE positions of B context rows from ``ctx_start`` and the B block rows from ``block_start``
-    (ints or [N] arrays): shared (cos, sin) tables where :func:`rope_rows` gives them and the step runs
-    compiled; else the starts, as arrays when compiled (one trace for every position)."""
-    if not compiled:
-        return ctx_start, block_start
-    block = rope_rows(rope, block_size, block_start)
-    if block is None:
-        return mx.array(ctx_start), mx.array(block_start)
-    return rope_rows(rope, block_size, ctx_start), block
 
 
 def masked_attention(queries: mx.array, ctx: KV, block: KV, visible: mx.array, scale: float,
@@ -77,8 +60,7 @@ def masked_attention(queries: mx.array, ctx: KV, block: KV, visible: mx.array, s
 
 
 class DrafterAttention(nn.Module):
-    """Block queries over cached context K/V plus the block's own K/V. Context and block rows share
-    ``k_proj``/``v_proj`` (spec section 4). A sliding layer (spec section 9) has ``window`` W."""
+    """Context and block rows share ``k_proj``/``v_proj`` (spec section 4); a sliding layer has ``window`` W."""
 
     def __init__(self, args: DrafterArgs, layer: int = 0):
         super().__init__()
@@ -125,83 +107,6 @@ def cached_attention(cache, rows: int) -> Attend:
     return attend
 
 
-class BlockConv(nn.Module):
-    """DFlash2's grouped dynamic causal convolution along the block (spec section 9).
-
-    Parameters (``layers.{i}.{attention,mlp}_conv.*``): ``base_kernel`` [2, K, H],
-    ``kernel_projection.weight`` [2*K*(H/g), H]. :meth:`prepare` convolves the sublayer input with the
-    first kernel, :meth:`finish` the sublayer output with the second.
-    """
-
-    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
-        super().__init__()
-        self.kernel_size, self.group_size = kernel_size, group_size
-        self.base_kernel = mx.zeros((2, kernel_size, hidden_size)).at[:, 0].add(1.0)  # starts as the identity
-        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * (hidden_size // group_size), bias=False)
-
-    def prepare(self, x: mx.array) -> Tuple[mx.array, mx.array]:
-        """x [N, L, H] -> (convolved x [N, L, H], the second kernel [N, L, K, H/g])."""
-        N, L, _ = x.shape
-        dyn = self.kernel_projection(x).reshape(N, L, 2, self.kernel_size, -1)
-        return self._conv(x, self.base_kernel[0], dyn[:, :, 0]), dyn[:, :, 1]
-
-    def finish(self, y: mx.array, dyn: mx.array) -> mx.array:
-        """y [N, L, H] convolved with the kernel from :meth:`prepare`."""
-        return self._conv(y, self.base_kernel[1], dyn)
-
-    def _conv(self, z: mx.array, base: mx.array, dyn: mx.array) -> mx.array:
-        N, L, H = z.shape
-        out = None
-        for o in range(min(self.kernel_size, L)):  # taps reaching before the block add zero
-            shifted = z if o == 0 else mx.concatenate([mx.zeros((N, o, H), z.dtype), z[:, : L - o]], axis=1)
-            term = (base[o] + mx.repeat(dyn[:, :, o], self.group_size, axis=-1)) * shifted
-            out = term if out is None else out + term
-        return out
-
-
-class CandidateSelector(nn.Module):
-    """DFlash2's candidate selector: one coherent draft path through each position's top-k (spec
-    section 9). Parameters: ``predecessor_codebook``, ``successor_codebook`` [V, r] (no ``.weight``),
-    ``hidden_projection.weight`` [r, H]."""
-
-    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
-        super().__init__()
-        self.top_k = top_k
-        self.predecessor_codebook = mx.zeros((vocab_size, rank))
-        self.successor_codebook = mx.zeros((vocab_size, rank))
-        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
-
-    def walk(self, hidden: mx.array, logits: mx.array, first: mx.array,
-             sampling: Optional[Sampling] = None) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
-        """One candidate per position, walking from ``prev`` = ``first`` ([1] int32).
-
-        Args:
-            hidden: [L, H] final normed hidden states of block rows 1..L; logits: [L, V] theirs.
-            sampling: None or greedy: the argmax path; else a sample of q = softmax(score / T).
-
-        Returns:
-            ``(tokens [L] int32, candidate ids [L, k] int32, q [L, k] float32 or None when greedy)``.
-        """
-        k = min(self.top_k, logits.shape[-1])
-        ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
-        unary = mx.take_along_axis(logits, ids, axis=-1).astype(mx.float32)
-        projected = self.hidden_projection(hidden)
-        successors = self.successor_codebook[ids]  # [L, k, r]
-        prev = first.reshape(())
-        tokens, qs = [], []
-        for p in range(logits.shape[0]):
-            score = unary[p] + ((self.predecessor_codebook[prev] * projected[p]) @ successors[p].T).astype(mx.float32)
-            if sampling is None or sampling.greedy:
-                j = mx.argmax(score)
-            else:
-                log_q = sampling.log_probs(score)
-                j = mx.random.categorical(log_q)
-                qs.append(mx.exp(log_q))
-            prev = ids[p][j]
-            tokens.append(prev)
-        return mx.stack(tokens), ids, (mx.stack(qs) if qs else None)
-
-
 class DrafterLayer(nn.Module):
     """Pre-norm layer: KV-injected attention, then the SwiGLU MLP; with DFlash2 each half wrapped in a
     :class:`BlockConv`."""
@@ -217,12 +122,8 @@ class DrafterLayer(nn.Module):
             self.attention_conv, self.mlp_conv = BlockConv(*conv), BlockConv(*conv)
 
     def pre(self, h: mx.array, context: mx.array, ctx_at: At, block_at: At):
-        """Before the attention: h [N, B, H] block rows, context [N or 1, S, H] fused context rows.
-
-        Returns:
-            ``(queries [N, n_heads, B, hd], context (keys, values), block (keys, values), dyn)``;
-            ``dyn`` is the attention convolution's second kernel (None without one).
-        """
+        """h [N, B, H] block rows, context [N or 1, S, H] fused rows -> ``(queries [N, n_heads, B, hd],
+        context (keys, values), block (keys, values), dyn)``; dyn: the attention convolution's (or None)."""
         x, dyn = self.input_layernorm(h), None
         if "attention_conv" in self:
             x, dyn = self.attention_conv.prepare(x)
@@ -241,8 +142,7 @@ class DrafterLayer(nn.Module):
 
     def __call__(self, h: mx.array, context: mx.array, ctx_at: At, block_at: At, attend: Attend,
                  compiled: bool = False) -> mx.array:
-        """One layer: :meth:`pre`, ``attend``, :meth:`post`; ``compiled`` runs both halves through
-        ``mx.compile`` (the layer's parameters are inputs, read at every call)."""
+        """:meth:`pre`, ``attend``, :meth:`post`; ``compiled``: both halves through ``mx.compile``."""
         pre, post = self.pre, self.post
         if compiled:
             kernels = self.__dict__.get("_compiled")  # outside the module tree: never saved or trained
@@ -255,16 +155,9 @@ class DrafterLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    """The drafter network; embedding and lm_head are borrowed from the target (:meth:`bind`).
-
-    Parameters (network names; :mod:`dflash_mlx.drafter.formats` maps checkpoint names): ``fc``
-    [H, K*H], ``hidden_norm`` [H], ``layers.{i}.*``, ``norm`` [H], optionally ``mask_embedding`` [H],
-    and for DFlash2 ``candidate_selector.*``.
-
-    Attributes:
-        draft_window: ``(sink, window)`` context rows the full-attention layers keep
-            (``--draft-window``), or None: all.
-    """
+    """The drafter network: ``fc`` [H, K*H], ``hidden_norm`` [H], ``layers.{i}.*``, ``norm`` [H], optionally
+    ``mask_embedding`` [H] and ``candidate_selector.*``; embedding and lm_head borrowed (:meth:`bind`).
+    ``draft_window``: ``(sink, window)`` context rows full-attention layers keep, or None: all."""
 
     def __init__(self, args: DrafterArgs):
         super().__init__()
@@ -300,24 +193,14 @@ class DFlashDrafter(nn.Module):
         """True when drafts at T > 0 are samples of a real q (the DFlash2 selector); v1 drafts stay argmax."""
         return "candidate_selector" in self
 
-    @property
-    def compilable(self) -> bool:
-        """Whether the layers' halves run compiled (``DFLASH_COMPILE``; DFlash2's convolutions run eager)."""
-        return compile_enabled() and not self.args.conv_kernel_size
-
     def bind(self, embed: Callable[[mx.array], mx.array], lm_head: Callable[[mx.array], mx.array]) -> "DFlashDrafter":
-        """Borrow the target's frozen embedding (with its own scale) and head, as plain callables:
-        never in ``parameters()``, never saved or trained."""
+        """Borrow the target's frozen embedding (with its scale) and head: not parameters, never saved."""
         self._embed, self._lm_head = embed, lm_head
         return self
 
     def set_draft_window(self, window: Optional[Tuple[int, int]]) -> None:
-        """Keep only ``sink`` first and ``window`` last context rows in the full-attention layers'
-        caches made afterwards (``--draft-window SINK,WINDOW``); None keeps all.
-
-        Raises:
-            InputError: sink < 0 or window < 1 (names ``--draft-window``).
-        """
+        """``draft_window`` of caches made afterwards; InputError (names ``--draft-window``) for sink < 0
+        or window < 1."""
         if window is not None:
             sink, size = (int(v) for v in window)
             if sink < 0 or size < 1:
@@ -328,16 +211,9 @@ class DFlashDrafter(nn.Module):
     def make_cache(self) -> List[object]:
         """One context-only cache per layer: a sliding layer keeps its last W-1 rows, a full layer all
         (a ``KVCache``) or, with a draft window, its sink and window rows."""
-        caches = []
-        for layer in self.layers:
-            window = layer.self_attn.window
-            if window is not None:
-                caches.append(ContextWindowCache(0, max(window - 1, 1)))
-            elif self.draft_window is not None:
-                caches.append(ContextWindowCache(*self.draft_window))
-            else:
-                caches.append(KVCache())
-        return caches
+        windows = [layer.self_attn.window for layer in self.layers]
+        return [ContextWindowCache(0, max(w - 1, 1)) if w is not None else
+                ContextWindowCache(*self.draft_window) if self.draft_window is not None else KVCache() for w in windows]
 
     def _context(self, context: mx.array, cache: Sequence[object]) -> mx.array:
         """Fused context rows ``hidden_norm(fc(features))`` [1, S', H] of the rows some layer will
@@ -371,25 +247,32 @@ class DFlashDrafter(nn.Module):
                                                dtype=mx.int32)], axis=1)
 
     def forward(self, block: mx.array, context: mx.array, ctx_at: At, block_at: At, attends: Sequence[Attend],
-                compiled: bool = False) -> mx.array:
-        """Every layer (one ``attend`` each) over blocks [N, B] int32 and fused context rows
-        [N or 1, S, H]; returns the final normed hidden states [N, B-1, H] of block rows 1..B-1."""
+                compile: bool = True) -> mx.array:
+        """Every layer (one ``attend`` each) over blocks [N, B] int32 at ``block_at`` and fused context
+        rows [N or 1, S, H] at ``ctx_at``; returns the final normed hidden states [N, B-1, H] of block
+        rows 1..B-1. With ``compile`` and S <= B, the rows are padded to B (one trace per shape) and both
+        halves of each layer run compiled (not DFlash2's), RoPE by tables where :func:`rope_rows` gives them."""
+        B, S = block.shape[1], context.shape[1]
+        compiled = compile and compile_enabled() and not self.args.conv_kernel_size and S <= B
+        if compiled:
+            context = mx.concatenate([context, mx.zeros((context.shape[0], B - S, context.shape[2]),
+                                                        context.dtype)], axis=1)
+            rope = self.layers[0].self_attn.rope
+            tables = rope_rows(rope, B, block_at)
+            if tables is None:
+                ctx_at, block_at = mx.array(ctx_at), mx.array(block_at)
+            else:
+                ctx_at, block_at = rope_rows(rope, B, ctx_at), tables
         h = self.embed_block(block)
         for layer, attend in zip(self.layers, attends):
             h = layer(h, context, ctx_at, block_at, attend, compiled)
         return self.norm(h[:, 1:])
 
     def hidden(self, block: mx.array, context: mx.array, cache: Sequence[object]) -> mx.array:
-        """[1, B-1, H] final normed hidden states of one block; the context rows join ``cache``.
-        Arguments as in :meth:`__call__`."""
+        """[1, B-1, H] final normed hidden states of one block (arguments as in :meth:`__call__`)."""
         fused = self._context(context, cache)
-        B, S = block.shape[1], fused.shape[1]
-        compiled = self.compilable and S <= B
-        if compiled:  # padded to B rows: one trace per block size
-            fused = mx.concatenate([fused, mx.zeros((1, B - S, fused.shape[2]), fused.dtype)], axis=1)
-        offset = cache[0].offset
-        ctx_at, block_at = positions(self.layers[0].self_attn.rope, offset, offset + S, B, compiled)
-        return self.forward(block, fused, ctx_at, block_at, [cached_attention(c, S) for c in cache], compiled)
+        S, offset = fused.shape[1], cache[0].offset
+        return self.forward(block, fused, offset, offset + S, [cached_attention(c, S) for c in cache])
 
     def logits(self, hidden: mx.array) -> mx.array:
         """``lm_head(hidden) * output_multiplier``, then ``cap * tanh(logits / cap)`` with
@@ -401,44 +284,24 @@ class DFlashDrafter(nn.Module):
         return cap * mx.tanh(logits / cap) if cap else logits
 
     def __call__(self, block: mx.array, context: mx.array, cache: Sequence[object]) -> mx.array:
-        """One block-denoising pass (spec section 4).
-
-        Args:
-            block: [1, B] int32 ``[t_last, MASK x (B-1)]``.
-            context: [1, S, K*H] new context features at ``[cache offset, cache offset + S)``.
-            cache: from :meth:`make_cache`; context K/V are appended in place.
-
-        Returns:
-            [1, B-1, V] logits; row k predicts the token at block position k.
-        """
+        """One block-denoising pass (spec section 4): block [1, B] int32 ``[t_last, MASK x (B-1)]`` and new
+        context features [1, S, K*H] (appended to ``cache``) -> [1, B-1, V] logits of block rows 1..B-1."""
         return self.logits(self.hidden(block, context, cache))
 
     def block_logits(self, blocks: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
-        """Training forward over many blocks of one sequence (spec section 6).
-
-        Args:
-            blocks: [N, B] int32, each ``[token at anchor, MASK x (B-1)]``.
-            context: [1, L, K*H] target features of the whole sequence (positions 0..L-1).
-            anchors: [N] int32 anchor positions (block n at ``anchors[n] + 0..B-1``).
-            mask: [N, 1, B, L + B] bool (:func:`dflash_mlx.train.blocks.block_mask`).
-
-        Returns:
-            [N, B-1, V] logits for block rows 1..B-1.
-
-        Raises:
-            ConfigError: not a full-attention v1-style drafter (training covers those only).
-        """
+        """Training forward (spec section 6): blocks [N, B] int32 at ``anchors`` [N], features [1, L, K*H]
+        of the sequence, ``mask`` [N, 1, B, L + B] bool (:func:`dflash_mlx.train.blocks.block_mask`) ->
+        [N, B-1, V] logits. ConfigError for drafters other than full-attention v1 ones."""
         a = self.args
         if a.format.dflash2 or any(a.is_sliding(i) or a.is_causal_layer(i) for i in range(a.num_hidden_layers)):
             raise ConfigError(f"training supports full-attention v1 drafters only, not {a.architecture} "
                               "with these layer types")
         attend: Attend = lambda attn, q, ctx, block: masked_attention(q, ctx, block, mask, attn.scale)  # noqa: E731
         fused = self.hidden_norm(self.fc(context))
-        return self.logits(self.forward(blocks, fused, 0, anchors, [attend] * len(self.layers)))
+        return self.logits(self.forward(blocks, fused, 0, anchors, [attend] * len(self.layers), compile=False))
 
     def batch_drafts(self):
-        """A :class:`~dflash_mlx.drafter.batch.BatchDrafts`, or None when this drafter's layers have
-        no batched form (:func:`~dflash_mlx.drafter.batch.batch_drafting_refusal`)."""
+        """A :class:`~dflash_mlx.drafter.batch.BatchDrafts`, or None without a batched form."""
         from .batch import BatchDrafts, batch_drafting_refusal
 
         return BatchDrafts(self) if batch_drafting_refusal(self) is None else None
@@ -457,17 +320,9 @@ class DFlashDrafter(nn.Module):
 
     def propose(self, token: mx.array, context: mx.array, cache: Sequence[object], block_size: int,
                 sampling: Optional[Sampling] = None) -> Proposal:
-        """Drafts for one block with the distribution they come from (one pass, spec section 9).
-
-        Args:
-            token: scalar or [1] int ``t_last``; context: [1, S, K*H] new context features.
-            cache: drafter cache; block_size: B, 2 <= B <= the trained block size.
-            sampling: None: greedy. v1 drafts are the argmax at any temperature; DFlash2 drafts walk
-                the selector (its argmax path, or at T > 0 a sample of its q).
-
-        Returns:
-            :class:`~dflash_mlx.protocol.Proposal` (lazy), with per-position ``logprobs`` [B-1, V].
-        """
+        """Drafts of one block (``t_last`` a scalar or [1] int, context [1, S, K*H], 2 <= B <= trained) as
+        a lazy :class:`~dflash_mlx.protocol.Proposal` with ``logprobs`` [B-1, V]: the argmax for v1 at any
+        temperature; for DFlash2 the selector's walk, at T > 0 a sample of its q (spec section 9)."""
         block = self.blocks_of(mx.array(token), block_size)
         hidden = self.hidden(block, context, cache)[0]
         logits = self.logits(hidden)

@@ -23,16 +23,8 @@ _MISSING = object()
 
 
 def pick(config: dict, dflash: dict, key: str, top_first: bool, source: str, default: Any = None) -> Any:
-    """A key that may sit at the top level or under ``dflash_config``.
-
-    Args:
-        top_first: read the top level first (the format's own place), else
-            ``dflash_config``; when both hold a value they must agree anyway.
-        default: the value when neither place has the key (or it is null).
-
-    Raises:
-        ConfigError: both places hold different values (names both).
-    """
+    """A key at the top level or under ``dflash_config`` (``top_first``: the format's own place first),
+    ``default`` when neither has it; ConfigError when both hold different values (names both)."""
     top, nested = config.get(key, _MISSING), dflash.get(key, _MISSING)
     if top is not _MISSING and nested is not _MISSING and top != nested:
         raise ConfigError(f"{source}: 'dflash_config.{key}' {nested!r} and top-level '{key}' {top!r} disagree")
@@ -42,28 +34,18 @@ def pick(config: dict, dflash: dict, key: str, top_first: bool, source: str, def
 
 
 def rope_theta(config: dict, source: str) -> Any:
-    """``rope_theta``, or ``rope_parameters.rope_theta`` (10000 when neither is set).
-
-    Raises:
-        ConfigError: both are set and differ.
-    """
+    """``rope_theta``, or ``rope_parameters.rope_theta`` (10000 when neither); ConfigError when they differ."""
     params = config.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise ConfigError(f"{source}: 'rope_parameters' must be an object, got {params!r}")
-    top, nested = config.get("rope_theta"), params.get("rope_theta")
-    if top is not None and nested is not None and top != nested:
-        raise ConfigError(f"{source}: 'rope_theta' {top!r} and 'rope_parameters.rope_theta' {nested!r} disagree")
-    return top if top is not None else (nested if nested is not None else 10000.0)
+    theta = _agree(params.get("rope_theta"), config.get("rope_theta"), "rope_parameters.rope_theta", "rope_theta",
+                   source)
+    return 10000.0 if theta is None else theta
 
 
 def engine_keys(config: dict, dflash: dict, source: str) -> Dict[str, Any]:
-    """``is_causal`` and ``sliding_window`` from vLLM's ``dflash_config`` keys when the
-    top level lacks them, after checking vLLM's other keys against ours.
-
-    Raises:
-        ConfigError: a key that contradicts another or asks for what this drafter
-            cannot do (a reduced draft vocabulary, another target width); names it.
-    """
+    """``is_causal`` and ``sliding_window``, from vLLM's ``dflash_config`` keys where the top level lacks
+    them; ConfigError naming a key that contradicts another or asks for what is not supported."""
     hidden, vocab = config.get("hidden_size"), config.get("vocab_size")
     target_hidden = pick(config, dflash, "target_hidden_size", True, source)
     if target_hidden is not None and target_hidden != hidden:
