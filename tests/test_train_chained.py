@@ -9,7 +9,7 @@ from dflash_mlx import generate_step
 from dflash_mlx.bench.simulate import SimulatedDrafter
 from dflash_mlx.train.data import TrainSequence
 from dflash_mlx.train.evaluate import chained_lengths, evaluate_block_sizes, evaluate_chained
-from dflash_mlx.train.features import target_features
+from dflash_mlx.train.loss import target_features
 from conftest import mlx_lm_greedy, tiny_drafter, tiny_target
 
 B = 8

@@ -10,8 +10,9 @@ from mlx.utils import tree_flatten
 from dflash_mlx.errors import InputError
 from dflash_mlx.train.blocks import position_weights, sample_anchors
 from dflash_mlx.train.evaluate import evaluate, evaluate_block_sizes
-from dflash_mlx.train.features import FeatureCache, target_outputs
-from dflash_mlx.train.loss import block_loss, distill_kl, make_batch, sequence_loss_and_grad, target_block_logits
+from dflash_mlx.train.loss import (
+    FeatureCache, block_loss, distill_kl, make_batch, sequence_loss_and_grad, target_block_logits, target_outputs,
+)
 from dflash_mlx.train.trainer import TrainConfig, Trainer, block_size_plan, init_drafter
 from conftest import tiny_training_set
 

@@ -158,9 +158,10 @@ def self_prompts(model, tokenizer, count: int, length: int, seed: int, temp: flo
     return openings
 
 
-def _fingerprint(prompts: Sequence[Sequence[int]], settings: dict) -> str:
-    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
-    for p in prompts:
+def token_digest(sequences: Iterable[Sequence[int]], prefix: bytes = b"") -> str:
+    """sha256 hex digest of ``prefix`` then each token sequence (int32 bytes, ``|`` after each)."""
+    h = hashlib.sha256(prefix)
+    for p in sequences:
         h.update(np.asarray(p, dtype=np.int32).tobytes() + b"|")
     return h.hexdigest()
 
@@ -212,7 +213,7 @@ def _claim(out: Path, prompts: List[List[int]], settings: dict) -> None:
     """Create ``out`` with a manifest of these prompts and settings, or check the one it has (InputError)."""
     out.mkdir(parents=True, exist_ok=True)
     manifest = {"version": 1, "num_prompts": len(prompts), "settings": settings,
-                "fingerprint": _fingerprint(prompts, settings)}
+                "fingerprint": token_digest(prompts, json.dumps(settings, sort_keys=True).encode())}
     manifest_file = out / MANIFEST
     if manifest_file.is_file():
         old = read_json(manifest_file, "delete the folder, or pass a new --out")

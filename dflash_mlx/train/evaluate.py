@@ -15,18 +15,12 @@ from ..stats import teacher_forced
 from ..targets import TargetAdapter
 from .blocks import sample_anchors
 from .data import TrainSequence
-from .features import target_features
-from .loss import chunk_batches
+from .loss import chunk_batches, target_features
 
 
 def chained_lengths(drafter: Drafter, features: mx.array, seq: TrainSequence, block_size: int) -> List[int]:
-    """Acceptance lengths (accepted drafts + 1, each 1..B) of the engine's drafter (cache and all) along
-    ``seq``, whose response is the target's greedy continuation: the first block anchored at
-    ``response_start``, each next one at the last anchor plus the step's length, while it fits.
-
-    Args:
-        features: [1, L, K*H] target features of ``seq`` (the drafter's dtype).
-    """
+    """Acceptance lengths (accepted drafts + 1) of the engine's drafter along ``seq`` (features [1, L, K*H]):
+    blocks from ``response_start``, each next one at the last anchor plus the step's length, while they fit."""
     tokens = seq.tokens
     cache, fed, anchor, lengths = drafter.make_cache(), 0, max(seq.response_start, 1), []
     while anchor + block_size <= tokens.size:

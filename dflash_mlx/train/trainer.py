@@ -33,8 +33,7 @@ from .blocks import default_gamma, next_anchors, position_weights, sample_anchor
     valid_anchors
 from .data import TrainSequence
 from .evaluate import evaluate_block_sizes
-from .features import FeatureCache, target_fingerprint
-from .loss import block_loss, sequence_loss_and_grad
+from .loss import FeatureCache, block_loss, sequence_loss_and_grad, target_fingerprint
 
 CHECKPOINTS = "checkpoints"
 WRITER = "train"  # the mark of a training run's --out (dflash_mlx.owned)
@@ -50,19 +49,9 @@ RUN_SETTINGS = {"steps": "--steps", "grad_accum": "--grad-accum", "anchors": "--
 
 @dataclass
 class TrainConfig:
-    """Training settings (the paper's defaults where it gives them).
-
-    Attributes:
-        grad_accum: sequences per optimizer step (one sequence per forward).
-        anchors: blocks sampled per sequence; anchor_chunk: blocks per forward and backward (0: all).
-        warmup, min_lr: warm-up fraction of ``steps`` and the cosine floor of the AdamW rate ``lr``.
-        gamma: loss decay over block rows: one value, one per ``block_sizes`` entry, or None (the spec's).
-        dtype: "float32" or "bfloat16" for the drafter's weights and features.
-        block_sizes: sizes to train, one drawn uniformly per sequence (None: the drafter's).
-        kl_weight, kl_temperature: weight and temperature T of the distillation term (0: off).
-        miss_anchors: fraction of anchors drawn right after the drafter's misses on the last visit.
-        eval_every, save_every: in optimizer steps (0: never).
-    """
+    """Training settings (the paper's defaults where it gives them; flags in :data:`RUN_SETTINGS`).
+    ``anchor_chunk``: blocks per forward (0: all); ``gamma``: one value, one per ``block_sizes`` entry or
+    None (the spec's); ``miss_anchors``: fraction of anchors drawn right after the drafter's misses."""
 
     steps: int = 1000
     grad_accum: int = 1
