@@ -151,7 +151,7 @@ class DrafterArgs:
         if self.sliding_window is not None:
             top["sliding_window"] = self.sliding_window
         if self.config is None and self.layer_types and "sliding_attention" in self.layer_types:
-            top["use_sliding_window"] = True  # else transformers' Qwen3Config drops sliding_window (the authors' loader)
+            top["use_sliding_window"] = True  # else transformers' Qwen3Config drops sliding_window
         if self.is_causal is not None:
             top["is_causal"] = self.is_causal
         ids = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
@@ -192,7 +192,8 @@ def _merge(original: dict, top: dict, dflash: dict, dtype: str, fmt: DrafterForm
 
 
 _SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-               "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings")
+               "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
+               "max_position_embeddings")
 _IDS = ("target_layer_ids", "mask_token_id")
 _ADDABLE = ("sliding_window", "is_causal", "layer_types", "block_size", "num_target_layers")
 

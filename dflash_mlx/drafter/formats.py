@@ -2,14 +2,14 @@
 DFlash keys sit, the format's own keys (:class:`FormatKey`) and how its weight names map onto the
 network (:mod:`dflash_mlx.drafter.network`).
 
-| ``architectures[0]`` | ids and mask token | weights | in-block attention |
-|---|---|---|---|
-| ``DFlashDraftModel`` (v1) | ``dflash_config`` | as the network | bidirectional; causal on sliding layers |
-| ``DFlash2DraftModel`` | ``dflash_config`` (+ conv, selector, scales) | + ``layers.{i}.{attention,mlp}_conv.*``, ``candidate_selector.*`` | as v1 |
-| ``MuseGlimmerAssistantModel`` | top level | ``encoder.fc.*`` -> ``fc.*``, ``encoder.output_norm_enc.*`` -> ``hidden_norm.*`` | bidirectional |
+- ``DFlashDraftModel`` (v1): ids in ``dflash_config``; weights as the network; in-block attention
+  bidirectional, causal on sliding layers.
+- ``DFlash2DraftModel``: as v1, plus its ``dflash_config`` keys and ``layers.{i}.{attention,mlp}_conv.*``,
+  ``candidate_selector.*`` weights.
+- ``MuseGlimmerAssistantModel``: ids at the top level; ``encoder.fc.*`` -> ``fc.*``,
+  ``encoder.output_norm_enc.*`` -> ``hidden_norm.*``; bidirectional.
 
-Any format may mix ``sliding_attention`` layers (``layer_types``, ``sliding_window``);
-a top-level ``is_causal`` overrides the in-block attention of every layer.
+Any format may mix ``sliding_attention`` layers; a top-level ``is_causal`` overrides every layer.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""Config keys that other tools write for the same drafter (vLLM, SGLang, SpecForge,
-speculators; PEERS.md "Serving and interop"): read into the fields our layout has, or
-refused with one line naming the key.
+"""Config keys other tools write for the same drafter (vLLM, SGLang, SpecForge, speculators), read into
+our fields or refused with one line naming the key:
 
-| key | written by | here |
-|---|---|---|
-| ``target_layer_ids``, ``mask_token_id``, ``block_size``, ``num_target_layers`` at the top level or under ``dflash_config`` | SGLang, Muse-Glimmer | either place; two different values are refused |
-| ``rope_parameters.rope_theta`` instead of ``rope_theta`` | newer transformers | either; two different values are refused |
-| ``dflash_config.causal`` | vLLM | the in-block causality override (``is_causal``) |
-| ``dflash_config.use_swa``, ``dflash_config.swa_window_size`` (or ``.sliding_window``) | vLLM | must agree with ``layer_types`` and ``sliding_window`` |
-| ``target_hidden_size`` | vLLM | accepted when equal to ``hidden_size`` |
-| ``draft_vocab_size`` with a ``d2t`` map | vLLM (EAGLE-3 style) | accepted when equal to ``vocab_size``; a reduced vocabulary is refused |
-| a ``mask_embedding`` weight | vLLM | accepted (:mod:`dflash_mlx.drafter.checkpoint`) |
+- ``target_layer_ids``, ``mask_token_id``, ``block_size``, ``num_target_layers`` at the top level or
+  under ``dflash_config`` (SGLang, Muse-Glimmer); ``rope_parameters.rope_theta`` (newer transformers):
+  either place, two different values refused;
+- vLLM: ``dflash_config.causal`` (the ``is_causal`` override); ``dflash_config.use_swa``,
+  ``.swa_window_size`` or ``.sliding_window`` (must agree with ``layer_types``, ``sliding_window``);
+  ``target_hidden_size`` and ``draft_vocab_size`` (only when equal to ours); a ``mask_embedding`` weight.
 """
 
 from __future__ import annotations

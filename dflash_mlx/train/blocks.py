@@ -58,8 +58,4 @@ def position_weights(block_size: int, gamma: float) -> np.ndarray:
 
 def default_gamma(block_size: int) -> float:
     """gamma = 7 for B = 16 and 4 for B = 8 (spec section 6); linear in between."""
-    if block_size >= 16:
-        return 7.0
-    if block_size <= 8:
-        return 4.0
-    return 4.0 + 3.0 * (block_size - 8) / 8
+    return 4.0 + 3.0 * (min(max(block_size, 8), 16) - 8) / 8

@@ -82,7 +82,7 @@ class FeatureCache:
             np.save(f, array)
 
     def get(self, index: int, seq: TrainSequence, dtype) -> Tuple[mx.array, Optional[mx.array]]:
-        """Features [1, L, K*H] of sequence ``index`` and its final hidden states [1, L, H] (None without ``hidden``)."""
+        """Features [1, L, K*H] of sequence ``index`` and its final hidden states [1, L, H] (or None)."""
         if self.folder is None:
             feats, hidden = target_outputs(self.target, seq.tokens, self.layer_ids, dtype)
             return feats, hidden if self.hidden else None
