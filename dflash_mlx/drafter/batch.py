@@ -75,7 +75,7 @@ def _batch_attention(cache: Any, rows: int, roll: Optional[RaggedRoll], visible:
     """``attend`` of one layer: append ``rows`` new context rows to ``cache``, roll the ragged ones into
     the left padding, then each block over its own columns."""
 
-    def attend(attn: DrafterAttention, queries: mx.array, ctx: Optional[KV], block: KV) -> mx.array:
+    def attend(attn: DrafterAttention, queries: mx.array, ctx: KV, block: KV) -> mx.array:
         if rows:
             cache.update_and_fetch(ctx[0][:, :, :rows], ctx[1][:, :, :rows])
             if roll is not None:

@@ -30,7 +30,7 @@ from .dflash2 import BlockConv, CandidateSelector
 At = Union[int, mx.array, Tuple[mx.array, mx.array]]
 KV = Tuple[mx.array, mx.array]
 # attend(attention module, queries [N, n_heads, B, hd], new context (keys, values), block (keys, values))
-Attend = Callable[["DrafterAttention", mx.array, Optional[KV], KV], mx.array]
+Attend = Callable[["DrafterAttention", mx.array, KV, KV], mx.array]
 
 
 def rope_at(rope: nn.Module, x: mx.array, at: At) -> mx.array:
@@ -99,7 +99,7 @@ def cached_attention(cache, rows: int) -> Attend:
     """``attend`` for one sequence: append the first ``rows`` new context rows to ``cache``, then
     the block attention over every cached row and the block (window and causality per layer)."""
 
-    def attend(attn: DrafterAttention, queries: mx.array, ctx: Optional[KV], block: KV) -> mx.array:
+    def attend(attn: DrafterAttention, queries: mx.array, ctx: KV, block: KV) -> mx.array:
         keys, values = cache.update_and_fetch(ctx[0][:, :, :rows], ctx[1][:, :, :rows])
         return block_attention(queries, keys, values, *block, scale=attn.scale, window=attn.window,
                                causal=attn.causal)

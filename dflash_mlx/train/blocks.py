@@ -3,6 +3,8 @@ gives the block ``[token[a], MASK x (B-1)]`` at positions ``a..a+B-1``, whose ro
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 
@@ -13,20 +15,12 @@ def valid_anchors(length: int, response_start: int, block_size: int) -> np.ndarr
     return np.arange(lo, hi + 1) if hi >= lo else np.zeros((0,), dtype=np.int64)
 
 
-def sample_anchors(rng: np.random.Generator, length: int, response_start: int,
-                   block_size: int, num_anchors: int) -> np.ndarray:
-    """[N] int32 distinct sorted anchors drawn uniformly, N = min(num_anchors, valid anchors)."""
+def sample_anchors(rng: np.random.Generator, length: int, response_start: int, block_size: int, num_anchors: int,
+                   after_misses: Optional[np.ndarray] = None, fraction: float = 0.0) -> np.ndarray:
+    """[N] int32 distinct sorted anchors, N = min(num_anchors, valid anchors): up to ``fraction`` of them
+    drawn from ``after_misses`` (:func:`next_anchors`), the rest uniformly from the others."""
     candidates = valid_anchors(length, response_start, block_size)
-    n = min(num_anchors, candidates.size)
-    return np.sort(rng.choice(candidates, size=n, replace=False)).astype(np.int32)
-
-
-def sample_anchors_after_misses(rng: np.random.Generator, length: int, response_start: int, block_size: int,
-                                num_anchors: int, after_misses: np.ndarray, fraction: float) -> np.ndarray:
-    """:func:`sample_anchors` with up to ``fraction`` of them drawn from ``after_misses``
-    (:func:`next_anchors`), the rest uniformly from the others."""
-    candidates = valid_anchors(length, response_start, block_size)
-    preferred = np.intersect1d(after_misses, candidates)
+    preferred = candidates[:0] if after_misses is None else np.intersect1d(after_misses, candidates)
     k = min(int(round(num_anchors * fraction)), preferred.size, num_anchors)
     chosen = rng.choice(preferred, size=k, replace=False) if k else np.zeros((0,), dtype=np.int64)
     others = np.setdiff1d(candidates, chosen)

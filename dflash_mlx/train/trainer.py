@@ -29,8 +29,7 @@ from ..pair.loading import bind_drafter
 from ..pair.manifest import sha256_file
 from ..ranges import check_number
 from ..targets import TargetAdapter
-from .blocks import default_gamma, next_anchors, position_weights, sample_anchors, sample_anchors_after_misses, \
-    valid_anchors
+from .blocks import default_gamma, next_anchors, position_weights, sample_anchors, valid_anchors
 from .data import TrainSequence
 from .evaluate import evaluate_block_sizes
 from .loss import FeatureCache, block_loss, sequence_loss_and_grad, target_fingerprint
@@ -151,7 +150,7 @@ def final_drafter_problem(out: Path, ckpt: Path) -> Optional[str]:
     for name in ("config.json", "model.safetensors"):
         if not (out / name).is_file():
             return f"{out / name} is missing"
-        if sha256_file(out / name) != sha256_file(ckpt / name):  # (filecmp caches by size and mtime)
+        if sha256_file(out / name) != sha256_file(ckpt / name):
             return f"{out / name} differs from {ckpt / name} (corrupt or half written)"
     return None
 
@@ -251,11 +250,8 @@ class Trainer:
         index = self._sequence(step * c.grad_accum + micro)
         seq = self.sequences[index]
         rng = np.random.default_rng([c.seed, step, micro])
-        if index in self.after_misses:
-            anchors = sample_anchors_after_misses(rng, seq.tokens.size, seq.response_start, B, c.anchors,
-                                                  self.after_misses[index], c.miss_anchors)
-        else:
-            anchors = sample_anchors(rng, seq.tokens.size, seq.response_start, B, c.anchors)
+        anchors = sample_anchors(rng, seq.tokens.size, seq.response_start, B, c.anchors,
+                                 self.after_misses.get(index), c.miss_anchors)
         feats, hidden = self.features.get(index, seq, self.dtype)
         lengths = []
         loss, grads = sequence_loss_and_grad(self._loss_and_grad, feats, seq, anchors, B,
@@ -290,8 +286,7 @@ class Trainer:
             if c.eval_every and self.held_out and self.step % c.eval_every == 0:
                 info.eval = evaluate_block_sizes(self.drafter, self.target, self.held_out[: c.eval_sequences],
                                                  sorted(self.plan, reverse=True), seed=c.seed,
-                                                 anchor_chunk=c.anchor_chunk,
-                                                 chained=self.step == c.steps)  # the last only: ~1 s per sequence
+                                                 anchor_chunk=c.anchor_chunk, chained=self.step == c.steps)
             if c.save_every and self.step % c.save_every == 0:
                 self.save_checkpoint()
             yield info
