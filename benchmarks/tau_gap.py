@@ -4,7 +4,7 @@
 a. training's held-out estimate: teacher forced, blocks at uniformly drawn anchors
    (:func:`dflash_mlx.train.trainer.evaluate_block_sizes`, the training table's figure);
 b. the engine's drafter, teacher forced along generation's own schedule (each block
-   anchored where the last step's acceptance ended; :mod:`dflash_mlx.train.chained`);
+   anchored where the last step's acceptance ended; :mod:`dflash_mlx.train.evaluate`);
 c. real greedy generation from each sequence's prompt (the engine's stats: tokens per
    verify step, as ``dflash generate --json`` reports), and whether its output is the
    sequence's response.

@@ -11,10 +11,9 @@ from dflash_mlx import GenerationStats, generate_step
 from dflash_mlx.errors import InputError, MismatchError
 from dflash_mlx.train.blocks import block_mask, position_weights, sample_anchors, valid_anchors
 from dflash_mlx.train.data import read_prompt_file, regenerate
-from dflash_mlx.train.trainer import (
-    TrainConfig, Trainer, block_loss, check_fresh_out, evaluate, init_drafter, make_batch, sequence_loss_and_grad,
-    target_features,
-)
+from dflash_mlx.train.evaluate import evaluate
+from dflash_mlx.train.loss import block_loss, make_batch, sequence_loss_and_grad, target_features
+from dflash_mlx.train.trainer import TrainConfig, Trainer, check_fresh_out, init_drafter
 from conftest import tiny_target, tiny_training_set
 
 B = 8

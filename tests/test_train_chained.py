@@ -1,4 +1,4 @@
-"""Held-out tau along generation's own schedule (dflash_mlx/train/chained.py): its steps are
+"""Held-out tau along generation's own schedule (dflash_mlx/train/evaluate.py): its steps are
 the steps greedy generation takes from the sequence's prompt, step for step."""
 
 import mlx.core as mx
@@ -7,9 +7,9 @@ import pytest
 
 from dflash_mlx import generate_step
 from dflash_mlx.bench.simulate import SimulatedDrafter
-from dflash_mlx.train.chained import chained_lengths, evaluate_chained
 from dflash_mlx.train.data import TrainSequence
-from dflash_mlx.train.trainer import evaluate_block_sizes, target_features
+from dflash_mlx.train.evaluate import chained_lengths, evaluate_block_sizes, evaluate_chained
+from dflash_mlx.train.loss import target_features
 from conftest import mlx_lm_greedy, tiny_drafter, tiny_target
 
 B = 8

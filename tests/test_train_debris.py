@@ -13,7 +13,8 @@ from conftest import needs_shared, tiny_training_set
 from dflash_mlx import load_drafter
 from dflash_mlx.errors import InputError
 from dflash_mlx.train.data import MANIFEST, _write_shard, load_sequences, read_shard, regenerate
-from dflash_mlx.train.trainer import FeatureCache, TrainConfig, Trainer, init_drafter
+from dflash_mlx.train.loss import FeatureCache
+from dflash_mlx.train.trainer import TrainConfig, Trainer, init_drafter
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,11 @@ from mlx.utils import tree_flatten
 
 from dflash_mlx.errors import InputError
 from dflash_mlx.train.blocks import position_weights, sample_anchors
-from dflash_mlx.train.trainer import (
-    FeatureCache, TrainConfig, Trainer, block_loss, block_size_plan, distill_kl, evaluate, evaluate_block_sizes,
-    init_drafter, make_batch, sequence_loss_and_grad, target_block_logits, target_outputs,
+from dflash_mlx.train.evaluate import evaluate, evaluate_block_sizes
+from dflash_mlx.train.loss import (
+    FeatureCache, block_loss, distill_kl, make_batch, sequence_loss_and_grad, target_block_logits, target_outputs,
 )
+from dflash_mlx.train.trainer import TrainConfig, Trainer, block_size_plan, init_drafter
 from conftest import tiny_training_set
 
 B = 8

@@ -7,10 +7,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dflash_mlx.errors import InputError
-from dflash_mlx.train.blocks import next_anchors, position_weights, sample_anchors_after_misses, valid_anchors
-from dflash_mlx.train.trainer import (
-    TrainConfig, Trainer, block_loss, init_drafter, make_batch, sequence_loss_and_grad, target_features,
-)
+from dflash_mlx.train.blocks import next_anchors, position_weights, sample_anchors, valid_anchors
+from dflash_mlx.train.loss import block_loss, make_batch, sequence_loss_and_grad, target_features
+from dflash_mlx.train.trainer import TrainConfig, Trainer, init_drafter
 from conftest import tiny_training_set
 
 B = 8
@@ -29,12 +28,12 @@ def test_sampled_anchors_take_the_asked_share_after_misses():
     rng = np.random.default_rng(0)
     preferred = np.array([5, 9, 14, 20, 33, 41, 60, 70])  # 60 and 70 are past the last valid anchor
     for _ in range(20):
-        a = sample_anchors_after_misses(rng, 60, 4, B, 16, preferred, 0.5)
+        a = sample_anchors(rng, 60, 4, B, 16, preferred, 0.5)
         assert a.size == 16 and np.all(np.diff(a) > 0) and np.isin(a, valid_anchors(60, 4, B)).all()
         assert set(preferred[:6]) <= set(a.tolist())  # 8 asked for, 6 valid: all taken
-    a = sample_anchors_after_misses(rng, 60, 4, B, 16, preferred, 0.0)
+    a = sample_anchors(rng, 60, 4, B, 16, preferred, 0.0)
     assert a.size == 16
-    assert sample_anchors_after_misses(rng, 60, 4, B, 100, preferred, 1.0).size == valid_anchors(60, 4, B).size
+    assert sample_anchors(rng, 60, 4, B, 100, preferred, 1.0).size == valid_anchors(60, 4, B).size
 
 
 def test_next_anchors_follow_each_block_length():

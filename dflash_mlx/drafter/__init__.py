@@ -1,4 +1,2 @@
-"""The drafter: the network (network.py: the DFlash method), its config (config.py: the fields every
-format shares) and the checkpoint formats (formats.py: each format's own keys and wiring), the keys
-other tools write for the same drafter (variants.py), and checkpoints on disk (checkpoint.py). Adding a drafter format is a change to formats.py and its test.
-"""
+"""The drafter: network.py (the method), batch.py (a batch in one pass), config.py, formats.py and
+variants.py (its config.json), checkpoint.py (its files). Import from the submodules."""

@@ -1,6 +1,6 @@
-"""Drafter checkpoints in the released formats (DFLASH_SPEC.md sections 2 and 9): a
-folder or Hugging Face repo with ``config.json`` and unprefixed ``*.safetensors``
-weights (no embedding, no lm_head), named as :mod:`dflash_mlx.drafter.formats` says."""
+"""Drafter checkpoints (spec sections 2 and 9): a folder or Hugging Face repo with ``config.json`` and
+unprefixed ``*.safetensors`` weights (no embedding, no lm_head), named as
+:mod:`dflash_mlx.drafter.formats` says."""
 
 from __future__ import annotations
 
@@ -25,24 +25,12 @@ VOCAB_MAPS = ("d2t", "t2d")  # draft<->target vocabulary maps (vLLM, EAGLE-3 sty
 
 
 def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
-    """Load a drafter of any format in :mod:`dflash_mlx.drafter.formats` from a folder or repo id.
-
-    Loading is strict: every weight the config implies must be present with its
-    shape, and nothing else may be.
-
-    Args:
-        path_or_repo: folder with ``config.json`` and ``*.safetensors``, or a repo id
-            (downloaded into the Hugging Face cache).
-        dtype: cast floating-point weights to this dtype (default: as stored).
-
-    Returns:
-        An unbound :class:`DFlashDrafter`; call ``bind`` (or use
-        :func:`dflash_mlx.load`), which also checks it against the target.
+    """An unbound drafter of any format from a folder or repo id (``bind`` it, or use
+    :func:`dflash_mlx.load`); strict: exactly the weights the config implies. ``dtype`` casts floats.
 
     Raises:
-        CheckpointError: missing folder or files, corrupt safetensors, or weights
-            that do not match the config: one line naming the file and the key
-            (missing, unexpected, or of another shape than the config implies).
+        CheckpointError: missing folder or files, corrupt safetensors, or a weight missing, unexpected
+            or of another shape (names the file and key).
         ConfigError: invalid or non-DFlash config (names the file and key).
     """
     path = resolve_model_path(path_or_repo, DRAFTER_FILES, what="drafter")
@@ -60,13 +48,8 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
     weights = {fmt.network_key(k): v for k, v in stored.items()}
     model = DFlashDrafter(args)
     if (q := config.get("quantization")) is not None:
-        nn.quantize(
-            model,
-            group_size=q["group_size"],
-            bits=q["bits"],
-            mode=q.get("mode", "affine"),
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
-        )
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"),
+                    class_predicate=lambda p, m: f"{p}.scales" in weights)
     check_weights(model, stored, files, path, fmt)
     model.load_weights(list(weights.items()), strict=True)
     if dtype is not None:
@@ -78,16 +61,9 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
 
 
 def check_weights(model: DFlashDrafter, stored: dict, files: dict, path: Path, fmt) -> None:
-    """Every weight the config implies present under its format's name and with its
-    shape, no other key, floating-point values where the network has them.
-
-    Args:
-        stored: checkpoint name -> array; files: checkpoint name -> the file it is in.
-
-    Raises:
-        CheckpointError: the first mismatch, naming the file (the folder for a
-            missing weight) and the checkpoint key.
-    """
+    """Every weight the config implies present (``stored``: checkpoint name -> array, ``files``: -> its
+    file) with its shape and a float dtype where the network has one, and no other; else CheckpointError
+    naming the file (the folder for a missing weight) and key."""
     expected = {fmt.checkpoint_key(k): v for k, v in tree_flatten(model.parameters())}
     what = f"a {fmt.architecture} drafter with this config.json"
     for key in sorted(expected):
@@ -99,25 +75,16 @@ def check_weights(model: DFlashDrafter, stored: dict, files: dict, path: Path, f
     for key in sorted(expected):
         have, want = stored[key], expected[key]
         if tuple(have.shape) != tuple(want.shape):
-            raise CheckpointError(
-                f"{files[key]}: weight '{key}' has shape {list(have.shape)}, "
-                f"but config.json implies {list(want.shape)}"
-            )
+            raise CheckpointError(f"{files[key]}: weight '{key}' has shape {list(have.shape)}, "
+                                  f"but config.json implies {list(want.shape)}")
         if mx.issubdtype(want.dtype, mx.floating) and not mx.issubdtype(have.dtype, mx.floating):
             raise CheckpointError(f"{files[key]}: weight '{key}' has dtype {have.dtype}, expected a float dtype")
 
 
 def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` in the drafter's own format.
-
-    Weight names are the format's (``fc.weight``, ``layers.0.self_attn.q_proj.weight``,
-    ``candidate_selector.predecessor_codebook``, ``encoder.fc.weight`` for
-    Muse-Glimmer, ...); no embedding or lm_head is written. A drafter
-    loaded from a checkpoint writes that checkpoint's config keys back. A quantized
-    drafter's config also records ``quantization`` (``group_size``, ``bits``,
-    ``mode``), which :func:`load_drafter` reads back; its quantized layers are the
-    ones with ``.scales`` in the file.
-    """
+    """Write ``config.json`` and ``model.safetensors`` (each atomically) in the drafter's own format:
+    the format's weight names, no embedding or lm_head; a quantized drafter's config records
+    ``quantization`` (``group_size``, ``bits``, ``mode``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fmt = model.args.format
@@ -128,7 +95,6 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
     if quantized:
         config["quantization"] = {"group_size": quantized[0].group_size, "bits": quantized[0].bits,
                                   "mode": quantized[0].mode}
-    # Each file under a temporary name, then renamed: a kill leaves the old file or the new one.
     with atomic_file(out / "model.safetensors") as tmp:
         write_safetensors(tmp, weights, metadata={"format": "pt"})
     with atomic_file(out / "config.json") as tmp:
@@ -142,12 +108,8 @@ _DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bflo
 
 
 def write_safetensors(path: Path, arrays: dict, metadata: Optional[dict] = None) -> None:
-    """Write arrays through the ``safetensors`` library, as released checkpoints are
-    written, so a checkpoint read and saved again is the same file byte for byte.
-
-    ``mx.save_safetensors`` is not used here: its data order follows its hash map, so
-    equal weights can give different files.
-    """
+    """Write arrays with the ``safetensors`` library (a checkpoint read and saved again is the same file
+    byte for byte; ``mx.save_safetensors`` orders data by its hash map)."""
     import numpy as np
     import safetensors
 
@@ -164,8 +126,7 @@ def write_safetensors(path: Path, arrays: dict, metadata: Optional[dict] = None)
 
 
 def read_config(config_file: Path, missing: str = "not found") -> dict:
-    """Read a ``config.json``; errors name the file (and the key, see
-    :func:`check_config_dtype`); ``missing``: what a missing file's error says."""
+    """A ``config.json`` (``missing``: what a missing file's error says); errors name the file and key."""
     if not config_file.is_file():
         raise CheckpointError(f"{config_file}: {missing}")
     try:
@@ -182,12 +143,7 @@ CONFIG_DTYPES = ("float16", "bfloat16", "float32", "float64", "auto")
 
 
 def check_config_dtype(config: dict, config_file: Path) -> None:
-    """Refuse a ``torch_dtype`` or ``dtype`` that names no float type (``"int7"`` would
-    otherwise be written back as float32 without a word).
-
-    Raises:
-        ConfigError: naming the file, the key and the value.
-    """
+    """ConfigError (naming the file, key and value) for a ``torch_dtype`` or ``dtype`` naming no float type."""
     for key in ("torch_dtype", "dtype"):
         value = config.get(key)
         if value is None:
@@ -198,14 +154,10 @@ def check_config_dtype(config: dict, config_file: Path) -> None:
 
 
 def read_safetensors(path: Path, with_files: bool = False):
-    """Load every ``*.safetensors`` file of a folder into one dict.
-
-    Returns:
-        ``{key: array}``, or with ``with_files`` also ``{key: file}``.
+    """Every ``*.safetensors`` file of a folder as ``{key: array}`` (with ``with_files`` also ``{key: file}``).
 
     Raises:
-        CheckpointError: no weight file, a file that is truncated or corrupt, or a
-            key found in two files (names both).
+        CheckpointError: no weight file, a truncated or corrupt file, or a key in two files (names both).
     """
     files = sorted(path.glob("*.safetensors"))
     if not files:

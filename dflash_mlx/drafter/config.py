@@ -1,16 +1,12 @@
-"""Drafter hyper-parameters: the released ``config.json`` parsed and validated
-(DFLASH_SPEC.md sections 2 and 9), and written back in the same layout.
-
-The fields every format shares are parsed here; each format parses, checks and writes
-its own keys (:mod:`dflash_mlx.drafter.formats`), and the keys other tools write for the
-same fields are read or refused in :mod:`dflash_mlx.drafter.variants`.
-"""
+"""Drafter hyper-parameters: ``config.json`` parsed, validated and written back in the same layout
+(spec sections 2 and 9). Format keys: :mod:`~dflash_mlx.drafter.formats`; other tools' keys:
+:mod:`~dflash_mlx.drafter.variants`."""
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from ..errors import ConfigError
 from .formats import V1, DrafterFormat, detect_format, format_named, to_int, to_number
@@ -21,11 +17,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
-    """Target layers spread evenly, as older checkpoints without the key assume.
-
-    Formula (spec section 2): ``round(1 + i * (N_target - 4) / (N_draft - 1))``,
-    which gives ``[1, 9, 17, 25, 33]`` for 36 target layers and 5 drafter layers.
-    """
+    """Target layers spread evenly (spec section 2): ``round(1 + i * (N_target - 4) / (N_draft - 1))``."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     span = num_target_layers - 4
@@ -34,36 +26,17 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> L
 
 @dataclass
 class DrafterArgs:
-    """Drafter hyper-parameters, as read from a released ``config.json``.
+    """Drafter hyper-parameters, as read from a released ``config.json`` (spec sections 2 and 9).
 
     Attributes:
-        hidden_size: Width H; equals the target's hidden size.
-        num_hidden_layers: Drafter layers.
-        num_attention_heads, num_key_value_heads, head_dim: GQA shape.
-        intermediate_size: SwiGLU MLP width.
-        vocab_size: Equals the target's vocabulary size.
-        target_layer_ids: 0-based target layers whose output is captured
-            (``dflash_config.target_layer_ids``; top level for Muse-Glimmer).
-        mask_token_id: Unused vocabulary row used for masked block positions
-            (``dflash_config.mask_token_id``; top level for Muse-Glimmer).
-        block_size: Trained block size B (top-level ``block_size``).
-        num_target_layers: Layers of the target the drafter was trained for.
+        target_layer_ids, mask_token_id: ``dflash_config`` keys (top level for Muse-Glimmer).
+        block_size: trained block size B; num_target_layers: layers of the target it was trained for.
         architecture: ``architectures[0]``, the format (:mod:`dflash_mlx.drafter.formats`).
-        layer_types: per layer ``full_attention`` or ``sliding_attention`` (None: all full).
-        sliding_window: W of the sliding layers, in tokens.
-        is_causal: top-level override of in-block causality (None: the format's rule).
-        mask_embedding: the checkpoint has its own ``mask_embedding`` [H] row for
-            masked block positions instead of the embedding of ``mask_token_id`` (a
-            weight, not a config key: set by the loader).
-        conv_kernel_size, conv_group_size: DFlash2 block convolution taps K and
-            channels per dynamic group g (0: no convolution).
-        selector_rank, selector_top_k: DFlash2 candidate selector rank r and
-            candidates per position k (0: no selector).
-        input_embedding_scale, output_multiplier, final_logit_softcapping: DFlash2
-            embedding scale, logit multiplier and softcap (None: no softcap). These
-            seven are DFlash2's own keys, parsed and written by its format.
-        config: the ``config.json`` this came from, kept so saving writes the same
-            keys back (None for a new drafter).
+        layer_types: per layer ``full_attention`` or ``sliding_attention`` (None: all full);
+            sliding_window: W in tokens; is_causal: in-block causality override (None: the format's rule).
+        mask_embedding: the checkpoint has its own ``mask_embedding`` [H] weight (set by the loader).
+        conv_kernel_size ... final_logit_softcapping: DFlash2's keys (0 / 1.0 / None: off).
+        config: the ``config.json`` parsed, so saving writes the same keys back (None for a new drafter).
     """
 
     hidden_size: int
@@ -96,30 +69,25 @@ class DrafterArgs:
     config: Optional[dict] = field(default=None, repr=False, compare=False)
 
     @property
-    def format(self):
-        """The :class:`~dflash_mlx.drafter.formats.DrafterFormat` of ``architecture``."""
+    def format(self) -> DrafterFormat:
         return format_named(self.architecture)
 
     def is_sliding(self, layer: int) -> bool:
-        """Whether drafter layer ``layer`` is a sliding-window layer."""
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
     def is_causal_layer(self, layer: int) -> bool:
-        """In-block causality of a layer: ``is_causal`` when set, else causal on sliding
-        layers (bidirectional everywhere for formats that say so), spec section 9."""
+        """``is_causal`` when set, else causal on sliding layers of formats not bidirectional (spec section 9)."""
         if self.is_causal is not None:
             return self.is_causal
         return self.is_sliding(layer) and not self.format.bidirectional
 
-    # Over 60 lines: each common key checked where it is read (format keys: formats.py; other tools': variants.py)
     @classmethod
     def from_config(cls, config: dict, source: str = "config.json") -> "DrafterArgs":
-        """Parse and validate a drafter config of any format in :mod:`dflash_mlx.drafter.formats`,
-        in any layout of :mod:`dflash_mlx.drafter.variants`.
+        """Parse and validate a drafter config of any format (:mod:`~dflash_mlx.drafter.formats`) in any
+        layout (:mod:`~dflash_mlx.drafter.variants`).
 
         Raises:
-            ConfigError: a required key is missing or a value does not fit; the
-                message names ``source`` and the key.
+            ConfigError: a required key is missing or a value does not fit (names ``source`` and the key).
         """
         if not isinstance(config, dict):
             raise ConfigError(f"{source}: expected a JSON object, found {type(config).__name__}")
@@ -127,98 +95,33 @@ class DrafterArgs:
         dflash = config.get("dflash_config") or {}
         if not isinstance(dflash, dict):
             raise ConfigError(f"{source}: 'dflash_config' must be an object, got {dflash!r}")
-        where = "" if fmt.ids_at_top else "dflash_config."
 
-        def need(key: str) -> Any:
-            if key not in config:
-                raise ConfigError(f"{source}: missing key '{key}'")
-            return config[key]
-
-        def drafter_key(key: str, default: Any = None) -> Any:
-            """A DFlash key: in its format's place or the other place (they must agree)."""
+        def drafter_key(key: str, default: Any = None) -> Any:  # in the format's place or the other (agreeing)
             return pick(config, dflash, key, fmt.ids_at_top, source, default)
 
-        n_heads = _int(need("num_attention_heads"), "num_attention_heads", source)
-        hidden = _int(need("hidden_size"), "hidden_size", source)
-        n_layers = _int(need("num_hidden_layers"), "num_hidden_layers", source)
-        n_target = pick(config, dflash, "num_target_layers", True, source)
-        n_target = None if n_target is None else _int(n_target, "num_target_layers", source)
-        layer_ids = drafter_key("target_layer_ids")
-        if layer_ids is None:
-            if n_target is None:
-                raise ConfigError(
-                    f"{source}: missing key '{where}target_layer_ids' "
-                    "(and no 'num_target_layers' to derive it)"
-                )
-            layer_ids = default_target_layer_ids(n_target, n_layers)
-        if not isinstance(layer_ids, list):
-            raise ConfigError(f"{source}: '{where}target_layer_ids' must be a list, got {layer_ids!r}")
-        mask_id = drafter_key("mask_token_id")
-        if mask_id is None:
-            raise ConfigError(f"{source}: missing key '{where}mask_token_id'")
-        rope_params = config.get("rope_parameters") or {}
-        rope_scaling = config.get("rope_scaling") or (rope_params or None)
-        extra = fmt.read_keys(lambda key: drafter_key(key), source)
-        engine = engine_keys(config, dflash, source)
-        is_causal = engine["is_causal"]
-        if is_causal is not None and not isinstance(is_causal, bool):
-            raise ConfigError(f"{source}: 'is_causal' must be true, false or null, got {is_causal!r}")
-        window = engine["sliding_window"]
-        args = cls(
-            hidden_size=hidden,
-            num_hidden_layers=n_layers,
-            num_attention_heads=n_heads,
-            num_key_value_heads=_int(config.get("num_key_value_heads", n_heads), "num_key_value_heads", source),
-            head_dim=_int(config.get("head_dim") or hidden // max(n_heads, 1), "head_dim", source),
-            intermediate_size=_int(need("intermediate_size"), "intermediate_size", source),
-            vocab_size=_int(need("vocab_size"), "vocab_size", source),
-            target_layer_ids=[_int(i, f"{where}target_layer_ids", source) for i in layer_ids],
-            mask_token_id=_int(mask_id, f"{where}mask_token_id", source),
-            block_size=_int(drafter_key("block_size", 16), "block_size", source),
-            num_target_layers=n_target,
-            rms_norm_eps=_number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
-            rope_theta=_number(read_rope_theta(config, source), "rope_theta", source),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=_int(config.get("max_position_embeddings") or 40960, "max_position_embeddings",
-                                         source),
-            architecture=fmt.architecture,
-            layer_types=config.get("layer_types") or None,
-            sliding_window=None if window is None else _int(window, "sliding_window", source),
-            is_causal=is_causal,
-            config=copy.deepcopy(config),
-            **extra,
-        )
+        args = cls(**_shape(config, source), **_dflash_keys(config, dflash, fmt, drafter_key, source),
+                   **_engine(config, dflash, source), architecture=fmt.architecture, config=copy.deepcopy(config),
+                   **fmt.read_keys(drafter_key, source))
         args.validate(source)
         return args
 
     def validate(self, source: str = "config.json") -> None:
-        """Check ranges that do not need the target.
-
-        Raises:
-            ConfigError: naming ``source`` and the offending key.
-        """
+        """Check ranges that do not need the target; ConfigError naming ``source`` and the key."""
         where = "" if self.format.ids_at_top else "dflash_config."
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ConfigError(
-                f"{source}: '{where}mask_token_id' {self.mask_token_id} is outside "
-                f"the vocabulary [0, {self.vocab_size})"
-            )
+            raise ConfigError(f"{source}: '{where}mask_token_id' {self.mask_token_id} is outside "
+                              f"the vocabulary [0, {self.vocab_size})")
         if self.block_size < 2:
             raise ConfigError(f"{source}: 'block_size' {self.block_size} must be at least 2")
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
-            raise ConfigError(
-                f"{source}: '{where}target_layer_ids' {self.target_layer_ids} "
-                "must be a non-empty list of layer indices >= 0"
-            )
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                    "head_dim", "intermediate_size", "vocab_size"):
+            raise ConfigError(f"{source}: '{where}target_layer_ids' {self.target_layer_ids} "
+                              "must be a non-empty list of layer indices >= 0")
+        for key in _SHAPE_KEYS[:7]:
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{source}: '{key}' must be positive, got {getattr(self, key)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"{source}: num_attention_heads {self.num_attention_heads} is not a "
-                f"multiple of num_key_value_heads {self.num_key_value_heads}"
-            )
+            raise ConfigError(f"{source}: num_attention_heads {self.num_attention_heads} is not a "
+                              f"multiple of num_key_value_heads {self.num_key_value_heads}")
         self._validate_layers(source)
         self.format.validate_keys(self, source)
 
@@ -227,52 +130,28 @@ class DrafterArgs:
         if types is None:
             return
         if not isinstance(types, list) or len(types) != self.num_hidden_layers:
-            raise ConfigError(
-                f"{source}: 'layer_types' must list one type per layer ({self.num_hidden_layers}), got {types!r}"
-            )
+            raise ConfigError(f"{source}: 'layer_types' must list one type per layer ({self.num_hidden_layers}), "
+                              f"got {types!r}")
         for i, t in enumerate(types):
             if t not in LAYER_TYPES:
                 raise ConfigError(f"{source}: 'layer_types[{i}]' is {t!r}; expected one of {list(LAYER_TYPES)}")
         if "sliding_attention" in types and (self.sliding_window is None or self.sliding_window < 1):
-            raise ConfigError(
-                f"{source}: 'sliding_window' must be a positive number of tokens when a layer is "
-                f"sliding_attention, got {self.sliding_window!r}"
-            )
+            raise ConfigError(f"{source}: 'sliding_window' must be a positive number of tokens when a layer is "
+                              f"sliding_attention, got {self.sliding_window!r}")
 
     def to_config(self, dtype: str = "bfloat16") -> dict:
-        """The ``config.json`` of this drafter in its format's layout.
-
-        A drafter loaded from a checkpoint writes that checkpoint's config back with the
-        same keys in the same places (values updated from these fields); a new one gets
-        the released layout of its format (Qwen3Config keys for v1 and DFlash2).
-        """
+        """The ``config.json`` of this drafter: a loaded one's config with the same keys in the same
+        places (values from these fields); a new one in its format's released layout (Qwen3Config keys)."""
         fmt = self.format
-        top = {
-            "architectures": [fmt.architecture],
-            "model_type": fmt.model_type,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "vocab_size": self.vocab_size,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.max_position_embeddings,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "hidden_act": "silu",
-            "tie_word_embeddings": False,
-            "layer_types": self.layer_types or ["full_attention"] * self.num_hidden_layers,
-            "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
-        }
+        top = {"architectures": [fmt.architecture], "model_type": fmt.model_type}
+        top.update({key: getattr(self, key) for key in _SHAPE_KEYS})
+        top.update(attention_bias=False, attention_dropout=0.0, hidden_act="silu", tie_word_embeddings=False,
+                   layer_types=self.layer_types or ["full_attention"] * self.num_hidden_layers,
+                   block_size=self.block_size, num_target_layers=self.num_target_layers)
         if self.sliding_window is not None:
             top["sliding_window"] = self.sliding_window
         if self.config is None and self.layer_types and "sliding_attention" in self.layer_types:
-            top["use_sliding_window"] = True  # else transformers' Qwen3Config drops sliding_window (the authors' loader)
+            top["use_sliding_window"] = True  # else transformers' Qwen3Config drops sliding_window
         if self.is_causal is not None:
             top["is_causal"] = self.is_causal
         ids = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
@@ -288,9 +167,8 @@ class DrafterArgs:
 
 
 def _merge(original: dict, top: dict, dflash: dict, dtype: str, fmt: DrafterFormat) -> dict:
-    """``original`` with its values updated from ``top`` and ``dflash``, each key where
-    the original keeps it; a key the original lacks is added only when it carries
-    information (sliding layers, a causality override, a format key ``fmt`` says to add)."""
+    """``original`` with values from ``top`` and ``dflash``, each key where the original keeps it; a key
+    it lacks is added only when it carries information (sliding layers, a causality override, ...)."""
     out = copy.deepcopy(original)
     nested = out.get("dflash_config") if isinstance(out.get("dflash_config"), dict) else None
     for key, value in list(top.items()) + list(dflash.items()):
@@ -313,8 +191,66 @@ def _merge(original: dict, top: dict, dflash: dict, dtype: str, fmt: DrafterForm
     return out
 
 
+_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
+               "max_position_embeddings")
 _IDS = ("target_layer_ids", "mask_token_id")
 _ADDABLE = ("sliding_window", "is_causal", "layer_types", "block_size", "num_target_layers")
 
 
-_int, _number = to_int, to_number  # shared with the formats' own keys
+def _shape(config: dict, source: str) -> Dict[str, Any]:
+    """The network's shape: widths, heads, norm and RoPE settings."""
+
+    def need(key: str) -> Any:
+        if key not in config:
+            raise ConfigError(f"{source}: missing key '{key}'")
+        return config[key]
+
+    heads = to_int(need("num_attention_heads"), "num_attention_heads", source)
+    hidden = to_int(need("hidden_size"), "hidden_size", source)
+    rope_params = config.get("rope_parameters") or {}
+    return dict(
+        hidden_size=hidden, num_attention_heads=heads,
+        num_hidden_layers=to_int(need("num_hidden_layers"), "num_hidden_layers", source),
+        num_key_value_heads=to_int(config.get("num_key_value_heads", heads), "num_key_value_heads", source),
+        head_dim=to_int(config.get("head_dim") or hidden // max(heads, 1), "head_dim", source),
+        intermediate_size=to_int(need("intermediate_size"), "intermediate_size", source),
+        vocab_size=to_int(need("vocab_size"), "vocab_size", source),
+        rms_norm_eps=to_number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
+        rope_theta=to_number(read_rope_theta(config, source), "rope_theta", source),
+        rope_scaling=config.get("rope_scaling") or (rope_params or None),
+        max_position_embeddings=to_int(config.get("max_position_embeddings") or 40960, "max_position_embeddings",
+                                       source),
+    )
+
+
+def _dflash_keys(config: dict, dflash: dict, fmt: DrafterFormat, drafter_key: Callable, source: str) -> Dict[str, Any]:
+    """``target_layer_ids`` (spread evenly when absent), ``mask_token_id``, ``block_size``, ``num_target_layers``."""
+    where = "" if fmt.ids_at_top else "dflash_config."
+    n_target = pick(config, dflash, "num_target_layers", True, source)
+    n_target = None if n_target is None else to_int(n_target, "num_target_layers", source)
+    layer_ids = drafter_key("target_layer_ids")
+    if layer_ids is None:
+        if n_target is None:
+            raise ConfigError(f"{source}: missing key '{where}target_layer_ids' (and no 'num_target_layers' "
+                              "to derive it)")
+        layer_ids = default_target_layer_ids(n_target, to_int(config["num_hidden_layers"], "num_hidden_layers",
+                                                              source))
+    if not isinstance(layer_ids, list):
+        raise ConfigError(f"{source}: '{where}target_layer_ids' must be a list, got {layer_ids!r}")
+    mask_id = drafter_key("mask_token_id")
+    if mask_id is None:
+        raise ConfigError(f"{source}: missing key '{where}mask_token_id'")
+    return dict(target_layer_ids=[to_int(i, f"{where}target_layer_ids", source) for i in layer_ids],
+                mask_token_id=to_int(mask_id, f"{where}mask_token_id", source),
+                block_size=to_int(drafter_key("block_size", 16), "block_size", source), num_target_layers=n_target)
+
+
+def _engine(config: dict, dflash: dict, source: str) -> Dict[str, Any]:
+    """``layer_types``, ``sliding_window`` and ``is_causal`` (:func:`~dflash_mlx.drafter.variants.engine_keys`)."""
+    engine = engine_keys(config, dflash, source)
+    is_causal, window = engine["is_causal"], engine["sliding_window"]
+    if is_causal is not None and not isinstance(is_causal, bool):
+        raise ConfigError(f"{source}: 'is_causal' must be true, false or null, got {is_causal!r}")
+    return dict(layer_types=config.get("layer_types") or None, is_causal=is_causal,
+                sliding_window=None if window is None else to_int(window, "sliding_window", source))

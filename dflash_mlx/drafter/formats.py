@@ -1,18 +1,15 @@
-"""Drafter checkpoint formats, told apart by ``architectures[0]`` (DFLASH_SPEC.md sections 2, 9).
+"""Drafter checkpoint formats, told apart by ``architectures[0]`` (spec sections 2 and 9): where the
+DFlash keys sit, the format's own keys (:class:`FormatKey`) and how its weight names map onto the
+network (:mod:`dflash_mlx.drafter.network`).
 
-A format says where its ``config.json`` keeps the DFlash keys, which keys of its own it
-parses, checks and writes (:class:`FormatKey`), how its weight names map onto the network of :mod:`dflash_mlx.drafter.network`, and which network pieces it uses. The
-pieces themselves (sliding-window layers, DFlash2's block convolution and candidate
-selector) live in the drafter file, so the method is read in one place.
+- ``DFlashDraftModel`` (v1): ids in ``dflash_config``; weights as the network; in-block attention
+  bidirectional, causal on sliding layers.
+- ``DFlash2DraftModel``: as v1, plus its ``dflash_config`` keys and ``layers.{i}.{attention,mlp}_conv.*``,
+  ``candidate_selector.*`` weights.
+- ``MuseGlimmerAssistantModel``: ids at the top level; ``encoder.fc.*`` -> ``fc.*``,
+  ``encoder.output_norm_enc.*`` -> ``hidden_norm.*``; bidirectional.
 
-| ``architectures[0]`` | ids and mask token | weights | in-block attention |
-|---|---|---|---|
-| ``DFlashDraftModel`` (v1) | ``dflash_config`` | as the network | bidirectional; causal on sliding layers |
-| ``DFlash2DraftModel`` | ``dflash_config`` (+ conv, selector, scales) | + ``layers.{i}.{attention,mlp}_conv.*``, ``candidate_selector.*`` | as v1 |
-| ``MuseGlimmerAssistantModel`` | top level | ``encoder.fc.*`` -> ``fc.*``, ``encoder.output_norm_enc.*`` -> ``hidden_norm.*`` | bidirectional |
-
-Any format may mix ``sliding_attention`` layers (``layer_types``, ``sliding_window``);
-a top-level ``is_causal`` overrides the in-block attention of every layer.
+Any format may mix ``sliding_attention`` layers; a top-level ``is_causal`` overrides every layer.
 """
 
 from __future__ import annotations
@@ -28,28 +25,16 @@ REQUIRED = object()  # a FormatKey default: the key must be present
 
 @dataclass(frozen=True)
 class FormatKey:
-    """One ``dflash_config`` key a format owns (parsed into the DrafterArgs field of the same name).
-
-    Attributes:
-        name: the key, also the DrafterArgs field.
-        integer: an integer (else a finite number).
-        default: the value when absent, or :data:`REQUIRED`.
-        minimum: the smallest value allowed (None: any).
-        nullable: null is allowed (for a number: "off").
-    """
+    """One ``dflash_config`` key a format owns, parsed into the DrafterArgs field ``name``: an integer
+    (else a finite number) of at least ``minimum``, ``default`` when absent (:data:`REQUIRED`, or None: off)."""
 
     name: str
     integer: bool = True
     default: Any = REQUIRED
     minimum: Optional[float] = None
-    nullable: bool = False
 
     def parse(self, value: Any, source: str, fmt: str) -> Any:
-        """The checked value of this key (``value`` None: absent).
-
-        Raises:
-            ConfigError: missing, of the wrong type or below ``minimum``; names the key.
-        """
+        """The checked value (``value`` None: absent); ConfigError naming the key."""
         where = f"dflash_config.{self.name}"
         if value is None:
             if self.default is REQUIRED:
@@ -70,17 +55,13 @@ class DrafterFormat:
     """One released drafter layout.
 
     Attributes:
-        architecture: ``architectures[0]`` of its ``config.json``.
-        model_type: ``model_type`` written for a new checkpoint.
-        ids_at_top: ``target_layer_ids`` and ``mask_token_id`` are top-level keys
-            (else under ``dflash_config``).
+        architecture: ``architectures[0]``; model_type: written for a new checkpoint.
+        ids_at_top: ``target_layer_ids`` and ``mask_token_id`` are top-level keys (else in ``dflash_config``).
         renames: ``(checkpoint prefix, network prefix)`` pairs for weight names.
         dflash2: DFlash2 pieces (block convolution, candidate selector, scales).
-        bidirectional: in-block attention is bidirectional on every layer unless
-            ``is_causal`` says otherwise (else causal on sliding layers).
-        keys: the ``dflash_config`` keys this format alone owns; each fills the
-            DrafterArgs field of its name (the network reads them there).
-        check: cross-checks of those fields, ``check(args, source)`` (ConfigError).
+        bidirectional: in-block attention bidirectional on every layer unless ``is_causal`` (else causal
+            on sliding layers).
+        keys: the ``dflash_config`` keys this format alone owns; check: their cross-checks (ConfigError).
     """
 
     architecture: str
@@ -93,11 +74,7 @@ class DrafterFormat:
     check: Optional[Callable[[Any, str], None]] = None
 
     def read_keys(self, lookup: Callable[[str], Any], source: str) -> Dict[str, Any]:
-        """The DrafterArgs fields this format owns, from ``lookup(key)`` (None when absent).
-
-        Raises:
-            ConfigError: a key missing or invalid (names ``dflash_config.<key>``).
-        """
+        """The DrafterArgs fields this format owns, from ``lookup(key)`` (None when absent); ConfigError."""
         return {k.name: k.parse(lookup(k.name), source, self.architecture) for k in self.keys}
 
     def validate_keys(self, args: Any, source: str) -> None:
@@ -108,78 +85,61 @@ class DrafterFormat:
             self.check(args, source)
 
     def write_keys(self, args: Any, new: bool) -> Dict[str, Any]:
-        """This format's ``dflash_config`` entries for ``args``; a new checkpoint leaves out
-        optional keys at their default."""
-        out = {}
-        for k in self.keys:
-            value = getattr(args, k.name)
-            if not new or k.default is REQUIRED or value != k.default:
-                out[k.name] = value
-        return out
+        """This format's ``dflash_config`` entries (a new checkpoint leaves out defaults)."""
+        values = {k.name: getattr(args, k.name) for k in self.keys}
+        return {key: value for key, value in values.items() if not new or self.addable(key, value)}
 
     def addable(self, key: str, value: Any) -> bool:
-        """Whether saving adds this format's ``key`` to a config that lacked it: a
-        required key, or an optional one away from its default."""
+        """Whether saving adds ``key`` to a config that lacked it: required, or away from its default."""
         spec = next((k for k in self.keys if k.name == key), None)
         return spec is not None and (spec.default is REQUIRED or value != spec.default)
 
     def network_key(self, key: str) -> str:
         """Checkpoint weight name -> the network's parameter name."""
-        for stored, ours in self.renames:
-            if key.startswith(stored):
-                return ours + key[len(stored):]
-        return key
+        return _rename(key, self.renames)
 
     def checkpoint_key(self, key: str) -> str:
-        """The network's parameter name -> checkpoint weight name (inverse of :meth:`network_key`)."""
-        for stored, ours in self.renames:
-            if key.startswith(ours):
-                return stored + key[len(ours):]
-        return key
+        """The network's parameter name -> checkpoint weight name."""
+        return _rename(key, [(ours, stored) for stored, ours in self.renames])
+
+
+def _rename(key: str, prefixes) -> str:
+    for old, new in prefixes:
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
 
 
 def _check_dflash2(args: Any, source: str) -> None:
     """DFlash2 cross-checks: groups divide the width, candidates fit the vocabulary."""
     if args.hidden_size % args.conv_group_size:
-        raise ConfigError(
-            f"{source}: 'dflash_config.conv_group_size' {args.conv_group_size} does not divide "
-            f"hidden_size {args.hidden_size}"
-        )
+        raise ConfigError(f"{source}: 'dflash_config.conv_group_size' {args.conv_group_size} does not divide "
+                          f"hidden_size {args.hidden_size}")
     if args.selector_top_k > args.vocab_size:
-        raise ConfigError(
-            f"{source}: 'dflash_config.selector_top_k' {args.selector_top_k} exceeds vocab_size {args.vocab_size}"
-        )
+        raise ConfigError(f"{source}: 'dflash_config.selector_top_k' {args.selector_top_k} exceeds vocab_size "
+                          f"{args.vocab_size}")
 
 
-# DFlash2 keys of dflash_config (spec section 9): convolution taps K and channels per
-# dynamic group g, selector rank r and candidates k; then three scalars with defaults.
+# spec section 9: convolution taps K and channels per group g, selector rank r and top-k, three scalars
 DFLASH2_KEYS = (
     FormatKey("conv_kernel_size", minimum=1), FormatKey("conv_group_size", minimum=1),
     FormatKey("selector_rank", minimum=1), FormatKey("selector_top_k", minimum=1),
     FormatKey("input_embedding_scale", integer=False, default=1.0),
     FormatKey("output_multiplier", integer=False, default=1.0),
-    FormatKey("final_logit_softcapping", integer=False, default=None, minimum=0.0, nullable=True),
+    FormatKey("final_logit_softcapping", integer=False, default=None, minimum=0.0),
 )
 
 V1 = DrafterFormat("DFlashDraftModel", "qwen3")
 DFLASH2 = DrafterFormat("DFlash2DraftModel", "qwen3", dflash2=True, keys=DFLASH2_KEYS, check=_check_dflash2)
-MUSE_GLIMMER = DrafterFormat(
-    "MuseGlimmerAssistantModel", "muse_glimmer_assistant", ids_at_top=True,
-    renames=(("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm.")), bidirectional=True,
-)
+MUSE_GLIMMER = DrafterFormat("MuseGlimmerAssistantModel", "muse_glimmer_assistant", ids_at_top=True,
+                             renames=(("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm.")),
+                             bidirectional=True)
 FORMATS: Dict[str, DrafterFormat] = {f.architecture: f for f in (V1, DFLASH2, MUSE_GLIMMER)}
 
 
 def detect_format(config: dict, source: str = "config.json") -> DrafterFormat:
-    """The format of a drafter ``config.json``, from ``architectures[0]``.
-
-    A config with another (or no) architecture but a ``dflash_config`` is read as v1,
-    as older checkpoints were.
-
-    Raises:
-        ConfigError: neither a known architecture nor a ``dflash_config``; names the
-            file, ``architectures`` and the formats that load.
-    """
+    """The format of a drafter ``config.json`` from ``architectures[0]``; another (or no) architecture
+    with a ``dflash_config`` is v1; else ConfigError naming the formats that load."""
     archs = config.get("architectures") or []
     if not isinstance(archs, list):
         raise ConfigError(f"{source}: 'architectures' must be a list, got {archs!r}")
@@ -187,11 +147,9 @@ def detect_format(config: dict, source: str = "config.json") -> DrafterFormat:
         return FORMATS[archs[0]]
     if config.get("dflash_config"):
         return V1
-    raise ConfigError(
-        f"{source}: not a DFlash drafter config ('architectures' is {archs} and there is no "
-        f"'dflash_config'); drafter formats that load: {', '.join(FORMATS)}. "
-        "Pass the drafter folder to --draft-model"
-    )
+    raise ConfigError(f"{source}: not a DFlash drafter config ('architectures' is {archs} and there is no "
+                      f"'dflash_config'); drafter formats that load: {', '.join(FORMATS)}. "
+                      "Pass the drafter folder to --draft-model")
 
 
 def format_named(architecture: Optional[str]) -> DrafterFormat:

@@ -1,16 +1,12 @@
-"""Config keys that other tools write for the same drafter (vLLM, SGLang, SpecForge,
-speculators; PEERS.md "Serving and interop"): read into the fields our layout has, or
-refused with one line naming the key.
+"""Config keys other tools write for the same drafter (vLLM, SGLang, SpecForge, speculators), read into
+our fields or refused with one line naming the key:
 
-| key | written by | here |
-|---|---|---|
-| ``target_layer_ids``, ``mask_token_id``, ``block_size``, ``num_target_layers`` at the top level or under ``dflash_config`` | SGLang, Muse-Glimmer | either place; two different values are refused |
-| ``rope_parameters.rope_theta`` instead of ``rope_theta`` | newer transformers | either; two different values are refused |
-| ``dflash_config.causal`` | vLLM | the in-block causality override (``is_causal``) |
-| ``dflash_config.use_swa``, ``dflash_config.swa_window_size`` (or ``.sliding_window``) | vLLM | must agree with ``layer_types`` and ``sliding_window`` |
-| ``target_hidden_size`` | vLLM | accepted when equal to ``hidden_size`` |
-| ``draft_vocab_size`` with a ``d2t`` map | vLLM (EAGLE-3 style) | accepted when equal to ``vocab_size``; a reduced vocabulary is refused |
-| a ``mask_embedding`` weight | vLLM | accepted (:mod:`dflash_mlx.drafter.checkpoint`) |
+- ``target_layer_ids``, ``mask_token_id``, ``block_size``, ``num_target_layers`` at the top level or
+  under ``dflash_config`` (SGLang, Muse-Glimmer); ``rope_parameters.rope_theta`` (newer transformers):
+  either place, two different values refused;
+- vLLM: ``dflash_config.causal`` (the ``is_causal`` override); ``dflash_config.use_swa``,
+  ``.swa_window_size`` or ``.sliding_window`` (must agree with ``layer_types``, ``sliding_window``);
+  ``target_hidden_size`` and ``draft_vocab_size`` (only when equal to ours); a ``mask_embedding`` weight.
 """
 
 from __future__ import annotations
@@ -23,16 +19,8 @@ _MISSING = object()
 
 
 def pick(config: dict, dflash: dict, key: str, top_first: bool, source: str, default: Any = None) -> Any:
-    """A key that may sit at the top level or under ``dflash_config``.
-
-    Args:
-        top_first: read the top level first (the format's own place), else
-            ``dflash_config``; when both hold a value they must agree anyway.
-        default: the value when neither place has the key (or it is null).
-
-    Raises:
-        ConfigError: both places hold different values (names both).
-    """
+    """A key at the top level or under ``dflash_config`` (``top_first``: the format's own place first),
+    ``default`` when neither has it; ConfigError when both hold different values (names both)."""
     top, nested = config.get(key, _MISSING), dflash.get(key, _MISSING)
     if top is not _MISSING and nested is not _MISSING and top != nested:
         raise ConfigError(f"{source}: 'dflash_config.{key}' {nested!r} and top-level '{key}' {top!r} disagree")
@@ -42,28 +30,18 @@ def pick(config: dict, dflash: dict, key: str, top_first: bool, source: str, def
 
 
 def rope_theta(config: dict, source: str) -> Any:
-    """``rope_theta``, or ``rope_parameters.rope_theta`` (10000 when neither is set).
-
-    Raises:
-        ConfigError: both are set and differ.
-    """
+    """``rope_theta``, or ``rope_parameters.rope_theta`` (10000 when neither); ConfigError when they differ."""
     params = config.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise ConfigError(f"{source}: 'rope_parameters' must be an object, got {params!r}")
-    top, nested = config.get("rope_theta"), params.get("rope_theta")
-    if top is not None and nested is not None and top != nested:
-        raise ConfigError(f"{source}: 'rope_theta' {top!r} and 'rope_parameters.rope_theta' {nested!r} disagree")
-    return top if top is not None else (nested if nested is not None else 10000.0)
+    theta = _agree(params.get("rope_theta"), config.get("rope_theta"), "rope_parameters.rope_theta", "rope_theta",
+                   source)
+    return 10000.0 if theta is None else theta
 
 
 def engine_keys(config: dict, dflash: dict, source: str) -> Dict[str, Any]:
-    """``is_causal`` and ``sliding_window`` from vLLM's ``dflash_config`` keys when the
-    top level lacks them, after checking vLLM's other keys against ours.
-
-    Raises:
-        ConfigError: a key that contradicts another or asks for what this drafter
-            cannot do (a reduced draft vocabulary, another target width); names it.
-    """
+    """``is_causal`` and ``sliding_window``, from vLLM's ``dflash_config`` keys where the top level lacks
+    them; ConfigError naming a key that contradicts another or asks for what is not supported."""
     hidden, vocab = config.get("hidden_size"), config.get("vocab_size")
     target_hidden = pick(config, dflash, "target_hidden_size", True, source)
     if target_hidden is not None and target_hidden != hidden:

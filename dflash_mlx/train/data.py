@@ -1,10 +1,5 @@
-"""Training data: prompts whose responses the target regenerates itself (spec section 6).
-
-Prompt sources: a JSONL file of ``prompt`` (or ``messages`` chat) rows, plain text cut
-into prompts, and openings sampled from the target itself (for base models with no
-prompt set). Responses come from mlx-lm's ``batch_generate`` and are stored as token
-ids with the response start, in ``.npz`` shards, so an interrupted run resumes.
-"""
+"""Training data (spec section 6): prompts (JSONL rows, cut plain text, or openings the target samples)
+whose responses the target regenerates, stored as token ids in resumable ``.npz`` shards."""
 
 from __future__ import annotations
 
@@ -29,24 +24,14 @@ MANIFEST = "manifest.json"
 
 @dataclass
 class TrainSequence:
-    """One training sequence: prompt + regenerated response.
-
-    Attributes:
-        tokens: [L] int32 token ids.
-        response_start: index of the first response token (loss mask = positions
-            ``>= response_start``).
-    """
+    """Prompt + regenerated response: ``tokens`` [L] int32, ``response_start`` the first response index."""
 
     tokens: np.ndarray
     response_start: int
 
 
 def read_json(path: Path, remedy: str):
-    """A JSON file this package wrote (a manifest).
-
-    Raises:
-        InputError: the file is not valid JSON (names it and the ``remedy``).
-    """
+    """A JSON file this package wrote; InputError naming it and the ``remedy`` when it is not JSON."""
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -54,11 +39,7 @@ def read_json(path: Path, remedy: str):
 
 
 def read_utf8(path: Path) -> str:
-    """A text file's contents.
-
-    Raises:
-        InputError: bytes that are not UTF-8 (names the file, line and byte offset).
-    """
+    """A text file's contents; InputError naming the file, line and offset of bytes that are not UTF-8."""
     data = path.read_bytes()
     try:
         return data.decode("utf-8")
@@ -68,14 +49,11 @@ def read_utf8(path: Path) -> str:
 
 
 def read_prompt_file(path: str | Path) -> List[dict]:
-    """Rows of a JSONL file with ``prompt`` (text) or ``messages`` (chat turns).
-
-    For ``messages`` rows, the turns up to the last user turn are the prompt.
+    """``{"prompt"}`` or ``{"messages"}`` (the turns up to the last user turn) rows of a JSONL file.
 
     Raises:
-        InputError: missing or empty file, bytes that are not UTF-8, a line that is
-            not JSON, a row with neither key, or a message without a ``role`` and a
-            ``content`` string (the message names the file and line).
+        InputError: missing or empty file, not UTF-8, a line not JSON, a row with neither key, or a message
+            without ``role`` and ``content`` strings (names the file and line).
     """
     path = Path(path)
     if not path.is_file():
@@ -110,13 +88,8 @@ def read_prompt_file(path: str | Path) -> List[dict]:
 
 def prompts_from_text(path: str | Path, rng: np.random.Generator, per_document: int = 8,
                       min_words: int = 2, max_words: int = 24) -> List[dict]:
-    """Cut plain text into prompts: random word-boundary prefixes of each document.
-
-    Documents are separated by blank lines or ``<|endoftext|>``.
-
-    Raises:
-        InputError: missing file, bytes that are not UTF-8, or no text.
-    """
+    """Random word-boundary prefixes of each document (split at blank lines or ``<|endoftext|>``) as prompt
+    rows; InputError for a missing file, bytes that are not UTF-8, or no text."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: text file not found")
@@ -133,26 +106,14 @@ def prompts_from_text(path: str | Path, rng: np.random.Generator, per_document: 
 
 
 def encode_prompts(tokenizer, rows: Iterable[dict], template: Optional[dict] = None) -> List[List[int]]:
-    """Token ids of each prompt: the chat template when the tokenizer has one
-    (with ``template`` kwargs such as ``enable_thinking``), else raw text with BOS."""
+    """Token ids of each prompt row: the chat template (with ``template`` kwargs) if any, else text with BOS."""
     return [encode_messages(tokenizer, row.get("messages") or [{"role": "user", "content": row["prompt"]}], template)
             for row in rows]
 
 
 def response_end_token(tokenizer, templated: bool) -> Optional[int]:
-    """The token that ends a finished response in the training data.
-
-    Generation stops at any id of ``tokenizer.eos_token_ids`` (a set, e.g. Qwen3's
-    ``<|im_end|>`` and ``<|endoftext|>``) and mlx-lm drops it, so the data records the
-    one the model is meant to end with: for a prompt rendered with the chat template,
-    the first EOS id the template puts after an assistant message's content (Qwen's
-    ``<|im_end|>``, Llama 3's ``<|eot_id|>``); else the tokenizer's ``eos_token_id``;
-    else the smallest EOS id; None without any.
-
-    Args:
-        tokenizer: mlx-lm ``TokenizerWrapper``.
-        templated: the prompts were rendered with the chat template.
-    """
+    """The EOS id a finished response ends with in the data: for ``templated`` prompts the first EOS id the
+    chat template puts after an assistant message; else ``eos_token_id``, else the smallest EOS id, or None."""
     eos = set(tokenizer.eos_token_ids)
     if templated and tokenizer.has_chat_template:
         marker = "dflash-end-of-content"
@@ -174,14 +135,9 @@ def response_end_token(tokenizer, templated: bool) -> Optional[int]:
 
 def self_prompts(model, tokenizer, count: int, length: int, seed: int, temp: float = 1.0,
                  style: str = "prefix", max_words: int = 12) -> List[List[int]]:
-    """Openings sampled from the target itself, for base models without a prompt set.
-
-    Args:
-        count: openings wanted; length: tokens sampled per text (after BOS).
-        style: "prefix" keeps BOS + the sampled tokens; "sentence" starts the opening
-            at a random sentence inside the sampled text and keeps its first 3 to
-            ``max_words`` words (openings unlike the model's usual first words).
-    """
+    """Up to ``count`` openings from ``length`` tokens the target samples after BOS: ``prefix`` keeps BOS
+    and them; ``sentence`` the first 3 to ``max_words`` words of a random later sentence. InputError for
+    a tokenizer without BOS or another style."""
     bos = tokenizer.bos_token_id
     if bos is None:
         raise InputError("--self-prompts needs a tokenizer with a BOS token")
@@ -202,75 +158,40 @@ def self_prompts(model, tokenizer, count: int, length: int, seed: int, temp: flo
     return openings
 
 
-def _fingerprint(prompts: Sequence[Sequence[int]], settings: dict) -> str:
-    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
-    for p in prompts:
+def token_digest(sequences: Iterable[Sequence[int]], prefix: bytes = b"") -> str:
+    """sha256 hex digest of ``prefix`` then each token sequence (int32 bytes, ``|`` after each)."""
+    h = hashlib.sha256(prefix)
+    for p in sequences:
         h.update(np.asarray(p, dtype=np.int32).tobytes() + b"|")
     return h.hexdigest()
 
 
-# Over 60 lines: one regeneration pass; split after the hardening work lands
-def regenerate(
-    model,
-    tokenizer,
-    prompts: List[List[int]],
-    out_dir: str | Path,
-    *,
-    max_tokens: int = 256,
-    max_length: int = 3072,
-    temp: float = 0.0,
-    shard_size: int = 256,
-    batch_size: int = 32,
-    seed: int = 0,
-    target_id: str = "",
-    end_tokens: Optional[Sequence[Optional[int]]] = None,
-    progress: Optional[Callable[[int, int], None]] = None,
-) -> Path:
-    """Regenerate responses with the target into ``out_dir`` (resumable).
-
-    Args:
-        prompts: prompt token ids.
-        max_tokens: most response tokens per prompt.
-        max_length: most tokens per sequence (prompt + response).
-        temp: sampling temperature of the regeneration (0 = greedy, as used later).
-        shard_size: prompts per shard; finished shards are skipped on resume.
-        end_tokens: per prompt, the token appended to a response that finished
-            (None: nothing); default :func:`response_end_token` of every prompt,
-            as rendered with the chat template when the tokenizer has one.
-        progress: called with (prompts done, total) after each shard.
+def regenerate(model, tokenizer, prompts: List[List[int]], out_dir: str | Path, *, max_tokens: int = 256,
+               max_length: int = 3072, temp: float = 0.0, shard_size: int = 256, batch_size: int = 32, seed: int = 0,
+               target_id: str = "", end_tokens: Optional[Sequence[Optional[int]]] = None,
+               progress: Optional[Callable[[int, int], None]] = None) -> Path:
+    """Responses the target generates for ``prompts`` (at ``temp``; at most ``max_tokens``, and
+    ``max_length`` with the prompt) into ``out_dir``, ``shard_size`` prompts per shard; finished shards
+    are kept on resume. ``end_tokens``: per prompt, the id appended to a finished response (default
+    :func:`response_end_token`); ``progress(done, total)`` after each shard.
 
     Raises:
-        InputError: no prompts, a prompt of ``max_length`` tokens or more, or an
-            ``out_dir`` made from other prompts or settings (nothing is overwritten).
+        InputError: no prompts, a prompt of ``max_length`` tokens or more, or an ``out_dir`` made from
+            other prompts or settings (nothing is overwritten).
     """
     if not prompts:
         raise InputError("no prompts to regenerate")
     too_long = [i for i, p in enumerate(prompts) if len(p) >= max_length]
     if too_long:
-        raise InputError(
-            f"{len(too_long)} prompt(s) have --max-length {max_length} tokens or more "
-            f"(first: prompt {too_long[0]}, {len(prompts[too_long[0]])} tokens); raise --max-length or shorten them"
-        )
+        raise InputError(f"{len(too_long)} prompt(s) have --max-length {max_length} tokens or more (first: prompt "
+                         f"{too_long[0]}, {len(prompts[too_long[0]])} tokens); raise --max-length or shorten them")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    settings = {"max_tokens": max_tokens, "max_length": max_length, "temp": temp, "seed": seed,
-                "shard_size": shard_size, "target": target_id}
-    manifest = {"version": 1, "num_prompts": len(prompts), "settings": settings,
-                "fingerprint": _fingerprint(prompts, settings)}
-    manifest_file = out / MANIFEST
-    if manifest_file.is_file():
-        old = read_json(manifest_file, "delete the folder, or pass a new --out")
-        if not isinstance(old, dict) or old.get("fingerprint") != manifest["fingerprint"]:
-            raise InputError(f"{out}: holds data from other prompts or settings; pass a new --out")
-    else:
-        with atomic_file(manifest_file) as tmp:
-            tmp.write_text(json.dumps(manifest, indent=2))
-
+    _claim(out, prompts, {"max_tokens": max_tokens, "max_length": max_length, "temp": temp, "seed": seed,
+                          "shard_size": shard_size, "target": target_id})
     if end_tokens is None:
         end_tokens = [response_end_token(tokenizer, tokenizer.has_chat_template)] * len(prompts)
     sampler = make_sampler(temp)
-    shards = range(0, len(prompts), shard_size)
-    for i, start in enumerate(shards):
+    for i, start in enumerate(range(0, len(prompts), shard_size)):
         path = out / f"shard_{i:05d}.npz"
         if not path.exists() or read_shard(path) is None:  # missing, or unreadable: made again
             mx.random.seed(seed + i)
@@ -288,6 +209,21 @@ def regenerate(
     return out
 
 
+def _claim(out: Path, prompts: List[List[int]], settings: dict) -> None:
+    """Create ``out`` with a manifest of these prompts and settings, or check the one it has (InputError)."""
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {"version": 1, "num_prompts": len(prompts), "settings": settings,
+                "fingerprint": token_digest(prompts, json.dumps(settings, sort_keys=True).encode())}
+    manifest_file = out / MANIFEST
+    if manifest_file.is_file():
+        old = read_json(manifest_file, "delete the folder, or pass a new --out")
+        if not isinstance(old, dict) or old.get("fingerprint") != manifest["fingerprint"]:
+            raise InputError(f"{out}: holds data from other prompts or settings; pass a new --out")
+    else:
+        with atomic_file(manifest_file) as tmp:
+            tmp.write_text(json.dumps(manifest, indent=2))
+
+
 def _write_shard(path: Path, prompts: List[List[int]], responses: List[List[int]]) -> None:
     seqs = [p + r for p, r in zip(prompts, responses)]
     with atomic_file(path) as tmp:
@@ -297,12 +233,8 @@ def _write_shard(path: Path, prompts: List[List[int]], responses: List[List[int]
 
 
 def load_sequences(data_dir: str | Path) -> List[TrainSequence]:
-    """All sequences of a regenerated data folder, in order.
-
-    Raises:
-        InputError: the folder has no manifest or no shards, or a shard is truncated
-            or corrupt (names it).
-    """
+    """All sequences of a regenerated data folder, in order; InputError for a folder without a manifest
+    or shards, or a truncated or corrupt shard (names it)."""
     data = Path(data_dir)
     if not (data / MANIFEST).is_file():
         raise InputError(f"{data}: not a training data folder (no {MANIFEST}); run `dflash data` first")
@@ -323,8 +255,7 @@ def load_sequences(data_dir: str | Path) -> List[TrainSequence]:
 
 
 def read_shard(path: Path) -> Optional[tuple]:
-    """``(tokens, lengths, response_starts)`` of a shard, or None when it cannot be
-    read whole (truncated, corrupt, or its lengths do not add up)."""
+    """``(tokens, lengths, response_starts)`` of a shard, or None when it cannot be read whole."""
     try:
         with np.load(path) as z:
             tokens, lengths, starts = z["tokens"], z["lengths"], z["response_starts"]

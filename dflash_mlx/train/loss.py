@@ -1,0 +1,177 @@
+"""The training loss (spec section 6) and its inputs: the frozen target's outputs (context features,
+spec section 3, and for distillation its final hidden states), cached per sequence; the blocks of a
+sequence through one masked forward, row k's cross-entropy weighted by ``exp(-(k-1)/gamma)``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_map
+
+from ..atomic import atomic_file
+from ..drafter.network import DFlashDrafter
+from ..errors import InputError
+from ..kernels import fast_softmax
+from ..targets import TargetAdapter
+from .blocks import block_mask
+from .data import TrainSequence, read_json, token_digest
+
+
+def target_fingerprint(target: TargetAdapter) -> dict:
+    """What must match when resuming: family, sizes and vocabulary."""
+    return {"model_type": getattr(target.model, "model_type", ""), "hidden_size": target.hidden_size,
+            "num_layers": target.num_layers, "vocab_size": target.vocab_size}
+
+
+def target_outputs(target: TargetAdapter, tokens: np.ndarray, layer_ids: List[int], dtype) -> Tuple[mx.array, mx.array]:
+    """Context features [1, L, K*H] and final hidden states [1, L, H] (the input of ``target.lm_head``) of
+    a whole sequence, one frozen forward, no gradient."""
+    hidden, feats = target(mx.array(tokens[None]), [None] * target.num_layers, layer_ids)
+    return mx.stop_gradient(feats.astype(dtype)), mx.stop_gradient(hidden.astype(dtype))
+
+
+def target_features(target: TargetAdapter, tokens: np.ndarray, layer_ids: List[int], dtype) -> mx.array:
+    """[1, L, K*H] context features of a whole sequence."""
+    return target_outputs(target, tokens, layer_ids, dtype)[0]
+
+
+class FeatureCache:
+    """Per-sequence target features (and with ``hidden`` final hidden states) in memory and, with a
+    ``folder``, as float16 ``NNNNNNN[.hidden].npy``; InputError when its manifest names other data."""
+
+    def __init__(self, target: TargetAdapter, layer_ids: List[int], folder: Optional[str | Path] = None,
+                 hidden: bool = False, sequences: Optional[List[TrainSequence]] = None):
+        self.target, self.layer_ids, self.hidden = target, list(layer_ids), hidden
+        self.folder = Path(folder) if folder else None
+        self.memory: Dict[int, Tuple[np.ndarray, Optional[np.ndarray]]] = {}
+        self.rebuilt: List[Path] = []  # cached files found unreadable and computed again
+        if self.folder:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._check_manifest(sequences)
+
+    def _check_manifest(self, sequences: Optional[List[TrainSequence]]) -> None:
+        key = {"target": target_fingerprint(self.target), "target_layer_ids": self.layer_ids,
+               "sequences": None if sequences is None else token_digest(s.tokens for s in sequences)}
+        path = self.folder / "manifest.json"
+        if path.is_file():
+            if read_json(path, "delete the features folder (it is made again)") != key:
+                raise InputError(f"{self.folder}: holds target features of other data, target_layer_ids or target; "
+                                 "give another features folder")
+        else:
+            with atomic_file(path) as tmp:
+                tmp.write_text(json.dumps(key, indent=2))
+
+    def _load(self, path: Path, length: int) -> Optional[np.ndarray]:
+        """The cached array, or None when missing, of another length or unreadable (then recorded in ``rebuilt``)."""
+        if not path.is_file():
+            return None
+        try:
+            cached = np.load(path)
+        except (ValueError, OSError, EOFError):
+            self.rebuilt.append(path)
+            return None
+        return cached if cached.ndim == 3 and cached.shape[1] == length else None
+
+    @staticmethod
+    def _save(path: Path, array: np.ndarray) -> None:
+        with atomic_file(path) as tmp, open(tmp, "wb") as f:
+            np.save(f, array)
+
+    def get(self, index: int, seq: TrainSequence, dtype) -> Tuple[mx.array, Optional[mx.array]]:
+        """Features [1, L, K*H] of sequence ``index`` and its final hidden states [1, L, H] (or None)."""
+        if self.folder is None:
+            feats, hidden = target_outputs(self.target, seq.tokens, self.layer_ids, dtype)
+            return feats, hidden if self.hidden else None
+        if index not in self.memory:
+            path = self.folder / f"{index:07d}.npy"
+            feats = self._load(path, seq.tokens.size)
+            hidden = self._load(path.with_suffix(".hidden.npy"), seq.tokens.size) if self.hidden else None
+            if feats is None or (self.hidden and hidden is None):
+                f, h = target_outputs(self.target, seq.tokens, self.layer_ids, mx.float32)
+                feats, hidden = np.array(f.astype(mx.float16)), np.array(h.astype(mx.float16))
+                self._save(path, feats)
+                if self.hidden:
+                    self._save(path.with_suffix(".hidden.npy"), hidden)
+            self.memory[index] = (feats, hidden if self.hidden else None)
+        feats, hidden = self.memory[index]
+        return mx.array(feats).astype(dtype), None if hidden is None else mx.array(hidden).astype(dtype)
+
+
+def make_batch(seq: TrainSequence, block_size: int, mask_id: int, anchors: np.ndarray,
+               context: Optional[int] = None):
+    """``(blocks [N, B], targets [N, B-1], anchors [N], mask [N, 1, B, L+B])`` for ``anchors``; L =
+    ``context`` (default: the whole sequence), at least ``anchors.max()``."""
+    k = np.arange(1, block_size)
+    blocks = np.full((anchors.size, block_size), mask_id, dtype=np.int32)
+    blocks[:, 0] = seq.tokens[anchors]
+    targets = seq.tokens[anchors[:, None] + k[None, :]]
+    mask = block_mask(anchors, seq.tokens.size if context is None else context, block_size)
+    return mx.array(blocks), mx.array(targets), mx.array(anchors), mx.array(mask)
+
+
+def chunk_batches(seq: TrainSequence, features: mx.array, anchors: np.ndarray, block_size: int, mask_id: int,
+                  anchor_chunk: int) -> Iterator[Tuple[mx.array, tuple]]:
+    """Yields ``(features [1, L_c, K*H], make_batch(...))`` per ``anchor_chunk`` sorted anchors, each chunk
+    with the context up to its last anchor (the columns cut are masked anyway)."""
+    size = anchor_chunk or anchors.size
+    for start in range(0, anchors.size, size):
+        part = slice(start, start + size)
+        length = int(anchors[part].max())
+        yield features[:, :length], make_batch(seq, block_size, mask_id, anchors[part], length)
+
+
+def target_block_logits(target: TargetAdapter, hidden: mx.array, anchors: mx.array, block_size: int) -> mx.array:
+    """[N, B-1, V] float32 target logits of block rows 1..B-1 (row k of the block at a: position a + k - 1)
+    from final hidden states [1, L, H]; only those rows go through ``target.lm_head``. No gradient."""
+    rows = anchors[:, None] + mx.arange(block_size - 1)[None, :]
+    return mx.stop_gradient(target.lm_head(hidden[0][rows]).astype(mx.float32))
+
+
+def distill_kl(logits: mx.array, target_logits: mx.array, temperature: float = 1.0) -> mx.array:
+    """``T^2 * KL(p || q)`` per row in nats, p = softmax(target_logits / T), q = softmax(logits / T);
+    [..., V] float32 -> [...]."""
+    log_p = fast_softmax.log_softmax(target_logits / temperature)
+    log_q = fast_softmax.log_softmax(logits / temperature)
+    return (fast_softmax.exp(log_p) * (log_p - log_q)).sum(axis=-1) * temperature**2
+
+
+def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask, weights,
+               num_blocks: Optional[int] = None, target_logits: Optional[mx.array] = None,
+               kl_weight: float = 0.0, kl_temperature: float = 1.0, with_lengths: bool = False):
+    """Cross-entropy of block rows 1..B-1 (plus ``kl_weight`` times :func:`distill_kl` against
+    ``target_logits`` [N, B-1, V]) weighted by ``weights`` [B-1], over the weight sum times ``num_blocks``
+    (the sequence's blocks, default N: chunks then sum to the whole). With ``with_lengths`` also
+    returns each block's greedy acceptance length [N] int32 (accepted rows + 1)."""
+    logits = drafter.block_logits(blocks, features, anchors, mask).astype(mx.float32)
+    per_row = fast_softmax.cross_entropy(logits, targets)
+    if target_logits is not None and kl_weight:
+        per_row = per_row + kl_weight * distill_kl(logits, target_logits, kl_temperature)
+    loss = (per_row * weights).sum() / (weights.sum() * (num_blocks or blocks.shape[0]))
+    if not with_lengths:
+        return loss
+    right = mx.stop_gradient(logits.argmax(axis=-1) == targets).astype(mx.int32)
+    return loss, mx.cumprod(right, axis=-1).sum(axis=-1) + 1
+
+
+def sequence_loss_and_grad(loss_and_grad: Callable, features: mx.array, seq: TrainSequence, anchors: np.ndarray,
+                           block_size: int, mask_id: int, anchor_chunk: int = 0,
+                           hidden: Optional[mx.array] = None, target: Optional[TargetAdapter] = None,
+                           lengths_out: Optional[List[np.ndarray]] = None):
+    """Evaluated ``(loss, grads)`` of ``loss_and_grad`` (``nn.value_and_grad`` of a :func:`block_loss`) over
+    every anchor, ``anchor_chunk`` at a time; with distillation's ``hidden`` [1, L, H] and ``target``, the
+    ``target_logits`` are passed on; returned ``lengths`` are appended to ``lengths_out``."""
+    loss, grads = None, None
+    for context, batch in chunk_batches(seq, features, anchors, block_size, mask_id, anchor_chunk):
+        extra = () if hidden is None else (target_block_logits(target, hidden, batch[2], block_size),)
+        value, part_grads = loss_and_grad(context, *batch, anchors.size, *extra)
+        part_loss, lengths = value if isinstance(value, tuple) else (value, None)
+        if lengths is not None and lengths_out is not None:
+            lengths_out.append(lengths)
+        loss = part_loss if loss is None else loss + part_loss
+        grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
+        mx.eval(loss, grads, lengths if lengths is not None else [])
+    return loss, grads
