@@ -33,7 +33,6 @@ from mlx_lm.models.cache import KVCache
 
 from ..targets.caches import can_trim
 from ..errors import RollbackError
-from ..decode.generate import GenerationResponse, stream_generate
 from ..prefix.entry import Snapshot, restore_or_warn, take_snapshot
 from ..prefix.key import key_id, pair_key
 from ..prefix.resume import boundaries, boundary_interval, prefill_to, trims_anywhere
@@ -101,7 +100,7 @@ class PairCache:
 
     def __init__(self, target: Any, tokenizer: Any, drafter: Optional[Any] = None,
                  store: Optional[PrefixStore] = None, interval: Optional[int] = None,
-                 generate: Callable[..., Generator[GenerationResponse, None, None]] = stream_generate):
+                 generate: Optional[Callable[..., Generator]] = None):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.store, self.interval, self.generate = store, interval, generate
         self.tokens: List[int] = []
@@ -137,7 +136,7 @@ class PairCache:
         """Trim both caches to 0 rows."""
         self.settle([], 0)
 
-    def stream(self, ids: Sequence[int], **kwargs) -> Generator[GenerationResponse, None, None]:
+    def stream(self, ids: Sequence[int], **kwargs) -> Generator:
         """Generate from prompt ``ids``, prefilling only what the caches lack.
 
         Args:
@@ -150,6 +149,9 @@ class PairCache:
             is set once the generator starts. Whether it finishes, is closed or is
             interrupted, both caches end up holding rows known to be complete.
         """
+        if self.generate is None:  # the decode loop sits above the cache package: imported when used
+            from ..decode.generate import stream_generate as generate
+            self.generate = generate
         ids = list(ids)
         tic = time.perf_counter()
         self._unsaved = []

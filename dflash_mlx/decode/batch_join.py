@@ -7,23 +7,46 @@ samples the first token and merges into the batch (``BatchDecoder.add``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
 from .acceptance import choose_rule
-from .generate import NO_DRAFTER, PrefillStopped, StepResult
 from .stopping import StopCondition
+from ..prefix.resume import PrefillStopped
 from ..stats import GenerationStats
 
 if TYPE_CHECKING:
     from .batch import BatchDecoder
 
 Sampler = Callable[[mx.array], mx.array]
+NO_DRAFTER = "no drafter was given (--draft-model)"
 
 BATCHED = "continuous batching verifies chains of the block size (no trees)"
 BATCHED_AUTO = ("continuous batching: auto chooses a plain step or one chain width per step for the whole batch "
                 "(no trees)")
+
+
+@dataclass
+class StepResult:
+    """What one target forward committed.
+
+    Attributes:
+        tokens: newly committed token ids (a stop token is not included; the
+            tokens of a stop string are).
+        accepted: drafts accepted by this verify (0..B-1); None for the first
+            token (from prefill) and in plain decoding.
+        finish_reason: "stop" (stop token or stop string), "length" (max tokens)
+            or None.
+        error: set when this sequence failed (batched decoding: it left the batch,
+            the others go on); None otherwise.
+    """
+
+    tokens: List[int]
+    accepted: Optional[int]
+    finish_reason: Optional[str] = None
+    error: Optional[BaseException] = None
 
 
 class Joining:
@@ -51,23 +74,27 @@ class Joining:
 
     def __init__(self, decoder: "BatchDecoder", key: Any, prompt: mx.array, sampler: Optional[Sampler],
                  stop: StopCondition, step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, cache: Optional[List[Any]] = None,
+                 draft_cache: Optional[List[Any]] = None, stats: Optional[GenerationStats] = None):
         self.decoder, self.key, self.stop, self.seed = decoder, key, stop, seed
         self.rule = choose_rule(decoder.drafter, sampler)
         self.prompt, self.rest, self.step_size, self.should_stop = prompt, prompt, max(1, step_size), should_stop
-        self.cache = decoder.target.make_cache(decoder.width)
-        self.draft_cache: Optional[List[Any]] = None
+        rows = decoder.chooser.max_verify if decoder.chooser is not None else decoder.width
+        self.cache = cache if cache is not None else decoder.target.make_cache(rows)
+        self.draft_cache = draft_cache
         self.reused, self.source, self._looked_up = 0, None, decoder.prefix is None
         self._stops: List[int] = []  # prompt rows where states are stored (caches that cannot go back)
         self.features: List[mx.array] = []
-        self.stats = GenerationStats(block_size=decoder.width, prompt_tokens=int(prompt.size),
-                                     speculative=decoder.drafter is not None,
-                                     drafter_format=getattr(decoder.drafter, "drafter_format", None))
+        self.stats = stats or GenerationStats(block_size=decoder.width, prompt_tokens=int(prompt.size),
+                                              speculative=decoder.drafter is not None,
+                                              drafter_format=getattr(decoder.drafter, "drafter_format", None))
         if decoder.drafter is not None:
-            auto = decoder.widths is not None and seed is None
+            self.stats.acceptance_rule = self.rule.name
+        if stats is None and decoder.drafter is not None:
+            auto = getattr(decoder.chooser, "adaptive", False) and seed is None
             self.stats.verify = {"block_size": "auto" if auto else decoder.width, "tree_budget": None,
                                  "reason": BATCHED_AUTO if auto else BATCHED}
-        else:
+        elif stats is None:
             self.stats.reason = NO_DRAFTER
 
     def advance(self) -> Optional[StepResult]:
@@ -88,7 +115,7 @@ class Joining:
             self._resume()
         target, capture = self.decoder.target, self.decoder.capture
         done = int(self.prompt.size - self.rest.size)
-        n = min(self.step_size, int(self.rest.size))
+        n = min(self.step_size, int(self.rest.size) - 1) or 1  # the last token alone, as mlx-lm
         if self._stops:
             n = min(n, self._stops[0] - done)  # chunks end at the boundaries
         last = n == self.rest.size
@@ -110,6 +137,9 @@ class Joining:
         context = [context_rows(self.features)] if self.features else []  # empty without a drafter
         if finish is None:
             self.decoder.add(self, t, context)
+        elif self.decoder.solo:
+            settle(target, self.cache, self.cache[0].offset + len(tokens) - 1, self.decoder.drafter,
+                   self.draft_cache, context)
         if self.decoder.prefix is not None and not self.decoder.prefix.at_boundaries:
             self._store(self._keep, context, finish is None)
         self.cache, self.draft_cache, self.features = None, None, []  # the batch holds copies: free these
@@ -154,3 +184,14 @@ class Joining:
 def context_rows(pending: List[mx.array]) -> Optional[mx.array]:
     """The pending context rows as one [1, S, F] array."""
     return pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)
+
+
+def settle(target: TargetAdapter, cache: List[Any], rows: int, drafter: Optional[Drafter] = None,
+           draft_cache: Optional[List[Any]] = None, pending: Sequence[mx.array] = ()) -> None:
+    """Trim the target cache to ``rows``, then give the drafter the context rows it lacks
+    (``pending`` starts at its offset), so both caches cover the same tokens."""
+    target.rollback(cache, cache[0].offset - rows)
+    if drafter is not None and pending:
+        missing = cache[0].offset - draft_cache[0].offset
+        if missing > 0:
+            drafter.ingest(context_rows(list(pending))[:, :missing], draft_cache)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -138,3 +138,30 @@ def walk(tree: DraftTree, targets: Sequence[int]) -> Tuple[List[int], List[int]]
         path.append(node)
     tokens = [tree.tokens[i] for i in path[1:]] + [int(targets[node])]
     return path, tokens
+
+
+def verify_tree(target, cache: List, capture, choose, tree: DraftTree) -> Tuple[List[int], mx.array]:
+    """Verify ``tree`` in one forward from the cache's rows (its root's position), walk it with
+    the target's tokens (``choose``: logits [1+N, V] -> [1+N] int32) and keep only the accepted
+    path in the cache.
+
+    Returns:
+        ``(committed tokens, context features [1, len(path), F] of the path)``.
+
+    Raises:
+        RollbackError: the cache cannot keep only the accepted path.
+    """
+    positions = cache[0].offset + np.asarray(tree.depths)
+    h, features = target(mx.array(tree.tokens, dtype=mx.int32)[None], cache, capture,
+                         tree=(positions, tree.ancestors()))
+    choice = choose(target.lm_head(h)[0])
+    mx.eval(choice, features)
+    path, tokens = walk(tree, choice.tolist())
+    target.compact(cache, len(tree), path)
+    return tokens, mx.take(features, mx.array(path, dtype=mx.int32), axis=1)
+
+
+def host_logprobs(proposal) -> Optional[np.ndarray]:
+    """The block's log-probabilities [B-1, V] as float32 NumPy (a sync), or None when the
+    drafter gives none."""
+    return None if proposal.logprobs is None else np.array(proposal.logprobs.astype(mx.float32))

@@ -19,9 +19,11 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from ..decode.generate import PrefillStopped
-
 DEFAULT_INTERVAL = 4096  # tokens between stored states (rounded to whole prefill chunks)
+
+
+class PrefillStopped(Exception):
+    """``should_stop()`` turned true between two prefill chunks; the caches hold the chunks done."""
 
 
 def trims_anywhere(*caches: Optional[List[Any]]) -> bool:

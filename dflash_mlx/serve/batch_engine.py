@@ -35,7 +35,9 @@ from typing import Any, Deque, List, Optional
 
 from ..decode.batch import BatchDecoder, Joining
 from ..decode.batch_width import BatchWidths
-from ..decode.generate import PrefillStopped, StepResult, check_block_size
+from ..decode.batch_join import StepResult
+from ..decode.generate import check_block_size
+from ..prefix.resume import PrefillStopped
 from ..decode.stopping import StopCondition
 from ..prefix.store import PrefixStore
 from ..sampling import make_sampler

@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence,
 import mlx.core as mx
 
 from ..errors import DFlashError
-from ..decode.generate import PrefillStopped
+from ..prefix.resume import PrefillStopped
 from ..chat.prompt_cache import PairCache
 from ..sampling import make_sampler
 from .api import usage
