@@ -81,7 +81,7 @@ class BatchDecoder:
         self.target, self.drafter, self.solo = target, drafter, solo
         self.width = block_size if drafter is not None else 1
         if drafter is not None and chooser is None:
-            chooser = make_chooser(target, drafter, block_size, None, GenerationStats())
+            chooser = make_chooser(target, drafter, block_size, None, GenerationStats(block_size=block_size))
         self.chooser = chooser
         self.capture = drafter.target_layer_ids if drafter is not None else None
         self.sequences: List[BatchSequence] = []
@@ -111,7 +111,7 @@ class BatchDecoder:
         if len(prompt) == 0:
             raise InputError("the prompt is empty: give at least one token")
         if stop.max_tokens < 1:
-            raise InputError(f"--max-tokens must be at least 1, got {stop.max_tokens}")
+            raise InputError(f"max_tokens must be at least 1, got {stop.max_tokens}")
         ids = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt), dtype=mx.int32)
         return Joining(self, key, ids, sampler, stop, step_size, should_stop, seed, **solo)
 

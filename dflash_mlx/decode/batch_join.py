@@ -115,7 +115,7 @@ class Joining:
             self._resume()
         target, capture = self.decoder.target, self.decoder.capture
         done = int(self.prompt.size - self.rest.size)
-        n = min(self.step_size, int(self.rest.size) - 1) or 1  # the last token alone, as mlx-lm
+        n = min(self.step_size, int(self.rest.size))
         if self._stops:
             n = min(n, self._stops[0] - done)  # chunks end at the boundaries
         last = n == self.rest.size
