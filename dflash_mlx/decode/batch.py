@@ -201,7 +201,7 @@ class BatchDecoder:
         plan = self._plan()
         if plan.width == 1:
             return self._plain(plan, tic)
-        tokens = mx.concatenate([s.token for s in self.sequences])  # [N] t_last
+        tokens = self._tokens()
         drafts, proposals = self._propose(tokens, plan.block)
         if plan.tree_budget is not None and self.solo:
             s, logprobs = self.sequences[0], host_logprobs(proposals[0])
@@ -231,6 +231,11 @@ class BatchDecoder:
         self.chooser.observe(plan, seconds, [r.accepted for r in results])
         return results
 
+    def _tokens(self) -> mx.array:
+        """[N] int32: every sequence's last committed token."""
+        seqs = self.sequences
+        return seqs[0].token if len(seqs) == 1 else mx.concatenate([s.token for s in seqs])
+
     def _rollback(self, rejected: List[int]) -> None:
         """Drop each sequence's rejected rows (raises RollbackError where a cache cannot)."""
         if self.solo:
@@ -241,10 +246,13 @@ class BatchDecoder:
         if self.drafts is not None:
             compact(self.drafts.cache)
 
-    def _picks(self, logits: mx.array, phase: Callable[[BatchSequence, int], Any]) -> List[Any]:
-        """Per sequence, ``phase(s, i)`` after seeding its draw; greedy ones share one argmax."""
+    def _picks(self, logits: mx.array, phase: Callable[[BatchSequence, int], Any]) -> Any:
+        """Per sequence, ``phase(s, i)`` after seeding its draw; greedy ones share one argmax
+        (returned whole, [N, ...], when every sequence is greedy)."""
         greedy = [bool(getattr(s.rule, "greedy", False)) for s in self.sequences]
         argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(greedy) else None
+        if all(greedy):
+            return argmax
         out = []
         for i, s in enumerate(self.sequences):
             s.reseed()
@@ -259,8 +267,8 @@ class BatchDecoder:
             return s.rule.accept(proposals[i].head(width - 1) if proposals else Proposal(drafts[i]), logits[i])
 
         picks = self._picks(logits, accept)
-        mx.eval([p for p in picks if isinstance(p, mx.array)], [x for p in picks if isinstance(p, tuple)
-                                                               for x in p if x is not None], features, drafts)
+        mx.eval(picks if isinstance(picks, mx.array) else [x for p in picks for x in (p if isinstance(p, tuple) else [p])
+                                                           if x is not None], features, drafts)
         drafts, out = drafts.tolist(), []
         for d, p in zip(drafts, picks):
             a, y = (None, p) if isinstance(p, mx.array) else p
@@ -316,12 +324,12 @@ class BatchDecoder:
             nxt = self._plan()
             if nxt.width == 1:
                 self._queued = (nxt, *self._forward(y))
-                mx.async_eval(self._queued[1:])
+                mx.async_eval([a for a in self._queued[1:] if a is not None])
         mx.eval(y, features if features is not None else [])
         picks, seconds = y.tolist(), time.perf_counter() - tic
         results = []
         for i, s in enumerate(self.sequences):
-            s.token = y[i : i + 1]
+            s.token = y if len(picks) == 1 else y[i : i + 1]
             if self.drafter is None:
                 s.stats.record_plain(seconds)
             else:
@@ -336,8 +344,11 @@ class BatchDecoder:
 
     def _forward(self, tokens: Optional[mx.array] = None) -> Tuple[mx.array, Any]:
         """The plain forward of every sequence's last token (or ``tokens`` [N]), lazy."""
-        tokens = mx.concatenate([s.token for s in self.sequences]) if tokens is None else tokens
-        pick = lambda logits: mx.stack(self._picks(logits, lambda s, i: s.rule.choose(logits[i : i + 1])[0]))  # noqa
+        tokens = self._tokens() if tokens is None else tokens
+        def pick(logits):
+            picks = self._picks(logits, lambda s, i: s.rule.choose(logits[i : i + 1])[0])
+            return picks if isinstance(picks, mx.array) else mx.stack(picks)
+
         return plain_step(self.target, self.cache, self.capture, pick, tokens)
 
     def _settle(self, results: List[StepResult]) -> List[StepResult]:
