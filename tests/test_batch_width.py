@@ -10,7 +10,7 @@ import pytest
 
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.batch_width import BatchWidths, block_widths
-from dflash_mlx.serve.batch_engine import BatchEngine
+from dflash_mlx.serve.engine import Engine
 from conftest import assert_varied, tiny_drafter
 from test_batch_decode import JoinOrderDrafter, drive, prompts, solo, target_of
 
@@ -249,7 +249,7 @@ def test_a_seeded_sampled_sequence_keeps_the_batch_at_the_block_size():
 
 def test_the_batch_engine_uses_auto_widths_for_auto(monkeypatch):
     """``serve --block-size auto --max-batch N`` chooses widths per step; a fixed B does not."""
-    monkeypatch.setattr(BatchEngine, "_loop", lambda self: None)  # no worker: only the wiring is checked
+    monkeypatch.setattr(Engine, "_loop", lambda self: None)  # no worker: only the wiring is checked
     target = target_of("llama")
 
     class Pair:
@@ -257,7 +257,7 @@ def test_the_batch_engine_uses_auto_widths_for_auto(monkeypatch):
 
     pair = Pair()
     pair.target, pair.drafter, pair.tokenizer = target, tiny_drafter(target, block_size=8), None
-    auto = BatchEngine(pair, max_batch=4, block_size="auto")
-    fixed = BatchEngine(pair, max_batch=4, block_size=4)
-    assert isinstance(auto.decoder.widths, BatchWidths) and auto.decoder.width == 8
-    assert fixed.decoder.widths is None and fixed.decoder.width == 4
+    auto = Engine(pair, max_batch=4, block_size="auto")
+    fixed = Engine(pair, max_batch=4, block_size=4)
+    assert auto.decoder.width == 8 and auto.decoder.chooser.plan(4).width == 1  # auto times the plain step first
+    assert fixed.decoder.width == 4 and all(fixed.decoder.chooser.plan(4).width == 4 for _ in range(9))

@@ -41,7 +41,7 @@ from .guard import (
     APIError, GuardMiddleware, body_timeout, check_prompt_chars, check_template_kwargs, count_chars,
     prompt_char_cap, timed_out, too_large, validation_message, watch_disconnect,
 )
-from .batch_engine import make_engine
+from .engine import make_engine
 from .metrics import ServerMetrics
 from .tools import ReplySplitter, check_tool_support, reply_splitter
 from ..chat.session import context_length
