@@ -106,7 +106,7 @@ def test_a_cancelled_request_leaves_and_the_others_are_unaffected(pair):
 def test_a_steps_chunks_reach_the_event_loop_in_one_wake_up(pair, monkeypatch):
     # Each batched step hands every request's chunk (and any end) to the event loop in
     # one call, in order; the texts are still each request's solo text.
-    from dflash_mlx.serve import engine as engine_module
+    from dflash_mlx.serve import jobs as engine_module
 
     jobs = [GenerationJob([5, 6, 7], 30), GenerationJob([9, 10, 11, 12], 40), GenerationJob([40], 20)]
     groups = []

@@ -1,9 +1,5 @@
-"""The DFlash decode loop (DFLASH_SPEC.md section 5) and plain decoding, one engine.
-
-``generate_step`` yields one :class:`StepResult` per target forward: prefill gives
-the first token, then each verify commits ``accepted + 1`` tokens. ``stream_generate``
-adds detokenized text and statistics; ``generate``, ``chat`` and ``bench`` use it.
-"""
+"""Generation from one prompt (spec section 5): ``generate_step`` runs the step of
+:mod:`dflash_mlx.decode.batch` for one sequence; ``stream_generate`` adds text and statistics."""
 
 from __future__ import annotations
 
@@ -32,13 +28,8 @@ Sampler = Callable[[mx.array], mx.array]
 
 @dataclass
 class GenerationResponse:
-    """One streamed chunk of :func:`stream_generate`.
-
-    Attributes:
-        text: detokenized text of this step's tokens (may be empty).
-        tokens, accepted, finish_reason: as in :class:`StepResult`.
-        stats: the live statistics of this generation.
-    """
+    """One streamed chunk: this step's ``text`` (may be empty), ``tokens``, ``accepted`` and
+    ``finish_reason`` as in :class:`StepResult`, and the generation's live ``stats``."""
 
     text: str
     tokens: List[int]
@@ -64,49 +55,27 @@ def generate_step(
     draft_cache: Optional[List[Any]] = None,
     stats: Optional[GenerationStats] = None,
 ) -> Generator[StepResult, None, None]:
-    """Decode from ``prompt``, with a drafter (DFlash) or without (plain).
+    """Decode from ``prompt`` (spec section 5): one :class:`StepResult` per target forward.
 
     Args:
         prompt: [P] int32 prompt ids, P >= 1.
-        target: the target adapter.
-        drafter: a bound :class:`~dflash_mlx.protocol.Drafter`, or None for plain decoding.
-        sampler: mlx-lm sampler over [N, V] log-probabilities, or a
-            :class:`~dflash_mlx.sampling.Sampling` (also a sampler); greedy by default.
-            The acceptance rule follows from it and the drafter
-            (:func:`dflash_mlx.decode.acceptance.choose_rule`); each keeps the output exactly
-            the target's.
-        max_tokens: most tokens to emit.
-        block_size: B, 2..drafter.block_size (default: the drafter's), or ``"auto"``:
-            verify the width the cost model expects to commit the most tokens per
-            second, 1 (plain decoding) included, drafted at the smallest timed block
-            that holds it (:mod:`dflash_mlx.decode.policy`, :mod:`dflash_mlx.decode.cost`).
-        tree_budget: DDTree (spec section 7): verify the N best draft prefixes as a
-            tree (N nodes besides the root), or ``"auto"`` (budgets 8..64 and
-            chains, chosen by cost). Targets without tree verify (hybrid families)
-            and drafters without log-probabilities keep chains; ``stats.verify``
-            says so and why.
-        stop_token_ids: ids that end generation; the block is cut there.
-        stop: a :class:`~dflash_mlx.decode.stopping.StopCondition` (stop strings too);
-            replaces ``max_tokens`` and ``stop_token_ids`` when given.
-        should_stop: checked before each prefill chunk; when it returns True,
-            :class:`PrefillStopped` is raised (a long prompt of a request whose client
-            went away stops within one chunk, not after the whole prefill).
-        prompt_cache: the target's cache, updated in place (default: a fresh
-            ``target.make_cache(B)``; a given one must roll back exactly and belong
-            to this target, see :meth:`TargetAdapter.check_cache`). After every step
-            it holds every committed token but the last one.
-        draft_cache: the drafter's context-only cache, updated in place. Once a
-            generation finishes it covers the same tokens as ``prompt_cache``, so a
-            next turn can pass both, with a prompt that starts at the last
-            committed token.
-        stats: filled in place (phase times, acceptance).
+        drafter: a bound drafter, or None for plain decoding.
+        sampler: mlx-lm sampler over [N, V] log-probabilities, or a :class:`~dflash_mlx.sampling.Sampling`
+            (default greedy); the acceptance rule follows (:func:`~dflash_mlx.decode.acceptance.choose_rule`).
+        block_size: B, 2..drafter.block_size (default its trained size), or ``"auto"``.
+        tree_budget: DDTree nodes (spec section 7), or ``"auto"``; chains where the target or
+            drafter cannot (``stats.verify`` says why).
+        stop: a :class:`~dflash_mlx.decode.stopping.StopCondition`; replaces ``max_tokens`` and
+            ``stop_token_ids``.
+        should_stop: checked before each prefill chunk; True raises ``PrefillStopped``.
+        prompt_cache, draft_cache: the target's and the drafter's caches, updated in place (default
+            fresh). Finished or closed, both hold every committed token but the last.
+        stats: filled in place.
 
     Raises:
         InputError: empty prompt, max_tokens < 1, block size or tree budget out of range.
-        RollbackError: ``prompt_cache`` cannot roll back exactly (raised before
-            anything is generated).
-        MismatchError: ``prompt_cache`` was built for another model, or the
-            drafter's ``target_layer_ids`` are not layers of the target.
+        RollbackError: ``prompt_cache`` cannot roll back exactly (before anything is generated).
+        MismatchError: ``prompt_cache`` or the drafter's ``target_layer_ids`` do not fit the target.
         PrefillStopped: see ``should_stop``.
     """
     sampler = sampler or greedy_sampler
@@ -176,23 +145,9 @@ def stream_generate(
     stop_strings: Sequence[str] = (),
     **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
-    """Stream text segments as blocks are accepted.
-
-    Args:
-        target, drafter: as in :func:`generate_step`.
-        tokenizer: mlx-lm ``TokenizerWrapper`` (its streaming detokenizer and
-            ``eos_token_ids`` are used).
-        prompt: prompt token ids.
-        max_tokens: most tokens to emit.
-        stop_strings: texts that end generation. The text stops before the first
-            match (the stop string is not shown; text that could begin one is held
-            back until the next tokens settle it); the tokens up to the one that
-            completes it are committed.
-        kwargs: passed to :func:`generate_step` (sampler, block_size, caches, ...).
-
-    Yields:
-        :class:`GenerationResponse`; the last one has ``finish_reason`` set and
-        carries the final statistics.
+    """Stream text as steps commit tokens: :func:`generate_step` (``kwargs``) with the tokenizer's
+    detokenizer and ``eos_token_ids``. The text stops before the first of ``stop_strings`` (text that
+    could begin one is held back). The last response has ``finish_reason`` set and the final stats.
     """
     prompt = prompt if isinstance(prompt, mx.array) else mx.array(prompt, dtype=mx.int32)
     stop_ids = kwargs.pop("stop_token_ids", tuple(tokenizer.eos_token_ids))

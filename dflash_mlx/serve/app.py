@@ -36,7 +36,7 @@ from .api import (
     TIMEOUT_TYPE, ChatCompletionRequest, CompletionRequest, GenerationFields, chat_chunk, chat_completion,
     error_body, text_completion, usage_chunk,
 )
-from .engine import GenerationJob, Job, JobCancelled, QueueFullError, RequestTimeout
+from .jobs import GenerationJob, Job, JobCancelled, QueueFullError, RequestTimeout
 from .guard import (
     APIError, GuardMiddleware, body_timeout, check_prompt_chars, check_template_kwargs, count_chars,
     prompt_char_cap, timed_out, too_large, validation_message, watch_disconnect,

@@ -1,15 +1,7 @@
-"""The engine under ``dflash serve``: one pair, one worker thread, a bounded queue.
-
-Each worker turn admits waiting requests while there is room (``max_batch``), prefills ONE
-chunk of the oldest request still being prefilled, then runs one step
-(:class:`~dflash_mlx.decode.batch.BatchDecoder`) for every decoding request; requests whose
-client went away or whose deadline passed leave before it. With ``max_batch`` 1, or a target
-whose caches have no batched form (:func:`~dflash_mlx.targets.batch_cache.batch_refusal`),
-requests run one at a time in the target's own caches, kept between requests
-(:class:`~dflash_mlx.chat.prompt_cache.PairCache`: a prompt that starts with the last one
-prefills only the rest). Batched requests use the prompt cache through
-:mod:`dflash_mlx.prefix.batch`. Chunks go to the event loop through an ``asyncio.Queue``; a
-``prepare`` callable (tokenizing) runs on the worker, and what it raises goes back unchanged.
+"""The engine under ``dflash serve``: one worker thread, a bounded queue, up to ``max_batch``
+requests decoding together (:class:`~dflash_mlx.decode.batch.BatchDecoder`). With ``max_batch`` 1,
+or a target without batched caches (:func:`~dflash_mlx.targets.batch_cache.batch_refusal`), one
+request at a time in caches kept between requests (:class:`~dflash_mlx.chat.prompt_cache.PairCache`).
 """
 
 from __future__ import annotations
@@ -18,10 +10,9 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Deque, List, Optional, Union
 
 from ..chat.prompt_cache import PairCache
 from ..decode.batch import BatchDecoder
@@ -29,7 +20,6 @@ from ..decode.batch_join import Joining, StepResult
 from ..decode.generate import check_block_size
 from ..decode.stopping import StopCondition
 from ..decode.width import make_chooser
-from ..errors import DFlashError
 from ..prefix.resume import PrefillStopped
 from ..prefix.store import PrefixStore
 from ..sampling import make_sampler
@@ -38,186 +28,20 @@ from ..targets.batch_cache import batch_refusal
 from .api import usage
 from .lifecycle import release_streams
 from .metrics import ServerMetrics
+from .jobs import _STARTED, Chunk, GenerationJob, Job, Prepare, QueueFullError, push_together
 from .text_stream import TextStream
 
 log = logging.getLogger("dflash.serve")
 
 
-class QueueFullError(DFlashError):
-    """Too many requests are waiting for the engine (HTTP 429)."""
-
-
-class JobCancelled(DFlashError):
-    """The job was closed (the client went away) before it started."""
-
-
-class RequestTimeout(DFlashError):
-    """A request ran past its deadline (``--request-timeout``; HTTP 408)."""
-
-
-_STARTED = object()  # queue marker: prepare() is done, generation begins
-
-
-@dataclass
-class GenerationJob:
-    """What one request asks the engine for.
-
-    Attributes:
-        ids: prompt token ids, whole (the engine finds what the caches hold).
-        max_tokens: most tokens to generate (already capped by the context).
-        stop: stop strings (the text ends before the first match).
-        temperature, top_p, top_k, min_p: mlx-lm sampler settings; 0 is greedy.
-        seed: PRNG seed set before this generation, or None.
-        endpoint: "chat" or "completions", for the metrics.
-    """
-
-    ids: List[int]
-    max_tokens: int
-    stop: List[str] = field(default_factory=list)
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: Optional[int] = None
-    endpoint: str = "chat"
-
-
-@dataclass
-class Chunk:
-    """One verify step's output, as the event loop receives it.
-
-    Attributes:
-        text: new text (may be empty: held back while a stop string may begin).
-        finish_reason: "stop", "length", or None while it goes on.
-        usage: on the last chunk, the ``usage`` object (see ``server_api.usage``).
-        error: set (with nothing else) when the generation failed or timed out.
-        status: the HTTP status of ``error`` (500: a bug; 408: the deadline passed).
-    """
-
-    text: str = ""
-    finish_reason: Optional[str] = None
-    usage: Optional[dict] = None
-    error: Optional[str] = None
-    status: int = 500
-
-
-Prepare = Callable[[], GenerationJob]
-
-
-def push_together(items: Sequence[Tuple["Job", Any]]) -> None:
-    """From the worker thread: hand chunks of several jobs (in order) to their event
-    loops with one wake-up per loop, not one per chunk (a batched step makes a chunk
-    for every request in the batch)."""
-    by_loop: Dict[Any, List[Tuple["Job", Any]]] = {}
-    for job, chunk in items:
-        by_loop.setdefault(job._loop, []).append((job, chunk))
-    for loop, group in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, group)
-        except RuntimeError:  # the event loop is closed: the server is shutting down
-            for job, _ in group:
-                job.cancelled.set()
-
-
-def _put_all(group: List[Tuple["Job", Any]]) -> None:
-    for job, chunk in group:
-        job._queue.put_nowait(chunk)
-
-
-class Job:
-    """A submitted request: ``await start()``, then iterate it (async) for its chunks;
-    ``close()`` to stop it.
-
-    Args:
-        spec: the generation, or a ``prepare`` callable the worker runs to make it.
-        loop: the event loop the chunks go to.
-        endpoint: "chat" or "completions", for the metrics (default: the spec's).
-        timeout: seconds from submission after which the generation stops (None: never).
-    """
-
-    def __init__(self, spec: Union[GenerationJob, Prepare], loop: asyncio.AbstractEventLoop,
-                 endpoint: Optional[str] = None, timeout: Optional[float] = None):
-        self.prepare: Optional[Prepare] = None if isinstance(spec, GenerationJob) else spec
-        self.spec: Optional[GenerationJob] = spec if isinstance(spec, GenerationJob) else None
-        self.endpoint = endpoint or (self.spec.endpoint if self.spec is not None else "chat")
-        self.id = uuid.uuid4().hex[:12]
-        self.cancelled = threading.Event()
-        self.submitted = time.perf_counter()
-        self.deadline = None if timeout is None else time.monotonic() + timeout
-        self._loop, self._queue = loop, asyncio.Queue()
-        self._done = self._started = False
-
-    def expired(self) -> bool:
-        """Whether the deadline has passed."""
-        return self.deadline is not None and time.monotonic() >= self.deadline
-
-    def should_stop(self) -> bool:
-        """Closed or past its deadline (checked between prefill chunks and verify steps)."""
-        return self.cancelled.is_set() or self.expired()
-
-    def push(self, chunk: Any) -> None:
-        """From the worker thread: hand a chunk (None: the end; an exception: prepare
-        failed) to the event loop."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
-        except RuntimeError:  # the event loop is closed: the server is shutting down
-            self.cancelled.set()
-
-    async def start(self) -> GenerationJob:
-        """Wait until the worker has prepared the job (its prompt tokenized and checked).
-
-        Returns:
-            The prepared :class:`GenerationJob`.
-
-        Raises:
-            Whatever ``prepare`` raised; :class:`JobCancelled` when it was closed before
-            it started; :class:`QueueFullError` when the server shut down first;
-            :class:`RequestTimeout` when its deadline passed in the queue.
-        """
-        while not self._started:
-            item = await self._queue.get()
-            if item is _STARTED:
-                self._started = True
-            elif item is None:
-                self._done = True
-                if self.cancelled.is_set():
-                    raise JobCancelled("the client went away")
-                raise QueueFullError("the server is shutting down")
-            elif isinstance(item, BaseException):
-                self._done = True
-                raise item
-            elif isinstance(item, Chunk) and item.error:  # failed or timed out before it began
-                self._done = True
-                if item.status == 408:
-                    raise RequestTimeout(item.error)
-                raise RuntimeError(item.error)
-        return self.spec
-
-    async def __aiter__(self) -> AsyncIterator[Chunk]:
-        if not self._started:
-            await self.start()
-        while not self._done:
-            chunk = await self._queue.get()
-            if chunk is None:
-                self._done = True
-                return
-            yield chunk
-
-    def close(self) -> None:
-        """Stop the generation after its current verify step (or before it starts)."""
-        self.cancelled.set()
-
-
 @dataclass
 class _Request:
-    """A request admitted to the engine: its job, text, prefill, timings, and (one at a time)
-    the reply so far and the rows the pair cache held of its prompt."""
+    """A request admitted to the engine: its job, text, prefill, reply so far and timings."""
 
     job: Job
     spec: GenerationJob
     text: TextStream
     joining: Joining
-    reused: int = 0
     reply: List[int] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     first: Optional[float] = None
@@ -233,9 +57,7 @@ class Engine:
             sampled request then runs at B, so the same seed gives the same text).
         max_queue: most requests waiting beyond those running; past it, :meth:`submit`
             raises :class:`QueueFullError`.
-        metrics: where each generation and step is counted.
-        prefill_step_size: prompt tokens per prefill chunk (default 2048): the longest a new
-            request's prefill stalls the others.
+        prefill_step_size: prompt tokens per prefill chunk (default 2048).
         store: the prompt cache, or None.
 
     Attributes:
@@ -263,13 +85,10 @@ class Engine:
                         "(--max-batch 1 uses it)", self.decoder.prefix_refusal)
         elif store is not None and not solo:
             log.info("prompt cache: batched requests resume from stored prefixes and store their prompts")
-        self._lock = threading.Lock()
-        self._pending = 0  # jobs submitted and not finished (running or waiting)
-        self._jobs: set = set()  # the same jobs, to stop them at shutdown
-        self._closing = False
+        self._lock, self._pending, self._jobs, self._closing = threading.Lock(), 0, set(), False  # jobs not done
         self._inbox: Deque[Job] = deque()
-        self._joining: Deque[_Request] = deque()
-        self._active: List[_Request] = []
+        self._joining: Deque[_Request] = deque()  # admitted, prefilling
+        self._active: List[_Request] = []  # decoding
         self._outbox: Optional[List[tuple]] = None  # during a step: (job, chunk) sent together after it
         self.mismatches = 0  # worker turns that ended with the batch inconsistent (a bug; see inconsistency)
         self._wake = threading.Condition()
@@ -277,19 +96,13 @@ class Engine:
         self._worker.start()
 
     @property
-    def pending(self) -> int:
-        """Jobs running or waiting."""
+    def pending(self) -> int:  # jobs running or waiting
         return self._pending
 
     def submit(self, spec: Union[GenerationJob, Prepare], endpoint: Optional[str] = None,
                timeout: Optional[float] = None) -> Job:
-        """Queue a job; call from the event loop.
-
-        Args:
-            spec: the generation, or a callable the worker runs first to make it
-                (tokenizing there, inside the queue's bound).
-            endpoint: "chat" or "completions" (default: the spec's).
-            timeout: seconds from now after which the job stops (None: no limit).
+        """Queue a job (from the event loop): a generation, or a callable the worker runs first to
+        make it; ``timeout``: seconds from now after which it stops.
 
         Raises:
             QueueFullError: ``max_queue`` jobs already wait behind the running one.
@@ -315,8 +128,6 @@ class Engine:
         with self._wake:
             self._inbox.append(job)
             self._wake.notify()
-
-    # -- the worker ---------------------------------------------------------------
 
     def _work(self) -> None:
         try:
@@ -353,11 +164,8 @@ class Engine:
                 self.decoder.clear()
 
     def inconsistency(self) -> Optional[str]:
-        """What breaks the batch's bookkeeping, or None: the decoder's sequences must be
-        exactly the engine's decoding requests, in any order (a joining request has no
-        sequence yet), and its caches must hold one row per sequence
-        (:meth:`BatchDecoder.inconsistency`). The worker checks it after every turn;
-        :attr:`mismatches` counts the turns that failed it."""
+        """What breaks the bookkeeping, or None: the decoder's sequences are exactly the decoding
+        requests, and its caches hold one row per sequence. Checked after every worker turn."""
         keys = [id(s.key) for s in self.decoder.sequences]
         active = [id(r.job) for r in self._active]
         if sorted(keys) != sorted(active):
@@ -377,13 +185,8 @@ class Engine:
     def _admit(self, job: Job) -> None:
         """Prepare a job (tokenize, check) and start its prefill; or end it at once."""
         waited = time.perf_counter() - job.submitted
-        if job.cancelled.is_set():
-            log.info("request %s: %s before it started", job.id, self._gone())
-            self._count(job, None, "cancelled")
-            return self._release(job)
-        if job.expired():
-            self._timed_out(job, None)
-            return self._release(job)
+        if job.should_stop():
+            return self._unstarted(job)
         if self.metrics is not None:
             self.metrics.queue_wait.observe(waited)
         if waited > 0.05:
@@ -393,16 +196,20 @@ class Engine:
                 job.spec = job.prepare()
             req = self._start(job)
         except PrefillStopped:  # closed or past its deadline while the pair cache prefilled
-            if job.cancelled.is_set():
-                self._count(job, None, "cancelled")
-            else:
-                self._timed_out(job, None)
-            return self._release(job)
+            return self._unstarted(job)
         except Exception as e:  # the request's fault (a 400) or a bug (a 500, logged): the handler decides
             job.push(e)
             return self._release(job)
         job.push(_STARTED)
         self._joining.append(req)
+
+    def _unstarted(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            log.info("request %s: %s before it started", job.id, self._gone())
+            self._count(job, None, "cancelled")
+        else:
+            self._timed_out(job, None)
+        self._release(job)
 
     def _start(self, job: Job) -> _Request:
         spec, tokenizer, step = job.spec, self.pair.tokenizer, self.prefill_step_size or 2048
@@ -548,7 +355,6 @@ class Engine:
         else:
             self._outbox.append((job, chunk))
 
-
     def _timed_out(self, job: Job, stats, reused: Optional[int] = None) -> None:
         n = stats.generation_tokens if stats is not None else 0
         log.info("request %s stopped: past its deadline after %d tokens", job.id, n)
@@ -556,21 +362,18 @@ class Engine:
         job.push(Chunk(error="the request ran past the server's --request-timeout", status=408))
 
     def _count(self, job: Job, stats, outcome: str, reused: Optional[int] = None) -> None:
-        """Count a request's outcome and generation; ``reused``: its prompt tokens found in
-        the caches (None: the pair cache's last generation's)."""
+        """Count a request's outcome and generation (``reused``: prompt tokens found in the caches)."""
         if self.metrics is not None:
             self.metrics.request(job.endpoint, outcome)
             if stats is not None:
-                reused = reused or 0
-                self.metrics.generation(stats, len(job.spec.ids), reused, time.perf_counter() - job.submitted)
+                self.metrics.generation(stats, len(job.spec.ids), reused or 0, time.perf_counter() - job.submitted)
 
     def _gauge(self) -> None:
         if self.metrics is not None:
             self.metrics.queue.set(self._pending)
 
     @property
-    def closing(self) -> bool:
-        """Whether :meth:`shutdown` was called (jobs stopped since were stopped by it)."""
+    def closing(self) -> bool:  # shutdown() was called
         return self._closing
 
     def _gone(self) -> str:
@@ -581,12 +384,9 @@ class Engine:
         ``wait``: return once the worker thread has ended, its MLX streams synchronized and
         released (:func:`~dflash_mlx.serve.lifecycle.release_streams`)."""
         with self._lock:
-            first, self._closing = not self._closing, True
+            self._closing = True
             for job in self._jobs:
                 job.close()
-        self._stop_worker(first, wait)
-
-    def _stop_worker(self, first: bool, wait: bool) -> None:
         with self._wake:
             self._wake.notify()
         if wait:
@@ -594,12 +394,8 @@ class Engine:
 
 
 def make_engine(pair: Any, max_batch: int, metrics: ServerMetrics, **kwargs) -> Engine:
-    """The engine for ``--max-batch``; says in the log and in ``dflash_batching`` whether requests
-    batch (a target whose caches have no batched form runs them one at a time).
-
-    Args:
-        kwargs: :class:`Engine`'s other arguments.
-    """
+    """The :class:`Engine` for ``--max-batch`` (``kwargs``: its other arguments); says in the log
+    and in ``dflash_batching`` whether requests batch."""
     refusal = batch_refusal(pair.target) if max_batch > 1 else None
     metrics.batching.set(1 if max_batch > 1 and refusal is None else 0)
     if refusal is not None:
