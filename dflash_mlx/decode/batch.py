@@ -267,8 +267,9 @@ class BatchDecoder:
             return s.rule.accept(proposals[i].head(width - 1) if proposals else Proposal(drafts[i]), logits[i])
 
         picks = self._picks(logits, accept)
-        mx.eval(picks if isinstance(picks, mx.array) else [x for p in picks for x in (p if isinstance(p, tuple) else [p])
-                                                           if x is not None], features, drafts)
+        arrays = picks if isinstance(picks, mx.array) else [
+            x for p in picks for x in (p if isinstance(p, tuple) else [p]) if x is not None]
+        mx.eval(arrays, features, drafts)
         drafts, out = drafts.tolist(), []
         for d, p in zip(drafts, picks):
             a, y = (None, p) if isinstance(p, mx.array) else p

@@ -38,23 +38,13 @@ class GenerationResponse:
     stats: GenerationStats
 
 
-def generate_step(
-    prompt: mx.array,
-    target: TargetAdapter,
-    drafter: Optional[Drafter] = None,
-    *,
-    sampler: Optional[Sampler] = None,
-    max_tokens: int = 256,
-    block_size: Optional[int | str] = None,
-    tree_budget: Optional[int | str] = None,
-    stop_token_ids: Sequence[int] = (),
-    stop: Optional[StopCondition] = None,
-    prefill_step_size: int = 2048,
-    should_stop: Optional[Callable[[], bool]] = None,
-    prompt_cache: Optional[List[Any]] = None,
-    draft_cache: Optional[List[Any]] = None,
-    stats: Optional[GenerationStats] = None,
-) -> Generator[StepResult, None, None]:
+def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Drafter] = None, *,
+                  sampler: Optional[Sampler] = None, max_tokens: int = 256, block_size: Optional[int | str] = None,
+                  tree_budget: Optional[int | str] = None, stop_token_ids: Sequence[int] = (),
+                  stop: Optional[StopCondition] = None, prefill_step_size: int = 2048,
+                  should_stop: Optional[Callable[[], bool]] = None, prompt_cache: Optional[List[Any]] = None,
+                  draft_cache: Optional[List[Any]] = None, stats: Optional[GenerationStats] = None,
+                  ) -> Generator[StepResult, None, None]:
     """Decode from ``prompt`` (spec section 5): one :class:`StepResult` per target forward.
 
     Args:
@@ -68,15 +58,13 @@ def generate_step(
         stop: a :class:`~dflash_mlx.decode.stopping.StopCondition`; replaces ``max_tokens`` and
             ``stop_token_ids``.
         should_stop: checked before each prefill chunk; True raises ``PrefillStopped``.
-        prompt_cache, draft_cache: the target's and the drafter's caches, updated in place (default
-            fresh). Finished or closed, both hold every committed token but the last.
-        stats: filled in place.
+        prompt_cache, draft_cache, stats: updated in place (default fresh); finished or closed, both
+            caches hold every committed token but the last.
 
     Raises:
         InputError: empty prompt, max_tokens < 1, block size or tree budget out of range.
         RollbackError: ``prompt_cache`` cannot roll back exactly (before anything is generated).
         MismatchError: ``prompt_cache`` or the drafter's ``target_layer_ids`` do not fit the target.
-        PrefillStopped: see ``should_stop``.
     """
     sampler = sampler or greedy_sampler
     if prompt.size == 0:
@@ -91,12 +79,8 @@ def generate_step(
     stats = stats if stats is not None else GenerationStats(block_size=B)
     chooser = make_chooser(target, drafter, block_size, tree_budget, stats) if drafter is not None else None
     rows = chooser.max_verify if chooser is not None else B
-    if prompt_cache is None:
-        prompt_cache = target.make_cache(rows)
-    else:
+    if prompt_cache is not None:
         target.check_cache(prompt_cache, rows)
-    if drafter is not None and draft_cache is None:
-        draft_cache = drafter.make_cache()
     decoder, key = BatchDecoder(target, drafter, B, chooser, solo=True), object()
     joining = decoder.start(key, prompt, sampler, stop, prefill_step_size, should_stop, cache=prompt_cache,
                             draft_cache=draft_cache, stats=stats)

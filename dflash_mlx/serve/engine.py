@@ -55,13 +55,9 @@ class Engine:
         max_batch: most requests decoding at once (1: one at a time, in the pair cache).
         block_size: B of every verify (None: the drafter's trained size), or "auto" (a seeded
             sampled request then runs at B, so the same seed gives the same text).
-        max_queue: most requests waiting beyond those running; past it, :meth:`submit`
-            raises :class:`QueueFullError`.
+        max_queue: most requests waiting beyond those running (then :class:`QueueFullError`).
         prefill_step_size: prompt tokens per prefill chunk (default 2048).
-        store: the prompt cache, or None.
-
-    Attributes:
-        pair_cache: both caches, kept between requests (one at a time only; else None).
+        store: the prompt cache, or None (one at a time, ``pair_cache`` keeps both caches between requests).
 
     Raises:
         InputError: ``block_size`` out of range for the drafter.
@@ -136,8 +132,7 @@ class Engine:
             release_streams()
 
     def _loop(self) -> None:
-        """Admit, prefill one chunk, step the batch; until shutdown with nothing left.
-        After every turn the batch is checked (:meth:`inconsistency`)."""
+        """Admit, prefill one chunk, step the batch (then check it) until shutdown with nothing left."""
         while True:
             admitted = self._take()
             if admitted is None:
@@ -251,8 +246,8 @@ class Engine:
     def _stopped(self, req: _Request) -> None:
         stats = req.joining.stats
         if req.job.cancelled.is_set():
-            log.info("request %s stopped: %s after %d of %d tokens", req.job.id, self._gone(), stats.generation_tokens,
-                     req.spec.max_tokens)
+            log.info("request %s stopped: %s after %d of %d tokens", req.job.id, self._gone(),
+                     stats.generation_tokens, req.spec.max_tokens)
             self._count(req.job, stats, "cancelled", req.joining.reused)
         else:
             self._timed_out(req.job, stats, req.joining.reused)
@@ -279,8 +274,7 @@ class Engine:
         self._emit(req, result)
 
     def _step(self) -> None:
-        """One batched step; a request whose part of it fails ends with an error, the
-        others go on (a failed batched forward ends every decoding request)."""
+        """One step; a request whose part fails ends with an error (a failed forward ends them all)."""
         by_job = {id(r.job): r for r in self._active}
         requests = [by_job[id(s.key)] for s in self.decoder.sequences]
         self._outbox = []
@@ -324,8 +318,7 @@ class Engine:
             self._release(req.job)
 
     def _fail(self, requests: List[_Request], error: BaseException) -> None:
-        """End ``requests`` with an error (a 500, or an error event in a stream): out of
-        the engine's lists and the decoder's batch, counted, released."""
+        """End ``requests`` with an error (a 500, or an error event in a stream), counted and released."""
         for req in requests:
             if req in self._active:
                 self._active.remove(req)
