@@ -1,27 +1,11 @@
-"""Both caches of a pair, kept between generations, and the token ids their rows hold.
+"""Both caches of a pair, kept between generations (chat turns, server requests), and the token
+ids their rows hold (``tokens``: row i is token i in both caches).
 
-Used by the chat session (turn after turn) and the server (request after request).
-
-Token bookkeeping: ``tokens`` are the ids whose rows both caches hold (row i is token
-i, in the target cache and in the drafter's context cache). A generation keeps the
-longest common prefix of ``tokens`` and its prompt, trims both caches to it and
-prefills only the rest; a prompt that differs from the first differing token on is
-re-prefilled from there, never reused wrongly.
-
-After a generation both caches hold every committed token but the last (the engine's
-rule, see :func:`dflash_mlx.decode.generate.generate_step`); the next prompt always re-feeds
-it. When a generation is interrupted (``KeyboardInterrupt`` inside the generator, or
-the consumer closing it), both caches are trimmed back to the rows known to be
-complete: the common prefix if no step had been received, else the committed tokens
-received but the last. What is missing is prefilled next time.
-
-With a :class:`~dflash_mlx.prefix.store.PrefixStore` (``store``), the caches are also
-kept as entries beyond the last generation: in memory and on disk, for later requests,
-processes and days. A prompt then resumes from whichever holds more of it, the live
-caches or a stored entry (longest common prefix). The pair's state is stored after each
-generation and, for pairs whose caches cannot be trimmed back far (Gated-DeltaNet
-layers, sliding windows), also at boundaries every few thousand prompt tokens
-(:mod:`dflash_mlx.prefix.resume`); disk writes happen once the generation is done.
+A generation keeps the longest common prefix of ``tokens`` and its prompt (or a longer one from
+a :class:`~dflash_mlx.prefix.store.PrefixStore`), trims both caches to it and prefills only the
+rest; afterwards both hold every committed token but the last. Stopped or interrupted, both are
+trimmed to the rows known complete. Pairs that cannot trim back far (Gated-DeltaNet, sliding
+windows) also store states at prompt boundaries (:mod:`dflash_mlx.prefix.resume`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""A sequence's prompt prefilled before it joins a batch (continuous batching,
-:mod:`dflash_mlx.decode.batch`): alone, one chunk per :meth:`Joining.advance`, so a new
-request never stalls the batch longer than one prefill chunk; with the prompt cache,
-resumed from the longest stored prefix and stored after. When its prompt is done it
-samples the first token and merges into the batch (``BatchDecoder.add``).
+"""A sequence's prompt prefilled before it joins the batch (:mod:`dflash_mlx.decode.batch`): one
+chunk per :meth:`Joining.advance`, resumed from and stored to the prompt cache where there is one;
+when the prompt is done it samples the first token and joins (``BatchDecoder.add``).
 """
 
 from __future__ import annotations
@@ -30,18 +28,9 @@ BATCHED_AUTO = ("continuous batching: auto chooses a plain step or one chain wid
 
 @dataclass
 class StepResult:
-    """What one target forward committed.
-
-    Attributes:
-        tokens: newly committed token ids (a stop token is not included; the
-            tokens of a stop string are).
-        accepted: drafts accepted by this verify (0..B-1); None for the first
-            token (from prefill) and in plain decoding.
-        finish_reason: "stop" (stop token or stop string), "length" (max tokens)
-            or None.
-        error: set when this sequence failed (batched decoding: it left the batch,
-            the others go on); None otherwise.
-    """
+    """What one step committed for one sequence: ``tokens`` (a stop token excluded, a stop
+    string's tokens included), ``accepted`` drafts (None for the first token and plain steps),
+    ``finish_reason`` ("stop", "length" or None), ``error`` (this sequence failed and left)."""
 
     tokens: List[int]
     accepted: Optional[int]
@@ -53,23 +42,13 @@ class Joining:
     """A sequence being prefilled before it joins the batch, one chunk per :meth:`advance`.
 
     Args:
-        decoder: the batch it will join.
-        key: the caller's handle.
         prompt: [P] int32 ids, P >= 1.
-        sampler: its sampler (greedy when None).
-        stop: its stop condition.
         step_size: prompt tokens per prefill chunk (the longest stall it causes the batch).
         should_stop: checked before each chunk; True raises :class:`PrefillStopped`.
-        seed: see :class:`BatchSequence`.
+        cache, draft_cache, stats: given by a solo decoder (the caller's caches), else made here.
 
     Attributes:
-        reused: prompt tokens found in the prompt cache (not prefilled); set by the first
-            :meth:`advance`.
-        source: where they came from (``"memory"``, ``"disk"``) or None.
-        cache: the target's solo caches while prefilling (None once done: the batch
-            holds a copy).
-        draft_cache: the drafter's solo context caches while prefilling, when the
-            prompt cache is used (restored, or fresh), else None.
+        reused: prompt tokens found in the prompt cache; ``source``: ``"memory"``, ``"disk"`` or None.
     """
 
     def __init__(self, decoder: "BatchDecoder", key: Any, prompt: mx.array, sampler: Optional[Sampler],

@@ -1,15 +1,6 @@
-"""DDTree: a draft tree from one drafter pass, verified in one target pass (spec section 7).
-
-From the drafter's per-position log-probabilities, the N most likely prefixes (by the
-sum of their tokens' log-probabilities) are taken with a best-first heap: pop the best
-prefix, push its next sibling and its first child. The set is prefix-closed, so it is
-a tree, and the pop order lists every parent before its children.
-
-The verify input is ``[root] + nodes`` (the root is the last committed token) at
-positions ``start + depth``; each query sees the whole cached prefix and, inside the
-tree, only its ancestors and itself. Walking the tree from the root with the target's
-token at each node accepts the longest path the target agrees with; the target's token
-at the last node of that path is the bonus token.
+"""DDTree (spec section 7): the N most likely draft prefixes of one drafter pass (best first from
+a heap, so parents precede children), verified in one target pass at positions ``start + depth``
+with an ancestor-only mask, and walked with the target's tokens.
 """
 
 from __future__ import annotations
