@@ -45,7 +45,10 @@ class WidthChooser:
             self.left = self.inner.steps if self.inner.mode == PLAIN else 1
         self.left -= 1
         p = self.inner
-        out = Plan(1, 0) if p.mode == PLAIN else Plan(p.width, p.block, p.width if p.mode == TREE else None)
+        if p.mode == PLAIN:  # a probe verifies its drafted block, so acceptance stays known
+            out = Plan(p.block, p.block) if p.probe else Plan(1, 0)
+        else:
+            out = Plan(p.width, p.block, p.width if p.mode == TREE else None)
         out.inner, out.last = p, self.left == 0
         return out
 
@@ -65,10 +68,10 @@ class WidthChooser:
                 self.batch.observe(self.batch.clock() - seconds, plan.width, accepted)
             return
         a = accepted[0]
-        if plan.last:
+        if plan.last and not inner.probe:
             self.policy.observe(inner, seconds, 0.0, self.position, [], [], self.position + a + 1)
-            if self.policy.learning and inner.mode != PLAIN:
-                self.policy.cost._observe(a, plan.width - 1 if plan.tree_budget is None else a + 1)
+        if plan.last and self.policy.learning and plan.width > 1:
+            self.policy.cost._observe(a, plan.width - 1 if plan.tree_budget is None else a + 1)
         self.position += a + 1
         self.observed += 1
         if self.observed % 64 == 1:
