@@ -20,8 +20,7 @@ from dflash_mlx.decode.stopping import StopCondition
 from dflash_mlx.prompt_cache import store as store_module
 from dflash_mlx.prompt_cache.store import PrefixStore
 from dflash_mlx.serve.app import ServerConfig, create_app
-from dflash_mlx.serve.batch_engine import BatchEngine
-from dflash_mlx.serve.engine import GenerationJob
+from dflash_mlx.serve.engine import Engine, GenerationJob
 from dflash_mlx.decode.stopping import TextStream
 
 BAD = 250  # the first prompt id of the request that fails
@@ -136,7 +135,7 @@ def test_a_failure_ends_its_request_only(pair, solo, stage, monkeypatch, tmp_pat
         raise RuntimeError("tokenizer broke")
 
     async def main():
-        engine = BatchEngine(pair, max_batch=4, block_size=4, prefill_step_size=4, store=store)
+        engine = Engine(pair, max_batch=4, block_size=4, prefill_step_size=4, store=store)
         inject(stage, engine, monkeypatch)
         jobs = [engine.submit(GOOD[0]), engine.submit(tokenize if stage == "tokenize" else bad),
                 engine.submit(GOOD[1]), engine.submit(GOOD[2])]
@@ -176,7 +175,7 @@ class FlakyTarget:
 
 def test_a_failed_batched_forward_ends_the_batch_and_the_engine_goes_on(pair, solo):
     async def main():
-        engine = BatchEngine(pair, max_batch=4, block_size=4)
+        engine = Engine(pair, max_batch=4, block_size=4)
         engine.decoder.target = FlakyTarget(pair.target)
         out = await asyncio.gather(*(outcome(engine.submit(j)) for j in GOOD))
         after = await outcome(engine.submit(NEXT))
@@ -195,7 +194,7 @@ def test_a_check_that_raises_ends_the_batch_and_the_engine_goes_on(pair, solo, m
     """The worker's own bookkeeping check failing (a bug in it) is a failed check: the
     requests in flight end with an error, none hangs, and the worker takes the next one."""
     async def main():
-        engine = BatchEngine(pair, max_batch=4, block_size=4)
+        engine = Engine(pair, max_batch=4, block_size=4)
         checks = {"n": 0}
         real = engine.decoder.inconsistency
 

@@ -20,7 +20,7 @@ from dflash_mlx.decode.stopping import StopCondition
 from dflash_mlx.prompt_cache import layers, resume
 from dflash_mlx.prompt_cache.batch_prefix import BatchPrefix
 from dflash_mlx.prompt_cache.store import PrefixStore
-from dflash_mlx.serve.batch_engine import BatchEngine, make_engine
+from dflash_mlx.serve.engine import Engine, make_engine
 from dflash_mlx.serve.engine import GenerationJob
 from dflash_mlx.serve.metrics import ServerMetrics
 import conftest
@@ -183,7 +183,7 @@ def serve(pair, store, batches, n):
 
     async def main():
         engine = make_engine(pair, 4, metrics, block_size=B, prefill_step_size=STEP, store=store)
-        assert isinstance(engine, BatchEngine)
+        assert isinstance(engine, Engine)
         out = []
         for prompts in batches:
             out += await asyncio.gather(*(finish(engine.submit(GenerationJob(p, n))) for p in prompts))

@@ -10,9 +10,25 @@ import pytest
 
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.batch_width import BatchWidths, block_widths
-from dflash_mlx.serve.batch_engine import BatchEngine
+from dflash_mlx.decode.width import Plan
+from dflash_mlx.serve.engine import Engine
 from conftest import assert_varied, tiny_drafter
 from test_batch_decode import JoinOrderDrafter, drive, prompts, solo, target_of
+
+
+class Chooser:
+    """The chooser interface (dflash_mlx.decode.width) over a BatchWidths, its clock timing each step."""
+
+    def __init__(self, widths):
+        self.widths, self.max_verify, self.started = widths, widths.trained, None
+
+    def plan(self, n, seeded=False):
+        self.started = self.widths.start()
+        w = self.widths.trained if seeded else self.widths.choose(n)
+        return Plan(w, w if w > 1 else 0)
+
+    def observe(self, plan, seconds, accepted):
+        self.widths.observe(self.started, plan.width, accepted)
 
 
 class StepClock:
@@ -56,7 +72,7 @@ def timed_batch(target, B, plan, cost, drafter_seed, max_batch):
         return w
 
     widths.choose = timed_choose
-    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, seed=drafter_seed), B, widths), plan,
+    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, seed=drafter_seed), B, Chooser(widths)), plan,
                 max_batch=max_batch)
     return out, chosen
 
@@ -188,7 +204,7 @@ def test_plain_steps_with_a_drafter_network_keep_its_context(cycle):
     widths = BatchWidths(4)
     plan_widths = iter(cycle * 60)
     widths.choose = lambda n: next(plan_widths)
-    decoder = BatchDecoder(target, drafter, 4, widths)
+    decoder = BatchDecoder(target, drafter, 4, Chooser(widths))
     plan = [dict(key=f"q{i}", prompt=p, n=40, join=2 * i) for i, p in enumerate(prompts(3, seed=23))]
     rows, anchors = {}, []
     join, draft = decoder.drafts.join, decoder.drafts.draft
@@ -234,8 +250,9 @@ def test_plain_steps_with_a_drafter_network_keep_its_context(cycle):
 def test_a_seeded_sampled_sequence_keeps_the_batch_at_the_block_size():
     """Seeded draws must not depend on timings: while one is active, steps verify B."""
     target = target_of("llama")
-    decoder = BatchDecoder(target, tiny_drafter(target, block_size=8), 8, BatchWidths(8))
-    decoder.widths.choose = lambda n: pytest.fail("auto chose a width with a seeded sequence active")
+    widths = BatchWidths(8)
+    widths.choose = lambda n: pytest.fail("auto chose a width with a seeded sequence active")
+    decoder = BatchDecoder(target, tiny_drafter(target, block_size=8), 8, Chooser(widths))
     from dflash_mlx.decode.stopping import StopCondition
     from dflash_mlx.sampling import make_sampler
     joining = decoder.start("s", [3, 4, 5], make_sampler(1.0, 1.0, 0.0, 0, target.vocab_size),
@@ -249,7 +266,7 @@ def test_a_seeded_sampled_sequence_keeps_the_batch_at_the_block_size():
 
 def test_the_batch_engine_uses_auto_widths_for_auto(monkeypatch):
     """``serve --block-size auto --max-batch N`` chooses widths per step; a fixed B does not."""
-    monkeypatch.setattr(BatchEngine, "_loop", lambda self: None)  # no worker: only the wiring is checked
+    monkeypatch.setattr(Engine, "_loop", lambda self: None)  # no worker: only the wiring is checked
     target = target_of("llama")
 
     class Pair:
@@ -257,7 +274,7 @@ def test_the_batch_engine_uses_auto_widths_for_auto(monkeypatch):
 
     pair = Pair()
     pair.target, pair.drafter, pair.tokenizer = target, tiny_drafter(target, block_size=8), None
-    auto = BatchEngine(pair, max_batch=4, block_size="auto")
-    fixed = BatchEngine(pair, max_batch=4, block_size=4)
-    assert isinstance(auto.decoder.widths, BatchWidths) and auto.decoder.width == 8
-    assert fixed.decoder.widths is None and fixed.decoder.width == 4
+    auto = Engine(pair, max_batch=4, block_size="auto")
+    fixed = Engine(pair, max_batch=4, block_size=4)
+    assert auto.decoder.width == 8 and auto.decoder.chooser.plan(4).width == 1  # auto times the plain step first
+    assert fixed.decoder.width == 4 and all(fixed.decoder.chooser.plan(4).width == 4 for _ in range(9))

@@ -14,8 +14,7 @@ import pytest
 
 from dflash_mlx import stream_generate
 from dflash_mlx.serve.app import ServerConfig, create_app
-from dflash_mlx.serve.batch_engine import BatchEngine, make_engine
-from dflash_mlx.serve.engine import Engine, GenerationJob, QueueFullError
+from dflash_mlx.serve.engine import Engine, GenerationJob, make_engine, QueueFullError
 from dflash_mlx.serve.metrics import ServerMetrics
 import conftest
 from conftest import tiny_drafter, tiny_target
@@ -69,7 +68,7 @@ def test_concurrent_requests_equal_their_solo_runs(pair):
     metrics.batch_size.set = lambda v: (sizes.append(v), real_set(v))
 
     async def main():
-        engine = BatchEngine(pair, max_batch=4, block_size=6, metrics=metrics, prefill_step_size=4)
+        engine = Engine(pair, max_batch=4, block_size=6, metrics=metrics, prefill_step_size=4)
         out = await asyncio.gather(*(collect(engine.submit(j)) for j in jobs))
         engine.shutdown()
         return out
@@ -89,7 +88,7 @@ def test_a_cancelled_request_leaves_and_the_others_are_unaffected(pair):
     jobs = [GenerationJob([5, 6, 7], 60), GenerationJob([9, 10, 11, 12], 200), GenerationJob([40], 45)]
 
     async def main():
-        engine = BatchEngine(pair, max_batch=8, block_size=4, metrics=metrics)
+        engine = Engine(pair, max_batch=8, block_size=4, metrics=metrics)
         submitted = [engine.submit(j) for j in jobs]
         out = await asyncio.gather(collect(submitted[0]), collect(submitted[1], close_after=3),
                                    collect(submitted[2]))
@@ -107,7 +106,7 @@ def test_a_cancelled_request_leaves_and_the_others_are_unaffected(pair):
 def test_a_steps_chunks_reach_the_event_loop_in_one_wake_up(pair, monkeypatch):
     # Each batched step hands every request's chunk (and any end) to the event loop in
     # one call, in order; the texts are still each request's solo text.
-    from dflash_mlx.serve import engine as engine_module
+    from dflash_mlx.serve import jobs as engine_module
 
     jobs = [GenerationJob([5, 6, 7], 30), GenerationJob([9, 10, 11, 12], 40), GenerationJob([40], 20)]
     groups = []
@@ -117,7 +116,7 @@ def test_a_steps_chunks_reach_the_event_loop_in_one_wake_up(pair, monkeypatch):
         return put_all(group)
 
     async def main():
-        engine = BatchEngine(pair, max_batch=8, block_size=4)
+        engine = Engine(pair, max_batch=8, block_size=4)
         out = await asyncio.gather(*(collect(engine.submit(j)) for j in jobs))
         engine.shutdown()
         return out
@@ -132,7 +131,7 @@ def test_a_steps_chunks_reach_the_event_loop_in_one_wake_up(pair, monkeypatch):
 
 def test_queue_bound_counts_beyond_the_batch(pair):
     async def main():
-        engine = BatchEngine(pair, max_batch=2, max_queue=1, block_size=4)
+        engine = Engine(pair, max_batch=2, max_queue=1, block_size=4)
         held = [engine.submit(GenerationJob([1, 2, 3], 300)) for _ in range(3)]  # 2 running + 1 waiting
         with pytest.raises(QueueFullError, match="1 requests are waiting"):
             engine.submit(GenerationJob([1, 2, 3], 3))
@@ -148,7 +147,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(pair):
     seeded = GenerationJob([3, 4, 5], 40, temperature=1.0, top_p=0.9, seed=11)
 
     async def run(mates):
-        engine = BatchEngine(pair, max_batch=8, block_size=4)
+        engine = Engine(pair, max_batch=8, block_size=4)
         others = [engine.submit(GenerationJob([m, m + 1], 30, temperature=0.8)) for m in range(mates)]
         out = await asyncio.gather(collect(engine.submit(seeded)), *(collect(o) for o in others))
         engine.shutdown()
@@ -166,14 +165,14 @@ def test_engine_choice_is_said_in_log_and_metrics(family, caplog):
     with caplog.at_level(logging.INFO, logger="dflash.serve"):
         engine = make_engine(pair, 8, metrics, block_size=4)
     engine.shutdown()
-    assert isinstance(engine, BatchEngine) and metrics.batching._value.get() == 1
+    assert isinstance(engine, Engine) and metrics.batching._value.get() == 1
     assert "continuous batching: up to 8 requests decode together" in caplog.text
 
 
 def test_a_refused_target_falls_back_to_one_at_a_time(caplog, monkeypatch):
     """A target the batch path cannot run (a layer cache with no batched form) is served
     one request at a time, said in the log and in ``dflash_batching``."""
-    from dflash_mlx.serve import batch_engine
+    from dflash_mlx.serve import engine as batch_engine
 
     monkeypatch.setattr(batch_engine, "batch_refusal", lambda target: "target layer 0 keeps an OddCache")
     metrics = ServerMetrics(4)

@@ -209,25 +209,23 @@ def test_abandoned_request_stops_within_one_step(monkeypatch, streaming):
     app = create_app(pair, ServerConfig(model_id=MODEL))
     engine = app.state.server.engine
     first_step, closed, steps = threading.Event(), threading.Event(), []
-    real_stream, real_close = engine.pair_cache.stream, server_engine.Job.close
+    real_step, real_close = engine.decoder.step, server_engine.Job.close
 
     def close(job):
         closed.set()
         real_close(job)
 
-    def stream(ids, **kw):
-        n = 0
-        with contextlib.closing(real_stream(ids, **kw)) as inner:
-            for r in inner:
-                n += 1
-                steps.append(len(ids))
-                yield r
-                if n == 1 and not first_step.is_set():
-                    first_step.set()
-                    closed.wait(60)
+    def step():
+        lengths = [len(s.key.spec.ids) for s in engine.decoder.sequences]
+        results = real_step()
+        steps.extend(lengths)
+        if not first_step.is_set():
+            first_step.set()
+            closed.wait(60)
+        return results
 
     monkeypatch.setattr(server_engine.Job, "close", close)
-    monkeypatch.setattr(engine.pair_cache, "stream", stream)
+    monkeypatch.setattr(engine.decoder, "step", step)
     with live_app(app) as port:
         sock = raw_request(port, json.dumps({"model": MODEL, "prompt": "Once upon", "max_tokens": 400,
                                              "stream": streaming}).encode())
@@ -238,7 +236,7 @@ def test_abandoned_request_stops_within_one_step(monkeypatch, streaming):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     abandoned = steps.count(len("Once upon"))
-    assert abandoned == 2, f"{abandoned} verify steps for the abandoned request (one after the close at most)"
+    assert abandoned == 1, f"{abandoned} verify steps for the abandoned request (none after the close)"
     assert 'dflash_requests_total{endpoint="completions",outcome="cancelled"} 1.0' in metrics
     assert engine.pair_cache.is_consistent()
 
@@ -316,14 +314,14 @@ def test_abandoned_during_prefill_stops_between_chunks(monkeypatch):
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_request_timeout_mid_generation(monkeypatch, streaming):
-    """The deadline passing while a reply is generated (here: from the third check on,
+    """The deadline passing while a reply is generated (here: from the fifth check on,
     checks counted, not timed) stops it after that step: a 408, or for a stream an error
     event with code request_timeout and no finish_reason; counted as a timeout."""
     calls = []
 
     def expired(job):
         calls.append(job.id)
-        return len(calls) >= 3
+        return len(calls) >= 5
 
     monkeypatch.setattr(server_engine.Job, "expired", expired)
     pair = tiny_server_pair(context=4096)

@@ -1,24 +1,10 @@
-"""How a verify decides which drafts to keep (DFLASH_SPEC.md sections 5 and 9).
+"""How a verify decides which drafts to keep (spec sections 5 and 9), one rule per generation
+(:func:`choose_rule`): ``greedy`` (T = 0: drafts equal to the target's argmax), ``sample-and-match``
+(T > 0, argmax drafts: d_i kept while it equals y_{i-1} ~ p), ``speculative`` (T > 0, drafts sampled
+from q: d_i kept while u_i q_i(d_i) < p_i(d_i), then a sample of normalize(max(p - q, 0)), or of p_B).
 
-One rule is chosen per generation, up front (:func:`choose_rule`):
-
-- ``greedy``: T = 0. Keep drafts while they equal the target's argmax.
-- ``sample-and-match``: T > 0 with argmax drafts (v1 drafters). Sample y_i from the
-  target's p_i at every position; keep d_i while d_i == y_{i-1}.
-- ``speculative``: T > 0 with a drafter whose drafts are samples of a real q (the
-  DFlash2 selector). Keep d_i while u_i * q_i(d_i) < p_i(d_i); at the first rejection
-  emit a sample of normalize(max(p_i - q_i, 0)); if every draft is kept, a sample of p_B.
-
-Sample-and-match is the speculative rule with a one-hot q: with q = 1[d], d is kept
-when u < p(d), i.e. with probability p(d), and otherwise the residual max(p - 1[d], 0)
-is p with d removed, renormalized. Sampling y ~ p and keeping d iff y == d keeps d with
-probability p(d), and otherwise y is a sample of p conditioned on y != d: the same law.
-
-Every rule returns ``(a, out)``: ``a`` accepted drafts and ``out`` [B] int32 whose
-first ``a + 1`` entries are the tokens to commit (d_1..d_a, then the target's token).
-The match rules return ``a`` as None: the leading matches are counted on the host
-(:func:`count_accepted`), once ``out`` is there anyway, instead of by four more
-device ops per step.
+Every rule returns ``(a, out)``: ``a`` accepted drafts (None: counted on the host by
+:func:`count_accepted`) and ``out`` [B] int32 whose first ``a + 1`` entries are committed.
 """
 
 from __future__ import annotations

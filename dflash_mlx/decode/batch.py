@@ -1,29 +1,10 @@
-"""Continuous batching: the DFlash loop (DFLASH_SPEC.md section 5) for many sequences at once.
+"""The DFlash step (spec section 5) for N >= 1 sequences: draft, verify, accept, roll back.
 
-Every step drafts a block for each active sequence, then verifies all of them in ONE
-target forward ([N, B] tokens over a left-padded ``BatchKVCache``; sliding-window
-layers too, their window in the mask, see :mod:`dflash_mlx.prompt_cache.batch_window`), and each sequence
-keeps its own acceptance length: its own committed tokens, its own rollback
-(:func:`dflash_mlx.prompt_cache.batch.rollback_ragged`) and its own drafter context.
-Sequences join between steps (their prompts prefilled alone, one chunk at a time, by
-:class:`~dflash_mlx.decode.batch_join.Joining`, then merged into the batch) and leave
-between steps (finished, or dropped by the caller: a cancelled request).
-
-Why not mlx-lm's ``BatchGenerator``: it decodes one token per sequence per step and
-has no drafts, verify or per-sequence rollback; its cache classes are used here.
-
-Prompt cache: with a store (:class:`dflash_mlx.prompt_cache.store.PrefixStore`), a joining
-sequence resumes from the longest stored prefix of its prompt and prefills only the rest,
-then stores its prompt, or for caches that cannot go back the states at its boundaries
-(:mod:`dflash_mlx.prompt_cache.batch_prefix`); only where the drafter drafts the batch in one pass or
-there is none (else ``prefix_refusal`` says why, and every prompt is prefilled whole).
-
-Drafting: a drafter with ``batch_drafts`` drafts every sequence in one pass; any
-other (scripted and simulated drafters) drafts sequence by sequence, lazily, so the
-drafts and the verify are still one graph and one sync.
-
-Each sequence's tokens are exactly those of the same request run alone: the target's
-greedy tokens at T = 0, or draws by its own acceptance rule at T > 0.
+One sequence decodes in the target's own caches, rolled back by ``target.rollback``
+(``solo``; DDTree, spec section 7, there only); a batch in ``BatchKVCache`` layers (left
+padded, one shared write column), rolled back per sequence by
+:func:`~dflash_mlx.prompt_cache.batch.rollback_ragged`. Sequences join between steps
+(:class:`~dflash_mlx.decode.batch_join.Joining`) and leave between steps.
 """
 
 from __future__ import annotations
@@ -35,10 +16,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .acceptance import count_accepted
-from .batch_join import Joining, Sampler, context_rows
-from .batch_width import BatchWidths
-from .generate import StepResult
+from .batch_join import Joining, Sampler, StepResult, context_rows, settle
 from .stopping import StopCondition
+from .tree import build_tree, host_logprobs, verify_tree
+from .width import Plan, WidthChooser, make_chooser
 from ..drafter.batch import pad_contexts
 from ..errors import InputError
 from ..prompt_cache.batch_prefix import BatchPrefix, batch_prefix_refusal
@@ -48,25 +29,16 @@ from ..stats import GenerationStats
 from ..targets import TargetAdapter
 from ..prompt_cache.batch import compact, extend, keep_rows, rollback_ragged, share_offsets
 
+PLAIN = Plan(1, 0)
+
 
 @dataclass
 class BatchSequence:
-    """One sequence of the batch.
-
-    Attributes:
-        key: the caller's handle (a request).
-        rule: its acceptance rule (:func:`dflash_mlx.decode.acceptance.choose_rule`).
-        stop: its stop condition (stop tokens, strings, max tokens).
-        stats: its statistics (steps, acceptance histogram, tau).
-        token: [1] int32, its last committed token (not in the target cache yet).
-        pending: context rows [1, S, F] the drafter has not seen yet (the last
-            verify's rows stay in the decoder's one array until a join, a leave or a
-            plain step moves them here: :meth:`BatchDecoder._spill`).
-        draft_cache: its drafter's context cache (None without a drafter).
-        seed: its PRNG seed at T > 0, or None: each of its steps then draws from a
-            PRNG state seeded by (seed, step), whatever else the batch holds, so the
-            same seed gives the same text.
-    """
+    """One sequence: its caller's ``key``, acceptance ``rule``, ``stop``, ``stats``, last
+    committed ``token`` ([1] int32, not in the target cache), context rows the drafter has
+    not seen (``pending``, [1, S, F] each), its own drafter cache (None when the batch drafts
+    in one pass), its PRNG ``seed`` (each draw seeded by (seed, draw)) and ``base``, the
+    cache rows before its first token (solo)."""
 
     key: Any
     rule: Any
@@ -76,46 +48,47 @@ class BatchSequence:
     pending: List[mx.array] = field(default_factory=list)
     draft_cache: Optional[List[Any]] = None
     seed: Optional[int] = None
+    base: int = 0
+    draws: int = 0
 
-    def reseed(self, phase: int) -> None:
-        """Seed the PRNG for this sequence's next draws (seeded sequences only)."""
+    def reseed(self) -> None:
+        """Seed the PRNG for this sequence's next draw (seeded sequences only)."""
         if self.seed is not None:
-            mx.random.seed((self.seed * 1_000_003 + (self.stats.steps + self.stats.plain_steps) * 2 + phase) % 2**32)
+            mx.random.seed((self.seed * 1_000_003 + self.draws) % 2**32)
+            self.draws += 1
+
+
+def plain_step(target: TargetAdapter, cache: List[Any], capture, pick, tokens: mx.array) -> Tuple[mx.array, Any]:
+    """One plain forward of ``tokens`` [N] (lazy): ``(next tokens [N] int32, features [N, 1, F] or None)``."""
+    h, features = target(tokens[:, None], cache, capture)
+    return pick(target.lm_head(h[:, -1])), features
 
 
 class BatchDecoder:
-    """The active sequences of a batch and their shared target cache.
+    """The active sequences and their target cache.
 
     Args:
-        target: a target adapter whose caches can batch
-            (:func:`dflash_mlx.prompt_cache.batch.batch_refusal` is None).
-        drafter: a bound drafter, or None (plain decoding, one token per step).
-        block_size: B, tokens every verify feeds per sequence (2..the drafter's
-            trained size; 1 without a drafter); with ``widths``, the widest.
-        widths: chooses each step's width (``--block-size auto``), or None: every
-            step verifies B.
-        store: the prompt cache, or None. Used where :attr:`prefix_refusal` is None.
-
-    Attributes:
-        sequences: the active sequences, in batch-row order.
-        cache: one ``BatchKVCache`` per target layer, or None while the batch is empty.
-        prefix: looks up and keeps prompt-cache entries (None: no store, or refused).
-        prefix_refusal: why a given store is not used in this batch, or None.
+        target: a target adapter (batched: :func:`~dflash_mlx.prompt_cache.batch.batch_refusal` is None).
+        drafter: a bound drafter, or None (plain decoding).
+        block_size: B, the widest verify (1 without a drafter).
+        chooser: each step's :class:`~dflash_mlx.decode.width.Plan` (default: always B).
+        store: the prompt cache (used where :attr:`prefix_refusal` is None).
+        solo: at most one sequence, in the target's own caches.
     """
 
     def __init__(self, target: TargetAdapter, drafter: Optional[Drafter], block_size: int,
-                 widths: Optional[BatchWidths] = None, store: Optional[PrefixStore] = None):
-        self.target, self.drafter = target, drafter
+                 chooser: Optional[WidthChooser] = None, store: Optional[PrefixStore] = None, solo: bool = False):
+        self.target, self.drafter, self.solo = target, drafter, solo
         self.width = block_size if drafter is not None else 1
-        self.widths = widths if drafter is not None else None
+        if drafter is not None and chooser is None:
+            chooser = make_chooser(target, drafter, block_size, None, GenerationStats(block_size=block_size))
+        self.chooser = chooser
         self.capture = drafter.target_layer_ids if drafter is not None else None
         self.sequences: List[BatchSequence] = []
         self.cache = None
-        # (features [N, B, F], rows [N]): the last verify's context rows, sequence i's first
-        # rows[i], not yet in any sequence's pending rows (one slice for the drafter).
-        self._context: Optional[Tuple[mx.array, List[int]]] = None
-        # One drafter pass for the batch where the drafter has one; else per sequence.
-        self.drafts = drafter.batch_drafts() if hasattr(drafter, "batch_drafts") else None
+        self._context: Optional[Tuple[mx.array, List[int]]] = None  # last verify's rows, not yet pending
+        self._queued = None  # (plan, tokens, features) of a plain step dispatched before the last was read
+        self.drafts = drafter.batch_drafts() if hasattr(drafter, "batch_drafts") and not solo else None
         self.prefix: Optional[BatchPrefix] = None
         self.prefix_refusal: Optional[str] = None
         if store is not None:
@@ -128,39 +101,48 @@ class BatchDecoder:
 
     def start(self, key: Any, prompt: Sequence[int], sampler: Optional[Sampler], stop: StopCondition,
               step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
-              seed: Optional[int] = None) -> Joining:
-        """A :class:`Joining` for a new sequence (nothing runs until its ``advance``).
+              seed: Optional[int] = None, **solo: Any) -> Joining:
+        """A :class:`Joining` for a new sequence (nothing runs until its ``advance``); ``solo``:
+        ``cache``, ``draft_cache``, ``stats`` of a solo decoder's one sequence.
 
         Raises:
             InputError: an empty prompt, or a stop condition allowing no token.
         """
-        if not prompt:
+        if len(prompt) == 0:
             raise InputError("the prompt is empty: give at least one token")
         if stop.max_tokens < 1:
             raise InputError(f"max_tokens must be at least 1, got {stop.max_tokens}")
-        return Joining(self, key, mx.array(list(prompt), dtype=mx.int32), sampler, stop, step_size, should_stop,
-                       seed)
+        ids = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt), dtype=mx.int32)
+        return Joining(self, key, ids, sampler, stop, step_size, should_stop, seed, **solo)
 
     def add(self, joining: Joining, token: mx.array, pending: List[mx.array]) -> None:
         """Merge a prefilled sequence into the batch as its last row."""
-        draft_cache = self.drafter.make_cache() if self.drafter is not None and self.drafts is None else None
-        if self.drafter is not None:
-            joining.stats.acceptance_rule = joining.rule.name
+        draft_cache = None
+        if self.drafter is not None and self.drafts is None:
+            draft_cache = joining.draft_cache if joining.draft_cache is not None else self.drafter.make_cache()
         if self.drafts is not None:  # the prompt's context rows go to the batched drafter cache now
             self.drafts.join(context_rows(pending) if pending else None, joining.draft_cache)
             pending = []
         self._spill()
-        self.cache = extend(self.cache, joining.cache)
+        self.cache = joining.cache if self.solo else extend(self.cache, joining.cache)
+        base = joining.cache[0].offset if self.solo and joining.cache else 0
         self.sequences.append(BatchSequence(joining.key, joining.rule, joining.stop, joining.stats, token,
-                                            pending, draft_cache, joining.seed))
+                                            pending, draft_cache, joining.seed, base))
 
     def remove(self, keys: Sequence[Any]) -> None:
-        """Drop the sequences of ``keys`` (finished or cancelled) from the batch."""
+        """Drop the sequences of ``keys`` (finished or cancelled); a solo sequence's caches
+        are left holding its committed tokens but the last, both of them."""
         gone = set(id(k) for k in keys)
         rows = [i for i, s in enumerate(self.sequences) if id(s.key) not in gone]
         if len(rows) == len(self.sequences):
             return
         self._spill()
+        self._queued = None
+        if self.solo:
+            s = self.sequences[0]
+            settle(self.target, self.cache, s.base + s.stop.emitted - 1, self.drafter, s.draft_cache, s.pending)
+            self.sequences, self.cache = [], None
+            return
         self.sequences = [self.sequences[i] for i in rows]
         self.cache = keep_rows(self.cache, rows)
         if self.drafts is not None:
@@ -168,14 +150,13 @@ class BatchDecoder:
 
     def clear(self) -> None:
         """Drop every sequence (after a failed step: the batch's caches are in no known state)."""
-        self.sequences, self.cache, self._context = [], None, None
+        self.sequences, self.cache, self._context, self._queued = [], None, None, None
         if self.drafts is not None:
             self.drafts.keep([])
 
     def inconsistency(self) -> Optional[str]:
-        """What is wrong with the batch's bookkeeping, or None: every layer cache (the
-        target's and the batched drafter's) must hold one row per sequence, and none
-        while the batch is empty."""
+        """What is wrong with the bookkeeping, or None: every batched layer cache (the target's and
+        the batched drafter's) holds one row per sequence, and no cache is left while it is empty."""
         caches = {"target": self.cache}
         if self.drafts is not None:
             caches["drafter"] = self.drafts.cache
@@ -190,91 +171,115 @@ class BatchDecoder:
         return None
 
     def step(self) -> List[StepResult]:
-        """One draft + verify for every active sequence; finished ones leave the batch.
+        """One step for every active sequence; finished ones leave.
 
-        A failure that belongs to one sequence (its stop condition) ends that sequence
-        only: its result carries the ``error`` and it leaves the batch. A failure of the
-        batched work (drafting, the verify forward) empties the batch (:meth:`clear`)
-        and is raised: every sequence of the batch has then left it.
+        A failure of one sequence's stop condition ends that sequence only (its result carries
+        ``error``). A failure of the shared work empties the batch (:meth:`clear`) and is raised.
 
         Returns:
-            One :class:`StepResult` per sequence active before the step, in the order
-            of :attr:`sequences` before it.
+            One :class:`StepResult` per sequence active before the step, in their order.
         """
         if not self.sequences:
             return []
         try:
-            results = self._plain_step() if self.drafter is None else self._verify_step()
+            results = self._step()
         except Exception:
             self.clear()
             raise
         return self._settle(results)
 
-    def _verify_step(self) -> List[StepResult]:
-        """The step with a drafter (a plain one where auto chose width 1), unsettled."""
-        tic = time.perf_counter()  # for the statistics only
-        auto = not self._fixed_width()
-        started = self.widths.start() if auto else None
-        w = self.widths.choose(len(self.sequences)) if auto else self.width
-        if w == 1:
-            return self._plain_step(started)
-        tokens = mx.concatenate([s.token for s in self.sequences])  # [N] t_last
-        drafts, proposals = self._propose(tokens, w)
-        share_offsets(self.cache)
-        h, features = self.target(mx.concatenate([tokens[:, None], drafts], axis=1), self.cache, self.capture)
-        logits = self.target.lm_head(h)
-        decided = self._decide(drafts, proposals, logits, features)
-        results, rejected, seconds = [], [], time.perf_counter() - tic
-        for i, (s, (a, out)) in enumerate(zip(self.sequences, decided)):
-            rejected.append(w - 1 - a)
-            s.stats.record_plan("chain", w, seconds, a, w - 1)
+    def _plan(self) -> Plan:
+        if self._queued is not None:
+            return self._queued[0]
+        if self.chooser is None:
+            return PLAIN
+        return self.chooser.plan(len(self.sequences), any(s.seed is not None for s in self.sequences))
+
+    def _step(self) -> List[StepResult]:
+        """Draft -> verify -> accept -> roll back (a plain step where the plan's width is 1)."""
+        tic = time.perf_counter()
+        plan = self._plan()
+        if plan.width == 1:
+            return self._plain(plan, tic)
+        tokens = self._tokens()
+        drafts, proposals = self._propose(tokens, plan.block)
+        if plan.tree_budget is not None and self.solo:
+            s, logprobs = self.sequences[0], host_logprobs(proposals[0])
+            plan = self.chooser.after_draft(plan, int(s.token.item()), logprobs)
+        if plan.tree_budget is not None and self.solo:
+            tree = build_tree(int(s.token.item()), logprobs, plan.tree_budget)
+            s.reseed()
+            out, context = verify_tree(self.target, self.cache, self.capture, s.rule.choose, tree)
+            decided, self._context = [(len(out) - 1, out)], (context, [len(out)])
+            drafted, mode = len(tree) - 1, "tree"
+        else:
+            w = plan.width
+            drafts = drafts[:, : w - 1]
+            if not self.solo:
+                share_offsets(self.cache)
+            h, features = self.target(mx.concatenate([tokens[:, None], drafts], axis=1), self.cache, self.capture)
+            decided = self._decide(drafts, proposals, self.target.lm_head(h), features, w)
+            self._context = (features, [a + 1 for a, _ in decided])
+            self._rollback([w - 1 - a for a, _ in decided])
+            drafted, mode = w - 1, "chain"
+        seconds = time.perf_counter() - tic
+        results = []
+        for s, (a, out) in zip(self.sequences, decided):
+            s.stats.record_plan(mode, plan.width, seconds, a, drafted)
             s.token = mx.array(out[a : a + 1], dtype=mx.int32)
             results.append(StepResult(out[: a + 1], a, None))
-        self._context = (features, [r.accepted + 1 for r in results])
+        self.chooser.observe(plan, seconds, [r.accepted for r in results])
+        return results
+
+    def _tokens(self) -> mx.array:
+        """[N] int32: every sequence's last committed token."""
+        seqs = self.sequences
+        return seqs[0].token if len(seqs) == 1 else mx.concatenate([s.token for s in seqs])
+
+    def _rollback(self, rejected: List[int]) -> None:
+        """Drop each sequence's rejected rows (raises RollbackError where a cache cannot)."""
+        if self.solo:
+            self.target.rollback(self.cache, rejected[0])
+            return
         rollback_ragged(self.cache, rejected)
         compact(self.cache)
         if self.drafts is not None:
             compact(self.drafts.cache)
-        if auto:
-            self.widths.observe(started, w, [r.accepted for r in results])
-        return results
 
-    def _fixed_width(self) -> bool:
-        """Whether this step verifies B: no auto widths, or a seeded sampled sequence
-        is active (its text must not depend on the timings that choose widths)."""
-        return self.widths is None or any(s.seed is not None for s in self.sequences)
-
-    def _greedy(self) -> List[bool]:
-        """Per sequence, whether its rule is greedy (one argmax serves all those rows)."""
-        return [bool(getattr(s.rule, "greedy", False)) for s in self.sequences]
-
-    def _decide(self, drafts: mx.array, proposals: Optional[List[Proposal]], logits: mx.array,
-                features: mx.array) -> List[tuple]:
-        """Each sequence's acceptance rule on its verify rows (logits [N, B, V]; drafts
-        [N, B-1]; ``proposals``: per sequence, or None for the drafts alone): one argmax for
-        all greedy sequences, their own rule (and seed) for the others; one sync. Returns
-        ``(accepted a, the target's tokens [B])`` per sequence, on the host."""
-        greedy = self._greedy()
+    def _picks(self, logits: mx.array, phase: Callable[[BatchSequence, int], Any]) -> Any:
+        """Per sequence, ``phase(s, i)`` after seeding its draw; greedy ones share one argmax
+        (returned whole, [N, ...], when every sequence is greedy)."""
+        greedy = [bool(getattr(s.rule, "greedy", False)) for s in self.sequences]
         argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(greedy) else None
-        decided = []
-        for i, s in enumerate(self.sequences):
-            s.reseed(1)
-            p = None if greedy[i] else proposals[i] if proposals is not None else Proposal(drafts[i])
-            decided.append((None, None) if greedy[i] else s.rule.accept(p, logits[i]))
-        mx.eval(argmax if argmax is not None else [], [d for pair in decided for d in pair if d is not None],
-                features, drafts)
-        drafts, argmax = drafts.tolist(), argmax.tolist() if argmax is not None else None
+        if all(greedy):
+            return argmax
         out = []
-        for i, (a, y) in enumerate(decided):
-            y = argmax[i] if greedy[i] else y.tolist()
-            out.append((count_accepted(drafts[i], y) if a is None else a.item(), y))
+        for i, s in enumerate(self.sequences):
+            s.reseed()
+            out.append(argmax[i] if greedy[i] else phase(s, i))
         return out
 
-    def _propose(self, tokens: mx.array, width: int) -> Tuple[mx.array, Optional[List[Proposal]]]:
-        """Drafts [N, width-1] of every sequence (lazy) from ``tokens`` [N] (``t_last``),
-        and the per-sequence proposals (None from a batched pass: drafts alone). One
-        batched pass when the drafter has one, its new context rows as one array: the
-        last verify's features as they are, when no sequence has other pending rows."""
+    def _decide(self, drafts: mx.array, proposals: Optional[List[Proposal]], logits: mx.array,
+                features: mx.array, width: int) -> List[tuple]:
+        """Each sequence's rule on its verify rows (logits [N, w, V], drafts [N, w-1]), one sync:
+        ``(accepted a, the target's tokens [w])`` per sequence, on the host."""
+        def accept(s, i):
+            return s.rule.accept(proposals[i].head(width - 1) if proposals else Proposal(drafts[i]), logits[i])
+
+        picks = self._picks(logits, accept)
+        arrays = picks if isinstance(picks, mx.array) else [
+            x for p in picks for x in (p if isinstance(p, tuple) else [p]) if x is not None]
+        mx.eval(arrays, features, drafts)
+        drafts, out = drafts.tolist(), []
+        for d, p in zip(drafts, picks):
+            a, y = (None, p) if isinstance(p, mx.array) else p
+            y = y.tolist()
+            out.append((count_accepted(d, y) if a is None else a.item(), y))
+        return out
+
+    def _propose(self, tokens: mx.array, block: int) -> Tuple[mx.array, Optional[List[Proposal]]]:
+        """Drafts [N, block-1] of every sequence (lazy) from ``tokens`` [N], and per-sequence
+        proposals (None from a batched pass)."""
         if self.drafts is not None:
             if self._context is not None:  # then every pending list is empty (see _spill)
                 context, rows = self._context
@@ -286,59 +291,70 @@ class BatchDecoder:
             for s in self.sequences:
                 s.pending = []
             self._context = None
-            return self.drafts.draft(tokens, context, rows, width), None
+            return self.drafts.draft(tokens, context, rows, block), None
         self._spill()
         proposals = []
         for s in self.sequences:
-            s.reseed(0)
+            s.reseed()
             context = context_rows(s.pending) if s.pending else None
             s.pending = []
-            proposals.append(s.rule.propose(self.drafter, s.token, context, s.draft_cache, width))
+            proposals.append(s.rule.propose(self.drafter, s.token, context, s.draft_cache, block))
         return mx.stack([p.tokens for p in proposals]), proposals
 
     def _spill(self) -> None:
-        """Move the last verify's context rows into each sequence's pending rows (before
-        the sequences change, or other rows are added after them)."""
+        """Move the last verify's context rows into each sequence's pending rows."""
         if self._context is not None:
             features, rows = self._context
             for i, (s, n) in enumerate(zip(self.sequences, rows)):
                 s.pending.append(features[i : i + 1, :n])
             self._context = None
 
-    def _plain_step(self, started: Optional[float] = None) -> List[StepResult]:
-        """Plain decoding: one token per sequence, one target forward for all, unsettled.
-        With a drafter (auto chose width 1; ``started`` is its clock reading) each
-        sequence's context row is kept for its next draft."""
-        tic = time.perf_counter()  # for the statistics only
-        self._spill()  # a plain step's row joins each sequence's pending rows
-        inputs = mx.stack([s.token for s in self.sequences])
-        share_offsets(self.cache)
-        h, features = self.target(inputs, self.cache, self.capture)
-        logits = self.target.lm_head(h[:, -1])
-        greedy = self._greedy()
-        argmax = mx.argmax(logits, axis=-1, keepdims=True).astype(mx.int32) if any(greedy) else None
-        picks = []
+    def _plain(self, plan: Plan, tic: float) -> List[StepResult]:
+        """One token per sequence, pipelined as mlx-lm's where alone: the next plain step is
+        dispatched before this one is read. Context rows are kept for the next draft."""
+        self._spill()
+        if self._queued is not None:
+            _, y, features = self._queued
+        else:
+            if not self.solo:
+                share_offsets(self.cache)
+            y, features = self._forward()
+        self._queued = None
+        s0 = self.sequences[0]
+        if self.solo and s0.stop.budget > 1:
+            nxt = self._plan()
+            if nxt.width == 1:
+                self._queued = (nxt, *self._forward(y))
+                mx.async_eval([a for a in self._queued[1:] if a is not None])
+        mx.eval(y, features if features is not None else [])
+        picks, seconds = y.tolist(), time.perf_counter() - tic
+        results = []
         for i, s in enumerate(self.sequences):
-            s.reseed(1)
-            picks.append(argmax[i] if greedy[i] else s.rule.choose(logits[i : i + 1]))
-        mx.eval(picks, features if features is not None else [])
-        results, seconds = [], time.perf_counter() - tic
-        for i, (s, y) in enumerate(zip(self.sequences, picks)):
-            s.token = y
+            s.token = y if len(picks) == 1 else y[i : i + 1]
             if self.drafter is None:
-                s.stats.record_plain()
+                s.stats.record_plain(seconds)
             else:
                 s.stats.record_plan("plain", 1, seconds, 0, 0)
                 s.pending.append(features[i : i + 1])
-            results.append(StepResult(y.tolist(), None, None))
-        compact(self.cache)  # sliding-window layers drop rows out of every window
-        if started is not None:
-            self.widths.observe(started, 1, [0] * len(results))
+            results.append(StepResult([picks[i]], None, None))
+        if not self.solo:
+            compact(self.cache)  # sliding-window layers drop rows out of every window
+        if self.chooser is not None:
+            self.chooser.observe(plan, seconds, [0] * len(results))
         return results
 
+    def _forward(self, tokens: Optional[mx.array] = None) -> Tuple[mx.array, Any]:
+        """The plain forward of every sequence's last token (or ``tokens`` [N]), lazy."""
+        tokens = self._tokens() if tokens is None else tokens
+        def pick(logits):
+            picks = self._picks(logits, lambda s, i: s.rule.choose(logits[i : i + 1])[0])
+            return picks if isinstance(picks, mx.array) else mx.stack(picks)
+
+        return plain_step(self.target, self.cache, self.capture, pick, tokens)
+
     def _settle(self, results: List[StepResult]) -> List[StepResult]:
-        """Cut each sequence's tokens at its stops; finished sequences, and those whose
-        stop condition failed (``error`` set), leave."""
+        """Cut each sequence's tokens at its stops; finished sequences, and those whose stop
+        condition failed (``error`` set), leave."""
         done = []
         for s, r in zip(self.sequences, results):
             try:
@@ -349,3 +365,4 @@ class BatchDecoder:
                 done.append(s.key)
         self.remove(done)
         return results
+

@@ -1,73 +1,79 @@
-"""A sequence's prompt prefilled before it joins a batch (continuous batching,
-:mod:`dflash_mlx.decode.batch`): alone, one chunk per :meth:`Joining.advance`, so a new
-request never stalls the batch longer than one prefill chunk; with the prompt cache,
-resumed from the longest stored prefix and stored after. When its prompt is done it
-samples the first token and merges into the batch (``BatchDecoder.add``).
+"""A sequence's prompt prefilled before it joins the batch (:mod:`dflash_mlx.decode.batch`): one
+chunk per :meth:`Joining.advance`, resumed from and stored to the prompt cache where there is one;
+when the prompt is done it samples the first token and joins (``BatchDecoder.add``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
 from .acceptance import choose_rule
-from .generate import NO_DRAFTER, PrefillStopped, StepResult
 from .stopping import StopCondition
+from ..prompt_cache.resume import PrefillStopped
 from ..stats import GenerationStats
 
 if TYPE_CHECKING:
     from .batch import BatchDecoder
 
 Sampler = Callable[[mx.array], mx.array]
+NO_DRAFTER = "no drafter was given (--draft-model)"
 
 BATCHED = "continuous batching verifies chains of the block size (no trees)"
 BATCHED_AUTO = ("continuous batching: auto chooses a plain step or one chain width per step for the whole batch "
                 "(no trees)")
 
 
+@dataclass
+class StepResult:
+    """What one step committed for one sequence: ``tokens`` (a stop token excluded, a stop
+    string's tokens included), ``accepted`` drafts (None for the first token and plain steps),
+    ``finish_reason`` ("stop", "length" or None), ``error`` (this sequence failed and left)."""
+
+    tokens: List[int]
+    accepted: Optional[int]
+    finish_reason: Optional[str] = None
+    error: Optional[BaseException] = None
+
+
 class Joining:
     """A sequence being prefilled before it joins the batch, one chunk per :meth:`advance`.
 
     Args:
-        decoder: the batch it will join.
-        key: the caller's handle.
         prompt: [P] int32 ids, P >= 1.
-        sampler: its sampler (greedy when None).
-        stop: its stop condition.
         step_size: prompt tokens per prefill chunk (the longest stall it causes the batch).
         should_stop: checked before each chunk; True raises :class:`PrefillStopped`.
-        seed: see :class:`BatchSequence`.
+        cache, draft_cache, stats: given by a solo decoder (the caller's caches), else made here.
 
     Attributes:
-        reused: prompt tokens found in the prompt cache (not prefilled); set by the first
-            :meth:`advance`.
-        source: where they came from (``"memory"``, ``"disk"``) or None.
-        cache: the target's solo caches while prefilling (None once done: the batch
-            holds a copy).
-        draft_cache: the drafter's solo context caches while prefilling, when the
-            prompt cache is used (restored, or fresh), else None.
+        reused: prompt tokens found in the prompt cache; ``source``: ``"memory"``, ``"disk"`` or None.
     """
 
     def __init__(self, decoder: "BatchDecoder", key: Any, prompt: mx.array, sampler: Optional[Sampler],
                  stop: StopCondition, step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, cache: Optional[List[Any]] = None,
+                 draft_cache: Optional[List[Any]] = None, stats: Optional[GenerationStats] = None):
         self.decoder, self.key, self.stop, self.seed = decoder, key, stop, seed
         self.rule = choose_rule(decoder.drafter, sampler)
         self.prompt, self.rest, self.step_size, self.should_stop = prompt, prompt, max(1, step_size), should_stop
-        self.cache = decoder.target.make_cache(decoder.width)
-        self.draft_cache: Optional[List[Any]] = None
+        rows = decoder.chooser.max_verify if decoder.chooser is not None else decoder.width
+        self.cache = cache if cache is not None else decoder.target.make_cache(rows)
+        self.draft_cache = draft_cache
         self.reused, self.source, self._looked_up = 0, None, decoder.prefix is None
         self._stops: List[int] = []  # prompt rows where states are stored (caches that cannot go back)
         self.features: List[mx.array] = []
-        self.stats = GenerationStats(block_size=decoder.width, prompt_tokens=int(prompt.size),
-                                     speculative=decoder.drafter is not None,
-                                     drafter_format=getattr(decoder.drafter, "drafter_format", None))
+        self.stats = stats or GenerationStats(block_size=decoder.width, prompt_tokens=int(prompt.size),
+                                              speculative=decoder.drafter is not None,
+                                              drafter_format=getattr(decoder.drafter, "drafter_format", None))
         if decoder.drafter is not None:
-            auto = decoder.widths is not None and seed is None
+            self.stats.acceptance_rule = self.rule.name
+        if stats is None and decoder.drafter is not None:
+            auto = getattr(decoder.chooser, "adaptive", False) and seed is None
             self.stats.verify = {"block_size": "auto" if auto else decoder.width, "tree_budget": None,
                                  "reason": BATCHED_AUTO if auto else BATCHED}
-        else:
+        elif stats is None:
             self.stats.reason = NO_DRAFTER
 
     def advance(self) -> Optional[StepResult]:
@@ -110,6 +116,9 @@ class Joining:
         context = [context_rows(self.features)] if self.features else []  # empty without a drafter
         if finish is None:
             self.decoder.add(self, t, context)
+        elif self.decoder.solo:
+            settle(target, self.cache, self.cache[0].offset + len(tokens) - 1, self.decoder.drafter,
+                   self.draft_cache, context)
         if self.decoder.prefix is not None and not self.decoder.prefix.at_boundaries:
             self._store(self._keep, context, finish is None)
         self.cache, self.draft_cache, self.features = None, None, []  # the batch holds copies: free these
@@ -154,3 +163,14 @@ class Joining:
 def context_rows(pending: List[mx.array]) -> Optional[mx.array]:
     """The pending context rows as one [1, S, F] array."""
     return pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)
+
+
+def settle(target: TargetAdapter, cache: List[Any], rows: int, drafter: Optional[Drafter] = None,
+           draft_cache: Optional[List[Any]] = None, pending: Sequence[mx.array] = ()) -> None:
+    """Trim the target cache to ``rows``, then give the drafter the context rows it lacks
+    (``pending`` starts at its offset), so both caches cover the same tokens."""
+    target.rollback(cache, cache[0].offset - rows)
+    if drafter is not None and pending:
+        missing = cache[0].offset - draft_cache[0].offset
+        if missing > 0:
+            drafter.ingest(context_rows(list(pending))[:, :missing], draft_cache)

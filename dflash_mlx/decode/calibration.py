@@ -297,7 +297,7 @@ def _scratch_drafter_cache(drafter, features: mx.array):
 def _plain_run(target, cache, layer_ids, steps: int = PLAIN_TIMED_STEPS) -> float:
     """A run of plain steps as the loop runs it (each queued before the last is read,
     capturing features)."""
-    from .verify import plain_step  # the loop's own step
+    from .batch import plain_step  # the loop's own step
 
     pick = lambda logits: mx.argmax(logits, axis=-1).astype(mx.int32)  # noqa: E731
     y, f = plain_step(target, cache, layer_ids, pick, mx.array([1], dtype=mx.int32))

@@ -1,10 +1,5 @@
-# Over 400 lines: the decode loop, read in one sitting: prefill, draft -> verify -> accept -> roll back, plain runs
-"""The DFlash decode loop (DFLASH_SPEC.md section 5) and plain decoding, one engine.
-
-``generate_step`` yields one :class:`StepResult` per target forward: prefill gives
-the first token, then each verify commits ``accepted + 1`` tokens. ``stream_generate``
-adds detokenized text and statistics; ``generate``, ``chat`` and ``bench`` use it.
-"""
+"""Generation from one prompt (spec section 5): ``generate_step`` runs the step of
+:mod:`dflash_mlx.decode.batch` for one sequence; ``stream_generate`` adds text and statistics."""
 
 from __future__ import annotations
 
@@ -18,52 +13,23 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .acceptance import choose_rule
-from .calibration import Timings
-from .cost import PLAIN, TREE
+from .batch import BatchDecoder
+from .batch_join import NO_DRAFTER, StepResult
 from ..errors import InputError
 from ..kernels.block_attention import attention_path
-from .policy import AUTO, make_policy, parse_block_size, parse_tree_budget
+from .width import AUTO, make_chooser, parse_block_size, parse_tree_budget
 from ..protocol import Drafter
 from ..stats import GenerationStats, weight_bytes
 from .stopping import StopCondition, held_back, text_before_stop
 from ..targets import TargetAdapter
-from .verify import Outcome, chain_step, host_logprobs, plain_step, synced, tree_step
 
 Sampler = Callable[[mx.array], mx.array]
-NO_DRAFTER = "no drafter was given (--draft-model)"
-
-
-@dataclass
-class StepResult:
-    """What one target forward committed.
-
-    Attributes:
-        tokens: newly committed token ids (a stop token is not included; the
-            tokens of a stop string are).
-        accepted: drafts accepted by this verify (0..B-1); None for the first
-            token (from prefill) and in plain decoding.
-        finish_reason: "stop" (stop token or stop string), "length" (max tokens)
-            or None.
-        error: set when this sequence failed (batched decoding: it left the batch,
-            the others go on); None otherwise.
-    """
-
-    tokens: List[int]
-    accepted: Optional[int]
-    finish_reason: Optional[str] = None
-    error: Optional[BaseException] = None
 
 
 @dataclass
 class GenerationResponse:
-    """One streamed chunk of :func:`stream_generate`.
-
-    Attributes:
-        text: detokenized text of this step's tokens (may be empty).
-        tokens, accepted, finish_reason: as in :class:`StepResult`.
-        stats: the live statistics of this generation.
-    """
+    """One streamed chunk: this step's ``text`` (may be empty), ``tokens``, ``accepted`` and
+    ``finish_reason`` as in :class:`StepResult`, and the generation's live ``stats``."""
 
     text: str
     tokens: List[int]
@@ -72,115 +38,33 @@ class GenerationResponse:
     stats: GenerationStats
 
 
-def _sample(sampler: Sampler, logits: mx.array) -> mx.array:
-    """Sample from [N, V] logits through log-probabilities, as mlx-lm does."""
-    return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
-
-class PrefillStopped(Exception):
-    """``should_stop()`` turned true between two prefill chunks (a server's client went
-    away); the caches hold the chunks done."""
-
-
-def prefill(
-    target: TargetAdapter,
-    prompt: mx.array,
-    cache: List[Any],
-    capture: Optional[Sequence[int]],
-    step_size: int = 2048,
-    should_stop: Optional[Callable[[], bool]] = None,
-) -> Tuple[mx.array, Optional[mx.array]]:
-    """Chunked prefill with feature capture, chunked as mlx-lm's ``generate_step``.
-
-    Returns:
-        ``(hidden_last [1, 1, H], features [1, P, F] or None)``.
-
-    Raises:
-        PrefillStopped: ``should_stop()`` was true before a chunk.
-    """
-    features = []
-    while prompt.size > 1:
-        if should_stop is not None and should_stop():
-            raise PrefillStopped()
-        n = min(step_size, prompt.size - 1)
-        _, f = target(prompt[None, :n], cache, capture)
-        mx.eval([c.state for c in cache], f if f is not None else [])
-        features.append(f)
-        prompt = prompt[n:]
-        mx.clear_cache()
-    h, f = target(prompt[None], cache, capture)
-    features.append(f)
-    return h, (mx.concatenate(features, axis=1) if capture else None)
-
-
-# Over 60 lines: the loop's entry: arguments documented, checked and wired in one place
-def generate_step(
-    prompt: mx.array,
-    target: TargetAdapter,
-    drafter: Optional[Drafter] = None,
-    *,
-    sampler: Optional[Sampler] = None,
-    max_tokens: int = 256,
-    block_size: Optional[int | str] = None,
-    tree_budget: Optional[int | str] = None,
-    stop_token_ids: Sequence[int] = (),
-    stop: Optional[StopCondition] = None,
-    prefill_step_size: int = 2048,
-    should_stop: Optional[Callable[[], bool]] = None,
-    prompt_cache: Optional[List[Any]] = None,
-    draft_cache: Optional[List[Any]] = None,
-    stats: Optional[GenerationStats] = None,
-    timings: Optional[Timings] = None,
-    recalibrate: bool = False,
-) -> Generator[StepResult, None, None]:
-    """Decode from ``prompt``, with a drafter (DFlash) or without (plain).
+def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Drafter] = None, *,
+                  sampler: Optional[Sampler] = None, max_tokens: int = 256, block_size: Optional[int | str] = None,
+                  tree_budget: Optional[int | str] = None, stop_token_ids: Sequence[int] = (),
+                  stop: Optional[StopCondition] = None, prefill_step_size: int = 2048,
+                  should_stop: Optional[Callable[[], bool]] = None, prompt_cache: Optional[List[Any]] = None,
+                  draft_cache: Optional[List[Any]] = None, stats: Optional[GenerationStats] = None,
+                  ) -> Generator[StepResult, None, None]:
+    """Decode from ``prompt`` (spec section 5): one :class:`StepResult` per target forward.
 
     Args:
         prompt: [P] int32 prompt ids, P >= 1.
-        target: the target adapter.
-        drafter: a bound :class:`~dflash_mlx.protocol.Drafter`, or None for plain decoding.
-        sampler: mlx-lm sampler over [N, V] log-probabilities, or a
-            :class:`~dflash_mlx.sampling.Sampling` (also a sampler); greedy by default.
-            The acceptance rule follows from it and the drafter
-            (:func:`dflash_mlx.decode.acceptance.choose_rule`); each keeps the output exactly
-            the target's.
-        max_tokens: most tokens to emit.
-        block_size: B, 2..drafter.block_size (default: the drafter's), or ``"auto"``:
-            verify the width the cost model expects to commit the most tokens per
-            second, 1 (plain decoding) included, drafted at the smallest timed block
-            that holds it (:mod:`dflash_mlx.decode.policy`, :mod:`dflash_mlx.decode.cost`).
-        tree_budget: DDTree (spec section 7): verify the N best draft prefixes as a
-            tree (N nodes besides the root), or ``"auto"`` (budgets 8..64 and
-            chains, chosen by cost). Targets without tree verify (hybrid families)
-            and drafters without log-probabilities keep chains; ``stats.verify``
-            says so and why.
-        stop_token_ids: ids that end generation; the block is cut there.
-        stop: a :class:`~dflash_mlx.decode.stopping.StopCondition` (stop strings too);
-            replaces ``max_tokens`` and ``stop_token_ids`` when given.
-        should_stop: checked before each prefill chunk; when it returns True,
-            :class:`PrefillStopped` is raised (a long prompt of a request whose client
-            went away stops within one chunk, not after the whole prefill).
-        prompt_cache: the target's cache, updated in place (default: a fresh
-            ``target.make_cache(B)``; a given one must roll back exactly and belong
-            to this target, see :meth:`TargetAdapter.check_cache`). After every step
-            it holds every committed token but the last one.
-        draft_cache: the drafter's context-only cache, updated in place. Once a
-            generation finishes it covers the same tokens as ``prompt_cache``, so a
-            next turn can pass both, with a prompt that starts at the last
-            committed token.
-        stats: filled in place (phase times, acceptance).
-        timings: where ``--block-size auto`` takes its seconds from
-            (:mod:`dflash_mlx.decode.calibration`; default: this machine's clock, with the
-            calibration kept on disk for pairs loaded from folders).
-        recalibrate: time the widths again instead of reusing a kept calibration.
+        drafter: a bound drafter, or None for plain decoding.
+        sampler: mlx-lm sampler over [N, V] log-probabilities, or a :class:`~dflash_mlx.sampling.Sampling`
+            (default greedy); the acceptance rule follows (:func:`~dflash_mlx.decode.acceptance.choose_rule`).
+        block_size: B, 2..drafter.block_size (default its trained size), or ``"auto"``.
+        tree_budget: DDTree nodes (spec section 7), or ``"auto"``; chains where the target or
+            drafter cannot (``stats.verify`` says why).
+        stop: a :class:`~dflash_mlx.decode.stopping.StopCondition`; replaces ``max_tokens`` and
+            ``stop_token_ids``.
+        should_stop: checked before each prefill chunk; True raises ``PrefillStopped``.
+        prompt_cache, draft_cache, stats: updated in place (default fresh); finished or closed, both
+            caches hold every committed token but the last.
 
     Raises:
         InputError: empty prompt, max_tokens < 1, block size or tree budget out of range.
-        RollbackError: ``prompt_cache`` cannot roll back exactly (raised before
-            anything is generated).
-        MismatchError: ``prompt_cache`` was built for another model, or the
-            drafter's ``target_layer_ids`` are not layers of the target.
-        PrefillStopped: see ``should_stop``.
+        RollbackError: ``prompt_cache`` cannot roll back exactly (before anything is generated).
+        MismatchError: ``prompt_cache`` or the drafter's ``target_layer_ids`` do not fit the target.
     """
     sampler = sampler or greedy_sampler
     if prompt.size == 0:
@@ -193,201 +77,26 @@ def generate_step(
     if tree_budget is not None and drafter is None:
         raise InputError("--tree-budget needs --draft-model (plain decoding has no drafts)")
     stats = stats if stats is not None else GenerationStats(block_size=B)
-    policy = None
-    if drafter is not None:
-        policy = make_policy(target, drafter, B, block_size == AUTO, tree_budget, stats, timings,
-                             recalibrate=recalibrate)
-    max_verify = policy.max_verify if policy else B
-    if prompt_cache is None:
-        prompt_cache = target.make_cache(max_verify)
-    else:
-        target.check_cache(prompt_cache, max_verify)
-    cache = prompt_cache
-    committed = _cache_rows(cache) + prompt.size  # rows once every token is in the cache
-    capture = drafter.target_layer_ids if drafter is not None else None
-
+    chooser = make_chooser(target, drafter, block_size, tree_budget, stats) if drafter is not None else None
+    rows = chooser.max_verify if chooser is not None else B
+    if prompt_cache is not None:
+        target.check_cache(prompt_cache, rows)
+    decoder, key = BatchDecoder(target, drafter, B, chooser, solo=True), object()
+    joining = decoder.start(key, prompt, sampler, stop, prefill_step_size, should_stop, cache=prompt_cache,
+                            draft_cache=draft_cache, stats=stats)
     with mx.stream(generation_stream):
         with stats.phase("prefill"):
-            h, context = prefill(target, prompt, cache, capture, prefill_step_size, should_stop)
-            t = _sample(sampler, target.lm_head(h[:, -1]))
-            mx.eval(t)
-        tokens, finish = stop.cut(t.tolist())
-        if drafter is None:
-            yield from _plain_steps(target, cache, t, tokens, finish, sampler, stop, stats, committed)
-            return
-        draft_cache = draft_cache if draft_cache is not None else drafter.make_cache()
-        rule = choose_rule(drafter, sampler)
-        stats.acceptance_rule = rule.name
-        yield StepResult(tokens, None, finish)
-        if finish is None:
-            yield from _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, context,
-                                          stop, stats, committed)
-        else:
-            _finish(target, cache, committed + stop.emitted - 1, drafter, draft_cache, [context])
-
-
-# Over 60 lines: one DFlash step read top to bottom: draft -> verify -> accept -> roll back
-def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, context, stop, stats, base):
-    """DFlash steps (spec section 5), each the policy's plan: plain, chain or tree.
-
-    ``t`` is the last committed token (not in the target cache); ``pending`` holds the
-    context rows the drafter has not seen yet; ``history[i]`` sits at ``base + i``.
-    Each step dispatches its device work first (the draft, or a plain forward), then
-    hands the previous step's tokens to the consumer while the device runs, then
-    reads the result: verify, accept, roll back (:mod:`dflash_mlx.decode.verify`). While
-    plain decoding wins, runs of plain steps go as mlx-lm's (:func:`_plain_run`).
-    """
-    capture = drafter.target_layer_ids
-    pending, history, finish = [context], [t.item()], None
-    ready = None  # the last step's tokens, yielded once the next step is dispatched
-    overhead = 0.0  # seconds of the last step outside drafting and verifying: planning, bookkeeping
-    try:
-        while finish is None:
-            start = time.perf_counter()
-            position = base + len(history) - 1  # of t
-            plan = policy.next(position)
-            if plan.mode == PLAIN and not plan.probe:
-                if ready is not None:
-                    yield ready
-                run = _plain_run(target, cache, capture, rule.choose, t, plan.steps, stop, stats, pending, history)
-                ready, t, seconds = yield from run
-                finish = ready.finish_reason
-                policy.observe(plan, seconds, overhead, position, [], history, base)
-                continue
-            tic = time.perf_counter()
-            proposal = rule.propose(drafter, t, _rows(pending), draft_cache, plan.block)
-            pending, draft_s = [], None
-            if plan.mode != PLAIN and stats.time_draft():  # 1 step in 16: drafting on its own
-                mx.eval(proposal.arrays())
-                draft_s = time.perf_counter() - tic
-            else:
-                mx.async_eval(proposal.arrays())
-            if plan.mode == PLAIN:  # a probe: plain decoding that drafts too, to see how drafts fare
-                y, features = plain_step(target, cache, capture, rule.choose, t)
-                mx.async_eval(y, features)
-            if ready is not None:  # the consumer's turn while the device works (not this step's time)
-                paused = time.perf_counter()
-                yield ready
-                paused = time.perf_counter() - paused
-                tic, start = tic + paused, start + paused
-            if plan.mode == PLAIN:
-                wait_s = synced(y, features, proposal.tokens)
-                step = Outcome(y.tolist(), 0, 0, features, proposal.tokens.tolist(), wait_s)
-            elif plan.mode == TREE:
-                plan, tree = policy.after_draft(plan, history[-1], host_logprobs(proposal), position)
-                if plan.mode == TREE:
-                    step = tree_step(target, cache, capture, rule.choose, position, proposal, tree)
-                else:
-                    step = chain_step(target, cache, capture, rule, t, proposal, plan.width)
-            else:
-                step = chain_step(target, cache, capture, rule, t, proposal, plan.width)
-            seconds = time.perf_counter() - tic
-            with stats.phase("host"), stats.host_work():
-                pending.append(step.context)
-                t = mx.array(step.tokens[-1:], dtype=mx.int32)
-                history.extend(step.tokens)
-                policy.observe(plan, seconds, overhead, position, step.drafts, history, base)
-                stats.record_plan(plan.mode, plan.width, seconds, step.accepted, step.drafted, draft_s, step.wait_s)
-                tokens, finish = stop.cut(step.tokens)
-                ready = StepResult(tokens, step.accepted if plan.mode != PLAIN else None, finish)
-            overhead = time.perf_counter() - start - seconds  # the next step learns it (this one's is not over)
-            if stop.emitted % 256 < len(tokens):
+            while (result := joining.advance()) is None:
                 mx.clear_cache()
-        _finish(target, cache, base + stop.emitted - 1, drafter, draft_cache, pending)
-        policy.keep()
-        yield ready
-    except GeneratorExit:  # closed mid-generation: both caches hold the tokens yielded so far but the last
-        if finish is None:
-            _finish(target, cache, base + len(history) - 1, drafter, draft_cache, pending)
-            policy.keep()
-        raise
-
-
-def _plain_run(target, cache, capture, choose, t, steps, stop, stats, pending, history):
-    """Up to ``steps`` plain steps pipelined as mlx-lm's (step n+1 is queued before n is
-    read), each capturing its context features for the drafter; yields every step's
-    :class:`StepResult` but the last, which it returns.
-
-    Returns:
-        ``(last StepResult, last committed token [1] int32, seconds per step)``.
-    """
-    tic = time.perf_counter()
-    paused = wait = 0.0
-    y, features = plain_step(target, cache, capture, choose, t)
-    result = None
-    for i in range(steps):
-        queued = plain_step(target, cache, capture, choose, y) if i + 1 < steps and stop.budget > 1 else None
-        if queued is not None:
-            mx.async_eval(*queued)
-        if result is not None:  # the consumer's turn while the device works
-            pause = time.perf_counter()
+        try:
             yield result
-            paused += time.perf_counter() - pause
-        wait += synced(y, features)
-        tokens = y.tolist()
-        pending.append(features)
-        history.extend(tokens)
-        kept, finish = stop.cut(tokens)
-        result = StepResult(kept, None, finish)
-        if finish is not None or queued is None:
-            break
-        y, features = queued
-    seconds = time.perf_counter() - tic - paused
-    for _ in range(i + 1):
-        stats.record_plan(PLAIN, 1, seconds / (i + 1), 0, 0, wait_s=wait / (i + 1))
-    if stop.emitted % 256 < i + 1:
-        mx.clear_cache()
-    return result, y, seconds / (i + 1)
-
-
-def _rows(pending: List[mx.array]) -> mx.array:
-    """The pending context rows as one [1, S, F] array."""
-    return pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)
-
-
-def _plain_steps(target, cache, y, tokens, finish, sampler, stop, stats, committed):
-    """Plain decoding, pipelined like mlx-lm: step n+1 is queued before n is read."""
-
-    def step(y: mx.array) -> mx.array:
-        h, _ = target(y[None], cache)
-        return _sample(sampler, target.lm_head(h[:, -1]))
-
-    if finish is None:
-        next_y = step(y)
-        mx.async_eval(next_y)
-    else:
-        _finish(target, cache, committed + stop.emitted - 1)
-    yield StepResult(tokens, None, finish)
-    while finish is None:
-        with stats.phase("verify"):
-            y = next_y
-            if stop.budget > 1:
-                next_y = step(y)
-                mx.async_eval(next_y)
-            tokens, finish = stop.cut(y.tolist())
-        stats.record_plain()
-        if finish is not None:
-            _finish(target, cache, committed + stop.emitted - 1)
-        yield StepResult(tokens, None, finish)
-        if stop.emitted % 256 == 0:
-            mx.clear_cache()
-
-
-def _cache_rows(cache: List[Any]) -> int:
-    return getattr(cache[0], "offset", 0) if cache else 0
-
-
-def _finish(target: TargetAdapter, cache: List[Any], rows: int, drafter: Optional[Drafter] = None,
-            draft_cache: Optional[List[Any]] = None, pending: Sequence[mx.array] = ()) -> None:
-    """At the end of a generation: trim the target cache to ``rows`` tokens (rows of
-    forwards past the committed ones), then give the drafter the context rows the
-    target cache holds but it does not (``pending`` rows start at the drafter's
-    offset), so both caches cover the same tokens."""
-    target.rollback(cache, _cache_rows(cache) - rows)
-    if drafter is not None:
-        missing = _cache_rows(cache) - _cache_rows(draft_cache)
-        if missing > 0:
-            drafter.ingest(_rows(list(pending))[:, :missing], draft_cache)
+            while decoder.sequences:
+                (result,) = decoder.step()
+                if stop.emitted % 256 < len(result.tokens):
+                    mx.clear_cache()
+                yield result
+        finally:  # finished or closed: both caches hold the committed tokens but the last
+            decoder.remove([key])
 
 
 def check_block_size(block_size: Optional[int | str], drafter: Optional[Drafter]) -> int:
@@ -410,7 +119,6 @@ def check_block_size(block_size: Optional[int | str], drafter: Optional[Drafter]
     return B
 
 
-# Over 60 lines: mostly its docstring: the text-level wrapper of generate_step
 def stream_generate(
     target: TargetAdapter,
     tokenizer: TokenizerWrapper,
@@ -421,23 +129,9 @@ def stream_generate(
     stop_strings: Sequence[str] = (),
     **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
-    """Stream text segments as blocks are accepted.
-
-    Args:
-        target, drafter: as in :func:`generate_step`.
-        tokenizer: mlx-lm ``TokenizerWrapper`` (its streaming detokenizer and
-            ``eos_token_ids`` are used).
-        prompt: prompt token ids.
-        max_tokens: most tokens to emit.
-        stop_strings: texts that end generation. The text stops before the first
-            match (the stop string is not shown; text that could begin one is held
-            back until the next tokens settle it); the tokens up to the one that
-            completes it are committed.
-        kwargs: passed to :func:`generate_step` (sampler, block_size, caches, ...).
-
-    Yields:
-        :class:`GenerationResponse`; the last one has ``finish_reason`` set and
-        carries the final statistics.
+    """Stream text as steps commit tokens: :func:`generate_step` (``kwargs``) with the tokenizer's
+    detokenizer and ``eos_token_ids``. The text stops before the first of ``stop_strings`` (text that
+    could begin one is held back). The last response has ``finish_reason`` set and the final stats.
     """
     prompt = prompt if isinstance(prompt, mx.array) else mx.array(prompt, dtype=mx.int32)
     stop_ids = kwargs.pop("stop_token_ids", tuple(tokenizer.eos_token_ids))

@@ -1,22 +1,13 @@
-"""DDTree: a draft tree from one drafter pass, verified in one target pass (spec section 7).
-
-From the drafter's per-position log-probabilities, the N most likely prefixes (by the
-sum of their tokens' log-probabilities) are taken with a best-first heap: pop the best
-prefix, push its next sibling and its first child. The set is prefix-closed, so it is
-a tree, and the pop order lists every parent before its children.
-
-The verify input is ``[root] + nodes`` (the root is the last committed token) at
-positions ``start + depth``; each query sees the whole cached prefix and, inside the
-tree, only its ancestors and itself. Walking the tree from the root with the target's
-token at each node accepts the longest path the target agrees with; the target's token
-at the last node of that path is the bonus token.
+"""DDTree (spec section 7): the N most likely draft prefixes of one drafter pass (best first from
+a heap, so parents precede children), verified in one target pass at positions ``start + depth``
+with an ancestor-only mask, and walked with the target's tokens.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -138,3 +129,30 @@ def walk(tree: DraftTree, targets: Sequence[int]) -> Tuple[List[int], List[int]]
         path.append(node)
     tokens = [tree.tokens[i] for i in path[1:]] + [int(targets[node])]
     return path, tokens
+
+
+def verify_tree(target, cache: List, capture, choose, tree: DraftTree) -> Tuple[List[int], mx.array]:
+    """Verify ``tree`` in one forward from the cache's rows (its root's position), walk it with
+    the target's tokens (``choose``: logits [1+N, V] -> [1+N] int32) and keep only the accepted
+    path in the cache.
+
+    Returns:
+        ``(committed tokens, context features [1, len(path), F] of the path)``.
+
+    Raises:
+        RollbackError: the cache cannot keep only the accepted path.
+    """
+    positions = cache[0].offset + np.asarray(tree.depths)
+    h, features = target(mx.array(tree.tokens, dtype=mx.int32)[None], cache, capture,
+                         tree=(positions, tree.ancestors()))
+    choice = choose(target.lm_head(h)[0])
+    mx.eval(choice, features)
+    path, tokens = walk(tree, choice.tolist())
+    target.compact(cache, len(tree), path)
+    return tokens, mx.take(features, mx.array(path, dtype=mx.int32), axis=1)
+
+
+def host_logprobs(proposal) -> Optional[np.ndarray]:
+    """The block's log-probabilities [B-1, V] as float32 NumPy (a sync), or None when the
+    drafter gives none."""
+    return None if proposal.logprobs is None else np.array(proposal.logprobs.astype(mx.float32))

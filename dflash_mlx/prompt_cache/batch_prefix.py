@@ -1,24 +1,9 @@
-"""The prompt cache for requests of a batch (continuous batching, ``dflash serve --max-batch N``).
-
-A request of a batch is prefilled alone (:class:`dflash_mlx.decode.batch_join.Joining`)
-before it joins the batch. With a store, it first looks up the longest stored prefix of
-its prompt (all but its last token, as :class:`~dflash_mlx.prompt_cache.pair.PairCache`
-does), restores the target cache and the drafter's context cache from that entry into
-fresh solo caches, trims both to the matched rows and prefills only the rest; once its
-prompt is done it puts an entry for the whole prompt into the store (memory and disk;
-the disk write runs on the batch's thread, so the batch waits for it, as one chunk).
-
-Where every layer cache of the target trims to any row count (plain attention KV caches,
-:func:`~dflash_mlx.prompt_cache.resume.trims_anywhere`) one entry per prompt serves every
-shorter prefix. Where some cannot go back (Gated-DeltaNet hybrids, sliding-window layers),
-the prompt is prefilled in chunks that end at the boundaries of
-:func:`~dflash_mlx.prompt_cache.resume.boundaries` (every few thousand tokens, and the prompt
-but its last token) and the state at each is stored, as
-:class:`~dflash_mlx.prompt_cache.pair.PairCache` does for one request; an entry then
-resumes a prompt only at its exact row count. The drafter must draft the batch in one
-pass (or be absent), its context caches trimming anywhere; else
-:func:`batch_prefix_refusal` names the reason and batched requests prefill their whole
-prompt.
+"""The prompt cache for requests of a batch (``dflash serve --max-batch N``): a joining request
+restores the longest stored prefix of its prompt (all but its last token) into fresh solo caches
+and prefills the rest, then stores its prompt; where some target layer cannot go back (hybrids,
+sliding windows), states at :func:`~dflash_mlx.prompt_cache.resume.boundaries` instead, each resuming a
+prompt only at its exact row count. The drafter must draft the batch in one pass (or be absent)
+with caches that trim anywhere; else :func:`batch_prefix_refusal` names the reason.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
-"""Both caches of a pair, kept between generations, and the token ids their rows hold.
+"""Both caches of a pair, kept between generations (chat turns, server requests), and the token
+ids their rows hold (``tokens``: row i is token i in both caches).
 
-Used by the chat session (turn after turn) and the server (request after request).
-
-Token bookkeeping: ``tokens`` are the ids whose rows both caches hold (row i is token
-i, in the target cache and in the drafter's context cache). A generation keeps the
-longest common prefix of ``tokens`` and its prompt, trims both caches to it and
-prefills only the rest; a prompt that differs from the first differing token on is
-re-prefilled from there, never reused wrongly.
-
-After a generation both caches hold every committed token but the last (the engine's
-rule, see :func:`dflash_mlx.decode.generate.generate_step`); the next prompt always re-feeds
-it. When a generation is interrupted (``KeyboardInterrupt`` inside the generator, or
-the consumer closing it), both caches are trimmed back to the rows known to be
-complete: the common prefix if no step had been received, else the committed tokens
-received but the last. What is missing is prefilled next time.
-
-With a :class:`~dflash_mlx.prompt_cache.store.PrefixStore` (``store``), the caches are also
-kept as entries beyond the last generation: in memory and on disk, for later requests,
-processes and days. A prompt then resumes from whichever holds more of it, the live
-caches or a stored entry (longest common prefix). The pair's state is stored after each
-generation and, for pairs whose caches cannot be trimmed back far (Gated-DeltaNet
-layers, sliding windows), also at boundaries every few thousand prompt tokens
-(:mod:`dflash_mlx.prompt_cache.resume`); disk writes happen once the generation is done.
+A generation keeps the longest common prefix of ``tokens`` and its prompt (or a longer one from
+a :class:`~dflash_mlx.prompt_cache.store.PrefixStore`), trims both caches to it and prefills only the
+rest; afterwards both hold every committed token but the last. Stopped or interrupted, both are
+trimmed to the rows known complete. Pairs that cannot trim back far (Gated-DeltaNet, sliding
+windows) also store states at prompt boundaries (:mod:`dflash_mlx.prompt_cache.resume`).
 """
 
 from __future__ import annotations
@@ -33,7 +17,6 @@ from mlx_lm.models.cache import KVCache
 
 from .trim import can_trim
 from ..errors import RollbackError
-from ..decode.generate import GenerationResponse, stream_generate
 from .entry import Snapshot, restore_or_warn, take_snapshot
 from .key import key_id, pair_key
 from .resume import boundaries, boundary_interval, prefill_to, trims_anywhere
@@ -101,7 +84,7 @@ class PairCache:
 
     def __init__(self, target: Any, tokenizer: Any, drafter: Optional[Any] = None,
                  store: Optional[PrefixStore] = None, interval: Optional[int] = None,
-                 generate: Callable[..., Generator[GenerationResponse, None, None]] = stream_generate):
+                 generate: Optional[Callable[..., Generator]] = None):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.store, self.interval, self.generate = store, interval, generate
         self.tokens: List[int] = []
@@ -137,48 +120,54 @@ class PairCache:
         """Trim both caches to 0 rows."""
         self.settle([], 0)
 
-    def stream(self, ids: Sequence[int], **kwargs) -> Generator[GenerationResponse, None, None]:
-        """Generate from prompt ``ids``, prefilling only what the caches lack.
+    def begin(self, ids: Sequence[int], step: int = 2048, should_stop: Optional[Callable[[], bool]] = None) -> int:
+        """Before a generation from prompt ``ids``: reuse what the caches or the store hold of
+        it and prefill to its stored boundaries (pairs that cannot trim back). Sets
+        ``last_reused`` and ``last_source``.
 
-        Args:
-            ids: the whole prompt's token ids (at least one).
-            kwargs: passed to :func:`dflash_mlx.decode.generate.stream_generate` (sampler,
-                max_tokens, block_size, stop_strings, ...), except the caches.
+        Returns:
+            The rows both caches hold: the generation feeds ``ids`` from there.
 
-        Yields:
-            :class:`GenerationResponse`, as :func:`stream_generate`. ``last_reused``
-            is set once the generator starts. Whether it finishes, is closed or is
-            interrupted, both caches end up holding rows known to be complete.
+        Raises:
+            PrefillStopped: ``should_stop()`` was true between two chunks.
         """
-        ids = list(ids)
-        tic = time.perf_counter()
         self._unsaved = []
         reused = self.last_reused = self.reuse(ids)
         self.last_source = "live" if reused else None
         if self.store is not None:
-            reused = self.last_reused = self._resume(ids, reused)
-        reply: List[int] = []
-        known = reused  # rows below `known` were complete when the last step was received
-        done = False
+            reused = self.last_reused = self._resume(list(ids), reused)
+        return self._prefill_boundaries(list(ids), reused, step, should_stop)
+
+    def end(self, ids: Sequence[int], known: int, done: bool) -> None:
+        """After a generation (finished when ``done``, else stopped or failed): keep the first
+        ``known`` rows of ``ids`` (prompt and reply), those known complete, and store them."""
+        self.settle(ids, known)
+        if done:
+            self._keep()
+
+    def stream(self, ids: Sequence[int], **kwargs) -> Generator:
+        """Generate from prompt ``ids`` with ``generate`` (default
+        :func:`~dflash_mlx.decode.generate.stream_generate`), prefilling only what the caches lack;
+        ``kwargs`` go to it. Closed or interrupted, both caches keep the rows known complete."""
+        if self.generate is None:  # the decode loop sits above the cache package: imported when used
+            from ..decode.generate import stream_generate as generate
+            self.generate = generate
+        ids, tic, reply, done, first = list(ids), time.perf_counter(), [], False, True
+        known = reused = self.reuse(ids)
         try:
-            start = self._prefill_boundaries(ids, reused, kwargs)
-            pre_s = time.perf_counter() - tic  # finding, restoring and prefilling here: part of the first token's time
-            known = start
-            first = True
+            known = start = self.begin(ids, int(kwargs.get("prefill_step_size") or 2048), kwargs.get("should_stop"))
+            reused, pre_s = self.last_reused, time.perf_counter() - tic
             for r in self.generate(self.target, self.tokenizer, ids[start:], self.drafter,
                                    prompt_cache=self.cache, draft_cache=self.draft_cache, **kwargs):
-                if first:  # the rows prefilled here count as the prompt's, the time spent here as its time
+                if first:  # the rows found here count as the prompt's, the time spent here as its time
                     r.stats.prompt_tokens, r.stats.prompt_reused = len(ids), reused
-                    r.stats.prompt_s += pre_s
-                    first = False
+                    r.stats.prompt_s, first = r.stats.prompt_s + pre_s, False
                 reply.extend(r.tokens)
                 known = len(ids) + len(reply) - 1
                 yield r
             done = True
         finally:
-            self.settle(ids + reply, known)
-            if done:
-                self._keep()
+            self.end(ids + reply, known, done)
 
     # -- the prefix store --------------------------------------------------------------
 
@@ -204,7 +193,7 @@ class PairCache:
         self.last_source = self.store.last_level
         return len(self.tokens)
 
-    def _prefill_boundaries(self, ids: List[int], start: int, kwargs: dict) -> int:
+    def _prefill_boundaries(self, ids: List[int], start: int, step: int, should_stop) -> int:
         """For pairs that cannot trim back (see :mod:`dflash_mlx.prompt_cache.resume`), prefill
         ``ids`` from ``start`` to its last boundary, keeping the state at each one.
 
@@ -213,10 +202,9 @@ class PairCache:
         """
         if self.store is None or trims_anywhere(self.cache, self.draft_cache):
             return start
-        step = int(kwargs.get("prefill_step_size") or 2048)
         stops = boundaries(start, len(ids), boundary_interval(step, self.interval))
         for b in prefill_to(self.target, self.drafter, self.cache, self.draft_cache, ids, start, stops,
-                            step, kwargs.get("should_stop")):
+                            step, should_stop):
             self.tokens = list(ids[:b])
             self._snapshot(defer=True)
         return len(self.tokens) if stops else start

@@ -1,14 +1,6 @@
-"""Prefill up to stored states' boundaries, for pairs whose caches cannot go back far.
-
-A Gated-DeltaNet state cannot be trimmed, and a sliding window (target, or the drafter's
-context) cannot go back past the rows it dropped; so an entry of such a pair resumes a
-prompt only at the exact row count it holds. To let a later prompt that shares part of
-this one resume from close to where they part, the prompt is prefilled here up to each
-boundary (absolute multiples of ``interval`` tokens) and the pair's state is taken
-there; the rest goes to :func:`dflash_mlx.decode.generate.stream_generate` as usual.
-
-Boundaries are multiples of the prefill chunk, so the target sees the same chunks as a
-run that prefilled the whole prompt at once: its caches are the same bit for bit.
+"""Prefill up to stored states' boundaries, for pairs whose caches cannot go back far (Gated-DeltaNet,
+sliding windows): an entry then resumes a prompt only at its exact row count. Boundaries are whole
+prefill chunks, so the caches equal those of one whole prefill bit for bit.
 """
 
 from __future__ import annotations
@@ -19,9 +11,11 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from ..decode.generate import PrefillStopped
-
 DEFAULT_INTERVAL = 4096  # tokens between stored states (rounded to whole prefill chunks)
+
+
+class PrefillStopped(Exception):
+    """``should_stop()`` turned true between two prefill chunks; the caches hold the chunks done."""
 
 
 def trims_anywhere(*caches: Optional[List[Any]]) -> bool:

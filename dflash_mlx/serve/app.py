@@ -21,8 +21,8 @@ from fastapi.responses import Response
 from ..decode.generate import check_block_size
 from ..prompt import context_length, encode_messages
 from .api import ChatCompletionRequest, CompletionRequest, GenerationFields
-from .batch_engine import make_engine
-from .engine import GenerationJob
+from .engine import make_engine
+from .jobs import GenerationJob
 from .guard import GuardMiddleware, check_prompt_chars, check_template_kwargs, prompt_char_cap
 from .http_errors import APIError, add_error_handlers
 from .metrics import ServerMetrics

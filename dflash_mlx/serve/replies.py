@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .api import TIMEOUT_TYPE, chat_chunk, chat_completion, error_body, text_completion, usage_chunk
-from .engine import Job, JobCancelled, QueueFullError, RequestTimeout
+from .jobs import Job, JobCancelled, QueueFullError, RequestTimeout
 from .guard import watch_disconnect
 from .http_errors import APIError, timed_out
 from .tools import ReplySplitter, reply_splitter

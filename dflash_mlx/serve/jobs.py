@@ -1,0 +1,177 @@
+"""A request's life between the HTTP handlers and the engine's worker: the job, its chunks, its errors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+from ..errors import DFlashError
+
+
+class QueueFullError(DFlashError):
+    """Too many requests are waiting for the engine (HTTP 429)."""
+
+
+class JobCancelled(DFlashError):
+    """The job was closed (the client went away) before it started."""
+
+
+class RequestTimeout(DFlashError):
+    """A request ran past its deadline (``--request-timeout``; HTTP 408)."""
+
+
+_STARTED = object()  # queue marker: prepare() is done, generation begins
+
+
+@dataclass
+class GenerationJob:
+    """What one request asks the engine for.
+
+    Attributes:
+        ids: prompt token ids, whole (the engine finds what the caches hold).
+        max_tokens: most tokens to generate (already capped by the context).
+        stop: stop strings (the text ends before the first match).
+        temperature, top_p, top_k, min_p: mlx-lm sampler settings; 0 is greedy.
+        seed: PRNG seed set before this generation, or None.
+        endpoint: "chat" or "completions", for the metrics.
+    """
+
+    ids: List[int]
+    max_tokens: int
+    stop: List[str] = field(default_factory=list)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    endpoint: str = "chat"
+
+
+@dataclass
+class Chunk:
+    """One verify step's output, as the event loop receives it.
+
+    Attributes:
+        text: new text (may be empty: held back while a stop string may begin).
+        finish_reason: "stop", "length", or None while it goes on.
+        usage: on the last chunk, the ``usage`` object (see ``server_api.usage``).
+        error: set (with nothing else) when the generation failed or timed out.
+        status: the HTTP status of ``error`` (500: a bug; 408: the deadline passed).
+    """
+
+    text: str = ""
+    finish_reason: Optional[str] = None
+    usage: Optional[dict] = None
+    error: Optional[str] = None
+    status: int = 500
+
+
+Prepare = Callable[[], GenerationJob]
+
+
+def push_together(items: Sequence[Tuple["Job", Any]]) -> None:
+    """From the worker thread: hand chunks of several jobs (in order) to their event
+    loops with one wake-up per loop, not one per chunk (a batched step makes a chunk
+    for every request in the batch)."""
+    by_loop: Dict[Any, List[Tuple["Job", Any]]] = {}
+    for job, chunk in items:
+        by_loop.setdefault(job._loop, []).append((job, chunk))
+    for loop, group in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, group)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            for job, _ in group:
+                job.cancelled.set()
+
+
+def _put_all(group: List[Tuple["Job", Any]]) -> None:
+    for job, chunk in group:
+        job._queue.put_nowait(chunk)
+
+
+class Job:
+    """A submitted request: ``await start()``, then iterate it (async) for its chunks;
+    ``close()`` to stop it.
+
+    Args:
+        spec: the generation, or a ``prepare`` callable the worker runs to make it.
+        loop: the event loop the chunks go to.
+        endpoint: "chat" or "completions", for the metrics (default: the spec's).
+        timeout: seconds from submission after which the generation stops (None: never).
+    """
+
+    def __init__(self, spec: Union[GenerationJob, Prepare], loop: asyncio.AbstractEventLoop,
+                 endpoint: Optional[str] = None, timeout: Optional[float] = None):
+        self.prepare: Optional[Prepare] = None if isinstance(spec, GenerationJob) else spec
+        self.spec: Optional[GenerationJob] = spec if isinstance(spec, GenerationJob) else None
+        self.endpoint = endpoint or (self.spec.endpoint if self.spec is not None else "chat")
+        self.id = uuid.uuid4().hex[:12]
+        self.cancelled = threading.Event()
+        self.submitted = time.perf_counter()
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self._loop, self._queue = loop, asyncio.Queue()
+        self._done = self._started = False
+
+    def expired(self) -> bool:
+        """Whether the deadline has passed."""
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def should_stop(self) -> bool:
+        """Closed or past its deadline (checked between prefill chunks and verify steps)."""
+        return self.cancelled.is_set() or self.expired()
+
+    def push(self, chunk: Any) -> None:
+        """From the worker thread: hand a chunk (None: the end; an exception: prepare
+        failed) to the event loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            self.cancelled.set()
+
+    async def start(self) -> GenerationJob:
+        """Wait until the worker has prepared the job (its prompt tokenized and checked).
+
+        Returns:
+            The prepared :class:`GenerationJob`.
+
+        Raises:
+            Whatever ``prepare`` raised; :class:`JobCancelled` when it was closed before
+            it started; :class:`QueueFullError` when the server shut down first;
+            :class:`RequestTimeout` when its deadline passed in the queue.
+        """
+        while not self._started:
+            item = await self._queue.get()
+            if item is _STARTED:
+                self._started = True
+            elif item is None:
+                self._done = True
+                if self.cancelled.is_set():
+                    raise JobCancelled("the client went away")
+                raise QueueFullError("the server is shutting down")
+            elif isinstance(item, BaseException):
+                self._done = True
+                raise item
+            elif isinstance(item, Chunk) and item.error:  # failed or timed out before it began
+                self._done = True
+                if item.status == 408:
+                    raise RequestTimeout(item.error)
+                raise RuntimeError(item.error)
+        return self.spec
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        if not self._started:
+            await self.start()
+        while not self._done:
+            chunk = await self._queue.get()
+            if chunk is None:
+                self._done = True
+                return
+            yield chunk
+
+    def close(self) -> None:
+        """Stop the generation after its current verify step (or before it starts)."""
+        self.cancelled.set()
