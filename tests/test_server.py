@@ -163,6 +163,7 @@ def test_seeded_sampling_is_reproducible(client, model):
 def test_models_health_metrics(client, server, model):
     assert [m.id for m in client.models.list().data] == [model]
     assert httpx.get(f"{server[0]}/health").json()["status"] == "ok"  # open without the key
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=N)
     m = metrics(server[0])
     for name in ("dflash_tau", "dflash_acceptance_rate", "dflash_generation_tokens_per_second",
                  "dflash_generation_tokens_total", "dflash_verify_steps_total"):
