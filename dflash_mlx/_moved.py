@@ -20,10 +20,7 @@ PACKAGE = "dflash_mlx"
 # old module (under dflash_mlx) -> its new place
 MOVED = {
     "acceptance": "decode.acceptance",
-    "calibration": "decode.calibration",
-    "cost": "decode.cost",
     "generate": "decode.generate",
-    "policy": "decode.policy",
     "stopping": "decode.stopping",
     "tree": "decode.tree",
     "verify": "decode.verify",

@@ -4,7 +4,7 @@
   into place (``convert``); SIGTERM cleans up as Ctrl-C does, and what a killed run
   (SIGKILL, power loss) left is found and removed at the next start.
 - :func:`atomic_file`: one file written under a temporary name and renamed (every
-  file dflash-mlx writes: prompt-cache entries, chat sessions, calibrations, feature
+  file dflash-mlx writes: prompt-cache entries, chat sessions, feature
   caches, data shards, checkpoints, the final drafter). Whatever makes the write fail
   (an ``OSError`` of any errno, MLX's ``RuntimeError`` from a save) leaves as one
   :class:`WriteError`, so each caller handles one exception.

@@ -1,7 +1,7 @@
 """Folders dflash-mlx writes in, marked as its own, so that clean-up never touches
 what someone else put there.
 
-A writer (the prompt cache, the calibration store, a training run) claims a folder
+A writer (the prompt cache, a training run) claims a folder
 with :func:`claim`: a folder that is new or empty gets a marker file (``.dflash-mlx``,
 JSON ``{"writer": NAME}``) and is the writer's; a folder that already carries the
 writer's marker is used as it is; a folder that holds anything else is left as it is
@@ -13,12 +13,23 @@ on names of the writer's own pattern.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from .atomic import atomic_file, write_error
 from .errors import InputError
 
 MARKER = ".dflash-mlx"
+CACHE_ENV = "DFLASH_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """The user's cache folder for dflash-mlx: ``$DFLASH_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/dflash-mlx``, else ``~/.cache/dflash-mlx``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "dflash-mlx"
 
 
 def marked(folder: Path, writer: str) -> bool:

@@ -18,7 +18,7 @@ from .common import (
     parse_template_config, resolve_models, resolve_prefill_step, utf8,
     block_size_option, draft_model_option, min_p_option, model_option, prefill_step_option, seed_option,
     stop_option, system_prompt_option, temp_option, top_k_option, top_p_option, draft_window_option,
-    parse_draft_window, recalibrate_option,
+    parse_draft_window,
 )
 from .common import verify_option
 from .prompt_cache import make_store, no_prompt_cache_option, prompt_cache_dir_option, prompt_cache_gb_option
@@ -67,7 +67,6 @@ def chat(
     min_p: float = min_p_option(),
     seed: Optional[int] = seed_option(),
     block_size: str = block_size_option(),
-    recalibrate: bool = recalibrate_option(),
     draft_window: Optional[str] = draft_window_option(),
     system_prompt: Optional[str] = system_prompt_option(),
     stop: List[str] = stop_option(),
@@ -109,7 +108,7 @@ def chat(
         raise typer.Exit(130)
 
 
-def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed, block_size, recalibrate, draft_window,
+def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed, block_size, draft_window,
          system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size, color,
          session_file, prompt_cache_dir, no_prompt_cache, prompt_cache_gb) -> None:
     import mlx.core as mx
@@ -127,7 +126,7 @@ def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed
     model, draft_model = resolve_models(model, draft_model, verify)
     prefill_step_size = resolve_prefill_step(prefill_step_size)
     history = read_session(session_file) if session_file else []
-    from dflash_mlx.decode.policy import parse_block_size
+    from dflash_mlx.decode.width import parse_block_size
 
     block_size = parse_block_size(block_size)
     if block_size not in (None, "auto") and draft_model is None:
@@ -144,7 +143,7 @@ def _run(model, draft_model, verify, max_tokens, temp, top_p, top_k, min_p, seed
     if seed is not None:
         mx.random.seed(seed)
 
-    pair = load_pair(model, draft_model, defaults, window, recalibrate)
+    pair = load_pair(model, draft_model, defaults, window)
     check_block_size(block_size, pair.drafter)
     check_system_prompt(system_prompt, pair.tokenizer, ignore_chat_template)
     session = ChatSession.from_pair(pair, system_prompt=system_prompt, template_config=template,

@@ -110,15 +110,6 @@ def drafter_flag_given(block_size, tree_budget=None) -> bool:
     return (block_size not in (None, "auto")) or tree_budget is not None
 
 
-def recalibrate_option():
-    return typer.Option(
-        False, "--recalibrate",
-        help="Time the widths again for --block-size auto instead of reusing the calibration kept for this "
-        "model pair and machine (in $DFLASH_CACHE_DIR, default ~/.cache/dflash-mlx); what was learned of the "
-        "drafter's acceptance is kept.",
-    )
-
-
 def draft_window_option():
     return typer.Option(
         None, "--draft-window",
@@ -334,11 +325,9 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None, recalibrate: bool = False):
-    """Load the pair; when the defaults cannot be had, say how to pass folders.
-    ``recalibrate``: its first generation re-times the widths (``--recalibrate``)."""
+def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None):
+    """Load the pair; when the defaults cannot be had, say how to pass folders."""
     from dflash_mlx import CheckpointError, load
-    from dflash_mlx.decode.policy import recalibrate as recalibrate_next
 
     from .render import spinner
 
@@ -346,8 +335,6 @@ def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_wind
     try:
         with spinner(f"loading {model}" + (f" and {draft_model}" if draft_model else "")):
             pair = load(model, draft_model, draft_window=draft_window)
-        if recalibrate and pair.drafter is not None:
-            recalibrate_next(pair.drafter)
         return pair
     except CheckpointError as e:
         if not defaults:

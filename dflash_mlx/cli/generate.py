@@ -16,7 +16,7 @@ from .common import (
     tree_budget_option,
     parse_draft_window,
 )
-from .common import recalibrate_option, verify_option
+from .common import verify_option
 from .prompt_cache import make_store, no_prompt_cache_option, prompt_cache_dir_option, prompt_cache_gb_option
 
 
@@ -34,7 +34,6 @@ def generate(
     min_p: float = min_p_option(),
     seed: Optional[int] = seed_option(),
     block_size: str = block_size_option(),
-    recalibrate: bool = recalibrate_option(),
     tree_budget: Optional[str] = tree_budget_option(),
     draft_window: Optional[str] = draft_window_option(),
     system_prompt: Optional[str] = system_prompt_option(),
@@ -76,7 +75,7 @@ def generate(
 
 
 # Over 60 lines: load, sample, stream and render one generation; split after the hardening work lands
-def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size, recalibrate,
+def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
          tree_budget,
          draft_window,
          system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size,
@@ -95,7 +94,7 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model, verify)
     prefill_step_size = resolve_prefill_step(prefill_step_size)
-    from dflash_mlx.decode.policy import parse_block_size, parse_tree_budget
+    from dflash_mlx.decode.width import parse_block_size, parse_tree_budget
 
     block_size, tree_budget = parse_block_size(block_size), parse_tree_budget(tree_budget)
     if block_size not in (None, "auto") and draft_model is None:
@@ -116,7 +115,7 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
     if seed is not None:
         mx.random.seed(seed)
 
-    pair = load_pair(model, draft_model, defaults, window, recalibrate)
+    pair = load_pair(model, draft_model, defaults, window)
     check_system_prompt(system_prompt, pair.tokenizer, ignore_chat_template)
     ids = encode_prompt(pair.tokenizer, text, system_prompt, template, ignore_chat_template)
     limit = context_length(pair.target)

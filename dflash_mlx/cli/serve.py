@@ -11,7 +11,7 @@ import typer
 from dflash_mlx.ranges import check_number
 
 from .common import (block_size_option, draft_model_option, guard, load_pair, model_option, prefill_step_option,
-                     recalibrate_option, resolve_models, resolve_prefill_step)
+                     resolve_models, resolve_prefill_step)
 from .prompt_cache import make_store, no_prompt_cache_option, prompt_cache_dir_option, prompt_cache_gb_option
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -35,7 +35,6 @@ def serve(
                              "anything else should go with --api-key."),
     port: int = typer.Option(8080, "--port", help="TCP port."),
     block_size: str = block_size_option(),
-    recalibrate: bool = recalibrate_option(),
     max_tokens: int = typer.Option(512, "--max-tokens", "-m",
                                    help="Tokens per request when the request does not say (max_tokens)."),
     api_key: Optional[str] = typer.Option(
@@ -99,7 +98,7 @@ def _until_stopped(run) -> None:
 
 
 # Over 60 lines: every serve flag is checked here, in order, before the model loads
-def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, api_key, max_queue, max_batch,
+def _run(model, draft_model, host, port, block_size, max_tokens, api_key, max_queue, max_batch,
          max_body_mb, chat_template_config, allow_request_templates, max_prompt_chars, request_timeout, idle_timeout,
          max_connections, prefill_step_size, prompt_cache_dir, no_prompt_cache, prompt_cache_gb, log_level) -> None:
     from dflash_mlx.errors import InputError
@@ -122,7 +121,7 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model)
-    from dflash_mlx.decode.policy import parse_block_size
+    from dflash_mlx.decode.width import parse_block_size
 
     block_size = parse_block_size(block_size)
     if block_size not in (None, "auto") and draft_model is None:
@@ -139,7 +138,7 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("dflash")
     log.setLevel(log_level.upper())
-    pair = load_pair(model, draft_model, defaults, recalibrate=recalibrate)
+    pair = load_pair(model, draft_model, defaults)
     config = ServerConfig(model_id=model, max_tokens=max_tokens, block_size=block_size, api_key=api_key,
                           max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20), template=template,
                           allow_request_templates=allow_request_templates, max_prompt_chars=max_prompt_chars,

@@ -36,7 +36,7 @@ import mlx.core as mx
 
 from .acceptance import count_accepted
 from .batch_join import Joining, Sampler, context_rows
-from .batch_width import BatchWidths
+from .width import Plan, WidthChooser
 from .generate import StepResult
 from .stopping import StopCondition
 from ..drafter.batch import pad_contexts
@@ -92,8 +92,8 @@ class BatchDecoder:
         drafter: a bound drafter, or None (plain decoding, one token per step).
         block_size: B, tokens every verify feeds per sequence (2..the drafter's
             trained size; 1 without a drafter); with ``widths``, the widest.
-        widths: chooses each step's width (``--block-size auto``), or None: every
-            step verifies B.
+        widths: chooses each step's width (:func:`dflash_mlx.decode.width.make_chooser`), or
+            None: every step verifies B.
         store: the prompt cache, or None. Used where :attr:`prefix_refusal` is None.
 
     Attributes:
@@ -104,7 +104,7 @@ class BatchDecoder:
     """
 
     def __init__(self, target: TargetAdapter, drafter: Optional[Drafter], block_size: int,
-                 widths: Optional[BatchWidths] = None, store: Optional[PrefixStore] = None):
+                 widths: Optional[WidthChooser] = None, store: Optional[PrefixStore] = None):
         self.target, self.drafter = target, drafter
         self.width = block_size if drafter is not None else 1
         self.widths = widths if drafter is not None else None
@@ -212,12 +212,12 @@ class BatchDecoder:
 
     def _verify_step(self) -> List[StepResult]:
         """The step with a drafter (a plain one where auto chose width 1), unsettled."""
-        tic = time.perf_counter()  # for the statistics only
-        auto = not self._fixed_width()
-        started = self.widths.start() if auto else None
-        w = self.widths.choose(len(self.sequences)) if auto else self.width
+        tic = time.perf_counter()
+        seeded = any(s.seed is not None for s in self.sequences)
+        plan = self.widths.plan(len(self.sequences), seeded) if self.widths else Plan(self.width, self.width)
+        w = plan.width
         if w == 1:
-            return self._plain_step(started)
+            return self._plain_step(plan)
         tokens = mx.concatenate([s.token for s in self.sequences])  # [N] t_last
         drafts, proposals = self._propose(tokens, w)
         share_offsets(self.cache)
@@ -235,14 +235,9 @@ class BatchDecoder:
         compact(self.cache)
         if self.drafts is not None:
             compact(self.drafts.cache)
-        if auto:
-            self.widths.observe(started, w, [r.accepted for r in results])
+        if self.widths:
+            self.widths.observe(plan, time.perf_counter() - tic, [r.accepted for r in results])
         return results
-
-    def _fixed_width(self) -> bool:
-        """Whether this step verifies B: no auto widths, or a seeded sampled sequence
-        is active (its text must not depend on the timings that choose widths)."""
-        return self.widths is None or any(s.seed is not None for s in self.sequences)
 
     def _greedy(self) -> List[bool]:
         """Per sequence, whether its rule is greedy (one argmax serves all those rows)."""
@@ -305,11 +300,11 @@ class BatchDecoder:
                 s.pending.append(features[i : i + 1, :n])
             self._context = None
 
-    def _plain_step(self, started: Optional[float] = None) -> List[StepResult]:
+    def _plain_step(self, plan: Optional[Plan] = None) -> List[StepResult]:
         """Plain decoding: one token per sequence, one target forward for all, unsettled.
-        With a drafter (auto chose width 1; ``started`` is its clock reading) each
-        sequence's context row is kept for its next draft."""
-        tic = time.perf_counter()  # for the statistics only
+        With a drafter (auto chose ``plan``, width 1) each sequence's context row is kept
+        for its next draft."""
+        tic = time.perf_counter()
         self._spill()  # a plain step's row joins each sequence's pending rows
         inputs = mx.stack([s.token for s in self.sequences])
         share_offsets(self.cache)
@@ -332,8 +327,8 @@ class BatchDecoder:
                 s.pending.append(features[i : i + 1])
             results.append(StepResult(y.tolist(), None, None))
         compact(self.cache)  # sliding-window layers drop rows out of every window
-        if started is not None:
-            self.widths.observe(started, 1, [0] * len(results))
+        if plan is not None:
+            self.widths.observe(plan, time.perf_counter() - tic, [0] * len(results))
         return results
 
     def _settle(self, results: List[StepResult]) -> List[StepResult]:

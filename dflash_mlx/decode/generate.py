@@ -19,18 +19,18 @@ from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .acceptance import choose_rule
-from .calibration import Timings
-from .cost import PLAIN, TREE
 from ..errors import InputError
 from ..kernels.block_attention import attention_path
-from .policy import AUTO, make_policy, parse_block_size, parse_tree_budget
+from .tree import build_tree
+from .width import AUTO, make_chooser, parse_block_size, parse_tree_budget
 from ..protocol import Drafter
 from ..stats import GenerationStats, weight_bytes
 from .stopping import StopCondition, held_back, text_before_stop
 from ..targets import TargetAdapter
-from .verify import Outcome, chain_step, host_logprobs, plain_step, synced, tree_step
+from .verify import chain_step, host_logprobs, plain_step, synced, tree_step
 
 Sampler = Callable[[mx.array], mx.array]
+PLAIN_RUN = 16  # plain steps pipelined in a run where the chooser plans plain decoding
 NO_DRAFTER = "no drafter was given (--draft-model)"
 
 
@@ -130,8 +130,6 @@ def generate_step(
     prompt_cache: Optional[List[Any]] = None,
     draft_cache: Optional[List[Any]] = None,
     stats: Optional[GenerationStats] = None,
-    timings: Optional[Timings] = None,
-    recalibrate: bool = False,
 ) -> Generator[StepResult, None, None]:
     """Decode from ``prompt``, with a drafter (DFlash) or without (plain).
 
@@ -146,12 +144,11 @@ def generate_step(
             the target's.
         max_tokens: most tokens to emit.
         block_size: B, 2..drafter.block_size (default: the drafter's), or ``"auto"``:
-            verify the width the cost model expects to commit the most tokens per
-            second, 1 (plain decoding) included, drafted at the smallest timed block
-            that holds it (:mod:`dflash_mlx.decode.policy`, :mod:`dflash_mlx.decode.cost`).
+            verify the width with the best measured rate, 1 (plain decoding) included
+            (:mod:`dflash_mlx.decode.width`).
         tree_budget: DDTree (spec section 7): verify the N best draft prefixes as a
-            tree (N nodes besides the root), or ``"auto"`` (budgets 8..64 and
-            chains, chosen by cost). Targets without tree verify (hybrid families)
+            tree (N nodes besides the root), or ``"auto"`` (a tree or chains, chosen
+            by measured rate). Targets without tree verify (hybrid families)
             and drafters without log-probabilities keep chains; ``stats.verify``
             says so and why.
         stop_token_ids: ids that end generation; the block is cut there.
@@ -169,10 +166,6 @@ def generate_step(
             next turn can pass both, with a prompt that starts at the last
             committed token.
         stats: filled in place (phase times, acceptance).
-        timings: where ``--block-size auto`` takes its seconds from
-            (:mod:`dflash_mlx.decode.calibration`; default: this machine's clock, with the
-            calibration kept on disk for pairs loaded from folders).
-        recalibrate: time the widths again instead of reusing a kept calibration.
 
     Raises:
         InputError: empty prompt, max_tokens < 1, block size or tree budget out of range.
@@ -193,11 +186,10 @@ def generate_step(
     if tree_budget is not None and drafter is None:
         raise InputError("--tree-budget needs --draft-model (plain decoding has no drafts)")
     stats = stats if stats is not None else GenerationStats(block_size=B)
-    policy = None
+    chooser = None
     if drafter is not None:
-        policy = make_policy(target, drafter, B, block_size == AUTO, tree_budget, stats, timings,
-                             recalibrate=recalibrate)
-    max_verify = policy.max_verify if policy else B
+        chooser = make_chooser(target, drafter, AUTO if block_size == AUTO else B, tree_budget, stats)
+    max_verify = chooser.max_verify if chooser else B
     if prompt_cache is None:
         prompt_cache = target.make_cache(max_verify)
     else:
@@ -220,15 +212,15 @@ def generate_step(
         stats.acceptance_rule = rule.name
         yield StepResult(tokens, None, finish)
         if finish is None:
-            yield from _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, context,
+            yield from _speculative_steps(target, cache, drafter, draft_cache, rule, chooser, t, context,
                                           stop, stats, committed)
         else:
             _finish(target, cache, committed + stop.emitted - 1, drafter, draft_cache, [context])
 
 
 # Over 60 lines: one DFlash step read top to bottom: draft -> verify -> accept -> roll back
-def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, context, stop, stats, base):
-    """DFlash steps (spec section 5), each the policy's plan: plain, chain or tree.
+def _speculative_steps(target, cache, drafter, draft_cache, rule, chooser, t, context, stop, stats, base):
+    """DFlash steps (spec section 5), each the chooser's plan: plain, chain or tree.
 
     ``t`` is the last committed token (not in the target cache); ``pending`` holds the
     context rows the drafter has not seen yet; ``history[i]`` sits at ``base + i``.
@@ -240,45 +232,34 @@ def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, con
     capture = drafter.target_layer_ids
     pending, history, finish = [context], [t.item()], None
     ready = None  # the last step's tokens, yielded once the next step is dispatched
-    overhead = 0.0  # seconds of the last step outside drafting and verifying: planning, bookkeeping
     try:
         while finish is None:
-            start = time.perf_counter()
             position = base + len(history) - 1  # of t
-            plan = policy.next(position)
-            if plan.mode == PLAIN and not plan.probe:
+            plan = chooser.plan(1)
+            if plan.width == 1:
                 if ready is not None:
                     yield ready
-                run = _plain_run(target, cache, capture, rule.choose, t, plan.steps, stop, stats, pending, history)
-                ready, t, seconds = yield from run
+                run = _plain_run(target, cache, capture, rule.choose, t, PLAIN_RUN, stop, stats, pending, history)
+                ready, t, seconds, steps = yield from run
                 finish = ready.finish_reason
-                policy.observe(plan, seconds, overhead, position, [], history, base)
+                for _ in range(steps):
+                    chooser.observe(plan, seconds, [0])
                 continue
             tic = time.perf_counter()
             proposal = rule.propose(drafter, t, _rows(pending), draft_cache, plan.block)
             pending, draft_s = [], None
-            if plan.mode != PLAIN and stats.time_draft():  # 1 step in 16: drafting on its own
+            if stats.time_draft():  # 1 step in 16: drafting on its own
                 mx.eval(proposal.arrays())
                 draft_s = time.perf_counter() - tic
             else:
                 mx.async_eval(proposal.arrays())
-            if plan.mode == PLAIN:  # a probe: plain decoding that drafts too, to see how drafts fare
-                y, features = plain_step(target, cache, capture, rule.choose, t)
-                mx.async_eval(y, features)
             if ready is not None:  # the consumer's turn while the device works (not this step's time)
                 paused = time.perf_counter()
                 yield ready
-                paused = time.perf_counter() - paused
-                tic, start = tic + paused, start + paused
-            if plan.mode == PLAIN:
-                wait_s = synced(y, features, proposal.tokens)
-                step = Outcome(y.tolist(), 0, 0, features, proposal.tokens.tolist(), wait_s)
-            elif plan.mode == TREE:
-                plan, tree = policy.after_draft(plan, history[-1], host_logprobs(proposal), position)
-                if plan.mode == TREE:
-                    step = tree_step(target, cache, capture, rule.choose, position, proposal, tree)
-                else:
-                    step = chain_step(target, cache, capture, rule, t, proposal, plan.width)
+                tic += time.perf_counter() - paused
+            if plan.tree_budget is not None:
+                tree = build_tree(history[-1], host_logprobs(proposal), plan.tree_budget)
+                step = tree_step(target, cache, capture, rule.choose, position, proposal, tree)
             else:
                 step = chain_step(target, cache, capture, rule, t, proposal, plan.width)
             seconds = time.perf_counter() - tic
@@ -286,20 +267,18 @@ def _speculative_steps(target, cache, drafter, draft_cache, rule, policy, t, con
                 pending.append(step.context)
                 t = mx.array(step.tokens[-1:], dtype=mx.int32)
                 history.extend(step.tokens)
-                policy.observe(plan, seconds, overhead, position, step.drafts, history, base)
-                stats.record_plan(plan.mode, plan.width, seconds, step.accepted, step.drafted, draft_s, step.wait_s)
+                chooser.observe(plan, seconds, [step.accepted])
+                mode, width = ("tree", plan.tree_budget) if plan.tree_budget is not None else ("chain", plan.width)
+                stats.record_plan(mode, width, seconds, step.accepted, step.drafted, draft_s, step.wait_s)
                 tokens, finish = stop.cut(step.tokens)
-                ready = StepResult(tokens, step.accepted if plan.mode != PLAIN else None, finish)
-            overhead = time.perf_counter() - start - seconds  # the next step learns it (this one's is not over)
+                ready = StepResult(tokens, step.accepted, finish)
             if stop.emitted % 256 < len(tokens):
                 mx.clear_cache()
         _finish(target, cache, base + stop.emitted - 1, drafter, draft_cache, pending)
-        policy.keep()
         yield ready
     except GeneratorExit:  # closed mid-generation: both caches hold the tokens yielded so far but the last
         if finish is None:
             _finish(target, cache, base + len(history) - 1, drafter, draft_cache, pending)
-            policy.keep()
         raise
 
 
@@ -309,7 +288,7 @@ def _plain_run(target, cache, capture, choose, t, steps, stop, stats, pending, h
     :class:`StepResult` but the last, which it returns.
 
     Returns:
-        ``(last StepResult, last committed token [1] int32, seconds per step)``.
+        ``(last StepResult, last committed token [1] int32, seconds per step, steps run)``.
     """
     tic = time.perf_counter()
     paused = wait = 0.0
@@ -334,10 +313,10 @@ def _plain_run(target, cache, capture, choose, t, steps, stop, stats, pending, h
         y, features = queued
     seconds = time.perf_counter() - tic - paused
     for _ in range(i + 1):
-        stats.record_plan(PLAIN, 1, seconds / (i + 1), 0, 0, wait_s=wait / (i + 1))
+        stats.record_plan("plain", 1, seconds / (i + 1), 0, 0, wait_s=wait / (i + 1))
     if stop.emitted % 256 < i + 1:
         mx.clear_cache()
-    return result, y, seconds / (i + 1)
+    return result, y, seconds / (i + 1), i + 1
 
 
 def _rows(pending: List[mx.array]) -> mx.array:
@@ -460,7 +439,7 @@ def stream_generate(
         for step in generate_step(prompt, target, drafter, stats=stats, **kwargs):
             now = time.perf_counter()
             if first:
-                stats.prompt_s, tic, first = now - tic - stats.calibration_s, now, False
+                stats.prompt_s, tic, first = now - tic, now, False
             else:
                 stats.generation_s = now - tic
             stats.generation_tokens += len(step.tokens)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, List, Optional
 
 from ..decode.batch import BatchDecoder, Joining
-from ..decode.batch_width import BatchWidths
+from ..decode.width import make_chooser
 from ..decode.generate import PrefillStopped, StepResult, check_block_size
 from ..decode.stopping import StopCondition
 from ..prompt_cache.store import PrefixStore
@@ -70,7 +70,7 @@ class BatchEngine(Engine):
         max_batch: most requests decoding at once (>= 2).
         block_size: B of every verify (None: the drafter's trained size); "auto":
             one width per batched step, chosen from the batch's measured step times
-            and pooled acceptance (:class:`~dflash_mlx.decode.batch_width.BatchWidths`).
+            and pooled acceptance (:mod:`dflash_mlx.decode.width`).
         max_queue: most requests waiting beyond the ``max_batch`` running; past it,
             :meth:`submit` raises :class:`~dflash_mlx.serve.engine.QueueFullError`.
         metrics: where each generation and step is counted.
@@ -89,7 +89,7 @@ class BatchEngine(Engine):
                          prefill_step_size=prefill_step_size)
         self.slots = max_batch
         width = check_block_size(block_size, pair.drafter)
-        widths = BatchWidths(width) if block_size == "auto" and pair.drafter is not None else None
+        widths = make_chooser(None, pair.drafter, "auto", None, None) if block_size == "auto" and pair.drafter else None
         self.decoder = BatchDecoder(pair.target, pair.drafter, width, widths, store=store)
         if self.decoder.prefix_refusal is not None:
             log.warning("prompt cache: not used by batched requests, which prefill their whole prompt: %s "
