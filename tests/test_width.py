@@ -50,7 +50,7 @@ def auto():
 
 def test_a_drafter_that_always_agrees_gets_the_widest_block():
     plans = run(auto(), 200, lambda k: True)
-    assert all(p.width == B and p.block == B for p in plans[-50:])
+    assert sum(p == Plan(B, B) for p in plans[-64:]) >= 60  # a narrower probe every 32 steps
 
 
 def test_a_drafter_that_never_agrees_gets_plain_steps():
@@ -65,7 +65,7 @@ def test_the_probe_brings_drafting_back_when_drafts_start_to_agree():
     run(chooser, 300, lambda k: False)
     assert chooser.plan(1).width == 1
     plans = run(chooser, 20 * PROBE_EVERY, lambda k: True)
-    assert all(p.width == B for p in plans[-50:])
+    assert sum(p.width == B for p in plans[-64:]) >= 60
 
 
 def test_a_middling_drafter_gets_a_middle_width():

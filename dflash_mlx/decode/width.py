@@ -140,6 +140,7 @@ class WidthChooser:
         self.tree_tokens: Optional[float] = None  # mean tokens a tree step committed
         self.seconds: Dict[Tuple[Plan, int], Tuple[int, float]] = {}  # (option, n) -> (runs, mean seconds)
         self.steps = 0  # steps observed since the last probe
+        self.probes = 0
 
     def plan(self, n: int = 1, seeded: bool = False) -> Plan:
         """The next step for ``n`` active sequences; ``seeded``: a seeded sampled sequence
@@ -159,12 +160,16 @@ class WidthChooser:
         return best
 
     def _probe(self, best: Plan, options: Sequence[Plan], n: int) -> Plan:
-        """The next wider chain than ``best``; from plain decoding, the best chain."""
+        """The next wider and the next narrower chain than ``best``, in turn; from plain
+        decoding, the best chain."""
         chains = [p for p in options if p.width > 1 and p.tree_budget is None]
         if best.width == 1:
             return max(chains, key=lambda p: self.rate(p, n))
+        self.probes += 1
         wider = [p for p in chains if p.width > best.width]
-        return wider[0] if wider else best
+        narrower = [p for p in chains if p.width < best.width]
+        sides = [wider[:1], narrower[-1:]] if self.probes % 2 else [narrower[-1:], wider[:1]]
+        return (sides[0] or sides[1] or [best])[0]
 
     def observe(self, plan: Plan, seconds: float, accepted: Sequence[int]) -> None:
         """One step that ran ``plan``: its wall ``seconds`` (the whole batched step) and each
