@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from dflash_mlx import generate_step, load
 from dflash_mlx.decode.batch import BatchDecoder
-from dflash_mlx.decode.batch_width import BatchWidths
+from dflash_mlx.decode.width import make_chooser
 from dflash_mlx.decode.generate import check_block_size
 from dflash_mlx.decode.stopping import StopCondition
 

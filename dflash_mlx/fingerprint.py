@@ -1,8 +1,7 @@
-"""A model folder's identity, cheap to compute: what keys a kept calibration to a checkpoint.
+"""A model folder's identity, cheap to compute: what keys prompt-cache entries to a checkpoint.
 
 A shared leaf (imports nothing of the package): ``pair/loading.py`` and ``drafter/checkpoint.py``
-stamp each loaded model with it (``.fingerprint``), and ``decode/calibration_store.py`` keys a kept
-calibration by those stamps.
+stamp each loaded model with it (``.fingerprint``); ``prompt_cache/key.py`` reads the stamps.
 """
 
 from __future__ import annotations

@@ -4,12 +4,23 @@ so that clean-up runs only there, and only on names of the writer's own pattern.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from .atomic import atomic_file, write_error
 from .errors import InputError
 
 MARKER = ".dflash-mlx"
+CACHE_ENV = "DFLASH_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """The user's cache folder for dflash-mlx: ``$DFLASH_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/dflash-mlx``, else ``~/.cache/dflash-mlx``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "dflash-mlx"
 
 
 def marked(folder: Path, writer: str) -> bool:

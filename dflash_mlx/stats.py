@@ -39,14 +39,11 @@ class GenerationStats:
         drafter_format, acceptance_rule: the drafter's ``architectures[0]`` and acceptance rule.
         verify: what verified the drafts and why (``{"block_size": B or "auto",
             "tree_budget": None, N or "auto", "reason": why a requested tree is off,
-            or None}``, and with auto ``"calibration"``: ``"timed"`` now, ``"stored"``
-            (kept on disk by an earlier process), ``"kept"`` (earlier in this
-            process) or ``"fixed"`` (given timings)); None without a drafter.
+            or None}``);
+            None without a drafter.
         plain_steps: plain steps.
         widths: ``{"plain": steps, "chain N": steps, "tree N": steps}``.
         mode_s: seconds per mode (``plain``, ``chain``, ``tree``), drafting included.
-        calibration_s: seconds spent timing the widths for ``--block-size auto`` (the
-            first generation of a process only); not counted in ``prompt_s``.
         host_s: seconds of host work in decode steps.
         trace: ``[[accepted, drafted], ...]`` per verify step, in order.
         block_attention: ``{"block_attention": "metal" | "reference", "reason": str}``, or None.
@@ -75,7 +72,6 @@ class GenerationStats:
     plain_steps: int = 0
     widths: Dict[str, int] = field(default_factory=dict)
     mode_s: Dict[str, float] = field(default_factory=dict)
-    calibration_s: float = 0.0
     draft_share: Optional[float] = None
     timed_drafts: int = 0
     host_s: float = 0.0
@@ -199,7 +195,6 @@ class GenerationStats:
             "widths": dict(sorted(self.widths.items())),
             "plain_steps": self.plain_steps,
             "mode_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.mode_s.items())},
-            "calibration_ms": round(self.calibration_s * 1e3, 3),
             "host_ms_per_step": round(self.host_ms_per_step, 4),
             "tokens": self.generation_tokens,
             "tau": _rounded(self.tau, 4),
@@ -256,8 +251,6 @@ class GenerationStats:
         what = f"block size {v.get('block_size')}"
         if v.get("tree_budget") is not None:
             what += f", tree budget {v['tree_budget']}"
-        if v.get("calibration"):
-            what += f", calibration {v['calibration']}"
         used = ", ".join(f"{k} x{n}" for k, n in sorted(self.widths.items(), key=lambda kv: -kv[1]))
         spent = ", ".join(f"{k} {s:.2f} s" for k, s in sorted(self.mode_s.items()))
         line = f"{what}: {used or 'no steps'}" + (f" ({spent})" if spent else "")

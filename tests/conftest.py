@@ -269,18 +269,9 @@ class ScriptedDrafter:
 
 
 @pytest.fixture(autouse=True)
-def no_clock_decides(monkeypatch, tmp_path_factory):
-    """No test decides what to check from the clock: ``--block-size auto`` takes its
-    seconds from fixed timings (a 1-token step 1 ms, each more token 0.05 ms, a
-    drafter pass 1 ms), whatever the machine is doing; what a process learned is
-    forgotten between tests; calibrations go to a scratch cache folder (also for the
-    CLI processes tests start), never the user's."""
-    import dflash_mlx.decode.policy as policy
-    from dflash_mlx.decode.calibration import FixedTimings
-
-    monkeypatch.setattr(policy, "DEFAULT_TIMINGS", FixedTimings())
-    monkeypatch.setattr(policy, "_CALIBRATIONS", {})
-    monkeypatch.setattr(policy, "_MODELS", {})
+def scratch_cache(monkeypatch, tmp_path_factory):
+    """What dflash-mlx keeps on disk goes to a scratch cache folder (also for the CLI
+    processes tests start), never the user's."""
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path_factory.mktemp("dflash-cache")))
 
 

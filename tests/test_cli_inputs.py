@@ -277,21 +277,6 @@ def test_auto_and_tree_budget_report_the_verifies_chosen(stories, random_drafter
 
 
 @needs_shared
-def test_a_second_process_starts_calibrated_and_recalibrate_times_again(stories, random_drafter, tmp_path):
-    # conftest points DFLASH_CACHE_DIR at a scratch folder; these CLI processes share it.
-    base = ["generate", "--model", str(stories), "--draft-model", str(random_drafter), "-p", "Once upon a time",
-            "-m", "12", "--json", "--quiet"]
-    sources = []
-    for extra in ([], [], ["--recalibrate"], []):
-        r = dflash(*base, *extra)
-        assert r.returncode == 0, r.stderr.decode()
-        out = json.loads(r.stdout)
-        sources.append(out["verify"]["calibration"])
-    assert sources == ["timed", "stored", "timed", "stored"]
-    plain = json.loads(dflash(*base, "--block-size", "4").stdout)
-    assert "calibration" not in plain["verify"]  # a fixed block size times nothing
-
-
 @pytest.mark.parametrize("flags,message", [
     (["--seed", "-1"], "error: invalid value for '--seed': input should be greater than or equal to 0, got '-1' "
                        "(see dflash generate --help)"),

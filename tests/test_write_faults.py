@@ -18,7 +18,6 @@ from dflash_mlx import generate_step
 from dflash_mlx.atomic import WriteError
 from dflash_mlx.prompt_cache.pair import PairCache
 from dflash_mlx.chat.session_file import SessionWriter, read_session
-from dflash_mlx.decode.calibration_store import CalibrationStore
 from dflash_mlx.errors import InputError
 from dflash_mlx.owned import MARKER, claim
 from dflash_mlx.prompt_cache.key import key_id, pair_key
@@ -228,29 +227,6 @@ def test_a_session_with_a_lone_surrogate_is_a_one_line_error(tmp_path):
     path.write_text('{"format": "dflash-chat-session", "messages": [{"role": "user", "content": "a \\ud800"}]}')
     with pytest.raises(InputError, match=r"^--session .*: messages\[0\]\.content holds a lone surrogate"):
         read_session(path)
-
-
-# -- the calibration store -----------------------------------------------------------
-
-
-@pytest.mark.parametrize("fault", FAULTS[:-1])
-def test_a_calibration_that_cannot_be_written_is_one_warning(fault, tmp_path, monkeypatch, capsys):
-    store = CalibrationStore(tmp_path)
-    assert store.save({"k": 1}, {"a": 1}) and store.load({"k": 1}) == {"a": 1}
-    inject(monkeypatch, fault, tmp_path)
-    assert store.save({"k": 1}, {"a": 2}) is False and store.load({"k": 1}) == {"a": 1}
-    assert store.save({"k": 1}, {"a": 3}) is False
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("warning: calibration not kept (") and str(tmp_path) in err[0], err
-
-
-def test_the_calibration_folder_of_others_is_left_alone(tmp_path):
-    (tmp_path / "calibration").mkdir()
-    (tmp_path / "calibration" / "mine.json").write_text("{}")
-    store = CalibrationStore(tmp_path)
-    assert store.save({"k": 1}, {"a": 1}) and store.load({"k": 1}) == {"a": 1}
-    assert store.path({"k": 1}).parent == tmp_path / "calibration" / "dflash-calibration"
-    assert (tmp_path / "calibration" / "mine.json").read_text() == "{}"
 
 
 def test_write_error_carries_any_errno_and_the_path(tmp_path, monkeypatch):

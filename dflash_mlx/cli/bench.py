@@ -121,8 +121,8 @@ def split_extra(block_size, tree_budget, extra: List[str], argv: Optional[List[s
 def parse_block_sizes(values: Optional[List[str]], extra: List[str], flag: str = "--block-size",
                       default=(None,)) -> list:
     """``--block-size 4 8 16 auto`` (or ``--tree-budget``; the values after the first come as click's extra
-    arguments; commas work too), each parsed by :mod:`dflash_mlx.decode.policy`; InputError for a bad one."""
-    from dflash_mlx.decode.policy import parse_block_size, parse_tree_budget
+    arguments; commas work too), each parsed by :mod:`dflash_mlx.decode.width`; InputError for a bad one."""
+    from dflash_mlx.decode.width import parse_block_size, parse_tree_budget
     from dflash_mlx.errors import InputError
 
     if extra and not values:

@@ -14,7 +14,7 @@ from dflash_mlx.ranges import check_number
 
 from .common import (
     BlockSize, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
-    PromptCacheDir, PromptCacheGb, Recalibrate, Seed, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP, Verify,
+    PromptCacheDir, PromptCacheGb, Seed, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP, Verify,
     check_pair_flags, check_sampling, check_system_prompt, guard, load_pair, parse_draft_window, parse_stops, utf8,
 )
 
@@ -47,7 +47,6 @@ def chat(
     min_p: MinP = 0.0,
     seed: Seed = None,
     block_size: BlockSize = "auto",
-    recalibrate: Recalibrate = False,
     draft_window: DraftWindow = None,
     system_prompt: SystemPrompt = None,
     stop: Stop = [],
@@ -95,7 +94,7 @@ def _run(o) -> None:
 
     if o.seed is not None:
         mx.random.seed(o.seed)
-    pair = load_pair(o.model, o.draft_model, o.defaults, window, o.recalibrate)
+    pair = load_pair(o.model, o.draft_model, o.defaults, window)
     check_block_size(o.block_size, pair.drafter)
     o.vocab_size = pair.target.vocab_size
     check_system_prompt(o.system_prompt, pair.tokenizer, o.ignore_chat_template)

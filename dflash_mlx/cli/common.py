@@ -24,13 +24,13 @@ PREFILL_STEP_GPU, PREFILL_STEP_CPU = 512, 128  # Ctrl-C waits for one chunk: sma
 
 
 def _parsed(parser: str):
-    """A callback parsing a flag's value with ``dflash_mlx.decode.policy.<parser>`` as click parses it (before
+    """A callback parsing a flag's value with ``dflash_mlx.decode.width.<parser>`` as click parses it (before
     stdin is read); its InputError becomes a usage error."""
     def callback(ctx: typer.Context, value):
-        from dflash_mlx.decode import policy
+        from dflash_mlx.decode import width
 
         try:
-            return getattr(policy, parser)(value)
+            return getattr(width, parser)(value)
         except InputError as e:
             ctx.fail(str(e))
 
@@ -59,10 +59,6 @@ BlockSize = Annotated[str, typer.Option(
 TreeBudget = Annotated[Optional[str], typer.Option(
     "--tree-budget", callback=_parsed("parse_tree_budget"), help="DDTree: verify the N most likely draft "
     "prefixes as one tree (e.g. 32), or auto (chosen by measured cost). Attention-only targets; hybrids keep chains.")]
-Recalibrate = Annotated[bool, typer.Option(
-    "--recalibrate", help="Time the widths again for --block-size auto instead of reusing the calibration kept "
-    "for this model pair and machine (in $DFLASH_CACHE_DIR, default ~/.cache/dflash-mlx); what was learned of "
-    "the drafter's acceptance is kept.")]
 DraftWindow = Annotated[Optional[str], typer.Option(
     "--draft-window", help="SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows "
     "(e.g. 64,1024), so drafting cost stops growing with the context. Off by default.")]
@@ -269,11 +265,10 @@ def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: 
     return encode_messages(tokenizer, messages, template, use_template=not ignore_chat_template, plain=plain_text)
 
 
-def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None, recalibrate: bool = False):
-    """:func:`dflash_mlx.load` under a spinner; ``recalibrate``: the first generation re-times the widths.
+def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None):
+    """:func:`dflash_mlx.load` under a spinner.
     A CheckpointError of the default pair says how to pass local folders instead."""
     from dflash_mlx import CheckpointError, load
-    from dflash_mlx.decode.policy import recalibrate as recalibrate_next
 
     from transformers.utils import logging as hf_logging
 
@@ -288,8 +283,6 @@ def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_wind
             raise
         raise CheckpointError(f"the default pair {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL} is not available "
                               f"({e}). Pass local folders instead: --model DIR --draft-model DIR") from None
-    if recalibrate and pair.drafter is not None:
-        recalibrate_next(pair.drafter)
     return pair
 
 

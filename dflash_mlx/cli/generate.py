@@ -11,7 +11,7 @@ import typer
 
 from .common import (
     BlockSize, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
-    PromptCacheDir, PromptCacheGb, Recalibrate, Seed, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP,
+    PromptCacheDir, PromptCacheGb, Seed, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP,
     TreeBudget, Verify, check_pair_flags, check_sampling, check_system_prompt, encode_prompt, guard, load_pair,
     parse_draft_window, parse_stops, read_prompt, warn,
 )
@@ -37,7 +37,6 @@ def generate(
     min_p: MinP = 0.0,
     seed: Seed = None,
     block_size: BlockSize = "auto",
-    recalibrate: Recalibrate = False,
     tree_budget: TreeBudget = None,
     draft_window: DraftWindow = None,
     system_prompt: SystemPrompt = None,
@@ -83,7 +82,7 @@ def _run(o) -> None:
 
     if o.seed is not None:
         mx.random.seed(o.seed)
-    pair = load_pair(o.model, o.draft_model, o.defaults, window, o.recalibrate)
+    pair = load_pair(o.model, o.draft_model, o.defaults, window)
     check_system_prompt(o.system_prompt, pair.tokenizer, o.ignore_chat_template)
     ids = encode_prompt(pair.tokenizer, text, o.system_prompt, o.template, o.ignore_chat_template)
     max_tokens = fit_context(len(ids), o.max_tokens, context_length(pair.target))

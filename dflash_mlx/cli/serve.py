@@ -12,7 +12,7 @@ import typer
 from dflash_mlx.ranges import check_number
 
 from .common import (BlockSize, DraftModel, Model, NoPromptCache, PrefillStep, PromptCacheDir, PromptCacheGb,
-                     Recalibrate, check_pair_flags, guard, load_pair)
+                     check_pair_flags, guard, load_pair)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_BATCH = 256  # a batch's cache grows with it: a typo (8000) should not take the memory
@@ -60,7 +60,6 @@ def serve(
     host: Host = "127.0.0.1",
     port: Port = 8080,
     block_size: BlockSize = "auto",
-    recalibrate: Recalibrate = False,
     max_tokens: MaxTokens = 512,
     api_key: ApiKey = None,
     max_queue: MaxQueue = 16,
@@ -131,7 +130,7 @@ def _run(o) -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("dflash")
     log.setLevel(o.log_level.upper())
-    pair = load_pair(o.model, o.draft_model, o.defaults, recalibrate=o.recalibrate)
+    pair = load_pair(o.model, o.draft_model, o.defaults)
     config = ServerConfig(model_id=o.model, max_tokens=o.max_tokens, block_size=o.block_size, api_key=o.api_key,
                           max_queue=o.max_queue, max_body_bytes=int(o.max_body_mb * 2**20), template=o.template,
                           allow_request_templates=o.allow_request_templates, max_prompt_chars=o.max_prompt_chars,

@@ -205,8 +205,6 @@ class BatchDecoder:
         drafts, proposals = self._propose(tokens, plan.block)
         if plan.tree_budget is not None and self.solo:
             s, logprobs = self.sequences[0], host_logprobs(proposals[0])
-            plan = self.chooser.after_draft(plan, int(s.token.item()), logprobs)
-        if plan.tree_budget is not None and self.solo:
             tree = build_tree(int(s.token.item()), logprobs, plan.tree_budget)
             s.reseed()
             out, context = verify_tree(self.target, self.cache, self.capture, s.rule.choose, tree)

@@ -70,7 +70,7 @@ class Joining:
         if decoder.drafter is not None:
             self.stats.acceptance_rule = self.rule.name
         if stats is None and decoder.drafter is not None:
-            auto = getattr(decoder.chooser, "adaptive", False) and seed is None
+            auto = decoder.chooser is not None and decoder.chooser.fixed is None and seed is None
             self.stats.verify = {"block_size": "auto" if auto else decoder.width, "tree_budget": None,
                                  "reason": BATCHED_AUTO if auto else BATCHED}
         elif stats is None:

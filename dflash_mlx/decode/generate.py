@@ -154,7 +154,7 @@ def stream_generate(
         for step in generate_step(prompt, target, drafter, stats=stats, **kwargs):
             now = time.perf_counter()
             if first:
-                stats.prompt_s, tic, first = now - tic - stats.calibration_s, now, False
+                stats.prompt_s, tic, first = now - tic, now, False
             else:
                 stats.generation_s = now - tic
             stats.generation_tokens += len(step.tokens)

@@ -1,87 +1,239 @@
-"""The width chooser's interface (issue 40), as a thin adapter onto :mod:`.policy` (one
-sequence) and :mod:`.batch_width` (a batch). Replaced at merge by the ``width`` helper's module."""
+"""How many tokens each decode step verifies: ``--block-size`` / ``--tree-budget``, fixed or ``auto``.
+
+A fixed block size B verifies chains of B every step; a fixed tree budget N verifies
+DDTrees of N nodes (spec section 7). ``auto`` chooses per step the option with the
+highest rate, committed tokens per second for the n sequences decoding together::
+
+    rate(w, n) = n * E[tokens | w] / seconds(w, n)
+
+over plain steps (w = 1, E = 1), chains of w in 2, 4, 8, ..., B, and (``--tree-budget
+auto``, one sequence) a tree of :data:`AUTO_TREE` nodes.
+
+- **E[tokens | w]** = 1 + sum_{k < w} S(k), S(k) the survival of drafts 1..k estimated
+  from the accepted lengths observed (Kaplan-Meier: a step of width w that accepted a
+  saw positions 1..a right, a + 1 wrong, or is censored at w - 1), older steps
+  weighted down by :data:`DECAY`, unseen positions at the prior :data:`PRIOR`.
+  A tree's E is the mean of its observed ``accepted + 1``.
+- **seconds(w, n)**: an exponential mean of the step seconds observed per (w, n),
+  valid once observed twice (the first run of a shape pays its setup).
+- Each option not yet timed at this n is run (exploration); then the best rate runs,
+  and every :data:`PROBE_EVERY` steps a probe runs the next wider chain (or, from
+  plain decoding, the best chain), so acceptance past the width in use stays known and
+  drafting comes back when drafts start to agree.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
+from ..errors import InputError
+from ..ranges import check_number
 
-from .batch_width import BatchWidths
-from .cost import PLAIN, TREE
-from .policy import AUTO, Plan as _Inner, make_policy, parse_block_size, parse_tree_budget
+AUTO = "auto"
+PRIOR = 0.6  # conditional acceptance of a draft position never verified
+PRIOR_WEIGHT = 1.0  # steps' worth of weight the prior carries per position
+DECAY = 0.97  # weight of older steps' acceptance, per step
+ALPHA = 0.2  # weight of a new step in the seconds' exponential mean
+OUTLIER = 3.0  # a step this many times slower than its mean is a pause, not a timing
+PROBE_EVERY = 16  # steps between two probes
+AUTO_TREE = 16  # tree nodes --tree-budget auto weighs against chains
 
-__all__ = ["AUTO", "Plan", "WidthChooser", "make_chooser", "parse_block_size", "parse_tree_budget"]
 
-
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """One step: ``width`` tokens verified per sequence (1: a plain step), ``block`` the block
-    drafted (0: no draft), ``tree_budget`` DDTree nodes (N == 1 only) or None for a chain."""
+    """One step: ``width`` tokens verified per sequence (1: a plain step; else t_last and
+    ``width - 1`` drafts); ``block``: the block drafted (>= width; 0 when nothing is
+    drafted); ``tree_budget``: DDTree nodes besides the root (one sequence), None for a chain."""
 
     width: int
     block: int
     tree_budget: Optional[int] = None
 
 
+def parse_block_size(value) -> Optional[int | str]:
+    """``--block-size``: ``auto``, an integer >= 2, or None (the drafter's trained size).
+
+    Raises:
+        InputError: neither an integer nor ``auto``, or an integer below 2.
+    """
+    if value is None or value == AUTO or isinstance(value, int):
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise InputError(f"--block-size must be an integer or 'auto', got {value!r}") from None
+    check_number("--block-size", n, at_least=2, rule="at least 2 (or 'auto')")
+    return n
+
+
+def parse_tree_budget(value) -> Optional[int | str]:
+    """``--tree-budget``: ``auto``, an integer N >= 1 (tree nodes besides the root), or None.
+
+    Raises:
+        InputError: anything else.
+    """
+    if value is None or value == AUTO:
+        return value
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise InputError(f"--tree-budget must be a node count >= 1 or 'auto', got {value!r}") from None
+    check_number("--tree-budget", n, at_least=1, rule="a node count >= 1 or 'auto'")
+    return n
+
+
+def chain_widths(block: int) -> List[int]:
+    """The chain widths auto weighs: 2, 4, 8, ... below ``block``, and ``block``."""
+    widths, w = [], 2
+    while w < block:
+        widths.append(w)
+        w *= 2
+    return widths + [block]
+
+
+class Survival:
+    """Per draft position k (1-based), the weighted counts of blocks that reached k and
+    of those whose draft k was right."""
+
+    def __init__(self, block: int):
+        self.reached = [0.0] * block
+        self.right = [0.0] * block
+
+    def observe(self, width: int, accepted: int) -> None:
+        """One chain of ``width`` tokens that accepted ``accepted`` drafts."""
+        self.reached = [r * DECAY for r in self.reached]
+        self.right = [r * DECAY for r in self.right]
+        for k in range(1, min(accepted + 1, width - 1) + 1):
+            self.reached[k] += 1.0
+            self.right[k] += k <= accepted
+
+    def expected_tokens(self, width: int) -> float:
+        """E[tokens committed | a chain of ``width``] = 1 + sum of S(k), k < width."""
+        total, s = 1.0, 1.0
+        for k in range(1, width):
+            s *= (self.right[k] + PRIOR * PRIOR_WEIGHT) / (self.reached[k] + PRIOR_WEIGHT)
+            total += s
+        return total
+
+
 class WidthChooser:
-    """Chooses each step's :class:`Plan` for ``n`` sequences and learns from what it did."""
+    """Plans every step's width and learns from the steps that ran.
 
-    def __init__(self, policy, block: int, adaptive: bool):
-        self.policy, self.block, self.adaptive = policy, block, adaptive
-        self.max_verify = policy.max_verify
-        self.batch = BatchWidths(block) if adaptive else None
-        self.position, self.inner, self.left, self.observed = 0, None, 0, 0
+    Args:
+        block: B, the widest chain (the drafter's trained size or a fixed ``--block-size``).
+        fixed: the plan every step runs (a fixed block size or tree budget), or None: auto.
+        tree: also weigh a tree of :data:`AUTO_TREE` nodes (``--tree-budget auto``).
 
-    def plan(self, n: int, seeded: bool = False) -> Plan:
-        if seeded or (n > 1 and self.batch is None):
+    Attributes:
+        max_verify: most tokens one verify feeds per sequence (for cache sizing).
+    """
+
+    def __init__(self, block: int, fixed: Optional[Plan] = None, tree: bool = False):
+        self.block, self.fixed = block, fixed
+        self.options: List[Plan] = [Plan(1, 0)] + [Plan(w, w) for w in chain_widths(block)]
+        if tree:
+            self.options.append(Plan(AUTO_TREE + 1, block, AUTO_TREE))
+        widest = fixed or max(self.options, key=lambda p: p.width)
+        self.max_verify = max(block, widest.width)
+        self.survival = Survival(max(block, 2))
+        self.tree_tokens: Optional[float] = None  # mean tokens a tree step committed
+        self.seconds: Dict[Tuple[Plan, int], Tuple[int, float]] = {}  # (option, n) -> (runs, mean seconds)
+        self.steps = 0  # steps observed since the last probe
+        self.probes = 0
+
+    def plan(self, n: int = 1, seeded: bool = False) -> Plan:
+        """The next step for ``n`` active sequences; ``seeded``: a seeded sampled sequence
+        is among them, whose text must not depend on timings (the fixed B runs)."""
+        if self.fixed is not None:
+            return self.fixed
+        if seeded:
             return Plan(self.block, self.block)
-        if n > 1:
-            w = self.batch.choose(n)
-            return Plan(w, w if w > 1 else 0)
-        if self.left == 0:
-            self.inner = self.policy.next(self.position)
-            self.left = self.inner.steps if self.inner.mode == PLAIN else 1
-        self.left -= 1
-        p = self.inner
-        if p.mode == PLAIN:  # a probe verifies its drafted block, so acceptance stays known
-            out = Plan(p.block, p.block) if p.probe else Plan(1, 0)
-        else:
-            out = Plan(p.width, p.block, p.width if p.mode == TREE else None)
-        out.inner, out.last = p, self.left == 0
-        return out
+        options = [p for p in self.options if n == 1 or p.tree_budget is None]
+        untimed = [p for p in options if self._runs(p, n) < 2]
+        if untimed:
+            return untimed[0]
+        best = max(options, key=lambda p: self.rate(p, n))
+        if self.steps >= PROBE_EVERY:
+            self.steps = 0
+            return self._probe(best, options, n)
+        return best
 
-    def after_draft(self, plan: Plan, root: int, logprobs: Optional[np.ndarray]) -> Plan:
-        """With the block's log-probabilities [B-1, V] on the host: the tree (or chain) to verify."""
-        if logprobs is None:
-            return Plan(self.block, self.block)
-        p, _ = self.policy.after_draft(plan.inner, root, logprobs, self.position)
-        out = Plan(p.width, self.block, p.width if p.mode == TREE else None)
-        out.inner, out.last = p, True
-        return out
+    def _probe(self, best: Plan, options: Sequence[Plan], n: int) -> Plan:
+        """The next wider and the next narrower chain than ``best``, in turn; from plain
+        decoding, the best chain."""
+        chains = [p for p in options if p.width > 1 and p.tree_budget is None]
+        if best.width == 1:
+            return max(chains, key=lambda p: self.rate(p, n))
+        self.probes += 1
+        wider = [p for p in chains if p.width > best.width]
+        narrower = [p for p in chains if p.width < best.width]
+        sides = [wider[:1], narrower[-1:]] if self.probes % 2 else [narrower[-1:], wider[:1]]
+        return (sides[0] or sides[1] or [best])[0]
 
     def observe(self, plan: Plan, seconds: float, accepted: Sequence[int]) -> None:
-        inner = getattr(plan, "inner", None)
-        if inner is None:
-            if self.batch is not None and len(accepted) > 1:
-                self.batch.observe(self.batch.clock() - seconds, plan.width, accepted)
+        """One step that ran ``plan``: its wall ``seconds`` (the whole batched step) and each
+        sequence's accepted drafts (plain steps: zeros)."""
+        if self.fixed is not None:
             return
-        a = accepted[0]
-        if plan.last and not inner.probe:
-            self.policy.observe(inner, seconds, 0.0, self.position, [], [], self.position + a + 1)
-        if plan.last and self.policy.learning and plan.width > 1:
-            self.policy.cost._observe(a, plan.width - 1 if plan.tree_budget is None else a + 1)
-        self.position += a + 1
-        self.observed += 1
-        if self.observed % 64 == 1:
-            self.policy.keep()
+        n = len(accepted)
+        self.steps += 1
+        if plan.tree_budget is not None:
+            tokens = sum(accepted) / max(n, 1) + 1.0
+            self.tree_tokens = tokens if self.tree_tokens is None else (1 - ALPHA) * self.tree_tokens + ALPHA * tokens
+        elif plan.width > 1:
+            for a in accepted:
+                self.survival.observe(plan.width, a)
+        key = (plan, n)
+        runs, mean = self.seconds.get(key, (0, seconds))
+        if runs < 2:
+            mean = seconds  # the first run of a shape pays its setup; the second replaces it
+        elif seconds < OUTLIER * mean:
+            mean = (1 - ALPHA) * mean + ALPHA * seconds
+        self.seconds[key] = (runs + 1, mean)
+
+    def _runs(self, plan: Plan, n: int) -> int:
+        return self.seconds.get((plan, n), (0, 0.0))[0]
+
+    def expected_tokens(self, plan: Plan) -> float:
+        """E[tokens committed per sequence] by ``plan``."""
+        if plan.tree_budget is not None:
+            return self.tree_tokens if self.tree_tokens is not None else self.survival.expected_tokens(self.block)
+        return self.survival.expected_tokens(plan.width)
+
+    def rate(self, plan: Plan, n: int = 1) -> float:
+        """Tokens per second ``plan`` is expected to commit for ``n`` sequences (0 untimed)."""
+        runs, seconds = self.seconds.get((plan, n), (0, 0.0))
+        return n * self.expected_tokens(plan) / seconds if runs and seconds > 0 else 0.0
 
 
-def make_chooser(target, drafter, block_size, tree_budget, stats) -> WidthChooser:
-    """The chooser of one generation (or one batch): a fixed block size gives a constant plan."""
-    from .generate import check_block_size
+def make_chooser(target, drafter, block_size: int | str, tree_budget, stats) -> WidthChooser:
+    """The chooser of one generation (or batch), with ``stats.verify`` saying what runs and why.
 
-    B = check_block_size(block_size, drafter)
-    policy = make_policy(target, drafter, B, block_size == AUTO, parse_tree_budget(tree_budget), stats)
-    return WidthChooser(policy, B, block_size == AUTO)
+    Trees need a target family with tree verify (:attr:`TargetAdapter.supports_tree`;
+    hybrid Gated-DeltaNet families keep chains) and a drafter with per-position
+    log-probabilities (``propose``); otherwise chains run and ``stats.verify["reason"]`` says why.
+
+    Args:
+        block_size: a fixed B (2..the drafter's trained size), or ``auto``: widths by measured
+            rate, up to the drafter's trained size. ``--tree-budget auto`` implies auto widths.
+        tree_budget: None, a node count, or ``auto`` (see :func:`parse_tree_budget`).
+        stats: a :class:`~dflash_mlx.stats.GenerationStats` (``verify`` is set), or None.
+    """
+    auto = block_size == AUTO or tree_budget == AUTO
+    block_size = drafter.block_size if block_size in (None, AUTO) else int(block_size)
+    reason = None
+    if tree_budget is not None and target is not None and not target.supports_tree:
+        reason = f"{type(target).__name__} targets verify chains only (no tree verify for this family)"
+        tree_budget = None
+    elif tree_budget is not None and not callable(getattr(drafter, "propose", None)):
+        reason = "this drafter gives no per-position log-probabilities to build a tree from"
+        tree_budget = None
+    auto = (auto or tree_budget == AUTO) and tree_budget in (None, AUTO)  # a fixed tree budget fixes the verify
+    if stats is not None:
+        stats.verify = {"block_size": AUTO if auto else block_size, "tree_budget": tree_budget, "reason": reason}
+    if tree_budget not in (None, AUTO):
+        return WidthChooser(block_size, Plan(int(tree_budget) + 1, block_size, int(tree_budget)))
+    if not auto and tree_budget is None:
+        return WidthChooser(block_size, Plan(block_size, block_size))
+    return WidthChooser(block_size, tree=tree_budget == AUTO)

@@ -56,7 +56,7 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
         model.set_dtype(dtype)
     model.eval()
     mx.eval(model.parameters())
-    model.fingerprint = folder_fingerprint(path)  # keys its calibration (dflash_mlx.decode.calibration)
+    model.fingerprint = folder_fingerprint(path)  # keys its prompt-cache entries
     return model
 
 

@@ -86,7 +86,7 @@ def load_target(path_or_repo: str):
     """
     model, tokenizer, folder = load_model(path_or_repo, what="target model")
     target = make_adapter(model)
-    target.fingerprint = folder_fingerprint(folder)  # keys its calibration (dflash_mlx.decode.calibration_store)
+    target.fingerprint = folder_fingerprint(folder)  # keys its prompt-cache entries
     return model, tokenizer, target
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..atomic import WriteError, atomic_file, pid_alive, stderr_warning
-from ..decode.calibration import cache_root
+from ..owned import cache_root
 from ..owned import MARKER, claim, mark
 from .entry import CorruptEntry, Snapshot, read, read_index, usable_rows, write
 from .key import key_id

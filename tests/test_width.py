@@ -1,0 +1,143 @@
+"""The width chooser (dflash_mlx.decode.width) through its interface, with scripted step
+seconds and acceptance: no clock decides what is checked."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from dflash_mlx.decode.width import (AUTO, PROBE_EVERY, Plan, WidthChooser, make_chooser, parse_block_size,
+                                     parse_tree_budget)
+from dflash_mlx.errors import InputError
+from dflash_mlx.stats import GenerationStats
+
+B = 16
+
+
+def seconds_of(plan: Plan, n: int = 1) -> float:
+    """A machine where a step costs 1 ms, plus 0.05 ms per verified token per sequence,
+    plus 1 ms to draft."""
+    return 1e-3 + 5e-5 * plan.width * n + (1e-3 if plan.block else 0.0)
+
+
+def run(chooser, steps, accept, n=1, seeded=False, cost=seconds_of):
+    """Runs ``steps`` planned steps; ``accept(k)`` says whether draft k of a block is
+    right. Returns the plans, in order."""
+    plans = []
+    for _ in range(steps):
+        plan = chooser.plan(n, seeded)
+        accepted = []
+        for _ in range(n):
+            a = 0
+            while a < plan.width - 1 and accept(a + 1):
+                a += 1
+            accepted.append(a)
+        chooser.observe(plan, cost(plan, n), accepted)
+        plans.append(plan)
+    return plans
+
+
+def fake_drafter(block_size=B, tree=False):
+    drafter = SimpleNamespace(block_size=block_size)
+    if tree:
+        drafter.propose = lambda *a: None
+    return drafter
+
+
+def auto():
+    return make_chooser(None, fake_drafter(), AUTO, None, GenerationStats(block_size=B))
+
+
+def test_a_drafter_that_always_agrees_gets_the_widest_block():
+    plans = run(auto(), 200, lambda k: True)
+    assert sum(p == Plan(B, B) for p in plans[-64:]) >= 60  # a narrower probe every 32 steps
+
+
+def test_a_drafter_that_never_agrees_gets_plain_steps():
+    plans = run(auto(), 400, lambda k: False)
+    tail = plans[-200:]
+    assert all(p.block == 0 for p in tail if p.width == 1)
+    assert sum(p.width == 1 for p in tail) >= 0.9 * len(tail)  # probes only in between
+
+
+def test_the_probe_brings_drafting_back_when_drafts_start_to_agree():
+    chooser = auto()
+    run(chooser, 300, lambda k: False)
+    assert chooser.plan(1).width == 1
+    plans = run(chooser, 20 * PROBE_EVERY, lambda k: True)
+    assert sum(p.width == B for p in plans[-64:]) >= 60
+
+
+def test_a_middling_drafter_gets_a_middle_width():
+    rng = random.Random(0)
+    plans = run(auto(), 600, lambda k: rng.random() < 0.7)
+    widths = [p.width for p in plans[-200:]]
+    assert 2 < max(set(widths), key=widths.count) < B
+
+
+def test_batched_steps_get_their_own_timing():
+    chooser = auto()
+    run(chooser, 100, lambda k: True, n=1)
+
+    def costly_batch(plan, n):  # at n = 4 each verified token costs as much as a step
+        return 1e-3 + (1e-3 * plan.width * n if n > 1 else 5e-5 * plan.width) + (1e-3 if plan.block else 0.0)
+
+    rng = random.Random(1)
+    plans = run(chooser, 400, lambda k: rng.random() < 0.5, n=4, cost=costly_batch)
+    assert all(p.width == B for p in run(chooser, 10, lambda k: True, n=1, cost=costly_batch)[-5:])
+    assert sum(p.width == 1 for p in plans[-100:]) >= 80
+
+
+def test_seeded_sampled_sequences_get_the_fixed_block():
+    chooser = auto()
+    assert all(p == Plan(B, B) for p in run(chooser, 50, lambda k: False, seeded=True))
+
+
+def test_fixed_block_and_tree_budget_are_constant_plans():
+    stats = GenerationStats(block_size=B)
+    fixed = make_chooser(None, fake_drafter(), 4, None, stats)
+    assert {fixed.plan(n) for n in (1, 3)} == {Plan(4, 4)} and fixed.max_verify == 4
+    assert stats.verify == {"block_size": 4, "tree_budget": None, "reason": None}
+    target = SimpleNamespace(supports_tree=True)
+    tree = make_chooser(target, fake_drafter(tree=True), 8, 10, stats)
+    assert tree.plan(1) == Plan(11, 8, 10) and tree.max_verify == 11
+    chain = make_chooser(target, fake_drafter(tree=False), 8, 10, stats)
+    assert chain.plan(1) == Plan(8, 8) and "log-probabilities" in stats.verify["reason"]
+
+
+def test_tree_auto_takes_the_tree_when_it_commits_more():
+    target = SimpleNamespace(supports_tree=True)
+    chooser = make_chooser(target, fake_drafter(tree=True), AUTO, AUTO, GenerationStats(block_size=B))
+    assert chooser.max_verify == 17
+    rng = random.Random(2)
+    plans = []
+    for _ in range(300):
+        plan = chooser.plan(1)
+        a = 8 if plan.tree_budget else next((k for k in range(plan.width - 1) if rng.random() > 0.5), plan.width - 1)
+        chooser.observe(plan, seconds_of(plan), [a])
+        plans.append(plan)
+    assert sum(p.tree_budget is not None for p in plans[-100:]) >= 80
+
+
+def test_widths_verified_never_exceed_max_verify():
+    chooser = WidthChooser(8)
+    assert all(p.width <= chooser.max_verify and p.block >= p.width * (p.block > 0) for p in
+               run(chooser, 100, lambda k: k < 3))
+
+
+@pytest.mark.parametrize("value,parsed", [(None, None), ("auto", AUTO), ("4", 4), (8, 8)])
+def test_parse_block_size(value, parsed):
+    assert parse_block_size(value) == parsed
+
+
+@pytest.mark.parametrize("value", ["x", "1", "-3"])
+def test_bad_block_size_is_an_input_error(value):
+    with pytest.raises(InputError, match="--block-size"):
+        parse_block_size(value)
+
+
+@pytest.mark.parametrize("value", ["x", "0", 1.5j])
+def test_bad_tree_budget_is_an_input_error(value):
+    with pytest.raises(InputError, match="--tree-budget"):
+        parse_tree_budget(value)
+    assert parse_tree_budget("32") == 32 and parse_tree_budget(AUTO) == AUTO
