@@ -223,7 +223,7 @@ class BatchDecoder:
         seconds = time.perf_counter() - tic
         results = []
         for s, (a, out) in zip(self.sequences, decided):
-            s.stats.record_plan(mode, plan.width, seconds, a, drafted)
+            s.stats.record_plan(mode, plan.tree_budget or plan.width, seconds, a, drafted)
             s.token = mx.array(out[a : a + 1], dtype=mx.int32)
             results.append(StepResult(out[: a + 1], a, None))
         self.chooser.observe(plan, seconds, [r.accepted for r in results])
