@@ -72,6 +72,7 @@ class GenerationStats:
             ``{"block_attention": "metal" | "reference", "reason": str}`` (from
             :func:`dflash_mlx.kernels.block_attention.attention_path`); None without
             a drafter.
+        distributed: ``{"ranks": n, "sharding": "tensor"}`` under ``mlx.launch``; None in one process.
     """
 
     block_size: int
@@ -102,6 +103,7 @@ class GenerationStats:
     timed_drafts: int = 0
     host_s: float = 0.0
     trace: List[List[int]] = field(default_factory=list)
+    distributed: Optional[Dict[str, object]] = None
 
     def record_step(self, accepted: int, drafted: Optional[int] = None) -> None:
         """Count one verify step that accepted ``accepted`` of ``drafted`` drafts
@@ -252,6 +254,7 @@ class GenerationStats:
             "acceptance_rule": self.acceptance_rule,
             "block_attention": self.block_attention,
             "verify": self.verify,
+            "distributed": self.distributed,
             "widths": dict(sorted(self.widths.items())),
             "plain_steps": self.plain_steps,
             "mode_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.mode_s.items())},

@@ -58,6 +58,13 @@ def min_p_option():
     return typer.Option(0.0, "--min-p", help="Min-p threshold, in [0, 1]; 0 is off.")
 
 
+def sharding_option():
+    return typer.Option(
+        "tensor", "--sharding", help="Under mlx.launch with several ranks: how the target is split (tensor; "
+        "pipeline is refused). The drafter runs whole on every rank; rank 0 reads and writes.",
+    )
+
+
 def seed_option():
     return typer.Option(
         None, "--seed", min=0, max=2**64 - 1,
@@ -334,9 +341,11 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None, recalibrate: bool = False):
+def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None, recalibrate: bool = False,
+              sharding: Optional[str] = None):
     """Load the pair; when the defaults cannot be had, say how to pass folders.
-    ``recalibrate``: its first generation re-times the widths (``--recalibrate``)."""
+    ``recalibrate``: its first generation re-times the widths (``--recalibrate``); ``sharding``:
+    split the target over the ranks (:func:`dflash_mlx.pair.sharded.join_ranks`)."""
     from dflash_mlx import CheckpointError, load
     from dflash_mlx.decode.policy import recalibrate as recalibrate_next
 
@@ -345,7 +354,7 @@ def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_wind
     quiet_transformers()
     try:
         with spinner(f"loading {model}" + (f" and {draft_model}" if draft_model else "")):
-            pair = load(model, draft_model, draft_window=draft_window)
+            pair = load(model, draft_model, draft_window=draft_window, sharding=sharding)
         if recalibrate and pair.drafter is not None:
             recalibrate_next(pair.drafter)
         return pair

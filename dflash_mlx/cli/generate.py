@@ -16,7 +16,7 @@ from .common import (
     tree_budget_option,
     parse_draft_window,
 )
-from .common import recalibrate_option, verify_option
+from .common import recalibrate_option, sharding_option, verify_option
 from .prompt_cache import make_store, no_prompt_cache_option, prompt_cache_dir_option, prompt_cache_gb_option
 
 
@@ -54,6 +54,7 @@ def generate(
     compare: bool = typer.Option(
         False, "--compare", help="Then decode the prompt plainly (same target and sampling) and print the speedup "
         "and whether the text is the same. Needs --draft-model."),
+    sharding: str = sharding_option(),
 ) -> None:
     """Generate from one prompt. Text streams to stdout, stats go to stderr.
 
@@ -70,6 +71,7 @@ def generate(
       dflash generate --draft-window 64,1024 -p - < long_document.txt
       dflash generate --model M --draft-model D --tree-budget 32 -p "Once upon a time"
       dflash generate --model M --draft-model D --compare -p "Once upon a time"
+      mlx.launch --backend ring -n 2 dflash generate --model M --draft-model D -p "Once upon a time"
     """
     args = dict(locals())
     guard(lambda: _run(**args))
@@ -80,17 +82,19 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
          tree_budget,
          draft_window,
          system_prompt, stop, chat_template_config, ignore_chat_template, prefill_step_size,
-         prompt_cache_dir, no_prompt_cache, prompt_cache_gb, verbose, as_json, compare) -> None:
+         prompt_cache_dir, no_prompt_cache, prompt_cache_gb, verbose, as_json, compare, sharding) -> None:
     import mlx.core as mx
 
     from dflash_mlx.errors import InputError
+    from dflash_mlx.pair.sharded import join_ranks, share_text
 
     # Flags first, then the imports of mlx-lm and transformers (2-3 s): a bad flag is
     # reported at once.
     check_sampling(temp, top_p, top_k, min_p, max_tokens)
     stops = parse_stops(stop)
     window = parse_draft_window(draft_window)
-    text = read_prompt(prompt)
+    distributed = join_ranks(sharding)
+    text = share_text(lambda: read_prompt(prompt))
     template = parse_template_config(chat_template_config)
     defaults = model is None and draft_model is None
     model, draft_model = resolve_models(model, draft_model, verify)
@@ -104,7 +108,7 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
         raise InputError("--tree-budget needs --draft-model (plain decoding has no drafts)")
     if compare and draft_model is None:
         raise InputError("--compare needs --draft-model (it compares DFlash with plain decoding)")
-    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb, warn)
+    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb, warn) if distributed is None else None
 
     from dflash_mlx import stream_generate
     from dflash_mlx.prompt_cache.pair import PairCache
@@ -116,7 +120,7 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
     if seed is not None:
         mx.random.seed(seed)
 
-    pair = load_pair(model, draft_model, defaults, window, recalibrate)
+    pair = load_pair(model, draft_model, defaults, window, recalibrate, distributed and sharding)
     check_system_prompt(system_prompt, pair.tokenizer, ignore_chat_template)
     ids = encode_prompt(pair.tokenizer, text, system_prompt, template, ignore_chat_template)
     limit = context_length(pair.target)
@@ -147,6 +151,7 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
         if out and not as_json:
             print(flush=True)  # the shell prompt starts on a fresh line
         raise
+    stats.distributed = distributed
     off = (stats.verify or {}).get("reason")
     if off:
         warn(f"--tree-budget is off, chains verify instead: {off}")

@@ -14,6 +14,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import mlx.core as mx
 import numpy as np
 
 from .calibration import Calibration, CalibrationStore, MeasuredTimings, Timings, store_key
@@ -340,6 +341,10 @@ def make_policy(target, drafter, draft_block: int, adaptive: bool, tree_budget: 
     elif tree_budget is not None and not callable(getattr(drafter, "propose", None)):
         reason = "this drafter gives no per-position log-probabilities to build a tree from"
         tree_budget = None
+    if mx.distributed.init().size() > 1:  # auto is timed on each rank apart: ranks must verify alike
+        adaptive = False
+        if tree_budget == AUTO:
+            tree_budget, reason = None, "--tree-budget auto is timed on each rank apart; pass a number"
     adaptive = adaptive and tree_budget in (None, AUTO)  # a fixed tree budget fixes the verify
     stats.verify = {"block_size": AUTO if adaptive else draft_block, "tree_budget": tree_budget, "reason": reason}
     timings = timings or DEFAULT_TIMINGS

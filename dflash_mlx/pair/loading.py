@@ -18,6 +18,7 @@ from ..errors import CheckpointError, ConfigError, InputError, MismatchError
 from ..fingerprint import folder_fingerprint
 from ..hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, resolve_model_path
 from .manifest import resolve_pair
+from .sharded import load_sharded, rank, ranks
 from ..targets import TargetAdapter, make_adapter
 
 TARGET_FILES = DEFAULT_ALLOW_PATTERNS  # what mlx-lm itself downloads for a model
@@ -50,8 +51,9 @@ def load_model(path_or_repo: str, what: str = "model"):
     return model, tokenizer
 
 
-def load_model_from(path_or_repo: str, what: str = "model"):
-    """:func:`load_model`, and the local folder it loaded from.
+def load_model_from(path_or_repo: str, what: str = "model", sharding: Optional[str] = None):
+    """:func:`load_model`, and the local folder it loaded from; ``sharding`` (``tensor``) splits
+    it over the ranks of ``mx.distributed`` (:mod:`dflash_mlx.pair.sharded`).
 
     Returns:
         ``(model, tokenizer, folder)``.
@@ -70,7 +72,8 @@ def load_model_from(path_or_repo: str, what: str = "model"):
     if "model_type" not in config:
         raise ConfigError(f"{config_file}: missing key 'model_type'")
     try:
-        model, tokenizer = mlx_lm_load(str(path))
+        model, tokenizer = mlx_lm_load(str(path)) if sharding is None else \
+            load_sharded(path, sharding, config["model_type"])
         return model, tokenizer, path
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: cannot load the {what} ({e})") from None
@@ -97,7 +100,7 @@ def is_drafter_config(config: dict) -> bool:
     return "dflash_config" in config or any(a in DRAFTER_ARCHITECTURES for a in archs)
 
 
-def load_target(path_or_repo: str):
+def load_target(path_or_repo: str, sharding: Optional[str] = None):
     """Load a target: :func:`load_model` plus the adapter of its family.
 
     Returns:
@@ -107,9 +110,9 @@ def load_target(path_or_repo: str):
         CheckpointError: missing or unreadable checkpoint (names the path).
         MismatchError: the family has no adapter yet.
     """
-    model, tokenizer, folder = load_model_from(path_or_repo, what="target model")
+    model, tokenizer, folder = load_model_from(path_or_repo, what="target model", sharding=sharding)
     target = make_adapter(model)
-    target.fingerprint = folder_fingerprint(folder)  # keys its calibration (dflash_mlx.decode.calibration_store)
+    target.fingerprint = folder_fingerprint(folder) + (f"-{sharding}{rank()}of{ranks()}" if sharding else "")  # keys its calibration (dflash_mlx.decode.calibration_store)
     return model, tokenizer, target
 
 
@@ -172,7 +175,7 @@ def bind_drafter(drafter: DFlashDrafter, target: TargetAdapter, draft_source: st
 
 
 def load(model: str = DEFAULT_MODEL, draft_model: Optional[str] = None, verify: bool = False,
-         draft_window: Optional[Tuple[int, int]] = None) -> Pair:
+         draft_window: Optional[Tuple[int, int]] = None, sharding: Optional[str] = None) -> Pair:
     """Load a target and, if given, its drafter, ready for :func:`stream_generate`.
 
     A folder written by ``dflash convert`` (with ``dflash.json``) as ``model`` gives
@@ -184,6 +187,7 @@ def load(model: str = DEFAULT_MODEL, draft_model: Optional[str] = None, verify: 
             its manifest first (see :func:`dflash_mlx.pair.manifest.verify`).
         draft_window: ``(sink, window)`` context rows the drafter's full-attention
             layers keep (``--draft-window``); None keeps all.
+        sharding: ``tensor`` splits the target over the ranks of ``mx.distributed``; None loads it whole.
 
     Raises:
         CheckpointError, ConfigError, MismatchError: see the loaders above.
@@ -193,7 +197,7 @@ def load(model: str = DEFAULT_MODEL, draft_model: Optional[str] = None, verify: 
     model, draft_model = resolve_pair(model, draft_model, verify)
     if draft_window is not None and draft_model is None:
         raise InputError("--draft-window needs --draft-model (it bounds the drafter's context)")
-    net, tokenizer, target = load_target(model)
+    net, tokenizer, target = load_target(model, sharding)
     drafter = None
     if draft_model is not None:
         drafter = bind_drafter(load_drafter(draft_model), target, draft_model)
