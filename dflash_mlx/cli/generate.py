@@ -117,10 +117,10 @@ def _run(model, draft_model, verify, prompt, max_tokens, temp, top_p, top_k, min
 
     if draft_model is not None:
         template.setdefault("enable_thinking", False)
-    if seed is not None:
-        mx.random.seed(seed)
 
     pair = load_pair(model, draft_model, defaults, window, recalibrate, distributed and sharding)
+    if seed is not None:  # after loading: building the model draws from the key, sharded or not
+        mx.random.seed(seed)
     check_system_prompt(system_prompt, pair.tokenizer, ignore_chat_template)
     ids = encode_prompt(pair.tokenizer, text, system_prompt, template, ignore_chat_template)
     limit = context_length(pair.target)
