@@ -11,7 +11,7 @@ import typer
 from dflash_mlx.ranges import check_number
 
 from .common import (block_size_option, draft_model_option, guard, load_pair, model_option, prefill_step_option,
-                     recalibrate_option, resolve_models, resolve_prefill_step)
+                     recalibrate_option, resolve_models, resolve_prefill_step, sharding_option)
 from .prompt_cache import make_store, no_prompt_cache_option, prompt_cache_dir_option, prompt_cache_gb_option
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -67,6 +67,7 @@ def serve(
     no_prompt_cache: bool = no_prompt_cache_option(),
     prompt_cache_gb: float = prompt_cache_gb_option(),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+    sharding: str = sharding_option(),
 ) -> None:
     """Serve the pair over the OpenAI API (chat, completions, models, health, metrics).
 
@@ -84,6 +85,7 @@ def serve(
       dflash serve --model ./stories260K --draft-model ./stories260K-drafter
       dflash serve --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16
       DFLASH_API_KEY=secret dflash serve --host 0.0.0.0 --port 8000
+      mlx.launch --backend ring -n 2 -- dflash serve --model M --draft-model D
     """
     args = dict(locals())
     guard(lambda: _until_stopped(lambda: _run(**args)))
@@ -101,8 +103,10 @@ def _until_stopped(run) -> None:
 # Over 60 lines: every serve flag is checked here, in order, before the model loads
 def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, api_key, max_queue, max_batch,
          max_body_mb, chat_template_config, allow_request_templates, max_prompt_chars, request_timeout, idle_timeout,
-         max_connections, prefill_step_size, prompt_cache_dir, no_prompt_cache, prompt_cache_gb, log_level) -> None:
+         max_connections, prefill_step_size, prompt_cache_dir, no_prompt_cache, prompt_cache_gb, log_level,
+         sharding) -> None:
     from dflash_mlx.errors import InputError
+    from dflash_mlx.pair.sharded import join_ranks, rank
 
     from .common import parse_template_config
 
@@ -128,8 +132,10 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     if block_size not in (None, "auto") and draft_model is None:
         raise InputError("--block-size needs --draft-model (plain decoding has no blocks)")
     from dflash_mlx.serve.lifecycle import listen, serve as serve_on
-    sock = listen(host, port)  # a port in use is an error now, not after the model loaded
-    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb)
+    distributed = join_ranks(sharding)  # rank 0 serves; the others run its generations (serve/ranks.py)
+    max_batch = 1 if distributed else max_batch
+    sock = listen(host, port) if rank() == 0 else None  # a port in use is an error now, not after the model loaded
+    store = make_store(prompt_cache_dir, no_prompt_cache, prompt_cache_gb) if distributed is None else None
 
     from dflash_mlx.serve.app import ServerConfig, create_app
     from dflash_mlx.serve.http_protocol import uvicorn_options
@@ -139,18 +145,23 @@ def _run(model, draft_model, host, port, block_size, recalibrate, max_tokens, ap
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("dflash")
     log.setLevel(log_level.upper())
-    pair = load_pair(model, draft_model, defaults, recalibrate=recalibrate)
+    pair = load_pair(model, draft_model, defaults, recalibrate=recalibrate, sharding=distributed and sharding)
     config = ServerConfig(model_id=model, max_tokens=max_tokens, block_size=block_size, api_key=api_key,
                           max_queue=max_queue, max_body_bytes=int(max_body_mb * 2**20), template=template,
                           allow_request_templates=allow_request_templates, max_prompt_chars=max_prompt_chars,
                           request_timeout=request_timeout or None, idle_timeout=idle_timeout,
                           prefill_step_size=prefill_step_size, prompt_store=store, max_batch=max_batch)
     app = create_app(pair, config)
+    if rank() != 0:
+        from dflash_mlx.serve.ranks import follow
+        return follow(app.state.server.engine)
     if not api_key and not _is_loopback(host):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", host)
     drafter = f" + {draft_model}" if draft_model else " (no drafter: plain decoding)"
     log.info("serving %s%s on http://%s:%d", model, drafter, host, sock.getsockname()[1])
     serve_on(app, sock, app.state.server.engine, log_level=log_level, **uvicorn_options(idle_timeout, max_connections))
+    from dflash_mlx.serve.ranks import send_job
+    send_job(None)  # the other ranks stop
 
 
 def _is_loopback(host: str) -> bool:

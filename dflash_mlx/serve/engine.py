@@ -37,6 +37,7 @@ from ..sampling import make_sampler
 from .api import usage
 from .lifecycle import release_streams
 from .metrics import ServerMetrics
+from .ranks import agreed, lockstep, send_job
 
 log = logging.getLogger("dflash.serve")
 
@@ -314,6 +315,7 @@ class Engine:
 
     def _generate(self, job: Job) -> None:
         spec = job.spec
+        send_job(spec)  # to the other ranks under mlx.launch
         if spec.seed is not None:
             mx.random.seed(spec.seed)
         sampler = make_sampler(spec.temperature, spec.top_p, spec.min_p, spec.top_k,
@@ -323,9 +325,9 @@ class Engine:
             # Reproducible draws need the same verify widths every time; auto's follow timings.
             block_size = None
         prefill = {} if self.prefill_step_size is None else {"prefill_step_size": self.prefill_step_size}
-        steps = self.pair_cache.stream(spec.ids, sampler=sampler, max_tokens=spec.max_tokens,
-                                       block_size=block_size, stop_strings=spec.stop,
-                                       should_stop=job.should_stop, **prefill)
+        steps = lockstep(self.pair_cache.stream(spec.ids, sampler=sampler, max_tokens=spec.max_tokens,
+                                                block_size=block_size, stop_strings=spec.stop,
+                                                should_stop=agreed(job.should_stop), **prefill))
         stats, outcome = None, "cancelled"
         try:
             for r in steps:
