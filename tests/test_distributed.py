@@ -3,6 +3,7 @@ prints, and the text is the single process's, greedy and seeded-sampled."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,34 @@ def test_pipeline_sharding_is_refused_in_one_line(launcher, stories):
     done = _run(["generate", "--model", str(stories), "--draft-model", str(DRAFTER), "--prompt", "Hi",
                  "--sharding", "pipeline"], 2)
     assert "error: --sharding pipeline" in done.stderr and "Traceback" not in done.stderr  # mlx.launch exits 0
+
+
+def test_two_ranks_serve_the_single_process_text(launcher, stories):
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([str(LAUNCH), "--backend", "ring", "-n", "2", "--", str(BIN / "dflash"), "serve",
+                               "--model", str(stories), "--draft-model", str(DRAFTER), "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                              env=_env(), cwd=ROOT, start_new_session=True)
+    try:
+        body = json.dumps({"model": str(stories), "prompt": "Once upon a time", "max_tokens": 64,
+                           "temperature": 0}).encode()
+        for _ in range(240):
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                                 {"Content-Type": "application/json"})
+                reply = json.loads(urllib.request.urlopen(request, timeout=TIMEOUT).read())
+                break
+            except OSError:
+                assert server.poll() is None, "the server exited"
+                time.sleep(0.5)
+        one = _generate(stories, 1, "--temp", "0")
+        assert reply["choices"][0]["text"] == one["text"]
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)  # the launcher and its ranks (SIGTERM leaves the ranks running)
+        server.wait(timeout=60)
