@@ -47,6 +47,7 @@ class GenerationStats:
         host_s: seconds of host work in decode steps.
         trace: ``[[accepted, drafted], ...]`` per verify step, in order.
         block_attention: ``{"block_attention": "metal" | "reference", "reason": str}``, or None.
+        distributed: ``{"ranks": n, "sharding": "tensor"}`` under ``mlx.launch``; None in one process.
     """
 
     block_size: int
@@ -68,6 +69,7 @@ class GenerationStats:
     drafter_format: Optional[str] = None
     acceptance_rule: Optional[str] = None
     block_attention: Optional[Dict[str, str]] = None
+    distributed: Optional[Dict[str, object]] = None
     verify: Optional[Dict[str, object]] = None
     plain_steps: int = 0
     widths: Dict[str, int] = field(default_factory=dict)
@@ -191,6 +193,7 @@ class GenerationStats:
             "drafter_format": self.drafter_format,
             "acceptance_rule": self.acceptance_rule,
             "block_attention": self.block_attention,
+            "distributed": self.distributed,
             "verify": self.verify,
             "widths": dict(sorted(self.widths.items())),
             "plain_steps": self.plain_steps,

@@ -59,6 +59,9 @@ BlockSize = Annotated[str, typer.Option(
 TreeBudget = Annotated[Optional[str], typer.Option(
     "--tree-budget", callback=_parsed("parse_tree_budget"), help="DDTree: verify the N most likely draft "
     "prefixes as one tree (e.g. 32), or auto (chosen by measured cost). Attention-only targets; hybrids keep chains.")]
+Sharding = Annotated[str, typer.Option(
+    "--sharding", help="Under mlx.launch with several ranks: how the target is split (tensor; pipeline is "
+    "refused). The drafter runs whole on every rank; rank 0 reads and writes.")]
 DraftWindow = Annotated[Optional[str], typer.Option(
     "--draft-window", help="SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows "
     "(e.g. 64,1024), so drafting cost stops growing with the context. Off by default.")]
@@ -265,8 +268,8 @@ def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: 
     return encode_messages(tokenizer, messages, template, use_template=not ignore_chat_template, plain=plain_text)
 
 
-def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None):
-    """:func:`dflash_mlx.load` under a spinner.
+def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None, sharding=None):
+    """:func:`dflash_mlx.load` under a spinner (``sharding``: split the target over the ranks).
     A CheckpointError of the default pair says how to pass local folders instead."""
     from dflash_mlx import CheckpointError, load
 
@@ -277,7 +280,7 @@ def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_wind
     hf_logging.set_verbosity_error()  # the CLI checks lengths itself
     try:
         with spinner(f"loading {model}" + (f" and {draft_model}" if draft_model else "")):
-            pair = load(model, draft_model, draft_window=draft_window)
+            pair = load(model, draft_model, draft_window=draft_window, sharding=sharding)
     except CheckpointError as e:
         if not defaults:
             raise

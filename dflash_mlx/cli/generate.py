@@ -11,7 +11,7 @@ import typer
 
 from .common import (
     BlockSize, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
-    PromptCacheDir, PromptCacheGb, Seed, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP,
+    PromptCacheDir, PromptCacheGb, Seed, Sharding, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP,
     TreeBudget, Verify, check_pair_flags, check_sampling, check_system_prompt, encode_prompt, guard, load_pair,
     parse_draft_window, parse_stops, read_prompt, warn,
 )
@@ -50,6 +50,7 @@ def generate(
     verbose: Verbose = True,
     as_json: Json = False,
     compare: Compare = False,
+    sharding: Sharding = "tensor",
 ) -> None:
     """Generate from one prompt. Text streams to stdout, stats go to stderr.
 
@@ -65,6 +66,7 @@ def generate(
       dflash generate --draft-window 64,1024 -p - < long_document.txt
       dflash generate --model M --draft-model D --tree-budget 32 -p "Once upon a time"
       dflash generate --model M --draft-model D --compare -p "Once upon a time"
+      mlx.launch --backend ring -n 2 -- dflash generate --model M --draft-model D -p "Once upon a time"
     """
     o = SimpleNamespace(**locals())
     guard(lambda: _run(o))
@@ -73,22 +75,28 @@ def generate(
 def _run(o) -> None:
     check_sampling(o.temp, o.top_p, o.top_k, o.min_p, o.max_tokens)  # flags first, then the 2-3 s of imports
     stops, window = parse_stops(o.stop), parse_draft_window(o.draft_window)
-    text = read_prompt(o.prompt)
+    from dflash_mlx.pair.sharded import join_ranks, share_text
+
+    distributed = join_ranks(o.sharding)
+    text = share_text(lambda: read_prompt(o.prompt))
     check_pair_flags(o)
+    if distributed is not None:
+        o.store = None  # one prompt cache per rank would differ; none under mlx.launch
     import mlx.core as mx
 
     from dflash_mlx.prompt import context_length
     from dflash_mlx.sampling import make_sampler
 
-    if o.seed is not None:
+    pair = load_pair(o.model, o.draft_model, o.defaults, window, distributed and o.sharding)
+    if o.seed is not None:  # after loading: building the model draws from the key, sharded or not
         mx.random.seed(o.seed)
-    pair = load_pair(o.model, o.draft_model, o.defaults, window)
     check_system_prompt(o.system_prompt, pair.tokenizer, o.ignore_chat_template)
     ids = encode_prompt(pair.tokenizer, text, o.system_prompt, o.template, o.ignore_chat_template)
     max_tokens = fit_context(len(ids), o.max_tokens, context_length(pair.target))
     sampler = make_sampler(o.temp, o.top_p, o.min_p, o.top_k, pair.target.vocab_size)
     run = dict(sampler=sampler, max_tokens=max_tokens, stop_strings=stops, prefill_step_size=o.prefill_step_size)
     out, stats, finish, cached = _stream(pair, ids, o, run)
+    stats.distributed = distributed
     if (stats.verify or {}).get("reason"):
         warn(f"--tree-budget is off, chains verify instead: {stats.verify['reason']}")
     against = None

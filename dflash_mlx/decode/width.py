@@ -24,6 +24,8 @@ auto``, one sequence) a tree of :data:`AUTO_TREE` nodes.
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -229,6 +231,10 @@ def make_chooser(target, drafter, block_size: int | str, tree_budget, stats) -> 
     elif tree_budget is not None and not callable(getattr(drafter, "propose", None)):
         reason = "this drafter gives no per-position log-probabilities to build a tree from"
         tree_budget = None
+    if mx.distributed.init().size() > 1:  # auto is timed on each rank apart: ranks must verify alike
+        auto = False
+        if tree_budget == AUTO:
+            tree_budget, reason = None, "--tree-budget auto is timed on each rank apart; pass a number"
     auto = (auto or tree_budget == AUTO) and tree_budget in (None, AUTO)  # a fixed tree budget fixes the verify
     if stats is not None:
         stats.verify = {"block_size": AUTO if auto else block_size, "tree_budget": tree_budget, "reason": reason}

@@ -18,6 +18,7 @@ from ..errors import CheckpointError, ConfigError, InputError, MismatchError
 from ..fingerprint import folder_fingerprint
 from ..hub import DEFAULT_MODEL, resolve_model_path
 from .manifest import resolve_pair
+from .sharded import load_sharded, rank, ranks
 from ..targets import TargetAdapter, make_adapter
 
 TARGET_FILES = DEFAULT_ALLOW_PATTERNS  # what mlx-lm itself downloads for a model
@@ -37,8 +38,9 @@ class Pair:
     draft_path: Optional[str]
 
 
-def load_model(path_or_repo: str, what: str = "model", lazy: bool = False):
-    """Load any mlx-lm model and its tokenizer from a folder or repo id (``lazy``: no weights read yet).
+def load_model(path_or_repo: str, what: str = "model", lazy: bool = False, sharding: Optional[str] = None):
+    """Load any mlx-lm model and its tokenizer from a folder or repo id (``lazy``: no weights read yet;
+    ``sharding``: ``tensor`` splits it over the ranks of ``mx.distributed``, :mod:`.sharded`).
 
     Returns:
         ``(model, tokenizer, folder)``: ``folder`` is the local folder it loaded from.
@@ -58,7 +60,8 @@ def load_model(path_or_repo: str, what: str = "model", lazy: bool = False):
     if "model_type" not in config:
         raise ConfigError(f"{config_file}: missing key 'model_type'")
     try:
-        model, tokenizer = mlx_lm_load(str(path), lazy=lazy)
+        model, tokenizer = mlx_lm_load(str(path), lazy=lazy) if sharding is None else \
+            load_sharded(path, sharding, config["model_type"])
         return model, tokenizer, path
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         if isinstance(e, ValueError) and "not supported" in str(e):
@@ -78,15 +81,15 @@ def is_drafter_config(config: dict) -> bool:
     return "dflash_config" in config or any(a in DRAFTER_ARCHITECTURES for a in archs)
 
 
-def load_target(path_or_repo: str):
+def load_target(path_or_repo: str, sharding: Optional[str] = None):
     """Load a target: :func:`load_model` plus the adapter of its family, ``(model, tokenizer, adapter)``.
 
     Raises:
         CheckpointError: missing or unreadable checkpoint (names the path). MismatchError: no adapter.
     """
-    model, tokenizer, folder = load_model(path_or_repo, what="target model")
+    model, tokenizer, folder = load_model(path_or_repo, what="target model", sharding=sharding)
     target = make_adapter(model)
-    target.fingerprint = folder_fingerprint(folder)  # keys its prompt-cache entries
+    target.fingerprint = folder_fingerprint(folder) + (f"-{sharding}{rank()}of{ranks()}" if sharding else "")
     return model, tokenizer, target
 
 
@@ -159,13 +162,14 @@ def bind_drafter(drafter: DFlashDrafter, target: TargetAdapter, draft_source: st
 
 
 def load(model: str = DEFAULT_MODEL, draft_model: Optional[str] = None, verify: bool = False,
-         draft_window: Optional[Tuple[int, int]] = None) -> Pair:
+         draft_window: Optional[Tuple[int, int]] = None, sharding: Optional[str] = None) -> Pair:
     """Load a target and, if given, its drafter, ready for :func:`stream_generate`.
 
     Args:
         model, draft_model: folders or repo ids; a ``dflash convert`` folder as ``model`` gives both.
         verify: check a converted folder's files against its manifest first (:func:`.manifest.verify`).
         draft_window: ``(sink, window)`` context rows the drafter's full-attention layers keep; None: all.
+        sharding: ``tensor`` splits the target over the ranks of ``mx.distributed``; None loads it whole.
 
     Raises:
         CheckpointError, ConfigError, MismatchError: see the loaders above.
@@ -174,7 +178,7 @@ def load(model: str = DEFAULT_MODEL, draft_model: Optional[str] = None, verify: 
     model, draft_model = resolve_pair(model, draft_model, verify)
     if draft_window is not None and draft_model is None:
         raise InputError("--draft-window needs --draft-model (it bounds the drafter's context)")
-    net, tokenizer, target = load_target(model)
+    net, tokenizer, target = load_target(model, sharding)
     drafter = None
     if draft_model is not None:
         drafter = bind_drafter(load_drafter(draft_model), target, draft_model)

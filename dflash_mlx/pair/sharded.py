@@ -1,0 +1,109 @@
+"""A target sharded over the ranks of ``mx.distributed`` (``mlx.launch``), the drafter whole on every rank.
+
+Under tensor parallelism every rank holds the same residual stream after each all-sum, so the
+features, logits, acceptance and rollback agree on every rank; rank 0 alone reads and writes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Tuple
+
+import mlx.core as mx
+
+from ..errors import CheckpointError, InputError
+
+SHARDINGS = ("tensor", "pipeline")
+
+
+def ranks() -> int:
+    """How many processes ``mx.distributed`` joins (1 outside ``mlx.launch``)."""
+    return mx.distributed.init().size()
+
+
+def rank() -> int:
+    """This process's rank (0 outside ``mlx.launch``)."""
+    return mx.distributed.init().rank()
+
+
+def _from_rank0(values: mx.array) -> mx.array:
+    """``values`` as rank 0 holds them, on every rank (others pass zeros of the same shape)."""
+    if rank() != 0:
+        values = mx.zeros_like(values)
+    return mx.distributed.all_sum(values, stream=mx.cpu)
+
+
+def join_ranks(sharding: str) -> Optional[dict]:
+    """Under ``mlx.launch`` with more than one rank: check ``sharding``, seed every rank alike,
+    and silence every rank but 0 (they run the same loop).
+
+    Returns:
+        ``{"ranks": n, "sharding": sharding}`` (the ``--json`` field ``distributed``), or None
+        for a single process.
+
+    Raises:
+        InputError: ``--sharding pipeline``, which DFlash targets do not run (the reason is named).
+    """
+    n = ranks()
+    if n == 1:
+        return None
+    if sharding not in SHARDINGS:
+        raise InputError(f"--sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
+    if sharding == "pipeline":
+        raise InputError("--sharding pipeline: the drafter reads target layers held on other ranks and "
+                         "DFlash targets walk their layers themselves; use --sharding tensor")
+    mx.random.seed(int(_from_rank0(mx.array([random.getrandbits(31)]))[0].item()))
+    if rank() != 0:
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+    return {"ranks": n, "sharding": sharding}
+
+
+def share_text(read: Callable[[], str]) -> str:
+    """``read()`` on rank 0, its text on every rank; a single process just calls it.
+
+    Raises:
+        What ``read`` raises, on rank 0; ``SystemExit(1)`` on the other ranks then.
+    """
+    if ranks() == 1:
+        return read()
+    data = b""
+    if rank() == 0:
+        try:
+            data = read().encode()
+        except BaseException:
+            _from_rank0(mx.array([-1]))
+            raise
+    size = int(_from_rank0(mx.array([len(data)]))[0].item())
+    if size < 0:
+        raise SystemExit(1)
+    if size == 0:
+        return ""
+    raw = mx.array(list(data), dtype=mx.int32) if data else mx.zeros((size,), mx.int32)
+    return bytes(_from_rank0(raw).tolist()).decode()
+
+
+def load_sharded(path: Path, sharding: str, model_type: str) -> Tuple[object, object]:
+    """Load the mlx-lm model in ``path`` split over every rank (mlx-lm's ``sharded_load``).
+
+    Returns:
+        ``(model, tokenizer)``.
+
+    Raises:
+        InputError: the family cannot be split that way (names the folder and the reason).
+        CheckpointError: the weights cannot be read.
+    """
+    from mlx_lm.utils import sharded_load
+
+    group = mx.distributed.init()
+    try:
+        return sharded_load(str(path), tensor_group=group if sharding == "tensor" else None,
+                            pipeline_group=group if sharding == "pipeline" else None)
+    except ValueError as e:
+        if "support" in str(e):
+            raise InputError(f"{path}: a {model_type} target cannot be split with --sharding {sharding} "
+                             f"({e}); run it in one process") from None
+        raise CheckpointError(f"{path}: cannot load the target model ({e})") from None
+
