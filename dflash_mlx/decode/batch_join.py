@@ -170,7 +170,7 @@ def settle(target: TargetAdapter, cache: List[Any], rows: int, drafter: Optional
     """Trim the target cache to ``rows``, then give the drafter the context rows it lacks
     (``pending`` starts at its offset), so both caches cover the same tokens."""
     target.rollback(cache, cache[0].offset - rows)
-    if drafter is not None and pending:
+    if drafter is not None and draft_cache is not None and pending:
         missing = cache[0].offset - draft_cache[0].offset
         if missing > 0:
             drafter.ingest(context_rows(list(pending))[:, :missing], draft_cache)

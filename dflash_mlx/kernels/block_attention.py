@@ -160,7 +160,7 @@ def block_attention(queries: mx.array, ctx_keys: mx.array, ctx_values: mx.array,
     arrays = (queries, ctx_keys, ctx_values, block_keys, block_values)
     _check(*arrays, window)
     delta = _relative_start(ctx_keys.shape[2], q_start, ctx_start)
-    reason = _switch_reason() or _shape_reason(*arrays) or _device_reason()
+    reason = _switch_reason() or _device_reason() or _shape_reason(*arrays)
     _last_path.update(block_attention="reference" if reason else "metal",
                       reason=reason or "Metal is available and the shape is covered")
     if reason is None:
