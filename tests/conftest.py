@@ -443,3 +443,12 @@ def app_client(pair, model_id: str = SERVED, max_tokens: int = 4, **config):
 
     app = create_app(pair, ServerConfig(model_id=model_id, max_tokens=max_tokens, **config))
     return TestClient(app, raise_server_exceptions=False)
+
+
+def pair_cache(*args, **kwargs):
+    """A :class:`PairCache` whose ``stream`` runs :func:`stream_generate` (its callers in the package pass it)."""
+    from dflash_mlx.decode.generate import stream_generate
+    from dflash_mlx.prompt_cache.pair import PairCache
+
+    kwargs.setdefault("generate", stream_generate)
+    return PairCache(*args, **kwargs)

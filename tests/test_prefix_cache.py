@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import generate_step
-from dflash_mlx.prompt_cache.pair import PairCache
+from conftest import pair_cache as PairCache
 from dflash_mlx.prompt_cache import layers
 from dflash_mlx.prompt_cache.entry import restore, restore_or_warn, take_snapshot
 from dflash_mlx.prompt_cache.key import key_id, pair_key

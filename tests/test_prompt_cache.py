@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import generate_step
-from dflash_mlx.prompt_cache.pair import PairCache
+from conftest import pair_cache as PairCache
 from dflash_mlx.targets.hybrid import HybridAdapter
 from conftest import ByteTokenizer, tiny_drafter, tiny_target
 

@@ -16,7 +16,7 @@ import pytest
 
 from dflash_mlx import generate_step
 from dflash_mlx.atomic import WriteError
-from dflash_mlx.prompt_cache.pair import PairCache
+from conftest import pair_cache as PairCache
 from dflash_mlx.chat.session_file import SessionWriter, read_session
 from dflash_mlx.errors import InputError
 from dflash_mlx.owned import MARKER, claim

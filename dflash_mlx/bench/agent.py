@@ -75,12 +75,13 @@ def replay_dflash(pair: Any, trace: str, prompts: List[List[int]], mode: str, fo
                   max_tokens: int, **kwargs) -> List[RequestRecord]:
     """Replay in mode ``cold``, ``disk`` or ``live`` over the store ``folder`` (empty at the start);
     ``kwargs`` go to the prompt cache's ``stream``."""
+    from ..decode.generate import stream_generate
     from ..prompt_cache.pair import PairCache
     from ..prompt_cache.store import PrefixStore
 
     def new_cache(memory: int) -> PairCache:
         store = None if mode == "cold" else PrefixStore(folder, memory_entries=memory, warn=lambda m: None)
-        return PairCache(pair.target, pair.tokenizer, pair.drafter, store=store)
+        return PairCache(pair.target, pair.tokenizer, pair.drafter, store=store, generate=stream_generate)
 
     live = new_cache(4) if mode == "live" else None
     out = []

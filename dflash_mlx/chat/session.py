@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tup
 import mlx.core as mx
 
 from ..errors import InputError
-from ..decode.generate import check_block_size
+from ..decode.generate import check_block_size, stream_generate
 from ..decode.stopping import TextStream, text_before_stop
 from ..prompt import context_length, encode_messages, plain_text
 from ..prompt_cache.pair import PairCache
@@ -171,7 +171,7 @@ class ChatSession:
                  system_prompt: Optional[str] = None, template_config: Optional[dict] = None,
                  use_template: bool = True, max_context: Optional[int] | str = "auto",
                  prefill_step_size: int = 2048, store: Optional[Any] = None):
-        self.pair_cache = PairCache(target, tokenizer, drafter, store=store)
+        self.pair_cache = PairCache(target, tokenizer, drafter, store=store, generate=stream_generate)
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.template_config = dict(template_config or {})

@@ -71,8 +71,8 @@ class PairCache:
         store: where entries are kept beyond the last generation (None: the live caches only).
         interval: prompt tokens between stored states for pairs that cannot trim back
             (default :data:`dflash_mlx.prompt_cache.resume.DEFAULT_INTERVAL`, rounded to chunks).
-        generate: what generates from the caches (default
-            :func:`dflash_mlx.decode.generate.stream_generate`; the CLI passes the one it imported).
+        generate: what generates from the caches in :meth:`stream` (``stream_generate``; the decode
+            loop sits above this package, so its callers pass it).
 
     Attributes:
         tokens: ids both caches hold, one row each.
@@ -146,12 +146,10 @@ class PairCache:
             self._keep()
 
     def stream(self, ids: Sequence[int], **kwargs) -> Generator:
-        """Generate from prompt ``ids`` with ``generate`` (default
-        :func:`~dflash_mlx.decode.generate.stream_generate`), prefilling only what the caches lack;
+        """Generate from prompt ``ids`` with ``generate``, prefilling only what the caches lack;
         ``kwargs`` go to it. Closed or interrupted, both caches keep the rows known complete."""
-        if self.generate is None:  # the decode loop sits above the cache package: imported when used
-            from ..decode.generate import stream_generate as generate
-            self.generate = generate
+        if self.generate is None:
+            raise TypeError("PairCache.stream needs generate= (the decode loop, which sits above this package)")
         ids, tic, reply, done, first = list(ids), time.perf_counter(), [], False, True
         known = reused = self.reuse(ids)
         try:
