@@ -72,10 +72,12 @@ def test_a_drafter_format_is_one_entry_in_formats(monkeypatch, tmp_path):
     assert run[0] == run[1]
 
 
-def _imports(path: Path, package: str):
-    """Modules a file imports at its top level (imports inside functions are lazy on purpose,
-    ``if TYPE_CHECKING:`` blocks do not run); ``package`` is the one its relative imports start from."""
-    for node in ast.parse(path.read_text()).body:
+def _imports(path: Path, package: str, lazy: bool = False):
+    """Modules a file imports: at its top level, or with ``lazy`` inside functions too (top-level
+    only for cycles: imports inside functions are lazy on purpose, ``if TYPE_CHECKING:`` blocks do
+    not run); ``package`` is the one its relative imports start from."""
+    tree = ast.parse(path.read_text())
+    for node in (ast.walk(tree) if lazy else tree.body):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -83,6 +85,8 @@ def _imports(path: Path, package: str):
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            if lazy:
+                yield base
             yield from (f"{base}.{alias.name}" for alias in node.names)
 
 
@@ -170,19 +174,6 @@ def _part(module: str) -> str:
     return module.split(".")[1]
 
 
-def _all_imports(path: Path, package: str):
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            yield base
-            yield from (f"{base}.{alias.name}" for alias in node.names)
-
-
 def test_parts_import_only_lower_parts():
     layer = {part: i for i, parts in enumerate(LAYERS) for part in parts}
     wrong = set()
@@ -194,7 +185,7 @@ def test_parts_import_only_lower_parts():
         part = _part(module)
         assert part in layer, f"{path.relative_to(ROOT)}: its part {part!r} has no layer in LAYERS"
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        for imported in _all_imports(path, package):
+        for imported in _imports(path, package, lazy=True):
             if not imported.startswith("dflash_mlx.") or imported.count(".") < 1:
                 continue
             other = _part(imported)
