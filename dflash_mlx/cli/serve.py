@@ -117,6 +117,9 @@ def _check(o) -> None:
     check_number("--idle-timeout", o.idle_timeout, above=0)
     check_number("--port", o.port, at_least=0, at_most=65535)
     check_pair_flags(o)
+    from dflash_mlx.pair.sharded import refuse_ranks
+
+    refuse_ranks("dflash serve")
 
 
 def _run(o) -> None:

@@ -61,6 +61,13 @@ def join_ranks(sharding: str) -> Optional[dict]:
     return {"ranks": n, "sharding": sharding}
 
 
+def refuse_ranks(command: str) -> None:
+    """Raise InputError under ``mlx.launch`` with several ranks: ``command`` runs in one process only."""
+    if ranks() > 1:
+        raise InputError(f"{command} does not run under mlx.launch yet; dflash generate does "
+                         "(the target split over the ranks)")
+
+
 def share_text(read: Callable[[], str]) -> str:
     """``read()`` on rank 0, its text on every rank; a single process just calls it.
 
