@@ -1,8 +1,5 @@
-"""The engine under ``dflash serve``: one worker thread, a bounded queue, up to ``max_batch``
-requests decoding together (:class:`~dflash_mlx.decode.batch.BatchDecoder`). With ``max_batch`` 1,
-or a target without batched caches (:func:`~dflash_mlx.prompt_cache.batch.batch_refusal`), one
-request at a time in caches kept between requests (:class:`~dflash_mlx.prompt_cache.pair.PairCache`).
-"""
+"""The engine under ``dflash serve``: one worker thread, a bounded queue, up to ``max_batch`` requests decoding
+together; one at a time (in a :class:`~dflash_mlx.prompt_cache.pair.PairCache`) when the target cannot batch."""
 
 from __future__ import annotations
 
@@ -14,22 +11,21 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, List, Optional, Union
 
-from ..prompt_cache.pair import PairCache
 from ..decode.batch import BatchDecoder
 from ..decode.batch_join import Joining, StepResult
 from ..decode.generate import check_block_size
-from ..decode.stopping import StopCondition
+from ..decode.stopping import StopCondition, TextStream
 from ..decode.width import make_chooser
+from ..prompt_cache.batch import batch_refusal
+from ..prompt_cache.pair import PairCache
 from ..prompt_cache.resume import PrefillStopped
 from ..prompt_cache.store import PrefixStore
 from ..sampling import make_sampler
 from ..stats import GenerationStats
-from ..prompt_cache.batch import batch_refusal
 from .api import usage
+from .jobs import _STARTED, Chunk, GenerationJob, Job, Prepare, QueueFullError, push_together
 from .lifecycle import release_streams
 from .metrics import ServerMetrics
-from .jobs import _STARTED, Chunk, GenerationJob, Job, Prepare, QueueFullError, push_together
-from ..decode.stopping import TextStream
 
 log = logging.getLogger("dflash.serve")
 
@@ -39,7 +35,6 @@ class _Request:
     """A request admitted to the engine: its job, text, prefill, reply so far and timings."""
 
     job: Job
-    spec: GenerationJob
     text: TextStream
     joining: Joining
     reply: List[int] = field(default_factory=list)
@@ -48,16 +43,10 @@ class _Request:
 
 
 class Engine:
-    """Runs up to ``max_batch`` generation jobs together on one worker thread.
+    """Runs up to ``max_batch`` generation jobs of ``pair`` together on one worker thread.
 
-    Args:
-        pair: the loaded :class:`dflash_mlx.Pair`.
-        max_batch: most requests decoding at once (1: one at a time, in the pair cache).
-        block_size: B of every verify (None: the drafter's trained size), or "auto" (a seeded
-            sampled request then runs at B, so the same seed gives the same text).
-        max_queue: most requests waiting beyond those running (then :class:`QueueFullError`).
-        prefill_step_size: prompt tokens per prefill chunk (default 2048).
-        store: the prompt cache, or None (one at a time, ``pair_cache`` keeps both caches between requests).
+    ``block_size``: B (None: the drafter's trained size; "auto"); ``max_queue``: most jobs waiting beyond those
+    running; ``prefill_step_size``: prompt tokens per chunk (2048); ``store``: the prompt cache, or None.
 
     Raises:
         InputError: ``block_size`` out of range for the drafter.
@@ -97,8 +86,7 @@ class Engine:
 
     def submit(self, spec: Union[GenerationJob, Prepare], endpoint: Optional[str] = None,
                timeout: Optional[float] = None) -> Job:
-        """Queue a job (from the event loop): a generation, or a callable the worker runs first to
-        make it; ``timeout``: seconds from now after which it stops.
+        """Queue a job from the event loop (``spec``, or a callable the worker runs to make it); ``timeout``: seconds.
 
         Raises:
             QueueFullError: ``max_queue`` jobs already wait behind the running one.
@@ -117,13 +105,10 @@ class Engine:
         self._gauge()
         if ahead > 0:
             log.info("request %s waits: %d ahead of it in the queue", job.id, ahead)
-        self._dispatch(job)
-        return job
-
-    def _dispatch(self, job: Job) -> None:
         with self._wake:
             self._inbox.append(job)
             self._wake.notify()
+        return job
 
     def _work(self) -> None:
         try:
@@ -159,8 +144,7 @@ class Engine:
                 self.decoder.clear()
 
     def inconsistency(self) -> Optional[str]:
-        """What breaks the bookkeeping, or None: the decoder's sequences are exactly the decoding
-        requests, and its caches hold one row per sequence. Checked after every worker turn."""
+        """What breaks the bookkeeping (decoder sequences == decoding requests, one cache row each), or None."""
         keys = [id(s.key) for s in self.decoder.sequences]
         active = [id(r.job) for r in self._active]
         if sorted(keys) != sorted(active):
@@ -181,7 +165,7 @@ class Engine:
         """Prepare a job (tokenize, check) and start its prefill; or end it at once."""
         waited = time.perf_counter() - job.submitted
         if job.should_stop():
-            return self._unstarted(job)
+            return self._stopped(job)
         if self.metrics is not None:
             self.metrics.queue_wait.observe(waited)
         if waited > 0.05:
@@ -191,20 +175,12 @@ class Engine:
                 job.spec = job.prepare()
             req = self._start(job)
         except PrefillStopped:  # closed or past its deadline while the pair cache prefilled
-            return self._unstarted(job)
+            return self._stopped(job)
         except Exception as e:  # the request's fault (a 400) or a bug (a 500, logged): the handler decides
             job.push(e)
             return self._release(job)
         job.push(_STARTED)
         self._joining.append(req)
-
-    def _unstarted(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            log.info("request %s: %s before it started", job.id, self._gone())
-            self._count(job, None, "cancelled")
-        else:
-            self._timed_out(job, None)
-        self._release(job)
 
     def _start(self, job: Job) -> _Request:
         spec, tokenizer, step = job.spec, self.pair.tokenizer, self.prefill_step_size or 2048
@@ -224,12 +200,12 @@ class Engine:
         if self.pair_cache is not None:
             joining.reused = joining.stats.prompt_reused = self.pair_cache.last_reused
             joining.stats.prompt_tokens = len(spec.ids)
-        return _Request(job, spec, TextStream(tokenizer, spec.stop), joining)
+        return _Request(job, TextStream(tokenizer, spec.stop), joining)
 
     def _end(self, req: _Request, done: bool) -> None:
         """One at a time: the pair cache keeps the rows known complete (and stores them when ``done``)."""
         if self.pair_cache is not None:
-            ids = list(req.spec.ids) + req.reply
+            ids = list(req.job.spec.ids) + req.reply
             known = len(ids) - 1 if req.first is not None else len(self.pair_cache.tokens)
             self.pair_cache.end(ids, known, done)
 
@@ -241,18 +217,23 @@ class Engine:
                 self.decoder.remove([req.job])
             else:
                 self._joining.remove(req)
-            self._stopped(req)
+            self._stopped(req.job, req)
 
-    def _stopped(self, req: _Request) -> None:
-        stats = req.joining.stats
-        if req.job.cancelled.is_set():
-            log.info("request %s stopped: %s after %d of %d tokens", req.job.id, self._gone(),
-                     stats.generation_tokens, req.spec.max_tokens)
-            self._count(req.job, stats, "cancelled", req.joining.reused)
+    def _stopped(self, job: Job, req: Optional[_Request] = None) -> None:
+        """``job`` (``req`` once admitted), closed or past its deadline, ends: counted, told, released."""
+        stats, reused = (req.joining.stats, req.joining.reused) if req is not None else (None, None)
+        n = stats.generation_tokens if stats is not None else 0
+        if job.cancelled.is_set():
+            gone = "stopped by the shutdown" if self._closing else "client gone"
+            log.info("request %s stopped: %s after %d tokens", job.id, gone, n)
+            self._count(job, stats, "cancelled", reused)
         else:
-            self._timed_out(req.job, stats, req.joining.reused)
-        self._end(req, False)
-        self._release(req.job)
+            log.info("request %s stopped: past its deadline after %d tokens", job.id, n)
+            self._count(job, stats, "timeout", reused)  # before the client hears of it, so /metrics agrees
+            job.push(Chunk(error="the request ran past the server's --request-timeout", status=408))
+        if req is not None:
+            self._end(req, False)
+        self._release(job)
 
     def _prefill_chunk(self) -> None:
         req = self._joining[0]
@@ -260,7 +241,7 @@ class Engine:
             result = req.joining.advance()
         except PrefillStopped:
             self._joining.popleft()
-            return self._stopped(req)
+            return self._stopped(req.job, req)
         except Exception as e:  # this request's prefill or join failed: it alone ends
             log.exception("request %s: prefill failed", req.job.id)
             return self._fail([req], e)
@@ -311,7 +292,7 @@ class Engine:
             if req in self._active:
                 self._active.remove(req)
             log.info("request %s: %d prompt tokens (%d reused), %d generated, %s, %.1f tokens/s (batched)",
-                     req.job.id, len(req.spec.ids), req.joining.reused, stats.generation_tokens,
+                     req.job.id, len(req.job.spec.ids), req.joining.reused, stats.generation_tokens,
                      stats.tau_text() or "no drafter", stats.generation_tps)
             self._count(req.job, stats, "completed", req.joining.reused)
             self._end(req, True)
@@ -348,12 +329,6 @@ class Engine:
         else:
             self._outbox.append((job, chunk))
 
-    def _timed_out(self, job: Job, stats, reused: Optional[int] = None) -> None:
-        n = stats.generation_tokens if stats is not None else 0
-        log.info("request %s stopped: past its deadline after %d tokens", job.id, n)
-        self._count(job, stats, "timeout", reused)  # before the client hears of it, so /metrics agrees
-        job.push(Chunk(error="the request ran past the server's --request-timeout", status=408))
-
     def _count(self, job: Job, stats, outcome: str, reused: Optional[int] = None) -> None:
         """Count a request's outcome and generation (``reused``: prompt tokens found in the caches)."""
         if self.metrics is not None:
@@ -369,13 +344,8 @@ class Engine:
     def closing(self) -> bool:  # shutdown() was called
         return self._closing
 
-    def _gone(self) -> str:
-        return "stopped by the shutdown" if self._closing else "client gone"
-
     def shutdown(self, wait: bool = False) -> None:
-        """Stop taking jobs; the running one stops after its step, waiting ones end at once.
-        ``wait``: return once the worker thread has ended, its MLX streams synchronized and
-        released (:func:`~dflash_mlx.serve.lifecycle.release_streams`)."""
+        """Stop taking jobs; running ones stop after their step, waiting ones at once. ``wait``: for the worker."""
         with self._lock:
             self._closing = True
             for job in self._jobs:
@@ -387,8 +357,7 @@ class Engine:
 
 
 def make_engine(pair: Any, max_batch: int, metrics: ServerMetrics, **kwargs) -> Engine:
-    """The :class:`Engine` for ``--max-batch`` (``kwargs``: its other arguments); says in the log
-    and in ``dflash_batching`` whether requests batch."""
+    """The :class:`Engine` for ``--max-batch`` (``kwargs``: its other arguments); logs and sets ``dflash_batching``."""
     refusal = batch_refusal(pair.target) if max_batch > 1 else None
     metrics.batching.set(1 if max_batch > 1 and refusal is None else 0)
     if refusal is not None:

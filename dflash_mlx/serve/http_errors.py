@@ -55,20 +55,6 @@ def body_timeout(seconds: float) -> APIError:
     return timed_out(f"the request body stalled for more than {seconds:g} s (--idle-timeout)")
 
 
-def too_large(cap: int) -> APIError:
-    return APIError(413, f"the request body is larger than {cap} bytes (--max-body-mb)",
-                    code="request_too_large")
-
-
-def timed_out(message: str, counted: bool = False) -> APIError:
-    """A 408, typed ``timeout`` (the request was well formed; time ran out)."""
-    return APIError(408, message, code="request_timeout", type_=TIMEOUT_TYPE, counted=counted)
-
-
-def body_timeout(seconds: float) -> APIError:
-    return timed_out(f"the request body stalled for more than {seconds:g} s (--idle-timeout)")
-
-
 def add_error_handlers(app: FastAPI, metrics, max_body_bytes: int, idle_timeout: float) -> None:
     """Answer every error with OpenAI's error object (a 500 hides the traceback, which
     goes to the log) and count the refusals of the generation endpoints in ``metrics``."""
