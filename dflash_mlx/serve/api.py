@@ -36,11 +36,6 @@ def request_error(param: str, message: str) -> PydanticCustomError:
     return PydanticCustomError(REQUEST_ERROR, "{param}: {message}", {"param": param, "message": message})
 
 
-def _is_default(value: Any, defaults: tuple) -> bool:
-    # Compared with their types, so True is not taken for 1 nor 0 for False.
-    return any(type(value) is type(d) and value == d for d in defaults)
-
-
 def first_bad_string(value: Any, path: str = "") -> Optional[str]:
     """The dotted path of the first string (or dict key) UTF-8 cannot encode (a lone surrogate), or None."""
     if isinstance(value, str):
@@ -117,7 +112,8 @@ class GenerationFields(BaseModel):
         if bad is not None:
             raise request_error(bad, "not valid Unicode (a lone surrogate such as \\ud800)")
         for name, defaults in UNSUPPORTED.items():
-            if name in data and not _is_default(data[name], defaults):
+            value = data.get(name)  # compared with its type: True is not taken for 1 nor 0 for False
+            if name in data and not any(type(value) is type(d) and value == d for d in defaults):
                 raise request_error(name, f"not supported by this server (send {defaults[-1]!r} or leave it out)")
         return data
 

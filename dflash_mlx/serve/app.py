@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from ..decode.generate import check_block_size
 from ..prompt import context_length, encode_messages
 from .api import ChatCompletionRequest, CompletionRequest, GenerationFields
-from .engine import make_engine
+from .engine import Engine
 from .jobs import GenerationJob
 from .guard import GuardMiddleware, check_prompt_chars, check_template_kwargs, prompt_char_cap
 from .http_errors import APIError, add_error_handlers
@@ -51,20 +51,16 @@ class ServerConfig:
 
 
 class Server:
-    """The requests' checks and prompts over one loaded pair.
-
-    Raises:
-        InputError: ``config.block_size`` out of range for the drafter.
-    """
+    """The requests' checks and prompts over one loaded pair; InputError: ``config.block_size`` out of range."""
 
     def __init__(self, pair: Any, config: ServerConfig):
         self.pair, self.config = pair, config
         self.tokenizer = pair.tokenizer
         trained = pair.drafter.block_size if pair.drafter is not None else 1
         self.metrics = ServerMetrics(trained)
-        self.engine = make_engine(pair, config.max_batch, self.metrics, block_size=config.block_size,
-                                  max_queue=config.max_queue, prefill_step_size=config.prefill_step_size,
-                                  store=config.prompt_store)
+        self.engine = Engine(pair, max_batch=config.max_batch, metrics=self.metrics, block_size=config.block_size,
+                             max_queue=config.max_queue, prefill_step_size=config.prefill_step_size,
+                             store=config.prompt_store)
         self.context = context_length(pair.model)
         self.char_cap = prompt_char_cap(self.context, config.max_prompt_chars)
         self.names = {config.model_id, PurePath(config.model_id).name, real_path(config.model_id)}
@@ -88,9 +84,6 @@ class Server:
         if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
             return  # token ids: counted against the context, no tokenizing
         check_prompt_chars(count_chars(req.prompt), self.char_cap, "prompt", self.context)
-
-    def encode_chat(self, req: ChatCompletionRequest) -> List[int]:
-        return chat_prompt_ids(self.tokenizer, req, self.config.template)
 
     def encode_prompt(self, req: CompletionRequest) -> List[int]:
         """Prompt ids of a completions request: the text with special tokens (BOS), or the ids given."""
@@ -168,11 +161,7 @@ def real_path(name: str) -> Optional[str]:
 
 
 def create_app(pair: Any, config: ServerConfig) -> FastAPI:
-    """The FastAPI app serving ``pair`` (run with uvicorn).
-
-    Raises:
-        InputError: ``config.block_size`` out of range for the drafter.
-    """
+    """The FastAPI app serving ``pair`` (run with uvicorn); InputError: ``config.block_size`` out of range."""
     server = Server(pair, config)
 
     @asynccontextmanager
@@ -190,7 +179,8 @@ def create_app(pair: Any, config: ServerConfig) -> FastAPI:
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(req.model)
         server.check_chat(req)
-        return await respond(server, request, req, server.encode_chat, "chat")
+        return await respond(server, request, req, lambda r: chat_prompt_ids(server.tokenizer, r, config.template),
+                             "chat")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:

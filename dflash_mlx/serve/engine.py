@@ -47,17 +47,22 @@ class Engine:
 
     ``block_size``: B (None: the drafter's trained size; "auto"); ``max_queue``: most jobs waiting beyond those
     running; ``prefill_step_size``: prompt tokens per chunk (2048); ``store``: the prompt cache, or None.
-
-    Raises:
-        InputError: ``block_size`` out of range for the drafter.
+    InputError: ``block_size`` out of range for the drafter.
     """
 
     def __init__(self, pair: Any, *, max_batch: int = 1, block_size: Optional[int | str] = None,
                  max_queue: int = 16, metrics: Optional[ServerMetrics] = None,
                  prefill_step_size: Optional[int] = None, store: Optional[PrefixStore] = None):
-        self.pair, self.block_size, self.max_queue, self.metrics = pair, block_size, max_queue, metrics
-        self.prefill_step_size = prefill_step_size
-        solo = max_batch == 1 or batch_refusal(pair.target) is not None
+        self.pair, self.max_queue, self.prefill_step_size = pair, max_queue, prefill_step_size
+        self.metrics = metrics or ServerMetrics()
+        refusal = batch_refusal(pair.target) if max_batch > 1 else None
+        solo = max_batch == 1 or refusal is not None
+        self.metrics.batching.set(0 if solo else 1)
+        if refusal is not None:
+            log.warning("--max-batch %d: batching is off for this target, requests run one at a time: %s",
+                        max_batch, refusal)
+        elif not solo:
+            log.info("continuous batching: up to %d requests decode together", max_batch)
         self.slots = 1 if solo else max_batch
         self.pair_cache = PairCache(pair.target, pair.tokenizer, pair.drafter, store=store) if solo else None
         width = check_block_size(block_size, pair.drafter)
@@ -70,19 +75,20 @@ class Engine:
                         "(--max-batch 1 uses it)", self.decoder.prefix_refusal)
         elif store is not None and not solo:
             log.info("prompt cache: batched requests resume from stored prefixes and store their prompts")
-        self._lock, self._pending, self._jobs, self._closing = threading.Lock(), 0, set(), False  # jobs not done
+        self._lock, self._jobs = threading.Lock(), set()  # jobs not done
+        self.closing = False  # shutdown() was called
         self._inbox: Deque[Job] = deque()
         self._joining: Deque[_Request] = deque()  # admitted, prefilling
         self._active: List[_Request] = []  # decoding
         self._outbox: Optional[List[tuple]] = None  # during a step: (job, chunk) sent together after it
         self.mismatches = 0  # worker turns that ended with the batch inconsistent (a bug; see inconsistency)
         self._wake = threading.Condition()
-        self._worker = threading.Thread(target=self._work, name="dflash-engine", daemon=True)
+        self._worker = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
         self._worker.start()
 
     @property
     def pending(self) -> int:  # jobs running or waiting
-        return self._pending
+        return len(self._jobs)
 
     def submit(self, spec: Union[GenerationJob, Prepare], endpoint: Optional[str] = None,
                timeout: Optional[float] = None) -> Job:
@@ -93,16 +99,15 @@ class Engine:
         """
         job = Job(spec, asyncio.get_running_loop(), endpoint, timeout)
         with self._lock:
-            ahead = self._pending - (self.slots - 1)  # beyond the requests that run at once
-            if self._closing:
+            ahead = len(self._jobs) - (self.slots - 1)  # beyond the requests that run at once
+            if self.closing:
                 raise QueueFullError("the server is shutting down")
             if ahead > self.max_queue:
                 raise QueueFullError(
                     f"the server is busy: {ahead - 1} requests are waiting (the queue holds "
                     f"{self.max_queue}); retry later")
-            self._pending += 1
             self._jobs.add(job)
-        self._gauge()
+            self.metrics.queue.set(len(self._jobs))
         if ahead > 0:
             log.info("request %s waits: %d ahead of it in the queue", job.id, ahead)
         with self._wake:
@@ -110,38 +115,35 @@ class Engine:
             self._wake.notify()
         return job
 
-    def _work(self) -> None:
+    def _loop(self) -> None:
+        """Admit, prefill one chunk, step the batch (then check it) until shutdown with nothing left."""
         try:
-            self._loop()
+            while (admitted := self._take()) is not None:
+                self._turn(admitted)
         finally:
             release_streams()
 
-    def _loop(self) -> None:
-        """Admit, prefill one chunk, step the batch (then check it) until shutdown with nothing left."""
-        while True:
-            admitted = self._take()
-            if admitted is None:
-                return
-            try:
-                for job in admitted:
-                    self._admit(job)
-                self._drop_stopped()
-                if self._joining:
-                    self._prefill_chunk()
-                if self._active:
-                    self._step()
-            except Exception as e:  # a bug here: every request in flight gets a 500, the worker goes on
-                log.exception("batch step failed")
-                self._fail(list(self._joining) + self._active, e)
-            try:
-                problem = self.inconsistency()
-            except Exception as e:  # the check itself broke: as unsafe as a failed check
-                problem = f"the check failed: {e!r}"
-            if problem is not None:  # a bug: said, counted, and the batch starts afresh
-                self.mismatches += 1
-                log.error("the batch is inconsistent (%s): every request in flight ends with an error", problem)
-                self._fail(list(self._joining) + self._active, RuntimeError(problem))
-                self.decoder.clear()
+    def _turn(self, admitted: List[Job]) -> None:
+        try:
+            for job in admitted:
+                self._admit(job)
+            self._drop_stopped()
+            if self._joining:
+                self._prefill_chunk()
+            if self._active:
+                self._step()
+        except Exception as e:  # a bug here: every request in flight gets a 500, the worker goes on
+            log.exception("batch step failed")
+            self._fail(list(self._joining) + self._active, e)
+        try:
+            problem = self.inconsistency()
+        except Exception as e:  # the check itself broke: as unsafe as a failed check
+            problem = f"the check failed: {e!r}"
+        if problem is not None:  # a bug: said, counted, and the batch starts afresh
+            self.mismatches += 1
+            log.error("the batch is inconsistent (%s): every request in flight ends with an error", problem)
+            self._fail(list(self._joining) + self._active, RuntimeError(problem))
+            self.decoder.clear()
 
     def inconsistency(self) -> Optional[str]:
         """What breaks the bookkeeping (decoder sequences == decoding requests, one cache row each), or None."""
@@ -155,7 +157,7 @@ class Engine:
         """Wait for work; the jobs to admit now (room permitting), or None at shutdown."""
         with self._wake:
             while not self._inbox and not self._joining and not self._active:
-                if self._closing:
+                if self.closing:
                     return None
                 self._wake.wait(timeout=1.0)
             room = self.slots - len(self._joining) - len(self._active)
@@ -166,8 +168,7 @@ class Engine:
         waited = time.perf_counter() - job.submitted
         if job.should_stop():
             return self._stopped(job)
-        if self.metrics is not None:
-            self.metrics.queue_wait.observe(waited)
+        self.metrics.queue_wait.observe(waited)
         if waited > 0.05:
             log.info("request %s starts after waiting %.2f s", job.id, waited)
         try:
@@ -212,11 +213,7 @@ class Engine:
     def _drop_stopped(self) -> None:
         """Requests closed by their client or past their deadline leave now."""
         for req in [r for r in list(self._joining) + self._active if r.job.should_stop()]:
-            if req in self._active:
-                self._active.remove(req)
-                self.decoder.remove([req.job])
-            else:
-                self._joining.remove(req)
+            self._detach([req])
             self._stopped(req.job, req)
 
     def _stopped(self, job: Job, req: Optional[_Request] = None) -> None:
@@ -224,7 +221,7 @@ class Engine:
         stats, reused = (req.joining.stats, req.joining.reused) if req is not None else (None, None)
         n = stats.generation_tokens if stats is not None else 0
         if job.cancelled.is_set():
-            gone = "stopped by the shutdown" if self._closing else "client gone"
+            gone = "stopped by the shutdown" if self.closing else "client gone"
             log.info("request %s stopped: %s after %d tokens", job.id, gone, n)
             self._count(job, stats, "cancelled", reused)
         else:
@@ -276,8 +273,7 @@ class Engine:
         finally:
             outbox, self._outbox = self._outbox, None
             push_together(outbox)
-        if self.metrics is not None:
-            self.metrics.batch_size.set(len(self.decoder))
+        self.metrics.batch_size.set(len(self.decoder))
 
     def _emit(self, req: _Request, result: StepResult) -> None:
         """Hand one step's text to the request; at its end, count and release it."""
@@ -300,26 +296,28 @@ class Engine:
 
     def _fail(self, requests: List[_Request], error: BaseException) -> None:
         """End ``requests`` with an error (a 500, or an error event in a stream), counted and released."""
-        for req in requests:
-            if req in self._active:
-                self._active.remove(req)
-            if req in self._joining:
-                self._joining.remove(req)
-        self.decoder.remove([r.job for r in requests])
+        self._detach(requests)
         for req in requests:
             self._end(req, False)
             self._send(req.job, Chunk(error=f"generation failed: {type(error).__name__}: {error}"))
             self._count(req.job, None, "error")
             self._release(req.job)
 
+    def _detach(self, requests: List[_Request]) -> None:
+        for req in requests:
+            if req in self._active:
+                self._active.remove(req)
+            if req in self._joining:
+                self._joining.remove(req)
+        self.decoder.remove([r.job for r in requests])
+
     def _release(self, job: Job) -> None:
         """The job is done (its end is sent); a second call does nothing."""
         with self._lock:
             if job not in self._jobs:
                 return
-            self._pending -= 1
             self._jobs.discard(job)
-        self._gauge()
+            self.metrics.queue.set(len(self._jobs))
         self._send(job, None)
 
     def _send(self, job: Job, chunk: Any) -> None:
@@ -331,23 +329,14 @@ class Engine:
 
     def _count(self, job: Job, stats, outcome: str, reused: Optional[int] = None) -> None:
         """Count a request's outcome and generation (``reused``: prompt tokens found in the caches)."""
-        if self.metrics is not None:
-            self.metrics.request(job.endpoint, outcome)
-            if stats is not None:
-                self.metrics.generation(stats, len(job.spec.ids), reused or 0, time.perf_counter() - job.submitted)
-
-    def _gauge(self) -> None:
-        if self.metrics is not None:
-            self.metrics.queue.set(self._pending)
-
-    @property
-    def closing(self) -> bool:  # shutdown() was called
-        return self._closing
+        self.metrics.request(job.endpoint, outcome)
+        if stats is not None:
+            self.metrics.generation(stats, len(job.spec.ids), reused or 0, time.perf_counter() - job.submitted)
 
     def shutdown(self, wait: bool = False) -> None:
         """Stop taking jobs; running ones stop after their step, waiting ones at once. ``wait``: for the worker."""
         with self._lock:
-            self._closing = True
+            self.closing = True
             for job in self._jobs:
                 job.close()
         with self._wake:
@@ -355,14 +344,3 @@ class Engine:
         if wait:
             self._worker.join()
 
-
-def make_engine(pair: Any, max_batch: int, metrics: ServerMetrics, **kwargs) -> Engine:
-    """The :class:`Engine` for ``--max-batch`` (``kwargs``: its other arguments); logs and sets ``dflash_batching``."""
-    refusal = batch_refusal(pair.target) if max_batch > 1 else None
-    metrics.batching.set(1 if max_batch > 1 and refusal is None else 0)
-    if refusal is not None:
-        log.warning("--max-batch %d: batching is off for this target, requests run one at a time: %s",
-                    max_batch, refusal)
-    elif max_batch > 1:
-        log.info("continuous batching: up to %d requests decode together", max_batch)
-    return Engine(pair, max_batch=max_batch, metrics=metrics, **kwargs)

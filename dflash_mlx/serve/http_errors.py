@@ -43,10 +43,6 @@ def timed_out(message: str, counted: bool = False) -> APIError:
     return APIError(408, message, code="request_timeout", type_=TIMEOUT_TYPE, counted=counted)
 
 
-def body_timeout(seconds: float) -> APIError:
-    return timed_out(f"the request body stalled for more than {seconds:g} s (--idle-timeout)")
-
-
 def add_error_handlers(app: FastAPI, metrics, max_body_bytes: int, idle_timeout: float) -> None:
     """Answer every error with OpenAI's error object (a 500's traceback goes to the log); count refusals."""
 
@@ -66,7 +62,8 @@ def add_error_handlers(app: FastAPI, metrics, max_body_bytes: int, idle_timeout:
         if exc.status_code == 413:
             return await api_error(request, too_large(max_body_bytes))
         if exc.status_code == 408:
-            return await api_error(request, body_timeout(idle_timeout))
+            return await api_error(request, timed_out(f"the request body stalled for more than {idle_timeout:g} s "
+                                                      "(--idle-timeout)"))
         messages = {404: f"no route {request.method} {request.url.path}",
                     405: f"method {request.method} is not allowed on {request.url.path}"}
         return await api_error(request, APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail))))

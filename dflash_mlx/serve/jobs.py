@@ -114,19 +114,15 @@ class Job:
             item = await self._queue.get()
             if item is _STARTED:
                 self._started = True
-            elif item is None:
-                self._done = True
-                if self.cancelled.is_set():
-                    raise JobCancelled("the client went away")
+                continue
+            self._done = True  # the end, prepare's error, or a failure or timeout before it began
+            if item is None and self.cancelled.is_set():
+                raise JobCancelled("the client went away")
+            if item is None:
                 raise QueueFullError("the server is shutting down")
-            elif isinstance(item, BaseException):
-                self._done = True
+            if isinstance(item, BaseException):
                 raise item
-            elif isinstance(item, Chunk) and item.error:  # failed or timed out before it began
-                self._done = True
-                if item.status == 408:
-                    raise RequestTimeout(item.error)
-                raise RuntimeError(item.error)
+            raise RequestTimeout(item.error) if item.status == 408 else RuntimeError(item.error)
         return self.spec
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:

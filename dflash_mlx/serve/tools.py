@@ -72,7 +72,7 @@ class ReplySplitter:
         self.state = self.machine.make_state(initial_state(tokenizer, prompt)) if self.machine else None
         self.parser: Optional[Callable] = tokenizer.tool_parser if calling and tools is not None else None
         self.markers = (tokenizer.tool_call_start, tokenizer.tool_call_end or "") if calling else ("", "")
-        self.tools, self.calls, self.failed, self.required, self.single = tools, 0, 0, required, single
+        self.tools, self.calls, self.required, self.single = tools, 0, required, single
         self._where, self._tool_text, self._origin = "normal", "", "normal"  # _origin: where the call began
 
     def feed(self, text: str) -> Delta:
@@ -137,7 +137,6 @@ class ReplySplitter:
             return as_text
         calls = parse_calls(self.parser, text, self.tools)
         if calls is None:
-            self.failed += 1
             log.warning("a tool call of %d characters could not be parsed by %s%s; returned as text",
                         len(raw), getattr(self.parser, "__module__", "the tool parser"),
                         "" if ended else " (the reply ended inside it)")
