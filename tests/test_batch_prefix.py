@@ -20,7 +20,7 @@ from dflash_mlx.decode.stopping import StopCondition
 from dflash_mlx.prompt_cache import layers, resume
 from dflash_mlx.prompt_cache.batch_prefix import BatchPrefix
 from dflash_mlx.prompt_cache.store import PrefixStore
-from dflash_mlx.serve.engine import Engine, make_engine
+from dflash_mlx.serve.engine import Engine
 from dflash_mlx.serve.engine import GenerationJob
 from dflash_mlx.serve.metrics import ServerMetrics
 import conftest
@@ -182,7 +182,7 @@ def serve(pair, store, batches, n):
     metrics = ServerMetrics(B)
 
     async def main():
-        engine = make_engine(pair, 4, metrics, block_size=B, prefill_step_size=STEP, store=store)
+        engine = Engine(pair, max_batch=4, metrics=metrics, block_size=B, prefill_step_size=STEP, store=store)
         assert isinstance(engine, Engine)
         out = []
         for prompts in batches:

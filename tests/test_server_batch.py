@@ -14,7 +14,7 @@ import pytest
 
 from dflash_mlx import stream_generate
 from dflash_mlx.serve.app import ServerConfig, create_app
-from dflash_mlx.serve.engine import Engine, GenerationJob, make_engine, QueueFullError
+from dflash_mlx.serve.engine import Engine, GenerationJob, QueueFullError
 from dflash_mlx.serve.metrics import ServerMetrics
 import conftest
 from conftest import tiny_drafter, tiny_target
@@ -163,7 +163,7 @@ def test_engine_choice_is_said_in_log_and_metrics(family, caplog):
     pair = make_pair(family, block_size=4)
     metrics = ServerMetrics(4)
     with caplog.at_level(logging.INFO, logger="dflash.serve"):
-        engine = make_engine(pair, 8, metrics, block_size=4)
+        engine = Engine(pair, max_batch=8, metrics=metrics, block_size=4)
     engine.shutdown()
     assert isinstance(engine, Engine) and metrics.batching._value.get() == 1
     assert "continuous batching: up to 8 requests decode together" in caplog.text
@@ -177,7 +177,7 @@ def test_a_refused_target_falls_back_to_one_at_a_time(caplog, monkeypatch):
     monkeypatch.setattr(batch_engine, "batch_refusal", lambda target: "target layer 0 keeps an OddCache")
     metrics = ServerMetrics(4)
     with caplog.at_level(logging.INFO, logger="dflash.serve"):
-        engine = make_engine(make_pair("llama", block_size=4), 8, metrics, block_size=4)
+        engine = Engine(make_pair("llama", block_size=4), max_batch=8, metrics=metrics, block_size=4)
     engine.shutdown()
     assert type(engine) is Engine and metrics.batching._value.get() == 0
     assert "batching is off for this target, requests run one at a time: target layer 0 keeps an OddCache" \
@@ -186,7 +186,7 @@ def test_a_refused_target_falls_back_to_one_at_a_time(caplog, monkeypatch):
 
 def test_max_batch_one_is_todays_engine(pair):
     metrics = ServerMetrics(8)
-    engine = make_engine(pair, 1, metrics, block_size=4)
+    engine = Engine(pair, max_batch=1, metrics=metrics, block_size=4)
     engine.shutdown()
     assert type(engine) is Engine and metrics.batching._value.get() == 0
 

@@ -1,2 +1,1 @@
-"""The OpenAI-compatible server: the ASGI app (app.py), the request/response schema (api.py), the engine
-that runs one generation at a time over the loaded pair (engine.py) and its metrics (metrics.py)."""
+"""The OpenAI-compatible server: the app (app.py), the API schema (api.py), the engine (engine.py), metrics."""

@@ -1,7 +1,5 @@
-"""The OpenAI API as ``dflash serve`` speaks it: strict request models (unknown fields
-ignored, unimplemented OpenAI fields refused unless at their default, lone surrogates
-refused) and the response, chunk, usage and error bodies. Checks raise pydantic errors
-of type :data:`REQUEST_ERROR` whose context names the field (``param``)."""
+"""The OpenAI API as ``dflash serve`` speaks it: strict request models (unimplemented fields refused unless at
+their default, lone surrogates refused; errors of type :data:`REQUEST_ERROR`) and the response bodies."""
 
 from __future__ import annotations
 
@@ -34,18 +32,12 @@ UNSUPPORTED = {
 
 
 def request_error(param: str, message: str) -> PydanticCustomError:
-    """A validation error naming ``param`` (a dotted path), message ``"param: message"``."""
+    """A validation error naming ``param`` (a dotted path)."""
     return PydanticCustomError(REQUEST_ERROR, "{param}: {message}", {"param": param, "message": message})
 
 
-def _is_default(value: Any, defaults: tuple) -> bool:
-    # Compared with their types, so True is not taken for 1 nor 0 for False.
-    return any(type(value) is type(d) and value == d for d in defaults)
-
-
 def first_bad_string(value: Any, path: str = "") -> Optional[str]:
-    """The dotted path of the first string (or dict key) in ``value`` that UTF-8 cannot
-    encode (a lone surrogate), or None."""
+    """The dotted path of the first string (or dict key) UTF-8 cannot encode (a lone surrogate), or None."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -63,15 +55,12 @@ def first_bad_string(value: Any, path: str = "") -> Optional[str]:
 
 
 class TextPart(BaseModel):
-    """One part of a message's content; only text is served."""
-
     model_config = ConfigDict(strict=True)
     type: Literal["text"]
     text: str
 
 class ChatMessage(BaseModel):
-    """One message. ``tool_calls`` (checked, see :mod:`.tool_requests`) and extra
-    keys (``tool_call_id``, ``name``) go to the chat template."""
+    """One message; ``tool_calls`` and extra keys (``tool_call_id``, ``name``) go to the chat template."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -79,13 +68,11 @@ class ChatMessage(BaseModel):
     tool_calls: Optional[List[ToolCallIn]] = Field(None, max_length=MAX_TOOLS)
 
     def text(self) -> str:
-        """The content's text (parts joined; "" when there is none)."""
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
 
     def for_template(self) -> Dict[str, Any]:
-        """The message as ``apply_chat_template`` takes it (content: :meth:`text`)."""
         out = {**self.model_dump(exclude_none=True), "content": self.text()}
         if self.tool_calls:
             out["tool_calls"] = calls_for_template(self.tool_calls)
@@ -98,8 +85,7 @@ class StreamOptions(BaseModel):
 
 
 class GenerationFields(BaseModel):
-    """The fields both endpoints share. Sampling defaults: greedy (temperature 0),
-    as ``dflash generate``; ``max_tokens`` defaults to the server's ``--max-tokens``."""
+    """The fields both endpoints share (greedy by default)."""
 
     model_config = ConfigDict(strict=True)
     model: str
@@ -120,14 +106,14 @@ class GenerationFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_what_cannot_be_served(cls, data: Any) -> Any:
-        """Before field validation: invalid Unicode anywhere, and unsupported fields."""
         if not isinstance(data, dict):
             return data  # pydantic says "must be an object"
         bad = first_bad_string(data)
         if bad is not None:
             raise request_error(bad, "not valid Unicode (a lone surrogate such as \\ud800)")
         for name, defaults in UNSUPPORTED.items():
-            if name in data and not _is_default(data[name], defaults):
+            value = data.get(name)  # compared with its type: True is not taken for 1 nor 0 for False
+            if name in data and not any(type(value) is type(d) and value == d for d in defaults):
                 raise request_error(name, f"not supported by this server (send {defaults[-1]!r} or leave it out)")
         return data
 
@@ -136,7 +122,6 @@ class GenerationFields(BaseModel):
         return [s for s in stop if s]
 
     def requested_max_tokens(self) -> Optional[int]:
-        """``max_completion_tokens`` (the newer name) or ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def include_usage(self) -> bool:
@@ -144,8 +129,7 @@ class GenerationFields(BaseModel):
 
 
 class ChatCompletionRequest(GenerationFields):
-    """``POST /v1/chat/completions``; ``tools`` and ``chat_template_kwargs`` go to the chat
-    template (bounded by :mod:`.tool_requests`)."""
+    """``POST /v1/chat/completions``; ``tools`` and ``chat_template_kwargs`` go to the chat template."""
 
     messages: List[ChatMessage] = Field(min_length=1)
     tools: Optional[List[ToolDefinition]] = Field(None, max_length=MAX_TOOLS)
@@ -179,13 +163,10 @@ class ChatCompletionRequest(GenerationFields):
         return self
 
     def template_tools(self) -> Optional[List[Dict[str, Any]]]:
-        """``tools`` as the chat template gets them (only the named one for a named
-        ``tool_choice``), or None."""
         return template_tools(self.tools, self.tool_choice)
 
     def wants_tool_calls(self) -> bool:
-        """Whether tool calls in the reply are returned as ``tool_calls``: the request
-        has tools and ``tool_choice`` is not "none"."""
+        """Whether the reply's tool calls are returned as ``tool_calls``."""
         return bool(self.tools) and self.tool_choice != "none"
 
 
@@ -195,11 +176,7 @@ class CompletionRequest(GenerationFields):
     prompt: Union[str, List[str], List[int]]
 
     def prompt_value(self) -> Union[str, List[int]]:
-        """The one prompt: a string, or token ids.
-
-        Raises:
-            ValueError: a list of several strings (batches are not served).
-        """
+        """The one prompt: a string, or token ids; ValueError for a list of several strings."""
         p = self.prompt
         if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
             if len(p) != 1:
@@ -209,9 +186,7 @@ class CompletionRequest(GenerationFields):
 
 
 def usage(stats: GenerationStats) -> Dict[str, Any]:
-    """The ``usage`` object: OpenAI's counts (``prompt_tokens_details.cached_tokens``: the
-    prompt tokens found in the caches) and ``dflash``: :meth:`GenerationStats.to_dict`
-    without its ``prompt_tokens`` and ``tokens``."""
+    """The ``usage`` object: OpenAI's counts (``cached_tokens``: found in the caches), ``dflash``: the stats."""
     d = stats.to_dict(trace=False)
     d.pop("prompt_tokens")
     d.pop("tokens")
@@ -230,22 +205,19 @@ def _envelope(rid: str, object_: str, model: str, **fields: Any) -> Dict[str, An
 
 def chat_completion(rid: str, model: str, message: Dict[str, Any], finish_reason: Optional[str],
                     usage_: Optional[dict]) -> Dict[str, Any]:
-    """A whole ``chat.completion``; ``message`` holds the message's fields but its role."""
+    """A whole ``chat.completion``; ``message``: its fields but the role."""
     choice = {"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish_reason,
               "logprobs": None}
     return _envelope(rid, "chat.completion", model, choices=[choice], usage=usage_)
 
 
-def chat_chunk(rid: str, model: str, delta: Dict[str, Any], finish_reason: Optional[str] = None
-               ) -> Dict[str, Any]:
-    """One ``chat.completion.chunk`` of a stream."""
+def chat_chunk(rid: str, model: str, delta: Dict[str, Any], finish_reason: Optional[str] = None) -> Dict[str, Any]:
     choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
     return _envelope(rid, "chat.completion.chunk", model, choices=[choice])
 
 
 def text_completion(rid: str, model: str, text: str, finish_reason: Optional[str],
                     usage_: Optional[dict] = None, chunk: bool = False) -> Dict[str, Any]:
-    """A ``text_completion`` (whole, or one chunk of a stream)."""
     out = _envelope(rid, "text_completion", model,
                     choices=[{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}])
     if usage_ is not None or not chunk:

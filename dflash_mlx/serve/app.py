@@ -1,9 +1,5 @@
-"""``dflash serve``: an OpenAI-compatible HTTP server over one target/drafter pair.
-
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or server-sent
-events), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every error is OpenAI's
-JSON error object (:mod:`~dflash_mlx.serve.http_errors`).
-"""
+"""``dflash serve``: an OpenAI-compatible HTTP server over one pair: ``POST /v1/chat/completions``,
+``POST /v1/completions`` (JSON or server-sent events), ``GET /v1/models``, ``/health``, ``/metrics``."""
 
 from __future__ import annotations
 
@@ -21,7 +17,7 @@ from fastapi.responses import Response
 from ..decode.generate import check_block_size
 from ..prompt import context_length, encode_messages
 from .api import ChatCompletionRequest, CompletionRequest, GenerationFields
-from .engine import make_engine
+from .engine import Engine
 from .jobs import GenerationJob
 from .guard import GuardMiddleware, check_prompt_chars, check_template_kwargs, prompt_char_cap
 from .http_errors import APIError, add_error_handlers
@@ -36,64 +32,35 @@ NO_CONTEXT_LIMIT = 1 << 20  # most max_tokens when the model does not state its 
 
 @dataclass
 class ServerConfig:
-    """How ``dflash serve`` runs.
+    """How ``dflash serve`` runs (the ``serve`` flags of the same names)."""
 
-    Attributes:
-        model_id: the name ``/v1/models`` lists; requests name it (or its folder's base name).
-        max_tokens: tokens per request when it does not say.
-        block_size: B for every request (None: the drafter's trained size; "auto": by cost).
-        api_key: when set, every endpoint but ``/health`` needs ``Authorization: Bearer <api_key>``.
-        max_queue: most requests waiting; past it, 429.
-        max_body_bytes: largest request body; past it, 413.
-        template: default ``apply_chat_template`` keyword arguments (a request's
-            ``chat_template_kwargs`` override them).
-        allow_request_templates: a request may send its own ``chat_template`` (else 400).
-        max_prompt_chars: most prompt characters per request (None: ``CHARS_PER_TOKEN`` per
-            token of context).
-        request_timeout: seconds from arrival after which a request gets a 408 (None: no limit).
-        idle_timeout: seconds a connection, or a request body between chunks, may idle (408).
-        prefill_step_size: prompt tokens per prefill chunk (None: generate's default).
-        prompt_store: a :class:`~dflash_mlx.prompt_cache.store.PrefixStore` to resume from
-            (None: the previous request's caches only).
-        max_batch: most requests decoding together (1: one at a time).
-    """
-
-    model_id: str
-    max_tokens: int = 512
-    block_size: Optional[int] = None
-    api_key: Optional[str] = None
-    max_queue: int = 16
-    max_body_bytes: int = MAX_BODY_BYTES
-    template: Dict[str, Any] = field(default_factory=dict)
-    allow_request_templates: bool = False
-    max_prompt_chars: Optional[int] = None
-    request_timeout: Optional[float] = 600.0
-    idle_timeout: float = 5.0
+    model_id: str  # the name /v1/models lists; requests name it, its folder's base name or the folder
+    max_tokens: int = 512  # when a request does not say
+    block_size: Optional[int] = None  # None: the drafter's trained size; "auto"
+    api_key: Optional[str] = None  # every endpoint but /health then needs "Authorization: Bearer KEY" (401)
+    max_queue: int = 16  # most requests waiting (429)
+    max_body_bytes: int = MAX_BODY_BYTES  # 413
+    template: Dict[str, Any] = field(default_factory=dict)  # apply_chat_template defaults (chat_template_kwargs)
+    allow_request_templates: bool = False  # a request may send its own chat_template
+    max_prompt_chars: Optional[int] = None  # None: CHARS_PER_TOKEN per token of context
+    request_timeout: Optional[float] = 600.0  # seconds from arrival (408)
+    idle_timeout: float = 5.0  # seconds a connection or a body between chunks may idle (408)
     prefill_step_size: Optional[int] = None
-    prompt_store: Optional[Any] = None
+    prompt_store: Optional[Any] = None  # a PrefixStore to resume from (None: the last request's caches)
     max_batch: int = 1
 
 
 class Server:
-    """The requests' checks and prompts over one loaded pair.
-
-    Args:
-        pair: the loaded :class:`dflash_mlx.Pair`.
-        config: see :class:`ServerConfig`.
-
-    Raises:
-        InputError: ``config.block_size`` out of range for the drafter.
-    """
+    """The requests' checks and prompts over one loaded pair; InputError: ``config.block_size`` out of range."""
 
     def __init__(self, pair: Any, config: ServerConfig):
         self.pair, self.config = pair, config
         self.tokenizer = pair.tokenizer
         trained = pair.drafter.block_size if pair.drafter is not None else 1
-        check_block_size(config.block_size, pair.drafter)
         self.metrics = ServerMetrics(trained)
-        self.engine = make_engine(pair, config.max_batch, self.metrics, block_size=config.block_size,
-                                  max_queue=config.max_queue, prefill_step_size=config.prefill_step_size,
-                                  store=config.prompt_store)
+        self.engine = Engine(pair, max_batch=config.max_batch, metrics=self.metrics, block_size=config.block_size,
+                             max_queue=config.max_queue, prefill_step_size=config.prefill_step_size,
+                             store=config.prompt_store)
         self.context = context_length(pair.model)
         self.char_cap = prompt_char_cap(self.context, config.max_prompt_chars)
         self.names = {config.model_id, PurePath(config.model_id).name, real_path(config.model_id)}
@@ -101,11 +68,7 @@ class Server:
         self.tool_warnings: set = set()  # what check_tool_support logged once
 
     def check_model(self, name: str) -> None:
-        """The request's ``model``: the served name, its folder's base name, or the same folder.
-
-        Raises:
-            APIError: 404 ``model_not_found`` for anything else.
-        """
+        """Raises APIError 404 ``model_not_found`` unless ``name`` is the served model (or its folder)."""
         if name not in self.names and real_path(name) not in self.names:
             raise APIError(404, f"model: '{name}' is not served here; this server serves "
                                 f"'{self.config.model_id}' (see GET /v1/models)", "model", "model_not_found")
@@ -122,12 +85,8 @@ class Server:
             return  # token ids: counted against the context, no tokenizing
         check_prompt_chars(count_chars(req.prompt), self.char_cap, "prompt", self.context)
 
-    def encode_chat(self, req: ChatCompletionRequest) -> List[int]:
-        return chat_prompt_ids(self.tokenizer, req, self.config.template)
-
     def encode_prompt(self, req: CompletionRequest) -> List[int]:
-        """Prompt ids of a completions request: the text with the tokenizer's special
-        tokens (BOS), as ``dflash generate --ignore-chat-template``, or the ids given."""
+        """Prompt ids of a completions request: the text with special tokens (BOS), or the ids given."""
         try:
             prompt = req.prompt_value()
         except ValueError as e:
@@ -142,8 +101,8 @@ class Server:
         return list(prompt)
 
     def job(self, req: GenerationFields, ids: List[int], endpoint: str) -> GenerationJob:
-        """The engine's job, once the prompt and a requested ``max_tokens`` fit the context
-        (else 400 ``context_length_exceeded``); the default ``max_tokens`` is capped to it."""
+        """The engine's job; 400 ``context_length_exceeded`` when the prompt and a requested ``max_tokens`` do not
+        fit the context (the default ``max_tokens`` is capped to it)."""
         limit = self.context
         where = "messages" if endpoint == "chat" else "prompt"
         if limit is not None and len(ids) >= limit:
@@ -176,9 +135,8 @@ class Server:
 
 
 def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, defaults: Dict[str, Any]) -> List[int]:
-    """Prompt ids of a chat request: the tokenizer's chat template, given ``tools`` and
-    ``chat_template_kwargs`` (over the server's ``defaults``), or for a model without
-    one the messages' text joined, as ``dflash generate`` and ``chat`` do.
+    """Prompt ids of a chat request: the chat template with ``tools`` and ``chat_template_kwargs`` (over
+    ``defaults``), or the messages' text joined for a model without one.
 
     Raises:
         APIError: 400 when the template cannot render the messages.
@@ -195,7 +153,7 @@ def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, defaults: Dict[s
 
 
 def real_path(name: str) -> Optional[str]:
-    """``name`` as a path with ``~``, links, ``.`` and ``..`` resolved; None when it cannot be one."""
+    """``name`` as a resolved path; None when it cannot be one."""
     try:
         return os.path.realpath(os.path.expanduser(name))
     except (ValueError, OSError):  # a NUL byte, a name too long
@@ -203,11 +161,7 @@ def real_path(name: str) -> Optional[str]:
 
 
 def create_app(pair: Any, config: ServerConfig) -> FastAPI:
-    """The FastAPI app serving ``pair``; run it with uvicorn (``dflash serve`` does).
-
-    Raises:
-        InputError: ``config.block_size`` out of range for the drafter.
-    """
+    """The FastAPI app serving ``pair`` (run with uvicorn); InputError: ``config.block_size`` out of range."""
     server = Server(pair, config)
 
     @asynccontextmanager
@@ -225,7 +179,8 @@ def create_app(pair: Any, config: ServerConfig) -> FastAPI:
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(req.model)
         server.check_chat(req)
-        return await respond(server, request, req, server.encode_chat, "chat")
+        return await respond(server, request, req, lambda r: chat_prompt_ids(server.tokenizer, r, config.template),
+                             "chat")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:

@@ -1,8 +1,5 @@
-"""The engine under ``dflash serve``: one worker thread, a bounded queue, up to ``max_batch``
-requests decoding together (:class:`~dflash_mlx.decode.batch.BatchDecoder`). With ``max_batch`` 1,
-or a target without batched caches (:func:`~dflash_mlx.prompt_cache.batch.batch_refusal`), one
-request at a time in caches kept between requests (:class:`~dflash_mlx.prompt_cache.pair.PairCache`).
-"""
+"""The engine under ``dflash serve``: one worker thread, a bounded queue, up to ``max_batch`` requests decoding
+together; one at a time (in a :class:`~dflash_mlx.prompt_cache.pair.PairCache`) when the target cannot batch."""
 
 from __future__ import annotations
 
@@ -14,22 +11,21 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, List, Optional, Union
 
-from ..prompt_cache.pair import PairCache
 from ..decode.batch import BatchDecoder
 from ..decode.batch_join import Joining, StepResult
 from ..decode.generate import check_block_size
-from ..decode.stopping import StopCondition
+from ..decode.stopping import StopCondition, TextStream
 from ..decode.width import make_chooser
+from ..prompt_cache.batch import batch_refusal
+from ..prompt_cache.pair import PairCache
 from ..prompt_cache.resume import PrefillStopped
 from ..prompt_cache.store import PrefixStore
 from ..sampling import make_sampler
 from ..stats import GenerationStats
-from ..prompt_cache.batch import batch_refusal
 from .api import usage
+from .jobs import _STARTED, Chunk, GenerationJob, Job, Prepare, QueueFullError, push_together
 from .lifecycle import release_streams
 from .metrics import ServerMetrics
-from .jobs import _STARTED, Chunk, GenerationJob, Job, Prepare, QueueFullError, push_together
-from ..decode.stopping import TextStream
 
 log = logging.getLogger("dflash.serve")
 
@@ -39,7 +35,6 @@ class _Request:
     """A request admitted to the engine: its job, text, prefill, reply so far and timings."""
 
     job: Job
-    spec: GenerationJob
     text: TextStream
     joining: Joining
     reply: List[int] = field(default_factory=list)
@@ -48,27 +43,26 @@ class _Request:
 
 
 class Engine:
-    """Runs up to ``max_batch`` generation jobs together on one worker thread.
+    """Runs up to ``max_batch`` generation jobs of ``pair`` together on one worker thread.
 
-    Args:
-        pair: the loaded :class:`dflash_mlx.Pair`.
-        max_batch: most requests decoding at once (1: one at a time, in the pair cache).
-        block_size: B of every verify (None: the drafter's trained size), or "auto" (a seeded
-            sampled request then runs at B, so the same seed gives the same text).
-        max_queue: most requests waiting beyond those running (then :class:`QueueFullError`).
-        prefill_step_size: prompt tokens per prefill chunk (default 2048).
-        store: the prompt cache, or None (one at a time, ``pair_cache`` keeps both caches between requests).
-
-    Raises:
-        InputError: ``block_size`` out of range for the drafter.
+    ``block_size``: B (None: the drafter's trained size; "auto"); ``max_queue``: most jobs waiting beyond those
+    running; ``prefill_step_size``: prompt tokens per chunk (2048); ``store``: the prompt cache, or None.
+    InputError: ``block_size`` out of range for the drafter.
     """
 
     def __init__(self, pair: Any, *, max_batch: int = 1, block_size: Optional[int | str] = None,
                  max_queue: int = 16, metrics: Optional[ServerMetrics] = None,
                  prefill_step_size: Optional[int] = None, store: Optional[PrefixStore] = None):
-        self.pair, self.block_size, self.max_queue, self.metrics = pair, block_size, max_queue, metrics
-        self.prefill_step_size = prefill_step_size
-        solo = max_batch == 1 or batch_refusal(pair.target) is not None
+        self.pair, self.max_queue, self.prefill_step_size = pair, max_queue, prefill_step_size
+        self.metrics = metrics or ServerMetrics()
+        refusal = batch_refusal(pair.target) if max_batch > 1 else None
+        solo = max_batch == 1 or refusal is not None
+        self.metrics.batching.set(0 if solo else 1)
+        if refusal is not None:
+            log.warning("--max-batch %d: batching is off for this target, requests run one at a time: %s",
+                        max_batch, refusal)
+        elif not solo:
+            log.info("continuous batching: up to %d requests decode together", max_batch)
         self.slots = 1 if solo else max_batch
         self.pair_cache = PairCache(pair.target, pair.tokenizer, pair.drafter, store=store) if solo else None
         width = check_block_size(block_size, pair.drafter)
@@ -81,86 +75,78 @@ class Engine:
                         "(--max-batch 1 uses it)", self.decoder.prefix_refusal)
         elif store is not None and not solo:
             log.info("prompt cache: batched requests resume from stored prefixes and store their prompts")
-        self._lock, self._pending, self._jobs, self._closing = threading.Lock(), 0, set(), False  # jobs not done
+        self._lock, self._jobs = threading.Lock(), set()  # jobs not done
+        self.closing = False  # shutdown() was called
         self._inbox: Deque[Job] = deque()
         self._joining: Deque[_Request] = deque()  # admitted, prefilling
         self._active: List[_Request] = []  # decoding
         self._outbox: Optional[List[tuple]] = None  # during a step: (job, chunk) sent together after it
         self.mismatches = 0  # worker turns that ended with the batch inconsistent (a bug; see inconsistency)
         self._wake = threading.Condition()
-        self._worker = threading.Thread(target=self._work, name="dflash-engine", daemon=True)
+        self._worker = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
         self._worker.start()
 
     @property
     def pending(self) -> int:  # jobs running or waiting
-        return self._pending
+        return len(self._jobs)
 
     def submit(self, spec: Union[GenerationJob, Prepare], endpoint: Optional[str] = None,
                timeout: Optional[float] = None) -> Job:
-        """Queue a job (from the event loop): a generation, or a callable the worker runs first to
-        make it; ``timeout``: seconds from now after which it stops.
+        """Queue a job from the event loop (``spec``, or a callable the worker runs to make it); ``timeout``: seconds.
 
         Raises:
             QueueFullError: ``max_queue`` jobs already wait behind the running one.
         """
         job = Job(spec, asyncio.get_running_loop(), endpoint, timeout)
         with self._lock:
-            ahead = self._pending - (self.slots - 1)  # beyond the requests that run at once
-            if self._closing:
+            ahead = len(self._jobs) - (self.slots - 1)  # beyond the requests that run at once
+            if self.closing:
                 raise QueueFullError("the server is shutting down")
             if ahead > self.max_queue:
                 raise QueueFullError(
                     f"the server is busy: {ahead - 1} requests are waiting (the queue holds "
                     f"{self.max_queue}); retry later")
-            self._pending += 1
             self._jobs.add(job)
-        self._gauge()
+            self.metrics.queue.set(len(self._jobs))
         if ahead > 0:
             log.info("request %s waits: %d ahead of it in the queue", job.id, ahead)
-        self._dispatch(job)
-        return job
-
-    def _dispatch(self, job: Job) -> None:
         with self._wake:
             self._inbox.append(job)
             self._wake.notify()
-
-    def _work(self) -> None:
-        try:
-            self._loop()
-        finally:
-            release_streams()
+        return job
 
     def _loop(self) -> None:
         """Admit, prefill one chunk, step the batch (then check it) until shutdown with nothing left."""
-        while True:
-            admitted = self._take()
-            if admitted is None:
-                return
-            try:
-                for job in admitted:
-                    self._admit(job)
-                self._drop_stopped()
-                if self._joining:
-                    self._prefill_chunk()
-                if self._active:
-                    self._step()
-            except Exception as e:  # a bug here: every request in flight gets a 500, the worker goes on
-                log.exception("batch step failed")
-                self._fail(list(self._joining) + self._active, e)
-            try:
-                problem = self.inconsistency()
-            except Exception as e:  # the check itself broke: as unsafe as a failed check
-                problem = f"the check failed: {e!r}"
-            if problem is not None:  # a bug: said, counted, and the batch starts afresh
-                self.mismatches += 1
-                log.error("the batch is inconsistent (%s): every request in flight ends with an error", problem)
-                self._fail(list(self._joining) + self._active, RuntimeError(problem))
-                self.decoder.clear()
+        try:
+            while (admitted := self._take()) is not None:
+                self._turn(admitted)
+        finally:
+            release_streams()
+
+    def _turn(self, admitted: List[Job]) -> None:
+        try:
+            for job in admitted:
+                self._admit(job)
+            self._drop_stopped()
+            if self._joining:
+                self._prefill_chunk()
+            if self._active:
+                self._step()
+        except Exception as e:  # a bug here: every request in flight gets a 500, the worker goes on
+            log.exception("batch step failed")
+            self._fail(list(self._joining) + self._active, e)
+        try:
+            problem = self.inconsistency()
+        except Exception as e:  # the check itself broke: as unsafe as a failed check
+            problem = f"the check failed: {e!r}"
+        if problem is not None:  # a bug: said, counted, and the batch starts afresh
+            self.mismatches += 1
+            log.error("the batch is inconsistent (%s): every request in flight ends with an error", problem)
+            self._fail(list(self._joining) + self._active, RuntimeError(problem))
+            self.decoder.clear()
 
     def inconsistency(self) -> Optional[str]:
-        """What breaks the bookkeeping, or None: the decoder's sequences are exactly the decoding
-        requests, and its caches hold one row per sequence. Checked after every worker turn."""
+        """What breaks the bookkeeping (decoder sequences == decoding requests, one cache row each), or None."""
         keys = [id(s.key) for s in self.decoder.sequences]
         active = [id(r.job) for r in self._active]
         if sorted(keys) != sorted(active):
@@ -171,7 +157,7 @@ class Engine:
         """Wait for work; the jobs to admit now (room permitting), or None at shutdown."""
         with self._wake:
             while not self._inbox and not self._joining and not self._active:
-                if self._closing:
+                if self.closing:
                     return None
                 self._wake.wait(timeout=1.0)
             room = self.slots - len(self._joining) - len(self._active)
@@ -181,9 +167,8 @@ class Engine:
         """Prepare a job (tokenize, check) and start its prefill; or end it at once."""
         waited = time.perf_counter() - job.submitted
         if job.should_stop():
-            return self._unstarted(job)
-        if self.metrics is not None:
-            self.metrics.queue_wait.observe(waited)
+            return self._stopped(job)
+        self.metrics.queue_wait.observe(waited)
         if waited > 0.05:
             log.info("request %s starts after waiting %.2f s", job.id, waited)
         try:
@@ -191,20 +176,12 @@ class Engine:
                 job.spec = job.prepare()
             req = self._start(job)
         except PrefillStopped:  # closed or past its deadline while the pair cache prefilled
-            return self._unstarted(job)
+            return self._stopped(job)
         except Exception as e:  # the request's fault (a 400) or a bug (a 500, logged): the handler decides
             job.push(e)
             return self._release(job)
         job.push(_STARTED)
         self._joining.append(req)
-
-    def _unstarted(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            log.info("request %s: %s before it started", job.id, self._gone())
-            self._count(job, None, "cancelled")
-        else:
-            self._timed_out(job, None)
-        self._release(job)
 
     def _start(self, job: Job) -> _Request:
         spec, tokenizer, step = job.spec, self.pair.tokenizer, self.prefill_step_size or 2048
@@ -224,35 +201,36 @@ class Engine:
         if self.pair_cache is not None:
             joining.reused = joining.stats.prompt_reused = self.pair_cache.last_reused
             joining.stats.prompt_tokens = len(spec.ids)
-        return _Request(job, spec, TextStream(tokenizer, spec.stop), joining)
+        return _Request(job, TextStream(tokenizer, spec.stop), joining)
 
     def _end(self, req: _Request, done: bool) -> None:
         """One at a time: the pair cache keeps the rows known complete (and stores them when ``done``)."""
         if self.pair_cache is not None:
-            ids = list(req.spec.ids) + req.reply
+            ids = list(req.job.spec.ids) + req.reply
             known = len(ids) - 1 if req.first is not None else len(self.pair_cache.tokens)
             self.pair_cache.end(ids, known, done)
 
     def _drop_stopped(self) -> None:
         """Requests closed by their client or past their deadline leave now."""
         for req in [r for r in list(self._joining) + self._active if r.job.should_stop()]:
-            if req in self._active:
-                self._active.remove(req)
-                self.decoder.remove([req.job])
-            else:
-                self._joining.remove(req)
-            self._stopped(req)
+            self._detach([req])
+            self._stopped(req.job, req)
 
-    def _stopped(self, req: _Request) -> None:
-        stats = req.joining.stats
-        if req.job.cancelled.is_set():
-            log.info("request %s stopped: %s after %d of %d tokens", req.job.id, self._gone(),
-                     stats.generation_tokens, req.spec.max_tokens)
-            self._count(req.job, stats, "cancelled", req.joining.reused)
+    def _stopped(self, job: Job, req: Optional[_Request] = None) -> None:
+        """``job`` (``req`` once admitted), closed or past its deadline, ends: counted, told, released."""
+        stats, reused = (req.joining.stats, req.joining.reused) if req is not None else (None, None)
+        n = stats.generation_tokens if stats is not None else 0
+        if job.cancelled.is_set():
+            gone = "stopped by the shutdown" if self.closing else "client gone"
+            log.info("request %s stopped: %s after %d tokens", job.id, gone, n)
+            self._count(job, stats, "cancelled", reused)
         else:
-            self._timed_out(req.job, stats, req.joining.reused)
-        self._end(req, False)
-        self._release(req.job)
+            log.info("request %s stopped: past its deadline after %d tokens", job.id, n)
+            self._count(job, stats, "timeout", reused)  # before the client hears of it, so /metrics agrees
+            job.push(Chunk(error="the request ran past the server's --request-timeout", status=408))
+        if req is not None:
+            self._end(req, False)
+        self._release(job)
 
     def _prefill_chunk(self) -> None:
         req = self._joining[0]
@@ -260,7 +238,7 @@ class Engine:
             result = req.joining.advance()
         except PrefillStopped:
             self._joining.popleft()
-            return self._stopped(req)
+            return self._stopped(req.job, req)
         except Exception as e:  # this request's prefill or join failed: it alone ends
             log.exception("request %s: prefill failed", req.job.id)
             return self._fail([req], e)
@@ -295,8 +273,7 @@ class Engine:
         finally:
             outbox, self._outbox = self._outbox, None
             push_together(outbox)
-        if self.metrics is not None:
-            self.metrics.batch_size.set(len(self.decoder))
+        self.metrics.batch_size.set(len(self.decoder))
 
     def _emit(self, req: _Request, result: StepResult) -> None:
         """Hand one step's text to the request; at its end, count and release it."""
@@ -311,7 +288,7 @@ class Engine:
             if req in self._active:
                 self._active.remove(req)
             log.info("request %s: %d prompt tokens (%d reused), %d generated, %s, %.1f tokens/s (batched)",
-                     req.job.id, len(req.spec.ids), req.joining.reused, stats.generation_tokens,
+                     req.job.id, len(req.job.spec.ids), req.joining.reused, stats.generation_tokens,
                      stats.tau_text() or "no drafter", stats.generation_tps)
             self._count(req.job, stats, "completed", req.joining.reused)
             self._end(req, True)
@@ -319,26 +296,28 @@ class Engine:
 
     def _fail(self, requests: List[_Request], error: BaseException) -> None:
         """End ``requests`` with an error (a 500, or an error event in a stream), counted and released."""
-        for req in requests:
-            if req in self._active:
-                self._active.remove(req)
-            if req in self._joining:
-                self._joining.remove(req)
-        self.decoder.remove([r.job for r in requests])
+        self._detach(requests)
         for req in requests:
             self._end(req, False)
             self._send(req.job, Chunk(error=f"generation failed: {type(error).__name__}: {error}"))
             self._count(req.job, None, "error")
             self._release(req.job)
 
+    def _detach(self, requests: List[_Request]) -> None:
+        for req in requests:
+            if req in self._active:
+                self._active.remove(req)
+            if req in self._joining:
+                self._joining.remove(req)
+        self.decoder.remove([r.job for r in requests])
+
     def _release(self, job: Job) -> None:
         """The job is done (its end is sent); a second call does nothing."""
         with self._lock:
             if job not in self._jobs:
                 return
-            self._pending -= 1
             self._jobs.discard(job)
-        self._gauge()
+            self.metrics.queue.set(len(self._jobs))
         self._send(job, None)
 
     def _send(self, job: Job, chunk: Any) -> None:
@@ -348,36 +327,16 @@ class Engine:
         else:
             self._outbox.append((job, chunk))
 
-    def _timed_out(self, job: Job, stats, reused: Optional[int] = None) -> None:
-        n = stats.generation_tokens if stats is not None else 0
-        log.info("request %s stopped: past its deadline after %d tokens", job.id, n)
-        self._count(job, stats, "timeout", reused)  # before the client hears of it, so /metrics agrees
-        job.push(Chunk(error="the request ran past the server's --request-timeout", status=408))
-
     def _count(self, job: Job, stats, outcome: str, reused: Optional[int] = None) -> None:
         """Count a request's outcome and generation (``reused``: prompt tokens found in the caches)."""
-        if self.metrics is not None:
-            self.metrics.request(job.endpoint, outcome)
-            if stats is not None:
-                self.metrics.generation(stats, len(job.spec.ids), reused or 0, time.perf_counter() - job.submitted)
-
-    def _gauge(self) -> None:
-        if self.metrics is not None:
-            self.metrics.queue.set(self._pending)
-
-    @property
-    def closing(self) -> bool:  # shutdown() was called
-        return self._closing
-
-    def _gone(self) -> str:
-        return "stopped by the shutdown" if self._closing else "client gone"
+        self.metrics.request(job.endpoint, outcome)
+        if stats is not None:
+            self.metrics.generation(stats, len(job.spec.ids), reused or 0, time.perf_counter() - job.submitted)
 
     def shutdown(self, wait: bool = False) -> None:
-        """Stop taking jobs; the running one stops after its step, waiting ones end at once.
-        ``wait``: return once the worker thread has ended, its MLX streams synchronized and
-        released (:func:`~dflash_mlx.serve.lifecycle.release_streams`)."""
+        """Stop taking jobs; running ones stop after their step, waiting ones at once. ``wait``: for the worker."""
         with self._lock:
-            self._closing = True
+            self.closing = True
             for job in self._jobs:
                 job.close()
         with self._wake:
@@ -385,15 +344,3 @@ class Engine:
         if wait:
             self._worker.join()
 
-
-def make_engine(pair: Any, max_batch: int, metrics: ServerMetrics, **kwargs) -> Engine:
-    """The :class:`Engine` for ``--max-batch`` (``kwargs``: its other arguments); says in the log
-    and in ``dflash_batching`` whether requests batch."""
-    refusal = batch_refusal(pair.target) if max_batch > 1 else None
-    metrics.batching.set(1 if max_batch > 1 and refusal is None else 0)
-    if refusal is not None:
-        log.warning("--max-batch %d: batching is off for this target, requests run one at a time: %s",
-                    max_batch, refusal)
-    elif max_batch > 1:
-        log.info("continuous batching: up to %d requests decode together", max_batch)
-    return Engine(pair, max_batch=max_batch, metrics=metrics, **kwargs)

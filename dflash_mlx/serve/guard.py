@@ -1,6 +1,4 @@
-"""What bounds a request's work before it reaches the engine: the API key, the body's
-size and idle time, the chat template's arguments, the prompt's characters, and a
-client that goes away."""
+"""What bounds a request before the engine: API key, body size and idle time, template arguments, prompt size."""
 
 from __future__ import annotations
 
@@ -25,9 +23,8 @@ TEMPLATE_KWARGS = ("chat_template",)  # a template's source: only with --allow-r
 
 
 class GuardMiddleware:
-    """ASGI middleware: 401 without ``Authorization: Bearer <api_key>`` (when a key is set;
-    not on ``/health``), 413 for a body past ``max_body_bytes`` (declared or counted),
-    408 for a body idle more than ``idle_timeout`` seconds between chunks."""
+    """ASGI middleware: 401 without the ``api_key`` (not on ``/health``), 413 for a body past ``max_body_bytes``
+    (declared or counted), 408 for a body idle more than ``idle_timeout`` seconds between chunks."""
 
     def __init__(self, app, api_key: Optional[str], max_body_bytes: int, idle_timeout: Optional[float] = None):
         self.app, self.max_body_bytes, self.idle_timeout = app, max_body_bytes, idle_timeout
@@ -79,13 +76,8 @@ class GuardMiddleware:
 
 
 def check_template_kwargs(kwargs: Optional[Dict[str, Any]], allow_templates: bool) -> None:
-    """Refuse ``chat_template_kwargs`` that would change what the server renders.
-
-    Raises:
-        APIError: 400 naming ``chat_template_kwargs.KEY`` for a template source
-            (``chat_template``) without ``allow_templates``, or an argument the server
-            sets itself (``tokenize``, ``tools``, ...).
-    """
+    """Raises APIError 400 naming ``chat_template_kwargs.KEY`` for a template source without ``allow_templates``,
+    or an argument the server sets itself."""
     for key in kwargs or {}:
         param = f"chat_template_kwargs.{key}"
         if key in TEMPLATE_KWARGS and not allow_templates:
@@ -97,19 +89,14 @@ def check_template_kwargs(kwargs: Optional[Dict[str, Any]], allow_templates: boo
 
 
 def prompt_char_cap(context: Optional[int], max_prompt_chars: Optional[int]) -> Optional[int]:
-    """The most prompt characters a request may send: ``max_prompt_chars`` if given,
-    else :data:`CHARS_PER_TOKEN` per token of ``context`` (None: no cap)."""
+    """Most prompt characters: ``max_prompt_chars``, else :data:`CHARS_PER_TOKEN` per token of context (or None)."""
     if max_prompt_chars is not None:
         return max_prompt_chars
     return None if context is None else CHARS_PER_TOKEN * context
 
 
 def check_prompt_chars(n: int, cap: Optional[int], param: str, context: Optional[int]) -> None:
-    """Refuse a prompt of ``n`` characters past ``cap``, before it is tokenized.
-
-    Raises:
-        APIError: 400 ``context_length_exceeded`` naming ``param``.
-    """
+    """Raises APIError 400 ``context_length_exceeded`` naming ``param`` for ``n`` characters past ``cap``."""
     if cap is not None and n > cap:
         per = f" ({CHARS_PER_TOKEN} per token of the model's {context}-token context)" if context else ""
         raise APIError(400, f"{param}: the prompt is {n} characters; this server takes at most {cap}{per}, "
@@ -117,8 +104,7 @@ def check_prompt_chars(n: int, cap: Optional[int], param: str, context: Optional
 
 
 async def watch_disconnect(receive, job) -> None:
-    """Close ``job`` when the client disconnects. Run as a task once the body is read;
-    cancel it when the response is done."""
+    """Close ``job`` when the client disconnects (a task from when the body is read to the response's end)."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":

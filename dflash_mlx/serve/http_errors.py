@@ -18,16 +18,8 @@ ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
 class APIError(Exception):
-    """An error the client gets as OpenAI's JSON error object.
-
-    Args:
-        status: HTTP status (4xx; 5xx for server faults).
-        message: one line naming the field at fault.
-        param: the request field, if one is at fault.
-        code: OpenAI's error code (e.g. ``context_length_exceeded``), if any.
-        type_: OpenAI's error type.
-        counted: the engine has counted the request in the metrics already.
-    """
+    """An error the client gets as OpenAI's JSON error object (``param``: the field at fault; ``counted``: the
+    engine has counted the request in the metrics already)."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
                  type_: str = "invalid_request_error", headers: Optional[Dict[str, str]] = None,
@@ -51,27 +43,8 @@ def timed_out(message: str, counted: bool = False) -> APIError:
     return APIError(408, message, code="request_timeout", type_=TIMEOUT_TYPE, counted=counted)
 
 
-def body_timeout(seconds: float) -> APIError:
-    return timed_out(f"the request body stalled for more than {seconds:g} s (--idle-timeout)")
-
-
-def too_large(cap: int) -> APIError:
-    return APIError(413, f"the request body is larger than {cap} bytes (--max-body-mb)",
-                    code="request_too_large")
-
-
-def timed_out(message: str, counted: bool = False) -> APIError:
-    """A 408, typed ``timeout`` (the request was well formed; time ran out)."""
-    return APIError(408, message, code="request_timeout", type_=TIMEOUT_TYPE, counted=counted)
-
-
-def body_timeout(seconds: float) -> APIError:
-    return timed_out(f"the request body stalled for more than {seconds:g} s (--idle-timeout)")
-
-
 def add_error_handlers(app: FastAPI, metrics, max_body_bytes: int, idle_timeout: float) -> None:
-    """Answer every error with OpenAI's error object (a 500 hides the traceback, which
-    goes to the log) and count the refusals of the generation endpoints in ``metrics``."""
+    """Answer every error with OpenAI's error object (a 500's traceback goes to the log); count refusals."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -89,7 +62,8 @@ def add_error_handlers(app: FastAPI, metrics, max_body_bytes: int, idle_timeout:
         if exc.status_code == 413:
             return await api_error(request, too_large(max_body_bytes))
         if exc.status_code == 408:
-            return await api_error(request, body_timeout(idle_timeout))
+            return await api_error(request, timed_out(f"the request body stalled for more than {idle_timeout:g} s "
+                                                      "(--idle-timeout)"))
         messages = {404: f"no route {request.method} {request.url.path}",
                     405: f"method {request.method} is not allowed on {request.url.path}"}
         return await api_error(request, APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail))))
@@ -106,8 +80,7 @@ def add_error_handlers(app: FastAPI, metrics, max_body_bytes: int, idle_timeout:
 
 
 def validation_message(exc: RequestValidationError) -> APIError:
-    """The first field's validation errors as one 400 line naming the field (for a union,
-    the members' common location and each member's message)."""
+    """The first field's validation errors as one 400 naming the field (a union's: each member's message)."""
     errors = exc.errors()
     err = errors[0]
     if err.get("type") == "json_invalid":

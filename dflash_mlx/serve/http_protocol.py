@@ -1,8 +1,5 @@
-"""uvicorn's h11 protocol with the limits uvicorn does not set: headers must arrive in
-full within ``header_timeout`` seconds (else the connection closes, with a 408 if it sent
-anything); headers past h11's size limit get a 431 and unparsable requests a 400, as
-OpenAI's JSON error object, and the connection is drained for :data:`LINGER_S` before it
-closes."""
+"""uvicorn's h11 protocol with more limits: headers within ``header_timeout`` s (else a close, or a 408 if some
+came), a 431 past h11's header size and a 400 for bad HTTP as JSON, then :data:`LINGER_S` of draining."""
 
 from __future__ import annotations
 
@@ -99,8 +96,7 @@ class GuardedH11Protocol(H11Protocol):
         self._answer(status, body, raw=False)
 
     def _answer(self, status: int, body: Dict[str, Any], raw: bool) -> None:
-        """Send ``body`` with ``Connection: close``, then drain for :data:`LINGER_S`.
-        ``raw``: no request was parsed, so h11 cannot frame the response."""
+        """Send ``body`` with ``Connection: close``, then drain; ``raw``: no request parsed, h11 cannot frame it."""
         data = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
                    (b"connection", b"close")]
@@ -130,7 +126,6 @@ def guarded_protocol(header_timeout: float) -> type:
 
 
 def uvicorn_options(idle_timeout: float, max_connections: int) -> Dict[str, Any]:
-    """uvicorn settings: ``idle_timeout`` s of keep-alive and for headers to arrive, and
-    at most ``max_connections`` at once (past it uvicorn answers 503)."""
+    """uvicorn settings: ``idle_timeout`` s of keep-alive and for headers, ``max_connections`` at once (then 503)."""
     return {"http": guarded_protocol(idle_timeout), "timeout_keep_alive": idle_timeout,
             "limit_concurrency": max_connections}

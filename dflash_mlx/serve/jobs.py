@@ -1,4 +1,4 @@
-"""A request's life between the HTTP handlers and the engine's worker: the job, its chunks, its errors."""
+"""A request between the HTTP handlers and the engine's worker: the job, its chunks, its errors."""
 
 from __future__ import annotations
 
@@ -29,16 +29,8 @@ _STARTED = object()  # queue marker: prepare() is done, generation begins
 
 @dataclass
 class GenerationJob:
-    """What one request asks the engine for.
-
-    Attributes:
-        ids: prompt token ids, whole (the engine finds what the caches hold).
-        max_tokens: most tokens to generate (already capped by the context).
-        stop: stop strings (the text ends before the first match).
-        temperature, top_p, top_k, min_p: mlx-lm sampler settings; 0 is greedy.
-        seed: PRNG seed set before this generation, or None.
-        endpoint: "chat" or "completions", for the metrics.
-    """
+    """What one request asks for: the whole prompt's ids, at most ``max_tokens`` (capped by the context), stop
+    strings, mlx-lm sampler settings (temperature 0: greedy), a seed, and "chat" or "completions" (metrics)."""
 
     ids: List[int]
     max_tokens: int
@@ -53,15 +45,8 @@ class GenerationJob:
 
 @dataclass
 class Chunk:
-    """One verify step's output, as the event loop receives it.
-
-    Attributes:
-        text: new text (may be empty: held back while a stop string may begin).
-        finish_reason: "stop", "length", or None while it goes on.
-        usage: on the last chunk, the ``usage`` object (see ``server_api.usage``).
-        error: set (with nothing else) when the generation failed or timed out.
-        status: the HTTP status of ``error`` (500: a bug; 408: the deadline passed).
-    """
+    """One step's new text (may be empty), finish_reason ("stop", "length", None), ``usage`` on the last one;
+    or ``error`` alone, with its HTTP ``status`` (500: a bug; 408: the deadline passed)."""
 
     text: str = ""
     finish_reason: Optional[str] = None
@@ -74,9 +59,7 @@ Prepare = Callable[[], GenerationJob]
 
 
 def push_together(items: Sequence[Tuple["Job", Any]]) -> None:
-    """From the worker thread: hand chunks of several jobs (in order) to their event
-    loops with one wake-up per loop, not one per chunk (a batched step makes a chunk
-    for every request in the batch)."""
+    """From the worker thread: hand ``(job, chunk)`` pairs, in order, to their event loops (one wake-up each)."""
     by_loop: Dict[Any, List[Tuple["Job", Any]]] = {}
     for job, chunk in items:
         by_loop.setdefault(job._loop, []).append((job, chunk))
@@ -94,15 +77,8 @@ def _put_all(group: List[Tuple["Job", Any]]) -> None:
 
 
 class Job:
-    """A submitted request: ``await start()``, then iterate it (async) for its chunks;
-    ``close()`` to stop it.
-
-    Args:
-        spec: the generation, or a ``prepare`` callable the worker runs to make it.
-        loop: the event loop the chunks go to.
-        endpoint: "chat" or "completions", for the metrics (default: the spec's).
-        timeout: seconds from submission after which the generation stops (None: never).
-    """
+    """A submitted request (``spec``, or a callable the worker runs to make it) whose chunks go to ``loop``:
+    ``await start()``, then iterate it (async); ``close()`` to stop it. ``timeout``: seconds (None: never)."""
 
     def __init__(self, spec: Union[GenerationJob, Prepare], loop: asyncio.AbstractEventLoop,
                  endpoint: Optional[str] = None, timeout: Optional[float] = None):
@@ -117,49 +93,36 @@ class Job:
         self._done = self._started = False
 
     def expired(self) -> bool:
-        """Whether the deadline has passed."""
         return self.deadline is not None and time.monotonic() >= self.deadline
 
     def should_stop(self) -> bool:
-        """Closed or past its deadline (checked between prefill chunks and verify steps)."""
+        """Closed or past its deadline."""
         return self.cancelled.is_set() or self.expired()
 
     def push(self, chunk: Any) -> None:
-        """From the worker thread: hand a chunk (None: the end; an exception: prepare
-        failed) to the event loop."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
-        except RuntimeError:  # the event loop is closed: the server is shutting down
-            self.cancelled.set()
+        """From the worker thread: hand a chunk (None: the end; an exception: prepare failed) to the event loop."""
+        push_together([(self, chunk)])
 
     async def start(self) -> GenerationJob:
-        """Wait until the worker has prepared the job (its prompt tokenized and checked).
-
-        Returns:
-            The prepared :class:`GenerationJob`.
+        """The prepared :class:`GenerationJob`, once the worker has made it.
 
         Raises:
-            Whatever ``prepare`` raised; :class:`JobCancelled` when it was closed before
-            it started; :class:`QueueFullError` when the server shut down first;
-            :class:`RequestTimeout` when its deadline passed in the queue.
+            Whatever ``prepare`` raised; :class:`JobCancelled` (closed before it started), :class:`QueueFullError`
+            (the server shut down first), :class:`RequestTimeout` (its deadline passed in the queue).
         """
         while not self._started:
             item = await self._queue.get()
             if item is _STARTED:
                 self._started = True
-            elif item is None:
-                self._done = True
-                if self.cancelled.is_set():
-                    raise JobCancelled("the client went away")
+                continue
+            self._done = True  # the end, prepare's error, or a failure or timeout before it began
+            if item is None and self.cancelled.is_set():
+                raise JobCancelled("the client went away")
+            if item is None:
                 raise QueueFullError("the server is shutting down")
-            elif isinstance(item, BaseException):
-                self._done = True
+            if isinstance(item, BaseException):
                 raise item
-            elif isinstance(item, Chunk) and item.error:  # failed or timed out before it began
-                self._done = True
-                if item.status == 408:
-                    raise RequestTimeout(item.error)
-                raise RuntimeError(item.error)
+            raise RequestTimeout(item.error) if item.status == 408 else RuntimeError(item.error)
         return self.spec
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:

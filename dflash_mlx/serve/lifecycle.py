@@ -1,6 +1,4 @@
-"""Start and stop of ``dflash serve``: the socket, taken before the model loads; uvicorn
-until SIGINT or SIGTERM, at which requests in flight stop after their step and the
-engine's worker ends before :func:`serve` returns."""
+"""Start and stop of ``dflash serve``: the socket (taken before the model loads), uvicorn until SIGINT or SIGTERM."""
 
 from __future__ import annotations
 
@@ -18,11 +16,10 @@ BACKLOG = 2048  # uvicorn's default
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on ``host:port`` as uvicorn would bind it (SO_REUSEADDR).
+    """A TCP socket listening on ``host:port`` (SO_REUSEADDR).
 
     Raises:
-        InputError: the port is in use or not allowed, or the host is not an address
-            of this machine (naming ``--port`` or ``--host``).
+        InputError: naming ``--port`` (in use, not allowed) or ``--host`` (not an address of this machine).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -51,8 +48,7 @@ def _bind_error(host: str, port: int, e: OSError) -> str:
 
 
 def serve(app: Any, sock: socket.socket, engine: Any, **config: Any) -> None:
-    """Run uvicorn with ``app`` on ``sock`` (``config``: ``uvicorn.Config`` settings) until a
-    stop signal; shut ``engine`` down then and return once its worker has ended."""
+    """Run uvicorn with ``app`` on ``sock`` until a stop signal; return once ``engine``'s worker has ended."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -77,8 +73,7 @@ def serve(app: Any, sock: socket.socket, engine: Any, **config: Any) -> None:
 
 
 def release_streams() -> None:
-    """Wait for the calling thread's MLX stream, then free what MLX keeps per thread; call
-    it last on a worker thread (left to the thread's exit, it can abort the process)."""
+    """Synchronize and free the calling thread's MLX streams; call it last on a worker thread."""
     import mlx.core as mx
 
     try:

@@ -20,12 +20,10 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def respond(server: Any, request: Request, req: Any, encode, endpoint: str) -> Response:
-    """Queue the request (``encode(req)``, its prompt ids, runs on the engine's worker),
-    then answer. The job is closed when the client disconnects.
+    """Queue the request (``encode(req)``, its prompt ids, runs on the worker), then answer; a disconnect closes it.
 
     Raises:
-        APIError: 429 (queue full), 503 (shutting down), 408 (past ``--request-timeout``),
-            or the 4xx of the prompt's checks.
+        APIError: 429 (queue full), 503 (shutting down), 408 (past ``--request-timeout``), or the prompt's 4xx.
     """
     try:
         job = server.engine.submit(lambda: server.job(req, encode(req), endpoint), endpoint,
@@ -77,8 +75,7 @@ async def _collect(job: Job):
 
 async def _events(engine: Any, job: Job, rid: str, req: Any, watcher: asyncio.Future,
                   split: Optional[ReplySplitter]) -> AsyncIterator[str]:
-    """Deltas (a chat's split by ``split``), the finish chunk, the usage chunk if asked,
-    then ``[DONE]``. Leaving early stops the generation."""
+    """Deltas (a chat's split by ``split``), the finish chunk, the usage chunk if asked, then ``[DONE]``."""
     chat, finished, model = split is not None, False, req.model
     obj = "chat.completion.chunk" if chat else "text_completion"
     try:
@@ -108,11 +105,7 @@ async def _events(engine: Any, job: Job, rid: str, req: Any, watcher: asyncio.Fu
 
 
 def unfinished(engine: Any) -> Response:
-    """A job that ended unfinished: 499 (its client went away; nobody reads it).
-
-    Raises:
-        APIError: 503 when the server is shutting down.
-    """
+    """A job that ended unfinished: 499 (its client went away), or APIError 503 while shutting down."""
     if engine.closing:
         raise shutting_down()
     return Response(status_code=499)

@@ -1,8 +1,5 @@
-"""The tool fields of a chat request: ``tools`` (at most :data:`MAX_TOOLS` function tools,
-names of 1 to 64 ``[A-Za-z0-9_-]``, unique, ``parameters`` nested at most
-:data:`MAX_SCHEMA_DEPTH`, at most :data:`MAX_TOOL_CHARS` characters each), ``tool_choice``
-("none", "auto", "required" or a named one of ``tools``) and messages' ``tool_calls``
-(``arguments`` a JSON object in a string). Each bound is a 400 naming the field."""
+"""The tool fields of a chat request (``tools``, ``tool_choice``, messages' ``tool_calls``) and their bounds; each
+problem is ``(param, message)``, a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -18,8 +15,6 @@ NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class ToolFunction(BaseModel):
-    """A function the model may call. Unknown keys are dropped."""
-
     model_config = ConfigDict(strict=True, extra="ignore")
     name: str = Field(pattern=NAME)
     description: Optional[str] = None
@@ -28,8 +23,6 @@ class ToolFunction(BaseModel):
 
 
 class ToolDefinition(BaseModel):
-    """One entry of ``tools``: only ``function`` tools are served."""
-
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["function"]
     function: ToolFunction
@@ -41,8 +34,6 @@ class ChosenFunction(BaseModel):
 
 
 class NamedToolChoice(BaseModel):
-    """``tool_choice`` naming one function."""
-
     model_config = ConfigDict(strict=True)
     type: Literal["function"]
     function: ChosenFunction
@@ -58,8 +49,6 @@ class CalledFunction(BaseModel):
 
 
 class ToolCallIn(BaseModel):
-    """A tool call of an assistant message sent back in ``messages``."""
-
     model_config = ConfigDict(strict=True, extra="ignore")
     id: Optional[str] = None
     type: Literal["function"] = "function"
@@ -87,7 +76,7 @@ def count_chars(value: Any) -> int:
 
 
 def other_tool_type(data: Any) -> Optional[tuple]:
-    """The first raw tool whose ``type`` is not "function", as ``(param, message)``, or None."""
+    """The first raw tool whose ``type`` is not "function", or None."""
     tools = data.get("tools") if isinstance(data, dict) else None
     for i, tool in enumerate(tools if isinstance(tools, list) else []):
         if isinstance(tool, dict) and "type" in tool and tool["type"] != "function":
@@ -96,7 +85,7 @@ def other_tool_type(data: Any) -> Optional[tuple]:
 
 
 def tool_problem(tools: Optional[List[ToolDefinition]], choice: Optional[ToolChoice]) -> Optional[tuple]:
-    """The first thing wrong with ``tools`` and ``tool_choice`` together, as ``(param, message)``, or None."""
+    """The first thing wrong with ``tools`` and ``tool_choice`` together, or None."""
     seen = set()
     for i, tool in enumerate(tools or []):
         where = f"tools.{i}.function"
@@ -120,8 +109,7 @@ def tool_problem(tools: Optional[List[ToolDefinition]], choice: Optional[ToolCho
 
 
 def arguments_problem(calls: List[ToolCallIn]) -> Optional[tuple]:
-    """The first call whose ``arguments`` is not a JSON object, as ``(param suffix,
-    message)`` (suffix: ``tool_calls.N.function.arguments``), or None."""
+    """The first call whose ``arguments`` is not a JSON object (param ``tool_calls.N.function.arguments``), or None."""
     for j, call in enumerate(calls):
         try:
             value = json.loads(call.function.arguments)
@@ -133,8 +121,7 @@ def arguments_problem(calls: List[ToolCallIn]) -> Optional[tuple]:
 
 
 def calls_for_template(calls: List[ToolCallIn]) -> List[Dict[str, Any]]:
-    """Assistant tool calls as chat templates read them: arguments decoded to a dict
-    (checked by :func:`arguments_problem` before)."""
+    """Assistant tool calls as chat templates read them: arguments decoded to a dict."""
     out = []
     for call in calls:
         d = call.model_dump(exclude_none=True)

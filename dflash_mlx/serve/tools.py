@@ -1,7 +1,5 @@
-"""A chat reply's text split into OpenAI's ``content``, ``reasoning_content`` and
-``tool_calls`` with the tokenizer's mlx-lm formats (thinking tags, tool-call markers,
-``tool_parser``) and mlx-lm's ``TextStateMachine``. A call that is not wanted or cannot
-be parsed stays text where it was written; the tokens are never changed."""
+"""A chat reply's text split into ``content``, ``reasoning_content`` and ``tool_calls`` by the tokenizer's mlx-lm
+formats; a call not wanted or not parsed stays text where it was written."""
 
 from __future__ import annotations
 
@@ -22,8 +20,7 @@ REASONING, TOOL = "reasoning", "tool"  # mlx-lm's state names
 
 @dataclass
 class Delta:
-    """What a piece of reply adds to ``content``, ``reasoning_content`` and ``tool_calls``
-    (each ``{"index", "id", "type": "function", "function": {"name", "arguments"}}``)."""
+    """What a piece of reply adds to ``content``, ``reasoning_content`` and ``tool_calls`` (OpenAI's, with index)."""
 
     content: str = ""
     reasoning: str = ""
@@ -35,7 +32,6 @@ class Delta:
         self.tool_calls.extend(other.tool_calls)
 
     def stream_delta(self) -> Dict[str, Any]:
-        """The ``delta`` of a ``chat.completion.chunk`` (empty when nothing came)."""
         out: Dict[str, Any] = {}
         if self.reasoning:
             out["reasoning_content"] = self.reasoning
@@ -46,7 +42,7 @@ class Delta:
         return out
 
     def message(self) -> Dict[str, Any]:
-        """A ``chat.completion``'s ``message`` fields but its role (``content`` None for only tool calls)."""
+        """A ``chat.completion``'s ``message`` fields but its role."""
         out: Dict[str, Any] = {"content": self.content if self.content or not self.tool_calls else None}
         if self.reasoning:
             out["reasoning_content"] = self.reasoning
@@ -65,15 +61,8 @@ def initial_state(tokenizer: Any, prompt: Sequence[int]) -> str:
 
 
 class ReplySplitter:
-    """Splits one reply's text, fed chunk by chunk, into :class:`Delta` pieces.
-
-    Args:
-        tokenizer: the pair's tokenizer (without mlx-lm's formats, text is all content).
-        prompt: the prompt's token ids.
-        tools: the request's tools (given to the parser), or None: calls are not wanted.
-        required: ``tool_choice`` asked for a call (a reply without one is logged).
-        single: ``parallel_tool_calls`` is false: calls after the first stay text.
-    """
+    """Splits one reply's text, fed chunk by chunk, into :class:`Delta` pieces. ``tools``: None when calls are not
+    wanted; ``required``: a reply without a call is logged; ``single``: calls after the first stay text."""
 
     def __init__(self, tokenizer: Any, prompt: Sequence[int], tools: Optional[List[Dict[str, Any]]],
                  required: bool = False, single: bool = False):
@@ -83,18 +72,18 @@ class ReplySplitter:
         self.state = self.machine.make_state(initial_state(tokenizer, prompt)) if self.machine else None
         self.parser: Optional[Callable] = tokenizer.tool_parser if calling and tools is not None else None
         self.markers = (tokenizer.tool_call_start, tokenizer.tool_call_end or "") if calling else ("", "")
-        self.tools, self.calls, self.failed, self.required, self.single = tools, 0, 0, required, single
+        self.tools, self.calls, self.required, self.single = tools, 0, required, single
         self._where, self._tool_text, self._origin = "normal", "", "normal"  # _origin: where the call began
 
     def feed(self, text: str) -> Delta:
-        """The fields ``text`` adds (text that may begin a marker is held back)."""
+        """What ``text`` adds (text that may begin a marker is held back)."""
         if self.machine is None:
             return Delta(content=text)
         self.state, segments = TextStateMachine.split(self.state, text)
         return self._take(segments)
 
     def finish(self) -> Delta:
-        """The rest: held-back text, and a tool call left open (cut by the end)."""
+        """The rest: held-back text, and a tool call left open."""
         out = Delta()
         if self.machine is not None:
             self.state, rest, where = TextStateMachine.flush(self.state)
@@ -108,7 +97,6 @@ class ReplySplitter:
         return out
 
     def whole(self, text: str, reason: Optional[str]) -> Tuple[Dict[str, Any], Optional[str]]:
-        """A whole reply's ``message`` fields and its finish reason."""
         out = self.feed(text)
         out.add(self.finish())
         return out.message(), self.finish_reason(reason)
@@ -149,7 +137,6 @@ class ReplySplitter:
             return as_text
         calls = parse_calls(self.parser, text, self.tools)
         if calls is None:
-            self.failed += 1
             log.warning("a tool call of %d characters could not be parsed by %s%s; returned as text",
                         len(raw), getattr(self.parser, "__module__", "the tool parser"),
                         "" if ended else " (the reply ended inside it)")
@@ -164,15 +151,13 @@ class ReplySplitter:
 
 
 def reply_splitter(tokenizer: Any, req: Any, prompt: Sequence[int]) -> ReplySplitter:
-    """The splitter of an ``api.ChatCompletionRequest``'s reply."""
     tools = req.template_tools() if req.wants_tool_calls() else None
     return ReplySplitter(tokenizer, prompt, tools, required=req.tool_choice not in (None, "none", "auto"),
                          single=req.parallel_tool_calls is False)
 
 
 def parse_calls(parser: Callable, text: str, tools: Optional[List[dict]]) -> Optional[List[Dict[str, Any]]]:
-    """The calls mlx-lm's ``parser`` reads in ``text`` as OpenAI ``tool_calls`` entries;
-    None when it fails or returns anything but dicts with a string ``name``."""
+    """The calls ``parser`` reads in ``text`` as OpenAI ``tool_calls`` entries; None when it fails."""
     try:
         parsed = parser(text, tools)
         calls = parsed if isinstance(parsed, list) else [parsed]
@@ -184,11 +169,7 @@ def parse_calls(parser: Callable, text: str, tools: Optional[List[dict]]) -> Opt
 
 
 def openai_call(call: Dict[str, Any]) -> Dict[str, Any]:
-    """A parsed call as OpenAI's ``tool_calls`` entry (``arguments`` a JSON string).
-
-    Raises:
-        TypeError, ValueError: arguments JSON cannot encode (NaN, a set, ...).
-    """
+    """A parsed call as OpenAI's ``tool_calls`` entry; TypeError, ValueError: arguments JSON cannot encode."""
     args = call.get("arguments", {})
     if not isinstance(args, str):
         args = json.dumps(args, ensure_ascii=False, allow_nan=False)
@@ -197,11 +178,10 @@ def openai_call(call: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def check_tool_support(tokenizer: Any, tools: bool, choice: Any, warned: set) -> None:
-    """Refuse what this model cannot do with tools; log once (``warned``) what it does instead.
+    """Log once (``warned``) what this model does instead of tool calls.
 
     Raises:
-        APIError: 400 ``tools`` without a chat template; 400 ``tool_choice`` asking for a
-            call when mlx-lm parses no tool-call format of this tokenizer.
+        APIError: 400 ``tools`` without a chat template; 400 ``tool_choice`` asking for a call it cannot parse.
     """
     if tools and not getattr(tokenizer, "has_chat_template", False):
         raise APIError(400, "tools: this model has no chat template, so nothing can show it the tools; send the "
