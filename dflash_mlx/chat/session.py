@@ -1,9 +1,4 @@
-"""A multi-turn chat over one target/drafter pair that keeps both caches between turns.
-
-Each turn renders the whole conversation and resumes from the longest common prefix the
-:class:`~dflash_mlx.prompt_cache.pair.PairCache` holds. An interrupted turn keeps its
-partial reply in the history.
-"""
+"""A multi-turn chat over one pair, both caches kept between turns (a :class:`PairCache`)."""
 
 from __future__ import annotations
 
@@ -23,12 +18,7 @@ from .session_file import write_transcript
 
 
 class ContextFullError(InputError):
-    """The conversation does not fit the model's context; reset to go on.
-
-    Attributes:
-        tokens: the rendered conversation's length, with the new turn.
-        limit: the model's context length.
-    """
+    """The conversation (``tokens`` with the new turn) does not fit the model's context (``limit``)."""
 
     def __init__(self, tokens: int, limit: int):
         super().__init__(f"the conversation is {tokens} tokens with this turn and the model's context "
@@ -38,13 +28,7 @@ class ContextFullError(InputError):
 
 @dataclass
 class Piece:
-    """A run of reply text with one look.
-
-    Attributes:
-        text: the text.
-        drafted: the drafter proposed the tokens and the target accepted them.
-        thinking: inside ``<think> ... </think>`` (the markers included).
-    """
+    """A run of reply text with one look: ``drafted`` (accepted drafts), ``thinking`` (inside ``<think>``)."""
 
     text: str
     drafted: bool = False
@@ -53,13 +37,7 @@ class Piece:
 
 @dataclass
 class ChatEvent:
-    """One verify step of a reply.
-
-    Attributes:
-        pieces: the step's text, split by look (may be empty).
-        tokens, accepted, finish_reason: as in :class:`dflash_mlx.StepResult`.
-        stats: the live statistics of this turn.
-    """
+    """One verify step of a reply: its text in ``pieces`` by look; the rest as in :class:`dflash_mlx.StepResult`."""
 
     pieces: List[Piece]
     tokens: List[int]
@@ -84,15 +62,8 @@ def starts_thinking(tokenizer: Any, ids: Sequence[int]) -> bool:
 
 
 class ReplyDecoder:
-    """A reply's text in pieces tagged drafted / thinking, cut before the first stop string.
-
-    Args:
-        tokenizer: has ``decode``; ``think_start_tokens`` / ``think_end_tokens`` if the
-            model thinks (single-token markers only).
-        thinking: the prompt already opened a ``<think>`` block.
-        context: prompt ids the reply continues (left context only).
-        stop_strings: texts that end the reply (never shown).
-    """
+    """A reply's text in pieces tagged drafted / thinking, cut before the first stop string (never shown).
+    ``thinking``: the prompt opened a ``<think>`` block; ``context``: prompt ids the reply continues."""
 
     def __init__(self, tokenizer: Any, thinking: bool = False, context: Sequence[int] = (),
                  stop_strings: Sequence[str] = ()):
@@ -150,21 +121,13 @@ class ChatSession:
     """A conversation with a target (and optionally its drafter), both caches kept.
 
     Args:
-        target: the target adapter.
-        tokenizer: mlx-lm ``TokenizerWrapper``.
-        drafter: a bound drafter, or None for plain decoding.
-        system_prompt: first message of every conversation (None: none).
         template_config: keyword arguments for ``apply_chat_template``.
-        use_template: render with the chat template when the tokenizer has one; else
-            :func:`dflash_mlx.prompt.plain_text`.
+        use_template: render with the chat template when there is one (else :func:`dflash_mlx.prompt.plain_text`).
         max_context: the context in tokens ("auto": the target's; None: no limit).
-        prefill_step_size: prefill chunk size.
         store: a :class:`~dflash_mlx.prompt_cache.store.PrefixStore` to resume from too.
 
     Attributes:
-        messages: the conversation, ``{"role", "content"}`` dicts.
-        pair_cache: both caches and the ids they hold (:class:`PairCache`).
-        totals: counters over every turn; turns, interrupted: turn counts.
+        messages: ``{"role", "content"}`` dicts; pair_cache: the caches; totals, turns, interrupted: counts.
     """
 
     def __init__(self, target: Any, tokenizer: Any, drafter: Optional[Any] = None, *,
@@ -219,21 +182,9 @@ class ChatSession:
     def stream(self, text: str, *, sampler: Optional[Callable[[mx.array], mx.array]] = None,
                max_tokens: int = 256, block_size: Optional[int] = None,
                stop_strings: Sequence[str] = ()) -> Generator[ChatEvent, None, None]:
-        """Send one user turn and stream the reply; the session changes only while the
-        returned generator runs.
-
-        Args:
-            text: the user's message.
-            sampler: mlx-lm sampler (default greedy).
-            max_tokens: most tokens in the reply (also capped by the context left).
-            block_size: B for this turn (default: the drafter's trained size).
-            stop_strings: texts that end the reply (``finish_reason`` "stop"); not shown
-                and not kept in ``messages``.
-
-        Returns:
-            A generator of :class:`ChatEvent`, one per verify step. Interrupted or
-            closed early, it keeps the partial reply (drops the user turn if nothing
-            was generated) and rolls both caches back to complete rows.
+        """Send one user turn; returns a generator of :class:`ChatEvent`, one per verify step (the session
+        changes only while it runs; closed early, it keeps the partial reply). ``max_tokens`` is also capped by
+        the context left; ``stop_strings`` end the reply (``finish_reason`` "stop"), not shown nor kept.
 
         Raises:
             ContextFullError: the conversation with this turn does not fit.
@@ -277,8 +228,7 @@ class ChatSession:
                 self.totals.add(stats)
 
     def stats_lines(self) -> List[str]:
-        """The session's totals: turns, prompt and generation, acceptance, histogram,
-        memory, and the caches (``Cache: N tokens (target N, drafter N)``)."""
+        """The session's totals, ending ``Cache: N tokens (target N, drafter N)``."""
         t = self.totals
         lines = [f"Turns: {self.turns} ({self.interrupted} interrupted)", t.prompt_line(),
                  f"Generation: {t.generation_tokens} tokens, {t.generation_tps:.3f} tokens-per-sec"]

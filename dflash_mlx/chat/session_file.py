@@ -1,6 +1,4 @@
-"""``dflash chat --session FILE``: the messages kept in a file between processes
-(``{"format": "dflash-chat-session", "messages": [...]}``; the caches live in the prompt
-cache), and transcripts."""
+"""``dflash chat --session FILE`` (``{"format": "dflash-chat-session", "messages": [...]}``) and transcripts."""
 
 from __future__ import annotations
 
@@ -56,8 +54,7 @@ def write_session(path: Path, messages: List[Dict[str, str]]) -> None:
 
 
 class SessionWriter:
-    """Writes the ``--session`` file after every line; a failed write is one ``warn``ing and
-    is retried after the next line (``failing``: the last write failed)."""
+    """Writes the ``--session`` file after every line; a failure warns once and retries (``failing``)."""
 
     def __init__(self, path: Path, warn: Callable[[str], None]):
         self.path, self.warn, self.failing = Path(path), warn, False

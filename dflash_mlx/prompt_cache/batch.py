@@ -1,7 +1,5 @@
-"""The target cache of a batch of sequences (``dflash serve --max-batch``): per layer mlx-lm's
-``BatchKVCache`` (left-padded, one shared write column, per-sequence offsets), a ``BatchWindowKVCache``
-or a ``BatchGatedDeltaCache``, with a rollback of a different number of rows per sequence that leaves
-each sequence's rows and mask exactly those of a cache that never held its rejected rows."""
+"""The target cache of a batch of sequences (``dflash serve --max-batch``), per layer a left-padded
+``BatchKVCache``, ``BatchWindowKVCache`` or ``BatchGatedDeltaCache``, rolled back exactly per sequence."""
 
 from __future__ import annotations
 
@@ -18,18 +16,8 @@ BATCHABLE = (KVCache, GatedDeltaCache, WindowKVCache)  # layer cache types with 
 
 
 class BatchWindowKVCache(BatchKVCache):
-    """A ``BatchKVCache`` of a sliding-window layer: the window applied by the mask; rows no query can see
-    any more count as padding (:meth:`hide_old_rows`), which :func:`compact` drops.
-
-    Args:
-        window: W, the layer's sliding window in tokens.
-        left_padding: [N] columns of padding per sequence.
-
-    Attributes:
-        keys, values: [N, n_kv_heads, capacity, head_dim]; sequence i's rows are columns
-            ``left_padding[i] .. _idx-1``.
-        offset: [N] each sequence's absolute position after its last row.
-    """
+    """A ``BatchKVCache`` of a sliding-window layer (window W applied by the mask); rows no query sees
+    count as padding (:meth:`hide_old_rows`). ``left_padding``: [N]; ``offset``: [N] absolute positions."""
 
     def __init__(self, window: int, left_padding: list):
         super().__init__(left_padding)
@@ -65,12 +53,8 @@ class BatchWindowKVCache(BatchKVCache):
 
 
 class BatchGatedDeltaCache(GatedDeltaCache):
-    """A :class:`GatedDeltaCache` whose states hold N sequences (first axis); sequence i keeps the first
-    ``keep[i]`` tokens of a verify by a masked replay of the recurrence (spec section 10).
-
-    Args:
-        solo: one sequence's prefilled cache (its conv and recurrent state are taken).
-    """
+    """A :class:`GatedDeltaCache` of N sequences (first axis), built from one prefilled ``solo`` cache;
+    rolled back per sequence by a masked replay (spec section 10)."""
 
     def __init__(self, solo: GatedDeltaCache):
         super().__init__(solo.owner, solo.slack)
@@ -91,8 +75,7 @@ class BatchGatedDeltaCache(GatedDeltaCache):
         """Drop the last ``rejected[i]`` tokens of the last forward from sequence i.
 
         Raises:
-            ValueError: the last forward was not recorded or is shorter than a rejection.
-        """
+            ValueError: the last forward was not recorded or is shorter than a rejection."""
         if not any(rejected):
             return
         f = self._last
@@ -110,8 +93,7 @@ class BatchGatedDeltaCache(GatedDeltaCache):
 
 
 def batch_refusal(target: Any) -> Optional[str]:
-    """Why ``target`` cannot decode in a batch exactly (names the layer cache), or None when every layer
-    cache it makes is of a kind in :data:`BATCHABLE`."""
+    """Why ``target`` cannot decode in a batch exactly (names the layer cache), or None."""
     for i, c in enumerate(target.make_cache(1)):
         if type(c) not in BATCHABLE:
             return f"target layer {i} keeps a {type(c).__name__}, which has no batched form with per-sequence rollback"
@@ -132,8 +114,7 @@ def _batch_layer(c: Any) -> Any:
 
 
 def extend(batch: Optional[List[BatchKVCache]], cache: Sequence[KVCache]) -> List[BatchKVCache]:
-    """Append one sequence's prefilled cache as the batch's last row; returns ``batch`` (extended in
-    place) or, when it is None, a new batch."""
+    """Append one sequence's prefilled cache to ``batch`` (in place; a new batch when None); returns it."""
     joined = to_batch(cache)
     if batch is None:
         return joined
@@ -153,15 +134,8 @@ def keep_rows(batch: List[BatchKVCache], rows: Sequence[int]) -> Optional[List[B
 
 
 def rollback_ragged(batch: Sequence[BatchKVCache], rejected: Sequence[int]) -> None:
-    """Drop the last ``rejected[i]`` rows of sequence i from every layer.
-
-    Args:
-        batch: one batched cache per layer, N sequences each.
-        rejected: [N] rows to drop per sequence (each 0..rows of the last forward).
-
-    The common part is trimmed (mlx-lm's ``trim``); the rest is rolled past the write column into
-    left padding (mlx-lm's ``prepare(right_padding=...)`` and ``finalize()``, or :class:`RaggedRoll`).
-    """
+    """Drop the last ``rejected[i]`` ([N], each 0..rows of the last forward) rows of sequence i from every
+    layer: the common part trimmed, the rest rolled into left padding."""
     low = min(rejected)
     extra = [r - low for r in rejected]
     roll = None  # full-attention layers share one column layout: one roll for all
@@ -187,15 +161,8 @@ def common_padding(b: BatchKVCache, right: Sequence[int]) -> int:
 
 
 class RaggedRoll:
-    """Roll sequence i's rows right by ``right[i]`` columns into its left padding and drop the first
-    ``drop`` columns (padding in every sequence, ``drop <= common_padding(b, right)``): mlx-lm's
-    ``prepare(right_padding=...)``, ``finalize()`` and ``filter`` as one gather per array, its index built
-    once for every layer of one column layout.
-
-    Args:
-        right: [N] columns to roll each sequence by.
-        drop: columns to drop from the left.
-    """
+    """Roll sequence i's rows right by ``right[i]`` columns into its left padding and drop the first ``drop``
+    columns (``drop <= common_padding(b, right)``), one gather per array, the index shared by the layers."""
 
     def __init__(self, right: Sequence[int], drop: int = 0):
         self.right, self.drop = mx.array(list(right)), drop
@@ -215,8 +182,7 @@ class RaggedRoll:
 
 
 def share_offsets(batch: Sequence[Any]) -> None:
-    """Make the full-attention layers' (equal) offsets one array object, so the fused RoPE computes its
-    rows once per forward; mlx-lm's ``BatchKVCache`` replaces its offset, never updates it in place."""
+    """Make the full-attention layers' (equal) offsets one array object (the fused RoPE computes once)."""
     full = [b for b in batch or () if type(b) is BatchKVCache]
     for b in full[1:]:
         b.offset = full[0].offset
@@ -231,8 +197,7 @@ COMPACT_AT = 32  # columns of padding every sequence has before they are dropped
 
 
 def compact(batch: Optional[Sequence[Any]], at_least: int = COMPACT_AT) -> None:
-    """Drop the padding columns every sequence has once there are ``at_least`` (mlx-lm's ``filter``
-    keeping every row), window layers first counting rows out of every window as padding."""
+    """Drop the padding columns every sequence has once there are ``at_least`` (window layers: old rows too)."""
     layers = [b for b in batch or () if isinstance(b, BatchKVCache) and b.keys is not None]
     for b in layers:
         if isinstance(b, BatchWindowKVCache):

@@ -1,10 +1,6 @@
-"""The prompt cache for requests of a batch (``dflash serve --max-batch N``): a joining request
-restores the longest stored prefix of its prompt (all but its last token) into fresh solo caches
-and prefills the rest, then stores its prompt; where some target layer cannot go back (hybrids,
-sliding windows), states at :func:`~dflash_mlx.prompt_cache.resume.boundaries` instead, each resuming a
-prompt only at its exact row count. The drafter must draft the batch in one pass (or be absent)
-with caches that trim anywhere; else :func:`batch_prefix_refusal` names the reason.
-"""
+"""The prompt cache for requests of a batch (``dflash serve --max-batch N``): a joining request resumes
+from the longest stored prefix of its prompt and stores its prompt (or its boundaries, where caches cannot
+trim back)."""
 
 from __future__ import annotations
 
@@ -19,13 +15,8 @@ from .store import PrefixStore
 
 
 def batch_prefix_refusal(drafter: Optional[Any], batched_drafter: bool) -> Optional[str]:
-    """Why batched requests cannot use the prompt cache with this drafter, or None when
-    they can (every target can: see the module's notes).
-
-    Args:
-        drafter: the bound drafter, or None (plain decoding).
-        batched_drafter: whether the drafter drafts the batch in one pass.
-    """
+    """Why batched requests cannot use the prompt cache with ``drafter`` (None: plain decoding), or None;
+    ``batched_drafter``: it drafts the batch in one pass."""
     if drafter is None:
         return None
     if not batched_drafter:
@@ -38,14 +29,8 @@ def batch_prefix_refusal(drafter: Optional[Any], batched_drafter: bool) -> Optio
 
 @dataclass
 class Resumed:
-    """Fresh solo caches of one request, filled from the store where it held a prefix.
-
-    Attributes:
-        rows: prompt tokens both caches hold (0..len(ids) - 1): the tokens reused.
-        cache: the target's solo caches, one per layer, ``rows`` rows each.
-        draft_cache: the drafter's solo context caches, ``rows`` rows each (None without a drafter).
-        level: where the entry came from: ``"memory"``, ``"disk"``, or None (nothing reused).
-    """
+    """One request's solo caches (``draft_cache`` None without a drafter), ``rows`` prompt tokens each,
+    reused from ``level`` (``"memory"``, ``"disk"``, or None)."""
 
     rows: int
     cache: List[Any]
@@ -54,18 +39,8 @@ class Resumed:
 
 
 class BatchPrefix:
-    """Looks up, restores and keeps prompt-cache entries for the requests of a batch.
-
-    Args:
-        store: the prompt cache.
-        target: the target adapter.
-        drafter: the bound drafter (see :func:`batch_prefix_refusal`), or None.
-        block_size: B, as the batch makes the target's caches.
-
-    Attributes:
-        at_boundaries: the target's caches cannot go back (hybrid, sliding window):
-            states are stored at :meth:`stops`, not once per prompt.
-    """
+    """Looks up, restores and keeps prompt-cache entries for the requests of a batch (target caches made
+    with ``block_size``). ``at_boundaries``: the target's caches cannot go back; states are kept at :meth:`stops`."""
 
     def __init__(self, store: PrefixStore, target: Any, drafter: Optional[Any], block_size: int):
         self.store, self.target, self.drafter, self.block_size = store, target, drafter, block_size
@@ -73,9 +48,8 @@ class BatchPrefix:
         self._key: Optional[Tuple[dict, str]] = None
 
     def stops(self, start: int, prompt_len: int, step: int) -> List[int]:
-        """Where a prompt of ``prompt_len`` tokens, prefilled from row ``start`` in chunks
-        of ``step``, stores states (increasing row counts); none where caches trim anywhere
-        (the whole prompt is stored once it is done)."""
+        """Row counts where a prompt prefilled from ``start`` in chunks of ``step`` stores states (none where
+        caches trim anywhere)."""
         if not self.at_boundaries:
             return []
         return boundaries(start, prompt_len, boundary_interval(step))
@@ -93,15 +67,8 @@ class BatchPrefix:
         return Resumed(0, self.target.make_cache(self.block_size), draft_cache)
 
     def resume(self, ids: Sequence[int]) -> Resumed:
-        """Solo caches holding the longest stored prefix of ``ids`` (at most all but its last token).
-
-        Args:
-            ids: the whole prompt, token ids (at least one).
-
-        Returns:
-            Caches trimmed to the matched rows; fresh ones (rows 0) when nothing matches
-            or the entry does not fit this pair (one warning through the store).
-        """
+        """Solo caches holding the longest stored prefix of prompt ``ids`` (all but its last token at most);
+        fresh ones when nothing matches or fits."""
         found = self.store.lookup(self.key()[1], ids)
         if found is None:
             return self.fresh()
@@ -116,8 +83,7 @@ class BatchPrefix:
         return out
 
     def keep(self, tokens: Sequence[int], cache: List[Any], draft_cache: Optional[List[Any]]) -> None:
-        """Put an entry of ``tokens`` into the store (memory and disk) from the solo caches,
-        which hold ``len(tokens)`` rows each; nothing when they hold another count."""
+        """Store an entry of ``tokens`` from solo caches of ``len(tokens)`` rows (nothing for another count)."""
         snap = take_snapshot(tokens, cache, draft_cache)
         if snap is not None:
             key, kid = self.key()

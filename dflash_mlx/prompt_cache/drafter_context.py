@@ -10,21 +10,12 @@ from .window import RowCache
 
 
 class ContextWindowCache(RowCache):
-    """The drafter's context K/V: the first ``sink`` rows plus the last ``window`` (sliding drafter
-    layers: sink 0, window W-1, spec section 9; ``--draft-window SINK,WINDOW``). Keys carry RoPE at their
-    absolute positions; up to ``slack`` older rows are kept so a rollback of ``slack`` rows is exact.
-
-    Args:
-        sink: rows at positions ``0..sink-1`` kept for good.
-        window: most recent rows kept (>= 1).
-        slack: extra recent rows kept for rollback.
+    """The drafter's context K/V: the first ``sink`` rows plus the last ``window`` (>= 1), and ``slack``
+    older rows so a rollback of ``slack`` rows is exact (spec section 9; ``--draft-window SINK,WINDOW``).
+    ``offset``: rows seen; ``held``: rows stored, sink rows first.
 
     Raises:
         ValueError: ``sink`` < 0, ``window`` < 1 or ``slack`` < 0.
-
-    Attributes:
-        offset: absolute position after the last row (rows seen).
-        held: rows stored (sink rows first, then recent rows oldest first).
     """
 
     fields = ("offset", "held", "sink", "window", "slack")
@@ -47,8 +38,7 @@ class ContextWindowCache(RowCache):
         return self.held - self.n_sink
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
-        """Append [1, H, S, D] rows; return the visible ones, [1, H, n_sink + min(recent, window), D]:
-        the sink rows, then the last ``window`` rows, oldest first."""
+        """Append [1, H, S, D] rows; return the visible ones (sink rows, then the last ``window``)."""
         self.held += self._append(keys, values, self.held)
         visible = self.fetch()
         if self.recent >= self.window + self.slack + self.step:
@@ -78,18 +68,16 @@ class ContextWindowCache(RowCache):
         self.held = held
 
     def invisible(self, n: int) -> Tuple[int, int]:
-        """Rows ``[lo, hi)`` of the next ``n`` that no query sees once all ``n`` are in (neither sink
-        rows nor among the last ``window``): the drafter skips them (:meth:`skip`)."""
+        """Rows ``[lo, hi)`` of the next ``n`` that no query will see (for :meth:`skip`)."""
         lo = max(self.offset, self.sink) - self.offset
         hi = n - self.window
         return (lo, hi) if hi > lo else (0, 0)
 
     def skip(self, n: int) -> None:
-        """Advance ``offset`` by ``n`` unstored rows (:meth:`invisible`); the recent rows held are dropped.
+        """Advance ``offset`` by ``n`` unstored rows, dropping the recent rows held.
 
         Raises:
-            ValueError: sink rows are still to come.
-        """
+            ValueError: sink rows are still to come."""
         if self.offset < self.sink:
             raise ValueError("ContextWindowCache.skip: sink rows cannot be skipped")
         self.held = self.n_sink

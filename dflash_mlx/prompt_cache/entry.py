@@ -1,8 +1,5 @@
-"""One prefix-cache entry: both caches of a pair after some tokens (every target layer and the drafter's
-context), and those tokens; no logits (a resumed prompt always feeds at least one token).
-
-On disk: ``ID.safetensors`` (arrays) and ``ID.json`` (tokens, layer kinds and integers, size and sha256
-of the arrays), each renamed into place, the JSON last; a file not matching its size and hash is refused."""
+"""One prefix-cache entry: both caches of a pair after some tokens, and those tokens. On disk
+``ID.safetensors`` (arrays) then ``ID.json`` (tokens, layers, size and sha256 of the arrays)."""
 
 from __future__ import annotations
 
@@ -27,14 +24,8 @@ class CorruptEntry(ValueError):
 
 @dataclass
 class Snapshot:
-    """Both caches of a pair after ``tokens``.
-
-    Attributes:
-        tokens: the ids whose rows the caches hold (row i is token i).
-        arrays: ``"target.3.keys"``-style names to arrays (rows held only).
-        layers: per side (``"target"``, ``"drafter"`` absent for plain decoding), per layer
-            ``{"kind", "ints"}``.
-    """
+    """Both caches of a pair after ``tokens``: ``arrays`` named ``"target.3.keys"``-style (rows held only),
+    ``layers`` per side (``"target"``, ``"drafter"``) a ``{"kind", "ints"}`` per layer."""
 
     tokens: List[int]
     arrays: Dict[str, mx.array]
@@ -46,10 +37,9 @@ class Snapshot:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-
 def usable_rows(tokens: Sequence[int], layer_meta: Dict[str, List[dict]], ids: Sequence[int]) -> int:
-    """Rows of an entry (its ``tokens`` and layers) a prompt ``ids`` can resume from: the common prefix of
-    ``tokens`` and all but the last of ``ids``, when every layer can be trimmed to it exactly (else 0)."""
+    """Rows of an entry a prompt ``ids`` resumes from: the common prefix of ``tokens`` and all but the last
+    of ``ids`` where every layer trims to it exactly, else 0."""
     n, limit = 0, min(len(tokens), len(ids) - 1)
     while n < limit and tokens[n] == ids[n]:
         n += 1
@@ -60,8 +50,7 @@ def usable_rows(tokens: Sequence[int], layer_meta: Dict[str, List[dict]], ids: S
 
 
 def take_snapshot(tokens: Sequence[int], cache: List[Any], draft_cache: Optional[List[Any]]) -> Optional[Snapshot]:
-    """A snapshot of both caches holding ``tokens`` (evaluated), or None when a layer cache cannot be
-    stored or does not hold ``len(tokens)`` rows."""
+    """A snapshot of both caches holding ``tokens``, or None when a layer cannot be stored or holds another count."""
     arrays: Dict[str, mx.array] = {}
     meta: Dict[str, List[dict]] = {}
     for side, caches in zip(SIDES, (cache, draft_cache)):
@@ -79,11 +68,10 @@ def take_snapshot(tokens: Sequence[int], cache: List[Any], draft_cache: Optional
 
 
 def restore(snap: Snapshot, cache: List[Any], draft_cache: Optional[List[Any]]) -> None:
-    """Fill fresh caches (as the target and drafter make them) from ``snap``.
+    """Fill fresh caches from ``snap``.
 
     Raises:
-        layers.LayerMismatch: another number of layers, or a layer of another kind or window;
-            the caches are then unusable.
+        layers.LayerMismatch: another number of layers, or a layer of another kind or window.
     """
     for side, caches in zip(SIDES, (cache, draft_cache)):
         stored = snap.layers.get(side)
@@ -100,8 +88,7 @@ def restore(snap: Snapshot, cache: List[Any], draft_cache: Optional[List[Any]]) 
 
 def restore_or_warn(snap: Snapshot, cache: List[Any], draft_cache: Optional[List[Any]],
                     warn: Callable[[str], None]) -> bool:
-    """:func:`restore`, or False after one warning line when the entry does not fit this pair (the
-    caches are then unusable)."""
+    """:func:`restore`, or False after one warning when the entry does not fit (the caches are then unusable)."""
     try:
         restore(snap, cache, draft_cache)
     except (layers.LayerMismatch, KeyError, TypeError) as e:

@@ -35,17 +35,8 @@ class _Forward:
 
 class GatedDeltaCache(ArraysCache):
     """mlx-lm's ``ArraysCache`` of one Gated-DeltaNet layer (``[conv_state [1, K-1, C], recurrent_state
-    [1, Hv, Dv, Dk] float32]``) with exact rollback: a trim to the first ``keep`` tokens of the last forward
-    replays mlx-lm's ``gated_delta_update`` over the recorded inputs from the state before it (the same
-    bits the forward passed through) and takes the conv state from its conv input. A forward of more than
-    ``slack`` tokens, or one run by mlx-lm's own module (:meth:`advance`), records nothing.
-
-    Args:
-        owner: the layer's ``linear_attn`` module (a cache of another layer is refused by the adapter).
-        slack: most tokens of a forward that can be rolled back (the largest verify).
-
-    Attributes:
-        offset: tokens seen.
+    [1, Hv, Dv, Dk] float32]``) that rolls back within its last forward of at most ``slack`` tokens by
+    replaying the recorded inputs (spec section 10). ``owner``: the layer's ``linear_attn``; ``offset``: tokens seen.
     """
 
     def __init__(self, owner: Any = None, slack: int = 0):
@@ -57,8 +48,7 @@ class GatedDeltaCache(ArraysCache):
     def store(self, conv_input: mx.array, state: mx.array, q: mx.array, k: mx.array, v: mx.array,
               a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array, mask: Optional[mx.array],
               use_kernel: bool) -> None:
-        """Take the state after one forward of L tokens (``state`` [1, Hv, Dv, Dk], the rest as in
-        :class:`_Forward`) and record it when L <= ``slack``; all or nothing under an interrupt."""
+        """Take the state after a forward of L tokens (as in :class:`_Forward`), recorded when L <= ``slack``."""
         L = q.shape[1]
         width = conv_input.shape[1] - L  # K - 1
         forward = None
@@ -84,8 +74,7 @@ class GatedDeltaCache(ArraysCache):
         return True
 
     def trim(self, n: int) -> int:
-        """Remove the last ``n`` tokens (again for fewer of the same forward, if need be); returns ``n``,
-        or 0 (nothing changed) where :meth:`can_trim` is False."""
+        """Remove the last ``n`` tokens; returns ``n``, or 0 (nothing changed) where :meth:`can_trim` is False."""
         if n == 0 or not self.can_trim(n):
             return 0
         f = self._last

@@ -1,6 +1,5 @@
-"""A pair's identity, which a prefix-cache entry must match to be reused: both models' weights (folder
-fingerprint, else a hash of the weights), captured layers, dtypes, quantization, draft window and the
-library versions."""
+"""A pair's identity, which a prefix-cache entry must match: weights, captured layers, dtypes, quantization,
+draft window and library versions."""
 
 from __future__ import annotations
 

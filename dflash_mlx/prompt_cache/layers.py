@@ -1,5 +1,4 @@
-"""One layer cache to and from plain arrays and integers: only the rows it holds and the integers that
-place them (mlx-lm's ``save_prompt_cache`` rebuilds only its own classes, from whole buffers)."""
+"""One layer cache to and from plain arrays (the rows it holds) and the integers that place them."""
 
 from __future__ import annotations
 
@@ -38,11 +37,7 @@ def kind_of(c: Any) -> str:
 
 
 def take(c: Any) -> Tuple[Arrays, Ints]:
-    """The rows one layer cache holds and the integers that place them.
-
-    Returns:
-        ``(arrays, ints)``: new array objects (later updates of ``c`` leave them as they are); ints
-        include ``offset`` (tokens seen).
+    """``(arrays, ints)``: the rows one layer cache holds (new array objects) and its integers (``offset``...).
 
     Raises:
         LayerMismatch: a cache kind not in :data:`KINDS`.
@@ -94,8 +89,7 @@ def put(c: Any, kind: str, arrays: Arrays, ints: Ints) -> None:
 
 
 def can_go_back(kind: str, ints: Ints, rows: int) -> bool:
-    """Whether a ``kind`` cache restored from ``ints`` can be trimmed to ``rows`` tokens exactly
-    (the cache class's own ``can_trim``, on a copy without arrays)."""
+    """Whether a ``kind`` cache restored from ``ints`` can be trimmed to ``rows`` tokens exactly."""
     cls = KINDS[kind][0]
     c = cls.__new__(cls)
     c.__dict__.update(ints)

@@ -1,12 +1,5 @@
-"""Both caches of a pair, kept between generations (chat turns, server requests), and the token
-ids their rows hold (``tokens``: row i is token i in both caches).
-
-A generation keeps the longest common prefix of ``tokens`` and its prompt (or a longer one from
-a :class:`~dflash_mlx.prompt_cache.store.PrefixStore`), trims both caches to it and prefills only the
-rest; afterwards both hold every committed token but the last. Stopped or interrupted, both are
-trimmed to the rows known complete. Pairs that cannot trim back far (Gated-DeltaNet, sliding
-windows) also store states at prompt boundaries (:mod:`dflash_mlx.prompt_cache.resume`).
-"""
+"""Both caches of a pair kept between generations, and the token ids their rows hold (row i is token i);
+a generation resumes from the longest common prefix (live or stored) and prefills only the rest."""
 
 from __future__ import annotations
 
@@ -33,13 +26,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int], limit: Optional[int] = Non
 
 
 def trim_cache(cache: List[Any], rows: int) -> bool:
-    """Trim every layer of ``cache`` to ``rows`` tokens, layer by layer (an interrupt
-    can leave them uneven), checking every trimmed count.
-
-    Returns:
-        False, with nothing trimmed, when some layer cannot drop its rows exactly
-        (a sliding window already moved past the rows it would need, a Gated-DeltaNet
-        state past its last forward).
+    """Trim every layer of ``cache`` to ``rows`` tokens; False, with nothing trimmed, when a layer cannot
+    drop its rows exactly.
 
     Raises:
         RollbackError: a layer trimmed another count than asked (a cache bug).
@@ -55,8 +43,7 @@ def trim_cache(cache: List[Any], rows: int) -> bool:
 
 
 def _heal(c: Any) -> None:
-    """An interrupt inside ``KVCache.update_and_fetch`` can leave keys and values
-    of different lengths; cut both to the offset so the next update reallocates."""
+    """Cut keys and values to the offset (an interrupted ``update_and_fetch`` can leave them uneven)."""
     if isinstance(c, KVCache) and c.keys is not None and c.keys.shape[2] != c.values.shape[2]:
         c.keys, c.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
 
@@ -66,20 +53,17 @@ class PairCache:
 
     Args:
         target: the target adapter.
-        tokenizer: mlx-lm ``TokenizerWrapper`` (for :func:`stream_generate`).
-        drafter: a bound drafter, or None for plain decoding (no drafter cache).
-        store: where entries are kept beyond the last generation (None: the live caches only).
-        interval: prompt tokens between stored states for pairs that cannot trim back
-            (default :data:`dflash_mlx.prompt_cache.resume.DEFAULT_INTERVAL`, rounded to chunks).
-        generate: what generates from the caches in :meth:`stream` (``stream_generate``; the decode
-            loop sits above this package, so its callers pass it).
+        tokenizer: mlx-lm ``TokenizerWrapper``.
+        drafter: a bound drafter, or None for plain decoding.
+        store: a :class:`~dflash_mlx.prompt_cache.store.PrefixStore` (None: the live caches only).
+        interval: prompt tokens between stored states where caches cannot trim back (default
+            :data:`~dflash_mlx.prompt_cache.resume.DEFAULT_INTERVAL`).
+        generate: the decode loop :meth:`stream` runs (``stream_generate``, passed by callers above decode).
 
     Attributes:
-        tokens: ids both caches hold, one row each.
-        cache, draft_cache: the target's and the drafter's caches (``draft_cache``
-            is None without a drafter).
-        last_reused: prompt tokens the last generation found in the caches or the store.
-        last_source: where they came from: ``"live"``, ``"memory"``, ``"disk"`` or None.
+        tokens: ids both caches hold. cache, draft_cache: the caches (``draft_cache`` None without a drafter).
+        last_reused: prompt tokens the last generation reused; last_source: ``"live"``, ``"memory"``,
+            ``"disk"`` or None.
     """
 
     def __init__(self, target: Any, tokenizer: Any, drafter: Optional[Any] = None,
@@ -95,21 +79,15 @@ class PairCache:
         self._fresh_caches()
 
     def reuse(self, ids: Sequence[int]) -> int:
-        """Keep the longest common prefix of ``tokens`` and ``ids`` (all but the
-        last prompt token, which is always fed), trimming both caches to it.
-
-        Returns:
-            Rows reused, 0..len(ids) - 1; fewer than the common prefix when a cache
-            could not trim exactly (then both start afresh).
-        """
+        """Trim both caches to the common prefix of ``tokens`` and all but the last of ``ids``;
+        returns the rows kept (0 with fresh caches where a layer cannot trim exactly)."""
         self.settle(self.tokens, len(self.tokens))  # safety net after a double interrupt
         self.settle(ids, common_prefix(self.tokens, ids, len(ids) - 1))
         return len(self.tokens)
 
     def settle(self, ids: Sequence[int], rows: int) -> None:
-        """Trim both caches to the first ``rows`` of ``ids`` (fewer if a layer holds fewer;
-        none, with fresh caches, if a layer cannot go back exactly, e.g. a Gated-DeltaNet
-        layer asked to drop more than its last forward). ``tokens`` says what is kept."""
+        """Trim both caches to the first ``rows`` of ``ids`` (fewer where a layer holds fewer; fresh caches
+        where one cannot go back exactly); ``tokens`` says what is kept."""
         keep = min([rows] + [c.offset for cache in self._caches() for c in cache])
         if not all(trim_cache(cache, keep) for cache in self._caches()):
             self._fresh_caches()  # cannot go back exactly: prefill everything again
@@ -121,12 +99,8 @@ class PairCache:
         self.settle([], 0)
 
     def begin(self, ids: Sequence[int], step: int = 2048, should_stop: Optional[Callable[[], bool]] = None) -> int:
-        """Before a generation from prompt ``ids``: reuse what the caches or the store hold of
-        it and prefill to its stored boundaries (pairs that cannot trim back). Sets
-        ``last_reused`` and ``last_source``.
-
-        Returns:
-            The rows both caches hold: the generation feeds ``ids`` from there.
+        """Before a generation: reuse what the caches or the store hold of ``ids`` and prefill to its
+        boundaries; returns the rows both caches hold (feed ``ids`` from there).
 
         Raises:
             PrefillStopped: ``should_stop()`` was true between two chunks.
@@ -139,17 +113,15 @@ class PairCache:
         return self._prefill_boundaries(list(ids), reused, step, should_stop)
 
     def end(self, ids: Sequence[int], known: int, done: bool) -> None:
-        """After a generation (finished when ``done``, else stopped or failed): keep the first
-        ``known`` rows of ``ids`` (prompt and reply), those known complete, and store them."""
+        """After a generation: keep the first ``known`` rows of ``ids`` (prompt and reply); store them if ``done``."""
         self.settle(ids, known)
         if done:
             self._keep()
 
     def stream(self, ids: Sequence[int], **kwargs) -> Generator:
-        """Generate from prompt ``ids`` with ``generate``, prefilling only what the caches lack;
-        ``kwargs`` go to it. Closed or interrupted, both caches keep the rows known complete."""
+        """Generate from ``ids`` with ``generate`` (``kwargs`` go to it); closed early, keep the complete rows."""
         if self.generate is None:
-            raise TypeError("PairCache.stream needs generate= (the decode loop, which sits above this package)")
+            raise TypeError("PairCache.stream needs generate= (the decode loop)")
         ids, tic, reply, done, first = list(ids), time.perf_counter(), [], False, True
         known = reused = self.reuse(ids)
         try:
@@ -157,7 +129,7 @@ class PairCache:
             reused, pre_s = self.last_reused, time.perf_counter() - tic
             for r in self.generate(self.target, self.tokenizer, ids[start:], self.drafter,
                                    prompt_cache=self.cache, draft_cache=self.draft_cache, **kwargs):
-                if first:  # the rows found here count as the prompt's, the time spent here as its time
+                if first:  # rows reused and time spent here count as the prompt's
                     r.stats.prompt_tokens, r.stats.prompt_reused = len(ids), reused
                     r.stats.prompt_s, first = r.stats.prompt_s + pre_s, False
                 reply.extend(r.tokens)
@@ -167,8 +139,6 @@ class PairCache:
         finally:
             self.end(ids + reply, known, done)
 
-    # -- the prefix store --------------------------------------------------------------
-
     def pair_key(self) -> tuple:
         """``(key dict, key id)`` of the current target and drafter (computed once per pair)."""
         if self._key is None or self._key[0] is not self.target or self._key[1] is not self.drafter:
@@ -177,8 +147,7 @@ class PairCache:
         return self._key[2], self._key[3]
 
     def _resume(self, ids: List[int], live: int) -> int:
-        """Restore the stored entry that holds more of ``ids`` than the live caches'
-        ``live`` rows, if any; returns the rows now reused."""
+        """Restore a stored entry holding more of ``ids`` than ``live`` rows, if any; returns the rows reused."""
         found = self.store.lookup(self.pair_key()[1], ids)
         if found is None or found[1] <= live:
             return live
@@ -192,12 +161,8 @@ class PairCache:
         return len(self.tokens)
 
     def _prefill_boundaries(self, ids: List[int], start: int, step: int, should_stop) -> int:
-        """For pairs that cannot trim back (see :mod:`dflash_mlx.prompt_cache.resume`), prefill
-        ``ids`` from ``start`` to its last boundary, keeping the state at each one.
-
-        Returns:
-            The rows both caches now hold.
-        """
+        """Where caches cannot trim back, prefill ``ids`` from ``start`` to its last boundary, keeping the
+        state at each; returns the rows both caches hold."""
         if self.store is None or trims_anywhere(self.cache, self.draft_cache):
             return start
         stops = boundaries(start, len(ids), boundary_interval(step, self.interval))
@@ -208,8 +173,7 @@ class PairCache:
         return len(self.tokens) if stops else start
 
     def _snapshot(self, defer: bool) -> None:
-        """Keep the caches' state now: in memory at once, on disk now or (``defer``)
-        once the generation is done."""
+        """Keep the caches' state in memory, and on disk now or (``defer``) after the generation."""
         snap = take_snapshot(self.tokens, self.cache, self.draft_cache)
         if snap is None:
             return

@@ -1,7 +1,5 @@
-"""Prefill up to stored states' boundaries, for pairs whose caches cannot go back far (Gated-DeltaNet,
-sliding windows): an entry then resumes a prompt only at its exact row count. Boundaries are whole
-prefill chunks, so the caches equal those of one whole prefill bit for bit.
-"""
+"""Prefill to stored states' boundaries (whole prefill chunks) for pairs whose caches cannot go back far:
+an entry then resumes a prompt only at its exact row count."""
 
 from __future__ import annotations
 
@@ -19,22 +17,18 @@ class PrefillStopped(Exception):
 
 
 def trims_anywhere(*caches: Optional[List[Any]]) -> bool:
-    """Whether every layer of these caches can be trimmed to any row count (attention
-    KV caches only): then one entry per prompt serves every shorter common prefix."""
+    """Whether every layer of these caches can be trimmed to any row count (attention KV caches only)."""
     return all(isinstance(c, (KVCache, QuantizedKVCache)) for cache in caches if cache is not None for c in cache)
 
 
 def boundary_interval(step: int, interval: Optional[int] = None) -> int:
-    """Tokens between stored states: ``interval`` (default :data:`DEFAULT_INTERVAL`)
-    rounded to a whole number of prefill chunks of ``step`` tokens, at least one."""
+    """``interval`` (default :data:`DEFAULT_INTERVAL`) rounded to at least one whole chunk of ``step``."""
     want = DEFAULT_INTERVAL if interval is None else interval
     return step * max(1, round(want / step))
 
 
 def boundaries(start: int, prompt_len: int, every: int) -> List[int]:
-    """Multiples of ``every`` after ``start``, then ``prompt_len - 1``: the prompt but its
-    last token, which the generation itself feeds (a next turn's prompt starts with this
-    one, so it resumes there even when the reply is rendered differently)."""
+    """Multiples of ``every`` after ``start``, then ``prompt_len - 1`` (the generation feeds the last token)."""
     first = (start // every + 1) * every
     stops = list(range(first, prompt_len - 1, every))
     return stops + [prompt_len - 1] if prompt_len - 1 > start else stops
@@ -43,12 +37,8 @@ def boundaries(start: int, prompt_len: int, every: int) -> List[int]:
 def prefill_to(target: Any, drafter: Optional[Any], cache: List[Any], draft_cache: Optional[List[Any]],
                ids: Sequence[int], start: int, stops: Sequence[int], step: int,
                should_stop: Optional[Callable[[], bool]] = None) -> Iterator[int]:
-    """Feed ``ids[start:b]`` for each boundary ``b`` of ``stops`` in chunks ending at
-    multiples of ``step``,
-    the drafter ingesting the captured features, so both caches hold ``b`` rows.
-
-    Yields:
-        ``b`` at each boundary, both caches at rest.
+    """Feed ``ids`` up to each boundary ``b`` of ``stops`` in chunks ending at multiples of ``step`` (the
+    drafter ingesting), yielding ``b`` once both caches hold ``b`` rows.
 
     Raises:
         PrefillStopped: ``should_stop()`` was true before a chunk.

@@ -1,9 +1,5 @@
-"""The prefix cache's two levels: entries in memory and on disk, least recently used dropped first.
-
-Layout: ``ROOT/KEY/ID.safetensors`` and ``ROOT/KEY/ID.json`` (:mod:`~dflash_mlx.prompt_cache.entry`), KEY
-the pair (:func:`~dflash_mlx.prompt_cache.key.key_id`, kept in ``ROOT/KEY/key.json``), ID the tokens, use
-as the JSON file's modification time. ROOT is claimed (:func:`dflash_mlx.owned.claim`); clean-up touches
-only names of 24 hex digits in KEY folders. A failed write turns the store memory-only with one warning."""
+"""The prefix cache in memory and on disk (``ROOT/KEY/ID.{json,safetensors}``, KEY the pair, ID the tokens,
+last use as the JSON's mtime), least recently used dropped first; a failed write turns it memory-only."""
 
 from __future__ import annotations
 
@@ -16,8 +12,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..atomic import WriteError, atomic_file, pid_alive, stderr_warning
-from ..owned import cache_root
-from ..owned import MARKER, claim, mark
+from ..owned import MARKER, cache_root, claim, mark
 from .entry import CorruptEntry, Snapshot, read, read_index, usable_rows, write
 from .key import key_id
 
@@ -33,24 +28,15 @@ def default_root() -> Path:
 
 
 class PrefixStore:
-    """Prefix-cache entries of any number of pairs, in memory and on disk.
-
-    Args:
-        root: the folder (default :func:`default_root`).
-        max_bytes: most bytes on disk under ``root``, every pair's entries together (other processes'
-            writes counted at the next scan, at most :attr:`RESCAN_S` seconds on).
-        memory_entries: most entries kept in memory (0: none).
-        disk: write and read entries on disk.
-        warn: where one-line warnings go.
+    """Prefix-cache entries of any number of pairs, at most ``memory_entries`` in memory and ``max_bytes``
+    on disk under ``root`` (default :func:`default_root`; other processes' writes counted within :attr:`RESCAN_S`).
 
     Raises:
         InputError: ``root`` is a file, or holds other files and so does its ``dflash-prompt-cache``.
 
     Attributes:
-        root: the folder the entries are in (``root``, or its ``dflash-prompt-cache``).
-        degraded: why the store is memory-only after all (None: it is not).
-        hits: lookups answered, by level (``{"memory": n, "disk": n}``).
-        last_level: the level that answered the last lookup (``"memory"``, ``"disk"``, None).
+        root: the folder used (``root``, or its ``dflash-prompt-cache``); degraded: why it is memory-only, or None.
+        hits: lookups answered per level; last_level: ``"memory"``, ``"disk"`` or None for the last lookup.
     """
 
     RESCAN_S = 30.0
@@ -92,9 +78,8 @@ class PrefixStore:
         self.warn(f"prompt cache: {self.degraded}; keeping entries in memory only")
 
     def lookup(self, kid: str, ids: Sequence[int]) -> Optional[Tuple[Snapshot, int]]:
-        """``(snapshot, rows)``: the entry of pair ``kid`` that resumes the most rows (>= 1) of prompt
-        ``ids`` (the snapshot may hold more; trim to ``rows``), or None. A corrupt entry is dropped
-        with one warning and the next best tried."""
+        """``(snapshot, rows)``: pair ``kid``'s entry resuming the most rows (>= 1) of ``ids`` (trim it to
+        ``rows``), or None; a corrupt entry is dropped with one warning and the next tried."""
         self.last_level = None
         found = {name: (usable_rows(snap.tokens, snap.layers, ids), 1, None)
                  for (k, name), snap in self.memory.items() if k == kid}
@@ -132,8 +117,8 @@ class PrefixStore:
         self._remove(folder, name)
 
     def put(self, kid: str, snap: Snapshot, key: Optional[dict] = None, disk: bool = True) -> None:
-        """Keep ``snap`` for pair ``kid`` in memory and (``disk``) on disk, replacing one of the same tokens,
-        then evict past the limits; ``key``: the pair's identity, written once to ``ROOT/KID/key.json``."""
+        """Keep ``snap`` for pair ``kid`` in memory and (``disk``) on disk, then evict past the limits;
+        ``key`` is written once to ``ROOT/KID/key.json``."""
         if not snap.tokens:
             return
         name = key_id(list(snap.tokens))
@@ -162,8 +147,7 @@ class PrefixStore:
             self.memory.popitem(last=False)
 
     def _evict_if_full(self, folder: Path, name: str) -> None:
-        """After a write: :meth:`evict` when the bytes on disk may pass ``max_bytes`` (or the last scan is
-        more than :attr:`RESCAN_S` seconds old)."""
+        """:meth:`evict` when the bytes on disk may pass ``max_bytes`` or the last scan is :attr:`RESCAN_S` old."""
         if self._disk_bytes is None or time.monotonic() - self._scanned_at > self.RESCAN_S:
             self.evict()
             return
@@ -173,8 +157,7 @@ class PrefixStore:
             self.evict()
 
     def evict(self) -> List[Path]:
-        """Remove least recently used entries (every pair's) until the disk holds at most
-        ``max_bytes``; returns the JSON paths removed."""
+        """Remove least recently used entries until the disk holds ``max_bytes``; returns the JSON paths removed."""
         entries = []
         for side in self.root.glob("*/*.json"):
             if not (_OURS.fullmatch(side.stem) and _OURS.fullmatch(side.parent.name)):
@@ -235,7 +218,7 @@ class PrefixStore:
             self._index.pop(folder / f"{name}{suffix}", None)
 
     def _remove_leftovers(self) -> None:
-        """Remove the temporaries of writers that are gone and arrays files without their JSON (in KEY folders)."""
+        """Remove dead writers' temporaries and arrays files without their JSON (in KEY folders)."""
         try:
             folders = [f for f in self.root.iterdir() if _OURS.fullmatch(f.name) and f.is_dir()]
         except OSError:
@@ -252,8 +235,7 @@ class PrefixStore:
 
 
 def _earlier_cache(root: Path) -> bool:
-    """Whether ``root`` is an unmarked, non-empty folder of nothing but KEY folders of entries,
-    ``key.json`` and temporaries (a prompt cache to mark as ours)."""
+    """Whether ``root`` is an unmarked, non-empty folder of nothing but KEY folders of our files (to mark)."""
     try:
         if (root / MARKER).exists() or not root.is_dir():
             return False

@@ -1,6 +1,4 @@
-"""Layer caches of rows at absolute positions that drop old rows and still roll back exactly:
-:class:`WindowKVCache` for a target's sliding-window layer (mlx-lm's ``RotatingKVCache`` cannot be
-trimmed once it wraps), and the base both it and the drafter's ``ContextWindowCache`` share."""
+"""Layer caches of rows at absolute positions that drop old rows and still roll back exactly."""
 
 from __future__ import annotations
 
@@ -12,8 +10,8 @@ from mlx_lm.models.cache import _BaseCache
 
 
 class RowCache(_BaseCache):
-    """Keys and values [1, H, capacity, D] in buffers grown ``step`` rows at a time; ``trim`` removes
-    rows only where :meth:`can_trim` says it is exact. Subclasses name their integers in ``fields``."""
+    """Keys and values [1, H, capacity, D] grown ``step`` rows at a time, trimmed only where :meth:`can_trim`;
+    subclasses name their integers in ``fields``."""
 
     step = 256
     fields: Tuple[str, ...] = ()
@@ -21,8 +19,7 @@ class RowCache(_BaseCache):
     values: Optional[mx.array] = None
 
     def _buffers(self, first: int, count: int, need: int, keys: mx.array, values: mx.array):
-        """New ``(keys, values)`` buffers of at least ``need`` rows (dtype and shape of ``keys``,
-        ``values``) holding rows ``first..first+count`` of the current ones."""
+        """New buffers of at least ``need`` rows (like ``keys``, ``values``) holding rows ``first..first+count``."""
         cap = -(-max(need, 1) // self.step) * self.step
         B, H, _, Dk = keys.shape
         new_k = mx.zeros((B, H, cap, Dk), keys.dtype)
@@ -78,21 +75,8 @@ class RowCache(_BaseCache):
 
 
 class WindowKVCache(RowCache):
-    """KV cache of a sliding-window attention layer (a query at p sees keys ``p - window < k <= p``).
-
-    Holds positions ``[start, offset)``; after every update it still holds the ``window - 1 + slack``
-    rows before ``offset`` (older ones dropped ``step`` at a time), so a rollback of up to ``slack``
-    rows is exact.
-
-    Args:
-        window: W, the layer's sliding window in tokens.
-        slack: most rows one rollback removes (the largest verify).
-
-    Attributes:
-        keys, values: [1, n_kv_heads, capacity, head_dim]; row i is position ``start + i``.
-        offset: absolute position after the last row.
-        start: absolute position of the first row held.
-    """
+    """KV cache of a sliding-window layer (window W) holding positions ``[start, offset)``: at least the
+    ``window - 1 + slack`` rows before ``offset``, so a rollback of ``slack`` rows is exact."""
 
     fields = ("offset", "start", "window", "slack")
 
@@ -115,8 +99,7 @@ class WindowKVCache(RowCache):
         return out
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False, **kwargs):
-        """Mask of N new queries over the held rows and themselves, causal and windowed in absolute
-        positions; ``"causal"`` or None where the window cuts nothing."""
+        """Causal, windowed mask of N new queries; ``"causal"`` or None where the window cuts nothing."""
         window = window_size or self.window
         if self.held + N <= window:
             return None if N == 1 else "causal"
