@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Dict, Iterable, Iterator, List, Optional
+from typing import Dict, Iterable, Iterator, List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -37,12 +37,9 @@ class GenerationStats:
         target_bytes, drafter_bytes: weight bytes (0: unknown).
         speculative, reason: whether speculative decoding ran; why not (None when it ran).
         drafter_format, acceptance_rule: the drafter's ``architectures[0]`` and acceptance rule.
-        verify: what verified the drafts and why (``{"block_size": B or "auto",
-            "tree_budget": None, N or "auto", "reason": why a requested tree is off,
-            or None}``);
-            None without a drafter.
-        plain_steps: plain steps.
-        widths: ``{"plain": steps, "chain N": steps, "tree N": steps}``.
+        verify: ``{"block_size": B or "auto", "tree_budget": None, N or "auto", "reason": why a requested
+            tree is off, or None}``; None without a drafter.
+        plain_steps, widths: plain steps; ``{"plain": steps, "chain N": steps, "tree N": steps}``.
         mode_s: seconds per mode (``plain``, ``chain``, ``tree``), drafting included.
         host_s: seconds of host work in decode steps.
         trace: ``[[accepted, drafted], ...]`` per verify step, in order.
@@ -74,8 +71,6 @@ class GenerationStats:
     plain_steps: int = 0
     widths: Dict[str, int] = field(default_factory=dict)
     mode_s: Dict[str, float] = field(default_factory=dict)
-    draft_share: Optional[float] = None
-    timed_drafts: int = 0
     host_s: float = 0.0
     trace: List[List[int]] = field(default_factory=list)
 
@@ -94,16 +89,10 @@ class GenerationStats:
         self.plain_steps += 1
         self.phase_s["verify"] += seconds
 
-    def time_draft(self) -> bool:
-        """Whether this step times its drafting on its own (the first and every 16th); the others split
-        draft and verify time by the share measured then."""
-        return (self.steps + self.plain_steps) % 16 == 0 or self.draft_share is None
-
-    def record_plan(self, mode: str, width: int, seconds: float, accepted: int, drafted: int,
-                    draft_s: Optional[float] = None, wait_s: float = 0.0) -> None:
+    def record_plan(self, mode: str, width: int, seconds: float, accepted: int, drafted: int) -> None:
         """Count one step of ``mode`` (``plain``, ``chain``, ``tree``) and ``width`` (tokens or nodes) of
-        ``seconds``, ``wait_s`` of them waiting for the device and ``draft_s`` drafting (when timed)."""
-        self.host_s += max(seconds - wait_s - (draft_s or 0.0), 0.0)
+        ``seconds`` (all counted as host and verify time)."""
+        self.host_s += max(seconds, 0.0)
         key = "plain" if mode == "plain" else f"{mode} {width}"
         self.widths[key] = self.widths.get(key, 0) + 1
         self.mode_s[mode] = self.mode_s.get(mode, 0.0) + seconds
@@ -111,13 +100,7 @@ class GenerationStats:
             self.record_plain(seconds)
             return
         self.record_step(accepted, drafted)
-        if draft_s is not None and seconds > 0:
-            self.timed_drafts += 1
-            share = min(draft_s / seconds, 1.0)
-            self.draft_share = share if self.draft_share is None else 0.8 * self.draft_share + 0.2 * share
-        share = self.draft_share or 0.0
-        self.phase_s["draft"] += share * seconds
-        self.phase_s["verify"] += (1 - share) * seconds
+        self.phase_s["verify"] += seconds
 
     def add(self, other: "GenerationStats") -> None:
         """Accumulate another generation's counts and times; peak memory and weight bytes are the larger,
@@ -133,19 +116,20 @@ class GenerationStats:
         for name in ("verify", "drafter_format", "acceptance_rule"):
             setattr(self, name, getattr(self, name) or getattr(other, name))
 
-    def host_work(self) -> ContextManager[None]:
-        """Add the wall time of the ``with`` body to :attr:`host_s`."""
-        return _timed(lambda s: setattr(self, "host_s", self.host_s + s))
-
     @property
     def host_ms_per_step(self) -> float:
         """Host work per decode step, ms (outside waits for the device)."""
         n = self.steps + self.plain_steps
         return 1e3 * self.host_s / n if n else 0.0
 
-    def phase(self, name: str) -> ContextManager[None]:
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
         """Add the wall time of the ``with`` body to ``phase_s[name]``."""
-        return _timed(lambda s: self.phase_s.__setitem__(name, self.phase_s[name] + s))
+        tic = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_s[name] += time.perf_counter() - tic
 
     @property
     def tau(self) -> Optional[float]:
@@ -178,7 +162,7 @@ class GenerationStats:
         read = (self.target_bytes + self.drafter_bytes) * self.steps + self.target_bytes * self.plain_steps
         return read / self.generation_s / 1e9 if self.generation_s and read else None
 
-    def update_memory(self) -> None:  # peak_memory_gb from mx.get_peak_memory()
+    def update_memory(self) -> None:
         self.peak_memory_gb = mx.get_peak_memory() / 1e9
 
     def timings_ms(self) -> Dict[str, float]:
@@ -286,15 +270,6 @@ class GenerationStats:
         ms = self.timings_ms()
         lines.append("Timings: " + ", ".join(f"{p} {ms[p]:.1f} ms" for p in PHASES))
         return lines
-
-
-@contextmanager
-def _timed(add: Callable[[float], None]) -> Iterator[None]:
-    tic = time.perf_counter()
-    try:
-        yield
-    finally:
-        add(time.perf_counter() - tic)
 
 
 def _rounded(x: Optional[float], digits: int) -> Optional[float]:

@@ -9,7 +9,7 @@ Every rule returns ``(a, out)``: ``a`` accepted drafts (None: counted on the hos
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
@@ -34,12 +34,8 @@ def leading_true(ok: mx.array) -> mx.array:
 
 
 class MatchRule:
-    """``greedy`` and ``sample-and-match``: argmax drafts kept while they equal the
-    target's own choice y (its argmax, or a sample of p at T > 0).
-
-    Args:
-        sampler: mlx-lm sampler over [N, V] log-probabilities (or a :class:`Sampling`).
-    """
+    """``greedy`` and ``sample-and-match``: argmax drafts kept while they equal the target's own choice
+    (its argmax, or a sample of p at T > 0 by ``sampler``, over [N, V] log-probabilities)."""
 
     def __init__(self, sampler: Callable[[mx.array], mx.array]):
         self.sampler = sampler
@@ -51,26 +47,20 @@ class MatchRule:
         return propose(drafter, token, context, cache, block_size)
 
     def choose(self, logits: mx.array) -> mx.array:
-        """The target's own token per row of [N, V] logits ([N] int32): its argmax, or a
-        sample of p at T > 0 (plain steps, and each node of a tree verify)."""
+        """The target's own token per row of [N, V] logits ([N] int32): its argmax, or a sample of p."""
         if self.greedy:
             return mx.argmax(logits, axis=-1).astype(mx.int32)
         return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.int32)
 
     def accept(self, proposal: Proposal, logits: mx.array) -> Tuple[None, mx.array]:
-        """logits [B, V] of the verify -> ``(None, out)``: ``out`` the target's own
-        choices, ``a`` left to :func:`count_accepted` (see the module doc)."""
+        """logits [B, V] of the verify -> ``(None, out)``: the target's own choices (module doc)."""
         return None, self.choose(logits)
 
 
 class SpeculativeRule:
-    """``speculative``: standard speculative sampling with the drafter's q.
+    """``speculative``: standard speculative sampling with the drafter's q (``sampling`` shapes p and q)."""
 
-    Args:
-        sampling: temperature and filters; p and q are both shaped by it.
-    """
-
-    name = SPECULATIVE
+    name, greedy = SPECULATIVE, False
 
     def __init__(self, sampling: Sampling):
         self.sampling = sampling
@@ -79,14 +69,12 @@ class SpeculativeRule:
         return propose(drafter, token, context, cache, block_size, self.sampling)
 
     def choose(self, logits: mx.array) -> mx.array:
-        """A sample of p per row of [N, V] logits ([N] int32), as mlx-lm samples (plain
-        steps, and each node of a tree verify, which walks by matching samples)."""
+        """A sample of p per row of [N, V] logits ([N] int32), as mlx-lm samples."""
         return self.sampling(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.int32)
 
     @staticmethod
     def residual(p: mx.array, q: mx.array) -> mx.array:
-        """max(p - q, 0) per row ([N, V]; sampling normalizes it). Where p <= q
-        everywhere (p == q) nothing is ever rejected; p stands in."""
+        """max(p - q, 0) per row ([N, V], unnormalized); p where that is all zero (p == q)."""
         r = mx.maximum(p - q, 0.0)
         return mx.where(r.sum(axis=-1, keepdims=True) > 0, r, p)
 
@@ -113,10 +101,8 @@ def is_greedy(sampler) -> bool:
 
 
 def choose_rule(drafter, sampler) -> "MatchRule | SpeculativeRule":
-    """The acceptance rule for a generation: ``speculative`` when the drafter samples
-    its drafts from a real q (``samples_drafts``) and the sampler is a
-    :class:`Sampling` at T > 0 (its p can be computed); otherwise ``greedy`` or
-    ``sample-and-match``."""
+    """``speculative`` when the drafter samples its drafts from q (``samples_drafts``) and the sampler is
+    a :class:`Sampling` at T > 0; otherwise ``greedy`` or ``sample-and-match``."""
     if isinstance(sampler, Sampling) and not sampler.greedy and getattr(drafter, "samples_drafts", False):
         return SpeculativeRule(sampler)
     return MatchRule(sampler or greedy_sampler)

@@ -1,10 +1,6 @@
-"""The DFlash step (spec section 5) for N >= 1 sequences: draft, verify, accept, roll back.
-
-One sequence decodes in the target's own caches, rolled back by ``target.rollback``
-(``solo``; DDTree, spec section 7, there only); a batch in ``BatchKVCache`` layers (left
-padded, one shared write column), rolled back per sequence by
-:func:`~dflash_mlx.prompt_cache.batch.rollback_ragged`. Sequences join between steps
-(:class:`~dflash_mlx.decode.batch_join.Joining`) and leave between steps.
+"""The DFlash step (spec section 5) for N >= 1 sequences: draft, verify, accept, roll back. One sequence
+(``solo``; trees, spec section 7, there only) decodes in the target's own caches; a batch in left-padded
+``BatchKVCache`` layers rolled back per sequence. Sequences join (:class:`Joining`) and leave between steps.
 """
 
 from __future__ import annotations
@@ -34,11 +30,9 @@ PLAIN = Plan(1, 0)
 
 @dataclass
 class BatchSequence:
-    """One sequence: its caller's ``key``, acceptance ``rule``, ``stop``, ``stats``, last
-    committed ``token`` ([1] int32, not in the target cache), context rows the drafter has
-    not seen (``pending``, [1, S, F] each), its own drafter cache (None when the batch drafts
-    in one pass), its PRNG ``seed`` (each draw seeded by (seed, draw)) and ``base``, the
-    cache rows before its first token (solo)."""
+    """One sequence: last committed ``token`` ([1] int32, not in the target cache), context rows the
+    drafter has not seen (``pending``, [1, S, F] each), its drafter cache (None where the batch drafts in
+    one pass), PRNG ``seed`` (each draw seeded by (seed, draw)), ``base``: cache rows before it (solo)."""
 
     key: Any
     rule: Any
@@ -58,12 +52,6 @@ class BatchSequence:
             self.draws += 1
 
 
-def plain_step(target: TargetAdapter, cache: List[Any], capture, pick, tokens: mx.array) -> Tuple[mx.array, Any]:
-    """One plain forward of ``tokens`` [N] (lazy): ``(next tokens [N] int32, features [N, 1, F] or None)``."""
-    h, features = target(tokens[:, None], cache, capture)
-    return pick(target.lm_head(h[:, -1])), features
-
-
 class BatchDecoder:
     """The active sequences and their target cache.
 
@@ -81,7 +69,7 @@ class BatchDecoder:
         self.target, self.drafter, self.solo = target, drafter, solo
         self.width = block_size if drafter is not None else 1
         if drafter is not None and chooser is None:
-            chooser = make_chooser(target, drafter, block_size, None, GenerationStats(block_size=block_size))
+            chooser = make_chooser(target, drafter, block_size, None, None)
         self.chooser = chooser
         self.capture = drafter.target_layer_ids if drafter is not None else None
         self.sequences: List[BatchSequence] = []
@@ -102,12 +90,9 @@ class BatchDecoder:
     def start(self, key: Any, prompt: Sequence[int], sampler: Optional[Sampler], stop: StopCondition,
               step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
               seed: Optional[int] = None, **solo: Any) -> Joining:
-        """A :class:`Joining` for a new sequence (nothing runs until its ``advance``); ``solo``:
-        ``cache``, ``draft_cache``, ``stats`` of a solo decoder's one sequence.
-
-        Raises:
-            InputError: an empty prompt, or a stop condition allowing no token.
-        """
+        """A :class:`Joining` for a new sequence (nothing runs until its ``advance``); ``solo``: ``cache``,
+        ``draft_cache``, ``stats`` of a solo decoder's sequence. Raises InputError for an empty prompt or
+        a stop condition allowing no token."""
         if len(prompt) == 0:
             raise InputError("the prompt is empty: give at least one token")
         if stop.max_tokens < 1:
@@ -130,8 +115,7 @@ class BatchDecoder:
                                             pending, draft_cache, joining.seed, base))
 
     def remove(self, keys: Sequence[Any]) -> None:
-        """Drop the sequences of ``keys`` (finished or cancelled); a solo sequence's caches
-        are left holding its committed tokens but the last, both of them."""
+        """Drop the sequences of ``keys``; a solo sequence's caches keep its committed tokens but the last."""
         gone = set(id(k) for k in keys)
         rows = [i for i, s in enumerate(self.sequences) if id(s.key) not in gone]
         if len(rows) == len(self.sequences):
@@ -155,8 +139,7 @@ class BatchDecoder:
             self.drafts.keep([])
 
     def inconsistency(self) -> Optional[str]:
-        """What is wrong with the bookkeeping, or None: every batched layer cache (the target's and
-        the batched drafter's) holds one row per sequence, and no cache is left while it is empty."""
+        """What is wrong with the bookkeeping (a batched cache not holding one row per sequence), or None."""
         caches = {"target": self.cache}
         if self.drafts is not None:
             caches["drafter"] = self.drafts.cache
@@ -171,14 +154,8 @@ class BatchDecoder:
         return None
 
     def step(self) -> List[StepResult]:
-        """One step for every active sequence; finished ones leave.
-
-        A failure of one sequence's stop condition ends that sequence only (its result carries
-        ``error``). A failure of the shared work empties the batch (:meth:`clear`) and is raised.
-
-        Returns:
-            One :class:`StepResult` per sequence active before the step, in their order.
-        """
+        """One :class:`StepResult` per active sequence, in order; finished ones leave. A failing stop
+        condition ends its sequence only (``error``); a failure of the shared work :meth:`clear` s and raises."""
         if not self.sequences:
             return []
         try:
@@ -245,9 +222,9 @@ class BatchDecoder:
             compact(self.drafts.cache)
 
     def _picks(self, logits: mx.array, phase: Callable[[BatchSequence, int], Any]) -> Any:
-        """Per sequence, ``phase(s, i)`` after seeding its draw; greedy ones share one argmax
-        (returned whole, [N, ...], when every sequence is greedy)."""
-        greedy = [bool(getattr(s.rule, "greedy", False)) for s in self.sequences]
+        """Per sequence, ``phase(s, i)`` after seeding its draw; greedy ones share one argmax (returned
+        whole where all are greedy)."""
+        greedy = [s.rule.greedy for s in self.sequences]
         argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(greedy) else None
         if all(greedy):
             return argmax
@@ -308,8 +285,7 @@ class BatchDecoder:
             self._context = None
 
     def _plain(self, plan: Plan, tic: float) -> List[StepResult]:
-        """One token per sequence, pipelined as mlx-lm's where alone: the next plain step is
-        dispatched before this one is read. Context rows are kept for the next draft."""
+        """One token per sequence; alone, the next plain step is dispatched before this one is read."""
         self._spill()
         if self._queued is not None:
             _, y, features = self._queued
@@ -342,17 +318,16 @@ class BatchDecoder:
         return results
 
     def _forward(self, tokens: Optional[mx.array] = None) -> Tuple[mx.array, Any]:
-        """The plain forward of every sequence's last token (or ``tokens`` [N]), lazy."""
+        """The plain forward of every sequence's last token (or ``tokens`` [N]), lazy: ``(next tokens [N]
+        int32, features [N, 1, F] or None)``."""
         tokens = self._tokens() if tokens is None else tokens
-        def pick(logits):
-            picks = self._picks(logits, lambda s, i: s.rule.choose(logits[i : i + 1])[0])
-            return picks if isinstance(picks, mx.array) else mx.stack(picks)
-
-        return plain_step(self.target, self.cache, self.capture, pick, tokens)
+        h, features = self.target(tokens[:, None], self.cache, self.capture)
+        logits = self.target.lm_head(h[:, -1])
+        picks = self._picks(logits, lambda s, i: s.rule.choose(logits[i : i + 1])[0])
+        return (picks if isinstance(picks, mx.array) else mx.stack(picks)), features
 
     def _settle(self, results: List[StepResult]) -> List[StepResult]:
-        """Cut each sequence's tokens at its stops; finished sequences, and those whose stop
-        condition failed (``error`` set), leave."""
+        """Cut each sequence's tokens at its stops; finished and failed (``error``) sequences leave."""
         done = []
         for s, r in zip(self.sequences, results):
             try:

@@ -39,17 +39,9 @@ class StepResult:
 
 
 class Joining:
-    """A sequence being prefilled before it joins the batch, one chunk per :meth:`advance`.
-
-    Args:
-        prompt: [P] int32 ids, P >= 1.
-        step_size: prompt tokens per prefill chunk (the longest stall it causes the batch).
-        should_stop: checked before each chunk; True raises :class:`PrefillStopped`.
-        cache, draft_cache, stats: given by a solo decoder (the caller's caches), else made here.
-
-    Attributes:
-        reused: prompt tokens found in the prompt cache; ``source``: ``"memory"``, ``"disk"`` or None.
-    """
+    """A sequence being prefilled before it joins the batch, ``step_size`` tokens of ``prompt`` ([P]
+    int32, P >= 1) per :meth:`advance`. ``cache``, ``draft_cache``, ``stats``: a solo decoder's (else made
+    here). ``reused``: prompt tokens found in the prompt cache; ``source``: "memory", "disk" or None."""
 
     def __init__(self, decoder: "BatchDecoder", key: Any, prompt: mx.array, sampler: Optional[Sampler],
                  stop: StopCondition, step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
@@ -77,17 +69,10 @@ class Joining:
             self.stats.reason = NO_DRAFTER
 
     def advance(self) -> Optional[StepResult]:
-        """Prefill one chunk. When the prompt is done: sample the first token, join the
-        batch and return its :class:`StepResult` (its ``finish_reason`` may be set: then
-        it does not join). Returns None while chunks remain.
-
-        A prompt-cache write that fails is a warning through the store; the sequence
-        goes on. Anything else raised leaves the batch as it was, unless the sequence
-        had joined it (``decoder.remove([key])`` then takes it out).
-
-        Raises:
-            PrefillStopped: ``should_stop()`` was true.
-        """
+        """Prefill one chunk; None while chunks remain. Then sample the first token and join the batch
+        (unless its ``finish_reason`` is set) and return its :class:`StepResult`. A failed prompt-cache
+        write is a warning; anything else raised leaves the batch as it was (``decoder.remove([key])``
+        takes out a sequence that had joined). Raises PrefillStopped where ``should_stop()`` is true."""
         if self.should_stop is not None and self.should_stop():
             raise PrefillStopped()
         if not self._looked_up:
@@ -125,8 +110,7 @@ class Joining:
         return StepResult(tokens, None, finish)
 
     def _resume(self) -> None:
-        """Restore the longest stored prefix of the prompt into fresh solo caches (trimmed
-        to the matched rows); only the rest is prefilled."""
+        """Restore the longest stored prefix of the prompt into fresh caches; only the rest is prefilled."""
         self._looked_up = True
         found = self.decoder.prefix.resume(self.prompt.tolist())
         self.cache, self.draft_cache = found.cache, found.draft_cache
@@ -136,25 +120,21 @@ class Joining:
         self._stops = self.decoder.prefix.stops(found.rows, int(self.prompt.size), self.step_size)
 
     def _store(self, keep: Callable[..., None], *args: Any) -> None:
-        """Run ``keep`` (a prompt-cache write); a failure of any kind is one warning
-        through the store, and the sequence goes on without its entry."""
+        """Run ``keep`` (a prompt-cache write); any failure is one warning and the sequence goes on."""
         try:
             keep(*args)
         except Exception as e:  # a write that fails costs a cache entry, never the request
             self.decoder.prefix.store.warn(f"prompt cache: an entry was not stored ({type(e).__name__}: {e})")
 
     def _keep_state(self, rows: int) -> None:
-        """Store both caches at a boundary of ``rows`` prompt rows (caches that cannot go
-        back): the drafter's cache ingests the context rows so far first."""
+        """Store both caches at a boundary of ``rows`` prompt rows (the drafter ingests its rows first)."""
         if self.draft_cache is not None and self.features:
             self.decoder.drafter.ingest(context_rows(self.features), self.draft_cache)
             self.features = []
         self.decoder.prefix.keep(self.prompt[:rows].tolist(), self.cache, self.draft_cache)
 
     def _keep(self, context: List[mx.array], joined: bool) -> None:
-        """Store the prompt's entry from the solo caches (both hold every prompt row: the
-        batched drafter ingested the new rows into ``draft_cache`` when it joined, and
-        joining copies the solo caches, leaving them as they were)."""
+        """Store the prompt's entry from the solo caches (joining copied them; both hold every prompt row)."""
         if not joined and self.draft_cache is not None and context:
             self.decoder.drafter.ingest(context[0], self.draft_cache)
         self.decoder.prefix.keep(self.prompt.tolist(), self.cache, self.draft_cache)

@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .batch import BatchDecoder
-from .batch_join import NO_DRAFTER, StepResult
+from .batch_join import NO_DRAFTER, Sampler, StepResult
 from ..errors import InputError
 from ..kernels.block_attention import attention_path
 from .width import AUTO, make_chooser, parse_block_size, parse_tree_budget
@@ -22,8 +22,6 @@ from ..protocol import Drafter
 from ..stats import GenerationStats, weight_bytes
 from .stopping import StopCondition, held_back, text_before_stop
 from ..targets import TargetAdapter
-
-Sampler = Callable[[mx.array], mx.array]
 
 
 @dataclass
@@ -48,15 +46,11 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
     """Decode from ``prompt`` (spec section 5): one :class:`StepResult` per target forward.
 
     Args:
-        prompt: [P] int32 prompt ids, P >= 1.
-        drafter: a bound drafter, or None for plain decoding.
-        sampler: mlx-lm sampler over [N, V] log-probabilities, or a :class:`~dflash_mlx.sampling.Sampling`
-            (default greedy); the acceptance rule follows (:func:`~dflash_mlx.decode.acceptance.choose_rule`).
-        block_size: B, 2..drafter.block_size (default its trained size), or ``"auto"``.
-        tree_budget: DDTree nodes (spec section 7), or ``"auto"``; chains where the target or
-            drafter cannot (``stats.verify`` says why).
-        stop: a :class:`~dflash_mlx.decode.stopping.StopCondition`; replaces ``max_tokens`` and
-            ``stop_token_ids``.
+        prompt: [P] int32 prompt ids, P >= 1. drafter: a bound drafter, or None (plain decoding).
+        sampler: mlx-lm sampler over [N, V] log-probabilities or a :class:`~dflash_mlx.sampling.Sampling`
+            (default greedy); it picks the acceptance rule (:func:`~.acceptance.choose_rule`).
+        block_size, tree_budget: see :func:`~.width.make_chooser` (``stats.verify`` says what ran).
+        stop: a :class:`~.stopping.StopCondition`, replacing ``max_tokens`` and ``stop_token_ids``.
         should_stop: checked before each prefill chunk; True raises ``PrefillStopped``.
         prompt_cache, draft_cache, stats: updated in place (default fresh); finished or closed, both
             caches hold every committed token but the last.
@@ -100,35 +94,22 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
 
 
 def check_block_size(block_size: Optional[int | str], drafter: Optional[Drafter]) -> int:
-    """Resolve B, the block the drafter drafts: 1 without a drafter, else 2..trained
-    block size (the trained size for None and ``"auto"``).
-
-    Raises:
-        InputError: naming ``--block-size`` and the allowed range.
-    """
+    """B, the block the drafter drafts: 1 without a drafter, else 2..its trained size (that for None and
+    ``"auto"``). Raises InputError naming ``--block-size`` and the allowed range."""
     if drafter is None:
         return 1
     trained = drafter.block_size
     block_size = parse_block_size(block_size)
     B = trained if block_size in (None, AUTO) else block_size
     if not 2 <= B <= trained:
-        raise InputError(
-            f"--block-size {B} is out of range: this drafter supports 2..{trained} "
-            "(its trained block size)"
-        )
+        raise InputError(f"--block-size {B} is out of range: this drafter supports 2..{trained} "
+                         "(its trained block size)")
     return B
 
 
-def stream_generate(
-    target: TargetAdapter,
-    tokenizer: TokenizerWrapper,
-    prompt: mx.array | List[int],
-    drafter: Optional[Drafter] = None,
-    *,
-    max_tokens: int = 256,
-    stop_strings: Sequence[str] = (),
-    **kwargs,
-) -> Generator[GenerationResponse, None, None]:
+def stream_generate(target: TargetAdapter, tokenizer: TokenizerWrapper, prompt: mx.array | List[int],
+                    drafter: Optional[Drafter] = None, *, max_tokens: int = 256, stop_strings: Sequence[str] = (),
+                    **kwargs) -> Generator[GenerationResponse, None, None]:
     """Stream text as steps commit tokens: :func:`generate_step` (``kwargs``) with the tokenizer's
     detokenizer and ``eos_token_ids``. The text stops before the first of ``stop_strings`` (text that
     could begin one is held back). The last response has ``finish_reason`` set and the final stats.
@@ -148,8 +129,7 @@ def stream_generate(
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     text, shown = "", 0  # text of this generation; characters yielded so far
-    tic = time.perf_counter()
-    first = True
+    tic, first = time.perf_counter(), True
     with wired_limit(target.model, [generation_stream]):
         for step in generate_step(prompt, target, drafter, stats=stats, **kwargs):
             now = time.perf_counter()
@@ -174,13 +154,8 @@ def stream_generate(
             yield GenerationResponse(segment, step.tokens, step.accepted, step.finish_reason, stats)
 
 
-def generate(
-    target: TargetAdapter,
-    tokenizer: TokenizerWrapper,
-    prompt: mx.array | List[int],
-    drafter: Optional[Drafter] = None,
-    **kwargs,
-) -> Tuple[str, GenerationStats]:
+def generate(target: TargetAdapter, tokenizer: TokenizerWrapper, prompt: mx.array | List[int],
+             drafter: Optional[Drafter] = None, **kwargs) -> Tuple[str, GenerationStats]:
     """Generate a whole response; returns ``(text, stats)``."""
     text, stats = "", None
     for response in stream_generate(target, tokenizer, prompt, drafter, **kwargs):

@@ -10,19 +10,9 @@ Decode = Callable[[List[int]], str]
 
 
 class StopCondition:
-    """Cuts runs of committed tokens at a stop token, a stop string or ``max_tokens``.
-
-    Args:
-        max_tokens: most tokens to emit (>= 1).
-        stop_token_ids: ids that end generation; the stop token is not emitted.
-        stop_strings: texts that end generation; the token that completes a stop
-            string is emitted (text consumers cut the text at the match, see
-            :func:`text_before_stop`).
-        decode: token ids -> text (the tokenizer's ``decode``); needed with
-            ``stop_strings``.
-
-    Attributes:
-        emitted: tokens emitted so far.
+    """Cuts runs of committed tokens at a stop token (not emitted), a stop string (the token completing
+    it is emitted; text consumers cut at :func:`text_before_stop`) or ``max_tokens`` (>= 1). ``decode``
+    (ids -> text) is needed with ``stop_strings``; ``emitted`` counts tokens emitted so far.
 
     Raises:
         ValueError: stop strings without ``decode``, or an empty stop string.
@@ -49,12 +39,8 @@ class StopCondition:
         return self.max_tokens - self.emitted
 
     def cut(self, tokens: Sequence[int]) -> Tuple[List[int], Optional[str]]:
-        """Keep ``tokens`` up to the first stop; count them as emitted.
-
-        Returns:
-            ``(kept, finish_reason)``: finish_reason is ``"stop"`` (stop token or
-            stop string), ``"length"`` (the budget is reached) or None.
-        """
+        """Keep ``tokens`` up to the first stop and count them: ``(kept, finish_reason)``, the reason
+        ``"stop"`` (stop token or string), ``"length"`` (budget reached) or None."""
         kept, reason = list(tokens[: self.budget]), None
         for i, tok in enumerate(kept):
             if tok in self.stop_ids:
@@ -104,22 +90,12 @@ def held_back(text: str, stop_strings: Sequence[str]) -> int:
 
 
 class TextStream:
-    """The text of one generation as its tokens arrive, cut before the first stop string.
+    """The text of one generation as its tokens arrive, cut before the first stop string (never shown).
 
-    A run's text is ``decode(left + run)`` past ``decode(left)`` over up to ``window``
-    tokens of left context, so word-initial spaces land on the right token; a run that
-    ends inside a multi-byte character waits for the next tokens. Text that could begin
-    a stop string is held back until the next tokens settle it.
-
-    Args:
-        tokenizer: has ``decode(ids) -> str``.
-        stop_strings: texts that end the generation (never shown).
-        context: prompt ids the text continues (left context only; empty: it stands alone).
-        window: tokens of left context.
-
-    Attributes:
-        text: the decoded text so far, stop strings included.
-        shown: characters of ``text`` returned so far.
+    A run's text is ``tokenizer.decode(left + run)`` past ``decode(left)`` over ``window`` tokens of left
+    context (from ``context``, the prompt ids it continues); a run ending inside a multi-byte character,
+    or text that could begin a stop string, waits for the next tokens. ``text``: decoded so far (stop
+    strings included); ``shown``: characters of it returned.
     """
 
     def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = (), context: Sequence[int] = (),

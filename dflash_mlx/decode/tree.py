@@ -33,9 +33,7 @@ class DraftTree:
         return len(self.tokens)
 
     def prefix(self, budget: int) -> "DraftTree":
-        """The tree of the first ``budget`` nodes (besides the root): the tree
-        :func:`build_tree` gives for that budget, since it adds nodes best first and
-        every parent before its children."""
+        """The tree of the first ``budget`` nodes besides the root (what :func:`build_tree` gives for it)."""
         n = 1 + budget
         return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n])
 
@@ -59,17 +57,8 @@ class DraftTree:
 
 
 def build_tree(root: int, logprobs: np.ndarray, budget: int) -> DraftTree:
-    """The ``budget`` most likely draft prefixes under the drafter, as a tree.
-
-    Args:
-        root: the last committed token (the block's first token).
-        logprobs: [D, V] float log-probabilities of the drafter for block positions
-            1..D (row k-1 is position k, spec section 4).
-        budget: N, nodes besides the root (the tree budget), >= 1.
-
-    Returns:
-        A :class:`DraftTree` with ``1 + min(N, D*V)`` nodes.
-    """
+    """The ``budget`` (N >= 1) most likely draft prefixes, as a :class:`DraftTree` of ``1 + min(N, D*V)``
+    nodes under ``root`` (the last committed token); ``logprobs`` [D, V]: row k-1 is block position k."""
     D, V = logprobs.shape
     k = min(budget, V)
     order = np.argsort(-logprobs, axis=1, kind="stable")[:, :k]  # [D, k] best tokens first
@@ -110,18 +99,9 @@ def tree_positions(tree: DraftTree, start: int) -> mx.array:
 
 
 def walk(tree: DraftTree, targets: Sequence[int]) -> Tuple[List[int], List[int]]:
-    """Accept the longest path the target agrees with.
-
-    Args:
-        tree: the verified tree.
-        targets: [1+N] the target's token at each node (greedy or sampled; a node's
-            token is the target's choice for the position after it).
-
-    Returns:
-        ``(path, tokens)``: ``path`` the node indices kept, the root first (so the
-        rows to keep in the caches); ``tokens`` the committed tokens, the accepted
-        drafts followed by the target's token at the last node (``len(path)``).
-    """
+    """The longest path the target agrees with, given ``targets`` [1+N] (its token after each node):
+    ``(path, tokens)``, the node indices kept (root first) and the committed tokens (accepted drafts,
+    then the target's token at the last node)."""
     children = tree.children()
     node, path = 0, [0]
     while targets[node] in children[node]:
@@ -132,16 +112,9 @@ def walk(tree: DraftTree, targets: Sequence[int]) -> Tuple[List[int], List[int]]
 
 
 def verify_tree(target, cache: List, capture, choose, tree: DraftTree) -> Tuple[List[int], mx.array]:
-    """Verify ``tree`` in one forward from the cache's rows (its root's position), walk it with
-    the target's tokens (``choose``: logits [1+N, V] -> [1+N] int32) and keep only the accepted
-    path in the cache.
-
-    Returns:
-        ``(committed tokens, context features [1, len(path), F] of the path)``.
-
-    Raises:
-        RollbackError: the cache cannot keep only the accepted path.
-    """
+    """Verify ``tree`` in one forward at the cache's offset, walk it with ``choose`` (logits [1+N, V] ->
+    [1+N] int32) and keep only the accepted path in the cache: ``(tokens, features [1, len(path), F])``.
+    Raises RollbackError where the cache cannot keep only that path."""
     positions = cache[0].offset + np.asarray(tree.depths)
     h, features = target(mx.array(tree.tokens, dtype=mx.int32)[None], cache, capture,
                          tree=(positions, tree.ancestors()))

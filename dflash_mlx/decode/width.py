@@ -1,33 +1,18 @@
 """How many tokens each decode step verifies: ``--block-size`` / ``--tree-budget``, fixed or ``auto``.
 
-A fixed block size B verifies chains of B every step; a fixed tree budget N verifies
-DDTrees of N nodes (spec section 7). ``auto`` chooses per step the option with the
-highest rate, committed tokens per second for the n sequences decoding together::
-
-    rate(w, n) = n * E[tokens | w] / seconds(w, n)
-
-over plain steps (w = 1, E = 1), chains of w in 2, 4, 8, ..., B, and (``--tree-budget
-auto``, one sequence) a tree of :data:`AUTO_TREE` nodes.
-
-- **E[tokens | w]** = 1 + sum_{k < w} S(k), S(k) the survival of drafts 1..k estimated
-  from the accepted lengths observed (Kaplan-Meier: a step of width w that accepted a
-  saw positions 1..a right, a + 1 wrong, or is censored at w - 1), older steps
-  weighted down by :data:`DECAY`, unseen positions at the prior :data:`PRIOR`.
-  A tree's E is the mean of its observed ``accepted + 1``.
-- **seconds(w, n)**: an exponential mean of the step seconds observed per (w, n),
-  valid once observed twice (the first run of a shape pays its setup).
-- Each option not yet timed at this n is run (exploration); then the best rate runs,
-  and every :data:`PROBE_EVERY` steps a probe runs the next wider chain (or, from
-  plain decoding, the best chain), so acceptance past the width in use stays known and
-  drafting comes back when drafts start to agree.
+``auto`` runs the option with the highest rate(w, n) = n * E[tokens | w] / seconds(w, n) over plain
+steps, chains of 2, 4, ..., B and (``--tree-budget auto``, one sequence) a tree of :data:`AUTO_TREE`
+nodes. E comes from the draft survival observed (Kaplan-Meier, older steps decayed by :data:`DECAY`,
+unseen positions at :data:`PRIOR`); seconds from an exponential mean per (w, n), once timed twice.
+Untimed options run first; every :data:`PROBE_EVERY` steps a neighbouring chain is probed.
 """
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
 
 from ..errors import InputError
 from ..ranges import check_number
@@ -123,8 +108,7 @@ class WidthChooser:
     """Plans every step's width and learns from the steps that ran.
 
     Args:
-        block: B, the widest chain (the drafter's trained size or a fixed ``--block-size``).
-        fixed: the plan every step runs (a fixed block size or tree budget), or None: auto.
+        block: B, the widest chain. fixed: the plan every step runs, or None (auto).
         tree: also weigh a tree of :data:`AUTO_TREE` nodes (``--tree-budget auto``).
 
     Attributes:
@@ -210,17 +194,10 @@ class WidthChooser:
 
 
 def make_chooser(target, drafter, block_size: int | str, tree_budget, stats) -> WidthChooser:
-    """The chooser of one generation (or batch), with ``stats.verify`` saying what runs and why.
+    """The chooser of one generation (or batch); ``stats.verify`` (when ``stats``) says what runs and why.
 
-    Trees need a target family with tree verify (:attr:`TargetAdapter.supports_tree`;
-    hybrid Gated-DeltaNet families keep chains) and a drafter with per-position
-    log-probabilities (``propose``); otherwise chains run and ``stats.verify["reason"]`` says why.
-
-    Args:
-        block_size: a fixed B (2..the drafter's trained size), or ``auto``: widths by measured
-            rate, up to the drafter's trained size. ``--tree-budget auto`` implies auto widths.
-        tree_budget: None, a node count, or ``auto`` (see :func:`parse_tree_budget`).
-        stats: a :class:`~dflash_mlx.stats.GenerationStats` (``verify`` is set), or None.
+    ``block_size``: a fixed B or ``auto``; ``tree_budget``: None, a node count or ``auto`` (which implies
+    auto widths). Trees need ``target.supports_tree`` and a drafter with ``propose``, else chains run.
     """
     auto = block_size == AUTO or tree_budget == AUTO
     block_size = drafter.block_size if block_size in (None, AUTO) else int(block_size)

@@ -103,11 +103,7 @@ def convert(model: str, draft_model: str, out: str | Path, *, quantize: bool = F
 
 
 def _validated(out: Path, tmp: Path, reference: SourceRun, draft_src: Path) -> List[Check]:
-    """The checks of the staged folder ``tmp``.
-
-    Raises:
-        ValidationError: one failed (names them; nothing is written).
-    """
+    """The checks of the staged folder ``tmp``; ValidationError naming those that failed."""
     checks = validate(tmp, reference, draft_src)
     failed = [c.name for c in checks if c.ok is False]
     if failed:
@@ -116,11 +112,8 @@ def _validated(out: Path, tmp: Path, reference: SourceRun, draft_src: Path) -> L
 
 
 def check_replaceable(out: Path) -> None:
-    """``--force`` replaces only what convert wrote: an empty folder, or one with a ``dflash.json``.
-
-    Raises:
-        InputError: ``out`` holds other files (names it).
-    """
+    """``--force`` replaces only what convert wrote (an empty folder or one with a ``dflash.json``);
+    else InputError naming ``out``."""
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise InputError(f"--out {out} holds files that convert did not write (no {MANIFEST}); "
                          "--force replaces only a converted folder: give another --out")
@@ -128,11 +121,8 @@ def check_replaceable(out: Path) -> None:
 
 def check_options(quantize: bool, q_bits: Optional[int], q_group_size: Optional[int], q_mode: str,
                   draft_q_bits: Optional[int], draft_q_group_size: int, dtype: Optional[str]) -> None:
-    """Range checks; each error names its flag.
-
-    Raises:
-        InputError: a value outside its choices, or a target quantization flag without ``-q``.
-    """
+    """InputError naming the flag of a value outside its choices, or a target quantization flag without
+    ``-q``."""
     for flag, value, choices in (("--q-bits", q_bits, Q_BITS), ("--q-group-size", q_group_size, Q_GROUP_SIZES),
                                  ("--q-mode", q_mode, Q_MODES), ("--draft-q-bits", draft_q_bits, Q_BITS),
                                  ("--draft-q-group-size", draft_q_group_size, Q_GROUP_SIZES),
@@ -146,11 +136,7 @@ def check_options(quantize: bool, q_bits: Optional[int], q_group_size: Optional[
 
 
 def check_not_inside(out: Path, *sources: Path) -> None:
-    """Refuse an output folder that is, or contains, a source (``--force`` would delete it).
-
-    Raises:
-        InputError: naming ``--out`` and the source.
-    """
+    """InputError naming ``--out`` and the source where ``out`` is, or contains, a source."""
     target = out.resolve()
     for src in sources:
         src = src.resolve()
@@ -160,11 +146,8 @@ def check_not_inside(out: Path, *sources: Path) -> None:
 
 def require_dflash_config(config: dict, source: Path) -> None:
     """Refuse a DFlash drafter config without ``dflash_config`` (the older layout): convert does not guess
-    the ids, the older layout goes through :data:`LAYOUT_SCRIPT` first.
-
-    Raises:
-        ConfigError: naming the file, the key and the script.
-    """
+    the ids, the older layout goes through :data:`LAYOUT_SCRIPT` first (ConfigError naming the file,
+    the key and the script)."""
     archs = config.get("architectures") or []
     if "dflash_config" not in config and archs and archs[0] in DFLASH_CONFIG_LAYOUTS:
         raise ConfigError(

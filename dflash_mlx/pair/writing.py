@@ -40,9 +40,7 @@ def write_target(src: Path, dst: Path, *, quantize: bool = False, q_bits: Option
                  dtype: Optional[str] = None) -> dict:
     """Write the target in mlx-lm format with mlx-lm's own convert. An mlx-lm folder is copied unless a
     dtype or another quantization is asked for (a quantized one is then dequantized and quantized again).
-
-    Returns:
-        The manifest entry: ``method``, ``model_type``, ``dtype``, ``quantization``.
+    Returns the manifest entry: ``method``, ``model_type``, ``dtype``, ``quantization``.
 
     Raises:
         InputError: mlx-lm refused the quantization flags (names them).
@@ -108,10 +106,7 @@ def _folder_dtype(path: Path) -> str:
 def quantize_drafter(drafter: nn.Module, bits: int, group_size: int = DRAFT_Q_GROUP_SIZE) -> dict:
     """Quantize, in place, the ``layers.*`` linears (attention and MLP projections); ``fc``, ``hidden_norm``,
     the norms and a DFlash2 ``candidate_selector`` stay float. Scales are computed from float32 weights.
-
-    Returns:
-        ``{"group_size", "bits", "mode"}``, as :func:`save_drafter` records it.
-    """
+    Returns ``{"group_size", "bits", "mode"}``, as :func:`save_drafter` records it."""
     dtype = float_dtype(drafter)
     drafter.set_dtype(mx.float32)
 
@@ -127,11 +122,8 @@ def quantize_drafter(drafter: nn.Module, bits: int, group_size: int = DRAFT_Q_GR
 
 def write_drafter(drafter: DFlashDrafter, dst: Path, q_bits: Optional[int] = None,
                   q_group_size: int = DRAFT_Q_GROUP_SIZE, dtype: Optional[str] = None) -> dict:
-    """Write the drafter in the released format: cast to ``dtype``, quantize if asked, save.
-
-    Returns:
-        The manifest entry: ``dtype``, ``quantization``, ``compute_dtype``.
-    """
+    """Write the drafter in the released format (cast to ``dtype``, quantized if asked); returns the
+    manifest entry: ``dtype``, ``quantization``, ``compute_dtype``."""
     if dtype is not None:
         drafter.set_dtype(getattr(mx, dtype))
     quantization = quantize_drafter(drafter, q_bits, q_group_size) if q_bits else None
