@@ -1,5 +1,4 @@
-"""``dflash chat``: a terminal chat over :class:`dflash_mlx.chat.session.ChatSession`, in a view from
-``chat_ui`` (rich in a terminal, plain text when stdin or stdout is not one)."""
+"""``dflash chat``: a terminal chat over :class:`dflash_mlx.chat.session.ChatSession` (views in ``chat_ui``)."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ from typing import Annotated, List, Optional, Tuple
 
 import typer
 
+from dflash_mlx.errors import DFlashError, InputError
 from dflash_mlx.ranges import check_number
 
 from .common import (
@@ -32,8 +32,7 @@ COMMANDS = [
 ]
 Color = Annotated[bool, typer.Option("--color/--no-color", help="Colour the tokens accepted from the drafter.")]
 Session = Annotated[Optional[str], typer.Option(
-    "--session", help="Keep the conversation in this JSON file and resume it when it exists: with the prompt "
-    "cache on, a later process prefills only the new turn, not the history.")]
+    "--session", help="Keep the conversation in this JSON file and resume it when it exists.")]
 
 
 def chat(
@@ -61,12 +60,10 @@ def chat(
 ) -> None:
     """Chat in the terminal. Both caches are kept across turns; Ctrl-C stops a reply.
 
-    When stdin is not a terminal, each line is a turn (or a /command) and replies are plain text; a line
-    that fails prints an error, the next lines still run, and the exit code is then 1.
+    Piped, each line is a turn or a /command, replies are plain text, and a failed line makes the exit code 1.
 
     \b
     Examples:
-      dflash chat
       dflash chat --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16
       printf 'Once upon a time\\n/stats\\n' | dflash chat --model ./stories260K
       dflash chat --session ~/notes/chat.json
@@ -83,6 +80,9 @@ def _run(o) -> None:
 
     check_sampling(o.temp, o.top_p, o.top_k, o.min_p, o.max_tokens)  # flags first, then the 2-3 s of imports
     o.stop, window = parse_stops(o.stop), parse_draft_window(o.draft_window)
+    from dflash_mlx.pair.sharded import refuse_ranks
+
+    refuse_ranks("dflash chat")
     check_pair_flags(o)
     history = read_session(o.session_file) if o.session_file else []
     import mlx.core as mx
@@ -111,8 +111,7 @@ def _run(o) -> None:
 
 
 def _loop(session, o, view, pair) -> int:
-    """Run lines until /quit or the end of input; returns how many failed. With ``--session``, the
-    conversation is written after every line; still unwritten at the end, that counts as a failure."""
+    """Run lines until /quit or the end of input, saving ``--session`` after each; returns how many failed."""
     from dflash_mlx.chat.session_file import SessionWriter
 
     failed = 0
@@ -147,7 +146,6 @@ def _loop(session, o, view, pair) -> int:
 
 def _line(line: str, session, o, view, pair) -> Tuple[bool, bool]:
     """Run one line (a turn or a /command); returns ``(ok, quit)``."""
-    from dflash_mlx import DFlashError
     from dflash_mlx.chat.session import ContextFullError
 
     try:
@@ -181,9 +179,7 @@ def _turn(text: str, session, o, view) -> None:
 
 
 def _command(line: str, session, o, view, pair) -> bool:
-    """Run one /command; returns True to quit. A bad argument or command raises InputError."""
-    from dflash_mlx import InputError
-
+    """Run one /command; returns True to quit. InputError for a bad argument or command."""
     name, _, arg = line.partition(" ")
     arg = arg.strip()
     if name in ("/quit", "/exit", "/q"):
@@ -222,8 +218,6 @@ def _command(line: str, session, o, view, pair) -> bool:
 
 
 def _block(arg: str, drafter):
-    from dflash_mlx import InputError
-
     if drafter is None:
         raise InputError("/block needs a drafter (--draft-model)")
     B = "auto" if arg == "auto" else _number(arg, int, "/block N")
@@ -234,8 +228,6 @@ def _block(arg: str, drafter):
 
 
 def _save(arg: str, session, view, pair) -> None:
-    from dflash_mlx import InputError
-
     if not arg:
         raise InputError("usage: /save FILE (FILE.json for JSON, else Markdown)")
     try:
@@ -246,8 +238,6 @@ def _save(arg: str, session, view, pair) -> None:
 
 
 def _number(arg: str, kind, usage: str):
-    from dflash_mlx import InputError
-
     try:
         return kind(arg)
     except ValueError:
@@ -255,7 +245,7 @@ def _number(arg: str, kind, usage: str):
 
 
 def header_rows(pair, session, o) -> List[Tuple[str, str]]:
-    """What the header panel shows: the pair, block size, quantization, memory, context."""
+    """The header panel's rows: the pair, block size, quantization, memory, context, sampling."""
     import mlx.core as mx
 
     from dflash_mlx.pair.loading import quantization, weights_gb

@@ -1,5 +1,4 @@
-"""The flags the commands share (each defined once, as an ``Annotated`` alias), their checks, prompt
-reading and error reporting."""
+"""The flags the commands share (each an ``Annotated`` alias), their checks, prompt reading, errors."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ PREFILL_STEP_GPU, PREFILL_STEP_CPU = 512, 128  # Ctrl-C waits for one chunk: sma
 
 
 def _parsed(parser: str):
-    """A callback parsing a flag's value with ``dflash_mlx.decode.width.<parser>`` as click parses it (before
-    stdin is read); its InputError becomes a usage error."""
+    """A click callback parsing with ``dflash_mlx.decode.width.<parser>``; InputError becomes a usage error."""
     def callback(ctx: typer.Context, value):
         from dflash_mlx.decode import width
 
@@ -39,8 +37,7 @@ def _parsed(parser: str):
 
 Model = Annotated[Optional[str], typer.Option("--model", help=MODEL_HELP)]
 DraftModel = Annotated[Optional[str], typer.Option(
-    "--draft-model", help="DFlash drafter: a local folder or repo id in the released format. Without it, the "
-    "same engine decodes plainly (for comparison).")]
+    "--draft-model", help="DFlash drafter: a local folder or repo id. Without it: plain decoding.")]
 Verify = Annotated[bool, typer.Option(
     "--verify", help="Check a `dflash convert` folder's files against the sha256 in its dflash.json first.")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m", help="Most tokens to generate (per reply).")]
@@ -50,39 +47,35 @@ TopK = Annotated[int, typer.Option(
     "--top-k", help="Sample from the k most likely tokens; 0, or the vocabulary size and above, is off.")]
 MinP = Annotated[float, typer.Option("--min-p", help="Min-p threshold, in [0, 1]; 0 is off.")]
 Seed = Annotated[Optional[int], typer.Option(
-    "--seed", min=0, max=2**64 - 1, help="PRNG seed, for reproducible sampling at a fixed --block-size "
-    "(with auto, the draws follow the widths chosen, which follow timings).")]
+    "--seed", min=0, max=2**64 - 1, help="PRNG seed (reproducible at a fixed --block-size).")]
 BlockSize = Annotated[str, typer.Option(
-    "--block-size", callback=_parsed("parse_block_size"), help="auto (default): draft at the trained block size "
-    "and verify the width measured timings say commits the most tokens per second, plain decoding included; or a "
-    "fixed B, 2..the drafter's trained size.")]
+    "--block-size", callback=_parsed("parse_block_size"), help="auto (default): verify the width that measured "
+    "timings say is fastest; or a fixed B, 2..the drafter's trained size.")]
 TreeBudget = Annotated[Optional[str], typer.Option(
     "--tree-budget", callback=_parsed("parse_tree_budget"), help="DDTree: verify the N most likely draft "
-    "prefixes as one tree (e.g. 32), or auto (chosen by measured cost). Attention-only targets; hybrids keep chains.")]
+    "prefixes as one tree (e.g. 32), or auto. Attention-only targets.")]
 Sharding = Annotated[str, typer.Option(
-    "--sharding", help="Under mlx.launch with several ranks: how the target is split (tensor; pipeline is "
-    "refused). The drafter runs whole on every rank; rank 0 reads and writes.")]
+    "--sharding", help="Under mlx.launch: how the target is split over the ranks (tensor).")]
 DraftWindow = Annotated[Optional[str], typer.Option(
     "--draft-window", help="SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows "
-    "(e.g. 64,1024), so drafting cost stops growing with the context. Off by default.")]
+    "(e.g. 64,1024). Off by default.")]
 SystemPrompt = Annotated[Optional[str], typer.Option(
-    "--system-prompt", help="System prompt for the chat template; without one, plain text before the prompt "
-    "(with a warning).")]
+    "--system-prompt", help="System prompt for the chat template.")]
 Stop = Annotated[List[str], typer.Option(
     "--stop", help="Stop the reply at this text, which is not printed; repeatable. \\n and \\t are expanded.")]
 TemplateConfig = Annotated[Optional[str], typer.Option(
     "--chat-template-config", help="JSON for apply_chat_template, e.g. '{\"enable_thinking\": true}'. With a "
-    "drafter, thinking is off unless set here (released drafters were trained without it).")]
+    "drafter, thinking is off unless set here.")]
 IgnoreTemplate = Annotated[bool, typer.Option(
     "--ignore-chat-template", help="Use the raw text (chat: the turns' text concatenated).")]
 PrefillStep = Annotated[Optional[int], typer.Option(
-    "--prefill-step-size", help="Prompt tokens per prefill chunk; Ctrl-C waits for the chunk in flight. "
-    f"Default: {PREFILL_STEP_GPU} on a GPU, {PREFILL_STEP_CPU} on a CPU.")]
+    "--prefill-step-size", help=f"Prompt tokens per prefill chunk (default {PREFILL_STEP_GPU} on a GPU, "
+    f"{PREFILL_STEP_CPU} on a CPU).")]
 PromptCacheDir = Annotated[Optional[str], typer.Option(
-    "--prompt-cache-dir", help="Folder of the prompt cache on disk: the caches of prompts' prefixes, reused by "
-    "later requests, processes and days. Default: $DFLASH_CACHE_DIR/prompts, else ~/.cache/dflash-mlx/prompts.")]
+    "--prompt-cache-dir", help="Folder of the prompt cache on disk (default: $DFLASH_CACHE_DIR/prompts, else "
+    "~/.cache/dflash-mlx/prompts).")]
 NoPromptCache = Annotated[bool, typer.Option(
-    "--no-prompt-cache", help="Neither read nor write the prompt cache (every prompt is prefilled whole).")]
+    "--no-prompt-cache", help="Neither read nor write the prompt cache.")]
 PromptCacheGb = Annotated[float, typer.Option(
     "--prompt-cache-gb", help="Most GB (2^30 bytes) the prompt cache keeps on disk; least recently used go first.")]
 
@@ -99,12 +92,7 @@ def warn(message: str) -> None:
 
 
 def check_pair_flags(o) -> None:
-    """Check and resolve, in place on the flags ``o`` of generate, chat or serve: the pair, --prefill-step-size,
-    --chat-template-config (thinking off with a drafter), the prompt cache, the flags that need a drafter.
-
-    Raises:
-        InputError: naming the flag.
-    """
+    """Check and resolve the flags ``o`` of generate, chat or serve in place; InputError naming the flag."""
     o.tree_budget = getattr(o, "tree_budget", None)
     o.template = parse_template_config(o.chat_template_config)
     o.defaults = o.model is None and o.draft_model is None
@@ -130,11 +118,7 @@ def check_sampling(temp: float, top_p: float, top_k: int, min_p: float, max_toke
 
 
 def parse_draft_window(value: Optional[str]) -> Optional[tuple[int, int]]:
-    """``--draft-window SINK,WINDOW`` -> ``(sink, window)``; None when not given.
-
-    Raises:
-        InputError: not two integers, SINK < 0 or WINDOW < 1 (names the flag).
-    """
+    """``--draft-window SINK,WINDOW`` -> ``(sink, window)`` or None; InputError naming the flag."""
     if value is None:
         return None
     try:
@@ -170,12 +154,8 @@ def resolve_prefill_step(value: Optional[int]) -> int:
 
 
 def resolve_models(model: Optional[str], draft_model: Optional[str], verify: bool = False) -> tuple[str, Optional[str]]:
-    """No flags: the default pair; ``--model`` alone: plain decoding, unless it is a `dflash convert` folder
-    (its target/ and drafter/, hashes checked if ``verify``).
-
-    Raises:
-        InputError: ``--draft-model`` or ``--verify`` without ``--model``.
-    """
+    """No flags: the default pair; ``--model`` alone: plain, or a `dflash convert` folder's pair.
+    InputError: ``--draft-model`` or ``--verify`` without ``--model``."""
     from dflash_mlx.pair.manifest import resolve_pair
 
     if verify and model is None:
@@ -190,17 +170,13 @@ def resolve_models(model: Optional[str], draft_model: Optional[str], verify: boo
 
 
 def make_store(directory: Optional[str], off: bool, gb: float):
-    """The :class:`~dflash_mlx.prompt_cache.store.PrefixStore` the prompt cache flags ask for, or None.
-
-    Raises:
-        InputError: ``--prompt-cache-gb`` not a finite number above 0, or ``--prompt-cache-dir`` a file.
-    """
+    """The :class:`~dflash_mlx.prompt_cache.store.PrefixStore` of the flags, or None; InputError naming one."""
     check_number("--prompt-cache-gb", gb, above=0)
     if off:
         return None
     root = Path(directory).expanduser() if directory else None
-    if root is not None and root.exists() and not root.is_dir():
-        raise InputError(f"--prompt-cache-dir {root} is a file, not a folder")
+    if root is not None:
+        check_out_folder(root, "--prompt-cache-dir")
     from dflash_mlx.prompt_cache.store import PrefixStore
 
     return PrefixStore(root, max_bytes=int(gb * 2**30))
@@ -216,12 +192,8 @@ def utf8(text: str) -> Tuple[str, bool]:
 
 
 def read_prompt(prompt: Optional[str]) -> str:
-    """``--prompt TEXT`` (escapes expanded); ``--prompt -`` or a piped stdin reads stdin, trailing newlines
-    dropped. Bytes that are not UTF-8 become U+FFFD, with a warning.
-
-    Raises:
-        InputError: no prompt given, or the prompt is empty.
-    """
+    """``--prompt TEXT`` (escapes expanded), or stdin (``-`` or piped) without trailing newlines; bad UTF-8
+    becomes U+FFFD with a warning. InputError: no prompt, or an empty one."""
     if prompt is None or prompt == "-":
         if prompt is None and sys.stdin.isatty():
             raise InputError("no prompt: pass --prompt TEXT, --prompt - or pipe it on stdin")
@@ -258,10 +230,8 @@ def check_system_prompt(system_prompt: Optional[str], tokenizer, ignore_chat_tem
 
 def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: dict,
                   ignore_chat_template: bool) -> list[int]:
-    """Token ids of one user turn (after the system prompt, if any), through the chat template unless
-    ``ignore_chat_template`` or the tokenizer has none (then the texts concatenated, as chat does)."""
-    from dflash_mlx.prompt import plain_text
-    from dflash_mlx.prompt import encode_messages
+    """Token ids of one user turn after the system prompt, through the chat template if used and present."""
+    from dflash_mlx.prompt import encode_messages, plain_text
 
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": text})
@@ -269,11 +239,10 @@ def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: 
 
 
 def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None, sharding=None):
-    """:func:`dflash_mlx.load` under a spinner (``sharding``: split the target over the ranks).
-    A CheckpointError of the default pair says how to pass local folders instead."""
-    from dflash_mlx import CheckpointError, load
-
+    """:func:`dflash_mlx.load` under a spinner; a CheckpointError of the default pair names local folders."""
     from transformers.utils import logging as hf_logging
+
+    from dflash_mlx import CheckpointError, load
 
     from .render import spinner
 
@@ -290,7 +259,7 @@ def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_wind
 
 
 def check_out_folder(path, flag: str = "--out") -> None:
-    """Raise InputError, naming the flag and the file in the way, when ``path`` or a folder above it is a file."""
+    """InputError naming ``flag`` and the file in the way when ``path`` or a folder above it is a file."""
     path = Path(path)
     for p in [path, *path.parents]:
         if p.exists():
@@ -301,8 +270,7 @@ def check_out_folder(path, flag: str = "--out") -> None:
 
 
 def guard(fn):
-    """Run ``fn``: a DFlashError or an OSError on a named path is one line and exit 1; a closed output pipe
-    (``| head``) exits 141 quietly (128 + SIGPIPE)."""
+    """Run ``fn``: a DFlashError or an OSError on a path is one line and exit 1; a closed pipe exits 141."""
     try:
         result = fn()
         sys.stdout.flush()  # a write that fails (> /dev/full) surfaces here, as a StreamError

@@ -21,8 +21,7 @@ Prompt = Annotated[Optional[str], typer.Option(
 Verbose = Annotated[bool, typer.Option("--verbose/--quiet", help="Print stats on stderr.")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object (text and stats) instead of the text.")]
 Compare = Annotated[bool, typer.Option(
-    "--compare", help="Then decode the prompt plainly (same target and sampling) and print the speedup and "
-    "whether the text is the same. Needs --draft-model.")]
+    "--compare", help="Then decode plainly too and print the speedup and whether the text is the same.")]
 
 
 def generate(
@@ -54,18 +53,12 @@ def generate(
 ) -> None:
     """Generate from one prompt. Text streams to stdout, stats go to stderr.
 
-    A later prompt sharing this one's beginning prefills only the rest (the prompt cache, on disk).
     Exit codes: 0 done, 1 bad input, 130 Ctrl-C, 141 output pipe closed.
 
     \b
     Examples:
       dflash generate --prompt "Explain KV caches in two sentences."
-      echo "Once upon a time" | dflash generate --model ./stories260K
-      dflash generate --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16 -p - < q.txt
-      dflash generate -p "List three colours, one per line." --stop "\\n\\n"
-      dflash generate --draft-window 64,1024 -p - < long_document.txt
-      dflash generate --model M --draft-model D --tree-budget 32 -p "Once upon a time"
-      dflash generate --model M --draft-model D --compare -p "Once upon a time"
+      dflash generate --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16 --compare -p - < q.txt
       mlx.launch --backend ring -n 2 -- dflash generate --model M --draft-model D -p "Once upon a time"
     """
     o = SimpleNamespace(**locals())
@@ -113,8 +106,7 @@ def _run(o) -> None:
 
 
 def fit_context(prompt_tokens: int, max_tokens: int, limit: Optional[int]) -> int:
-    """``max_tokens`` cut (with a warning) to what the target's context leaves after the prompt; InputError
-    when the prompt alone fills it."""
+    """``max_tokens`` cut (with a warning) to the context left; InputError when the prompt fills it."""
     from dflash_mlx.errors import InputError
 
     if limit is None or prompt_tokens + max_tokens <= limit:
@@ -154,7 +146,6 @@ def _stream(pair, ids, o, run: dict):
 
 
 def _print_stats(stats, cached, against, greedy: bool) -> None:
-    """The stats lines, the prompt cache's source and the ``--compare`` line, on stderr."""
     from dflash_mlx.compare import compare_line
 
     for line in stats.format_lines():

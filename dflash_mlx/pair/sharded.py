@@ -61,6 +61,12 @@ def join_ranks(sharding: str) -> Optional[dict]:
     return {"ranks": n, "sharding": sharding}
 
 
+def refuse_ranks(command: str) -> None:
+    """Raise InputError under ``mlx.launch`` with more than one rank: ``command`` runs in one process only."""
+    if ranks() > 1:
+        raise InputError(f"{command} runs in one process; under mlx.launch only dflash generate runs sharded")
+
+
 def share_text(read: Callable[[], str]) -> str:
     """``read()`` on rank 0, its text on every rank; a single process just calls it.
 
