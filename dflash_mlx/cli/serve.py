@@ -18,39 +18,26 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_BATCH = 256  # a batch's cache grows with it: a typo (8000) should not take the memory
 MAX_CONNECTIONS = 128  # well under macOS's default of 256 open files per process
 
-
-Host = Annotated[str, typer.Option("--host", help="Address to bind. The default answers this Mac only; anything else "
-                           "should go with --api-key.")]
+Host = Annotated[str, typer.Option("--host", help="Address to bind; beyond this Mac, use --api-key.")]
 Port = Annotated[int, typer.Option("--port", help="TCP port.")]
-MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m",
-                                        help="Tokens per request when the request does not say.")]
+MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m", help="Tokens per request that does not say.")]
 ApiKey = Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_API_KEY", help=(
     "Require 'Authorization: Bearer KEY' on every endpoint but /health (or set DFLASH_API_KEY)."))]
-MaxQueue = Annotated[int, typer.Option("--max-queue",
-                                       help="Requests that may wait behind the running ones; past that, 429.")]
+MaxQueue = Annotated[int, typer.Option("--max-queue", help="Requests waiting behind the running ones; past it, 429.")]
 MaxBatch = Annotated[int, typer.Option("--max-batch", help=(
-    "Requests decoding together (continuous batching); 1: one at a time, with the prompt cache. Batched requests "
-    "use it too where the target and drafter keep plain attention KV caches and the drafter has a batched pass; "
-    "else (hybrids, sliding-window layers) they prefill whole prompts (the log says so)."))]
-MaxBodyMb = Annotated[float, typer.Option("--max-body-mb",
-                                          help="Largest request body, in MB (2^20 bytes); past it, 413.")]
+    "Requests decoding together (continuous batching); 1: one at a time."))]
+MaxBodyMb = Annotated[float, typer.Option("--max-body-mb", help="Largest request body in MB; past it, 413.")]
 TemplateConfig = Annotated[Optional[str], typer.Option("--chat-template-config", help=(
-    "Default JSON for apply_chat_template; a request's chat_template_kwargs override it. With a drafter, thinking "
-    "is off unless set here or in the request."))]
+    "Default JSON for apply_chat_template; a request's chat_template_kwargs override it."))]
 AllowTemplates = Annotated[bool, typer.Option("--allow-request-templates", help=(
-    "Let requests send their own Jinja chat template (chat_template_kwargs.chat_template). Off: such a request "
-    "gets a 400, since a template runs on the server and can take any memory or time."))]
+    "Let requests send their own Jinja chat template (else 400: it runs on the server)."))]
 MaxPromptChars = Annotated[Optional[int], typer.Option("--max-prompt-chars", help=(
-    "Most characters of prompt text per request, checked before tokenizing (default: 8 per token of the "
-    "target's context); past it, 400."))]
+    "Most prompt characters per request (default: 8 per token of the target's context); past it, 400."))]
 RequestTimeout = Annotated[float, typer.Option("--request-timeout", help=(
-    "Seconds from a request's arrival (queue wait included) after which its generation stops and it gets a 408; "
-    "0: no limit."))]
+    "Seconds from a request's arrival after which it stops with a 408; 0: no limit."))]
 IdleTimeout = Annotated[float, typer.Option("--idle-timeout", help=(
-    "Seconds a connection may idle between requests (uvicorn's keep-alive timeout), its request headers may take "
-    "to arrive in full, and a request body may stall between chunks (then 408)."))]
-MaxConnections = Annotated[int, typer.Option("--max-connections", help=(
-    "Open connections at once; a request past it gets a 503 (keeps the server within its file descriptors)."))]
+    "Seconds a connection may idle, its headers take, or its body stall (then 408)."))]
+MaxConnections = Annotated[int, typer.Option("--max-connections", help="Open connections at once; past it, 503.")]
 LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
 
 
@@ -79,9 +66,7 @@ def serve(
 ) -> None:
     """Serve the pair over the OpenAI API (chat, completions, models, health, metrics).
 
-    Up to --max-batch requests decode together (continuous batching). A prompt that shares the beginning of an
-    earlier one prefills only the rest (the prompt cache, in memory and on disk). Each response's usage has a
-    "dflash" object: tau, steps, acceptance histogram.
+    A prompt sharing an earlier one's beginning prefills only the rest. Each usage has a "dflash" object.
 
     \b
     Examples:
@@ -89,16 +74,11 @@ def serve(
       dflash serve --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16
       DFLASH_API_KEY=secret dflash serve --host 0.0.0.0 --port 8000
     """
-    o = SimpleNamespace(**locals())
-    guard(lambda: _until_stopped(lambda: _run(o)))
-
-
-def _until_stopped(run) -> None:
-    """``run()`` with SIGTERM taken as Ctrl-C (exit 130 while loading; once serving, both stop the server)."""
     from dflash_mlx.atomic import sigterm_as_interrupt
 
-    with sigterm_as_interrupt():
-        run()
+    o = SimpleNamespace(**locals())
+    with sigterm_as_interrupt():  # exit 130 while loading; once serving, it stops the server
+        guard(lambda: _run(o))
 
 
 def _check(o) -> None:
@@ -121,6 +101,9 @@ def _check(o) -> None:
 
 def _run(o) -> None:
     _check(o)
+    from dflash_mlx.pair.sharded import refuse_ranks
+
+    refuse_ranks("dflash serve")
     from dflash_mlx.serve.lifecycle import listen, serve as serve_on
 
     sock = listen(o.host, o.port)  # a port in use is an error now, not after the model loaded

@@ -33,13 +33,11 @@ Prompts = _opt("--prompts", "JSONL of {'prompt': ...} or {'messages': [...]} row
 Text = _opt("--text", "Plain text cut into prompts (documents split by blank lines); repeatable.", List[Path])
 SelfPrompts = _opt("--self-prompts", "Also sample N openings from the target itself (base models).")
 SelfTokens = _opt("--self-prompt-tokens", "Tokens sampled per opening.")
-SelfStyle = _opt("--self-prompt-style", "prefix: BOS + the sampled tokens; sentence: a few words from a sentence "
-                 "inside the sampled text.", str)
-DataTemplate = _opt("--chat-template-config", "JSON for the chat template, e.g. '{\"enable_thinking\": false}': "
-                    "match later use.", Optional[str])
+SelfStyle = _opt("--self-prompt-style", "prefix (BOS + the sampled tokens) or sentence (words from inside them).", str)
+DataTemplate = _opt("--chat-template-config", "JSON for the chat template; match later use.", Optional[str])
 DataMaxTokens = _opt("--max-tokens", "Response tokens per prompt; less than the target's context.")
-MaxLength = _opt("--max-length", "Most tokens per sequence, at most the target's context; longer prompts are an "
-                 "error. Default: 3072 or the context, whichever is smaller.", Optional[int])
+MaxLength = _opt("--max-length", "Most tokens per sequence (default: 3072 or the target's context if smaller).",
+                 Optional[int])
 DataTemp = _opt("--temp", "Regeneration temperature (0 = greedy).", float)
 BatchSize = _opt("--batch-size", "Sequences generated together.")
 ShardSize = _opt("--shard-size", "Prompts per shard.")
@@ -59,8 +57,7 @@ def data(model: Target, out: DataOut, prompts: Prompts = [], text: Text = [], se
 
     \b
     Example:
-      dflash data --model Qwen/Qwen3-4B --prompts prompts.jsonl --out data/ \\
-        --chat-template-config '{"enable_thinking": false}'
+      dflash data --model Qwen/Qwen3-4B --prompts prompts.jsonl --out data/
     """
     o = SimpleNamespace(**locals())
     guard(lambda: _data(o))
@@ -107,8 +104,7 @@ def _data(o) -> None:
 
 
 def check_lengths(max_tokens: int, max_length: Optional[int], context: Optional[int]) -> int:
-    """``--max-length`` (default 3072, capped at the target's context); InputError naming ``--max-tokens`` or
-    ``--max-length`` when out of range or past the context."""
+    """``--max-length`` or its default (3072, at most the context); InputError naming the flag out of range."""
     from dflash_mlx import InputError
 
     check_number("--max-tokens", max_tokens, at_least=1)
@@ -125,10 +121,10 @@ def check_lengths(max_tokens: int, max_length: Optional[int], context: Optional[
 DataDirs = _opt("--data", "Folder made by `dflash data`; repeat to mix several.", List[Path])
 TrainOut = _opt("--out", "Drafter folder (released format); checkpoints go in OUT/checkpoints.", Path)
 Layers = _opt("--layers", "Drafter layers.")
-TrainBlock = _opt("--block-size", "The drafter's block size B (the largest it drafts); default 16, or the largest "
-                  "of --block-sizes.", Optional[int])
-TrainBlocks = _opt("--block-sizes", "Train at several block sizes, one drawn per sequence, e.g. 4,8,16: the "
-                   "drafter then drafts well at each. Default: --block-size only.", Optional[str])
+TrainBlock = _opt("--block-size", "The drafter's block size B (default 16, or the largest of --block-sizes).",
+                  Optional[int])
+TrainBlocks = _opt("--block-sizes", "Train at several block sizes, one drawn per sequence, e.g. 4,8,16.",
+                   Optional[str])
 LayerIds = _opt("--target-layer-ids", "Comma list, e.g. 1,9,17; default: spread evenly.", Optional[str])
 MaskId = _opt("--mask-token-id", "MASK id; default: an unused vocabulary id.", Optional[int])
 Intermediate = _opt("--intermediate-size", "Drafter MLP width; default: the target's.", Optional[int])
@@ -137,27 +133,23 @@ Lr = _opt("--lr", "Peak AdamW learning rate.", float)
 Warmup = _opt("--warmup", "Warm-up fraction of the steps, then cosine decay.", float)
 GradAccum = _opt("--grad-accum", "Sequences per optimizer step.")
 Anchors = _opt("--anchors", "Blocks sampled per sequence.")
-AnchorChunk = _opt("--anchor-chunk", "Blocks per forward/backward pass (0: all at once); bounds memory, same "
-                   "result up to rounding.")
-Gamma = _opt("--gamma", "Loss decay over block rows: one value, or one per --block-sizes entry; default 7 (B=16), "
-             "4 (B<=8).", Optional[str])
-KlWeight = _opt("--kl-weight", "Distillation: weight of a KL term to the target's own next-token distribution "
-                "(0: off).", float)
+AnchorChunk = _opt("--anchor-chunk", "Blocks per forward/backward pass (0: all at once); bounds memory.")
+Gamma = _opt("--gamma", "Loss decay over block rows, one or one per --block-sizes (default 7 at B=16, 4 at B<=8).",
+             Optional[str])
+KlWeight = _opt("--kl-weight", "Weight of a KL term to the target's next-token distribution (0: off).", float)
 KlTemp = _opt("--kl-temperature", "Temperature of both distributions in the KL term.", float)
-MissAnchors = _opt("--miss-anchors", "Fraction of a sequence's blocks anchored where generation starts one: right "
-                   "after a miss of the drafter on that sequence's previous visit (0: uniform anchors only).", float)
+MissAnchors = _opt("--miss-anchors", "Fraction of blocks anchored right after the drafter's misses (0: uniform).",
+                   float)
 GradClip = _opt("--grad-clip", "Max gradient norm.", float)
 Dtype = _opt("--dtype", "float32 or bfloat16.", str)
 HeldOut = _opt("--held-out", "The last N sequences (of the last --data) are held out for evaluation.")
 EvalEvery = _opt("--eval-every", "Evaluate every N steps (0 = never).")
 SaveEvery = _opt("--save-every", "Checkpoint every N steps (0 = only the end).")
 CacheFeatures = _opt("--cache-features", "Compute target features once, keep them in OUT/features.", bool)
-FeaturesDir = _opt("--features-dir", "Cache target features here instead of OUT/features (implies "
-                   "--cache-features); runs on the same data and --target-layer-ids can share it.", Optional[Path])
-Resume = _opt("--resume", "Continue from the newest checkpoint in OUT/checkpoints; --steps, --lr and the other run "
-              "settings must match.", bool)
-Overwrite = _opt("--overwrite", "Delete an earlier run in OUT (checkpoints, cached features, drafter) and start "
-                 "afresh.", bool)
+FeaturesDir = _opt("--features-dir", "Cache target features here instead (implies --cache-features).",
+                   Optional[Path])
+Resume = _opt("--resume", "Continue from the newest checkpoint in OUT/checkpoints (same run settings).", bool)
+Overwrite = _opt("--overwrite", "Delete an earlier run in OUT and start afresh.", bool)
 
 
 def train(model: Target, data_dirs: DataDirs, out: TrainOut, layers: Layers = 1, block_size: TrainBlock = None,
@@ -170,16 +162,11 @@ def train(model: Target, data_dirs: DataDirs, out: TrainOut, layers: Layers = 1,
           resume: Resume = False, overwrite: Overwrite = False, seed: Seed = 0) -> None:
     """Train a DFlash drafter for a frozen target, on data from `dflash data`.
 
-    OUT must not hold an earlier run unless --resume or --overwrite is given. Each
-    checkpoint (OUT/checkpoints/step_N) is a drafter that loads with --draft-model.
+    Each checkpoint (OUT/checkpoints/step_N) loads with --draft-model.
 
     \b
-    Example:
+    Examples:
       dflash train --model Qwen/Qwen3-4B --data data/ --out my-drafter --layers 2 --steps 5000
-      dflash generate --model Qwen/Qwen3-4B --draft-model my-drafter -p "Hello"
-
-    \b
-    One drafter for block sizes 4, 8 and 16, distilled from the target's distribution:
       dflash train --model Qwen/Qwen3-4B --data data/ --out my-drafter --block-sizes 4,8,16 --kl-weight 1
     """
     o = SimpleNamespace(**locals())
@@ -187,8 +174,7 @@ def train(model: Target, data_dirs: DataDirs, out: TrainOut, layers: Layers = 1,
 
 
 def _config(o):
-    """The checked :class:`~dflash_mlx.train.trainer.TrainConfig` of the flags (InputError naming the flag);
-    sets ``o.block_size`` and ``o.ids`` (the parsed --target-layer-ids)."""
+    """The checked TrainConfig of the flags (InputError naming one); sets ``o.block_size`` and ``o.ids``."""
     from dflash_mlx import InputError
     from dflash_mlx.train.trainer import TrainConfig
 
@@ -277,7 +263,7 @@ def _fit(o, trainer) -> None:
 
 
 def parse_numbers(value: Optional[str], flag: str, kind=int) -> Optional[list]:
-    """A comma list of numbers (``4,8,16``), or None when the flag is not given; InputError for a bad entry."""
+    """A comma list of numbers (``4,8,16``) or None; InputError for a bad entry."""
     from dflash_mlx import InputError
 
     if value is None:
@@ -290,7 +276,7 @@ def parse_numbers(value: Optional[str], flag: str, kind=int) -> Optional[list]:
 
 
 def eval_line(step: int, result: dict) -> str:
-    """``step N: held-out tau 4.12 at B=16 (as generated 3.40; acceptance by position .90 .80 ...), ...``."""
+    """``step N: held-out tau 4.12 at B=16 (as generated 3.40; acceptance by position .90 ...), ...``."""
     def part(b, r) -> str:
         generated = f"as generated {r['tau_generation']:.2f}; " if "tau_generation" in r else ""
         accepted = " ".join(f"{x:.2f}" for x in r["acceptance"])
