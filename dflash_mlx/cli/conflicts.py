@@ -1,5 +1,4 @@
-"""Other installed distributions that also provide a ``dflash`` command or a top-level ``dflash_mlx`` package
-(found through ``importlib.metadata``)."""
+"""Other installed distributions that also provide a ``dflash`` command or a ``dflash_mlx`` package."""
 
 from __future__ import annotations
 
@@ -20,12 +19,8 @@ def _provides_package(dist: md.Distribution) -> bool:
 
 
 def conflicts(dists: Optional[Iterable[md.Distribution]] = None) -> List[str]:
-    """One description per clashing distribution (name, version, what it provides,
-    where it is installed); empty when there is none.
-
-    Ours is any distribution whose ``dflash`` command is :data:`OUR_ENTRY_POINT`
-    (an editable install can be listed twice: its egg-info and its dist-info).
-    """
+    """One description per clashing distribution (name, version, what it provides, where); ours (whose
+    ``dflash`` is :data:`OUR_ENTRY_POINT`, an editable install maybe listed twice) are skipped."""
     found = []
     for dist in md.distributions() if dists is None else dists:
         try:

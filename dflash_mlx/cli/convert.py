@@ -1,5 +1,4 @@
-"""``dflash convert``: a target and its drafter into one folder; wiring over
-:func:`dflash_mlx.pair.convert.convert`."""
+"""``dflash convert``: a target and its drafter into one folder (:func:`dflash_mlx.pair.convert.convert`)."""
 
 from __future__ import annotations
 
@@ -19,21 +18,16 @@ Drafter = Annotated[str, typer.Option("--draft-model", help="Its DFlash drafter:
 Out = Annotated[str, typer.Option("--out", "-o", help="Output folder: target/, drafter/ and dflash.json.")]
 Quantize = Annotated[bool, typer.Option("--quantize", "-q", help="Quantize the target with mlx-lm.")]
 QBits = Annotated[Optional[int], typer.Option("--q-bits", help="Target bits per weight: 4 or 8 (default 4).")]
-QGroup = Annotated[Optional[int], typer.Option("--q-group-size", help="Target group size: 32, 64 or 128 "
-                                               "(default 64).")]
+QGroup = Annotated[Optional[int], typer.Option("--q-group-size", help="Target group size: 32, 64 or 128 (default 64).")]
 QMode = Annotated[str, typer.Option("--q-mode", help="Target quantization mode: affine, mxfp4, nvfp4 or mxfp8.")]
 DraftBits = Annotated[Optional[int], typer.Option(
-    "--draft-q-bits", help="Quantize the drafter to 4 or 8 bits (default: keep it float). fc, hidden_norm and the "
-    "norms stay float; it computes in float32.")]
+    "--draft-q-bits", help="Quantize the drafter to 4 or 8 bits (default: keep it float).")]
 DraftGroup = Annotated[int, typer.Option("--draft-q-group-size", help="Drafter group size: 32, 64 or 128.")]
 Dtype = Annotated[Optional[str], typer.Option(
-    "--dtype", help="float16, bfloat16 or float32 for the float weights (default: the target's torch_dtype; the "
-    "drafter as stored).")]
-Force = Annotated[bool, typer.Option("--force", help="Replace an existing output folder (once the new one is "
-                                     "complete).")]
+    "--dtype", help="float16, bfloat16 or float32 for the float weights (default: as stored).")]
+Force = Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")]
 Validate = Annotated[bool, typer.Option(
-    "--validate/--no-validate", help="Check the result against the sources (short greedy runs; needs memory for "
-    "the larger of the unconverted and converted targets).")]
+    "--validate/--no-validate", help="Check the result against the sources (short greedy runs).")]
 
 
 def convert(model: Target, draft_model: Drafter, out: Out, quantize: Quantize = False, q_bits: QBits = None,
@@ -42,10 +36,7 @@ def convert(model: Target, draft_model: Drafter, out: Out, quantize: Quantize = 
             validate: Validate = True) -> None:
     """Convert a target and its drafter into one folder that `dflash generate|chat|bench --model DIR` runs.
 
-    The target goes through mlx-lm's convert (an mlx-lm folder is copied unless asked otherwise), the drafter
-    through dflash's loader. Writes go to a temporary folder beside OUT, renamed into place at the end: a
-    failure, Ctrl-C or SIGTERM leaves nothing, and what a killed run left is removed at the next start. A short
-    validation table follows.
+    OUT appears only once complete: a failure, Ctrl-C or SIGTERM leaves nothing. A validation table follows.
 
     \b
     Examples:
@@ -91,8 +82,7 @@ def _run(validate, **kwargs) -> None:
 
 
 class _Stages:
-    """One line per stage on stderr, with a spinner while it runs (none while downloading: huggingface_hub
-    draws its own bars)."""
+    """One line per stage on stderr, with a spinner while it runs (not while fetching: the hub draws bars)."""
 
     def __init__(self, console):
         self.console, self.status, self.start = console, None, time.perf_counter()

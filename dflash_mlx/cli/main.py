@@ -28,8 +28,7 @@ def main(args: Optional[List[str]] = None) -> None:
 
 
 def keep_interrupts() -> None:
-    """Make a Ctrl-C that lands inside a finalizer (a ``__del__``, which cannot raise) act as one anywhere
-    else: it is delivered again to the main thread from a timer thread, outside the finalizer."""
+    """A Ctrl-C that lands in a finalizer (which cannot raise) is delivered again to the main thread."""
     import _thread
     import threading
 

@@ -1,5 +1,4 @@
-"""Output a person reads: tables that fit the terminal (plain text in pipes and logs), progress bars and
-a spinner while a model loads. Every Rich table of the CLI is printed through :func:`print_table`."""
+"""Tables that fit the terminal (plain text in pipes and logs), progress bars and a spinner."""
 
 from __future__ import annotations
 
@@ -15,8 +14,8 @@ PLAIN_WIDTH = 10_000  # wide enough that no row of a plain table is folded
 
 
 def print_table(table: Table, console: Optional[Console] = None) -> None:
-    """Print ``table`` on ``console`` (default: stdout): fitted to a terminal's width (:func:`fitted`), else
-    plain text (no box or colour, a row per line, columns two spaces apart, no trailing spaces)."""
+    """Print ``table`` on ``console`` (default: stdout): fitted to a terminal, else plain text (a row per line,
+    no box, colour or trailing spaces)."""
     console = console or Console()
     if console.is_terminal:
         console.print(fitted(table, console.width))
@@ -34,8 +33,7 @@ def print_table(table: Table, console: Optional[Console] = None) -> None:
 
 
 def fitted(table: Table, width: int) -> Table:
-    """``table`` made to fit ``width`` columns: a light box without edges, and cells that fold onto the next
-    line where a column must narrow, never cut to ``…``."""
+    """``table`` made to fit ``width`` columns: a light box, cells folded, never cut to ``…``."""
     table.box, table.show_edge, table.pad_edge, table.collapse_padding = box.SIMPLE_HEAD, False, False, True
     for column in table.columns:
         column.overflow, column.no_wrap = "fold", False
@@ -55,8 +53,7 @@ def spinner(text: str) -> Iterator[None]:
 
 @contextmanager
 def progress_bars(console: Console) -> Iterator[Callable[[str, int, int], None]]:
-    """Yields ``progress(name, done, total)``: a bar per name on ``console``, shown from the first call on
-    (so errors found up front stay one line)."""
+    """Yields ``progress(name, done, total)``: a bar per name on ``console``, shown from the first call."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 

@@ -7,7 +7,7 @@ import logging
 from types import SimpleNamespace
 from typing import Annotated, Optional
 
-import typer
+from typer import Option
 
 from dflash_mlx.ranges import check_number
 
@@ -18,51 +18,35 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_BATCH = 256  # a batch's cache grows with it: a typo (8000) should not take the memory
 MAX_CONNECTIONS = 128  # well under macOS's default of 256 open files per process
 
-Host = Annotated[str, typer.Option("--host", help="Address to bind; beyond this Mac, use --api-key.")]
-Port = Annotated[int, typer.Option("--port", help="TCP port.")]
-MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m", help="Tokens per request that does not say.")]
-ApiKey = Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_API_KEY", help=(
-    "Require 'Authorization: Bearer KEY' on every endpoint but /health (or set DFLASH_API_KEY)."))]
-MaxQueue = Annotated[int, typer.Option("--max-queue", help="Requests waiting behind the running ones; past it, 429.")]
-MaxBatch = Annotated[int, typer.Option("--max-batch", help=(
-    "Requests decoding together (continuous batching); 1: one at a time."))]
-MaxBodyMb = Annotated[float, typer.Option("--max-body-mb", help="Largest request body in MB; past it, 413.")]
-TemplateConfig = Annotated[Optional[str], typer.Option("--chat-template-config", help=(
-    "Default JSON for apply_chat_template; a request's chat_template_kwargs override it."))]
-AllowTemplates = Annotated[bool, typer.Option("--allow-request-templates", help=(
-    "Let requests send their own Jinja chat template (else 400: it runs on the server)."))]
-MaxPromptChars = Annotated[Optional[int], typer.Option("--max-prompt-chars", help=(
-    "Most prompt characters per request (default: 8 per token of the target's context); past it, 400."))]
-RequestTimeout = Annotated[float, typer.Option("--request-timeout", help=(
-    "Seconds from a request's arrival after which it stops with a 408; 0: no limit."))]
-IdleTimeout = Annotated[float, typer.Option("--idle-timeout", help=(
-    "Seconds a connection may idle, its headers take, or its body stall (then 408)."))]
-MaxConnections = Annotated[int, typer.Option("--max-connections", help="Open connections at once; past it, 503.")]
-LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
-
 
 def serve(
     model: Model = None,
     draft_model: DraftModel = None,
-    host: Host = "127.0.0.1",
-    port: Port = 8080,
+    host: Annotated[str, Option("--host", help="Address to bind; beyond this Mac, use --api-key.")] = "127.0.0.1",
+    port: Annotated[int, Option("--port", help="TCP port.")] = 8080,
     block_size: BlockSize = "auto",
-    max_tokens: MaxTokens = 512,
-    api_key: ApiKey = None,
-    max_queue: MaxQueue = 16,
-    max_batch: MaxBatch = 8,
-    max_body_mb: MaxBodyMb = 4.0,
-    chat_template_config: TemplateConfig = None,
-    allow_request_templates: AllowTemplates = False,
-    max_prompt_chars: MaxPromptChars = None,
-    request_timeout: RequestTimeout = 600.0,
-    idle_timeout: IdleTimeout = 5.0,
-    max_connections: MaxConnections = MAX_CONNECTIONS,
+    max_tokens: Annotated[int, Option("--max-tokens", "-m", help="Tokens per request that does not say.")] = 512,
+    api_key: Annotated[Optional[str], Option("--api-key", envvar="DFLASH_API_KEY", help=(
+        "Require 'Authorization: Bearer KEY' on every endpoint but /health."))] = None,
+    max_queue: Annotated[int, Option("--max-queue", help="Requests waiting behind running ones; then 429.")] = 16,
+    max_batch: Annotated[int, Option("--max-batch", help="Requests decoding together; 1: one at a time.")] = 8,
+    max_body_mb: Annotated[float, Option("--max-body-mb", help="Largest request body in MB; past it, 413.")] = 4.0,
+    chat_template_config: Annotated[Optional[str], Option("--chat-template-config", help=(
+        "Default JSON for apply_chat_template; a request's chat_template_kwargs override it."))] = None,
+    allow_request_templates: Annotated[bool, Option("--allow-request-templates", help=(
+        "Let requests send their own Jinja chat template (else 400: it runs on the server)."))] = False,
+    max_prompt_chars: Annotated[Optional[int], Option("--max-prompt-chars", help=(
+        "Most prompt characters per request (default: 8 per context token); past it, 400."))] = None,
+    request_timeout: Annotated[float, Option("--request-timeout", help=(
+        "Seconds from a request's arrival after which it stops with a 408; 0: no limit."))] = 600.0,
+    idle_timeout: Annotated[float, Option("--idle-timeout", help=(
+        "Seconds a connection may idle, its headers take, or its body stall (then 408)."))] = 5.0,
+    max_connections: Annotated[int, Option("--max-connections", help="Open connections; then 503.")] = MAX_CONNECTIONS,
     prefill_step_size: PrefillStep = None,
     prompt_cache_dir: PromptCacheDir = None,
     no_prompt_cache: NoPromptCache = False,
     prompt_cache_gb: PromptCacheGb = 8.0,
-    log_level: LogLevel = "info",
+    log_level: Annotated[str, Option("--log-level", help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve the pair over the OpenAI API (chat, completions, models, health, metrics).
 

@@ -1,6 +1,5 @@
 """Standard streams the shell closed (``<&-``) or that cannot be written (``> /dev/full``): one line naming
-the stream. A closed descriptor gets ``/dev/null`` first, so the next file opened (MLX reads descriptor 0 as
-"no file") does not take its number."""
+the stream. A closed descriptor gets ``/dev/null``, so no file opened later takes its number."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ class ClosedStream:
 
 
 class CheckedStdout:
-    """``sys.stdout`` whose failed writes raise :class:`StreamError`; a closed pipe still raises
-    ``BrokenPipeError`` (exit 141, see ``common.guard``)."""
+    """``sys.stdout`` whose failed writes raise :class:`StreamError` (a closed pipe: ``BrokenPipeError``)."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -61,7 +59,7 @@ class CheckedStdout:
 
 
 def silence_stdout() -> None:
-    """Point descriptor 1 at /dev/null: what is still buffered goes nowhere at exit instead of failing again."""
+    """Point descriptor 1 at /dev/null, so what is still buffered does not fail again at exit."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     except OSError:
@@ -69,8 +67,8 @@ def silence_stdout() -> None:
 
 
 def protect() -> List[int]:
-    """Put /dev/null on every closed standard descriptor and a :class:`ClosedStream` in its ``sys`` slot;
-    wrap a working stdout in :class:`CheckedStdout`. Returns the descriptors that were closed."""
+    """/dev/null on each closed standard descriptor, a :class:`ClosedStream` in its ``sys`` slot, a working
+    stdout wrapped in :class:`CheckedStdout`. Returns the descriptors that were closed."""
     closed = []
     for fd in (0, 1, 2):
         try:
