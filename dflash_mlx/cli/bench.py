@@ -7,40 +7,12 @@ from types import SimpleNamespace
 from typing import Annotated, List, Optional
 
 import typer
+from typer import Option
 
 from dflash_mlx.ranges import check_number
 
 from .common import (DraftModel, DraftWindow, MaxTokens, MinP, Model, PrefillStep, Temp, TopK, TopP, Verify,
                      check_sampling, guard, parse_draft_window, resolve_models, warn)
-
-Dataset = Annotated[List[str], typer.Option(
-    "--dataset", "-d", help="gsm8k, math500, humaneval, mbpp, mt-bench, alpaca (online) or a .jsonl[.gz] of "
-    "those or of 'prompt' or 'messages' rows; repeatable.")]
-NumSamples = Annotated[int, typer.Option("--num-samples", "-n",
-                                         help="First N samples of each dataset; 0 for all of them.")]
-BlockSizes = Annotated[Optional[List[str]], typer.Option(
-    "--block-size", help="Block sizes to sweep: '--block-size 4 8 16 auto' (default: the trained size).")]
-TreeBudgets = Annotated[Optional[List[str]], typer.Option(
-    "--tree-budget", help="DDTree budgets to run too, one row each: '--tree-budget 16 32 64 auto'.")]
-Seed = Annotated[int, typer.Option("--seed", help="PRNG seed; every run starts from it.")]
-Baseline = Annotated[str, typer.Option(
-    "--baseline", help="ar (this engine, no drafter), mlx-lm, or draft-model:PATH (mlx-lm speculative decoding).")]
-NumDraftTokens = Annotated[int, typer.Option("--num-draft-tokens", help="Drafts per cycle for --baseline "
-                                             "draft-model:PATH.")]
-Thinking = Annotated[bool, typer.Option("--enable-thinking", help="Turn thinking on in the chat template.")]
-Simulate = Annotated[Optional[str], typer.Option(
-    "--simulate-acceptance", help="A: accept exactly A drafted tokens per block; or FILE: replay the "
-    "acceptance_trace of `dflash generate --json` output. Needs --temp 0.")]
-Repeats = Annotated[int, typer.Option("--repeats", help="Runs of each engine per prompt.")]
-Warmup = Annotated[int, typer.Option("--warmup-tokens", help="Tokens of each engine's untimed warm-up run; 0: none.")]
-Out = Annotated[str, typer.Option(
-    "--out", "-o", help="Folder for results.json and the PNG plots: new or empty, or --overwrite.")]
-Overwrite = Annotated[bool, typer.Option(
-    "--overwrite", help="Replace the results of an earlier run in --out (its other files stay).")]
-Plots = Annotated[bool, typer.Option("--plots/--no-plots", help="Write the PNG plots (needs the 'plot' extra).")]
-AgentTrace = Annotated[Optional[List[str]], typer.Option(
-    "--agent-trace", help="Replay this agent trace instead (JSONL of prompts with growing shared prefixes): "
-    "cold, from the prompt cache on disk, live, and mlx-lm; repeatable.")]
 
 
 def bench(
@@ -48,27 +20,37 @@ def bench(
     model: Model = None,
     draft_model: DraftModel = None,
     verify: Verify = False,
-    dataset: Dataset = ["gsm8k"],
-    num_samples: NumSamples = 10,
+    dataset: Annotated[List[str], Option("--dataset", "-d", help=(
+        "gsm8k, math500, humaneval, mbpp, mt-bench, alpaca (online) or a .jsonl[.gz] of those or of 'prompt' "
+        "or 'messages' rows; repeatable."))] = ["gsm8k"],
+    num_samples: Annotated[int, Option("--num-samples", "-n", help="First N samples per dataset; 0 for all.")] = 10,
     max_tokens: MaxTokens = 256,
-    block_size: BlockSizes = None,
-    tree_budget: TreeBudgets = None,
+    block_size: Annotated[Optional[List[str]], Option("--block-size", help=(
+        "Block sizes to sweep: '--block-size 4 8 16 auto' (default: the trained size)."))] = None,
+    tree_budget: Annotated[Optional[List[str]], Option("--tree-budget", help=(
+        "DDTree budgets to run too, one row each: '--tree-budget 16 32 64 auto'."))] = None,
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
     top_k: TopK = 0,
     min_p: MinP = 0.0,
-    seed: Seed = 0,
-    baseline: Baseline = "ar",
-    num_draft_tokens: NumDraftTokens = 3,
-    enable_thinking: Thinking = False,
-    simulate_acceptance: Simulate = None,
+    seed: Annotated[int, Option("--seed", help="PRNG seed; every run starts from it.")] = 0,
+    baseline: Annotated[str, Option("--baseline", help=(
+        "ar (this engine, no drafter), mlx-lm, or draft-model:PATH (mlx-lm speculative decoding)."))] = "ar",
+    num_draft_tokens: Annotated[int, Option("--num-draft-tokens", help="Drafts per cycle of draft-model:PATH.")] = 3,
+    enable_thinking: Annotated[bool, Option("--enable-thinking", help="Thinking on in the chat template.")] = False,
+    simulate_acceptance: Annotated[Optional[str], Option("--simulate-acceptance", help=(
+        "A: accept exactly A drafted tokens per block; or FILE: replay the acceptance_trace of `dflash generate "
+        "--json` output. Needs --temp 0."))] = None,
     draft_window: DraftWindow = None,
-    repeats: Repeats = 1,
-    warmup_tokens: Warmup = 32,
-    out: Out = "dflash-bench",
-    overwrite: Overwrite = False,
-    plots: Plots = True,
-    agent_trace: AgentTrace = None,
+    repeats: Annotated[int, Option("--repeats", help="Runs of each engine per prompt.")] = 1,
+    warmup_tokens: Annotated[int, Option("--warmup-tokens", help="Tokens of each untimed warm-up; 0: none.")] = 32,
+    out: Annotated[str, Option("--out", "-o", help=(
+        "Folder for results.json and the PNG plots: new or empty, or --overwrite."))] = "dflash-bench",
+    overwrite: Annotated[bool, Option("--overwrite", help="Replace the results of an earlier run in --out.")] = False,
+    plots: Annotated[bool, Option("--plots/--no-plots", help="Write the PNG plots (the 'plot' extra).")] = True,
+    agent_trace: Annotated[Optional[List[str]], Option("--agent-trace", help=(
+        "Replay this agent trace instead (JSONL of prompts with growing shared prefixes): cold, from the prompt "
+        "cache on disk, live, and mlx-lm; repeatable."))] = None,
     prefill_step_size: PrefillStep = None,
 ) -> None:
     """Benchmark DFlash against a baseline: tau, tokens/s, speedup and loop overhead.
