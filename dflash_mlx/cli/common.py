@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, List, Optional, Tuple
 
 import typer
+from typer import Option
 
 from dflash_mlx.errors import DFlashError, InputError
 from dflash_mlx.hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
@@ -35,49 +36,34 @@ def _parsed(parser: str):
     return callback
 
 
-Model = Annotated[Optional[str], typer.Option("--model", help=MODEL_HELP)]
-DraftModel = Annotated[Optional[str], typer.Option(
-    "--draft-model", help="DFlash drafter: a local folder or repo id. Without it: plain decoding.")]
-Verify = Annotated[bool, typer.Option(
-    "--verify", help="Check a `dflash convert` folder's files against the sha256 in its dflash.json first.")]
-MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m", help="Most tokens to generate (per reply).")]
-Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 is greedy.")]
-TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")]
-TopK = Annotated[int, typer.Option(
-    "--top-k", help="Sample from the k most likely tokens; 0, or the vocabulary size and above, is off.")]
-MinP = Annotated[float, typer.Option("--min-p", help="Min-p threshold, in [0, 1]; 0 is off.")]
-Seed = Annotated[Optional[int], typer.Option(
-    "--seed", min=0, max=2**64 - 1, help="PRNG seed (reproducible at a fixed --block-size).")]
-BlockSize = Annotated[str, typer.Option(
-    "--block-size", callback=_parsed("parse_block_size"), help="auto (default): verify the width that measured "
-    "timings say is fastest; or a fixed B, 2..the drafter's trained size.")]
-TreeBudget = Annotated[Optional[str], typer.Option(
-    "--tree-budget", callback=_parsed("parse_tree_budget"), help="DDTree: verify the N most likely draft "
-    "prefixes as one tree (e.g. 32), or auto. Attention-only targets.")]
-Sharding = Annotated[str, typer.Option(
-    "--sharding", help="Under mlx.launch: how the target is split over the ranks (tensor).")]
-DraftWindow = Annotated[Optional[str], typer.Option(
-    "--draft-window", help="SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows "
-    "(e.g. 64,1024). Off by default.")]
-SystemPrompt = Annotated[Optional[str], typer.Option(
-    "--system-prompt", help="System prompt for the chat template.")]
-Stop = Annotated[List[str], typer.Option(
-    "--stop", help="Stop the reply at this text, which is not printed; repeatable. \\n and \\t are expanded.")]
-TemplateConfig = Annotated[Optional[str], typer.Option(
-    "--chat-template-config", help="JSON for apply_chat_template, e.g. '{\"enable_thinking\": true}'. With a "
-    "drafter, thinking is off unless set here.")]
-IgnoreTemplate = Annotated[bool, typer.Option(
-    "--ignore-chat-template", help="Use the raw text (chat: the turns' text concatenated).")]
-PrefillStep = Annotated[Optional[int], typer.Option(
-    "--prefill-step-size", help=f"Prompt tokens per prefill chunk (default {PREFILL_STEP_GPU} on a GPU, "
-    f"{PREFILL_STEP_CPU} on a CPU).")]
-PromptCacheDir = Annotated[Optional[str], typer.Option(
-    "--prompt-cache-dir", help="Folder of the prompt cache on disk (default: $DFLASH_CACHE_DIR/prompts, else "
-    "~/.cache/dflash-mlx/prompts).")]
-NoPromptCache = Annotated[bool, typer.Option(
-    "--no-prompt-cache", help="Neither read nor write the prompt cache.")]
-PromptCacheGb = Annotated[float, typer.Option(
-    "--prompt-cache-gb", help="Most GB (2^30 bytes) the prompt cache keeps on disk; least recently used go first.")]
+Model = Annotated[Optional[str], Option("--model", help=MODEL_HELP)]
+DraftModel = Annotated[Optional[str], Option("--draft-model", help="DFlash drafter: a local folder or repo id.")]
+Verify = Annotated[bool, Option("--verify", help="Check a `dflash convert` folder's sha256 hashes first.")]
+MaxTokens = Annotated[int, Option("--max-tokens", "-m", help="Most tokens to generate (per reply).")]
+Temp = Annotated[float, Option("--temp", help="Sampling temperature; 0 is greedy.")]
+TopP = Annotated[float, Option("--top-p", help="Nucleus sampling mass, in (0, 1].")]
+TopK = Annotated[int, Option("--top-k", help=(
+    "Sample from the k most likely tokens; 0, or the vocabulary size and above, is off."))]
+MinP = Annotated[float, Option("--min-p", help="Min-p threshold, in [0, 1]; 0 is off.")]
+Seed = Annotated[Optional[int], Option("--seed", min=0, max=2**64 - 1, help="PRNG seed.")]
+BlockSize = Annotated[str, Option("--block-size", callback=_parsed("parse_block_size"), help=(
+    "auto: verify the width measured timings say is fastest; or B, 2..the drafter's trained size."))]
+TreeBudget = Annotated[Optional[str], Option("--tree-budget", callback=_parsed("parse_tree_budget"), help=(
+    "DDTree: verify the N most likely draft prefixes as one tree (e.g. 32), or auto."))]
+Sharding = Annotated[str, Option("--sharding", help="Under mlx.launch: how the target is split (tensor).")]
+DraftWindow = Annotated[Optional[str], Option("--draft-window", help=(
+    "SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows (e.g. 64,1024)."))]
+SystemPrompt = Annotated[Optional[str], Option("--system-prompt", help="System prompt for the chat template.")]
+Stop = Annotated[List[str], Option("--stop", help="Stop the reply at this text (not printed); repeatable.")]
+TemplateConfig = Annotated[Optional[str], Option("--chat-template-config", help=(
+    "JSON for apply_chat_template, e.g. '{\"enable_thinking\": true}' (off by default with a drafter)."))]
+IgnoreTemplate = Annotated[bool, Option("--ignore-chat-template", help="Use the raw text, no chat template.")]
+PrefillStep = Annotated[Optional[int], Option("--prefill-step-size", help=(
+    f"Prompt tokens per prefill chunk (default {PREFILL_STEP_GPU} on a GPU, {PREFILL_STEP_CPU} on a CPU)."))]
+PromptCacheDir = Annotated[Optional[str], Option("--prompt-cache-dir", help=(
+    "Folder of the prompt cache (default: $DFLASH_CACHE_DIR/prompts, else ~/.cache/dflash-mlx/prompts)."))]
+NoPromptCache = Annotated[bool, Option("--no-prompt-cache", help="Neither read nor write the prompt cache.")]
+PromptCacheGb = Annotated[float, Option("--prompt-cache-gb", help="Most GB (2^30 bytes) the prompt cache keeps.")]
 
 
 def fail(message: str, code: int = 1) -> None:

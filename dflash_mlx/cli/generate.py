@@ -7,7 +7,7 @@ import sys
 from types import SimpleNamespace
 from typing import Annotated, Optional
 
-import typer
+from typer import Option
 
 from .common import (
     BlockSize, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
@@ -16,12 +16,10 @@ from .common import (
     parse_draft_window, parse_stops, read_prompt, warn,
 )
 
-Prompt = Annotated[Optional[str], typer.Option(
-    "--prompt", "-p", help="Prompt text; '-' reads stdin. Piped stdin is read when omitted.")]
-Verbose = Annotated[bool, typer.Option("--verbose/--quiet", help="Print stats on stderr.")]
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON object (text and stats) instead of the text.")]
-Compare = Annotated[bool, typer.Option(
-    "--compare", help="Then decode plainly too and print the speedup and whether the text is the same.")]
+Prompt = Annotated[Optional[str], Option("--prompt", "-p", help="Prompt text; '-' or omitted: piped stdin.")]
+Verbose = Annotated[bool, Option("--verbose/--quiet", help="Print stats on stderr.")]
+Json = Annotated[bool, Option("--json", help="Print one JSON object (text and stats) instead of the text.")]
+Compare = Annotated[bool, Option("--compare", help="Also decode plainly; print the speedup and if the text matches.")]
 
 
 def generate(

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Annotated, List, Optional
 
 import typer
+from typer import Option
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -22,25 +23,8 @@ from .render import fitted, print_table
 console = Console(stderr=True)
 
 
-def _opt(flag: str, help: str, kind=int):
-    return Annotated[kind, typer.Option(flag, help=help)]
-
-
-Target = _opt("--model", "Target: local mlx-lm folder or HF repo id (frozen).", str)
-Seed = _opt("--seed", "PRNG seed.")
-DataOut = _opt("--out", "Data folder (shards + manifest). Re-running resumes.", Path)
-Prompts = _opt("--prompts", "JSONL of {'prompt': ...} or {'messages': [...]} rows; repeatable.", List[Path])
-Text = _opt("--text", "Plain text cut into prompts (documents split by blank lines); repeatable.", List[Path])
-SelfPrompts = _opt("--self-prompts", "Also sample N openings from the target itself (base models).")
-SelfTokens = _opt("--self-prompt-tokens", "Tokens sampled per opening.")
-SelfStyle = _opt("--self-prompt-style", "prefix (BOS + the sampled tokens) or sentence (words from inside them).", str)
-DataTemplate = _opt("--chat-template-config", "JSON for the chat template; match later use.", Optional[str])
-DataMaxTokens = _opt("--max-tokens", "Response tokens per prompt; less than the target's context.")
-MaxLength = _opt("--max-length", "Most tokens per sequence (default: 3072 or the target's context if smaller).",
-                 Optional[int])
-DataTemp = _opt("--temp", "Regeneration temperature (0 = greedy).", float)
-BatchSize = _opt("--batch-size", "Sequences generated together.")
-ShardSize = _opt("--shard-size", "Prompts per shard.")
+Target = Annotated[str, Option("--model", help="Target: local mlx-lm folder or HF repo id (frozen).")]
+Seed = Annotated[int, Option("--seed", help="PRNG seed.")]
 
 
 def _progress() -> Progress:
@@ -49,10 +33,27 @@ def _progress() -> Progress:
                     console=console)
 
 
-def data(model: Target, out: DataOut, prompts: Prompts = [], text: Text = [], self_prompts: SelfPrompts = 0,
-         self_prompt_tokens: SelfTokens = 32, self_prompt_style: SelfStyle = "prefix",
-         chat_template_config: DataTemplate = None, max_tokens: DataMaxTokens = 256, max_length: MaxLength = None,
-         temp: DataTemp = 0.0, batch_size: BatchSize = 32, shard_size: ShardSize = 256, seed: Seed = 0) -> None:
+def data(
+    model: Target,
+    out: Annotated[Path, Option("--out", help="Data folder (shards + manifest). Re-running resumes.")],
+    prompts: Annotated[List[Path], Option("--prompts", help=(
+        "JSONL of {'prompt': ...} or {'messages': [...]} rows; repeatable."))] = [],
+    text: Annotated[List[Path], Option("--text", help=(
+        "Plain text cut into prompts (documents split by blank lines); repeatable."))] = [],
+    self_prompts: Annotated[int, Option("--self-prompts", help="Also sample N openings from the target.")] = 0,
+    self_prompt_tokens: Annotated[int, Option("--self-prompt-tokens", help="Tokens sampled per opening.")] = 32,
+    self_prompt_style: Annotated[str, Option("--self-prompt-style", help=(
+        "prefix (BOS + the sampled tokens) or sentence (words from inside them)."))] = "prefix",
+    chat_template_config: Annotated[Optional[str], Option("--chat-template-config", help=(
+        "JSON for the chat template; match later use."))] = None,
+    max_tokens: Annotated[int, Option("--max-tokens", help="Response tokens per prompt.")] = 256,
+    max_length: Annotated[Optional[int], Option("--max-length", help=(
+        "Most tokens per sequence (default: 3072 or the target's context if smaller)."))] = None,
+    temp: Annotated[float, Option("--temp", help="Regeneration temperature (0 = greedy).")] = 0.0,
+    batch_size: Annotated[int, Option("--batch-size", help="Sequences generated together.")] = 32,
+    shard_size: Annotated[int, Option("--shard-size", help="Prompts per shard.")] = 256,
+    seed: Seed = 0,
+) -> None:
     """Regenerate responses with the target itself, into resumable shards.
 
     \b
@@ -118,48 +119,45 @@ def check_lengths(max_tokens: int, max_length: Optional[int], context: Optional[
     return max_length if max_length is not None else min(3072, context or 3072)
 
 
-DataDirs = _opt("--data", "Folder made by `dflash data`; repeat to mix several.", List[Path])
-TrainOut = _opt("--out", "Drafter folder (released format); checkpoints go in OUT/checkpoints.", Path)
-Layers = _opt("--layers", "Drafter layers.")
-TrainBlock = _opt("--block-size", "The drafter's block size B (default 16, or the largest of --block-sizes).",
-                  Optional[int])
-TrainBlocks = _opt("--block-sizes", "Train at several block sizes, one drawn per sequence, e.g. 4,8,16.",
-                   Optional[str])
-LayerIds = _opt("--target-layer-ids", "Comma list, e.g. 1,9,17; default: spread evenly.", Optional[str])
-MaskId = _opt("--mask-token-id", "MASK id; default: an unused vocabulary id.", Optional[int])
-Intermediate = _opt("--intermediate-size", "Drafter MLP width; default: the target's.", Optional[int])
-Steps = _opt("--steps", "Optimizer steps.")
-Lr = _opt("--lr", "Peak AdamW learning rate.", float)
-Warmup = _opt("--warmup", "Warm-up fraction of the steps, then cosine decay.", float)
-GradAccum = _opt("--grad-accum", "Sequences per optimizer step.")
-Anchors = _opt("--anchors", "Blocks sampled per sequence.")
-AnchorChunk = _opt("--anchor-chunk", "Blocks per forward/backward pass (0: all at once); bounds memory.")
-Gamma = _opt("--gamma", "Loss decay over block rows, one or one per --block-sizes (default 7 at B=16, 4 at B<=8).",
-             Optional[str])
-KlWeight = _opt("--kl-weight", "Weight of a KL term to the target's next-token distribution (0: off).", float)
-KlTemp = _opt("--kl-temperature", "Temperature of both distributions in the KL term.", float)
-MissAnchors = _opt("--miss-anchors", "Fraction of blocks anchored right after the drafter's misses (0: uniform).",
-                   float)
-GradClip = _opt("--grad-clip", "Max gradient norm.", float)
-Dtype = _opt("--dtype", "float32 or bfloat16.", str)
-HeldOut = _opt("--held-out", "The last N sequences (of the last --data) are held out for evaluation.")
-EvalEvery = _opt("--eval-every", "Evaluate every N steps (0 = never).")
-SaveEvery = _opt("--save-every", "Checkpoint every N steps (0 = only the end).")
-CacheFeatures = _opt("--cache-features", "Compute target features once, keep them in OUT/features.", bool)
-FeaturesDir = _opt("--features-dir", "Cache target features here instead (implies --cache-features).",
-                   Optional[Path])
-Resume = _opt("--resume", "Continue from the newest checkpoint in OUT/checkpoints (same run settings).", bool)
-Overwrite = _opt("--overwrite", "Delete an earlier run in OUT and start afresh.", bool)
-
-
-def train(model: Target, data_dirs: DataDirs, out: TrainOut, layers: Layers = 1, block_size: TrainBlock = None,
-          block_sizes: TrainBlocks = None, target_layer_ids: LayerIds = None, mask_token_id: MaskId = None,
-          intermediate_size: Intermediate = None, steps: Steps = 1000, lr: Lr = 6e-4, warmup: Warmup = 0.04,
-          grad_accum: GradAccum = 4, anchors: Anchors = 512, anchor_chunk: AnchorChunk = 64, gamma: Gamma = None,
-          kl_weight: KlWeight = 0.0, kl_temperature: KlTemp = 1.0, miss_anchors: MissAnchors = 0.0,
-          grad_clip: GradClip = 1.0, dtype: Dtype = "float32", held_out: HeldOut = 16, eval_every: EvalEvery = 200,
-          save_every: SaveEvery = 200, cache_features: CacheFeatures = False, features_dir: FeaturesDir = None,
-          resume: Resume = False, overwrite: Overwrite = False, seed: Seed = 0) -> None:
+def train(
+    model: Target,
+    data_dirs: Annotated[List[Path], Option("--data", help="Folder made by `dflash data`; repeatable.")],
+    out: Annotated[Path, Option("--out", help="Drafter folder; checkpoints go in OUT/checkpoints.")],
+    layers: Annotated[int, Option("--layers", help="Drafter layers.")] = 1,
+    block_size: Annotated[Optional[int], Option("--block-size", help=(
+        "The drafter's block size B (default 16, or the largest of --block-sizes)."))] = None,
+    block_sizes: Annotated[Optional[str], Option("--block-sizes", help=(
+        "Train at several block sizes, one drawn per sequence, e.g. 4,8,16."))] = None,
+    target_layer_ids: Annotated[Optional[str], Option("--target-layer-ids", help=(
+        "Comma list, e.g. 1,9,17; default: spread evenly."))] = None,
+    mask_token_id: Annotated[Optional[int], Option("--mask-token-id", help="MASK id; default: an unused id.")] = None,
+    intermediate_size: Annotated[Optional[int], Option("--intermediate-size", help=(
+        "Drafter MLP width; default: the target's."))] = None,
+    steps: Annotated[int, Option("--steps", help="Optimizer steps.")] = 1000,
+    lr: Annotated[float, Option("--lr", help="Peak AdamW learning rate.")] = 6e-4,
+    warmup: Annotated[float, Option("--warmup", help="Warm-up fraction of the steps, then cosine decay.")] = 0.04,
+    grad_accum: Annotated[int, Option("--grad-accum", help="Sequences per optimizer step.")] = 4,
+    anchors: Annotated[int, Option("--anchors", help="Blocks sampled per sequence.")] = 512,
+    anchor_chunk: Annotated[int, Option("--anchor-chunk", help="Blocks per forward/backward pass (0: all).")] = 64,
+    gamma: Annotated[Optional[str], Option("--gamma", help=(
+        "Loss decay over block rows, one or one per --block-sizes (default 7 at B=16, 4 at B<=8)."))] = None,
+    kl_weight: Annotated[float, Option("--kl-weight", help=(
+        "Weight of a KL term to the target's next-token distribution (0: off)."))] = 0.0,
+    kl_temperature: Annotated[float, Option("--kl-temperature", help="Temperature of the KL term.")] = 1.0,
+    miss_anchors: Annotated[float, Option("--miss-anchors", help=(
+        "Fraction of blocks anchored right after the drafter's misses (0: uniform)."))] = 0.0,
+    grad_clip: Annotated[float, Option("--grad-clip", help="Max gradient norm.")] = 1.0,
+    dtype: Annotated[str, Option("--dtype", help="float32 or bfloat16.")] = "float32",
+    held_out: Annotated[int, Option("--held-out", help="Sequences held out for evaluation (of the last --data).")] = 16,
+    eval_every: Annotated[int, Option("--eval-every", help="Evaluate every N steps (0 = never).")] = 200,
+    save_every: Annotated[int, Option("--save-every", help="Checkpoint every N steps (0 = only the end).")] = 200,
+    cache_features: Annotated[bool, Option("--cache-features", help="Keep target features in OUT/features.")] = False,
+    features_dir: Annotated[Optional[Path], Option("--features-dir", help=(
+        "Cache target features here instead (implies --cache-features)."))] = None,
+    resume: Annotated[bool, Option("--resume", help="Continue from the newest checkpoint (same settings).")] = False,
+    overwrite: Annotated[bool, Option("--overwrite", help="Delete an earlier run in OUT and start afresh.")] = False,
+    seed: Seed = 0,
+) -> None:
     """Train a DFlash drafter for a frozen target, on data from `dflash data`.
 
     Each checkpoint (OUT/checkpoints/step_N) loads with --draft-model.
