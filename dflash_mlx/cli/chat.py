@@ -251,19 +251,16 @@ def header_rows(pair, session, o) -> List[Tuple[str, str]]:
     from dflash_mlx.pair.loading import quantization, weights_gb
 
     drafter = pair.drafter
-    rows = [("target", str(pair.model_path))]
+    rows = [("target", str(pair.model_path)), ("drafter", str(pair.draft_path) if drafter else "none (plain decoding)")]
     if drafter is not None:
         B = o.block_size or drafter.block_size
         shown = "auto (width by measured cost)" if B == "auto" else str(B)
-        rows += [("drafter", str(pair.draft_path)), ("block size", f"{shown} (trained {drafter.block_size})")]
-    else:
-        rows += [("drafter", "none (plain decoding)")]
-    rows.append(("quantization", quantization(pair.model)))
+        rows.append(("block size", f"{shown} (trained {drafter.block_size})"))
     mem = f"weights {weights_gb(pair.model):.3f} GB" + (f" + drafter {weights_gb(drafter):.3f} GB" if drafter else "")
-    rows.append(("memory", f"{mem} · {mx.get_active_memory() / 1e9:.3f} GB in use"))
+    mem += f" · {mx.get_active_memory() / 1e9:.3f} GB in use"
     template = "chat template" if session.use_template else "none: turns concatenated"
     limit = f"{session.max_context} tokens" if session.max_context else "unlimited"
-    rows.append(("context", f"{limit} · {template}"))
+    rows += [("quantization", quantization(pair.model)), ("memory", mem), ("context", f"{limit} · {template}")]
     if session.use_template:
         rows.append(("thinking", {None: "template default", True: "on", False: "off"}[session.thinking]))
     rows.append(("sampling", f"temp {o.temp} · max {o.max_tokens} tokens"))

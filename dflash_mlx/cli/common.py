@@ -83,13 +83,25 @@ def check_pair_flags(o) -> None:
     o.template = parse_template_config(o.chat_template_config)
     o.defaults = o.model is None and o.draft_model is None
     o.model, o.draft_model = resolve_models(o.model, o.draft_model, getattr(o, "verify", False))
-    o.prefill_step_size = resolve_prefill_step(o.prefill_step_size)
+    if o.prefill_step_size is None:
+        import mlx.core as mx
+
+        o.prefill_step_size = PREFILL_STEP_GPU if mx.default_device() == mx.gpu else PREFILL_STEP_CPU
+    check_number("--prefill-step-size", o.prefill_step_size, at_least=1)
     for flag, given, why in (("--block-size", o.block_size not in (None, "auto"), "plain decoding has no blocks"),
                              ("--tree-budget", o.tree_budget is not None, "plain decoding has no drafts"),
                              ("--compare", getattr(o, "compare", False), "it compares DFlash with plain decoding")):
         if given and o.draft_model is None:
             raise InputError(f"{flag} needs --draft-model ({why})")
-    o.store = make_store(o.prompt_cache_dir, o.no_prompt_cache, o.prompt_cache_gb)
+    check_number("--prompt-cache-gb", o.prompt_cache_gb, above=0)
+    o.store = None
+    if not o.no_prompt_cache:
+        from dflash_mlx.prompt_cache.store import PrefixStore
+
+        root = Path(o.prompt_cache_dir).expanduser() if o.prompt_cache_dir else None
+        if root is not None:
+            check_out_folder(root, "--prompt-cache-dir")
+        o.store = PrefixStore(root, max_bytes=int(o.prompt_cache_gb * 2**30))
     if o.draft_model is not None:
         o.template.setdefault("enable_thinking", False)
 
@@ -129,16 +141,6 @@ def parse_stops(values) -> Tuple[str, ...]:
     return stops
 
 
-def resolve_prefill_step(value: Optional[int]) -> int:
-    """``--prefill-step-size``, or the default of the device MLX runs on. Raises InputError below 1."""
-    if value is None:
-        import mlx.core as mx
-
-        return PREFILL_STEP_GPU if mx.default_device() == mx.gpu else PREFILL_STEP_CPU
-    check_number("--prefill-step-size", value, at_least=1)
-    return value
-
-
 def resolve_models(model: Optional[str], draft_model: Optional[str], verify: bool = False) -> tuple[str, Optional[str]]:
     """No flags: the default pair; ``--model`` alone: plain, or a `dflash convert` folder's pair.
     InputError: ``--draft-model`` or ``--verify`` without ``--model``."""
@@ -153,19 +155,6 @@ def resolve_models(model: Optional[str], draft_model: Optional[str], verify: boo
         return DEFAULT_MODEL, DEFAULT_DRAFT_MODEL
     model, draft_model = resolve_pair(model, draft_model, verify)
     return model or DEFAULT_MODEL, draft_model
-
-
-def make_store(directory: Optional[str], off: bool, gb: float):
-    """The :class:`~dflash_mlx.prompt_cache.store.PrefixStore` of the flags, or None; InputError naming one."""
-    check_number("--prompt-cache-gb", gb, above=0)
-    if off:
-        return None
-    root = Path(directory).expanduser() if directory else None
-    if root is not None:
-        check_out_folder(root, "--prompt-cache-dir")
-    from dflash_mlx.prompt_cache.store import PrefixStore
-
-    return PrefixStore(root, max_bytes=int(gb * 2**30))
 
 
 def utf8(text: str) -> Tuple[str, bool]:
