@@ -1,8 +1,6 @@
 """``dflash``: the Typer app. Each command is thin wiring over the library;
 :mod:`dflash_mlx.cli.main` runs it and turns flag errors into one line."""
 
-from functools import lru_cache
-
 import typer
 
 from .bench import bench
@@ -48,9 +46,3 @@ app.command(short_help="Train a drafter for a target.")(train)
 app.command(context_settings={"allow_extra_args": True}, short_help="Benchmark against a baseline.")(bench)
 app.command(short_help="Serve the pair over the OpenAI API.")(serve)
 app.command(short_help="Convert a target and its drafter into one folder.")(convert)
-
-
-@lru_cache(maxsize=None)
-def command():
-    """The app as a click command, built once per process."""
-    return typer.main.get_command(app)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from types import SimpleNamespace
 from typing import Annotated, Optional
 
@@ -100,7 +101,11 @@ def _run(o) -> None:
         print(json.dumps({"text": out, "finish_reason": finish, **stats.to_dict(), "ttft_s": stats.prompt_s,
                           **extra}))
     if o.verbose:
-        _print_stats(stats, cached, against, o.temp == 0)
+        from dflash_mlx.compare import compare_line
+
+        reused = [f"Prompt cache: reused from {cached.last_source}"] if cached and cached.last_source else []
+        compared = [compare_line(against, o.temp == 0)] if against is not None else []
+        print("\n".join(stats.format_lines() + reused + compared), file=sys.stderr)
 
 
 def fit_context(prompt_tokens: int, max_tokens: int, limit: Optional[int]) -> int:
@@ -122,10 +127,8 @@ def _stream(pair, ids, o, run: dict):
     from dflash_mlx import stream_generate
     from dflash_mlx.prompt_cache.pair import PairCache
 
-    cached = None if o.store is None else PairCache(pair.target, pair.tokenizer, pair.drafter, store=o.store,
-                                                    generate=stream_generate)
-    stream = cached.stream if cached is not None else (
-        lambda ids, **kw: stream_generate(pair.target, pair.tokenizer, ids, pair.drafter, **kw))
+    cached = o.store and PairCache(pair.target, pair.tokenizer, pair.drafter, store=o.store, generate=stream_generate)
+    stream = cached.stream if cached else partial(stream_generate, pair.target, pair.tokenizer, drafter=pair.drafter)
     out, stats, finish = [], None, None
     try:
         for response in stream(ids, block_size=o.block_size, tree_budget=o.tree_budget, **run):
@@ -141,14 +144,3 @@ def _stream(pair, ids, o, run: dict):
     if not o.as_json:
         print(flush=True)
     return "".join(out), stats, finish, cached
-
-
-def _print_stats(stats, cached, against, greedy: bool) -> None:
-    from dflash_mlx.compare import compare_line
-
-    for line in stats.format_lines():
-        print(line, file=sys.stderr)
-    if cached is not None and cached.last_source:
-        print(f"Prompt cache: reused from {cached.last_source}", file=sys.stderr)
-    if against is not None:
-        print(compare_line(against, greedy), file=sys.stderr)

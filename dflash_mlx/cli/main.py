@@ -55,10 +55,10 @@ def _run(args: Optional[List[str]]) -> int:
 
     from dflash_mlx.errors import DFlashError
 
-    from .app import command
+    from .app import app
 
     try:
-        code = command().main(args=args, prog_name="dflash", standalone_mode=False)
+        code = typer.main.get_command(app).main(args=args, prog_name="dflash", standalone_mode=False)
     except getattr(cx, "NoArgsIsHelpError", ()) as e:  # `dflash` alone: the help
         print(e.ctx.get_help())
         return 0

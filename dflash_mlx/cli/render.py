@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import io
-from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from contextlib import contextmanager, nullcontext
+from typing import Callable, ContextManager, Iterator, Optional
 
 from rich import box
 from rich.console import Console
@@ -40,15 +40,10 @@ def fitted(table: Table, width: int) -> Table:
     return table
 
 
-@contextmanager
-def spinner(text: str) -> Iterator[None]:
+def spinner(text: str) -> ContextManager:
     """A spinner with ``text`` on stderr while the body runs, only when stderr is a terminal."""
     console = Console(stderr=True)
-    if not console.is_terminal:
-        yield
-        return
-    with console.status(text):
-        yield
+    return console.status(text) if console.is_terminal else nullcontext()
 
 
 @contextmanager
