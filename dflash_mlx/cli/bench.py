@@ -9,6 +9,7 @@ from typing import Annotated, List, Optional
 import typer
 from typer import Option
 
+from dflash_mlx.errors import InputError
 from dflash_mlx.ranges import check_number
 
 from .common import (DraftModel, DraftWindow, MaxTokens, MinP, Model, PrefillStep, Temp, TopK, TopP, Verify,
@@ -91,7 +92,6 @@ def parse_block_sizes(values: Optional[List[str]], extra: List[str], flag: str =
     """``--block-size 4 8 16 auto`` or ``--tree-budget``: the flag's values, then ``extra`` (commas work too),
     parsed by :mod:`dflash_mlx.decode.width`; InputError for a bad one."""
     from dflash_mlx.decode.width import parse_block_size, parse_tree_budget
-    from dflash_mlx.errors import InputError
 
     if extra and not values:
         raise InputError(f"unexpected argument(s): {' '.join(extra)}")
@@ -132,9 +132,8 @@ def checked_config(o):
 
 
 def _pair(o) -> None:
-    """Resolve --model/--draft-model in place; bench measures a drafter, so one is needed."""
-    from dflash_mlx.errors import InputError
-
+    """Check --prefill-step-size; resolve --model/--draft-model in place (bench measures a drafter)."""
+    check_number("--prefill-step-size", o.prefill_step_size, at_least=1)
     o.model, o.draft_model = resolve_models(o.model, o.draft_model, o.verify)
     if o.draft_model is None:
         raise InputError("dflash bench needs --draft-model (the DFlash drafter to measure)")
@@ -148,12 +147,10 @@ def _agent(o) -> None:
 
     from dflash_mlx import load
     from dflash_mlx.bench.agent import MODES, encode_requests, read_agent_trace, run_trace, summarize, write_results
-    from dflash_mlx.errors import InputError
 
     from .bench_tables import agent_table
     from .render import print_table
 
-    check_number("--prefill-step-size", o.prefill_step_size, at_least=1)
     kwargs = {"block_size": parse_block_sizes(o.block_size, o.extra)[0]}
     _pair(o)
     requests = {Path(t).stem: read_agent_trace(t) for t in o.agent_trace}
@@ -178,7 +175,6 @@ def _run(o) -> None:
 
     from .render import print_table, progress_bars
 
-    check_number("--prefill-step-size", o.prefill_step_size, at_least=1)
     config = checked_config(o)
     datasets = [d for spec in o.dataset for d in spec.split(",") if d]
     _pair(o)
