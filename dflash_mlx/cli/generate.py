@@ -10,6 +10,8 @@ from typing import Annotated, Optional
 
 from typer import Option
 
+from dflash_mlx.errors import InputError
+
 from .common import (
     BlockSize, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
     PromptCacheDir, PromptCacheGb, Seed, Sharding, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP,
@@ -110,8 +112,6 @@ def _run(o) -> None:
 
 def fit_context(prompt_tokens: int, max_tokens: int, limit: Optional[int]) -> int:
     """``max_tokens`` cut (with a warning) to the context left; InputError when the prompt fills it."""
-    from dflash_mlx.errors import InputError
-
     if limit is None or prompt_tokens + max_tokens <= limit:
         return max_tokens
     if prompt_tokens >= limit:

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 from typer import Option
 
+from dflash_mlx.errors import InputError
 from dflash_mlx.ranges import check_number
 
 from .common import (BlockSize, DraftModel, Model, NoPromptCache, PrefillStep, PromptCacheDir, PromptCacheGb,
@@ -67,8 +68,6 @@ def serve(
 
 def _check(o) -> None:
     """Check every serve flag before the model loads (InputError naming the flag)."""
-    from dflash_mlx.errors import InputError
-
     if o.log_level not in LOG_LEVELS:
         raise InputError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {o.log_level}")
     for flag, value, least in (("--max-tokens", o.max_tokens, 1), ("--max-queue", o.max_queue, 0),

@@ -15,6 +15,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from dflash_mlx.errors import InputError
 from dflash_mlx.ranges import check_number
 
 from .common import check_out_folder, guard, load_pair, parse_template_config
@@ -65,8 +66,6 @@ def data(
 
 
 def _data(o) -> None:
-    from dflash_mlx import InputError
-
     check_lengths(o.max_tokens, o.max_length, None)  # flags first, then the 2-3 s of imports
     for flag, value, least in (("--self-prompts", o.self_prompts, 0), ("--self-prompt-tokens", o.self_prompt_tokens, 1),
                                ("--temp", o.temp, 0), ("--batch-size", o.batch_size, 1),
@@ -106,8 +105,6 @@ def _data(o) -> None:
 
 def check_lengths(max_tokens: int, max_length: Optional[int], context: Optional[int]) -> int:
     """``--max-length`` or its default (3072, at most the context); InputError naming the flag out of range."""
-    from dflash_mlx import InputError
-
     check_number("--max-tokens", max_tokens, at_least=1)
     check_number("--max-length", max_length, at_least=2)
     if context is not None and max_tokens >= context:
@@ -173,7 +170,6 @@ def train(
 
 def _config(o):
     """The checked TrainConfig of the flags (InputError naming one); sets ``o.block_size`` and ``o.ids``."""
-    from dflash_mlx import InputError
     from dflash_mlx.train.trainer import TrainConfig
 
     if o.dtype not in ("float32", "bfloat16"):
@@ -262,8 +258,6 @@ def _fit(o, trainer) -> None:
 
 def parse_numbers(value: Optional[str], flag: str, kind=int) -> Optional[list]:
     """A comma list of numbers (``4,8,16``) or None; InputError for a bad entry."""
-    from dflash_mlx import InputError
-
     if value is None:
         return None
     try:
