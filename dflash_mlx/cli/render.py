@@ -8,6 +8,7 @@ from typing import Callable, ContextManager, Iterator, Optional
 
 from rich import box
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 PLAIN_WIDTH = 10_000  # wide enough that no row of a plain table is folded
@@ -46,15 +47,16 @@ def spinner(text: str) -> ContextManager:
     return console.status(text) if console.is_terminal else nullcontext()
 
 
+def bars(console: Console, *extra) -> Progress:
+    """Progress bars on ``console``: name, bar, done/total, the ``extra`` columns, elapsed time and ETA."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *extra, TimeElapsedColumn(),
+                    TextColumn("ETA"), TimeRemainingColumn(), console=console)
+
+
 @contextmanager
 def progress_bars(console: Console) -> Iterator[Callable[[str, int, int], None]]:
     """Yields ``progress(name, done, total)``: a bar per name on ``console``, shown from the first call."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
-
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("ETA"), TimeRemainingColumn(), console=console)
-    tasks = {}
+    bar, tasks = bars(console), {}
 
     def progress(name: str, done: int, total: int) -> None:
         if not tasks:

@@ -12,26 +12,20 @@ import typer
 from typer import Option
 from rich.console import Console, Group
 from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import TextColumn
 from rich.table import Table
 
 from dflash_mlx.errors import InputError
 from dflash_mlx.ranges import check_number
 
 from .common import check_out_folder, guard, load_pair, parse_template_config
-from .render import fitted, print_table
+from .render import bars, fitted, print_table
 
 console = Console(stderr=True)
 
 
 Target = Annotated[str, Option("--model", help="Target: local mlx-lm folder or HF repo id (frozen).")]
 Seed = Annotated[int, Option("--seed", help="PRNG seed.")]
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                    console=console)
 
 
 def data(
@@ -95,7 +89,7 @@ def _data(o) -> None:
                                        style=o.self_prompt_style)
         ids += openings
         ends += [response_end_token(pair.tokenizer, templated=False)] * len(openings)
-    with _progress() as progress:
+    with bars(console, TextColumn("{task.fields[status]}")) as progress:
         task = progress.add_task("regenerating", total=len(ids), status="")
         regenerate(pair.model, pair.tokenizer, ids, o.out, max_tokens=o.max_tokens, max_length=max_length,
                    temp=o.temp, shard_size=o.shard_size, batch_size=o.batch_size, seed=o.seed, target_id=str(o.model),
@@ -234,7 +228,7 @@ def _fit(o, trainer) -> None:
                   f"block {a.block_size}, target_layer_ids {a.target_layer_ids}, mask {a.mask_token_id}; "
                   f"trained at block sizes {plan}{distill}; {o.counts[0]} train / {o.counts[1]} held-out sequences")
     try:
-        progress = _progress()
+        progress = bars(console, TextColumn("{task.fields[status]}"))
         task = progress.add_task("training", total=o.steps, completed=trainer.step, status="")
         live = Live(Group(progress), console=console, refresh_per_second=4) if console.is_terminal else None
         evaluated = None  # a log (not a terminal) gets one line per evaluation, and the last table at the end
