@@ -1,15 +1,19 @@
 """``dflash``: the entry point. Exit codes: 0 success, 1 error (one line on stderr, bad flags included),
 130 interrupted (Ctrl-C, at any moment: imports run inside :func:`main`), 141 output pipe closed.
 
+Other installed distributions that provide a ``dflash`` command or a ``dflash_mlx`` package get a warning.
 Standard streams the shell closed (``<&-``) or that cannot be written (``> /dev/full``) give one line naming
 the stream; a closed descriptor gets ``/dev/null``, so no file opened later takes its number."""
 
 from __future__ import annotations
 
 import errno
+import importlib.metadata as md
 import os
+import re
 import sys
-from typing import Any, List, Optional
+from contextlib import suppress
+from typing import Any, Iterable, List, Optional
 
 from dflash_mlx.errors import DFlashError
 
@@ -20,8 +24,6 @@ def main(args: Optional[List[str]] = None) -> None:
     """Run ``dflash`` with ``args`` (default: ``sys.argv[1:]``) and exit with its code."""
     try:
         keep_interrupts()
-        from .conflicts import conflicts, warning
-
         protect()  # closed stdin/stdout: /dev/null on the descriptor, a named error on use
         line = warning(conflicts())
         if line:
@@ -96,8 +98,53 @@ def _usage_message(e: Exception) -> str:
     return _one_line(text)
 
 
-NAMES = {0: ("stdin", "standard input", "<&-"), 1: ("stdout", "standard output", ">&-"),
-         2: ("stderr", "standard error", "2>&-")}
+OUR_ENTRY_POINT = "dflash_mlx.cli.main:main"
+PACKAGE = "dflash_mlx"
+COMMAND = "dflash"
+
+
+def _provides_package(dist: md.Distribution) -> bool:
+    top = dist.read_text("top_level.txt")
+    if top is not None:
+        return PACKAGE in top.split()
+    return any(str(f).split("/")[0] == PACKAGE for f in (dist.files or []))
+
+
+def conflicts(dists: Optional[Iterable[md.Distribution]] = None) -> List[str]:
+    """One description per clashing distribution (name, version, what it provides, where); ours (whose
+    ``dflash`` is :data:`OUR_ENTRY_POINT`, an editable install maybe listed twice) are skipped."""
+    found = []
+    for dist in md.distributions() if dists is None else dists:
+        try:
+            scripts = [ep for ep in dist.entry_points if ep.group == "console_scripts" and ep.name == COMMAND]
+            if any(ep.value == OUR_ENTRY_POINT for ep in scripts):
+                continue
+            what = []
+            if scripts:
+                what.append(f"a '{COMMAND}' command ({scripts[0].value})")
+            if _provides_package(dist):
+                what.append(f"a '{PACKAGE}' package")
+        except Exception:  # a broken dist-info must not stop the CLI
+            continue
+        if what:
+            name, version = dist.metadata["Name"], dist.version
+            where = getattr(dist, "_path", None)
+            found.append(f"{name} {version} ({' and '.join(what)}; {where})")
+    return found
+
+
+def warning(found: List[str]) -> Optional[str]:
+    """The one-line warning for :func:`conflicts`' result, or None."""
+    if not found:
+        return None
+    names = ", ".join(found)
+    uninstall = " ".join(sorted({re.split(r"\s", f)[0] for f in found}))
+    return (f"warning: also installed here: {names}; the two overwrite each other's '{COMMAND}' command or "
+            f"'{PACKAGE}' files. Uninstall it (pip uninstall {uninstall}) or install dflash-mlx on its own "
+            "(pipx install, or uv tool install; see the README)")
+
+
+NAMES = {0: ("stdin", "standard input", "<&-"), 1: ("stdout", "standard output", ">&-")}
 
 
 class StreamError(DFlashError):
@@ -146,10 +193,8 @@ class CheckedStdout:
 
 def silence_stdout() -> None:
     """Point descriptor 1 at /dev/null, so what is still buffered does not fail again at exit."""
-    try:
+    with suppress(OSError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-    except OSError:
-        pass
 
 
 def protect() -> List[int]:
@@ -168,11 +213,10 @@ def protect() -> List[int]:
                 os.close(new)
             closed.append(fd)
     for fd in closed:
-        attr = NAMES[fd][0]
         if fd == 2:  # errors must still go somewhere: to /dev/null, quietly
             sys.stderr = open(os.devnull, "w")
         else:
-            setattr(sys, attr, ClosedStream(fd))
+            setattr(sys, NAMES[fd][0], ClosedStream(fd))
     if 1 not in closed and sys.stdout is not None and not isinstance(sys.stdout, CheckedStdout):
         sys.stdout = CheckedStdout(sys.stdout)
     return closed
