@@ -161,8 +161,7 @@ class RichView:
         self.console.print(Panel(body, title="dflash chat", title_align="left", box=ROUNDED,
                                  border_style="blue" if self.color else "", padding=(0, 1)))
         self.console.print(self.legend())
-        self.console.print("  /help for commands · Ctrl-C stops a reply · Ctrl-D or /quit exits",
-                           style="dim")
+        self.console.print("  /help for commands · Ctrl-C stops a reply · Ctrl-D or /quit exits", style="dim")
 
     def legend(self) -> Text:
         if self.color:

@@ -100,8 +100,7 @@ def _run(o) -> None:
         against = compare_with_plain(pair.target, pair.tokenizer, ids, out, stats, seed=o.seed, **run)
     if o.as_json:
         extra = {"compare": against} if o.compare else {}
-        print(json.dumps({"text": out, "finish_reason": finish, **stats.to_dict(), "ttft_s": stats.prompt_s,
-                          **extra}))
+        print(json.dumps({"text": out, "finish_reason": finish, **stats.to_dict(), "ttft_s": stats.prompt_s, **extra}))
     if o.verbose:
         from dflash_mlx.compare import compare_line
 
