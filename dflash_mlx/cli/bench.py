@@ -13,7 +13,7 @@ from dflash_mlx.errors import InputError
 from dflash_mlx.ranges import check_number
 
 from .common import (DraftModel, DraftWindow, MaxTokens, MinP, Model, PrefillStep, Temp, TopK, TopP, Verify,
-                     check_sampling, guard, parse_draft_window, resolve_models, warn)
+                     check_sampling, guard, parse_draft_window, print_table, progress_bars, resolve_models, warn)
 
 
 def bench(
@@ -149,8 +149,6 @@ def _agent(o) -> None:
     from dflash_mlx.bench.agent import MODES, encode_requests, read_agent_trace, run_trace, summarize, write_results
 
     from .bench_tables import agent_table
-    from .render import print_table
-
     kwargs = {"block_size": parse_block_sizes(o.block_size, o.extra)[0]}
     _pair(o)
     requests = {Path(t).stem: read_agent_trace(t) for t in o.agent_trace}
@@ -172,8 +170,6 @@ def _agent(o) -> None:
 
 def _run(o) -> None:
     from rich.console import Console
-
-    from .render import print_table, progress_bars
 
     config = checked_config(o)
     datasets = [d for spec in o.dataset for d in spec.split(",") if d]

@@ -1,13 +1,20 @@
-"""The flags the commands share (each an ``Annotated`` alias), their checks, prompt reading, errors."""
+"""The flags the commands share (each an ``Annotated`` alias), their checks, prompt reading, errors; output a
+person reads: tables that fit the terminal (plain text in pipes and logs), progress bars and a spinner."""
 
 from __future__ import annotations
 
+import io
 import json
 import sys
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Annotated, List, Optional, Tuple
+from typing import Annotated, Callable, ContextManager, Iterator, List, Optional, Tuple
 
 import typer
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
 from typer import Option
 
 from dflash_mlx.errors import DFlashError, InputError
@@ -203,23 +210,11 @@ def check_system_prompt(system_prompt: Optional[str], tokenizer, ignore_chat_tem
         warn(f"{why}: the --system-prompt text goes before the prompt as plain text")
 
 
-def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: dict,
-                  ignore_chat_template: bool) -> list[int]:
-    """Token ids of one user turn after the system prompt, through the chat template if used and present."""
-    from dflash_mlx.prompt import encode_messages, plain_text
-
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": text})
-    return encode_messages(tokenizer, messages, template, use_template=not ignore_chat_template, plain=plain_text)
-
-
 def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None, sharding=None):
     """:func:`dflash_mlx.load` under a spinner; a CheckpointError of the default pair names local folders."""
     from transformers.utils import logging as hf_logging
 
     from dflash_mlx import CheckpointError, load
-
-    from .render import spinner
 
     hf_logging.set_verbosity_error()  # the CLI checks lengths itself
     try:
@@ -259,3 +254,64 @@ def guard(fn):
         if e.filename is None:
             raise
         fail(f"{e.filename}: {e.strerror or e}")
+
+
+PLAIN_WIDTH = 10_000  # wide enough that no row of a plain table is folded
+
+
+def print_table(table: Table, console: Optional[Console] = None) -> None:
+    """Print ``table`` on ``console`` (default: stdout): fitted to a terminal, else plain text (a row per line,
+    no box, colour or trailing spaces)."""
+    console = console or Console()
+    if console.is_terminal:
+        console.print(fitted(table, console.width))
+        return
+    title, table.title = table.title, None  # on a line of its own, whole
+    table.box, table.show_edge, table.pad_edge = None, False, False
+    width = Console(width=PLAIN_WIDTH).measure(table).maximum
+    text = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False, highlight=False,
+                   emoji=False)
+    if title:
+        text.print(title, soft_wrap=True, markup=False)
+    text.print(table)
+    console.file.write("".join(line.rstrip() + "\n" for line in text.file.getvalue().splitlines()))
+    console.file.flush()
+
+
+def fitted(table: Table, width: int) -> Table:
+    """``table`` made to fit ``width`` columns: a light box, cells folded, never cut to ``…``."""
+    table.box, table.show_edge, table.pad_edge, table.collapse_padding = box.SIMPLE_HEAD, False, False, True
+    for column in table.columns:
+        column.overflow, column.no_wrap = "fold", False
+    return table
+
+
+def spinner(text: str) -> ContextManager:
+    """A spinner with ``text`` on stderr while the body runs, only when stderr is a terminal."""
+    console = Console(stderr=True)
+    return console.status(text) if console.is_terminal else nullcontext()
+
+
+def bars(console: Console, *extra) -> Progress:
+    """Progress bars on ``console``: name, bar, done/total, the ``extra`` columns, elapsed time and ETA."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *extra, TimeElapsedColumn(),
+                    TextColumn("ETA"), TimeRemainingColumn(), console=console)
+
+
+@contextmanager
+def progress_bars(console: Console) -> Iterator[Callable[[str, int, int], None]]:
+    """Yields ``progress(name, done, total)``: a bar per name on ``console``, shown from the first call."""
+    bar, tasks = bars(console), {}
+
+    def progress(name: str, done: int, total: int) -> None:
+        if not tasks:
+            bar.start()
+        if name not in tasks:
+            tasks[name] = bar.add_task(name, total=total)
+        bar.update(tasks[name], completed=done)
+
+    try:
+        yield progress
+    finally:
+        if tasks:
+            bar.stop()

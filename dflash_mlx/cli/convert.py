@@ -9,8 +9,7 @@ from typing import Annotated, Optional
 
 from typer import Option
 
-from .common import check_out_folder, fail, guard
-from .render import print_table
+from .common import check_out_folder, fail, guard, print_table
 
 
 def convert(

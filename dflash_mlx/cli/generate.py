@@ -15,7 +15,7 @@ from dflash_mlx.errors import InputError
 from .common import (
     BlockSize, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
     PromptCacheDir, PromptCacheGb, Seed, Sharding, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP,
-    TreeBudget, Verify, check_pair_flags, check_sampling, check_system_prompt, encode_prompt, guard, load_pair,
+    TreeBudget, Verify, check_pair_flags, check_sampling, check_system_prompt, guard, load_pair,
     parse_draft_window, parse_stops, read_prompt, warn,
 )
 
@@ -78,14 +78,16 @@ def _run(o) -> None:
         o.store = None  # one prompt cache per rank would differ; none under mlx.launch
     import mlx.core as mx
 
-    from dflash_mlx.prompt import context_length
+    from dflash_mlx.prompt import context_length, encode_messages, plain_text
     from dflash_mlx.sampling import make_sampler
 
     pair = load_pair(o.model, o.draft_model, o.defaults, window, distributed and o.sharding)
     if o.seed is not None:  # after loading: building the model draws from the key, sharded or not
         mx.random.seed(o.seed)
     check_system_prompt(o.system_prompt, pair.tokenizer, o.ignore_chat_template)
-    ids = encode_prompt(pair.tokenizer, text, o.system_prompt, o.template, o.ignore_chat_template)
+    turns = [{"role": "system", "content": o.system_prompt}] if o.system_prompt else []
+    ids = encode_messages(pair.tokenizer, turns + [{"role": "user", "content": text}], o.template,
+                          use_template=not o.ignore_chat_template, plain=plain_text)
     max_tokens = fit_context(len(ids), o.max_tokens, context_length(pair.target))
     sampler = make_sampler(o.temp, o.top_p, o.min_p, o.top_k, pair.target.vocab_size)
     run = dict(sampler=sampler, max_tokens=max_tokens, stop_strings=stops, prefill_step_size=o.prefill_step_size)

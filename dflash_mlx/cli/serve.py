@@ -66,8 +66,7 @@ def serve(
         guard(lambda: _run(o))
 
 
-def _check(o) -> None:
-    """Check every serve flag before the model loads (InputError naming the flag)."""
+def _run(o) -> None:
     if o.log_level not in LOG_LEVELS:
         raise InputError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {o.log_level}")
     for flag, value, least in (("--max-tokens", o.max_tokens, 1), ("--max-queue", o.max_queue, 0),
@@ -79,11 +78,7 @@ def _check(o) -> None:
     check_number("--max-body-mb", o.max_body_mb, above=0)
     check_number("--idle-timeout", o.idle_timeout, above=0)
     check_number("--port", o.port, at_least=0, at_most=65535)
-    check_pair_flags(o)
-
-
-def _run(o) -> None:
-    _check(o)
+    check_pair_flags(o)  # every flag checked before the model loads
     from dflash_mlx.pair.sharded import refuse_ranks
 
     refuse_ranks("dflash serve")

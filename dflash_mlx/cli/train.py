@@ -18,8 +18,7 @@ from rich.table import Table
 from dflash_mlx.errors import InputError
 from dflash_mlx.ranges import check_number
 
-from .common import check_out_folder, guard, load_pair, parse_template_config
-from .render import bars, fitted, print_table
+from .common import bars, check_out_folder, fitted, guard, load_pair, parse_template_config, print_table
 
 console = Console(stderr=True)
 
