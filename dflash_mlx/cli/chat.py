@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Annotated, List, Optional, Tuple
 
 import typer
+from typer import Option
 
 from dflash_mlx.errors import DFlashError, InputError
 from dflash_mlx.ranges import check_number
@@ -30,9 +31,6 @@ COMMANDS = [
     ("/save FILE", "save the transcript: FILE.json as JSON, else Markdown"),
     ("/quit", "exit (Ctrl-D too)"),
 ]
-Color = Annotated[bool, typer.Option("--color/--no-color", help="Colour the tokens accepted from the drafter.")]
-Session = Annotated[Optional[str], typer.Option(
-    "--session", help="Keep the conversation in this JSON file and resume it when it exists.")]
 
 
 def chat(
@@ -52,8 +50,8 @@ def chat(
     chat_template_config: TemplateConfig = None,
     ignore_chat_template: IgnoreTemplate = False,
     prefill_step_size: PrefillStep = None,
-    color: Color = True,
-    session_file: Session = None,
+    color: Annotated[bool, Option("--color/--no-color", help="Colour the tokens accepted from the drafter.")] = True,
+    session_file: Annotated[Optional[str], Option("--session", help="Keep the conversation in this JSON file.")] = None,
     prompt_cache_dir: PromptCacheDir = None,
     no_prompt_cache: NoPromptCache = False,
     prompt_cache_gb: PromptCacheGb = 8.0,
@@ -145,37 +143,32 @@ def _loop(session, o, view, pair) -> int:
 
 
 def _line(line: str, session, o, view, pair) -> Tuple[bool, bool]:
-    """Run one line (a turn or a /command); returns ``(ok, quit)``."""
+    """Run one line (a /command, or a turn with its summary and notices); returns ``(ok, quit)``."""
     from dflash_mlx.chat.session import ContextFullError
+    from dflash_mlx.sampling import make_sampler
+
+    from .chat_ui import summary_line
 
     try:
         if line.startswith("/"):
             return True, _command(line, session, o, view, pair)
-        _turn(line, session, o, view)
+        sampler = make_sampler(o.temp, o.top_p, o.min_p, o.top_k, o.vocab_size)
+        events = session.stream(line, sampler=sampler, max_tokens=o.max_tokens, block_size=o.block_size,
+                                stop_strings=o.stop)
+        with closing(events):
+            last, interrupted = view.stream(events)
+        if last is not None:
+            view.summary(summary_line(last.stats, interrupted))
+        if interrupted:
+            view.notice(f"stopped: both caches rolled back to {len(session.tokens)} tokens")
+        if session.context_left is not None and session.context_left <= 0:
+            view.notice(f"the context ({session.max_context} tokens) is full: /reset to start over")
     except KeyboardInterrupt:
         view.notice("interrupted")
     except DFlashError as e:
         view.error(f"{e} (/reset)" if isinstance(e, ContextFullError) else str(e))
         return False, False
     return True, False
-
-
-def _turn(text: str, session, o, view) -> None:
-    from dflash_mlx.sampling import make_sampler
-
-    from .chat_ui import summary_line
-
-    sampler = make_sampler(o.temp, o.top_p, o.min_p, o.top_k, o.vocab_size)
-    events = session.stream(text, sampler=sampler, max_tokens=o.max_tokens, block_size=o.block_size,
-                            stop_strings=o.stop)
-    with closing(events):
-        last, interrupted = view.stream(events)
-    if last is not None:
-        view.summary(summary_line(last.stats, interrupted))
-    if interrupted:
-        view.notice(f"stopped: both caches rolled back to {len(session.tokens)} tokens")
-    if session.context_left is not None and session.context_left <= 0:
-        view.notice(f"the context ({session.max_context} tokens) is full: /reset to start over")
 
 
 def _command(line: str, session, o, view, pair) -> bool:
@@ -211,7 +204,13 @@ def _command(line: str, session, o, view, pair) -> bool:
         view.notice(f"thinking {arg}" + ("" if session.use_template else
                                          " (this model has no chat template: no effect)"))
     elif name == "/save":
-        _save(arg, session, view, pair)
+        if not arg:
+            raise InputError("usage: /save FILE (FILE.json for JSON, else Markdown)")
+        try:
+            path = session.save(arg, meta={"model": pair.model_path, "draft_model": pair.draft_path})
+        except OSError as e:
+            raise InputError(f"{arg}: cannot write ({e.strerror})") from None
+        view.notice(f"saved {len(session.messages)} messages to {path}")
     else:
         raise InputError(f"unknown command {name}: /help lists them")
     return False
@@ -225,16 +224,6 @@ def _block(arg: str, drafter):
         raise InputError(f"/block {B} is out of range: this drafter supports 2..{drafter.block_size} "
                          "(its trained block size)")
     return B
-
-
-def _save(arg: str, session, view, pair) -> None:
-    if not arg:
-        raise InputError("usage: /save FILE (FILE.json for JSON, else Markdown)")
-    try:
-        path = session.save(arg, meta={"model": pair.model_path, "draft_model": pair.draft_path})
-    except OSError as e:
-        raise InputError(f"{arg}: cannot write ({e.strerror})") from None
-    view.notice(f"saved {len(session.messages)} messages to {path}")
 
 
 def _number(arg: str, kind, usage: str):

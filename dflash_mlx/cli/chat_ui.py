@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Iterable, Iterator, List, Optional, Tuple
 
 from rich.box import ROUNDED
@@ -142,10 +142,8 @@ class RichView:
     def __init__(self, color: bool = True):
         self.color = color
         self.console = Console(highlight=False)
-        try:
-            import readline  # importing it gives input() line editing and history
-        except ImportError:
-            pass
+        with suppress(ImportError):
+            import readline  # noqa: F401  (importing it gives input() line editing and history)
         if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach chat as escapes
             sys.stdin.reconfigure(errors="surrogateescape")
 
