@@ -1,6 +1,8 @@
 """``dflash``: the Typer app. Each command is thin wiring over the library;
 :mod:`dflash_mlx.cli.main` runs it and turns flag errors into one line."""
 
+from importlib import metadata
+
 import typer
 
 from .bench import bench
@@ -24,9 +26,7 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
-        from importlib.metadata import version
-
-        typer.echo(f"dflash-mlx {version('dflash-mlx')}")
+        typer.echo(f"dflash-mlx {metadata.version('dflash-mlx')}")
         raise typer.Exit()
 
 

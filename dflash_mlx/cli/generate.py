@@ -19,17 +19,11 @@ from .common import (
     parse_draft_window, parse_stops, read_prompt, warn,
 )
 
-Prompt = Annotated[Optional[str], Option("--prompt", "-p", help="Prompt text; '-' or omitted: piped stdin.")]
-Verbose = Annotated[bool, Option("--verbose/--quiet", help="Print stats on stderr.")]
-Json = Annotated[bool, Option("--json", help="Print one JSON object (text and stats) instead of the text.")]
-Compare = Annotated[bool, Option("--compare", help="Also decode plainly; print the speedup and if the text matches.")]
-
-
 def generate(
     model: Model = None,
     draft_model: DraftModel = None,
     verify: Verify = False,
-    prompt: Prompt = None,
+    prompt: Annotated[Optional[str], Option("--prompt", "-p", help="Prompt text; '-' or omitted: piped stdin.")] = None,
     max_tokens: MaxTokens = 256,
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
@@ -47,9 +41,9 @@ def generate(
     prompt_cache_dir: PromptCacheDir = None,
     no_prompt_cache: NoPromptCache = False,
     prompt_cache_gb: PromptCacheGb = 8.0,
-    verbose: Verbose = True,
-    as_json: Json = False,
-    compare: Compare = False,
+    verbose: Annotated[bool, Option("--verbose/--quiet", help="Print stats on stderr.")] = True,
+    as_json: Annotated[bool, Option("--json", help="Print one JSON object: text and stats.")] = False,
+    compare: Annotated[bool, Option("--compare", help="Also decode plainly; print the speedup.")] = False,
     sharding: Sharding = "tensor",
 ) -> None:
     """Generate from one prompt. Text streams to stdout, stats go to stderr.

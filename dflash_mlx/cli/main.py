@@ -1,9 +1,6 @@
-"""``dflash``: the entry point. Exit codes: 0 success, 1 error (one line on stderr, bad flags included),
-130 interrupted (Ctrl-C, at any moment: imports run inside :func:`main`), 141 output pipe closed.
-
-Other installed distributions that provide a ``dflash`` command or a ``dflash_mlx`` package get a warning.
-Standard streams the shell closed (``<&-``) or that cannot be written (``> /dev/full``) give one line naming
-the stream; a closed descriptor gets ``/dev/null``, so no file opened later takes its number."""
+"""``dflash``: the entry point, and its guards for Ctrl-C, closed or failing standard streams and other installed
+``dflash`` commands. Exit codes: 0 success, 1 error (one line on stderr, bad flags included), 130 interrupted
+(Ctrl-C, at any moment: imports run inside :func:`main`), 141 output pipe closed."""
 
 from __future__ import annotations
 
@@ -207,7 +204,7 @@ def protect() -> List[int]:
         except OSError as e:
             if e.errno != errno.EBADF:
                 continue
-            new = os.open(os.devnull, os.O_RDWR)
+            new = os.open(os.devnull, os.O_RDWR)  # so no file opened later takes the number
             if new != fd:
                 os.dup2(new, fd)
                 os.close(new)

@@ -267,8 +267,7 @@ def eval_line(step: int, result: dict) -> str:
         accepted = " ".join(f"{x:.2f}" for x in r["acceptance"])
         return f"{r['tau']:.2f} at B={b} ({generated}acceptance by position {accepted})"
 
-    parts = [part(b, r) for b, r in result.items()]
-    return f"step {step}: held-out tau " + ", ".join(parts)
+    return f"step {step}: held-out tau " + ", ".join(part(b, r) for b, r in result.items())
 
 
 def eval_table(step: int, result: dict) -> Table:
