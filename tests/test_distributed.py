@@ -66,3 +66,10 @@ def test_pipeline_sharding_is_refused_in_one_line(launcher, stories):
     done = _run(["generate", "--model", str(stories), "--draft-model", str(DRAFTER), "--prompt", "Hi",
                  "--sharding", "pipeline"], 2)
     assert "error: --sharding pipeline" in done.stderr and "Traceback" not in done.stderr  # mlx.launch exits 0
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_chat_and_serve_refuse_ranks_in_one_line(launcher, stories, command):
+    done = _run([command, "--model", str(stories), "--no-prompt-cache"], 2)
+    assert f"error: dflash {command} runs in one process" in done.stderr, done.stderr[-2000:]
+    assert "dflash generate" in done.stderr and "Traceback" not in done.stderr
