@@ -78,10 +78,10 @@ def _run(o) -> None:
 
     check_sampling(o.temp, o.top_p, o.top_k, o.min_p, o.max_tokens)  # flags first, then the 2-3 s of imports
     o.stop, window = parse_stops(o.stop), parse_draft_window(o.draft_window)
+    check_pair_flags(o)
     from dflash_mlx.pair.sharded import refuse_ranks
 
     refuse_ranks("dflash chat")
-    check_pair_flags(o)
     history = read_session(o.session_file) if o.session_file else []
     import mlx.core as mx
 

@@ -62,9 +62,10 @@ def join_ranks(sharding: str) -> Optional[dict]:
 
 
 def refuse_ranks(command: str) -> None:
-    """Raise InputError under ``mlx.launch`` with more than one rank: ``command`` runs in one process only."""
+    """Raise InputError under ``mlx.launch`` with several ranks: ``command`` runs in one process only."""
     if ranks() > 1:
-        raise InputError(f"{command} runs in one process; under mlx.launch only dflash generate runs sharded")
+        raise InputError(f"{command} does not run under mlx.launch yet; dflash generate does "
+                         "(the target split over the ranks)")
 
 
 def share_text(read: Callable[[], str]) -> str:
