@@ -5,9 +5,7 @@
 from __future__ import annotations
 
 import errno
-import importlib.metadata as md
 import os
-import re
 import sys
 from contextlib import suppress
 from typing import Any, Iterable, List, Optional
@@ -110,6 +108,8 @@ def _provides_package(dist: md.Distribution) -> bool:
 def conflicts(dists: Optional[Iterable[md.Distribution]] = None) -> List[str]:
     """One description per clashing distribution (name, version, what it provides, where); ours (whose
     ``dflash`` is :data:`OUR_ENTRY_POINT`, an editable install maybe listed twice) are skipped."""
+    import importlib.metadata as md
+
     found = []
     for dist in md.distributions() if dists is None else dists:
         try:
@@ -135,7 +135,7 @@ def warning(found: List[str]) -> Optional[str]:
     if not found:
         return None
     names = ", ".join(found)
-    uninstall = " ".join(sorted({re.split(r"\s", f)[0] for f in found}))
+    uninstall = " ".join(sorted({f.split()[0] for f in found}))
     return (f"warning: also installed here: {names}; the two overwrite each other's '{COMMAND}' command or "
             f"'{PACKAGE}' files. Uninstall it (pip uninstall {uninstall}) or install dflash-mlx on its own "
             "(pipx install, or uv tool install; see the README)")
