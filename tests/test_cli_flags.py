@@ -48,7 +48,7 @@ def one_line_error(result, *needles) -> str:
 def no_conflicts_scan(monkeypatch):
     """Skip the scan of every installed distribution at each start (tests/test_conflicts.py
     covers it): it would be most of each in-process run's time here."""
-    monkeypatch.setattr("dflash_mlx.cli.conflicts.conflicts", lambda: [])
+    monkeypatch.setattr("dflash_mlx.cli.main.conflicts", lambda: [])
 
 
 @pytest.fixture(scope="module")

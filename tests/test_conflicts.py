@@ -5,7 +5,7 @@ import importlib.metadata as md
 import subprocess
 import sys
 
-from dflash_mlx.cli.conflicts import conflicts, warning
+from dflash_mlx.cli.main import conflicts, warning
 
 
 def fake_dist(root, name, version, entry_point=None, top_level=None, record=None):

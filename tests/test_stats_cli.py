@@ -130,7 +130,7 @@ def _table() -> Table:
 
 
 def test_a_table_fits_80_terminal_columns_and_is_plain_text_in_a_log():
-    from dflash_mlx.cli.render import print_table
+    from dflash_mlx.cli.common import print_table
 
     term = Console(file=io.StringIO(), width=80, force_terminal=True, color_system=None)
     print_table(_table(), term)

@@ -1,7 +1,7 @@
 """``dflash``: the Typer app. Each command is thin wiring over the library;
 :mod:`dflash_mlx.cli.main` runs it and turns flag errors into one line."""
 
-from functools import lru_cache
+from importlib import metadata
 
 import typer
 
@@ -26,9 +26,7 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
-        from importlib.metadata import version
-
-        typer.echo(f"dflash-mlx {version('dflash-mlx')}")
+        typer.echo(f"dflash-mlx {metadata.version('dflash-mlx')}")
         raise typer.Exit()
 
 
@@ -48,9 +46,3 @@ app.command(short_help="Train a drafter for a target.")(train)
 app.command(context_settings={"allow_extra_args": True}, short_help="Benchmark against a baseline.")(bench)
 app.command(short_help="Serve the pair over the OpenAI API.")(serve)
 app.command(short_help="Convert a target and its drafter into one folder.")(convert)
-
-
-@lru_cache(maxsize=None)
-def command():
-    """The app as a click command, built once per process."""
-    return typer.main.get_command(app)

@@ -7,48 +7,13 @@ from types import SimpleNamespace
 from typing import Annotated, List, Optional
 
 import typer
+from typer import Option
 
+from dflash_mlx.errors import InputError
 from dflash_mlx.ranges import check_number
 
 from .common import (DraftModel, DraftWindow, MaxTokens, MinP, Model, PrefillStep, Temp, TopK, TopP, Verify,
-                     check_sampling, guard, parse_draft_window, resolve_models, warn)
-
-Dataset = Annotated[List[str], typer.Option(
-    "--dataset", "-d", help="gsm8k, math500, humaneval, mbpp, mt-bench, alpaca (Hugging Face, online) or a local "
-    "file: a .jsonl/.jsonl.gz in those formats or of 'prompt' or 'messages' rows. Repeat or separate with commas.")]
-NumSamples = Annotated[int, typer.Option("--num-samples", "-n",
-                                         help="First N samples of each dataset; 0 for all of them.")]
-BlockSizes = Annotated[Optional[List[str]], typer.Option(
-    "--block-size", help="Block sizes to sweep: '--block-size 4 8 16 auto' (or 4,8,16,auto); auto chooses the "
-    "verify width per step by measured cost, plain decoding included. Default: the drafter's trained size.")]
-TreeBudgets = Annotated[Optional[List[str]], typer.Option(
-    "--tree-budget", help="DDTree budgets to run too, one row each: '--tree-budget 16 32 64 auto' (nodes per tree; "
-    "auto: budgets and chain widths by measured cost). Attention-only targets; hybrids keep chains.")]
-Seed = Annotated[int, typer.Option("--seed", help="PRNG seed; every run starts from it.")]
-Baseline = Annotated[str, typer.Option(
-    "--baseline", help="ar (this engine, no drafter), mlx-lm (plain mlx-lm decoding) or draft-model:PATH "
-    "(mlx-lm speculative decoding with an autoregressive draft model).")]
-NumDraftTokens = Annotated[int, typer.Option("--num-draft-tokens", help="Drafts per cycle for --baseline "
-                                             "draft-model:PATH.")]
-Thinking = Annotated[bool, typer.Option("--enable-thinking", help="Turn thinking on in the chat template.")]
-Simulate = Annotated[Optional[str], typer.Option(
-    "--simulate-acceptance", help="A: replace the drafter's proposals by the target's greedy continuation for the "
-    "first A slots of each block and wrong tokens after (the drafter still runs, for its cost). Or FILE: replay "
-    "the accepted lengths a real run recorded (`dflash generate --json` output, its acceptance_trace; record at "
-    "the trained block size), one per block drafted. Needs --temp 0.")]
-Repeats = Annotated[int, typer.Option("--repeats", help="Runs of each engine per prompt.")]
-Warmup = Annotated[int, typer.Option("--warmup-tokens", help="Tokens of each engine's untimed warm-up run; 0: none.")]
-Out = Annotated[str, typer.Option(
-    "--out", "-o", help="Folder for results.json and the PNG plots; checked before the run: new or empty, or "
-    "--overwrite.")]
-Overwrite = Annotated[bool, typer.Option(
-    "--overwrite", help="Replace the results of an earlier run in --out (its other files stay).")]
-Plots = Annotated[bool, typer.Option("--plots/--no-plots", help="Write the PNG plots (needs the 'plot' extra).")]
-AgentTrace = Annotated[Optional[List[str]], typer.Option(
-    "--agent-trace", help="Replay this agent trace instead (JSONL of 'prompt' or 'messages' rows whose prompts "
-    "share growing prefixes; repeat for several): cold, from the prompt cache on disk with a new cache per "
-    "request, live, and mlx-lm with its prompt cache. Reports tokens reused and prefilled, time to first token, "
-    "tau.")]
+                     check_sampling, guard, parse_draft_window, print_table, progress_bars, resolve_models, warn)
 
 
 def bench(
@@ -56,37 +21,45 @@ def bench(
     model: Model = None,
     draft_model: DraftModel = None,
     verify: Verify = False,
-    dataset: Dataset = ["gsm8k"],
-    num_samples: NumSamples = 10,
+    dataset: Annotated[List[str], Option("--dataset", "-d", help=(
+        "gsm8k, math500, humaneval, mbpp, mt-bench, alpaca (online) or a .jsonl[.gz] of those or of 'prompt' "
+        "or 'messages' rows; repeatable."))] = ["gsm8k"],
+    num_samples: Annotated[int, Option("--num-samples", "-n", help="First N samples per dataset; 0 for all.")] = 10,
     max_tokens: MaxTokens = 256,
-    block_size: BlockSizes = None,
-    tree_budget: TreeBudgets = None,
+    block_size: Annotated[Optional[List[str]], Option("--block-size", help=(
+        "Block sizes to sweep: '--block-size 4 8 16 auto' (default: the trained size)."))] = None,
+    tree_budget: Annotated[Optional[List[str]], Option("--tree-budget", help=(
+        "DDTree budgets to run too, one row each: '--tree-budget 16 32 64 auto'."))] = None,
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
     top_k: TopK = 0,
     min_p: MinP = 0.0,
-    seed: Seed = 0,
-    baseline: Baseline = "ar",
-    num_draft_tokens: NumDraftTokens = 3,
-    enable_thinking: Thinking = False,
-    simulate_acceptance: Simulate = None,
+    seed: Annotated[int, Option("--seed", help="PRNG seed; every run starts from it.")] = 0,
+    baseline: Annotated[str, Option("--baseline", help=(
+        "ar (this engine, no drafter), mlx-lm, or draft-model:PATH (mlx-lm speculative decoding)."))] = "ar",
+    num_draft_tokens: Annotated[int, Option("--num-draft-tokens", help="Drafts per cycle of draft-model:PATH.")] = 3,
+    enable_thinking: Annotated[bool, Option("--enable-thinking", help="Thinking on in the chat template.")] = False,
+    simulate_acceptance: Annotated[Optional[str], Option("--simulate-acceptance", help=(
+        "A: accept exactly A drafted tokens per block; or FILE: replay the acceptance_trace of `dflash generate "
+        "--json` output. Needs --temp 0."))] = None,
     draft_window: DraftWindow = None,
-    repeats: Repeats = 1,
-    warmup_tokens: Warmup = 32,
-    out: Out = "dflash-bench",
-    overwrite: Overwrite = False,
-    plots: Plots = True,
-    agent_trace: AgentTrace = None,
+    repeats: Annotated[int, Option("--repeats", help="Runs of each engine per prompt.")] = 1,
+    warmup_tokens: Annotated[int, Option("--warmup-tokens", help="Tokens of each untimed warm-up; 0: none.")] = 32,
+    out: Annotated[str, Option("--out", "-o", help=(
+        "Folder for results.json and the PNG plots: new or empty, or --overwrite."))] = "dflash-bench",
+    overwrite: Annotated[bool, Option("--overwrite", help="Replace the results of an earlier run in --out.")] = False,
+    plots: Annotated[bool, Option("--plots/--no-plots", help="Write the PNG plots (the 'plot' extra).")] = True,
+    agent_trace: Annotated[Optional[List[str]], Option("--agent-trace", help=(
+        "Replay this agent trace instead (JSONL of prompts with growing shared prefixes): cold, from the prompt "
+        "cache on disk, live, and mlx-lm; repeatable."))] = None,
     prefill_step_size: PrefillStep = None,
 ) -> None:
     """Benchmark DFlash against a baseline: tau, tokens/s, speedup and loop overhead.
 
     \b
     Examples:
-      dflash bench --model M --draft-model D --dataset ../shared/datasets/gsm8k_test.jsonl -n 20
       dflash bench --model M --draft-model D --dataset prompts.jsonl --block-size 4 8 16 auto --baseline mlx-lm
-      dflash bench --model M --draft-model D --dataset prompts.jsonl --tree-budget 16 32 64 auto
-      dflash bench --model M --draft-model D --dataset gsm8k --simulate-acceptance 5
+      dflash bench --model M --draft-model D --dataset gsm8k --tree-budget 16 32 64 auto
       dflash bench --model M --draft-model D --agent-trace benchmarks/traces/agent_mbpp.jsonl
     """
     o = SimpleNamespace(**locals(), extra=list(ctx.args))
@@ -94,12 +67,8 @@ def bench(
 
 
 def split_extra(block_size, tree_budget, extra: List[str], argv: Optional[List[str]] = None):
-    """Which list option each value click left over belongs to (``--block-size 4 8 --tree-budget 16 32``):
-    the flag it follows in ``argv`` (default ``sys.argv``); when that does not tell, the flag given last.
-
-    Returns:
-        ``(extra block sizes, extra tree budgets)``.
-    """
+    """``(extra block sizes, extra tree budgets)``: click's leftover values, each owned by the flag it follows in
+    ``argv`` (default ``sys.argv``); when that does not tell, by the flag given last."""
     if not extra or not (block_size and tree_budget):
         return (extra, []) if not tree_budget or block_size else ([], extra)
     argv = sys.argv if argv is None else argv
@@ -120,10 +89,9 @@ def split_extra(block_size, tree_budget, extra: List[str], argv: Optional[List[s
 
 def parse_block_sizes(values: Optional[List[str]], extra: List[str], flag: str = "--block-size",
                       default=(None,)) -> list:
-    """``--block-size 4 8 16 auto`` (or ``--tree-budget``; the values after the first come as click's extra
-    arguments; commas work too), each parsed by :mod:`dflash_mlx.decode.width`; InputError for a bad one."""
+    """``--block-size 4 8 16 auto`` or ``--tree-budget``: the flag's values, then ``extra`` (commas work too),
+    parsed by :mod:`dflash_mlx.decode.width`; InputError for a bad one."""
     from dflash_mlx.decode.width import parse_block_size, parse_tree_budget
-    from dflash_mlx.errors import InputError
 
     if extra and not values:
         raise InputError(f"unexpected argument(s): {' '.join(extra)}")
@@ -135,22 +103,17 @@ def parse_block_sizes(values: Optional[List[str]], extra: List[str], flag: str =
 def parse_simulate_acceptance(value: Optional[str]):
     """``--simulate-acceptance``: an int A, or the accepted lengths of a trace file (else InputError)."""
     from dflash_mlx.bench.simulate import read_trace
-    from dflash_mlx.errors import InputError
 
     if value is None:
         return None
     try:
         return int(value)
     except ValueError:
-        pass
-    try:
         return read_trace(value)
-    except ValueError as e:
-        raise InputError(f"--simulate-acceptance: {e}") from None
 
 
 def checked_config(o):
-    """The flags as a checked :class:`dflash_mlx.bench.runner.BenchConfig` (InputError naming the flag)."""
+    """The flags as a checked BenchConfig (InputError naming the flag)."""
     check_sampling(o.temp, o.top_p, o.top_k, o.min_p, o.max_tokens)
     check_number("--num-samples", o.num_samples, at_least=0, rule="0 (all samples) or more")
     check_number("--num-draft-tokens", o.num_draft_tokens, at_least=1)
@@ -169,31 +132,45 @@ def checked_config(o):
 
 
 def _pair(o) -> None:
-    """Resolve --model/--draft-model in place; bench measures a drafter, so one is needed."""
-    from dflash_mlx.errors import InputError
-
+    """Check --prefill-step-size; resolve --model/--draft-model in place (bench measures a drafter)."""
+    check_number("--prefill-step-size", o.prefill_step_size, at_least=1)
     o.model, o.draft_model = resolve_models(o.model, o.draft_model, o.verify)
     if o.draft_model is None:
         raise InputError("dflash bench needs --draft-model (the DFlash drafter to measure)")
 
 
 def _agent(o) -> None:
-    """``--agent-trace``: the prompt-cache benchmark (:mod:`dflash_mlx.cli.bench_agent`)."""
-    from .bench_agent import run_agent_traces
+    """``--agent-trace``: replay each trace in every mode of :mod:`dflash_mlx.bench.agent`; a table, results.json."""
+    from pathlib import Path
 
-    check_number("--prefill-step-size", o.prefill_step_size, at_least=1)
-    sizes = parse_block_sizes(o.block_size, o.extra)
+    from rich.console import Console
+
+    from dflash_mlx import load
+    from dflash_mlx.bench.agent import MODES, encode_requests, read_agent_trace, run_trace, summarize, write_results
+
+    from .bench_tables import agent_table
+    kwargs = {"block_size": parse_block_sizes(o.block_size, o.extra)[0]}
     _pair(o)
-    run_agent_traces(o.model, o.draft_model, o.agent_trace, o.max_tokens, sizes[0], o.prefill_step_size, o.out,
-                     o.overwrite)
+    requests = {Path(t).stem: read_agent_trace(t) for t in o.agent_trace}
+    results = Path(o.out) / "results.json"
+    if results.exists() and not o.overwrite:
+        raise InputError(f"--out {o.out} already holds results.json; pass --overwrite to replace it")
+    if o.prefill_step_size:
+        kwargs["prefill_step_size"] = o.prefill_step_size
+    console, pair, records = Console(stderr=True), load(o.model, o.draft_model), []
+    warm = encode_requests(pair.tokenizer, ["Once upon a time"])
+    run_trace(pair, "warm-up", warm, MODES, 8, **kwargs)  # first calls compile and allocate: untimed
+    for name, reqs in requests.items():
+        records += run_trace(pair, name, encode_requests(pair.tokenizer, reqs), MODES, o.max_tokens,
+                             progress=lambda s: console.print(s), **kwargs)
+    rows = summarize(records)
+    print_table(agent_table(rows))
+    console.print(f"wrote {write_results(results, records, rows, ['dflash', *sys.argv[1:]])}")
 
 
 def _run(o) -> None:
     from rich.console import Console
 
-    from .render import print_table, progress_bars
-
-    check_number("--prefill-step-size", o.prefill_step_size, at_least=1)
     config = checked_config(o)
     datasets = [d for spec in o.dataset for d in spec.split(",") if d]
     _pair(o)

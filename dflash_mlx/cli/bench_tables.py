@@ -63,3 +63,18 @@ def histogram_lines(report: dict) -> List[str]:
             bins = " ".join(f"{k}:{100 * n / steps:.0f}%" for k, n in d["acceptance_histogram"].items() if n)
             lines.append(f"{ds['name']} {variant_name(d['block_size'])}: acceptance length {bins or '(no steps)'}")
     return lines
+
+
+def agent_table(rows: List[dict]) -> Table:
+    """The agent-trace summary rows of :func:`dflash_mlx.bench.agent.summarize`, one per trace and mode."""
+    out = []
+    for r in rows:
+        same = "" if r["same_as_cold"] is None else ("yes" if r["same_as_cold"] else "NO")
+        taus = " ".join(f"{k}:{v:.2f}" for k, v in r["tau_by_prompt_tokens"].items())
+        out.append([r["trace"], r["mode"], str(r["requests"]), str(r["prompt_tokens"]), str(r["reused"]),
+                    str(r["prefilled"]), f"{r['ttft_median_ms']:.1f}", f"{r['ttft_total_s']:.3f}",
+                    f"{r.get('ttft_vs_cold', 1.0):.3f}", f"{r['total_s']:.2f}", f"{r.get('total_vs_cold', 1.0):.3f}",
+                    same, taus])
+    return _table("Agent traces: prompt cache (TTFT: time to first token)", (
+        "trace", "mode", "req", "prompt tok", "reused", "prefilled", "TTFT median ms", "TTFT sum s", "TTFT vs cold",
+        "total s", "total vs cold", "same text", "tau by prompt tokens"), out, 13)

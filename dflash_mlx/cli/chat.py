@@ -1,5 +1,4 @@
-"""``dflash chat``: a terminal chat over :class:`dflash_mlx.chat.session.ChatSession`, in a view from
-``chat_ui`` (rich in a terminal, plain text when stdin or stdout is not one)."""
+"""``dflash chat``: a terminal chat over :class:`dflash_mlx.chat.session.ChatSession` (views in ``chat_ui``)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,9 @@ from types import SimpleNamespace
 from typing import Annotated, List, Optional, Tuple
 
 import typer
+from typer import Option
 
+from dflash_mlx.errors import DFlashError, InputError
 from dflash_mlx.ranges import check_number
 
 from .common import (
@@ -30,10 +31,6 @@ COMMANDS = [
     ("/save FILE", "save the transcript: FILE.json as JSON, else Markdown"),
     ("/quit", "exit (Ctrl-D too)"),
 ]
-Color = Annotated[bool, typer.Option("--color/--no-color", help="Colour the tokens accepted from the drafter.")]
-Session = Annotated[Optional[str], typer.Option(
-    "--session", help="Keep the conversation in this JSON file and resume it when it exists: with the prompt "
-    "cache on, a later process prefills only the new turn, not the history.")]
 
 
 def chat(
@@ -53,20 +50,18 @@ def chat(
     chat_template_config: TemplateConfig = None,
     ignore_chat_template: IgnoreTemplate = False,
     prefill_step_size: PrefillStep = None,
-    color: Color = True,
-    session_file: Session = None,
+    color: Annotated[bool, Option("--color/--no-color", help="Colour the tokens accepted from the drafter.")] = True,
+    session_file: Annotated[Optional[str], Option("--session", help="Keep the conversation in this JSON file.")] = None,
     prompt_cache_dir: PromptCacheDir = None,
     no_prompt_cache: NoPromptCache = False,
     prompt_cache_gb: PromptCacheGb = 8.0,
 ) -> None:
     """Chat in the terminal. Both caches are kept across turns; Ctrl-C stops a reply.
 
-    When stdin is not a terminal, each line is a turn (or a /command) and replies are plain text; a line
-    that fails prints an error, the next lines still run, and the exit code is then 1.
+    Piped, each line is a turn or a /command, replies are plain text, and a failed line makes the exit code 1.
 
     \b
     Examples:
-      dflash chat
       dflash chat --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16
       printf 'Once upon a time\\n/stats\\n' | dflash chat --model ./stories260K
       dflash chat --session ~/notes/chat.json
@@ -114,8 +109,7 @@ def _run(o) -> None:
 
 
 def _loop(session, o, view, pair) -> int:
-    """Run lines until /quit or the end of input; returns how many failed. With ``--session``, the
-    conversation is written after every line; still unwritten at the end, that counts as a failure."""
+    """Run lines until /quit or the end of input, saving ``--session`` after each; returns how many failed."""
     from dflash_mlx.chat.session_file import SessionWriter
 
     failed = 0
@@ -149,14 +143,26 @@ def _loop(session, o, view, pair) -> int:
 
 
 def _line(line: str, session, o, view, pair) -> Tuple[bool, bool]:
-    """Run one line (a turn or a /command); returns ``(ok, quit)``."""
-    from dflash_mlx import DFlashError
+    """Run one line (a /command, or a turn with its summary and notices); returns ``(ok, quit)``."""
     from dflash_mlx.chat.session import ContextFullError
+    from dflash_mlx.sampling import make_sampler
+
+    from .chat_ui import summary_line
 
     try:
         if line.startswith("/"):
             return True, _command(line, session, o, view, pair)
-        _turn(line, session, o, view)
+        sampler = make_sampler(o.temp, o.top_p, o.min_p, o.top_k, o.vocab_size)
+        events = session.stream(line, sampler=sampler, max_tokens=o.max_tokens, block_size=o.block_size,
+                                stop_strings=o.stop)
+        with closing(events):
+            last, interrupted = view.stream(events)
+        if last is not None:
+            view.summary(summary_line(last.stats, interrupted))
+        if interrupted:
+            view.notice(f"stopped: both caches rolled back to {len(session.tokens)} tokens")
+        if session.context_left is not None and session.context_left <= 0:
+            view.notice(f"the context ({session.max_context} tokens) is full: /reset to start over")
     except KeyboardInterrupt:
         view.notice("interrupted")
     except DFlashError as e:
@@ -165,28 +171,8 @@ def _line(line: str, session, o, view, pair) -> Tuple[bool, bool]:
     return True, False
 
 
-def _turn(text: str, session, o, view) -> None:
-    from dflash_mlx.sampling import make_sampler
-
-    from .chat_ui import summary_line
-
-    sampler = make_sampler(o.temp, o.top_p, o.min_p, o.top_k, o.vocab_size)
-    events = session.stream(text, sampler=sampler, max_tokens=o.max_tokens, block_size=o.block_size,
-                            stop_strings=o.stop)
-    with closing(events):
-        last, interrupted = view.stream(events)
-    if last is not None:
-        view.summary(summary_line(last.stats, interrupted))
-    if interrupted:
-        view.notice(f"stopped: both caches rolled back to {len(session.tokens)} tokens")
-    if session.context_left is not None and session.context_left <= 0:
-        view.notice(f"the context ({session.max_context} tokens) is full: /reset to start over")
-
-
 def _command(line: str, session, o, view, pair) -> bool:
-    """Run one /command; returns True to quit. A bad argument or command raises InputError."""
-    from dflash_mlx import InputError
-
+    """Run one /command; returns True to quit. InputError for a bad argument or command."""
     name, _, arg = line.partition(" ")
     arg = arg.strip()
     if name in ("/quit", "/exit", "/q"):
@@ -218,15 +204,19 @@ def _command(line: str, session, o, view, pair) -> bool:
         view.notice(f"thinking {arg}" + ("" if session.use_template else
                                          " (this model has no chat template: no effect)"))
     elif name == "/save":
-        _save(arg, session, view, pair)
+        if not arg:
+            raise InputError("usage: /save FILE (FILE.json for JSON, else Markdown)")
+        try:
+            path = session.save(arg, meta={"model": pair.model_path, "draft_model": pair.draft_path})
+        except OSError as e:
+            raise InputError(f"{arg}: cannot write ({e.strerror})") from None
+        view.notice(f"saved {len(session.messages)} messages to {path}")
     else:
         raise InputError(f"unknown command {name}: /help lists them")
     return False
 
 
 def _block(arg: str, drafter):
-    from dflash_mlx import InputError
-
     if drafter is None:
         raise InputError("/block needs a drafter (--draft-model)")
     B = "auto" if arg == "auto" else _number(arg, int, "/block N")
@@ -236,21 +226,7 @@ def _block(arg: str, drafter):
     return B
 
 
-def _save(arg: str, session, view, pair) -> None:
-    from dflash_mlx import InputError
-
-    if not arg:
-        raise InputError("usage: /save FILE (FILE.json for JSON, else Markdown)")
-    try:
-        path = session.save(arg, meta={"model": pair.model_path, "draft_model": pair.draft_path})
-    except OSError as e:
-        raise InputError(f"{arg}: cannot write ({e.strerror})") from None
-    view.notice(f"saved {len(session.messages)} messages to {path}")
-
-
 def _number(arg: str, kind, usage: str):
-    from dflash_mlx import InputError
-
     try:
         return kind(arg)
     except ValueError:
@@ -258,25 +234,22 @@ def _number(arg: str, kind, usage: str):
 
 
 def header_rows(pair, session, o) -> List[Tuple[str, str]]:
-    """What the header panel shows: the pair, block size, quantization, memory, context."""
+    """The header panel's rows: the pair, block size, quantization, memory, context, sampling."""
     import mlx.core as mx
 
     from dflash_mlx.pair.loading import quantization, weights_gb
 
     drafter = pair.drafter
-    rows = [("target", str(pair.model_path))]
+    rows = [("target", str(pair.model_path)), ("drafter", str(pair.draft_path) if drafter else "none (plain decoding)")]
     if drafter is not None:
         B = o.block_size or drafter.block_size
         shown = "auto (width by measured cost)" if B == "auto" else str(B)
-        rows += [("drafter", str(pair.draft_path)), ("block size", f"{shown} (trained {drafter.block_size})")]
-    else:
-        rows += [("drafter", "none (plain decoding)")]
-    rows.append(("quantization", quantization(pair.model)))
+        rows.append(("block size", f"{shown} (trained {drafter.block_size})"))
     mem = f"weights {weights_gb(pair.model):.3f} GB" + (f" + drafter {weights_gb(drafter):.3f} GB" if drafter else "")
-    rows.append(("memory", f"{mem} · {mx.get_active_memory() / 1e9:.3f} GB in use"))
+    mem += f" · {mx.get_active_memory() / 1e9:.3f} GB in use"
     template = "chat template" if session.use_template else "none: turns concatenated"
     limit = f"{session.max_context} tokens" if session.max_context else "unlimited"
-    rows.append(("context", f"{limit} · {template}"))
+    rows += [("quantization", quantization(pair.model)), ("memory", mem), ("context", f"{limit} · {template}")]
     if session.use_template:
         rows.append(("thinking", {None: "template default", True: "on", False: "off"}[session.thinking]))
     rows.append(("sampling", f"temp {o.temp} · max {o.max_tokens} tokens"))

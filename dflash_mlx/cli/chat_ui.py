@@ -1,11 +1,10 @@
-"""Views of ``dflash chat`` over :class:`dflash_mlx.chat.session.ChatEvent` streams: a rich one for a
-terminal (finished lines printed, the line being written and a status line live below) and a plain one."""
+"""Views of ``dflash chat`` over :class:`dflash_mlx.chat.session.ChatEvent` streams: rich (a terminal) or plain."""
 
 from __future__ import annotations
 
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Iterable, Iterator, List, Optional, Tuple
 
 from rich.box import ROUNDED
@@ -64,11 +63,10 @@ class PlainView:
             sys.stdout.write("\n")
             sys.stdout.flush()
 
-    def summary(self, text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
-
     def notice(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
+
+    summary = notice
 
     def error(self, text: str) -> None:
         print(f"error: {text}", file=sys.stderr, flush=True)
@@ -79,7 +77,7 @@ class PlainView:
 
 @contextmanager
 def no_echo() -> Iterator[None]:
-    """Keys typed during a reply (``^C`` too) are not echoed over it; they stay buffered for the next prompt."""
+    """Keys typed during a reply (``^C`` too) are not echoed over it; they stay buffered for the prompt."""
     try:
         import termios
 
@@ -144,10 +142,8 @@ class RichView:
     def __init__(self, color: bool = True):
         self.color = color
         self.console = Console(highlight=False)
-        try:
-            import readline  # importing it gives input() line editing and history
-        except ImportError:
-            pass
+        with suppress(ImportError):
+            import readline  # noqa: F401  (importing it gives input() line editing and history)
         if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach chat as escapes
             sys.stdin.reconfigure(errors="surrogateescape")
 
@@ -163,11 +159,9 @@ class RichView:
         self.console.print(Panel(body, title="dflash chat", title_align="left", box=ROUNDED,
                                  border_style="blue" if self.color else "", padding=(0, 1)))
         self.console.print(self.legend())
-        self.console.print("  /help for commands · Ctrl-C stops a reply · Ctrl-D or /quit exits",
-                           style="dim")
+        self.console.print("  /help for commands · Ctrl-C stops a reply · Ctrl-D or /quit exits", style="dim")
 
     def legend(self) -> Text:
-        """What the looks mean (the colour of drafted tokens only when colour is on)."""
         if self.color:
             return Text.assemble("  ", ("drafted", DRAFTED), " tokens were accepted from the drafter, "
                                  "the rest are the target's own · ", ("thinking is dimmed", "dim"))
@@ -175,7 +169,7 @@ class RichView:
 
     def set_color(self, on: bool) -> None:
         self.color = on
-        self.console.print(self.legend())  # one line that says what colour now means
+        self.console.print(self.legend())
 
     def read(self) -> str:
         prompt = f"\001\x1b[1;32m\002{PROMPT}\001\x1b[0m\002" if self.color else PROMPT

@@ -1,20 +1,27 @@
-"""The flags the commands share (each defined once, as an ``Annotated`` alias), their checks, prompt
-reading and error reporting."""
+"""The flags the commands share (each an ``Annotated`` alias), their checks, prompt reading, errors; output a
+person reads: tables that fit the terminal (plain text in pipes and logs), progress bars and a spinner."""
 
 from __future__ import annotations
 
+import io
 import json
 import sys
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Annotated, List, Optional, Tuple
+from typing import Annotated, Callable, ContextManager, Iterator, List, Optional, Tuple
 
 import typer
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+from typer import Option
 
 from dflash_mlx.errors import DFlashError, InputError
 from dflash_mlx.hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from dflash_mlx.ranges import check_number
 
-from .stdio import silence_stdout
+from .main import silence_stdout
 
 MODEL_HELP = (
     "Target model: a local mlx-lm folder or a Hugging Face repo id (downloaded into the HF cache). Default with "
@@ -24,8 +31,7 @@ PREFILL_STEP_GPU, PREFILL_STEP_CPU = 512, 128  # Ctrl-C waits for one chunk: sma
 
 
 def _parsed(parser: str):
-    """A callback parsing a flag's value with ``dflash_mlx.decode.width.<parser>`` as click parses it (before
-    stdin is read); its InputError becomes a usage error."""
+    """A click callback parsing with ``dflash_mlx.decode.width.<parser>``; InputError becomes a usage error."""
     def callback(ctx: typer.Context, value):
         from dflash_mlx.decode import width
 
@@ -37,54 +43,34 @@ def _parsed(parser: str):
     return callback
 
 
-Model = Annotated[Optional[str], typer.Option("--model", help=MODEL_HELP)]
-DraftModel = Annotated[Optional[str], typer.Option(
-    "--draft-model", help="DFlash drafter: a local folder or repo id in the released format. Without it, the "
-    "same engine decodes plainly (for comparison).")]
-Verify = Annotated[bool, typer.Option(
-    "--verify", help="Check a `dflash convert` folder's files against the sha256 in its dflash.json first.")]
-MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m", help="Most tokens to generate (per reply).")]
-Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 is greedy.")]
-TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")]
-TopK = Annotated[int, typer.Option(
-    "--top-k", help="Sample from the k most likely tokens; 0, or the vocabulary size and above, is off.")]
-MinP = Annotated[float, typer.Option("--min-p", help="Min-p threshold, in [0, 1]; 0 is off.")]
-Seed = Annotated[Optional[int], typer.Option(
-    "--seed", min=0, max=2**64 - 1, help="PRNG seed, for reproducible sampling at a fixed --block-size "
-    "(with auto, the draws follow the widths chosen, which follow timings).")]
-BlockSize = Annotated[str, typer.Option(
-    "--block-size", callback=_parsed("parse_block_size"), help="auto (default): draft at the trained block size "
-    "and verify the width measured timings say commits the most tokens per second, plain decoding included; or a "
-    "fixed B, 2..the drafter's trained size.")]
-TreeBudget = Annotated[Optional[str], typer.Option(
-    "--tree-budget", callback=_parsed("parse_tree_budget"), help="DDTree: verify the N most likely draft "
-    "prefixes as one tree (e.g. 32), or auto (chosen by measured cost). Attention-only targets; hybrids keep chains.")]
-Sharding = Annotated[str, typer.Option(
-    "--sharding", help="Under mlx.launch with several ranks: how the target is split (tensor; pipeline is "
-    "refused). The drafter runs whole on every rank; rank 0 reads and writes.")]
-DraftWindow = Annotated[Optional[str], typer.Option(
-    "--draft-window", help="SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows "
-    "(e.g. 64,1024), so drafting cost stops growing with the context. Off by default.")]
-SystemPrompt = Annotated[Optional[str], typer.Option(
-    "--system-prompt", help="System prompt for the chat template; without one, plain text before the prompt "
-    "(with a warning).")]
-Stop = Annotated[List[str], typer.Option(
-    "--stop", help="Stop the reply at this text, which is not printed; repeatable. \\n and \\t are expanded.")]
-TemplateConfig = Annotated[Optional[str], typer.Option(
-    "--chat-template-config", help="JSON for apply_chat_template, e.g. '{\"enable_thinking\": true}'. With a "
-    "drafter, thinking is off unless set here (released drafters were trained without it).")]
-IgnoreTemplate = Annotated[bool, typer.Option(
-    "--ignore-chat-template", help="Use the raw text (chat: the turns' text concatenated).")]
-PrefillStep = Annotated[Optional[int], typer.Option(
-    "--prefill-step-size", help="Prompt tokens per prefill chunk; Ctrl-C waits for the chunk in flight. "
-    f"Default: {PREFILL_STEP_GPU} on a GPU, {PREFILL_STEP_CPU} on a CPU.")]
-PromptCacheDir = Annotated[Optional[str], typer.Option(
-    "--prompt-cache-dir", help="Folder of the prompt cache on disk: the caches of prompts' prefixes, reused by "
-    "later requests, processes and days. Default: $DFLASH_CACHE_DIR/prompts, else ~/.cache/dflash-mlx/prompts.")]
-NoPromptCache = Annotated[bool, typer.Option(
-    "--no-prompt-cache", help="Neither read nor write the prompt cache (every prompt is prefilled whole).")]
-PromptCacheGb = Annotated[float, typer.Option(
-    "--prompt-cache-gb", help="Most GB (2^30 bytes) the prompt cache keeps on disk; least recently used go first.")]
+Model = Annotated[Optional[str], Option("--model", help=MODEL_HELP)]
+DraftModel = Annotated[Optional[str], Option("--draft-model", help="DFlash drafter: a local folder or repo id.")]
+Verify = Annotated[bool, Option("--verify", help="Check a `dflash convert` folder's sha256 hashes first.")]
+MaxTokens = Annotated[int, Option("--max-tokens", "-m", help="Most tokens to generate (per reply).")]
+Temp = Annotated[float, Option("--temp", help="Sampling temperature; 0 is greedy.")]
+TopP = Annotated[float, Option("--top-p", help="Nucleus sampling mass, in (0, 1].")]
+TopK = Annotated[int, Option("--top-k", help=(
+    "Sample from the k most likely tokens; 0, or the vocabulary size and above, is off."))]
+MinP = Annotated[float, Option("--min-p", help="Min-p threshold, in [0, 1]; 0 is off.")]
+Seed = Annotated[Optional[int], Option("--seed", min=0, max=2**64 - 1, help="PRNG seed.")]
+BlockSize = Annotated[str, Option("--block-size", callback=_parsed("parse_block_size"), help=(
+    "auto: verify the width measured timings say is fastest; or B, 2..the drafter's trained size."))]
+TreeBudget = Annotated[Optional[str], Option("--tree-budget", callback=_parsed("parse_tree_budget"), help=(
+    "DDTree: verify the N most likely draft prefixes as one tree (e.g. 32), or auto."))]
+Sharding = Annotated[str, Option("--sharding", help="Under mlx.launch: how the target is split (tensor).")]
+DraftWindow = Annotated[Optional[str], Option("--draft-window", help=(
+    "SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows (e.g. 64,1024)."))]
+SystemPrompt = Annotated[Optional[str], Option("--system-prompt", help="System prompt for the chat template.")]
+Stop = Annotated[List[str], Option("--stop", help="Stop the reply at this text (not printed); repeatable.")]
+TemplateConfig = Annotated[Optional[str], Option("--chat-template-config", help=(
+    "JSON for apply_chat_template, e.g. '{\"enable_thinking\": true}' (off by default with a drafter)."))]
+IgnoreTemplate = Annotated[bool, Option("--ignore-chat-template", help="Use the raw text, no chat template.")]
+PrefillStep = Annotated[Optional[int], Option("--prefill-step-size", help=(
+    f"Prompt tokens per prefill chunk (default {PREFILL_STEP_GPU} on a GPU, {PREFILL_STEP_CPU} on a CPU)."))]
+PromptCacheDir = Annotated[Optional[str], Option("--prompt-cache-dir", help=(
+    "Folder of the prompt cache (default: $DFLASH_CACHE_DIR/prompts, else ~/.cache/dflash-mlx/prompts)."))]
+NoPromptCache = Annotated[bool, Option("--no-prompt-cache", help="Neither read nor write the prompt cache.")]
+PromptCacheGb = Annotated[float, Option("--prompt-cache-gb", help="Most GB (2^30 bytes) the prompt cache keeps.")]
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -99,23 +85,30 @@ def warn(message: str) -> None:
 
 
 def check_pair_flags(o) -> None:
-    """Check and resolve, in place on the flags ``o`` of generate, chat or serve: the pair, --prefill-step-size,
-    --chat-template-config (thinking off with a drafter), the prompt cache, the flags that need a drafter.
-
-    Raises:
-        InputError: naming the flag.
-    """
+    """Check and resolve the flags ``o`` of generate, chat or serve in place; InputError naming the flag."""
     o.tree_budget = getattr(o, "tree_budget", None)
     o.template = parse_template_config(o.chat_template_config)
     o.defaults = o.model is None and o.draft_model is None
     o.model, o.draft_model = resolve_models(o.model, o.draft_model, getattr(o, "verify", False))
-    o.prefill_step_size = resolve_prefill_step(o.prefill_step_size)
+    if o.prefill_step_size is None:
+        import mlx.core as mx
+
+        o.prefill_step_size = PREFILL_STEP_GPU if mx.default_device() == mx.gpu else PREFILL_STEP_CPU
+    check_number("--prefill-step-size", o.prefill_step_size, at_least=1)
     for flag, given, why in (("--block-size", o.block_size not in (None, "auto"), "plain decoding has no blocks"),
                              ("--tree-budget", o.tree_budget is not None, "plain decoding has no drafts"),
                              ("--compare", getattr(o, "compare", False), "it compares DFlash with plain decoding")):
         if given and o.draft_model is None:
             raise InputError(f"{flag} needs --draft-model ({why})")
-    o.store = make_store(o.prompt_cache_dir, o.no_prompt_cache, o.prompt_cache_gb)
+    check_number("--prompt-cache-gb", o.prompt_cache_gb, above=0)
+    o.store = None
+    if not o.no_prompt_cache:
+        from dflash_mlx.prompt_cache.store import PrefixStore
+
+        root = Path(o.prompt_cache_dir).expanduser() if o.prompt_cache_dir else None
+        if root is not None:
+            check_out_folder(root, "--prompt-cache-dir")
+        o.store = PrefixStore(root, max_bytes=int(o.prompt_cache_gb * 2**30))
     if o.draft_model is not None:
         o.template.setdefault("enable_thinking", False)
 
@@ -130,11 +123,7 @@ def check_sampling(temp: float, top_p: float, top_k: int, min_p: float, max_toke
 
 
 def parse_draft_window(value: Optional[str]) -> Optional[tuple[int, int]]:
-    """``--draft-window SINK,WINDOW`` -> ``(sink, window)``; None when not given.
-
-    Raises:
-        InputError: not two integers, SINK < 0 or WINDOW < 1 (names the flag).
-    """
+    """``--draft-window SINK,WINDOW`` -> ``(sink, window)`` or None; InputError naming the flag."""
     if value is None:
         return None
     try:
@@ -159,23 +148,9 @@ def parse_stops(values) -> Tuple[str, ...]:
     return stops
 
 
-def resolve_prefill_step(value: Optional[int]) -> int:
-    """``--prefill-step-size``, or the default of the device MLX runs on. Raises InputError below 1."""
-    if value is None:
-        import mlx.core as mx
-
-        return PREFILL_STEP_GPU if mx.default_device() == mx.gpu else PREFILL_STEP_CPU
-    check_number("--prefill-step-size", value, at_least=1)
-    return value
-
-
 def resolve_models(model: Optional[str], draft_model: Optional[str], verify: bool = False) -> tuple[str, Optional[str]]:
-    """No flags: the default pair; ``--model`` alone: plain decoding, unless it is a `dflash convert` folder
-    (its target/ and drafter/, hashes checked if ``verify``).
-
-    Raises:
-        InputError: ``--draft-model`` or ``--verify`` without ``--model``.
-    """
+    """No flags: the default pair; ``--model`` alone: plain, or a `dflash convert` folder's pair.
+    InputError: ``--draft-model`` or ``--verify`` without ``--model``."""
     from dflash_mlx.pair.manifest import resolve_pair
 
     if verify and model is None:
@@ -189,23 +164,6 @@ def resolve_models(model: Optional[str], draft_model: Optional[str], verify: boo
     return model or DEFAULT_MODEL, draft_model
 
 
-def make_store(directory: Optional[str], off: bool, gb: float):
-    """The :class:`~dflash_mlx.prompt_cache.store.PrefixStore` the prompt cache flags ask for, or None.
-
-    Raises:
-        InputError: ``--prompt-cache-gb`` not a finite number above 0, or ``--prompt-cache-dir`` a file.
-    """
-    check_number("--prompt-cache-gb", gb, above=0)
-    if off:
-        return None
-    root = Path(directory).expanduser() if directory else None
-    if root is not None and root.exists() and not root.is_dir():
-        raise InputError(f"--prompt-cache-dir {root} is a file, not a folder")
-    from dflash_mlx.prompt_cache.store import PrefixStore
-
-    return PrefixStore(root, max_bytes=int(gb * 2**30))
-
-
 def utf8(text: str) -> Tuple[str, bool]:
     """Text read with ``surrogateescape`` as valid UTF-8 (bad bytes become U+FFFD); True if any were."""
     data = text.encode("utf-8", "surrogateescape")
@@ -216,12 +174,8 @@ def utf8(text: str) -> Tuple[str, bool]:
 
 
 def read_prompt(prompt: Optional[str]) -> str:
-    """``--prompt TEXT`` (escapes expanded); ``--prompt -`` or a piped stdin reads stdin, trailing newlines
-    dropped. Bytes that are not UTF-8 become U+FFFD, with a warning.
-
-    Raises:
-        InputError: no prompt given, or the prompt is empty.
-    """
+    """``--prompt TEXT`` (escapes expanded), or stdin (``-`` or piped) without trailing newlines; bad UTF-8
+    becomes U+FFFD with a warning. InputError: no prompt, or an empty one."""
     if prompt is None or prompt == "-":
         if prompt is None and sys.stdin.isatty():
             raise InputError("no prompt: pass --prompt TEXT, --prompt - or pipe it on stdin")
@@ -256,26 +210,11 @@ def check_system_prompt(system_prompt: Optional[str], tokenizer, ignore_chat_tem
         warn(f"{why}: the --system-prompt text goes before the prompt as plain text")
 
 
-def encode_prompt(tokenizer, text: str, system_prompt: Optional[str], template: dict,
-                  ignore_chat_template: bool) -> list[int]:
-    """Token ids of one user turn (after the system prompt, if any), through the chat template unless
-    ``ignore_chat_template`` or the tokenizer has none (then the texts concatenated, as chat does)."""
-    from dflash_mlx.prompt import plain_text
-    from dflash_mlx.prompt import encode_messages
-
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": text})
-    return encode_messages(tokenizer, messages, template, use_template=not ignore_chat_template, plain=plain_text)
-
-
 def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None, sharding=None):
-    """:func:`dflash_mlx.load` under a spinner (``sharding``: split the target over the ranks).
-    A CheckpointError of the default pair says how to pass local folders instead."""
-    from dflash_mlx import CheckpointError, load
-
+    """:func:`dflash_mlx.load` under a spinner; a CheckpointError of the default pair names local folders."""
     from transformers.utils import logging as hf_logging
 
-    from .render import spinner
+    from dflash_mlx import CheckpointError, load
 
     hf_logging.set_verbosity_error()  # the CLI checks lengths itself
     try:
@@ -290,7 +229,7 @@ def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_wind
 
 
 def check_out_folder(path, flag: str = "--out") -> None:
-    """Raise InputError, naming the flag and the file in the way, when ``path`` or a folder above it is a file."""
+    """InputError naming ``flag`` and the file in the way when ``path`` or a folder above it is a file."""
     path = Path(path)
     for p in [path, *path.parents]:
         if p.exists():
@@ -301,8 +240,7 @@ def check_out_folder(path, flag: str = "--out") -> None:
 
 
 def guard(fn):
-    """Run ``fn``: a DFlashError or an OSError on a named path is one line and exit 1; a closed output pipe
-    (``| head``) exits 141 quietly (128 + SIGPIPE)."""
+    """Run ``fn``: a DFlashError or an OSError on a path is one line and exit 1; a closed pipe exits 141."""
     try:
         result = fn()
         sys.stdout.flush()  # a write that fails (> /dev/full) surfaces here, as a StreamError
@@ -316,3 +254,64 @@ def guard(fn):
         if e.filename is None:
             raise
         fail(f"{e.filename}: {e.strerror or e}")
+
+
+PLAIN_WIDTH = 10_000  # wide enough that no row of a plain table is folded
+
+
+def print_table(table: Table, console: Optional[Console] = None) -> None:
+    """Print ``table`` on ``console`` (default: stdout): fitted to a terminal, else plain text (a row per line,
+    no box, colour or trailing spaces)."""
+    console = console or Console()
+    if console.is_terminal:
+        console.print(fitted(table, console.width))
+        return
+    title, table.title = table.title, None  # on a line of its own, whole
+    table.box, table.show_edge, table.pad_edge = None, False, False
+    width = Console(width=PLAIN_WIDTH).measure(table).maximum
+    text = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False, highlight=False,
+                   emoji=False)
+    if title:
+        text.print(title, soft_wrap=True, markup=False)
+    text.print(table)
+    console.file.write("".join(line.rstrip() + "\n" for line in text.file.getvalue().splitlines()))
+    console.file.flush()
+
+
+def fitted(table: Table, width: int) -> Table:
+    """``table`` made to fit ``width`` columns: a light box, cells folded, never cut to ``…``."""
+    table.box, table.show_edge, table.pad_edge, table.collapse_padding = box.SIMPLE_HEAD, False, False, True
+    for column in table.columns:
+        column.overflow, column.no_wrap = "fold", False
+    return table
+
+
+def spinner(text: str) -> ContextManager:
+    """A spinner with ``text`` on stderr while the body runs, only when stderr is a terminal."""
+    console = Console(stderr=True)
+    return console.status(text) if console.is_terminal else nullcontext()
+
+
+def bars(console: Console, *extra) -> Progress:
+    """Progress bars on ``console``: name, bar, done/total, the ``extra`` columns, elapsed time and ETA."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *extra, TimeElapsedColumn(),
+                    TextColumn("ETA"), TimeRemainingColumn(), console=console)
+
+
+@contextmanager
+def progress_bars(console: Console) -> Iterator[Callable[[str, int, int], None]]:
+    """Yields ``progress(name, done, total)``: a bar per name on ``console``, shown from the first call."""
+    bar, tasks = bars(console), {}
+
+    def progress(name: str, done: int, total: int) -> None:
+        if not tasks:
+            bar.start()
+        if name not in tasks:
+            tasks[name] = bar.add_task(name, total=total)
+        bar.update(tasks[name], completed=done)
+
+    try:
+        yield progress
+    finally:
+        if tasks:
+            bar.stop()

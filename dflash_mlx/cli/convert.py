@@ -1,5 +1,4 @@
-"""``dflash convert``: a target and its drafter into one folder; wiring over
-:func:`dflash_mlx.pair.convert.convert`."""
+"""``dflash convert``: a target and its drafter into one folder (:func:`dflash_mlx.pair.convert.convert`)."""
 
 from __future__ import annotations
 
@@ -8,44 +7,29 @@ import time
 from contextlib import redirect_stdout
 from typing import Annotated, Optional
 
-import typer
+from typer import Option
 
-from .common import check_out_folder, fail, guard
-from .render import print_table
-
-Target = Annotated[str, typer.Option(
-    "--model", help="Target: a Hugging Face repo id or a local folder (Hugging Face or mlx-lm format).")]
-Drafter = Annotated[str, typer.Option("--draft-model", help="Its DFlash drafter: a repo id or a local folder.")]
-Out = Annotated[str, typer.Option("--out", "-o", help="Output folder: target/, drafter/ and dflash.json.")]
-Quantize = Annotated[bool, typer.Option("--quantize", "-q", help="Quantize the target with mlx-lm.")]
-QBits = Annotated[Optional[int], typer.Option("--q-bits", help="Target bits per weight: 4 or 8 (default 4).")]
-QGroup = Annotated[Optional[int], typer.Option("--q-group-size", help="Target group size: 32, 64 or 128 "
-                                               "(default 64).")]
-QMode = Annotated[str, typer.Option("--q-mode", help="Target quantization mode: affine, mxfp4, nvfp4 or mxfp8.")]
-DraftBits = Annotated[Optional[int], typer.Option(
-    "--draft-q-bits", help="Quantize the drafter to 4 or 8 bits (default: keep it float). fc, hidden_norm and the "
-    "norms stay float; it computes in float32.")]
-DraftGroup = Annotated[int, typer.Option("--draft-q-group-size", help="Drafter group size: 32, 64 or 128.")]
-Dtype = Annotated[Optional[str], typer.Option(
-    "--dtype", help="float16, bfloat16 or float32 for the float weights (default: the target's torch_dtype; the "
-    "drafter as stored).")]
-Force = Annotated[bool, typer.Option("--force", help="Replace an existing output folder (once the new one is "
-                                     "complete).")]
-Validate = Annotated[bool, typer.Option(
-    "--validate/--no-validate", help="Check the result against the sources (short greedy runs; needs memory for "
-    "the larger of the unconverted and converted targets).")]
+from .common import check_out_folder, fail, guard, print_table
 
 
-def convert(model: Target, draft_model: Drafter, out: Out, quantize: Quantize = False, q_bits: QBits = None,
-            q_group_size: QGroup = None, q_mode: QMode = "affine", draft_q_bits: DraftBits = None,
-            draft_q_group_size: DraftGroup = 64, dtype: Dtype = None, force: Force = False,
-            validate: Validate = True) -> None:
+def convert(
+    model: Annotated[str, Option("--model", help="Target: a repo id or a local folder (Hugging Face or mlx-lm).")],
+    draft_model: Annotated[str, Option("--draft-model", help="Its DFlash drafter: a repo id or a local folder.")],
+    out: Annotated[str, Option("--out", "-o", help="Output folder: target/, drafter/ and dflash.json.")],
+    quantize: Annotated[bool, Option("--quantize", "-q", help="Quantize the target with mlx-lm.")] = False,
+    q_bits: Annotated[Optional[int], Option("--q-bits", help="Target bits per weight: 4 or 8 (default 4).")] = None,
+    q_group_size: Annotated[Optional[int], Option("--q-group-size", help="32, 64 or 128 (default 64).")] = None,
+    q_mode: Annotated[str, Option("--q-mode", help="affine, mxfp4, nvfp4 or mxfp8.")] = "affine",
+    draft_q_bits: Annotated[Optional[int], Option("--draft-q-bits", help="Drafter bits: 4 or 8.")] = None,
+    draft_q_group_size: Annotated[int, Option("--draft-q-group-size", help="32, 64 or 128.")] = 64,
+    dtype: Annotated[Optional[str], Option("--dtype", help=(
+        "float16, bfloat16 or float32 for the float weights (default: as stored)."))] = None,
+    force: Annotated[bool, Option("--force", help="Replace an existing output folder.")] = False,
+    validate: Annotated[bool, Option("--validate/--no-validate", help="Check the result (short greedy runs).")] = True,
+) -> None:
     """Convert a target and its drafter into one folder that `dflash generate|chat|bench --model DIR` runs.
 
-    The target goes through mlx-lm's convert (an mlx-lm folder is copied unless asked otherwise), the drafter
-    through dflash's loader. Writes go to a temporary folder beside OUT, renamed into place at the end: a
-    failure, Ctrl-C or SIGTERM leaves nothing, and what a killed run left is removed at the next start. A short
-    validation table follows.
+    OUT appears only once complete: a failure, Ctrl-C or SIGTERM leaves nothing. A validation table follows.
 
     \b
     Examples:
@@ -91,8 +75,7 @@ def _run(validate, **kwargs) -> None:
 
 
 class _Stages:
-    """One line per stage on stderr, with a spinner while it runs (none while downloading: huggingface_hub
-    draws its own bars)."""
+    """One line per stage on stderr, with a spinner while it runs (not while fetching: the hub draws bars)."""
 
     def __init__(self, console):
         self.console, self.status, self.start = console, None, time.perf_counter()

@@ -4,32 +4,26 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from types import SimpleNamespace
 from typing import Annotated, Optional
 
-import typer
+from typer import Option
+
+from dflash_mlx.errors import InputError
 
 from .common import (
     BlockSize, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
     PromptCacheDir, PromptCacheGb, Seed, Sharding, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP,
-    TreeBudget, Verify, check_pair_flags, check_sampling, check_system_prompt, encode_prompt, guard, load_pair,
+    TreeBudget, Verify, check_pair_flags, check_sampling, check_system_prompt, guard, load_pair,
     parse_draft_window, parse_stops, read_prompt, warn,
 )
-
-Prompt = Annotated[Optional[str], typer.Option(
-    "--prompt", "-p", help="Prompt text; '-' reads stdin. Piped stdin is read when omitted.")]
-Verbose = Annotated[bool, typer.Option("--verbose/--quiet", help="Print stats on stderr.")]
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON object (text and stats) instead of the text.")]
-Compare = Annotated[bool, typer.Option(
-    "--compare", help="Then decode the prompt plainly (same target and sampling) and print the speedup and "
-    "whether the text is the same. Needs --draft-model.")]
-
 
 def generate(
     model: Model = None,
     draft_model: DraftModel = None,
     verify: Verify = False,
-    prompt: Prompt = None,
+    prompt: Annotated[Optional[str], Option("--prompt", "-p", help="Prompt text; '-' or omitted: piped stdin.")] = None,
     max_tokens: MaxTokens = 256,
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
@@ -47,25 +41,19 @@ def generate(
     prompt_cache_dir: PromptCacheDir = None,
     no_prompt_cache: NoPromptCache = False,
     prompt_cache_gb: PromptCacheGb = 8.0,
-    verbose: Verbose = True,
-    as_json: Json = False,
-    compare: Compare = False,
+    verbose: Annotated[bool, Option("--verbose/--quiet", help="Print stats on stderr.")] = True,
+    as_json: Annotated[bool, Option("--json", help="Print one JSON object: text and stats.")] = False,
+    compare: Annotated[bool, Option("--compare", help="Also decode plainly; print the speedup.")] = False,
     sharding: Sharding = "tensor",
 ) -> None:
     """Generate from one prompt. Text streams to stdout, stats go to stderr.
 
-    A later prompt sharing this one's beginning prefills only the rest (the prompt cache, on disk).
     Exit codes: 0 done, 1 bad input, 130 Ctrl-C, 141 output pipe closed.
 
     \b
     Examples:
       dflash generate --prompt "Explain KV caches in two sentences."
-      echo "Once upon a time" | dflash generate --model ./stories260K
-      dflash generate --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16 -p - < q.txt
-      dflash generate -p "List three colours, one per line." --stop "\\n\\n"
-      dflash generate --draft-window 64,1024 -p - < long_document.txt
-      dflash generate --model M --draft-model D --tree-budget 32 -p "Once upon a time"
-      dflash generate --model M --draft-model D --compare -p "Once upon a time"
+      dflash generate --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16 --compare -p - < q.txt
       mlx.launch --backend ring -n 2 -- dflash generate --model M --draft-model D -p "Once upon a time"
     """
     o = SimpleNamespace(**locals())
@@ -84,14 +72,16 @@ def _run(o) -> None:
         o.store = None  # one prompt cache per rank would differ; none under mlx.launch
     import mlx.core as mx
 
-    from dflash_mlx.prompt import context_length
+    from dflash_mlx.prompt import context_length, encode_messages, plain_text
     from dflash_mlx.sampling import make_sampler
 
     pair = load_pair(o.model, o.draft_model, o.defaults, window, distributed and o.sharding)
     if o.seed is not None:  # after loading: building the model draws from the key, sharded or not
         mx.random.seed(o.seed)
     check_system_prompt(o.system_prompt, pair.tokenizer, o.ignore_chat_template)
-    ids = encode_prompt(pair.tokenizer, text, o.system_prompt, o.template, o.ignore_chat_template)
+    turns = [{"role": "system", "content": o.system_prompt}] if o.system_prompt else []
+    ids = encode_messages(pair.tokenizer, turns + [{"role": "user", "content": text}], o.template,
+                          use_template=not o.ignore_chat_template, plain=plain_text)
     max_tokens = fit_context(len(ids), o.max_tokens, context_length(pair.target))
     sampler = make_sampler(o.temp, o.top_p, o.min_p, o.top_k, pair.target.vocab_size)
     run = dict(sampler=sampler, max_tokens=max_tokens, stop_strings=stops, prefill_step_size=o.prefill_step_size)
@@ -106,17 +96,17 @@ def _run(o) -> None:
         against = compare_with_plain(pair.target, pair.tokenizer, ids, out, stats, seed=o.seed, **run)
     if o.as_json:
         extra = {"compare": against} if o.compare else {}
-        print(json.dumps({"text": out, "finish_reason": finish, **stats.to_dict(), "ttft_s": stats.prompt_s,
-                          **extra}))
+        print(json.dumps({"text": out, "finish_reason": finish, **stats.to_dict(), "ttft_s": stats.prompt_s, **extra}))
     if o.verbose:
-        _print_stats(stats, cached, against, o.temp == 0)
+        from dflash_mlx.compare import compare_line
+
+        reused = [f"Prompt cache: reused from {cached.last_source}"] if cached and cached.last_source else []
+        compared = [compare_line(against, o.temp == 0)] if against is not None else []
+        print("\n".join(stats.format_lines() + reused + compared), file=sys.stderr)
 
 
 def fit_context(prompt_tokens: int, max_tokens: int, limit: Optional[int]) -> int:
-    """``max_tokens`` cut (with a warning) to what the target's context leaves after the prompt; InputError
-    when the prompt alone fills it."""
-    from dflash_mlx.errors import InputError
-
+    """``max_tokens`` cut (with a warning) to the context left; InputError when the prompt fills it."""
     if limit is None or prompt_tokens + max_tokens <= limit:
         return max_tokens
     if prompt_tokens >= limit:
@@ -132,10 +122,8 @@ def _stream(pair, ids, o, run: dict):
     from dflash_mlx import stream_generate
     from dflash_mlx.prompt_cache.pair import PairCache
 
-    cached = None if o.store is None else PairCache(pair.target, pair.tokenizer, pair.drafter, store=o.store,
-                                                    generate=stream_generate)
-    stream = cached.stream if cached is not None else (
-        lambda ids, **kw: stream_generate(pair.target, pair.tokenizer, ids, pair.drafter, **kw))
+    cached = o.store and PairCache(pair.target, pair.tokenizer, pair.drafter, store=o.store, generate=stream_generate)
+    stream = cached.stream if cached else partial(stream_generate, pair.target, pair.tokenizer, drafter=pair.drafter)
     out, stats, finish = [], None, None
     try:
         for response in stream(ids, block_size=o.block_size, tree_budget=o.tree_budget, **run):
@@ -151,15 +139,3 @@ def _stream(pair, ids, o, run: dict):
     if not o.as_json:
         print(flush=True)
     return "".join(out), stats, finish, cached
-
-
-def _print_stats(stats, cached, against, greedy: bool) -> None:
-    """The stats lines, the prompt cache's source and the ``--compare`` line, on stderr."""
-    from dflash_mlx.compare import compare_line
-
-    for line in stats.format_lines():
-        print(line, file=sys.stderr)
-    if cached is not None and cached.last_source:
-        print(f"Prompt cache: reused from {cached.last_source}", file=sys.stderr)
-    if against is not None:
-        print(compare_line(against, greedy), file=sys.stderr)

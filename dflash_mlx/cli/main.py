@@ -1,11 +1,16 @@
-"""``dflash``: the entry point. Exit codes: 0 success, 1 error (one line on stderr, bad flags included),
-130 interrupted (Ctrl-C, at any moment: imports run inside :func:`main`), 141 output pipe closed."""
+"""``dflash``: the entry point, and its guards for Ctrl-C, closed or failing standard streams and other installed
+``dflash`` commands. Exit codes: 0 success, 1 error (one line on stderr, bad flags included), 130 interrupted
+(Ctrl-C, at any moment: imports run inside :func:`main`), 141 output pipe closed."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
-from typing import List, Optional
+from contextlib import suppress
+from typing import Any, Iterable, List, Optional
+
+from dflash_mlx.errors import DFlashError
 
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" on stderr
 
@@ -14,9 +19,6 @@ def main(args: Optional[List[str]] = None) -> None:
     """Run ``dflash`` with ``args`` (default: ``sys.argv[1:]``) and exit with its code."""
     try:
         keep_interrupts()
-        from .conflicts import conflicts, warning
-        from .stdio import protect
-
         protect()  # closed stdin/stdout: /dev/null on the descriptor, a named error on use
         line = warning(conflicts())
         if line:
@@ -28,8 +30,7 @@ def main(args: Optional[List[str]] = None) -> None:
 
 
 def keep_interrupts() -> None:
-    """Make a Ctrl-C that lands inside a finalizer (a ``__del__``, which cannot raise) act as one anywhere
-    else: it is delivered again to the main thread from a timer thread, outside the finalizer."""
+    """A Ctrl-C that lands in a finalizer (which cannot raise) is delivered again to the main thread."""
     import _thread
     import threading
 
@@ -54,12 +55,10 @@ def _run(args: Optional[List[str]]) -> int:
     except ImportError:
         from click import exceptions as cx
 
-    from dflash_mlx.errors import DFlashError
-
-    from .app import command
+    from .app import app
 
     try:
-        code = command().main(args=args, prog_name="dflash", standalone_mode=False)
+        code = typer.main.get_command(app).main(args=args, prog_name="dflash", standalone_mode=False)
     except getattr(cx, "NoArgsIsHelpError", ()) as e:  # `dflash` alone: the help
         print(e.ctx.get_help())
         return 0
@@ -92,6 +91,132 @@ def _usage_message(e: Exception) -> str:
         detail = first["msg"].split(",")[0]  # "Input should be a valid integer"
         text = text.replace(first["msg"], f"{detail[:1].lower()}{detail[1:]}, got {first['input']!r}")
     return _one_line(text)
+
+
+OUR_ENTRY_POINT = "dflash_mlx.cli.main:main"
+PACKAGE = "dflash_mlx"
+COMMAND = "dflash"
+
+
+def _provides_package(dist: md.Distribution) -> bool:
+    top = dist.read_text("top_level.txt")
+    if top is not None:
+        return PACKAGE in top.split()
+    return any(str(f).split("/")[0] == PACKAGE for f in (dist.files or []))
+
+
+def conflicts(dists: Optional[Iterable[md.Distribution]] = None) -> List[str]:
+    """One description per clashing distribution (name, version, what it provides, where); ours (whose
+    ``dflash`` is :data:`OUR_ENTRY_POINT`, an editable install maybe listed twice) are skipped."""
+    import importlib.metadata as md
+
+    found = []
+    for dist in md.distributions() if dists is None else dists:
+        try:
+            scripts = [ep for ep in dist.entry_points if ep.group == "console_scripts" and ep.name == COMMAND]
+            if any(ep.value == OUR_ENTRY_POINT for ep in scripts):
+                continue
+            what = []
+            if scripts:
+                what.append(f"a '{COMMAND}' command ({scripts[0].value})")
+            if _provides_package(dist):
+                what.append(f"a '{PACKAGE}' package")
+        except Exception:  # a broken dist-info must not stop the CLI
+            continue
+        if what:
+            name, version = dist.metadata["Name"], dist.version
+            where = getattr(dist, "_path", None)
+            found.append(f"{name} {version} ({' and '.join(what)}; {where})")
+    return found
+
+
+def warning(found: List[str]) -> Optional[str]:
+    """The one-line warning for :func:`conflicts`' result, or None."""
+    if not found:
+        return None
+    names = ", ".join(found)
+    uninstall = " ".join(sorted({f.split()[0] for f in found}))
+    return (f"warning: also installed here: {names}; the two overwrite each other's '{COMMAND}' command or "
+            f"'{PACKAGE}' files. Uninstall it (pip uninstall {uninstall}) or install dflash-mlx on its own "
+            "(pipx install, or uv tool install; see the README)")
+
+
+NAMES = {0: ("stdin", "standard input", "<&-"), 1: ("stdout", "standard output", ">&-")}
+
+
+class StreamError(DFlashError):
+    """A standard stream is closed or cannot be written (the message says which)."""
+
+
+class ClosedStream:
+    """Stands for a stream the shell closed: any use raises :class:`StreamError`."""
+
+    def __init__(self, fd: int):
+        _, name, shell = NAMES[fd]
+        hint = ": pass the prompt with --prompt TEXT" if fd == 0 else ""
+        self._message = f"{name} is closed ({shell}){hint}"
+
+    def __getattr__(self, name: str) -> Any:
+        raise StreamError(self._message)
+
+    def flush(self) -> None:  # the interpreter flushes at exit: nothing was written
+        pass
+
+
+class CheckedStdout:
+    """``sys.stdout`` whose failed writes raise :class:`StreamError` (a closed pipe: ``BrokenPipeError``)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def _checked(self, method: str, *args):
+        try:
+            return getattr(self._stream, method)(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            silence_stdout()
+            raise StreamError(f"cannot write to standard output ({e.strerror or e})") from None
+
+    def write(self, text: str) -> int:
+        return self._checked("write", text)
+
+    def flush(self) -> None:
+        self._checked("flush")
+
+
+def silence_stdout() -> None:
+    """Point descriptor 1 at /dev/null, so what is still buffered does not fail again at exit."""
+    with suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+
+
+def protect() -> List[int]:
+    """/dev/null on each closed standard descriptor, a :class:`ClosedStream` in its ``sys`` slot, a working
+    stdout wrapped in :class:`CheckedStdout`. Returns the descriptors that were closed."""
+    closed = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError as e:
+            if e.errno != errno.EBADF:
+                continue
+            new = os.open(os.devnull, os.O_RDWR)  # so no file opened later takes the number
+            if new != fd:
+                os.dup2(new, fd)
+                os.close(new)
+            closed.append(fd)
+    for fd in closed:
+        if fd == 2:  # errors must still go somewhere: to /dev/null, quietly
+            sys.stderr = open(os.devnull, "w")
+        else:
+            setattr(sys, NAMES[fd][0], ClosedStream(fd))
+    if 1 not in closed and sys.stdout is not None and not isinstance(sys.stdout, CheckedStdout):
+        sys.stdout = CheckedStdout(sys.stdout)
+    return closed
 
 
 if __name__ == "__main__":

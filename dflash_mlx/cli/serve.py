@@ -7,8 +7,9 @@ import logging
 from types import SimpleNamespace
 from typing import Annotated, Optional
 
-import typer
+from typer import Option
 
+from dflash_mlx.errors import InputError
 from dflash_mlx.ranges import check_number
 
 from .common import (BlockSize, DraftModel, Model, NoPromptCache, PrefillStep, PromptCacheDir, PromptCacheGb,
@@ -19,69 +20,38 @@ MAX_BATCH = 256  # a batch's cache grows with it: a typo (8000) should not take 
 MAX_CONNECTIONS = 128  # well under macOS's default of 256 open files per process
 
 
-Host = Annotated[str, typer.Option("--host", help="Address to bind. The default answers this Mac only; anything else "
-                           "should go with --api-key.")]
-Port = Annotated[int, typer.Option("--port", help="TCP port.")]
-MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m",
-                                        help="Tokens per request when the request does not say.")]
-ApiKey = Annotated[Optional[str], typer.Option("--api-key", envvar="DFLASH_API_KEY", help=(
-    "Require 'Authorization: Bearer KEY' on every endpoint but /health (or set DFLASH_API_KEY)."))]
-MaxQueue = Annotated[int, typer.Option("--max-queue",
-                                       help="Requests that may wait behind the running ones; past that, 429.")]
-MaxBatch = Annotated[int, typer.Option("--max-batch", help=(
-    "Requests decoding together (continuous batching); 1: one at a time, with the prompt cache. Batched requests "
-    "use it too where the target and drafter keep plain attention KV caches and the drafter has a batched pass; "
-    "else (hybrids, sliding-window layers) they prefill whole prompts (the log says so)."))]
-MaxBodyMb = Annotated[float, typer.Option("--max-body-mb",
-                                          help="Largest request body, in MB (2^20 bytes); past it, 413.")]
-TemplateConfig = Annotated[Optional[str], typer.Option("--chat-template-config", help=(
-    "Default JSON for apply_chat_template; a request's chat_template_kwargs override it. With a drafter, thinking "
-    "is off unless set here or in the request."))]
-AllowTemplates = Annotated[bool, typer.Option("--allow-request-templates", help=(
-    "Let requests send their own Jinja chat template (chat_template_kwargs.chat_template). Off: such a request "
-    "gets a 400, since a template runs on the server and can take any memory or time."))]
-MaxPromptChars = Annotated[Optional[int], typer.Option("--max-prompt-chars", help=(
-    "Most characters of prompt text per request, checked before tokenizing (default: 8 per token of the "
-    "target's context); past it, 400."))]
-RequestTimeout = Annotated[float, typer.Option("--request-timeout", help=(
-    "Seconds from a request's arrival (queue wait included) after which its generation stops and it gets a 408; "
-    "0: no limit."))]
-IdleTimeout = Annotated[float, typer.Option("--idle-timeout", help=(
-    "Seconds a connection may idle between requests (uvicorn's keep-alive timeout), its request headers may take "
-    "to arrive in full, and a request body may stall between chunks (then 408)."))]
-MaxConnections = Annotated[int, typer.Option("--max-connections", help=(
-    "Open connections at once; a request past it gets a 503 (keeps the server within its file descriptors)."))]
-LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
-
-
 def serve(
     model: Model = None,
     draft_model: DraftModel = None,
-    host: Host = "127.0.0.1",
-    port: Port = 8080,
+    host: Annotated[str, Option("--host", help="Address to bind; beyond this Mac, use --api-key.")] = "127.0.0.1",
+    port: Annotated[int, Option("--port", help="TCP port.")] = 8080,
     block_size: BlockSize = "auto",
-    max_tokens: MaxTokens = 512,
-    api_key: ApiKey = None,
-    max_queue: MaxQueue = 16,
-    max_batch: MaxBatch = 8,
-    max_body_mb: MaxBodyMb = 4.0,
-    chat_template_config: TemplateConfig = None,
-    allow_request_templates: AllowTemplates = False,
-    max_prompt_chars: MaxPromptChars = None,
-    request_timeout: RequestTimeout = 600.0,
-    idle_timeout: IdleTimeout = 5.0,
-    max_connections: MaxConnections = MAX_CONNECTIONS,
+    max_tokens: Annotated[int, Option("--max-tokens", "-m", help="Tokens per request that does not say.")] = 512,
+    api_key: Annotated[Optional[str], Option("--api-key", envvar="DFLASH_API_KEY", help=(
+        "Require 'Authorization: Bearer KEY' on every endpoint but /health."))] = None,
+    max_queue: Annotated[int, Option("--max-queue", help="Requests waiting behind running ones; then 429.")] = 16,
+    max_batch: Annotated[int, Option("--max-batch", help="Requests decoding together; 1: one at a time.")] = 8,
+    max_body_mb: Annotated[float, Option("--max-body-mb", help="Largest request body in MB; past it, 413.")] = 4.0,
+    chat_template_config: Annotated[Optional[str], Option("--chat-template-config", help=(
+        "Default JSON for apply_chat_template; a request's chat_template_kwargs override it."))] = None,
+    allow_request_templates: Annotated[bool, Option("--allow-request-templates", help=(
+        "Let requests send their own Jinja chat template (else 400: it runs on the server)."))] = False,
+    max_prompt_chars: Annotated[Optional[int], Option("--max-prompt-chars", help=(
+        "Most prompt characters per request (default: 8 per context token); past it, 400."))] = None,
+    request_timeout: Annotated[float, Option("--request-timeout", help=(
+        "Seconds from a request's arrival after which it stops with a 408; 0: no limit."))] = 600.0,
+    idle_timeout: Annotated[float, Option("--idle-timeout", help=(
+        "Seconds a connection may idle, its headers take, or its body stall (then 408)."))] = 5.0,
+    max_connections: Annotated[int, Option("--max-connections", help="Open connections; then 503.")] = MAX_CONNECTIONS,
     prefill_step_size: PrefillStep = None,
     prompt_cache_dir: PromptCacheDir = None,
     no_prompt_cache: NoPromptCache = False,
     prompt_cache_gb: PromptCacheGb = 8.0,
-    log_level: LogLevel = "info",
+    log_level: Annotated[str, Option("--log-level", help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve the pair over the OpenAI API (chat, completions, models, health, metrics).
 
-    Up to --max-batch requests decode together (continuous batching). A prompt that shares the beginning of an
-    earlier one prefills only the rest (the prompt cache, in memory and on disk). Each response's usage has a
-    "dflash" object: tau, steps, acceptance histogram.
+    A prompt sharing an earlier one's beginning prefills only the rest. Each usage has a "dflash" object.
 
     \b
     Examples:
@@ -89,22 +59,14 @@ def serve(
       dflash serve --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16
       DFLASH_API_KEY=secret dflash serve --host 0.0.0.0 --port 8000
     """
-    o = SimpleNamespace(**locals())
-    guard(lambda: _until_stopped(lambda: _run(o)))
-
-
-def _until_stopped(run) -> None:
-    """``run()`` with SIGTERM taken as Ctrl-C (exit 130 while loading; once serving, both stop the server)."""
     from dflash_mlx.atomic import sigterm_as_interrupt
 
-    with sigterm_as_interrupt():
-        run()
+    o = SimpleNamespace(**locals())
+    with sigterm_as_interrupt():  # exit 130 while loading; once serving, it stops the server
+        guard(lambda: _run(o))
 
 
-def _check(o) -> None:
-    """Check every serve flag before the model loads (InputError naming the flag)."""
-    from dflash_mlx.errors import InputError
-
+def _run(o) -> None:
     if o.log_level not in LOG_LEVELS:
         raise InputError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {o.log_level}")
     for flag, value, least in (("--max-tokens", o.max_tokens, 1), ("--max-queue", o.max_queue, 0),
@@ -116,14 +78,10 @@ def _check(o) -> None:
     check_number("--max-body-mb", o.max_body_mb, above=0)
     check_number("--idle-timeout", o.idle_timeout, above=0)
     check_number("--port", o.port, at_least=0, at_most=65535)
-    check_pair_flags(o)
+    check_pair_flags(o)  # every flag checked before the model loads
     from dflash_mlx.pair.sharded import refuse_ranks
 
     refuse_ranks("dflash serve")
-
-
-def _run(o) -> None:
-    _check(o)
     from dflash_mlx.serve.lifecycle import listen, serve as serve_on
 
     sock = listen(o.host, o.port)  # a port in use is an error now, not after the model loaded
@@ -149,9 +107,7 @@ def _run(o) -> None:
 
 
 def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False

@@ -9,66 +9,56 @@ from types import SimpleNamespace
 from typing import Annotated, List, Optional
 
 import typer
+from typer import Option
 from rich.console import Console, Group
 from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import TextColumn
 from rich.table import Table
 
+from dflash_mlx.errors import InputError
 from dflash_mlx.ranges import check_number
 
-from .common import check_out_folder, guard, load_pair, parse_template_config
-from .render import fitted, print_table
+from .common import bars, check_out_folder, fitted, guard, load_pair, parse_template_config, print_table
 
 console = Console(stderr=True)
 
 
-def _opt(flag: str, help: str, kind=int):
-    return Annotated[kind, typer.Option(flag, help=help)]
+Target = Annotated[str, Option("--model", help="Target: local mlx-lm folder or HF repo id (frozen).")]
+Seed = Annotated[int, Option("--seed", help="PRNG seed.")]
 
 
-Target = _opt("--model", "Target: local mlx-lm folder or HF repo id (frozen).", str)
-Seed = _opt("--seed", "PRNG seed.")
-DataOut = _opt("--out", "Data folder (shards + manifest). Re-running resumes.", Path)
-Prompts = _opt("--prompts", "JSONL of {'prompt': ...} or {'messages': [...]} rows; repeatable.", List[Path])
-Text = _opt("--text", "Plain text cut into prompts (documents split by blank lines); repeatable.", List[Path])
-SelfPrompts = _opt("--self-prompts", "Also sample N openings from the target itself (base models).")
-SelfTokens = _opt("--self-prompt-tokens", "Tokens sampled per opening.")
-SelfStyle = _opt("--self-prompt-style", "prefix: BOS + the sampled tokens; sentence: a few words from a sentence "
-                 "inside the sampled text.", str)
-DataTemplate = _opt("--chat-template-config", "JSON for the chat template, e.g. '{\"enable_thinking\": false}': "
-                    "match later use.", Optional[str])
-DataMaxTokens = _opt("--max-tokens", "Response tokens per prompt; less than the target's context.")
-MaxLength = _opt("--max-length", "Most tokens per sequence, at most the target's context; longer prompts are an "
-                 "error. Default: 3072 or the context, whichever is smaller.", Optional[int])
-DataTemp = _opt("--temp", "Regeneration temperature (0 = greedy).", float)
-BatchSize = _opt("--batch-size", "Sequences generated together.")
-ShardSize = _opt("--shard-size", "Prompts per shard.")
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                    console=console)
-
-
-def data(model: Target, out: DataOut, prompts: Prompts = [], text: Text = [], self_prompts: SelfPrompts = 0,
-         self_prompt_tokens: SelfTokens = 32, self_prompt_style: SelfStyle = "prefix",
-         chat_template_config: DataTemplate = None, max_tokens: DataMaxTokens = 256, max_length: MaxLength = None,
-         temp: DataTemp = 0.0, batch_size: BatchSize = 32, shard_size: ShardSize = 256, seed: Seed = 0) -> None:
+def data(
+    model: Target,
+    out: Annotated[Path, Option("--out", help="Data folder (shards + manifest). Re-running resumes.")],
+    prompts: Annotated[List[Path], Option("--prompts", help=(
+        "JSONL of {'prompt': ...} or {'messages': [...]} rows; repeatable."))] = [],
+    text: Annotated[List[Path], Option("--text", help=(
+        "Plain text cut into prompts (documents split by blank lines); repeatable."))] = [],
+    self_prompts: Annotated[int, Option("--self-prompts", help="Also sample N openings from the target.")] = 0,
+    self_prompt_tokens: Annotated[int, Option("--self-prompt-tokens", help="Tokens sampled per opening.")] = 32,
+    self_prompt_style: Annotated[str, Option("--self-prompt-style", help=(
+        "prefix (BOS + the sampled tokens) or sentence (words from inside them)."))] = "prefix",
+    chat_template_config: Annotated[Optional[str], Option("--chat-template-config", help=(
+        "JSON for the chat template; match later use."))] = None,
+    max_tokens: Annotated[int, Option("--max-tokens", help="Response tokens per prompt.")] = 256,
+    max_length: Annotated[Optional[int], Option("--max-length", help=(
+        "Most tokens per sequence (default: 3072 or the target's context if smaller)."))] = None,
+    temp: Annotated[float, Option("--temp", help="Regeneration temperature (0 = greedy).")] = 0.0,
+    batch_size: Annotated[int, Option("--batch-size", help="Sequences generated together.")] = 32,
+    shard_size: Annotated[int, Option("--shard-size", help="Prompts per shard.")] = 256,
+    seed: Seed = 0,
+) -> None:
     """Regenerate responses with the target itself, into resumable shards.
 
     \b
     Example:
-      dflash data --model Qwen/Qwen3-4B --prompts prompts.jsonl --out data/ \\
-        --chat-template-config '{"enable_thinking": false}'
+      dflash data --model Qwen/Qwen3-4B --prompts prompts.jsonl --out data/
     """
     o = SimpleNamespace(**locals())
     guard(lambda: _data(o))
 
 
 def _data(o) -> None:
-    from dflash_mlx import InputError
-
     check_lengths(o.max_tokens, o.max_length, None)  # flags first, then the 2-3 s of imports
     for flag, value, least in (("--self-prompts", o.self_prompts, 0), ("--self-prompt-tokens", o.self_prompt_tokens, 1),
                                ("--temp", o.temp, 0), ("--batch-size", o.batch_size, 1),
@@ -98,7 +88,7 @@ def _data(o) -> None:
                                        style=o.self_prompt_style)
         ids += openings
         ends += [response_end_token(pair.tokenizer, templated=False)] * len(openings)
-    with _progress() as progress:
+    with bars(console, TextColumn("{task.fields[status]}")) as progress:
         task = progress.add_task("regenerating", total=len(ids), status="")
         regenerate(pair.model, pair.tokenizer, ids, o.out, max_tokens=o.max_tokens, max_length=max_length,
                    temp=o.temp, shard_size=o.shard_size, batch_size=o.batch_size, seed=o.seed, target_id=str(o.model),
@@ -107,10 +97,7 @@ def _data(o) -> None:
 
 
 def check_lengths(max_tokens: int, max_length: Optional[int], context: Optional[int]) -> int:
-    """``--max-length`` (default 3072, capped at the target's context); InputError naming ``--max-tokens`` or
-    ``--max-length`` when out of range or past the context."""
-    from dflash_mlx import InputError
-
+    """``--max-length`` or its default (3072, at most the context); InputError naming the flag out of range."""
     check_number("--max-tokens", max_tokens, at_least=1)
     check_number("--max-length", max_length, at_least=2)
     if context is not None and max_tokens >= context:
@@ -122,64 +109,52 @@ def check_lengths(max_tokens: int, max_length: Optional[int], context: Optional[
     return max_length if max_length is not None else min(3072, context or 3072)
 
 
-DataDirs = _opt("--data", "Folder made by `dflash data`; repeat to mix several.", List[Path])
-TrainOut = _opt("--out", "Drafter folder (released format); checkpoints go in OUT/checkpoints.", Path)
-Layers = _opt("--layers", "Drafter layers.")
-TrainBlock = _opt("--block-size", "The drafter's block size B (the largest it drafts); default 16, or the largest "
-                  "of --block-sizes.", Optional[int])
-TrainBlocks = _opt("--block-sizes", "Train at several block sizes, one drawn per sequence, e.g. 4,8,16: the "
-                   "drafter then drafts well at each. Default: --block-size only.", Optional[str])
-LayerIds = _opt("--target-layer-ids", "Comma list, e.g. 1,9,17; default: spread evenly.", Optional[str])
-MaskId = _opt("--mask-token-id", "MASK id; default: an unused vocabulary id.", Optional[int])
-Intermediate = _opt("--intermediate-size", "Drafter MLP width; default: the target's.", Optional[int])
-Steps = _opt("--steps", "Optimizer steps.")
-Lr = _opt("--lr", "Peak AdamW learning rate.", float)
-Warmup = _opt("--warmup", "Warm-up fraction of the steps, then cosine decay.", float)
-GradAccum = _opt("--grad-accum", "Sequences per optimizer step.")
-Anchors = _opt("--anchors", "Blocks sampled per sequence.")
-AnchorChunk = _opt("--anchor-chunk", "Blocks per forward/backward pass (0: all at once); bounds memory, same "
-                   "result up to rounding.")
-Gamma = _opt("--gamma", "Loss decay over block rows: one value, or one per --block-sizes entry; default 7 (B=16), "
-             "4 (B<=8).", Optional[str])
-KlWeight = _opt("--kl-weight", "Distillation: weight of a KL term to the target's own next-token distribution "
-                "(0: off).", float)
-KlTemp = _opt("--kl-temperature", "Temperature of both distributions in the KL term.", float)
-MissAnchors = _opt("--miss-anchors", "Fraction of a sequence's blocks anchored where generation starts one: right "
-                   "after a miss of the drafter on that sequence's previous visit (0: uniform anchors only).", float)
-GradClip = _opt("--grad-clip", "Max gradient norm.", float)
-Dtype = _opt("--dtype", "float32 or bfloat16.", str)
-HeldOut = _opt("--held-out", "The last N sequences (of the last --data) are held out for evaluation.")
-EvalEvery = _opt("--eval-every", "Evaluate every N steps (0 = never).")
-SaveEvery = _opt("--save-every", "Checkpoint every N steps (0 = only the end).")
-CacheFeatures = _opt("--cache-features", "Compute target features once, keep them in OUT/features.", bool)
-FeaturesDir = _opt("--features-dir", "Cache target features here instead of OUT/features (implies "
-                   "--cache-features); runs on the same data and --target-layer-ids can share it.", Optional[Path])
-Resume = _opt("--resume", "Continue from the newest checkpoint in OUT/checkpoints; --steps, --lr and the other run "
-              "settings must match.", bool)
-Overwrite = _opt("--overwrite", "Delete an earlier run in OUT (checkpoints, cached features, drafter) and start "
-                 "afresh.", bool)
-
-
-def train(model: Target, data_dirs: DataDirs, out: TrainOut, layers: Layers = 1, block_size: TrainBlock = None,
-          block_sizes: TrainBlocks = None, target_layer_ids: LayerIds = None, mask_token_id: MaskId = None,
-          intermediate_size: Intermediate = None, steps: Steps = 1000, lr: Lr = 6e-4, warmup: Warmup = 0.04,
-          grad_accum: GradAccum = 4, anchors: Anchors = 512, anchor_chunk: AnchorChunk = 64, gamma: Gamma = None,
-          kl_weight: KlWeight = 0.0, kl_temperature: KlTemp = 1.0, miss_anchors: MissAnchors = 0.0,
-          grad_clip: GradClip = 1.0, dtype: Dtype = "float32", held_out: HeldOut = 16, eval_every: EvalEvery = 200,
-          save_every: SaveEvery = 200, cache_features: CacheFeatures = False, features_dir: FeaturesDir = None,
-          resume: Resume = False, overwrite: Overwrite = False, seed: Seed = 0) -> None:
+def train(
+    model: Target,
+    data_dirs: Annotated[List[Path], Option("--data", help="Folder made by `dflash data`; repeatable.")],
+    out: Annotated[Path, Option("--out", help="Drafter folder; checkpoints go in OUT/checkpoints.")],
+    layers: Annotated[int, Option("--layers", help="Drafter layers.")] = 1,
+    block_size: Annotated[Optional[int], Option("--block-size", help=(
+        "The drafter's block size B (default 16, or the largest of --block-sizes)."))] = None,
+    block_sizes: Annotated[Optional[str], Option("--block-sizes", help=(
+        "Train at several block sizes, one drawn per sequence, e.g. 4,8,16."))] = None,
+    target_layer_ids: Annotated[Optional[str], Option("--target-layer-ids", help=(
+        "Comma list, e.g. 1,9,17; default: spread evenly."))] = None,
+    mask_token_id: Annotated[Optional[int], Option("--mask-token-id", help="MASK id; default: an unused id.")] = None,
+    intermediate_size: Annotated[Optional[int], Option("--intermediate-size", help=(
+        "Drafter MLP width; default: the target's."))] = None,
+    steps: Annotated[int, Option("--steps", help="Optimizer steps.")] = 1000,
+    lr: Annotated[float, Option("--lr", help="Peak AdamW learning rate.")] = 6e-4,
+    warmup: Annotated[float, Option("--warmup", help="Warm-up fraction of the steps, then cosine decay.")] = 0.04,
+    grad_accum: Annotated[int, Option("--grad-accum", help="Sequences per optimizer step.")] = 4,
+    anchors: Annotated[int, Option("--anchors", help="Blocks sampled per sequence.")] = 512,
+    anchor_chunk: Annotated[int, Option("--anchor-chunk", help="Blocks per forward/backward pass (0: all).")] = 64,
+    gamma: Annotated[Optional[str], Option("--gamma", help=(
+        "Loss decay over block rows, one or one per --block-sizes (default 7 at B=16, 4 at B<=8)."))] = None,
+    kl_weight: Annotated[float, Option("--kl-weight", help=(
+        "Weight of a KL term to the target's next-token distribution (0: off)."))] = 0.0,
+    kl_temperature: Annotated[float, Option("--kl-temperature", help="Temperature of the KL term.")] = 1.0,
+    miss_anchors: Annotated[float, Option("--miss-anchors", help=(
+        "Fraction of blocks anchored right after the drafter's misses (0: uniform)."))] = 0.0,
+    grad_clip: Annotated[float, Option("--grad-clip", help="Max gradient norm.")] = 1.0,
+    dtype: Annotated[str, Option("--dtype", help="float32 or bfloat16.")] = "float32",
+    held_out: Annotated[int, Option("--held-out", help="Sequences held out for evaluation (of the last --data).")] = 16,
+    eval_every: Annotated[int, Option("--eval-every", help="Evaluate every N steps (0 = never).")] = 200,
+    save_every: Annotated[int, Option("--save-every", help="Checkpoint every N steps (0 = only the end).")] = 200,
+    cache_features: Annotated[bool, Option("--cache-features", help="Keep target features in OUT/features.")] = False,
+    features_dir: Annotated[Optional[Path], Option("--features-dir", help=(
+        "Cache target features here instead (implies --cache-features)."))] = None,
+    resume: Annotated[bool, Option("--resume", help="Continue from the newest checkpoint (same settings).")] = False,
+    overwrite: Annotated[bool, Option("--overwrite", help="Delete an earlier run in OUT and start afresh.")] = False,
+    seed: Seed = 0,
+) -> None:
     """Train a DFlash drafter for a frozen target, on data from `dflash data`.
 
-    OUT must not hold an earlier run unless --resume or --overwrite is given. Each
-    checkpoint (OUT/checkpoints/step_N) is a drafter that loads with --draft-model.
+    Each checkpoint (OUT/checkpoints/step_N) loads with --draft-model.
 
     \b
-    Example:
+    Examples:
       dflash train --model Qwen/Qwen3-4B --data data/ --out my-drafter --layers 2 --steps 5000
-      dflash generate --model Qwen/Qwen3-4B --draft-model my-drafter -p "Hello"
-
-    \b
-    One drafter for block sizes 4, 8 and 16, distilled from the target's distribution:
       dflash train --model Qwen/Qwen3-4B --data data/ --out my-drafter --block-sizes 4,8,16 --kl-weight 1
     """
     o = SimpleNamespace(**locals())
@@ -187,9 +162,7 @@ def train(model: Target, data_dirs: DataDirs, out: TrainOut, layers: Layers = 1,
 
 
 def _config(o):
-    """The checked :class:`~dflash_mlx.train.trainer.TrainConfig` of the flags (InputError naming the flag);
-    sets ``o.block_size`` and ``o.ids`` (the parsed --target-layer-ids)."""
-    from dflash_mlx import InputError
+    """The checked TrainConfig of the flags (InputError naming one); sets ``o.block_size`` and ``o.ids``."""
     from dflash_mlx.train.trainer import TrainConfig
 
     if o.dtype not in ("float32", "bfloat16"):
@@ -254,7 +227,7 @@ def _fit(o, trainer) -> None:
                   f"block {a.block_size}, target_layer_ids {a.target_layer_ids}, mask {a.mask_token_id}; "
                   f"trained at block sizes {plan}{distill}; {o.counts[0]} train / {o.counts[1]} held-out sequences")
     try:
-        progress = _progress()
+        progress = bars(console, TextColumn("{task.fields[status]}"))
         task = progress.add_task("training", total=o.steps, completed=trainer.step, status="")
         live = Live(Group(progress), console=console, refresh_per_second=4) if console.is_terminal else None
         evaluated = None  # a log (not a terminal) gets one line per evaluation, and the last table at the end
@@ -277,9 +250,7 @@ def _fit(o, trainer) -> None:
 
 
 def parse_numbers(value: Optional[str], flag: str, kind=int) -> Optional[list]:
-    """A comma list of numbers (``4,8,16``), or None when the flag is not given; InputError for a bad entry."""
-    from dflash_mlx import InputError
-
+    """A comma list of numbers (``4,8,16``) or None; InputError for a bad entry."""
     if value is None:
         return None
     try:
@@ -290,14 +261,13 @@ def parse_numbers(value: Optional[str], flag: str, kind=int) -> Optional[list]:
 
 
 def eval_line(step: int, result: dict) -> str:
-    """``step N: held-out tau 4.12 at B=16 (as generated 3.40; acceptance by position .90 .80 ...), ...``."""
+    """``step N: held-out tau 4.12 at B=16 (as generated 3.40; acceptance by position .90 ...), ...``."""
     def part(b, r) -> str:
         generated = f"as generated {r['tau_generation']:.2f}; " if "tau_generation" in r else ""
         accepted = " ".join(f"{x:.2f}" for x in r["acceptance"])
         return f"{r['tau']:.2f} at B={b} ({generated}acceptance by position {accepted})"
 
-    parts = [part(b, r) for b, r in result.items()]
-    return f"step {step}: held-out tau " + ", ".join(parts)
+    return f"step {step}: held-out tau " + ", ".join(part(b, r) for b, r in result.items())
 
 
 def eval_table(step: int, result: dict) -> Table:
