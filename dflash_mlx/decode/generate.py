@@ -20,7 +20,7 @@ from ..kernels.block_attention import attention_path
 from .width import AUTO, make_chooser, parse_block_size, parse_tree_budget
 from ..protocol import Drafter
 from ..stats import GenerationStats, weight_bytes
-from .stopping import StopCondition, held_back, text_before_stop
+from .stopping import StopCondition, TextStream
 from ..targets import TargetAdapter
 
 
@@ -110,8 +110,8 @@ def check_block_size(block_size: Optional[int | str], drafter: Optional[Drafter]
 def stream_generate(target: TargetAdapter, tokenizer: TokenizerWrapper, prompt: mx.array | List[int],
                     drafter: Optional[Drafter] = None, *, max_tokens: int = 256, stop_strings: Sequence[str] = (),
                     **kwargs) -> Generator[GenerationResponse, None, None]:
-    """Stream text as steps commit tokens: :func:`generate_step` (``kwargs``) with the tokenizer's
-    detokenizer and ``eos_token_ids``. The text stops before the first of ``stop_strings`` (text that
+    """Stream text as steps commit tokens: :func:`generate_step` (``kwargs``) through a
+    :class:`TextStream`, stopping at the tokenizer's ``eos_token_ids``. The text stops before the first of ``stop_strings`` (text that
     could begin one is held back). The last response has ``finish_reason`` set and the final stats.
     """
     prompt = prompt if isinstance(prompt, mx.array) else mx.array(prompt, dtype=mx.int32)
@@ -126,9 +126,7 @@ def stream_generate(target: TargetAdapter, tokenizer: TokenizerWrapper, prompt: 
         reason=None if drafter is not None else NO_DRAFTER,
         drafter_format=getattr(drafter, "drafter_format", None),
     )
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    text, shown = "", 0  # text of this generation; characters yielded so far
+    text = TextStream(tokenizer, stop_strings)
     tic, first = time.perf_counter(), True
     with wired_limit(target.model, [generation_stream]):
         for step in generate_step(prompt, target, drafter, stats=stats, **kwargs):
@@ -138,16 +136,7 @@ def stream_generate(target: TargetAdapter, tokenizer: TokenizerWrapper, prompt: 
             else:
                 stats.generation_s = now - tic
             stats.generation_tokens += len(step.tokens)
-            for tok in step.tokens:
-                detokenizer.add_token(tok)
-            if step.finish_reason is not None:
-                detokenizer.finalize()
-            text += detokenizer.last_segment
-            end = len(text) - held_back(text, stop_strings)
-            if step.finish_reason is not None:
-                cut = text_before_stop(text[shown:], stop_strings)
-                end = len(text) if cut is None else shown + cut
-            segment, shown = text[shown:max(end, shown)], max(end, shown)
+            segment = text.add(step.tokens, final=step.finish_reason is not None)
             stats.update_memory()
             if drafter is not None:
                 stats.block_attention = attention_path()
