@@ -68,7 +68,7 @@ def run_dflash(model: str, draft: str, prompt: str, max_tokens: int, setting: st
     out = json.loads(r.stdout)
     capped = "tokens will be generated" in r.stderr  # the prompt and reply would pass the target's context
     return {"text": out["text"], "tps": out["generation_tps"], "wall": wall, "tau": out["tau"], "capped": capped,
-            "widths": out["widths"], "host_ms": out.get("host_ms_per_step")}
+            "widths": out["widths"]}
 
 
 def median_or_none(values) -> float | None:
@@ -134,8 +134,6 @@ def main() -> int:
             "per_prompt_speed": [round(x, 3) for x in speed],
             "tau": median_or_none([x["tau"] for mine in runs[e] for x in mine]),
             "identical": f"{same}/{len(prompts)}", "capped_by_context": capped, "widths": dict(sorted(widths.items(), key=lambda kv: -kv[1])),
-            "host_ms_per_step": statistics.median(x["host_ms"] for mine in runs[e] for x in mine)
-            if all(x["host_ms"] is not None for mine in runs[e] for x in mine) else None,
         })
     base_tps = statistics.median(x["tps"] for mine in runs["mlx-lm"] for x in mine)
     print(f"\nmlx-lm: {base_tps:.1f} tokens/s (median)")

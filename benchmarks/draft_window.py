@@ -66,8 +66,7 @@ def run(target, drafter, last: int, cache, rows: int, max_tokens: int, block_siz
     return {
         "tokens": tokens, "decode_tps": (len(tokens) - first[1]) / decode_s if decode_s > 0 else None,
         "tau": stats.tau if drafter is not None else None, "steps": stats.steps,
-        "draft_ms": 1e3 * stats.phase_s["draft"] / stats.steps if drafter is not None else None,
-        "verify_ms": 1e3 * stats.phase_s["verify"] / stats.steps if stats.steps else None,
+        "step_ms": 1e3 * stats.phase_s["decode"] / stats.steps if stats.steps else None,
     }
 
 
@@ -130,19 +129,19 @@ def main() -> int:
         for name, rs in runs.items():
             med = lambda k: statistics.median(x[k] for x in rs) if rs[0].get(k) is not None else None  # noqa: E731
             rows_out.append({"prompt_tokens": P, "engine": name, "tau": med("tau"), "decode_tps": med("decode_tps"),
-                             "speedup": med("decode_tps") / base, "draft_ms": med("draft_ms"),
-                             "verify_ms": med("verify_ms"), "ingest_ms": med("ingest_ms"),
+                             "speedup": med("decode_tps") / base, "step_ms": med("step_ms"),
+                             "ingest_ms": med("ingest_ms"),
                              "prefill_s": prefill_s, "outputs_identical": all(x.get("matches", True) for x in rs)})
         del cache, features
         mx.clear_cache()
 
-    print("\n| prompt tokens | engine | tau | decode tok/s | speedup vs ar | draft ms/step | verify ms/step "
+    print("\n| prompt tokens | engine | tau | decode tok/s | speedup vs ar | ms/step "
           "| ingest ms | output = greedy |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|:---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|:---:|")
     f = lambda v, d=1: "" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in rows_out:
         print(f"| {r['prompt_tokens']} | {r['engine']} | {f(r['tau'], 2)} | {f(r['decode_tps'], 2)} "
-              f"| {f(r['speedup'], 2)}x | {f(r['draft_ms'])} | {f(r['verify_ms'])} | {f(r['ingest_ms'])} "
+              f"| {f(r['speedup'], 2)}x | {f(r['step_ms'])} | {f(r['ingest_ms'])} "
               f"| {'yes' if r['outputs_identical'] else 'NO'} |")
     if args.out:
         out = Path(args.out)

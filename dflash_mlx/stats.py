@@ -16,9 +16,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-PHASES = ("prefill", "draft", "verify", "host")
+PHASES = ("prefill", "decode")  # a decode step drafts and verifies in one graph: one time
 _SUMS = ("prompt_tokens", "prompt_reused", "generation_tokens", "steps", "drafted", "accepted", "prompt_s",
-         "generation_s", "plain_steps", "host_s")
+         "generation_s", "plain_steps")
 
 
 @dataclass
@@ -31,7 +31,8 @@ class GenerationStats:
         generation_tokens: tokens emitted (stop tokens excluded).
         steps, drafted, accepted: verify steps; drafts proposed and accepted over them.
         histogram: ``{acceptance length: steps}``.
-        phase_s: seconds per phase (:data:`PHASES`; a plain step counts as verify).
+        phase_s: seconds per phase (:data:`PHASES`): prefill, and the decode steps (draft, verify,
+            accept and roll back run as one graph, timed together).
         prompt_s, generation_s: seconds to the first token; from the first token to the last.
         peak_memory_gb: ``mx.get_peak_memory()`` in GB (1e9 bytes).
         target_bytes, drafter_bytes: weight bytes (0: unknown).
@@ -41,7 +42,6 @@ class GenerationStats:
             tree is off, or None}``; None without a drafter.
         plain_steps, widths: plain steps; ``{"plain": steps, "chain N": steps, "tree N": steps}``.
         mode_s: seconds per mode (``plain``, ``chain``, ``tree``), drafting included.
-        host_s: seconds of host work in decode steps.
         trace: ``[[accepted, drafted], ...]`` per verify step, in order.
         block_attention: ``{"block_attention": "metal" | "reference", "reason": str}``, or None.
         distributed: ``{"ranks": n, "sharding": "tensor"}`` under ``mlx.launch``; None in one process.
@@ -71,7 +71,6 @@ class GenerationStats:
     plain_steps: int = 0
     widths: Dict[str, int] = field(default_factory=dict)
     mode_s: Dict[str, float] = field(default_factory=dict)
-    host_s: float = 0.0
     trace: List[List[int]] = field(default_factory=list)
 
     def record_step(self, accepted: int, drafted: Optional[int] = None) -> None:
@@ -87,12 +86,11 @@ class GenerationStats:
     def record_plain(self, seconds: float = 0.0) -> None:
         """Count one plain step of ``seconds``."""
         self.plain_steps += 1
-        self.phase_s["verify"] += seconds
+        self.phase_s["decode"] += seconds
 
     def record_plan(self, mode: str, width: int, seconds: float, accepted: int, drafted: int) -> None:
         """Count one step of ``mode`` (``plain``, ``chain``, ``tree``) and ``width`` (tokens or nodes) of
-        ``seconds`` (all counted as host and verify time)."""
-        self.host_s += max(seconds, 0.0)
+        ``seconds`` (decode time)."""
         key = "plain" if mode == "plain" else f"{mode} {width}"
         self.widths[key] = self.widths.get(key, 0) + 1
         self.mode_s[mode] = self.mode_s.get(mode, 0.0) + seconds
@@ -100,7 +98,7 @@ class GenerationStats:
             self.record_plain(seconds)
             return
         self.record_step(accepted, drafted)
-        self.phase_s["verify"] += seconds
+        self.phase_s["decode"] += seconds
 
     def add(self, other: "GenerationStats") -> None:
         """Accumulate another generation's counts and times; peak memory and weight bytes are the larger,
@@ -115,12 +113,6 @@ class GenerationStats:
                 mine[k] = mine.get(k, 0) + v
         for name in ("verify", "drafter_format", "acceptance_rule"):
             setattr(self, name, getattr(self, name) or getattr(other, name))
-
-    @property
-    def host_ms_per_step(self) -> float:
-        """Host work per decode step, ms (outside waits for the device)."""
-        n = self.steps + self.plain_steps
-        return 1e3 * self.host_s / n if n else 0.0
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -182,7 +174,6 @@ class GenerationStats:
             "widths": dict(sorted(self.widths.items())),
             "plain_steps": self.plain_steps,
             "mode_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.mode_s.items())},
-            "host_ms_per_step": round(self.host_ms_per_step, 4),
             "tokens": self.generation_tokens,
             "tau": _rounded(self.tau, 4),
             "steps": self.steps,

@@ -29,9 +29,9 @@ def base_run(sample, decode_s, tokens=101, repeat=0):
                      stats=stats_of(1, {1: tokens - 1}), peak_memory_gb=1.0)
 
 
-def dflash_run(sample, decode_s, lengths, draft_s, verify_s, host_s, block_size=4, matches=True, tokens=None):
+def dflash_run(sample, decode_s, lengths, step_s, block_size=4, matches=True, tokens=None):
     tokens = tokens if tokens is not None else 1 + sum(k * n for k, n in lengths.items())
-    stats = stats_of(block_size, lengths, {"prefill": 0.01, "draft": draft_s, "verify": verify_s, "host": host_s})
+    stats = stats_of(block_size, lengths, {"prefill": 0.01, "decode": step_s})
     return RunRecord(sample=sample, turn=0, repeat=0, engine="dflash", block_size=block_size, prompt_tokens=10,
                      tokens=list(range(tokens)), first_tokens=1, prompt_s=0.02, decode_s=decode_s, stats=stats,
                      peak_memory_gb=1.5, matches_baseline=matches)
@@ -43,8 +43,8 @@ def synthetic():
     runs = []
     for sample, b, d in [("a", 1.0, 0.5), ("b", 1.2, 0.4), ("c", 0.8, 0.5)]:
         runs.append(base_run(sample, b))
-        # draft 0.1 s, verify 0.3 s, host 0.01 s
-        runs.append(dflash_run(sample, d, {4: 25}, 0.1, 0.3, 0.01, matches=sample != "c"))
+        # the 25 steps take 0.4 s
+        runs.append(dflash_run(sample, d, {4: 25}, 0.4, matches=sample != "c"))
     return DatasetResult("synthetic", 3, "ar", runs)
 
 
@@ -76,19 +76,19 @@ def test_speedups_medians_and_ideal():
     # ideal per pair: 4 x t_AR / ((0.1 + 0.3) / 25 s) = t_AR x 250
     # t_AR = 0.010, 0.012, 0.008 -> ideal 2.5, 3.0, 2.0 -> median 2.5
     assert d["ideal_speedup"] == pytest.approx(2.5)
-    # measured/ideal = (draft + verify) / decode_s = 0.4/0.5, 0.4/0.4, 0.4/0.5 -> median 0.8
+    # measured/ideal = steps / decode_s = 0.4/0.5, 0.4/0.4, 0.4/0.5 -> median 0.8
     assert d["measured_over_ideal"] == pytest.approx(0.8)
-    assert d["cycle_ms"]["draft"] == pytest.approx(4.0) and d["cycle_ms"]["verify"] == pytest.approx(12.0)
-    assert d["cycle_ms"]["host"] == pytest.approx(0.4)
+    assert d["cycle_ms"]["decode"] == pytest.approx(16.0)  # 0.4 s / 25 steps
+    assert d["cycle_ms"]["other"] == pytest.approx(4.0)  # (0.5 - 0.4) s / 25, the median of 4, 0, 4
     assert d["outputs_compared"] == 3 and d["outputs_differing"] == 1
 
 
 def test_cycle_breakdown_and_tokens_per_step():
-    r = dflash_run("a", 1.0, {1: 10, 4: 10}, draft_s=0.2, verify_s=0.6, host_s=0.1)
+    r = dflash_run("a", 1.0, {1: 10, 4: 10}, step_s=0.9)
     c = cycle_ms(r)  # 20 steps
-    assert c == pytest.approx({"draft": 10.0, "verify": 30.0, "host": 5.0, "other": 5.0})
+    assert c == pytest.approx({"decode": 45.0, "other": 5.0})
     # a last block cut at max tokens: 10 steps of tau 4 but only 31 decode tokens
-    cut = dflash_run("a", 1.0, {4: 10}, 0.1, 0.5, 0.0, tokens=32)
+    cut = dflash_run("a", 1.0, {4: 10}, 0.6, tokens=32)
     assert cut.stats.tau == 4.0 and tokens_per_step(cut) == pytest.approx(3.1)
     base = base_run("a", 1.0)  # 10 ms/token
     assert ideal_speedup(cut, base) == pytest.approx(3.1 * 0.01 / 0.06)
@@ -111,7 +111,7 @@ def test_report_schema_and_json_round_trip(tmp_path):
                 "prompt_tps_median", "peak_memory_gb_max", "speedup_ratio_of_medians", "speedup_median_of_ratios",
                 "ideal_speedup", "measured_over_ideal", "cycle_ms", "outputs_differing"):
         assert key in d, key
-    assert set(d["cycle_ms"]) == {"draft", "verify", "host", "other"}
+    assert set(d["cycle_ms"]) == {"decode", "other"}
     assert len(ds["runs"]) == 6 and "tokens" not in ds["runs"][0]
     assert {"decode_tps", "prompt_tps", "phase_s", "peak_memory_gb", "matches_baseline"} <= set(ds["runs"][1])
 

@@ -54,7 +54,7 @@ def test_rates_bandwidth_and_lines():
     s = GenerationStats(block_size=4, prompt_tokens=10, generation_tokens=50, prompt_s=0.5, generation_s=2.0,
                         target_bytes=int(0.75e9), drafter_bytes=int(0.25e9))
     s.record_step(2)
-    s.phase_s["verify"] = 0.25
+    s.phase_s["decode"] = 0.25
     assert s.prompt_tps == 20 and s.generation_tps == 25
     assert s.bandwidth_gbps == pytest.approx(0.5)  # 1 GB x 1 step / 2 s
     lines = s.format_lines()
@@ -65,7 +65,7 @@ def test_rates_bandwidth_and_lines():
     assert lines[4] == "Histogram: 3:1"
     assert lines[5] == "Bandwidth: 0.50 GB/s"
     d = s.to_dict()
-    assert d["timings_ms"]["verify"] == 250.0 and d["acceptance_histogram"] == {"3": 1}
+    assert d["timings_ms"]["decode"] == 250.0 and d["acceptance_histogram"] == {"3": 1}
     assert d["acceptance_rate"] == pytest.approx(0.6667) and d["bandwidth_gbps"] == 0.5
     s.record_plain(0.1)  # a plain step reads the target's weights alone
     assert s.bandwidth_gbps == pytest.approx((1e9 + 0.75e9) / 2 / 1e9)
@@ -100,12 +100,12 @@ def test_add_and_pooled_accumulate_generations_of_different_block_sizes():
     a = GenerationStats(block_size=4, prompt_tokens=5, generation_tokens=10, prompt_s=0.5, generation_s=1.0,
                         peak_memory_gb=1.0)
     a.record_step(3)
-    a.phase_s["verify"] = 0.2
+    a.phase_s["decode"] = 0.2
     b = GenerationStats(block_size=8, prompt_tokens=2, generation_tokens=6, prompt_s=0.1, generation_s=0.5,
                         peak_memory_gb=0.5)
     b.record_step(7)
     b.record_step(0)
-    b.phase_s["verify"] = 0.3
+    b.phase_s["decode"] = 0.3
     total = pooled([a, b], block_size=8)
     a.add(b)
     for s in (a, total):
@@ -113,7 +113,7 @@ def test_add_and_pooled_accumulate_generations_of_different_block_sizes():
         assert (s.accepted, s.drafted) == (10, 3 + 7 + 7)
         assert (s.prompt_tokens, s.generation_tokens) == (7, 16)
         assert s.prompt_s == pytest.approx(0.6) and s.generation_s == pytest.approx(1.5)
-        assert s.phase_s["verify"] == pytest.approx(0.5) and s.peak_memory_gb == 1.0
+        assert s.phase_s["decode"] == pytest.approx(0.5) and s.peak_memory_gb == 1.0
 
 
 def test_teacher_forced_acceptance():

@@ -19,7 +19,7 @@ from ..stats import histogram_dict, pooled
 from .runner import DatasetResult, RunRecord
 
 SCHEMA = "dflash-bench/1"
-PHASES = ("draft", "verify", "host", "other")
+PHASES = ("decode", "other")  # decode steps; the loop around them
 
 
 def sign_test(ratios: Iterable[float]) -> dict:
@@ -45,8 +45,8 @@ def cycle_ms(run: RunRecord) -> Dict[str, Optional[float]]:
     """Milliseconds per target forward (verify or plain step) of each phase in ``PHASES``."""
     if not run.forwards:
         return {k: None for k in PHASES}
-    ph = {k: run.stats.phase_s.get(k, 0.0) for k in PHASES[:3]}
-    ph["other"] = run.decode_s - sum(ph.values())
+    ph = {"decode": run.stats.phase_s.get("decode", 0.0)}
+    ph["other"] = run.decode_s - ph["decode"]
     return {k: 1e3 * v / run.forwards for k, v in ph.items()}
 
 
@@ -60,13 +60,13 @@ def tokens_per_step(run: RunRecord) -> Optional[float]:
 
 
 def ideal_speedup(run: RunRecord, base: RunRecord, tau: Optional[float] = None) -> Optional[float]:
-    """``tau x t_AR / (t_draft + t_verify)`` of a DFlash run and its baseline run (tau: default
-    :func:`tokens_per_step`, making measured/ideal the share of decode time in draft and verify)."""
+    """``tau x t_AR / t_step`` of a DFlash run and its baseline run, t_step the mean decode step (tau:
+    default :func:`tokens_per_step`, making measured/ideal the share of decode time inside the steps)."""
     tau = tokens_per_step(run) if tau is None else tau
     t_ar = seconds_per_token(base)
     if tau is None or t_ar is None or not run.forwards:
         return None
-    cycle = (run.stats.phase_s.get("draft", 0.0) + run.stats.phase_s.get("verify", 0.0)) / run.forwards
+    cycle = run.stats.phase_s.get("decode", 0.0) / run.forwards
     return tau * t_ar / cycle if cycle > 0 else None
 
 
