@@ -226,7 +226,7 @@ def test_the_byte_cap_holds_without_a_scan_after_every_write(tmp_path, monkeypat
     run(pc, prompts[1], 5)
     assert len(scans) == 1  # later ones are counted
     on_disk = lambda: sum(f.stat().st_size for f in tmp_path.glob("*/*") if f.name != "key.json")  # noqa: E731
-    assert store._disk_bytes == on_disk()
+    assert store.disk_bytes == on_disk()
     store.max_bytes = on_disk() + 100
     run(pc, prompts[2], 5)
     assert len(scans) == 2 and on_disk() <= store.max_bytes  # past the cap: scanned, the oldest went

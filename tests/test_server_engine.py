@@ -49,6 +49,11 @@ async def collect(job):
     return text, last
 
 
+
+def requests(metrics, outcome):
+    """The ``dflash_requests_total`` sample of chat requests with ``outcome``, as /metrics shows it."""
+    return metrics.registry.get_sample_value("dflash_requests_total", {"endpoint": "chat", "outcome": outcome})
+
 def test_queue_bound_and_order(pair):
     """With room for one waiting request, a third gets QueueFullError; the other two
     run one after the other and each equals a fresh generation."""
@@ -71,7 +76,7 @@ def test_queue_bound_and_order(pair):
     assert b[0] == ByteTokenizer().decode(fresh(pair, ids_b, 30))
     assert b[1].usage["prompt_tokens_details"]["cached_tokens"] == 10  # the common prefix
     assert engine.pending == 0 and engine.pair_cache.is_consistent()
-    assert metrics.requests.labels("chat", "completed")._value.get() == 2
+    assert requests(metrics, "completed") == 2
 
 
 def test_closed_job_stops_and_leaves_the_caches_consistent(pair):
@@ -91,8 +96,8 @@ def test_closed_job_stops_and_leaves_the_caches_consistent(pair):
         return engine, out
 
     engine, (text, last) = asyncio.run(main())
-    assert engine.metrics.requests.labels("chat", "cancelled")._value.get() == 1
-    assert engine.metrics.generation_tokens._value.get() < 200 + 20
+    assert requests(engine.metrics, "cancelled") == 1
+    assert engine.metrics.registry.get_sample_value("dflash_generation_tokens_total") < 200 + 20
     assert text == ByteTokenizer().decode(fresh(pair, ids + [5], 20))
     assert engine.pair_cache.is_consistent()
 

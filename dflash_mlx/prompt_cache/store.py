@@ -72,6 +72,11 @@ class PrefixStore:
             return f"memory-only ({self.degraded})"
         return f"disk ({self.root})" if self.disk else "memory-only"
 
+    @property
+    def disk_bytes(self) -> Optional[int]:
+        """Bytes of entries under ``root`` as counted (the last scan plus this store's writes); None before."""
+        return self._disk_bytes
+
     def _degrade(self, e: OSError) -> None:
         """Stop writing to disk, with one warning line."""
         self.degraded = f"cannot write under {self.root}: {e.strerror or e}"
