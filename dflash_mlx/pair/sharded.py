@@ -45,16 +45,13 @@ def join_ranks(sharding: str) -> Optional[dict]:
         for a single process.
 
     Raises:
-        InputError: ``--sharding pipeline``, which DFlash targets do not run (the reason is named).
+        InputError: ``sharding`` is neither ``tensor`` nor ``pipeline``.
     """
     n = ranks()
     if n == 1:
         return None
     if sharding not in SHARDINGS:
         raise InputError(f"--sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
-    if sharding == "pipeline":
-        raise InputError("--sharding pipeline: the drafter reads target layers held on other ranks and "
-                         "DFlash targets walk their layers themselves; use --sharding tensor")
     mx.random.seed(int(_from_rank0(mx.array([random.getrandbits(31)]))[0].item()))
     if rank() != 0:
         sys.stdout = sys.stderr = open(os.devnull, "w")

@@ -36,14 +36,19 @@ class TargetAdapter(TreeVerify):
         self.text = getattr(model, "language_model", model)
         self.inner = self.text.model
         self.args = self.text.args
+        self.stages = getattr(self.inner, "pipeline_size", 1)  # ranks the layers are split over (pipeline)
+        if self.stages > 1:
+            self.supports_tree = False  # tree verify walks every layer in one process
 
     @property
     def layers(self) -> List[nn.Module]:
-        return self.inner.layers
+        """This process's layers: all of them, or its stage's under pipeline sharding."""
+        return getattr(self.inner, "pipeline_layers", self.inner.layers)
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        """Layers of the whole target (on every stage under pipeline sharding)."""
+        return self.args.num_hidden_layers if self.stages > 1 else len(self.layers)
 
     @property
     def hidden_size(self) -> int:
@@ -110,6 +115,8 @@ class TargetAdapter(TreeVerify):
                 f"target_layer_ids {sorted(wanted)} name layers beyond the target's "
                 f"{self.num_layers} (0..{self.num_layers - 1})"
             )
+        if self.stages > 1:
+            return self._pipeline_call(inputs, cache, capture)
         captured = {}
         h = self.embed(inputs)
         layers = self.run_layers(inputs, h, cache) if tree is None else self.run_tree_layers(h, cache, *tree)
@@ -120,6 +127,31 @@ class TargetAdapter(TreeVerify):
         captured[self.num_layers - 1] = h
         features = mx.concatenate([captured[i] for i in capture], axis=-1) if capture else None
         return h, features
+
+    def _pipeline_call(self, inputs: mx.array, cache: Sequence[Any], capture: Optional[Sequence[int]]):
+        """:meth:`__call__` on one pipeline stage (mlx-lm's split: the last rank holds the first
+        layers, rank 0 the last). The stage takes the residual stream from the rank above, runs its
+        layers and hands it to the rank below; rank 0's final stream is gathered by all, and each
+        captured layer's output is summed from the stage that holds it, so every rank returns the same."""
+        rank, first = self.inner.pipeline_rank, self.inner.start_idx
+        mx.eval(inputs)  # the drafts' own all-sums first: a receive waits on no input, so it could run before them
+        h = self.embed(inputs)
+        if rank < self.stages - 1:
+            h = mx.distributed.recv_like(h, rank + 1)
+        captured = {}
+        for i, h in enumerate(self.run_layers(inputs, h, cache), start=first):
+            captured[i] = h
+        if rank != 0:
+            h = mx.distributed.send(h, rank - 1)
+        h = self.inner.norm(mx.distributed.all_gather(h)[: h.shape[0]])
+        if not capture:
+            return h, None
+        last, parts = self.num_layers - 1, []
+        for i in capture:  # the last layer's output is the normed stream, which rank 0 adds
+            x = (h if rank == 0 else None) if i == last else captured.get(i)
+            parts.append(mx.zeros_like(h) if x is None else x)
+        features = mx.depends(mx.concatenate(parts, axis=-1), h)  # every rank: the gather, then the sum
+        return h, mx.distributed.all_sum(features)
 
     def make_cache(self, max_verify: int = 1) -> List[Any]:
         """mlx-lm's prompt cache, each layer made exact by :meth:`exact_cache`.
