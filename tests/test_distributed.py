@@ -71,6 +71,12 @@ def test_pipeline_sharding_is_refused_in_one_line(launcher, stories):
     assert "error: --sharding pipeline" in done.stderr and "Traceback" not in done.stderr  # mlx.launch exits 0
 
 
+def test_bench_refuses_several_ranks_in_one_line(launcher, stories):
+    done = _run(["bench", "--model", str(stories), "--draft-model", str(DRAFTER), "--dataset", "x.jsonl"], 2)
+    assert "error: dflash bench runs in one process, not under mlx.launch" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
 def test_a_request_served_on_two_ranks_gets_the_single_process_text(launcher, stories, tmp_path):
     one = _generate(stories, 1, "--temp", "0")
     launch = [str(LAUNCH), "--backend", "ring", "-n", "2", "--"]

@@ -95,8 +95,8 @@ def lockstep(steps: Iterator[T]) -> Iterator[T]:
 def refuse_ranks(command: str) -> None:
     """Raise InputError under ``mlx.launch`` with several ranks: ``command`` runs in one process only."""
     if ranks() > 1:
-        raise InputError(f"{command} does not run under mlx.launch yet; dflash generate does "
-                         "(the target split over the ranks)")
+        raise InputError(f"{command} runs in one process, not under mlx.launch; dflash generate, chat and "
+                         "serve do (the target split over the ranks)")
 
 
 def share_text(read: Callable[[], str]) -> str:
