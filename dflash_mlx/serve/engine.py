@@ -130,7 +130,7 @@ class Engine:
                 self._turn(admitted)
         finally:
             if self.lockstep is not None:
-                self.lockstep.send(None)  # the other ranks stop too
+                self.lockstep.end()
             release_streams()
 
     def _turn(self, admitted: List[Job]) -> None:

@@ -7,6 +7,7 @@ stops; the others run the same steps on the same jobs, so every rank runs the sa
 from __future__ import annotations
 
 import json
+import logging
 import random
 import threading
 import time
@@ -15,6 +16,8 @@ from typing import Any, Optional
 
 from ..pair.sharded import agreed, rank, share_text
 from .jobs import GenerationJob
+
+log = logging.getLogger("dflash.serve")
 
 
 class Lockstep:
@@ -30,6 +33,13 @@ class Lockstep:
         if spec is not None and spec.temperature > 0 and spec.seed is None:
             spec.seed = random.getrandbits(31)  # every rank draws the same tokens
         share_text(lambda: "" if spec is None else json.dumps(asdict(spec)))
+
+    def end(self) -> None:
+        """Rank 0: the server stops, and so do the other ranks (a warning where they are gone)."""
+        try:
+            self.send(None)
+        except RuntimeError as e:  # a rank exited or its link broke
+            log.warning("cannot tell the other ranks to stop: %s", e)
 
     def receive(self) -> Optional["FollowerJob"]:
         """The other ranks: the next job rank 0 sends, or None when the server stops."""
