@@ -116,7 +116,6 @@ def _run(o) -> None:
 def _loop(session, o, view, pair) -> int:
     """Run lines until /quit or the end of input, saving ``--session`` after each; returns how many failed."""
     from dflash_mlx.chat.session_file import SessionWriter
-
     from dflash_mlx.pair.sharded import share_text
 
     failed = 0
