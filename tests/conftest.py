@@ -316,18 +316,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(log: Path, *args: str):
+def start_server(log: Path, *args: str, launch: List[str] = ()):
     """`dflash serve ARGS` on a free loopback port, its output in ``log``; returns
-    (the process, its base URL) once /health answers. Killed if it does not start."""
+    (the process, its base URL) once /health answers. Killed if it does not start.
+    ``launch``: a launcher the command runs under (``mlx.launch ... --``), in a process group of its own."""
     import subprocess
     import time
 
     import httpx
 
     port = free_port()
-    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--port", str(port), *args]
+    cmd = [*launch, sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--port", str(port), *args]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "DFLASH_API_KEY": ""})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "DFLASH_API_KEY": ""},
+                                start_new_session=bool(launch))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -341,7 +343,7 @@ def start_server(log: Path, *args: str):
             assert time.monotonic() < deadline, f"the server did not start: {log.read_text()}"
             time.sleep(0.2)
     except BaseException:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL) if launch else proc.kill()
         proc.wait()
         raise
 

@@ -1,5 +1,5 @@
 """DFlash on a target tensor-sharded over 2 local ranks (`mlx.launch --backend ring -n 2`): rank 0 alone
-prints, and the text is the single process's, greedy and seeded-sampled."""
+prints, and the text is the single process's (generate greedy and seeded-sampled, serve, chat)."""
 
 import json
 import os
@@ -7,10 +7,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
+import httpx
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, openai_client, start_server
 
 BIN = Path(sys.executable).parent
 LAUNCH = BIN / "mlx.launch"
@@ -22,10 +24,11 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def _run(args, ranks: int):
+def _run(args, ranks: int, input: Optional[str] = None):
     cmd = [str(BIN / "dflash"), *args] if ranks == 1 else \
         [str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--", str(BIN / "dflash"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT,
+                          input=input)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +71,36 @@ def test_pipeline_sharding_is_refused_in_one_line(launcher, stories):
     assert "error: --sharding pipeline" in done.stderr and "Traceback" not in done.stderr  # mlx.launch exits 0
 
 
-@pytest.mark.parametrize("command", ["chat", "serve"])
-def test_chat_and_serve_refuse_several_ranks_in_one_line(launcher, stories, command):
-    done = _run([command, "--model", str(stories), "--draft-model", str(DRAFTER)], 2)
-    assert f"error: dflash {command} does not run under mlx.launch yet" in done.stderr, done.stderr[-2000:]
+def test_bench_refuses_several_ranks_in_one_line(launcher, stories):
+    done = _run(["bench", "--model", str(stories), "--draft-model", str(DRAFTER), "--dataset", "x.jsonl"], 2)
+    assert "error: dflash bench runs in one process, not under mlx.launch" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_a_request_served_on_two_ranks_gets_the_single_process_text(launcher, stories, tmp_path):
+    one = _generate(stories, 1, "--temp", "0")
+    launch = [str(LAUNCH), "--backend", "ring", "-n", "2", "--"]
+    proc, url = start_server(tmp_path / "serve.log", "--model", str(stories), "--draft-model", str(DRAFTER),
+                             launch=launch)
+    try:
+        health = httpx.get(f"{url}/health").json()
+        assert health["distributed"] == {"ranks": 2, "sharding": "tensor", "max_batch": 1}
+        reply = openai_client(url).completions.create(model=str(stories), prompt="Once upon a time", max_tokens=64,
+                                                      temperature=0)
+        assert reply.choices[0].text == one["text"]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: rank 0 stops the others
+        proc.wait(timeout=TIMEOUT)
+    with pytest.raises(ProcessLookupError):  # every rank has exited
+        os.killpg(proc.pid, 0)
+    log = (tmp_path / "serve.log").read_text()  # mlx.launch prints its own KeyboardInterrupt
+    assert str(ROOT / "dflash_mlx") not in log, log[-3000:]
+
+
+def test_a_chat_on_two_ranks_replies_as_one_process_does(launcher, stories):
+    lines = "Once upon a time\nThe cat\n/quit\n"  # mlx.launch never passes on the end of its input
+    args = ["chat", "--model", str(stories), "--draft-model", str(DRAFTER), "--max-tokens", "40", "--no-prompt-cache"]
+    one, two = (_run(args, ranks, input=lines) for ranks in (1, 2))
+    assert two.returncode == 0 and "Traceback" not in two.stderr, two.stderr[-2000:]
+    assert len(one.stdout.splitlines()) == 2
+    assert two.stdout == one.stdout

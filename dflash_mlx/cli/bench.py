@@ -134,6 +134,9 @@ def checked_config(o):
 def _pair(o) -> None:
     """Check --prefill-step-size; resolve --model/--draft-model in place (bench measures a drafter)."""
     check_number("--prefill-step-size", o.prefill_step_size, at_least=1)
+    from dflash_mlx.pair.sharded import refuse_ranks
+
+    refuse_ranks("dflash bench")
     o.model, o.draft_model = resolve_models(o.model, o.draft_model, o.verify)
     if o.draft_model is None:
         raise InputError("dflash bench needs --draft-model (the DFlash drafter to measure)")

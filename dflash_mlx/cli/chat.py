@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from contextlib import closing
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ from dflash_mlx.ranges import check_number
 
 from .common import (
     BlockSize, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
-    PromptCacheDir, PromptCacheGb, Seed, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP, Verify,
+    PromptCacheDir, PromptCacheGb, Seed, Sharding, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP, Verify,
     check_pair_flags, check_sampling, check_system_prompt, guard, load_pair, parse_draft_window, parse_stops, utf8,
 )
 
@@ -55,6 +56,7 @@ def chat(
     prompt_cache_dir: PromptCacheDir = None,
     no_prompt_cache: NoPromptCache = False,
     prompt_cache_gb: PromptCacheGb = 8.0,
+    sharding: Sharding = "tensor",
 ) -> None:
     """Chat in the terminal. Both caches are kept across turns; Ctrl-C stops a reply.
 
@@ -65,6 +67,7 @@ def chat(
       dflash chat --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16
       printf 'Once upon a time\\n/stats\\n' | dflash chat --model ./stories260K
       dflash chat --session ~/notes/chat.json
+      mlx.launch --backend ring -n 2 -- dflash chat --model M --draft-model D
     """
     o = SimpleNamespace(**locals())
     try:
@@ -79,10 +82,12 @@ def _run(o) -> None:
     check_sampling(o.temp, o.top_p, o.top_k, o.min_p, o.max_tokens)  # flags first, then the 2-3 s of imports
     o.stop, window = parse_stops(o.stop), parse_draft_window(o.draft_window)
     check_pair_flags(o)
-    from dflash_mlx.pair.sharded import refuse_ranks
+    from dflash_mlx.pair.sharded import join_ranks, rank, share_text
 
-    refuse_ranks("dflash chat")
-    history = read_session(o.session_file) if o.session_file else []
+    distributed = join_ranks(o.sharding)
+    if distributed is not None:  # rank 0 alone reads and writes files; one prompt cache per rank would differ
+        o.store, o.session_file = None, o.session_file if rank() == 0 else None
+    history = json.loads(share_text(lambda: json.dumps(read_session(o.session_file) if o.session_file else [])))
     import mlx.core as mx
 
     from dflash_mlx.chat.session import ChatSession
@@ -92,7 +97,7 @@ def _run(o) -> None:
 
     if o.seed is not None:
         mx.random.seed(o.seed)
-    pair = load_pair(o.model, o.draft_model, o.defaults, window)
+    pair = load_pair(o.model, o.draft_model, o.defaults, window, distributed and o.sharding)
     check_block_size(o.block_size, pair.drafter)
     o.vocab_size = pair.target.vocab_size
     check_system_prompt(o.system_prompt, pair.tokenizer, o.ignore_chat_template)
@@ -111,26 +116,12 @@ def _run(o) -> None:
 def _loop(session, o, view, pair) -> int:
     """Run lines until /quit or the end of input, saving ``--session`` after each; returns how many failed."""
     from dflash_mlx.chat.session_file import SessionWriter
+    from dflash_mlx.pair.sharded import share_text
 
     failed = 0
     writer = SessionWriter(o.session_file, view.notice) if o.session_file else None
-    while True:
-        try:
-            line, replaced = utf8(view.read())
-        except EOFError:  # Ctrl-D, or the end of piped input
-            if view.interactive:
-                print()
-            break
-        except KeyboardInterrupt:  # at the prompt: a fresh line in a terminal, else quit
-            if not view.interactive:
-                break
-            print()
-            continue
-        if replaced:
-            view.notice("warning: the line is not valid UTF-8: the invalid bytes were replaced by U+FFFD")
-        if line.strip() == "":
-            continue
-        ok, quit = _line(line.strip(), session, o, view, pair)
+    while line := share_text(lambda: _read_line(view)):  # rank 0's line on every rank
+        ok, quit = _line(line, session, o, view, pair)
         failed += not ok
         if writer is not None:
             writer.save(session.messages)
@@ -142,9 +133,30 @@ def _loop(session, o, view, pair) -> int:
     return failed
 
 
+def _read_line(view) -> str:
+    """The next line that is not blank, stripped (bad UTF-8 replaced, with a warning); "" at the end of input."""
+    while True:
+        try:
+            line, replaced = utf8(view.read())
+        except EOFError:  # Ctrl-D, or the end of piped input
+            if view.interactive:
+                print()
+            return ""
+        except KeyboardInterrupt:  # at the prompt: a fresh line in a terminal, else quit
+            if not view.interactive:
+                return ""
+            print()
+            continue
+        if replaced:
+            view.notice("warning: the line is not valid UTF-8: the invalid bytes were replaced by U+FFFD")
+        if line.strip():
+            return line.strip()
+
+
 def _line(line: str, session, o, view, pair) -> Tuple[bool, bool]:
     """Run one line (a /command, or a turn with its summary and notices); returns ``(ok, quit)``."""
     from dflash_mlx.chat.session import ContextFullError
+    from dflash_mlx.pair.sharded import lockstep
     from dflash_mlx.sampling import make_sampler
 
     from .chat_ui import summary_line
@@ -153,8 +165,8 @@ def _line(line: str, session, o, view, pair) -> Tuple[bool, bool]:
         if line.startswith("/"):
             return True, _command(line, session, o, view, pair)
         sampler = make_sampler(o.temp, o.top_p, o.min_p, o.top_k, o.vocab_size)
-        events = session.stream(line, sampler=sampler, max_tokens=o.max_tokens, block_size=o.block_size,
-                                stop_strings=o.stop)
+        events = lockstep(session.stream(line, sampler=sampler, max_tokens=o.max_tokens, block_size=o.block_size,
+                                         stop_strings=o.stop))
         with closing(events):
             last, interrupted = view.stream(events)
         if last is not None:
@@ -206,6 +218,10 @@ def _command(line: str, session, o, view, pair) -> bool:
     elif name == "/save":
         if not arg:
             raise InputError("usage: /save FILE (FILE.json for JSON, else Markdown)")
+        from dflash_mlx.pair.sharded import rank
+
+        if rank() != 0:  # under mlx.launch rank 0 alone writes it
+            return False
         try:
             path = session.save(arg, meta={"model": pair.model_path, "draft_model": pair.draft_path})
         except OSError as e:

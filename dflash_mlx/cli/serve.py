@@ -13,7 +13,7 @@ from dflash_mlx.errors import InputError
 from dflash_mlx.ranges import check_number
 
 from .common import (BlockSize, DraftModel, Model, NoPromptCache, PrefillStep, PromptCacheDir, PromptCacheGb,
-                     check_pair_flags, guard, load_pair)
+                     Sharding, check_pair_flags, guard, load_pair)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_BATCH = 256  # a batch's cache grows with it: a typo (8000) should not take the memory
@@ -48,6 +48,7 @@ def serve(
     no_prompt_cache: NoPromptCache = False,
     prompt_cache_gb: PromptCacheGb = 8.0,
     log_level: Annotated[str, Option("--log-level", help="debug, info, warning or error.")] = "info",
+    sharding: Sharding = "tensor",
 ) -> None:
     """Serve the pair over the OpenAI API (chat, completions, models, health, metrics).
 
@@ -58,6 +59,7 @@ def serve(
       dflash serve --model ./stories260K --draft-model ./stories260K-drafter
       dflash serve --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16
       DFLASH_API_KEY=secret dflash serve --host 0.0.0.0 --port 8000
+      mlx.launch --backend ring -n 2 -- dflash serve --model M --draft-model D
     """
     from dflash_mlx.atomic import sigterm_as_interrupt
 
@@ -79,24 +81,31 @@ def _run(o) -> None:
     check_number("--idle-timeout", o.idle_timeout, above=0)
     check_number("--port", o.port, at_least=0, at_most=65535)
     check_pair_flags(o)  # every flag checked before the model loads
-    from dflash_mlx.pair.sharded import refuse_ranks
+    from dflash_mlx.pair.sharded import join_ranks, rank
 
-    refuse_ranks("dflash serve")
+    distributed = join_ranks(o.sharding)
+    if distributed is not None:  # one request at a time, no prompt cache on disk (the engine says so)
+        o.store, distributed["max_batch"] = None, 1
     from dflash_mlx.serve.lifecycle import listen, serve as serve_on
 
-    sock = listen(o.host, o.port)  # a port in use is an error now, not after the model loaded
+    sock = listen(o.host, o.port) if rank() == 0 else None  # a port in use is an error now, not after loading
     from dflash_mlx.serve.app import ServerConfig, create_app
     from dflash_mlx.serve.http_protocol import uvicorn_options
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("dflash")
     log.setLevel(o.log_level.upper())
-    pair = load_pair(o.model, o.draft_model, o.defaults)
+    pair = load_pair(o.model, o.draft_model, o.defaults, None, distributed and o.sharding)
+    if sock is None:
+        from dflash_mlx.serve.ranks import follow
+
+        return follow(pair, o.block_size, o.prefill_step_size)
     config = ServerConfig(model_id=o.model, max_tokens=o.max_tokens, block_size=o.block_size, api_key=o.api_key,
                           max_queue=o.max_queue, max_body_bytes=int(o.max_body_mb * 2**20), template=o.template,
                           allow_request_templates=o.allow_request_templates, max_prompt_chars=o.max_prompt_chars,
                           request_timeout=o.request_timeout or None, idle_timeout=o.idle_timeout,
-                          prefill_step_size=o.prefill_step_size, prompt_store=o.store, max_batch=o.max_batch)
+                          prefill_step_size=o.prefill_step_size, prompt_store=o.store, max_batch=o.max_batch,
+                          distributed=distributed)
     app = create_app(pair, config)
     if not o.api_key and not _is_loopback(o.host):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", o.host)

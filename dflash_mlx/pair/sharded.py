@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
 from pathlib import Path
-from typing import Callable, Optional, Tuple
+from typing import Callable, Iterator, Optional, Tuple, TypeVar
 
 import mlx.core as mx
 
 from ..errors import CheckpointError, InputError
 
 SHARDINGS = ("tensor", "pipeline")
+T = TypeVar("T")
 
 
 def ranks() -> int:
@@ -38,7 +40,7 @@ def _from_rank0(values: mx.array) -> mx.array:
 
 def join_ranks(sharding: str) -> Optional[dict]:
     """Under ``mlx.launch`` with more than one rank: check ``sharding``, seed every rank alike,
-    and silence every rank but 0 (they run the same loop).
+    and silence every rank but 0, which alone takes Ctrl-C (they run the same loop).
 
     Returns:
         ``{"ranks": n, "sharding": sharding}`` (the ``--json`` field ``distributed``), or None
@@ -55,14 +57,43 @@ def join_ranks(sharding: str) -> Optional[dict]:
     mx.random.seed(int(_from_rank0(mx.array([random.getrandbits(31)]))[0].item()))
     if rank() != 0:
         sys.stdout = sys.stderr = open(os.devnull, "w")
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every local rank
     return {"ranks": n, "sharding": sharding}
+
+
+def agreed(value: bool) -> bool:
+    """Rank 0's ``value`` on every rank (one all-sum; every rank must call it at the same point)."""
+    return bool(_from_rank0(mx.array([int(value)]))[0].item())
+
+
+def lockstep(steps: Iterator[T]) -> Iterator[T]:
+    """``steps`` on every rank, ended on all of them after the step where rank 0's consumer stopped (Ctrl-C,
+    or closed it); a KeyboardInterrupt is raised there on every rank. In one process: ``steps`` as they are."""
+    if ranks() == 1:
+        yield from steps
+        return
+    stop = []
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.append(1))  # not in the middle of a collective
+    going = True
+    try:
+        for step in steps:
+            going = False
+            yield step
+            going = True
+            if not agreed(not stop):
+                raise KeyboardInterrupt
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if not going:  # rank 0 closed it at a yield: the others stop there too
+            agreed(False)
+        steps.close()
 
 
 def refuse_ranks(command: str) -> None:
     """Raise InputError under ``mlx.launch`` with several ranks: ``command`` runs in one process only."""
     if ranks() > 1:
-        raise InputError(f"{command} does not run under mlx.launch yet; dflash generate does "
-                         "(the target split over the ranks)")
+        raise InputError(f"{command} runs in one process, not under mlx.launch; dflash generate, chat and "
+                         "serve do (the target split over the ranks)")
 
 
 def share_text(read: Callable[[], str]) -> str:

@@ -9,7 +9,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -48,6 +48,7 @@ class ServerConfig:
     prefill_step_size: Optional[int] = None
     prompt_store: Optional[Any] = None  # a PrefixStore to resume from (None: the last request's caches)
     max_batch: int = 1
+    distributed: Optional[dict] = None  # under mlx.launch: {"ranks", "sharding", "max_batch"} (/health)
 
 
 class Server:
@@ -193,10 +194,12 @@ def create_app(pair: Any, config: ServerConfig) -> FastAPI:
         return server.models()
 
     @app.get("/health")
-    async def health() -> Dict[str, Union[str, int]]:
-        out: Dict[str, Union[str, int]] = {"status": "ok", "model": config.model_id, "queue": server.engine.pending}
+    async def health() -> Dict[str, Any]:
+        out: Dict[str, Any] = {"status": "ok", "model": config.model_id, "queue": server.engine.pending}
         if config.prompt_store is not None:  # "disk (ROOT)", or "memory-only (why)" after a failed write
             out["prompt_cache"] = config.prompt_store.state
+        if config.distributed is not None:
+            out["distributed"] = config.distributed
         return out
 
     @app.get("/metrics")

@@ -16,6 +16,7 @@ from ..decode.batch_join import Joining, StepResult
 from ..decode.generate import check_block_size
 from ..decode.stopping import StopCondition, TextStream
 from ..decode.width import make_chooser
+from ..pair.sharded import ranks
 from ..prompt_cache.batch import batch_refusal
 from ..prompt_cache.pair import PairCache
 from ..prompt_cache.resume import PrefillStopped
@@ -26,6 +27,7 @@ from .api import usage
 from .jobs import _STARTED, Chunk, GenerationJob, Job, Prepare, QueueFullError, push_together
 from .lifecycle import release_streams
 from .metrics import ServerMetrics
+from .ranks import Lockstep
 
 log = logging.getLogger("dflash.serve")
 
@@ -47,7 +49,8 @@ class Engine:
 
     ``block_size``: B (None: the drafter's trained size; "auto"); ``max_queue``: most jobs waiting beyond those
     running; ``prefill_step_size``: prompt tokens per chunk (2048); ``store``: the prompt cache, or None.
-    InputError: ``block_size`` out of range for the drafter.
+    Under ``mlx.launch`` with several ranks: one request at a time, no prompt store, the ranks in lockstep
+    (:mod:`.ranks`). InputError: ``block_size`` out of range for the drafter.
     """
 
     def __init__(self, pair: Any, *, max_batch: int = 1, block_size: Optional[int | str] = None,
@@ -55,6 +58,11 @@ class Engine:
                  prefill_step_size: Optional[int] = None, store: Optional[PrefixStore] = None):
         self.pair, self.max_queue, self.prefill_step_size = pair, max_queue, prefill_step_size
         self.metrics = metrics or ServerMetrics()
+        self.lockstep = Lockstep() if ranks() > 1 else None
+        if self.lockstep is not None and (max_batch > 1 or store is not None):
+            log.warning("%d ranks: requests run one at a time (--max-batch 1), without the prompt cache on disk",
+                        ranks())
+            max_batch, store = 1, None
         refusal = batch_refusal(pair.target) if max_batch > 1 else None
         solo = max_batch == 1 or refusal is not None
         self.metrics.batching.set(0 if solo else 1)
@@ -121,6 +129,8 @@ class Engine:
             while (admitted := self._take()) is not None:
                 self._turn(admitted)
         finally:
+            if self.lockstep is not None:
+                self.lockstep.end()
             release_streams()
 
     def _turn(self, admitted: List[Job]) -> None:
@@ -155,6 +165,11 @@ class Engine:
 
     def _take(self) -> Optional[List[Job]]:
         """Wait for work; the jobs to admit now (room permitting), or None at shutdown."""
+        if self.lockstep is not None and not self.lockstep.leader:  # the job rank 0 starts next
+            if self._joining or self._active:
+                return []
+            job = self.lockstep.receive()
+            return None if job is None else [job]
         with self._wake:
             while not self._inbox and not self._joining and not self._active:
                 if self.closing:
@@ -174,6 +189,8 @@ class Engine:
         try:
             if job.prepare is not None:
                 job.spec = job.prepare()
+            if self.lockstep is not None:
+                self.lockstep.send(job.spec)
             req = self._start(job)
         except PrefillStopped:  # closed or past its deadline while the pair cache prefilled
             return self._stopped(job)
@@ -192,12 +209,13 @@ class Engine:
         if self.pair_cache is not None:  # one at a time: in the caches kept from the last request
             pc = self.pair_cache
             try:
-                start = pc.begin(spec.ids, step, job.should_stop)
+                start = pc.begin(spec.ids, step, lambda: self._stops(job))
             except BaseException:
                 pc.end(spec.ids, len(pc.tokens), False)
                 raise
             caches = dict(cache=pc.cache, draft_cache=pc.draft_cache)
-        joining = self.decoder.start(job, spec.ids[start:], sampler, stop, step, job.should_stop, seed=seed, **caches)
+        joining = self.decoder.start(job, spec.ids[start:], sampler, stop, step, lambda: self._stops(job), seed=seed,
+                                     **caches)
         if self.pair_cache is not None:
             joining.reused = joining.stats.prompt_reused = self.pair_cache.last_reused
             joining.stats.prompt_tokens = len(spec.ids)
@@ -212,9 +230,13 @@ class Engine:
 
     def _drop_stopped(self) -> None:
         """Requests closed by their client or past their deadline leave now."""
-        for req in [r for r in list(self._joining) + self._active if r.job.should_stop()]:
+        for req in [r for r in list(self._joining) + self._active if self._stops(r.job)]:
             self._detach([req])
             self._stopped(req.job, req)
+
+    def _stops(self, job: Job) -> bool:
+        """Whether a started job stops (closed, or past its deadline): rank 0 decides for every rank."""
+        return job.should_stop() if self.lockstep is None else self.lockstep.stops(job.should_stop())
 
     def _stopped(self, job: Job, req: Optional[_Request] = None) -> None:
         """``job`` (``req`` once admitted), closed or past its deadline, ends: counted, told, released."""
