@@ -139,6 +139,6 @@ def load_sharded(path: Path, sharding: str, model_type: str) -> Tuple[object, ob
     except ValueError as e:
         if "support" in str(e):
             raise InputError(f"{path}: a {model_type} target cannot be split with --sharding {sharding} "
-                             f"({e}); run it in one process") from None
+                             f"({e}); " + ("use --sharding tensor" if sharding == "pipeline" else "run it in one process")) from None
         raise CheckpointError(f"{path}: cannot load the target model ({e})") from None
 
