@@ -4,8 +4,9 @@
 steps, chains of 2, 4, ..., B and (``--tree-budget auto``, one sequence) a tree of :data:`AUTO_TREE`
 nodes. E comes from the draft survival observed (Kaplan-Meier, older steps decayed by :data:`DECAY`,
 unseen positions at :data:`PRIOR`); seconds(w, n) is the mean of its last :data:`WINDOW` timings less
-the highest and the lowest (the first run of each (w, n) is left out). It starts at the middle chain;
-every :data:`PROBE_EVERY` steps the option run least recently (nearest the best first) runs once.
+the highest and the lowest (the first run of each (w, n) is left out); plain steps' rate is divided
+by :data:`PLAIN_MARGIN`. It starts at the middle chain; every :data:`PROBE_EVERY` steps the option
+run least recently (nearest the best first) runs once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ PRIOR_WEIGHT = 1.0  # steps' worth of weight the prior carries per position
 DECAY = 0.97  # weight of older steps' acceptance, per step
 WINDOW = 6  # timings kept per (option, n): even, so alternating pipelined timings weigh alike
 PROBE_EVERY = 8  # steps between two probes
+PLAIN_MARGIN = 1.25  # plain must beat the chains' rate by this: the timings miss the cost of switching to it and back
 AUTO_TREE = 16  # tree nodes --tree-budget auto weighs against chains
 
 
@@ -185,7 +187,8 @@ class WidthChooser:
         if len(timings) > 2:
             timings = timings[1:-1]
         seconds = sum(timings) / len(timings) if timings else 0.0
-        return n * self.expected_tokens(plan) / seconds if seconds > 0 else 0.0
+        margin = PLAIN_MARGIN if plan.width == 1 else 1.0
+        return n * self.expected_tokens(plan) / seconds / margin if seconds > 0 else 0.0
 
 
 def make_chooser(target, drafter, block_size: int | str, tree_budget, stats) -> WidthChooser:
