@@ -75,7 +75,7 @@ class BatchDecoder:
         self.sequences: List[BatchSequence] = []
         self.cache = None
         self._context: Optional[Tuple[mx.array, List[int]]] = None  # last verify's rows, not yet pending
-        self._queued = None  # (plan, tokens, features) of a plain step dispatched before the last was read
+        self._queued = None  # the next (plan, tokens, features): a plain step dispatched early, else (plan, None, None)
         self.drafts = drafter.batch_drafts() if hasattr(drafter, "batch_drafts") and not solo else None
         self.prefix: Optional[BatchPrefix] = None
         self.prefix_refusal: Optional[str] = None
@@ -167,7 +167,9 @@ class BatchDecoder:
 
     def _plan(self) -> Plan:
         if self._queued is not None:
-            return self._queued[0]
+            plan = self._queued[0]
+            self._queued = None if plan.width > 1 else self._queued  # a chain planned while the last plain step ran
+            return plan
         if self.chooser is None:
             return PLAIN
         return self.chooser.plan(len(self.sequences), any(s.seed is not None for s in self.sequences))
@@ -297,9 +299,8 @@ class BatchDecoder:
         s0 = self.sequences[0]
         if self.solo and s0.stop.budget > 1:
             nxt = self._plan()
-            if nxt.width == 1:
-                self._queued = (nxt, *self._forward(y))
-                mx.async_eval([a for a in self._queued[1:] if a is not None])
+            self._queued = (nxt, *self._forward(y)) if nxt.width == 1 else (nxt, None, None)
+            mx.async_eval([a for a in self._queued[1:] if a is not None])
         mx.eval(y, features if features is not None else [])
         picks, seconds = y.tolist(), time.perf_counter() - tic
         results = []

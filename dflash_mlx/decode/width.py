@@ -3,8 +3,10 @@
 ``auto`` runs the option with the highest rate(w, n) = n * E[tokens | w] / seconds(w, n) over plain
 steps, chains of 2, 4, ..., B and (``--tree-budget auto``, one sequence) a tree of :data:`AUTO_TREE`
 nodes. E comes from the draft survival observed (Kaplan-Meier, older steps decayed by :data:`DECAY`,
-unseen positions at :data:`PRIOR`); seconds from an exponential mean per (w, n), once timed twice.
-Untimed options run first; every :data:`PROBE_EVERY` steps a neighbouring chain is probed.
+unseen positions at :data:`PRIOR`); seconds(w, n) is the mean of its last :data:`WINDOW` timings less
+the highest and the lowest (the first run of each (w, n) is left out); plain steps' rate is divided
+by :data:`PLAIN_MARGIN`. It starts at the middle chain; every :data:`PROBE_EVERY` steps the option
+run least recently (nearest the best first) runs once.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ AUTO = "auto"
 PRIOR = 0.6  # conditional acceptance of a draft position never verified
 PRIOR_WEIGHT = 1.0  # steps' worth of weight the prior carries per position
 DECAY = 0.97  # weight of older steps' acceptance, per step
-ALPHA = 0.2  # weight of a new step in the seconds' exponential mean
-OUTLIER = 3.0  # a step this many times slower than its mean is a pause, not a timing
-PROBE_EVERY = 16  # steps between two probes
+WINDOW = 6  # timings kept per (option, n): even, so alternating pipelined timings weigh alike
+PROBE_EVERY = 8  # steps between two probes
+PLAIN_MARGIN = 1.25  # plain must beat the chains' rate by this: the timings miss the cost of switching to it and back
 AUTO_TREE = 16  # tree nodes --tree-budget auto weighs against chains
 
 
@@ -123,10 +125,12 @@ class WidthChooser:
         widest = fixed or max(self.options, key=lambda p: p.width)
         self.max_verify = max(block, widest.width)
         self.survival = Survival(max(block, 2))
-        self.tree_tokens: Optional[float] = None  # mean tokens a tree step committed
-        self.seconds: Dict[Tuple[Plan, int], Tuple[int, float]] = {}  # (option, n) -> (runs, mean seconds)
-        self.steps = 0  # steps observed since the last probe
-        self.probes = 0
+        self.tree_tokens: List[float] = []  # tokens the last tree steps committed, per sequence
+        self.seconds: Dict[Tuple[Plan, int], List[float]] = {}  # (option, n) -> its last timings
+        self.last_run: Dict[Tuple[Plan, int], int] = {}  # (option, n) -> the step it last ran
+        self.steps = 0  # steps observed
+        self.probed = 0  # the step of the last probe
+        self.again: Optional[Plan] = None  # a probe whose first run paid its setup runs once more
 
     def plan(self, n: int = 1, seeded: bool = False) -> Plan:
         """The next step for ``n`` active sequences; ``seeded``: a seeded sampled sequence
@@ -136,26 +140,21 @@ class WidthChooser:
         if seeded:
             return Plan(self.block, self.block)
         options = [p for p in self.options if n == 1 or p.tree_budget is None]
-        untimed = [p for p in options if self._runs(p, n) < 2]
-        if untimed:
-            return untimed[0]
-        best = max(options, key=lambda p: self.rate(p, n))
-        if self.steps >= PROBE_EVERY:
-            self.steps = 0
-            return self._probe(best, options, n)
-        return best
-
-    def _probe(self, best: Plan, options: Sequence[Plan], n: int) -> Plan:
-        """The next wider and the next narrower chain than ``best``, in turn; from plain
-        decoding, the best chain."""
-        chains = [p for p in options if p.width > 1 and p.tree_budget is None]
-        if best.width == 1:
-            return max(chains, key=lambda p: self.rate(p, n))
-        self.probes += 1
-        wider = [p for p in chains if p.width > best.width]
-        narrower = [p for p in chains if p.width < best.width]
-        sides = [wider[:1], narrower[-1:]] if self.probes % 2 else [narrower[-1:], wider[:1]]
-        return (sides[0] or sides[1] or [best])[0]
+        again, self.again = self.again, None
+        if again in options:
+            return again
+        timed = [p for p in options if self.seconds.get((p, n))]
+        chains = options[1 : len(chain_widths(self.block)) + 1]
+        best = max(timed, key=lambda p: self.rate(p, n)) if timed else chains[(len(chains) - 1) // 2]
+        if self.steps - self.probed < PROBE_EVERY:
+            return best
+        self.probed = self.steps
+        i = options.index(best)
+        probe = min((p for p in options if p != best),
+                    key=lambda p: (self.last_run.get((p, n), -1), abs(options.index(p) - i)))
+        if (probe, n) not in self.seconds:
+            self.again = probe
+        return probe
 
     def observe(self, plan: Plan, seconds: float, accepted: Sequence[int]) -> None:
         """One step that ran ``plan``: its wall ``seconds`` (the whole batched step) and each
@@ -165,32 +164,31 @@ class WidthChooser:
         n = len(accepted)
         self.steps += 1
         if plan.tree_budget is not None:
-            tokens = sum(accepted) / max(n, 1) + 1.0
-            self.tree_tokens = tokens if self.tree_tokens is None else (1 - ALPHA) * self.tree_tokens + ALPHA * tokens
+            self.tree_tokens = self.tree_tokens[1 - WINDOW :] + [sum(accepted) / max(n, 1) + 1.0]
         elif plan.width > 1:
             for a in accepted:
                 self.survival.observe(plan.width, a)
         key = (plan, n)
-        runs, mean = self.seconds.get(key, (0, seconds))
-        if runs < 2:
-            mean = seconds  # the first run of a shape pays its setup; the second replaces it
-        elif seconds < OUTLIER * mean:
-            mean = (1 - ALPHA) * mean + ALPHA * seconds
-        self.seconds[key] = (runs + 1, mean)
-
-    def _runs(self, plan: Plan, n: int) -> int:
-        return self.seconds.get((plan, n), (0, 0.0))[0]
+        self.last_run[key] = self.steps
+        if key in self.seconds:
+            self.seconds[key] = self.seconds[key][1 - WINDOW :] + [seconds]
+        else:
+            self.seconds[key] = []  # the first run of a shape pays its setup
 
     def expected_tokens(self, plan: Plan) -> float:
         """E[tokens committed per sequence] by ``plan``."""
-        if plan.tree_budget is not None:
-            return self.tree_tokens if self.tree_tokens is not None else self.survival.expected_tokens(self.block)
-        return self.survival.expected_tokens(plan.width)
+        if plan.tree_budget is not None and self.tree_tokens:
+            return sum(self.tree_tokens) / len(self.tree_tokens)
+        return self.survival.expected_tokens(plan.width if plan.tree_budget is None else self.block)
 
     def rate(self, plan: Plan, n: int = 1) -> float:
         """Tokens per second ``plan`` is expected to commit for ``n`` sequences (0 untimed)."""
-        runs, seconds = self.seconds.get((plan, n), (0, 0.0))
-        return n * self.expected_tokens(plan) / seconds if runs and seconds > 0 else 0.0
+        timings = sorted(self.seconds.get((plan, n), []))
+        if len(timings) > 2:
+            timings = timings[1:-1]
+        seconds = sum(timings) / len(timings) if timings else 0.0
+        margin = PLAIN_MARGIN if plan.width == 1 else 1.0
+        return n * self.expected_tokens(plan) / seconds / margin if seconds > 0 else 0.0
 
 
 def make_chooser(target, drafter, block_size: int | str, tree_budget, stats) -> WidthChooser:
