@@ -93,7 +93,8 @@ def hybrid_pair(stories, tmp_path_factory):
     return out / "target", save_drafter(tiny_drafter(target, block_size=4), out / "drafter")
 
 
-@pytest.mark.parametrize("sampling", [["--temp", "0"], ["--temp", "0.8", "--seed", "7"]], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [["--temp", "0"], ["--temp", "0.8", "--seed", "7", "--block-size", "4"]],
+                         ids=["greedy", "seeded"])
 def test_a_pipeline_split_hybrid_target_prints_the_single_process_text(launcher, hybrid_pair, sampling):
     target, drafter = hybrid_pair
     args = ["generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "Once upon a time",
