@@ -159,3 +159,17 @@ def test_lossless_check_fails_when_only_the_recurrent_state_is_not_rolled_back(f
     assert run() == ref
     monkeypatch.setattr(GatedDeltaCache, "trim", lambda self, n: (setattr(self, "offset", self.offset - n), n)[1])
     assert run() != ref
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_a_stop_token_during_plain_steps_leaves_the_cache_exact(family):
+    # Plain steps read one token while the next forward runs; a recurrent layer cannot drop a row of
+    # an older forward, so a stop token there must not need it.
+    model, target = tiny_target(family)
+    ref = mlx_lm_greedy(model, PROMPT, 40)
+    at = next(i for i in range(10, 40) if ref[i] not in ref[:i])
+    cache = target.make_cache(4)
+    steps = generate_step(mx.array(PROMPT), target, None, max_tokens=40, stop_token_ids=[ref[at]],
+                          prompt_cache=cache)
+    assert [t for s in steps for t in s.tokens] == ref[:at]
+    assert cache[0].offset == len(PROMPT) + at - 1  # the prompt and every emitted token but the last

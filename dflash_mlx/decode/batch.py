@@ -297,7 +297,7 @@ class BatchDecoder:
             y, features = self._forward()
         self._queued = None
         s0 = self.sequences[0]
-        if self.solo and s0.stop.budget > 1:
+        if self.solo and s0.stop.budget > 1 and self.target.rollback_spans_forwards:
             nxt = self._plan()
             self._queued = (nxt, *self._forward(y)) if nxt.width == 1 else (nxt, None, None)
             mx.async_eval([a for a in self._queued[1:] if a is not None])

@@ -29,7 +29,11 @@ class TargetAdapter(TreeVerify):
         text: the text model (``args``, ``model``, and ``lm_head`` when untied).
         inner: ``text.model``, the decoder stack (``embed_tokens``, ``layers``, ``norm``).
         args: ``text.args``.
+        rollback_spans_forwards: a rollback may remove rows of several forwards (False where a
+            layer can only undo its last forward: the next plain step then waits for this one).
     """
+
+    rollback_spans_forwards = True
 
     def __init__(self, model: nn.Module):
         self.model = model

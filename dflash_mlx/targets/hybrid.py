@@ -21,6 +21,8 @@ from .fused import attention_mask
 class HybridAdapter(TargetAdapter):
     """Layers with ``is_linear`` run a Gated-DeltaNet (``linear_attn``), the others attention."""
 
+    rollback_spans_forwards = False  # a GatedDeltaCache replays its last forward only
+
     def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
         inner = self.inner
         fa = attention_mask(h, cache[inner.fa_idx]) if inner.fa_idx is not None else None
