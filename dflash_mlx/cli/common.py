@@ -57,7 +57,8 @@ BlockSize = Annotated[str, Option("--block-size", callback=_parsed("parse_block_
     "auto: verify the width measured timings say is fastest; or B, 2..the drafter's trained size."))]
 TreeBudget = Annotated[Optional[str], Option("--tree-budget", callback=_parsed("parse_tree_budget"), help=(
     "DDTree: verify the N most likely draft prefixes as one tree (e.g. 32), or auto."))]
-Sharding = Annotated[str, Option("--sharding", help="Under mlx.launch: tensor (split every layer) or pipeline (split the layers).")]
+Sharding = Annotated[str, Option("--sharding", help=(
+    "Under mlx.launch: tensor (split every layer) or pipeline (split the layers)."))]
 DraftWindow = Annotated[Optional[str], Option("--draft-window", help=(
     "SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows (e.g. 64,1024)."))]
 SystemPrompt = Annotated[Optional[str], Option("--system-prompt", help="System prompt for the chat template.")]

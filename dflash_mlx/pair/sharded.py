@@ -138,7 +138,8 @@ def load_sharded(path: Path, sharding: str, model_type: str) -> Tuple[object, ob
                             pipeline_group=group if sharding == "pipeline" else None)
     except ValueError as e:
         if "support" in str(e):
+            fix = "use --sharding tensor" if sharding == "pipeline" else "run it in one process"
             raise InputError(f"{path}: a {model_type} target cannot be split with --sharding {sharding} "
-                             f"({e}); " + ("use --sharding tensor" if sharding == "pipeline" else "run it in one process")) from None
+                             f"({e}); {fix}") from None
         raise CheckpointError(f"{path}: cannot load the target model ({e})") from None
 
