@@ -115,15 +115,20 @@ def test_bench_refuses_several_ranks_in_one_line(launcher, stories):
     assert "Traceback" not in done.stderr
 
 
-def test_a_request_served_on_two_ranks_gets_the_single_process_text(launcher, stories, tmp_path):
-    one = _generate(stories, 1, "--temp", "0")
+@pytest.mark.parametrize("sharding", ["tensor", "pipeline"])
+def test_a_request_served_on_two_ranks_gets_the_single_process_text(launcher, request, sharding, tmp_path):
+    target, drafter = (request.getfixturevalue("stories"), DRAFTER) if sharding == "tensor" else \
+        request.getfixturevalue("hybrid_pair")
+    done = _run(["generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "Once upon a time",
+                 "--max-tokens", "64", "--no-prompt-cache", "--json", "--quiet", "--temp", "0"], 1)
+    one = json.loads(done.stdout)
     launch = [str(LAUNCH), "--backend", "ring", "-n", "2", "--"]
-    proc, url = start_server(tmp_path / "serve.log", "--model", str(stories), "--draft-model", str(DRAFTER),
-                             launch=launch)
+    proc, url = start_server(tmp_path / "serve.log", "--model", str(target), "--draft-model", str(drafter),
+                             "--sharding", sharding, launch=launch)
     try:
         health = httpx.get(f"{url}/health").json()
-        assert health["distributed"] == {"ranks": 2, "sharding": "tensor", "max_batch": 1}
-        reply = openai_client(url).completions.create(model=str(stories), prompt="Once upon a time", max_tokens=64,
+        assert health["distributed"] == {"ranks": 2, "sharding": sharding, "max_batch": 1}
+        reply = openai_client(url).completions.create(model=str(target), prompt="Once upon a time", max_tokens=64,
                                                       temperature=0)
         assert reply.choices[0].text == one["text"]
     finally:
