@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_mlx.decode.width import (AUTO, PROBE_EVERY, Plan, WidthChooser, make_chooser, parse_block_size,
+from dflash_mlx.decode.width import (AUTO, MAX_GAP, PROBE_EVERY, Plan, WidthChooser, make_chooser, parse_block_size,
                                      parse_tree_budget)
 from dflash_mlx.errors import InputError
 from dflash_mlx.stats import GenerationStats
@@ -63,8 +63,8 @@ def test_a_drafter_that_never_agrees_gets_plain_steps():
 
 def test_the_probe_brings_drafting_back_when_drafts_start_to_agree():
     chooser = auto()
-    run(chooser, 300, lambda k: False)
-    assert chooser.plan(1).width == 1
+    plans = run(chooser, 300, lambda k: False)
+    assert sum(p.width == 1 for p in plans[-64:]) >= 64 * STAY
     plans = run(chooser, 20 * PROBE_EVERY, lambda k: True)
     assert sum(p.width == B for p in plans[-64:]) >= 64 * STAY
 
@@ -104,6 +104,13 @@ def test_the_best_width_gets_nearly_every_step():
     plans = run(auto(), 300, two_right, cost=width_costs)
     assert sum(p == Plan(4, 4) for p in plans[-200:]) >= 200 * STAY - 5
     assert sum(p != Plan(4, 4) for p in plans) <= 300 / PROBE_EVERY + 20
+
+
+def test_clearly_slower_options_are_probed_ever_more_rarely():
+    """Under :func:`width_costs` every other option measures below 90% of a chain of 4's rate: once
+    their gaps reach MAX_GAP, each is probed about once per MAX_GAP steps (not once per 4 probes)."""
+    plans = run(auto(), 600, two_right, cost=width_costs)
+    assert sum(p != Plan(4, 4) for p in plans[200:]) <= 4 * (400 // MAX_GAP + 2)
 
 
 def test_one_slow_step_does_not_move_the_choice():

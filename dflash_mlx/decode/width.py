@@ -5,8 +5,10 @@ steps, chains of 2, 4, ..., B and (``--tree-budget auto``, one sequence) a tree 
 nodes. E comes from the draft survival observed (Kaplan-Meier, older steps decayed by :data:`DECAY`,
 unseen positions at :data:`PRIOR`); seconds(w, n) is the mean of its last :data:`WINDOW` timings less
 the highest and the lowest (the first run of each (w, n) is left out); plain steps' rate is divided
-by :data:`PLAIN_MARGIN`. It starts at the middle chain; every :data:`PROBE_EVERY` steps the option
-run least recently (nearest the best first) runs once.
+by :data:`PLAIN_MARGIN`. It starts at the middle chain. At most once every :data:`PROBE_EVERY` steps
+an option that is due runs once (a probe; the most overdue, nearest the best first). An option is due
+:data:`PROBE_EVERY` steps after its last probe, or, while its probes measure below :data:`CLOSE` of the
+best rate, after twice the last gap (at most :data:`MAX_GAP`): clearly slower options cost few steps.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ DECAY = 0.97  # weight of older steps' acceptance, per step
 WINDOW = 6  # timings kept per (option, n): even, so alternating pipelined timings weigh alike
 PROBE_EVERY = 8  # steps between two probes
 PLAIN_MARGIN = 1.25  # plain must beat the chains' rate by this: the timings miss the cost of switching to it and back
+CLOSE = 0.9  # a probe within this fraction of the best rate keeps the shortest gap
+MAX_GAP = 64  # the longest gap between two probes of one option, in steps
 AUTO_TREE = 16  # tree nodes --tree-budget auto weighs against chains
 
 
@@ -91,11 +95,15 @@ class Survival:
 
     def observe(self, width: int, accepted: int) -> None:
         """One chain of ``width`` tokens that accepted ``accepted`` drafts."""
-        self.reached = [r * DECAY for r in self.reached]
-        self.right = [r * DECAY for r in self.right]
+        self.decay()
         for k in range(1, min(accepted + 1, width - 1) + 1):
             self.reached[k] += 1.0
             self.right[k] += k <= accepted
+
+    def decay(self) -> None:
+        """Older steps weigh :data:`DECAY` as much (every step, plain ones too)."""
+        self.reached = [r * DECAY for r in self.reached]
+        self.right = [r * DECAY for r in self.right]
 
     def expected_tokens(self, width: int) -> float:
         """E[tokens committed | a chain of ``width``] = 1 + sum of S(k), k < width."""
@@ -127,7 +135,9 @@ class WidthChooser:
         self.survival = Survival(max(block, 2))
         self.tree_tokens: List[float] = []  # tokens the last tree steps committed, per sequence
         self.seconds: Dict[Tuple[Plan, int], List[float]] = {}  # (option, n) -> its last timings
-        self.last_run: Dict[Tuple[Plan, int], int] = {}  # (option, n) -> the step it last ran
+        self.best: Dict[int, Plan] = {}  # n -> the option planned as best
+        self.gap: Dict[Tuple[Plan, int], int] = {}  # (option, n) -> steps between its probes
+        self.due: Dict[Tuple[Plan, int], int] = {}  # (option, n) -> the step from which it is probed again
         self.steps = 0  # steps observed
         self.probed = 0  # the step of the last probe
         self.again: Optional[Plan] = None  # a probe whose first run paid its setup runs once more
@@ -146,12 +156,13 @@ class WidthChooser:
         timed = [p for p in options if self.seconds.get((p, n))]
         chains = options[1 : len(chain_widths(self.block)) + 1]
         best = max(timed, key=lambda p: self.rate(p, n)) if timed else chains[(len(chains) - 1) // 2]
-        if self.steps - self.probed < PROBE_EVERY:
+        self.best[n] = best
+        i = options.index(best)
+        due = [p for p in options if p != best and self.due.get((p, n), 0) <= self.steps]
+        if not due or self.steps - self.probed < PROBE_EVERY:
             return best
         self.probed = self.steps
-        i = options.index(best)
-        probe = min((p for p in options if p != best),
-                    key=lambda p: (self.last_run.get((p, n), -1), abs(options.index(p) - i)))
+        probe = min(due, key=lambda p: (self.due.get((p, n), 0), abs(options.index(p) - i)))
         if (probe, n) not in self.seconds:
             self.again = probe
         return probe
@@ -168,12 +179,18 @@ class WidthChooser:
         elif plan.width > 1:
             for a in accepted:
                 self.survival.observe(plan.width, a)
+        else:
+            self.survival.decay()
         key = (plan, n)
-        self.last_run[key] = self.steps
         if key in self.seconds:
             self.seconds[key] = self.seconds[key][1 - WINDOW :] + [seconds]
         else:
             self.seconds[key] = []  # the first run of a shape pays its setup
+        best = self.best.get(n)
+        if best is not None and plan != best and self.seconds[key]:  # a probe: when is the next one
+            close = self.rate(plan, n) >= CLOSE * self.rate(best, n)
+            self.gap[key] = PROBE_EVERY if close else min(2 * self.gap.get(key, PROBE_EVERY), MAX_GAP)
+            self.due[key] = self.steps + self.gap[key]
 
     def expected_tokens(self, plan: Plan) -> float:
         """E[tokens committed per sequence] by ``plan``."""
