@@ -47,10 +47,10 @@ class ByteTokenizer:
         return out + ("" if enable_thinking else "\x03\x04")
 
 
-def fresh(target, drafter, ids, n, B=4):
-    """A fresh run on the whole conversation: the reference for every turn."""
-    steps = generate_step(mx.array(ids, dtype=mx.int32), target, drafter, max_tokens=n, block_size=B,
-                          stop_token_ids=[0])
+def fresh(target, ids, n):
+    """The reference for every turn: plain greedy decoding of the target on the whole conversation,
+    in fresh caches (a drafted reply equals it token for token)."""
+    steps = generate_step(mx.array(ids, dtype=mx.int32), target, None, max_tokens=n, stop_token_ids=[0])
     return [t for s in steps for t in s.tokens]
 
 
@@ -82,7 +82,7 @@ def test_turns_reuse_caches_exactly(pair, template):
     for text, n in zip(TURNS, [9, 20, 33]):
         cached = list(s.tokens)
         reply, ids = run_turn(s, text, n)
-        assert reply == fresh(target, drafter, ids, n)
+        assert reply == fresh(target, ids, n)
         check_consistent(s)
         # Both caches hold the conversation but the last token; each turn reused the
         # previous prompt (but the empty think block the template drops from history).
@@ -123,7 +123,7 @@ def test_hybrid_turns_reuse_the_cache(family, drafted):
     for i, (text, n) in enumerate(zip(TURNS, [9, 20, 33])):
         cached = len(s.tokens)
         reply, ids = run_turn(s, text, n, B=B)
-        assert reply == fresh(target, drafter, ids, n, B=B)
+        assert reply == fresh(target, ids, n)
         if drafted:
             check_consistent(s)
         assert s.pair_cache.last_reused == cached and (i == 0 or cached > 0)
@@ -134,7 +134,7 @@ def test_plain_decoding_session(family):
     s = ChatSession(target, ByteTokenizer(False))
     for text in TURNS[:2]:
         reply, ids = run_turn(s, text, 12, B=None)
-        assert reply == fresh(target, None, ids, 12, B=None)
+        assert reply == fresh(target, ids, 12)
         assert set(s.pair_cache.offsets()["target"]) == {len(s.tokens)} and "drafter" not in s.pair_cache.offsets()
 
 
@@ -198,7 +198,7 @@ def test_interrupt_rolls_both_caches_back(pair, where):
         assert len(got) > 0 and s.tokens[-len(got) + 1 :] == got[:-1]
     # The next turn re-prefills what is missing and is exact.
     reply, ids = run_turn(s, TURNS[2], 25)
-    assert reply == fresh(target, drafter, ids, 25)
+    assert reply == fresh(target, ids, 25)
     check_consistent(s)
 
 
@@ -226,7 +226,7 @@ def test_reset_trims_both_caches_and_starts_the_totals_afresh(pair):
     assert s.turns == 0 and s.totals.generation_tokens == 0 and s.totals.steps == 0
     check_consistent(s)
     reply, ids = run_turn(s, TURNS[2], 20)
-    assert s.pair_cache.last_reused == 0 and reply == fresh(target, drafter, ids, 20)
+    assert s.pair_cache.last_reused == 0 and reply == fresh(target, ids, 20)
     # /stats after /reset counts the new conversation only.
     assert s.turns == 1 and "Turns: 1 (0 interrupted)" in s.stats_lines()
     assert f"Generation: {len(reply)} tokens" in "\n".join(s.stats_lines())

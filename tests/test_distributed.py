@@ -1,9 +1,11 @@
 """DFlash on a target sharded over 2 local ranks (`mlx.launch --backend ring -n 2`): rank 0 alone prints, and
 the text is the single process's (tensor: generate greedy and seeded-sampled, serve, chat; pipeline: generate)."""
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ from typing import Optional
 import httpx
 import pytest
 
-from conftest import ROOT, openai_client, start_server
+from conftest import ROOT, free_port, openai_client, start_server
 
 BIN = Path(sys.executable).parent
 LAUNCH = BIN / "mlx.launch"
@@ -24,9 +26,36 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
+_SINGLE: dict = {}  # the single-process reference runs, shared by the tests in this worker
+
+
+def _single(args) -> dict:
+    """``dflash generate ... --json`` in one process (the reference), run once per argument list."""
+    key = tuple(args)
+    if key not in _SINGLE:
+        done = _run(args, 1)
+        assert done.returncode == 0, done.stderr[-2000:]
+        _SINGLE[key] = json.loads(done.stdout)
+    return _SINGLE[key]
+
+
+def _launch(ranks: int = 2) -> list:
+    """``mlx.launch`` over the ring backend on ports of its own: every launch otherwise listens from port
+    32323, and two at once (the test workers run side by side) would connect to each other's ranks."""
+    for _ in range(100):
+        start = free_port()
+        with contextlib.ExitStack() as held:  # the ranks' ports must all be free
+            try:
+                for port in range(start, start + ranks):
+                    held.enter_context(socket.create_server(("127.0.0.1", port)))
+            except OSError:
+                continue
+        return [str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--starting-port", str(start), "--"]
+    raise RuntimeError(f"no {ranks} free consecutive ports for mlx.launch")
+
+
 def _run(args, ranks: int, input: Optional[str] = None):
-    cmd = [str(BIN / "dflash"), *args] if ranks == 1 else \
-        [str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--", str(BIN / "dflash"), *args]
+    cmd = [str(BIN / "dflash"), *args] if ranks == 1 else [*_launch(ranks), str(BIN / "dflash"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT,
                           input=input)
 
@@ -39,15 +68,21 @@ def launcher(tmp_path_factory):
     probe = tmp_path_factory.mktemp("probe") / "probe.py"
     probe.write_text("import mlx.core as mx\ng = mx.distributed.init()\n"
                      "print(g.size(), mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu).item())\n")
-    done = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "--", sys.executable, str(probe)],
+    done = subprocess.run([*_launch(), sys.executable, str(probe)],
                           capture_output=True, text=True, timeout=120)
     if done.returncode != 0 or "2 2.0" not in done.stdout:
         pytest.skip(f"mlx.launch --backend ring -n 2 cannot start ranks here: {done.stderr.strip()[-300:]}")
 
 
+def _generate_args(target, drafter, *extra) -> list:
+    return ["generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "Once upon a time",
+            "--max-tokens", "64", "--no-prompt-cache", "--json", "--quiet", *extra]
+
+
 def _generate(stories, ranks: int, *extra):
-    done = _run(["generate", "--model", str(stories), "--draft-model", str(DRAFTER), "--prompt", "Once upon a time",
-                 "--max-tokens", "64", "--no-prompt-cache", "--json", "--quiet", *extra], ranks)
+    if ranks == 1:
+        return _single(_generate_args(stories, DRAFTER, *extra))
+    done = _run(_generate_args(stories, DRAFTER, *extra), ranks)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert len(lines) == 1, done.stdout  # rank 0 alone prints
@@ -97,13 +132,12 @@ def hybrid_pair(stories, tmp_path_factory):
                          ids=["greedy", "seeded"])
 def test_a_pipeline_split_hybrid_target_prints_the_single_process_text(launcher, hybrid_pair, sampling):
     target, drafter = hybrid_pair
-    args = ["generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "Once upon a time",
-            "--max-tokens", "40", "--no-prompt-cache", "--json", "--quiet", *sampling]
-    one = _run(args, 1)
+    args = _generate_args(target, drafter, *sampling)
+    one = _single(args)
     two = _run([*args, "--sharding", "pipeline"], 2)
-    assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-2000:]
+    assert two.returncode == 0, two.stderr[-2000:]
     assert len(two.stdout.splitlines()) == 1, two.stdout  # rank 0 alone prints
-    one, two = json.loads(one.stdout), json.loads(two.stdout)
+    two = json.loads(two.stdout)
     assert two["distributed"] == {"ranks": 2, "sharding": "pipeline"}
     assert len(set(two["text"])) > 10 and two["text"] == one["text"]  # varied, and the same
     assert two["steps"] > 5 and two["tau"] >= 1  # verify steps ran (a random drafter: each rolls its drafts back)
@@ -119,10 +153,8 @@ def test_bench_refuses_several_ranks_in_one_line(launcher, stories):
 def test_a_request_served_on_two_ranks_gets_the_single_process_text(launcher, request, sharding, tmp_path):
     target, drafter = (request.getfixturevalue("stories"), DRAFTER) if sharding == "tensor" else \
         request.getfixturevalue("hybrid_pair")
-    done = _run(["generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "Once upon a time",
-                 "--max-tokens", "64", "--no-prompt-cache", "--json", "--quiet", "--temp", "0"], 1)
-    one = json.loads(done.stdout)
-    launch = [str(LAUNCH), "--backend", "ring", "-n", "2", "--"]
+    one = _single(_generate_args(target, drafter, "--temp", "0"))
+    launch = _launch()
     proc, url = start_server(tmp_path / "serve.log", "--model", str(target), "--draft-model", str(drafter),
                              "--sharding", sharding, launch=launch)
     try:
