@@ -328,8 +328,9 @@ def start_server(log: Path, *args: str, launch: List[str] = ()):
     port = free_port()
     cmd = [*launch, sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--port", str(port), *args]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "DFLASH_API_KEY": ""},
-                                start_new_session=bool(launch))
+        # stdin: a pipe left open (at the end of its input mlx.launch polls it without pause)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "DFLASH_API_KEY": ""}, start_new_session=bool(launch))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

@@ -54,10 +54,29 @@ def _launch(ranks: int = 2) -> list:
     raise RuntimeError(f"no {ranks} free consecutive ports for mlx.launch")
 
 
-def _run(args, ranks: int, input: Optional[str] = None):
+def _run(args, ranks: int, input: Optional[str] = None) -> subprocess.CompletedProcess:
+    """The command in one process or under ``mlx.launch``, ``input`` on its standard input. The input
+    stays open until the command exits: at the end of its input mlx.launch polls it without pause and
+    takes a whole core from the ranks."""
     cmd = [str(BIN / "dflash"), *args] if ranks == 1 else [*_launch(ranks), str(BIN / "dflash"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT,
-                          input=input)
+    read, write = os.pipe()
+    try:
+        proc = subprocess.Popen(cmd, stdin=read, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_env(), cwd=ROOT)
+        os.close(read)
+        read = None
+        if input:
+            os.write(write, input.encode())
+        try:
+            out, err = proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    finally:
+        os.close(write)
+        if read is not None:
+            os.close(read)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
