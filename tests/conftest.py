@@ -428,11 +428,22 @@ class TemplateTokenizer(ByteTokenizer):
 SERVED = "tiny"  # the model name of :func:`tiny_server_pair`'s apps
 
 
-def tiny_server_pair(context: int = 64):
-    """A pair for in-process servers: tiny llama target (``context`` tokens), drafter, TemplateTokenizer."""
+def tiny_server_pair(context: int = 64, on_forward=None):
+    """A pair for in-process servers: tiny llama target (``context`` tokens), drafter, TemplateTokenizer.
+
+    ``on_forward(inputs)``, when given, runs before each of the target's forwards (prefill chunks,
+    verify and plain steps; ``inputs``: [N, L] ids) on the thread that runs it: a test observes or
+    holds the engine there, through the target it was given."""
     from types import SimpleNamespace
 
     model, target = tiny_target("llama")
+    if on_forward is not None:
+        class Observed(type(target)):
+            def __call__(self, inputs, *args, **kwargs):
+                on_forward(inputs)
+                return super().__call__(inputs, *args, **kwargs)
+
+        target = Observed(model)
     model.args.max_position_embeddings = context  # what the server reads as the context
     return SimpleNamespace(model=model, target=target, tokenizer=TemplateTokenizer(), drafter=tiny_drafter(target),
                            draft_path="tiny-drafter")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import select
 import socket
 import threading
@@ -19,7 +20,6 @@ import httpx
 import pytest
 
 from conftest import SERVED, app_client, live_app, openai_client, parse_metrics, tiny_server_pair
-from dflash_mlx.serve import engine as server_engine
 from dflash_mlx.sampling import MIN_TEMP, Sampling
 from dflash_mlx.serve.app import ServerConfig, create_app
 from dflash_mlx.serve.guard import CHARS_PER_TOKEN
@@ -29,6 +29,7 @@ openai = pytest.importorskip("openai")
 
 MODEL = SERVED
 CONTEXT = 64  # tokens: keeps every request of the fuzz test short
+PREFILL_FORWARDS = 1  # the target's forwards that prefill a short prompt ("Once upon")
 
 
 @pytest.fixture(scope="module")
@@ -199,46 +200,65 @@ def read_reply(sock: socket.socket) -> str:
     return (head + b"\r\n\r\n" + body).decode()
 
 
+@contextlib.contextmanager
+def server_log_says(words: str):
+    """An event set once the server's log (``dflash.serve``, INFO) holds a record with ``words``."""
+    seen = threading.Event()
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            if words in record.getMessage():
+                seen.set()
+
+    logger, handler = logging.getLogger("dflash.serve"), Handler(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def wait_for(check, what: str, seconds: float = 60) -> None:
+    """Poll ``check()`` until it is true; fail naming ``what`` after ``seconds`` (a bound, not a measure)."""
+    end = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < end, f"{what}: not after {seconds} s"
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("streaming", [False, True])
-def test_abandoned_request_stops_within_one_step(monkeypatch, streaming):
+def test_abandoned_request_stops_within_one_step(streaming):
     """A client that sends a request (streaming or not) and leaves once generation is
-    under way: the engine generates at most one more verify step, counts it cancelled,
-    and the next request runs. The first step is held until the server closes the job
-    (or 60 s pass, when the test fails on the step count)."""
-    pair = tiny_server_pair(context=4096)
+    under way: the target runs no forward after the step in progress when the server
+    noticed, the request counts as cancelled, and the next request runs. The target holds
+    its first decoding forward until the server logs the disconnect."""
+    forwards, held, release = [], threading.Event(), threading.Event()
+
+    def on_forward(inputs):
+        forwards.append(inputs.shape[1])
+        if len(forwards) == PREFILL_FORWARDS + 1:
+            held.set()
+            release.wait(60)
+
+    pair = tiny_server_pair(context=4096, on_forward=on_forward)
     app = create_app(pair, ServerConfig(model_id=MODEL))
-    engine = app.state.server.engine
-    first_step, closed, steps = threading.Event(), threading.Event(), []
-    real_step, real_close = engine.decoder.step, server_engine.Job.close
-
-    def close(job):
-        closed.set()
-        real_close(job)
-
-    def step():
-        lengths = [len(s.key.spec.ids) for s in engine.decoder.sequences]
-        results = real_step()
-        steps.extend(lengths)
-        if not first_step.is_set():
-            first_step.set()
-            closed.wait(60)
-        return results
-
-    monkeypatch.setattr(server_engine.Job, "close", close)
-    monkeypatch.setattr(engine.decoder, "step", step)
-    with live_app(app) as port:
+    with server_log_says("the client went away") as gone, live_app(app) as port:
         sock = raw_request(port, json.dumps({"model": MODEL, "prompt": "Once upon", "max_tokens": 400,
                                              "stream": streaming}).encode())
-        assert first_step.wait(60)
+        assert held.wait(60)
         sock.close()
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": "Next", "max_tokens": 3})
+        assert gone.wait(60), "the server did not notice the disconnect"
+        release.set()
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: 'outcome="cancelled"} 1.0' in httpx.get(f"{url}/metrics").text, "counted cancelled")
+        after = len(forwards) - (PREFILL_FORWARDS + 1)
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Next", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    abandoned = steps.count(len("Once upon"))
-    assert abandoned == 1, f"{abandoned} verify steps for the abandoned request (none after the close)"
-    assert 'dflash_requests_total{endpoint="completions",outcome="cancelled"} 1.0' in metrics
-    assert engine.pair_cache.is_consistent()
+    assert after == 0, f"{after} forwards for the abandoned request after the step under way at the close"
+    assert app.state.server.engine.pair_cache.is_consistent()
 
 
 def test_stalled_body_is_408():
@@ -265,7 +285,7 @@ def test_openai_client_gets_400_for_a_request_template(pair):
         assert r.usage.completion_tokens == 3
 
 
-def test_abandoned_during_prefill_stops_between_chunks(monkeypatch):
+def test_abandoned_during_prefill_stops_between_chunks():
     """A job closed while its prompt is prefilled stops before the next chunk (16
     tokens here): 3 chunks of a 300-token prompt run, none is generated, and the
     caches hold what the next request can trust (its output equals a fresh run's)."""
@@ -277,32 +297,32 @@ def test_abandoned_during_prefill_stops_between_chunks(monkeypatch):
     from dflash_mlx.serve.engine import Engine, GenerationJob
     from dflash_mlx.serve.metrics import ServerMetrics
 
-    pair = tiny_server_pair(context=4096)
-    checks = []
+    forwards, jobs, submitted = [], [], threading.Event()
 
-    def should_stop(job):
-        checks.append(job.id)
-        if len(checks) == 3:
-            job.close()
-        return job.cancelled.is_set()
+    def on_forward(inputs):  # the first job is closed during its third chunk
+        submitted.wait(60)
+        forwards.append(inputs.shape[1])
+        if len(forwards) == 3:
+            jobs[0].close()
 
-    monkeypatch.setattr(server_engine.Job, "should_stop", should_stop)
+    pair = tiny_server_pair(context=4096, on_forward=on_forward)
     ids = [3 + i % 200 for i in range(300)]
 
     async def main():
         engine = Engine(pair, metrics=ServerMetrics(16), prefill_step_size=16)
-        first = engine.submit(GenerationJob(ids, 50))
-        async for _ in first:
+        jobs.append(engine.submit(GenerationJob(ids, 50)))
+        submitted.set()
+        async for _ in jobs[0]:
             pass
-        monkeypatch.undo()
+        first = len(forwards)
         out = []
         async for c in engine.submit(GenerationJob(ids[:40], 12)):
             out.append(c)
         engine.shutdown()
-        return engine, out
+        return engine, first, out
 
-    engine, out = asyncio.run(main())
-    assert len(checks) == 3  # stopped at the third chunk, out of 19
+    engine, first, out = asyncio.run(main())
+    assert first == 3 and forwards[:3] == [16] * 3  # stopped after the third chunk, out of 19
     counts = parse_metrics(engine.metrics.render().decode())
     assert counts['dflash_requests_total{endpoint="chat",outcome="cancelled"}'] == 1
     assert counts["dflash_generation_tokens_total"] == 12  # the second job's only
@@ -313,19 +333,20 @@ def test_abandoned_during_prefill_stops_between_chunks(monkeypatch):
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-def test_request_timeout_mid_generation(monkeypatch, streaming):
-    """The deadline passing while a reply is generated (here: from the fifth check on,
-    checks counted, not timed) stops it after that step: a 408, or for a stream an error
-    event with code request_timeout and no finish_reason; counted as a timeout."""
-    calls = []
+def test_request_timeout_mid_generation(streaming):
+    """The deadline passing while a reply is generated stops it after that step: a 408,
+    or for a stream an error event with code request_timeout and no finish_reason;
+    counted as a timeout. The target holds its fifth forward until the deadline
+    (--request-timeout 1.5 s, set before the first forward) has passed."""
+    timeout, starts = 1.5, []
 
-    def expired(job):
-        calls.append(job.id)
-        return len(calls) >= 5
+    def on_forward(inputs):
+        starts.append(time.monotonic())
+        if len(starts) == 5:
+            time.sleep(max(0.0, starts[0] + timeout + 0.05 - time.monotonic()))
 
-    monkeypatch.setattr(server_engine.Job, "expired", expired)
-    pair = tiny_server_pair(context=4096)
-    with app_client(pair) as c:
+    pair = tiny_server_pair(context=4096, on_forward=on_forward)
+    with app_client(pair, request_timeout=timeout) as c:
         body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 300, "stream": streaming}
         r = c.post("/v1/completions", json=body)
         metrics = c.get("/metrics").text
@@ -341,7 +362,7 @@ def test_request_timeout_mid_generation(monkeypatch, streaming):
     assert 'dflash_requests_total{endpoint="completions",outcome="timeout"} 1.0' in metrics
     generated = float(next(l.split()[-1] for l in metrics.splitlines()
                            if l.startswith("dflash_generation_tokens_total")))
-    assert 0 < generated < 300
+    assert 0 < generated < 300 and len(starts) == 5  # no forward after the one the deadline passed in
 
 
 # -- HTTP limits of a server facing the network (a live server, real sockets) -------------

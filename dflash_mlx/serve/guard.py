@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from typing import Any, Dict, Optional
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .http_errors import APIError, too_large
+
+log = logging.getLogger("dflash.serve")
 
 CHARS_PER_TOKEN = 8  # the default prompt cap, in characters per token of context
 
@@ -109,4 +112,5 @@ async def watch_disconnect(receive, job) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             job.close()
+            log.info("request %s: the client went away; it stops after its current step", job.id)
             return
