@@ -119,10 +119,24 @@ def test_two_ranks_print_the_single_process_text(launcher, stories, sampling):
     assert two["tau"] > 1
 
 
+def test_other_ranks_say_their_errors_alone():
+    """A rank other than 0 keeps its one-line errors (named with the rank) and drops everything else:
+    mlx.launch stops rank 0 when rank 1 fails first, and the reason must still reach the user."""
+    import io
+
+    from dflash_mlx.pair.sharded import ErrorsOnly
+
+    out = io.StringIO()
+    stderr = ErrorsOnly(out, 1)
+    for piece in ["warning: slow\nerr", "or: a llama target cannot", " be split\n", "Loading 100%\n"]:
+        stderr.write(piece)
+    assert out.getvalue() == "error: rank 1: a llama target cannot be split\n"
+
+
 def test_pipeline_sharding_of_a_family_without_it_is_refused_in_one_line(launcher, stories):
     done = _run(["generate", "--model", str(stories), "--draft-model", str(DRAFTER), "--prompt", "Hi",
                  "--sharding", "pipeline"], 2)
-    assert "a llama target cannot be split with --sharding pipeline" in done.stderr, done.stderr[-2000:]
+    assert "a llama target cannot be split with --sharding pipeline" in done.stderr, done.stderr[-2000:]  # any rank
     assert "use --sharding tensor" in done.stderr and "Traceback" not in done.stderr  # mlx.launch exits 0
 
 

@@ -17,7 +17,7 @@ from dflash_mlx.serve.app import ServerConfig, create_app
 from dflash_mlx.serve.engine import Engine, GenerationJob, QueueFullError
 from dflash_mlx.serve.metrics import ServerMetrics
 import conftest
-from conftest import tiny_drafter, tiny_target
+from conftest import parse_metrics, tiny_drafter, tiny_target
 
 
 class Tokenizer(conftest.ByteTokenizer):
@@ -77,8 +77,9 @@ def test_concurrent_requests_equal_their_solo_runs(pair):
         assert text == solo_text(pair, job.ids, job.max_tokens, job.stop)
         assert last.finish_reason in ("stop", "length") and last.usage["completion_tokens"] >= 1
     rendered = metrics.render().decode()
-    assert metrics.requests.labels("chat", "completed")._value.get() == 12
-    assert 2 <= max(sizes) <= 4 and sizes[-1] == 0 == metrics.batch_size._value.get()  # batched, then emptied
+    counts = parse_metrics(rendered)
+    assert counts['dflash_requests_total{endpoint="chat",outcome="completed"}'] == 12
+    assert 2 <= max(sizes) <= 4 and sizes[-1] == 0 == counts["dflash_batch_size"]  # batched, then emptied
     assert "dflash_queue_wait_seconds_count 12.0" in rendered
     assert "dflash_request_tau_count 12.0" in rendered
 
@@ -99,8 +100,9 @@ def test_a_cancelled_request_leaves_and_the_others_are_unaffected(pair):
     assert a == solo_text(pair, jobs[0].ids, 60) and c == solo_text(pair, jobs[2].ids, 45)
     assert b_last is None and b_chunks <= 4  # at most one more step after the close
     assert solo_text(pair, jobs[1].ids, 200).startswith(b)
-    assert metrics.requests.labels("chat", "cancelled")._value.get() == 1
-    assert metrics.requests.labels("chat", "completed")._value.get() == 2
+    counts = parse_metrics(metrics.render().decode())
+    assert counts['dflash_requests_total{endpoint="chat",outcome="cancelled"}'] == 1
+    assert counts['dflash_requests_total{endpoint="chat",outcome="completed"}'] == 2
 
 
 def test_a_steps_chunks_reach_the_event_loop_in_one_wake_up(pair, monkeypatch):
@@ -165,7 +167,7 @@ def test_engine_choice_is_said_in_log_and_metrics(family, caplog):
     with caplog.at_level(logging.INFO, logger="dflash.serve"):
         engine = Engine(pair, max_batch=8, metrics=metrics, block_size=4)
     engine.shutdown()
-    assert isinstance(engine, Engine) and metrics.batching._value.get() == 1
+    assert isinstance(engine, Engine) and parse_metrics(metrics.render().decode())["dflash_batching"] == 1
     assert "continuous batching: up to 8 requests decode together" in caplog.text
 
 
@@ -179,7 +181,7 @@ def test_a_refused_target_falls_back_to_one_at_a_time(caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="dflash.serve"):
         engine = Engine(make_pair("llama", block_size=4), max_batch=8, metrics=metrics, block_size=4)
     engine.shutdown()
-    assert type(engine) is Engine and metrics.batching._value.get() == 0
+    assert type(engine) is Engine and parse_metrics(metrics.render().decode())["dflash_batching"] == 0
     assert "batching is off for this target, requests run one at a time: target layer 0 keeps an OddCache" \
         in caplog.text
 
@@ -188,7 +190,7 @@ def test_max_batch_one_is_todays_engine(pair):
     metrics = ServerMetrics(8)
     engine = Engine(pair, max_batch=1, metrics=metrics, block_size=4)
     engine.shutdown()
-    assert type(engine) is Engine and metrics.batching._value.get() == 0
+    assert type(engine) is Engine and parse_metrics(metrics.render().decode())["dflash_batching"] == 0
 
 
 def test_batched_sliding_window_server_answers_exactly():

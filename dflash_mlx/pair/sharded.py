@@ -40,7 +40,9 @@ def _from_rank0(values: mx.array) -> mx.array:
 
 def join_ranks(sharding: str) -> Optional[dict]:
     """Under ``mlx.launch`` with more than one rank: check ``sharding``, seed every rank alike,
-    and silence every rank but 0, which alone takes Ctrl-C (they run the same loop).
+    and quiet every rank but 0, which alone takes Ctrl-C (they run the same loop): their standard output
+    goes nowhere, and of their standard error only one-line errors, named with the rank (mlx.launch stops
+    the other ranks when one fails, so rank 0 may not live to say why).
 
     Returns:
         ``{"ranks": n, "sharding": sharding}`` (the ``--json`` field ``distributed``), or None
@@ -56,9 +58,30 @@ def join_ranks(sharding: str) -> Optional[dict]:
         raise InputError(f"--sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
     mx.random.seed(int(_from_rank0(mx.array([random.getrandbits(31)]))[0].item()))
     if rank() != 0:
-        sys.stdout = sys.stderr = open(os.devnull, "w")
+        sys.stdout, sys.stderr = open(os.devnull, "w"), ErrorsOnly(sys.stderr, rank())
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every local rank
     return {"ranks": n, "sharding": sharding}
+
+
+class ErrorsOnly:
+    """Standard error of rank ``rank`` > 0: its ``error: ...`` lines, as ``error: rank N: ...``; nothing else."""
+
+    def __init__(self, stream, rank: int):
+        self.stream, self.rank, self.line = stream, rank, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.line = (self.line + text).split("\n")
+        for line in lines:
+            if line.startswith("error: "):
+                self.stream.write(f"error: rank {self.rank}: {line[len('error: '):]}\n")
+                self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
 
 
 def agreed(value: bool) -> bool:
