@@ -21,6 +21,7 @@ from mlx_lm.generate import generate_step as mlx_generate_step
 from mlx_lm.models import (gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, llama, qwen3, qwen3_5,
                            qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl, qwen3_vl_moe)
 
+from forked_cli import dflash  # noqa: F401  (the tests' `dflash` commands)
 from dflash_mlx import DFlashDrafter, DrafterArgs, bind_drafter, make_adapter, save_drafter
 
 # A run started in the background by a non-interactive shell (`bash .ci/run &`) ignores

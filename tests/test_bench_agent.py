@@ -3,16 +3,13 @@ them from disk (a new cache per request) and live, with the cold run's text, and
 mlx-lm's prompt cache reuses the same prefixes; bad trace files are one-line errors."""
 
 import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 
 from dflash_mlx import InputError
 from dflash_mlx.bench.agent import read_agent_trace, run_trace, summarize
-from conftest import ROOT, ByteTokenizer, needs_shared, tiny_drafter, tiny_target
+from conftest import ROOT, ByteTokenizer, dflash, needs_shared, tiny_drafter, tiny_target
 
 BASE = [(3 * i) % 200 + 5 for i in range(30)]
 PROMPTS = [BASE, BASE + [9, 8, 7, 6], BASE + [9, 8, 7, 6, 5, 4], BASE[:20] + [1, 2]]
@@ -60,9 +57,8 @@ def test_bench_agent_trace_end_to_end(stories, random_drafter, tmp_path):
     trace.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
                              ("Once upon a time", "Once upon a time, there was a cat", "Once upon a time, there was a dog")))
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", "bench", "--model", str(stories),
-                        "--draft-model", str(random_drafter), "--agent-trace", str(trace), "-m", "8",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    r = dflash("bench", "--model", str(stories), "--draft-model", str(random_drafter), "--agent-trace", str(trace),
+               "-m", "8", "--out", str(out), text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     result = json.loads((out / "results.json").read_text())
     rows = {row["mode"]: row for row in result["summary"] if row["trace"] == "trace"}

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -15,7 +13,7 @@ from dflash_mlx.bench.runner import BenchConfig, Runner, greedy_continuation, pa
 from dflash_mlx.bench.simulate import SimulatedDrafter
 from mlx_lm.sample_utils import make_sampler
 
-from conftest import mlx_lm_greedy, needs_shared, tiny_drafter, tiny_target
+from conftest import dflash, mlx_lm_greedy, needs_shared, tiny_drafter, tiny_target
 
 PROMPTS = [[5, 9, 23, 7, 100, 3], [17, 4, 4, 200, 31, 8, 60, 2, 11]]
 
@@ -170,8 +168,7 @@ def test_config_and_baseline_errors(pair):
 
 
 def dflash_bench(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", "bench", *args],
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "COLUMNS": "160"})
+    return dflash("bench", *args, text=True, timeout=timeout, env={**os.environ, "COLUMNS": "160"})
 
 
 @needs_shared

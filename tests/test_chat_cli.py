@@ -6,21 +6,19 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import pexpect
 import pytest
 
-from conftest import needs_shared
+from conftest import dflash, needs_shared
 
 STORY = ", there was a little girl named Lily."
 CACHE = re.compile(r"Cache: (\d+) tokens of \d+ \(target (\d+), drafter (\d+)\)")
 
 
-def chat_cmd(model, drafter, *args):
-    return [sys.executable, "-m", "dflash_mlx.cli.main", "chat", "--model", str(model),
-            "--draft-model", str(drafter), *args]
+def chat_args(model, drafter, *args):
+    return ["chat", "--model", str(model), "--draft-model", str(drafter), *args]
 
 
 def check_cache_line(text):
@@ -44,7 +42,7 @@ def long_stories(stories, tmp_path_factory):
 
 @needs_shared
 def test_driven_session_in_a_pty(long_stories, random_drafter):
-    cmd = chat_cmd(long_stories, random_drafter, "--max-tokens", "30")
+    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", *chat_args(long_stories, random_drafter, "--max-tokens", "30")]
     child = pexpect.spawn(cmd[0], cmd[1:], encoding="utf-8", dimensions=(50, 120), timeout=60,
                           env={**os.environ, "TERM": "xterm-256color"})
     log = io.StringIO()
@@ -115,8 +113,7 @@ def test_piped_turns_plain_text(stories, random_drafter, tmp_path):
         "/max 1000", "Once upon a time. " * 96,  # fills the context to the brim
         "And then", "/reset", "/max 30", "Once upon a time", "/stats",
     ]
-    r = subprocess.run(chat_cmd(stories, random_drafter, "-m", "30"), input="\n".join(lines) + "\n",
-                       capture_output=True, text=True, timeout=120)
+    r = dflash(*chat_args(stories, random_drafter, "-m", "30"), input="\n".join(lines) + "\n", text=True)
     assert r.returncode == 1, r.stderr  # three lines failed; the others still ran
     assert "\x1b" not in r.stdout + r.stderr and "Traceback" not in r.stderr
     assert r.stdout.startswith(STORY) and r.stdout.count(STORY) >= 2
@@ -130,8 +127,7 @@ def test_piped_turns_plain_text(stories, random_drafter, tmp_path):
 
 
 def test_help_lists_the_flags():
-    r = subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", "chat", "--help"],
-                       capture_output=True, text=True, timeout=60)
+    r = dflash("chat", "--help", text=True)
     assert r.returncode == 0
     for flag in ("--model", "--draft-model", "--max-tokens", "--temp", "--top-p", "--top-k",
                  "--block-size", "--seed", "--system-prompt", "--chat-template-config", "--no-color"):
@@ -166,8 +162,7 @@ def test_rich_view_marks_drafted_and_thinking(color):
 @needs_shared
 def test_piped_commands_name_themselves_and_reset_clears_the_totals(stories, random_drafter):
     lines = ["Once upon a time", "/block 1", "/temp -1", "/max 0", "/reset", "/stats"]
-    r = subprocess.run(chat_cmd(stories, random_drafter, "-m", "10"), input="\n".join(lines) + "\n",
-                       capture_output=True, text=True, timeout=120)
+    r = dflash(*chat_args(stories, random_drafter, "-m", "10"), input="\n".join(lines) + "\n", text=True)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: /block 1 is out of range: this drafter supports 2..8 (its trained block size)",
@@ -175,8 +170,7 @@ def test_piped_commands_name_themselves_and_reset_clears_the_totals(stories, ran
     assert "--" not in "".join(errors)
     assert "Turns: 0 (0 interrupted)" in r.stdout and "Generation: 0 tokens" in r.stdout
     # Without a failed line, a piped session exits 0.
-    r = subprocess.run(chat_cmd(stories, random_drafter, "-m", "10"), input="Once upon a time\n/stats\n",
-                       capture_output=True, text=True, timeout=120)
+    r = dflash(*chat_args(stories, random_drafter, "-m", "10"), input="Once upon a time\n/stats\n", text=True)
     assert r.returncode == 0, r.stderr
 
 

@@ -7,15 +7,13 @@ import sys
 
 import pytest
 
-from conftest import needs_shared
+from conftest import dflash as run_dflash, needs_shared
 
 STORY = ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball."
 
 
 def dflash(*args, stdin=None, env=None):
-    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "generate", *args]
-    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    return run_dflash("generate", *args, input=stdin, text=True, env={**os.environ, **(env or {})})
 
 
 
@@ -113,8 +111,7 @@ def test_default_pair_offline_names_both_repos(tmp_path):
 
 
 def test_help_teaches():
-    r = subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", "generate", "--help"],
-                       capture_output=True, text=True, timeout=60)
+    r = dflash("--help")
     assert r.returncode == 0
     for flag in ("--model", "--draft-model", "--max-tokens", "--temp", "--block-size", "--json"):
         assert flag in r.stdout

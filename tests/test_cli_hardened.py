@@ -6,20 +6,18 @@ no float type (issue 23)."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import dflash as run_dflash
 from dflash_mlx import ConfigError, load_target
 from dflash_mlx.errors import InputError
 from dflash_mlx.train.data import prompts_from_text, read_prompt_file
 
 
-def dflash(*args, preexec_fn=None, stdout=subprocess.PIPE):
-    return subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", *args], stdout=stdout,
-                          stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, timeout=120, preexec_fn=preexec_fn)
+def dflash(*args, **popen):
+    return run_dflash(*args, **popen)
 
 
 def one_line_error(r, *needles, progress=False):

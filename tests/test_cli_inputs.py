@@ -5,13 +5,11 @@ a system prompt without a chat template, and the end token of `dflash data`."""
 import json
 import re
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import needs_shared
+from conftest import dflash as run_dflash, needs_shared
 from dflash_mlx import CheckpointError, ConfigError, load_target
 from dflash_mlx.train.data import load_sequences, response_end_token
 
@@ -19,8 +17,7 @@ STORY = ", there was a little girl named Lily."
 
 
 def dflash(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", *args], input=stdin,
-                          capture_output=True, timeout=120)
+    return run_dflash(*args, input=stdin)
 
 
 def text(r):

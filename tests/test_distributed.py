@@ -14,7 +14,7 @@ from typing import Optional
 import httpx
 import pytest
 
-from conftest import ROOT, free_port, openai_client, start_server
+from conftest import ROOT, dflash, free_port, openai_client, start_server
 
 BIN = Path(sys.executable).parent
 LAUNCH = BIN / "mlx.launch"
@@ -55,10 +55,12 @@ def _launch(ranks: int = 2) -> list:
 
 
 def _run(args, ranks: int, input: Optional[str] = None) -> subprocess.CompletedProcess:
-    """The command in one process or under ``mlx.launch``, ``input`` on its standard input. The input
-    stays open until the command exits: at the end of its input mlx.launch polls it without pause and
+    """The command in one process (:func:`conftest.dflash`) or under ``mlx.launch``, ``input`` on its standard
+    input. Under mlx.launch the input stays open until the command exits: at the end of its input mlx.launch polls it without pause and
     takes a whole core from the ranks."""
-    cmd = [str(BIN / "dflash"), *args] if ranks == 1 else [*_launch(ranks), str(BIN / "dflash"), *args]
+    if ranks == 1:
+        return dflash(*args, input=input, text=True, cwd=ROOT, timeout=TIMEOUT)
+    cmd = [*_launch(ranks), str(BIN / "dflash"), *args]
     read, write = os.pipe()
     try:
         proc = subprocess.Popen(cmd, stdin=read, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -3,19 +3,15 @@ reuses the first one's prompt from disk with the same text, `--no-prompt-cache` 
 off, and `dflash chat --session FILE` resumes a conversation without prefilling its history."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
-from conftest import needs_shared
+from conftest import dflash as run_dflash, needs_shared
 
 PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play outside"
 
 
 def dflash(command, *args, stdin=None):
-    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", command, *args]
-    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    return run_dflash(command, *args, input=stdin, text=True)
 
 
 @needs_shared

@@ -14,12 +14,11 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import sys
 import threading
 
 import pytest
 
-from conftest import free_port, needs_shared, openai_client, start_server
+from conftest import dflash, free_port, needs_shared, openai_client, start_server
 from dflash_mlx.errors import InputError
 from dflash_mlx.serve.lifecycle import listen
 from test_server import PROMPTS
@@ -136,8 +135,7 @@ def test_a_stop_signal_ends_the_server_cleanly(stories, random_drafter, tmp_path
 
 
 def run_serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", "serve", *args],
-                          capture_output=True, text=True, timeout=120)
+    return dflash("serve", *args, text=True)
 
 
 @needs_shared

@@ -5,17 +5,14 @@ tables a person reads in a terminal and in a log."""
 
 import io
 import json
-import os
 import re
-import subprocess
-import sys
 
 import httpx
 import pytest
 from rich.console import Console
 from rich.table import Table
 
-from conftest import needs_shared
+from conftest import dflash as run_dflash, needs_shared
 from test_server import live_server
 
 PROMPT = "Once upon a time"
@@ -24,8 +21,7 @@ STEPS = re.compile(r"^Acceptance: tau ([\d.]+) tokens/step over (\d+) verify ste
 
 
 def dflash(command, *args, stdin=None):
-    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", command, *args]
-    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    return run_dflash(command, *args, input=stdin, text=True)
 
 
 def _histogram(text: str) -> dict:

@@ -8,13 +8,12 @@ import sys
 import time
 
 
-from conftest import SHARED, needs_shared
+from conftest import SHARED, dflash as run_dflash, needs_shared
 from test_cli import STORY, dflash
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", *args], capture_output=True,
-                          text=True, timeout=300)
+    return run_dflash(*args, text=True, timeout=300)
 
 
 def regenerate(stories, data) -> None:

@@ -22,7 +22,7 @@ from dflash_mlx.errors import InputError
 from dflash_mlx.owned import MARKER, claim
 from dflash_mlx.prompt_cache.key import key_id, pair_key
 from dflash_mlx.prompt_cache.store import PrefixStore
-from conftest import ByteTokenizer, needs_shared, tiny_drafter, tiny_target
+from conftest import ByteTokenizer, dflash as run_dflash, needs_shared, tiny_drafter, tiny_target
 
 ERRNOS = [errno.EACCES, errno.ENOSPC, errno.EIO, errno.EROFS]
 FAULTS = [errno.errorcode[e] for e in ERRNOS] + ["mlx RuntimeError"]
@@ -244,11 +244,7 @@ def test_write_error_carries_any_errno_and_the_path(tmp_path, monkeypatch):
 
 
 def dflash(*args, stdin=None):
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", *args]
-    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    return run_dflash(*args, input=stdin, text=True)
 
 
 @needs_shared
