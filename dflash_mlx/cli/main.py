@@ -102,6 +102,9 @@ def _provides_package(dist: md.Distribution) -> bool:
     top = dist.read_text("top_level.txt")
     if top is not None:
         return PACKAGE in top.split()
+    record = dist.read_text("RECORD")  # read as text: dist.files makes a path of each of its lines
+    if record is not None:
+        return any(line.lstrip('"').startswith(PACKAGE + "/") for line in record.splitlines())
     return any(str(f).split("/")[0] == PACKAGE for f in (dist.files or []))
 
 
