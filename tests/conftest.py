@@ -21,7 +21,7 @@ from mlx_lm.generate import generate_step as mlx_generate_step
 from mlx_lm.models import (gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, llama, qwen3, qwen3_5,
                            qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl, qwen3_vl_moe)
 
-from forked_cli import dflash  # noqa: F401  (the tests' `dflash` commands)
+from forked_cli import dflash, spawn_dflash  # noqa: F401  (the tests' `dflash` commands)
 from dflash_mlx import DFlashDrafter, DrafterArgs, bind_drafter, make_adapter, save_drafter
 
 # A run started in the background by a non-interactive shell (`bash .ci/run &`) ignores
@@ -327,11 +327,15 @@ def start_server(log: Path, *args: str, launch: List[str] = ()):
     import httpx
 
     port = free_port()
-    cmd = [*launch, sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--port", str(port), *args]
-    with open(log, "w") as out:
-        # stdin: a pipe left open (at the end of its input mlx.launch polls it without pause)
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "DFLASH_API_KEY": ""}, start_new_session=bool(launch))
+    env = {**os.environ, "DFLASH_API_KEY": ""}
+    if launch:
+        cmd = [*launch, sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--port", str(port), *args]
+        with open(log, "w") as out:
+            # stdin: a pipe left open (at the end of its input mlx.launch polls it without pause)
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+    else:
+        proc = spawn_dflash("serve", "--port", str(port), *args, log=log, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -68,6 +69,9 @@ def _child(request: dict) -> None:
         for fd, path, flags in ((0, request["stdin"], os.O_RDONLY),
                                 (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
                                 (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+            if path is None:  # standard error into standard output
+                os.dup2(1, fd)
+                continue
             f = os.open(path, flags, 0o644)
             os.dup2(f, fd)
             os.close(f)
@@ -95,27 +99,36 @@ def _child(request: dict) -> None:
 
 
 def _zygote(control_in: int, control_out: int) -> None:
+    """Fork a child per request line; write ``started PID`` at once and ``exit PID CODE`` when it ends."""
     _preload()
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
-    reader, writer = os.fdopen(control_in, "r"), os.fdopen(control_out, "w")
+    say = lambda line: os.write(control_out, (line + "\n").encode())  # noqa: E731
     if threads != 1:  # a fork would lose them: the tests then start fresh processes
-        writer.write(f"unsafe {threads} threads\n")
-        writer.flush()
-        return
-    writer.write("ready\n")
-    writer.flush()
-    for line in reader:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            os.close(control_in)
-            os.close(control_out)
-            _child(request)
-        writer.write(f"{pid}\n")
-        writer.flush()
-        _, status = os.waitpid(pid, 0)
-        writer.write(f"{os.waitstatus_to_exitcode(status)}\n")
-        writer.flush()
+        return say(f"unsafe {threads} threads")
+    say("ready")
+    buffer, children = b"", set()
+    while True:
+        readable = select.select([control_in], [], [], 0.05 if children else None)[0]
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                say(f"exit {pid} {os.waitstatus_to_exitcode(status)}")
+        if not readable:
+            continue
+        data = os.read(control_in, 65536)
+        if not data:
+            return
+        buffer += data
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            pid = os.fork()
+            if pid == 0:
+                os.close(control_in)
+                os.close(control_out)
+                _child(json.loads(line))
+            children.add(pid)
+            say(f"started {pid}")
 
 
 # -- the tests' side ---------------------------------------------------------------------------
@@ -130,7 +143,7 @@ class _Zygote:
         os.close(to_child)
         os.close(from_child)
         self.env = dict(os.environ)
-        self._buffer = b""
+        self._buffer, self.exits = b"", {}
         first = self._line(300)
         self.ready = first == "ready"
         if not self.ready:  # said once per worker; the commands still run, in fresh processes
@@ -138,6 +151,7 @@ class _Zygote:
         atexit.register(self.proc.kill)
 
     def _line(self, timeout: Optional[float]) -> Optional[str]:
+        """The next reply line ("" once the zygote is gone), or None after ``timeout`` seconds."""
         while b"\n" not in self._buffer:
             if not select.select([self._replies], [], [], timeout)[0]:
                 return None
@@ -148,17 +162,52 @@ class _Zygote:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line.decode()
 
-    def run(self, args: Sequence[str], stdin: str, stdout: str, stderr: str, env: dict, cwd: str,
-            timeout: Optional[float]) -> int:
-        request = dict(args=list(args), stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd)
+    def pump(self, timeout: Optional[float]) -> Optional[str]:
+        """The next reply line, or None after ``timeout`` seconds; a child's exit is also kept in ``exits``."""
+        line = self._line(timeout)
+        if line and line.startswith("exit "):
+            _, pid, code = line.split()
+            self.exits[int(pid)] = int(code)
+        return line
+
+    def spawn(self, request: dict) -> int:
         os.write(self._control, (json.dumps(request) + "\n").encode())
-        pid = int(self._line(60))
-        code = self._line(timeout)
-        if code is None:
-            os.kill(pid, signal.SIGKILL)
-            self._line(60)
-            raise subprocess.TimeoutExpired(COMMAND + list(args), timeout)
-        return int(code)
+        while (reply := self.pump(60)) and reply.startswith("exit "):
+            pass
+        assert reply and reply.startswith("started "), f"the fork server did not start the command: {reply!r}"
+        return int(reply.split()[1])
+
+
+class ForkedProcess:
+    """A command the zygote forked, as much of :class:`subprocess.Popen` as the tests use."""
+
+    def __init__(self, zygote: _Zygote, pid: int, args: list):
+        self.zygote, self.pid, self.args, self.returncode = zygote, pid, args, None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self.zygote.pump(0)
+            self.returncode = self.zygote.exits.pop(self.pid, None)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.zygote.pump(left)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 _ZYGOTE: Optional[_Zygote] = None
@@ -195,13 +244,35 @@ def dflash(*args: str, input=None, env: Optional[dict] = None, cwd=None, timeout
         paths = [os.path.join(folder, name) for name in ("stdin", "stdout", "stderr")]
         data = input.encode() if isinstance(input, str) else (input or b"")
         Path(paths[0]).write_bytes(data)
-        code = zygote.run(args, *paths, env, str(cwd or os.getcwd()), timeout)
+        request = dict(args=args, stdin=paths[0], stdout=paths[1], stderr=paths[2], env=env,
+                       cwd=str(cwd or os.getcwd()))
+        proc = ForkedProcess(zygote, zygote.spawn(request), COMMAND + args)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
         out, err = (Path(p).read_bytes() for p in paths[1:])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if text:
         out, err = out.decode(), err.decode()
     return subprocess.CompletedProcess(COMMAND + list(args), code, out, err)
+
+
+def spawn_dflash(*args: str, log: Path, env: Optional[dict] = None):
+    """``dflash ARGS`` started and left running, standard output and error into ``log``, standard input
+    /dev/null: a :class:`ForkedProcess`, or a :class:`subprocess.Popen` where a fork cannot serve."""
+    env = dict(os.environ if env is None else env)
+    zygote = _zygote_for(env)
+    if zygote is None:
+        with open(log, "w") as out:
+            return subprocess.Popen(COMMAND + list(args), stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, env=env)
+    args = [os.fsdecode(a) for a in args]
+    request = dict(args=args, stdin=os.devnull, stdout=str(log), stderr=None, env=env, cwd=os.getcwd())
+    return ForkedProcess(zygote, zygote.spawn(request), COMMAND + args)
 
 
 if __name__ == "__main__":
