@@ -31,7 +31,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = [sys.executable, "-m", "dflash_mlx.cli.main"]
