@@ -223,6 +223,14 @@ def _zygote_for(env: dict) -> Optional[_Zygote]:
     return _ZYGOTE
 
 
+def _fork(zygote: _Zygote, args, stdin: str, stdout: str, stderr: Optional[str], env: dict, cwd) -> ForkedProcess:
+    """``dflash ARGS`` forked with these standard streams (``stderr`` None: into ``stdout``), environment and
+    folder (None: this one)."""
+    args = [os.fsdecode(a) for a in args]  # bytes as Python decodes a process's arguments
+    request = dict(args=args, stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=str(cwd or os.getcwd()))
+    return ForkedProcess(zygote, zygote.spawn(request), COMMAND + args)
+
+
 def dflash(*args: str, input=None, env: Optional[dict] = None, cwd=None, timeout: Optional[float] = 120,
            text: bool = False, **popen) -> subprocess.CompletedProcess:
     """``dflash ARGS`` as :func:`subprocess.run` with ``capture_output=True`` would run it (``input``: str or
@@ -238,15 +246,12 @@ def dflash(*args: str, input=None, env: Optional[dict] = None, cwd=None, timeout
                        stdin=None if input is not None else subprocess.DEVNULL)
         return subprocess.run(COMMAND + list(args), input=input, env=env, cwd=cwd, timeout=timeout, text=text,
                               **{**streams, **popen})
-    args = [os.fsdecode(a) for a in args]  # bytes as Python decodes a process's arguments
     folder = tempfile.mkdtemp(prefix="dflash-cli-")
     try:
         paths = [os.path.join(folder, name) for name in ("stdin", "stdout", "stderr")]
         data = input.encode() if isinstance(input, str) else (input or b"")
         Path(paths[0]).write_bytes(data)
-        request = dict(args=args, stdin=paths[0], stdout=paths[1], stderr=paths[2], env=env,
-                       cwd=str(cwd or os.getcwd()))
-        proc = ForkedProcess(zygote, zygote.spawn(request), COMMAND + args)
+        proc = _fork(zygote, args, *paths, env, cwd)
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -270,9 +275,7 @@ def spawn_dflash(*args: str, log: Path, env: Optional[dict] = None):
         with open(log, "w") as out:
             return subprocess.Popen(COMMAND + list(args), stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, env=env)
-    args = [os.fsdecode(a) for a in args]
-    request = dict(args=args, stdin=os.devnull, stdout=str(log), stderr=None, env=env, cwd=os.getcwd())
-    return ForkedProcess(zygote, zygote.spawn(request), COMMAND + args)
+    return _fork(zygote, args, os.devnull, str(log), None, env, None)
 
 
 if __name__ == "__main__":
