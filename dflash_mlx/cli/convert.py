@@ -13,9 +13,12 @@ from .common import check_out_folder, fail, guard, print_table
 
 
 def convert(
-    model: Annotated[str, Option("--model", help="Target: a repo id or a local folder (Hugging Face or mlx-lm).")],
-    draft_model: Annotated[str, Option("--draft-model", help="Its DFlash drafter: a repo id or a local folder.")],
-    out: Annotated[str, Option("--out", "-o", help="Output folder: target/, drafter/ and dflash.json.")],
+    model: Annotated[str, Option("--model", help=(
+        "Target: a repo id, a local folder (Hugging Face or mlx-lm) or a .gguf file (Ollama, LM Studio)."))],
+    out: Annotated[str, Option("--out", "-o", help=(
+        "Output folder: target/, drafter/ and dflash.json; without --draft-model, an mlx-lm model folder."))],
+    draft_model: Annotated[Optional[str], Option("--draft-model", help=(
+        "Its DFlash drafter: a repo id or a local folder. Omit it to convert the target alone."))] = None,
     quantize: Annotated[bool, Option("--quantize", "-q", help="Quantize the target with mlx-lm.")] = False,
     q_bits: Annotated[Optional[int], Option("--q-bits", help="Target bits per weight: 4 or 8 (default 4).")] = None,
     q_group_size: Annotated[Optional[int], Option("--q-group-size", help="32, 64 or 128 (default 64).")] = None,
@@ -23,18 +26,22 @@ def convert(
     draft_q_bits: Annotated[Optional[int], Option("--draft-q-bits", help="Drafter bits: 4 or 8.")] = None,
     draft_q_group_size: Annotated[int, Option("--draft-q-group-size", help="32, 64 or 128.")] = 64,
     dtype: Annotated[Optional[str], Option("--dtype", help=(
-        "float16, bfloat16 or float32 for the float weights (default: as stored)."))] = None,
+        "float16, bfloat16 or float32 for the float weights (default: as stored); dequantizes a GGUF file."))] = None,
     force: Annotated[bool, Option("--force", help="Replace an existing output folder.")] = False,
     validate: Annotated[bool, Option("--validate/--no-validate", help="Check the result (short greedy runs).")] = True,
 ) -> None:
-    """Convert a target and its drafter into one folder that `dflash generate|chat|bench --model DIR` runs.
+    """Convert a target and its drafter into one folder that `dflash generate|chat|bench --model DIR` runs,
+    or a target alone (a Hugging Face folder or a GGUF file) into an mlx-lm folder.
 
-    OUT appears only once complete: a failure, Ctrl-C or SIGTERM leaves nothing. A validation table follows.
+    OUT appears only once complete: a failure, Ctrl-C or SIGTERM leaves nothing. A pair's validation table
+    follows. A GGUF file (llama, qwen2, qwen3; Q4_0, Q4_1, Q8_0, F16, BF16 or F32 tensors) keeps its
+    quantization unless --dtype is given.
 
     \b
     Examples:
       dflash convert --model Qwen/Qwen3-4B --draft-model z-lab/Qwen3-4B-DFlash-b16 --out qwen3-4b-dflash -q
       dflash convert --model ./Qwen3-8B --draft-model ./Qwen3-8B-DFlash-b16 --out q8 -q --q-bits 8 --draft-q-bits 8
+      dflash convert --model SmolLM2-135M-Instruct.Q4_1.gguf --out smol --dtype float32
       dflash chat --model qwen3-4b-dflash
     """
     args = dict(locals())
@@ -70,6 +77,13 @@ def _run(validate, **kwargs) -> None:
         stages.close()
     if result.checks:
         print_table(checks_table(result.checks))
+    if kwargs["draft_model"] is None:
+        target = result.manifest["target"]
+        quant = target["quantization"]
+        kept = f"{quant['bits']}-bit (group {quant['group_size']})" if quant else target["dtype"]
+        console.print(f"wrote {result.out}: an mlx-lm {target['model_type']} model, {kept}. "
+                      f"Run: dflash generate --model {result.out} -p \"Hello\"", soft_wrap=True)
+        return
     console.print(f"wrote {result.out}: target/, drafter/, dflash.json. Run: dflash chat --model {result.out}",
                   soft_wrap=True)
 

@@ -15,6 +15,7 @@ from ..atomic import check_out, staging
 from ..drafter.checkpoint import DRAFTER_FILES, load_drafter, read_config
 from ..errors import ConfigError, InputError, ValidationError
 from ..hub import resolve_model_path
+from .gguf import convert_gguf, is_gguf
 from .loading import TARGET_FILES, check_pair, load_model
 from .manifest import MANIFEST, hash_files, write_manifest
 from ..prompt import encode_messages
@@ -41,50 +42,77 @@ class ConvertResult:
     checks: List[Check] = field(default_factory=list)
 
 
-def convert(model: str, draft_model: str, out: str | Path, *, quantize: bool = False, q_bits: Optional[int] = None,
-            q_group_size: Optional[int] = None, q_mode: str = "affine", draft_q_bits: Optional[int] = None,
-            draft_q_group_size: int = DRAFT_Q_GROUP_SIZE, dtype: Optional[str] = None, force: bool = False,
-            validate_output: bool = True, progress: Optional[Progress] = None) -> ConvertResult:
-    """Convert a target and its drafter into one folder (``target/``, ``drafter/``, ``dflash.json``).
+def convert(model: str, draft_model: Optional[str], out: str | Path, *, quantize: bool = False,
+            q_bits: Optional[int] = None, q_group_size: Optional[int] = None, q_mode: str = "affine",
+            draft_q_bits: Optional[int] = None, draft_q_group_size: int = DRAFT_Q_GROUP_SIZE,
+            dtype: Optional[str] = None, force: bool = False, validate_output: bool = True,
+            progress: Optional[Progress] = None) -> ConvertResult:
+    """Convert a target and its drafter into one folder (``target/``, ``drafter/``, ``dflash.json``), or a
+    target alone (``draft_model`` None) into an mlx-lm folder, as ``mlx_lm.convert`` writes one.
 
     Args:
-        model, draft_model: local folders or repo ids (downloaded into the Hugging Face cache).
+        model: a local folder, a repo id (downloaded into the Hugging Face cache) or a ``.gguf`` file
+            (:mod:`.gguf`: its quantized tensors stay quantized unless ``dtype`` is given).
+        draft_model: the drafter's folder or repo id, or None for the target alone.
         out: output folder; must not exist unless ``force`` (replaced once the new one is complete).
         quantize, q_bits, q_group_size, q_mode: quantize the target with mlx-lm (bits 4 or 8, group size
-            32/64/128; None: mlx-lm's default for the mode).
+            32/64/128; None: mlx-lm's default for the mode); not for a GGUF file.
         draft_q_bits, draft_q_group_size: quantize the drafter (default: keep it float).
-        dtype: float16, bfloat16 or float32 for the float weights (default: the target's ``torch_dtype``).
-        validate_output: run :func:`validate` before the folder is moved into place.
+        dtype: float16, bfloat16 or float32 for the float weights (default: the target's ``torch_dtype``; a
+            GGUF file's tensors are dequantized to it).
+        validate_output: run :func:`validate` on a pair before the folder is moved into place.
         progress: called with a short description at the start of each stage.
 
     Raises:
         InputError: a bad option, or ``out`` exists without ``force``.
-        CheckpointError: a source is missing or unreadable (or offline and not cached).
-        ConfigError: an unknown target architecture, or a drafter config of the older layout or invalid.
+        CheckpointError: a source is missing or unreadable (or offline and not cached), or a GGUF file is
+            truncated, foreign or of a type MLX cannot read.
+        ConfigError: an unknown target architecture or tokenizer, or a drafter config of the older layout.
         MismatchError: the drafter does not fit the target.
         ValidationError: the converted folder failed a check (nothing is written).
     """
     out = Path(out).expanduser()
     check_options(quantize, q_bits, q_group_size, q_mode, draft_q_bits, draft_q_group_size, dtype)
+    from_gguf = is_gguf(model)
+    check_source_options(model, from_gguf, draft_model, quantize, draft_q_bits)
     check_out(out, force)
     check_replaceable(out)
     say = progress or (lambda _: None)
-    say(f"fetching the target {model}")
-    target_src = resolve_model_path(model, TARGET_FILES, what="target model")
-    say(f"fetching the drafter {draft_model}")
-    draft_src = resolve_model_path(draft_model, DRAFTER_FILES, what="drafter")
-    check_not_inside(out, target_src, draft_src)
-    draft_config = read_config(draft_src / "config.json")
-    require_dflash_config(draft_config, draft_src / "config.json")
-    say("checking that the drafter fits the target")
-    source_net, tokenizer, _ = load_model(str(target_src), "target model", lazy=True)
-    source = make_adapter(source_net)
-    drafter = load_drafter(str(draft_src))
-    check_pair(drafter, source, draft_model)
+    if from_gguf:
+        target_src = Path(model).expanduser()
+    else:
+        say(f"fetching the target {model}")
+        target_src = resolve_model_path(model, TARGET_FILES, what="target model")
+    draft_src = draft_config = None
+    if draft_model is not None:
+        say(f"fetching the drafter {draft_model}")
+        draft_src = resolve_model_path(draft_model, DRAFTER_FILES, what="drafter")
+        draft_config = read_config(draft_src / "config.json")
+        require_dflash_config(draft_config, draft_src / "config.json")
+    check_not_inside(out, target_src, *([draft_src] if draft_src else []))
     with staging(out, force, say=say) as tmp:
-        say("converting the target with mlx-lm")
-        target_entry = write_target(target_src, tmp / "target", quantize=quantize, q_bits=q_bits,
-                                    q_group_size=q_group_size, q_mode=q_mode, dtype=dtype)
+        target_dir = tmp / "target" if draft_model is not None else tmp / ".target"
+        if from_gguf:
+            target_entry = convert_gguf(target_src, target_dir, dtype, say)
+        if draft_model is None:
+            if not from_gguf:
+                say("converting the target with mlx-lm")
+                target_entry = write_target(target_src, target_dir, quantize=quantize, q_bits=q_bits,
+                                            q_group_size=q_group_size, q_mode=q_mode, dtype=dtype)
+            for f in target_dir.iterdir():  # the folder itself is the model
+                f.rename(tmp / f.name)
+            target_dir.rmdir()
+            return ConvertResult(out, {"target": target_entry})
+        say("checking that the drafter fits the target")
+        source_net, tokenizer, _ = load_model(str(target_dir if from_gguf else target_src), "target model",
+                                              lazy=True)
+        source = make_adapter(source_net)
+        drafter = load_drafter(str(draft_src))
+        check_pair(drafter, source, draft_model)
+        if not from_gguf:
+            say("converting the target with mlx-lm")
+            target_entry = write_target(target_src, target_dir, quantize=quantize, q_bits=q_bits,
+                                        q_group_size=q_group_size, q_mode=q_mode, dtype=dtype)
         say("writing the drafter")
         drafter_entry = write_drafter(drafter, tmp / "drafter", draft_q_bits, draft_q_group_size, dtype)
         say("hashing the weights, configs and tokenizer files")
@@ -102,6 +130,17 @@ def convert(model: str, draft_model: str, out: str | Path, *, quantize: bool = F
     return ConvertResult(out, manifest, checks)
 
 
+def check_source_options(model: str, from_gguf: bool, draft_model: Optional[str], quantize: bool,
+                         draft_q_bits: Optional[int]) -> None:
+    """InputError for flags that cannot apply to these sources: ``-q`` on a GGUF file (it keeps its own
+    quantization), ``--draft-q-bits`` without a drafter."""
+    if from_gguf and quantize:
+        raise InputError(f"-q/--quantize: {model} is a GGUF file, which keeps its own quantization "
+                         "(--dtype dequantizes it; convert that folder again with -q to quantize it with mlx-lm)")
+    if draft_model is None and draft_q_bits is not None:
+        raise InputError("--draft-q-bits needs --draft-model (there is no drafter to quantize)")
+
+
 def _validated(out: Path, tmp: Path, reference: SourceRun, draft_src: Path) -> List[Check]:
     """The checks of the staged folder ``tmp``; ValidationError naming those that failed."""
     checks = validate(tmp, reference, draft_src)
@@ -112,10 +151,11 @@ def _validated(out: Path, tmp: Path, reference: SourceRun, draft_src: Path) -> L
 
 
 def check_replaceable(out: Path) -> None:
-    """``--force`` replaces only what convert wrote (an empty folder or one with a ``dflash.json``);
+    """``--force`` replaces only what convert writes (an empty folder, one with a ``dflash.json``, or a model
+    folder with a ``config.json``);
     else InputError naming ``out``."""
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
-        raise InputError(f"--out {out} holds files that convert did not write (no {MANIFEST}); "
+    if out.is_dir() and any(out.iterdir()) and not any((out / f).is_file() for f in (MANIFEST, "config.json")):
+        raise InputError(f"--out {out} holds files that convert did not write (no {MANIFEST} or config.json); "
                          "--force replaces only a converted folder: give another --out")
 
 

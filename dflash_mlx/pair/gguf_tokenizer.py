@@ -1,0 +1,161 @@
+"""A GGUF file's tokenizer (llama.cpp's ``tokenizer.ggml.*`` metadata) as a Hugging Face fast tokenizer,
+built with the ``tokenizers`` library: byte-level BPE (``tokenizer.ggml.model`` "gpt2": GPT-2, Llama 3,
+Qwen2, SmolLM) and SentencePiece-style BPE with byte fallback ("llama": Llama 2, TinyLlama, Mistral).
+
+Keys read (llama.cpp's ``gguf-py/gguf/constants.py`` names): ``tokenizer.ggml.model``, ``.pre``,
+``.tokens``, ``.scores``, ``.token_type``, ``.merges``, ``.bos_token_id``, ``.eos_token_id``,
+``.unknown_token_id``, ``.padding_token_id``, ``.add_bos_token``, ``.add_space_prefix`` and
+``tokenizer.chat_template``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from ..errors import ConfigError
+
+# llama.cpp's token types (llama_token_type): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
+CONTROL, USER_DEFINED = 3, 4
+
+# The pre-tokenizer split of each byte-level vocabulary, by ``tokenizer.ggml.pre`` (llama.cpp's
+# llama-vocab.cpp regexes). None: GPT-2's own split (ByteLevel's regex). "digits": every digit alone,
+# then GPT-2's split (StarCoder's vocabulary, which SmolLM uses).
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+BYTE_LEVEL_SPLITS = {
+    "default": None, "gpt-2": None, "gpt2": None,
+    "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "smaug-bpe": _LLAMA3, "dbrx": _LLAMA3,
+    "falcon3": _LLAMA3,
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
+    "smollm": "digits", "starcoder": "digits", "refact": "digits", "codeshell": "digits",
+}
+TOKENIZER_MODELS = ("gpt2", "llama")
+
+
+def _key(metadata: dict, name: str, source: Path, default=None, required: bool = False):
+    value = metadata.get(name, default)
+    if required and value is None:
+        raise ConfigError(f"{source}: missing GGUF metadata key '{name}'")
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def build_tokenizer(metadata: dict, source: Path):
+    """A ``PreTrainedTokenizerFast`` for the vocabulary in ``metadata`` (``mx.load``'s GGUF metadata) with its
+    special tokens (control tokens whole and special, user-defined tokens whole) and chat template.
+
+    Raises:
+        ConfigError: a key is missing, or ``tokenizer.ggml.model``/``tokenizer.ggml.pre`` names a tokenizer
+            not supported here (names the file, the key and the value).
+    """
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    kind = _key(metadata, "tokenizer.ggml.model", source, required=True)
+    tokens: List[str] = _key(metadata, "tokenizer.ggml.tokens", source, required=True)
+    types = _key(metadata, "tokenizer.ggml.token_type", source) or [1] * len(tokens)
+    if kind == "gpt2":
+        tokenizer = _byte_level(metadata, tokens, source)
+    elif kind == "llama":
+        tokenizer = _sentencepiece(metadata, tokens, source)
+    else:
+        raise ConfigError(f"{source}: tokenizer.ggml.model '{kind}' is not supported "
+                          f"(supported: {', '.join(TOKENIZER_MODELS)})")
+    assert isinstance(tokenizer, Tokenizer)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, k in zip(tokens, types) if k == CONTROL])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t, k in zip(tokens, types) if k == USER_DEFINED])
+
+    def token(key: str) -> Optional[str]:
+        index = _key(metadata, f"tokenizer.ggml.{key}", source)
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    specials = {name: token(key) for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                                                   ("unk_token", "unknown_token_id"),
+                                                   ("pad_token", "padding_token_id"))}
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=metadata.get("tokenizer.chat_template"),
+                                   clean_up_tokenization_spaces=False,
+                                   **{k: v for k, v in specials.items() if v is not None})
+
+
+def _byte_level(metadata: dict, tokens: List[str], source: Path):
+    """GPT-2-style byte-level BPE: the file's tokens are spelled in GPT-2's byte alphabet, merges given."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    merges = _key(metadata, "tokenizer.ggml.merges", source, required=True)
+    pre = _key(metadata, "tokenizer.ggml.pre", source, default="default")
+    if pre not in BYTE_LEVEL_SPLITS:
+        raise ConfigError(f"{source}: tokenizer.ggml.pre '{pre}' is not supported "
+                          f"(supported: {', '.join(sorted(BYTE_LEVEL_SPLITS))})")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    model = models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=pre in ("llama-bpe",
+                                                                                               "llama3", "llama-v3"))
+    tokenizer = Tokenizer(model)
+    split = BYTE_LEVEL_SPLITS[pre]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split in (None, "digits"))
+    if split is None:
+        tokenizer.pre_tokenizer = byte_level
+    elif split == "digits":
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                           byte_level])
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+    tokenizer.decoder = decoders.ByteLevel()
+    _add_bos(tokenizer, metadata, tokens, source, default=False)
+    return tokenizer
+
+
+def _sentencepiece(metadata: dict, tokens: List[str], source: Path):
+    """SentencePiece BPE with byte fallback (``<0xNN>`` pieces): merges from the file, or recovered from the
+    pieces' scores (a merge ranks as the piece it makes); spaces are ``▁``, with one prepended to the text
+    unless ``tokenizer.ggml.add_space_prefix`` is false."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = _key(metadata, "tokenizer.ggml.scores", source)
+    merges = _key(metadata, "tokenizer.ggml.merges", source)
+    if merges is not None:
+        merges = [tuple(m.split(" ", 1)) for m in merges]
+    elif scores is not None:
+        merges = merges_from_scores(tokens, scores)
+    else:
+        raise ConfigError(f"{source}: missing GGUF metadata key 'tokenizer.ggml.scores' (or "
+                          "'tokenizer.ggml.merges'), needed to rebuild a SentencePiece vocabulary")
+    unk = _key(metadata, "tokenizer.ggml.unknown_token_id", source, default=0)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token=tokens[unk], fuse_unk=True, byte_fallback=True))
+    prefix = _key(metadata, "tokenizer.ggml.add_space_prefix", source, default=True)
+    steps = [normalizers.Prepend("▁")] if prefix else []
+    tokenizer.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                          + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    _add_bos(tokenizer, metadata, tokens, source, default=True)
+    return tokenizer
+
+
+def _add_bos(tokenizer, metadata: dict, tokens: List[str], source: Path, default: bool) -> None:
+    """Prepend BOS to every encoding when ``tokenizer.ggml.add_bos_token`` says so (llama.cpp's default:
+    yes for SentencePiece vocabularies, no for byte-level ones)."""
+    from tokenizers import processors
+
+    bos = _key(metadata, "tokenizer.ggml.bos_token_id", source)
+    if bos is None or not _key(metadata, "tokenizer.ggml.add_bos_token", source, default=default):
+        return
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B", special_tokens=[(tokens[bos], bos)])
+
+
+def merges_from_scores(tokens: List[str], scores: List[float]) -> List[Tuple[str, str]]:
+    """SentencePiece BPE's merges, recovered from its pieces: each way to cut a piece into two pieces of the
+    vocabulary is a merge, ranked by the made piece's score (highest first), ties by the pieces' ids."""
+    ids: Dict[str, int] = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for piece, index in ids.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in ids and right in ids:
+                ranked.append((-scores[index], ids[left], ids[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
