@@ -236,3 +236,60 @@ def test_bfloat16_training_runs_and_learns(setup, tmp_path):
     losses = [info.loss for info in Trainer(drafter, target, seqs, config, tmp_path).run()]
     assert drafter.fc.weight.dtype == mx.bfloat16
     assert all(np.isfinite(losses)) and np.mean(losses[-5:]) < np.mean(losses[:5])
+
+
+def test_loss_vocab_data_is_the_cross_entropy_over_the_data_tokens(setup):
+    """--loss-vocab data: the loss equals the cross-entropy of the full logits restricted (renormalized)
+    to the tokens of the training sequences, computed by hand; and a short run with it learns."""
+    from dflash_mlx.train.loss import LossVocab
+
+    _, target, seqs = setup
+    drafter = _drafter(target)
+    vocab = LossVocab(target, seqs, mx.float32)
+    assert 0 < vocab.ids.size < target.vocab_size  # a real subset, else the test proves nothing
+    seq = seqs[2]
+    anchors = sample_anchors(np.random.default_rng(5), seq.tokens.size, seq.response_start, B, 8)
+    weights = mx.array(position_weights(B, 4.0))
+    feats = target_features(target, seq.tokens, drafter.target_layer_ids, mx.float32)
+    blocks, targets, anchors_mx, mask = make_batch(seq, B, 0, anchors)
+    got = block_loss(drafter, feats, blocks, targets, anchors_mx, mask, weights, vocab=vocab).item()
+    logits = np.array(drafter.block_logits(blocks, feats, anchors_mx, mask))[..., vocab.ids]
+    logits -= logits.max(axis=-1, keepdims=True)
+    log_p = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    idx = np.searchsorted(vocab.ids, np.array(targets))
+    per_row = -np.take_along_axis(log_p, idx[..., None], axis=-1)[..., 0]
+    w = np.array(weights)
+    want = (per_row * w).sum() / (w.sum() * blocks.shape[0])
+    assert abs(got - want) < 1e-4 * abs(want)
+    full = block_loss(drafter, feats, blocks, targets, anchors_mx, mask, weights).item()
+    assert got < full  # the same logits normalized over fewer tokens
+
+
+def test_loss_vocab_data_run_learns(setup, tmp_path):
+    _, target, seqs = setup
+    config = TrainConfig(steps=60, anchors=16, grad_accum=2, lr=3e-3, warmup=0.05, loss_vocab="data")
+    trainer = Trainer(_drafter(target), target, seqs, config, tmp_path / "out")
+    losses = [info.loss for info in trainer.run()]
+    assert np.mean(losses[-10:]) < 0.6 * np.mean(losses[:10])
+    assert evaluate(trainer.drafter, target, seqs[:4], B)["tau"] > 1.3
+    with pytest.raises(InputError, match="--loss-vocab"):
+        TrainConfig(loss_vocab="some").check()
+    with pytest.raises(InputError, match="--kl-weight"):
+        TrainConfig(loss_vocab="data", kl_weight=1.0).check()
+
+
+def test_regenerated_responses_stay_with_their_prompts(setup, tmp_path):
+    """Prompts of different lengths are generated shortest first; each response is written beside its own
+    prompt, and equals that prompt's greedy decoding."""
+    from conftest import ByteTokenizer, mlx_lm_greedy
+    from dflash_mlx.train.data import load_sequences
+
+    model, _, _ = setup
+    prompts = [[5, 9, 11, 3, 7, 8, 20], [4, 6], [30, 2, 9, 9, 12], [17, 3, 40]]
+    tokenizer = ByteTokenizer()
+    regenerate(model, tokenizer, prompts, tmp_path, max_tokens=6, shard_size=4, batch_size=4,
+               end_tokens=[None] * len(prompts))
+    seqs = load_sequences(tmp_path)
+    assert [s.tokens[:s.response_start].tolist() for s in seqs] == prompts
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.tokens[seq.response_start:].tolist() == mlx_lm_greedy(model, prompt, 6)

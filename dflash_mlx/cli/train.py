@@ -37,7 +37,8 @@ def data(
     self_prompts: Annotated[int, Option("--self-prompts", help="Also sample N openings from the target.")] = 0,
     self_prompt_tokens: Annotated[int, Option("--self-prompt-tokens", help="Tokens sampled per opening.")] = 32,
     self_prompt_style: Annotated[str, Option("--self-prompt-style", help=(
-        "prefix (BOS + the sampled tokens) or sentence (words from inside them)."))] = "prefix",
+        "prefix (BOS + the sampled tokens), sentence (words from inside them) or chat (a user turn the "
+        "target writes where its chat template starts one, asked in the template)."))] = "prefix",
     chat_template_config: Annotated[Optional[str], Option("--chat-template-config", help=(
         "JSON for the chat template; match later use."))] = None,
     max_tokens: Annotated[int, Option("--max-tokens", help="Response tokens per prompt.")] = 256,
@@ -85,9 +86,10 @@ def _data(o) -> None:
     if o.self_prompts:
         with console.status(f"sampling {o.self_prompts} openings from the target"):
             openings = sample_openings(pair.model, pair.tokenizer, o.self_prompts, o.self_prompt_tokens, o.seed,
-                                       style=o.self_prompt_style)
+                                       style=o.self_prompt_style, template=template)
         ids += openings
-        ends += [response_end_token(pair.tokenizer, templated=False)] * len(openings)
+        templated = o.self_prompt_style == "chat"
+        ends += [response_end_token(pair.tokenizer, templated=templated)] * len(openings)
     with bars(console, TextColumn("{task.fields[status]}")) as progress:
         task = progress.add_task("regenerating", total=len(ids), status="")
         regenerate(pair.model, pair.tokenizer, ids, o.out, max_tokens=o.max_tokens, max_length=max_length,
@@ -136,6 +138,10 @@ def train(
     kl_temperature: Annotated[float, Option("--kl-temperature", help="Temperature of the KL term.")] = 1.0,
     miss_anchors: Annotated[float, Option("--miss-anchors", help=(
         "Fraction of blocks anchored right after the drafter's misses (0: uniform)."))] = 0.0,
+    loss_vocab: Annotated[str, Option("--loss-vocab", help=(
+        "full: the cross-entropy's softmax over the whole vocabulary; data: over the tokens the training data "
+        "holds (cheaper where the output head dominates a step, e.g. a 49K vocabulary on a small target)."))
+    ] = "full",
     grad_clip: Annotated[float, Option("--grad-clip", help="Max gradient norm.")] = 1.0,
     dtype: Annotated[str, Option("--dtype", help="float32 or bfloat16.")] = "float32",
     held_out: Annotated[int, Option("--held-out", help="Sequences held out for evaluation (of the last --data).")] = 16,
@@ -178,7 +184,7 @@ def _config(o):
                          lr=o.lr, warmup=o.warmup, grad_clip=o.grad_clip, dtype=o.dtype, seed=o.seed,
                          gamma=gammas[0] if gammas and len(gammas) == 1 else gammas, eval_every=o.eval_every,
                          eval_sequences=o.held_out, save_every=o.save_every, block_sizes=sizes, kl_weight=o.kl_weight,
-                         kl_temperature=o.kl_temperature, miss_anchors=o.miss_anchors)
+                         kl_temperature=o.kl_temperature, miss_anchors=o.miss_anchors, loss_vocab=o.loss_vocab)
     config.check()
     check_out_folder(o.out)
     if sizes and o.block_size is not None and o.block_size != max(sizes):

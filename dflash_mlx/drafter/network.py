@@ -291,17 +291,22 @@ class DFlashDrafter(nn.Module):
         context features [1, S, K*H] (appended to ``cache``) -> [1, B-1, V] logits of block rows 1..B-1."""
         return self.logits(self.hidden(block, context, cache))
 
-    def block_logits(self, blocks: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
+    def block_hidden(self, blocks: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
         """Training forward (spec section 6): blocks [N, B] int32 at ``anchors`` [N], features [1, L, K*H]
         of the sequence, ``mask`` [N, 1, B, L + B] bool (:func:`dflash_mlx.train.blocks.block_mask`) ->
-        [N, B-1, V] logits. ConfigError for drafters other than full-attention v1 ones."""
+        [N, B-1, H] final hidden states of block rows 1..B-1. ConfigError for drafters other than
+        full-attention v1 ones."""
         a = self.args
         if a.format.dflash2 or any(a.is_sliding(i) or a.is_causal_layer(i) for i in range(a.num_hidden_layers)):
             raise ConfigError(f"training supports full-attention v1 drafters only, not {a.architecture} "
                               "with these layer types")
         attend: Attend = lambda attn, q, ctx, block: masked_attention(q, ctx, block, mask, attn.scale)  # noqa: E731
         fused = self.hidden_norm(self.fc(context))
-        return self.logits(self.forward(blocks, fused, 0, anchors, [attend] * len(self.layers), compile=False))
+        return self.forward(blocks, fused, 0, anchors, [attend] * len(self.layers), compile=False)
+
+    def block_logits(self, blocks: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
+        """:meth:`block_hidden` through the head: [N, B-1, V] logits."""
+        return self.logits(self.block_hidden(blocks, context, anchors, mask))
 
     def batch_drafts(self):
         """A :class:`~dflash_mlx.drafter.batch.BatchDrafts`, or None without a batched form."""

@@ -20,6 +20,7 @@ from ..errors import InputError
 from ..prompt import encode_messages
 
 MANIFEST = "manifest.json"
+PREFILL_BATCH = 8  # prompts prefilled together (mlx-lm's default)
 
 
 @dataclass
@@ -133,21 +134,43 @@ def response_end_token(tokenizer, templated: bool) -> Optional[int]:
     return min(eos) if eos else None
 
 
+SELF_PROMPT_STYLES = ("prefix", "sentence", "chat")
+_USER_MARKER = "dflash-user-turn"
+
+
 def self_prompts(model, tokenizer, count: int, length: int, seed: int, temp: float = 1.0,
-                 style: str = "prefix", max_words: int = 12) -> List[List[int]]:
-    """Up to ``count`` openings from ``length`` tokens the target samples after BOS: ``prefix`` keeps BOS
-    and them; ``sentence`` the first 3 to ``max_words`` words of a random later sentence. InputError for
-    a tokenizer without BOS or another style."""
-    bos = tokenizer.bos_token_id
-    if bos is None:
-        raise InputError("--self-prompts needs a tokenizer with a BOS token")
-    if style not in ("prefix", "sentence"):
-        raise InputError(f"--self-prompt-style must be prefix or sentence, got {style!r}")
+                 style: str = "prefix", max_words: int = 12, template: Optional[dict] = None) -> List[List[int]]:
+    """Up to ``count`` prompts the target samples itself (``length`` tokens at ``temp``): ``prefix`` keeps BOS
+    and the tokens sampled after it; ``sentence`` the first 3 to ``max_words`` words of a random later
+    sentence; ``chat`` samples a user's message where the chat template starts the user turn (it ends at the
+    end-of-turn token) and returns it as a chat prompt (the template with ``template`` kwargs, ready for the
+    assistant's reply).
+
+    Raises:
+        InputError: a tokenizer without BOS (``prefix``/``sentence``) or without a chat template (``chat``),
+            or another style.
+    """
+    if style not in SELF_PROMPT_STYLES:
+        raise InputError(f"--self-prompt-style must be one of {', '.join(SELF_PROMPT_STYLES)}, got {style!r}")
+    if style == "chat":
+        if not tokenizer.has_chat_template:
+            raise InputError("--self-prompt-style chat needs a tokenizer with a chat template")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": _USER_MARKER}], tokenize=False,
+                                             add_generation_prompt=False, **(template or {}))
+        start = list(tokenizer.encode(text.split(_USER_MARKER)[0], add_special_tokens=False))
+    else:
+        if tokenizer.bos_token_id is None:
+            raise InputError("--self-prompts needs a tokenizer with a BOS token")
+        start = [tokenizer.bos_token_id]
     mx.random.seed(seed)
-    result = batch_generate(model, tokenizer, [[bos]] * count, max_tokens=length,
+    result = batch_generate(model, tokenizer, [start] * count, max_tokens=length,
                             sampler=make_sampler(temp), return_token_ids=True)
     if style == "prefix":
-        return [[bos] + ids for ids in result.token_ids if ids]
+        return [start + ids for ids in result.token_ids if ids]
+    if style == "chat":
+        users = [tokenizer.decode(ids).strip() for ids in result.token_ids]
+        return [encode_messages(tokenizer, [{"role": "user", "content": u}], template)
+                for u in users if len(u.split()) >= 3]
     rng = np.random.default_rng(seed)
     openings = []
     for ids in result.token_ids:
@@ -197,12 +220,17 @@ def regenerate(model, tokenizer, prompts: List[List[int]], out_dir: str | Path, 
             mx.random.seed(seed + i)
             chunk = prompts[start:start + shard_size]
             budgets = [min(max_tokens, max_length - len(p)) for p in chunk]
-            result = batch_generate(model, tokenizer, chunk, max_tokens=budgets, sampler=sampler,
-                                    return_token_ids=True, completion_batch_size=batch_size,
-                                    prefill_batch_size=batch_size)
+            # Shortest first, prefilled a few at a time: a batch's prompts are padded to its longest.
+            order = sorted(range(len(chunk)), key=lambda j: len(chunk[j]))
+            result = batch_generate(model, tokenizer, [chunk[j] for j in order],
+                                    max_tokens=[budgets[j] for j in order], sampler=sampler, return_token_ids=True,
+                                    completion_batch_size=batch_size, prefill_batch_size=min(PREFILL_BATCH, batch_size))
+            generated = [None] * len(chunk)
+            for j, ids in zip(order, result.token_ids):
+                generated[j] = ids
             ends = end_tokens[start:start + shard_size]
             responses = [ids + ([end] if len(ids) < b and end is not None else [])  # stopped: ended its turn
-                         for ids, b, end in zip(result.token_ids, budgets, ends)]
+                         for ids, b, end in zip(generated, budgets, ends)]
             _write_shard(path, chunk, responses)
         if progress:
             progress(min(start + shard_size, len(prompts)), len(prompts))

@@ -139,14 +139,41 @@ def distill_kl(logits: mx.array, target_logits: mx.array, temperature: float = 1
     return (fast_softmax.exp(log_p) * (log_p - log_q)).sum(axis=-1) * temperature**2
 
 
+class LossVocab:
+    """The tokens a ``--loss-vocab data`` cross-entropy normalizes over: ``ids`` [S] (every token of the
+    training sequences), the head's columns for them ``head`` [H, S], and ``index`` [V] int32 (a token's
+    position in ``ids``, -1 outside). The softmax then costs S/V of the full head's; a target token is always
+    inside, so the loss is the cross-entropy of the distribution restricted to the data's tokens."""
+
+    def __init__(self, target: TargetAdapter, sequences: List[TrainSequence], dtype):
+        ids = np.unique(np.concatenate([s.tokens for s in sequences]))
+        H = target.hidden_size
+        full = target.lm_head(mx.eye(H, dtype=mx.float32)).astype(mx.float32)  # [H, V]: the head, if linear
+        probe = mx.random.normal((4, H), key=mx.random.key(0))
+        if not mx.allclose(target.lm_head(probe).astype(mx.float32), probe @ full, rtol=1e-3, atol=1e-3).item():
+            raise InputError("--loss-vocab data needs a linear output head; this target's is not (softcapping?): "
+                             "use --loss-vocab full")
+        index = np.full(target.vocab_size, -1, dtype=np.int32)
+        index[ids] = np.arange(ids.size, dtype=np.int32)
+        self.ids, self.index = ids, mx.array(index)
+        self.head = mx.stop_gradient(full[:, mx.array(ids)].astype(dtype))
+        mx.eval(self.head, self.index)
+
+
 def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask, weights,
                num_blocks: Optional[int] = None, target_logits: Optional[mx.array] = None,
-               kl_weight: float = 0.0, kl_temperature: float = 1.0, with_lengths: bool = False):
+               kl_weight: float = 0.0, kl_temperature: float = 1.0, with_lengths: bool = False,
+               vocab: Optional[LossVocab] = None):
     """Cross-entropy of block rows 1..B-1 (plus ``kl_weight`` times :func:`distill_kl` against
     ``target_logits`` [N, B-1, V]) weighted by ``weights`` [B-1], over the weight sum times ``num_blocks``
-    (the sequence's blocks, default N: chunks then sum to the whole). With ``with_lengths`` also
-    returns each block's greedy acceptance length [N] int32 (accepted rows + 1)."""
-    logits = drafter.block_logits(blocks, features, anchors, mask).astype(mx.float32)
+    (the sequence's blocks, default N: chunks then sum to the whole); with ``vocab`` the softmax runs over
+    its tokens only (no distillation). With ``with_lengths`` also returns each block's greedy acceptance
+    length [N] int32 (accepted rows + 1)."""
+    if vocab is None:
+        logits = drafter.block_logits(blocks, features, anchors, mask).astype(mx.float32)
+    else:
+        logits = (drafter.block_hidden(blocks, features, anchors, mask) @ vocab.head).astype(mx.float32)
+        targets = vocab.index[targets]
     per_row = fast_softmax.cross_entropy(logits, targets)
     if target_logits is not None and kl_weight:
         per_row = per_row + kl_weight * distill_kl(logits, target_logits, kl_temperature)

@@ -32,9 +32,11 @@ from ..targets import TargetAdapter
 from .blocks import default_gamma, next_anchors, position_weights, sample_anchors, valid_anchors
 from .data import TrainSequence
 from .evaluate import evaluate_block_sizes
-from .loss import FeatureCache, block_loss, sequence_loss_and_grad, target_fingerprint
+from .loss import FeatureCache, LossVocab, block_loss, sequence_loss_and_grad, target_fingerprint
 
 CHECKPOINTS = "checkpoints"
+# full: the softmax over the whole vocabulary; data: over the tokens of the training data (LossVocab).
+LOSS_VOCABS = ("full", "data")
 WRITER = "train"  # the mark of a training run's --out (dflash_mlx.owned)
 AFTER_MISSES = "after_misses.npz"  # a checkpoint's anchors after misses (--miss-anchors)
 FEATURES = "features"
@@ -43,7 +45,7 @@ RUN_SETTINGS = {"steps": "--steps", "grad_accum": "--grad-accum", "anchors": "--
                 "warmup": "--warmup", "min_lr": "min_lr", "weight_decay": "weight_decay",
                 "grad_clip": "--grad-clip", "gamma": "--gamma", "dtype": "--dtype", "seed": "--seed",
                 "block_sizes": "--block-sizes", "kl_weight": "--kl-weight", "kl_temperature": "--kl-temperature",
-                "miss_anchors": "--miss-anchors"}
+                "miss_anchors": "--miss-anchors", "loss_vocab": "--loss-vocab"}
 
 
 @dataclass
@@ -68,6 +70,7 @@ class TrainConfig:
     kl_weight: float = 0.0
     kl_temperature: float = 1.0
     miss_anchors: float = 0.0
+    loss_vocab: str = "full"
     eval_every: int = 0
     eval_sequences: int = 16
     save_every: int = 0
@@ -92,6 +95,10 @@ class TrainConfig:
             check_number("--gamma", g, above=0)
         for b in self.block_sizes or ():
             check_number("--block-sizes", b, at_least=2)
+        if self.loss_vocab not in LOSS_VOCABS:
+            raise InputError(f"--loss-vocab must be one of {', '.join(LOSS_VOCABS)}, got {self.loss_vocab!r}")
+        if self.loss_vocab == "data" and self.kl_weight:
+            raise InputError("--loss-vocab data and --kl-weight: distillation needs the full vocabulary")
 
 
 @dataclass
@@ -224,6 +231,7 @@ class Trainer:
         self.optimizer.init(drafter.trainable_parameters())
         self.features = FeatureCache(target, drafter.target_layer_ids, feature_cache, hidden=config.kl_weight > 0,
                                      sequences=usable)
+        self.vocab = LossVocab(target, usable, self.dtype) if config.loss_vocab == "data" else None
         self.step = 0
         self.after_misses: Dict[int, np.ndarray] = {}  # sequence index -> next_anchors of its last visit
         self._loss_and_grad = nn.value_and_grad(drafter, self._loss)
@@ -231,7 +239,8 @@ class Trainer:
     def _loss(self, features, blocks, targets, anchors, mask, num_blocks, target_logits=None):
         c = self.config
         return block_loss(self.drafter, features, blocks, targets, anchors, mask, self.weights[blocks.shape[1]],
-                          num_blocks, target_logits, c.kl_weight, c.kl_temperature, with_lengths=c.miss_anchors > 0)
+                          num_blocks, target_logits, c.kl_weight, c.kl_temperature, with_lengths=c.miss_anchors > 0,
+                          vocab=self.vocab)
 
     def _sequence(self, index: int) -> int:
         epoch, i = divmod(index, len(self.sequences))

