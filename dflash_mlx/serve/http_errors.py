@@ -50,7 +50,7 @@ def add_error_handlers(app: FastAPI, metrics, max_body_bytes: int, idle_timeout:
     async def api_error(request: Request, exc: APIError):
         endpoint = ENDPOINTS.get(request.url.path)
         if not exc.counted and endpoint is not None:
-            metrics.request(endpoint, "rejected" if exc.status == 429 else "invalid")
+            metrics.request(endpoint, "rejected" if exc.status in (429, 503) else "invalid")
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
