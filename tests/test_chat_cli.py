@@ -183,6 +183,16 @@ def test_stats_before_any_turn_says_there_are_none(stories, random_drafter):
     assert "from prefill" not in r.stdout and "Histogram" not in r.stdout
 
 
+def test_summary_line_counts_in_the_singular_for_one():
+    from dflash_mlx import GenerationStats
+    from dflash_mlx.cli.chat_ui import summary_line
+
+    one = summary_line(GenerationStats(block_size=4, prompt_tokens=45, prompt_reused=44, generation_tokens=1))
+    assert one.startswith("1 token · ") and one.endswith("prefill 1 token, 44 reused"), one
+    two = summary_line(GenerationStats(block_size=4, prompt_tokens=2, generation_tokens=2))
+    assert two.startswith("2 tokens · ") and two.endswith("prefill 2 tokens, 0 reused"), two
+
+
 @pytest.mark.parametrize("on", [True, False])
 def test_color_command_prints_one_line(on):
     from rich.console import Console

@@ -15,7 +15,7 @@ from dflash_mlx.errors import InputError
 from .common import (
     BlockSize, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
     PromptCacheDir, PromptCacheGb, Seed, Sharding, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP,
-    TreeBudget, Verify, check_pair_flags, check_sampling, check_system_prompt, guard, load_pair,
+    TreeBudget, Verify, check_pair_flags, check_sampling, check_template_flags, guard, load_pair,
     parse_draft_window, parse_stops, read_prompt, warn,
 )
 
@@ -44,7 +44,7 @@ def generate(
     verbose: Annotated[bool, Option("--verbose/--quiet", help="Print stats on stderr.")] = True,
     as_json: Annotated[bool, Option("--json", help="Print one JSON object: text and stats.")] = False,
     compare: Annotated[bool, Option("--compare", help="Also decode plainly; print the speedup.")] = False,
-    sharding: Sharding = "tensor",
+    sharding: Sharding = None,
 ) -> None:
     """Generate from one prompt. Text streams to stdout, stats go to stderr.
 
@@ -75,10 +75,10 @@ def _run(o) -> None:
     from dflash_mlx.prompt import context_length, encode_messages, plain_text
     from dflash_mlx.sampling import make_sampler
 
-    pair = load_pair(o.model, o.draft_model, o.defaults, window, distributed and o.sharding)
+    pair = load_pair(o.model, o.draft_model, o.defaults, window, distributed and distributed["sharding"])
     if o.seed is not None:  # after loading: building the model draws from the key, sharded or not
         mx.random.seed(o.seed)
-    check_system_prompt(o.system_prompt, pair.tokenizer, o.ignore_chat_template)
+    check_template_flags(pair.tokenizer, o.system_prompt, o.chat_template_config, o.ignore_chat_template)
     turns = [{"role": "system", "content": o.system_prompt}] if o.system_prompt else []
     ids = encode_messages(pair.tokenizer, turns + [{"role": "user", "content": text}], o.template,
                           use_template=not o.ignore_chat_template, plain=plain_text)
