@@ -21,6 +21,11 @@ _SUMS = ("prompt_tokens", "prompt_reused", "generation_tokens", "steps", "drafte
          "generation_s", "plain_steps")
 
 
+def plural(n: int, word: str) -> str:
+    """``n`` and ``word``, with an ``s`` unless ``n`` is 1: ``1 token``, ``2 tokens``."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 @dataclass
 class GenerationStats:
     """Counters and timings of one generation (or several, see :meth:`add`).
@@ -213,7 +218,7 @@ class GenerationStats:
         ``no draft steps: WHY``; None without a drafter."""
         if not self.speculative:
             return None
-        plain = f"{self.plain_steps} plain step" + ("s" if self.plain_steps != 1 else "")
+        plain = plural(self.plain_steps, "plain step")
         if self.steps:
             line = (f"tau {self.tau:.2f} tokens/step over {self.steps} verify steps "
                     f"({100 * self.acceptance_rate:.1f}% of drafts accepted)")

@@ -169,9 +169,28 @@ def test_piped_commands_name_themselves_and_reset_clears_the_totals(stories, ran
                       "error: /temp must be >= 0, got -1.0", "error: /max must be at least 1, got 0"]
     assert "--" not in "".join(errors)
     assert "Turns: 0 (0 interrupted)" in r.stdout and "Generation: 0 tokens" in r.stdout
+    assert "Acceptance: no turns yet" in r.stdout and "from prefill" not in r.stdout
     # Without a failed line, a piped session exits 0.
     r = dflash(*chat_args(stories, random_drafter, "-m", "10"), input="Once upon a time\n/stats\n", text=True)
     assert r.returncode == 0, r.stderr
+
+
+@needs_shared
+def test_stats_before_any_turn_says_there_are_none(stories, random_drafter):
+    r = dflash(*chat_args(stories, random_drafter), input="/stats\n", text=True)
+    assert r.returncode == 0, r.stderr
+    assert "Turns: 0 (0 interrupted)" in r.stdout and "Acceptance: no turns yet" in r.stdout, r.stdout
+    assert "from prefill" not in r.stdout and "Histogram" not in r.stdout
+
+
+def test_summary_line_counts_in_the_singular_for_one():
+    from dflash_mlx import GenerationStats
+    from dflash_mlx.cli.chat_ui import summary_line
+
+    one = summary_line(GenerationStats(block_size=4, prompt_tokens=45, prompt_reused=44, generation_tokens=1))
+    assert one.startswith("1 token · ") and one.endswith("prefill 1 token, 44 reused"), one
+    two = summary_line(GenerationStats(block_size=4, prompt_tokens=2, generation_tokens=2))
+    assert two.startswith("2 tokens · ") and two.endswith("prefill 2 tokens, 0 reused"), two
 
 
 @pytest.mark.parametrize("on", [True, False])

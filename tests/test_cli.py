@@ -70,6 +70,30 @@ def test_drafter_json_output(stories, random_drafter):
 
 
 @needs_shared
+@pytest.mark.parametrize("drafter", [False, True], ids=["plain", "dflash"])
+def test_json_token_ids_are_mlx_lm_greedy_ids_without_the_stop_token(stories, random_drafter, tmp_path, drafter):
+    """'.' (id 426) made a stop id: the reply stops at the first one, which token_ids leave out."""
+    from mlx_lm import load
+
+    from conftest import mlx_lm_greedy
+    from test_cli_inputs import edited_copy
+
+    folder = edited_copy(stories, tmp_path / "stop-at-period",
+                         config=lambda c: json.dumps({**c, "eos_token_id": [2, 426]}))
+    model, tokenizer = load(str(stories))
+    prompt = tokenizer.encode("Once upon a time")
+    ref = mlx_lm_greedy(model, prompt, 40)
+    pair = ["--draft-model", str(random_drafter)] if drafter else []
+    for path, n, want, finish in ((stories, 30, ref[:30], "length"), (folder, 40, ref[:ref.index(426)], "stop")):
+        r = dflash("--model", str(path), *pair, "-p", "Once upon a time", "-m", str(n), "--json", "--quiet")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["prompt_tokens"] == len(prompt) and out["finish_reason"] == finish
+        assert 5 < len(want) and out["token_ids"] == want and out["tokens"] == len(want)
+        assert tokenizer.decode(out["token_ids"]) == out["text"]
+
+
+@needs_shared
 @pytest.mark.parametrize("args, needle", [
     (["--block-size", "0"], "--block-size"),
     (["--block-size", "9"], "--block-size"),

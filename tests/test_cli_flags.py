@@ -136,6 +136,16 @@ def test_known_bad_values_are_one_line(missing, command, args, message):
     assert err == f"error: {message}\n"
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+@pytest.mark.parametrize("sharding", ["tensor", "pipeline"])
+def test_sharding_in_one_process_is_refused(missing, command, sharding):
+    """--sharding splits the target over mlx.launch's ranks: in one process it would be ignored."""
+    err = one_line_error(run(command, *base_args(command, missing), "--sharding", sharding))
+    assert err.startswith("error: --sharding ") and "mlx.launch" in err and "leave it out" in err, err
+    err = one_line_error(run(command, *base_args(command, missing)))
+    assert "--sharding" not in err, err  # without the flag: the missing model, as before
+
+
 def test_version():
     from importlib.metadata import version
 

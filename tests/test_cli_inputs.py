@@ -1,6 +1,6 @@
 """Inputs a new user gives the CLI: bytes that are not UTF-8, prompts past the context,
 top-k past the vocabulary, broken config.json files, a drafter passed as the target,
-a system prompt without a chat template, and the end token of `dflash data`."""
+a system prompt or template config without a chat template, and the end token of `dflash data`."""
 
 import json
 import re
@@ -176,6 +176,21 @@ def test_system_prompt_without_a_template_warns_and_goes_first(stories):
     r = dflash("chat", "--model", str(stories), "--system-prompt", "The dragon slept.", "-m", "5",
                stdin=b"Once upon a time\n")
     assert r.returncode == 0 and "no chat template" in text(r)[1]
+
+
+@needs_shared
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_template_config_without_a_template_warns_once(stories, command):
+    args = ["-p", "Once upon a time", "--json", "--quiet"] if command == "generate" else []
+    r = dflash(command, "--model", str(stories), "-m", "5", "--chat-template-config", '{"enable_thinking": true}',
+               *args, stdin=None if command == "generate" else b"Once upon a time\n")
+    out, err = text(r)
+    assert r.returncode == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert warnings == ["warning: this model has no chat template: --chat-template-config is not used"], err
+    r = dflash(command, "--model", str(stories), "-m", "5", *args,
+               stdin=None if command == "generate" else b"Once upon a time\n")
+    assert "warning: " not in text(r)[1]  # not without the flag
 
 
 # --- the end token of regenerated responses --------------------------------------------

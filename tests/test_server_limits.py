@@ -133,6 +133,42 @@ def test_lone_surrogates_are_400(client, path, body, param):
                 "not valid Unicode")
 
 
+# -- bodies as mlx_lm.server reads them -------------------------------------------------
+
+
+FORM = {"Content-Type": "application/x-www-form-urlencoded"}  # what `curl -d` sends
+
+
+@pytest.mark.parametrize("headers", [FORM, {"Content-Type": "text/plain"}, {}], ids=["form", "text", "none"])
+def test_json_body_read_whatever_its_content_type(client, headers):
+    r = client.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": "Once"}), headers=headers)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
+    r = client.post("/v1/chat/completions", content=json.dumps(chat()), headers=headers)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant", r.text
+
+
+@pytest.mark.parametrize("body,words", [(b"model=tiny&prompt=Once", "not valid JSON"), (b"", "must be a JSON object"),
+                                        (b"[1, 2]", "must be a JSON object"), (b"\xff\xfe{", "not valid JSON"),
+                                        (b"[" * 100_000, "not valid JSON")],
+                         ids=["form-fields", "empty", "array", "not-utf8", "deep"])
+def test_a_body_that_is_not_a_json_object_is_400(client, body, words):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        check_error(client.post(path, content=body, headers=FORM), 400, None, words)
+
+
+def test_a_request_without_model_uses_the_served_model(client):
+    out = client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4}).json()
+    named = client.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 4}).json()
+    assert out["model"] == MODEL and out["choices"][0]["text"] == named["choices"][0]["text"]
+    body = chat()
+    del body["model"]
+    assert client.post("/v1/chat/completions", json=body).json()["model"] == MODEL
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events and all(e["model"] == MODEL for e in events)
+    check_error(client.post("/v1/completions", json={"model": "other", "prompt": "a"}), 404, "model", "not served")
+
+
 @pytest.mark.parametrize("field,value", [("logprobs", True), ("top_logprobs", 2), ("n", 2), ("echo", True),
                                          ("best_of", 3), ("presence_penalty", 0.5), ("frequency_penalty", 1),
                                          ("logit_bias", {"1": 5}), ("response_format", {"type": "json_object"}),

@@ -233,7 +233,7 @@ class ChatSession:
         lines = [f"Turns: {self.turns} ({self.interrupted} interrupted)", t.prompt_line(),
                  f"Generation: {t.generation_tokens} tokens, {t.generation_tps:.3f} tokens-per-sec"]
         if self.pair_cache.drafter is not None:
-            lines.append(f"Acceptance: {t.acceptance_line()}")
+            lines.append(f"Acceptance: {t.acceptance_line() if self.turns else 'no turns yet'}")
             if t.steps:
                 lines.append("Histogram: " + format_histogram(t.histogram))
         lines.append(f"Peak memory: {t.peak_memory_gb:.3f} GB")

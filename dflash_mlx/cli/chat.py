@@ -17,7 +17,7 @@ from dflash_mlx.ranges import check_number
 from .common import (
     BlockSize, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
     PromptCacheDir, PromptCacheGb, Seed, Sharding, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP, Verify,
-    check_pair_flags, check_sampling, check_system_prompt, guard, load_pair, parse_draft_window, parse_stops, utf8,
+    check_pair_flags, check_sampling, check_template_flags, guard, load_pair, parse_draft_window, parse_stops, utf8,
 )
 
 COMMANDS = [
@@ -56,7 +56,7 @@ def chat(
     prompt_cache_dir: PromptCacheDir = None,
     no_prompt_cache: NoPromptCache = False,
     prompt_cache_gb: PromptCacheGb = 8.0,
-    sharding: Sharding = "tensor",
+    sharding: Sharding = None,
 ) -> None:
     """Chat in the terminal. Both caches are kept across turns; Ctrl-C stops a reply.
 
@@ -97,10 +97,10 @@ def _run(o) -> None:
 
     if o.seed is not None:
         mx.random.seed(o.seed)
-    pair = load_pair(o.model, o.draft_model, o.defaults, window, distributed and o.sharding)
+    pair = load_pair(o.model, o.draft_model, o.defaults, window, distributed and distributed["sharding"])
     check_block_size(o.block_size, pair.drafter)
     o.vocab_size = pair.target.vocab_size
-    check_system_prompt(o.system_prompt, pair.tokenizer, o.ignore_chat_template)
+    check_template_flags(pair.tokenizer, o.system_prompt, o.chat_template_config, o.ignore_chat_template)
     session = ChatSession.from_pair(pair, system_prompt=o.system_prompt, template_config=o.template,
                                     use_template=not o.ignore_chat_template, prefill_step_size=o.prefill_step_size,
                                     store=o.store)

@@ -15,6 +15,7 @@ from rich.panel import Panel
 from rich.text import Text
 
 from dflash_mlx.chat.session import ChatEvent, Piece
+from dflash_mlx.stats import plural
 
 DRAFTED = "cyan"  # tokens the target accepted from the drafter
 PROMPT = ">>> "
@@ -24,9 +25,9 @@ def summary_line(stats, interrupted: bool = False) -> str:
     """``N tokens · X tok/s · tau Y · Z GB peak · prefill P tokens, R reused`` (no tau without a drafter)."""
     head = "interrupted · " if interrupted else ""
     tau = stats.tau_text()
-    return (f"{head}{stats.generation_tokens} tokens · {stats.generation_tps:.1f} tok/s · "
+    return (f"{head}{plural(stats.generation_tokens, 'token')} · {stats.generation_tps:.1f} tok/s · "
             + (f"{tau} · " if tau else "") + f"{stats.peak_memory_gb:.3f} GB peak · "
-            f"prefill {stats.prompt_prefilled} tokens, {stats.prompt_reused} reused")
+            f"prefill {plural(stats.prompt_prefilled, 'token')}, {stats.prompt_reused} reused")
 
 
 class PlainView:
@@ -130,7 +131,7 @@ class _Reply:
         else:
             n, spec, tps = self.numbers
             spec = f"{spec} · " if spec else ""
-            status = f"{n} tokens · {spec}{tps:.1f} tok/s · {elapsed:.1f} s"
+            status = f"{plural(n, 'token')} · {spec}{tps:.1f} tok/s · {elapsed:.1f} s"
         return Group(self.shown, Text("  ⋯ " + status, style="dim"))
 
 

@@ -57,8 +57,8 @@ BlockSize = Annotated[str, Option("--block-size", callback=_parsed("parse_block_
     "auto: verify the width measured timings say is fastest; or B, 2..the drafter's trained size."))]
 TreeBudget = Annotated[Optional[str], Option("--tree-budget", callback=_parsed("parse_tree_budget"), help=(
     "DDTree: verify the N most likely draft prefixes as one tree (e.g. 32), or auto."))]
-Sharding = Annotated[str, Option("--sharding", help=(
-    "Under mlx.launch: tensor (split every layer) or pipeline (split the layers)."))]
+Sharding = Annotated[Optional[str], Option("--sharding", help=(
+    "Under mlx.launch: tensor (split every layer, the default) or pipeline (split the layers)."))]
 DraftWindow = Annotated[Optional[str], Option("--draft-window", help=(
     "SINK,WINDOW: the drafter keeps its first SINK and last WINDOW context rows (e.g. 64,1024)."))]
 SystemPrompt = Annotated[Optional[str], Option("--system-prompt", help="System prompt for the chat template.")]
@@ -204,11 +204,16 @@ def parse_template_config(value: Optional[str]) -> dict:
     return config
 
 
-def check_system_prompt(system_prompt: Optional[str], tokenizer, ignore_chat_template: bool) -> None:
-    """Warn when a system prompt has no chat template to go into (it then goes before the first turn)."""
-    if system_prompt is not None and (ignore_chat_template or not tokenizer.has_chat_template):
+def check_template_flags(tokenizer, system_prompt: Optional[str] = None, template_config: Optional[str] = None,
+                         ignore_chat_template: bool = False) -> None:
+    """One warning per chat-template flag given with no chat template to take it: ``--system-prompt`` (its text
+    then goes before the first turn) and ``--chat-template-config`` (not used)."""
+    if ignore_chat_template or not tokenizer.has_chat_template:
         why = "--ignore-chat-template is set" if ignore_chat_template else "this model has no chat template"
-        warn(f"{why}: the --system-prompt text goes before the prompt as plain text")
+        if system_prompt is not None:
+            warn(f"{why}: the --system-prompt text goes before the prompt as plain text")
+        if template_config is not None:
+            warn(f"{why}: --chat-template-config is not used")
 
 
 def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None, sharding=None):

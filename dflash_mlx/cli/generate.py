@@ -15,7 +15,7 @@ from dflash_mlx.errors import InputError
 from .common import (
     BlockSize, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
     PromptCacheDir, PromptCacheGb, Seed, Sharding, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP,
-    TreeBudget, Verify, check_pair_flags, check_sampling, check_system_prompt, guard, load_pair,
+    TreeBudget, Verify, check_pair_flags, check_sampling, check_template_flags, guard, load_pair,
     parse_draft_window, parse_stops, read_prompt, warn,
 )
 
@@ -44,7 +44,7 @@ def generate(
     verbose: Annotated[bool, Option("--verbose/--quiet", help="Print stats on stderr.")] = True,
     as_json: Annotated[bool, Option("--json", help="Print one JSON object: text and stats.")] = False,
     compare: Annotated[bool, Option("--compare", help="Also decode plainly; print the speedup.")] = False,
-    sharding: Sharding = "tensor",
+    sharding: Sharding = None,
 ) -> None:
     """Generate from one prompt. Text streams to stdout, stats go to stderr.
 
@@ -75,17 +75,17 @@ def _run(o) -> None:
     from dflash_mlx.prompt import context_length, encode_messages, plain_text
     from dflash_mlx.sampling import make_sampler
 
-    pair = load_pair(o.model, o.draft_model, o.defaults, window, distributed and o.sharding)
+    pair = load_pair(o.model, o.draft_model, o.defaults, window, distributed and distributed["sharding"])
     if o.seed is not None:  # after loading: building the model draws from the key, sharded or not
         mx.random.seed(o.seed)
-    check_system_prompt(o.system_prompt, pair.tokenizer, o.ignore_chat_template)
+    check_template_flags(pair.tokenizer, o.system_prompt, o.chat_template_config, o.ignore_chat_template)
     turns = [{"role": "system", "content": o.system_prompt}] if o.system_prompt else []
     ids = encode_messages(pair.tokenizer, turns + [{"role": "user", "content": text}], o.template,
                           use_template=not o.ignore_chat_template, plain=plain_text)
     max_tokens = fit_context(len(ids), o.max_tokens, context_length(pair.target))
     sampler = make_sampler(o.temp, o.top_p, o.min_p, o.top_k, pair.target.vocab_size)
     run = dict(sampler=sampler, max_tokens=max_tokens, stop_strings=stops, prefill_step_size=o.prefill_step_size)
-    out, stats, finish, cached = _stream(pair, ids, o, run)
+    out, token_ids, stats, finish, cached = _stream(pair, ids, o, run)
     stats.distributed = distributed
     if (stats.verify or {}).get("reason"):
         warn(f"--tree-budget is off, chains verify instead: {stats.verify['reason']}")
@@ -96,7 +96,8 @@ def _run(o) -> None:
         against = compare_with_plain(pair.target, pair.tokenizer, ids, out, stats, seed=o.seed, **run)
     if o.as_json:
         extra = {"compare": against} if o.compare else {}
-        print(json.dumps({"text": out, "finish_reason": finish, **stats.to_dict(), "ttft_s": stats.prompt_s, **extra}))
+        print(json.dumps({"text": out, "token_ids": token_ids, "finish_reason": finish, **stats.to_dict(),
+                          "ttft_s": stats.prompt_s, **extra}))
     if o.verbose:
         from dflash_mlx.compare import compare_line
 
@@ -118,16 +119,18 @@ def fit_context(prompt_tokens: int, max_tokens: int, limit: Optional[int]) -> in
 
 
 def _stream(pair, ids, o, run: dict):
-    """Stream the reply to stdout (unless --json); returns ``(text, stats, finish_reason, prompt cache)``."""
+    """Stream the reply to stdout (unless --json); returns ``(text, token ids, stats, finish_reason, prompt cache)``
+    (the ids: every generated token but a stop token)."""
     from dflash_mlx import stream_generate
     from dflash_mlx.prompt_cache.pair import PairCache
 
     cached = o.store and PairCache(pair.target, pair.tokenizer, pair.drafter, store=o.store, generate=stream_generate)
     stream = cached.stream if cached else partial(stream_generate, pair.target, pair.tokenizer, drafter=pair.drafter)
-    out, stats, finish = [], None, None
+    out, token_ids, stats, finish = [], [], None, None
     try:
         for response in stream(ids, block_size=o.block_size, tree_budget=o.tree_budget, **run):
             out.append(response.text)
+            token_ids.extend(response.tokens)
             stats, finish = response.stats, response.finish_reason
             if not o.as_json:
                 sys.stdout.write(response.text)
@@ -138,4 +141,4 @@ def _stream(pair, ids, o, run: dict):
         raise
     if not o.as_json:
         print(flush=True)
-    return "".join(out), stats, finish, cached
+    return "".join(out), token_ids, stats, finish, cached

@@ -13,7 +13,7 @@ from dflash_mlx.errors import InputError
 from dflash_mlx.ranges import check_number
 
 from .common import (BlockSize, DraftModel, Model, NoPromptCache, PrefillStep, PromptCacheDir, PromptCacheGb,
-                     Sharding, check_pair_flags, guard, load_pair)
+                     Sharding, check_pair_flags, check_template_flags, guard, load_pair)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_BATCH = 256  # a batch's cache grows with it: a typo (8000) should not take the memory
@@ -48,7 +48,7 @@ def serve(
     no_prompt_cache: NoPromptCache = False,
     prompt_cache_gb: PromptCacheGb = 8.0,
     log_level: Annotated[str, Option("--log-level", help="debug, info, warning or error.")] = "info",
-    sharding: Sharding = "tensor",
+    sharding: Sharding = None,
 ) -> None:
     """Serve the pair over the OpenAI API (chat, completions, models, health, metrics).
 
@@ -95,7 +95,8 @@ def _run(o) -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("dflash")
     log.setLevel(o.log_level.upper())
-    pair = load_pair(o.model, o.draft_model, o.defaults, None, distributed and o.sharding)
+    pair = load_pair(o.model, o.draft_model, o.defaults, None, distributed and distributed["sharding"])
+    check_template_flags(pair.tokenizer, template_config=o.chat_template_config)
     if sock is None:
         from dflash_mlx.serve.ranks import follow
 

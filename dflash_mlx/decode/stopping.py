@@ -7,6 +7,7 @@ from os.path import commonprefix
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 Decode = Callable[[List[int]], str]
+CHAR_BYTES = 4  # most bytes, so byte-fallback tokens, of one UTF-8 character
 
 
 class StopCondition:
@@ -93,16 +94,17 @@ class TextStream:
     """The text of one generation as its tokens arrive, cut before the first stop string (never shown).
 
     A run's text is ``tokenizer.decode(left + run)`` past ``decode(left)`` over ``window`` tokens of left
-    context (from ``context``, the prompt ids it continues); a run ending inside a multi-byte character,
-    or text that could begin a stop string, waits for the next tokens. ``text``: decoded so far (stop
-    strings included); ``shown``: characters of it returned.
+    context (from ``context``, the prompt ids it continues), moved back to begin at a character: a
+    byte-fallback decoder turns a whole run of byte tokens into U+FFFD when it begins inside one. A run
+    ending inside a multi-byte character, or text that could begin a stop string, waits for the next
+    tokens. ``text``: decoded so far (stop strings included); ``shown``: characters of it returned.
     """
 
     def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = (), context: Sequence[int] = (),
                  window: int = 8):
         self.decode, self.window = tokenizer.decode, window
         self.stop_strings = tuple(stop_strings)
-        self.ids: List[int] = list(context[-window:]) if window else []
+        self.ids: List[int] = list(context[-(window + CHAR_BYTES):]) if window else []
         self.done = len(self.ids)  # ids whose text is in ``text``
         self.text, self.shown, self.stopped = "", 0, False
 
@@ -127,7 +129,11 @@ class TextStream:
     def _decode(self, final: bool) -> None:
         start = max(0, self.done - self.window)
         before = self.decode(self.ids[start:self.done]) if self.done > start else ""
-        for stop in range(len(self.ids), max(self.done, len(self.ids) - 4), -1):  # back off a split character
+        lowest = max(0, start - CHAR_BYTES)
+        while before.startswith("\ufffd") and start > lowest:  # the left context begins inside a character
+            start -= 1
+            before = self.decode(self.ids[start:self.done])
+        for stop in range(len(self.ids), max(self.done, len(self.ids) - CHAR_BYTES), -1):  # back off a split one
             after = self.decode(self.ids[start:stop])
             if final or not after.endswith("\ufffd"):
                 self.text += after[len(commonprefix([before, after])):]

@@ -38,8 +38,8 @@ def _from_rank0(values: mx.array) -> mx.array:
     return mx.distributed.all_sum(values, stream=mx.cpu)
 
 
-def join_ranks(sharding: str) -> Optional[dict]:
-    """Under ``mlx.launch`` with more than one rank: check ``sharding``, seed every rank alike,
+def join_ranks(sharding: Optional[str]) -> Optional[dict]:
+    """Under ``mlx.launch`` with more than one rank: check ``sharding`` (None: tensor), seed every rank alike,
     and quiet every rank but 0, which alone takes Ctrl-C (they run the same loop): their standard output
     goes nowhere, and of their standard error only one-line errors, named with the rank (mlx.launch stops
     the other ranks when one fails, so rank 0 may not live to say why).
@@ -49,11 +49,15 @@ def join_ranks(sharding: str) -> Optional[dict]:
         for a single process.
 
     Raises:
-        InputError: ``sharding`` is neither ``tensor`` nor ``pipeline``.
+        InputError: ``sharding`` is neither ``tensor`` nor ``pipeline``, or is given to a single process.
     """
     n = ranks()
     if n == 1:
+        if sharding is not None:
+            raise InputError("--sharding splits the target over the ranks of mlx.launch, and this is one process: "
+                             "run under mlx.launch (e.g. mlx.launch --backend ring -n 2 -- dflash ...) or leave it out")
         return None
+    sharding = sharding or "tensor"
     if sharding not in SHARDINGS:
         raise InputError(f"--sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
     mx.random.seed(int(_from_rank0(mx.array([random.getrandbits(31)]))[0].item()))

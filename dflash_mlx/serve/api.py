@@ -88,7 +88,7 @@ class GenerationFields(BaseModel):
     """The fields both endpoints share (greedy by default)."""
 
     model_config = ConfigDict(strict=True)
-    model: str
+    model: Optional[str] = None  # None: the served model
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)

@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Type, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
 
 from ..decode.generate import check_block_size
 from ..prompt import context_length, encode_messages
@@ -20,7 +22,7 @@ from .api import ChatCompletionRequest, CompletionRequest, GenerationFields
 from .engine import Engine
 from .jobs import GenerationJob
 from .guard import GuardMiddleware, check_prompt_chars, check_template_kwargs, prompt_char_cap
-from .http_errors import APIError, add_error_handlers
+from .http_errors import APIError, add_error_handlers, validation_message
 from .metrics import ServerMetrics
 from .replies import respond
 from .tool_requests import count_chars
@@ -68,9 +70,13 @@ class Server:
         self.created = int(time.time())
         self.tool_warnings: set = set()  # what check_tool_support logged once
 
-    def check_model(self, name: str) -> None:
-        """Raises APIError 404 ``model_not_found`` unless ``name`` is the served model (or its folder)."""
-        if name not in self.names and real_path(name) not in self.names:
+    def check_model(self, req: GenerationFields) -> None:
+        """Sets ``req.model`` to the served model's id when the request names none (as ``mlx_lm.server``); raises
+        APIError 404 ``model_not_found`` unless it names the served model (or its folder)."""
+        name = req.model
+        if name is None:
+            req.model = self.config.model_id
+        elif name not in self.names and real_path(name) not in self.names:
             raise APIError(404, f"model: '{name}' is not served here; this server serves "
                                 f"'{self.config.model_id}' (see GET /v1/models)", "model", "model_not_found")
 
@@ -153,6 +159,32 @@ def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, defaults: Dict[s
                        "messages") from None
 
 
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def read_request(request: Request, model: Type[Body]) -> Body:
+    """The body as JSON whatever its Content-Type (``curl -d`` sends form-urlencoded), as ``mlx_lm.server`` reads it.
+
+    Raises:
+        APIError: 400 for a body that is not a JSON object or does not validate as ``model``.
+    """
+    body = await request.body()
+    try:
+        data = json.loads(body) if body.strip() else None
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON ({e.msg} at character {e.pos})") from None
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not valid JSON (not UTF-8)") from None
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON (nested too deeply)") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_message(e.errors()) from None
+
+
 def real_path(name: str) -> Optional[str]:
     """``name`` as a resolved path; None when it cannot be one."""
     try:
@@ -177,15 +209,17 @@ def create_app(pair: Any, config: ServerConfig) -> FastAPI:
     add_error_handlers(app, server.metrics, config.max_body_bytes, config.idle_timeout)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        server.check_model(req.model)
+    async def chat_completions(request: Request) -> Response:
+        req = await read_request(request, ChatCompletionRequest)
+        server.check_model(req)
         server.check_chat(req)
         return await respond(server, request, req, lambda r: chat_prompt_ids(server.tokenizer, r, config.template),
                              "chat")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Response:
-        server.check_model(req.model)
+    async def completions(request: Request) -> Response:
+        req = await read_request(request, CompletionRequest)
+        server.check_model(req)
         server.check_completion(req)
         return await respond(server, request, req, server.encode_prompt, "completions")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,12 +50,12 @@ def add_error_handlers(app: FastAPI, metrics, max_body_bytes: int, idle_timeout:
     async def api_error(request: Request, exc: APIError):
         endpoint = ENDPOINTS.get(request.url.path)
         if not exc.counted and endpoint is not None:
-            metrics.request(endpoint, "rejected" if exc.status == 429 else "invalid")
+            metrics.request(endpoint, "rejected" if exc.status in (429, 503) else "invalid")
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        return await api_error(request, validation_message(exc))
+        return await api_error(request, validation_message(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -79,13 +79,10 @@ def add_error_handlers(app: FastAPI, metrics, max_body_bytes: int, idle_timeout:
                         type_="server_error").response()
 
 
-def validation_message(exc: RequestValidationError) -> APIError:
-    """The first field's validation errors as one 400 naming the field (a union's: each member's message)."""
-    errors = exc.errors()
+def validation_message(errors: List[Dict[str, Any]]) -> APIError:
+    """The first field's validation errors (pydantic's) as one 400 naming the field (a union's: each member's
+    message)."""
     err = errors[0]
-    if err.get("type") == "json_invalid":
-        detail = (err.get("ctx") or {}).get("error", "")
-        return APIError(400, f"the request body is not valid JSON ({detail} at character {err['loc'][-1]})")
     own = next((e for e in errors if e.get("type") == REQUEST_ERROR), None)
     if own is not None:
         return APIError(400, own["msg"], own["ctx"]["param"])

@@ -29,6 +29,8 @@ async def respond(server: Any, request: Request, req: Any, encode, endpoint: str
         job = server.engine.submit(lambda: server.job(req, encode(req), endpoint), endpoint,
                                    server.config.request_timeout)
     except QueueFullError as e:
+        if server.engine.closing:  # arrived after the stop signal: 503, as for a job the shutdown ends
+            raise shutting_down(counted=False) from None
         raise APIError(429, str(e), code="rate_limit_exceeded") from None
     watcher = asyncio.ensure_future(watch_disconnect(request.receive, job))
     streaming = False  # once the stream is handed over, it closes the job and the watcher
@@ -111,8 +113,9 @@ def unfinished(engine: Any) -> Response:
     return Response(status_code=499)
 
 
-def shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down", type_="server_error", counted=True)
+def shutting_down(counted: bool = True) -> APIError:
+    """503; ``counted``: the engine counted the job already (else the refusal is counted as rejected)."""
+    return APIError(503, "the server is shutting down", type_="server_error", counted=counted)
 
 
 def sse(obj: Dict[str, Any]) -> str:
