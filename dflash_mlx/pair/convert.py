@@ -51,71 +51,44 @@ def convert(model: str, draft_model: Optional[str], out: str | Path, *, quantize
     target alone (``draft_model`` None) into an mlx-lm folder, as ``mlx_lm.convert`` writes one.
 
     Args:
-        model: a local folder, a repo id (downloaded into the Hugging Face cache) or a ``.gguf`` file
-            (:mod:`.gguf`: its quantized tensors stay quantized unless ``dtype`` is given).
+        model: a folder, a repo id (fetched into the Hugging Face cache) or a ``.gguf`` file (:mod:`.gguf`).
         draft_model: the drafter's folder or repo id, or None for the target alone.
         out: output folder; must not exist unless ``force`` (replaced once the new one is complete).
-        quantize, q_bits, q_group_size, q_mode: quantize the target with mlx-lm (bits 4 or 8, group size
-            32/64/128; None: mlx-lm's default for the mode); not for a GGUF file.
+        quantize, q_bits, q_group_size, q_mode: quantize the target with mlx-lm (not a GGUF file).
         draft_q_bits, draft_q_group_size: quantize the drafter (default: keep it float).
-        dtype: float16, bfloat16 or float32 for the float weights (default: the target's ``torch_dtype``; a
-            GGUF file's tensors are dequantized to it).
-        validate_output: run :func:`validate` on a pair before the folder is moved into place.
-        progress: called with a short description at the start of each stage.
+        dtype: float16, bfloat16 or float32 weights (default: as stored; dequantizes a GGUF file).
+        validate_output: run :func:`validate` on a pair; ``progress``: called with each stage's name.
 
     Raises:
-        InputError: a bad option, or ``out`` exists without ``force``.
-        CheckpointError: a source is missing or unreadable (or offline and not cached), or a GGUF file is
-            truncated, foreign or of a type MLX cannot read.
-        ConfigError: an unknown target architecture or tokenizer, or a drafter config of the older layout.
-        MismatchError: the drafter does not fit the target.
-        ValidationError: the converted folder failed a check (nothing is written).
+        InputError: a bad option, or ``out`` exists without ``force``. CheckpointError: a source is missing,
+            unreadable (offline and not cached), a truncated or foreign GGUF file or one of a type MLX cannot
+            read. ConfigError: an unknown architecture or tokenizer, or a drafter config of the older layout.
+            MismatchError: the drafter does not fit the target. ValidationError: a check failed.
     """
     out = Path(out).expanduser()
     check_options(quantize, q_bits, q_group_size, q_mode, draft_q_bits, draft_q_group_size, dtype)
-    from_gguf = is_gguf(model)
-    check_source_options(model, from_gguf, draft_model, quantize, draft_q_bits)
+    check_source_options(model, draft_model, quantize, draft_q_bits)
     check_out(out, force)
     check_replaceable(out)
     say = progress or (lambda _: None)
-    if from_gguf:
-        target_src = Path(model).expanduser()
-    else:
-        say(f"fetching the target {model}")
-        target_src = resolve_model_path(model, TARGET_FILES, what="target model")
-    draft_src = draft_config = None
-    if draft_model is not None:
-        say(f"fetching the drafter {draft_model}")
-        draft_src = resolve_model_path(draft_model, DRAFTER_FILES, what="drafter")
-        draft_config = read_config(draft_src / "config.json")
-        require_dflash_config(draft_config, draft_src / "config.json")
+    target_src, draft_src, draft_config = _sources(model, draft_model, say)
     check_not_inside(out, target_src, *([draft_src] if draft_src else []))
     with staging(out, force, say=say) as tmp:
         target_dir = tmp / "target" if draft_model is not None else tmp / ".target"
-        if from_gguf:
-            target_entry = convert_gguf(target_src, target_dir, dtype, say)
+        target_entry = _write_target(target_src, target_dir, say, quantize=quantize, q_bits=q_bits,
+                                     q_group_size=q_group_size, q_mode=q_mode, dtype=dtype)
         if draft_model is None:
-            if not from_gguf:
-                say("converting the target with mlx-lm")
-                target_entry = write_target(target_src, target_dir, quantize=quantize, q_bits=q_bits,
-                                            q_group_size=q_group_size, q_mode=q_mode, dtype=dtype)
-            for f in target_dir.iterdir():  # the folder itself is the model
-                f.rename(tmp / f.name)
-            target_dir.rmdir()
+            _move_up(target_dir)  # the folder itself is the model
             return ConvertResult(out, {"target": target_entry})
         say("checking that the drafter fits the target")
-        source_net, tokenizer, _ = load_model(str(target_dir if from_gguf else target_src), "target model",
+        # A GGUF file has no unconverted folder: its conversion is the reference.
+        source_net, tokenizer, _ = load_model(str(target_dir if is_gguf(model) else target_src), "target model",
                                               lazy=True)
         source = make_adapter(source_net)
         drafter = load_drafter(str(draft_src))
         check_pair(drafter, source, draft_model)
-        if not from_gguf:
-            say("converting the target with mlx-lm")
-            target_entry = write_target(target_src, target_dir, quantize=quantize, q_bits=q_bits,
-                                        q_group_size=q_group_size, q_mode=q_mode, dtype=dtype)
-        say("writing the drafter")
+        say("writing the drafter and hashing every file")
         drafter_entry = write_drafter(drafter, tmp / "drafter", draft_q_bits, draft_q_group_size, dtype)
-        say("hashing the weights, configs and tokenizer files")
         manifest = make_manifest(model, draft_model, target_src, draft_src, draft_config, drafter.args,
                                  target_entry, drafter_entry, hash_files(tmp))
         write_manifest(tmp, manifest)
@@ -130,11 +103,43 @@ def convert(model: str, draft_model: Optional[str], out: str | Path, *, quantize
     return ConvertResult(out, manifest, checks)
 
 
-def check_source_options(model: str, from_gguf: bool, draft_model: Optional[str], quantize: bool,
-                         draft_q_bits: Optional[int]) -> None:
+def _move_up(folder: Path) -> None:
+    """Move ``folder``'s files into its parent and remove it."""
+    for f in folder.iterdir():
+        f.rename(folder.parent / f.name)
+    folder.rmdir()
+
+
+def _sources(model: str, draft_model: Optional[str], say: Progress):
+    """``(target source, drafter folder or None, drafter config or None)``: a GGUF file as it is, folders
+    and repo ids resolved (fetched into the Hugging Face cache)."""
+    if is_gguf(model):
+        target_src = Path(model).expanduser()
+    else:
+        say(f"fetching the target {model}")
+        target_src = resolve_model_path(model, TARGET_FILES, what="target model")
+    if draft_model is None:
+        return target_src, None, None
+    say(f"fetching the drafter {draft_model}")
+    draft_src = resolve_model_path(draft_model, DRAFTER_FILES, what="drafter")
+    draft_config = read_config(draft_src / "config.json")
+    require_dflash_config(draft_config, draft_src / "config.json")
+    return target_src, draft_src, draft_config
+
+
+def _write_target(src: Path, dst: Path, say: Progress, dtype: Optional[str], **quantization) -> dict:
+    """The target written to ``dst`` in mlx-lm format: a GGUF file by :func:`convert_gguf`, a folder by
+    mlx-lm's convert (:func:`write_target`); returns the manifest entry."""
+    if is_gguf(src):
+        return convert_gguf(src, dst, dtype, say)
+    say("converting the target with mlx-lm")
+    return write_target(src, dst, dtype=dtype, **quantization)
+
+
+def check_source_options(model: str, draft_model: Optional[str], quantize: bool, draft_q_bits: Optional[int]) -> None:
     """InputError for flags that cannot apply to these sources: ``-q`` on a GGUF file (it keeps its own
     quantization), ``--draft-q-bits`` without a drafter."""
-    if from_gguf and quantize:
+    if is_gguf(model) and quantize:
         raise InputError(f"-q/--quantize: {model} is a GGUF file, which keeps its own quantization "
                          "(--dtype dequantizes it; convert that folder again with -q to quantize it with mlx-lm)")
     if draft_model is None and draft_q_bits is not None:
