@@ -85,6 +85,12 @@ def _run(o) -> None:
     max_tokens = fit_context(len(ids), o.max_tokens, context_length(pair.target))
     sampler = make_sampler(o.temp, o.top_p, o.min_p, o.top_k, pair.target.vocab_size)
     run = dict(sampler=sampler, max_tokens=max_tokens, stop_strings=stops, prefill_step_size=o.prefill_step_size)
+    if o.compare:  # both halves timed on built kernels
+        from dflash_mlx.compare import warm_up
+
+        warm_up(pair.target, pair.drafter, ids, o.block_size, sampler)
+        if o.seed is not None:
+            mx.random.seed(o.seed)
     out, token_ids, stats, finish, cached = _stream(pair, ids, o, run)
     stats.distributed = distributed
     if (stats.verify or {}).get("reason"):
