@@ -148,7 +148,7 @@ def test_no_long_files_or_functions():
 
 def test_the_package_stays_small():
     total = sum(len(path.read_text().splitlines()) for path in _sources())
-    assert total <= 14_000, f"dflash_mlx/ holds {total} lines, over 14,000"
+    assert total <= 15_000, f"dflash_mlx/ holds {total} lines, over 15,000"
 
 
 # The parts, lowest first. A package imports only packages of lower layers (imports inside
