@@ -203,3 +203,21 @@ def test_chat_self_prompts_are_user_turns_in_the_template(llama_gguf, tmp_path):
         prompt = tok.decode(shard["tokens"][offsets[i]:offsets[i] + start].tolist())
         assert prompt.startswith("<|im_start|>user\n") and prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
         assert len(prompt[len("<|im_start|>user\n"):-len("<|im_end|>\n<|im_start|>assistant\n")].split()) >= 3
+
+
+def test_gguf_target_with_a_drafter_converts_and_validates(llama_gguf, tmp_path):
+    """`dflash convert --model FILE.gguf --draft-model D`: target/ from the GGUF file, drafter/, dflash.json,
+    and the validation table (the drafter checked against the converted target)."""
+    from conftest import tiny_drafter_args
+    from dflash_mlx import DFlashDrafter, make_adapter, save_drafter
+    from dflash_mlx.pair.convert import convert
+
+    model, path = llama_gguf
+    mx.random.seed(1)
+    drafter = DFlashDrafter(tiny_drafter_args(make_adapter(model), block_size=4))
+    mx.eval(drafter.parameters())
+    save_drafter(drafter, tmp_path / "drafter")
+    result = convert(str(path), str(tmp_path / "drafter"), tmp_path / "pair", dtype="float32")
+    assert {"target", "drafter", "dflash.json"} <= {p.name for p in (tmp_path / "pair").iterdir()}
+    assert result.manifest["target"]["method"] == "GGUF read by MLX"
+    assert all(c.ok is not False for c in result.checks) and len(result.checks) >= 5

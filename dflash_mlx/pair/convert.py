@@ -5,6 +5,7 @@ into place (an error or Ctrl-C leaves nothing)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -75,18 +76,19 @@ def convert(model: str, draft_model: Optional[str], out: str | Path, *, quantize
     check_not_inside(out, target_src, *([draft_src] if draft_src else []))
     with staging(out, force, say=say) as tmp:
         target_dir = tmp / "target" if draft_model is not None else tmp / ".target"
-        target_entry = _write_target(target_src, target_dir, say, quantize=quantize, q_bits=q_bits,
-                                     q_group_size=q_group_size, q_mode=q_mode, dtype=dtype)
+        write = partial(_write_target, target_src, target_dir, say, quantize=quantize, q_bits=q_bits,
+                        q_group_size=q_group_size, q_mode=q_mode, dtype=dtype)
+        target_entry = write() if draft_model is None or is_gguf(model) else None  # a folder: after the check
         if draft_model is None:
             _move_up(target_dir)  # the folder itself is the model
             return ConvertResult(out, {"target": target_entry})
-        say("checking that the drafter fits the target")
-        # A GGUF file has no unconverted folder: its conversion is the reference.
-        source_net, tokenizer, _ = load_model(str(target_dir if is_gguf(model) else target_src), "target model",
-                                              lazy=True)
+        say("checking that the drafter fits the target")  # against a GGUF file's conversion (no other source)
+        source_net, tokenizer, _ = load_model(str(target_src if target_entry is None else target_dir),
+                                              "target model", lazy=True)
         source = make_adapter(source_net)
         drafter = load_drafter(str(draft_src))
         check_pair(drafter, source, draft_model)
+        target_entry = target_entry or write()
         say("writing the drafter and hashing every file")
         drafter_entry = write_drafter(drafter, tmp / "drafter", draft_q_bits, draft_q_group_size, dtype)
         manifest = make_manifest(model, draft_model, target_src, draft_src, draft_config, drafter.args,
