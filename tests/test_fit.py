@@ -1,21 +1,25 @@
-"""Every command's tables at 80 columns (dflash_mlx/cli/fit.py): on a
+"""Every command's tables, progress bars and chat's /stats at 80 columns (dflash_mlx/cli/fit.py): on a
 terminal and piped with COLUMNS=80 no line is wider, and every number stays whole; piped without COLUMNS,
 rows stay whole for scripts."""
 
 import copy
 import io
 import re
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 from rich.text import Text
 
 from dflash_mlx.bench.report import build_report
+from dflash_mlx.chat.session import ChatSession
 from dflash_mlx.cli.bench_tables import AGENT_DROP, CYCLE_DROP, RESULTS_DROP, agent_table, cycle_table, results_table
-from dflash_mlx.cli.common import print_table
+from dflash_mlx.cli.chat_ui import PlainView, RichView, summary_line
+from dflash_mlx.cli.common import bars, print_table
 from dflash_mlx.cli.convert import checks_table
 from dflash_mlx.cli.train import eval_table
 from dflash_mlx.pair.validation import Check
+from dflash_mlx.stats import GenerationStats
 from test_bench_report import synthetic
 
 WIDTH = 80
@@ -132,3 +136,60 @@ def test_piped_without_columns_keeps_rows_whole(monkeypatch):
     print_table(checks_table(checks()), console)
     assert re.search(r"^drafter logits +max \|diff\| 0\.0544 = 0\.48% of max \|logit\| \(8-bit, float32\) +measured$",
                      console.file.getvalue(), re.M)
+
+
+@pytest.mark.parametrize("force_terminal", [True, False])
+@pytest.mark.parametrize("status", [True, False])
+def test_progress_bars_keep_counts_whole(force_terminal, status):
+    console = Console(file=io.StringIO(), width=WIDTH, force_terminal=force_terminal, color_system=None)
+    progress = bars(console, status=status)
+    fields = {"status": "loss 12.345 lr 6.00e-04 12,345 tok/s"} if status else {}
+    progress.add_task("training" if status else "draft-model baseline on humaneval", total=2000, completed=77,
+                      **fields)
+    console.print(progress.make_tasks_table(progress.tasks))
+    shown = console.file.getvalue()
+    fits(shown)
+    assert "77/2000" in shown.split() and "0:00:00" in shown and "-:--:--" in shown
+    if status:
+        assert all(w in shown.split() for w in fields["status"].split()), shown
+
+
+def chat_lines() -> list:
+    """/stats of a long session: a wide histogram, reused prompt tokens, offsets of two caches."""
+    totals = GenerationStats(block_size=16, prompt_tokens=123456, prompt_reused=120000, generation_tokens=54321,
+                             prompt_s=1.5, generation_s=9.87, peak_memory_gb=12.345)
+    for accepted in range(16):
+        for _ in range(100 + accepted):
+            totals.record_step(accepted)
+    cache = SimpleNamespace(drafter=object(), offsets=lambda: {"target": [177777], "drafter": [177776, 177777]},
+                            is_consistent=lambda: True)
+    session = SimpleNamespace(totals=totals, turns=12, interrupted=3, pair_cache=cache, tokens=[0] * 177777,
+                              max_context=262144)
+    return ChatSession.stats_lines(session) + [summary_line(totals, interrupted=True)]
+
+
+def test_chat_stats_fit_a_terminal():
+    view = RichView(color=False)
+    view.console = terminal()
+    lines = chat_lines()
+    view.output(lines[:-1])
+    view.summary(lines[-1])
+    shown = view.console.file.getvalue()
+    fits(shown)
+    assert shown.split() == " ".join(lines).split()  # folded between words only
+
+
+def test_chat_stats_piped(monkeypatch, capsys):
+    lines = chat_lines()
+    monkeypatch.delenv("COLUMNS", raising=False)
+    PlainView().output(lines[:-1])
+    PlainView().summary(lines[-1])
+    out, err = capsys.readouterr()
+    assert out.splitlines() == lines[:-1] and err.splitlines() == lines[-1:]  # whole, for scripts
+
+    monkeypatch.setenv("COLUMNS", str(WIDTH))
+    PlainView().output(lines[:-1])
+    PlainView().summary(lines[-1])
+    out, err = capsys.readouterr()
+    fits(out + err)
+    assert out.split() == " ".join(lines[:-1]).split() and err.split() == lines[-1].split()

@@ -13,7 +13,7 @@ import typer
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
+from rich.table import Column, Table
 from typer import Option
 
 from dflash_mlx.errors import DFlashError, InputError
@@ -297,10 +297,18 @@ def spinner(text: str) -> ContextManager:
     return console.status(text) if console.is_terminal else nullcontext()
 
 
-def bars(console: Console, *extra) -> Progress:
-    """Progress bars on ``console``: name, bar, done/total, the ``extra`` columns, elapsed time and ETA."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *extra, TimeElapsedColumn(),
-                    TextColumn("ETA"), TimeRemainingColumn(), console=console)
+def bars(console: Console, status: bool = False) -> Progress:
+    """Progress bars on ``console``: name, bar, done/total, with ``status`` the task's ``status`` field, elapsed
+    time and ETA. The bar takes the width the rest leaves; on a narrow line the name and status fold at word
+    boundaries; the counts and times stay whole."""
+    def text(template: str) -> TextColumn:
+        return TextColumn(template, table_column=Column(overflow="fold"))
+
+    whole = Column(no_wrap=True)
+    bar = BarColumn(bar_width=None, table_column=Column(ratio=1))
+    return Progress(text("{task.description}"), bar, MofNCompleteColumn(table_column=whole),
+                    *([text("{task.fields[status]}")] if status else []), TimeElapsedColumn(table_column=whole),
+                    TextColumn("ETA"), TimeRemainingColumn(table_column=whole), console=console, expand=True)
 
 
 @contextmanager

@@ -34,6 +34,13 @@ def plain(renderables: Iterable[RenderableType], width: int) -> str:
     return "".join(line.rstrip() + "\n" for line in console.file.getvalue().splitlines())
 
 
+def piped(lines: Sequence[str]) -> str:
+    """``lines`` for a pipe, each ending in a newline: as they are, or folded at word boundaries to fit
+    ``COLUMNS`` when it is set."""
+    width = columns()
+    return "".join(f"{line}\n" for line in lines) if width is None else plain(lines, width)
+
+
 def fit_table(table: Table, width: int, drop: Sequence[str] = ()) -> Table:
     """``table``, changed in place, drawn at most ``width`` columns wide; returns it.
 
