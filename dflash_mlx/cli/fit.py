@@ -13,6 +13,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 WIDE = 10_000  # a width no table reaches: measures natural sizes
+_MEASURE = Console(width=WIDE)
 
 
 def columns() -> Optional[int]:
@@ -73,8 +74,7 @@ def fit_table(table: Table, width: int, drop: Sequence[str] = ()) -> Table:
 
 
 def _cell_span(renderable) -> Tuple[int, int]:
-    console = Console(width=WIDE)
-    m = Measurement.get(console, console.options, renderable)
+    m = Measurement.get(_MEASURE, _MEASURE.options, renderable)
     return m.minimum, m.maximum
 
 
@@ -86,8 +86,7 @@ def _span(column: Column, header: bool = True) -> Tuple[int, int]:
 
 def _overhead(table: Table, spans) -> int:
     """Columns the table draws besides its cells' text: padding, borders."""
-    console = Console(width=WIDE)
-    return Measurement.get(console, console.options, table).maximum - sum(hi for _, hi in spans)
+    return Measurement.get(_MEASURE, _MEASURE.options, table).maximum - sum(hi for _, hi in spans)
 
 
 def _widths(spans, spare: int) -> List[Optional[int]]:
