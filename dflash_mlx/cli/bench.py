@@ -151,7 +151,7 @@ def _agent(o) -> None:
     from dflash_mlx import load
     from dflash_mlx.bench.agent import MODES, encode_requests, read_agent_trace, run_trace, summarize, write_results
 
-    from .bench_tables import agent_table
+    from .bench_tables import AGENT_DROP, agent_table
     kwargs = {"block_size": parse_block_sizes(o.block_size, o.extra)[0]}
     _pair(o)
     requests = {Path(t).stem: read_agent_trace(t) for t in o.agent_trace}
@@ -167,7 +167,7 @@ def _agent(o) -> None:
         records += run_trace(pair, name, encode_requests(pair.tokenizer, reqs), MODES, o.max_tokens,
                              progress=lambda s: console.print(s), **kwargs)
     rows = summarize(records)
-    print_table(agent_table(rows))
+    print_table(agent_table(rows), drop=AGENT_DROP)
     console.print(f"wrote {write_results(results, records, rows, ['dflash', *sys.argv[1:]])}")
 
 
@@ -179,7 +179,7 @@ def _run(o) -> None:
     _pair(o)
     from dflash_mlx.bench import bench
     from dflash_mlx.bench.plots import plots_available
-    from .bench_tables import cycle_table, histogram_lines, results_table
+    from .bench_tables import CYCLE_DROP, RESULTS_DROP, cycle_table, histogram_lines, results_table
 
     if o.plots and not plots_available():
         warn("matplotlib is not installed: no plots are drawn (pip install 'dflash-mlx[plot]', or pass --no-plots)")
@@ -189,8 +189,8 @@ def _run(o) -> None:
         report = bench(o.model, o.draft_model, datasets, num_samples=o.num_samples or None, baseline=o.baseline,
                        config=config, num_draft_tokens=o.num_draft_tokens, out_dir=o.out, plots=o.plots,
                        command=["dflash", *sys.argv[1:]], progress=progress, overwrite=o.overwrite)
-    print_table(results_table(report))
-    print_table(cycle_table(report))
+    print_table(results_table(report), drop=RESULTS_DROP)
+    print_table(cycle_table(report), drop=CYCLE_DROP)
     for line in histogram_lines(report):
         console.print(line)
     for path in report["files"].values():

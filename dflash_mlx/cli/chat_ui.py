@@ -11,11 +11,14 @@ from rich.box import ROUNDED
 from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
+from rich.padding import Padding
 from rich.panel import Panel
 from rich.text import Text
 
 from dflash_mlx.chat.session import ChatEvent, Piece
 from dflash_mlx.stats import plural
+
+from .fit import piped
 
 DRAFTED = "cyan"  # tokens the target accepted from the drafter
 PROMPT = ">>> "
@@ -67,13 +70,16 @@ class PlainView:
     def notice(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
-    summary = notice
+    def summary(self, text: str) -> None:
+        sys.stderr.write(piped([text]))
+        sys.stderr.flush()
 
     def error(self, text: str) -> None:
         print(f"error: {text}", file=sys.stderr, flush=True)
 
     def output(self, lines: List[str]) -> None:
-        print("\n".join(lines), flush=True)
+        sys.stdout.write(piped(lines))
+        sys.stdout.flush()
 
 
 @contextmanager
@@ -196,7 +202,7 @@ class RichView:
         return last, interrupted
 
     def summary(self, text: str) -> None:
-        self.console.print("  " + text, style="dim", markup=False)
+        self.console.print(Padding(Text(text, style="dim"), (0, 0, 0, 2), expand=False))
 
     def notice(self, text: str) -> None:
         self.console.print("  " + text, style="yellow" if self.color else "", markup=False)
@@ -205,5 +211,5 @@ class RichView:
         self.console.print(f"  error: {text}", style="bold red" if self.color else "bold", markup=False)
 
     def output(self, lines: List[str]) -> None:
-        for line in lines:
-            self.console.print("  " + line, markup=False)
+        for line in lines:  # folded at word boundaries, under the indent
+            self.console.print(Padding(Text(line), (0, 0, 0, 2), expand=False))

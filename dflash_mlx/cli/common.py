@@ -3,24 +3,24 @@ person reads: tables that fit the terminal (plain text in pipes and logs), progr
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Annotated, Callable, ContextManager, Iterator, List, Optional, Tuple
+from typing import Annotated, Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple
 
 import typer
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
+from rich.table import Column, Table
 from typer import Option
 
 from dflash_mlx.errors import DFlashError, InputError
 from dflash_mlx.hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from dflash_mlx.ranges import check_number
 
+from .fit import WIDE, columns, fit_table, plain
 from .main import silence_stdout
 
 MODEL_HELP = (
@@ -262,34 +262,33 @@ def guard(fn):
         fail(f"{e.filename}: {e.strerror or e}")
 
 
-PLAIN_WIDTH = 10_000  # wide enough that no row of a plain table is folded
-
-
-def print_table(table: Table, console: Optional[Console] = None) -> None:
-    """Print ``table`` on ``console`` (default: stdout): fitted to a terminal, else plain text (a row per line,
-    no box, colour or trailing spaces)."""
+def print_table(table: Table, console: Optional[Console] = None, drop: Sequence[str] = ()) -> None:
+    """Print ``table`` on ``console`` (default: stdout): fitted to a terminal (:func:`fitted`); else plain text
+    (no box, colour or trailing spaces), a row per line unless ``COLUMNS`` is set: then fitted to it too, with
+    the columns in ``drop`` the first to go (:func:`~dflash_mlx.cli.fit.fit_table`)."""
     console = console or Console()
     if console.is_terminal:
-        console.print(fitted(table, console.width))
+        console.print(fitted(table, console.width, drop))
         return
-    title, table.title = table.title, None  # on a line of its own, whole
+    title, table.title = table.title, None  # on a line of its own, whole unless COLUMNS is set
     table.box, table.show_edge, table.pad_edge = None, False, False
-    width = Console(width=PLAIN_WIDTH).measure(table).maximum
-    text = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False, highlight=False,
-                   emoji=False)
-    if title:
-        text.print(title, soft_wrap=True, markup=False)
-    text.print(table)
-    console.file.write("".join(line.rstrip() + "\n" for line in text.file.getvalue().splitlines()))
+    width = columns()
+    if width is None:
+        text = plain([table], Console(width=WIDE).measure(table).maximum)
+        title_text = f"{title}\n" if title else ""
+    else:
+        text = plain([fit_table(table, width, drop)], width)
+        title_text = plain([title], width) if title else ""
+    console.file.write(title_text + text)
     console.file.flush()
 
 
-def fitted(table: Table, width: int) -> Table:
-    """``table`` made to fit ``width`` columns: a light box, cells folded, never cut to ``…``."""
+def fitted(table: Table, width: int, drop: Sequence[str] = ()) -> Table:
+    """``table`` made to fit ``width`` columns: a light box, text folded at word boundaries, never cut to
+    ``…``, a number never split (:func:`~dflash_mlx.cli.fit.fit_table`, which drops the columns in ``drop``
+    first when their words do not fit)."""
     table.box, table.show_edge, table.pad_edge, table.collapse_padding = box.SIMPLE_HEAD, False, False, True
-    for column in table.columns:
-        column.overflow, column.no_wrap = "fold", False
-    return table
+    return fit_table(table, width, drop)
 
 
 def spinner(text: str) -> ContextManager:
@@ -298,10 +297,18 @@ def spinner(text: str) -> ContextManager:
     return console.status(text) if console.is_terminal else nullcontext()
 
 
-def bars(console: Console, *extra) -> Progress:
-    """Progress bars on ``console``: name, bar, done/total, the ``extra`` columns, elapsed time and ETA."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *extra, TimeElapsedColumn(),
-                    TextColumn("ETA"), TimeRemainingColumn(), console=console)
+def bars(console: Console, status: bool = False) -> Progress:
+    """Progress bars on ``console``: name, bar, done/total, with ``status`` the task's ``status`` field, elapsed
+    time and ETA. The bar takes the width the rest leaves; on a narrow line the name and status fold at word
+    boundaries; the counts and times stay whole."""
+    def text(template: str) -> TextColumn:
+        return TextColumn(template, table_column=Column(overflow="fold"))
+
+    whole = Column(no_wrap=True)
+    bar = BarColumn(bar_width=None, table_column=Column(ratio=1))
+    return Progress(text("{task.description}"), bar, MofNCompleteColumn(table_column=whole),
+                    *([text("{task.fields[status]}")] if status else []), TimeElapsedColumn(table_column=whole),
+                    TextColumn("ETA"), TimeRemainingColumn(table_column=whole), console=console, expand=True)
 
 
 @contextmanager

@@ -12,7 +12,6 @@ import typer
 from typer import Option
 from rich.console import Console, Group
 from rich.live import Live
-from rich.progress import TextColumn
 from rich.table import Table
 
 from dflash_mlx.errors import InputError
@@ -90,7 +89,7 @@ def _data(o) -> None:
         ids += openings
         templated = o.self_prompt_style == "chat"
         ends += [response_end_token(pair.tokenizer, templated=templated)] * len(openings)
-    with bars(console, TextColumn("{task.fields[status]}")) as progress:
+    with bars(console, status=True) as progress:
         task = progress.add_task("regenerating", total=len(ids), status="")
         regenerate(pair.model, pair.tokenizer, ids, o.out, max_tokens=o.max_tokens, max_length=max_length,
                    temp=o.temp, shard_size=o.shard_size, batch_size=o.batch_size, seed=o.seed, target_id=str(o.model),
@@ -233,7 +232,7 @@ def _fit(o, trainer) -> None:
                   f"block {a.block_size}, target_layer_ids {a.target_layer_ids}, mask {a.mask_token_id}; "
                   f"trained at block sizes {plan}{distill}; {o.counts[0]} train / {o.counts[1]} held-out sequences")
     try:
-        progress = bars(console, TextColumn("{task.fields[status]}"))
+        progress = bars(console, status=True)
         task = progress.add_task("training", total=o.steps, completed=trainer.step, status="")
         live = Live(Group(progress), console=console, refresh_per_second=4) if console.is_terminal else None
         evaluated = None  # a log (not a terminal) gets one line per evaluation, and the last table at the end
