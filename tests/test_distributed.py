@@ -119,6 +119,8 @@ def test_two_ranks_print_the_single_process_text(launcher, stories, sampling):
     assert two["distributed"] == {"ranks": 2, "sharding": "tensor"}
     assert two["text"] == one["text"]
     assert two["tau"] > 1
+    if "--block-size" not in sampling:  # auto on ranks: rank 0 plans every step; rank 0 printed what ran
+        assert two["verify"]["block_size"] == "auto" and len(two["widths"]) >= 2, two["widths"]
 
 
 def test_other_ranks_say_their_errors_alone():

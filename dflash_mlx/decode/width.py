@@ -223,10 +223,9 @@ def make_chooser(target, drafter, block_size: int | str, tree_budget, stats) -> 
     elif tree_budget is not None and not callable(getattr(drafter, "propose", None)):
         reason = "this drafter gives no per-position log-probabilities to build a tree from"
         tree_budget = None
-    if mx.distributed.init().size() > 1:  # auto is timed on each rank apart: ranks must verify alike
-        auto = False
-        if tree_budget == AUTO:
-            tree_budget, reason = None, "--tree-budget auto is timed on each rank apart; pass a number"
+    ranks = mx.distributed.init().size()
+    if ranks > 1 and tree_budget == AUTO:  # trees are planned per sequence state, not shared across ranks
+        tree_budget, reason = None, "--tree-budget auto does not run on several ranks; pass a number"
     auto = (auto or tree_budget == AUTO) and tree_budget in (None, AUTO)  # a fixed tree budget fixes the verify
     if stats is not None:
         stats.verify = {"block_size": AUTO if auto else block_size, "tree_budget": tree_budget, "reason": reason}
@@ -234,4 +233,15 @@ def make_chooser(target, drafter, block_size: int | str, tree_budget, stats) -> 
         return WidthChooser(block_size, Plan(int(tree_budget) + 1, block_size, int(tree_budget)))
     if not auto and tree_budget is None:
         return WidthChooser(block_size, Plan(block_size, block_size))
-    return WidthChooser(block_size, tree=tree_budget == AUTO)
+    return (SharedChooser if ranks > 1 else WidthChooser)(block_size, tree=tree_budget == AUTO)
+
+
+class SharedChooser(WidthChooser):
+    """Auto under ``mlx.launch``: rank 0 plans each step from its own timings and every rank runs that plan
+    (its index in :attr:`options`, summed over the ranks with the others giving 0), so all verify alike.
+    Every rank observes every step, as each sees the same acceptance."""
+
+    def plan(self, n: int = 1, seeded: bool = False) -> Plan:
+        group = mx.distributed.init()
+        index = self.options.index(super().plan(n, seeded)) if group.rank() == 0 else 0
+        return self.options[int(mx.distributed.all_sum(mx.array([index], dtype=mx.int32), group=group).item())]
