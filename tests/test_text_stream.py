@@ -111,20 +111,14 @@ SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=
                                            HealthCheck.too_slow])
 
 
+@pytest.mark.parametrize("draw", [encoded_ids, random_ids], ids=["encoded-text", "random-ids"])
 @pytest.mark.parametrize("name", ["spm_tokenizer", "bpe_tokenizer"])
 @SETTINGS
 @given(data=st.data())
-def test_streamed_text_of_encoded_text_is_the_decode(request, name, data):
+def test_streamed_text_is_the_decode(request, name, draw, data):
+    """Ids of encoded text, and random ids that decode to valid UTF-8."""
     tokenizer = request.getfixturevalue(name)
-    check(tokenizer, data, data.draw(encoded_ids(tokenizer), label="ids"))
-
-
-@pytest.mark.parametrize("name", ["spm_tokenizer", "bpe_tokenizer"])
-@SETTINGS
-@given(data=st.data())
-def test_streamed_text_of_random_ids_is_the_decode(request, name, data):
-    tokenizer = request.getfixturevalue(name)
-    check(tokenizer, data, data.draw(random_ids(tokenizer), label="ids"))
+    check(tokenizer, data, data.draw(draw(tokenizer), label="ids"))
 
 
 def test_the_samples_need_byte_fallback_and_multibyte_merges(spm_tokenizer, bpe_tokenizer):
