@@ -13,7 +13,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 WIDE = 10_000  # a width no table reaches: measures natural sizes
-_MEASURE = Console(width=WIDE)
+_MEASURE = Console(file=io.StringIO(), width=WIDE, color_system=None)  # measures only: never the real stdout
 
 
 def columns() -> Optional[int]:
