@@ -126,8 +126,10 @@ def _table() -> Table:
     return table
 
 
-def test_a_table_fits_80_terminal_columns_and_is_plain_text_in_a_log():
+def test_a_table_fits_80_terminal_columns_and_is_plain_text_in_a_log(monkeypatch):
     from dflash_mlx.cli.common import print_table
+
+    monkeypatch.delenv("COLUMNS", raising=False)  # a log of rows: piped with no COLUMNS (tests/test_fit.py: with)
 
     term = Console(file=io.StringIO(), width=80, force_terminal=True, color_system=None)
     print_table(_table(), term)
