@@ -32,8 +32,6 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _SUFFIXES = ("weight", "bias", "scales", "biases")
-# rope_freqs: llama.cpp's per-frequency RoPE factors (Llama 3.1+ scaling), a constant not a weight.
-_UNUSED = ("rope_freqs.weight",)
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -81,11 +79,13 @@ def _reason(e: Exception) -> str:
     return " ".join(str(e).replace("[load_gguf] ", "").split()) or type(e).__name__
 
 
-def _int(metadata: dict, key: str, source: Path, default=None):
+def metadata_value(metadata: dict, key: str, source: Path, default=None, required: bool = False):
+    """``metadata[key]`` as Python values (``mx.load`` gives numbers as arrays), else ``default``;
+    ConfigError naming the file and the key when it is ``required`` and absent."""
     value = metadata.get(key, default)
-    if value is None:
+    if required and value is None:
         raise ConfigError(f"{source}: missing GGUF metadata key '{key}'")
-    return value.item() if isinstance(value, mx.array) else value
+    return value.tolist() if hasattr(value, "tolist") else value
 
 
 def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) -> dict:
@@ -104,7 +104,7 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
                           "is not supported yet")
 
     def key(name, default=None):
-        return _int(metadata, f"{arch}.{name}", source, default)
+        return metadata_value(metadata, f"{arch}.{name}", source, default, required=True)
 
     hidden, heads = key("embedding_length"), key("attention.head_count")
     vocab = weights["token_embd.weight"].shape[0] if "token_embd.weight" in weights else None
@@ -132,7 +132,7 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
     for name, meta in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         value = metadata.get(f"tokenizer.ggml.{meta}")
         if value is not None:
-            config[name] = _int(metadata, f"tokenizer.ggml.{meta}", source)
+            config[name] = metadata_value(metadata, f"tokenizer.ggml.{meta}", source)
     return config
 
 
@@ -140,8 +140,6 @@ def mlx_lm_weights(weights: Dict[str, mx.array], source: Path) -> Dict[str, mx.a
     """The tensors under mlx-lm's names (ConfigError naming a tensor it does not know)."""
     renamed = {}
     for name, value in weights.items():
-        if name in _UNUSED:
-            continue
         base, _, suffix = name.rpartition(".")
         parts = base.split(".")
         if suffix in _SUFFIXES and len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import ConfigError
+from .gguf import metadata_value
 
 # llama.cpp's token types (llama_token_type): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 CONTROL, USER_DEFINED = 3, 4
@@ -34,13 +35,6 @@ BYTE_LEVEL_SPLITS = {
 TOKENIZER_MODELS = ("gpt2", "llama")
 
 
-def _key(metadata: dict, name: str, source: Path, default=None, required: bool = False):
-    value = metadata.get(name, default)
-    if required and value is None:
-        raise ConfigError(f"{source}: missing GGUF metadata key '{name}'")
-    return value.tolist() if hasattr(value, "tolist") else value
-
-
 def build_tokenizer(metadata: dict, source: Path):
     """A ``PreTrainedTokenizerFast`` for the vocabulary in ``metadata`` (``mx.load``'s GGUF metadata) with its
     special tokens (control tokens whole and special, user-defined tokens whole) and chat template.
@@ -52,9 +46,9 @@ def build_tokenizer(metadata: dict, source: Path):
     from tokenizers import AddedToken, Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    kind = _key(metadata, "tokenizer.ggml.model", source, required=True)
-    tokens: List[str] = _key(metadata, "tokenizer.ggml.tokens", source, required=True)
-    types = _key(metadata, "tokenizer.ggml.token_type", source) or [1] * len(tokens)
+    kind = metadata_value(metadata, "tokenizer.ggml.model", source, required=True)
+    tokens: List[str] = metadata_value(metadata, "tokenizer.ggml.tokens", source, required=True)
+    types = metadata_value(metadata, "tokenizer.ggml.token_type", source) or [1] * len(tokens)
     if kind == "gpt2":
         tokenizer = _byte_level(metadata, tokens, source)
     elif kind == "llama":
@@ -69,7 +63,7 @@ def build_tokenizer(metadata: dict, source: Path):
                           for t, k in zip(tokens, types) if k == USER_DEFINED])
 
     def token(key: str) -> Optional[str]:
-        index = _key(metadata, f"tokenizer.ggml.{key}", source)
+        index = metadata_value(metadata, f"tokenizer.ggml.{key}", source)
         return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
     specials = {name: token(key) for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
@@ -84,8 +78,8 @@ def _byte_level(metadata: dict, tokens: List[str], source: Path):
     """GPT-2-style byte-level BPE: the file's tokens are spelled in GPT-2's byte alphabet, merges given."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    merges = _key(metadata, "tokenizer.ggml.merges", source, required=True)
-    pre = _key(metadata, "tokenizer.ggml.pre", source, default="default")
+    merges = metadata_value(metadata, "tokenizer.ggml.merges", source, required=True)
+    pre = metadata_value(metadata, "tokenizer.ggml.pre", source, default="default")
     if pre not in BYTE_LEVEL_SPLITS:
         raise ConfigError(f"{source}: tokenizer.ggml.pre '{pre}' is not supported "
                           f"(supported: {', '.join(sorted(BYTE_LEVEL_SPLITS))})")
@@ -114,8 +108,8 @@ def _sentencepiece(metadata: dict, tokens: List[str], source: Path):
     unless ``tokenizer.ggml.add_space_prefix`` is false."""
     from tokenizers import Tokenizer, decoders, models, normalizers
 
-    scores = _key(metadata, "tokenizer.ggml.scores", source)
-    merges = _key(metadata, "tokenizer.ggml.merges", source)
+    scores = metadata_value(metadata, "tokenizer.ggml.scores", source)
+    merges = metadata_value(metadata, "tokenizer.ggml.merges", source)
     if merges is not None:
         merges = [tuple(m.split(" ", 1)) for m in merges]
     elif scores is not None:
@@ -123,10 +117,10 @@ def _sentencepiece(metadata: dict, tokens: List[str], source: Path):
     else:
         raise ConfigError(f"{source}: missing GGUF metadata key 'tokenizer.ggml.scores' (or "
                           "'tokenizer.ggml.merges'), needed to rebuild a SentencePiece vocabulary")
-    unk = _key(metadata, "tokenizer.ggml.unknown_token_id", source, default=0)
+    unk = metadata_value(metadata, "tokenizer.ggml.unknown_token_id", source, default=0)
     vocab = {t: i for i, t in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token=tokens[unk], fuse_unk=True, byte_fallback=True))
-    prefix = _key(metadata, "tokenizer.ggml.add_space_prefix", source, default=True)
+    prefix = metadata_value(metadata, "tokenizer.ggml.add_space_prefix", source, default=True)
     steps = [normalizers.Prepend("▁")] if prefix else []
     tokenizer.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
     tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -140,8 +134,8 @@ def _add_bos(tokenizer, metadata: dict, tokens: List[str], source: Path, default
     yes for SentencePiece vocabularies, no for byte-level ones)."""
     from tokenizers import processors
 
-    bos = _key(metadata, "tokenizer.ggml.bos_token_id", source)
-    if bos is None or not _key(metadata, "tokenizer.ggml.add_bos_token", source, default=default):
+    bos = metadata_value(metadata, "tokenizer.ggml.bos_token_id", source)
+    if bos is None or not metadata_value(metadata, "tokenizer.ggml.add_bos_token", source, default=default):
         return
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B", special_tokens=[(tokens[bos], bos)])
