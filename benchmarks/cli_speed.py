@@ -10,7 +10,9 @@ prompts of the per-prompt median ratio to mlx-lm:
   (first token to last, as mlx-lm defines it);
 - process time: wall seconds of the whole command, start-up, loading and any
   calibration included (what a script that calls the CLI per prompt waits);
-- tau, the widths chosen, and whether the text equals mlx-lm's on every prompt (a
+- with the setting ``plain`` (`dflash generate` without a drafter) in the run, each setting's
+  decode speed against it too, as the median over prompts of the per-prompt median ratio;
+- tau, the widths chosen (and how many steps were probes), and whether the text equals mlx-lm's on every prompt (a
   reply that dflash stops at the target's context, where mlx-lm goes on, counts as
   equal when it is the start of mlx-lm's).
 
@@ -58,8 +60,9 @@ def run_mlx_lm(model: str, prompt: str, max_tokens: int) -> dict:
 
 
 def run_dflash(model: str, draft: str, prompt: str, max_tokens: int, setting: str) -> dict:
-    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "generate", "--model", model, "--draft-model", draft,
-           "-p", prompt, "-m", str(max_tokens), "--block-size", setting, "--json", "--quiet"]
+    pair = [] if setting == "plain" else ["--draft-model", draft, "--block-size", setting]
+    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "generate", "--model", model, *pair,
+           "-p", prompt, "-m", str(max_tokens), "--json", "--quiet"]
     tic = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - tic
@@ -68,7 +71,7 @@ def run_dflash(model: str, draft: str, prompt: str, max_tokens: int, setting: st
     out = json.loads(r.stdout)
     capped = "tokens will be generated" in r.stderr  # the prompt and reply would pass the target's context
     return {"text": out["text"], "tps": out["generation_tps"], "wall": wall, "tau": out["tau"], "capped": capped,
-            "widths": out["widths"]}
+            "widths": out.get("widths", {}), "probe_steps": out.get("probe_steps", 0)}
 
 
 def median_or_none(values) -> float | None:
@@ -89,7 +92,8 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_pair_args(p)
-    p.add_argument("--settings", nargs="+", default=["auto", "4", "8", "16"], help="--block-size values")
+    p.add_argument("--settings", nargs="+", default=["plain", "auto", "4", "8", "16"],
+                   help="--block-size values, and plain (no drafter)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -107,9 +111,9 @@ def main() -> int:
                 runs[e][i].append(res)
         print(f"prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
 
-    def per_prompt_ratio(e, key):
+    def per_prompt_ratio(e, key, baseline="mlx-lm"):
         out = []
-        for mine, base in zip(runs[e], runs["mlx-lm"]):
+        for mine, base in zip(runs[e], runs[baseline]):
             ours = statistics.median(x[key] for x in mine)
             ref = statistics.median(x[key] for x in base)
             out.append(ours / ref if key == "tps" else ref / ours)
@@ -130,6 +134,9 @@ def main() -> int:
                     widths[k] = widths.get(k, 0) + n
         rows.append({
             "block_size": e, "speed_vs_mlx_lm": round(statistics.median(speed), 3),
+            "speed_vs_plain": (round(statistics.median(per_prompt_ratio(e, "tps", "plain")), 3)
+                               if "plain" in runs else None),
+            "probe_steps": sum(x["probe_steps"] for mine in runs[e] for x in mine),
             "process_time_ratio": round(statistics.median(wall), 3),
             "per_prompt_speed": [round(x, 3) for x in speed],
             "tau": median_or_none([x["tau"] for mine in runs[e] for x in mine]),
@@ -137,11 +144,13 @@ def main() -> int:
         })
     base_tps = statistics.median(x["tps"] for mine in runs["mlx-lm"] for x in mine)
     print(f"\nmlx-lm: {base_tps:.1f} tokens/s (median)")
-    print("| --block-size | speed vs mlx-lm | process time vs mlx-lm | tau | identical | widths |")
-    print("|---|---:|---:|---:|---|---|")
+    print("| --block-size | speed vs mlx-lm | vs plain | process time vs mlx-lm | tau | identical | widths |")
+    print("|---|---:|---:|---:|---:|---|---|")
     for row in rows:
         top = ", ".join(f"{k} x{n}" for k, n in list(row["widths"].items())[:4])
-        print(f"| {row['block_size']} | {row['speed_vs_mlx_lm']:.2f}x | {row['process_time_ratio']:.2f}x | "
+        top += f" ({row['probe_steps']} probes)" if row["probe_steps"] else ""
+        plain = "-" if row["speed_vs_plain"] is None else f"{row['speed_vs_plain']:.2f}x"
+        print(f"| {row['block_size']} | {row['speed_vs_mlx_lm']:.2f}x | {plain} | {row['process_time_ratio']:.2f}x | "
               f"{row['tau'] if row['tau'] is None else format(row['tau'], '.2f')} | {row['identical']} | {top} |")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 PHASES = ("prefill", "decode")  # a decode step drafts and verifies in one graph: one time
 _SUMS = ("prompt_tokens", "prompt_reused", "generation_tokens", "steps", "drafted", "accepted", "prompt_s",
-         "generation_s", "plain_steps")
+         "generation_s", "plain_steps", "probe_steps")
 
 
 def plural(n: int, word: str) -> str:
@@ -46,6 +46,7 @@ class GenerationStats:
         verify: ``{"block_size": B or "auto", "tree_budget": None, N or "auto", "reason": why a requested
             tree is off, or None}``; None without a drafter.
         plain_steps, widths: plain steps; ``{"plain": steps, "chain N": steps, "tree N": steps}``.
+        probe_steps: of all steps, those block size auto ran to measure an option other than its best.
         mode_s: seconds per mode (``plain``, ``chain``, ``tree``), drafting included.
         trace: ``[[accepted, drafted], ...]`` per verify step, in order.
         block_attention: ``{"block_attention": "metal" | "reference", "reason": str}``, or None.
@@ -74,6 +75,7 @@ class GenerationStats:
     distributed: Optional[Dict[str, object]] = None
     verify: Optional[Dict[str, object]] = None
     plain_steps: int = 0
+    probe_steps: int = 0
     widths: Dict[str, int] = field(default_factory=dict)
     mode_s: Dict[str, float] = field(default_factory=dict)
     trace: List[List[int]] = field(default_factory=list)
@@ -93,9 +95,11 @@ class GenerationStats:
         self.plain_steps += 1
         self.phase_s["decode"] += seconds
 
-    def record_plan(self, mode: str, width: int, seconds: float, accepted: int, drafted: int) -> None:
+    def record_plan(self, mode: str, width: int, seconds: float, accepted: int, drafted: int,
+                    probe: bool = False) -> None:
         """Count one step of ``mode`` (``plain``, ``chain``, ``tree``) and ``width`` (tokens or nodes) of
-        ``seconds`` (decode time)."""
+        ``seconds`` (decode time); ``probe``: auto ran it to measure it."""
+        self.probe_steps += probe
         key = "plain" if mode == "plain" else f"{mode} {width}"
         self.widths[key] = self.widths.get(key, 0) + 1
         self.mode_s[mode] = self.mode_s.get(mode, 0.0) + seconds
@@ -178,6 +182,7 @@ class GenerationStats:
             "verify": self.verify,
             "widths": dict(sorted(self.widths.items())),
             "plain_steps": self.plain_steps,
+            "probe_steps": self.probe_steps,
             "mode_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.mode_s.items())},
             "tokens": self.generation_tokens,
             "tau": _rounded(self.tau, 4),
@@ -237,6 +242,8 @@ class GenerationStats:
         used = ", ".join(f"{k} x{n}" for k, n in sorted(self.widths.items(), key=lambda kv: -kv[1]))
         spent = ", ".join(f"{k} {s:.2f} s" for k, s in sorted(self.mode_s.items()))
         line = f"{what}: {used or 'no steps'}" + (f" ({spent})" if spent else "")
+        if self.probe_steps:
+            line += f"; {plural(self.probe_steps, 'probe')} among them"
         if v.get("reason"):
             line += f"; tree off: {v['reason']}"
         return line

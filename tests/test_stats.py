@@ -42,6 +42,18 @@ def test_plain_steps_are_counted_apart_from_verify_steps():
                                    "and 1 plain step")
 
 
+def test_probe_steps_are_counted_and_said():
+    s = GenerationStats(block_size=16, verify={"block_size": "auto", "tree_budget": None, "reason": None})
+    s.record_plan("plain", 1, 0.01, 0, 0)
+    s.record_plan("chain", 2, 0.02, 0, 1, probe=True)
+    s.record_plan("plain", 1, 0.01, 0, 0)
+    other = GenerationStats(block_size=16)
+    other.record_plan("chain", 4, 0.02, 0, 3, probe=True)
+    s.add(other)
+    assert s.probe_steps == 2 and s.to_dict()["probe_steps"] == 2
+    assert s.verify_line().endswith("; 2 probes among them")
+
+
 def test_acceptance_rate_is_right_when_block_sizes_vary():
     # 3 of 15 drafts at B=16, then 3 of 3 at B=4: 6 of 18, not 6 of 2 x 15.
     s = GenerationStats(block_size=16)

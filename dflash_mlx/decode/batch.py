@@ -178,8 +178,9 @@ class BatchDecoder:
         """Draft -> verify -> accept -> roll back (a plain step where the plan's width is 1)."""
         tic = time.perf_counter()
         plan = self._plan()
+        probe = self.chooser is not None and self.chooser.probing  # read before the next plan is made
         if plan.width == 1:
-            return self._plain(plan, tic)
+            return self._plain(plan, tic, probe)
         tokens = self._tokens()
         drafts, proposals = self._propose(tokens, plan.block)
         if plan.tree_budget is not None and self.solo:
@@ -202,7 +203,7 @@ class BatchDecoder:
         seconds = time.perf_counter() - tic
         results = []
         for s, (a, out) in zip(self.sequences, decided):
-            s.stats.record_plan(mode, plan.tree_budget or plan.width, seconds, a, drafted)
+            s.stats.record_plan(mode, plan.tree_budget or plan.width, seconds, a, drafted, probe)
             s.token = mx.array(out[a : a + 1], dtype=mx.int32)
             results.append(StepResult(out[: a + 1], a, None))
         self.chooser.observe(plan, seconds, [r.accepted for r in results])
@@ -286,8 +287,9 @@ class BatchDecoder:
                 s.pending.append(features[i : i + 1, :n])
             self._context = None
 
-    def _plain(self, plan: Plan, tic: float) -> List[StepResult]:
-        """One token per sequence; alone, the next plain step is dispatched before this one is read."""
+    def _plain(self, plan: Plan, tic: float, probe: bool = False) -> List[StepResult]:
+        """One token per sequence; alone, the next plain step is dispatched before this one is read;
+        ``probe``: auto runs it to measure it."""
         self._spill()
         if self._queued is not None:
             _, y, features = self._queued
@@ -309,7 +311,7 @@ class BatchDecoder:
             if self.drafter is None:
                 s.stats.record_plain(seconds)
             else:
-                s.stats.record_plan("plain", 1, seconds, 0, 0)
+                s.stats.record_plan("plain", 1, seconds, 0, 0, probe)
                 s.pending.append(features[i : i + 1])
             results.append(StepResult([picks[i]], None, None))
         if not self.solo:

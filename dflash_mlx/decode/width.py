@@ -2,13 +2,19 @@
 
 ``auto`` runs the option with the highest rate(w, n) = n * E[tokens | w] / seconds(w, n) over plain
 steps, chains of 2, 4, ..., B and (``--tree-budget auto``, one sequence) a tree of :data:`AUTO_TREE`
-nodes. E comes from the draft survival observed (Kaplan-Meier, older steps decayed by :data:`DECAY`,
-unseen positions at :data:`PRIOR`); seconds(w, n) is the mean of its last :data:`WINDOW` timings less
-the highest and the lowest (the first run of each (w, n) is left out); plain steps' rate is divided
-by :data:`PLAIN_MARGIN`. It starts at the middle chain. At most once every :data:`PROBE_EVERY` steps
-an option that is due runs once (a probe; the most overdue, nearest the best first). An option is due
-:data:`PROBE_EVERY` steps after its last probe, or, while its probes measure below :data:`CLOSE` of the
-best rate, after twice the last gap (at most :data:`MAX_GAP`): clearly slower options cost few steps.
+nodes. E comes from the draft survival observed (Kaplan-Meier, each position starting at :data:`PRIOR`
+with :data:`PRIOR_WEIGHT` steps' weight; every step ages the evidence and the prior alike by :data:`DECAY`,
+so plain steps change no estimate but make the next observation weigh more); seconds(w, n) is the mean of
+its last :data:`WINDOW` timings less the highest and the lowest (the first run of each (w, n) is left out
+and run again at once). Plain steps' rate is divided by :data:`PLAIN_MARGIN`, so only a measured gain moves
+off plain. It starts at the middle chain.
+
+Other options run as probes, one step each (two for an option not yet timed), at most one every ``gap``
+steps: the gap starts at :data:`FIRST_GAP`, doubles after each probe that measures below the best rate
+(up to :data:`MAX_GAP`) and falls back to :data:`PROBE_EVERY` after one that beats it, so once the choice
+is settled (drafting does not pay, say) at most one step in :data:`MAX_GAP` is a probe. The probe is plain while plain
+is untimed, else the most promising option: its rate, or for an untimed chain the most it could reach (its
+E over the seconds of the slowest timed option no wider), which must beat the best rate for it to run.
 """
 
 from __future__ import annotations
@@ -23,13 +29,13 @@ from ..ranges import check_number
 
 AUTO = "auto"
 PRIOR = 0.6  # conditional acceptance of a draft position never verified
-PRIOR_WEIGHT = 1.0  # steps' worth of weight the prior carries per position
-DECAY = 0.97  # weight of older steps' acceptance, per step
+PRIOR_WEIGHT = 0.25  # steps' worth of weight the prior carries per position
+DECAY = 0.97  # weight of older steps' evidence (and of the prior), per step
 WINDOW = 6  # timings kept per (option, n): even, so alternating pipelined timings weigh alike
-PROBE_EVERY = 8  # steps between two probes
-PLAIN_MARGIN = 1.25  # plain must beat the chains' rate by this: the timings miss the cost of switching to it and back
-CLOSE = 0.9  # a probe within this fraction of the best rate keeps the shortest gap
-MAX_GAP = 64  # the longest gap between two probes of one option, in steps
+FIRST_GAP = 2  # steps before the first probe
+PROBE_EVERY = 8  # the gap after a probe that came close to the best rate
+MAX_GAP = 64  # the longest gap between two probes, in steps
+PLAIN_MARGIN = 1.05  # a chain must beat plain steps' measured rate by this to be chosen over them
 AUTO_TREE = 16  # tree nodes --tree-budget auto weighs against chains
 
 
@@ -86,30 +92,32 @@ def chain_widths(block: int) -> List[int]:
 
 
 class Survival:
-    """Per draft position k (1-based), the weighted counts of blocks that reached k and
-    of those whose draft k was right."""
+    """Per draft position k (1-based), the weighted counts of blocks that reached k and of those whose
+    draft k was right, and the weight of the prior (aged alike: ageing changes no estimate)."""
 
     def __init__(self, block: int):
         self.reached = [0.0] * block
         self.right = [0.0] * block
+        self.prior = PRIOR_WEIGHT
 
     def observe(self, width: int, accepted: int) -> None:
         """One chain of ``width`` tokens that accepted ``accepted`` drafts."""
-        self.decay()
         for k in range(1, min(accepted + 1, width - 1) + 1):
             self.reached[k] += 1.0
             self.right[k] += k <= accepted
 
     def decay(self) -> None:
-        """Older steps weigh :data:`DECAY` as much (every step, plain ones too)."""
-        self.reached = [r * DECAY for r in self.reached]
-        self.right = [r * DECAY for r in self.right]
+        """Older steps (and the prior) weigh :data:`DECAY` as much; rescaled whole before they underflow."""
+        scale = DECAY if self.prior > 1e-9 else DECAY * 1e9
+        self.reached = [r * scale for r in self.reached]
+        self.right = [r * scale for r in self.right]
+        self.prior *= scale
 
     def expected_tokens(self, width: int) -> float:
         """E[tokens committed | a chain of ``width``] = 1 + sum of S(k), k < width."""
         total, s = 1.0, 1.0
         for k in range(1, width):
-            s *= (self.right[k] + PRIOR * PRIOR_WEIGHT) / (self.reached[k] + PRIOR_WEIGHT)
+            s *= (self.right[k] + PRIOR * self.prior) / (self.reached[k] + self.prior)
             total += s
         return total
 
@@ -123,6 +131,7 @@ class WidthChooser:
 
     Attributes:
         max_verify: most tokens one verify feeds per sequence (for cache sizing).
+        probing: whether the last plan was a probe (for the statistics).
     """
 
     def __init__(self, block: int, fixed: Optional[Plan] = None, tree: bool = False):
@@ -136,15 +145,16 @@ class WidthChooser:
         self.tree_tokens: List[float] = []  # tokens the last tree steps committed, per sequence
         self.seconds: Dict[Tuple[Plan, int], List[float]] = {}  # (option, n) -> its last timings
         self.best: Dict[int, Plan] = {}  # n -> the option planned as best
-        self.gap: Dict[Tuple[Plan, int], int] = {}  # (option, n) -> steps between its probes
-        self.due: Dict[Tuple[Plan, int], int] = {}  # (option, n) -> the step from which it is probed again
+        self.gap = FIRST_GAP  # steps from one probe to the next
         self.steps = 0  # steps observed
         self.probed = 0  # the step of the last probe
         self.again: Optional[Plan] = None  # a probe whose first run paid its setup runs once more
+        self.probing = False
 
     def plan(self, n: int = 1, seeded: bool = False) -> Plan:
         """The next step for ``n`` active sequences; ``seeded``: a seeded sampled sequence
         is among them, whose text must not depend on timings (the fixed B runs)."""
+        self.probing = False
         if self.fixed is not None:
             return self.fixed
         if seeded:
@@ -152,20 +162,43 @@ class WidthChooser:
         options = [p for p in self.options if n == 1 or p.tree_budget is None]
         again, self.again = self.again, None
         if again in options:
+            self.probing = True
             return again
         timed = [p for p in options if self.seconds.get((p, n))]
         chains = options[1 : len(chain_widths(self.block)) + 1]
         best = max(timed, key=lambda p: self.rate(p, n)) if timed else chains[(len(chains) - 1) // 2]
         self.best[n] = best
-        i = options.index(best)
-        due = [p for p in options if p != best and self.due.get((p, n), 0) <= self.steps]
-        if not due or self.steps - self.probed < PROBE_EVERY:
+        if self.steps - self.probed < self.gap:
             return best
-        self.probed = self.steps
-        probe = min(due, key=lambda p: (self.due.get((p, n), 0), abs(options.index(p) - i)))
+        probe = self._probe(options, best, n)
+        if probe is None:
+            return best
+        self.probed, self.probing = self.steps, True
         if (probe, n) not in self.seconds:
             self.again = probe
         return probe
+
+    def _probe(self, options: List[Plan], best: Plan, n: int) -> Optional[Plan]:
+        """Plain while it is untimed, else the most promising other option: timed, or untimed where it could
+        beat ``best``."""
+        plain = options[0]
+        if best != plain and not self.seconds.get((plain, n)):
+            return plain
+        floor = self.rate(best, n)
+        hopes = [(self.promise(p, n), p) for p in options if p != best]
+        hopes = [(h, p) for h, p in hopes if h > floor or self.seconds.get((p, n))]
+        return max(hopes, key=lambda hp: hp[0])[1] if hopes else None
+
+    def promise(self, plan: Plan, n: int) -> float:
+        """``plan``'s rate, or untimed, the most it could commit per second: its E over the seconds of the
+        slowest timed option no wider (a wider step is no faster); unbounded for a tree not yet run (it
+        commits at least its best chain, but how much more the chains do not say)."""
+        if self.seconds.get((plan, n)):
+            return self.rate(plan, n)
+        if plan.tree_budget is not None and not self.tree_tokens:
+            return float("inf")
+        floors = [self._seconds(p, n) for p in self.options if p.width <= plan.width and self.seconds.get((p, n))]
+        return n * self.expected_tokens(plan) / max(floors) if floors else float("inf")
 
     def observe(self, plan: Plan, seconds: float, accepted: Sequence[int]) -> None:
         """One step that ran ``plan``: its wall ``seconds`` (the whole batched step) and each
@@ -174,23 +207,21 @@ class WidthChooser:
             return
         n = len(accepted)
         self.steps += 1
+        self.survival.decay()
         if plan.tree_budget is not None:
             self.tree_tokens = self.tree_tokens[1 - WINDOW :] + [sum(accepted) / max(n, 1) + 1.0]
         elif plan.width > 1:
             for a in accepted:
                 self.survival.observe(plan.width, a)
-        else:
-            self.survival.decay()
         key = (plan, n)
         if key in self.seconds:
             self.seconds[key] = self.seconds[key][1 - WINDOW :] + [seconds]
         else:
             self.seconds[key] = []  # the first run of a shape pays its setup
         best = self.best.get(n)
-        if best is not None and plan != best and self.seconds[key]:  # a probe: when is the next one
-            close = self.rate(plan, n) >= CLOSE * self.rate(best, n)
-            self.gap[key] = PROBE_EVERY if close else min(2 * self.gap.get(key, PROBE_EVERY), MAX_GAP)
-            self.due[key] = self.steps + self.gap[key]
+        if best is not None and plan != best and self.seconds[key] and self.again is None:  # a probe measured
+            won = self.rate(plan, n) > self.rate(best, n)
+            self.gap = PROBE_EVERY if won else min(2 * self.gap, MAX_GAP)
 
     def expected_tokens(self, plan: Plan) -> float:
         """E[tokens committed per sequence] by ``plan``."""
@@ -198,12 +229,16 @@ class WidthChooser:
             return sum(self.tree_tokens) / len(self.tree_tokens)
         return self.survival.expected_tokens(plan.width if plan.tree_budget is None else self.block)
 
-    def rate(self, plan: Plan, n: int = 1) -> float:
-        """Tokens per second ``plan`` is expected to commit for ``n`` sequences (0 untimed)."""
+    def _seconds(self, plan: Plan, n: int) -> float:
+        """The mean of ``plan``'s timings at ``n`` less the highest and the lowest (0 untimed)."""
         timings = sorted(self.seconds.get((plan, n), []))
         if len(timings) > 2:
             timings = timings[1:-1]
-        seconds = sum(timings) / len(timings) if timings else 0.0
+        return sum(timings) / len(timings) if timings else 0.0
+
+    def rate(self, plan: Plan, n: int = 1) -> float:
+        """Tokens per second ``plan`` is expected to commit for ``n`` sequences (0 untimed)."""
+        seconds = self._seconds(plan, n)
         margin = PLAIN_MARGIN if plan.width == 1 else 1.0
         return n * self.expected_tokens(plan) / seconds / margin if seconds > 0 else 0.0
 
