@@ -139,7 +139,8 @@ def train(
         "Fraction of blocks anchored right after the drafter's misses (0: uniform)."))] = 0.0,
     loss_vocab: Annotated[str, Option("--loss-vocab", help=(
         "full: the cross-entropy's softmax over the whole vocabulary; data: over the tokens the training data "
-        "holds (cheaper where the output head dominates a step, e.g. a 49K vocabulary on a small target)."))
+        "holds and 4,096 others drawn afresh each step (a sampled softmax; cheaper where the output head "
+        "dominates a step, e.g. a 49K vocabulary on a small target)."))
     ] = "full",
     grad_clip: Annotated[float, Option("--grad-clip", help="Max gradient norm.")] = 1.0,
     dtype: Annotated[str, Option("--dtype", help="float32 or bfloat16.")] = "float32",
@@ -228,18 +229,30 @@ def _fit(o, trainer) -> None:
     a = trainer.drafter.args
     plan = ", ".join(f"{b} (gamma {g:g})" for b, g in trainer.plan.items())
     distill = f"; KL weight {o.kl_weight:g} at T={o.kl_temperature:g}" if o.kl_weight else ""
+    from dflash_mlx.train.health import lr_warning
+
     console.print(f"drafter: {a.num_hidden_layers} layer(s), hidden {a.hidden_size}, MLP {a.intermediate_size}, "
                   f"block {a.block_size}, target_layer_ids {a.target_layer_ids}, mask {a.mask_token_id}; "
                   f"trained at block sizes {plan}{distill}; {o.counts[0]} train / {o.counts[1]} held-out sequences")
+    warned = lr_warning(o.lr, a.hidden_size)
+    if warned:
+        console.print(f"warning: {warned}", markup=False, highlight=False)
     try:
         progress = bars(console, status=True)
         task = progress.add_task("training", total=o.steps, completed=trainer.step, status="")
         live = Live(Group(progress), console=console, refresh_per_second=4) if console.is_terminal else None
         evaluated = None  # a log (not a terminal) gets one line per evaluation, and the last table at the end
+        health = ""
         with live or nullcontext():
             for info in trainer.run():
-                progress.update(task, completed=info.step,
-                                status=f"loss {info.loss:.3f} lr {info.lr:.2e} {info.tokens_per_s:,.0f} tok/s")
+                if info.health is not None:
+                    health = f" rms {info.health.rms:,.1f} cos {info.health.row_cosine:.2f}"
+                    collapsing = info.health.warning(o.lr)
+                    if collapsing and not warned:
+                        warned = collapsing
+                        console.print(f"warning: step {info.step}: {collapsing}", markup=False, highlight=False)
+                progress.update(task, completed=info.step, status=f"loss {info.loss:.3f} lr {info.lr:.2e}{health} "
+                                f"{info.tokens_per_s:,.0f} tok/s")
                 if info.eval:
                     evaluated = info
                     if live is not None:

@@ -250,11 +250,12 @@ class DFlashDrafter(nn.Module):
                                                dtype=mx.int32)], axis=1)
 
     def forward(self, block: mx.array, context: mx.array, ctx_at: At, block_at: At, attends: Sequence[Attend],
-                compile: bool = True) -> mx.array:
+                compile: bool = True, residual: bool = False) -> mx.array:
         """Every layer (one ``attend`` each) over blocks [N, B] int32 at ``block_at`` and fused context
         rows [N or 1, S, H] at ``ctx_at``; returns the final normed hidden states [N, B-1, H] of block
         rows 1..B-1. With ``compile`` and S <= B, the rows are padded to B (one trace per shape) and both
-        halves of each layer run compiled (not DFlash2's), RoPE by tables where :func:`rope_rows` gives them."""
+        halves of each layer run compiled (not DFlash2's), RoPE by tables where :func:`rope_rows` gives them.
+        ``residual``: the residual stream before the final norm instead."""
         B, S = block.shape[1], context.shape[1]
         compiled = compile and compile_enabled() and not self.args.conv_kernel_size and S <= B
         if compiled:
@@ -269,7 +270,7 @@ class DFlashDrafter(nn.Module):
         h = self.embed_block(block)
         for layer, attend in zip(self.layers, attends):
             h = layer(h, context, ctx_at, block_at, attend, compiled)
-        return self.norm(h[:, 1:])
+        return h[:, 1:] if residual else self.norm(h[:, 1:])
 
     def hidden(self, block: mx.array, context: mx.array, cache: Sequence[object]) -> mx.array:
         """[1, B-1, H] final normed hidden states of one block (arguments as in :meth:`__call__`)."""
@@ -291,18 +292,19 @@ class DFlashDrafter(nn.Module):
         context features [1, S, K*H] (appended to ``cache``) -> [1, B-1, V] logits of block rows 1..B-1."""
         return self.logits(self.hidden(block, context, cache))
 
-    def block_hidden(self, blocks: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
+    def block_hidden(self, blocks: mx.array, context: mx.array, anchors: mx.array, mask: mx.array,
+                     residual: bool = False) -> mx.array:
         """Training forward (spec section 6): blocks [N, B] int32 at ``anchors`` [N], features [1, L, K*H]
         of the sequence, ``mask`` [N, 1, B, L + B] bool (:func:`dflash_mlx.train.blocks.block_mask`) ->
-        [N, B-1, H] final hidden states of block rows 1..B-1. ConfigError for drafters other than
-        full-attention v1 ones."""
+        [N, B-1, H] final hidden states of block rows 1..B-1 (``residual``: before the final norm).
+        ConfigError for drafters other than full-attention v1 ones."""
         a = self.args
         if a.format.dflash2 or any(a.is_sliding(i) or a.is_causal_layer(i) for i in range(a.num_hidden_layers)):
             raise ConfigError(f"training supports full-attention v1 drafters only, not {a.architecture} "
                               "with these layer types")
         attend: Attend = lambda attn, q, ctx, block: masked_attention(q, ctx, block, mask, attn.scale)  # noqa: E731
         fused = self.hidden_norm(self.fc(context))
-        return self.forward(blocks, fused, 0, anchors, [attend] * len(self.layers), compile=False)
+        return self.forward(blocks, fused, 0, anchors, [attend] * len(self.layers), compile=False, residual=residual)
 
     def block_logits(self, blocks: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
         """:meth:`block_hidden` through the head: [N, B-1, V] logits."""

@@ -139,13 +139,20 @@ def distill_kl(logits: mx.array, target_logits: mx.array, temperature: float = 1
     return (fast_softmax.exp(log_p) * (log_p - log_q)).sum(axis=-1) * temperature**2
 
 
-class LossVocab:
-    """The tokens a ``--loss-vocab data`` cross-entropy normalizes over: ``ids`` [S] (every token of the
-    training sequences), the head's columns for them ``head`` [H, S], and ``index`` [V] int32 (a token's
-    position in ``ids``, -1 outside). The softmax then costs S/V of the full head's; a target token is always
-    inside, so the loss is the cross-entropy of the distribution restricted to the data's tokens."""
+NEGATIVES = 4096  # tokens outside the data drawn into each step's --loss-vocab data softmax
 
-    def __init__(self, target: TargetAdapter, sequences: List[TrainSequence], dtype):
+
+class LossVocab:
+    """The columns a ``--loss-vocab data`` cross-entropy normalizes over: every token of the training sequences
+    (``ids`` [S]; ``index`` [V] int32 maps a token to its column, -1 outside) and ``negatives`` others drawn
+    afresh by :meth:`draw` (a sampled softmax: each drawn logit is raised by log(R / K), R the tokens outside
+    the data, K those drawn, so their sum estimates the rest's). Without the drawn ones the rest of the
+    vocabulary gets no gradient, and drafting, which takes the argmax over all of it, picks tokens the
+    training never pushed down. The softmax costs (S + K) / V of the full head's; the target is a data token.
+    ``columns`` [S + K] (token ids), ``head`` [H, S + K] and ``shift`` [S + K] are the current draw's columns,
+    their head and their logit offsets."""
+
+    def __init__(self, target: TargetAdapter, sequences: List[TrainSequence], dtype, negatives: int = NEGATIVES):
         ids = np.unique(np.concatenate([s.tokens for s in sequences]))
         H = target.hidden_size
         full = target.lm_head(mx.eye(H, dtype=mx.float32)).astype(mx.float32)  # [H, V]: the head, if linear
@@ -156,8 +163,21 @@ class LossVocab:
         index = np.full(target.vocab_size, -1, dtype=np.int32)
         index[ids] = np.arange(ids.size, dtype=np.int32)
         self.ids, self.index = ids, mx.array(index)
-        self.head = mx.stop_gradient(full[:, mx.array(ids)].astype(dtype))
-        mx.eval(self.head, self.index)
+        self.rest = np.setdiff1d(np.arange(target.vocab_size), ids)
+        self.negatives = min(negatives, self.rest.size)
+        self.full = mx.stop_gradient(full.astype(dtype))
+        self.draw(np.random.default_rng(0))
+
+    def draw(self, rng: np.random.Generator) -> None:
+        """Draw the step's ``negatives`` tokens outside the data (all of them where there are no more)."""
+        drawn = self.rest if self.negatives == self.rest.size else rng.choice(self.rest, self.negatives, replace=False)
+        shift = np.zeros(self.ids.size + drawn.size, dtype=np.float32)
+        if drawn.size:
+            shift[self.ids.size:] = np.log(self.rest.size / drawn.size)
+        self.columns = np.concatenate([self.ids, drawn])
+        self.head = self.full[:, mx.array(self.columns)]
+        self.shift = mx.array(shift)
+        mx.eval(self.head, self.shift, self.index)
 
 
 def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask, weights,
@@ -167,12 +187,12 @@ def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask,
     """Cross-entropy of block rows 1..B-1 (plus ``kl_weight`` times :func:`distill_kl` against
     ``target_logits`` [N, B-1, V]) weighted by ``weights`` [B-1], over the weight sum times ``num_blocks``
     (the sequence's blocks, default N: chunks then sum to the whole); with ``vocab`` the softmax runs over
-    its tokens only (no distillation). With ``with_lengths`` also returns each block's greedy acceptance
+    its columns only (:class:`LossVocab`; no distillation). With ``with_lengths`` also returns each block's greedy acceptance
     length [N] int32 (accepted rows + 1)."""
     if vocab is None:
         logits = drafter.block_logits(blocks, features, anchors, mask).astype(mx.float32)
     else:
-        logits = (drafter.block_hidden(blocks, features, anchors, mask) @ vocab.head).astype(mx.float32)
+        logits = (drafter.block_hidden(blocks, features, anchors, mask) @ vocab.head).astype(mx.float32) + vocab.shift
         targets = vocab.index[targets]
     per_row = fast_softmax.cross_entropy(logits, targets)
     if target_logits is not None and kl_weight:

@@ -32,10 +32,12 @@ from ..targets import TargetAdapter
 from .blocks import default_gamma, next_anchors, position_weights, sample_anchors, valid_anchors
 from .data import TrainSequence
 from .evaluate import evaluate_block_sizes
+from .health import EVERY as HEALTH_EVERY, Health, measure
 from .loss import FeatureCache, LossVocab, block_loss, sequence_loss_and_grad, target_fingerprint
 
 CHECKPOINTS = "checkpoints"
-# full: the softmax over the whole vocabulary; data: over the tokens of the training data (LossVocab).
+# full: the softmax over the whole vocabulary; data: over the training data's tokens and others drawn
+# each step (LossVocab).
 LOSS_VOCABS = ("full", "data")
 WRITER = "train"  # the mark of a training run's --out (dflash_mlx.owned)
 AFTER_MISSES = "after_misses.npz"  # a checkpoint's anchors after misses (--miss-anchors)
@@ -103,14 +105,16 @@ class TrainConfig:
 
 @dataclass
 class StepInfo:
-    """One optimizer step: its loss, rate, trained block tokens per second and, on evaluation steps,
-    :func:`~dflash_mlx.train.evaluate.evaluate_block_sizes` (largest block size first)."""
+    """One optimizer step: its loss, rate, trained block tokens per second; on evaluation steps,
+    :func:`~dflash_mlx.train.evaluate.evaluate_block_sizes` (largest block size first); on the first, the
+    last and every :data:`~dflash_mlx.train.health.EVERY`-th step, the drafter's :class:`Health`."""
 
     step: int
     loss: float
     lr: float
     tokens_per_s: float
     eval: Optional[Dict[int, dict]] = None
+    health: Optional[Health] = None
 
 
 def pick_mask_token(tokenizer, vocab_size: int, sequences: List[TrainSequence]) -> int:
@@ -262,6 +266,8 @@ class Trainer:
         anchors = sample_anchors(rng, seq.tokens.size, seq.response_start, B, c.anchors,
                                  self.after_misses.get(index), c.miss_anchors)
         feats, hidden = self.features.get(index, seq, self.dtype)
+        if self.vocab is not None:
+            self.vocab.draw(np.random.default_rng([c.seed, step, micro, 2]))
         lengths = []
         loss, grads = sequence_loss_and_grad(self._loss_and_grad, feats, seq, anchors, B,
                                              self.drafter.args.mask_token_id, c.anchor_chunk, hidden, self.target,
@@ -292,6 +298,9 @@ class Trainer:
             mx.eval(self.drafter.parameters(), self.optimizer.state, total)
             self.step += 1
             info = StepInfo(self.step, float(total) / c.grad_accum, lr, tokens / (time.perf_counter() - tic))
+            if self.step in (1, c.steps) or self.step % HEALTH_EVERY == 0:
+                seq = self.sequences[0]
+                info.health = measure(self.drafter, self.features.get(0, seq, self.dtype)[0], seq, max(self.plan))
             if c.eval_every and self.held_out and self.step % c.eval_every == 0:
                 info.eval = evaluate_block_sizes(self.drafter, self.target, self.held_out[: c.eval_sequences],
                                                  sorted(self.plan, reverse=True), seed=c.seed,

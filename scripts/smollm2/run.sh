@@ -70,8 +70,8 @@ stage_train() {
   [ -d "$OUT/drafter/checkpoints" ] && resume=(--resume)
   OPENBLAS_NUM_THREADS=1 dflash train --model "$OUT/smol" --data "$OUT/data-chat" --data "$OUT/data-train" \
       --out "$OUT/drafter" --layers 1 --block-size 16 --block-sizes 4,8,16 --target-layer-ids 1,8,14,20,27 \
-      --steps "$STEPS" --anchors 32 --anchor-chunk 32 --grad-accum 1 --miss-anchors 0.5 --lr 2e-3 --warmup 0.02 \
-      --held-out 16 --eval-every 500 --save-every 100 --cache-features --loss-vocab data "${resume[@]}"
+      --steps "$STEPS" --anchors 64 --anchor-chunk 64 --grad-accum 1 --miss-anchors 0.5 --lr 6e-4 --warmup 0.02 \
+      --held-out 16 --eval-every 500 --save-every 250 --cache-features --loss-vocab data "${resume[@]}"
 }
 
 stage_quantize() {  # 8-bit layers (fc and the norms stay float), then tau of both on held-out GSM8K

@@ -1,0 +1,67 @@
+"""Signs that a drafter in training is collapsing, the failure a learning rate too high for its width
+causes: the residual stream's RMS grows by orders of magnitude and every row of a block points the same
+way, so the loss stays at the data's unigram entropy whatever the data says (seen here at width 576 and
+lr 2e-3: RMS 5,400, row cosine 0.999)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..drafter.network import DFlashDrafter
+from .blocks import sample_anchors
+from .data import TrainSequence
+from .loss import make_batch
+
+PUBLISHED_LR = 6e-4  # the DFlash recipe's peak rate (spec section 6), for drafters 2,560-4,096 wide
+RMS_LIMIT = 1000.0  # residual RMS above this (healthy drafters here stay under 100)
+COSINE_LIMIT = 0.99  # and the mean cosine between a block's rows above this: collapsing (early in a healthy run it is near 1 too)
+EVERY = 50  # steps between two measurements
+
+
+def stable_lr(width: int) -> float:
+    """The highest peak rate this project has seen a drafter of hidden size ``width`` learn at, as a rule:
+    1e-3 * sqrt(1024 / width), never below :data:`PUBLISHED_LR` (width 64: 4e-3, where 3e-3 learns; width 576:
+    1.3e-3, between 6e-4, which learns, and 2e-3, which collapses)."""
+    return max(PUBLISHED_LR, 1e-3 * (1024 / width) ** 0.5)
+
+
+def lr_warning(lr: float, width: int) -> Optional[str]:
+    """A one-line warning when ``lr`` is above :func:`stable_lr` for ``width``, else None."""
+    if lr <= stable_lr(width):
+        return None
+    return (f"--lr {lr:g} is high for a drafter {width} wide: above {stable_lr(width):.1e} such drafters have "
+            f"collapsed here (every block row alike, loss stuck); the default {PUBLISHED_LR:g} is the published rate")
+
+
+@dataclass
+class Health:
+    """``rms``: the residual stream's root mean square before the final norm; ``row_cosine``: the mean
+    cosine between two different rows of one block (both over the measured blocks)."""
+
+    rms: float
+    row_cosine: float
+
+    def warning(self, lr: float) -> Optional[str]:
+        """A one-line warning naming ``lr`` when both signs pass their limits, else None."""
+        if self.rms <= RMS_LIMIT or self.row_cosine <= COSINE_LIMIT:
+            return None
+        return (f"the drafter is collapsing (residual RMS {self.rms:,.0f}, block rows alike: cosine "
+                f"{self.row_cosine:.3f}): lower --lr (now {lr:g}) and train afresh")
+
+
+def measure(drafter: DFlashDrafter, features: mx.array, seq: TrainSequence, block_size: int,
+            blocks: int = 16) -> Health:
+    """:class:`Health` over up to ``blocks`` blocks of ``seq`` (features [1, L, K*H]) at fixed anchors."""
+    anchors = sample_anchors(np.random.default_rng(0), seq.tokens.size, seq.response_start, block_size, blocks)
+    tokens, _, anchors_mx, mask = make_batch(seq, block_size, drafter.args.mask_token_id, anchors)
+    h = drafter.block_hidden(tokens, features, anchors_mx, mask, residual=True).astype(mx.float32)  # [N, B-1, H]
+    rms = mx.sqrt(mx.mean(h * h))
+    unit = h / mx.maximum(mx.linalg.norm(h, axis=-1, keepdims=True), 1e-12)
+    gram = unit @ unit.transpose(0, 2, 1)  # [N, B-1, B-1]
+    rows = h.shape[1]
+    cosine = (gram.sum(axis=(1, 2)) - mx.trace(gram, axis1=1, axis2=2)) / max(rows * (rows - 1), 1)
+    return Health(float(rms.item()), float(mx.mean(cosine).item()))
