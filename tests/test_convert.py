@@ -201,7 +201,7 @@ def test_force_replaces_only_when_complete(qwen3, tmp_path):
     with pytest.raises(InputError, match="--force"):
         convert(str(target_src), str(drafter_src), out, validate_output=False)
     assert (out / "old.txt").read_text() == "keep me"
-    with pytest.raises(InputError, match=r"holds files that convert did not write \(no dflash.json or config.json\)"):
+    with pytest.raises(InputError, match=r"holds files that convert did not write \(no dflash.json or .dflash-mlx"):
         convert(str(target_src), str(drafter_src), out, force=True, validate_output=False)  # not ours to delete
     assert (out / "old.txt").read_text() == "keep me"
     (out / MANIFEST).write_text("{}")  # an earlier convert's output: --force may replace it

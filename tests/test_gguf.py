@@ -180,6 +180,24 @@ def test_convert_cli_target_alone(llama_gguf, tmp_path):
         assert r.returncode == 1 and flag in r.stderr and not (tmp_path / "x").exists()
 
 
+def test_force_replaces_a_converted_model_folder_and_nobody_elses(llama_gguf, tmp_path):
+    """--force replaces a folder an earlier convert wrote, but not a model folder of someone else's (a
+    config.json, as every Hugging Face download has, and the user's own notes): refused, nothing lost."""
+    _, path = llama_gguf
+    theirs = tmp_path / "hfmodel"
+    theirs.mkdir()
+    (theirs / "config.json").write_text('{"model_type": "llama"}')
+    (theirs / "my_notes.txt").write_text("precious")
+    r = dflash("convert", "--model", str(path), "--out", str(theirs), "--force", text=True)
+    assert r.returncode == 1 and str(theirs) in r.stderr and "did not write" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and (theirs / "my_notes.txt").read_text() == "precious"
+    ours = tmp_path / "smol"
+    for _ in range(2):  # the second run replaces the first's folder
+        r = dflash("convert", "--model", str(path), "--out", str(ours), "--dtype", "float32", "--force", text=True)
+        assert r.returncode == 0, r.stderr
+    assert (ours / "config.json").is_file()
+
+
 def test_chat_self_prompts_are_user_turns_in_the_template(llama_gguf, tmp_path):
     """`dflash data --self-prompt-style chat` on a model with a chat template: the target writes user turns
     where its template starts one; each prompt is that turn in the template, ready for the reply, and each

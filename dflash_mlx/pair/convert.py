@@ -19,6 +19,7 @@ from ..hub import resolve_model_path
 from .gguf import convert_gguf, is_gguf
 from .loading import TARGET_FILES, check_pair, load_model
 from .manifest import MANIFEST, hash_files, write_manifest
+from ..owned import MARKER, mark, marked
 from ..prompt import encode_messages
 from ..targets import make_adapter
 from .validation import VALIDATION_MESSAGES, Check, SourceRun, validate
@@ -31,6 +32,7 @@ DTYPES = tuple(MODEL_CONVERSION_DTYPES)
 # Released layouts that keep target_layer_ids and mask_token_id in 'dflash_config'.
 DFLASH_CONFIG_LAYOUTS = ("DFlashDraftModel", "DFlash2DraftModel")
 LAYOUT_SCRIPT = "scripts/convert/drafter_layout.py"
+WRITER = "convert"  # the mark of a target-only output folder (dflash_mlx.owned)
 Progress = Callable[[str], None]
 
 
@@ -81,6 +83,7 @@ def convert(model: str, draft_model: Optional[str], out: str | Path, *, quantize
         target_entry = write() if draft_model is None or is_gguf(model) else None  # a folder: after the check
         if draft_model is None:
             _move_up(target_dir)  # the folder itself is the model
+            mark(tmp, WRITER)  # so that --force may replace it later
             return ConvertResult(out, {"target": target_entry})
         say("checking that the drafter fits the target")  # against a GGUF file's conversion (no other source)
         source_net, tokenizer, _ = load_model(str(target_src if target_entry is None else target_dir),
@@ -158,12 +161,12 @@ def _validated(out: Path, tmp: Path, reference: SourceRun, draft_src: Path) -> L
 
 
 def check_replaceable(out: Path) -> None:
-    """``--force`` replaces only what convert writes (an empty folder, one with a ``dflash.json``, or a model
-    folder with a ``config.json``);
-    else InputError naming ``out``."""
-    if out.is_dir() and any(out.iterdir()) and not any((out / f).is_file() for f in (MANIFEST, "config.json")):
-        raise InputError(f"--out {out} holds files that convert did not write (no {MANIFEST} or config.json); "
-                         "--force replaces only a converted folder: give another --out")
+    """``--force`` replaces only what convert writes: an empty folder, a pair (with a ``dflash.json``) or a
+    target alone (marked ``.dflash-mlx`` as convert's); a model folder of anyone else's (a Hugging Face
+    download, with a ``config.json``) is refused with an InputError naming ``out``."""
+    if out.is_dir() and any(out.iterdir()) and not ((out / MANIFEST).is_file() or marked(out, WRITER)):
+        raise InputError(f"--out {out} holds files that convert did not write (no {MANIFEST} or {MARKER} of "
+                         "convert's); --force replaces only a converted folder: give another --out")
 
 
 def check_options(quantize: bool, q_bits: Optional[int], q_group_size: Optional[int], q_mode: str,
