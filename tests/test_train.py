@@ -217,7 +217,7 @@ def test_empty_prompt_file(tmp_path):
 def test_prompt_longer_than_max_length(setup, tmp_path):
     model, _, _ = setup
     with pytest.raises(InputError, match="--max-length 8"):
-        regenerate(model, None, [[1, 2, 3], list(range(10))], tmp_path, max_length=8)
+        regenerate(None, None, [[1, 2, 3], list(range(10))], tmp_path, max_length=8)
     assert not (tmp_path / "manifest.json").exists()
 
 
@@ -312,15 +312,47 @@ def test_regenerated_responses_stay_with_their_prompts(setup, tmp_path):
     from conftest import ByteTokenizer, mlx_lm_greedy
     from dflash_mlx.train.data import load_sequences
 
-    model, _, _ = setup
-    prompts = [[5, 9, 11, 3, 7, 8, 20], [4, 6], [30, 2, 9, 9, 12], [17, 3, 40]]
+    model, target, _ = setup
+    prompts = [[5, 9, 11, 3, 7, 8, 20], [4, 6], [30, 2, 9, 9, 12], [17, 3, 40], [8, 8, 1], [2, 50, 3, 4]]
     tokenizer = ByteTokenizer()
-    regenerate(model, tokenizer, prompts, tmp_path, max_tokens=6, shard_size=4, batch_size=4,
+    regenerate(target, tokenizer, prompts, tmp_path, max_tokens=12, shard_size=6, batch_size=3,
                end_tokens=[None] * len(prompts))
     seqs = load_sequences(tmp_path)
     assert [s.tokens[:s.response_start].tolist() for s in seqs] == prompts
     for seq, prompt in zip(seqs, prompts):
-        assert seq.tokens[seq.response_start:].tolist() == mlx_lm_greedy(model, prompt, 6)
+        assert seq.tokens[seq.response_start:].tolist() == mlx_lm_greedy(model, prompt, 12)
+
+
+def test_features_kept_while_generating_equal_a_forward_of_the_sequence(setup, tmp_path):
+    """`dflash data --target-layer-ids`: the features the target computed while generating, batched, left
+    padded and joining as others finish, equal one plain forward of each whole sequence through mlx-lm's
+    layers (a hand-made capture); training reads them instead of computing its own."""
+    from conftest import ByteTokenizer
+    from dflash_mlx.train.data import load_sequences
+    from dflash_mlx.train.features import FeatureStore
+    from dflash_mlx.train.loss import FeatureCache
+
+    model, target, _ = setup
+    prompts = [[5, 9, 11, 3, 7, 8, 20], [4, 6], [30, 2, 9, 9, 12], [17, 3, 40], [8, 8, 1]]
+    store = FeatureStore(tmp_path / "data" / "features", target, [0, 2], write=True)
+    regenerate(target, ByteTokenizer(), prompts, tmp_path / "data", max_tokens=10, shard_size=5, batch_size=2,
+               end_tokens=[None] * len(prompts), keep_features=store.put, capture=[0, 2])
+    for seq in load_sequences(tmp_path / "data"):
+        kept = store.get(seq.tokens)
+        assert kept is not None and kept.dtype == np.float16 and kept.shape == (1, seq.tokens.size, 2 * 32)
+        h, rows = model.model.embed_tokens(mx.array(seq.tokens[None])), []
+        for i, layer in enumerate(model.model.layers):
+            h = layer(h, "causal", None)
+            if i in (0, 2):  # Hugging Face's hidden_states[i + 1]: the last layer's after the final norm
+                rows.append(model.model.norm(h) if i == len(model.model.layers) - 1 else h)
+        want = np.array(mx.concatenate(rows, axis=-1))[0, :-1]  # the last token's row is never fed
+        assert np.allclose(kept[0, :-1].astype(np.float32), want, atol=2e-2, rtol=1e-2)
+        assert not kept[0, -1].any()
+    cache = FeatureCache(target, [0, 2], stores=[FeatureStore(tmp_path / "data" / "features", target, [0, 2])])
+    seq = load_sequences(tmp_path / "data")[0]
+    assert np.array_equal(np.array(cache.get(0, seq, mx.float16)[0]), store.get(seq.tokens))
+    other = FeatureCache(target, [1, 2], stores=[FeatureStore(tmp_path / "data" / "features", target, [1, 2])])
+    assert other.stores == [] and "other layers" in other.unused[0]
 
 
 @pytest.fixture(scope="module")

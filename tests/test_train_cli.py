@@ -139,3 +139,26 @@ def test_a_miss_anchors_fraction_outside_0_to_1_is_one_line(stories, tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "--miss-anchors must be a fraction from 0 to 1, got 1.5" in " ".join(r.stderr.split())
     assert not (tmp_path / "d" / "checkpoints").exists()
+
+
+@needs_shared
+def test_data_keeps_features_and_train_reads_them(stories, tmp_path):
+    """`dflash data --target-layer-ids` keeps one feature file per sequence; `dflash train` at those layers
+    reads them without a word, at other layers says it computes its own; a layer the target lacks is one line."""
+    data = tmp_path / "data"
+    args = ["data", "--model", str(stories), "--text", str(SHARED / "datasets" / "tinystories_sample.txt"),
+            "--max-tokens", "16", "--out", str(data)]
+    r = run(*args, "--target-layer-ids", "1,3")
+    assert r.returncode == 0, r.stderr
+    from dflash_mlx.train.data import load_sequences
+
+    distinct = {s.tokens.tobytes() for s in load_sequences(data)}  # some cut prompts repeat: one file each
+    assert len(list((data / "features").glob("*.npy"))) == len(distinct) > 20
+    train = ["train", "--model", str(stories), "--data", str(data), "--layers", "1", "--block-size", "4",
+             "--steps", "2", "--anchors", "4", "--grad-accum", "1", "--held-out", "4", "--eval-every", "0"]
+    r = run(*train, "--out", str(tmp_path / "d1"), "--target-layer-ids", "1,3")
+    assert r.returncode == 0 and "computed instead" not in r.stderr, r.stderr
+    r = run(*train, "--out", str(tmp_path / "d2"), "--target-layer-ids", "0,3")
+    assert r.returncode == 0 and "holds features of another target or other layers" in r.stderr, r.stderr
+    r = run(*args[:-2], "--out", str(tmp_path / "bad"), "--target-layer-ids", "1,9")
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "--target-layer-ids 1,9" in r.stderr

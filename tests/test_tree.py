@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dflash_mlx.decode.tree import build_tree, tree_mask, tree_positions, walk
+from dflash_mlx.decode.tree import build_tree, walk
 
 
 def random_logprobs(D, V, seed):
@@ -46,18 +46,18 @@ def test_a_smaller_budget_is_a_prefix_of_the_tree():
         assert big.prefix(n) == build_tree(7, logprobs, n)
 
 
-def test_mask_and_positions():
+def test_ancestors_are_each_nodes_path_to_the_root():
     tree = build_tree(1, random_logprobs(3, 3, 4), 6)
-    mask = np.array(tree_mask(tree, prefix=5))
-    assert mask.shape == (7, 12) and mask[:, :5].all()
+    inside = np.array(tree.ancestors())
+    assert inside.shape == (7, 7)
     for i in range(len(tree)):
         seen = {i}
         j = tree.parents[i]
         while j >= 0:
             seen.add(j)
             j = tree.parents[j]
-        assert {j for j in range(len(tree)) if mask[i, 5 + j]} == seen
-    assert np.array(tree_positions(tree, 40)).tolist() == [40 + d for d in tree.depths]
+        assert {j for j in range(len(tree)) if inside[i, j]} == seen
+        assert tree.depths[i] == len(seen) - 1
 
 
 def test_walk_accepts_the_longest_agreeing_path():
@@ -125,7 +125,7 @@ def test_tree_verify_gives_each_node_its_path_and_compaction_is_exact(family, pr
     target(mx.array([ids[:-1]]), cache)
     start = cache[0].offset
     h, _ = target(mx.array([tree.tokens]), cache, None,
-                  tree=(np.array(tree_positions(tree, start)), tree.ancestors()))
+                  tree=(start + np.array(tree.depths), tree.ancestors()))
     logits = target.lm_head(h)[0]
     paths = {i: _path(tree, i) for i in range(len(tree))}
     for i, path in paths.items():

@@ -46,6 +46,9 @@ def data(
     temp: Annotated[float, Option("--temp", help="Regeneration temperature (0 = greedy).")] = 0.0,
     batch_size: Annotated[int, Option("--batch-size", help="Sequences generated together.")] = 32,
     shard_size: Annotated[int, Option("--shard-size", help="Prompts per shard.")] = 256,
+    target_layer_ids: Annotated[Optional[str], Option("--target-layer-ids", help=(
+        "Also keep the target's features of these layers (comma list, as `dflash train` will use) in "
+        "OUT/features, captured as the target generates: training then skips computing them."))] = None,
     seed: Seed = 0,
 ) -> None:
     """Regenerate responses with the target itself, into resumable shards.
@@ -65,6 +68,9 @@ def _data(o) -> None:
                                ("--shard-size", o.shard_size, 1)):
         check_number(flag, value, at_least=least)
     check_number("--seed", o.seed, at_least=0, at_most=2**63 - 1)  # seed + i seeds the i-th batch
+    layer_ids = parse_numbers(o.target_layer_ids, "--target-layer-ids", int)
+    for i in layer_ids or ():
+        check_number("--target-layer-ids", i, at_least=0)
     check_out_folder(o.out)
     if not (o.prompts or o.text or o.self_prompts):
         raise InputError("no prompt source: give --prompts FILE, --text FILE or --self-prompts N")
@@ -77,6 +83,17 @@ def _data(o) -> None:
 
     pair = load_pair(o.model, None, defaults=False)
     max_length = check_lengths(o.max_tokens, o.max_length, context_length(pair.target))
+    keep = None
+    if layer_ids:
+        from dflash_mlx.train.features import FOLDER, FeatureStore
+
+        if max(layer_ids) >= pair.target.num_layers:
+            raise InputError(f"--target-layer-ids {o.target_layer_ids}: the target has layers "
+                             f"0..{pair.target.num_layers - 1}")
+        store = FeatureStore(o.out / FOLDER, pair.target, layer_ids, write=True)
+        if store.mismatch:
+            raise InputError(f"{store.mismatch}; pass the same --target-layer-ids or a new --out")
+        keep = store.put
     rng = np.random.default_rng(o.seed)
     rows = [row for path in o.prompts for row in read_prompt_file(path)]
     rows += [row for path in o.text for row in prompts_from_text(path, rng)]
@@ -91,9 +108,10 @@ def _data(o) -> None:
         ends += [response_end_token(pair.tokenizer, templated=templated)] * len(openings)
     with bars(console, status=True) as progress:
         task = progress.add_task("regenerating", total=len(ids), status="")
-        regenerate(pair.model, pair.tokenizer, ids, o.out, max_tokens=o.max_tokens, max_length=max_length,
+        regenerate(pair.target, pair.tokenizer, ids, o.out, max_tokens=o.max_tokens, max_length=max_length,
                    temp=o.temp, shard_size=o.shard_size, batch_size=o.batch_size, seed=o.seed, target_id=str(o.model),
-                   end_tokens=ends, progress=lambda done, total: progress.update(task, completed=done))
+                   end_tokens=ends, progress=lambda done, total: progress.update(task, completed=done),
+                   keep_features=keep, capture=layer_ids)
     console.print(f"wrote {len(ids)} sequences to {o.out}")
 
 
@@ -199,6 +217,7 @@ def _config(o):
 def _trainer(o):
     """The :class:`~dflash_mlx.train.trainer.Trainer` of the flags: resumed, or a new drafter."""
     from dflash_mlx.train.data import load_sequences
+    from dflash_mlx.train.features import FOLDER
     from dflash_mlx.train.trainer import Trainer, check_fresh_out, init_drafter, pick_mask_token
 
     config = _config(o)
@@ -210,8 +229,9 @@ def _trainer(o):
     train_seqs, eval_seqs = sequences[: len(sequences) - n_held], sequences[len(sequences) - n_held:]
     config, o.counts = replace(config, eval_sequences=n_held), (len(train_seqs), n_held)
     features = o.features_dir or (o.out / "features" if o.cache_features else None)
+    kept = [d / FOLDER for d in o.data_dirs if (d / FOLDER).is_dir()]  # dflash data --target-layer-ids
     if o.resume:
-        trainer = Trainer.resume(pair.target, train_seqs, config, o.out, eval_seqs, features)
+        trainer = Trainer.resume(pair.target, train_seqs, config, o.out, eval_seqs, features, kept)
         if trainer.rebuilding:
             console.print(f"the run had finished, but {trainer.rebuilding}: writing the drafter again",
                           soft_wrap=True, markup=False, highlight=False)
@@ -221,7 +241,7 @@ def _trainer(o):
     if mask is None:
         mask = pick_mask_token(pair.tokenizer, pair.target.vocab_size, sequences)
     drafter = init_drafter(pair.target, mask, o.layers, o.block_size, o.ids, o.intermediate_size, o.seed)
-    return Trainer(drafter, pair.target, train_seqs, config, o.out, eval_seqs, features)
+    return Trainer(drafter, pair.target, train_seqs, config, o.out, eval_seqs, features, kept)
 
 
 def _fit(o, trainer) -> None:
@@ -234,6 +254,8 @@ def _fit(o, trainer) -> None:
     console.print(f"drafter: {a.num_hidden_layers} layer(s), hidden {a.hidden_size}, MLP {a.intermediate_size}, "
                   f"block {a.block_size}, target_layer_ids {a.target_layer_ids}, mask {a.mask_token_id}; "
                   f"trained at block sizes {plan}{distill}; {o.counts[0]} train / {o.counts[1]} held-out sequences")
+    for why in trainer.features.unused:
+        console.print(f"warning: {why}: the target's features are computed instead", markup=False, highlight=False)
     warned = lr_warning(o.lr, a.hidden_size)
     if warned:
         console.print(f"warning: {warned}", markup=False, highlight=False)

@@ -62,16 +62,19 @@ class BatchDecoder:
         chooser: each step's :class:`~dflash_mlx.decode.width.Plan` (default: always B).
         store: the prompt cache (used where :attr:`prefix_refusal` is None).
         solo: at most one sequence, in the target's own caches.
+        capture: without a drafter, target layers whose context features each sequence keeps and leaves
+            with (:attr:`StepResult.features`), as training data (``dflash data``).
     """
 
     def __init__(self, target: TargetAdapter, drafter: Optional[Drafter], block_size: int,
-                 chooser: Optional[WidthChooser] = None, store: Optional[PrefixStore] = None, solo: bool = False):
+                 chooser: Optional[WidthChooser] = None, store: Optional[PrefixStore] = None, solo: bool = False,
+                 capture: Optional[List[int]] = None):
         self.target, self.drafter, self.solo = target, drafter, solo
         self.width = block_size if drafter is not None else 1
         if drafter is not None and chooser is None:
             chooser = make_chooser(target, drafter, block_size, None, None)
         self.chooser = chooser
-        self.capture = drafter.target_layer_ids if drafter is not None else None
+        self.capture = drafter.target_layer_ids if drafter is not None else capture
         self.sequences: List[BatchSequence] = []
         self.cache = None
         self._context: Optional[Tuple[mx.array, List[int]]] = None  # last verify's rows, not yet pending
@@ -312,6 +315,7 @@ class BatchDecoder:
                 s.stats.record_plain(seconds)
             else:
                 s.stats.record_plan("plain", 1, seconds, 0, 0, probe)
+            if features is not None:
                 s.pending.append(features[i : i + 1])
             results.append(StepResult([picks[i]], None, None))
         if not self.solo:
@@ -339,6 +343,8 @@ class BatchDecoder:
                 r.tokens, r.error = [], e
             if r.finish_reason is not None or r.error is not None:
                 done.append(s.key)
+                if r.finish_reason is not None and self.drafter is None and s.pending:
+                    r.features = context_rows(s.pending)
         self.remove(done)
         return results
 

@@ -30,12 +30,15 @@ BATCHED_AUTO = ("continuous batching: auto chooses a plain step or one chain wid
 class StepResult:
     """What one step committed for one sequence: ``tokens`` (a stop token excluded, a stop
     string's tokens included), ``accepted`` drafts (None for the first token and plain steps),
-    ``finish_reason`` ("stop", "length" or None), ``error`` (this sequence failed and left)."""
+    ``finish_reason`` ("stop", "length" or None), ``error`` (this sequence failed and left);
+    ``features``: where a decoder with ``capture`` and no drafter saw the sequence finish, the context
+    features [1, S, K*H] of every token it fed the target (the prompt and all emitted but the last)."""
 
     tokens: List[int]
     accepted: Optional[int]
     finish_reason: Optional[str] = None
     error: Optional[BaseException] = None
+    features: Optional[mx.array] = None
 
 
 class Joining:
@@ -107,7 +110,8 @@ class Joining:
         if self.decoder.prefix is not None and not self.decoder.prefix.at_boundaries:
             self._store(self._keep, context, finish is None)
         self.cache, self.draft_cache, self.features = None, None, []  # the batch holds copies: free these
-        return StepResult(tokens, None, finish)
+        kept = context[0] if finish is not None and context and self.decoder.drafter is None else None
+        return StepResult(tokens, None, finish, features=kept)
 
     def _resume(self) -> None:
         """Restore the longest stored prefix of the prompt into fresh caches; only the rest is prefilled."""

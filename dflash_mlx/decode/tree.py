@@ -85,19 +85,6 @@ def build_tree(root: int, logprobs: np.ndarray, budget: int) -> DraftTree:
     return tree
 
 
-def tree_mask(tree: DraftTree, prefix: int) -> mx.array:
-    """Attention mask of the tree verify: [1+N, prefix + 1+N] bool, True where a query
-    may look (every cached prefix row; inside the tree its ancestors and itself)."""
-    inside = tree.ancestors()
-    full = np.concatenate([np.ones((len(tree), prefix), dtype=bool), inside], axis=1)
-    return mx.array(full)
-
-
-def tree_positions(tree: DraftTree, start: int) -> mx.array:
-    """[1+N] int32 absolute positions: ``start + depth``."""
-    return mx.array([start + d for d in tree.depths], dtype=mx.int32)
-
-
 def walk(tree: DraftTree, targets: Sequence[int]) -> Tuple[List[int], List[int]]:
     """The longest path the target agrees with, given ``targets`` [1+N] (its token after each node):
     ``(path, tokens)``, the node indices kept (root first) and the committed tokens (accepted drafts,

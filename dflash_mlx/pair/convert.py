@@ -82,8 +82,7 @@ def convert(model: str, draft_model: Optional[str], out: str | Path, *, quantize
                         q_group_size=q_group_size, q_mode=q_mode, dtype=dtype)
         target_entry = write() if draft_model is None or is_gguf(model) else None  # a folder: after the check
         if draft_model is None:
-            _move_up(target_dir)  # the folder itself is the model
-            mark(tmp, WRITER)  # so that --force may replace it later
+            _as_model_folder(target_dir)
             return ConvertResult(out, {"target": target_entry})
         say("checking that the drafter fits the target")  # against a GGUF file's conversion (no other source)
         source_net, tokenizer, _ = load_model(str(target_src if target_entry is None else target_dir),
@@ -108,11 +107,13 @@ def convert(model: str, draft_model: Optional[str], out: str | Path, *, quantize
     return ConvertResult(out, manifest, checks)
 
 
-def _move_up(folder: Path) -> None:
-    """Move ``folder``'s files into its parent and remove it."""
+def _as_model_folder(folder: Path) -> None:
+    """Move ``folder``'s files into its parent, the output (an mlx-lm folder), and mark that as convert's (so
+    that ``--force`` may replace it later)."""
     for f in folder.iterdir():
         f.rename(folder.parent / f.name)
     folder.rmdir()
+    mark(folder.parent, WRITER)
 
 
 def _sources(model: str, draft_model: Optional[str], say: Progress):

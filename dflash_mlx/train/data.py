@@ -8,6 +8,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
@@ -20,7 +21,6 @@ from ..errors import InputError
 from ..prompt import encode_messages
 
 MANIFEST = "manifest.json"
-PREFILL_BATCH = 8  # prompts prefilled together (mlx-lm's default)
 
 
 @dataclass
@@ -189,14 +189,53 @@ def token_digest(sequences: Iterable[Sequence[int]], prefix: bytes = b"") -> str
     return h.hexdigest()
 
 
-def regenerate(model, tokenizer, prompts: List[List[int]], out_dir: str | Path, *, max_tokens: int = 256,
+def generate_greedy(target, prompts: List[List[int]], budgets: List[int], stop_ids: Sequence[int],
+                    batch_size: int, sampler=None, capture: Optional[List[int]] = None) -> List[tuple]:
+    """Each prompt's response from the target: up to ``batch_size`` sequences decode together in plain steps
+    (:class:`~dflash_mlx.decode.batch.BatchDecoder`), one joining as another finishes, in the order given;
+    ``budgets`` caps each response; ``sampler`` None is greedy. Returns ``(tokens, features)`` per prompt,
+    the features [1, P + n - 1, K*H] of the ``capture`` layers over the prompt and every response token but
+    the last (what the target computed anyway), or None without ``capture``."""
+    from ..decode.batch import BatchDecoder
+    from ..decode.stopping import StopCondition
+
+    decoder = BatchDecoder(target, None, 1, capture=capture)
+    keys = [SimpleNamespace(index=i) for i in range(len(prompts))]
+    out: List[list] = [[[], None] for _ in prompts]
+    waiting = list(range(len(prompts)))
+
+    def keep(key, result) -> None:
+        if result.error is not None:
+            raise result.error
+        out[key.index][0] += result.tokens
+        if result.finish_reason is not None:
+            out[key.index][1] = result.features
+
+    while waiting or decoder.sequences:
+        while waiting and len(decoder) < batch_size:
+            i = waiting.pop(0)
+            joining = decoder.start(keys[i], prompts[i], sampler, StopCondition(budgets[i], stop_ids))
+            while (result := joining.advance()) is None:
+                pass
+            keep(keys[i], result)
+        if decoder.sequences:
+            active = [s.key for s in decoder.sequences]
+            for key, result in zip(active, decoder.step()):
+                keep(key, result)
+    return [tuple(x) for x in out]
+
+
+def regenerate(target, tokenizer, prompts: List[List[int]], out_dir: str | Path, *, max_tokens: int = 256,
                max_length: int = 3072, temp: float = 0.0, shard_size: int = 256, batch_size: int = 32, seed: int = 0,
                target_id: str = "", end_tokens: Optional[Sequence[Optional[int]]] = None,
-               progress: Optional[Callable[[int, int], None]] = None) -> Path:
-    """Responses the target generates for ``prompts`` (at ``temp``; at most ``max_tokens``, and
+               progress: Optional[Callable[[int, int], None]] = None,
+               keep_features: Optional[Callable[[np.ndarray, object], None]] = None,
+               capture: Optional[List[int]] = None) -> Path:
+    """Responses the target (an adapter) generates for ``prompts`` (at ``temp``; at most ``max_tokens``, and
     ``max_length`` with the prompt) into ``out_dir``, ``shard_size`` prompts per shard; finished shards
     are kept on resume. ``end_tokens``: per prompt, the id appended to a finished response (default
-    :func:`response_end_token`); ``progress(done, total)`` after each shard.
+    :func:`response_end_token`); ``progress(done, total)`` after each shard; with ``capture`` (target layer
+    ids), ``keep_features(sequence tokens, features)`` for every sequence of a shard before it is written.
 
     Raises:
         InputError: no prompts, a prompt of ``max_length`` tokens or more, or an ``out_dir`` made from
@@ -213,24 +252,25 @@ def regenerate(model, tokenizer, prompts: List[List[int]], out_dir: str | Path, 
                           "shard_size": shard_size, "target": target_id})
     if end_tokens is None:
         end_tokens = [response_end_token(tokenizer, tokenizer.has_chat_template)] * len(prompts)
-    sampler = make_sampler(temp)
+    sampler = make_sampler(temp) if temp > 0 else None
     for i, start in enumerate(range(0, len(prompts), shard_size)):
         path = out / f"shard_{i:05d}.npz"
         if not path.exists() or read_shard(path) is None:  # missing, or unreadable: made again
             mx.random.seed(seed + i)
             chunk = prompts[start:start + shard_size]
             budgets = [min(max_tokens, max_length - len(p)) for p in chunk]
-            # Shortest first, prefilled a few at a time: a batch's prompts are padded to its longest.
-            order = sorted(range(len(chunk)), key=lambda j: len(chunk[j]))
-            result = batch_generate(model, tokenizer, [chunk[j] for j in order],
-                                    max_tokens=[budgets[j] for j in order], sampler=sampler, return_token_ids=True,
-                                    completion_batch_size=batch_size, prefill_batch_size=min(PREFILL_BATCH, batch_size))
-            generated = [None] * len(chunk)
-            for j, ids in zip(order, result.token_ids):
-                generated[j] = ids
+            order = sorted(range(len(chunk)), key=lambda j: len(chunk[j]))  # shortest first: similar lengths
+            made = generate_greedy(target, [chunk[j] for j in order], [budgets[j] for j in order],
+                                   tokenizer.eos_token_ids, batch_size, sampler, capture)
+            generated: List[tuple] = [None] * len(chunk)
+            for j, result in zip(order, made):
+                generated[j] = result
             ends = end_tokens[start:start + shard_size]
             responses = [ids + ([end] if len(ids) < b and end is not None else [])  # stopped: ended its turn
-                         for ids, b, end in zip(generated, budgets, ends)]
+                         for (ids, _), b, end in zip(generated, budgets, ends)]
+            if keep_features is not None and capture:
+                for p, r, (_, feats) in zip(chunk, responses, generated):
+                    keep_features(np.asarray(p + r, dtype=np.int32), feats)
             _write_shard(path, chunk, responses)
         if progress:
             progress(min(start + shard_size, len(prompts)), len(prompts))

@@ -22,19 +22,15 @@ COSINE_LIMIT = 0.99  # and the mean cosine between a block's rows above this: co
 EVERY = 50  # steps between two measurements
 
 
-def stable_lr(width: int) -> float:
-    """The highest peak rate this project has seen a drafter of hidden size ``width`` learn at, as a rule:
-    1e-3 * sqrt(1024 / width), never below :data:`PUBLISHED_LR` (width 64: 4e-3, where 3e-3 learns; width 576:
-    1.3e-3, between 6e-4, which learns, and 2e-3, which collapses)."""
-    return max(PUBLISHED_LR, 1e-3 * (1024 / width) ** 0.5)
-
-
 def lr_warning(lr: float, width: int) -> Optional[str]:
-    """A one-line warning when ``lr`` is above :func:`stable_lr` for ``width``, else None."""
-    if lr <= stable_lr(width):
+    """A one-line warning when ``lr`` is above the highest peak rate seen to train a drafter of hidden size
+    ``width`` here, as a rule: 1e-3 * sqrt(1024 / width), never below :data:`PUBLISHED_LR` (width 64: 4e-3,
+    where 3e-3 learns; width 576: 1.3e-3, between 6e-4, which learns, and 2e-3, which collapses); else None."""
+    stable = max(PUBLISHED_LR, 1e-3 * (1024 / width) ** 0.5)
+    if lr <= stable:
         return None
-    return (f"--lr {lr:g} is high for a drafter {width} wide: above {stable_lr(width):.1e} such drafters have "
-            f"collapsed here (every block row alike, loss stuck); the default {PUBLISHED_LR:g} is the published rate")
+    return (f"--lr {lr:g} is high for a drafter {width} wide: above {stable:.1e} such drafters have collapsed "
+            f"here (every block row alike, loss stuck); the default {PUBLISHED_LR:g} is the published rate")
 
 
 @dataclass
@@ -61,7 +57,6 @@ def measure(drafter: DFlashDrafter, features: mx.array, seq: TrainSequence, bloc
     h = drafter.block_hidden(tokens, features, anchors_mx, mask, residual=True).astype(mx.float32)  # [N, B-1, H]
     rms = mx.sqrt(mx.mean(h * h))
     unit = h / mx.maximum(mx.linalg.norm(h, axis=-1, keepdims=True), 1e-12)
-    gram = unit @ unit.transpose(0, 2, 1)  # [N, B-1, B-1]
-    rows = h.shape[1]
+    gram, rows = unit @ unit.transpose(0, 2, 1), h.shape[1]  # [N, B-1, B-1]
     cosine = (gram.sum(axis=(1, 2)) - mx.trace(gram, axis1=1, axis2=2)) / max(rows * (rows - 1), 1)
     return Health(float(rms.item()), float(mx.mean(cosine).item()))

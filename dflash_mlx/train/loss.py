@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -19,12 +19,7 @@ from ..kernels import fast_softmax
 from ..targets import TargetAdapter
 from .blocks import block_mask
 from .data import TrainSequence, read_json, token_digest
-
-
-def target_fingerprint(target: TargetAdapter) -> dict:
-    """What must match when resuming: family, sizes and vocabulary."""
-    return {"model_type": getattr(target.model, "model_type", ""), "hidden_size": target.hidden_size,
-            "num_layers": target.num_layers, "vocab_size": target.vocab_size}
+from .features import FeatureStore, target_fingerprint
 
 
 def target_outputs(target: TargetAdapter, tokens: np.ndarray, layer_ids: List[int], dtype) -> Tuple[mx.array, mx.array]:
@@ -41,11 +36,15 @@ def target_features(target: TargetAdapter, tokens: np.ndarray, layer_ids: List[i
 
 class FeatureCache:
     """Per-sequence target features (and with ``hidden`` final hidden states) in memory and, with a
-    ``folder``, as float16 ``NNNNNNN[.hidden].npy``; InputError when its manifest names other data."""
+    ``folder``, as float16 ``NNNNNNN[.hidden].npy``; InputError when its manifest names other data.
+    Features found in ``stores`` (kept by ``dflash data``) are taken from there instead of computed."""
 
     def __init__(self, target: TargetAdapter, layer_ids: List[int], folder: Optional[str | Path] = None,
-                 hidden: bool = False, sequences: Optional[List[TrainSequence]] = None):
+                 hidden: bool = False, sequences: Optional[List[TrainSequence]] = None,
+                 stores: Sequence[FeatureStore] = ()):
         self.target, self.layer_ids, self.hidden = target, list(layer_ids), hidden
+        self.stores = [s for s in stores if s.mismatch is None]
+        self.unused = [s.mismatch for s in stores if s.mismatch is not None]  # why a store is not read
         self.folder = Path(folder) if folder else None
         self.memory: Dict[int, Tuple[np.ndarray, Optional[np.ndarray]]] = {}
         self.rebuilt: List[Path] = []  # cached files found unreadable and computed again
@@ -83,6 +82,10 @@ class FeatureCache:
 
     def get(self, index: int, seq: TrainSequence, dtype) -> Tuple[mx.array, Optional[mx.array]]:
         """Features [1, L, K*H] of sequence ``index`` and its final hidden states [1, L, H] (or None)."""
+        if not self.hidden:
+            kept = next((f for f in (s.get(seq.tokens) for s in self.stores) if f is not None), None)
+            if kept is not None:
+                return mx.array(kept).astype(dtype), None
         if self.folder is None:
             feats, hidden = target_outputs(self.target, seq.tokens, self.layer_ids, dtype)
             return feats, hidden if self.hidden else None
@@ -143,14 +146,11 @@ NEGATIVES = 4096  # tokens outside the data drawn into each step's --loss-vocab 
 
 
 class LossVocab:
-    """The columns a ``--loss-vocab data`` cross-entropy normalizes over: every token of the training sequences
-    (``ids`` [S]; ``index`` [V] int32 maps a token to its column, -1 outside) and ``negatives`` others drawn
-    afresh by :meth:`draw` (a sampled softmax: each drawn logit is raised by log(R / K), R the tokens outside
-    the data, K those drawn, so their sum estimates the rest's). Without the drawn ones the rest of the
-    vocabulary gets no gradient, and drafting, which takes the argmax over all of it, picks tokens the
-    training never pushed down. The softmax costs (S + K) / V of the full head's; the target is a data token.
-    ``columns`` [S + K] (token ids), ``head`` [H, S + K] and ``shift`` [S + K] are the current draw's columns,
-    their head and their logit offsets."""
+    """The columns a ``--loss-vocab data`` cross-entropy normalizes over: the training data's tokens (``ids``
+    [S]; ``index`` [V] maps a token to its column, -1 outside) and ``negatives`` others drawn by :meth:`draw`
+    (a sampled softmax: drawn logits raised by log(R / K), R the tokens outside the data, K drawn), so the
+    rest of the vocabulary, which drafting's argmax runs over, is pushed down too; (S + K) / V of the head's
+    cost. ``columns`` [S + K] ids, ``head`` [H, S + K] and ``shift`` [S + K]: the current draw's."""
 
     def __init__(self, target: TargetAdapter, sequences: List[TrainSequence], dtype, negatives: int = NEGATIVES):
         ids = np.unique(np.concatenate([s.tokens for s in sequences]))

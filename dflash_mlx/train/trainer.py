@@ -11,7 +11,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,7 +33,8 @@ from .blocks import default_gamma, next_anchors, position_weights, sample_anchor
 from .data import TrainSequence
 from .evaluate import evaluate_block_sizes
 from .health import EVERY as HEALTH_EVERY, Health, measure
-from .loss import FeatureCache, LossVocab, block_loss, sequence_loss_and_grad, target_fingerprint
+from .features import FeatureStore, target_fingerprint
+from .loss import FeatureCache, LossVocab, block_loss, sequence_loss_and_grad
 
 CHECKPOINTS = "checkpoints"
 # full: the softmax over the whole vocabulary; data: over the training data's tokens and others drawn
@@ -214,11 +215,12 @@ def learning_rate(config: TrainConfig) -> Callable:
 
 class Trainer:
     """The optimisation of a drafter bound to ``target`` on ``sequences`` (``held_out``: evaluation data);
-    the drafter is written to ``out_dir``, checkpoints under ``checkpoints/``."""
+    the drafter is written to ``out_dir``, checkpoints under ``checkpoints/``. ``feature_stores``: folders
+    of features ``dflash data`` kept (:class:`~dflash_mlx.train.features.FeatureStore`), read first."""
 
     def __init__(self, drafter: DFlashDrafter, target: TargetAdapter, sequences: List[TrainSequence],
                  config: TrainConfig, out_dir: str | Path, held_out: Optional[List[TrainSequence]] = None,
-                 feature_cache: Optional[str | Path] = None):
+                 feature_cache: Optional[str | Path] = None, feature_stores: Sequence[Path] = ()):
         config.check()
         B = drafter.block_size
         self.plan = block_size_plan(config, B)
@@ -233,8 +235,9 @@ class Trainer:
         self.weights = {b: mx.array(position_weights(b, gamma)) for b, gamma in self.plan.items()}
         self.optimizer = optim.AdamW(learning_rate=learning_rate(config), weight_decay=config.weight_decay)
         self.optimizer.init(drafter.trainable_parameters())
+        stores = [FeatureStore(f, target, drafter.target_layer_ids) for f in feature_stores]
         self.features = FeatureCache(target, drafter.target_layer_ids, feature_cache, hidden=config.kl_weight > 0,
-                                     sequences=usable)
+                                     sequences=usable, stores=stores)
         self.vocab = LossVocab(target, usable, self.dtype) if config.loss_vocab == "data" else None
         self.step = 0
         self.after_misses: Dict[int, np.ndarray] = {}  # sequence index -> next_anchors of its last visit
@@ -339,7 +342,7 @@ class Trainer:
     @classmethod
     def resume(cls, target: TargetAdapter, sequences: List[TrainSequence], config: TrainConfig,
                out_dir: str | Path, held_out: Optional[List[TrainSequence]] = None,
-               feature_cache: Optional[str | Path] = None) -> "Trainer":
+               feature_cache: Optional[str | Path] = None, feature_stores: Sequence[Path] = ()) -> "Trainer":
         """Continue from the newest checkpoint. A finished run whose drafter files differ from the final
         checkpoint's resumes with no step to train and writes them again (``rebuilding`` says why).
 
@@ -371,7 +374,7 @@ class Trainer:
                 raise InputError(f"{ckpt}: the run already finished its {config.steps} steps; "
                                  f"the drafter is in {out_dir}")
         drafter = bind_drafter(load_drafter(str(ckpt)), target, str(ckpt))
-        trainer = cls(drafter, target, sequences, config, out_dir, held_out, feature_cache)
+        trainer = cls(drafter, target, sequences, config, out_dir, held_out, feature_cache, feature_stores)
         trainer.optimizer.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.npz")).items()))
         if (ckpt / AFTER_MISSES).exists():
             with np.load(ckpt / AFTER_MISSES) as saved_misses:

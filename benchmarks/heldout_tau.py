@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Held-out tau of one or more drafters on the same regenerated sequences, to compare drafters and the
+checkpoints of a run: teacher forced at uniformly drawn anchors (the training table's figure) and along
+greedy generation's own schedule ("as generated"), per block size, with position-1 accuracy.
+
+The sequences are a `dflash data` folder made from prompts no drafter trained on, e.g. 16 held-out GSM8K
+questions:
+
+    dflash data --model OUT/smol --prompts OUT/prompts/gsm8k_heldout16.jsonl --out OUT/data-heldout \\
+        --batch-size 16 --shard-size 16
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python benchmarks/heldout_tau.py \\
+        --model OUT/smol --data OUT/data-heldout --drafter examples/smollm2-135m/drafter --drafter OUT/drafter
+"""
+
+import argparse
+import json
+import sys
+
+from dflash_mlx import load
+from dflash_mlx.train.data import load_sequences
+from dflash_mlx.train.evaluate import evaluate_block_sizes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="target folder")
+    ap.add_argument("--data", required=True, help="`dflash data` folder of held-out sequences")
+    ap.add_argument("--drafter", action="append", required=True, help="drafter folder (repeatable)")
+    ap.add_argument("--block-sizes", default="16,8,4")
+    ap.add_argument("--no-generation", action="store_true",
+                    help="teacher forced only (the 'as generated' figure drafts block by block: minutes here)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per drafter instead of a table")
+    args = ap.parse_args(argv)
+    sizes = [int(b) for b in args.block_sizes.split(",")]
+    seqs = load_sequences(args.data)
+    print(f"{len(seqs)} sequences, {sum(s.tokens.size - s.response_start for s in seqs)} response tokens",
+          file=sys.stderr)
+    for path in args.drafter:
+        pair = load(args.model, path)
+        result = evaluate_block_sizes(pair.drafter, pair.target, seqs, sizes, chained=not args.no_generation)
+        if args.json:
+            print(json.dumps({"drafter": path, **{str(b): r for b, r in result.items()}}))
+            continue
+        for b, r in result.items():
+            generated = f" (as generated {r['tau_generation']:.2f})" if "tau_generation" in r else ""
+            print(f"{path}  B={b}: tau {r['tau']:.2f}{generated}, acc1 {r['accuracy'][0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
