@@ -55,13 +55,16 @@ stage_prompts() {
   "$PYTHON" "$ROOT/scripts/smollm2/prompts.py" --shared "$SHARED" --out "$OUT/prompts"
 }
 
+LAYERS=1,8,14,20,27  # the target layers the drafter reads; dflash data keeps their features as it generates
+
 stage_data() {  # two jobs at once, one core each: training prompts, and user turns the target writes itself
   head -n "$TRAIN_PROMPTS" "$OUT/prompts/train.jsonl" > "$OUT/prompts/train_used.jsonl"
   OPENBLAS_NUM_THREADS=1 dflash data --model "$OUT/smol" --prompts "$OUT/prompts/train_used.jsonl" \
-      --max-tokens 256 --batch-size 64 --shard-size 64 --out "$OUT/data-train" &
+      --max-tokens 256 --batch-size 64 --shard-size 64 --target-layer-ids "$LAYERS" --out "$OUT/data-train" &
   local train=$!
   OPENBLAS_NUM_THREADS=1 dflash data --model "$OUT/smol" --self-prompts "$SELF_PROMPTS" --self-prompt-style chat \
-      --self-prompt-tokens 64 --max-tokens 256 --batch-size 64 --shard-size 64 --out "$OUT/data-chat"
+      --self-prompt-tokens 64 --max-tokens 256 --batch-size 64 --shard-size 64 --target-layer-ids "$LAYERS" \
+      --out "$OUT/data-chat"
   wait "$train"
 }
 
@@ -69,7 +72,7 @@ stage_train() {
   local resume=()
   [ -d "$OUT/drafter/checkpoints" ] && resume=(--resume)
   OPENBLAS_NUM_THREADS=1 dflash train --model "$OUT/smol" --data "$OUT/data-chat" --data "$OUT/data-train" \
-      --out "$OUT/drafter" --layers 1 --block-size 16 --block-sizes 4,8,16 --target-layer-ids 1,8,14,20,27 \
+      --out "$OUT/drafter" --layers 1 --block-size 16 --block-sizes 4,8,16 --target-layer-ids "$LAYERS" \
       --steps "$STEPS" --anchors 64 --anchor-chunk 64 --grad-accum 1 --miss-anchors 0.5 --lr 6e-4 --warmup 0.02 \
       --held-out 16 --eval-every 500 --save-every 250 --cache-features --loss-vocab data "${resume[@]}"
 }
