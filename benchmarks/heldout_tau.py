@@ -26,13 +26,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True, help="target folder")
     ap.add_argument("--data", required=True, help="`dflash data` folder of held-out sequences")
     ap.add_argument("--drafter", action="append", required=True, help="drafter folder (repeatable)")
+    ap.add_argument("--last", type=int, default=0,
+                    help="only the folder's last N sequences (what `dflash train --held-out N` holds out)")
     ap.add_argument("--block-sizes", default="16,8,4")
     ap.add_argument("--no-generation", action="store_true",
                     help="teacher forced only (the 'as generated' figure drafts block by block: minutes here)")
     ap.add_argument("--json", action="store_true", help="one JSON object per drafter instead of a table")
     args = ap.parse_args(argv)
     sizes = [int(b) for b in args.block_sizes.split(",")]
-    seqs = load_sequences(args.data)
+    seqs = load_sequences(args.data)[-args.last:] if args.last else load_sequences(args.data)
     print(f"{len(seqs)} sequences, {sum(s.tokens.size - s.response_start for s in seqs)} response tokens",
           file=sys.stderr)
     for path in args.drafter:
