@@ -11,10 +11,11 @@ off plain. It starts at the middle chain.
 
 Other options run as probes, one step each (two for an option not yet timed), at most one every ``gap``
 steps: the gap starts at :data:`FIRST_GAP`, doubles after each probe that measures below the best rate
-(up to :data:`MAX_GAP`) and falls back to :data:`PROBE_EVERY` after one that beats it, so once the choice
-is settled (drafting does not pay, say) at most one step in :data:`MAX_GAP` is a probe. The probe is plain while plain
-is untimed, else the most promising option: its rate, or for an untimed chain the most it could reach (its
-E over the seconds of the slowest timed option no wider), which must beat the best rate for it to run.
+(up to :data:`MAX_GAP`) and falls back to :data:`PROBE_EVERY` after one that beats it (or, chain against
+chain, comes within :data:`CLOSE` of it: their timings stay fresh), so where drafting does not pay at most
+one step in :data:`MAX_GAP` is a probe. The probe is plain while plain
+is untimed, else the untimed option nearest the best whose most (its E over the seconds of the slowest
+timed option no wider) beats the best rate, else the timed option nearest the best.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ FIRST_GAP = 2  # steps before the first probe
 PROBE_EVERY = 8  # the gap after a probe that came close to the best rate
 MAX_GAP = 64  # the longest gap between two probes, in steps
 PLAIN_MARGIN = 1.05  # a chain must beat plain steps' measured rate by this to be chosen over them
+CLOSE = 0.9  # while a chain is best, a chain probe within this fraction of its rate keeps the gap short
 AUTO_TREE = 16  # tree nodes --tree-budget auto weighs against chains
 
 
@@ -179,15 +181,16 @@ class WidthChooser:
         return probe
 
     def _probe(self, options: List[Plan], best: Plan, n: int) -> Optional[Plan]:
-        """Plain while it is untimed, else the most promising other option: timed, or untimed where it could
-        beat ``best``."""
+        """Plain while it is untimed, else the untimed option nearest ``best`` that could beat it, else the
+        timed one nearest it (the more promising of two at one distance)."""
         plain = options[0]
         if best != plain and not self.seconds.get((plain, n)):
             return plain
-        floor = self.rate(best, n)
+        floor, i = self.rate(best, n), options.index(best)
         hopes = [(self.promise(p, n), p) for p in options if p != best]
         hopes = [(h, p) for h, p in hopes if h > floor or self.seconds.get((p, n))]
-        return max(hopes, key=lambda hp: hp[0])[1] if hopes else None
+        key = lambda hp: (bool(self.seconds.get((hp[1], n))), abs(options.index(hp[1]) - i), -hp[0])  # noqa: E731
+        return min(hopes, key=key)[1] if hopes else None
 
     def promise(self, plan: Plan, n: int) -> float:
         """``plan``'s rate, or untimed, the most it could commit per second: its E over the seconds of the
@@ -220,8 +223,9 @@ class WidthChooser:
             self.seconds[key] = []  # the first run of a shape pays its setup
         best = self.best.get(n)
         if best is not None and plan != best and self.seconds[key] and self.again is None:  # a probe measured
-            won = self.rate(plan, n) > self.rate(best, n)
-            self.gap = PROBE_EVERY if won else min(2 * self.gap, MAX_GAP)
+            near = CLOSE if best.width > 1 and plan.width > 1 else 1.0  # drafting pays: keep close chains timed
+            close = self.rate(plan, n) > near * self.rate(best, n)
+            self.gap = PROBE_EVERY if close else min(2 * self.gap, MAX_GAP)
 
     def expected_tokens(self, plan: Plan) -> float:
         """E[tokens committed per sequence] by ``plan``."""
