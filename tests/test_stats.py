@@ -52,6 +52,7 @@ def test_probe_steps_are_counted_and_said():
     s.add(other)
     assert s.probe_steps == 2 and s.to_dict()["probe_steps"] == 2
     assert s.verify_line().endswith("; 2 probes among them")
+    assert "; block size auto (up to 16)" in s.format_lines()[3]  # not "block size 16": auto ran 2 and 4
 
 
 def test_acceptance_rate_is_right_when_block_sizes_vary():
