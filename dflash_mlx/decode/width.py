@@ -7,15 +7,15 @@ with :data:`PRIOR_WEIGHT` steps' weight; every step ages the evidence and the pr
 so plain steps change no estimate but make the next observation weigh more); seconds(w, n) is the mean of
 its last :data:`WINDOW` timings less the highest and the lowest (the first run of each (w, n) is left out
 and run again at once). Plain steps' rate is divided by :data:`PLAIN_MARGIN`, so only a measured gain moves
-off plain. It starts at the middle chain.
+off plain. It starts with plain steps: until drafting is measured to pay, it does not run.
 
 Other options run as probes, one step each (two for an option not yet timed), at most one every ``gap``
-steps: the gap starts at :data:`FIRST_GAP`, doubles after each probe that measures below the best rate
-(up to :data:`MAX_GAP`) and falls back to :data:`PROBE_EVERY` after one that beats it (or, chain against
-chain, comes within :data:`CLOSE` of it: their timings stay fresh), so where drafting does not pay at most
-one step in :data:`MAX_GAP` is a probe. The probe is plain while plain
+steps: the gap starts at :data:`FIRST_GAP` and stays there while probes beat the best rate (the search goes
+on while it finds better), or, while plain steps are best, accept every draft (drafts agree again), is :data:`PROBE_EVERY` after a chain probe within :data:`CLOSE` of a best
+chain (their timings stay fresh) and grows fourfold after any other (up to :data:`MAX_GAP`), so where
+drafting does not pay at most one step in :data:`MAX_GAP` is a probe. The probe is plain while plain
 is untimed, else the untimed option nearest the best whose most (its E over the seconds of the slowest
-timed option no wider) beats the best rate, else the timed option nearest the best.
+timed option no wider) beats the best rate, else the timed option of the highest rate.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ PRIOR = 0.6  # conditional acceptance of a draft position never verified
 PRIOR_WEIGHT = 0.25  # steps' worth of weight the prior carries per position
 DECAY = 0.97  # weight of older steps' evidence (and of the prior), per step
 WINDOW = 6  # timings kept per (option, n): even, so alternating pipelined timings weigh alike
-FIRST_GAP = 2  # steps before the first probe
+FIRST_GAP = 2  # steps before the first probe, and after one that beat the best
 PROBE_EVERY = 8  # the gap after a probe that came close to the best rate
 MAX_GAP = 64  # the longest gap between two probes, in steps
 PLAIN_MARGIN = 1.05  # a chain must beat plain steps' measured rate by this to be chosen over them
@@ -167,8 +167,7 @@ class WidthChooser:
             self.probing = True
             return again
         timed = [p for p in options if self.seconds.get((p, n))]
-        chains = options[1 : len(chain_widths(self.block)) + 1]
-        best = max(timed, key=lambda p: self.rate(p, n)) if timed else chains[(len(chains) - 1) // 2]
+        best = max(timed, key=lambda p: self.rate(p, n)) if timed else options[0]
         self.best[n] = best
         if self.steps - self.probed < self.gap:
             return best
@@ -182,15 +181,17 @@ class WidthChooser:
 
     def _probe(self, options: List[Plan], best: Plan, n: int) -> Optional[Plan]:
         """Plain while it is untimed, else the untimed option nearest ``best`` that could beat it, else the
-        timed one nearest it (the more promising of two at one distance)."""
+        timed one with the highest rate."""
         plain = options[0]
         if best != plain and not self.seconds.get((plain, n)):
             return plain
         floor, i = self.rate(best, n), options.index(best)
         hopes = [(self.promise(p, n), p) for p in options if p != best]
         hopes = [(h, p) for h, p in hopes if h > floor or self.seconds.get((p, n))]
-        key = lambda hp: (bool(self.seconds.get((hp[1], n))), abs(options.index(hp[1]) - i), -hp[0])  # noqa: E731
-        return min(hopes, key=key)[1] if hopes else None
+        untimed = [(abs(options.index(p) - i), -h, options.index(p)) for h, p in hopes if not self.seconds.get((p, n))]
+        if untimed:
+            return options[min(untimed)[2]]
+        return max(hopes, key=lambda hp: hp[0])[1] if hopes else None
 
     def promise(self, plan: Plan, n: int) -> float:
         """``plan``'s rate, or untimed, the most it could commit per second: its E over the seconds of the
@@ -224,8 +225,10 @@ class WidthChooser:
         best = self.best.get(n)
         if best is not None and plan != best and self.seconds[key] and self.again is None:  # a probe measured
             near = CLOSE if best.width > 1 and plan.width > 1 else 1.0  # drafting pays: keep close chains timed
-            close = self.rate(plan, n) > near * self.rate(best, n)
-            self.gap = PROBE_EVERY if close else min(2 * self.gap, MAX_GAP)
+            rate, best_rate = self.rate(plan, n), self.rate(best, n)
+            whole = best.width == 1 < plan.width and all(a == plan.width - 1 for a in accepted)  # drafts agree again
+            self.gap = FIRST_GAP if rate > best_rate or whole else PROBE_EVERY if rate > near * best_rate else \
+                min(4 * self.gap, MAX_GAP)
 
     def expected_tokens(self, plan: Plan) -> float:
         """E[tokens committed per sequence] by ``plan``."""
