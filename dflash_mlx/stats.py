@@ -260,8 +260,8 @@ class GenerationStats:
         else:
             rule = f", {self.acceptance_rule}" if self.acceptance_rule else ""
             fmt = f" ({self.drafter_format}{rule})" if self.drafter_format else ""
-            auto = (self.verify or {}).get("block_size") == "auto"  # the widths it ran: the Verify line
-            size = f"block size auto (up to {self.block_size})" if auto else f"block size {self.block_size}"
+            auto = "auto (up to %d)" if (self.verify or {}).get("block_size") == "auto" else "%d"  # widths: Verify
+            size = "block size " + auto % self.block_size
             lines.append(f"Acceptance: {self.acceptance_line()}; {size}{fmt}")
             if self.steps:
                 lines.append("Histogram: " + format_histogram(self.histogram))

@@ -15,6 +15,7 @@ from dflash_mlx import generate_step
 from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
+from dflash_mlx.drafter.batch import pad_contexts
 from dflash_mlx.prompt_cache.batch import RaggedRoll, batch_refusal, common_padding, sequence_rows, share_offsets
 from dflash_mlx.prompt_cache.batch import BatchGatedDeltaCache
 from dflash_mlx.prompt_cache.gated_delta import GatedDeltaCache
@@ -329,12 +330,13 @@ def test_one_drafter_pass_drafts_as_each_sequence_alone(compiled, fast_exp, monk
     for step in range(3):
         contexts = [None if step == 0 else mx.array(rng.standard_normal((1, int(s), F)).astype(np.float32))
                     for s in rng.integers(1, 6, size=3)]
-        got = batch.propose(tokens, contexts, 6)
+        rows = [0 if c is None else c.shape[1] for c in contexts]
+        got = batch.draft(mx.concatenate(tokens), pad_contexts(contexts, rows), rows, 6)
         for i, (context, cache) in enumerate(zip(contexts, solos)):
             if context is None:
                 context = mx.zeros((1, 0, F))
             want = drafter.propose(tokens[i], context, cache, 6)
-            assert got[i].tokens.tolist() == want.tokens.tolist(), f"step {step} sequence {i}"
+            assert got[i].tolist() == want.tokens.tolist(), f"step {step} sequence {i}"
     assert all(min(c.left_padding.tolist()) == 0 for c in batch.cache)  # no column is padding in every row
     for i, cache in enumerate(solos):
         for got, want in zip(rows_of(batch.cache, i), cache):

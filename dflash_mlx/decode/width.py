@@ -9,13 +9,11 @@ its last :data:`WINDOW` timings less the highest and the lowest (the first run o
 and run again at once). Plain steps' rate is divided by :data:`PLAIN_MARGIN`, so only a measured gain moves
 off plain. It starts with plain steps: until drafting is measured to pay, it does not run.
 
-Other options run as probes, one step each (two for an option not yet timed), at most one every ``gap``
-steps: the gap starts at :data:`FIRST_GAP` and stays there while probes beat the best rate (the search goes
-on while it finds better), or, while plain steps are best, accept every draft (drafts agree again), is :data:`PROBE_EVERY` after a chain probe within :data:`CLOSE` of a best
-chain (their timings stay fresh) and grows fourfold after any other (up to :data:`MAX_GAP`), so where
-drafting does not pay at most one step in :data:`MAX_GAP` is a probe. The probe is plain while plain
-is untimed, else the untimed option nearest the best whose most (its E over the seconds of the slowest
-timed option no wider) beats the best rate, else the timed option of the highest rate.
+Other options run as probes, one step each (two untimed), one per gap of steps: the gap starts at
+:data:`FIRST_GAP` and returns there after a probe that beat the best (or, plain being best, accepted every
+draft), is :data:`PROBE_EVERY` after a chain within :data:`CLOSE` of a best chain, else grows fourfold up
+to :data:`MAX_GAP`. The probe: plain while untimed, else the untimed option nearest the best whose most
+(E over the seconds of the slowest timed option no wider) beats the best rate, else the best timed one.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ PRIOR_WEIGHT = 0.25  # steps' worth of weight the prior carries per position
 DECAY = 0.97  # weight of older steps' evidence (and of the prior), per step
 WINDOW = 6  # timings kept per (option, n): even, so alternating pipelined timings weigh alike
 FIRST_GAP = 2  # steps before the first probe, and after one that beat the best
-PROBE_EVERY = 8  # the gap after a probe that came close to the best rate
+PROBE_EVERY = 8  # the gap after a chain probe that came close to a best chain
 MAX_GAP = 64  # the longest gap between two probes, in steps
 PLAIN_MARGIN = 1.05  # a chain must beat plain steps' measured rate by this to be chosen over them
 CLOSE = 0.9  # while a chain is best, a chain probe within this fraction of its rate keeps the gap short

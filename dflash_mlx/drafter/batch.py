@@ -9,7 +9,6 @@ from typing import Any, List, Optional, Sequence
 import mlx.core as mx
 
 from ..kernels import fast_softmax
-from ..protocol import Proposal
 from ..prompt_cache.batch import RaggedRoll, common_padding, extend, keep_rows
 from .network import KV, Attend, DrafterAttention, masked_attention
 
@@ -45,14 +44,6 @@ class BatchDrafts:
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only the sequences at ``rows`` (in that order)."""
         self.cache = keep_rows(self.cache, rows)
-
-    def propose(self, tokens: Sequence[mx.array], contexts: Sequence[Optional[mx.array]],
-                block_size: int) -> List[Proposal]:
-        """Argmax drafts ([B-1] each, lazy) of every sequence from its [1] int32 ``t_last`` and its
-        new context rows [1, S_i, F] or None, in one pass."""
-        rows = [0 if c is None else c.shape[1] for c in contexts]
-        drafts = self.draft(mx.concatenate(tokens), pad_contexts(contexts, rows), rows, block_size)
-        return [Proposal(drafts[i]) for i in range(len(tokens))]
 
     def draft(self, tokens: mx.array, context: Optional[mx.array], rows: List[int], block_size: int) -> mx.array:
         """[N, B-1] int32 argmax drafts (lazy) from tokens [N] int32 ``t_last`` and new context rows

@@ -191,11 +191,9 @@ def token_digest(sequences: Iterable[Sequence[int]], prefix: bytes = b"") -> str
 
 def generate_greedy(target, prompts: List[List[int]], budgets: List[int], stop_ids: Sequence[int],
                     batch_size: int, sampler=None, capture: Optional[List[int]] = None) -> List[tuple]:
-    """Each prompt's response from the target: up to ``batch_size`` sequences decode together in plain steps
-    (:class:`~dflash_mlx.decode.batch.BatchDecoder`), one joining as another finishes, in the order given;
-    ``budgets`` caps each response; ``sampler`` None is greedy. Returns ``(tokens, features)`` per prompt,
-    the features [1, P + n - 1, K*H] of the ``capture`` layers over the prompt and every response token but
-    the last (what the target computed anyway), or None without ``capture``."""
+    """``(response tokens, features)`` per prompt: up to ``batch_size`` decode together in plain steps, one
+    joining as another finishes; ``sampler`` None is greedy; features [1, P + n - 1, K*H] of the ``capture``
+    layers over the prompt and the response but its last token (what the target computes anyway), or None."""
     from ..decode.batch import BatchDecoder
     from ..decode.stopping import StopCondition
 

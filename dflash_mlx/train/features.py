@@ -1,6 +1,6 @@
-"""The target's context features of training sequences kept beside the data (``dflash data
---target-layer-ids``): float16 ``.npy`` files named by a digest of the sequence's tokens, so any training
-run on any split of the data finds them; a ``manifest.json`` names the target and the layers."""
+"""The target's context features kept beside the data (``dflash data --target-layer-ids``): float16 ``.npy``
+files named by a digest of each sequence's tokens, so any run on any split finds them; a manifest names
+the target and the layers."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Signs that a drafter in training is collapsing, the failure a learning rate too high for its width
-causes: the residual stream's RMS grows by orders of magnitude and every row of a block points the same
-way, so the loss stays at the data's unigram entropy whatever the data says (seen here at width 576 and
-lr 2e-3: RMS 5,400, row cosine 0.999)."""
+"""Signs that a drafter in training collapses, as a learning rate too high for its width makes it: the
+residual stream's RMS grows by orders of magnitude, every row of a block points the same way and the loss
+stays at the data's unigram entropy (seen here at width 576 and lr 2e-3: RMS 5,400, row cosine 0.999)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from .loss import make_batch
 
 PUBLISHED_LR = 6e-4  # the DFlash recipe's peak rate (spec section 6), for drafters 2,560-4,096 wide
 RMS_LIMIT = 1000.0  # residual RMS above this (healthy drafters here stay under 100)
-COSINE_LIMIT = 0.99  # and the mean cosine between a block's rows above this: collapsing (early in a healthy run it is near 1 too)
+COSINE_LIMIT = 0.99  # and the mean cosine of a block's rows above this (early on healthy runs are near 1 too)
 EVERY = 50  # steps between two measurements
 
 
@@ -35,8 +34,8 @@ def lr_warning(lr: float, width: int) -> Optional[str]:
 
 @dataclass
 class Health:
-    """``rms``: the residual stream's root mean square before the final norm; ``row_cosine``: the mean
-    cosine between two different rows of one block (both over the measured blocks)."""
+    """The residual stream's root mean square before the final norm, and the mean cosine between two rows
+    of one block, over the blocks measured."""
 
     rms: float
     row_cosine: float

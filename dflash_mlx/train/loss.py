@@ -171,12 +171,10 @@ class LossVocab:
     def draw(self, rng: np.random.Generator) -> None:
         """Draw the step's ``negatives`` tokens outside the data (all of them where there are no more)."""
         drawn = self.rest if self.negatives == self.rest.size else rng.choice(self.rest, self.negatives, replace=False)
-        shift = np.zeros(self.ids.size + drawn.size, dtype=np.float32)
-        if drawn.size:
-            shift[self.ids.size:] = np.log(self.rest.size / drawn.size)
+        raise_by = np.log(self.rest.size / drawn.size) if drawn.size else 0.0
         self.columns = np.concatenate([self.ids, drawn])
         self.head = self.full[:, mx.array(self.columns)]
-        self.shift = mx.array(shift)
+        self.shift = mx.array(np.repeat(np.array([0.0, raise_by], dtype=np.float32), [self.ids.size, drawn.size]))
         mx.eval(self.head, self.shift, self.index)
 
 
@@ -192,7 +190,8 @@ def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask,
     if vocab is None:
         logits = drafter.block_logits(blocks, features, anchors, mask).astype(mx.float32)
     else:
-        logits = (drafter.block_hidden(blocks, features, anchors, mask) @ vocab.head).astype(mx.float32) + vocab.shift
+        hidden = drafter.block_hidden(blocks, features, anchors, mask)
+        logits = (hidden @ vocab.head).astype(mx.float32) + vocab.shift
         targets = vocab.index[targets]
     per_row = fast_softmax.cross_entropy(logits, targets)
     if target_logits is not None and kl_weight:
