@@ -24,6 +24,39 @@ def target_fingerprint(target: TargetAdapter) -> dict:
             "num_layers": target.num_layers, "vocab_size": target.vocab_size}
 
 
+def claim_manifest(folder: Path, key: dict, write: bool) -> Optional[bool]:
+    """Whether ``folder``'s ``manifest.json`` is ``key``: True (or written, with ``write``, where there was
+    none), False where it differs, None where there is none."""
+    path = folder / "manifest.json"
+    if path.is_file():
+        return read_json(path, "delete the features folder (it is made again)") == key
+    if not write:
+        return None
+    with atomic_file(path, parents=True) as tmp:
+        tmp.write_text(json.dumps(key, indent=2))
+    return True
+
+
+def read_rows(path: Path, length: int, unreadable: Optional[List[Path]] = None) -> Optional[np.ndarray]:
+    """The array [1, ``length``, F] saved at ``path``, or None: missing, of another length, or unreadable
+    (then appended to ``unreadable``)."""
+    if not path.is_file():
+        return None
+    try:
+        array = np.load(path)
+    except (ValueError, OSError, EOFError):
+        if unreadable is not None:
+            unreadable.append(path)
+        return None
+    return array if array.ndim == 3 and array.shape[1] == length else None
+
+
+def write_rows(path: Path, array: np.ndarray) -> None:
+    """Save ``array`` at ``path`` whole or not at all; WriteError when it cannot be written."""
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        np.save(f, array)
+
+
 class FeatureStore:
     """``folder``'s features of ``target`` at ``layer_ids``. Writing claims an empty folder (its manifest);
     reading a folder made for another target or other layers finds nothing (``mismatch`` says why)."""
@@ -31,16 +64,10 @@ class FeatureStore:
     def __init__(self, folder: str | Path, target: TargetAdapter, layer_ids: List[int], write: bool = False):
         self.folder = Path(folder)
         key = {"target": target_fingerprint(target), "target_layer_ids": list(layer_ids)}
-        manifest = self.folder / "manifest.json"
-        self.mismatch: Optional[str] = None
-        if manifest.is_file():
-            if read_json(manifest, "delete the features folder (it is made again)") != key:
-                self.mismatch = f"{self.folder} holds features of another target or other layers"
-        elif write:
-            with atomic_file(manifest, parents=True) as tmp:
-                tmp.write_text(json.dumps(key, indent=2))
-        else:
-            self.mismatch = f"{self.folder} has no features manifest"
+        matches = claim_manifest(self.folder, key, write)
+        self.mismatch: Optional[str] = None if matches else (
+            f"{self.folder} has no features manifest" if matches is None
+            else f"{self.folder} holds features of another target or other layers")
 
     def path(self, tokens: np.ndarray) -> Path:
         """The file of ``tokens``' features."""
@@ -52,15 +79,8 @@ class FeatureStore:
         feats = np.array(features.astype(mx.float16))
         if feats.shape[1] == tokens.size - 1:
             feats = np.concatenate([feats, np.zeros_like(feats[:, :1])], axis=1)
-        with atomic_file(self.path(tokens)) as tmp, open(tmp, "wb") as f:
-            np.save(f, feats)
+        write_rows(self.path(tokens), feats)
 
     def get(self, tokens: np.ndarray) -> Optional[np.ndarray]:
         """The kept float16 features [1, L, K*H] of ``tokens``, or None (none kept, unreadable, a mismatch)."""
-        if self.mismatch is not None:
-            return None
-        try:
-            feats = np.load(self.path(tokens))
-        except (ValueError, OSError, EOFError):
-            return None
-        return feats if feats.ndim == 3 and feats.shape[1] == tokens.size else None
+        return None if self.mismatch is not None else read_rows(self.path(tokens), tokens.size)

@@ -4,7 +4,6 @@ sequence through one masked forward, row k's cross-entropy weighted by ``exp(-(k
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -12,14 +11,13 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
 
-from ..atomic import atomic_file
 from ..drafter.network import DFlashDrafter
 from ..errors import InputError
 from ..kernels import fast_softmax
 from ..targets import TargetAdapter
 from .blocks import block_mask
-from .data import TrainSequence, read_json, token_digest
-from .features import FeatureStore, target_fingerprint
+from .data import TrainSequence, token_digest
+from .features import FeatureStore, claim_manifest, read_rows, target_fingerprint, write_rows
 
 
 def target_outputs(target: TargetAdapter, tokens: np.ndarray, layer_ids: List[int], dtype) -> Tuple[mx.array, mx.array]:
@@ -55,30 +53,9 @@ class FeatureCache:
     def _check_manifest(self, sequences: Optional[List[TrainSequence]]) -> None:
         key = {"target": target_fingerprint(self.target), "target_layer_ids": self.layer_ids,
                "sequences": None if sequences is None else token_digest(s.tokens for s in sequences)}
-        path = self.folder / "manifest.json"
-        if path.is_file():
-            if read_json(path, "delete the features folder (it is made again)") != key:
-                raise InputError(f"{self.folder}: holds target features of other data, target_layer_ids or target; "
-                                 "give another features folder")
-        else:
-            with atomic_file(path) as tmp:
-                tmp.write_text(json.dumps(key, indent=2))
-
-    def _load(self, path: Path, length: int) -> Optional[np.ndarray]:
-        """The cached array, or None when missing, of another length or unreadable (then recorded in ``rebuilt``)."""
-        if not path.is_file():
-            return None
-        try:
-            cached = np.load(path)
-        except (ValueError, OSError, EOFError):
-            self.rebuilt.append(path)
-            return None
-        return cached if cached.ndim == 3 and cached.shape[1] == length else None
-
-    @staticmethod
-    def _save(path: Path, array: np.ndarray) -> None:
-        with atomic_file(path) as tmp, open(tmp, "wb") as f:
-            np.save(f, array)
+        if not claim_manifest(self.folder, key, write=True):
+            raise InputError(f"{self.folder}: holds target features of other data, target_layer_ids or target; "
+                             "give another features folder")
 
     def get(self, index: int, seq: TrainSequence, dtype) -> Tuple[mx.array, Optional[mx.array]]:
         """Features [1, L, K*H] of sequence ``index`` and its final hidden states [1, L, H] (or None)."""
@@ -91,14 +68,15 @@ class FeatureCache:
             return feats, hidden if self.hidden else None
         if index not in self.memory:
             path = self.folder / f"{index:07d}.npy"
-            feats = self._load(path, seq.tokens.size)
-            hidden = self._load(path.with_suffix(".hidden.npy"), seq.tokens.size) if self.hidden else None
+            feats = read_rows(path, seq.tokens.size, self.rebuilt)
+            hidden = (read_rows(path.with_suffix(".hidden.npy"), seq.tokens.size, self.rebuilt) if self.hidden
+                      else None)
             if feats is None or (self.hidden and hidden is None):
                 f, h = target_outputs(self.target, seq.tokens, self.layer_ids, mx.float32)
                 feats, hidden = np.array(f.astype(mx.float16)), np.array(h.astype(mx.float16))
-                self._save(path, feats)
+                write_rows(path, feats)
                 if self.hidden:
-                    self._save(path.with_suffix(".hidden.npy"), hidden)
+                    write_rows(path.with_suffix(".hidden.npy"), hidden)
             self.memory[index] = (feats, hidden if self.hidden else None)
         feats, hidden = self.memory[index]
         return mx.array(feats).astype(dtype), None if hidden is None else mx.array(hidden).astype(dtype)
