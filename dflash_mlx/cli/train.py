@@ -256,22 +256,21 @@ def _fit(o, trainer) -> None:
                   f"trained at block sizes {plan}{distill}; {o.counts[0]} train / {o.counts[1]} held-out sequences")
     for why in trainer.features.unused:
         console.print(f"warning: {why}: the target's features are computed instead", markup=False, highlight=False)
-    warned = lr_warning(o.lr, a.hidden_size)
-    if warned:
-        console.print(f"warning: {warned}", markup=False, highlight=False)
+    if too_high := lr_warning(o.lr, a.hidden_size):
+        console.print(f"warning: {too_high}", markup=False, highlight=False)
     try:
         progress = bars(console, status=True)
         task = progress.add_task("training", total=o.steps, completed=trainer.step, status="")
         live = Live(Group(progress), console=console, refresh_per_second=4) if console.is_terminal else None
         evaluated = None  # a log (not a terminal) gets one line per evaluation, and the last table at the end
-        health = ""
+        health, warned = "", False  # the collapse is warned about once
         with live or nullcontext():
             for info in trainer.run():
                 if info.health is not None:
                     health = f" rms {info.health.rms:,.1f} cos {info.health.row_cosine:.2f}"
                     collapsing = info.health.warning(o.lr)
                     if collapsing and not warned:
-                        warned = collapsing
+                        warned = True
                         console.print(f"warning: step {info.step}: {collapsing}", markup=False, highlight=False)
                 progress.update(task, completed=info.step, status=f"loss {info.loss:.3f} lr {info.lr:.2e}{health} "
                                 f"{info.tokens_per_s:,.0f} tok/s")
