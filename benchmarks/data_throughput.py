@@ -4,7 +4,7 @@
 - before: responses from mlx-lm's ``batch_generate`` (what `dflash data` called, completion batch
   ``--batch-size``, prompts prefilled 8 at a time), then each sequence's features from one forward of
   the whole sequence (what `dflash train` computed in its first epoch);
-- after: :func:`dflash_mlx.train.data.generate_greedy` (the project's batched decoder, one sequence
+- after: :func:`dflash_mlx.train.data.generate_batched` (the project's batched decoder, one sequence
   joining as another finishes), without and with the features captured as it generates.
 
 One process, the same prompts (encoded through the chat template, shortest first) for each way, greedy.
@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_mlx import load
-from dflash_mlx.train.data import encode_prompts, generate_greedy, read_prompt_file
+from dflash_mlx.train.data import encode_prompts, generate_batched, read_prompt_file
 from dflash_mlx.train.loss import target_features
 
 
@@ -59,7 +59,7 @@ def main() -> int:
 
     for name, capture in (("after", None), ("after, features captured", layers)):
         tic = time.perf_counter()
-        made = generate_greedy(pair.target, ids, budgets, pair.tokenizer.eos_token_ids, args.batch_size,
+        made = generate_batched(pair.target, ids, budgets, pair.tokenizer.eos_token_ids, args.batch_size,
                                capture=capture)
         if capture:
             mx.eval([f for _, f in made])

@@ -189,7 +189,7 @@ def token_digest(sequences: Iterable[Sequence[int]], prefix: bytes = b"") -> str
     return h.hexdigest()
 
 
-def generate_greedy(target, prompts: List[List[int]], budgets: List[int], stop_ids: Sequence[int],
+def generate_batched(target, prompts: List[List[int]], budgets: List[int], stop_ids: Sequence[int],
                     batch_size: int, sampler=None, capture: Optional[List[int]] = None) -> List[tuple]:
     """``(response tokens, features)`` per prompt: up to ``batch_size`` decode together in plain steps, one
     joining as another finishes; ``sampler`` None is greedy; features [1, P + n - 1, K*H] of the ``capture``
@@ -258,7 +258,7 @@ def regenerate(target, tokenizer, prompts: List[List[int]], out_dir: str | Path,
             chunk = prompts[start:start + shard_size]
             budgets = [min(max_tokens, max_length - len(p)) for p in chunk]
             order = sorted(range(len(chunk)), key=lambda j: len(chunk[j]))  # shortest first: similar lengths
-            made = generate_greedy(target, [chunk[j] for j in order], [budgets[j] for j in order],
+            made = generate_batched(target, [chunk[j] for j in order], [budgets[j] for j in order],
                                    tokenizer.eos_token_ids, batch_size, sampler, capture)
             generated: List[tuple] = [None] * len(chunk)
             for j, result in zip(order, made):
