@@ -8,7 +8,9 @@ import sys
 import time
 
 
-from conftest import SHARED, dflash as run_dflash, needs_shared
+import mlx.core as mx
+
+from conftest import ROOT, SHARED, dflash as run_dflash, needs_shared
 from test_cli import STORY, dflash
 
 
@@ -61,6 +63,26 @@ def test_data_train_generate(stories, tmp_path):
     r = dflash("--model", str(stories), "--draft-model", str(out), "-p", "Once upon a time", "-m", "40", "--quiet")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(STORY[:80])
+
+    # --init starts from a drafter's weights and keeps its shape (the shipped one: 2 layers, B=16)
+    shipped = ROOT / "examples" / "stories260K" / "drafter"
+    r = run("train", "--model", str(stories), "--data", str(data), "--out", str(tmp_path / "bad"), "--init",
+            str(shipped), "--layers", "1", "--steps", "1")
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"error: --layers 1: the --init drafter {shipped} has 2; leave --layers out"], r.stderr
+    assert not (tmp_path / "bad").exists()
+    warm = tmp_path / "warm"
+    r = run("train", "--model", str(stories), "--data", str(data), "--out", str(warm), "--init", str(shipped),
+            "--block-sizes", "4,8", "--steps", "1", "--lr", "1e-9", "--anchors", "4", "--grad-accum", "1",
+            "--held-out", "4", "--eval-every", "0", "--save-every", "1")
+    assert r.returncode == 0, r.stderr
+    config = json.loads((warm / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["block_size"]) == (2, 16)
+    before, after = mx.load(str(shipped / "model.safetensors")), mx.load(str(warm / "model.safetensors"))
+    assert before.keys() == after.keys()
+    assert all(mx.allclose(before[k], after[k], atol=1e-6).item() for k in before)
+    state = json.loads(next((warm / "checkpoints").glob("step_*")).joinpath("trainer_state.json").read_text())
+    assert state["config"]["init"] == str(shipped)
 
 
 @needs_shared

@@ -132,7 +132,7 @@ def train(
     model: Target,
     data_dirs: Annotated[List[Path], Option("--data", help="Folder made by `dflash data`; repeatable.")],
     out: Annotated[Path, Option("--out", help="Drafter folder; checkpoints go in OUT/checkpoints.")],
-    layers: Annotated[int, Option("--layers", help="Drafter layers.")] = 1,
+    layers: Annotated[Optional[int], Option("--layers", help="Drafter layers (default 1).")] = None,
     block_size: Annotated[Optional[int], Option("--block-size", help=(
         "The drafter's block size B (default 16, or the largest of --block-sizes)."))] = None,
     block_sizes: Annotated[Optional[str], Option("--block-sizes", help=(
@@ -142,6 +142,10 @@ def train(
     mask_token_id: Annotated[Optional[int], Option("--mask-token-id", help="MASK id; default: an unused id.")] = None,
     intermediate_size: Annotated[Optional[int], Option("--intermediate-size", help=(
         "Drafter MLP width; default: the target's."))] = None,
+    init: Annotated[Optional[str], Option("--init", help=(
+        "Start from this drafter's weights (a folder --draft-model loads: another run's checkpoint or a "
+        "shipped drafter; quantized layers are dequantized). Its shape is kept: --layers, --block-size, "
+        "--target-layer-ids, --mask-token-id and --intermediate-size may be left out."))] = None,
     steps: Annotated[int, Option("--steps", help="Optimizer steps.")] = 1000,
     lr: Annotated[float, Option("--lr", help="Peak AdamW learning rate.")] = 6e-4,
     warmup: Annotated[float, Option("--warmup", help="Warm-up fraction of the steps, then cosine decay.")] = 0.04,
@@ -202,13 +206,14 @@ def _config(o):
                          lr=o.lr, warmup=o.warmup, grad_clip=o.grad_clip, dtype=o.dtype, seed=o.seed,
                          gamma=gammas[0] if gammas and len(gammas) == 1 else gammas, eval_every=o.eval_every,
                          eval_sequences=o.held_out, save_every=o.save_every, block_sizes=sizes, kl_weight=o.kl_weight,
-                         kl_temperature=o.kl_temperature, miss_anchors=o.miss_anchors, loss_vocab=o.loss_vocab)
+                         kl_temperature=o.kl_temperature, miss_anchors=o.miss_anchors, loss_vocab=o.loss_vocab,
+                         init=o.init)
     config.check()
     check_out_folder(o.out)
     if sizes and o.block_size is not None and o.block_size != max(sizes):
         raise InputError(f"--block-size {o.block_size}: the drafter's block size is the largest of --block-sizes "
                          f"({max(sizes)}); leave --block-size out")
-    o.block_size = max(sizes) if sizes else o.block_size or 16
+    o.block_size = max(sizes) if sizes else o.block_size
     if o.resume and o.overwrite:
         raise InputError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
     return config
@@ -218,7 +223,7 @@ def _trainer(o):
     """The :class:`~dflash_mlx.train.trainer.Trainer` of the flags: resumed, or a new drafter."""
     from dflash_mlx.train.data import load_sequences
     from dflash_mlx.train.features import FOLDER
-    from dflash_mlx.train.trainer import Trainer, check_fresh_out, init_drafter, pick_mask_token
+    from dflash_mlx.train.trainer import Trainer, check_fresh_out, init_drafter, pick_mask_token, warm_start
 
     config = _config(o)
     if not o.resume and not o.overwrite:
@@ -236,12 +241,30 @@ def _trainer(o):
             console.print(f"the run had finished, but {trainer.rebuilding}: writing the drafter again",
                           soft_wrap=True, markup=False, highlight=False)
         return trainer
-    check_fresh_out(o.out, o.overwrite)
-    mask = o.mask_token_id
-    if mask is None:
-        mask = pick_mask_token(pair.tokenizer, pair.target.vocab_size, sequences)
-    drafter = init_drafter(pair.target, mask, o.layers, o.block_size, o.ids, o.intermediate_size, o.seed)
+    if o.init:
+        drafter = warm_start(o.init, pair.target)
+        check_init_shape(o, drafter.args)
+    else:
+        mask = o.mask_token_id
+        if mask is None:
+            mask = pick_mask_token(pair.tokenizer, pair.target.vocab_size, sequences)
+        drafter = init_drafter(pair.target, mask, o.layers or 1, o.block_size or 16, o.ids, o.intermediate_size,
+                               o.seed)
+    check_fresh_out(o.out, o.overwrite)  # deletes an earlier run only now, with everything checked
     return Trainer(drafter, pair.target, train_seqs, config, o.out, eval_seqs, features, kept)
+
+
+def check_init_shape(o, args) -> None:
+    """InputError naming the first shape flag that disagrees with the --init drafter's own value."""
+    if o.block_size is not None and o.block_size > args.block_size:
+        raise InputError(f"--block-size(s) {o.block_size}: past the --init drafter {o.init}'s block size "
+                         f"{args.block_size}")
+    given = (("--layers", o.layers, args.num_hidden_layers), ("--target-layer-ids", o.ids, args.target_layer_ids),
+             ("--mask-token-id", o.mask_token_id, args.mask_token_id),
+             ("--intermediate-size", o.intermediate_size, args.intermediate_size))
+    for flag, value, its in given:
+        if value is not None and value != its:
+            raise InputError(f"{flag} {value}: the --init drafter {o.init} has {its}; leave {flag} out")
 
 
 def _fit(o, trainer) -> None:

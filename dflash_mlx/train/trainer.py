@@ -78,6 +78,7 @@ class TrainConfig:
     eval_sequences: int = 16
     save_every: int = 0
     keep_checkpoints: int = 3
+    init: Optional[str] = None  # the drafter the run started from (--init), None: fresh weights
 
     def check(self) -> None:
         """InputError naming the flag of the first setting out of range (NaN and infinities included)."""
@@ -155,6 +156,15 @@ def init_drafter(target: TargetAdapter, mask_token_id: int, layers: int = 1, blo
     drafter = DFlashDrafter(args)
     mx.eval(drafter.parameters())
     return bind_drafter(drafter, target)
+
+
+def warm_start(path: str, target: TargetAdapter) -> DFlashDrafter:
+    """The drafter at ``path`` (any folder ``--draft-model`` loads; quantized layers dequantized to float)
+    bound to ``target``, to train on from its weights (``--init``). Raises as :func:`load_drafter` and
+    :func:`bind_drafter` (a drafter made for another target)."""
+    from mlx_lm.utils import dequantize_model
+
+    return bind_drafter(dequantize_model(load_drafter(path)), target, path)
 
 
 def final_drafter_problem(out: Path, ckpt: Path) -> Optional[str]:

@@ -60,10 +60,10 @@ LAYERS=1,8,14,20,27  # the target layers the drafter reads; dflash data keeps th
 stage_data() {  # two jobs at once, one core each: training prompts, and user turns the target writes itself
   head -n "$TRAIN_PROMPTS" "$OUT/prompts/train.jsonl" > "$OUT/prompts/train_used.jsonl"
   OPENBLAS_NUM_THREADS=1 dflash data --model "$OUT/smol" --prompts "$OUT/prompts/train_used.jsonl" \
-      --max-tokens 256 --batch-size 64 --shard-size 64 --target-layer-ids "$LAYERS" --out "$OUT/data-train" &
+      --max-tokens 256 --target-layer-ids "$LAYERS" --out "$OUT/data-train" &
   local train=$!
   OPENBLAS_NUM_THREADS=1 dflash data --model "$OUT/smol" --self-prompts "$SELF_PROMPTS" --self-prompt-style chat \
-      --self-prompt-tokens 64 --max-tokens 256 --batch-size 64 --shard-size 64 --target-layer-ids "$LAYERS" \
+      --self-prompt-tokens 64 --max-tokens 256 --target-layer-ids "$LAYERS" \
       --out "$OUT/data-chat"
   wait "$train"
 }
