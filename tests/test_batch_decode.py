@@ -16,7 +16,7 @@ from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
 from dflash_mlx.drafter.batch import pad_contexts
-from dflash_mlx.prompt_cache.batch import RaggedRoll, batch_refusal, common_padding, sequence_rows, share_offsets
+from dflash_mlx.prompt_cache.batch import RaggedRoll, batch_refusal, common_padding, share_offsets
 from dflash_mlx.prompt_cache.batch import BatchGatedDeltaCache
 from dflash_mlx.prompt_cache.gated_delta import GatedDeltaCache
 from conftest import ByteTokenizer, _Position, assert_varied, tiny_drafter, tiny_target
@@ -167,7 +167,7 @@ def test_cache_rows_equal_a_solo_cache(family):
             emitted[k] += r.tokens
     assert len(decoder) == 3
     for i, p in enumerate(ps):
-        rows = sequence_rows(decoder.cache, i)
+        rows = [b.extract(i) for b in decoder.cache]
         tokens = p + emitted[i][:-1]  # the last committed token is not in the cache yet
         fresh = target.make_cache()
         target(mx.array(tokens, dtype=mx.int32)[None], fresh)
@@ -310,7 +310,6 @@ def test_one_drafter_pass_drafts_as_each_sequence_alone(compiled, fast_exp, monk
     with its block halves compiled and not, its attention with the CPU's fast exp and
     MLX's fused one, gives every sequence the drafts and context cache rows of its own
     drafter run."""
-    from dflash_mlx.prompt_cache.batch import sequence_rows as rows_of
 
     monkeypatch.setenv("DFLASH_COMPILE", compiled)
     monkeypatch.setenv("DFLASH_FAST_EXP", fast_exp)
@@ -339,7 +338,7 @@ def test_one_drafter_pass_drafts_as_each_sequence_alone(compiled, fast_exp, monk
             assert got[i].tolist() == want.tokens.tolist(), f"step {step} sequence {i}"
     assert all(min(c.left_padding.tolist()) == 0 for c in batch.cache)  # no column is padding in every row
     for i, cache in enumerate(solos):
-        for got, want in zip(rows_of(batch.cache, i), cache):
+        for got, want in zip([b.extract(i) for b in batch.cache], cache):
             assert got.offset == want.offset
             np.testing.assert_allclose(np.array(got.keys[..., : got.offset, :]),
                                        np.array(want.keys[..., : want.offset, :]), rtol=1e-4, atol=1e-5)

@@ -13,7 +13,7 @@ import pytest
 from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
-from dflash_mlx.prompt_cache.batch import COMPACT_AT, sequence_rows
+from dflash_mlx.prompt_cache.batch import COMPACT_AT
 from dflash_mlx.prompt_cache.batch import BatchWindowKVCache
 from dflash_mlx.prompt_cache.window import WindowKVCache
 from conftest import assert_varied, tiny_drafter
@@ -107,7 +107,7 @@ def test_window_rows_equal_a_solo_cache_and_stay_bounded(family):
         assert len(tokens) > 5 * W
         fresh = target.make_cache()
         target(mx.array(tokens, dtype=mx.int32)[None], fresh)
-        for layer, (got, want) in enumerate(zip(sequence_rows(decoder.cache, i), fresh)):
+        for layer, (got, want) in enumerate(zip([b.extract(i) for b in decoder.cache], fresh)):
             if not isinstance(want, WindowKVCache):
                 continue
             assert isinstance(got, WindowKVCache) and got.offset == want.offset == len(tokens)

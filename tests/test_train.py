@@ -11,7 +11,7 @@ from dflash_mlx import GenerationStats, generate_step
 from dflash_mlx.errors import InputError, MismatchError
 from dflash_mlx.train.blocks import block_mask, position_weights, sample_anchors, valid_anchors
 from dflash_mlx.train.data import read_prompt_file, regenerate
-from dflash_mlx.train.evaluate import evaluate
+from dflash_mlx.train.evaluate import evaluate_block_sizes
 from dflash_mlx.train.loss import block_loss, make_batch, sequence_loss_and_grad, target_features
 from dflash_mlx.train.trainer import TrainConfig, Trainer, check_fresh_out, init_drafter
 from conftest import tiny_target, tiny_training_set
@@ -122,7 +122,7 @@ def test_short_run_learns(setup, tmp_path):
     assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10])
     trained_tau = _engine_tau(target, drafter, seqs[:4])
     assert trained_tau > untrained_tau + 0.5
-    assert evaluate(drafter, target, seqs[:4], B)["tau"] > 1.5
+    assert evaluate_block_sizes(drafter, target, seqs[:4], [B])[B]["tau"] > 1.5
     # The output folder is a drafter in the released format.
     config_json = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config_json["dflash_config"]["target_layer_ids"] == [1, 2]
@@ -292,7 +292,7 @@ def test_loss_vocab_data_run_learns_and_pushes_the_rest_down(tmp_path):
     trainer = Trainer(_drafter(target), target, seqs, config, tmp_path / "out")
     losses = [info.loss for info in trainer.run()]
     assert np.mean(losses[-10:]) < 0.6 * np.mean(losses[:10])
-    assert evaluate(trainer.drafter, target, seqs[:4], B)["tau"] > 1.3
+    assert evaluate_block_sizes(trainer.drafter, target, seqs[:4], [B])[B]["tau"] > 1.3
     picks = []
     for seq in seqs[:6]:
         anchors = sample_anchors(np.random.default_rng(1), seq.tokens.size, seq.response_start, B, 8)

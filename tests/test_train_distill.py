@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten
 
 from dflash_mlx.errors import InputError
 from dflash_mlx.train.blocks import position_weights, sample_anchors
-from dflash_mlx.train.evaluate import evaluate, evaluate_block_sizes
+from dflash_mlx.train.evaluate import evaluate_block_sizes
 from dflash_mlx.train.loss import (
     FeatureCache, block_loss, distill_kl, make_batch, sequence_loss_and_grad, target_block_logits, target_outputs,
 )
@@ -168,7 +168,7 @@ def test_evaluation_per_block_size(setup, tmp_path):
     assert list(info.eval) == [8, 4]
     assert len(info.eval[8]["acceptance"]) == 7 and len(info.eval[4]["acceptance"]) == 3
     both = evaluate_block_sizes(drafter, target, seqs[6:], [8, 4])
-    assert both[8] == evaluate(drafter, target, seqs[6:], 8) and both == info.eval
+    assert both[8] == evaluate_block_sizes(drafter, target, seqs[6:], [8])[8] and both == info.eval
 
 
 def test_bad_kl_settings(setup, tmp_path):

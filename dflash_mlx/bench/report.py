@@ -10,7 +10,6 @@ import platform
 import statistics
 import sys
 import time
-from math import comb
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -20,14 +19,6 @@ from .runner import DatasetResult, RunRecord
 
 SCHEMA = "dflash-bench/1"
 PHASES = ("decode", "other")  # decode steps; the loop around them
-
-
-def sign_test(ratios: Iterable[float]) -> dict:
-    """One-sided exact sign test that paired ratios (ours / a baseline, one per independent repeat)
-    are above 1 more often than chance, ratios of 1 dropped: ``{"above", "n", "p"}`` (p = 1 when n = 0)."""
-    signs = [r > 1.0 for r in ratios if r != 1.0]
-    n, above = len(signs), sum(signs)
-    return {"above": above, "n": n, "p": sum(comb(n, k) for k in range(above, n + 1)) / 2**n if n else 1.0}
 
 
 def median(values: Iterable[Optional[float]]) -> Optional[float]:

@@ -188,11 +188,6 @@ def share_offsets(batch: Sequence[Any]) -> None:
         b.offset = full[0].offset
 
 
-def sequence_rows(batch: Sequence[BatchKVCache], i: int) -> List[KVCache]:
-    """Sequence i's rows of every layer as a solo cache each (mlx-lm's ``extract``)."""
-    return [b.extract(i) for b in batch]
-
-
 COMPACT_AT = 32  # columns of padding every sequence has before they are dropped
 
 

@@ -46,18 +46,12 @@ def evaluate_chained(drafter: Drafter, target: TargetAdapter, sequences: List[Tr
     return out
 
 
-def evaluate(drafter: DFlashDrafter, target: TargetAdapter, sequences: List[TrainSequence],
-             block_size: int, max_anchors: int = 256, seed: int = 0, anchor_chunk: int = 64) -> dict:
-    """``{"accuracy": [B-1], "acceptance": [B-1], "tau", "blocks"}`` teacher-forced on held-out data
-    (:func:`dflash_mlx.stats.teacher_forced`)."""
-    return evaluate_block_sizes(drafter, target, sequences, [block_size], max_anchors, seed, anchor_chunk)[block_size]
-
-
 def evaluate_block_sizes(drafter: DFlashDrafter, target: TargetAdapter, sequences: List[TrainSequence],
                          block_sizes: List[int], max_anchors: int = 256, seed: int = 0,
                          anchor_chunk: int = 64, chained: bool = True) -> Dict[int, dict]:
-    """:func:`evaluate` per block size (in their order) with one target forward per sequence; with
-    ``chained`` also ``tau_generation`` (:func:`evaluate_chained`)."""
+    """Per block size (in their order), ``{"accuracy": [B-1], "acceptance": [B-1], "tau", "blocks"}``
+    teacher-forced on held-out data (:func:`dflash_mlx.stats.teacher_forced`), one target forward per
+    sequence; with ``chained`` also ``tau_generation`` (:func:`evaluate_chained`)."""
     dtype = drafter.fc.weight.dtype
     rows = {b: [np.zeros((0, b - 1), dtype=bool)] for b in block_sizes}
     features = {}
