@@ -54,10 +54,37 @@ def byte_level_vocab():
     return tok, tokens, merges
 
 
+# Where each type's fp16 scale(s) sit in its block (llama.cpp's ggml-common.h block structs).
+SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+                 "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
+def blocks(x: np.ndarray, qtype: str, seed: int = 0) -> np.ndarray:
+    """``x`` [rows, cols] as ``qtype`` blocks (uint8 [rows, bytes]): the `gguf` package's quantizer where it
+    has one; else random blocks of that type's layout with small fp16 scales (the package dequantizes every
+    type, and that is what a reader must match)."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype == "BF16":
+        return (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    try:
+        return gguf.quants.quantize(x, kind)
+    except NotImplementedError:
+        pass
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (x.shape[0], x.shape[1] // block, size), dtype=np.uint8)
+    for at in SCALE_OFFSETS[qtype]:
+        scales = rng.uniform(1e-5, 1e-4, data.shape[:2]).astype(np.float16)
+        data[..., at:at + 2] = scales.view(np.uint8).reshape(*data.shape[:2], 2)
+    return data.reshape(x.shape[0], -1)
+
+
 def write_gguf(path: Path, model, tokens, *, arch: str = "llama", qtype: str = "F32", merges=None,
-               scores=None, kind: str = "gpt2", pre: str = "smollm", extra=None) -> Path:
+               scores=None, kind: str = "gpt2", pre: str = "smollm", extra=None, tied: bool = False,
+               tensor_types=None) -> Path:
     """``model`` (a tiny mlx-lm llama/qwen3) as llama.cpp writes it: its tensors renamed, llama's Q and K
-    permuted, 2-D weights in ``qtype``, norms in F32, and a tokenizer's metadata."""
+    permuted, 2-D weights in ``qtype`` (or ``tensor_types[gguf name]``; :func:`blocks`), norms in F32, no
+    ``output.weight`` where ``tied``, and a tokenizer's metadata."""
     args = model.args
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(args.num_hidden_layers)
@@ -90,15 +117,17 @@ def write_gguf(path: Path, model, tokens, *, arch: str = "llama", qtype: str = "
     from mlx.utils import tree_flatten
 
     for name, value in tree_flatten(model.parameters()):
+        if tied and name == "lm_head.weight":
+            continue
         x = np.array(value.astype(mx.float32))
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = args.num_attention_heads if "q_proj" in name else args.num_key_value_heads
             x = interleave(x, heads)
-        kind_of = gguf.GGMLQuantizationType[qtype] if x.ndim == 2 else gguf.GGMLQuantizationType.F32
-        if kind_of == gguf.GGMLQuantizationType.F32:
+        kind_of = (tensor_types or {}).get(gguf_name(name), qtype) if x.ndim == 2 else "F32"
+        if kind_of == "F32":
             w.add_tensor(gguf_name(name), x)
         else:
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(x, kind_of), raw_dtype=kind_of)
+            w.add_tensor(gguf_name(name), blocks(x, kind_of), raw_dtype=gguf.GGMLQuantizationType[kind_of])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.utils import load as mlx_lm_load
 
 from conftest import ROOT, assert_varied, dflash, mlx_lm_greedy, tiny_target
-from gguf_files import TEXTS, byte_level_vocab, write_gguf
+from gguf_files import TEXTS, byte_level_vocab, gguf_name, write_gguf
 from dflash_mlx.pair.gguf import convert_gguf
 from dflash_mlx.pair.gguf_tokenizer import merges_from_scores
 
@@ -57,20 +57,61 @@ def test_qwen3_gguf_keeps_the_rotary_order(tmp_path):
 
 @pytest.mark.parametrize("qtype,bits", [("Q8_0", 8), ("Q4_0", 4), ("Q4_1", 4)])
 def test_quantized_gguf_stays_quantized_or_dequantizes(tmp_path, qtype, bits):
-    """Q8_0/Q4_0/Q4_1 stay MLX-quantized (group 32) and load in mlx-lm; --dtype float32 gives the same
-    logits as the quantized folder."""
+    """Q8_0/Q4_0/Q4_1 stay MLX-quantized (group 32), load in mlx-lm and compute in float16 (the norms'
+    F32 weights cast); --dtype float16 gives the same logits as the quantized folder."""
     _, tokens, merges = byte_level_vocab()
     model, _ = tiny_target("llama", vocab=len(tokens), hidden=64, layers=2, seed=3)
     path = write_gguf(tmp_path / "q.gguf", model, tokens, qtype=qtype, merges=merges)
     convert_gguf(path, tmp_path / "q")
-    convert_gguf(path, tmp_path / "f", dtype="float32")
+    convert_gguf(path, tmp_path / "f", dtype="float16")
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     assert config["quantization"]["bits"] == bits and config["quantization"]["group_size"] == 32
     quantized, _ = mlx_lm_load(str(tmp_path / "q"))
     dense, _ = mlx_lm_load(str(tmp_path / "f"))
     x = mx.array([[5, 17, 42, 99, 7]])
     a, b = quantized(x), dense(x)
-    assert mx.allclose(a.astype(mx.float32), b, atol=2e-2, rtol=2e-2).item()
+    assert a.dtype == b.dtype == mx.float16
+    assert (mx.linalg.norm((a - b).astype(mx.float32)) / mx.linalg.norm(b.astype(mx.float32))).item() < 1e-2
+
+
+@pytest.mark.parametrize("qtype,tied", [("Q4_K", False), ("Q6_K", True), ("Q5_0", False), ("Q2_K", True),
+                                        ("Q3_K", False), ("Q5_K", False), ("Q5_1", True), ("IQ4_NL", False),
+                                        ("BF16", False)])
+def test_every_type_reads_as_the_gguf_package_dequantizes_it(tmp_path, qtype, tied):
+    """Matrices of K-quants, 5-bit, I-quant or BF16, beside a Q6_K output matrix and a Q8_0 one as
+    llama-quantize mixes them, embeddings tied or not: converted with --dtype float32, each tensor is
+    exactly what gguf.quants.dequantize makes of it (BF16 widened by hand); kept quantized, MLX quantizes
+    them again (8 bits for Q6_K and Q8_0) and the folder computes in float16, near the float folder."""
+    from gguf.quants import dequantize
+    from mlx_lm.models.cache import make_prompt_cache
+
+    _, tokens, merges = byte_level_vocab()
+    model, _ = tiny_target("llama", vocab=len(tokens), hidden=256, layers=1, seed=5)
+    types = {"output.weight": "Q6_K", "blk.0.attn_v.weight": "Q8_0"}
+    path = write_gguf(tmp_path / "k.gguf", model, tokens, qtype=qtype, merges=merges, tied=tied, tensor_types=types)
+    convert_gguf(path, tmp_path / "f", dtype="float32")
+    got = mx.load(str(tmp_path / "f" / "model.safetensors"))
+    names = {gguf_name(n): n for n in got}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        want = ((t.data.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if qtype == "BF16"
+                and t.tensor_type.name == "BF16" else dequantize(t.data, t.tensor_type))
+        assert np.array_equal(np.array(got[names[t.name]]), want), t.name
+    info = convert_gguf(path, tmp_path / "q")
+    assert info["gguf_types"][qtype] >= 5 and info["requantized"] == (2 if qtype == "BF16" else 9) - tied
+    quant = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]
+    assert quant.get("model.layers.0.self_attn.v_proj", quant)["bits"] == 8
+    assert quant.get("lm_head", {"bits": 8})["bits"] == 8 and "lm_head" not in quant or not tied
+    assert 4 < info["bits_per_weight"] < (17 if qtype == "BF16" else 9) and info["dtype"] == "float16"
+    kept = mx.load(str(tmp_path / "q" / "model.safetensors"))
+    for name, exact in got.items():
+        if f"{name[:-7]}.scales" in kept:
+            q = quant.get(name[:-7]) or {"group_size": quant["group_size"], "bits": quant["bits"]}
+            w = mx.dequantize(kept[name], kept[f"{name[:-7]}.scales"], kept[f"{name[:-7]}.biases"], **q)
+            assert (mx.linalg.norm(w - exact) / mx.linalg.norm(exact)).item() < (0.01 if q["bits"] == 8 else 0.1)
+    quantized, _ = mlx_lm_load(str(tmp_path / "q"))
+    cache = make_prompt_cache(quantized)
+    logits = quantized(mx.array([[5, 17, 42, 99, 7]]), cache=cache)
+    assert logits.dtype == cache[0].keys.dtype == mx.float16 and mx.all(mx.isfinite(logits)).item()
 
 
 def test_byte_level_tokenizer_matches_its_vocabulary(llama_gguf, tmp_path):
@@ -135,8 +176,8 @@ def test_bad_gguf_files_one_line_nothing_written(llama_gguf, tmp_path):
     size = path.stat().st_size
     k_quant = tmp_path / "k.gguf"
     w = gguf.GGUFWriter(str(k_quant), "llama")
-    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 144), np.uint8),
-                 raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 40), np.uint8),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_1)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     foreign = tmp_path / "model.gguf"
     foreign.write_bytes(b"PK\x03\x04 not a gguf")
@@ -144,7 +185,7 @@ def test_bad_gguf_files_one_line_nothing_written(llama_gguf, tmp_path):
         "truncated": (cut(path, size // 2, tmp_path / "half.gguf"), "truncated or corrupt"),
         "header cut": (cut(path, 200, tmp_path / "head.gguf"), "truncated or corrupt"),
         "foreign": (foreign, "not a GGUF file"),
-        "K-quant": (k_quant, "'blk.0.attn_q.weight' is Q4_K, a GGUF type MLX cannot read"),
+        "Q8_1": (k_quant, "'blk.0.attn_q.weight' is Q8_1, a GGUF type the gguf package cannot read"),
         "architecture": (write_gguf(tmp_path / "arch.gguf", model, tokens, arch="gpt2", merges=merges),
                          "general.architecture 'gpt2' is not supported"),
         "pre-tokenizer": (write_gguf(tmp_path / "pre.gguf", model, tokens, merges=merges, pre="mystery"),
@@ -237,5 +278,5 @@ def test_gguf_target_with_a_drafter_converts_and_validates(llama_gguf, tmp_path)
     save_drafter(drafter, tmp_path / "drafter")
     result = convert(str(path), str(tmp_path / "drafter"), tmp_path / "pair", dtype="float32")
     assert {"target", "drafter", "dflash.json"} <= {p.name for p in (tmp_path / "pair").iterdir()}
-    assert result.manifest["target"]["method"] == "GGUF read by MLX"
+    assert result.manifest["target"]["method"] == "GGUF dequantized by the gguf package"
     assert all(c.ok is not False for c in result.checks) and len(result.checks) >= 5

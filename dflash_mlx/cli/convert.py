@@ -20,7 +20,9 @@ def convert(
     draft_model: Annotated[Optional[str], Option("--draft-model", help=(
         "Its DFlash drafter: a repo id or a local folder. Omit it to convert the target alone."))] = None,
     quantize: Annotated[bool, Option("--quantize", "-q", help="Quantize the target with mlx-lm.")] = False,
-    q_bits: Annotated[Optional[int], Option("--q-bits", help="Target bits per weight: 4 or 8 (default 4).")] = None,
+    q_bits: Annotated[Optional[int], Option("--q-bits", help=(
+        "Target bits per weight: 4 or 8 (default 4); for a GGUF file, the bits of tensors of types MLX does "
+        "not read (K-quants, Q5_0, ...), quantized again (8 for those of 6 bits or more)."))] = None,
     q_group_size: Annotated[Optional[int], Option("--q-group-size", help="32, 64 or 128 (default 64).")] = None,
     q_mode: Annotated[str, Option("--q-mode", help="affine, mxfp4, nvfp4 or mxfp8.")] = "affine",
     draft_q_bits: Annotated[Optional[int], Option("--draft-q-bits", help="Drafter bits: 4 or 8.")] = None,
@@ -60,8 +62,9 @@ def _run(validate, **kwargs) -> None:
 
     from dflash_mlx import ValidationError
     from dflash_mlx.pair.convert import check_options, convert as convert_pair
+    from dflash_mlx.pair.gguf import is_gguf
 
-    check_options(*(kwargs[k] for k in ("quantize", "q_bits", "q_group_size", "q_mode", "draft_q_bits",
+    check_options(kwargs["quantize"] or is_gguf(kwargs["model"]), *(kwargs[k] for k in ("q_bits", "q_group_size", "q_mode", "draft_q_bits",
                                         "draft_q_group_size", "dtype")))  # flags first, then the folders
     check_out_folder(kwargs["out"])
     console = Console(stderr=True)
@@ -81,6 +84,10 @@ def _run(validate, **kwargs) -> None:
         target = result.manifest["target"]
         quant = target["quantization"]
         kept = f"{quant['bits']}-bit (group {quant['group_size']})" if quant else target["dtype"]
+        if "gguf_types" in target:
+            types = ", ".join(f"{n} {kind}" for kind, n in target["gguf_types"].items())
+            again = f"; {target['requantized']} quantized again by MLX" if target["requantized"] else ""
+            console.print(f"read {types}{again}; {target['bits_per_weight']} bits per weight", soft_wrap=True)
         console.print(f"wrote {result.out}: an mlx-lm {target['model_type']} model, {kept}. "
                       f"Run: dflash generate --model {result.out} -p \"Hello\"", soft_wrap=True)
         return

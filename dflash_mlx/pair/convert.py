@@ -57,7 +57,8 @@ def convert(model: str, draft_model: Optional[str], out: str | Path, *, quantize
         model: a folder, a repo id (fetched into the Hugging Face cache) or a ``.gguf`` file (:mod:`.gguf`).
         draft_model: the drafter's folder or repo id, or None for the target alone.
         out: output folder; must not exist unless ``force`` (replaced once the new one is complete).
-        quantize, q_bits, q_group_size, q_mode: quantize the target with mlx-lm (not a GGUF file).
+        quantize, q_bits, q_group_size, q_mode: quantize the target with mlx-lm (not a GGUF file, whose
+            tensors of types MLX does not read are quantized again at ``q_bits`` and ``q_group_size``).
         draft_q_bits, draft_q_group_size: quantize the drafter (default: keep it float).
         dtype: float16, bfloat16 or float32 weights (default: as stored; dequantizes a GGUF file).
         validate_output: run :func:`validate` on a pair; ``progress``: called with each stage's name.
@@ -69,7 +70,7 @@ def convert(model: str, draft_model: Optional[str], out: str | Path, *, quantize
             MismatchError: the drafter does not fit the target. ValidationError: a check failed.
     """
     out = Path(out).expanduser()
-    check_options(quantize, q_bits, q_group_size, q_mode, draft_q_bits, draft_q_group_size, dtype)
+    check_options(quantize or is_gguf(model), q_bits, q_group_size, q_mode, draft_q_bits, draft_q_group_size, dtype)
     check_source_options(model, draft_model, quantize, draft_q_bits)
     check_out(out, force)
     check_replaceable(out)
@@ -137,7 +138,7 @@ def _write_target(src: Path, dst: Path, say: Progress, dtype: Optional[str], **q
     """The target written to ``dst`` in mlx-lm format: a GGUF file by :func:`convert_gguf`, a folder by
     mlx-lm's convert (:func:`write_target`); returns the manifest entry."""
     if is_gguf(src):
-        return convert_gguf(src, dst, dtype, say)
+        return convert_gguf(src, dst, dtype, say, quantization["q_bits"], quantization["q_group_size"])
     say("converting the target with mlx-lm")
     return write_target(src, dst, dtype=dtype, **quantization)
 
@@ -173,7 +174,7 @@ def check_replaceable(out: Path) -> None:
 def check_options(quantize: bool, q_bits: Optional[int], q_group_size: Optional[int], q_mode: str,
                   draft_q_bits: Optional[int], draft_q_group_size: int, dtype: Optional[str]) -> None:
     """InputError naming the flag of a value outside its choices, or a target quantization flag without
-    ``-q``."""
+    ``-q`` (``quantize``: true also for a GGUF file, quantized again where MLX does not read its types)."""
     for flag, value, choices in (("--q-bits", q_bits, Q_BITS), ("--q-group-size", q_group_size, Q_GROUP_SIZES),
                                  ("--q-mode", q_mode, Q_MODES), ("--draft-q-bits", draft_q_bits, Q_BITS),
                                  ("--draft-q-group-size", draft_q_group_size, Q_GROUP_SIZES),

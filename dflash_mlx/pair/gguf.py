@@ -1,10 +1,12 @@
 """A GGUF file (llama.cpp's format, as Ollama and LM Studio keep models) as an mlx-lm model folder:
 ``config.json``, ``model.safetensors`` and the tokenizer files (:mod:`.gguf_tokenizer`).
 
-MLX reads the tensors (``mx.load``): F32 and F16 as they are, Q4_0, Q4_1 and Q8_0 as MLX affine-quantized
-weights (group size 32, 4 or 8 bits) that stay quantized unless a dtype is asked for. BF16 is read here from
-the raw bytes (MLX would narrow it to float16). Every other type (K-quants, I-quants, ...) is refused:
-the ``gguf`` library's reader names each tensor's type before anything is loaded.
+A file of only the types MLX reads (``mx.load``: F32, F16, and Q4_0, Q4_1 and Q8_0 as MLX affine-quantized
+weights of group size 32) is read by MLX, BF16 from its raw bytes (MLX would narrow it to float16). Any other
+type (K-quants, Q5_0, I-quants: whatever the ``gguf`` package dequantizes) makes the whole file read by that
+package, tensor by tensor: each quantized tensor is dequantized and, unless a dtype is asked for, quantized
+again by MLX (``bits``, 8 for types of 6 bits or more, and ``group_size``). A folder kept quantized holds its
+float tensors in its scales' dtype (float16), so that it computes in half precision as mlx-lm's would.
 
 Architectures (``general.architecture``): ``llama`` (Q and K stored in the interleaved rotary order, read
 by mlx-lm's llama with ``rope_traditional``), ``qwen2`` and ``qwen3`` (rotary order as in Hugging Face)."""
@@ -20,7 +22,8 @@ import mlx.core as mx
 from ..errors import CheckpointError, ConfigError
 
 GROUP_SIZE = 32  # the block of every GGUF quantization MLX reads (Q4_0, Q4_1, Q8_0)
-READ_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+MLX_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")  # BF16 read here from the raw bytes
+WIDE_TYPES = ("Q6_K", "Q8_0", "Q8_1", "Q8_K")  # 6 bits or more: quantized again at 8 bits
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 # GGUF tensor names (llama.cpp's gguf-py tensor_mapping) -> mlx-lm module paths, per layer and outside.
@@ -39,12 +42,16 @@ def is_gguf(path: str | Path) -> bool:
     return str(path).lower().endswith(".gguf")
 
 
-def read_gguf(path: Path) -> Tuple[Dict[str, mx.array], dict]:
-    """The tensors (GGUF names; quantized ones as ``NAME.weight``/``.scales``/``.biases``) and the metadata.
+def read_gguf(path: Path, bits: int = 4, group_size: int = 64, keep_float: bool = False
+              ) -> Tuple[Dict[str, mx.array], dict, dict, Dict[str, dict]]:
+    """The tensors (GGUF names; quantized ones as ``NAME.weight``/``.scales``/``.biases``), the metadata
+    (Python values), a summary (``method``, ``gguf_types``: tensors per type, ``requantized``: tensors
+    quantized again) and per quantized module ``{"group_size", "bits"}``. ``keep_float``: every quantized
+    tensor dequantized by the package (float32, exactly as llama.cpp's reference), none quantized again.
 
     Raises:
-        CheckpointError: the file is missing, not GGUF, truncated, or holds a tensor type MLX does not read
-            (names the file, the tensor and the type).
+        CheckpointError: the file is missing, not GGUF, truncated, or holds a type the ``gguf`` package cannot
+            dequantize (names the file, the tensor and the type).
     """
     from gguf import GGUFReader
 
@@ -56,23 +63,50 @@ def read_gguf(path: Path) -> Tuple[Dict[str, mx.array], dict]:
         raise CheckpointError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     try:
         reader = GGUFReader(str(path))
+        metadata = {key: field.contents() for key, field in reader.fields.items()}
     except Exception as e:  # the reader raises ValueError, KeyError, ... on a cut file
         raise CheckpointError(f"{path}: truncated or corrupt GGUF file, an incomplete download? ({_reason(e)})"
                               ) from None
-    bf16 = {}
-    for tensor in reader.tensors:
-        kind = tensor.tensor_type.name
-        if kind not in READ_TYPES:
-            raise CheckpointError(f"{path}: tensor '{tensor.name}' is {kind}, a GGUF type MLX cannot read "
-                                  f"(readable: {', '.join(READ_TYPES)}); use a Q4_0, Q4_1, Q8_0, F16 or F32 file")
-        if kind == "BF16":
-            bf16[tensor.name] = mx.array(tensor.data.view("uint16")).view(mx.bfloat16)
+    kinds = [t.tensor_type.name for t in reader.tensors]
+    summary = {"method": "GGUF read by MLX", "gguf_types": {k: kinds.count(k) for k in sorted(set(kinds))},
+               "requantized": 0}
+    if not keep_float and all(kind in MLX_TYPES for kind in kinds):
+        try:
+            weights = mx.load(str(path))
+        except (RuntimeError, ValueError) as e:
+            raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({_reason(e)})") from None
+        weights.update({t.name: mx.array(t.data.view("uint16")).view(mx.bfloat16)
+                        for t in reader.tensors if t.tensor_type.name == "BF16"})
+        return weights, metadata, summary, {n[: -len(".scales")]: {"group_size": GROUP_SIZE, "bits": weights[
+            n.replace(".scales", ".weight")].shape[-1] * 32 // (v.shape[-1] * GROUP_SIZE)}
+            for n, v in weights.items() if n.endswith(".scales")}
+    weights, quant = {}, {}
+    for t in reader.tensors:
+        weights[t.name] = _dequantized(t, path)
+        if t.tensor_type.name not in ("F32", "F16", "BF16") and not keep_float and weights[t.name].ndim == 2:
+            module, b = t.name[: -len(".weight")], 8 if t.tensor_type.name in WIDE_TYPES else bits
+            w, scales, biases = mx.quantize(weights.pop(t.name).astype(mx.float16), group_size, b)
+            weights.update({t.name: w, f"{module}.scales": scales, f"{module}.biases": biases})
+            quant[module] = {"group_size": group_size, "bits": b}
+            mx.eval(w, scales, biases)  # one tensor's float copy at a time
+    summary.update(method="GGUF dequantized by the gguf package", requantized=len(quant))
+    return weights, metadata, summary, quant
+
+
+def _dequantized(tensor, path: Path) -> mx.array:
+    """One tensor of the ``gguf`` package's reader as float (BF16 and F16 as stored, the rest float32)."""
+    from gguf.quants import dequantize
+
+    kind = tensor.tensor_type.name
+    if kind == "BF16":
+        return mx.array(tensor.data.view("uint16")).view(mx.bfloat16)
     try:
-        weights, metadata = mx.load(str(path), return_metadata=True)
-    except (RuntimeError, ValueError) as e:
+        return mx.array(dequantize(tensor.data, tensor.tensor_type))
+    except NotImplementedError:
+        raise CheckpointError(f"{path}: tensor '{tensor.name}' is {kind}, a GGUF type the gguf package cannot "
+                              "read; use a file of another quantization (Q4_K_M, Q8_0, ...)") from None
+    except ValueError as e:
         raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({_reason(e)})") from None
-    weights.update(bf16)
-    return weights, metadata
 
 
 def _reason(e: Exception) -> str:
@@ -80,12 +114,12 @@ def _reason(e: Exception) -> str:
 
 
 def metadata_value(metadata: dict, key: str, source: Path, default=None, required: bool = False):
-    """``metadata[key]`` as Python values (``mx.load`` gives numbers as arrays), else ``default``;
-    ConfigError naming the file and the key when it is ``required`` and absent."""
+    """``metadata[key]``, else ``default``; ConfigError naming the file and the key when it is ``required``
+    and absent."""
     value = metadata.get(key, default)
     if required and value is None:
         raise ConfigError(f"{source}: missing GGUF metadata key '{key}'")
-    return value.tolist() if hasattr(value, "tolist") else value
+    return value
 
 
 def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) -> dict:
@@ -136,86 +170,82 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
     return config
 
 
-def mlx_lm_weights(weights: Dict[str, mx.array], source: Path) -> Dict[str, mx.array]:
-    """The tensors under mlx-lm's names (ConfigError naming a tensor it does not know)."""
-    renamed = {}
-    for name, value in weights.items():
-        base, _, suffix = name.rpartition(".")
-        parts = base.split(".")
-        if suffix in _SUFFIXES and len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-            renamed[f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"] = value
-        elif suffix in _SUFFIXES and base in _TOP_NAMES:
-            renamed[f"{_TOP_NAMES[base]}.{suffix}"] = value
-        else:
-            raise ConfigError(f"{source}: tensor '{name}' is not one of a {', '.join(ARCHITECTURES)} model's")
-    return renamed
+def mlx_lm_name(name: str, source: Path) -> str:
+    """mlx-lm's name of a GGUF tensor (``blk.0.attn_q.weight`` -> ``model.layers.0.self_attn.q_proj.weight``);
+    ConfigError naming a tensor it does not know."""
+    base, _, suffix = name.rpartition(".")
+    parts = base.split(".")
+    if suffix in _SUFFIXES and len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    if suffix in _SUFFIXES and base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{suffix}"
+    raise ConfigError(f"{source}: tensor '{name}' is not one of a {', '.join(ARCHITECTURES)} model's")
 
 
-def quantization(weights: Dict[str, mx.array]) -> Optional[dict]:
-    """mlx-lm's ``quantization`` entry for the quantized tensors (``{"group_size", "bits"}`` of the most common
-    width, plus a per-module entry for each module of another width), or None when nothing is quantized."""
-    bits = {name[:-len(".scales")]: weights[f"{name[:-len('.scales')]}.weight"].shape[-1] * 32
-            // (value.shape[-1] * GROUP_SIZE) for name, value in weights.items() if name.endswith(".scales")}
-    if not bits:
+def quantization(quant: Dict[str, dict]) -> Optional[dict]:
+    """mlx-lm's ``quantization`` entry for the quantized modules (the most common ``{"group_size", "bits"}``,
+    plus a per-module entry for each module quantized otherwise), or None when nothing is quantized."""
+    if not quant:
         return None
-    common = max(set(bits.values()), key=list(bits.values()).count)
-    entry: dict = {"group_size": GROUP_SIZE, "bits": common}
-    entry.update({module: {"group_size": GROUP_SIZE, "bits": b} for module, b in bits.items() if b != common})
-    return entry
+    kinds = [tuple(q.items()) for q in quant.values()]
+    common = dict(max(set(kinds), key=kinds.count))
+    return {**common, **{module: q for module, q in quant.items() if q != common}}
 
 
-def dequantized(weights: Dict[str, mx.array], config: dict, dtype: mx.Dtype) -> Dict[str, mx.array]:
+def dequantized(weights: Dict[str, mx.array], quant: Dict[str, dict], dtype: mx.Dtype) -> Dict[str, mx.array]:
     """Every tensor as ``dtype``: quantized modules dequantized (their ``.scales``/``.biases`` dropped)."""
-    quant = config.get("quantization") or {}
     out = {}
     for name, value in weights.items():
         module, _, suffix = name.rpartition(".")
-        if suffix in ("scales", "biases") and f"{module}.scales" in weights:
+        if suffix in ("scales", "biases") and module in quant:
             continue
-        if suffix == "weight" and f"{module}.scales" in weights:
-            bits = quant.get(module, quant)["bits"]
-            value = mx.dequantize(value, weights[f"{module}.scales"], weights[f"{module}.biases"], GROUP_SIZE, bits)
+        if suffix == "weight" and module in quant:
+            value = mx.dequantize(value, weights[f"{module}.scales"], weights[f"{module}.biases"], **quant[module])
         out[name] = value.astype(dtype)
     return out
 
 
-def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None,
-                 say: Callable[[str], None] = lambda _: None) -> dict:
+def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callable[[str], None] = lambda _: None,
+                 bits: Optional[int] = None, group_size: Optional[int] = None) -> dict:
     """Write the model in the GGUF file ``path`` as an mlx-lm folder ``dst`` (created; must not exist).
 
     Args:
         dtype: "float32", "float16" or "bfloat16" dequantizes every tensor to it; None keeps the file's
-            quantized tensors quantized and the float ones as stored.
+            quantized tensors quantized (types MLX does not read quantized again at ``bits``, default 4, and
+            ``group_size``, default 64: mlx-lm's defaults) and casts the float ones to the scales' float16.
 
     Returns:
-        the manifest entry: ``method``, ``model_type``, ``dtype``, ``quantization``.
+        the manifest entry: ``method``, ``model_type``, ``dtype``, ``quantization``, ``gguf_types`` (tensors
+        per GGUF type), ``requantized`` (tensors quantized again), ``bits_per_weight`` (of the matrices).
 
     Raises:
-        CheckpointError: a file that is not GGUF, truncated, or holds a type MLX cannot read.
+        CheckpointError: a file that is not GGUF, truncated, or holds a type the ``gguf`` package cannot read.
         ConfigError: an architecture, tokenizer or tensor not supported here.
     """
     say(f"reading {path.name}")
-    weights, metadata = read_gguf(path)
+    weights, metadata, summary, quant = read_gguf(path, bits or 4, group_size or 64, keep_float=dtype is not None)
     config = mlx_lm_config(weights, metadata, path)
     from .gguf_tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(metadata, path)
-    weights = mlx_lm_weights(weights, path)
-    quant = quantization(weights)
-    if quant is not None:
-        config["quantization"] = config["quantization_config"] = quant
+    weights = {mlx_lm_name(name, path): value for name, value in weights.items()}
+    quant = {mlx_lm_name(f"{module}.weight", path)[: -len(".weight")]: q for module, q in quant.items()}
     if dtype is not None:
-        weights = dequantized(weights, config, getattr(mx, dtype))
-        config.pop("quantization", None)
-        config.pop("quantization_config", None)
-    say(f"writing the mlx-lm folder ({'quantized as in the file' if dtype is None and quant else dtype or 'as stored'})")
+        weights = dequantized(weights, quant, getattr(mx, dtype))
+    elif quant:  # float tensors in the scales' float16, as mlx-lm's own quantized folders: it computes in it
+        weights = {n: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v for n, v in weights.items()}
+        config["quantization"] = config["quantization_config"] = quantization(quant)
+    say(f"writing the mlx-lm folder ({'quantized' if 'quantization' in config else dtype or 'as stored'})")
     dst.mkdir(parents=True)
     mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save_pretrained(str(dst))
-    floats = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating) and v.ndim == 2]
     from .loading import dtype_name
 
-    return {"method": "GGUF read by MLX", "model_type": config["model_type"],
-            "dtype": dtype or (dtype_name(floats[0]) if floats else "none"),
-            "quantization": config.get("quantization")}
+    matrices = [n for n, v in weights.items() if n.endswith(".weight") and v.ndim == 2]
+    floats = [weights[n].dtype for n in matrices if mx.issubdtype(weights[n].dtype, mx.floating)]
+    stored = sum(sum(weights[f"{n[:-7]}.{s}"].nbytes for s in ("weight", "scales", "biases")
+                     if f"{n[:-7]}.{s}" in weights) for n in matrices)
+    params = sum(weights[n].size * (32 // quant[n[:-7]]["bits"] if n[:-7] in quant else 1) for n in matrices)
+    return {**summary, "model_type": config["model_type"], "dtype": dtype or dtype_name(floats[0] if floats else mx.float16),
+            "quantization": config.get("quantization"), "bits_per_weight": round(8 * stored / max(params, 1), 2)}
