@@ -50,9 +50,7 @@ class BatchPrefix:
     def stops(self, start: int, prompt_len: int, step: int) -> List[int]:
         """Row counts where a prompt prefilled from ``start`` in chunks of ``step`` stores states (none where
         caches trim anywhere)."""
-        if not self.at_boundaries:
-            return []
-        return boundaries(start, prompt_len, boundary_interval(step))
+        return boundaries(start, prompt_len, boundary_interval(step)) if self.at_boundaries else []
 
     def key(self) -> Tuple[dict, str]:
         """``(key dict, key id)`` of the pair (computed once: it hashes the weights)."""

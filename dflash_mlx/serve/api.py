@@ -68,9 +68,7 @@ class ChatMessage(BaseModel):
     tool_calls: Optional[List[ToolCallIn]] = Field(None, max_length=MAX_TOOLS)
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
+        return "".join(p.text for p in self.content) if isinstance(self.content, list) else self.content or ""
 
     def for_template(self) -> Dict[str, Any]:
         out = {**self.model_dump(exclude_none=True), "content": self.text()}

@@ -73,9 +73,7 @@ class GuardMiddleware:
                 return APIError(401, f"{what}: send the server's --api-key as 'Authorization: Bearer KEY'",
                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            return too_large(self.max_body_bytes)
-        return None
+        return too_large(self.max_body_bytes) if length.isdigit() and int(length) > self.max_body_bytes else None
 
 
 def check_template_kwargs(kwargs: Optional[Dict[str, Any]], allow_templates: bool) -> None:

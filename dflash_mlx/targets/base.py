@@ -72,9 +72,7 @@ class TargetAdapter(TreeVerify):
 
     def lm_head(self, h: mx.array) -> mx.array:
         """[1, L, H] normed hidden -> [1, L, V] logits; tied or untied, quantized or not."""
-        if hasattr(self.text, "lm_head"):
-            return self.text.lm_head(h)
-        return self.inner.embed_tokens.as_linear(h)
+        return self.text.lm_head(h) if hasattr(self.text, "lm_head") else self.inner.embed_tokens.as_linear(h)
 
     def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
         """One attention mask per layer (all causal here)."""
