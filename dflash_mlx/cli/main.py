@@ -99,8 +99,7 @@ COMMAND = "dflash"
 
 
 def _provides_package(dist: md.Distribution) -> bool:
-    top = dist.read_text("top_level.txt")
-    if top is not None:
+    if (top := dist.read_text("top_level.txt")) is not None:
         return PACKAGE in top.split()
     record = dist.read_text("RECORD")  # read as text: dist.files makes a path of each of its lines
     if record is not None:

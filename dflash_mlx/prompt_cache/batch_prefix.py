@@ -82,7 +82,6 @@ class BatchPrefix:
 
     def keep(self, tokens: Sequence[int], cache: List[Any], draft_cache: Optional[List[Any]]) -> None:
         """Store an entry of ``tokens`` from solo caches of ``len(tokens)`` rows (nothing for another count)."""
-        snap = take_snapshot(tokens, cache, draft_cache)
-        if snap is not None:
+        if (snap := take_snapshot(tokens, cache, draft_cache)) is not None:
             key, kid = self.key()
             self.store.put(kid, snap, key)
