@@ -20,8 +20,7 @@ def main(args: Optional[List[str]] = None) -> None:
     try:
         keep_interrupts()
         protect()  # closed stdin/stdout: /dev/null on the descriptor, a named error on use
-        line = warning(conflicts())
-        if line:
+        if line := warning(conflicts()):
             print(line, file=sys.stderr)
         code = _run(args)
     except KeyboardInterrupt:  # before the app runs (typer turns later ones into Exit(130))
