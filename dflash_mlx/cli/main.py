@@ -20,8 +20,7 @@ def main(args: Optional[List[str]] = None) -> None:
     try:
         keep_interrupts()
         protect()  # closed stdin/stdout: /dev/null on the descriptor, a named error on use
-        line = warning(conflicts())
-        if line:
+        if line := warning(conflicts()):
             print(line, file=sys.stderr)
         code = _run(args)
     except KeyboardInterrupt:  # before the app runs (typer turns later ones into Exit(130))
@@ -99,8 +98,7 @@ COMMAND = "dflash"
 
 
 def _provides_package(dist: md.Distribution) -> bool:
-    top = dist.read_text("top_level.txt")
-    if top is not None:
+    if (top := dist.read_text("top_level.txt")) is not None:
         return PACKAGE in top.split()
     record = dist.read_text("RECORD")  # read as text: dist.files makes a path of each of its lines
     if record is not None:

@@ -47,8 +47,7 @@ class StopCondition:
             if tok in self.stop_ids:
                 kept, reason = kept[:i], "stop"
                 break
-        end = self._stop_string_end(kept)
-        if end is not None:
+        if (end := self._stop_string_end(kept)) is not None:
             kept, reason = kept[:end], "stop"
         if reason is None and len(kept) >= self.budget:
             reason = "length"
@@ -59,14 +58,9 @@ class StopCondition:
 
     def _stop_string_end(self, tokens: List[int]) -> Optional[int]:
         """Tokens to keep so the run ends with the first completed stop string."""
-        if not self.stop_strings or not tokens:
+        if not self.stop_strings or not tokens or not self._contains_stop(self._tail + tokens):
             return None
-        if not self._contains_stop(self._tail + tokens):
-            return None
-        for i in range(1, len(tokens) + 1):
-            if self._contains_stop(self._tail + tokens[:i]):
-                return i
-        return None  # unreachable: the whole run contains a stop
+        return next(i for i in range(1, len(tokens) + 1) if self._contains_stop(self._tail + tokens[:i]))
 
     def _contains_stop(self, ids: List[int]) -> bool:
         text = self.decode(ids)
@@ -118,10 +112,8 @@ class TextStream:
         cut = text_before_stop(self.text[self.shown:], self.stop_strings)
         if cut is not None:
             end, self.stopped = self.shown + cut, True
-        elif final:
-            end = len(self.text)
         else:
-            end = len(self.text) - held_back(self.text, self.stop_strings)
+            end = len(self.text) - (0 if final else held_back(self.text, self.stop_strings))
         segment = self.text[self.shown:max(end, self.shown)]
         self.shown += len(segment)
         return segment

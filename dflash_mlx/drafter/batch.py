@@ -20,9 +20,7 @@ def batch_drafting_refusal(drafter: Any) -> Optional[str]:
         return f"{args.architecture}: block convolutions or a candidate selector"
     if any(args.is_sliding(i) or args.is_causal_layer(i) for i in range(args.num_hidden_layers)):
         return "sliding-window or causal drafter layers"
-    if drafter.draft_window is not None:
-        return "a draft window (--draft-window)"
-    return None
+    return "a draft window (--draft-window)" if drafter.draft_window is not None else None
 
 
 class BatchDrafts:

@@ -91,8 +91,7 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
     weights = {fmt.checkpoint_key(k): v for k, v in tree_flatten(model.parameters())}
     floats = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
     config = model.args.to_config(dtype=str(floats[0]).replace("mlx.core.", ""))
-    quantized = [m for m in model.modules() if isinstance(m, nn.QuantizedLinear)]
-    if quantized:
+    if quantized := [m for m in model.modules() if isinstance(m, nn.QuantizedLinear)]:
         config["quantization"] = {"group_size": quantized[0].group_size, "bits": quantized[0].bits,
                                   "mode": quantized[0].mode}
     with atomic_file(out / "model.safetensors") as tmp:

@@ -35,9 +35,7 @@ Attend = Callable[["DrafterAttention", mx.array, KV, KV], mx.array]
 
 def rope_at(rope: nn.Module, x: mx.array, at: At) -> mx.array:
     """``rope`` applied to x [N, heads, L, hd] whose first row sits at ``at``."""
-    if isinstance(at, tuple):
-        return rotate(x, *at, rope.traditional)
-    return rope(x, offset=at)
+    return rotate(x, *at, rope.traditional) if isinstance(at, tuple) else rope(x, offset=at)
 
 
 def masked_attention(queries: mx.array, ctx: KV, block: KV, visible: mx.array, scale: float,

@@ -76,8 +76,7 @@ def block_attention_reference(queries: mx.array, ctx_keys: mx.array, ctx_values:
     keys = mx.concatenate([_f32(ctx_keys), _f32(block_keys)], axis=2)
     values = mx.concatenate([_f32(ctx_values), _f32(block_values)], axis=2)
     scores = q @ keys.swapaxes(-1, -2)  # [batch, n_kv, group * B, C + B]
-    visible = _visible(block, n_ctx, delta, window, causal)
-    if visible is not None:
+    if (visible := _visible(block, n_ctx, delta, window, causal)) is not None:
         scores = mx.where(mx.tile(visible, (group, 1)), scores, -mx.inf)
     out = softmax_any_shape(scores) @ values
     return out.reshape(batch, n_heads, block, head_dim).astype(queries.dtype)

@@ -92,24 +92,18 @@ def exp(x: mx.array) -> mx.array:
 
 def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis (float32 on the CPU path; other dtypes use ``mx.softmax``)."""
-    if use_fast_exp() and x.dtype == mx.float32:
-        return _fast_softmax(x)
-    return mx.softmax(x, axis=-1)
+    return _fast_softmax(x) if use_fast_exp() and x.dtype == mx.float32 else mx.softmax(x, axis=-1)
 
 
 def softmax_any_shape(x: mx.array) -> mx.array:
     """:func:`softmax` without a compiled trace (no gradient), for inputs whose shape changes
     at every call (attention over a growing cache)."""
-    if use_fast_exp() and x.dtype == mx.float32:
-        return _softmax_eager(x)
-    return mx.softmax(x, axis=-1)
+    return _softmax_eager(x) if use_fast_exp() and x.dtype == mx.float32 else mx.softmax(x, axis=-1)
 
 
 def logsumexp(x: mx.array) -> mx.array:
     """``log(sum(exp(x)))`` over the last axis, which it drops."""
-    if use_fast_exp() and x.dtype == mx.float32:
-        return _fast_logsumexp(x)
-    return mx.logsumexp(x, axis=-1)
+    return _fast_logsumexp(x) if use_fast_exp() and x.dtype == mx.float32 else mx.logsumexp(x, axis=-1)
 
 
 def log_softmax(x: mx.array) -> mx.array:

@@ -156,8 +156,7 @@ def check_source_options(model: str, draft_model: Optional[str], quantize: bool,
 def _validated(out: Path, tmp: Path, reference: SourceRun, draft_src: Path) -> List[Check]:
     """The checks of the staged folder ``tmp``; ValidationError naming those that failed."""
     checks = validate(tmp, reference, draft_src)
-    failed = [c.name for c in checks if c.ok is False]
-    if failed:
+    if failed := [c.name for c in checks if c.ok is False]:
         raise ValidationError(f"{out}: the converted pair failed {', '.join(failed)}; nothing was written", checks)
     return checks
 

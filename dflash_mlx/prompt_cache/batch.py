@@ -108,9 +108,7 @@ def to_batch(cache: Sequence[Any]) -> List[Any]:
 def _batch_layer(c: Any) -> Any:
     if isinstance(c, GatedDeltaCache):
         return BatchGatedDeltaCache(c)
-    if isinstance(c, WindowKVCache):
-        return BatchWindowKVCache.from_solo(c)
-    return BatchKVCache.merge([c])
+    return BatchWindowKVCache.from_solo(c) if isinstance(c, WindowKVCache) else BatchKVCache.merge([c])
 
 
 def extend(batch: Optional[List[BatchKVCache]], cache: Sequence[KVCache]) -> List[BatchKVCache]:

@@ -50,9 +50,7 @@ class BatchPrefix:
     def stops(self, start: int, prompt_len: int, step: int) -> List[int]:
         """Row counts where a prompt prefilled from ``start`` in chunks of ``step`` stores states (none where
         caches trim anywhere)."""
-        if not self.at_boundaries:
-            return []
-        return boundaries(start, prompt_len, boundary_interval(step))
+        return boundaries(start, prompt_len, boundary_interval(step)) if self.at_boundaries else []
 
     def key(self) -> Tuple[dict, str]:
         """``(key dict, key id)`` of the pair (computed once: it hashes the weights)."""
@@ -84,7 +82,6 @@ class BatchPrefix:
 
     def keep(self, tokens: Sequence[int], cache: List[Any], draft_cache: Optional[List[Any]]) -> None:
         """Store an entry of ``tokens`` from solo caches of ``len(tokens)`` rows (nothing for another count)."""
-        snap = take_snapshot(tokens, cache, draft_cache)
-        if snap is not None:
+        if (snap := take_snapshot(tokens, cache, draft_cache)) is not None:
             key, kid = self.key()
             self.store.put(kid, snap, key)

@@ -25,8 +25,7 @@ def weights_hash(module: Any) -> str:
 
 
 def _identity(model: Any) -> str:
-    fingerprint = getattr(model, "fingerprint", None)
-    if fingerprint:
+    if fingerprint := getattr(model, "fingerprint", None):
         return str(fingerprint)
     inner = getattr(model, "model", model)  # a target adapter wraps the mlx-lm model
     return "weights:" + weights_hash(inner)

@@ -8,8 +8,7 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 
 from mlx_lm.models.cache import KVCache
 
-from .trim import can_trim
-from ..errors import RollbackError
+from .trim import can_trim, trim_layers
 from .entry import Snapshot, restore_or_warn, take_snapshot
 from .key import key_id, pair_key
 from .resume import boundaries, boundary_interval, prefill_to, trims_anywhere
@@ -32,12 +31,11 @@ def trim_cache(cache: List[Any], rows: int) -> bool:
     Raises:
         RollbackError: a layer trimmed another count than asked (a cache bug).
     """
-    if not all(can_trim(c, c.offset - rows) for c in cache):
+    counts = [c.offset - rows for c in cache]
+    if not all(map(can_trim, cache, counts)):
         return False
-    for i, c in enumerate(cache):
-        n = c.offset - rows
-        if n and c.trim(n) != n:
-            raise RollbackError(f"layer {i}: {type(c).__name__} did not trim {n} rows")
+    trim_layers(cache, counts)
+    for c in cache:
         _heal(c)
     return True
 

@@ -94,8 +94,7 @@ class PrefixStore:
         for name, (rows, _, index) in reversed(order):
             if rows <= 0:
                 return None
-            snap = self._get(kid, name, index)
-            if snap is not None:
+            if (snap := self._get(kid, name, index)) is not None:
                 return snap, rows
         return None
 
@@ -211,8 +210,7 @@ class PrefixStore:
         self._clock = max(time.time_ns(), self._clock + 1)
         try:
             os.utime(side, ns=(self._clock, self._clock))
-            cached = self._index.get(side)
-            if cached is not None:
+            if (cached := self._index.get(side)) is not None:
                 self._index[side] = (side.stat().st_mtime_ns, cached[1])
         except OSError:
             pass

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable, Optional, Sequence
+
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from ..errors import RollbackError
 from .drafter_context import ContextWindowCache
 from .gated_delta import GatedDeltaCache
 from .window import RowCache, WindowKVCache
@@ -16,3 +19,21 @@ def can_trim(c: object, n: int) -> bool:
     if isinstance(c, (RowCache, GatedDeltaCache)):
         return c.can_trim(n)
     return isinstance(c, EXACT_TRIM) and 0 <= n <= c.offset
+
+
+def trim_layers(cache: Sequence[Any], counts: Sequence[int], who: str = "layer",
+                trim: Optional[Callable[[Any, int], int]] = None) -> None:
+    """Layer i of ``cache`` removes its last ``counts[i]`` rows with ``trim(c, n)`` (default ``c.trim(n)``; both
+    return the rows removed), or, every layer checked first (:func:`can_trim`), none does.
+
+    Raises:
+        RollbackError: names the first layer (``who`` i) that cannot, or one that removed another count.
+    """
+    for i, (c, n) in enumerate(zip(cache, counts)):
+        if not can_trim(c, n):
+            raise RollbackError(f"{who} {i}: {type(c).__name__} cannot remove its last {n} rows exactly "
+                                "(rows it needs were dropped or it is not trimmable)")
+    for i, (c, n) in enumerate(zip(cache, counts)):
+        removed = trim(c, n) if trim is not None else c.trim(n)
+        if removed != n:
+            raise RollbackError(f"{who} {i}: {type(c).__name__} trimmed {removed} of {n} rows")

@@ -48,8 +48,7 @@ def first_bad_string(value: Any, path: str = "") -> Optional[str]:
     for k, v in items:
         if isinstance(k, str) and first_bad_string(k) is not None:
             return path or "body"
-        bad = first_bad_string(v, f"{path}.{k}" if path else str(k))
-        if bad is not None:
+        if (bad := first_bad_string(v, f"{path}.{k}" if path else str(k))) is not None:
             return bad
     return None
 
@@ -68,9 +67,7 @@ class ChatMessage(BaseModel):
     tool_calls: Optional[List[ToolCallIn]] = Field(None, max_length=MAX_TOOLS)
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
+        return "".join(p.text for p in self.content) if isinstance(self.content, list) else self.content or ""
 
     def for_template(self) -> Dict[str, Any]:
         out = {**self.model_dump(exclude_none=True), "content": self.text()}
@@ -108,8 +105,7 @@ class GenerationFields(BaseModel):
     def _refuse_what_cannot_be_served(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data  # pydantic says "must be an object"
-        bad = first_bad_string(data)
-        if bad is not None:
+        if (bad := first_bad_string(data)) is not None:
             raise request_error(bad, "not valid Unicode (a lone surrogate such as \\ud800)")
         for name, defaults in UNSUPPORTED.items():
             value = data.get(name)  # compared with its type: True is not taken for 1 nor 0 for False
@@ -140,8 +136,7 @@ class ChatCompletionRequest(GenerationFields):
     @model_validator(mode="before")
     @classmethod
     def _function_tools_only(cls, data: Any) -> Any:
-        bad = other_tool_type(data)
-        if bad is not None:
+        if (bad := other_tool_type(data)) is not None:
             raise request_error(*bad)
         return data
 
@@ -154,11 +149,9 @@ class ChatCompletionRequest(GenerationFields):
             if m.role == "tool" and not (isinstance(call_id, str) and call_id):
                 raise request_error(f"messages.{i}.tool_call_id", "a tool message needs tool_call_id, a "
                                     "non-empty string: the id of the assistant's tool call it answers")
-            bad = arguments_problem(m.tool_calls or [])
-            if bad is not None:
+            if (bad := arguments_problem(m.tool_calls or [])) is not None:
                 raise request_error(f"messages.{i}.{bad[0]}", bad[1])
-        bad = tool_problem(self.tools, self.tool_choice)
-        if bad is not None:
+        if (bad := tool_problem(self.tools, self.tool_choice)) is not None:
             raise request_error(*bad)
         return self
 

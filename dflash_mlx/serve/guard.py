@@ -35,8 +35,7 @@ class GuardMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            err = self._check(Headers(scope=scope), scope["path"])
-            if err is not None:
+            if (err := self._check(Headers(scope=scope), scope["path"])) is not None:
                 return await err.response()(scope, receive, send)
             receive = self._counted(receive)
         await self.app(scope, receive, send)
@@ -53,10 +52,7 @@ class GuardMiddleware:
                     raise StarletteHTTPException(408) from None
             else:
                 message = await receive()
-            if message["type"] == "http.request":
-                more = message.get("more_body", False)
-            else:
-                more = False
+            more = message["type"] == "http.request" and message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.max_body_bytes:
                 raise StarletteHTTPException(413)  # FastAPI passes it on to our handler
@@ -73,9 +69,7 @@ class GuardMiddleware:
                 return APIError(401, f"{what}: send the server's --api-key as 'Authorization: Bearer KEY'",
                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            return too_large(self.max_body_bytes)
-        return None
+        return too_large(self.max_body_bytes) if length.isdigit() and int(length) > self.max_body_bytes else None
 
 
 def check_template_kwargs(kwargs: Optional[Dict[str, Any]], allow_templates: bool) -> None:

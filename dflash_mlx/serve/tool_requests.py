@@ -59,9 +59,7 @@ def depth(value: Any) -> int:
     """Nesting depth of lists and dicts in ``value`` (a scalar: 0)."""
     if isinstance(value, dict):
         return 1 + max((depth(v) for v in value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max((depth(v) for v in value), default=0)
-    return 0
+    return 1 + max((depth(v) for v in value), default=0) if isinstance(value, list) else 0
 
 
 def count_chars(value: Any) -> int:
@@ -70,9 +68,7 @@ def count_chars(value: Any) -> int:
         return len(value)
     if isinstance(value, dict):
         return sum(len(str(k)) + count_chars(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return sum(count_chars(v) for v in value)
-    return 0
+    return sum(count_chars(v) for v in value) if isinstance(value, (list, tuple)) else 0
 
 
 def other_tool_type(data: Any) -> Optional[tuple]:

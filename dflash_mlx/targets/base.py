@@ -11,7 +11,7 @@ import numpy as np
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from ..prompt_cache.gated_delta import GatedDeltaCache
-from ..prompt_cache.trim import EXACT_TRIM, can_trim
+from ..prompt_cache.trim import EXACT_TRIM, trim_layers
 from ..prompt_cache.window import WindowKVCache
 from ..errors import MismatchError, RollbackError
 from .fused import attention_mask
@@ -72,9 +72,7 @@ class TargetAdapter(TreeVerify):
 
     def lm_head(self, h: mx.array) -> mx.array:
         """[1, L, H] normed hidden -> [1, L, V] logits; tied or untied, quantized or not."""
-        if hasattr(self.text, "lm_head"):
-            return self.text.lm_head(h)
-        return self.inner.embed_tokens.as_linear(h)
+        return self.text.lm_head(h) if hasattr(self.text, "lm_head") else self.inner.embed_tokens.as_linear(h)
 
     def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
         """One attention mask per layer (all causal here)."""
@@ -230,17 +228,5 @@ class TargetAdapter(TreeVerify):
         Raises:
             RollbackError: a layer cannot remove that many rows exactly.
         """
-        if num_tokens <= 0:
-            return
-        for i, c in enumerate(cache):
-            if not can_trim(c, num_tokens):
-                raise RollbackError(
-                    f"target layer {i}: {type(c).__name__} cannot remove its last {num_tokens} "
-                    "rows exactly (rows it needs were dropped or it is not trimmable)"
-                )
-        for i, c in enumerate(cache):
-            trimmed = c.trim(num_tokens)
-            if trimmed != num_tokens:
-                raise RollbackError(
-                    f"target layer {i}: {type(c).__name__} trimmed {trimmed} of {num_tokens} rows"
-                )
+        if num_tokens > 0:
+            trim_layers(cache, [num_tokens] * len(cache), "target layer")

@@ -75,8 +75,7 @@ class _Tables:
             rows = self._per_forward(tokens, offset.reshape(-1))
             self.last = (tokens, offset, rows)
             return rows
-        hit = self.recent.get((tokens, offset))
-        if hit is not None:
+        if (hit := self.recent.get((tokens, offset))) is not None:
             return hit
         if len(self.recent) >= 4:
             self.recent.clear()
@@ -163,8 +162,7 @@ def fuse_layers(model: nn.Module) -> int:
     swaps = {nn.RMSNorm: FusedRMSNorm, nn.RoPE: FusedRoPE}
     count = 0
     for module in model.modules():
-        fused = swaps.get(type(module))
-        if fused is not None:
+        if (fused := swaps.get(type(module))) is not None:
             module.__class__ = fused
             count += 1
     return count

@@ -24,9 +24,7 @@ class Gemma3TextAdapter(TargetAdapter):
         return [full if i % pattern == pattern - 1 else window for i in range(self.num_layers)]
 
     def lm_head(self, h: mx.array) -> mx.array:
-        if self.text.tie_word_embeddings:
-            return self.inner.embed_tokens.as_linear(h)
-        return self.text.lm_head(h)
+        return self.inner.embed_tokens.as_linear(h) if self.text.tie_word_embeddings else self.text.lm_head(h)
 
 
 MODEL_TYPES = {"gemma3_text": Gemma3TextAdapter, "gemma3": Gemma3TextAdapter}

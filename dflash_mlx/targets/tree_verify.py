@@ -25,7 +25,7 @@ import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from ..prompt_cache.trim import can_trim
+from ..prompt_cache.trim import trim_layers
 from ..prompt_cache.window import WindowKVCache
 from ..errors import InputError, RollbackError
 
@@ -126,11 +126,8 @@ class TreeVerify:
         Raises:
             RollbackError: a layer cannot drop the rows exactly.
         """
-        dropped = new_rows - len(keep)
         for i, c in enumerate(cache):
-            if not can_trim(c, dropped) or not isinstance(c, (KVCache, WindowKVCache)):
+            if not isinstance(c, (KVCache, WindowKVCache)):
                 raise RollbackError(f"target layer {i}: {type(c).__name__} cannot keep only the accepted path")
-        for i, c in enumerate(cache):
-            trimmed = compact_rows(c, new_rows, keep)
-            if trimmed != dropped:
-                raise RollbackError(f"target layer {i}: {type(c).__name__} dropped {trimmed} of {dropped} rows")
+        trim_layers(cache, [new_rows - len(keep)] * len(cache), "target layer",
+                    lambda c, n: compact_rows(c, new_rows, keep))
