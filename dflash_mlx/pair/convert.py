@@ -57,8 +57,7 @@ def convert(model: str, draft_model: Optional[str], out: str | Path, *, quantize
         model: a folder, a repo id (fetched into the Hugging Face cache) or a ``.gguf`` file (:mod:`.gguf`).
         draft_model: the drafter's folder or repo id, or None for the target alone.
         out: output folder; must not exist unless ``force`` (replaced once the new one is complete).
-        quantize, q_bits, q_group_size, q_mode: quantize the target with mlx-lm (not a GGUF file, whose
-            tensors of types MLX does not read are quantized again at ``q_bits`` and ``q_group_size``).
+        quantize, q_bits, q_group_size, q_mode: quantize the target with mlx-lm (a GGUF file: q_bits, q_group_size).
         draft_q_bits, draft_q_group_size: quantize the drafter (default: keep it float).
         dtype: float16, bfloat16 or float32 weights (default: as stored; dequantizes a GGUF file).
         validate_output: run :func:`validate` on a pair; ``progress``: called with each stage's name.

@@ -190,10 +190,12 @@ def token_digest(sequences: Iterable[Sequence[int]], prefix: bytes = b"") -> str
 
 
 def generate_batched(target, prompts: List[List[int]], budgets: List[int], stop_ids: Sequence[int],
-                    batch_size: int, sampler=None, capture: Optional[List[int]] = None) -> List[tuple]:
+                    batch_size: int, sampler=None, capture: Optional[List[int]] = None,
+                    finished: Callable[[], None] = lambda: None) -> List[tuple]:
     """``(response tokens, features)`` per prompt: up to ``batch_size`` decode together in plain steps, one
-    joining as another finishes; ``sampler`` None is greedy; features [1, P + n - 1, K*H] of the ``capture``
-    layers over the prompt and the response but its last token (what the target computes anyway), or None."""
+    joining as another finishes (``finished()`` called then); ``sampler`` None is greedy; features
+    [1, P + n - 1, K*H] of the ``capture`` layers over the prompt and the response but its last token (what
+    the target computes anyway), or None."""
     from ..decode.batch import BatchDecoder
     from ..decode.stopping import StopCondition
 
@@ -208,6 +210,7 @@ def generate_batched(target, prompts: List[List[int]], budgets: List[int], stop_
         out[key.index][0] += result.tokens
         if result.finish_reason is not None:
             out[key.index][1] = result.features
+            finished()
 
     while waiting or decoder.sequences:
         while waiting and len(decoder) < batch_size:
@@ -232,7 +235,7 @@ def regenerate(target, tokenizer, prompts: List[List[int]], out_dir: str | Path,
     """Responses the target (an adapter) generates for ``prompts`` (at ``temp``; at most ``max_tokens``, and
     ``max_length`` with the prompt) into ``out_dir``, ``shard_size`` prompts per shard; finished shards
     are kept on resume. ``end_tokens``: per prompt, the id appended to a finished response (default
-    :func:`response_end_token`); ``progress(done, total)`` after each shard; with ``capture`` (target layer
+    :func:`response_end_token`); ``progress(done, total)`` as each response and each shard is done; with ``capture`` (target layer
     ids), ``keep_features(sequence tokens, features)`` for every sequence of a shard before it is written.
 
     Raises:
@@ -258,8 +261,10 @@ def regenerate(target, tokenizer, prompts: List[List[int]], out_dir: str | Path,
             chunk = prompts[start:start + shard_size]
             budgets = [min(max_tokens, max_length - len(p)) for p in chunk]
             order = sorted(range(len(chunk)), key=lambda j: len(chunk[j]))  # shortest first: similar lengths
+            done = iter(range(start + 1, start + len(chunk) + 1))
             made = generate_batched(target, [chunk[j] for j in order], [budgets[j] for j in order],
-                                   tokenizer.eos_token_ids, batch_size, sampler, capture)
+                                   tokenizer.eos_token_ids, batch_size, sampler, capture,
+                                   lambda: progress and progress(next(done), len(prompts)))
             generated: List[tuple] = [None] * len(chunk)
             for j, result in zip(order, made):
                 generated[j] = result
