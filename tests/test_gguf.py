@@ -221,6 +221,44 @@ def test_convert_cli_target_alone(llama_gguf, tmp_path):
         assert r.returncode == 1 and flag in r.stderr and not (tmp_path / "x").exists()
 
 
+def test_generate_takes_a_gguf_file_or_an_ollama_name_and_converts_once(llama_gguf, tmp_path):
+    """`--model FILE.GGUF` (any case) converts once into the cache and reuses it after (a cache that cannot
+    be written: a warning, converted for the run); `ollama:NAME:TAG` finds the GGUF blob through a store's
+    manifest (OLLAMA_MODELS), same text; a missing model, a folder named .gguf and a missing file are one
+    line each, exit 1."""
+    import hashlib
+    import os
+    import shutil
+
+    _, path = llama_gguf
+    upper = shutil.copy(path, tmp_path / "Tiny.GGUF")
+    store = tmp_path / "ollama"
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    (store / "blobs").mkdir(parents=True)
+    shutil.copy(path, store / "blobs" / f"sha256-{digest}")
+    manifest = store / "manifests" / "registry.ollama.ai" / "library" / "tiny" / "q4"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"layers": [
+        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "0" * 64},
+        {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}"}]}))
+    env = {**os.environ, "DFLASH_CACHE_DIR": str(tmp_path / "cache"), "OLLAMA_MODELS": str(store)}
+    runs = [dflash("generate", "--model", model, "-p", "hello", "-m", "12", "--quiet", env=env, text=True)
+            for model in (str(upper), str(upper), "ollama:tiny:q4")]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    assert "converting once into" in runs[0].stderr and "converted earlier into" in runs[1].stderr
+    assert "converting once into" in runs[2].stderr and runs[0].stdout == runs[1].stdout == runs[2].stdout
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 2
+    (tmp_path / "a-file").write_text("not a folder")  # a cache that cannot be written: this run only
+    r = dflash("generate", "--model", str(upper), "-p", "hello", "-m", "12", "--quiet", text=True,
+               env={**env, "DFLASH_CACHE_DIR": str(tmp_path / "a-file")})
+    assert r.returncode == 0 and r.stdout == runs[0].stdout and "warning: cannot keep the conversion" in r.stderr
+    (tmp_path / "dir.gguf").mkdir()
+    for model, reason in (("ollama:absent", "`ollama pull absent` first"), (str(tmp_path / "dir.gguf"), "a folder"),
+                          (str(tmp_path / "gone.gguf"), "GGUF file not found")):
+        r = dflash("generate", "--model", model, "-p", "hello", env=env, text=True)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and reason in r.stderr, r.stderr
+
+
 def test_force_replaces_a_converted_model_folder_and_nobody_elses(llama_gguf, tmp_path):
     """--force replaces a folder an earlier convert wrote, but not a model folder of someone else's (a
     config.json, as every Hugging Face download has, and the user's own notes): refused, nothing lost."""

@@ -11,9 +11,10 @@ float tensors in its scales' dtype (float16), so that it computes in half precis
 Architectures (``general.architecture``): ``llama`` (Q and K stored in the interleaved rotary order, read
 by mlx-lm's llama with ``rope_traditional``), ``qwen2`` and ``qwen3`` (rotary order as in Hugging Face)."""
 
-from __future__ import annotations
-
 import json
+import os
+import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Dict, Optional, Tuple
 
@@ -40,6 +41,58 @@ _SUFFIXES = ("weight", "bias", "scales", "biases")
 def is_gguf(path: str | Path) -> bool:
     """True for a path to a file whose name ends in ``.gguf`` (what ``--model`` treats as a GGUF file)."""
     return str(path).lower().endswith(".gguf")
+
+
+def gguf_folder(model: str) -> Optional[Path]:
+    """The mlx-lm folder of a ``.gguf`` file (any case) or an Ollama model (``ollama:NAME[:TAG]``), converted
+    once (kept quantized) into ``CACHE/gguf/NAME-DIGEST`` and reused after, a line on stderr saying which (where
+    the cache cannot be written: a warning and a temporary folder); None for any other ``model``.
+
+    Raises:
+        CheckpointError: a missing file or Ollama model, a folder named ``.gguf``, a bad file (:func:`read_gguf`).
+    """
+    from ..atomic import staging
+    from ..owned import cache_root
+    from .manifest import sha256_file
+
+    ollama, path = model.startswith(OLLAMA), Path(model).expanduser()
+    if ollama:
+        path = ollama_blob(model[len(OLLAMA):])
+    elif not is_gguf(model):
+        return None
+    elif not path.is_file():
+        raise CheckpointError(f"{path}: {'a folder, not a GGUF file' if path.is_dir() else 'GGUF file not found'}")
+    digest = path.name[len("sha256-"):] if ollama else sha256_file(path)
+    folder = cache_root() / "gguf" / f"{Path(model.replace(':', '-')).stem}-{digest[:16]}"
+    if (folder / "config.json").is_file():
+        print(f"{model}: converted earlier into {folder}", file=sys.stderr)
+        return folder
+    print(f"{model}: converting once into {folder}", file=sys.stderr)
+    try:
+        with staging(folder, force=True) as tmp:
+            convert_gguf(path, tmp)
+    except OSError as e:  # WriteError included
+        print(f"warning: cannot keep the conversion ({e}); converting for this run only", file=sys.stderr)
+        convert_gguf(path, folder := Path(tempfile.mkdtemp(prefix="dflash-gguf-")) / "model")
+    return folder
+
+
+OLLAMA = "ollama:"
+
+
+def ollama_blob(name: str) -> Path:
+    """The GGUF blob of an Ollama model in the local store (``$OLLAMA_MODELS``, else ``~/.ollama/models``),
+    through ``manifests/registry.ollama.ai/library/NAME/TAG`` (TAG ``latest`` by default)."""
+    root = Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models").expanduser()
+    repo, _, tag = name.partition(":")
+    manifest = root / "manifests" / "registry.ollama.ai" / (repo if "/" in repo else f"library/{repo}") / (tag or "latest")
+    try:
+        layers = json.loads(manifest.read_text())["layers"]
+        return root / "blobs" / next(x["digest"] for x in layers
+                                     if x["mediaType"] == "application/vnd.ollama.image.model").replace(":", "-")
+    except (OSError, ValueError, KeyError, TypeError, StopIteration):
+        raise CheckpointError(f"ollama:{name}: not in the Ollama store {root} (no readable manifest "
+                              f"{manifest}); `ollama pull {name}` first") from None
 
 
 def read_gguf(path: Path, bits: int = 4, group_size: int = 64, keep_float: bool = False
@@ -72,7 +125,7 @@ def read_gguf(path: Path, bits: int = 4, group_size: int = 64, keep_float: bool 
                "requantized": 0}
     if not keep_float and all(kind in MLX_TYPES for kind in kinds):
         try:
-            weights = mx.load(str(path))
+            weights = mx.load(str(path), format="gguf")  # the name may be NAME.GGUF or an Ollama blob
         except (RuntimeError, ValueError) as e:
             raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({_reason(e)})") from None
         weights.update({t.name: mx.array(t.data.view("uint16")).view(mx.bfloat16)
@@ -207,7 +260,7 @@ def dequantized(weights: Dict[str, mx.array], quant: Dict[str, dict], dtype: mx.
 
 def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callable[[str], None] = lambda _: None,
                  bits: Optional[int] = None, group_size: Optional[int] = None) -> dict:
-    """Write the model in the GGUF file ``path`` as an mlx-lm folder ``dst`` (created; must not exist).
+    """Write the model in the GGUF file ``path`` as an mlx-lm folder ``dst`` (created where it does not exist).
 
     Args:
         dtype: "float32", "float16" or "bfloat16" dequantizes every tensor to it; None keeps the file's
@@ -236,7 +289,7 @@ def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callab
         weights = {n: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v for n, v in weights.items()}
         config["quantization"] = config["quantization_config"] = quantization(quant)
     say(f"writing the mlx-lm folder ({'quantized' if 'quantization' in config else dtype or 'as stored'})")
-    dst.mkdir(parents=True)
+    dst.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save_pretrained(str(dst))

@@ -1,7 +1,5 @@
 """Load a target (through mlx-lm) and a drafter, check that they fit, bind them."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -40,8 +38,9 @@ class Pair:
 
 
 def load_model(path_or_repo: str, what: str = "model", lazy: bool = False, sharding: Optional[str] = None):
-    """Load any mlx-lm model and its tokenizer from a folder or repo id (``lazy``: no weights read yet;
-    ``sharding``: ``tensor`` splits it over the ranks of ``mx.distributed``, :mod:`.sharded`).
+    """Load any mlx-lm model and its tokenizer from a folder, a repo id, a GGUF file or an Ollama name
+    (:func:`.gguf.gguf_folder`) (``lazy``: no weights read yet; ``sharding``: ``tensor`` splits it over the
+    ranks of ``mx.distributed``, :mod:`.sharded`).
 
     Returns:
         ``(model, tokenizer, folder)``: ``folder`` is the local folder it loaded from.
@@ -51,7 +50,9 @@ def load_model(path_or_repo: str, what: str = "model", lazy: bool = False, shard
         ConfigError: ``config.json`` is not a JSON object with a ``model_type`` mlx-lm supports, or mlx-lm
             cannot build the model from it (names the file).
     """
-    path = resolve_model_path(path_or_repo, TARGET_FILES, what=what)
+    from .gguf import gguf_folder
+
+    path = gguf_folder(path_or_repo) or resolve_model_path(path_or_repo, TARGET_FILES, what=what)
     config_file = path / "config.json"
     config = read_config(config_file, missing=f"not found (is {path} an mlx-lm model folder?)")
     if not isinstance(config, dict):
