@@ -8,8 +8,6 @@ CLI's start-up stay light until MLX is needed: ``dflash --help`` answers at once
 Ctrl-C during the heavy imports reaches the CLI's handler.
 """
 
-from __future__ import annotations
-
 from importlib import import_module
 from typing import TYPE_CHECKING
 

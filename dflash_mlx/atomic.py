@@ -2,8 +2,6 @@
 into place) and :func:`atomic_file` (one file). Any failure leaves as one :class:`WriteError`; temporary
 names carry the writer's process id, so a later run can remove a dead writer's leftovers."""
 
-from __future__ import annotations
-
 import errno
 import os
 import re

@@ -1,7 +1,5 @@
 """``dflash generate --compare``: the same prompt, target and sampling decoded again without a drafter."""
 
-from __future__ import annotations
-
 from typing import Any, List, Optional
 
 import mlx.core as mx

@@ -4,8 +4,6 @@ A shared leaf (imports nothing of the package): ``pair/loading.py`` and ``drafte
 stamp each loaded model with it (``.fingerprint``); ``prompt_cache/key.py`` reads the stamps.
 """
 
-from __future__ import annotations
-
 import hashlib
 from pathlib import Path
 

@@ -1,7 +1,5 @@
 """Local folders and Hugging Face repo ids, resolved through the hub cache."""
 
-from __future__ import annotations
-
 import re
 from pathlib import Path
 from typing import List

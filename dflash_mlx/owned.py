@@ -1,8 +1,6 @@
 """Folders dflash-mlx writes in, marked as a writer's own (``.dflash-mlx``, JSON ``{"writer": NAME}``),
 so that clean-up runs only there, and only on names of the writer's own pattern."""
 
-from __future__ import annotations
-
 import json
 import os
 from pathlib import Path

@@ -1,7 +1,5 @@
 """Prompt token ids from chat messages: the tokenizer's chat template, or plain text."""
 
-from __future__ import annotations
-
 from typing import Callable, Dict, List, Optional, Sequence
 
 Messages = Sequence[Dict[str, str]]

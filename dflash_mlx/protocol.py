@@ -1,7 +1,5 @@
 """What the decode loop needs of a drafter (:class:`Drafter`), and a base for drafters that wrap another."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Any, List, Optional, Protocol, Sequence, runtime_checkable
 

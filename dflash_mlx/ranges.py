@@ -1,7 +1,5 @@
 """The one range check of a numeric setting: every flag and config value goes through :func:`check_number`."""
 
-from __future__ import annotations
-
 import math
 from typing import Optional
 

@@ -2,8 +2,6 @@
 then min-p, then top-k, at temperature 1) and draws from ``softmax(filtered / temp)``. A top-k at or
 above the vocabulary size is off; a temperature below :data:`MIN_TEMP` is greedy."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 

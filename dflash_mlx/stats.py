@@ -5,8 +5,6 @@ The first token comes from prefill; each later target forward is a verify step (
 the mean acceptance length over verify steps (None when none ran); the acceptance rate is accepted over
 drafted tokens; bandwidth is weight bytes read per second of decoding."""
 
-from __future__ import annotations
-
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field

@@ -5,8 +5,6 @@
                    config=BenchConfig(max_tokens=128, block_sizes=[4, 8]), out_dir="out")
 """
 
-from __future__ import annotations
-
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence

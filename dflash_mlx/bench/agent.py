@@ -4,8 +4,6 @@ prompts share growing prefixes, replayed greedily in one of ``MODES``: ``cold`` 
 (one prompt cache, as ``dflash serve``) or ``mlx-lm`` (its prompt cache trimmed to each next prompt's
 common prefix, no drafter). Times in seconds from the call, any restore included."""
 
-from __future__ import annotations
-
 import json
 import statistics
 import tempfile

@@ -1,8 +1,6 @@
 """Prompt sets for ``dflash bench``: local files, their format detected from the first row's fields
 (``FORMATS``), and the DFlash benchmark's Hugging Face sets, worded as in the authors' benchmark."""
 
-from __future__ import annotations
-
 import gzip
 import importlib.util
 import json

@@ -1,8 +1,6 @@
 """What the bench times: engines that take prompt ids and yield lists of committed token ids, one
 list per target forward. None of them detokenizes or reads the clock."""
 
-from __future__ import annotations
-
 from typing import Iterator, List, Optional, Sequence
 
 import mlx.core as mx

@@ -1,8 +1,6 @@
 """PNG plots of a bench report (the ``plot`` extra): the speedup per dataset and variant with the
 ideal outlined, the acceptance-length histogram, and decode tokens/s per variant."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Dict
 

@@ -2,8 +2,6 @@
 acceptance, median tokens/s, the speedup (ratio of medians; median of per-pair ratios), milliseconds
 per target forward by phase, and the ideal speedup ``tau x t_AR / (t_draft + t_verify)``."""
 
-from __future__ import annotations
-
 import json
 import os
 import platform

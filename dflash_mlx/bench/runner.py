@@ -2,8 +2,6 @@
 prompt time from the call to the first committed list, decode time from there to the last one (a
 stop token's step is timed, its token not counted); peak memory in GB (1e9 bytes)."""
 
-from __future__ import annotations
-
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Union

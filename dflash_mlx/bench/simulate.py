@@ -1,8 +1,6 @@
 """A drafter wrapper that makes a known number of drafts right, at the real drafter's cost
 (``--simulate-acceptance``), and the reader of acceptance traces to replay."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Any, List, Sequence, Union
 

@@ -1,7 +1,5 @@
 """A multi-turn chat over one pair, both caches kept between turns (a :class:`PairCache`)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple

@@ -1,7 +1,5 @@
 """``dflash chat --session FILE`` (``{"format": "dflash-chat-session", "messages": [...]}``) and transcripts."""
 
-from __future__ import annotations
-
 import json
 from pathlib import Path
 from typing import Callable, Dict, List, Optional

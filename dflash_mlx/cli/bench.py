@@ -1,7 +1,5 @@
 """``dflash bench``: baseline and DFlash side by side on prompt sets; table, JSON, plots."""
 
-from __future__ import annotations
-
 import sys
 from types import SimpleNamespace
 from typing import Annotated, List, Optional

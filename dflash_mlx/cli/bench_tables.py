@@ -1,7 +1,5 @@
 """The tables ``dflash bench`` prints from a bench report (:mod:`dflash_mlx.bench.report`)."""
 
-from __future__ import annotations
-
 from typing import Any, Iterable, List, Sequence
 
 from rich.table import Table

@@ -1,7 +1,5 @@
 """``dflash chat``: a terminal chat over :class:`dflash_mlx.chat.session.ChatSession` (views in ``chat_ui``)."""
 
-from __future__ import annotations
-
 import json
 import sys
 from contextlib import closing

@@ -1,7 +1,5 @@
 """Views of ``dflash chat`` over :class:`dflash_mlx.chat.session.ChatEvent` streams: rich (a terminal) or plain."""
 
-from __future__ import annotations
-
 import sys
 import time
 from contextlib import contextmanager, suppress

@@ -1,8 +1,6 @@
 """The flags the commands share (each an ``Annotated`` alias), their checks, prompt reading, errors; output a
 person reads: tables that fit the terminal (plain text in pipes and logs), progress bars and a spinner."""
 
-from __future__ import annotations
-
 import json
 import sys
 from contextlib import contextmanager, nullcontext

@@ -1,7 +1,5 @@
 """``dflash convert``: a target and its drafter into one folder (:func:`dflash_mlx.pair.convert.convert`)."""
 
-from __future__ import annotations
-
 import sys
 import time
 from contextlib import redirect_stdout

@@ -1,8 +1,6 @@
 """Tables and lines made to fit a width: a terminal's, or ``COLUMNS`` in a pipe. Text folds at word
 boundaries; a word (a number) is never split while its column can be kept."""
 
-from __future__ import annotations
-
 import io
 import os
 from typing import Iterable, List, Optional, Sequence, Tuple

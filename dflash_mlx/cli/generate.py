@@ -1,7 +1,5 @@
 """``dflash generate``: one prompt in, text on stdout, stats on stderr."""
 
-from __future__ import annotations
-
 import json
 import sys
 from functools import partial

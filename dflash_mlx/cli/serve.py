@@ -1,7 +1,5 @@
 """``dflash serve``: the OpenAI-compatible server (wiring over :mod:`dflash_mlx.serve.app`)."""
 
-from __future__ import annotations
-
 import ipaddress
 import logging
 from types import SimpleNamespace

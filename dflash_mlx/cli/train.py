@@ -1,7 +1,5 @@
 """``dflash data`` (regenerate responses with the target) and ``dflash train``."""
 
-from __future__ import annotations
-
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path

@@ -7,8 +7,6 @@ Every rule returns ``(a, out)``: ``a`` accepted drafts (None: counted on the hos
 :func:`count_accepted`) and ``out`` [B] int32 whose first ``a + 1`` entries are committed.
 """
 
-from __future__ import annotations
-
 from typing import Callable, Sequence, Tuple
 
 import mlx.core as mx

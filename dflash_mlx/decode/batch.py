@@ -3,8 +3,6 @@
 ``BatchKVCache`` layers rolled back per sequence. Sequences join (:class:`Joining`) and leave between steps.
 """
 
-from __future__ import annotations
-
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple

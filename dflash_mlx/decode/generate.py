@@ -1,8 +1,6 @@
 """Generation from one prompt (spec section 5): ``generate_step`` runs the step of
 :mod:`dflash_mlx.decode.batch` for one sequence; ``stream_generate`` adds text and statistics."""
 
-from __future__ import annotations
-
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple

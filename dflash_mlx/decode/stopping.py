@@ -1,8 +1,6 @@
 """Where a generation ends (a stop token, a stop string, the token budget) and the text
 shown up to there. Stop strings match decoded text, as the OpenAI API defines them."""
 
-from __future__ import annotations
-
 from os.path import commonprefix
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 

@@ -3,8 +3,6 @@ a heap, so parents precede children), verified in one target pass at positions `
 with an ancestor-only mask, and walked with the target's tokens.
 """
 
-from __future__ import annotations
-
 import heapq
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple

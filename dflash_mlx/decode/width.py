@@ -16,8 +16,6 @@ to :data:`MAX_GAP`. The probe: plain while untimed, else the untimed option near
 (E over the seconds of the slowest timed option no wider) beats the best rate, else the best timed one.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 

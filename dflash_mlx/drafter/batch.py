@@ -2,8 +2,6 @@
 ``BatchKVCache`` per layer; the drafter's own layers with a padding-masked ``attend``. v1 drafters with
 full, bidirectional layers and no draft window only (:func:`batch_drafting_refusal`)."""
 
-from __future__ import annotations
-
 from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx

@@ -2,8 +2,6 @@
 unprefixed ``*.safetensors`` weights (no embedding, no lm_head), named as
 :mod:`dflash_mlx.drafter.formats` says."""
 
-from __future__ import annotations
-
 import dataclasses
 import json
 from pathlib import Path

@@ -2,8 +2,6 @@
 (spec sections 2 and 9). Format keys: :mod:`~dflash_mlx.drafter.formats`; other tools' keys:
 :mod:`~dflash_mlx.drafter.variants`."""
 
-from __future__ import annotations
-
 import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional

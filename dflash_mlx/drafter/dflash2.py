@@ -2,8 +2,6 @@
 candidate selector that walks one draft path; :class:`~dflash_mlx.drafter.network.DrafterLayer` and
 :class:`~dflash_mlx.drafter.network.DFlashDrafter` use them."""
 
-from __future__ import annotations
-
 from typing import Optional, Tuple
 
 import mlx.core as mx

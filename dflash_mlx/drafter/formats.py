@@ -12,8 +12,6 @@ network (:mod:`dflash_mlx.drafter.network`).
 Any format may mix ``sliding_attention`` layers; a top-level ``is_causal`` overrides every layer.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple

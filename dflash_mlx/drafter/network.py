@@ -6,8 +6,6 @@ A layer is :meth:`DrafterLayer.pre` (norm, projections, RoPE), an ``attend`` the
 ``attend``, the RoPE positions and whether the two halves run compiled.
 """
 
-from __future__ import annotations
-
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx

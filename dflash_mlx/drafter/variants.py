@@ -9,8 +9,6 @@ our fields or refused with one line naming the key:
   ``target_hidden_size`` and ``draft_vocab_size`` (only when equal to ours); a ``mask_embedding`` weight.
 """
 
-from __future__ import annotations
-
 from typing import Any, Dict, Optional
 
 from ..errors import ConfigError

@@ -7,8 +7,6 @@ The kernel covers float16, bfloat16 and float32 inputs of one dtype with ``head_
 of 32 up to 256, on a GPU default device with Metal, unless ``DFLASH_BLOCK_KERNEL`` is 0/off.
 """
 
-from __future__ import annotations
-
 import os
 from typing import Optional
 

@@ -8,8 +8,6 @@ partial (max, sum, output) at the end. Masked keys get weight 0 through a flag, 
 on a CPU.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 

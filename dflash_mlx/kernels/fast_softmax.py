@@ -7,8 +7,6 @@ exactly 0. It is used for float32 inputs when the default device is the CPU and
 Gradients are the exact formulas (custom VJPs).
 """
 
-from __future__ import annotations
-
 import os
 
 import mlx.core as mx

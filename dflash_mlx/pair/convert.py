@@ -2,8 +2,6 @@
 in the released format, the ``dflash.json`` manifest), staged beside the output, validated, then renamed
 into place (an error or Ctrl-C leaves nothing)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path

@@ -7,8 +7,6 @@ Keys read (llama.cpp's ``gguf-py/gguf/constants.py`` names): ``tokenizer.ggml.mo
 ``.unknown_token_id``, ``.padding_token_id``, ``.add_bos_token``, ``.add_space_prefix`` and
 ``tokenizer.chat_template``."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 

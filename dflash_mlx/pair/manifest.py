@@ -2,8 +2,6 @@
 from, the drafter's format and ids, their quantization, and the sha256 of every file the loaders read
 (version 2; version 1 lists the weight files only)."""
 
-from __future__ import annotations
-
 import hashlib
 import json
 from pathlib import Path

@@ -4,8 +4,6 @@ Under tensor parallelism every rank holds the same residual stream after each al
 features, logits, acceptance and rollback agree on every rank; rank 0 alone reads and writes.
 """
 
-from __future__ import annotations
-
 import os
 import random
 import signal

@@ -1,7 +1,5 @@
 """Validation of a converted pair against its sources: the rows of ``dflash convert``'s table."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple

@@ -1,8 +1,6 @@
 """What ``dflash convert`` writes: the target through mlx-lm's own convert, the drafter in its released
 format (cast and quantized if asked), and the ``dflash.json`` manifest's contents."""
 
-from __future__ import annotations
-
 import shutil
 from fnmatch import fnmatch
 from pathlib import Path

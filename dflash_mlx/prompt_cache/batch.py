@@ -1,8 +1,6 @@
 """The target cache of a batch of sequences (``dflash serve --max-batch``), per layer a left-padded
 ``BatchKVCache``, ``BatchWindowKVCache`` or ``BatchGatedDeltaCache``, rolled back exactly per sequence."""
 
-from __future__ import annotations
-
 from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx

@@ -2,8 +2,6 @@
 from the longest stored prefix of its prompt and stores its prompt (or its boundaries, where caches cannot
 trim back)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 

@@ -1,7 +1,5 @@
 """The drafter's context cache: sink rows plus a window of recent rows at absolute positions, exact rollback."""
 
-from __future__ import annotations
-
 from typing import Tuple
 
 import mlx.core as mx

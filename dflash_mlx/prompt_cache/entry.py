@@ -1,8 +1,6 @@
 """One prefix-cache entry: both caches of a pair after some tokens, and those tokens. On disk
 ``ID.safetensors`` (arrays) then ``ID.json`` (tokens, layers, size and sha256 of the arrays)."""
 
-from __future__ import annotations
-
 import hashlib
 import json
 from dataclasses import dataclass, field

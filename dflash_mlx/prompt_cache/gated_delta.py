@@ -1,7 +1,5 @@
 """The cache of a Gated-DeltaNet layer (hybrid targets) with exact rollback (spec section 10)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Any, List, Optional
 

@@ -1,8 +1,6 @@
 """A pair's identity, which a prefix-cache entry must match: weights, captured layers, dtypes, quantization,
 draft window and library versions."""
 
-from __future__ import annotations
-
 import hashlib
 import json
 from typing import Any, Optional

@@ -1,7 +1,5 @@
 """One layer cache to and from plain arrays (the rows it holds) and the integers that place them."""
 
-from __future__ import annotations
-
 from typing import Any, Dict, Tuple
 
 import mlx.core as mx

@@ -1,8 +1,6 @@
 """Both caches of a pair kept between generations, and the token ids their rows hold (row i is token i);
 a generation resumes from the longest common prefix (live or stored) and prefills only the rest."""
 
-from __future__ import annotations
-
 import time
 from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 

@@ -1,8 +1,6 @@
 """Prefill to stored states' boundaries (whole prefill chunks) for pairs whose caches cannot go back far:
 an entry then resumes a prompt only at its exact row count."""
 
-from __future__ import annotations
-
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx

@@ -1,8 +1,6 @@
 """The prefix cache in memory and on disk (``ROOT/KEY/ID.{json,safetensors}``, KEY the pair, ID the tokens,
 last use as the JSON's mtime), least recently used dropped first; a failed write turns it memory-only."""
 
-from __future__ import annotations
-
 import json
 import os
 import re

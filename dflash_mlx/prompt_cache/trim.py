@@ -1,7 +1,5 @@
 """Which layer caches remove their last rows exactly."""
 
-from __future__ import annotations
-
 from typing import Any, Callable, Optional, Sequence
 
 from mlx_lm.models.cache import KVCache, QuantizedKVCache

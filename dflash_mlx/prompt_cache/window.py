@@ -1,7 +1,5 @@
 """Layer caches of rows at absolute positions that drop old rows and still roll back exactly."""
 
-from __future__ import annotations
-
 from typing import Optional, Tuple
 
 import mlx.core as mx

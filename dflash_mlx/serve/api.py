@@ -1,8 +1,6 @@
 """The OpenAI API as ``dflash serve`` speaks it: strict request models (unimplemented fields refused unless at
 their default, lone surrogates refused; errors of type :data:`REQUEST_ERROR`) and the response bodies."""
 
-from __future__ import annotations
-
 import time
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 

@@ -1,8 +1,6 @@
 """``dflash serve``: an OpenAI-compatible HTTP server over one pair: ``POST /v1/chat/completions``,
 ``POST /v1/completions`` (JSON or server-sent events), ``GET /v1/models``, ``/health``, ``/metrics``."""
 
-from __future__ import annotations
-
 import asyncio
 import json
 import os

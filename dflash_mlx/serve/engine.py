@@ -1,8 +1,6 @@
 """The engine under ``dflash serve``: one worker thread, a bounded queue, up to ``max_batch`` requests decoding
 together; one at a time (in a :class:`~dflash_mlx.prompt_cache.pair.PairCache`) when the target cannot batch."""
 
-from __future__ import annotations
-
 import asyncio
 import logging
 import threading

@@ -1,7 +1,5 @@
 """What bounds a request before the engine: API key, body size and idle time, template arguments, prompt size."""
 
-from __future__ import annotations
-
 import asyncio
 import hmac
 import logging

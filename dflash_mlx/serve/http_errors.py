@@ -1,7 +1,5 @@
 """Errors as OpenAI's JSON error object: :class:`APIError` and the app's exception handlers."""
 
-from __future__ import annotations
-
 import logging
 from typing import Any, Dict, List, Optional
 

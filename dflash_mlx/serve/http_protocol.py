@@ -1,8 +1,6 @@
 """uvicorn's h11 protocol with more limits: headers within ``header_timeout`` s (else a close, or a 408 if some
 came), a 431 past h11's header size and a 400 for bad HTTP as JSON, then :data:`LINGER_S` of draining."""
 
-from __future__ import annotations
-
 import asyncio
 import json
 from typing import Any, Dict, Optional

@@ -1,7 +1,5 @@
 """A request between the HTTP handlers and the engine's worker: the job, its chunks, its errors."""
 
-from __future__ import annotations
-
 import asyncio
 import threading
 import time

@@ -1,7 +1,5 @@
 """Start and stop of ``dflash serve``: the socket (taken before the model loads), uvicorn until SIGINT or SIGTERM."""
 
-from __future__ import annotations
-
 import errno
 import logging
 import socket

@@ -1,7 +1,5 @@
 """``GET /metrics``: Prometheus counters and gauges; pooled statistics come from :mod:`dflash_mlx.stats`."""
 
-from __future__ import annotations
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..stats import GenerationStats

@@ -4,8 +4,6 @@ Rank 0 sends each job it admits (just before its prefill) and, at each check of 
 stops; the others run the same steps on the same jobs, so every rank runs the same forwards and all-sums.
 """
 
-from __future__ import annotations
-
 import json
 import logging
 import random

@@ -1,7 +1,5 @@
 """A queued request's answer: one JSON body, or server-sent events."""
 
-from __future__ import annotations
-
 import asyncio
 import json
 import uuid

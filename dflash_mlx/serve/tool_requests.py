@@ -1,8 +1,6 @@
 """The tool fields of a chat request (``tools``, ``tool_choice``, messages' ``tool_calls``) and their bounds; each
 problem is ``(param, message)``, a 400 naming the field."""
 
-from __future__ import annotations
-
 import json
 from typing import Any, Dict, List, Literal, Optional, Union
 

@@ -1,8 +1,6 @@
 """A chat reply's text split into ``content``, ``reasoning_content`` and ``tool_calls`` by the tokenizer's mlx-lm
 formats; a call not wanted or not parsed stays text where it was written."""
 
-from __future__ import annotations
-
 import json
 import logging
 import uuid

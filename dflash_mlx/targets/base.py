@@ -1,8 +1,6 @@
 """The generic decoder adapter: runs an mlx-lm model's own modules in its ``__call__`` order,
 capturing context features (spec section 3); family files override only what differs."""
 
-from __future__ import annotations
-
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx

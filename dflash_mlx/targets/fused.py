@@ -1,8 +1,6 @@
 """Fused RMSNorm, RoPE and attention masks for a target on MLX's CPU backend: fewer ops, the same bits
 as mlx-lm's forward (every family, float32, bfloat16 and float16)."""
 
-from __future__ import annotations
-
 import os
 from contextlib import contextmanager
 from functools import lru_cache

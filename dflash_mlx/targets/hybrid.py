@@ -2,8 +2,6 @@
 layers. A Gated-DeltaNet layer runs here as mlx-lm's ``GatedDeltaNet.__call__`` (same bits), handing its
 recurrence inputs to its ``GatedDeltaCache`` for rollback (spec section 10); family files give the projections."""
 
-from __future__ import annotations
-
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx

@@ -15,8 +15,6 @@ positions and the compaction to the accepted path); every
 ``supports_tree = True`` (and :meth:`TreeVerify.layer_windows` where layers slide).
 """
 
-from __future__ import annotations
-
 from typing import Any, Iterator, List, Optional, Sequence
 
 import mlx.core as mx

@@ -1,8 +1,6 @@
 """Anchors, block attention masks and loss weights of drafter training (spec section 6): anchor ``a``
 gives the block ``[token[a], MASK x (B-1)]`` at positions ``a..a+B-1``, whose row k predicts ``token[a+k]``."""
 
-from __future__ import annotations
-
 from typing import Optional
 
 import numpy as np

@@ -1,8 +1,6 @@
 """Training data (spec section 6): prompts (JSONL rows, cut plain text, or openings the target samples)
 whose responses the target regenerates, stored as token ids in resumable ``.npz`` shards."""
 
-from __future__ import annotations
-
 import hashlib
 import json
 import re

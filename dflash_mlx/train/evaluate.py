@@ -2,8 +2,6 @@
 (:func:`evaluate_block_sizes`), and along greedy generation's own schedule (:func:`evaluate_chained`),
 where each block starts where the previous one's acceptance ended."""
 
-from __future__ import annotations
-
 from typing import Dict, List
 
 import mlx.core as mx

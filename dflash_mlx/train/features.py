@@ -2,8 +2,6 @@
 files named by a digest of each sequence's tokens, so any run on any split finds them; a manifest names
 the target and the layers."""
 
-from __future__ import annotations
-
 import json
 from pathlib import Path
 from typing import List, Optional

@@ -2,8 +2,6 @@
 spec section 3, and for distillation its final hidden states), cached per sequence; the blocks of a
 sequence through one masked forward, row k's cross-entropy weighted by ``exp(-(k-1)/gamma)``."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 

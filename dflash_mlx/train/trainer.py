@@ -4,8 +4,6 @@ in one run, anchors after the drafter's misses. Data order and anchors come from
 ``(seed, epoch)`` and ``(seed, step, micro)``, and the optimizer state is checkpointed: a resumed run
 reproduces an uninterrupted one."""
 
-from __future__ import annotations
-
 import json
 import shutil
 import time
