@@ -13,8 +13,8 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def looks_like_repo_id(name: str) -> bool:
-    """True for ``owner/name`` strings that are not obviously local paths."""
-    return bool(_REPO_ID.match(name)) and not name.startswith((".", "/", "~"))
+    """True for ``owner/name`` strings that are not obviously local paths (``owner`` a local folder: a path)."""
+    return bool(_REPO_ID.match(name)) and not name.startswith((".", "/", "~")) and not Path(name).parent.is_dir()
 
 
 def resolve_model_path(path_or_repo: str, allow_patterns: List[str], what: str = "model") -> Path:

@@ -146,6 +146,15 @@ def test_drafter_passed_as_the_target(random_drafter):
     one_line_error(r, str(random_drafter), "pass it as --draft-model")
 
 
+def test_a_mistyped_local_path_is_not_found_not_a_repo_to_download(tmp_path):
+    """`--model models/nonexist` where `models/` is a local folder: a local path that is not there, not a
+    Hugging Face repo id to fetch."""
+    (tmp_path / "models").mkdir()
+    r = run_dflash("generate", "--model", "models/nonexist", "-p", "hi", cwd=tmp_path)
+    one_line_error(r, "models/nonexist: target model folder not found")
+    assert "hf download" not in text(r)[1]
+
+
 @pytest.mark.parametrize("config", [
     {"architectures": ["DFlash2DraftModel"]},
     {"architectures": ["MuseGlimmerAssistantModel"]},
