@@ -116,6 +116,22 @@ def test_compare_decodes_plainly_and_reports_the_speedup_and_the_same_text(stori
     assert plain.stderr == "error: --compare needs --draft-model (it compares DFlash with plain decoding)\n"
 
 
+def test_every_line_fits_80_piped_columns_folded_under_its_label(stories, random_drafter, tmp_path):
+    """COLUMNS=80 in a pipe: generate's statistics (with --compare) and convert's closing lines fold at word
+    boundaries, the rest of a line under the text after its label; no line is longer than 80."""
+    import os
+
+    env = {**os.environ, "COLUMNS": "80"}
+    r = run_dflash("generate", "--model", str(stories), "--draft-model", str(random_drafter), "-p", PROMPT, "-m",
+                   str(N), "--compare", env=env, text=True)
+    assert r.returncode == 0 and max(map(len, r.stderr.splitlines())) <= 80, r.stderr
+    assert re.search(r"^Acceptance: tau .*\n {12}\S", r.stderr, re.M), r.stderr
+    out = tmp_path / "converted"
+    r = run_dflash("convert", "--model", str(stories), "--out", str(out), env=env, text=True)
+    assert r.returncode == 0 and max(map(len, r.stderr.splitlines())) <= 80, r.stderr
+    assert f"Run: dflash generate --model {out}" in r.stderr.replace("\n     ", " ")
+
+
 def _table() -> Table:
     table = Table(title="dflash bench: speed and acceptance")
     for col in ("dataset", "engine", "tau", "tok/s", "prompt tok/s", "peak GB", "speedup\n(med/med)",

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 from typer import Option
 
 from .common import check_out_folder, fail, guard, print_table
+from .fit import folded
 
 
 def convert(
@@ -78,19 +79,19 @@ def _run(validate, **kwargs) -> None:
         stages.close()
     if result.checks:
         print_table(checks_table(result.checks))
-    if kwargs["draft_model"] is None:
-        target = result.manifest["target"]
-        quant = target["quantization"]
-        kept = f"{quant['bits']}-bit (group {quant['group_size']})" if quant else target["dtype"]
-        if "gguf_types" in target:
-            types = ", ".join(f"{n} {kind}" for kind, n in target["gguf_types"].items())
-            again = f"; {target['requantized']} quantized again by MLX" if target["requantized"] else ""
-            console.print(f"read {types}{again}; {target['bits_per_weight']} bits per weight", soft_wrap=True)
-        console.print(f"wrote {result.out}: an mlx-lm {target['model_type']} model, {kept}. "
-                      f"Run: dflash generate --model {result.out} -p \"Hello\"", soft_wrap=True)
-        return
-    console.print(f"wrote {result.out}: target/, drafter/, dflash.json. Run: dflash chat --model {result.out}",
-                  soft_wrap=True)
+    if kwargs["draft_model"] is not None:
+        return print(folded([f"wrote {result.out}: target/, drafter/, dflash.json.",
+                             f"Run: dflash chat --model {result.out}"]), file=sys.stderr)
+    target = result.manifest["target"]
+    quant = target["quantization"]
+    kept = f"{quant['bits']}-bit (group {quant['group_size']})" if quant else target["dtype"]
+    lines = [f"wrote {result.out}: an mlx-lm {target['model_type']} model, {kept}.",
+             f"Run: dflash generate --model {result.out} -p \"Hello\""]
+    if "gguf_types" in target:
+        again = f"; {target['requantized']} quantized again by MLX" if target["requantized"] else ""
+        lines.insert(0, f"Read: {', '.join(f'{n} {k}' for k, n in target['gguf_types'].items())}{again}; "
+                        f"{target['bits_per_weight']} bits per weight")
+    print(folded(lines), file=sys.stderr)
 
 
 class _Stages:

@@ -3,6 +3,7 @@ boundaries; a word (a number) is never split while its column can be kept."""
 
 import io
 import os
+import textwrap
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 from rich.console import Console, RenderableType
@@ -38,6 +39,15 @@ def piped(lines: Sequence[str]) -> str:
     ``COLUMNS`` when it is set."""
     width = columns()
     return "".join(f"{line}\n" for line in lines) if width is None else plain(lines, width)
+
+
+def folded(lines: Sequence[str]) -> str:
+    """``lines`` for stderr, each folded at word boundaries to its terminal's width (in a pipe, ``COLUMNS``;
+    neither: as they are), the text after a line's ``Label: `` continuing under itself; words stay whole."""
+    width = os.get_terminal_size(2).columns if os.isatty(2) else columns()
+    return "\n".join(line if width is None else textwrap.fill(
+        line, width, subsequent_indent=" " * (line.find(": ") + 2 if 0 < line.find(": ") < width // 3 else 0),
+        break_long_words=False, break_on_hyphens=False) for line in lines)
 
 
 def fit_table(table: Table, width: int, drop: Sequence[str] = ()) -> Table:

@@ -10,6 +10,7 @@ from typer import Option
 
 from dflash_mlx.errors import InputError
 
+from .fit import folded
 from .common import (
     BlockSize, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
     PromptCacheDir, PromptCacheGb, Seed, Sharding, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP,
@@ -107,7 +108,7 @@ def _run(o) -> None:
 
         reused = [f"Prompt cache: reused from {cached.last_source}"] if cached and cached.last_source else []
         compared = [compare_line(against, o.temp == 0)] if against is not None else []
-        print("\n".join(stats.format_lines() + reused + compared), file=sys.stderr)
+        print(folded(stats.format_lines() + reused + compared), file=sys.stderr)
 
 
 def fit_context(prompt_tokens: int, max_tokens: int, limit: Optional[int]) -> int:
