@@ -191,18 +191,21 @@ def test_a_dataset_that_cannot_be_had_leaves_no_results_folder(stories, random_d
 
 
 @needs_shared
-def test_bench_without_matplotlib_skips_the_plots_with_a_warning(stories, random_drafter, tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed (no 'plot' extra)
+def test_bench_without_matplotlib_skips_the_plots_and_warns_only_when_asked(stories, random_drafter, tmp_path,
+                                                                             monkeypatch):
+    """Without matplotlib (no 'plot' extra) the default draws no plots and says nothing; --plots warns once,
+    naming the package pip installs (not the 'dflash-mlx' name on PyPI, another project's)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
-    out = tmp_path / "out"
-    code, stdout, err = run("bench", "--model", stories, "--draft-model", random_drafter, "--dataset", prompts,
-                            "-n", "1", "-m", "4", "--warmup-tokens", "0", "--out", out)
-    assert code == 0 and "Traceback" not in err, err
-    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
-    assert warnings == ["warning: matplotlib is not installed: no plots are drawn "
-                        "(pip install 'dflash-mlx[plot]', or pass --no-plots)"]
-    assert (out / "results.json").is_file() and not list(out.glob("*.png"))
+    for flags, warned in (([], []), (["--plots"], ["warning: matplotlib is not installed: no plots are drawn "
+                                                   "(pip install matplotlib, or pass --no-plots)"])):
+        out = tmp_path / f"out{len(flags)}"
+        code, stdout, err = run("bench", "--model", stories, "--draft-model", random_drafter, "--dataset", prompts,
+                                "-n", "1", "-m", "4", "--warmup-tokens", "0", "--out", out, *flags)
+        assert code == 0 and "Traceback" not in err, err
+        assert [line for line in err.splitlines() if line.startswith("warning:")] == warned
+        assert (out / "results.json").is_file() and not list(out.glob("*.png"))
 
 
 @needs_shared

@@ -23,7 +23,7 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise InputError("plots need matplotlib: pip install 'dflash-mlx[plot]' (or pass --no-plots)") from None
+        raise InputError("plots need matplotlib: pip install matplotlib (or pass --no-plots)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -46,7 +46,8 @@ def bench(
     out: Annotated[str, Option("--out", "-o", help=(
         "Folder for results.json and the PNG plots: new or empty, or --overwrite."))] = "dflash-bench",
     overwrite: Annotated[bool, Option("--overwrite", help="Replace the results of an earlier run in --out.")] = False,
-    plots: Annotated[bool, Option("--plots/--no-plots", help="Write the PNG plots (the 'plot' extra).")] = True,
+    plots: Annotated[Optional[bool], Option("--plots/--no-plots", help=(
+        "Write the PNG plots (needs matplotlib); default: where matplotlib is installed."))] = None,
     agent_trace: Annotated[Optional[List[str]], Option("--agent-trace", help=(
         "Replay this agent trace instead (JSONL of prompts with growing shared prefixes): cold, from the prompt "
         "cache on disk, live, and mlx-lm; repeatable."))] = None,
@@ -179,9 +180,9 @@ def _run(o) -> None:
     from dflash_mlx.bench.plots import plots_available
     from .bench_tables import CYCLE_DROP, RESULTS_DROP, cycle_table, histogram_lines, results_table
 
-    if o.plots and not plots_available():
-        warn("matplotlib is not installed: no plots are drawn (pip install 'dflash-mlx[plot]', or pass --no-plots)")
-        o.plots = False
+    if o.plots and not plots_available():  # asked for: said once; by default quietly none
+        warn("matplotlib is not installed: no plots are drawn (pip install matplotlib, or pass --no-plots)")
+    o.plots = bool(o.plots is not False and plots_available())
     console = Console(stderr=True)
     with progress_bars(console) as progress:
         report = bench(o.model, o.draft_model, datasets, num_samples=o.num_samples or None, baseline=o.baseline,
