@@ -161,8 +161,13 @@ class GenerationStats:
         read = (self.target_bytes + self.drafter_bytes) * self.steps + self.target_bytes * self.plain_steps
         return read / self.generation_s / 1e9 if self.generation_s and read else None
 
-    def update_memory(self) -> None:
+    def committed(self, tokens: int, first: float, now: float, attention: Optional[dict] = None) -> None:
+        """``tokens`` more generated, the first of all at ``first`` and these at ``now`` (``time.perf_counter``
+        seconds): the count, the generation time, the peak memory and the block attention path that ran."""
+        self.generation_tokens += tokens
+        self.generation_s = now - first
         self.peak_memory_gb = mx.get_peak_memory() / 1e9
+        self.block_attention = attention or self.block_attention
 
     def timings_ms(self) -> Dict[str, float]:
         return {p: round(s * 1e3, 3) for p, s in self.phase_s.items()}

@@ -19,7 +19,7 @@ from ..errors import InputError
 from ..prompt_cache.batch_prefix import BatchPrefix, batch_prefix_refusal
 from ..prompt_cache.store import PrefixStore
 from ..protocol import Drafter, Proposal
-from ..stats import GenerationStats
+from ..stats import GenerationStats, weight_bytes
 from ..targets import TargetAdapter
 from ..prompt_cache.batch import compact, extend, keep_rows, rollback_ragged, share_offsets
 
@@ -68,6 +68,7 @@ class BatchDecoder:
                  chooser: Optional[WidthChooser] = None, store: Optional[PrefixStore] = None, solo: bool = False,
                  capture: Optional[List[int]] = None):
         self.target, self.drafter, self.solo = target, drafter, solo
+        self.bytes = (weight_bytes(target.model), weight_bytes(drafter) if hasattr(drafter, "parameters") else 0)
         self.width = block_size if drafter is not None else 1
         if drafter is not None and chooser is None:
             chooser = make_chooser(target, drafter, block_size, None, None)

@@ -60,7 +60,8 @@ class Joining:
         self._stops: List[int] = []  # prompt rows where states are stored (caches that cannot go back)
         self.features: List[mx.array] = []
         self.stats = stats or GenerationStats(block_size=decoder.width, prompt_tokens=int(prompt.size),
-                                              speculative=decoder.drafter is not None,
+                                              speculative=decoder.drafter is not None, target_bytes=decoder.bytes[0],
+                                              drafter_bytes=decoder.bytes[1],
                                               drafter_format=getattr(decoder.drafter, "drafter_format", None))
         if decoder.drafter is not None:
             self.stats.acceptance_rule = self.rule.name

@@ -132,13 +132,8 @@ def stream_generate(target: TargetAdapter, tokenizer: TokenizerWrapper, prompt: 
             now = time.perf_counter()
             if first:
                 stats.prompt_s, tic, first = now - tic, now, False
-            else:
-                stats.generation_s = now - tic
-            stats.generation_tokens += len(step.tokens)
+            stats.committed(len(step.tokens), tic, now, attention_path() if drafter is not None else None)
             segment = text.add(step.tokens, final=step.finish_reason is not None)
-            stats.update_memory()
-            if drafter is not None:
-                stats.block_attention = attention_path()
             yield GenerationResponse(segment, step.tokens, step.accepted, step.finish_reason, stats)
 
 

@@ -14,6 +14,7 @@ from ..decode.batch_join import Joining, StepResult
 from ..decode.generate import check_block_size
 from ..decode.stopping import StopCondition, TextStream
 from ..decode.width import make_chooser
+from ..kernels.block_attention import attention_path
 from ..pair.sharded import ranks
 from ..prompt_cache.batch import batch_refusal
 from ..prompt_cache.pair import PairCache
@@ -266,7 +267,7 @@ class Engine:
             return
         self._joining.popleft()
         req.first = time.perf_counter()
-        req.joining.stats.prompt_s = req.first - req.started
+        req.joining.stats.prompt_s = req.joining.stats.phase_s["prefill"] = req.first - req.started
         if result.finish_reason is None:
             self._active.append(req)
         self._emit(req, result)
@@ -298,9 +299,9 @@ class Engine:
     def _emit(self, req: _Request, result: StepResult) -> None:
         """Hand one step's text to the request; at its end, count and release it."""
         stats, last = req.joining.stats, result.finish_reason is not None
-        stats.generation_tokens += len(result.tokens)
+        stats.committed(len(result.tokens), req.first, time.perf_counter(),
+                        attention_path() if self.pair.drafter is not None else None)
         req.reply += result.tokens
-        stats.generation_s = time.perf_counter() - req.first
         text = req.text.add(result.tokens, last)
         u = usage(stats) if last else None
         self._send(req.job, Chunk(text, result.finish_reason, u))
