@@ -205,3 +205,21 @@ def test_color_command_prints_one_line(on):
     view.set_color(on)
     assert view.color == on and buf.getvalue().count("\n") == 1
     assert ("colour off" in buf.getvalue()) == (not on)
+
+
+def test_header_says_the_drafters_quantization_too(stories, random_drafter):
+    """The header's quantization row names the target's and the drafter's (an 8-bit drafter beside a float
+    target is not 'none')."""
+    from types import SimpleNamespace
+
+    import mlx.nn as nn
+
+    from dflash_mlx import load
+    from dflash_mlx.cli.chat import header_rows
+
+    pair = load(str(stories), str(random_drafter))
+    o = SimpleNamespace(block_size=None, temp=0.0, max_tokens=10)
+    session = SimpleNamespace(use_template=False, max_context=None, thinking=None)
+    assert dict(header_rows(pair, session, o))["quantization"] == "none (float32) · drafter none (float32)"
+    nn.quantize(pair.drafter, group_size=64, bits=8, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    assert dict(header_rows(pair, session, o))["quantization"] == "none (float32) · drafter 8-bit (group 64)"

@@ -263,7 +263,8 @@ def header_rows(pair, session, o) -> List[Tuple[str, str]]:
     mem += f" · {mx.get_active_memory() / 1e9:.3f} GB in use"
     template = "chat template" if session.use_template else "none: turns concatenated"
     limit = f"{session.max_context} tokens" if session.max_context else "unlimited"
-    rows += [("quantization", quantization(pair.model)), ("memory", mem), ("context", f"{limit} · {template}")]
+    quant = quantization(pair.model) + (f" · drafter {quantization(drafter)}" if drafter is not None else "")
+    rows += [("quantization", quant), ("memory", mem), ("context", f"{limit} · {template}")]
     if session.use_template:
         rows.append(("thinking", {None: "template default", True: "on", False: "off"}[session.thinking]))
     rows.append(("sampling", f"temp {o.temp} · max {o.max_tokens} tokens"))
