@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 
 PHASES = ("prefill", "decode")  # a decode step drafts and verifies in one graph: one time
 _SUMS = ("prompt_tokens", "prompt_reused", "generation_tokens", "steps", "drafted", "accepted", "prompt_s",
-         "generation_s", "plain_steps", "probe_steps")
+         "generation_s", "plain_steps", "probe_steps", "copied", "copies_accepted")
 
 
 def plural(n: int, word: str) -> str:
@@ -45,6 +45,7 @@ class GenerationStats:
             tree is off, or None}``; None without a drafter.
         plain_steps, widths: plain steps; ``{"plain": steps, "chain N": steps, "tree N": steps}``.
         probe_steps: of all steps, those block size auto ran to measure an option other than its best.
+        copied, copies_accepted: drafts copied from the context (prompt lookup) and those accepted.
         mode_s: seconds per mode (``plain``, ``chain``, ``tree``), drafting included.
         trace: ``[[accepted, drafted], ...]`` per verify step, in order.
         block_attention: ``{"block_attention": "metal" | "reference", "reason": str}``, or None.
@@ -74,6 +75,8 @@ class GenerationStats:
     verify: Optional[Dict[str, object]] = None
     plain_steps: int = 0
     probe_steps: int = 0
+    copied: int = 0
+    copies_accepted: int = 0
     widths: Dict[str, int] = field(default_factory=dict)
     mode_s: Dict[str, float] = field(default_factory=dict)
     trace: List[List[int]] = field(default_factory=list)
@@ -104,6 +107,8 @@ class GenerationStats:
         if mode == "plain":
             self.record_plain(seconds)
             return
+        if mode == "lookup":
+            self.copied, self.copies_accepted = self.copied + drafted, self.copies_accepted + accepted
         self.record_step(accepted, drafted)
         self.phase_s["decode"] += seconds
 
@@ -186,6 +191,7 @@ class GenerationStats:
             "widths": dict(sorted(self.widths.items())),
             "plain_steps": self.plain_steps,
             "probe_steps": self.probe_steps,
+            "prompt_lookup": {"drafted": self.copied, "accepted": self.copies_accepted},
             "mode_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.mode_s.items())},
             "tokens": self.generation_tokens,
             "tau": _rounded(self.tau, 4),
@@ -270,6 +276,8 @@ class GenerationStats:
                 lines.append("Histogram: " + format_histogram(self.histogram))
         if self.speculative and self.verify is not None:
             lines.append("Verify: " + self.verify_line())
+        if self.copied:
+            lines.append(f"Prompt lookup: {self.copies_accepted} of {self.copied} copied drafts accepted")
         if self.block_attention:
             path = self.block_attention
             lines.append(f"Block attention: {path['block_attention']} ({path['reason']})")

@@ -134,3 +134,60 @@ def test_quantized_verify_rows_against_single_steps(family, record_property):
     print(f"{family} 4-bit: {differ}/{rows} verify rows differ from 1-row steps (largest logit "
           f"difference {worst:.2e}); {flips} greedy flips")
     assert flips == 0, f"{flips}/{rows} greedy tokens differ between a 16-row verify and 1-row steps"
+
+
+class ScriptedLookup:
+    """A prompt lookup that copies the target's known continuation (``want`` after ``prompt``), its
+    drafts in turn all right, right for half of them, and wrong from the first: the decoder's copy path
+    (verify, acceptance, rollback) as any real match would drive it."""
+
+    def __init__(self, tokens, prompt, want, vocab=256):
+        self.want, self.vocab, self.at, self.steps = want, vocab, len(tokens) - len(prompt), 0
+
+    def extend(self, tokens):
+        self.at += len(tokens)
+
+    def propose(self, limit=15):
+        k = min(limit, 6, len(self.want) - self.at)
+        drafts = list(self.want[self.at:self.at + k])
+        right = (len(drafts), len(drafts) // 2, 0)[self.steps % 3]
+        return drafts[:right] + [(t + 1) % self.vocab for t in drafts[right:right + 1]] + drafts[right + 1:]
+
+    def observe(self, accepted):
+        self.steps += 1
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_prompt_lookup_is_lossless(reference, family, monkeypatch):
+    """Copied drafts (prompt lookup), alone and beside a drafter, accepted whole, in part and not at all:
+    mlx-lm's greedy output; with rollback a no-op the output differs."""
+    from dflash_mlx.decode import batch
+    from dflash_mlx.stats import GenerationStats
+
+    _, target, ref = reference
+    monkeypatch.setattr(batch, "PromptLookup", lambda tokens: ScriptedLookup(tokens, PROMPT, ref))
+    for drafter in (None, tiny_drafter(target)):
+        stats = GenerationStats(block_size=16 if drafter else 1)
+        assert _run(target, drafter, n=96, prompt_lookup=True, stats=stats) == ref[:96]
+        assert 0 < stats.copies_accepted < stats.copied, (stats.copies_accepted, stats.copied)
+    monkeypatch.setattr(TargetAdapter, "rollback", lambda self, cache, n: None)
+    assert _run(target, None, n=96, prompt_lookup=True) != ref[:96]
+
+
+def test_prompt_lookup_copies_what_followed_the_longest_earlier_match():
+    """The continuation of the latest earlier occurrence of the tail (the longest n-gram first), never the
+    tail itself; a copy that keeps nothing pauses lookup for 2, then 4 steps; one that keeps any resets."""
+    from dflash_mlx.decode.lookup import PromptLookup
+
+    lookup = PromptLookup([5, 1, 2, 3, 9, 9, 7, 1, 2, 3, 4, 8])
+    assert lookup.propose() == []  # 3, 4, 8 never occurred before
+    lookup.extend([1, 2, 3])  # 1 2 3 ran on to 9 first and to 4 later: the latest
+    assert lookup.propose() == [4, 8, 1, 2, 3] and lookup.propose(2) == [4, 8]
+    lookup.extend([9, 9, 7, 1, 2, 3, 4])  # 2 3 4 and 1 2 3 4: the longer match wins, what followed it
+    assert lookup.propose(3) == [8, 1, 2]
+    lookup.observe(0)
+    assert lookup.propose() == []
+    lookup.extend([8]), lookup.extend([1])
+    assert lookup.propose(3) == [2, 3, 9]  # 1 2 3 4 8 1 occurred once, then 2 3 9 9 ... (paused for 2 steps)
+    lookup.observe(0), lookup.extend([2]), lookup.extend([3]), lookup.extend([9])
+    assert lookup.propose() == []  # paused for 4 now

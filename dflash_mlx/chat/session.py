@@ -178,11 +178,12 @@ class ChatSession:
         self.turns = self.interrupted = 0
 
     def stream(self, text: str, *, sampler: Optional[Callable[[mx.array], mx.array]] = None,
-               max_tokens: int = 256, block_size: Optional[int] = None,
-               stop_strings: Sequence[str] = ()) -> Generator[ChatEvent, None, None]:
+               max_tokens: int = 256, block_size: Optional[int | str] = None, stop_strings: Sequence[str] = (),
+               prompt_lookup: bool = False) -> Generator[ChatEvent, None, None]:
         """Send one user turn; returns a generator of :class:`ChatEvent`, one per verify step (the session
         changes only while it runs; closed early, it keeps the partial reply). ``max_tokens`` is also capped by
-        the context left; ``stop_strings`` end the reply (``finish_reason`` "stop"), not shown nor kept.
+        the context left; ``stop_strings`` end the reply (``finish_reason`` "stop"), not shown nor kept;
+        ``block_size`` as :func:`~dflash_mlx.decode.generate.generate_step` takes it (``auto`` included).
 
         Raises:
             ContextFullError: the conversation with this turn does not fit.
@@ -192,20 +193,21 @@ class ChatSession:
             raise InputError("the message is empty")
         if any(not s for s in stop_strings):
             raise InputError("a stop string must not be empty")
-        B = check_block_size(block_size, self.pair_cache.drafter)
+        check_block_size(block_size, self.pair_cache.drafter)
         user = {"role": "user", "content": text}
         ids = self.render(self.messages + [user])
         if self.max_context is not None:
             if len(ids) >= self.max_context:
                 raise ContextFullError(len(ids), self.max_context)
             max_tokens = min(max_tokens, self.max_context - len(ids))
-        return self._turn(user, ids, sampler, max_tokens, B, tuple(stop_strings))
+        return self._turn(user, ids, sampler, max_tokens, tuple(stop_strings), block_size=block_size,
+                          prompt_lookup=prompt_lookup)
 
-    def _turn(self, user, ids, sampler, max_tokens, block_size, stops) -> Generator[ChatEvent, None, None]:
+    def _turn(self, user, ids, sampler, max_tokens, stops, **how) -> Generator[ChatEvent, None, None]:
         self.messages.append(user)
         context = () if self.use_template else ids  # plain: the reply continues the text
         decoder = ReplyDecoder(self.tokenizer, starts_thinking(self.tokenizer, ids), context, stops)
-        steps = self.pair_cache.stream(ids, sampler=sampler, max_tokens=max_tokens, block_size=block_size,
+        steps = self.pair_cache.stream(ids, sampler=sampler, max_tokens=max_tokens, **how,
                                        prefill_step_size=self.prefill_step_size, stop_strings=stops)
         stats, generated, finished = None, False, False
         try:

@@ -13,7 +13,7 @@ from dflash_mlx.errors import DFlashError, InputError
 from dflash_mlx.ranges import check_number
 
 from .common import (
-    BlockSize, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
+    BlockSize, PromptLookup, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
     PromptCacheDir, PromptCacheGb, Seed, Sharding, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP, Verify,
     check_pair_flags, check_sampling, check_template_flags, guard, load_pair, parse_draft_window, parse_stops, utf8,
 )
@@ -43,6 +43,7 @@ def chat(
     min_p: MinP = 0.0,
     seed: Seed = None,
     block_size: BlockSize = "auto",
+    prompt_lookup: PromptLookup = "auto",
     draft_window: DraftWindow = None,
     system_prompt: SystemPrompt = None,
     stop: Stop = [],
@@ -164,7 +165,7 @@ def _line(line: str, session, o, view, pair) -> Tuple[bool, bool]:
             return True, _command(line, session, o, view, pair)
         sampler = make_sampler(o.temp, o.top_p, o.min_p, o.top_k, o.vocab_size)
         events = lockstep(session.stream(line, sampler=sampler, max_tokens=o.max_tokens, block_size=o.block_size,
-                                         stop_strings=o.stop))
+                                         stop_strings=o.stop, prompt_lookup=o.prompt_lookup == "auto"))
         with closing(events):
             last, interrupted = view.stream(events)
         if last is not None:

@@ -53,6 +53,13 @@ MinP = Annotated[float, Option("--min-p", help="Min-p threshold, in [0, 1]; 0 is
 Seed = Annotated[Optional[int], Option("--seed", min=0, max=2**64 - 1, help="PRNG seed.")]
 BlockSize = Annotated[str, Option("--block-size", callback=_parsed("parse_block_size"), help=(
     "auto: verify the width measured timings say is fastest; or B, 2..the drafter's trained size."))]
+def _lookup(ctx: typer.Context, value: str) -> str:
+    return value if value in ("auto", "off") else ctx.fail(f"--prompt-lookup must be auto or off, got {value!r}")
+
+
+PromptLookup = Annotated[str, Option("--prompt-lookup", callback=_lookup, help=(
+    "auto: also verify drafts copied from the prompt and the reply where their last tokens occurred "
+    "before (paused while copies miss); off: never."))]
 TreeBudget = Annotated[Optional[str], Option("--tree-budget", callback=_parsed("parse_tree_budget"), help=(
     "DDTree: verify the N most likely draft prefixes as one tree (e.g. 32), or auto."))]
 Sharding = Annotated[Optional[str], Option("--sharding", help=(

@@ -12,7 +12,7 @@ from dflash_mlx.errors import InputError
 
 from .fit import folded
 from .common import (
-    BlockSize, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
+    BlockSize, PromptLookup, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
     PromptCacheDir, PromptCacheGb, Seed, Sharding, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP,
     TreeBudget, Verify, check_pair_flags, check_sampling, check_template_flags, guard, load_pair,
     parse_draft_window, parse_stops, read_prompt, warn,
@@ -31,6 +31,7 @@ def generate(
     seed: Seed = None,
     block_size: BlockSize = "auto",
     tree_budget: TreeBudget = None,
+    prompt_lookup: PromptLookup = "auto",
     draft_window: DraftWindow = None,
     system_prompt: SystemPrompt = None,
     stop: Stop = [],
@@ -83,7 +84,8 @@ def _run(o) -> None:
                           use_template=not o.ignore_chat_template, plain=plain_text)
     max_tokens = fit_context(len(ids), o.max_tokens, context_length(pair.target))
     sampler = make_sampler(o.temp, o.top_p, o.min_p, o.top_k, pair.target.vocab_size)
-    run = dict(sampler=sampler, max_tokens=max_tokens, stop_strings=stops, prefill_step_size=o.prefill_step_size)
+    run = dict(sampler=sampler, max_tokens=max_tokens, stop_strings=stops, prefill_step_size=o.prefill_step_size,
+               prompt_lookup=o.prompt_lookup == "auto")
     if o.compare:  # both halves timed on built kernels
         from dflash_mlx.compare import warm_up
 

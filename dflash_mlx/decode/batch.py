@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from .acceptance import count_accepted
 from .batch_join import Joining, Sampler, StepResult, context_rows, settle
+from .lookup import MAX_COPY, PromptLookup
 from .stopping import StopCondition
 from .tree import build_tree, host_logprobs, verify_tree
 from .width import Plan, WidthChooser, make_chooser
@@ -42,6 +43,7 @@ class BatchSequence:
     seed: Optional[int] = None
     base: int = 0
     draws: int = 0
+    lookup: Optional[PromptLookup] = None
 
     def reseed(self) -> None:
         """Seed the PRNG for this sequence's next draw (seeded sequences only)."""
@@ -60,19 +62,21 @@ class BatchDecoder:
         chooser: each step's :class:`~dflash_mlx.decode.width.Plan` (default: always B).
         store: the prompt cache (used where :attr:`prefix_refusal` is None).
         solo: at most one sequence, in the target's own caches.
+        lookup: drafts copied from the context where they match (:mod:`.lookup`; solo only).
         capture: without a drafter, target layers whose context features each sequence keeps and leaves
             with (:attr:`StepResult.features`), as training data (``dflash data``).
     """
 
     def __init__(self, target: TargetAdapter, drafter: Optional[Drafter], block_size: int,
                  chooser: Optional[WidthChooser] = None, store: Optional[PrefixStore] = None, solo: bool = False,
-                 capture: Optional[List[int]] = None):
-        self.target, self.drafter, self.solo = target, drafter, solo
+                 capture: Optional[List[int]] = None, lookup: bool = False):
+        self.target, self.drafter, self.solo, self.lookup = target, drafter, solo, lookup and solo
         self.bytes = (weight_bytes(target.model), weight_bytes(drafter) if hasattr(drafter, "parameters") else 0)
         self.width = block_size if drafter is not None else 1
         if drafter is not None and chooser is None:
             chooser = make_chooser(target, drafter, block_size, None, None)
         self.chooser = chooser
+        self.rows = max(chooser.max_verify if chooser else self.width, MAX_COPY + 1 if self.lookup else 1)  # per verify
         self.capture = drafter.target_layer_ids if drafter is not None else capture
         self.sequences: List[BatchSequence] = []
         self.cache = None
@@ -113,8 +117,9 @@ class BatchDecoder:
         self._spill()
         self.cache = joining.cache if self.solo else extend(self.cache, joining.cache)
         base = joining.cache[0].offset if self.solo and joining.cache else 0
+        lookup = PromptLookup(joining.prompt.tolist() + token.tolist()) if self.lookup else None
         self.sequences.append(BatchSequence(joining.key, joining.rule, joining.stop, joining.stats, token,
-                                            pending, draft_cache, joining.seed, base))
+                                            pending, draft_cache, joining.seed, base, lookup=lookup))
 
     def remove(self, keys: Sequence[Any]) -> None:
         """Drop the sequences of ``keys``; a solo sequence's caches keep its committed tokens but the last."""
@@ -179,12 +184,18 @@ class BatchDecoder:
     def _step(self) -> List[StepResult]:
         """Draft -> verify -> accept -> roll back (a plain step where the plan's width is 1)."""
         tic = time.perf_counter()
-        plan = self._plan()
-        probe = self.chooser is not None and self.chooser.probing  # read before the next plan is made
+        s0 = self.sequences[0]
+        copy = s0.lookup.propose(s0.stop.budget - 1) if s0.lookup and self._queued is None else []
+        plan = Plan(len(copy) + 1, 0) if copy else self._plan()
+        probe = self.chooser is not None and self.chooser.probing and not copy  # read before the next plan
         if plan.width == 1:
             return self._plain(plan, tic, probe)
         tokens = self._tokens()
-        drafts, proposals = self._propose(tokens, plan.block)
+        if copy:
+            self._spill()
+            drafts, proposals = mx.array([copy], dtype=mx.int32), None
+        else:
+            drafts, proposals = self._propose(tokens, plan.block)
         if plan.tree_budget is not None and self.solo:
             s, logprobs = self.sequences[0], host_logprobs(proposals[0])
             tree = build_tree(int(s.token.item()), logprobs, plan.tree_budget)
@@ -199,16 +210,19 @@ class BatchDecoder:
                 share_offsets(self.cache)
             h, features = self.target(mx.concatenate([tokens[:, None], drafts], axis=1), self.cache, self.capture)
             decided = self._decide(drafts, proposals, self.target.lm_head(h), features, w)
-            self._context = (features, [a + 1 for a, _ in decided])
+            self._context = (features, [a + 1 for a, _ in decided]) if features is not None else None
             self._rollback([w - 1 - a for a, _ in decided])
-            drafted, mode = w - 1, "chain"
+            drafted, mode = w - 1, "lookup" if copy else "chain"
         seconds = time.perf_counter() - tic
         results = []
         for s, (a, out) in zip(self.sequences, decided):
             s.stats.record_plan(mode, plan.tree_budget or plan.width, seconds, a, drafted, probe)
             s.token = mx.array(out[a : a + 1], dtype=mx.int32)
             results.append(StepResult(out[: a + 1], a, None))
-        self.chooser.observe(plan, seconds, [r.accepted for r in results])
+        if copy:
+            s0.lookup.observe(decided[0][0])
+        elif self.chooser is not None:
+            self.chooser.observe(plan, seconds, [r.accepted for r in results])
         return results
 
     def _tokens(self) -> mx.array:
@@ -301,7 +315,8 @@ class BatchDecoder:
             y, features = self._forward()
         self._queued = None
         s0 = self.sequences[0]
-        if self.solo and s0.stop.budget > 1 and self.target.rollback_spans_forwards:
+        if self.solo and s0.stop.budget > 1 and self.target.rollback_spans_forwards and not (
+                s0.lookup and s0.lookup.propose(1)):  # a match now may copy next step: nothing dispatched early
             nxt = self._plan()
             self._queued = (nxt, *self._forward(y)) if nxt.width == 1 else (nxt, None, None)
             mx.async_eval([a for a in self._queued[1:] if a is not None])
@@ -340,6 +355,8 @@ class BatchDecoder:
                 r.tokens, r.finish_reason = s.stop.cut(r.tokens)
             except Exception as e:  # this sequence's fault only: it leaves, the others go on
                 r.tokens, r.error = [], e
+            if s.lookup is not None:
+                s.lookup.extend(r.tokens)
             if r.finish_reason is not None or r.error is not None:
                 done.append(s.key)
                 if r.finish_reason is not None and self.drafter is None and s.pending:

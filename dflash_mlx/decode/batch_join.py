@@ -53,7 +53,7 @@ class Joining:
         self.decoder, self.key, self.stop, self.seed = decoder, key, stop, seed
         self.rule = choose_rule(decoder.drafter, sampler)
         self.prompt, self.rest, self.step_size, self.should_stop = prompt, prompt, max(1, step_size), should_stop
-        rows = decoder.chooser.max_verify if decoder.chooser is not None else decoder.width
+        rows = decoder.rows
         self.cache = cache if cache is not None else decoder.target.make_cache(rows)
         self.draft_cache = draft_cache
         self.reused, self.source, self._looked_up = 0, None, decoder.prefix is None
