@@ -60,7 +60,11 @@ def run_mlx_lm(model: str, prompt: str, max_tokens: int) -> dict:
 
 
 def run_dflash(model: str, draft: str, prompt: str, max_tokens: int, setting: str) -> dict:
-    pair = [] if setting == "plain" else ["--draft-model", draft, "--block-size", setting]
+    """``setting``: a --block-size (``auto``, ``16``), ``plain`` (no drafter, no prompt lookup) or ``lookup``
+    (no drafter, prompt lookup); ``:off`` after a block size turns prompt lookup off."""
+    block, _, lookup = setting.partition(":")
+    pair = [] if block in ("plain", "lookup") else ["--draft-model", draft, "--block-size", block]
+    pair += ["--prompt-lookup", "off" if block == "plain" or lookup == "off" else "auto"]
     cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "generate", "--model", model, *pair,
            "-p", prompt, "-m", str(max_tokens), "--json", "--quiet"]
     tic = time.perf_counter()
@@ -71,7 +75,8 @@ def run_dflash(model: str, draft: str, prompt: str, max_tokens: int, setting: st
     out = json.loads(r.stdout)
     capped = "tokens will be generated" in r.stderr  # the prompt and reply would pass the target's context
     return {"text": out["text"], "tps": out["generation_tps"], "wall": wall, "tau": out["tau"], "capped": capped,
-            "widths": out.get("widths", {}), "probe_steps": out.get("probe_steps", 0)}
+            "widths": out.get("widths", {}), "probe_steps": out.get("probe_steps", 0),
+            "copied": out.get("prompt_lookup", {}).get("drafted", 0)}
 
 
 def median_or_none(values) -> float | None:
@@ -93,7 +98,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_pair_args(p)
     p.add_argument("--settings", nargs="+", default=["plain", "auto", "4", "8", "16"],
-                   help="--block-size values, and plain (no drafter)")
+                   help="--block-size values (auto:off: prompt lookup off), plain (no drafter nor lookup), lookup")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -136,6 +141,9 @@ def main() -> int:
             "block_size": e, "speed_vs_mlx_lm": round(statistics.median(speed), 3),
             "speed_vs_plain": (round(statistics.median(per_prompt_ratio(e, "tps", "plain")), 3)
                                if "plain" in runs else None),
+            "speed_vs_lookup_off": (round(statistics.median(per_prompt_ratio(e, "tps", f"{e}:off")), 3)
+                                    if f"{e}:off" in runs else None),
+            "copied": sum(x["copied"] for mine in runs[e] for x in mine),
             "probe_steps": sum(x["probe_steps"] for mine in runs[e] for x in mine),
             "process_time_ratio": round(statistics.median(wall), 3),
             "per_prompt_speed": [round(x, 3) for x in speed],
@@ -144,13 +152,15 @@ def main() -> int:
         })
     base_tps = statistics.median(x["tps"] for mine in runs["mlx-lm"] for x in mine)
     print(f"\nmlx-lm: {base_tps:.1f} tokens/s (median)")
-    print("| --block-size | speed vs mlx-lm | vs plain | process time vs mlx-lm | tau | identical | widths |")
-    print("|---|---:|---:|---:|---:|---|---|")
+    print("| --block-size | speed vs mlx-lm | vs plain | vs lookup off | process time vs mlx-lm | tau | identical "
+          "| widths |")
+    print("|---|---:|---:|---:|---:|---:|---|---|")
     for row in rows:
         top = ", ".join(f"{k} x{n}" for k, n in list(row["widths"].items())[:4])
         top += f" ({row['probe_steps']} probes)" if row["probe_steps"] else ""
         plain = "-" if row["speed_vs_plain"] is None else f"{row['speed_vs_plain']:.2f}x"
-        print(f"| {row['block_size']} | {row['speed_vs_mlx_lm']:.2f}x | {plain} | {row['process_time_ratio']:.2f}x | "
+        off = "-" if row["speed_vs_lookup_off"] is None else f"{row['speed_vs_lookup_off']:.2f}x"
+        print(f"| {row['block_size']} | {row['speed_vs_mlx_lm']:.2f}x | {plain} | {off} | {row['process_time_ratio']:.2f}x | "
               f"{row['tau'] if row['tau'] is None else format(row['tau'], '.2f')} | {row['identical']} | {top} |")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
