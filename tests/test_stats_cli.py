@@ -68,7 +68,7 @@ def test_one_request_gives_the_same_statistics_through_generate_chat_bench_and_s
     d = usage["dflash"]
     assert usage["prompt_tokens"] == gen["prompt_tokens"] and usage["completion_tokens"] == N
     for key in ("steps", "plain_steps", "tau", "acceptance_rate", "acceptance_histogram",
-                "prompt_tokens_reused", "prompt_tokens_prefilled", "block_attention"):
+                "prompt_tokens_reused", "prompt_tokens_prefilled", "block_attention", "prompt_lookup"):
         assert d[key] == gen[key], key
     # measured as generate measures them (the server's own peak memory holds more than one request's)
     assert d["peak_memory"] >= gen["peak_memory"] > 0 and d["bandwidth_gbps"] > 0 and gen["bandwidth_gbps"] > 0

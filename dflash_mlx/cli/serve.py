@@ -11,7 +11,7 @@ from dflash_mlx.errors import InputError
 from dflash_mlx.ranges import check_number
 
 from .common import (BlockSize, DraftModel, Model, NoPromptCache, PrefillStep, PromptCacheDir, PromptCacheGb,
-                     Sharding, check_pair_flags, check_template_flags, guard, load_pair)
+                     PromptLookup, Sharding, check_pair_flags, check_template_flags, guard, load_pair)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_BATCH = 256  # a batch's cache grows with it: a typo (8000) should not take the memory
@@ -24,6 +24,7 @@ def serve(
     host: Annotated[str, Option("--host", help="Address to bind; beyond this Mac, use --api-key.")] = "127.0.0.1",
     port: Annotated[int, Option("--port", help="TCP port.")] = 8080,
     block_size: BlockSize = "auto",
+    prompt_lookup: PromptLookup = "auto",
     max_tokens: Annotated[int, Option("--max-tokens", "-m", help="Tokens per request that does not say.")] = 512,
     api_key: Annotated[Optional[str], Option("--api-key", envvar="DFLASH_API_KEY", help=(
         "Require 'Authorization: Bearer KEY' on every endpoint but /health."))] = None,
@@ -98,8 +99,9 @@ def _run(o) -> None:
     if sock is None:
         from dflash_mlx.serve.ranks import follow
 
-        return follow(pair, o.block_size, o.prefill_step_size)
+        return follow(pair, o.block_size, o.prefill_step_size, o.prompt_lookup == "auto")
     config = ServerConfig(model_id=o.model, max_tokens=o.max_tokens, block_size=o.block_size, api_key=o.api_key,
+                          prompt_lookup=o.prompt_lookup == "auto",
                           max_queue=o.max_queue, max_body_bytes=int(o.max_body_mb * 2**20), template=o.template,
                           allow_request_templates=o.allow_request_templates, max_prompt_chars=o.max_prompt_chars,
                           request_timeout=o.request_timeout or None, idle_timeout=o.idle_timeout,

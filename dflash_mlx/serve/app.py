@@ -37,6 +37,7 @@ class ServerConfig:
     model_id: str  # the name /v1/models lists; requests name it, its folder's base name or the folder
     max_tokens: int = 512  # when a request does not say
     block_size: Optional[int] = None  # None: the drafter's trained size; "auto"
+    prompt_lookup: bool = False  # drafts copied from the context (one request at a time)
     api_key: Optional[str] = None  # every endpoint but /health then needs "Authorization: Bearer KEY" (401)
     max_queue: int = 16  # most requests waiting (429)
     max_body_bytes: int = MAX_BODY_BYTES  # 413
@@ -61,7 +62,7 @@ class Server:
         self.metrics = ServerMetrics(trained)
         self.engine = Engine(pair, max_batch=config.max_batch, metrics=self.metrics, block_size=config.block_size,
                              max_queue=config.max_queue, prefill_step_size=config.prefill_step_size,
-                             store=config.prompt_store)
+                             store=config.prompt_store, prompt_lookup=config.prompt_lookup)
         self.context = context_length(pair.model)
         self.char_cap = prompt_char_cap(self.context, config.max_prompt_chars)
         self.names = {config.model_id, PurePath(config.model_id).name, real_path(config.model_id)}

@@ -47,14 +47,16 @@ class Engine:
     """Runs up to ``max_batch`` generation jobs of ``pair`` together on one worker thread.
 
     ``block_size``: B (None: the drafter's trained size; "auto"); ``max_queue``: most jobs waiting beyond those
-    running; ``prefill_step_size``: prompt tokens per chunk (2048); ``store``: the prompt cache, or None.
+    running; ``prefill_step_size``: prompt tokens per chunk (2048); ``store``: the prompt cache, or None;
+    ``prompt_lookup``: copy drafts from the context (one request at a time only).
     Under ``mlx.launch`` with several ranks: one request at a time, no prompt store, the ranks in lockstep
     (:mod:`.ranks`). InputError: ``block_size`` out of range for the drafter.
     """
 
     def __init__(self, pair: Any, *, max_batch: int = 1, block_size: Optional[int | str] = None,
                  max_queue: int = 16, metrics: Optional[ServerMetrics] = None,
-                 prefill_step_size: Optional[int] = None, store: Optional[PrefixStore] = None):
+                 prefill_step_size: Optional[int] = None, store: Optional[PrefixStore] = None,
+                 prompt_lookup: bool = False):
         self.pair, self.max_queue, self.prefill_step_size = pair, max_queue, prefill_step_size
         self.metrics = metrics or ServerMetrics()
         self.lockstep = Lockstep() if ranks() > 1 else None
@@ -76,7 +78,8 @@ class Engine:
         chooser = None
         if pair.drafter is not None:
             chooser = make_chooser(pair.target, pair.drafter, block_size, None, GenerationStats(block_size=width))
-        self.decoder = BatchDecoder(pair.target, pair.drafter, width, chooser, None if solo else store, solo)
+        self.decoder = BatchDecoder(pair.target, pair.drafter, width, chooser, None if solo else store, solo,
+                                    lookup=prompt_lookup)
         if self.decoder.prefix_refusal is not None:
             log.warning("prompt cache: not used by batched requests, which prefill their whole prompt: %s "
                         "(--max-batch 1 uses it)", self.decoder.prefix_refusal)

@@ -71,8 +71,9 @@ class FollowerJob:
         pass
 
 
-def follow(pair: Any, block_size: Any, prefill_step_size: Optional[int]) -> None:
-    """Ranks other than 0: run rank 0's jobs on ``pair`` until rank 0's server stops."""
+def follow(pair: Any, block_size: Any, prefill_step_size: Optional[int], prompt_lookup: bool = False) -> None:
+    """Ranks other than 0: run rank 0's jobs on ``pair`` (decoding as it does) until rank 0's server stops."""
     from .engine import Engine
 
-    Engine(pair, block_size=block_size, prefill_step_size=prefill_step_size).shutdown(wait=True)
+    Engine(pair, block_size=block_size, prefill_step_size=prefill_step_size,
+           prompt_lookup=prompt_lookup).shutdown(wait=True)
