@@ -166,3 +166,17 @@ def test_a_table_fits_80_terminal_columns_and_is_plain_text_in_a_log(monkeypatch
     assert rows[0] == "dflash bench: speed and acceptance"
     assert re.fullmatch(r"\s+dflash B=16\s+3\.21\s+123\.4\s+2345\s+1\.234\s+2\.31x\s+2\.29x\s+0/10\s+20\.00\s+0\.900",
                         rows[-1])
+
+
+def test_prompt_lookup_copies_from_the_whole_prompt_when_the_cache_holds_part_of_it(stories, tmp_path):
+    """A prompt the prompt cache restores from disk is still context to copy from: the second run drafts
+    the same copies as the first, whose cache was empty, and both say the same as --prompt-lookup off."""
+    story = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One "
+             "day, she saw a big, red ball. ") * 3
+    args = ["generate", "--model", str(stories), "-p", story, "-m", "120", "--json", "--quiet",
+            "--prompt-cache-dir", str(tmp_path / "cache")]
+    runs = [json.loads(dflash(*args).stdout) for _ in range(2)]
+    off = json.loads(dflash(*args, "--prompt-lookup", "off").stdout)
+    assert runs[0]["prompt_tokens_reused"] == 0 < runs[1]["prompt_tokens_reused"]
+    assert runs[0]["prompt_lookup"] == runs[1]["prompt_lookup"] and runs[0]["prompt_lookup"]["drafted"] > 0
+    assert runs[0]["text"] == runs[1]["text"] == off["text"] and off["prompt_lookup"]["drafted"] == 0

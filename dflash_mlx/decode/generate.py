@@ -40,7 +40,7 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
                   stop: Optional[StopCondition] = None, prefill_step_size: int = 2048,
                   should_stop: Optional[Callable[[], bool]] = None, prompt_cache: Optional[List[Any]] = None,
                   draft_cache: Optional[List[Any]] = None, stats: Optional[GenerationStats] = None,
-                  prompt_lookup: bool = False) -> Generator[StepResult, None, None]:
+                  prompt_lookup: bool = False, cached_ids: Sequence[int] = ()) -> Generator[StepResult, None, None]:
     """Decode from ``prompt`` (spec section 5): one :class:`StepResult` per target forward.
 
     Args:
@@ -48,7 +48,8 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
         sampler: mlx-lm sampler over [N, V] log-probabilities or a :class:`~dflash_mlx.sampling.Sampling`
             (default greedy); it picks the acceptance rule (:func:`~.acceptance.choose_rule`).
         block_size, tree_budget: see :func:`~.width.make_chooser` (``stats.verify`` says what ran).
-        prompt_lookup: also verify drafts copied from the context where they match (:mod:`.lookup`).
+        prompt_lookup: also verify drafts copied from the context where they match (:mod:`.lookup`);
+            ``cached_ids``: the ids ``prompt_cache`` holds before ``prompt``, context to copy from too.
         stop: a :class:`~.stopping.StopCondition`, replacing ``max_tokens`` and ``stop_token_ids``.
         should_stop: checked before each prefill chunk; True raises ``PrefillStopped``.
         prompt_cache, draft_cache, stats: updated in place (default fresh); finished or closed, both
@@ -72,6 +73,7 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
     stats = stats if stats is not None else GenerationStats(block_size=B)
     chooser = make_chooser(target, drafter, block_size, tree_budget, stats) if drafter is not None else None
     decoder, key = BatchDecoder(target, drafter, B, chooser, solo=True, lookup=prompt_lookup), object()
+    decoder.history = list(cached_ids)
     if prompt_cache is not None:
         target.check_cache(prompt_cache, decoder.rows)
     joining = decoder.start(key, prompt, sampler, stop, prefill_step_size, should_stop, cache=prompt_cache,

@@ -123,8 +123,9 @@ class PairCache:
         try:
             known = start = self.begin(ids, int(kwargs.get("prefill_step_size") or 2048), kwargs.get("should_stop"))
             reused, pre_s = self.last_reused, time.perf_counter() - tic
+            cached = {"cached_ids": ids[:start]} if kwargs.get("prompt_lookup") else {}
             for r in self.generate(self.target, self.tokenizer, ids[start:], self.drafter,
-                                   prompt_cache=self.cache, draft_cache=self.draft_cache, **kwargs):
+                                   prompt_cache=self.cache, draft_cache=self.draft_cache, **cached, **kwargs):
                 if first:  # rows reused and time spent here count as the prompt's
                     r.stats.prompt_tokens, r.stats.prompt_reused = len(ids), reused
                     r.stats.prompt_s, first = r.stats.prompt_s + pre_s, False
