@@ -216,6 +216,7 @@ class Engine:
                 pc.end(spec.ids, len(pc.tokens), False)
                 raise
             caches = dict(cache=pc.cache, draft_cache=pc.draft_cache)
+            self.decoder.history = list(spec.ids[:start])  # context for prompt lookup too
         joining = self.decoder.start(job, spec.ids[start:], sampler, stop, step, lambda: self._stops(job), seed=seed,
                                      **caches)
         if self.pair_cache is not None:
