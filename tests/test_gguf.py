@@ -114,6 +114,18 @@ def test_every_type_reads_as_the_gguf_package_dequantizes_it(tmp_path, qtype, ti
     assert logits.dtype == cache[0].keys.dtype == mx.float16 and mx.all(mx.isfinite(logits)).item()
 
 
+def test_end_of_turn_and_message_ids_stop_generation(tmp_path):
+    """tokenizer.ggml.eot_token_id and eom_token_id (Llama 3's <|eot_id|>, <|eom_id|>) join the EOS id as
+    stop tokens; a file with only an EOS id keeps it alone."""
+    _, tokens, merges = byte_level_vocab()
+    model, _ = tiny_target("llama", vocab=len(tokens), hidden=64, layers=1, seed=3)
+    ends = {"tokenizer.ggml.eot_token_id": 1, "tokenizer.ggml.eom_token_id": 0}
+    convert_gguf(write_gguf(tmp_path / "e.gguf", model, tokens, merges=merges, extra=ends), tmp_path / "e")
+    convert_gguf(write_gguf(tmp_path / "o.gguf", model, tokens, merges=merges), tmp_path / "o")
+    assert set(mlx_lm_load(str(tmp_path / "e"))[1].eos_token_ids) == {2, 1, 0}
+    assert set(mlx_lm_load(str(tmp_path / "o"))[1].eos_token_ids) == {2}
+
+
 def test_byte_level_tokenizer_matches_its_vocabulary(llama_gguf, tmp_path):
     """The converted tokenizer encodes and decodes as the tokenizer the vocabulary came from, on text with
     emoji, CJK, accents and code; control tokens stay whole; the chat template is kept."""

@@ -216,10 +216,12 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
         "attention_bias": "blk.0.attn_q.bias" in weights,
         "mlp_bias": "blk.0.ffn_gate.bias" in weights,
     }
-    for name, meta in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
-        value = metadata.get(f"tokenizer.ggml.{meta}")
-        if value is not None:
-            config[name] = metadata_value(metadata, f"tokenizer.ggml.{meta}", source)
+    if metadata.get("tokenizer.ggml.bos_token_id") is not None:
+        config["bos_token_id"] = metadata["tokenizer.ggml.bos_token_id"]
+    ends = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]  # Llama 3: <|eot_id|>
+    ends = list(dict.fromkeys(i for i in ends if i is not None))
+    if ends:
+        config["eos_token_id"] = ends[0] if len(ends) == 1 else ends
     return config
 
 
