@@ -1,0 +1,63 @@
+"""The commands in README.md and docs/*.md as written: every `dflash SUBCOMMAND` names a subcommand that
+exists, every flag it passes is one that subcommand takes (from its --help), and every file of this
+repository it points at (examples/, scripts/, benchmarks/) is there. The commands themselves need models
+and data the tests do not have; what drifts most, names, is checked here."""
+
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, dflash
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL = {"|", "||", "&&", ";", ">", ">>", "<", "2>", "&"}
+
+
+def commands():
+    """``(doc, subcommand, argv)`` of every `dflash ...` line in the docs' shell blocks (continuations joined,
+    comments and what follows a shell operator dropped)."""
+    found = []
+    for doc in DOCS:
+        for block in re.findall(r"```(?:bash|sh|shell|console)?\n(.*?)```", doc.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                m = re.search(r"(?:^|\s|/)dflash ([a-z][\w-]*)(.*)", line.strip())
+                if not m or line.strip().startswith("#"):
+                    continue
+                argv = []
+                for token in shlex.split(m.group(2), comments=True):
+                    if token in SHELL:
+                        break
+                    argv.append(token)
+                found.append((doc.relative_to(ROOT), m.group(1), argv))
+    return found
+
+
+COMMANDS = commands()
+
+
+def test_the_docs_hold_commands_of_every_subcommand():
+    assert {sub for _, sub, _ in COMMANDS} >= {"generate", "chat", "serve", "convert", "bench", "data", "train"}
+
+
+@pytest.mark.parametrize("sub", sorted({sub for _, sub, _ in COMMANDS}))
+def test_every_flag_in_the_docs_is_one_the_command_takes(sub):
+    r = dflash(sub, "--help", text=True, env={**os.environ, "COLUMNS": "300"})
+    assert r.returncode == 0, f"`dflash {sub}` in the docs is not a command: {r.stderr}"
+    taken = set(re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", r.stdout))
+    for doc, s, argv in COMMANDS:
+        if s != sub:
+            continue
+        for token in argv:
+            flag = token.split("=", 1)[0]
+            if re.fullmatch(r"--?[a-zA-Z][\w-]*", flag):
+                assert flag in taken, f"{doc}: `dflash {sub} ... {flag}`: not a flag of dflash {sub}"
+
+
+def test_every_repository_file_the_docs_run_is_there():
+    for doc, sub, argv in COMMANDS:
+        for token in argv:
+            if re.match(r"(examples|scripts|benchmarks)/", token):
+                assert (ROOT / token).exists(), f"{doc}: `dflash {sub}` points at {token}, which is not there"
