@@ -28,8 +28,9 @@ class DFlashEngine(Engine):
     ``tree_budget`` None, N or ``"auto"``), plain decoding (``ar``) without one."""
 
     def __init__(self, target, drafter: Optional[Drafter] = None, block_size: Optional[int | str] = None,
-                 tree_budget: Optional[int | str] = None):
+                 tree_budget: Optional[int | str] = None, prompt_lookup: bool = False):
         self.target, self.drafter, self.tree_budget = target, drafter, tree_budget
+        self.prompt_lookup = prompt_lookup and drafter is not None  # the plain baseline stays plain
         self.draft_block = check_block_size(block_size, drafter)
         self.verify_block = block_size if block_size == "auto" else self.draft_block
         self.name = "dflash" if drafter is not None else "ar"
@@ -41,7 +42,8 @@ class DFlashEngine(Engine):
     def stream(self, ids, max_tokens, sampler, stop_ids, stats):
         for step in generate_step(mx.array(ids, dtype=mx.int32), self.target, self.drafter, sampler=sampler,
                                   max_tokens=max_tokens, tree_budget=self.tree_budget, stop_token_ids=stop_ids,
-                                  block_size=self.verify_block if self.drafter is not None else None, stats=stats):
+                                  block_size=self.verify_block if self.drafter is not None else None, stats=stats,
+                                  prompt_lookup=self.prompt_lookup):
             yield step.tokens
 
 

@@ -110,7 +110,8 @@ def timed_run(engine: Engine, ids: List[int], max_tokens: int, sampler, stop_ids
 class BenchConfig:
     """What to run: ``block_sizes`` (B, None: the trained size, or ``"auto"``), ``tree_budgets`` (N
     nodes or ``"auto"``), ``repeats`` per prompt (each reseeded with ``seed``), ``simulate_acceptance``
-    (A or a trace of A values, temp 0 only), ``warmup_tokens`` per engine (0: none), ``draft_window``."""
+    (A or a trace of A values, temp 0 only), ``warmup_tokens`` per engine (0: none), ``draft_window``,
+    ``prompt_lookup`` (the DFlash rows copy drafts from the context too; never the plain baseline)."""
 
     max_tokens: int = 256
     block_sizes: Sequence[Optional[int | str]] = (None,)
@@ -125,6 +126,7 @@ class BenchConfig:
     enable_thinking: bool = False
     warmup_tokens: int = 32
     draft_window: Optional[tuple] = None
+    prompt_lookup: bool = False
 
     def check(self) -> None:
         """Raises InputError naming the flag that is out of range."""
@@ -209,7 +211,7 @@ class Runner:
     def _dflash(self, variant: tuple, ids: List[int]) -> DFlashEngine:
         accept = self.config.simulate_acceptance
         if accept is None:
-            return DFlashEngine(self.target, self.drafter, *variant)
+            return DFlashEngine(self.target, self.drafter, *variant, prompt_lookup=self.config.prompt_lookup)
         if self._continuation[0] != tuple(ids):  # one untimed plain greedy run per prompt
             horizon = self.config.max_tokens + max(self.block_sizes) + 64
             self._continuation = (tuple(ids), greedy_continuation(self.target, ids, horizon, self.stop_ids))
@@ -221,7 +223,7 @@ class Runner:
         if drafter is None:
             drafter = self._simulated[variant] = SimulatedDrafter(self.drafter, (), 0, self.target.vocab_size)
         drafter.reset(self._continuation[1], accept)
-        return DFlashEngine(self.target, drafter, *variant)
+        return DFlashEngine(self.target, drafter, *variant, prompt_lookup=self.config.prompt_lookup)
 
     def _run(self, engine: Engine, ids: List[int], max_tokens: int) -> RunRecord:
         mx.random.seed(self.config.seed)

@@ -10,8 +10,8 @@ from typer import Option
 from dflash_mlx.errors import InputError
 from dflash_mlx.ranges import check_number
 
-from .common import (DraftModel, DraftWindow, MaxTokens, MinP, Model, PrefillStep, Temp, TopK, TopP, Verify,
-                     check_sampling, guard, parse_draft_window, print_table, progress_bars, resolve_models, warn)
+from .common import (DraftModel, DraftWindow, MaxTokens, MinP, Model, PrefillStep, PromptLookup, Temp, TopK, TopP,
+                     Verify, check_sampling, guard, parse_draft_window, print_table, progress_bars, resolve_models, warn)
 
 
 def bench(
@@ -28,6 +28,7 @@ def bench(
         "Block sizes to sweep: '--block-size 4 8 16 auto' (default: the trained size)."))] = None,
     tree_budget: Annotated[Optional[List[str]], Option("--tree-budget", help=(
         "DDTree budgets to run too, one row each: '--tree-budget 16 32 64 auto'."))] = None,
+    prompt_lookup: PromptLookup = "auto",
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
     top_k: TopK = 0,
@@ -125,7 +126,7 @@ def checked_config(o):
                          top_p=o.top_p, top_k=o.top_k, min_p=o.min_p, seed=o.seed, repeats=o.repeats,
                          simulate_acceptance=parse_simulate_acceptance(o.simulate_acceptance),
                          enable_thinking=o.enable_thinking, warmup_tokens=o.warmup_tokens,
-                         draft_window=parse_draft_window(o.draft_window))
+                         draft_window=parse_draft_window(o.draft_window), prompt_lookup=o.prompt_lookup == "auto")
     config.check()
     return config
 
