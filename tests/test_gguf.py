@@ -330,3 +330,19 @@ def test_gguf_target_with_a_drafter_converts_and_validates(llama_gguf, tmp_path)
     assert {"target", "drafter", "dflash.json"} <= {p.name for p in (tmp_path / "pair").iterdir()}
     assert result.manifest["target"]["method"] == "GGUF dequantized by the gguf package"
     assert all(c.ok is not False for c in result.checks) and len(result.checks) >= 5
+
+
+def test_a_cut_file_is_one_line_at_any_offset(tmp_path):
+    """A K-quant file (read tensor by tensor by the gguf package) cut anywhere, header, metadata or tensor
+    data: one line naming the file, exit 1, nothing written."""
+    _, tokens, merges = byte_level_vocab()
+    model, _ = tiny_target("llama", vocab=len(tokens), hidden=256, layers=1, seed=5)
+    path = write_gguf(tmp_path / "k.gguf", model, tokens, qtype="Q4_K", merges=merges)
+    size = path.stat().st_size
+    for at in (3, 24, size // 10, size // 3, size - 1000, size - 1):
+        bad = cut(path, at, tmp_path / f"cut{at}.gguf")
+        out = tmp_path / f"out{at}"
+        r = dflash("convert", "--model", str(bad), "--out", str(out), text=True)
+        lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+        assert r.returncode == 1 and len(lines) == 1 and str(bad) in lines[0], (at, r.stderr)
+        assert "Traceback" not in r.stderr and not out.exists(), at
