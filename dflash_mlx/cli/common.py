@@ -18,7 +18,7 @@ from dflash_mlx.errors import DFlashError, InputError
 from dflash_mlx.hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from dflash_mlx.ranges import check_number
 
-from .fit import WIDE, columns, fit_table, plain
+from .fit import WIDE, columns, fit_table, folded, plain
 from .main import silence_stdout
 
 MODEL_HELP = (
@@ -86,8 +86,8 @@ def fail(message: str, code: int = 1) -> None:
 
 
 def warn(message: str) -> None:
-    """Print a one-line warning on stderr."""
-    typer.echo(f"warning: {message}", err=True)
+    """Print a warning on stderr, one line folded to the terminal's width (:func:`~.fit.folded`)."""
+    typer.echo(folded([f"warning: {message}"]), err=True)
 
 
 def check_pair_flags(o) -> None:
