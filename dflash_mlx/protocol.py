@@ -5,6 +5,8 @@ from typing import Any, List, Optional, Protocol, Sequence, runtime_checkable
 
 import mlx.core as mx
 
+MAX_COPY = 15  # drafts a copy from the context proposes at most (prompt lookup): a verify of 16, as B=16
+
 
 @dataclass
 class Proposal:

@@ -315,3 +315,17 @@ def test_an_entry_stored_again_is_read_back_without_a_warning(tmp_path):
         snap, rows = store.lookup("a" * 24, [7, 8, 9])
         assert rows == 2 and snap.arrays["target.0.keys"].max().item() == value
     assert not warnings, warnings
+
+
+@pytest.mark.parametrize("family", ["llama-sliding", "gemma3_text"])
+def test_prompt_lookup_through_kept_caches_of_a_sliding_window_target(family):
+    """The caches a PairCache keeps hold the slack a copy's verify (16 rows) needs, on a sliding-window
+    target without a drafter: the second turn, copying from its first, says what fresh decoding says."""
+    model, target = tiny_target(family)
+    pc = PairCache(target, ByteTokenizer(), None)
+    first = [1, 17, 33, 2, 9, 100, 42] * 3
+    reply = [t for r in pc.stream(first, max_tokens=40, prompt_lookup=True) for t in r.tokens]
+    ids = first + reply + [5, 6]
+    again = [t for r in pc.stream(ids, max_tokens=40, prompt_lookup=True) for t in r.tokens]
+    fresh = [t for s in generate_step(mx.array(ids), target, None, max_tokens=40) for t in s.tokens]
+    assert again == fresh

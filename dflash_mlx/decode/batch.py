@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from .acceptance import count_accepted
 from .batch_join import Joining, Sampler, StepResult, context_rows, settle
-from .lookup import MAX_COPY, PromptLookup
+from .lookup import PromptLookup
 from .stopping import StopCondition
 from .tree import build_tree, host_logprobs, verify_tree
 from .width import Plan, WidthChooser, make_chooser
@@ -19,7 +19,7 @@ from ..drafter.batch import pad_contexts
 from ..errors import InputError
 from ..prompt_cache.batch_prefix import BatchPrefix, batch_prefix_refusal
 from ..prompt_cache.store import PrefixStore
-from ..protocol import Drafter, Proposal
+from ..protocol import MAX_COPY, Drafter, Proposal
 from ..stats import GenerationStats, weight_bytes
 from ..targets import TargetAdapter
 from ..prompt_cache.batch import compact, extend, keep_rows, rollback_ragged, share_offsets

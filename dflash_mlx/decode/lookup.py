@@ -6,8 +6,9 @@ steps (2, 4, ... 64), one that does resets the pause."""
 
 from typing import Dict, List, Sequence, Tuple
 
+from ..protocol import MAX_COPY
+
 MIN_NGRAM, MAX_NGRAM = 3, 6
-MAX_COPY = 15  # drafts per copy: a verify of 16, the widest block a DFlash drafter is trained for
 MAX_PAUSE = 64
 
 

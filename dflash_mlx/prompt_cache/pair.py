@@ -6,6 +6,7 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 
 from mlx_lm.models.cache import KVCache
 
+from ..protocol import MAX_COPY
 from .trim import can_trim, trim_layers
 from .entry import Snapshot, restore_or_warn, take_snapshot
 from .key import key_id, pair_key
@@ -197,7 +198,7 @@ class PairCache:
         self.cache, self.draft_cache = self._new_caches()
 
     def _new_caches(self) -> tuple:
-        B = self.drafter.block_size if self.drafter is not None else 1
+        B = max(self.drafter.block_size if self.drafter is not None else 1, MAX_COPY + 1)  # a copy's verify too
         return self.target.make_cache(B), (self.drafter.make_cache() if self.drafter is not None else None)
 
     def offsets(self) -> Dict[str, List[int]]:
