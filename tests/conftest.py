@@ -37,6 +37,10 @@ if sys.platform == "linux" and "LD_PRELOAD" not in os.environ and os.path.isfile
     os.environ["LD_PRELOAD"] = _OPENBLAS
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+# pytest-xdist's workers run with COLUMNS=80 and LINES=24 set, and the commands fold their lines to COLUMNS in
+# a pipe: without this every test would see an 80-column pipe; a test that wants a width sets it.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 STORIES = SHARED / "models" / "stories260K"

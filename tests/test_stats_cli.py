@@ -123,16 +123,20 @@ def test_every_line_fits_80_piped_columns_folded_under_its_label(stories, random
     """COLUMNS=80 in a pipe: generate's statistics (with --compare) and convert's closing lines fold at word
     boundaries, the rest of a line under the text after its label; no line is longer than 80."""
     import os
+    import shutil
+    import tempfile
+    from pathlib import Path
 
     env = {**os.environ, "COLUMNS": "80"}
     r = run_dflash("generate", "--model", str(stories), "--draft-model", str(random_drafter), "-p", PROMPT, "-m",
                    str(N), "--compare", env=env, text=True)
     assert r.returncode == 0 and max(map(len, r.stderr.splitlines())) <= 80, r.stderr
     assert re.search(r"^Acceptance: tau .*\n {12}\S", r.stderr, re.M), r.stderr
-    out = tmp_path / "converted"
+    out = Path(tempfile.mkdtemp()) / "out"  # short: a path is one word, never split, and must fit 80
     r = run_dflash("convert", "--model", str(stories), "--out", str(out), env=env, text=True)
     assert r.returncode == 0 and max(map(len, r.stderr.splitlines())) <= 80, r.stderr
     assert f"Run: dflash generate --model {out}" in r.stderr.replace("\n     ", " ")
+    shutil.rmtree(out.parent)
 
 
 def _table() -> Table:
