@@ -29,8 +29,8 @@ def warm_up(target: Any, drafter: Optional[Any], prompt: List[int], block_size, 
 
 def compare_with_plain(target: Any, tokenizer: Any, prompt: List[int], text: str, stats: GenerationStats, *,
                        seed: Optional[int] = None, **kwargs) -> dict:
-    """Decode ``prompt`` (all its token ids, no prompt cache) plainly, from ``seed`` if given, with the DFlash
-    run's other ``kwargs`` (sampler, max_tokens, stop_strings, prefill_step_size).
+    """Decode ``prompt`` (all its token ids, no prompt cache) plainly (no drafter, no prompt lookup), from
+    ``seed`` if given, with the DFlash run's other ``kwargs`` (sampler, max_tokens, stop_strings, ...).
 
     Returns:
         ``{"plain_generation_tokens", "plain_generation_tps" (tokens/s; None without a decoding time),
@@ -39,7 +39,7 @@ def compare_with_plain(target: Any, tokenizer: Any, prompt: List[int], text: str
     """
     if seed is not None:
         mx.random.seed(seed)
-    plain_text, plain = generate(target, tokenizer, prompt, None, **kwargs)
+    plain_text, plain = generate(target, tokenizer, prompt, None, **{**kwargs, "prompt_lookup": False})
     plain_tps = plain.generation_tps if plain.generation_s else None
     ours = stats.generation_tps if stats.generation_s else None
     out = {"plain_generation_tokens": plain.generation_tokens,

@@ -184,3 +184,21 @@ def test_prompt_lookup_copies_from_the_whole_prompt_when_the_cache_holds_part_of
     assert runs[0]["prompt_tokens_reused"] == 0 < runs[1]["prompt_tokens_reused"]
     assert runs[0]["prompt_lookup"] == runs[1]["prompt_lookup"] and runs[0]["prompt_lookup"]["drafted"] > 0
     assert runs[0]["text"] == runs[1]["text"] == off["text"] and off["prompt_lookup"]["drafted"] == 0
+
+
+def test_compare_decodes_plainly_without_copies_either(monkeypatch):
+    """--compare's plain half is plain decoding: no drafter and no prompt lookup, whatever the DFlash half
+    was given."""
+    from dflash_mlx import compare
+    from dflash_mlx.stats import GenerationStats
+
+    seen = {}
+
+    def fake(target, tokenizer, prompt, drafter, **kwargs):
+        seen.update(kwargs, drafter=drafter)
+        return "text", GenerationStats(block_size=1)
+
+    monkeypatch.setattr(compare, "generate", fake)
+    compare.compare_with_plain(None, None, [1, 2], "text", GenerationStats(block_size=1), prompt_lookup=True,
+                               max_tokens=8)
+    assert seen == {"drafter": None, "prompt_lookup": False, "max_tokens": 8}
