@@ -96,8 +96,10 @@ def launcher(tmp_path_factory):
 
 
 def _generate_args(target, drafter, *extra) -> list:
+    """The drafter's verifies and rollbacks on ranks: prompt lookup off, so that copies (the same on every
+    rank) take none of their steps; ``extra`` may turn it on."""
     return ["generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "Once upon a time",
-            "--max-tokens", "64", "--no-prompt-cache", "--json", "--quiet", *extra]
+            "--max-tokens", "64", "--no-prompt-cache", "--json", "--quiet", "--prompt-lookup", "off", *extra]
 
 
 def _generate(stories, ranks: int, *extra):
@@ -110,8 +112,8 @@ def _generate(stories, ranks: int, *extra):
     return json.loads(lines[0])
 
 
-@pytest.mark.parametrize("sampling", [["--temp", "0"], ["--temp", "0.8", "--seed", "7", "--block-size", "8"]],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [["--temp", "0"], ["--temp", "0.8", "--seed", "7", "--block-size", "8"],
+                                      ["--temp", "0", "--prompt-lookup", "auto"]], ids=["greedy", "seeded", "lookup"])
 def test_two_ranks_print_the_single_process_text(launcher, stories, sampling):
     one = _generate(stories, 1, *sampling)
     two = _generate(stories, 2, *sampling)
