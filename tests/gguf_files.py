@@ -83,7 +83,7 @@ def write_gguf(path: Path, model, tokens, *, arch: str = "llama", qtype: str = "
                scores=None, kind: str = "gpt2", pre: str = "smollm", extra=None, tied: bool = False,
                tensor_types=None) -> Path:
     """``model`` (a tiny mlx-lm llama/qwen3) as llama.cpp writes it: its tensors renamed, llama's Q and K
-    permuted, 2-D weights in ``qtype`` (or ``tensor_types[gguf name]``; :func:`blocks`), norms in F32, no
+    permuted (unless the model's rope is traditional), 2-D weights in ``qtype`` (or ``tensor_types[gguf name]``; :func:`blocks`), norms in F32, no
     ``output.weight`` where ``tied``, and a tokenizer's metadata."""
     args = model.args
     w = gguf.GGUFWriter(str(path), arch)
@@ -120,7 +120,8 @@ def write_gguf(path: Path, model, tokens, *, arch: str = "llama", qtype: str = "
         if tied and name == "lm_head.weight":
             continue
         x = np.array(value.astype(mx.float32))
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and not getattr(args, "rope_traditional", False) and name.endswith(
+                ("q_proj.weight", "k_proj.weight")):  # a traditional-rope model is in llama.cpp's order already
             heads = args.num_attention_heads if "q_proj" in name else args.num_key_value_heads
             x = interleave(x, heads)
         kind_of = (tensor_types or {}).get(gguf_name(name), qtype) if x.ndim == 2 else "F32"

@@ -332,6 +332,36 @@ def test_gguf_target_with_a_drafter_converts_and_validates(llama_gguf, tmp_path)
     assert all(c.ok is not False for c in result.checks) and len(result.checks) >= 5
 
 
+def test_a_drafter_on_a_gguf_target_is_lossless_as_on_its_folder(stories, tmp_path):
+    """stories260K written by the `gguf` package as llama.cpp stores it (F32, its SentencePiece vocabulary)
+    and the shipped drafter: `dflash generate --model FILE.gguf` gives the greedy text of mlx-lm on the
+    folder the file was written from, with the same acceptance as on that folder; a drafter made for
+    another target is refused in one line."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(ROOT / "examples" / "stories260K" / "tok512.model"))
+    tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    scores = [sp.get_score(i) for i in range(sp.get_piece_size())]
+    model, _ = mlx_lm_load(str(stories))
+    path = write_gguf(tmp_path / "stories.gguf", model, tokens, kind="llama", pre=None, scores=scores, tied=True)
+    drafter = str(ROOT / "examples" / "stories260K" / "drafter")
+    flags = ("--draft-model", drafter, "-p", "Once upon a time", "-m", "64", "--block-size", "8",
+             "--ignore-chat-template", "--prompt-lookup", "off", "--json")
+    done = [dflash("generate", "--model", m, *flags, text=True) for m in (str(stories), str(path))]
+    assert all(r.returncode == 0 for r in done), [r.stderr for r in done]
+    runs = [json.loads(r.stdout) for r in done]
+    want = mlx_lm_greedy(model, [1] + sp.encode("Once upon a time"), 64)
+    assert_varied(want, 20)
+    assert runs[0]["token_ids"] == runs[1]["token_ids"] == want
+    assert runs[0]["acceptance_histogram"] == runs[1]["acceptance_histogram"] and runs[1]["tau"] > 3
+    other = write_gguf(tmp_path / "other.gguf", tiny_target("llama", vocab=len(tokens), hidden=32, layers=2)[0],
+                       tokens, kind="llama", pre=None, scores=scores)
+    r = dflash("generate", "--model", str(other), *flags, text=True)
+    last = r.stderr.strip().splitlines()[-1]  # after the line saying where the file converts
+    assert r.returncode == 1 and "Traceback" not in r.stderr and last.startswith("error: "), r.stderr
+    assert drafter in last and "trained for another target" in last, r.stderr
+
+
 def test_a_cut_file_is_one_line_at_any_offset(tmp_path):
     """A K-quant file (read tensor by tensor by the gguf package) cut anywhere, header, metadata or tensor
     data: one line naming the file, exit 1, nothing written."""
