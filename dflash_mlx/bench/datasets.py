@@ -143,7 +143,7 @@ def load_hub(name: str, num_samples: Optional[int] = None) -> List[Sample]:
                          f"(HF_HUB_OFFLINE is set). {instead}")
     if importlib.util.find_spec("datasets") is None:
         raise InputError(f"--dataset {name}: {args[0]} loads from the Hugging Face hub with the 'datasets' "
-                         f"package, which is not installed (pip install datasets). {instead}")
+                         f"package, which is not installed (pip install datasets, or the [bench] extra). {instead}")
     from datasets import load_dataset as hf_load_dataset
 
     try:
