@@ -35,6 +35,7 @@ class PrefixStore:
     Attributes:
         root: the folder used (``root``, or its ``dflash-prompt-cache``); degraded: why it is memory-only, or None.
         hits: lookups answered per level; last_level: ``"memory"``, ``"disk"`` or None for the last lookup.
+        disk_bytes: bytes of entries under ``root`` as counted (the last scan plus this store's writes); None before.
     """
 
     RESCAN_S = 30.0
@@ -50,7 +51,7 @@ class PrefixStore:
         self._index: Dict[Path, Tuple[int, dict]] = {}  # json path -> (mtime_ns, parsed)
         self._clock = 0
         self.degraded: Optional[str] = None
-        self._disk_bytes: Optional[int] = None  # bytes under root: the last scan plus this process's writes
+        self.disk_bytes: Optional[int] = None
         self._scanned_at = 0.0
         if self.disk:
             try:
@@ -69,11 +70,6 @@ class PrefixStore:
         if self.degraded is not None:
             return f"memory-only ({self.degraded})"
         return f"disk ({self.root})" if self.disk else "memory-only"
-
-    @property
-    def disk_bytes(self) -> Optional[int]:
-        """Bytes of entries under ``root`` as counted (the last scan plus this store's writes); None before."""
-        return self._disk_bytes
 
     def _degrade(self, e: OSError) -> None:
         """Stop writing to disk, with one warning line."""
@@ -150,12 +146,12 @@ class PrefixStore:
 
     def _evict_if_full(self, folder: Path, name: str) -> None:
         """:meth:`evict` when the bytes on disk may pass ``max_bytes`` or the last scan is :attr:`RESCAN_S` old."""
-        if self._disk_bytes is None or time.monotonic() - self._scanned_at > self.RESCAN_S:
+        if self.disk_bytes is None or time.monotonic() - self._scanned_at > self.RESCAN_S:
             self.evict()
             return
         for suffix in (".json", ".safetensors"):
-            self._disk_bytes += (folder / f"{name}{suffix}").stat().st_size
-        if self._disk_bytes > self.max_bytes:
+            self.disk_bytes += (folder / f"{name}{suffix}").stat().st_size
+        if self.disk_bytes > self.max_bytes:
             self.evict()
 
     def evict(self) -> List[Path]:
@@ -177,7 +173,7 @@ class PrefixStore:
             self.memory.pop((side.parent.name, side.stem), None)
             total -= size
             removed.append(side)
-        self._disk_bytes, self._scanned_at = total, time.monotonic()
+        self.disk_bytes, self._scanned_at = total, time.monotonic()
         return removed
 
     def _disk_entries(self, kid: str) -> List[Tuple[Path, dict]]:
