@@ -171,15 +171,18 @@ def atomic_file(path: Path, parents: bool = False) -> Iterator[Path]:
         os.chmod(tmp, _FILE_MODE)  # as open() would make it: some writers (safetensors) make theirs 0600
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
-        _unlink_quietly(tmp)
+        unlink_file(tmp)
         raise write_error(e, path) from e
     except BaseException:
-        _unlink_quietly(tmp)
+        unlink_file(tmp)
         raise
 
 
-def _unlink_quietly(path: Path) -> None:
+def unlink_file(path: Path) -> None:
+    """Remove ``path`` when it is a file; anything else (a folder by that name), or a refused removal (a
+    read-only folder), is left."""
     try:
-        path.unlink(missing_ok=True)
-    except OSError:  # a read-only folder, or a folder by that name: nothing of ours to remove
+        if path.is_file():
+            path.unlink()
+    except OSError:
         pass

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..atomic import WriteError, atomic_file, pid_alive, stderr_warning
+from ..atomic import WriteError, atomic_file, pid_alive, stderr_warning, unlink_file
 from ..owned import MARKER, cache_root, claim, mark
 from .entry import CorruptEntry, Snapshot, read, read_index, usable_rows, write
 from .key import key_id
@@ -211,7 +211,7 @@ class PrefixStore:
 
     def _remove(self, folder: Path, name: str) -> None:
         for suffix in (".json", ".safetensors"):
-            _unlink_file(folder / f"{name}{suffix}")
+            unlink_file(folder / f"{name}{suffix}")
             self._index.pop(folder / f"{name}{suffix}", None)
 
     def _remove_leftovers(self) -> None:
@@ -225,10 +225,10 @@ class PrefixStore:
                 base, _, pid = tmp.name.partition(".tmp-")
                 stem, pid = base[1:].split(".", 1)[0], pid.split(".", 1)[0]
                 if (stem == "key" or _OURS.fullmatch(stem)) and not (pid.isdigit() and pid_alive(int(pid))):
-                    _unlink_file(tmp)
+                    unlink_file(tmp)
             for data in folder.glob("*.safetensors"):
                 if _OURS.fullmatch(data.stem) and not data.with_suffix(".json").exists():
-                    _unlink_file(data)
+                    unlink_file(data)
 
 
 def _earlier_cache(root: Path) -> bool:
@@ -247,12 +247,3 @@ def _earlier_cache(root: Path) -> bool:
 
 def _entry_file(name: str) -> bool:
     return bool(_OURS.fullmatch(name.rsplit(".", 1)[0])) and name.endswith((".json", ".safetensors"))
-
-
-def _unlink_file(path: Path) -> None:
-    """Remove ``path`` when it is a file; anything else, or a refused removal, is left."""
-    try:
-        if path.is_file():
-            path.unlink()
-    except OSError:
-        pass
