@@ -252,7 +252,8 @@ def header_rows(pair, session, o) -> List[Tuple[str, str]]:
     """The header panel's rows: the pair, block size, quantization, memory, context, sampling."""
     import mlx.core as mx
 
-    from dflash_mlx.pair.loading import quantization, weights_gb
+    from dflash_mlx.pair.loading import quantization
+    from dflash_mlx.stats import weight_bytes
 
     drafter = pair.drafter
     rows = [("target", str(pair.model_path)), ("drafter", str(pair.draft_path) if drafter else "none (plain decoding)")]
@@ -260,7 +261,8 @@ def header_rows(pair, session, o) -> List[Tuple[str, str]]:
         B = o.block_size or drafter.block_size
         shown = "auto (width by measured cost)" if B == "auto" else str(B)
         rows.append(("block size", f"{shown} (trained {drafter.block_size})"))
-    mem = f"weights {weights_gb(pair.model):.3f} GB" + (f" + drafter {weights_gb(drafter):.3f} GB" if drafter else "")
+    mem = f"weights {weight_bytes(pair.model) / 1e9:.3f} GB"
+    mem += f" + drafter {weight_bytes(drafter) / 1e9:.3f} GB" if drafter else ""
     mem += f" · {mx.get_active_memory() / 1e9:.3f} GB in use"
     template = "chat template" if session.use_template else "none: turns concatenated"
     limit = f"{session.max_context} tokens" if session.max_context else "unlimited"

@@ -17,7 +17,6 @@ from ..fingerprint import folder_fingerprint
 from ..hub import DEFAULT_MODEL, resolve_model_path
 from .manifest import resolve_pair
 from .sharded import load_sharded, rank, ranks
-from ..stats import weight_bytes
 from ..targets import TargetAdapter, make_adapter
 
 TARGET_FILES = DEFAULT_ALLOW_PATTERNS  # what mlx-lm itself downloads for a model
@@ -137,11 +136,6 @@ def quantization(module: nn.Module) -> str:
     if not kinds:
         return f"none ({dtype_name(float_dtype(module))})"
     return ", ".join(f"{b}-bit (group {g})" for b, g in kinds)
-
-
-def weights_gb(module: nn.Module) -> float:
-    """Bytes of a module's parameters, in GB (10^9)."""
-    return weight_bytes(module) / 1e9
 
 
 # A quantized drafter computes in float32, whatever the target's dtype (fp16 activations gave NaN logits
