@@ -12,6 +12,7 @@ from typing import Callable, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
+from ..prompt_cache.pair import common_prefix
 from ..protocol import Proposal, propose
 from ..sampling import Sampling
 
@@ -20,10 +21,7 @@ GREEDY, SAMPLE_AND_MATCH, SPECULATIVE = "greedy", "sample-and-match", "speculati
 
 def count_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
     """Leading drafts that match the target: number of i with d_i == y_{i-1}."""
-    a = 0
-    while a < len(drafts) and drafts[a] == targets[a]:
-        a += 1
-    return a
+    return common_prefix(drafts, targets)
 
 
 def leading_true(ok: mx.array) -> mx.array:

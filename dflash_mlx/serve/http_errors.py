@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import DFlashError
+from ..prompt_cache.pair import common_prefix
 from .api import REQUEST_ERROR, TIMEOUT_TYPE, error_body
 
 log = logging.getLogger("dflash.serve")
@@ -88,10 +89,7 @@ def validation_message(errors: List[Dict[str, Any]]) -> APIError:
     same = [i for i, loc in enumerate(locs) if loc[:1] == locs[0][:1]]
     param = locs[0]
     for i in same:
-        n = 0
-        while n < min(len(param), len(locs[i])) and param[n] == locs[i][n]:
-            n += 1
-        param = param[:n]
+        param = param[:common_prefix(param, locs[i])]
     if not param and err.get("type") in ("missing", "model_attributes_type", "dict_type"):
         return APIError(400, "the request body must be a JSON object")
     messages = list(dict.fromkeys(errors[i].get("msg", "invalid") for i in same))
