@@ -30,14 +30,8 @@ class Delta:
         self.tool_calls.extend(other.tool_calls)
 
     def stream_delta(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {}
-        if self.reasoning:
-            out["reasoning_content"] = self.reasoning
-        if self.content:
-            out["content"] = self.content
-        if self.tool_calls:
-            out["tool_calls"] = self.tool_calls
-        return out
+        fields = {"reasoning_content": self.reasoning, "content": self.content, "tool_calls": self.tool_calls}
+        return {k: v for k, v in fields.items() if v}
 
     def message(self) -> Dict[str, Any]:
         """A ``chat.completion``'s ``message`` fields but its role."""
