@@ -221,6 +221,18 @@ def test_prompt_longer_than_max_length(setup, tmp_path):
     assert not (tmp_path / "manifest.json").exists()
 
 
+def test_a_data_folder_of_other_settings_names_them(setup, tmp_path):
+    """Regenerating into a folder made with other settings is refused, naming what differs."""
+    _, target, _ = setup
+    from conftest import ByteTokenizer
+
+    regenerate(target, ByteTokenizer(), [[5, 9, 11]], tmp_path, max_tokens=3, end_tokens=[None], target_id="a")
+    with pytest.raises(InputError, match=r"other max_tokens 3 \(now 4\), target 'a' \(now 'b'\); pass a new --out"):
+        regenerate(target, ByteTokenizer(), [[5, 9, 11]], tmp_path, max_tokens=4, end_tokens=[None], target_id="b")
+    with pytest.raises(InputError, match=r"holds data from other prompts; pass a new --out"):
+        regenerate(target, ByteTokenizer(), [[5, 9]], tmp_path, max_tokens=3, end_tokens=[None], target_id="a")
+
+
 def test_bad_layer_ids_and_mask(setup):
     _, target, _ = setup
     with pytest.raises(InputError, match="--target-layer-ids"):

@@ -69,7 +69,7 @@ def test_data_train_generate(stories, tmp_path):
     r = run("train", "--model", str(stories), "--data", str(data), "--out", str(tmp_path / "bad"), "--init",
             str(shipped), "--layers", "1", "--steps", "1")
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
-        f"error: --layers 1: the --init drafter {shipped} has 2; leave --layers out"], r.stderr
+        f"error: --layers 1: the --init drafter {shipped} has 2; give as many or more"], r.stderr
     assert not (tmp_path / "bad").exists()
     warm = tmp_path / "warm"
     r = run("train", "--model", str(stories), "--data", str(data), "--out", str(warm), "--init", str(shipped),
@@ -83,6 +83,27 @@ def test_data_train_generate(stories, tmp_path):
     assert all(mx.allclose(before[k], after[k], atol=1e-6).item() for k in before)
     state = json.loads(next((warm / "checkpoints").glob("step_*")).joinpath("trainer_state.json").read_text())
     assert state["config"]["init"] == str(shipped)
+
+    # --layers above the --init drafter's: its layers kept, the added one an identity (zero o_proj, down_proj)
+    grown = tmp_path / "grown"
+    r = run("train", "--model", str(stories), "--data", str(data), "--out", str(grown), "--init", str(shipped),
+            "--layers", "3", "--block-sizes", "4,8", "--steps", "1", "--lr", "1e-9", "--anchors", "4",
+            "--held-out", "4", "--eval-every", "0", "--save-every", "1")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((grown / "config.json").read_text())["num_hidden_layers"] == 3
+    after = mx.load(str(grown / "model.safetensors"))
+    assert all(mx.allclose(before[k], after[k], atol=1e-6).item() for k in before)
+    added = {k: v for k, v in after.items() if k.startswith("layers.2.")}
+    assert len(added) == len([k for k in before if k.startswith("layers.1.")])
+    assert all(mx.abs(added[f"layers.2.{name}.weight"]).max().item() < 1e-6
+               for name in ("self_attn.o_proj", "mlp.down_proj"))
+    assert mx.abs(added["layers.2.mlp.up_proj.weight"]).max().item() > 1e-3
+    r = dflash("--model", str(stories), "--draft-model", str(grown), "-p", "Once upon a time", "-m", "40",
+               "--block-size", "8", "--json")
+    r0 = dflash("--model", str(stories), "--draft-model", str(shipped), "-p", "Once upon a time", "-m", "40",
+                "--block-size", "8", "--json")
+    assert r.returncode == r0.returncode == 0, r.stderr + r0.stderr
+    assert json.loads(r.stdout)["tau"] == json.loads(r0.stdout)["tau"]
 
 
 @needs_shared

@@ -104,10 +104,11 @@ def _data(o) -> None:
         ids += openings
         templated = o.self_prompt_style == "chat"
         ends += [response_end_token(pair.tokenizer, templated=templated)] * len(openings)
+    target_id = str(Path(o.model).resolve() if Path(o.model).is_dir() else o.model)  # any cwd resumes
     with bars(console, status=True) as progress:
         task = progress.add_task("regenerating", total=len(ids), status="")
         regenerate(pair.target, pair.tokenizer, ids, o.out, max_tokens=o.max_tokens, max_length=max_length,
-                   temp=o.temp, shard_size=o.shard_size, batch_size=o.batch_size, seed=o.seed, target_id=str(o.model),
+                   temp=o.temp, shard_size=o.shard_size, batch_size=o.batch_size, seed=o.seed, target_id=target_id,
                    end_tokens=ends, progress=lambda done, total: progress.update(task, completed=done),
                    keep_features=keep, capture=layer_ids)
     console.print(f"wrote {len(ids)} sequences to {o.out}")
@@ -130,7 +131,8 @@ def train(
     model: Target,
     data_dirs: Annotated[List[Path], Option("--data", help="Folder made by `dflash data`; repeatable.")],
     out: Annotated[Path, Option("--out", help="Drafter folder; checkpoints go in OUT/checkpoints.")],
-    layers: Annotated[Optional[int], Option("--layers", help="Drafter layers (default 1).")] = None,
+    layers: Annotated[Optional[int], Option("--layers", help=(
+        "Drafter layers (default 1; with --init its own, or more: added layers start as identities)."))] = None,
     block_size: Annotated[Optional[int], Option("--block-size", help=(
         "The drafter's block size B (default 16, or the largest of --block-sizes)."))] = None,
     block_sizes: Annotated[Optional[str], Option("--block-sizes", help=(
@@ -219,9 +221,9 @@ def _config(o):
 
 def _trainer(o):
     """The :class:`~dflash_mlx.train.trainer.Trainer` of the flags: resumed, or a new drafter."""
-    from dflash_mlx.train.data import load_sequences
+    from dflash_mlx.train.data import load_sequences, pick_mask_token
     from dflash_mlx.train.features import FOLDER
-    from dflash_mlx.train.trainer import Trainer, check_fresh_out, init_drafter, pick_mask_token, warm_start
+    from dflash_mlx.train.trainer import Trainer, check_fresh_out, init_drafter, warm_start
 
     config = _config(o)
     if not o.resume and not o.overwrite:
@@ -240,7 +242,7 @@ def _trainer(o):
                           soft_wrap=True, markup=False, highlight=False)
         return trainer
     if o.init:
-        drafter = warm_start(o.init, pair.target)
+        drafter = warm_start(o.init, pair.target, o.layers)
         check_init_shape(o, drafter.args)
     else:
         mask = o.mask_token_id
@@ -257,7 +259,7 @@ def check_init_shape(o, args) -> None:
     if o.block_size is not None and o.block_size > args.block_size:
         raise InputError(f"--block-size(s) {o.block_size}: past the --init drafter {o.init}'s block size "
                          f"{args.block_size}")
-    given = (("--layers", o.layers, args.num_hidden_layers), ("--target-layer-ids", o.ids, args.target_layer_ids),
+    given = (("--target-layer-ids", o.ids, args.target_layer_ids),
              ("--mask-token-id", o.mask_token_id, args.mask_token_id),
              ("--intermediate-size", o.intermediate_size, args.intermediate_size))
     for flag, value, its in given:

@@ -287,7 +287,9 @@ def _claim(out: Path, prompts: List[List[int]], settings: dict) -> None:
     if manifest_file.is_file():
         old = read_json(manifest_file, "delete the folder, or pass a new --out")
         if not isinstance(old, dict) or old.get("fingerprint") != manifest["fingerprint"]:
-            raise InputError(f"{out}: holds data from other prompts or settings; pass a new --out")
+            was = old.get("settings", {}) if isinstance(old, dict) else {}
+            differ = [f"{k} {was.get(k)!r} (now {v!r})" for k, v in settings.items() if was.get(k) != v]
+            raise InputError(f"{out}: holds data from other {', '.join(differ) or 'prompts'}; pass a new --out")
     else:
         with atomic_file(manifest_file) as tmp:
             tmp.write_text(json.dumps(manifest, indent=2))
@@ -333,3 +335,16 @@ def read_shard(path: Path) -> Optional[tuple]:
     if lengths.shape != starts.shape or int(lengths.sum()) != tokens.size:
         return None
     return tokens, lengths, starts
+
+
+def pick_mask_token(tokenizer, vocab_size: int, sequences: List[TrainSequence]) -> int:
+    """The MASK id: the last row past the tokenizer's pieces, else the highest non-special id the data
+    never uses, else the least frequent non-special id."""
+    size = len(tokenizer._tokenizer) if hasattr(tokenizer, "_tokenizer") else vocab_size
+    if size < vocab_size:
+        return vocab_size - 1
+    counts = np.bincount(np.concatenate([s.tokens for s in sequences]), minlength=vocab_size)
+    special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(tokenizer.eos_token_ids)
+    order = [i for i in np.argsort(counts, kind="stable")[::-1] if i not in special]
+    unused = [i for i in range(vocab_size - 1, -1, -1) if counts[i] == 0 and i not in special]
+    return int(unused[0]) if unused else int(order[-1])

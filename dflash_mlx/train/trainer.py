@@ -7,7 +7,7 @@ reproduces an uninterrupted one."""
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -117,19 +117,6 @@ class StepInfo:
     health: Optional[Health] = None
 
 
-def pick_mask_token(tokenizer, vocab_size: int, sequences: List[TrainSequence]) -> int:
-    """The MASK id: the last row past the tokenizer's pieces, else the highest non-special id the data
-    never uses, else the least frequent non-special id."""
-    size = len(tokenizer._tokenizer) if hasattr(tokenizer, "_tokenizer") else vocab_size
-    if size < vocab_size:
-        return vocab_size - 1
-    counts = np.bincount(np.concatenate([s.tokens for s in sequences]), minlength=vocab_size)
-    special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(tokenizer.eos_token_ids)
-    order = [i for i in np.argsort(counts, kind="stable")[::-1] if i not in special]
-    unused = [i for i in range(vocab_size - 1, -1, -1) if counts[i] == 0 and i not in special]
-    return int(unused[0]) if unused else int(order[-1])
-
-
 def init_drafter(target: TargetAdapter, mask_token_id: int, layers: int = 1, block_size: int = 16,
                  target_layer_ids: Optional[List[int]] = None, intermediate_size: Optional[int] = None,
                  seed: int = 0) -> DFlashDrafter:
@@ -156,13 +143,26 @@ def init_drafter(target: TargetAdapter, mask_token_id: int, layers: int = 1, blo
     return bind_drafter(drafter, target)
 
 
-def warm_start(path: str, target: TargetAdapter) -> DFlashDrafter:
+def warm_start(path: str, target: TargetAdapter, layers: Optional[int] = None) -> DFlashDrafter:
     """The drafter at ``path`` (any folder ``--draft-model`` loads; quantized layers dequantized to float)
-    bound to ``target``, to train on from its weights (``--init``). Raises as :func:`load_drafter` and
-    :func:`bind_drafter` (a drafter made for another target)."""
+    bound to ``target``, to train on from its weights (``--init``). With ``layers`` above its own count,
+    full-attention layers are added after its own with zero ``o_proj`` and ``down_proj``: the grown drafter
+    drafts exactly as the loaded one until trained. InputError for fewer ``layers``; else raises as
+    :func:`load_drafter` and :func:`bind_drafter`."""
     from mlx_lm.utils import dequantize_model
 
-    return bind_drafter(dequantize_model(load_drafter(path)), target, path)
+    drafter = dequantize_model(load_drafter(path))
+    if layers is not None and layers < (had := drafter.args.num_hidden_layers):
+        raise InputError(f"--layers {layers}: the --init drafter {path} has {had}; give as many or more")
+    if layers and layers > had:
+        a = drafter.args
+        types = a.layer_types and a.layer_types + ["full_attention"] * (layers - had)
+        grown = type(drafter)(replace(a, num_hidden_layers=layers, layer_types=types))
+        for layer in grown.layers[had:]:
+            layer.update({"self_attn": {"o_proj": {"weight": mx.zeros_like(layer.self_attn.o_proj.weight)}},
+                          "mlp": {"down_proj": {"weight": mx.zeros_like(layer.mlp.down_proj.weight)}}})
+        drafter = grown.update(drafter.parameters())
+    return bind_drafter(drafter, target, path)
 
 
 def final_drafter_problem(out: Path, ckpt: Path) -> Optional[str]:
