@@ -122,11 +122,26 @@ def test_hub_name_offline_says_how_to_pass_a_file(monkeypatch):
     assert "--dataset PATH" in msg and "gsm8k_test.jsonl" in msg
 
 
+@needs_datasets
+@pytest.mark.parametrize("name, file", [("gsm8k", "gsm8k_test.jsonl"), ("math500", "math500_test.jsonl"),
+                                        ("humaneval", "humaneval.jsonl.gz"), ("mbpp", "mbpp_sanitized_test.jsonl"),
+                                        ("mt-bench", "mt_bench_questions.jsonl")])
+def test_the_first_80_rows_of_each_set_ship_and_need_no_hub(name, file, monkeypatch):
+    """Up to 80 rows of a built-in set are read from the rows shipped in the package (offline, without
+    `datasets`): the same samples as ../shared's copy of the set; more go to the hub."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    got, samples = load_dataset(name, 80)
+    assert got == name and samples == load_file(DATASETS / file, 80)[1]
+    with pytest.raises(InputError, match="offline"):
+        load_dataset(name, 81)
+
+
 def test_cli_offline_dataset_error_is_one_line(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     r = subprocess.run(
         [sys.executable, "-m", "dflash_mlx.cli.main", "bench", "--model", str(tmp_path / "m"),
-         "--draft-model", str(tmp_path / "d"), "--dataset", "math500"],
+         "--draft-model", str(tmp_path / "d"), "--dataset", "math500", "-n", "0"],  # all 500: from the hub
         capture_output=True, text=True, timeout=60, env=env,
     )
     assert r.returncode == 1 and "Traceback" not in r.stderr
@@ -185,6 +200,6 @@ def test_hub_name_goes_through_datasets_with_the_authors_ids(monkeypatch):
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=fake_load_dataset))
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
-    name, samples = load_dataset("mt-bench", num_samples=2)
+    name, samples = load_dataset("mt-bench", num_samples=None)  # all rows: from the hub, not the 80 shipped
     assert calls == [(("HuggingFaceH4/mt_bench_prompts",), "train")]
-    assert name == "mt-bench" and len(samples) == 2 and samples[0].turns == ["first turn", "second turn"]
+    assert name == "mt-bench" and len(samples) == 3 and samples[0].turns == ["first turn", "second turn"]

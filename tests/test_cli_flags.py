@@ -176,7 +176,7 @@ def test_bench_names_the_dataset_it_cannot_have(missing, monkeypatch):
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setitem(sys.modules, "datasets", None)  # not installed (a quick-start install)
     args = [a for a in base_args("bench", missing)][:-2]
-    one_line_error(run("bench", *args, "--dataset", "gsm8k"), "--dataset gsm8k:", "pip install datasets",
+    one_line_error(run("bench", *args, "--dataset", "gsm8k", "-n", "0"), "--dataset gsm8k:", "pip install datasets",
                    "--dataset PATH")
 
 
@@ -186,7 +186,7 @@ def test_a_dataset_that_cannot_be_had_leaves_no_results_folder(stories, random_d
     monkeypatch.setitem(sys.modules, "datasets", None)
     out = tmp_path / "results"
     one_line_error(run("bench", "--model", stories, "--draft-model", random_drafter, "--dataset", "gsm8k",
-                       "--no-plots", "--out", out), "--dataset gsm8k:")
+                       "-n", "0", "--no-plots", "--out", out), "--dataset gsm8k:")
     assert not out.exists()
 
 

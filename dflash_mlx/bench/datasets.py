@@ -57,6 +57,7 @@ FORMATS: List[Format] = [
     Format("prompt", ("prompt",), _turns),
 ]
 
+SHIPPED, SHIPPED_ROWS = Path(__file__).parent / "sets", 80  # each set's first rows, read without the hub
 # name -> (Hugging Face load_dataset args, split, row format, the same set's file in ../shared/datasets)
 HF_DATASETS: Dict[str, tuple] = {
     "gsm8k": (("openai/gsm8k", "main"), "test", "gsm8k", "gsm8k_test.jsonl"),
@@ -158,7 +159,8 @@ def load_hub(name: str, num_samples: Optional[int] = None) -> List[Sample]:
 
 def load_dataset(spec: str, num_samples: Optional[int] = None) -> tuple[str, List[Sample]]:
     """``--dataset``: ``(name, first num_samples samples)`` of a file (named by its benchmark format or
-    its stem), else of a name in ``HF_DATASETS``; InputError for anything else or ``num_samples`` < 1."""
+    its stem), else of a name in ``HF_DATASETS`` (up to :data:`SHIPPED_ROWS` from the rows shipped in
+    ``sets/``, more from the hub); InputError for anything else or ``num_samples`` < 1."""
     if num_samples is not None and num_samples < 1:
         raise InputError(f"--num-samples must be at least 1, got {num_samples}")
     path = Path(spec).expanduser()
@@ -166,6 +168,9 @@ def load_dataset(spec: str, num_samples: Optional[int] = None) -> tuple[str, Lis
         fmt, samples = load_file(path, num_samples)
         stem = path.name.removesuffix(".gz").removesuffix(".jsonl").removesuffix(".json")
         return (fmt if fmt in HF_DATASETS else stem), samples
+    if spec in HF_DATASETS and num_samples is not None and (SHIPPED / f"{spec}.jsonl.gz").is_file():
+        if num_samples <= SHIPPED_ROWS:
+            return spec, load_file(SHIPPED / f"{spec}.jsonl.gz", num_samples)[1]
     if spec in HF_DATASETS:
         return spec, load_hub(spec, num_samples)
     raise InputError(f"--dataset {spec}: neither a file nor a known name ({', '.join(HF_DATASETS)}); "
