@@ -113,7 +113,7 @@ def write_gguf(path: Path, model, tokens, *, arch: str = "llama", qtype: str = "
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     for key, value in (extra or {}).items():
-        (w.add_uint32 if isinstance(value, int) else w.add_string)(key, value)
+        (w.add_bool if isinstance(value, bool) else w.add_uint32 if isinstance(value, int) else w.add_string)(key, value)
     from mlx.utils import tree_flatten
 
     for name, value in tree_flatten(model.parameters()):

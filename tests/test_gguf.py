@@ -146,6 +146,22 @@ def test_byte_level_tokenizer_matches_its_vocabulary(llama_gguf, tmp_path):
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+@pytest.mark.parametrize("pre, add_bos, added", [("llama-bpe", None, True), ("llama3", False, False),
+                                                 ("smollm", None, False), ("qwen2", True, True)])
+def test_bos_is_added_where_llama_cpp_adds_it(tmp_path, pre, add_bos, added):
+    """llama.cpp (llama-vocab.cpp) adds BOS to a byte-level vocabulary's encodings by default for the
+    Llama 3 pre-tokenizers (llama-bpe, llama3, llama-v3, falcon3), not for the others;
+    tokenizer.ggml.add_bos_token, where the file has it, decides."""
+    from transformers import AutoTokenizer
+
+    _, tokens, merges = byte_level_vocab()
+    model, _ = tiny_target("llama", vocab=len(tokens), hidden=32, layers=1)
+    extra = {} if add_bos is None else {"tokenizer.ggml.add_bos_token": add_bos}
+    convert_gguf(write_gguf(tmp_path / "t.gguf", model, tokens, merges=merges, pre=pre, extra=extra), tmp_path / "o")
+    ids = AutoTokenizer.from_pretrained(str(tmp_path / "o")).encode("hello world")
+    assert (ids[0] == 1) is added and ids.count(1) == int(added), ids  # BOS is id 1 (write_gguf)
+
+
 def test_sentencepiece_tokenizer_matches_sentencepiece(tmp_path):
     """A SentencePiece vocabulary as llama.cpp stores it (pieces, scores, types; no merges), here the
     shipped stories260K tokenizer: the same ids as the sentencepiece library, BOS added, text decoded back."""

@@ -31,6 +31,7 @@ BYTE_LEVEL_SPLITS = {
     "smollm": "digits", "starcoder": "digits", "refact": "digits", "codeshell": "digits",
 }
 TOKENIZER_MODELS = ("gpt2", "llama")
+LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "falcon3")  # llama.cpp: merges ignored, BOS added by default
 
 
 def build_tokenizer(metadata: dict, source: Path):
@@ -82,8 +83,7 @@ def _byte_level(metadata: dict, tokens: List[str], source: Path):
         raise ConfigError(f"{source}: tokenizer.ggml.pre '{pre}' is not supported "
                           f"(supported: {', '.join(sorted(BYTE_LEVEL_SPLITS))})")
     vocab = {t: i for i, t in enumerate(tokens)}
-    model = models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=pre in ("llama-bpe",
-                                                                                               "llama3", "llama-v3"))
+    model = models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=pre in LLAMA3_PRE)
     tokenizer = Tokenizer(model)
     split = BYTE_LEVEL_SPLITS[pre]
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split in (None, "digits"))
@@ -96,7 +96,7 @@ def _byte_level(metadata: dict, tokens: List[str], source: Path):
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
     tokenizer.decoder = decoders.ByteLevel()
-    _add_bos(tokenizer, metadata, tokens, source, default=False)
+    _add_bos(tokenizer, metadata, tokens, source, default=pre in LLAMA3_PRE)
     return tokenizer
 
 
@@ -129,7 +129,7 @@ def _sentencepiece(metadata: dict, tokens: List[str], source: Path):
 
 def _add_bos(tokenizer, metadata: dict, tokens: List[str], source: Path, default: bool) -> None:
     """Prepend BOS to every encoding when ``tokenizer.ggml.add_bos_token`` says so (llama.cpp's default:
-    yes for SentencePiece vocabularies, no for byte-level ones)."""
+    yes for SentencePiece vocabularies and the byte-level ones of :data:`LLAMA3_PRE`, else no)."""
     from tokenizers import processors
 
     bos = metadata_value(metadata, "tokenizer.ggml.bos_token_id", source)
