@@ -21,7 +21,11 @@ def folder_fingerprint(folder: str | Path) -> str:
     config = folder / "config.json"
     if config.is_file():
         digest.update(config.read_bytes())
-    for path in sorted(folder.glob("*.safetensors")):
-        st = path.stat()
-        digest.update(f"{path.name}:{path.resolve().name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    digest.update("".join(file_identity(path) for path in sorted(folder.glob("*.safetensors"))).encode())
     return digest.hexdigest()[:32]
+
+
+def file_identity(path: Path) -> str:
+    """A file's name, resolved name, size and modification time: who it is, unread (OSError: unreadable)."""
+    st = path.stat()
+    return f"{path.name}:{path.resolve().name}:{st.st_size}:{st.st_mtime_ns}"

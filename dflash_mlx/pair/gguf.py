@@ -11,6 +11,7 @@ float tensors in its scales' dtype (float16), so that it computes in half precis
 Architectures (``general.architecture``): ``llama`` (Q and K stored in the interleaved rotary order, read
 by mlx-lm's llama with ``rope_traditional``), ``qwen2`` and ``qwen3`` (rotary order as in Hugging Face)."""
 
+import hashlib
 import json
 import os
 import sys
@@ -45,15 +46,16 @@ def is_gguf(path: str | Path) -> bool:
 
 def gguf_folder(model: str) -> Optional[Path]:
     """The mlx-lm folder of a ``.gguf`` file (any case) or an Ollama model (``ollama:NAME[:TAG]``), converted
-    once (kept quantized) into ``CACHE/gguf/NAME-DIGEST`` and reused after, a line on stderr saying which (where
+    once (kept quantized) into ``CACHE/gguf/NAME-KEY`` (the blob's digest, or one of the file's unread
+    :func:`~dflash_mlx.fingerprint.file_identity`) and reused after, a line on stderr saying which (where
     the cache cannot be written: a warning and a temporary folder); None for any other ``model``.
 
     Raises:
         CheckpointError: a missing file or Ollama model, a folder named ``.gguf``, a bad file (:func:`read_gguf`).
     """
     from ..atomic import staging
+    from ..fingerprint import file_identity
     from ..owned import cache_root
-    from .manifest import sha256_file
 
     ollama, path = model.startswith(OLLAMA), Path(model).expanduser()
     if ollama:
@@ -62,8 +64,8 @@ def gguf_folder(model: str) -> Optional[Path]:
         return None
     elif not path.is_file():
         raise CheckpointError(f"{path}: {'a folder, not a GGUF file' if path.is_dir() else 'GGUF file not found'}")
-    digest = path.name[len("sha256-"):] if ollama else sha256_file(path)
-    folder = cache_root() / "gguf" / f"{Path(model.replace(':', '-')).stem}-{digest[:16]}"
+    key = path.name[len("sha256-"):] if ollama else hashlib.sha256(file_identity(path).encode()).hexdigest()
+    folder = cache_root() / "gguf" / f"{Path(model.replace(':', '-')).stem}-{key[:16]}"
     if (folder / "config.json").is_file():
         print(f"{model}: converted earlier into {folder}", file=sys.stderr)
         return folder
