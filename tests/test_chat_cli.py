@@ -41,6 +41,27 @@ def long_stories(stories, tmp_path_factory):
 
 
 @needs_shared
+def test_a_session_in_an_80_column_terminal_fits_it(stories):
+    """The header, a reply's summary, /stats and /help in an 80-column terminal: no line wider."""
+    from conftest import ROOT
+
+    drafter = ROOT / "examples" / "stories260K" / "drafter"
+    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", *chat_args(stories, drafter, "-m", "30")]
+    child = pexpect.spawn(cmd[0], cmd[1:], encoding="utf-8", dimensions=(40, 80), timeout=90,
+                          env={**os.environ, "TERM": "xterm-256color"})
+    log = io.StringIO()
+    child.logfile_read = log
+    child.expect_exact(">>> ")
+    for line in ("Once upon a time", "/stats", "/help", "/quit"):
+        child.sendline(line)
+        child.expect_exact(">>> " if line != "/quit" else pexpect.EOF)
+    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]|\x1b\][^\x07]*\x07", "", log.getvalue())  # colours, cursor moves
+    lines = re.split(r"\r?\n|\r", text)
+    assert "dflash chat" in text and any("tau" in line for line in lines) and "/block" in text
+    assert not [line for line in lines if len(line) > 80], text
+
+
+@needs_shared
 def test_driven_session_in_a_pty(long_stories, random_drafter):
     cmd = [sys.executable, "-m", "dflash_mlx.cli.main", *chat_args(long_stories, random_drafter, "--max-tokens", "30")]
     child = pexpect.spawn(cmd[0], cmd[1:], encoding="utf-8", dimensions=(50, 120), timeout=60,
