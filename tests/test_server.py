@@ -415,3 +415,18 @@ def test_plain_server_says_why_and_refuses_past_its_queue(stories, tmp_path):
         assert sorted(codes)[0] == 200 and 429 in codes and set(codes) == {200, 429}, codes
         m = metrics(url)
         assert m['dflash_requests_total{endpoint="completions",outcome="rejected"}'] == codes.count(429)
+
+
+def test_one_at_a_time_copies_from_the_ids_its_kept_caches_hold(stories, tmp_path):
+    """--max-batch 1: a prompt the kept caches already hold is still context to copy from: the same request
+    twice drafts the same copies (the second reusing the first's caches), and the same text."""
+    story = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One "
+             "day, she saw a big, red ball. She wanted to play with it, but it was too high.\nLily\nOnce upon a time")
+    with live_server(tmp_path / "serve.log", "--model", str(stories), "--max-batch", "1") as url:
+        body = {"model": str(stories), "prompt": story, "max_tokens": 60}
+        runs = [post(url, "/v1/completions", body, key=None).json() for _ in range(2)]
+    usage = [r["usage"] for r in runs]
+    assert usage[1]["dflash"]["prompt_tokens_reused"] > usage[0]["dflash"]["prompt_tokens_reused"]
+    assert usage[0]["dflash"]["prompt_lookup"] == usage[1]["dflash"]["prompt_lookup"], usage
+    assert usage[0]["dflash"]["prompt_lookup"]["drafted"] > 0
+    assert runs[0]["choices"][0]["text"] == runs[1]["choices"][0]["text"]

@@ -71,7 +71,6 @@ class BatchDecoder:
                  chooser: Optional[WidthChooser] = None, store: Optional[PrefixStore] = None, solo: bool = False,
                  capture: Optional[List[int]] = None, lookup: bool = False):
         self.target, self.drafter, self.solo, self.lookup = target, drafter, solo, lookup and solo
-        self.history: List[int] = []  # solo: the ids its cache held before the prompt (prompt lookup's context)
         self.bytes = (weight_bytes(target.model), weight_bytes(drafter) if hasattr(drafter, "parameters") else 0)
         self.width = block_size if drafter is not None else 1
         if drafter is not None and chooser is None:
@@ -98,7 +97,7 @@ class BatchDecoder:
               step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
               seed: Optional[int] = None, **solo: Any) -> Joining:
         """A :class:`Joining` for a new sequence (nothing runs until its ``advance``); ``solo``: ``cache``,
-        ``draft_cache``, ``stats`` of a solo decoder's sequence. Raises InputError for an empty prompt or
+        ``draft_cache``, ``stats``, ``history`` of a solo decoder's sequence. Raises InputError for an empty prompt or
         a stop condition allowing no token."""
         if len(prompt) == 0:
             raise InputError("the prompt is empty: give at least one token")
@@ -118,7 +117,7 @@ class BatchDecoder:
         self._spill()
         self.cache = joining.cache if self.solo else extend(self.cache, joining.cache)
         base = joining.cache[0].offset if self.solo and joining.cache else 0
-        lookup = PromptLookup(self.history + joining.prompt.tolist() + token.tolist()) if self.lookup else None
+        lookup = PromptLookup(joining.history + joining.prompt.tolist() + token.tolist()) if self.lookup else None
         self.sequences.append(BatchSequence(joining.key, joining.rule, joining.stop, joining.stats, token,
                                             pending, draft_cache, joining.seed, base, lookup=lookup))
 

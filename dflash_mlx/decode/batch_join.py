@@ -44,13 +44,15 @@ class StepResult:
 class Joining:
     """A sequence being prefilled before it joins the batch, ``step_size`` tokens of ``prompt`` ([P]
     int32, P >= 1) per :meth:`advance`. ``cache``, ``draft_cache``, ``stats``: a solo decoder's (else made
-    here). ``reused``: prompt tokens found in the prompt cache; ``source``: "memory", "disk" or None."""
+    here); ``history``: the ids that ``cache`` holds before ``prompt`` (prompt lookup copies from them too).
+    ``reused``: prompt tokens found in the prompt cache; ``source``: "memory", "disk" or None."""
 
     def __init__(self, decoder: "BatchDecoder", key: Any, prompt: mx.array, sampler: Optional[Sampler],
                  stop: StopCondition, step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
                  seed: Optional[int] = None, cache: Optional[List[Any]] = None,
-                 draft_cache: Optional[List[Any]] = None, stats: Optional[GenerationStats] = None):
-        self.decoder, self.key, self.stop, self.seed = decoder, key, stop, seed
+                 draft_cache: Optional[List[Any]] = None, stats: Optional[GenerationStats] = None,
+                 history: Sequence[int] = ()):
+        self.decoder, self.key, self.stop, self.seed, self.history = decoder, key, stop, seed, list(history)
         self.rule = choose_rule(decoder.drafter, sampler)
         self.prompt, self.rest, self.step_size, self.should_stop = prompt, prompt, max(1, step_size), should_stop
         rows = decoder.rows

@@ -73,11 +73,10 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
     stats = stats if stats is not None else GenerationStats(block_size=B)
     chooser = make_chooser(target, drafter, block_size, tree_budget, stats) if drafter is not None else None
     decoder, key = BatchDecoder(target, drafter, B, chooser, solo=True, lookup=prompt_lookup), object()
-    decoder.history = list(cached_ids)
     if prompt_cache is not None:
         target.check_cache(prompt_cache, decoder.rows)
     joining = decoder.start(key, prompt, sampler, stop, prefill_step_size, should_stop, cache=prompt_cache,
-                            draft_cache=draft_cache, stats=stats)
+                            draft_cache=draft_cache, stats=stats, history=cached_ids)
     with mx.stream(generation_stream):
         with stats.phase("prefill"):
             while (result := joining.advance()) is None:

@@ -215,8 +215,7 @@ class Engine:
             except BaseException:
                 pc.end(spec.ids, len(pc.tokens), False)
                 raise
-            caches = dict(cache=pc.cache, draft_cache=pc.draft_cache)
-            self.decoder.history = list(spec.ids[:start])  # context for prompt lookup too
+            caches = dict(cache=pc.cache, draft_cache=pc.draft_cache, history=spec.ids[:start])  # lookup's context too
         joining = self.decoder.start(job, spec.ids[start:], sampler, stop, step, lambda: self._stops(job), seed=seed,
                                      **caches)
         if self.pair_cache is not None:
