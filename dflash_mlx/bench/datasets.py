@@ -168,9 +168,9 @@ def load_dataset(spec: str, num_samples: Optional[int] = None) -> tuple[str, Lis
         fmt, samples = load_file(path, num_samples)
         stem = path.name.removesuffix(".gz").removesuffix(".jsonl").removesuffix(".json")
         return (fmt if fmt in HF_DATASETS else stem), samples
-    if spec in HF_DATASETS and num_samples is not None and (SHIPPED / f"{spec}.jsonl.gz").is_file():
-        if num_samples <= SHIPPED_ROWS:
-            return spec, load_file(SHIPPED / f"{spec}.jsonl.gz", num_samples)[1]
+    shipped = SHIPPED / f"{spec}.jsonl.gz"
+    if spec in HF_DATASETS and num_samples is not None and num_samples <= SHIPPED_ROWS and shipped.is_file():
+        return spec, load_file(shipped, num_samples)[1]
     if spec in HF_DATASETS:
         return spec, load_hub(spec, num_samples)
     raise InputError(f"--dataset {spec}: neither a file nor a known name ({', '.join(HF_DATASETS)}); "

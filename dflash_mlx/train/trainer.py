@@ -155,7 +155,8 @@ def warm_start(path: str, target: TargetAdapter, layers: Optional[int] = None) -
     if layers is not None and layers < (had := drafter.args.num_hidden_layers):
         raise InputError(f"--layers {layers}: the --init drafter {path} has {had}; give as many or more")
     if layers and layers > had:
-        types = (a := drafter.args).layer_types and a.layer_types + ["full_attention"] * (layers - had)
+        a = drafter.args
+        types = a.layer_types and a.layer_types + ["full_attention"] * (layers - had)
         grown = type(drafter)(replace(a, num_hidden_layers=layers, layer_types=types))
         for layer in grown.layers[had:]:
             layer.update({"self_attn": {"o_proj": {"weight": mx.zeros_like(layer.self_attn.o_proj.weight)}},
