@@ -4,9 +4,9 @@
 steps, chains of 2, 4, ..., B and (``--tree-budget auto``, one sequence) a tree of :data:`AUTO_TREE`
 nodes. E comes from the draft survival observed (Kaplan-Meier, each position starting at :data:`PRIOR`
 with :data:`PRIOR_WEIGHT` steps' weight; every step ages the evidence and the prior alike by :data:`DECAY`,
-so plain steps change no estimate but make the next observation weigh more); seconds(w, n) is the mean of
-its last :data:`WINDOW` timings less the highest and the lowest (the first run of each (w, n) is left out
-and run again at once). Plain steps' rate is divided by :data:`PLAIN_MARGIN`, so only a measured gain moves
+so plain steps change no estimate but make the next observation weigh more); seconds(w, n) is the median of
+its last :data:`WINDOW` timings (other work on the machine only adds time, in bursts a mean follows; the first
+run of each (w, n) is left out and run again at once). Plain steps' rate is divided by :data:`PLAIN_MARGIN`, so only a measured gain moves
 off plain. It starts with plain steps: until drafting is measured to pay, it does not run.
 
 Other options run as probes, one step each (two untimed), one per gap of steps: the gap starts at
@@ -16,6 +16,7 @@ to :data:`MAX_GAP`. The probe: plain while untimed, else the untimed option near
 (E over the seconds of the slowest timed option no wider) beats the best rate, else the best timed one.
 """
 
+import statistics
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -233,11 +234,10 @@ class WidthChooser:
         return self.survival.expected_tokens(plan.width if plan.tree_budget is None else self.block)
 
     def _seconds(self, plan: Plan, n: int) -> float:
-        """The mean of ``plan``'s timings at ``n`` less the highest and the lowest (0 untimed)."""
-        timings = sorted(self.seconds.get((plan, n), []))
-        if len(timings) > 2:
-            timings = timings[1:-1]
-        return sum(timings) / len(timings) if timings else 0.0
+        """The median of ``plan``'s timings at ``n`` (0 untimed); of an even window, the mean of the middle
+        two, which is the pair's mean when pipelined plain steps alternate short and long."""
+        timings = self.seconds.get((plan, n))
+        return statistics.median(timings) if timings else 0.0
 
     def rate(self, plan: Plan, n: int = 1) -> float:
         """Tokens per second ``plan`` is expected to commit for ``n`` sequences (0 untimed)."""
