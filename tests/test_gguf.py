@@ -74,6 +74,30 @@ def test_quantized_gguf_stays_quantized_or_dequantizes(tmp_path, qtype, bits):
     assert (mx.linalg.norm((a - b).astype(mx.float32)) / mx.linalg.norm(b.astype(mx.float32))).item() < 1e-2
 
 
+def test_large_matrices_are_read_a_few_rows_at_a_time(tmp_path, monkeypatch):
+    """Matrices dequantized (and quantized again) in parts of 7 rows give what one part gives: every
+    tensor exactly gguf.quants.dequantize's with --dtype float32, and the same quantized folder."""
+    from gguf.quants import dequantize
+
+    import dflash_mlx.pair.gguf as reader
+
+    _, tokens, merges = byte_level_vocab()
+    model, _ = tiny_target("llama", vocab=len(tokens), hidden=256, layers=1, seed=6)
+    path = write_gguf(tmp_path / "k.gguf", model, tokens, qtype="Q4_K", merges=merges,
+                      tensor_types={"output.weight": "Q6_K"})
+    convert_gguf(path, tmp_path / "whole")
+    monkeypatch.setattr(reader, "CHUNK_ROWS", 7)
+    convert_gguf(path, tmp_path / "parts")
+    convert_gguf(path, tmp_path / "f", dtype="float32")
+    got = mx.load(str(tmp_path / "f" / "model.safetensors"))
+    names = {gguf_name(n): n for n in got}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        assert np.array_equal(np.array(got[names[t.name]]), dequantize(t.data, t.tensor_type)), t.name
+    whole, parts = (mx.load(str(tmp_path / d / "model.safetensors")) for d in ("whole", "parts"))
+    assert whole.keys() == parts.keys() and any(n.endswith(".scales") for n in whole)
+    assert all(mx.array_equal(whole[n], parts[n]).item() for n in whole)
+
+
 @pytest.mark.parametrize("qtype,tied", [("Q4_K", False), ("Q6_K", True), ("Q5_0", False), ("Q2_K", True),
                                         ("Q3_K", False), ("Q5_K", False), ("Q5_1", True), ("IQ4_NL", False),
                                         ("BF16", False)])

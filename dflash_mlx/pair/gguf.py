@@ -4,20 +4,21 @@
 A file of only the types MLX reads (``mx.load``: F32, F16, and Q4_0, Q4_1 and Q8_0 as MLX affine-quantized
 weights of group size 32) is read by MLX, BF16 from its raw bytes (MLX would narrow it to float16). Any other
 type (K-quants, Q5_0, I-quants: whatever the ``gguf`` package dequantizes) makes the whole file read by that
-package, tensor by tensor: each quantized tensor is dequantized and, unless a dtype is asked for, quantized
-again by MLX (``bits``, 8 for types of 6 bits or more, and ``group_size``). A folder kept quantized holds its
-float tensors in its scales' dtype (float16), so that it computes in half precision as mlx-lm's would.
+package, a matrix :data:`CHUNK_ROWS` rows at a time: each part is dequantized and cast to the dtype asked for,
+or quantized again by MLX (``bits``, 8 for types of 6 bits or more, and ``group_size``). A folder kept quantized
+holds its float tensors in its scales' dtype (float16), so that it computes in half precision as mlx-lm's would.
 
 Architectures (``general.architecture``): ``llama`` (Q and K stored in the interleaved rotary order, read
 by mlx-lm's llama with ``rope_traditional``), ``qwen2`` and ``qwen3`` (rotary order as in Hugging Face)."""
 
 import hashlib
 import json
+import mmap
 import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
@@ -26,6 +27,7 @@ from ..errors import CheckpointError, ConfigError
 GROUP_SIZE = 32  # the block of every GGUF quantization MLX reads (Q4_0, Q4_1, Q8_0)
 MLX_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")  # BF16 read here from the raw bytes
 WIDE_TYPES = ("Q6_K", "Q8_0", "Q8_1", "Q8_K")  # 6 bits or more: quantized again at 8 bits
+CHUNK_ROWS = 4096  # rows of a matrix dequantized (and quantized again) at once
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 # GGUF tensor names (llama.cpp's gguf-py tensor_mapping) -> mlx-lm module paths, per layer and outside.
@@ -97,12 +99,12 @@ def ollama_blob(name: str) -> Path:
                               f"{manifest}); `ollama pull {name}` first") from None
 
 
-def read_gguf(path: Path, bits: int = 4, group_size: int = 64, keep_float: bool = False
+def read_gguf(path: Path, bits: int = 4, group_size: int = 64, dtype: Optional[mx.Dtype] = None
               ) -> Tuple[Dict[str, mx.array], dict, dict, Dict[str, dict]]:
     """The tensors (GGUF names; quantized ones as ``NAME.weight``/``.scales``/``.biases``), the metadata
     (Python values), a summary (``method``, ``gguf_types``: tensors per type, ``requantized``: tensors
-    quantized again) and per quantized module ``{"group_size", "bits"}``. ``keep_float``: every quantized
-    tensor dequantized by the package (float32, exactly as llama.cpp's reference), none quantized again.
+    quantized again) and per quantized module ``{"group_size", "bits"}``. ``dtype``: every tensor
+    dequantized by the package (exactly as llama.cpp's reference) and cast to it, none quantized again.
 
     Raises:
         CheckpointError: the file is missing, not GGUF, truncated, or holds a type the ``gguf`` package cannot
@@ -125,7 +127,7 @@ def read_gguf(path: Path, bits: int = 4, group_size: int = 64, keep_float: bool 
     kinds = [t.tensor_type.name for t in reader.tensors]
     summary = {"method": "GGUF read by MLX", "gguf_types": {k: kinds.count(k) for k in sorted(set(kinds))},
                "requantized": 0}
-    if not keep_float and all(kind in MLX_TYPES for kind in kinds):
+    if dtype is None and all(kind in MLX_TYPES for kind in kinds):
         try:
             weights = mx.load(str(path), format="gguf")  # the name may be NAME.GGUF or an Ollama blob
         except (RuntimeError, ValueError) as e:
@@ -135,33 +137,43 @@ def read_gguf(path: Path, bits: int = 4, group_size: int = 64, keep_float: bool 
         return weights, metadata, summary, {n[: -len(".scales")]: {"group_size": GROUP_SIZE, "bits": weights[
             n.replace(".scales", ".weight")].shape[-1] * 32 // (v.shape[-1] * GROUP_SIZE)}
             for n, v in weights.items() if n.endswith(".scales")}
-    weights, quant = {}, {}
+    weights, quant, pages = {}, {}, getattr(reader.data, "_mmap", None)  # numpy's memory map of the file
     for t in reader.tensors:
-        weights[t.name] = _dequantized(t, path)
-        if t.tensor_type.name not in ("F32", "F16", "BF16") and not keep_float and weights[t.name].ndim == 2:
-            module, b = t.name[: -len(".weight")], 8 if t.tensor_type.name in WIDE_TYPES else bits
-            w, scales, biases = mx.quantize(weights.pop(t.name).astype(mx.float16), group_size, b)
-            weights.update({t.name: w, f"{module}.scales": scales, f"{module}.biases": biases})
-            quant[module] = {"group_size": group_size, "bits": b}
-            mx.eval(w, scales, biases)  # one tensor's float copy at a time
+        if pages is not None:  # the file's pages read so far leave this process's memory
+            pages.madvise(mmap.MADV_DONTNEED)
+        if t.tensor_type.name in ("F32", "F16", "BF16") or dtype is not None or len(t.shape) != 2:
+            weights[t.name] = _dequantized(t, path, lambda x: x if dtype is None else x.astype(dtype))
+            continue
+        module, b = t.name[: -len(".weight")], 8 if t.tensor_type.name in WIDE_TYPES else bits
+        w, scales, biases = _dequantized(t, path, lambda x: mx.quantize(x.astype(mx.float16), group_size, b))
+        weights.update({t.name: w, f"{module}.scales": scales, f"{module}.biases": biases})
+        quant[module] = {"group_size": group_size, "bits": b}
     summary.update(method="GGUF dequantized by the gguf package", requantized=len(quant))
     return weights, metadata, summary, quant
 
 
-def _dequantized(tensor, path: Path) -> mx.array:
-    """One tensor of the ``gguf`` package's reader as float (BF16 and F16 as stored, the rest float32)."""
+def _dequantized(tensor, path: Path, finish: Callable[[mx.array], Any]) -> Any:
+    """``finish`` of one tensor of the ``gguf`` package's reader as float (BF16 and F16 as stored, the rest
+    float32), :data:`CHUNK_ROWS` rows at a time, each part evaluated before the next is read and the parts
+    joined (an array, or each array of a sequence): no whole float copy of a large matrix is ever held."""
     from gguf.quants import dequantize
 
-    kind = tensor.tensor_type.name
-    if kind == "BF16":
-        return mx.array(tensor.data.view("uint16")).view(mx.bfloat16)
-    try:
-        return mx.array(dequantize(tensor.data, tensor.tensor_type))
-    except NotImplementedError:
-        raise CheckpointError(f"{path}: tensor '{tensor.name}' is {kind}, a GGUF type the gguf package cannot "
-                              "read; use a file of another quantization (Q4_K_M, Q8_0, ...)") from None
-    except ValueError as e:
-        raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({_reason(e)})") from None
+    kind, data, parts = tensor.tensor_type.name, tensor.data, []
+    for i in range(0, len(data), CHUNK_ROWS if data.ndim == 2 else len(data)):
+        rows = data[i: i + CHUNK_ROWS] if data.ndim == 2 else data
+        try:
+            x = mx.array(rows.view("uint16")).view(mx.bfloat16) if kind == "BF16" else mx.array(dequantize(
+                rows, tensor.tensor_type))
+        except NotImplementedError:
+            raise CheckpointError(f"{path}: tensor '{tensor.name}' is {kind}, a GGUF type the gguf package "
+                                  "cannot read; use a file of another quantization (Q4_K_M, Q8_0, ...)") from None
+        except ValueError as e:
+            raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({_reason(e)})") from None
+        parts.append(finish(x))
+        mx.eval(parts[-1])
+    if isinstance(parts[0], mx.array):
+        return mx.concatenate(parts)
+    return tuple(mx.concatenate(list(p)) for p in zip(*parts))
 
 
 def _reason(e: Exception) -> str:
@@ -249,19 +261,6 @@ def quantization(quant: Dict[str, dict]) -> Optional[dict]:
     return {**common, **{module: q for module, q in quant.items() if q != common}}
 
 
-def dequantized(weights: Dict[str, mx.array], quant: Dict[str, dict], dtype: mx.Dtype) -> Dict[str, mx.array]:
-    """Every tensor as ``dtype``: quantized modules dequantized (their ``.scales``/``.biases`` dropped)."""
-    out = {}
-    for name, value in weights.items():
-        module, _, suffix = name.rpartition(".")
-        if suffix in ("scales", "biases") and module in quant:
-            continue
-        if suffix == "weight" and module in quant:
-            value = mx.dequantize(value, weights[f"{module}.scales"], weights[f"{module}.biases"], **quant[module])
-        out[name] = value.astype(dtype)
-    return out
-
-
 def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callable[[str], None] = lambda _: None,
                  bits: Optional[int] = None, group_size: Optional[int] = None) -> dict:
     """Write the model in the GGUF file ``path`` as an mlx-lm folder ``dst`` (created where it does not exist).
@@ -280,16 +279,14 @@ def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callab
         ConfigError: an architecture, tokenizer or tensor not supported here.
     """
     say(f"reading {path.name}")
-    weights, metadata, summary, quant = read_gguf(path, bits or 4, group_size or 64, keep_float=dtype is not None)
+    weights, metadata, summary, quant = read_gguf(path, bits or 4, group_size or 64, dtype and getattr(mx, dtype))
     config = mlx_lm_config(weights, metadata, path)
     from .gguf_tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(metadata, path)
     weights = {mlx_lm_name(name, path): value for name, value in weights.items()}
     quant = {mlx_lm_name(f"{module}.weight", path)[: -len(".weight")]: q for module, q in quant.items()}
-    if dtype is not None:
-        weights = dequantized(weights, quant, getattr(mx, dtype))
-    elif quant:  # float tensors in the scales' float16, as mlx-lm's own quantized folders: it computes in it
+    if quant:  # float tensors in the scales' float16, as mlx-lm's own quantized folders: it computes in it
         weights = {n: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v for n, v in weights.items()}
         config["quantization"] = config["quantization_config"] = quantization(quant)
     say(f"writing the mlx-lm folder ({'quantized' if 'quantization' in config else dtype or 'as stored'})")
