@@ -15,21 +15,14 @@ token it regenerates. One process, float32, medians of repeats:
 
 import argparse
 import json
-import time
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from exp_cost import median_ms as median_of
 
-
-def median_ms(fn, repeats: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - tic)
-    return 1e3 * sorted(times)[repeats // 2]
+median_ms = partial(median_of, n=7)
 
 
 def main() -> None:
