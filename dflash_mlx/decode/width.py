@@ -6,8 +6,8 @@ nodes. E comes from the draft survival observed (Kaplan-Meier, each position sta
 with :data:`PRIOR_WEIGHT` steps' weight; every step ages the evidence and the prior alike by :data:`DECAY`,
 so plain steps change no estimate but make the next observation weigh more); seconds(w, n) is the median of
 its last :data:`WINDOW` timings (other work on the machine only adds time, in bursts a mean follows; the first
-run of each (w, n) is left out and run again at once). Plain steps' rate is divided by :data:`PLAIN_MARGIN`, so only a measured gain moves
-off plain. It starts with plain steps: until drafting is measured to pay, it does not run.
+run of each (w, n) is left out and run again at once). Plain steps' rate is divided by :data:`PLAIN_MARGIN`,
+so only a measured gain moves off plain. It starts with plain steps: until drafting is measured to pay, it does not run.
 
 Other options run as probes, one step each (two untimed), one per gap of steps: the gap starts at
 :data:`FIRST_GAP` and returns there after a probe that beat the best (or, plain being best, accepted every

@@ -159,8 +159,9 @@ def _dequantized(tensor, path: Path, finish: Callable[[mx.array], Any]) -> Any:
     from gguf.quants import dequantize
 
     kind, data, parts = tensor.tensor_type.name, tensor.data, []
-    for i in range(0, len(data), CHUNK_ROWS if data.ndim == 2 else len(data)):
-        rows = data[i: i + CHUNK_ROWS] if data.ndim == 2 else data
+    step = CHUNK_ROWS if data.ndim == 2 else len(data)  # quantized rows are whole blocks; else all at once
+    for i in range(0, len(data), step):
+        rows = data[i: i + step]
         try:
             x = mx.array(rows.view("uint16")).view(mx.bfloat16) if kind == "BF16" else mx.array(dequantize(
                 rows, tensor.tensor_type))
