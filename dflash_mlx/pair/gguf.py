@@ -27,7 +27,7 @@ from ..errors import CheckpointError, ConfigError
 GROUP_SIZE = 32  # the block of every GGUF quantization MLX reads (Q4_0, Q4_1, Q8_0)
 MLX_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")  # BF16 read here from the raw bytes
 WIDE_TYPES = ("Q6_K", "Q8_0", "Q8_1", "Q8_K")  # 6 bits or more: quantized again at 8 bits
-CHUNK_ROWS = 4096  # rows of a matrix dequantized (and quantized again) at once
+CHUNK_ROWS = 1024  # rows of a matrix dequantized (and quantized again) at once
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 # GGUF tensor names (llama.cpp's gguf-py tensor_mapping) -> mlx-lm module paths, per layer and outside.
@@ -121,6 +121,7 @@ def read_gguf(path: Path, bits: int = 4, group_size: int = 64, dtype: Optional[m
     try:
         reader = GGUFReader(str(path))
         metadata = {key: field.contents() for key, field in reader.fields.items()}
+        reader.fields.clear()  # numpy views of every vocabulary entry (about 50 MB at 49K), read once
     except Exception as e:  # the reader raises ValueError, KeyError, ... on a cut file
         raise CheckpointError(f"{path}: truncated or corrupt GGUF file, an incomplete download? ({_reason(e)})"
                               ) from None
@@ -154,8 +155,8 @@ def read_gguf(path: Path, bits: int = 4, group_size: int = 64, dtype: Optional[m
 
 def _dequantized(tensor, path: Path, finish: Callable[[mx.array], Any]) -> Any:
     """``finish`` of one tensor of the ``gguf`` package's reader as float (BF16 and F16 as stored, the rest
-    float32), :data:`CHUNK_ROWS` rows at a time, each part evaluated before the next is read and the parts
-    joined (an array, or each array of a sequence): no whole float copy of a large matrix is ever held."""
+    float32), :data:`CHUNK_ROWS` rows at a time, each part evaluated before the next is read, the parts joined
+    (an array, or each array of a sequence) and evaluated: never a large float copy, one tensor's parts at most."""
     from gguf.quants import dequantize
 
     kind, data, parts = tensor.tensor_type.name, tensor.data, []
@@ -172,9 +173,9 @@ def _dequantized(tensor, path: Path, finish: Callable[[mx.array], Any]) -> Any:
             raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({_reason(e)})") from None
         parts.append(finish(x))
         mx.eval(parts[-1])
-    if isinstance(parts[0], mx.array):
-        return mx.concatenate(parts)
-    return tuple(mx.concatenate(list(p)) for p in zip(*parts))
+    joined = mx.concatenate(parts) if isinstance(parts[0], mx.array) else tuple(map(mx.concatenate, zip(*parts)))
+    mx.eval(joined)  # joined now, while only this tensor's parts are held, not all at once when written
+    return joined
 
 
 def _reason(e: Exception) -> str:
