@@ -15,7 +15,7 @@ from dflash_mlx import generate_step
 from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
-from dflash_mlx.drafter.batch import pad_contexts
+from dflash_mlx.drafter.batch import batch_drafts, pad_contexts
 from dflash_mlx.prompt_cache.batch import RaggedRoll, batch_refusal, common_padding, share_offsets
 from dflash_mlx.prompt_cache.batch import BatchGatedDeltaCache
 from dflash_mlx.prompt_cache.gated_delta import GatedDeltaCache
@@ -316,7 +316,7 @@ def test_one_drafter_pass_drafts_as_each_sequence_alone(compiled, fast_exp, monk
 
     target = target_of("llama")
     drafter = tiny_drafter(target, block_size=6)
-    batch = drafter.batch_drafts()
+    batch = batch_drafts(drafter)
     assert batch is not None
     rng = np.random.default_rng(0)
     F = len(drafter.target_layer_ids) * target.hidden_size
@@ -348,8 +348,8 @@ def test_drafters_without_a_batched_pass_draft_per_sequence():
     from conftest import format_drafter
 
     target = target_of("llama")
-    assert format_drafter(target, "dflash2").batch_drafts() is None
-    assert format_drafter(target, "v1-sliding").batch_drafts() is None
+    assert batch_drafts(format_drafter(target, "dflash2")) is None
+    assert batch_drafts(format_drafter(target, "v1-sliding")) is None
     plan = [dict(key=i, prompt=p, n=30, join=i) for i, p in enumerate(prompts(3, seed=12))]
     out = drive(BatchDecoder(target, format_drafter(target, "v1-sliding", block_size=5), 5), plan)
     for p in plan:

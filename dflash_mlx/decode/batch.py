@@ -15,7 +15,7 @@ from .lookup import PromptLookup
 from .stopping import StopCondition
 from .tree import build_tree, host_logprobs, verify_tree
 from .width import Plan, WidthChooser, make_chooser
-from ..drafter.batch import pad_contexts
+from ..drafter.batch import batch_drafts, pad_contexts
 from ..errors import InputError
 from ..prompt_cache.batch_prefix import BatchPrefix, batch_prefix_refusal
 from ..prompt_cache.store import PrefixStore
@@ -82,7 +82,7 @@ class BatchDecoder:
         self.cache = None
         self._context: Optional[Tuple[mx.array, List[int]]] = None  # last verify's rows, not yet pending
         self._queued = None  # the next (plan, tokens, features): a plain step dispatched early, else (plan, None, None)
-        self.drafts = drafter.batch_drafts() if hasattr(drafter, "batch_drafts") and not solo else None
+        self.drafts = batch_drafts(drafter) if not solo else None
         self.prefix: Optional[BatchPrefix] = None
         self.prefix_refusal: Optional[str] = None
         if store is not None:

@@ -8,7 +8,14 @@ import mlx.core as mx
 
 from ..kernels import fast_softmax
 from ..prompt_cache.batch import RaggedRoll, common_padding, extend, keep_rows
-from .network import KV, Attend, DrafterAttention, masked_attention
+from .network import KV, Attend, DFlashDrafter, DrafterAttention, masked_attention
+
+
+def batch_drafts(drafter: Any) -> Optional["BatchDrafts"]:
+    """A :class:`BatchDrafts` for ``drafter``; None for anything but a :class:`DFlashDrafter` with a
+    batched form (:func:`batch_drafting_refusal`), None included."""
+    ok = isinstance(drafter, DFlashDrafter) and batch_drafting_refusal(drafter) is None
+    return BatchDrafts(drafter) if ok else None
 
 
 def batch_drafting_refusal(drafter: Any) -> Optional[str]:

@@ -306,12 +306,6 @@ class DFlashDrafter(nn.Module):
         """:meth:`block_hidden` through the head: [N, B-1, V] logits."""
         return self.logits(self.block_hidden(blocks, context, anchors, mask))
 
-    def batch_drafts(self):
-        """A :class:`~dflash_mlx.drafter.batch.BatchDrafts`, or None without a batched form."""
-        from .batch import BatchDrafts, batch_drafting_refusal
-
-        return BatchDrafts(self) if batch_drafting_refusal(self) is None else None
-
     def ingest(self, context: mx.array, cache: Sequence[object]) -> None:
         """Cache context rows [1, S, K*H] without drafting, so the drafter covers what the target cache covers."""
         if context.shape[1] == 0:
