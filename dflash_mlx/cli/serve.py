@@ -97,7 +97,7 @@ def _run(o) -> None:
     pair = load_pair(o.model, o.draft_model, o.defaults, None, distributed and distributed["sharding"])
     check_template_flags(pair.tokenizer, template_config=o.chat_template_config)
     if sock is None:
-        from dflash_mlx.serve.ranks import follow
+        from dflash_mlx.serve.engine import follow
 
         return follow(pair, o.block_size, o.prefill_step_size, o.prompt_lookup == "auto")
     config = ServerConfig(model_id=o.model, max_tokens=o.max_tokens, block_size=o.block_size, api_key=o.api_key,

@@ -69,11 +69,3 @@ class FollowerJob:
 
     def push(self, chunk: Any) -> None:
         pass
-
-
-def follow(pair: Any, block_size: Any, prefill_step_size: Optional[int], prompt_lookup: bool = False) -> None:
-    """Ranks other than 0: run rank 0's jobs on ``pair`` (decoding as it does) until rank 0's server stops."""
-    from .engine import Engine
-
-    Engine(pair, block_size=block_size, prefill_step_size=prefill_step_size,
-           prompt_lookup=prompt_lookup).shutdown(wait=True)
