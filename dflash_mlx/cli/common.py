@@ -2,8 +2,9 @@
 person reads: tables that fit the terminal (plain text in pipes and logs), progress bars and a spinner."""
 
 import json
+import os
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Annotated, Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple
 
@@ -19,7 +20,6 @@ from dflash_mlx.hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from dflash_mlx.ranges import check_number
 
 from .fit import WIDE, columns, fit_table, folded, plain
-from .main import silence_stdout
 
 MODEL_HELP = (
     "Target model: a local mlx-lm folder or a Hugging Face repo id (downloaded into the HF cache). Default with "
@@ -248,6 +248,12 @@ def check_out_folder(path, flag: str = "--out") -> None:
                 where = "is a file" if p == path else f"is under {p}, which is a file"
                 raise InputError(f"{flag} {path} {where}, not a folder")
             return
+
+
+def silence_stdout() -> None:
+    """Point descriptor 1 at /dev/null, so what is still buffered does not fail again at exit."""
+    with suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 
 
 def guard(fn):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import os
 import sys
-from contextlib import suppress
 from typing import Any, Iterable, List, Optional
 
 from dflash_mlx.errors import DFlashError
@@ -179,6 +178,8 @@ class CheckedStdout:
         except BrokenPipeError:
             raise
         except OSError as e:
+            from .common import silence_stdout
+
             silence_stdout()
             raise StreamError(f"cannot write to standard output ({e.strerror or e})") from None
 
@@ -187,12 +188,6 @@ class CheckedStdout:
 
     def flush(self) -> None:
         self._checked("flush")
-
-
-def silence_stdout() -> None:
-    """Point descriptor 1 at /dev/null, so what is still buffered does not fail again at exit."""
-    with suppress(OSError):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 
 
 def protect() -> List[int]:
