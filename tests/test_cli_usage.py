@@ -152,8 +152,8 @@ except KeyboardInterrupt:
 
 @needs_shared
 def test_interrupted_generate_ends_its_line(stories, capsys, monkeypatch):
-    import dflash_mlx
-    from dflash_mlx import stream_generate
+    import dflash_mlx.decode.generate as generate_module
+    from dflash_mlx.decode.generate import stream_generate
 
     def interrupted(*args, **kwargs):
         for i, r in enumerate(stream_generate(*args, **kwargs)):
@@ -161,7 +161,7 @@ def test_interrupted_generate_ends_its_line(stories, capsys, monkeypatch):
                 raise KeyboardInterrupt
             yield r
 
-    monkeypatch.setattr(dflash_mlx, "stream_generate", interrupted)
+    monkeypatch.setattr(generate_module, "stream_generate", interrupted)
     code, out, err = run_main(capsys, "generate", "--model", str(stories), "-p", "Once upon a time", "-m", "50")
     assert code == 130 and err == ""
     assert out.startswith(", there was") and out.endswith("\n") and not out.endswith("\n\n")
@@ -173,8 +173,8 @@ def test_interactive_prefill_step_is_small(stories, capsys, monkeypatch):
     on a CPU and 512 on a GPU (mlx-lm's 2048 take seconds), and the flag sets them."""
     import mlx.core as mx
 
-    import dflash_mlx
-    from dflash_mlx import stream_generate
+    import dflash_mlx.decode.generate as generate_module
+    from dflash_mlx.decode.generate import stream_generate
 
     seen = []
 
@@ -182,7 +182,7 @@ def test_interactive_prefill_step_is_small(stories, capsys, monkeypatch):
         seen.append(kwargs["prefill_step_size"])
         yield from stream_generate(*args, **kwargs)
 
-    monkeypatch.setattr(dflash_mlx, "stream_generate", spy)
+    monkeypatch.setattr(generate_module, "stream_generate", spy)
     base = ["generate", "--model", str(stories), "-p", "Once", "-m", "2", "--quiet"]
     assert run_main(capsys, *base)[0] == 0
     assert run_main(capsys, *base, "--prefill-step-size", "64")[0] == 0

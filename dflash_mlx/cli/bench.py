@@ -148,8 +148,8 @@ def _agent(o) -> None:
 
     from rich.console import Console
 
-    from dflash_mlx import load
     from dflash_mlx.bench.agent import MODES, encode_requests, read_agent_trace, run_trace, summarize, write_results
+    from dflash_mlx.pair.loading import load
 
     from .bench_tables import AGENT_DROP, agent_table
     kwargs = {"block_size": parse_block_sizes(o.block_size, o.extra)[0]}

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Column, Table
 from typer import Option
 
-from dflash_mlx.errors import DFlashError, InputError
+from dflash_mlx.errors import CheckpointError, DFlashError, InputError
 from dflash_mlx.hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from dflash_mlx.ranges import check_number
 
@@ -222,10 +222,10 @@ def check_template_flags(tokenizer, system_prompt: Optional[str] = None, templat
 
 
 def load_pair(model: str, draft_model: Optional[str], defaults: bool, draft_window=None, sharding=None):
-    """:func:`dflash_mlx.load` under a spinner; a CheckpointError of the default pair names local folders."""
+    """:func:`~dflash_mlx.pair.loading.load` under a spinner; the default pair's CheckpointError names local folders."""
     from transformers.utils import logging as hf_logging
 
-    from dflash_mlx import CheckpointError, load
+    from dflash_mlx.pair.loading import load
 
     hf_logging.set_verbosity_error()  # the CLI checks lengths itself
     try:

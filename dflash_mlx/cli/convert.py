@@ -59,7 +59,7 @@ def convert(
 def _run(validate, **kwargs) -> None:
     from rich.console import Console
 
-    from dflash_mlx import ValidationError
+    from dflash_mlx.errors import ValidationError
     from dflash_mlx.pair.convert import check_options, convert as convert_pair
     from dflash_mlx.pair.gguf import is_gguf
 

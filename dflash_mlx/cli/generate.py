@@ -128,7 +128,7 @@ def fit_context(prompt_tokens: int, max_tokens: int, limit: Optional[int]) -> in
 def _stream(pair, ids, o, run: dict):
     """Stream the reply to stdout (unless --json); returns ``(text, token ids, stats, finish_reason, prompt cache)``
     (the ids: every generated token but a stop token)."""
-    from dflash_mlx import stream_generate
+    from dflash_mlx.decode.generate import stream_generate
     from dflash_mlx.prompt_cache.pair import PairCache
 
     cached = o.store and PairCache(pair.target, pair.tokenizer, pair.drafter, store=o.store, generate=stream_generate)
