@@ -72,12 +72,23 @@ def test_a_drafter_format_is_one_entry_in_formats(monkeypatch, tmp_path):
     assert run[0] == run[1]
 
 
-def _imports(path: Path, package: str, lazy: bool = False):
-    """Modules a file imports: at its top level, or with ``lazy`` inside functions too (top-level
-    only for cycles: imports inside functions are lazy on purpose, ``if TYPE_CHECKING:`` blocks do
-    not run); ``package`` is the one its relative imports start from."""
-    tree = ast.parse(path.read_text())
-    for node in (ast.walk(tree) if lazy else tree.body):
+_TYPE_CHECKING = ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
+def _imports(path: Path, package: str, lazy: bool = False, type_checking: bool = True):
+    """Modules (or ``module.name``) a file imports: at its top level, or with ``lazy`` inside
+    functions and blocks too, ``if TYPE_CHECKING:`` blocks left out unless ``type_checking``; ``package``
+    is the one its relative imports start from."""
+    def walk(nodes):
+        for node in nodes:
+            if not type_checking and isinstance(node, ast.If) and ast.unparse(node.test) in _TYPE_CHECKING:
+                yield from walk(node.orelse)
+                continue
+            yield node
+            if lazy:
+                yield from walk(ast.iter_child_nodes(node))
+
+    for node in walk(ast.parse(path.read_text()).body):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -85,28 +96,40 @@ def _imports(path: Path, package: str, lazy: bool = False):
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            if lazy:
-                yield base
             yield from (f"{base}.{alias.name}" for alias in node.names)
 
 
-def test_no_import_cycles():
+def _modules():
+    """Module name -> file, for every file in dflash_mlx/ (a package's ``__init__.py`` under its own name)."""
     files = {}
-    for path in (ROOT / "dflash_mlx").rglob("*.py"):
-        rel = path.relative_to(ROOT).with_suffix("")
-        parts = list(rel.parts)
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        files[name] = path
-    graph = {}
-    for name, path in files.items():
-        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        deps = set()
-        for mod in _imports(path, package):
-            while mod and mod not in files:
-                mod = mod.rpartition(".")[0]
-            if mod and mod != name and mod != "dflash_mlx":
-                deps.add(mod)
-        graph[name] = deps
+    for path in _sources():
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def _imported_files(name: str, path: Path, files: dict):
+    """The files of dflash_mlx/ that a module imports, imports inside functions included (not those
+    under ``if TYPE_CHECKING:``, which do not run); ``dflash_mlx`` for the package's ``__init__``."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for mod in _imports(path, package, lazy=True, type_checking=False):
+        while mod and mod not in files:
+            mod = mod.rpartition(".")[0]
+        if mod and mod != name:
+            yield mod
+
+
+# Being fixed separately, in pair/ (nothing else may join these): the cycle among gguf.py,
+# gguf_tokenizer.py and loading.py, and writing.py's import of the package __init__ (for __version__).
+BEING_FIXED_CYCLES = {"dflash_mlx.pair.gguf", "dflash_mlx.pair.gguf_tokenizer", "dflash_mlx.pair.loading"}
+BEING_FIXED_INIT_IMPORTS = {"dflash_mlx.pair.writing"}
+
+
+def test_no_import_cycles():
+    """No circle of imports between files, imports inside functions included."""
+    files = _modules()
+    graph = {name: {mod for mod in _imported_files(name, path, files) if not {name, mod} <= BEING_FIXED_CYCLES}
+             for name, path in files.items()}
     state = {}
 
     def visit(node, stack):
@@ -121,6 +144,16 @@ def test_no_import_cycles():
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+
+
+def test_no_module_imports_the_package_init():
+    """Inside dflash_mlx/, names come from the module that defines them, not from ``dflash_mlx``'s
+    ``__init__`` (``import dflash_mlx``, ``from dflash_mlx import X``, ``from .. import X``)."""
+    files = _modules()
+    wrong = sorted(name for name, path in files.items()
+                   if name != "dflash_mlx" and name not in BEING_FIXED_INIT_IMPORTS
+                   and "dflash_mlx" in _imported_files(name, path, files))
+    assert not wrong, "modules importing the package __init__: " + ", ".join(wrong)
 
 
 MAX_FILE, MAX_FUNCTION = 400, 60
