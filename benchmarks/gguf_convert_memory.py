@@ -12,7 +12,7 @@ converts it twice, each in a fresh child process, ``python -m dflash_mlx.cli.mai
 float16``, and takes each child's peak RSS (GNU time's ``%M``, Linux only: the GGUF file's pages that the
 reader's memory map touched count in it), and that of a child that only imports mlx and dflash_mlx
 (the baseline). Prints one JSON object (MB: 10^6 bytes); the requirement checked: peak under twice the
-output folder's size.
+output folder's size. ``--file FILE`` measures a file of your own instead (a real Q4_K_M download).
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ def main() -> None:
                         help="Where the file and the outputs go.")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--file", type=Path, help="Measure this GGUF file instead of writing the Q4_K_M-like one.")
     a = parser.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    path = build(a.work / f"llama-{a.layers}l-q4_k_m.gguf", a.layers, a.vocab)
+    path = a.file or build(a.work / f"llama-{a.layers}l-q4_k_m.gguf", a.layers, a.vocab)
     from gguf import GGUFReader
 
     kinds = [t.tensor_type.name for t in GGUFReader(str(path)).tensors]

@@ -15,18 +15,20 @@ LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
                "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down"}
+GEMMA3_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 TEXTS = ["Hello world! Once upon a time, 1234 apples.",
          "Emoji 🙂🚀 and CJK 世界你好, accents: café, naïve, Ærøskøbing, Zürich.",
          "def f(x):\n    return {'a': x ** 2}  # code\n\tif x != 0: print(f\"{x:>4}\")",
          "  leading spaces\n\nnew lines \r\n end"]
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, arch: str = "llama") -> str:
     """llama.cpp's tensor name for an mlx-lm one."""
     if name.startswith("model.layers."):
         _, _, index, rest = name.split(".", 3)
         module, suffix = rest.rsplit(".", 1)
-        return f"blk.{index}.{LAYER_NAMES[module]}.{suffix}"
+        return f"blk.{index}.{(GEMMA3_NAMES if arch == 'gemma3' else LAYER_NAMES)[module]}.{suffix}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[name]
 
@@ -82,9 +84,10 @@ def blocks(x: np.ndarray, qtype: str, seed: int = 0) -> np.ndarray:
 def write_gguf(path: Path, model, tokens, *, arch: str = "llama", qtype: str = "F32", merges=None,
                scores=None, kind: str = "gpt2", pre: str = "smollm", extra=None, tied: bool = False,
                tensor_types=None) -> Path:
-    """``model`` (a tiny mlx-lm llama/qwen3) as llama.cpp writes it: its tensors renamed, llama's Q and K
-    permuted (unless the model's rope is traditional), 2-D weights in ``qtype`` (or ``tensor_types[gguf name]``; :func:`blocks`), norms in F32, no
-    ``output.weight`` where ``tied``, and a tokenizer's metadata."""
+    """``model`` (a tiny mlx-lm llama/qwen3/gemma3_text) as llama.cpp writes it: its tensors renamed, llama's Q
+    and K permuted (unless the model's rope is traditional), Gemma's norms stored as ``1 + w``, 2-D weights in
+    ``qtype`` (or ``tensor_types[gguf name]``; :func:`blocks`), norms in F32, no ``output.weight`` where
+    ``tied``, linear RoPE scaling and Gemma's sliding window as keys, and a tokenizer's metadata."""
     args = model.args
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(args.num_hidden_layers)
@@ -98,6 +101,11 @@ def write_gguf(path: Path, model, tokens, *, arch: str = "llama", qtype: str = "
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
+    if getattr(args, "rope_scaling", None):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(args.rope_scaling["factor"])
+    if arch == "gemma3":
+        w.add_sliding_window(args.sliding_window)
     w.add_tokenizer_model(kind)
     if pre is not None:
         w.add_tokenizer_pre(pre)
@@ -124,11 +132,14 @@ def write_gguf(path: Path, model, tokens, *, arch: str = "llama", qtype: str = "
                 ("q_proj.weight", "k_proj.weight")):  # a traditional-rope model is in llama.cpp's order already
             heads = args.num_attention_heads if "q_proj" in name else args.num_key_value_heads
             x = interleave(x, heads)
-        kind_of = (tensor_types or {}).get(gguf_name(name), qtype) if x.ndim == 2 else "F32"
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            x = x + 1  # llama.cpp's convert_hf_to_gguf.py: Gemma3RMSNorm computes with (1 + w)
+        named = gguf_name(name, arch)
+        kind_of = (tensor_types or {}).get(named, qtype) if x.ndim == 2 else "F32"
         if kind_of == "F32":
-            w.add_tensor(gguf_name(name), x)
+            w.add_tensor(named, x)
         else:
-            w.add_tensor(gguf_name(name), blocks(x, kind_of), raw_dtype=gguf.GGMLQuantizationType[kind_of])
+            w.add_tensor(named, blocks(x, kind_of), raw_dtype=gguf.GGMLQuantizationType[kind_of])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

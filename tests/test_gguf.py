@@ -55,6 +55,36 @@ def test_qwen3_gguf_keeps_the_rotary_order(tmp_path):
     assert mlx_lm_greedy(converted, prompt, 30) == want
 
 
+def test_gemma3_gguf_converts_to_the_same_model(tmp_path):
+    """A Gemma 3 file as llama.cpp writes it (its norm names, norms stored as 1 + w, tied embeddings, every 6th
+    layer global, linear RoPE scaling as in the 4B and larger): same greedy output as the model it came from,
+    past the sliding window."""
+    from mlx_lm.models import gemma3_text
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    _, tokens, merges = byte_level_vocab()
+    args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=64, num_hidden_layers=6, intermediate_size=128,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=len(tokens),
+                                 query_pre_attn_scalar=16, sliding_window=8, rope_scaling={"type": "linear",
+                                                                                          "factor": 8.0})
+    mx.random.seed(5)
+    model = gemma3_text.Model(args)
+    scale = {"norm": 0.3, "embed": 0.02}  # a small embedding, or a tied random Gemma echoes its input token
+    model.update(tree_unflatten([(n, mx.random.normal(p.shape) * next((v for k, v in scale.items() if k in n), 1.5))
+                                 for n, p in tree_flatten(model.parameters())]))
+    model.sanitize({})  # tied, as Gemma is: mlx-lm drops lm_head where a checkpoint has none
+    path = write_gguf(tmp_path / "g.gguf", model, tokens, arch="gemma3", merges=merges, tied=True)
+    convert_gguf(path, tmp_path / "out")
+    converted, _ = mlx_lm_load(str(tmp_path / "out"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and config["sliding_window_pattern"] == 6
+    assert config["rope_scaling"] == {"type": "linear", "factor": 8.0} and config["rope_traditional"] is False
+    prompt = [9, 8, 70, 11, 30, 41]
+    want = mlx_lm_greedy(model, prompt, 30)
+    assert_varied(want, 8)
+    assert mlx_lm_greedy(converted, prompt, 30) == want
+
+
 @pytest.mark.parametrize("qtype,bits", [("Q8_0", 8), ("Q4_0", 4), ("Q4_1", 4)])
 def test_quantized_gguf_stays_quantized_or_dequantizes(tmp_path, qtype, bits):
     """Q8_0/Q4_0/Q4_1 stay MLX-quantized (group 32), load in mlx-lm and compute in float16 (the norms'

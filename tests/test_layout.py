@@ -119,17 +119,10 @@ def _imported_files(name: str, path: Path, files: dict):
             yield mod
 
 
-# Being fixed separately, in pair/ (nothing else may join these): the cycle among gguf.py,
-# gguf_tokenizer.py and loading.py, and writing.py's import of the package __init__ (for __version__).
-BEING_FIXED_CYCLES = {"dflash_mlx.pair.gguf", "dflash_mlx.pair.gguf_tokenizer", "dflash_mlx.pair.loading"}
-BEING_FIXED_INIT_IMPORTS = {"dflash_mlx.pair.writing"}
-
-
 def test_no_import_cycles():
     """No circle of imports between files, imports inside functions included."""
     files = _modules()
-    graph = {name: {mod for mod in _imported_files(name, path, files) if not {name, mod} <= BEING_FIXED_CYCLES}
-             for name, path in files.items()}
+    graph = {name: set(_imported_files(name, path, files)) for name, path in files.items()}
     state = {}
 
     def visit(node, stack):
@@ -151,7 +144,7 @@ def test_no_module_imports_the_package_init():
     ``__init__`` (``import dflash_mlx``, ``from dflash_mlx import X``, ``from .. import X``)."""
     files = _modules()
     wrong = sorted(name for name, path in files.items()
-                   if name != "dflash_mlx" and name not in BEING_FIXED_INIT_IMPORTS
+                   if name != "dflash_mlx"
                    and "dflash_mlx" in _imported_files(name, path, files))
     assert not wrong, "modules importing the package __init__: " + ", ".join(wrong)
 

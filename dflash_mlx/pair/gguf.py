@@ -9,7 +9,9 @@ or quantized again by MLX (``bits``, 8 for types of 6 bits or more, and ``group_
 holds its float tensors in its scales' dtype (float16), so that it computes in half precision as mlx-lm's would.
 
 Architectures (``general.architecture``): ``llama`` (Q and K stored in the interleaved rotary order, read
-by mlx-lm's llama with ``rope_traditional``), ``qwen2`` and ``qwen3`` (rotary order as in Hugging Face)."""
+by mlx-lm's llama with ``rope_traditional``), ``qwen2``, ``qwen3`` and ``gemma3`` (rotary order as in Hugging
+Face; Gemma's norm weights stored with the 1 of ``(1 + w)`` added, taken off here). Linear RoPE scaling is
+read; other kinds (``rope_freqs``, YaRN) are refused."""
 
 import hashlib
 import json
@@ -22,13 +24,18 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
+from ..atomic import staging
 from ..errors import CheckpointError, ConfigError
+from ..fingerprint import file_identity
+from ..owned import cache_root
+from .gguf_tokenizer import build_tokenizer, metadata_value
+from .manifest import dtype_name
 
 GROUP_SIZE = 32  # the block of every GGUF quantization MLX reads (Q4_0, Q4_1, Q8_0)
 MLX_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")  # BF16 read here from the raw bytes
 WIDE_TYPES = ("Q6_K", "Q8_0", "Q8_1", "Q8_K")  # 6 bits or more: quantized again at 8 bits
 CHUNK_ROWS = 1024  # rows of a matrix dequantized (and quantized again) at once
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 # GGUF tensor names (llama.cpp's gguf-py tensor_mapping) -> mlx-lm module paths, per layer and outside.
 _LAYER_NAMES = {
@@ -37,6 +44,8 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+_GEMMA3_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",  # llama.cpp's gemma3 names
+                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _SUFFIXES = ("weight", "bias", "scales", "biases")
 
@@ -55,10 +64,6 @@ def gguf_folder(model: str) -> Optional[Path]:
     Raises:
         CheckpointError: a missing file or Ollama model, a folder named ``.gguf``, a bad file (:func:`read_gguf`).
     """
-    from ..atomic import staging
-    from ..fingerprint import file_identity
-    from ..owned import cache_root
-
     ollama, path = model.startswith(OLLAMA), Path(model).expanduser()
     if ollama:
         path = ollama_blob(model[len(OLLAMA):])
@@ -182,29 +187,22 @@ def _reason(e: Exception) -> str:
     return " ".join(str(e).replace("[load_gguf] ", "").split()) or type(e).__name__
 
 
-def metadata_value(metadata: dict, key: str, source: Path, default=None, required: bool = False):
-    """``metadata[key]``, else ``default``; ConfigError naming the file and the key when it is ``required``
-    and absent."""
-    value = metadata.get(key, default)
-    if required and value is None:
-        raise ConfigError(f"{source}: missing GGUF metadata key '{key}'")
-    return value
-
-
 def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) -> dict:
     """mlx-lm's ``config.json`` for the model in a GGUF file (without ``quantization``).
 
     Raises:
         ConfigError: ``general.architecture`` is not supported, a key it needs is missing, or the file uses
-            RoPE scaling (``rope_freqs``) that is not supported yet (names the file and the key).
+            RoPE scaling other than linear (``rope_freqs``, YaRN) that is not supported yet (names the file and
+            the key).
     """
     arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{source}: general.architecture '{arch}' is not supported "
                           f"(supported: {', '.join(ARCHITECTURES)})")
-    if "rope_freqs.weight" in weights or f"{arch}.rope.scaling.type" in metadata:
-        raise ConfigError(f"{source}: {arch}.rope.scaling / rope_freqs (RoPE scaling, as in Llama 3.1 and later) "
-                          "is not supported yet")
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if "rope_freqs.weight" in weights or scaling not in ("none", "linear"):
+        raise ConfigError(f"{source}: RoPE scaling '{scaling}' / rope_freqs (as in Llama 3.1 and later) is not "
+                          "supported yet (linear is)")
 
     def key(name, default=None):
         return metadata_value(metadata, f"{arch}.{name}", source, default, required=True)
@@ -214,9 +212,9 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
     if vocab is None:
         raise ConfigError(f"{source}: no tensor 'token_embd.weight' (the token embedding)")
     config = {
-        "model_type": arch,
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "model_type": "gemma3_text" if arch == "gemma3" else arch,
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "gemma3": "Gemma3ForCausalLM"}[arch]],
         "hidden_size": hidden,
         "num_hidden_layers": key("block_count"),
         "intermediate_size": key("feed_forward_length"),
@@ -232,6 +230,12 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
         "attention_bias": "blk.0.attn_q.bias" in weights,
         "mlp_bias": "blk.0.ffn_gate.bias" in weights,
     }
+    if scaling == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": float(key("rope.scaling.factor"))}
+    if arch == "gemma3":  # as llama.cpp: every 6th layer global, local RoPE base 10,000, attention scaled by
+        scale = hidden // heads if config["num_hidden_layers"] == 62 else config["head_dim"]  # 27B: hidden / heads
+        config.update(sliding_window=key("attention.sliding_window"), sliding_window_pattern=6,
+                      rope_local_base_freq=10000.0, query_pre_attn_scalar=scale)
     if metadata.get("tokenizer.ggml.bos_token_id") is not None:
         config["bos_token_id"] = metadata["tokenizer.ggml.bos_token_id"]
     ends = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]  # Llama 3: <|eot_id|>
@@ -241,13 +245,14 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
     return config
 
 
-def mlx_lm_name(name: str, source: Path) -> str:
+def mlx_lm_name(name: str, source: Path, arch: str = "llama") -> str:
     """mlx-lm's name of a GGUF tensor (``blk.0.attn_q.weight`` -> ``model.layers.0.self_attn.q_proj.weight``);
     ConfigError naming a tensor it does not know."""
     base, _, suffix = name.rpartition(".")
     parts = base.split(".")
-    if suffix in _SUFFIXES and len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    names = _GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES
+    if suffix in _SUFFIXES and len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     if suffix in _SUFFIXES and base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{suffix}"
     raise ConfigError(f"{source}: tensor '{name}' is not one of a {', '.join(ARCHITECTURES)} model's")
@@ -283,11 +288,11 @@ def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callab
     say(f"reading {path.name}")
     weights, metadata, summary, quant = read_gguf(path, bits or 4, group_size or 64, dtype and getattr(mx, dtype))
     config = mlx_lm_config(weights, metadata, path)
-    from .gguf_tokenizer import build_tokenizer
-
     tokenizer = build_tokenizer(metadata, path)
-    weights = {mlx_lm_name(name, path): value for name, value in weights.items()}
-    quant = {mlx_lm_name(f"{module}.weight", path)[: -len(".weight")]: q for module, q in quant.items()}
+    arch, shift = metadata["general.architecture"], config["model_type"] == "gemma3_text"  # (1 + w) stored
+    weights = {mlx_lm_name(name, path, arch): v - 1 if shift and name.endswith("norm.weight") else v
+               for name, v in weights.items()}
+    quant = {mlx_lm_name(f"{module}.weight", path, arch)[: -len(".weight")]: q for module, q in quant.items()}
     if quant:  # float tensors in the scales' float16, as mlx-lm's own quantized folders: it computes in it
         weights = {n: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v for n, v in weights.items()}
         config["quantization"] = config["quantization_config"] = quantization(quant)
@@ -296,8 +301,6 @@ def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callab
     mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save_pretrained(str(dst))
-    from .loading import dtype_name
-
     matrices = [n for n, v in weights.items() if n.endswith(".weight") and v.ndim == 2]
     floats = [weights[n].dtype for n in matrices if mx.issubdtype(weights[n].dtype, mx.floating)]
     stored = sum(sum(weights[f"{n[:-7]}.{s}"].nbytes for s in ("weight", "scales", "biases")

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import ConfigError
-from .gguf import metadata_value
 
 # llama.cpp's token types (llama_token_type): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 CONTROL, USER_DEFINED = 3, 4
@@ -30,8 +29,15 @@ BYTE_LEVEL_SPLITS = {
     "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
     "smollm": "digits", "starcoder": "digits", "refact": "digits", "codeshell": "digits",
 }
-TOKENIZER_MODELS = ("gpt2", "llama")
 LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "falcon3")  # llama.cpp: merges ignored, BOS added by default
+
+
+def metadata_value(metadata: dict, key: str, source: Path, default=None, required: bool = False):
+    """``metadata[key]``, else ``default``; ConfigError naming the file and the key where ``required`` and absent."""
+    value = metadata.get(key, default)
+    if required and value is None:
+        raise ConfigError(f"{source}: missing GGUF metadata key '{key}'")
+    return value
 
 
 def build_tokenizer(metadata: dict, source: Path):
@@ -48,13 +54,10 @@ def build_tokenizer(metadata: dict, source: Path):
     kind = metadata_value(metadata, "tokenizer.ggml.model", source, required=True)
     tokens: List[str] = metadata_value(metadata, "tokenizer.ggml.tokens", source, required=True)
     types = metadata_value(metadata, "tokenizer.ggml.token_type", source) or [1] * len(tokens)
-    if kind == "gpt2":
-        tokenizer = _byte_level(metadata, tokens, source)
-    elif kind == "llama":
-        tokenizer = _sentencepiece(metadata, tokens, source)
-    else:
-        raise ConfigError(f"{source}: tokenizer.ggml.model '{kind}' is not supported "
-                          f"(supported: {', '.join(TOKENIZER_MODELS)})")
+    builders = {"gpt2": _byte_level, "llama": _sentencepiece}  # tokenizer.ggml.model -> its tokenizer
+    if kind not in builders:
+        raise ConfigError(f"{source}: tokenizer.ggml.model '{kind}' is not supported (only {' and '.join(builders)})")
+    tokenizer = builders[kind](metadata, tokens, source)
     assert isinstance(tokenizer, Tokenizer)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                   for t, k in zip(tokens, types) if k == CONTROL])
@@ -65,9 +68,8 @@ def build_tokenizer(metadata: dict, source: Path):
         index = metadata_value(metadata, f"tokenizer.ggml.{key}", source)
         return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
-    specials = {name: token(key) for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                                                   ("unk_token", "unknown_token_id"),
-                                                   ("pad_token", "padding_token_id"))}
+    specials = {n: token(k) for n, k in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                                         ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=metadata.get("tokenizer.chat_template"),
                                    clean_up_tokenization_spaces=False,
                                    **{k: v for k, v in specials.items() if v is not None})
@@ -90,8 +92,7 @@ def _byte_level(metadata: dict, tokens: List[str], source: Path):
     if split is None:
         tokenizer.pre_tokenizer = byte_level
     elif split == "digits":
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                           byte_level])
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])

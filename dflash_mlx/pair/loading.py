@@ -15,7 +15,7 @@ from ..drafter.network import DFlashDrafter
 from ..errors import CheckpointError, ConfigError, InputError, MismatchError
 from ..fingerprint import folder_fingerprint
 from ..hub import DEFAULT_MODEL, resolve_model_path
-from .manifest import resolve_pair
+from .manifest import dtype_name, resolve_pair
 from .sharded import load_sharded, rank, ranks
 from ..targets import TargetAdapter, make_adapter
 
@@ -124,18 +124,11 @@ def float_dtype(module: nn.Module) -> mx.Dtype:
     return next(v.dtype for _, v in tree_flatten(module.parameters()) if mx.issubdtype(v.dtype, mx.floating))
 
 
-def dtype_name(dtype: mx.Dtype) -> str:
-    """``mx.bfloat16`` -> "bfloat16"."""
-    return str(dtype).replace("mlx.core.", "")
-
-
 def quantization(module: nn.Module) -> str:
     """``4-bit (group 64)`` from the module's quantized layers, or ``none (float16)``."""
     kinds = sorted({(m.bits, m.group_size) for m in module.modules()
                     if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))})
-    if not kinds:
-        return f"none ({dtype_name(float_dtype(module))})"
-    return ", ".join(f"{b}-bit (group {g})" for b, g in kinds)
+    return ", ".join(f"{b}-bit (group {g})" for b, g in kinds) if kinds else f"none ({dtype_name(float_dtype(module))})"
 
 
 # A quantized drafter computes in float32, whatever the target's dtype (fp16 activations gave NaN logits

@@ -15,6 +15,11 @@ MANIFEST_VERSION = 2  # 1: weight files only; 2: every file of target/ and draft
 WEIGHT_GLOB = "*.safetensors"
 
 
+def dtype_name(dtype) -> str:
+    """An MLX dtype's name as manifests and summaries write it: ``mx.bfloat16`` -> "bfloat16"."""
+    return str(dtype).replace("mlx.core.", "")
+
+
 def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
     """Hex sha256 of a file, read in 4 MB chunks."""
     digest = hashlib.sha256()

@@ -11,7 +11,8 @@ from mlx_lm.generate import generate_step as mlx_lm_generate_step
 from ..drafter.checkpoint import load_drafter
 from ..drafter.network import DFlashDrafter
 from ..decode.generate import generate_step
-from .loading import dtype_name, float_dtype, is_quantized, load, quantization
+from .loading import float_dtype, is_quantized, load, quantization
+from .manifest import dtype_name
 from ..stats import GenerationStats
 from ..targets import TargetAdapter
 
@@ -60,8 +61,7 @@ def drafter_logits(drafter: DFlashDrafter, target: TargetAdapter, prompt: Sequen
     masks = mx.full((drafter.block_size - 1,), drafter.args.mask_token_id, dtype=mx.int32)
     block = mx.concatenate([first, masks])[None]
     drafter.set_dtype(mx.float32)
-    drafter.bind(lambda ids: target.embed(ids).astype(mx.float32),
-                 lambda x: target.lm_head(x.astype(target.dtype)))
+    drafter.bind(lambda ids: target.embed(ids).astype(mx.float32), lambda x: target.lm_head(x.astype(target.dtype)))
     return drafter(block, features.astype(mx.float32), drafter.make_cache())[0].astype(mx.float32)
 
 

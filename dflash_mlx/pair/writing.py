@@ -13,7 +13,8 @@ from mlx_lm.convert import convert as mlx_lm_convert
 from ..drafter.checkpoint import read_config, save_drafter
 from ..drafter.network import DFlashDrafter
 from ..errors import CheckpointError, InputError
-from .loading import QUANTIZED_DRAFTER_DTYPE, TARGET_FILES, dtype_name, float_dtype
+from .loading import QUANTIZED_DRAFTER_DTYPE, TARGET_FILES, float_dtype
+from .manifest import dtype_name
 from .manifest import MANIFEST_VERSION
 
 DRAFT_Q_GROUP_SIZE = 64
@@ -146,14 +147,14 @@ def _source(name: str, path: Path) -> str:
 def make_manifest(model: str, draft_model: str, target_src: Path, draft_src: Path, draft_config: dict,
                   args, target_entry: dict, drafter_entry: dict, files: dict) -> dict:
     """The ``dflash.json`` contents (:mod:`.manifest`); ``args``: the loaded drafter's."""
-    import mlx_lm
+    from importlib.metadata import version
 
-    from .. import __version__
+    import mlx_lm
 
     archs = draft_config.get("architectures") or ["DFlashDraftModel"]
     return {
         "dflash_convert": MANIFEST_VERSION,
-        "created_by": f"dflash-mlx {__version__}, mlx-lm {mlx_lm.__version__}",
+        "created_by": f"dflash-mlx {version('dflash-mlx')}, mlx-lm {mlx_lm.__version__}",
         "target": {"path": "target", "source": _source(model, target_src), "revision": _revision(target_src),
                    **target_entry},
         "drafter": {"path": "drafter", "source": _source(draft_model, draft_src), "revision": _revision(draft_src),

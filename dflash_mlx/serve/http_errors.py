@@ -33,8 +33,7 @@ class APIError(Exception):
 
 
 def too_large(cap: int) -> APIError:
-    return APIError(413, f"the request body is larger than {cap} bytes (--max-body-mb)",
-                    code="request_too_large")
+    return APIError(413, f"the request body is larger than {cap} bytes (--max-body-mb)", code="request_too_large")
 
 
 def timed_out(message: str, counted: bool = False) -> APIError:

@@ -106,8 +106,7 @@ class HybridAdapter(TargetAdapter):
         ]
         q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
         use_kernel = not gdn.training
-        out, state = gated_delta_update(q, k, v, a, b, gdn.A_log, gdn.dt_bias, cache[1], mask,
-                                        use_kernel=use_kernel)
+        out, state = gated_delta_update(q, k, v, a, b, gdn.A_log, gdn.dt_bias, cache[1], mask, use_kernel=use_kernel)
         if isinstance(cache, GatedDeltaCache):
             cache.store(conv_input, state, q, k, v, a, b, gdn.A_log, gdn.dt_bias, mask, use_kernel)
         else:  # mlx-lm's own ArraysCache (no rollback), updated as the module does

@@ -263,9 +263,7 @@ class Trainer:
 
     def block_size_at(self, step: int, micro: int) -> int:
         """The block size sequence ``micro`` of ``step`` trains at (from a generator of its own)."""
-        sizes = list(self.plan)
-        if len(sizes) == 1:
-            return sizes[0]
+        sizes = list(self.plan)  # one size: always sizes[0]
         return sizes[int(np.random.default_rng([self.config.seed, step, micro, 1]).integers(len(sizes)))]
 
     def _micro_step(self, step: int, micro: int):
