@@ -4,7 +4,9 @@ without the project's code: every tensor dequantized whole by ``gguf.quants.dequ
 below (llama.cpp's ``gguf-py`` tensor names), Gemma's norms taken back from llama.cpp's stored ``1 + w``, and
 an mlx-lm ``config.json`` written from the metadata by hand. Both folders decode the same prompt ids greedily
 with mlx-lm's own ``generate_step``; the token ids must be equal. Then the folder ``dflash convert`` keeps
-quantized (no ``--dtype``) is loaded and its logits' and KV cache's dtypes reported with its text.
+quantized (no ``--dtype``) is loaded and its logits' and KV cache's dtypes reported with its text. The
+tokenizer is checked against transformers' GGUF tokenizer converter (it imports without PyTorch) on
+:data:`TEXTS`.
 
     python benchmarks/gguf_reference.py --file gemma-3-270m-q4_k_m.gguf --work /tmp/gguf-ref
 
@@ -32,6 +34,10 @@ NORMS = {"gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm
                     "post_ffw_norm": "post_feedforward_layernorm"},
          "qwen2": {"ffn_norm": "post_attention_layernorm"}, "qwen3": {"ffn_norm": "post_attention_layernorm"}}
 PROMPT = "The capital of France is"
+TEXTS = [PROMPT, "Hello world! Once upon a time, 1234 apples.",
+         "Emoji \U0001f642\U0001f680 and CJK \u4e16\u754c\u4f60\u597d, accents: caf\u00e9, na\u00efve, Z\u00fcrich.",
+         "def f(x):\n    return {'a': x ** 2}  # code\n\tif x != 0: print(f\"{x:>4}\")",
+         "  leading spaces\n\nnew lines \r\n end", "a    b        c", "internationalization and tokenization"]
 
 
 def reference(path: Path, out: Path) -> None:
@@ -68,6 +74,21 @@ def reference(path: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def tokenizer_check(path: Path, folder: Path) -> dict:
+    """Texts of :data:`TEXTS` whose ids (no special tokens) equal transformers' converter's for ``path``."""
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    meta = {k: f.contents() for k, f in GGUFReader(str(path)).fields.items()}
+    fields = {name: meta[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+              if f"tokenizer.{key}" in meta}
+    ref = PreTrainedTokenizerFast(tokenizer_object=convert_gguf_tokenizer(meta["general.architecture"], fields)[0])
+    ours = AutoTokenizer.from_pretrained(str(folder))
+    same = [ref.encode(t, add_special_tokens=False) == ours.encode(t, add_special_tokens=False) for t in TEXTS]
+    return {"texts": len(TEXTS), "equal": sum(same)}
+
+
 def greedy(folder: Path, ids: list, n: int):
     """(``n`` greedy token ids, the dtype of the logits, the dtype of the first layer's KV cache)."""
     from mlx_lm.generate import generate_step
@@ -100,7 +121,8 @@ def main() -> None:
     want, _, _ = greedy(a.work / "reference", ids, a.n)
     got, _, _ = greedy(a.work / "float32", ids, a.n)
     kept, logits, kv = greedy(a.work / "kept", ids, a.n)
-    print(json.dumps({"file": a.file.name, "prompt": PROMPT, "prompt_ids": ids, "reference": want,
+    print(json.dumps({"file": a.file.name, "tokenizer_vs_transformers": tokenizer_check(a.file, a.work / "float32"),
+                      "prompt": PROMPT, "prompt_ids": ids, "reference": want,
                       "float32_equal": got == want, "float32_first_difference": next(
                           (i for i, (x, y) in enumerate(zip(got, want)) if x != y), None),
                       "reference_text": tokenizer.decode(want), "kept_quantized_text": tokenizer.decode(kept),
