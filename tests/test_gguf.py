@@ -238,6 +238,37 @@ def test_sentencepiece_tokenizer_matches_sentencepiece(tmp_path):
         assert converted.decode(ids, skip_special_tokens=True) == sp.decode(sp.encode(text))
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_tokenizers_match_transformers_gguf_converter(llama_gguf, tmp_path, kind):
+    """The converted tokenizer gives the ids of transformers' own GGUF tokenizer converter (which imports
+    without PyTorch) on text with emoji, CJK, runs of spaces and code: a byte-level vocabulary and a
+    SentencePiece one (the shipped stories260K pieces and scores, no merges). One difference, where
+    llama.cpp is followed: a SentencePiece text that starts with spaces still gets the prefix space
+    (llama-vocab.cpp adds it to every text after a special token or at the start, as SentencePiece's
+    add_dummy_prefix does); transformers' Metaspace adds none there."""
+    import sentencepiece as spm
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")  # where it imports
+
+    path = llama_gguf[1]
+    if kind == "llama":
+        sp = spm.SentencePieceProcessor(model_file=str(ROOT / "examples" / "stories260K" / "tok512.model"))
+        tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+        model, _ = tiny_target("llama", vocab=len(tokens), hidden=32, layers=1)
+        path = write_gguf(tmp_path / "sp.gguf", model, tokens, kind="llama", pre=None,
+                          scores=[sp.get_score(i) for i in range(len(tokens))])
+    meta = {k: f.contents() for k, f in GGUFReader(str(path)).fields.items()}
+    fields = {name: meta[f"tokenizer.{key}"] for key, name in mapping.GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+              if f"tokenizer.{key}" in meta}
+    reference = PreTrainedTokenizerFast(tokenizer_object=mapping.convert_gguf_tokenizer("llama", fields)[0])
+    convert_gguf(path, tmp_path / "out")
+    converted = AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    for text in TEXTS + ["a    b        c", "  two leading spaces"]:
+        want = " " + text if kind == "llama" and text.startswith(" ") else text  # llama.cpp's prefix space
+        assert converted.encode(text, add_special_tokens=False) == reference.encode(want, add_special_tokens=False)
+
+
 def test_merges_from_scores_rank_by_the_made_piece():
     tokens = ["a", "b", "c", "ab", "bc", "abc"]
     merges = merges_from_scores(tokens, [0, 0, 0, -1.0, -2.0, -0.5])
