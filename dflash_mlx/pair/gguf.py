@@ -126,7 +126,7 @@ def read_gguf(path: Path, bits: int = 4, group_size: int = 64, dtype: Optional[m
     try:
         reader = GGUFReader(str(path))
         metadata = {key: field.contents() for key, field in reader.fields.items()}
-        reader.fields.clear()  # numpy views of every vocabulary entry (about 50 MB at 49K), read once
+        reader.fields.clear()  # views of every vocabulary entry: 50 MB for 49K entries, 470 MB for 262K
     except Exception as e:  # the reader raises ValueError, KeyError, ... on a cut file
         raise CheckpointError(f"{path}: truncated or corrupt GGUF file, an incomplete download? ({_reason(e)})"
                               ) from None
