@@ -38,6 +38,24 @@ def interleave(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama3_rope_factors(dims: int, base: float, factor: float, low_freq_factor: float, high_freq_factor: float,
+                        original_max_position_embeddings: int, **_) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py writes as ``rope_freqs.weight`` for Llama 3.1's RoPE scaling: per
+    rotary frequency the number it is divided by (1 for short wavelengths, ``factor`` for long ones, smoothed
+    between), from Meta's formula, by hand."""
+    out = []
+    for i in range(0, dims, 2):
+        wavelen = 2 * np.pi * base ** (i / dims)
+        if wavelen < original_max_position_embeddings / high_freq_factor:
+            out.append(1.0)
+        elif wavelen > original_max_position_embeddings / low_freq_factor:
+            out.append(factor)
+        else:
+            smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def byte_level_vocab():
     """A byte-level BPE (tokens in GPT-2's byte alphabet, merges) trained on a little text, with the
     SmolLM split (digits alone, then GPT-2's regex), and the `tokenizers` tokenizer it came from."""
@@ -83,11 +101,12 @@ def blocks(x: np.ndarray, qtype: str, seed: int = 0) -> np.ndarray:
 
 def write_gguf(path: Path, model, tokens, *, arch: str = "llama", qtype: str = "F32", merges=None,
                scores=None, kind: str = "gpt2", pre: str = "smollm", extra=None, tied: bool = False,
-               tensor_types=None) -> Path:
+               tensor_types=None, extra_tensors=None) -> Path:
     """``model`` (a tiny mlx-lm llama/qwen3/gemma3_text) as llama.cpp writes it: its tensors renamed, llama's Q
     and K permuted (unless the model's rope is traditional), Gemma's norms stored as ``1 + w``, 2-D weights in
     ``qtype`` (or ``tensor_types[gguf name]``; :func:`blocks`), norms in F32, no ``output.weight`` where
-    ``tied``, linear RoPE scaling and Gemma's sliding window as keys, and a tokenizer's metadata."""
+    ``tied``, linear RoPE scaling and Gemma's sliding window as keys, Llama 3's RoPE scaling as llama.cpp's
+    ``rope_freqs`` tensor, ``extra_tensors`` (GGUF name: float32 array) as they are, and a tokenizer's metadata."""
     args = model.args
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(args.num_hidden_layers)
@@ -101,9 +120,12 @@ def write_gguf(path: Path, model, tokens, *, arch: str = "llama", qtype: str = "
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    if getattr(args, "rope_scaling", None):
+    scaling = getattr(args, "rope_scaling", None) or {}
+    if scaling.get("type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(args.rope_scaling["factor"])
+        w.add_rope_scaling_factor(scaling["factor"])
+    if scaling.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, args.rope_theta, **scaling))
     if arch == "gemma3":
         w.add_sliding_window(args.sliding_window)
     w.add_tokenizer_model(kind)
@@ -140,6 +162,8 @@ def write_gguf(path: Path, model, tokens, *, arch: str = "llama", qtype: str = "
             w.add_tensor(named, x)
         else:
             w.add_tensor(named, blocks(x, kind_of), raw_dtype=gguf.GGMLQuantizationType[kind_of])
+    for named, x in (extra_tensors or {}).items():
+        w.add_tensor(named, x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

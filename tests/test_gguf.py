@@ -42,6 +42,30 @@ def test_llama_gguf_converts_to_the_same_model(llama_gguf, tmp_path):
     assert "quantization" not in config
 
 
+def test_llama3_rope_scaling_is_read_from_rope_freqs(tmp_path):
+    """A Llama 3.1-style file (no scaling keys; llama.cpp's ``rope_freqs`` tensor, computed here by hand): the
+    folder's config holds mlx-lm's llama3 ``rope_scaling`` and its logits are the model's, far from the same model
+    without the scaling (factors no llama3 scaling gives: test_bad_gguf_files_one_line_nothing_written)."""
+    import mlx_lm.models.llama as llama
+
+    _, tokens, merges = byte_level_vocab()
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    args = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=2,
+                num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=len(tokens), rope_theta=500000.0)
+    mx.random.seed(6)
+    model = llama.Model(llama.ModelArgs.from_dict({**args, "rope_scaling": scaling}))
+    plain = llama.Model(llama.ModelArgs.from_dict(args))
+    plain.update(model.parameters())
+    path = write_gguf(tmp_path / "l3.gguf", model, tokens, merges=merges, pre="llama-bpe")
+    convert_gguf(path, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_scaling"] == scaling
+    converted, _ = mlx_lm_load(str(tmp_path / "out"))
+    x = mx.array([list(range(3, 300))])
+    want = model(x)
+    assert mx.abs(converted(x) - want).max().item() < 1e-4 < mx.abs(plain(x) - want).max().item()
+
+
 def test_qwen3_gguf_keeps_the_rotary_order(tmp_path):
     """qwen3 files are not permuted by llama.cpp: converted with rope_traditional false, same output."""
     _, tokens, merges = byte_level_vocab()
@@ -281,7 +305,7 @@ def cut(path: Path, size: int, out: Path) -> Path:
 
 
 def test_bad_gguf_files_one_line_nothing_written(llama_gguf, tmp_path):
-    """Truncated, foreign, an unreadable tensor type, an unsupported architecture or tokenizer: one line
+    """Truncated, foreign, an unreadable tensor type, an unsupported architecture, tokenizer or RoPE: one line
     naming the file and the reason, exit 1, no output folder."""
     _, path = llama_gguf
     _, tokens, merges = byte_level_vocab()
@@ -306,6 +330,9 @@ def test_bad_gguf_files_one_line_nothing_written(llama_gguf, tmp_path):
         "tokenizer": (write_gguf(tmp_path / "bert.gguf", model, tokens, merges=merges, kind="bert"),
                       "tokenizer.ggml.model 'bert' is not supported"),
         "missing": (tmp_path / "absent.gguf", "GGUF file not found"),
+        "rope_freqs": (write_gguf(tmp_path / "rope.gguf", model, tokens, merges=merges, extra_tensors={
+            "rope_freqs.weight": np.linspace(1, 8, 8, dtype=np.float32)}),
+            "tensor 'rope_freqs.weight' is not Llama 3's RoPE scaling"),
     }
     for name, (bad, reason) in cases.items():
         out = tmp_path / f"out-{name.replace(' ', '-')}"

@@ -114,8 +114,7 @@ def replay_mlx_lm(pair: Any, trace: str, prompts: List[List[int]], max_tokens: i
             ttft, total, text, last = _timed(stream, lambda r: fed.append(r.token) or r.text, tic)
             held = (list(ids) + fed)[: cache[0].offset]  # what the cache holds (mlx-lm feeds ahead)
             gen = len(fed) - (last.finish_reason == "stop")
-            out.append(RequestRecord(trace, i, "mlx-lm", len(ids), keep, len(ids) - keep, ttft, total,
-                                     gen, 1.0, text))
+            out.append(RequestRecord(trace, i, "mlx-lm", len(ids), keep, len(ids) - keep, ttft, total, gen, 1.0, text))
     return out
 
 

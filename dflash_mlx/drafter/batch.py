@@ -78,8 +78,7 @@ def _batch_attention(cache: Any, rows: int, roll: Optional[RaggedRoll], visible:
         if not visible:
             columns = mx.arange(keys.shape[2] + queries.shape[2])[None] >= cache.left_padding[:, None]
             visible.append(columns[:, None, None, :])
-        return masked_attention(queries, (keys, values), block, visible[0], attn.scale,
-                                fast_softmax.softmax_any_shape)
+        return masked_attention(queries, (keys, values), block, visible[0], attn.scale, fast_softmax.softmax_any_shape)
 
     return attend
 

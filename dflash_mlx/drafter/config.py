@@ -232,8 +232,7 @@ def _dflash_keys(config: dict, dflash: dict, fmt: DrafterFormat, drafter_key: Ca
         if n_target is None:
             raise ConfigError(f"{source}: missing key '{where}target_layer_ids' (and no 'num_target_layers' "
                               "to derive it)")
-        layer_ids = default_target_layer_ids(n_target, to_int(config["num_hidden_layers"], "num_hidden_layers",
-                                                              source))
+        layer_ids = default_target_layer_ids(n_target, to_int(config["num_hidden_layers"], "num_hidden_layers", source))
     if not isinstance(layer_ids, list):
         raise ConfigError(f"{source}: '{where}target_layer_ids' must be a list, got {layer_ids!r}")
     mask_id = drafter_key("mask_token_id")

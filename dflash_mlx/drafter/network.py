@@ -97,8 +97,7 @@ def cached_attention(cache, rows: int) -> Attend:
 
     def attend(attn: DrafterAttention, queries: mx.array, ctx: KV, block: KV) -> mx.array:
         keys, values = cache.update_and_fetch(ctx[0][:, :, :rows], ctx[1][:, :, :rows])
-        return block_attention(queries, keys, values, *block, scale=attn.scale, window=attn.window,
-                               causal=attn.causal)
+        return block_attention(queries, keys, values, *block, scale=attn.scale, window=attn.window, causal=attn.causal)
 
     return attend
 

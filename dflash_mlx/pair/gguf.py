@@ -10,8 +10,8 @@ holds its float tensors in its scales' dtype (float16), so that it computes in h
 
 Architectures (``general.architecture``): ``llama`` (Q and K stored in the interleaved rotary order, read
 by mlx-lm's llama with ``rope_traditional``), ``qwen2``, ``qwen3`` and ``gemma3`` (rotary order as in Hugging
-Face; Gemma's norm weights stored with the 1 of ``(1 + w)`` added, taken off here). Linear RoPE scaling is
-read; other kinds (``rope_freqs``, YaRN) are refused."""
+Face; Gemma's norm weights stored with the 1 of ``(1 + w)`` added, taken off here). Linear RoPE scaling and
+Llama 3's (``rope_freqs``) are read; other kinds (YaRN) are refused."""
 
 import hashlib
 import json
@@ -36,6 +36,7 @@ MLX_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")  # BF16 read here fro
 WIDE_TYPES = ("Q6_K", "Q8_0", "Q8_1", "Q8_K")  # 6 bits or more: quantized again at 8 bits
 CHUNK_ROWS = 1024  # rows of a matrix dequantized (and quantized again) at once
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+OLLAMA = "ollama:"
 
 # GGUF tensor names (llama.cpp's gguf-py tensor_mapping) -> mlx-lm module paths, per layer and outside.
 _LAYER_NAMES = {
@@ -84,9 +85,6 @@ def gguf_folder(model: str) -> Optional[Path]:
         print(f"warning: cannot keep the conversion ({e}); converting for this run only", file=sys.stderr)
         convert_gguf(path, folder := Path(tempfile.mkdtemp(prefix="dflash-gguf-")) / "model")
     return folder
-
-
-OLLAMA = "ollama:"
 
 
 def ollama_blob(name: str) -> Path:
@@ -192,24 +190,21 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
 
     Raises:
         ConfigError: ``general.architecture`` is not supported, a key it needs is missing, or the file uses
-            RoPE scaling other than linear (``rope_freqs``, YaRN) that is not supported yet (names the file and
-            the key).
+            RoPE scaling other than linear and Llama 3's (YaRN) (names the file and the key).
     """
     arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{source}: general.architecture '{arch}' is not supported "
                           f"(supported: {', '.join(ARCHITECTURES)})")
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if "rope_freqs.weight" in weights or scaling not in ("none", "linear"):
-        raise ConfigError(f"{source}: RoPE scaling '{scaling}' / rope_freqs (as in Llama 3.1 and later) is not "
-                          "supported yet (linear is)")
+    if scaling not in ("none", "linear"):
+        raise ConfigError(f"{source}: RoPE scaling '{scaling}' is not supported yet (linear and Llama 3's are)")
 
     def key(name, default=None):
         return metadata_value(metadata, f"{arch}.{name}", source, default, required=True)
 
     hidden, heads = key("embedding_length"), key("attention.head_count")
-    vocab = weights["token_embd.weight"].shape[0] if "token_embd.weight" in weights else None
-    if vocab is None:
+    if "token_embd.weight" not in weights:
         raise ConfigError(f"{source}: no tensor 'token_embd.weight' (the token embedding)")
     config = {
         "model_type": "gemma3_text" if arch == "gemma3" else arch,
@@ -224,7 +219,7 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "max_position_embeddings": key("context_length"),
-        "vocab_size": vocab,
+        "vocab_size": weights["token_embd.weight"].shape[0],
         "tie_word_embeddings": "output.weight" not in weights,
         "rope_traditional": arch == "llama",  # llama.cpp permutes llama's Q and K to the interleaved order
         "attention_bias": "blk.0.attn_q.bias" in weights,
@@ -232,6 +227,8 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
     }
     if scaling == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": float(key("rope.scaling.factor"))}
+    if "rope_freqs.weight" in weights:  # Llama 3.1 and later
+        config["rope_scaling"] = llama3_scaling(weights["rope_freqs.weight"], config, source)
     if arch == "gemma3":  # as llama.cpp: every 6th layer global, local RoPE base 10,000, attention scaled by
         scale = hidden // heads if config["num_hidden_layers"] == 62 else config["head_dim"]  # 27B: hidden / heads
         config.update(sliding_window=key("attention.sliding_window"), sliding_window_pattern=6,
@@ -243,6 +240,20 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
     if ends:
         config["eos_token_id"] = ends[0] if len(ends) == 1 else ends
     return config
+
+
+def llama3_scaling(factors: mx.array, config: dict, source: Path) -> dict:
+    """mlx-lm's ``llama3`` rope_scaling reproducing ``rope_freqs.weight`` ([head_dim / 2]: llama.cpp's divisor of each
+    rotary frequency, from Meta's constants: factors 1 and 4, context 8,192, the largest ``factor``), or ConfigError."""
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    dims, base = config["head_dim"], config["rope_theta"]
+    scaling = {"rope_type": "llama3", "factor": float(factors.max().item()), "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    rebuilt = Llama3RoPE(dims, base=base, scaling_config=scaling)._freqs / base ** (mx.arange(0, dims, 2) / dims)
+    if factors.shape != rebuilt.shape or not mx.allclose(factors.astype(mx.float32), rebuilt, rtol=1e-4).item():
+        raise ConfigError(f"{source}: tensor 'rope_freqs.weight' is not Llama 3's RoPE scaling (not supported)")
+    return scaling
 
 
 def mlx_lm_name(name: str, source: Path, arch: str = "llama") -> str:
@@ -291,7 +302,7 @@ def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callab
     tokenizer = build_tokenizer(metadata, path)
     arch, shift = metadata["general.architecture"], config["model_type"] == "gemma3_text"  # (1 + w) stored
     weights = {mlx_lm_name(name, path, arch): v - 1 if shift and name.endswith("norm.weight") else v
-               for name, v in weights.items()}
+               for name, v in weights.items() if name != "rope_freqs.weight"}  # now in config's rope_scaling
     quant = {mlx_lm_name(f"{module}.weight", path, arch)[: -len(".weight")]: q for module, q in quant.items()}
     if quant:  # float tensors in the scales' float16, as mlx-lm's own quantized folders: it computes in it
         weights = {n: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v for n, v in weights.items()}

@@ -143,8 +143,7 @@ def bind_drafter(drafter: DFlashDrafter, target: TargetAdapter, draft_source: st
     if is_quantized(drafter) and mx.issubdtype(target.dtype, mx.floating):
         dtype, head_dtype = QUANTIZED_DRAFTER_DTYPE, target.dtype
         drafter.set_dtype(dtype)
-        return drafter.bind(lambda ids: target.embed(ids).astype(dtype),
-                            lambda h: target.lm_head(h.astype(head_dtype)))
+        return drafter.bind(lambda ids: target.embed(ids).astype(dtype), lambda h: target.lm_head(h.astype(head_dtype)))
     if drafter.fc.weight.dtype != target.dtype and mx.issubdtype(target.dtype, mx.floating):
         drafter.set_dtype(target.dtype)
     return drafter.bind(target.embed, target.lm_head)

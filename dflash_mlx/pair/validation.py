@@ -55,8 +55,7 @@ def drafter_logits(drafter: DFlashDrafter, target: TargetAdapter, prompt: Sequen
     Returns:
         [B-1, V] float32 logits.
     """
-    h, features = target(mx.array(prompt, dtype=mx.int32)[None], target.make_cache(),
-                         capture=drafter.target_layer_ids)
+    h, features = target(mx.array(prompt, dtype=mx.int32)[None], target.make_cache(), capture=drafter.target_layer_ids)
     first = mx.argmax(target.lm_head(h[:, -1]), axis=-1).astype(mx.int32)
     masks = mx.full((drafter.block_size - 1,), drafter.args.mask_token_id, dtype=mx.int32)
     block = mx.concatenate([first, masks])[None]

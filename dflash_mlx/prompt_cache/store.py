@@ -241,8 +241,7 @@ def _earlier_cache(root: Path) -> bool:
             _OURS.fullmatch(f.name) and f.is_dir() for f in folders) else None
     except OSError:
         return False
-    return bool(folders) and names is not None and all(n == "key.json" or ".tmp-" in n or _entry_file(n)
-                                                       for n in names)
+    return bool(folders) and names is not None and all(n == "key.json" or ".tmp-" in n or _entry_file(n) for n in names)
 
 
 def _entry_file(name: str) -> bool:

@@ -197,8 +197,7 @@ def _envelope(rid: str, object_: str, model: str, **fields: Any) -> Dict[str, An
 def chat_completion(rid: str, model: str, message: Dict[str, Any], finish_reason: Optional[str],
                     usage_: Optional[dict]) -> Dict[str, Any]:
     """A whole ``chat.completion``; ``message``: its fields but the role."""
-    choice = {"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish_reason,
-              "logprobs": None}
+    choice = {"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish_reason, "logprobs": None}
     return _envelope(rid, "chat.completion", model, choices=[choice], usage=usage_)
 
 
