@@ -12,7 +12,7 @@ token (send to the first chunk with text). Rounds are repeated ``--repeats`` tim
 turn over the servers (reversed every other repeat); medians are reported, with the
 ratios to ``--max-batch 1`` and to mlx_lm.server of each repeat's figures (ratios of the
 same repeat, then the median) and a one-sided sign test of those ratios
-(:func:`dflash_mlx.bench.report.sign_test`).
+(:func:`sign_test`, SciPy's exact binomial test).
 
 Every dflash reply is checked against mlx_lm.server's reply for the same prompt
 (greedy: both are the target's own greedy text).
@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Dict, List
 
 
-from dflash_mlx.bench.report import sign_test
 from serve_load import free_port, launch_server, run_clients  # benchmarks/ is on the path when run as a script
 from story_openings import PROMPTS
 
@@ -138,6 +137,16 @@ def summarize(runs: Dict[str, List[List[Dict]]], clients: List[int], kinds: List
                     row[f"vs_{base}_sign_test"] = sign_test(ratios)
             rows.append(row)
     return rows
+
+
+def sign_test(ratios: List[float]) -> dict:
+    """One-sided exact sign test that paired ratios (one per repeat) are above 1 more often than chance, ratios
+    of 1 dropped: ``{"above", "n", "p"}`` (p = 1 when n = 0)."""
+    from scipy.stats import binomtest
+
+    signs = [r > 1.0 for r in ratios if r != 1.0]
+    n, above = len(signs), sum(signs)
+    return {"above": above, "n": n, "p": float(binomtest(above, n, 0.5, alternative="greater").pvalue) if n else 1.0}
 
 
 def check_texts(runs: Dict[str, List[List[Dict]]]) -> int:

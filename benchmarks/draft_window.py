@@ -42,8 +42,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from dflash_mlx import GenerationStats, generate_step
-from dflash_mlx.decode.generate import prefill
-from dflash_mlx.chat.session import trim_cache
+from chunked_prefill import prefill  # benchmarks/ is on the path when run as a script
+from dflash_mlx.prompt_cache.pair import trim_cache
 from dflash_mlx.bench.report import machine_info
 from dflash_mlx.bench.simulate import SimulatedDrafter, read_trace
 from simulated_speedup import random_pair

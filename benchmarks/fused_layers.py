@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from dflash_mlx import load
-from dflash_mlx.decode.generate import prefill
+from chunked_prefill import prefill  # benchmarks/ is on the path when run as a script
 from dflash_mlx.targets.fused import unfused
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -94,11 +94,12 @@ class Baseline:
         self.pair = load(model, draft)
 
     def __call__(self, prompt: str, max_tokens: int) -> tuple[str, float, int]:
-        from dflash_mlx.cli.common import encode_prompt
         from dflash_mlx import stream_generate
+        from dflash_mlx.prompt import encode_messages, plain_text
 
         tic = time.perf_counter()
-        ids = encode_prompt(self.pair.tokenizer, prompt, None, {"enable_thinking": False}, False)
+        ids = encode_messages(self.pair.tokenizer, [{"role": "user", "content": prompt}], {"enable_thinking": False},
+                              plain=plain_text)
         text, n = "", 0
         for r in stream_generate(self.pair.target, self.pair.tokenizer, ids, self.pair.drafter,
                                  max_tokens=max_tokens):

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import reference_loop as rl  # noqa: E402
 
 from dflash_mlx import load  # noqa: E402
-from dflash_mlx.decode.generate import prefill  # noqa: E402
+from chunked_prefill import prefill  # noqa: E402
 
 B, NEW_ROWS = 16, 4
 

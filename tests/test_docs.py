@@ -99,3 +99,24 @@ def test_every_runnable_docs_command_runs_as_written(doc, sub, argv, stories, ra
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     r = dflash(sub, *argv, cwd=tmp_path, text=True, timeout=180)
     assert r.returncode == 0 and "Traceback" not in r.stderr, f"{doc}: `dflash {sub} {' '.join(argv)}`: {r.stderr}"
+
+
+def test_every_script_imports_names_the_package_has():
+    """Each `from dflash_mlx... import NAME` in benchmarks/ and scripts/ (the scripts the docs run) names a module
+    and an attribute that exist: a name moved or removed in the package breaks them, not a user's run later."""
+    import ast
+    import importlib
+
+    missing = []
+    for path in sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "scripts").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "dflash_mlx":
+                try:
+                    module = importlib.import_module(node.module)
+                except ModuleNotFoundError:
+                    missing.append(f"{path.relative_to(ROOT)}: {node.module}")
+                    continue
+                missing += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                            if not hasattr(module, a.name) and not (hasattr(module, "__path__") and
+                                                                    importlib.util.find_spec(f"{node.module}.{a.name}"))]
+    assert not missing, "\n".join(missing)
