@@ -126,7 +126,7 @@ class LossVocab:
     [S]; ``index`` [V] maps a token to its column, -1 outside) and ``negatives`` others drawn by :meth:`draw`
     (a sampled softmax: drawn logits raised by log(R / K), R the tokens outside the data, K drawn), so the
     rest of the vocabulary, which drafting's argmax runs over, is pushed down too; (S + K) / V of the head's
-    cost. ``columns`` [S + K] ids, ``head`` [H, S + K] and ``shift`` [S + K]: the current draw's."""
+    cost. ``columns`` [S + K] ids, ``head`` [S + K, H] (rows: 20x faster to gather) and ``shift``: the draw's."""
 
     def __init__(self, target: TargetAdapter, sequences: List[TrainSequence], dtype, negatives: int = NEGATIVES):
         ids = np.unique(np.concatenate([s.tokens for s in sequences]))
@@ -141,7 +141,7 @@ class LossVocab:
         self.ids, self.index = ids, mx.array(index)
         self.rest = np.setdiff1d(np.arange(target.vocab_size), ids)
         self.negatives = min(negatives, self.rest.size)
-        self.full = mx.stop_gradient(full.astype(dtype))
+        self.rows = mx.stop_gradient(mx.contiguous(full.T).astype(dtype))  # [V, H]
         self.draw(np.random.default_rng(0))
 
     def draw(self, rng: np.random.Generator) -> None:
@@ -149,7 +149,7 @@ class LossVocab:
         drawn = self.rest if self.negatives == self.rest.size else rng.choice(self.rest, self.negatives, replace=False)
         raise_by = np.log(self.rest.size / drawn.size) if drawn.size else 0.0
         self.columns = np.concatenate([self.ids, drawn])
-        self.head = self.full[:, mx.array(self.columns)]
+        self.head = self.rows[mx.array(self.columns)]
         self.shift = mx.array(np.repeat(np.array([0.0, raise_by], dtype=np.float32), [self.ids.size, drawn.size]))
         mx.eval(self.head, self.shift, self.index)
 
@@ -167,7 +167,7 @@ def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask,
         logits = drafter.block_logits(blocks, features, anchors, mask).astype(mx.float32)
     else:
         hidden = drafter.block_hidden(blocks, features, anchors, mask)
-        logits = (hidden @ vocab.head).astype(mx.float32) + vocab.shift
+        logits = (hidden @ vocab.head.T).astype(mx.float32) + vocab.shift
         targets = vocab.index[targets]
     per_row = fast_softmax.cross_entropy(logits, targets)
     if target_logits is not None and kl_weight:
