@@ -250,11 +250,12 @@ def test_bfloat16_training_runs_and_learns(setup, tmp_path):
     assert all(np.isfinite(losses)) and np.mean(losses[-5:]) < np.mean(losses[:5])
 
 
-@pytest.mark.parametrize("negatives", [0, 5, 10**6])
-def test_loss_vocab_data_is_the_cross_entropy_over_its_columns(setup, negatives):
+@pytest.mark.parametrize("negatives,step", [(0, False), (5, False), (10**6, False), (5, True), (10**6, True)])
+def test_loss_vocab_data_is_the_cross_entropy_over_its_columns(setup, negatives, step):
     """--loss-vocab data: the loss equals the cross-entropy, computed by hand, of the full logits restricted
     to the data's tokens and the drawn others, each drawn logit raised by log(R / K); with every other token
-    drawn (10**6 asks for more than there are) that is the full vocabulary's cross-entropy."""
+    drawn (10**6 asks for more than there are) that is the full vocabulary's cross-entropy. ``step``
+    (--loss-vocab step): the data is the step's own target tokens."""
     from dflash_mlx.train.loss import LossVocab
 
     _, target, seqs = setup
@@ -262,12 +263,15 @@ def test_loss_vocab_data_is_the_cross_entropy_over_its_columns(setup, negatives)
     vocab = LossVocab(target, seqs, mx.float32, negatives=negatives)
     rest = target.vocab_size - vocab.ids.size
     assert 0 < vocab.ids.size and rest > 5  # a real subset, else the test proves nothing
-    vocab.draw(np.random.default_rng(3))
     seq = seqs[2]
     anchors = sample_anchors(np.random.default_rng(5), seq.tokens.size, seq.response_start, B, 8)
     weights = mx.array(position_weights(B, 4.0))
     feats = target_features(target, seq.tokens, drafter.target_layer_ids, mx.float32)
     blocks, targets, anchors_mx, mask = make_batch(seq, B, 0, anchors)
+    data_size = vocab.ids.size
+    vocab.draw(np.random.default_rng(3), np.array(targets) if step else None)
+    rest = target.vocab_size - vocab.ids.size
+    assert not step or 0 < vocab.ids.size < data_size
     got = block_loss(drafter, feats, blocks, targets, anchors_mx, mask, weights, vocab=vocab).item()
     logits = np.array(drafter.block_logits(blocks, feats, anchors_mx, mask))
     data = logits[..., vocab.ids]
@@ -288,9 +292,10 @@ def test_loss_vocab_data_is_the_cross_entropy_over_its_columns(setup, negatives)
         assert abs(got - (full * w).sum() / (w.sum() * blocks.shape[0])) < 1e-4 * abs(want)
 
 
-def test_loss_vocab_data_run_learns_and_pushes_the_rest_down(tmp_path):
-    """A short --loss-vocab data run learns, and no held-out argmax over the whole vocabulary falls outside
-    the data's tokens (when the rest got no gradient, 5 of 336 did here; on SmolLM2 most did)."""
+@pytest.mark.parametrize("loss_vocab", ["data", "step"])
+def test_loss_vocab_data_run_learns_and_pushes_the_rest_down(tmp_path, loss_vocab):
+    """A short --loss-vocab data (or step) run learns, and no held-out argmax over the whole vocabulary falls
+    outside the data's tokens (when the rest got no gradient, 5 of 336 did here; on SmolLM2 most did)."""
     from conftest import mlx_lm_greedy
     from dflash_mlx.train.data import TrainSequence
 
@@ -300,7 +305,7 @@ def test_loss_vocab_data_run_learns_and_pushes_the_rest_down(tmp_path):
             for p in (rng.integers(3, 40, size=4).tolist() for _ in range(12))]
     data = np.unique(np.concatenate([s.tokens for s in seqs]))
     assert data.size < 0.6 * target.vocab_size
-    config = TrainConfig(steps=60, anchors=16, grad_accum=2, lr=3e-3, warmup=0.05, loss_vocab="data")
+    config = TrainConfig(steps=60, anchors=16, grad_accum=2, lr=3e-3, warmup=0.05, loss_vocab=loss_vocab)
     trainer = Trainer(_drafter(target), target, seqs, config, tmp_path / "out")
     losses = [info.loss for info in trainer.run()]
     assert np.mean(losses[-10:]) < 0.6 * np.mean(losses[:10])
@@ -315,7 +320,7 @@ def test_loss_vocab_data_run_learns_and_pushes_the_rest_down(tmp_path):
     with pytest.raises(InputError, match="--loss-vocab"):
         TrainConfig(loss_vocab="some").check()
     with pytest.raises(InputError, match="--kl-weight"):
-        TrainConfig(loss_vocab="data", kl_weight=1.0).check()
+        TrainConfig(loss_vocab=loss_vocab, kl_weight=1.0).check()
 
 
 def test_regenerated_responses_stay_with_their_prompts(setup, tmp_path):

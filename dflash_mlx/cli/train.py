@@ -160,9 +160,9 @@ def train(
     miss_anchors: Annotated[float, Option("--miss-anchors", help=(
         "Fraction of blocks anchored right after the drafter's misses (0: uniform)."))] = 0.0,
     loss_vocab: Annotated[str, Option("--loss-vocab", help=(
-        "full: the cross-entropy's softmax over the whole vocabulary; data: over the tokens the training data "
-        "holds and 4,096 others drawn afresh each step (a sampled softmax; cheaper where the output head "
-        "dominates a step, e.g. a 49K vocabulary on a small target)."))
+        "full: the cross-entropy's softmax over the whole vocabulary; data: over the data's tokens and 4,096 others "
+        "drawn each step (a sampled softmax: cheaper where the head dominates, e.g. a 49K vocabulary on a small "
+        "target); step: over each step's own target tokens and 4,096 others drawn (cheaper still)."))
     ] = "full",
     grad_clip: Annotated[float, Option("--grad-clip", help="Max gradient norm.")] = 1.0,
     dtype: Annotated[str, Option("--dtype", help="float32 or bfloat16.")] = "float32",

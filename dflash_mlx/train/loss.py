@@ -126,26 +126,26 @@ class LossVocab:
     [S]; ``index`` [V] maps a token to its column, -1 outside) and ``negatives`` others drawn by :meth:`draw`
     (a sampled softmax: drawn logits raised by log(R / K), R the tokens outside the data, K drawn), so the
     rest of the vocabulary, which drafting's argmax runs over, is pushed down too; (S + K) / V of the head's
-    cost. ``columns`` [S + K] ids, ``head`` [S + K, H] (rows: 20x faster to gather) and ``shift``: the draw's."""
+    cost (``--loss-vocab step``: :meth:`draw` is given each step's own target tokens as the data).
+    ``columns`` [S + K] ids, ``head`` [S + K, H] (rows: 20x faster to gather) and ``shift``: the draw's."""
 
     def __init__(self, target: TargetAdapter, sequences: List[TrainSequence], dtype, negatives: int = NEGATIVES):
-        ids = np.unique(np.concatenate([s.tokens for s in sequences]))
-        H = target.hidden_size
+        H, self.vocab_size, self.wanted = target.hidden_size, target.vocab_size, negatives
         full = target.lm_head(mx.eye(H, dtype=mx.float32)).astype(mx.float32)  # [H, V]: the head, if linear
         probe = mx.random.normal((4, H), key=mx.random.key(0))
         if not mx.allclose(target.lm_head(probe).astype(mx.float32), probe @ full, rtol=1e-3, atol=1e-3).item():
             raise InputError("--loss-vocab data needs a linear output head; this target's is not (softcapping?): "
                              "use --loss-vocab full")
-        index = np.full(target.vocab_size, -1, dtype=np.int32)
-        index[ids] = np.arange(ids.size, dtype=np.int32)
-        self.ids, self.index = ids, mx.array(index)
-        self.rest = np.setdiff1d(np.arange(target.vocab_size), ids)
-        self.negatives = min(negatives, self.rest.size)
         self.rows = mx.stop_gradient(mx.contiguous(full.T).astype(dtype))  # [V, H]
-        self.draw(np.random.default_rng(0))
+        self.draw(np.random.default_rng(0), np.concatenate([s.tokens for s in sequences]))
 
-    def draw(self, rng: np.random.Generator) -> None:
-        """Draw the step's ``negatives`` tokens outside the data (all of them where there are no more)."""
+    def draw(self, rng: np.random.Generator, ids: Optional[np.ndarray] = None) -> None:
+        """Draw the step's ``negatives`` tokens outside the data (all where there are no more); ``ids``: new data."""
+        if ids is not None:
+            self.ids, self.rest = np.unique(ids), np.setdiff1d(np.arange(self.vocab_size), ids)
+            index = np.full(self.vocab_size, -1, dtype=np.int32)
+            index[self.ids] = np.arange(self.ids.size)
+            self.index, self.negatives = mx.array(index), min(self.wanted, self.rest.size)
         drawn = self.rest if self.negatives == self.rest.size else rng.choice(self.rest, self.negatives, replace=False)
         raise_by = np.log(self.rest.size / drawn.size) if drawn.size else 0.0
         self.columns = np.concatenate([self.ids, drawn])

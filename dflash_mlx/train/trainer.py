@@ -37,7 +37,7 @@ from .loss import FeatureCache, LossVocab, block_loss, sequence_loss_and_grad
 CHECKPOINTS = "checkpoints"
 # full: the softmax over the whole vocabulary; data: over the training data's tokens and others drawn
 # each step (LossVocab).
-LOSS_VOCABS = ("full", "data")
+LOSS_VOCABS = ("full", "data", "step")
 WRITER = "train"  # the mark of a training run's --out (dflash_mlx.owned)
 AFTER_MISSES = "after_misses.npz"  # a checkpoint's anchors after misses (--miss-anchors)
 FEATURES = "features"
@@ -99,8 +99,8 @@ class TrainConfig:
             check_number("--block-sizes", b, at_least=2)
         if self.loss_vocab not in LOSS_VOCABS:
             raise InputError(f"--loss-vocab must be one of {', '.join(LOSS_VOCABS)}, got {self.loss_vocab!r}")
-        if self.loss_vocab == "data" and self.kl_weight:
-            raise InputError("--loss-vocab data and --kl-weight: distillation needs the full vocabulary")
+        if self.loss_vocab != "full" and self.kl_weight:
+            raise InputError(f"--loss-vocab {self.loss_vocab} and --kl-weight: distillation needs the full vocabulary")
 
 
 @dataclass
@@ -246,7 +246,7 @@ class Trainer:
         stores = [FeatureStore(f, target, drafter.target_layer_ids) for f in feature_stores]
         self.features = FeatureCache(target, drafter.target_layer_ids, feature_cache, hidden=config.kl_weight > 0,
                                      sequences=usable, stores=stores)
-        self.vocab = LossVocab(target, usable, self.dtype) if config.loss_vocab == "data" else None
+        self.vocab = LossVocab(target, usable, self.dtype) if config.loss_vocab != "full" else None
         self.step = 0
         self.after_misses: Dict[int, np.ndarray] = {}  # sequence index -> next_anchors of its last visit
         self._loss_and_grad = nn.value_and_grad(drafter, self._loss)
@@ -276,7 +276,8 @@ class Trainer:
                                  self.after_misses.get(index), c.miss_anchors)
         feats, hidden = self.features.get(index, seq, self.dtype)
         if self.vocab is not None:
-            self.vocab.draw(np.random.default_rng([c.seed, step, micro, 2]))
+            step_targets = seq.tokens[anchors[:, None] + np.arange(1, B)] if c.loss_vocab == "step" else None
+            self.vocab.draw(np.random.default_rng([c.seed, step, micro, 2]), step_targets)
         lengths = []
         loss, grads = sequence_loss_and_grad(self._loss_and_grad, feats, seq, anchors, B,
                                              self.drafter.args.mask_token_id, c.anchor_chunk, hidden, self.target,
