@@ -13,7 +13,6 @@ the sampled softmax's columns, the forward loss, the loss and its gradients, the
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -28,17 +27,7 @@ from dflash_mlx.train.features import FOLDER
 from dflash_mlx.train.loss import chunk_batches
 from dflash_mlx.train.blocks import sample_anchors
 from dflash_mlx.train.trainer import TrainConfig, Trainer, warm_start
-
-
-def timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn()`` (which evaluates what it computes) over ``repeats`` runs after one."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times)
+from exp_cost import median_ms  # benchmarks/ is on the path when run as a script
 
 
 def main(argv=None) -> int:
@@ -129,7 +118,7 @@ def main(argv=None) -> int:
                  "  of which the drafter to hidden": drafter_and_grad, "optimizer update": update}
         if trainer.vocab is not None:
             parts["draw columns"] = draw
-        out["parts_s"] = {name: timed(fn, args.repeats) for name, fn in parts.items()}
+        out["parts_s"] = {name: median_ms(fn, args.repeats) / 1000 for name, fn in parts.items()}
     print(f"step: {out['step_s'] * 1000:.0f} ms ({args.anchors} anchors, block sizes 4/8/16, {len(seqs)} sequences)")
     for name, s in out["parts_s"].items():
         print(f"  {name:28s} {s * 1000:8.1f} ms  (B={B}, {out['sequence_tokens']} tokens, {out['columns']} columns)")
