@@ -127,7 +127,7 @@ class LossVocab:
     (a sampled softmax: drawn logits raised by log(R / K), R the tokens outside the data, K drawn), so the
     rest of the vocabulary, which drafting's argmax runs over, is pushed down too; (S + K) / V of the head's
     cost (``--loss-vocab step``: :meth:`draw` is given each step's own target tokens as the data).
-    ``columns`` [S + K] ids, ``head`` [S + K, H] (rows: 20x faster to gather) and ``shift``: the draw's."""
+    ``columns`` [S + K] ids, ``head`` [S + K, H] (the head's rows, gathered whole) and ``shift``: the draw's."""
 
     def __init__(self, target: TargetAdapter, sequences: List[TrainSequence], dtype, negatives: int = NEGATIVES):
         H, self.vocab_size, self.wanted = target.hidden_size, target.vocab_size, negatives
