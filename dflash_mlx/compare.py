@@ -44,8 +44,7 @@ def compare_with_plain(target: Any, tokenizer: Any, prompt: List[int], text: str
     ours = stats.generation_tps if stats.generation_s else None
     out = {"plain_generation_tokens": plain.generation_tokens,
            "plain_generation_tps": None if plain_tps is None else round(plain_tps, 3),
-           "speedup": round(ours / plain_tps, 4) if ours and plain_tps else None,
-           "same_output": plain_text == text}
+           "speedup": round(ours / plain_tps, 4) if ours and plain_tps else None, "same_output": plain_text == text}
     if plain_text != text:
         out["plain_text"] = plain_text
     return out

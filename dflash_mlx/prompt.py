@@ -14,8 +14,7 @@ def encode_messages(
     tokenizer,
     messages: Messages,
     template: Optional[dict] = None,
-    use_template: bool = True,
-    plain: Callable[[Messages], str] = join_contents,
+    use_template: bool = True, plain: Callable[[Messages], str] = join_contents,
 ) -> List[int]:
     """Token ids for ``messages`` followed by the assistant's turn.
 

@@ -206,8 +206,7 @@ class GenerationStats:
             "generation_tokens": self.generation_tokens,
             "generation_tps": round(self.generation_tps, 3),
             "peak_memory": round(self.peak_memory_gb, 3),
-            "bandwidth_gbps": _rounded(self.bandwidth_gbps, 3),
-            "timings_ms": self.timings_ms(),
+            "bandwidth_gbps": _rounded(self.bandwidth_gbps, 3), "timings_ms": self.timings_ms(),
         }
         if trace:
             d["acceptance_trace"] = self.trace

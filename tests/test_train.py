@@ -293,6 +293,17 @@ def test_loss_vocab_data_is_the_cross_entropy_over_its_columns(setup, negatives,
 
 
 @pytest.mark.parametrize("loss_vocab", ["data", "step"])
+def test_loss_vocab_refuses_a_softcapped_head_naming_the_flag_given(loss_vocab):
+    """A sampled softmax needs the head to be a matrix product: Gemma 4's softcapped logits are refused, in one
+    line naming the --loss-vocab value the user gave and the one that works."""
+    from dflash_mlx.train.loss import LossVocab
+
+    _, target = tiny_target("gemma4_text", vocab=256, hidden=32, layers=4)
+    with pytest.raises(InputError, match=f"^--loss-vocab {loss_vocab} needs a linear output head.*--loss-vocab full$"):
+        LossVocab(target, tiny_training_set(2, 8)[2], mx.float32, loss_vocab)
+
+
+@pytest.mark.parametrize("loss_vocab", ["data", "step"])
 def test_loss_vocab_data_run_learns_and_pushes_the_rest_down(tmp_path, loss_vocab):
     """A short --loss-vocab data (or step) run learns, and no held-out argmax over the whole vocabulary falls
     outside the data's tokens (when the rest got no gradient, 5 of 336 did here; on SmolLM2 most did)."""

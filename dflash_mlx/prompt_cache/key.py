@@ -52,8 +52,7 @@ def pair_key(target: Any, drafter: Optional[Any]) -> dict:
         "target": _identity(target),
         "target_type": type(target).__name__,
         "target_dtypes": _dtypes(model),
-        "target_quantization": _quantization(model),
-        "drafter": None,
+        "target_quantization": _quantization(model), "drafter": None,
     }
     if drafter is not None:
         key.update({

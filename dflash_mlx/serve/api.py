@@ -185,8 +185,7 @@ def usage(stats: GenerationStats) -> Dict[str, Any]:
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generation_tokens,
         "total_tokens": stats.prompt_tokens + stats.generation_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.prompt_reused},
-        "dflash": d,
+        "prompt_tokens_details": {"cached_tokens": stats.prompt_reused}, "dflash": d,
     }
 
 

@@ -80,14 +80,18 @@ class FeatureCache:
         return mx.array(feats).astype(dtype), None if hidden is None else mx.array(hidden).astype(dtype)
 
 
+def block_targets(seq: TrainSequence, anchors: np.ndarray, block_size: int) -> np.ndarray:
+    """[N, B-1] the tokens block rows 1..B-1 of the blocks at ``anchors`` [N] learn to draft."""
+    return seq.tokens[anchors[:, None] + np.arange(1, block_size)]
+
+
 def make_batch(seq: TrainSequence, block_size: int, mask_id: int, anchors: np.ndarray,
                context: Optional[int] = None):
     """``(blocks [N, B], targets [N, B-1], anchors [N], mask [N, 1, B, L+B])`` for ``anchors``; L =
     ``context`` (default: the whole sequence), at least ``anchors.max()``."""
-    k = np.arange(1, block_size)
     blocks = np.full((anchors.size, block_size), mask_id, dtype=np.int32)
     blocks[:, 0] = seq.tokens[anchors]
-    targets = seq.tokens[anchors[:, None] + k[None, :]]
+    targets = block_targets(seq, anchors, block_size)
     mask = block_mask(anchors, seq.tokens.size if context is None else context, block_size)
     return mx.array(blocks), mx.array(targets), mx.array(anchors), mx.array(mask)
 
@@ -129,12 +133,13 @@ class LossVocab:
     cost (``--loss-vocab step``: :meth:`draw` is given each step's own target tokens as the data).
     ``columns`` [S + K] ids, ``head`` [S + K, H] (the head's rows, gathered whole) and ``shift``: the draw's."""
 
-    def __init__(self, target: TargetAdapter, sequences: List[TrainSequence], dtype, negatives: int = NEGATIVES):
+    def __init__(self, target: TargetAdapter, sequences: List[TrainSequence], dtype, kind: str = "data",
+                 negatives: int = NEGATIVES):
         H, self.vocab_size, self.wanted = target.hidden_size, target.vocab_size, negatives
         full = target.lm_head(mx.eye(H, dtype=mx.float32)).astype(mx.float32)  # [H, V]: the head, if linear
         probe = mx.random.normal((4, H), key=mx.random.key(0))
         if not mx.allclose(target.lm_head(probe).astype(mx.float32), probe @ full, rtol=1e-3, atol=1e-3).item():
-            raise InputError("--loss-vocab data needs a linear output head; this target's is not (softcapping?): "
+            raise InputError(f"--loss-vocab {kind} needs a linear output head; this target's is not (softcapping?): "
                              "use --loss-vocab full")
         self.rows = mx.stop_gradient(mx.contiguous(full.T).astype(dtype))  # [V, H]
         self.draw(np.random.default_rng(0), np.concatenate([s.tokens for s in sequences]))

@@ -32,7 +32,7 @@ from .data import TrainSequence
 from .evaluate import evaluate_block_sizes
 from .health import EVERY as HEALTH_EVERY, Health, measure
 from .features import FeatureStore, target_fingerprint
-from .loss import FeatureCache, LossVocab, block_loss, sequence_loss_and_grad
+from .loss import FeatureCache, LossVocab, block_loss, block_targets, sequence_loss_and_grad
 
 CHECKPOINTS = "checkpoints"
 # full: the softmax over the whole vocabulary; data: over the training data's tokens and others drawn
@@ -246,7 +246,7 @@ class Trainer:
         stores = [FeatureStore(f, target, drafter.target_layer_ids) for f in feature_stores]
         self.features = FeatureCache(target, drafter.target_layer_ids, feature_cache, hidden=config.kl_weight > 0,
                                      sequences=usable, stores=stores)
-        self.vocab = LossVocab(target, usable, self.dtype) if config.loss_vocab != "full" else None
+        self.vocab = LossVocab(target, usable, self.dtype, config.loss_vocab) if config.loss_vocab != "full" else None
         self.step = 0
         self.after_misses: Dict[int, np.ndarray] = {}  # sequence index -> next_anchors of its last visit
         self._loss_and_grad = nn.value_and_grad(drafter, self._loss)
@@ -276,7 +276,7 @@ class Trainer:
                                  self.after_misses.get(index), c.miss_anchors)
         feats, hidden = self.features.get(index, seq, self.dtype)
         if self.vocab is not None:
-            step_targets = seq.tokens[anchors[:, None] + np.arange(1, B)] if c.loss_vocab == "step" else None
+            step_targets = block_targets(seq, anchors, B) if c.loss_vocab == "step" else None
             self.vocab.draw(np.random.default_rng([c.seed, step, micro, 2]), step_targets)
         lengths = []
         loss, grads = sequence_loss_and_grad(self._loss_and_grad, feats, seq, anchors, B,
