@@ -10,12 +10,8 @@ def join_contents(messages: Messages) -> str:
     return "\n".join(m["content"] for m in messages)
 
 
-def encode_messages(
-    tokenizer,
-    messages: Messages,
-    template: Optional[dict] = None,
-    use_template: bool = True, plain: Callable[[Messages], str] = join_contents,
-) -> List[int]:
+def encode_messages(tokenizer, messages: Messages, template: Optional[dict] = None, use_template: bool = True,
+                    plain: Callable[[Messages], str] = join_contents) -> List[int]:
     """Token ids for ``messages`` followed by the assistant's turn.
 
     With a chat template (and ``use_template``), the rendered text is encoded without

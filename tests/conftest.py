@@ -18,7 +18,7 @@ import numpy as np
 from mlx.utils import tree_map, tree_map_with_path
 import pytest
 from mlx_lm.generate import generate_step as mlx_generate_step
-from mlx_lm.models import (gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, llama, qwen3, qwen3_5,
+from mlx_lm.models import (gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, llama, phi3, qwen3, qwen3_5,
                            qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl, qwen3_vl_moe)
 
 from forked_cli import dflash, spawn_dflash  # noqa: F401  (the tests' `dflash` commands)
@@ -65,6 +65,7 @@ FAMILIES = {
     "llama3.1": (llama, dict(tie_word_embeddings=False, rope_scaling=dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=8192))),
+    "phi3": (phi3, dict(tie_word_embeddings=False)),  # fused qkv_proj and gate_up_proj
     "qwen3": (qwen3, dict(head_dim=16, tie_word_embeddings=True)),
     "qwen3_moe": (qwen3_moe, dict(head_dim=16, tie_word_embeddings=False, **_MOE)),
     # Hybrids: Gated-DeltaNet layers 0 and 2, attention 1 and 3 (qwen3_next: 0-2 and 3).

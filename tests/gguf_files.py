@@ -17,6 +17,7 @@ LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.down_proj": "ffn_down"}
 GEMMA3_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+PHI3_NAMES = {**LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # fused, as llama.cpp's
 TEXTS = ["Hello world! Once upon a time, 1234 apples.",
          "Emoji 🙂🚀 and CJK 世界你好, accents: café, naïve, Ærøskøbing, Zürich.",
          "def f(x):\n    return {'a': x ** 2}  # code\n\tif x != 0: print(f\"{x:>4}\")",
@@ -28,7 +29,8 @@ def gguf_name(name: str, arch: str = "llama") -> str:
     if name.startswith("model.layers."):
         _, _, index, rest = name.split(".", 3)
         module, suffix = rest.rsplit(".", 1)
-        return f"blk.{index}.{(GEMMA3_NAMES if arch == 'gemma3' else LAYER_NAMES)[module]}.{suffix}"
+        names = {"gemma3": GEMMA3_NAMES, "phi3": PHI3_NAMES}.get(arch, LAYER_NAMES)
+        return f"blk.{index}.{names[module]}.{suffix}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[name]
 

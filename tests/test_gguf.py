@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load as mlx_lm_load
 
+from dflash_mlx import make_adapter
 from conftest import ROOT, assert_varied, dflash, mlx_lm_greedy, tiny_target
 from gguf_files import TEXTS, byte_level_vocab, gguf_name, write_gguf
 from dflash_mlx.pair.gguf import convert_gguf
@@ -73,6 +74,23 @@ def test_qwen3_gguf_keeps_the_rotary_order(tmp_path):
     path = write_gguf(tmp_path / "q.gguf", model, tokens, arch="qwen3", merges=merges, pre="qwen2")
     convert_gguf(path, tmp_path / "out")
     converted, _ = mlx_lm_load(str(tmp_path / "out"))
+    prompt = [9, 8, 70, 11]
+    want = mlx_lm_greedy(model, prompt, 30)
+    assert_varied(want, 8)
+    assert mlx_lm_greedy(converted, prompt, 30) == want
+
+
+def test_phi3_gguf_converts_to_the_same_model(tmp_path):
+    """A Phi-3 file as llama.cpp writes it (fused attn_qkv and ffn_up, not permuted, untied): same greedy output
+    as the model it came from; the folder is a phi3 target this project decodes."""
+    _, tokens, merges = byte_level_vocab()
+    model, _ = tiny_target("phi3", vocab=len(tokens), hidden=64, layers=2, seed=4)
+    path = write_gguf(tmp_path / "p.gguf", model, tokens, arch="phi3", merges=merges)
+    convert_gguf(path, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "phi3" and config["architectures"] == ["Phi3ForCausalLM"]
+    converted, _ = mlx_lm_load(str(tmp_path / "out"))
+    assert type(make_adapter(converted)).__name__ == "Phi3Adapter"
     prompt = [9, 8, 70, 11]
     want = mlx_lm_greedy(model, prompt, 30)
     assert_varied(want, 8)
@@ -333,6 +351,10 @@ def test_bad_gguf_files_one_line_nothing_written(llama_gguf, tmp_path):
         "rope_freqs": (write_gguf(tmp_path / "rope.gguf", model, tokens, merges=merges, extra_tensors={
             "rope_freqs.weight": np.linspace(1, 8, 8, dtype=np.float32)}),
             "tensor 'rope_freqs.weight' is not Llama 3's RoPE scaling"),
+        "Phi-3 128K": (write_gguf(tmp_path / "phi.gguf", tiny_target("phi3", vocab=len(tokens), hidden=64, layers=1)[0],
+                                  tokens, arch="phi3", merges=merges, extra_tensors={
+                                      "rope_factors_long.weight": np.ones(8, dtype=np.float32)}),
+                       "tensor 'rope_factors_long.weight' is not one of a"),
     }
     for name, (bad, reason) in cases.items():
         out = tmp_path / f"out-{name.replace(' ', '-')}"

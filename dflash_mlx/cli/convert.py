@@ -35,7 +35,7 @@ def convert(
     or a target alone (a Hugging Face folder or a GGUF file) into an mlx-lm folder.
 
     OUT appears only once complete: a failure, Ctrl-C or SIGTERM leaves nothing. A pair's validation table
-    follows. A GGUF file (llama incl. Llama 3.1+, qwen2, qwen3, gemma3; Q4_K_M and every type the gguf package
+    follows. A GGUF file (llama incl. Llama 3.1+, qwen2, qwen3, phi3, gemma3; Q4_K_M and every type the gguf package
     reads) stays quantized unless --dtype is given: Q4_0, Q4_1, Q8_0 as stored, others again at --q-bits.
 
     \b

@@ -49,9 +49,8 @@ class Joining:
 
     def __init__(self, decoder: "BatchDecoder", key: Any, prompt: mx.array, sampler: Optional[Sampler],
                  stop: StopCondition, step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
-                 seed: Optional[int] = None, cache: Optional[List[Any]] = None,
-                 draft_cache: Optional[List[Any]] = None, stats: Optional[GenerationStats] = None,
-                 history: Sequence[int] = ()):
+                 seed: Optional[int] = None, cache: Optional[List[Any]] = None, draft_cache: Optional[List[Any]] = None,
+                 stats: Optional[GenerationStats] = None, history: Sequence[int] = ()):
         self.decoder, self.key, self.stop, self.seed, self.history = decoder, key, stop, seed, list(history)
         self.rule = choose_rule(decoder.drafter, sampler)
         self.prompt, self.rest, self.step_size, self.should_stop = prompt, prompt, max(1, step_size), should_stop

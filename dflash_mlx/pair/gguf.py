@@ -8,10 +8,10 @@ package, a matrix :data:`CHUNK_ROWS` rows at a time: each part is dequantized an
 or quantized again by MLX (``bits``, 8 for types of 6 bits or more, and ``group_size``). A folder kept quantized
 holds its float tensors in its scales' dtype (float16), so that it computes in half precision as mlx-lm's would.
 
-Architectures (``general.architecture``): ``llama`` (Q and K stored in the interleaved rotary order, read
-by mlx-lm's llama with ``rope_traditional``), ``qwen2``, ``qwen3`` and ``gemma3`` (rotary order as in Hugging
-Face; Gemma's norm weights stored with the 1 of ``(1 + w)`` added, taken off here). Linear RoPE scaling and
-Llama 3's (``rope_freqs``) are read; other kinds (YaRN) are refused."""
+Architectures (:data:`ARCHITECTURES`): ``llama`` (Q and K in the interleaved rotary order: mlx-lm's llama with
+``rope_traditional``), ``qwen2``, ``qwen3``, ``phi3`` (``attn_qkv``, ``ffn_up`` gate then up) and ``gemma3`` (norm
+weights stored with the 1 of ``(1 + w)`` added, taken off here). Linear RoPE scaling and Llama 3's (``rope_freqs``)
+are read; other kinds (YaRN, Phi-3's long-context factors) are refused."""
 
 import hashlib
 import json
@@ -35,7 +35,6 @@ GROUP_SIZE = 32  # the block of every GGUF quantization MLX reads (Q4_0, Q4_1, Q
 MLX_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")  # BF16 read here from the raw bytes
 WIDE_TYPES = ("Q6_K", "Q8_0", "Q8_1", "Q8_K")  # 6 bits or more: quantized again at 8 bits
 CHUNK_ROWS = 1024  # rows of a matrix dequantized (and quantized again) at once
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 OLLAMA = "ollama:"
 
 # GGUF tensor names (llama.cpp's gguf-py tensor_mapping) -> mlx-lm module paths, per layer and outside.
@@ -47,7 +46,12 @@ _LAYER_NAMES = {
 }
 _GEMMA3_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",  # llama.cpp's gemma3 names
                  "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_PHI3_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # both fused
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# general.architecture -> (mlx-lm model_type, Hugging Face architecture, layer tensor names)
+ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM", _LAYER_NAMES), "qwen2": ("qwen2", "Qwen2ForCausalLM", _LAYER_NAMES),
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM", _LAYER_NAMES), "phi3": ("phi3", "Phi3ForCausalLM", _PHI3_NAMES),
+                 "gemma3": ("gemma3_text", "Gemma3ForCausalLM", _GEMMA3_NAMES)}
 _SUFFIXES = ("weight", "bias", "scales", "biases")
 
 
@@ -207,9 +211,8 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
     if "token_embd.weight" not in weights:
         raise ConfigError(f"{source}: no tensor 'token_embd.weight' (the token embedding)")
     config = {
-        "model_type": "gemma3_text" if arch == "gemma3" else arch,
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "gemma3": "Gemma3ForCausalLM"}[arch]],
+        "model_type": ARCHITECTURES[arch][0],
+        "architectures": [ARCHITECTURES[arch][1]],
         "hidden_size": hidden,
         "num_hidden_layers": key("block_count"),
         "intermediate_size": key("feed_forward_length"),
@@ -261,7 +264,7 @@ def mlx_lm_name(name: str, source: Path, arch: str = "llama") -> str:
     ConfigError naming a tensor it does not know."""
     base, _, suffix = name.rpartition(".")
     parts = base.split(".")
-    names = _GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = ARCHITECTURES[arch][2]
     if suffix in _SUFFIXES and len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     if suffix in _SUFFIXES and base in _TOP_NAMES:

@@ -53,10 +53,9 @@ class Engine:
     (:mod:`.ranks`). InputError: ``block_size`` out of range for the drafter.
     """
 
-    def __init__(self, pair: Any, *, max_batch: int = 1, block_size: Optional[int | str] = None,
-                 max_queue: int = 16, metrics: Optional[ServerMetrics] = None,
-                 prefill_step_size: Optional[int] = None, store: Optional[PrefixStore] = None,
-                 prompt_lookup: bool = False):
+    def __init__(self, pair: Any, *, max_batch: int = 1, block_size: Optional[int | str] = None, max_queue: int = 16,
+                 metrics: Optional[ServerMetrics] = None, prefill_step_size: Optional[int] = None,
+                 store: Optional[PrefixStore] = None, prompt_lookup: bool = False):
         self.pair, self.max_queue, self.prefill_step_size = pair, max_queue, prefill_step_size
         self.metrics = metrics or ServerMetrics()
         self.lockstep = Lockstep() if ranks() > 1 else None

@@ -84,13 +84,8 @@ class TargetAdapter(TreeVerify):
             h = layer(h, mask, c)
             yield h
 
-    def __call__(
-        self,
-        inputs: mx.array,
-        cache: Sequence[Any],
-        capture: Optional[Sequence[int]] = None,
-        tree: Optional[Tuple[np.ndarray, np.ndarray]] = None,
-    ) -> Tuple[mx.array, Optional[mx.array]]:
+    def __call__(self, inputs: mx.array, cache: Sequence[Any], capture: Optional[Sequence[int]] = None,
+                 tree: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> Tuple[mx.array, Optional[mx.array]]:
         """Forward pass with feature capture.
 
         Args:

@@ -160,9 +160,8 @@ class LossVocab:
 
 
 def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask, weights,
-               num_blocks: Optional[int] = None, target_logits: Optional[mx.array] = None,
-               kl_weight: float = 0.0, kl_temperature: float = 1.0, with_lengths: bool = False,
-               vocab: Optional[LossVocab] = None):
+               num_blocks: Optional[int] = None, target_logits: Optional[mx.array] = None, kl_weight: float = 0.0,
+               kl_temperature: float = 1.0, with_lengths: bool = False, vocab: Optional[LossVocab] = None):
     """Cross-entropy of block rows 1..B-1 (plus ``kl_weight`` times :func:`distill_kl` against
     ``target_logits`` [N, B-1, V]) weighted by ``weights`` [B-1], over the weight sum times ``num_blocks``
     (the sequence's blocks, default N: chunks then sum to the whole); with ``vocab`` the softmax runs over
@@ -185,9 +184,8 @@ def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask,
 
 
 def sequence_loss_and_grad(loss_and_grad: Callable, features: mx.array, seq: TrainSequence, anchors: np.ndarray,
-                           block_size: int, mask_id: int, anchor_chunk: int = 0,
-                           hidden: Optional[mx.array] = None, target: Optional[TargetAdapter] = None,
-                           lengths_out: Optional[List[np.ndarray]] = None):
+                           block_size: int, mask_id: int, anchor_chunk: int = 0, hidden: Optional[mx.array] = None,
+                           target: Optional[TargetAdapter] = None, lengths_out: Optional[List[np.ndarray]] = None):
     """Evaluated ``(loss, grads)`` of ``loss_and_grad`` (``nn.value_and_grad`` of a :func:`block_loss`) over
     every anchor, ``anchor_chunk`` at a time; with distillation's ``hidden`` [1, L, H] and ``target``, the
     ``target_logits`` are passed on; returned ``lengths`` are appended to ``lengths_out``."""
