@@ -129,9 +129,8 @@ class ChatSession:
     """
 
     def __init__(self, target: Any, tokenizer: Any, drafter: Optional[Any] = None, *,
-                 system_prompt: Optional[str] = None, template_config: Optional[dict] = None,
-                 use_template: bool = True, max_context: Optional[int] | str = "auto",
-                 prefill_step_size: int = 2048, store: Optional[Any] = None):
+                 system_prompt: Optional[str] = None, template_config: Optional[dict] = None, use_template: bool = True,
+                 max_context: Optional[int] | str = "auto", prefill_step_size: int = 2048, store: Optional[Any] = None):
         self.pair_cache = PairCache(target, tokenizer, drafter, store=store, generate=stream_generate)
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt

@@ -197,22 +197,10 @@ class BatchDecoder:
         else:
             drafts, proposals = self._propose(tokens, plan.block)
         if plan.tree_budget is not None and self.solo:
-            s, logprobs = self.sequences[0], host_logprobs(proposals[0])
-            tree = build_tree(int(s.token.item()), logprobs, plan.tree_budget)
-            s.reseed()
-            out, context = verify_tree(self.target, self.cache, self.capture, s.rule.choose, tree)
-            decided, self._context = [(len(out) - 1, out)], (context, [len(out)])
-            drafted, mode = len(tree) - 1, "tree"
+            (decided, drafted), mode = self._verify_tree(proposals[0], plan.tree_budget), "tree"
         else:
-            w = plan.width
-            drafts = drafts[:, : w - 1]
-            if not self.solo:
-                share_offsets(self.cache)
-            h, features = self.target(mx.concatenate([tokens[:, None], drafts], axis=1), self.cache, self.capture)
-            decided = self._decide(drafts, proposals, self.target.lm_head(h), features, w)
-            self._context = (features, [a + 1 for a, _ in decided]) if features is not None else None
-            self._rollback([w - 1 - a for a, _ in decided])
-            drafted, mode = w - 1, "lookup" if copy else "chain"
+            decided = self._verify_chain(tokens, drafts[:, : plan.width - 1], proposals)
+            drafted, mode = plan.width - 1, "lookup" if copy else "chain"
         seconds = time.perf_counter() - tic
         results = []
         for s, (a, out) in zip(self.sequences, decided):
@@ -225,10 +213,28 @@ class BatchDecoder:
             self.chooser.observe(plan, seconds, [r.accepted for r in results])
         return results
 
+    def _verify_tree(self, proposal: Proposal, budget: int) -> Tuple[List[tuple], int]:
+        """The tree of ``proposal``'s top tokens verified (spec section 7): ``([(accepted, tokens)], drafted)``."""
+        s = self.sequences[0]
+        tree = build_tree(int(s.token.item()), host_logprobs(proposal), budget)
+        s.reseed()
+        out, context = verify_tree(self.target, self.cache, self.capture, s.rule.choose, tree)
+        self._context = (context, [len(out)])
+        return [(len(out) - 1, out)], len(tree) - 1
+
+    def _verify_chain(self, tokens: mx.array, drafts: mx.array, proposals: Optional[List[Proposal]]) -> List[tuple]:
+        """``tokens`` [N] and ``drafts`` [N, w-1] verified in one forward, decided, the rejected rolled back."""
+        if not self.solo:
+            share_offsets(self.cache)
+        h, features = self.target(mx.concatenate([tokens[:, None], drafts], axis=1), self.cache, self.capture)
+        decided = self._decide(drafts, proposals, self.target.lm_head(h), features, drafts.shape[1] + 1)
+        self._context = (features, [a + 1 for a, _ in decided]) if features is not None else None
+        self._rollback([drafts.shape[1] - a for a, _ in decided])
+        return decided
+
     def _tokens(self) -> mx.array:
         """[N] int32: every sequence's last committed token."""
-        seqs = self.sequences
-        return seqs[0].token if len(seqs) == 1 else mx.concatenate([s.token for s in seqs])
+        return mx.concatenate([s.token for s in self.sequences])
 
     def _rollback(self, rejected: List[int]) -> None:
         """Drop each sequence's rejected rows (raises RollbackError where a cache cannot)."""

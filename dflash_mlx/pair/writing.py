@@ -35,8 +35,7 @@ def weights_format(path: Path) -> Optional[str]:
 
 
 def write_target(src: Path, dst: Path, *, quantize: bool = False, q_bits: Optional[int] = None,
-                 q_group_size: Optional[int] = None, q_mode: str = "affine",
-                 dtype: Optional[str] = None) -> dict:
+                 q_group_size: Optional[int] = None, q_mode: str = "affine", dtype: Optional[str] = None) -> dict:
     """Write the target in mlx-lm format with mlx-lm's own convert. An mlx-lm folder is copied unless a
     dtype or another quantization is asked for (a quantized one is then dequantized and quantized again).
     Returns the manifest entry: ``method``, ``model_type``, ``dtype``, ``quantization``.

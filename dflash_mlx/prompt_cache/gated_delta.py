@@ -43,9 +43,8 @@ class GatedDeltaCache(ArraysCache):
         self.offset = 0
         self._last: Optional[_Forward] = None
 
-    def store(self, conv_input: mx.array, state: mx.array, q: mx.array, k: mx.array, v: mx.array,
-              a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array, mask: Optional[mx.array],
-              use_kernel: bool) -> None:
+    def store(self, conv_input: mx.array, state: mx.array, q: mx.array, k: mx.array, v: mx.array, a: mx.array,
+              b: mx.array, A_log: mx.array, dt_bias: mx.array, mask: Optional[mx.array], use_kernel: bool) -> None:
         """Take the state after a forward of L tokens (as in :class:`_Forward`), recorded when L <= ``slack``."""
         L = q.shape[1]
         width = conv_input.shape[1] - L  # K - 1

@@ -63,9 +63,8 @@ class PairCache:
             ``"disk"`` or None.
     """
 
-    def __init__(self, target: Any, tokenizer: Any, drafter: Optional[Any] = None,
-                 store: Optional[PrefixStore] = None, interval: Optional[int] = None,
-                 generate: Optional[Callable[..., Generator]] = None):
+    def __init__(self, target: Any, tokenizer: Any, drafter: Optional[Any] = None, store: Optional[PrefixStore] = None,
+                 interval: Optional[int] = None, generate: Optional[Callable[..., Generator]] = None):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.store, self.interval, self.generate = store, interval, generate
         self.tokens: List[int] = []

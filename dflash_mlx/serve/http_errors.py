@@ -21,8 +21,7 @@ class APIError(Exception):
     engine has counted the request in the metrics already)."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 type_: str = "invalid_request_error", headers: Optional[Dict[str, str]] = None,
-                 counted: bool = False):
+                 type_: str = "invalid_request_error", headers: Optional[Dict[str, str]] = None, counted: bool = False):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
         self.headers, self.counted = headers, counted

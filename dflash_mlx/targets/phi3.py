@@ -1,10 +1,6 @@
-"""Phi-3 targets (mlx_lm.models.phi3): the generic decoder; no tree verify (its attention fuses ``qkv_proj``)."""
+"""Phi-3 targets (mlx_lm.models.phi3: one causal mask, fused ``qkv_proj`` and ``gate_up_proj``, the layers' own
+RoPE): the generic decoder as it is; no tree verify, which runs the attention's projections one by one."""
 
 from .base import TargetAdapter
 
-
-class Phi3Adapter(TargetAdapter):
-    """mlx_lm.models.phi3: one causal mask, the layers' own RoPE (plain, linear or su-scaled)."""
-
-
-MODEL_TYPES = {"phi3": Phi3Adapter}
+MODEL_TYPES = {"phi3": TargetAdapter}
