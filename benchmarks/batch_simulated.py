@@ -76,7 +76,7 @@ class SimulatedBatchDrafts:
 def batched(target, drafter, prompts, sequences, args) -> tuple:
     tic = time.perf_counter()
     decoder = BatchDecoder(target, drafter, args.block_size)
-    decoder.drafts = SimulatedBatchDrafts(decoder.drafts, sequences, args.accept, target.vocab_size)
+    decoder.batch_drafter = SimulatedBatchDrafts(decoder.batch_drafter, sequences, args.accept, target.vocab_size)
     out = {}
     for k, p in enumerate(prompts):
         joining = decoder.start(k, p, None, StopCondition(args.max_tokens), step_size=2048)

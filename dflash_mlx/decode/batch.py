@@ -82,11 +82,11 @@ class BatchDecoder:
         self.cache = None
         self._context: Optional[Tuple[mx.array, List[int]]] = None  # last verify's rows, not yet pending
         self._queued = None  # the next (plan, tokens, features): a plain step dispatched early, else (plan, None, None)
-        self.drafts = batch_drafts(drafter) if not solo else None
+        self.batch_drafter = batch_drafts(drafter) if not solo else None
         self.prefix: Optional[BatchPrefix] = None
         self.prefix_refusal: Optional[str] = None
         if store is not None:
-            self.prefix_refusal = batch_prefix_refusal(drafter, self.drafts is not None)
+            self.prefix_refusal = batch_prefix_refusal(drafter, self.batch_drafter is not None)
             if self.prefix_refusal is None:
                 self.prefix = BatchPrefix(store, target, drafter, self.width)
 
@@ -109,10 +109,10 @@ class BatchDecoder:
     def add(self, joining: Joining, token: mx.array, pending: List[mx.array]) -> None:
         """Merge a prefilled sequence into the batch as its last row."""
         draft_cache = None
-        if self.drafter is not None and self.drafts is None:
+        if self.drafter is not None and self.batch_drafter is None:
             draft_cache = joining.draft_cache if joining.draft_cache is not None else self.drafter.make_cache()
-        if self.drafts is not None:  # the prompt's context rows go to the batched drafter cache now
-            self.drafts.join(context_rows(pending) if pending else None, joining.draft_cache)
+        if self.batch_drafter is not None:  # the prompt's context rows go to the batched drafter cache now
+            self.batch_drafter.join(context_rows(pending) if pending else None, joining.draft_cache)
             pending = []
         self._spill()
         self.cache = joining.cache if self.solo else extend(self.cache, joining.cache)
@@ -136,20 +136,20 @@ class BatchDecoder:
             return
         self.sequences = [self.sequences[i] for i in rows]
         self.cache = keep_rows(self.cache, rows)
-        if self.drafts is not None:
-            self.drafts.keep(rows)
+        if self.batch_drafter is not None:
+            self.batch_drafter.keep(rows)
 
     def clear(self) -> None:
         """Drop every sequence (after a failed step: the batch's caches are in no known state)."""
         self.sequences, self.cache, self._context, self._queued = [], None, None, None
-        if self.drafts is not None:
-            self.drafts.keep([])
+        if self.batch_drafter is not None:
+            self.batch_drafter.keep([])
 
     def inconsistency(self) -> Optional[str]:
         """What is wrong with the bookkeeping (a batched cache not holding one row per sequence), or None."""
         caches = {"target": self.cache}
-        if self.drafts is not None:
-            caches["drafter"] = self.drafts.cache
+        if self.batch_drafter is not None:
+            caches["drafter"] = self.batch_drafter.cache
         for name, cache in caches.items():
             if cache is None:
                 if self.sequences:
@@ -243,8 +243,8 @@ class BatchDecoder:
             return
         rollback_ragged(self.cache, rejected)
         compact(self.cache)
-        if self.drafts is not None:
-            compact(self.drafts.cache)
+        if self.batch_drafter is not None:
+            compact(self.batch_drafter.cache)
 
     def _picks(self, logits: mx.array, phase: Callable[[BatchSequence, int], Any]) -> Any:
         """Per sequence, ``phase(s, i)`` after seeding its draw; greedy ones share one argmax (returned
@@ -280,7 +280,7 @@ class BatchDecoder:
     def _propose(self, tokens: mx.array, block: int) -> Tuple[mx.array, Optional[List[Proposal]]]:
         """Drafts [N, block-1] of every sequence (lazy) from ``tokens`` [N], and per-sequence
         proposals (None from a batched pass)."""
-        if self.drafts is not None:
+        if self.batch_drafter is not None:
             if self._context is not None:  # then every pending list is empty (see _spill)
                 context, rows = self._context
                 context = context[:, : max(rows)]
@@ -291,7 +291,7 @@ class BatchDecoder:
             for s in self.sequences:
                 s.pending = []
             self._context = None
-            return self.drafts.draft(tokens, context, rows, block), None
+            return self.batch_drafter.draft(tokens, context, rows, block), None
         self._spill()
         proposals = []
         for s in self.sequences:
