@@ -246,18 +246,13 @@ class BatchDecoder:
         if self.batch_drafter is not None:
             compact(self.batch_drafter.cache)
 
-    def _picks(self, logits: mx.array, phase: Callable[[BatchSequence, int], Any]) -> Any:
-        """Per sequence, ``phase(s, i)`` after seeding its draw; greedy ones share one argmax (returned
-        whole where all are greedy)."""
-        greedy = [s.rule.greedy for s in self.sequences]
-        argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(greedy) else None
-        if all(greedy):
-            return argmax
-        out = []
+    def _picks(self, phase: Callable[[BatchSequence, int], Any]) -> list:
+        """``phase(s, i)`` of each sequence's rule, its draw seeded first: every choice goes through the rule."""
+        picks = []
         for i, s in enumerate(self.sequences):
             s.reseed()
-            out.append(argmax[i] if greedy[i] else phase(s, i))
-        return out
+            picks.append(phase(s, i))
+        return picks
 
     def _decide(self, drafts: mx.array, proposals: Optional[List[Proposal]], logits: mx.array,
                 features: mx.array, width: int) -> List[tuple]:
@@ -266,13 +261,10 @@ class BatchDecoder:
         def accept(s, i):
             return s.rule.accept(proposals[i].head(width - 1) if proposals else Proposal(drafts[i]), logits[i])
 
-        picks = self._picks(logits, accept)
-        arrays = picks if isinstance(picks, mx.array) else [
-            x for p in picks for x in (p if isinstance(p, tuple) else [p]) if x is not None]
-        mx.eval(arrays, features, drafts)
-        drafts, out = drafts.tolist(), []
-        for d, p in zip(drafts, picks):
-            a, y = (None, p) if isinstance(p, mx.array) else p
+        picks = self._picks(accept)
+        mx.eval([x for pick in picks for x in pick if x is not None], features, drafts)
+        out = []
+        for d, (a, y) in zip(drafts.tolist(), picks):
             y = y.tolist()
             out.append((count_accepted(d, y) if a is None else a.item(), y))
         return out
@@ -350,8 +342,8 @@ class BatchDecoder:
         tokens = self._tokens() if tokens is None else tokens
         h, features = self.target(tokens[:, None], self.cache, self.capture)
         logits = self.target.lm_head(h[:, -1])
-        picks = self._picks(logits, lambda s, i: s.rule.choose(logits[i : i + 1])[0])
-        return (picks if isinstance(picks, mx.array) else mx.stack(picks)), features
+        picks = self._picks(lambda s, i: s.rule.choose(logits[i : i + 1]))
+        return (picks[0] if len(picks) == 1 else mx.concatenate(picks)), features
 
     def _settle(self, results: List[StepResult]) -> List[StepResult]:
         """Cut each sequence's tokens at its stops; finished and failed (``error``) sequences leave."""
