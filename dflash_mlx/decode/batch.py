@@ -227,7 +227,7 @@ class BatchDecoder:
         if not self.solo:
             share_offsets(self.cache)
         h, features = self.target(mx.concatenate([tokens[:, None], drafts], axis=1), self.cache, self.capture)
-        decided = self._decide(drafts, proposals, self.target.lm_head(h), features, drafts.shape[1] + 1)
+        decided = self._decide(drafts, proposals, self.target.lm_head(h), features)
         self._context = (features, [a + 1 for a, _ in decided]) if features is not None else None
         self._rollback([drafts.shape[1] - a for a, _ in decided])
         return decided
@@ -255,11 +255,11 @@ class BatchDecoder:
         return picks
 
     def _decide(self, drafts: mx.array, proposals: Optional[List[Proposal]], logits: mx.array,
-                features: mx.array, width: int) -> List[tuple]:
+                features: mx.array) -> List[tuple]:
         """Each sequence's rule on its verify rows (logits [N, w, V], drafts [N, w-1]), one sync:
         ``(accepted a, the target's tokens [w])`` per sequence, on the host."""
         def accept(s, i):
-            return s.rule.accept(proposals[i].head(width - 1) if proposals else Proposal(drafts[i]), logits[i])
+            return s.rule.accept(proposals[i].head(drafts.shape[1]) if proposals else Proposal(drafts[i]), logits[i])
 
         picks = self._picks(accept)
         mx.eval([x for pick in picks for x in pick if x is not None], features, drafts)

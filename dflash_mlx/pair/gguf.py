@@ -19,6 +19,7 @@ import mmap
 import os
 import sys
 import tempfile
+from collections import namedtuple
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -48,10 +49,14 @@ _GEMMA3_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernor
                  "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _PHI3_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # both fused
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# general.architecture -> (mlx-lm model_type, Hugging Face architecture, layer tensor names)
-ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM", _LAYER_NAMES), "qwen2": ("qwen2", "Qwen2ForCausalLM", _LAYER_NAMES),
-                 "qwen3": ("qwen3", "Qwen3ForCausalLM", _LAYER_NAMES), "phi3": ("phi3", "Phi3ForCausalLM", _PHI3_NAMES),
-                 "gemma3": ("gemma3_text", "Gemma3ForCausalLM", _GEMMA3_NAMES)}
+Arch = namedtuple("Arch", "model_type architecture names")  # mlx-lm's model_type, Hugging Face's, layer tensors
+ARCHITECTURES = {  # general.architecture -> Arch
+    "llama": Arch("llama", "LlamaForCausalLM", _LAYER_NAMES),
+    "qwen2": Arch("qwen2", "Qwen2ForCausalLM", _LAYER_NAMES),
+    "qwen3": Arch("qwen3", "Qwen3ForCausalLM", _LAYER_NAMES),
+    "phi3": Arch("phi3", "Phi3ForCausalLM", _PHI3_NAMES),
+    "gemma3": Arch("gemma3_text", "Gemma3ForCausalLM", _GEMMA3_NAMES),
+}
 _SUFFIXES = ("weight", "bias", "scales", "biases")
 
 
@@ -211,8 +216,8 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
     if "token_embd.weight" not in weights:
         raise ConfigError(f"{source}: no tensor 'token_embd.weight' (the token embedding)")
     config = {
-        "model_type": ARCHITECTURES[arch][0],
-        "architectures": [ARCHITECTURES[arch][1]],
+        "model_type": ARCHITECTURES[arch].model_type,
+        "architectures": [ARCHITECTURES[arch].architecture],
         "hidden_size": hidden,
         "num_hidden_layers": key("block_count"),
         "intermediate_size": key("feed_forward_length"),
@@ -264,7 +269,7 @@ def mlx_lm_name(name: str, source: Path, arch: str = "llama") -> str:
     ConfigError naming a tensor it does not know."""
     base, _, suffix = name.rpartition(".")
     parts = base.split(".")
-    names = ARCHITECTURES[arch][2]
+    names = ARCHITECTURES[arch].names
     if suffix in _SUFFIXES and len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     if suffix in _SUFFIXES and base in _TOP_NAMES:
