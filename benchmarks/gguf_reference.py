@@ -4,7 +4,8 @@ without the project's code: every tensor dequantized whole by ``gguf.quants.dequ
 below (llama.cpp's ``gguf-py`` tensor names), Gemma's norms taken back from llama.cpp's stored ``1 + w``, and
 an mlx-lm ``config.json`` written from the metadata by hand. Both folders decode the same prompt ids greedily
 with mlx-lm's own ``generate_step``; the token ids must be equal. Then the folder ``dflash convert`` keeps
-quantized (no ``--dtype``) is loaded and its logits' and KV cache's dtypes reported with its text. The
+quantized (no ``--dtype``) is loaded and its logits' and KV cache's dtypes reported with its text, and its
+weights compared with the reference's (relative error). The
 tokenizer is checked against transformers' GGUF tokenizer converter (it imports without PyTorch) on
 :data:`TEXTS`.
 
@@ -102,6 +103,24 @@ def greedy(folder: Path, ids: list, n: int):
     return out, str(logits.dtype), str(cache[0].state[0].dtype)
 
 
+def weights_error(kept: Path, reference: Path) -> dict:
+    """Each quantized matrix of ``kept`` dequantized by MLX against the reference's: the relative error
+    (Frobenius) over all of them, the worst matrix's, and the bits of each."""
+    weights, ref = mx.load(str(kept / "model.safetensors")), mx.load(str(reference / "model.safetensors"))
+    quant = json.loads((kept / "config.json").read_text())["quantization"]
+    err = total = worst = 0.0
+    bits = {}
+    for name in (n[: -len(".scales")] for n in weights if n.endswith(".scales")):
+        q = quant.get(name, quant)
+        w = mx.dequantize(weights[f"{name}.weight"], weights[f"{name}.scales"], weights[f"{name}.biases"],
+                          group_size=q["group_size"], bits=q["bits"]).astype(mx.float32)
+        want = ref[f"{name}.weight"].astype(mx.float32)
+        e, t = mx.sum((w - want) ** 2).item(), mx.sum(want ** 2).item()
+        err, total, worst = err + e, total + t, max(worst, (e / t) ** 0.5)
+        bits[q["bits"]] = bits.get(q["bits"], 0) + 1
+    return {"relative_error": round((err / total) ** 0.5, 5), "worst_matrix": round(worst, 5), "matrices_by_bits": bits}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--file", type=Path, required=True, help="The GGUF file.")
@@ -126,7 +145,9 @@ def main() -> None:
                       "float32_equal": got == want, "float32_first_difference": next(
                           (i for i, (x, y) in enumerate(zip(got, want)) if x != y), None),
                       "reference_text": tokenizer.decode(want), "kept_quantized_text": tokenizer.decode(kept),
-                      "kept_quantized_logits_dtype": logits, "kept_quantized_kv_dtype": kv}, indent=2))
+                      "kept_quantized_logits_dtype": logits, "kept_quantized_kv_dtype": kv,
+                      "kept_quantized_weights_vs_reference": weights_error(a.work / "kept", a.work / "reference")},
+                     indent=2))
 
 
 if __name__ == "__main__":

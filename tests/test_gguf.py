@@ -176,8 +176,10 @@ def test_large_matrices_are_read_a_few_rows_at_a_time(tmp_path, monkeypatch):
 def test_every_type_reads_as_the_gguf_package_dequantizes_it(tmp_path, qtype, tied):
     """Matrices of K-quants, 5-bit, I-quant or BF16, beside a Q6_K output matrix and a Q8_0 one as
     llama-quantize mixes them, embeddings tied or not: converted with --dtype float32, each tensor is
-    exactly what gguf.quants.dequantize makes of it (BF16 widened by hand); kept quantized, MLX quantizes
-    them again (8 bits for Q6_K and Q8_0) and the folder computes in float16, near the float folder."""
+    exactly what gguf.quants.dequantize makes of it (BF16 widened by hand); kept quantized, the types whose
+    groups of 32 are affine keep their weights (up to float16 scales: 2**-9 of the largest, where quantizing
+    again at 4 bits errs by some 2**-5), the others are quantized again by MLX (8 bits for Q6_K), and the
+    folder computes in float16, near the float folder."""
     from gguf.quants import dequantize
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -193,21 +195,40 @@ def test_every_type_reads_as_the_gguf_package_dequantizes_it(tmp_path, qtype, ti
                 and t.tensor_type.name == "BF16" else dequantize(t.data, t.tensor_type))
         assert np.array_equal(np.array(got[names[t.name]]), want), t.name
     info = convert_gguf(path, tmp_path / "q")
-    assert info["gguf_types"][qtype] >= 5 and info["requantized"] == (2 if qtype == "BF16" else 9) - tied
+    exact = qtype in ("Q4_K", "Q5_K", "Q5_0", "Q5_1")
+    assert info["gguf_types"][qtype] >= 5 and info["requantized"] == (0 if exact or qtype == "BF16" else 7) + (not tied)
     quant = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]
     assert quant.get("model.layers.0.self_attn.v_proj", quant)["bits"] == 8
     assert quant.get("lm_head", {"bits": 8})["bits"] == 8 and "lm_head" not in quant or not tied
     assert 4 < info["bits_per_weight"] < (17 if qtype == "BF16" else 9) and info["dtype"] == "float16"
     kept = mx.load(str(tmp_path / "q" / "model.safetensors"))
-    for name, exact in got.items():
+    for name, want in got.items():
         if f"{name[:-7]}.scales" in kept:
             q = quant.get(name[:-7]) or {"group_size": quant["group_size"], "bits": quant["bits"]}
             w = mx.dequantize(kept[name], kept[f"{name[:-7]}.scales"], kept[f"{name[:-7]}.biases"], **q)
-            assert (mx.linalg.norm(w - exact) / mx.linalg.norm(exact)).item() < (0.01 if q["bits"] == 8 else 0.1)
+            assert (mx.linalg.norm(w - want) / mx.linalg.norm(want)).item() < (0.01 if q["bits"] == 8 else 0.1)
+            if q["group_size"] == 32:  # carried over, not quantized again: Q8_0 and the exact types
+                assert mx.abs(w - want).max().item() <= 2 ** -9 * mx.abs(want).max().item(), name
     quantized, _ = mlx_lm_load(str(tmp_path / "q"))
     cache = make_prompt_cache(quantized)
     logits = quantized(mx.array([[5, 17, 42, 99, 7]]), cache=cache)
     assert logits.dtype == cache[0].keys.dtype == mx.float16 and mx.all(mx.isfinite(logits)).item()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_types_carried_over_match_mlx_own_reader(tmp_path, qtype):
+    """Q4_0, Q4_1 and Q8_0 matrices in a file MLX cannot read (a Q5_0 output matrix beside them), carried over
+    through the gguf package, hold exactly the codes, scales and biases MLX's own reader makes of them."""
+    _, tokens, merges = byte_level_vocab()
+    model, _ = tiny_target("llama", vocab=len(tokens), hidden=64, layers=1, seed=7)
+    for name, types in (("mlx", {}), ("package", {"output.weight": "Q5_0"})):
+        write_gguf(tmp_path / f"{name}.gguf", model, tokens, qtype=qtype, merges=merges, tensor_types=types)
+        info = convert_gguf(tmp_path / f"{name}.gguf", tmp_path / name)
+        assert info["requantized"] == 0 and (name == "mlx") == (info["method"] == "GGUF read by MLX")
+    mlx, package = (mx.load(str(tmp_path / d / "model.safetensors")) for d in ("mlx", "package"))
+    carried = [n for n in mlx if n.endswith((".weight", ".scales", ".biases")) and "lm_head" not in n]
+    assert sum(n.endswith(".scales") for n in carried) == 8 and all(
+        mx.array_equal(mlx[n], package[n]).item() for n in carried)
 
 
 def test_end_of_turn_and_message_ids_stop_generation(tmp_path):
@@ -331,6 +352,7 @@ def test_bad_gguf_files_one_line_nothing_written(llama_gguf, tmp_path):
     size = path.stat().st_size
     k_quant = tmp_path / "k.gguf"
     w = gguf.GGUFWriter(str(k_quant), "llama")
+    w.add_tokenizer_model("gpt2"), w.add_token_list(tokens), w.add_token_merges(merges)  # read before the tensors
     w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 40), np.uint8),
                  raw_dtype=gguf.GGMLQuantizationType.Q8_1)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()

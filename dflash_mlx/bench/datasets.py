@@ -51,10 +51,8 @@ FORMATS: List[Format] = [
     Format("math500", ("problem", "solution"), lambda row: [str(row["problem"]) + MATH_SUFFIX]),
     Format("humaneval", ("task_id", "prompt", "entry_point"), lambda row: [HUMANEVAL_PREFIX + row["prompt"] + "\n```"]),
     Format("mbpp", ("prompt", "code", "test_list"), lambda row: [str(row["prompt"])]),
-    Format("mt-bench", ("turns",), _turns),
-    Format("alpaca", ("instruction", "output"), _alpaca),
-    Format("messages", ("messages",), lambda row: []),
-    Format("prompt", ("prompt",), _turns),
+    Format("mt-bench", ("turns",), _turns), Format("alpaca", ("instruction", "output"), _alpaca),
+    Format("messages", ("messages",), lambda row: []), Format("prompt", ("prompt",), _turns),
 ]
 
 SHIPPED, SHIPPED_ROWS = Path(__file__).parent / "sets", 80  # each set's first rows, read without the hub

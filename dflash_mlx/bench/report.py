@@ -106,13 +106,11 @@ def variant_summary(result: DatasetResult, block_size, base: dict) -> dict:
     cycles = [cycle_ms(r) for r in runs]
     s.update({
         "speedup_ratio_of_medians": ratio(s["decode_tps_median"], base["decode_tps_median"]),
-        "speedup_median_of_ratios": median(measured),
-        "tokens_per_step": median(tokens_per_step(r) for r in runs),
+        "speedup_median_of_ratios": median(measured), "tokens_per_step": median(tokens_per_step(r) for r in runs),
         "ideal_speedup": median(ideal),
         "ideal_speedup_at_tau": median(ideal_speedup(r, b, r.stats.tau) for b, r in prs),
         "measured_over_ideal": median(ratio(m, i) for m, i in zip(measured, ideal)),
-        "cycle_ms": {k: median(c[k] for c in cycles) for k in PHASES},
-        "outputs_compared": len(compared),
+        "cycle_ms": {k: median(c[k] for c in cycles) for k in PHASES}, "outputs_compared": len(compared),
         "outputs_differing": (len(compared) - sum(compared)) if compared else None,
     })
     return s

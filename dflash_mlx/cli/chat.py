@@ -19,16 +19,13 @@ from .common import (
 )
 
 COMMANDS = [
-    ("/help", "this list"),
-    ("/reset", "clear the history and both caches"),
+    ("/help", "this list"), ("/reset", "clear the history and both caches"),
     ("/stats", "the session's acceptance histogram, totals and cache offsets"),
     ("/block N|auto", "block size, 2..the drafter's trained size, or auto (width by measured cost)"),
-    ("/temp T", "sampling temperature (0 is greedy)"),
-    ("/max N", "most tokens per reply"),
+    ("/temp T", "sampling temperature (0 is greedy)"), ("/max N", "most tokens per reply"),
     ("/think on|off", "thinking, for chat templates that have it"),
     ("/color [on|off]", "colour the tokens accepted from the drafter"),
-    ("/save FILE", "save the transcript: FILE.json as JSON, else Markdown"),
-    ("/quit", "exit (Ctrl-D too)"),
+    ("/save FILE", "save the transcript: FILE.json as JSON, else Markdown"), ("/quit", "exit (Ctrl-D too)"),
 ]
 
 

@@ -20,8 +20,8 @@ def convert(
         "Its DFlash drafter: a repo id or a local folder. Omit it to convert the target alone."))] = None,
     quantize: Annotated[bool, Option("--quantize", "-q", help="Quantize the target with mlx-lm.")] = False,
     q_bits: Annotated[Optional[int], Option("--q-bits", help=(
-        "Target bits per weight: 4 or 8 (default 4); for a GGUF file, the bits of tensors of types MLX does "
-        "not read (K-quants, Q5_0, ...), quantized again (8 for those of 6 bits or more)."))] = None,
+        "Target bits per weight: 4 or 8 (default 4); for a GGUF file, the bits of the tensors not carried "
+        "over as they are (Q2_K, Q3_K, I-quants), quantized again (Q6_K at 8)."))] = None,
     q_group_size: Annotated[Optional[int], Option("--q-group-size", help="32, 64 or 128 (default 64).")] = None,
     q_mode: Annotated[str, Option("--q-mode", help="affine, mxfp4, nvfp4 or mxfp8.")] = "affine",
     draft_q_bits: Annotated[Optional[int], Option("--draft-q-bits", help="Drafter bits: 4 or 8.")] = None,
@@ -35,8 +35,8 @@ def convert(
     or a target alone (a Hugging Face folder or a GGUF file) into an mlx-lm folder.
 
     OUT appears only once complete: a failure, Ctrl-C or SIGTERM leaves nothing. A pair's validation table
-    follows. A GGUF file (llama incl. Llama 3.1+, qwen2, qwen3, phi3, gemma3; Q4_K_M and every type the gguf package
-    reads) stays quantized unless --dtype is given: Q4_0, Q4_1, Q8_0 as stored, others again at --q-bits.
+    follows. A GGUF file (llama incl. Llama 3.1+, qwen2, qwen3, phi3, gemma3; any type the gguf package reads)
+    stays quantized unless --dtype is given: Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K as stored, others again at --q-bits.
 
     \b
     Examples:

@@ -118,12 +118,10 @@ def stream_generate(target: TargetAdapter, tokenizer: TokenizerWrapper, prompt: 
     stop_ids = kwargs.pop("stop_token_ids", tuple(tokenizer.eos_token_ids))
     kwargs["stop"] = StopCondition(max_tokens, stop_ids, stop_strings, tokenizer.decode)
     stats = GenerationStats(
-        block_size=check_block_size(kwargs.get("block_size"), drafter),
-        prompt_tokens=prompt.size,
+        block_size=check_block_size(kwargs.get("block_size"), drafter), prompt_tokens=prompt.size,
         target_bytes=weight_bytes(target.model),
         drafter_bytes=weight_bytes(drafter) if isinstance(drafter, nn.Module) else 0,
-        speculative=drafter is not None,
-        reason=None if drafter is not None else NO_DRAFTER,
+        speculative=drafter is not None, reason=None if drafter is not None else NO_DRAFTER,
         drafter_format=getattr(drafter, "drafter_format", None),
     )
     text = TextStream(tokenizer, stop_strings)

@@ -1,12 +1,12 @@
 """A GGUF file (llama.cpp's format, as Ollama and LM Studio keep models) as an mlx-lm model folder:
 ``config.json``, ``model.safetensors`` and the tokenizer files (:mod:`.gguf_tokenizer`).
 
-A file of only the types MLX reads (``mx.load``: F32, F16, and Q4_0, Q4_1 and Q8_0 as MLX affine-quantized
-weights of group size 32) is read by MLX, BF16 from its raw bytes (MLX would narrow it to float16). Any other
-type (K-quants, Q5_0, I-quants: whatever the ``gguf`` package dequantizes) makes the whole file read by that
-package, a matrix :data:`CHUNK_ROWS` rows at a time: each part is dequantized and cast to the dtype asked for,
-or quantized again by MLX (``bits``, 8 for types of 6 bits or more, and ``group_size``). A folder kept quantized
-holds its float tensors in its scales' dtype (float16), so that it computes in half precision as mlx-lm's would.
+A file of only the types MLX reads (``mx.load``: F32, F16, and Q4_0, Q4_1 and Q8_0 as MLX affine groups of 32)
+is read by MLX. Any other type (BF16, K-quants, I-quants) makes the whole file read by the ``gguf`` package, a
+matrix :data:`CHUNK_ROWS` rows at a time, each part dequantized and cast to the dtype asked for, or kept quantized:
+types whose groups of 32 are affine (:data:`EXACT_TYPES`: Q4_K, Q5_K, Q5_0, ...) keep their codes, scales and
+biases, the others (Q2_K, Q3_K, Q6_K, I-quants) are quantized again by MLX (``bits``, 8 for types of 6 bits or
+more, and ``group_size``). A folder kept quantized holds its float tensors in its scales' dtype (float16).
 
 Architectures (:data:`ARCHITECTURES`): ``llama`` (Q and K in the interleaved rotary order: mlx-lm's llama with
 ``rope_traditional``), ``qwen2``, ``qwen3``, ``phi3`` (``attn_qkv``, ``ffn_up`` gate then up) and ``gemma3`` (norm
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from ..atomic import staging
 from ..errors import CheckpointError, ConfigError
@@ -33,8 +34,13 @@ from .gguf_tokenizer import build_tokenizer, metadata_value
 from .manifest import dtype_name
 
 GROUP_SIZE = 32  # the block of every GGUF quantization MLX reads (Q4_0, Q4_1, Q8_0)
-MLX_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")  # BF16 read here from the raw bytes
-WIDE_TYPES = ("Q6_K", "Q8_0", "Q8_1", "Q8_K")  # 6 bits or more: quantized again at 8 bits
+MLX_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")  # mx.load narrows BF16 to float16: the gguf package reads it
+WIDE_TYPES = ("Q6_K", "Q8_1", "Q8_K")  # 6 bits or more: quantized again at 8 bits
+# Types whose groups of 32 are MLX affine groups (w = scale * q + bias): bits, and per byte range of a block holding
+# codes, the bytes storing the lowest code and the next (llama.cpp's ggml-common.h: Q4_K is d, dmin, scales, codes).
+EXACT_TYPES = {"Q4_0": (4, ((2, 18, 0, 0x11),)), "Q4_1": (4, ((4, 20, 0, 0x11),)), "Q8_0": (8, ((2, 34, 0x80, 0x81),)),
+               "Q5_0": (5, ((2, 6, 0, 0), (6, 22, 0, 0x11))), "Q5_1": (5, ((4, 8, 0, 0), (8, 24, 0, 0x11))),
+               "Q4_K": (4, ((16, 144, 0, 0x11),)), "Q5_K": (5, ((16, 48, 0, 0), (48, 176, 0, 0x11)))}
 CHUNK_ROWS = 1024  # rows of a matrix dequantized (and quantized again) at once
 OLLAMA = "ollama:"
 
@@ -111,12 +117,13 @@ def ollama_blob(name: str) -> Path:
                               f"{manifest}); `ollama pull {name}` first") from None
 
 
-def read_gguf(path: Path, bits: int = 4, group_size: int = 64, dtype: Optional[mx.Dtype] = None
-              ) -> Tuple[Dict[str, mx.array], dict, dict, Dict[str, dict]]:
+def read_gguf(path: Path, bits: int = 4, group_size: int = 64, dtype: Optional[mx.Dtype] = None,
+              first: Callable[[dict], Any] = lambda _: None) -> Tuple[Dict[str, mx.array], dict, dict, Dict[str, dict]]:
     """The tensors (GGUF names; quantized ones as ``NAME.weight``/``.scales``/``.biases``), the metadata
     (Python values), a summary (``method``, ``gguf_types``: tensors per type, ``requantized``: tensors
     quantized again) and per quantized module ``{"group_size", "bits"}``. ``dtype``: every tensor
     dequantized by the package (exactly as llama.cpp's reference) and cast to it, none quantized again.
+    ``first`` is called with the metadata before any tensor is read.
 
     Raises:
         CheckpointError: the file is missing, not GGUF, truncated, or holds a type the ``gguf`` package cannot
@@ -137,53 +144,83 @@ def read_gguf(path: Path, bits: int = 4, group_size: int = 64, dtype: Optional[m
     except Exception as e:  # the reader raises ValueError, KeyError, ... on a cut file
         raise CheckpointError(f"{path}: truncated or corrupt GGUF file, an incomplete download? ({_reason(e)})"
                               ) from None
+    first(metadata)
     kinds = [t.tensor_type.name for t in reader.tensors]
-    summary = {"method": "GGUF read by MLX", "gguf_types": {k: kinds.count(k) for k in sorted(set(kinds))},
-               "requantized": 0}
+    summary = {"method": "GGUF read by MLX", "gguf_types": {k: kinds.count(k) for k in sorted(set(kinds))}}
     if dtype is None and all(kind in MLX_TYPES for kind in kinds):
         try:
             weights = mx.load(str(path), format="gguf")  # the name may be NAME.GGUF or an Ollama blob
         except (RuntimeError, ValueError) as e:
             raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({_reason(e)})") from None
-        weights.update({t.name: mx.array(t.data.view("uint16")).view(mx.bfloat16)
-                        for t in reader.tensors if t.tensor_type.name == "BF16"})
-        return weights, metadata, summary, {n[: -len(".scales")]: {"group_size": GROUP_SIZE, "bits": weights[
-            n.replace(".scales", ".weight")].shape[-1] * 32 // (v.shape[-1] * GROUP_SIZE)}
-            for n, v in weights.items() if n.endswith(".scales")}
-    weights, quant, pages = {}, {}, getattr(reader.data, "_mmap", None)  # numpy's memory map of the file
+        return weights, metadata, {**summary, "requantized": 0}, {t.name[: -len(".weight")]: {
+            "group_size": GROUP_SIZE, "bits": EXACT_TYPES[t.tensor_type.name][0]} for t in reader.tensors
+            if t.tensor_type.name in EXACT_TYPES}
+    weights, quant, requantized = {}, {}, 0
     for t in reader.tensors:
-        if pages is not None:  # the file's pages read so far leave this process's memory
-            pages.madvise(mmap.MADV_DONTNEED)
-        if t.tensor_type.name in ("F32", "F16", "BF16") or dtype is not None or len(t.shape) != 2:
-            weights[t.name] = _dequantized(t, path, lambda x: x if dtype is None else x.astype(dtype))
+        qtype, module, exact = t.tensor_type, t.name[: -len(".weight")], t.tensor_type.name in EXACT_TYPES
+        if qtype.name in ("F32", "F16", "BF16") or dtype is not None or len(t.shape) != 2:
+            weights[t.name] = _by_rows(t, path, lambda x: _float(x, qtype) if dtype is None else
+                                       _float(x, qtype).astype(dtype))
             continue
-        module, b = t.name[: -len(".weight")], 8 if t.tensor_type.name in WIDE_TYPES else bits
-        w, scales, biases = _dequantized(t, path, lambda x: mx.quantize(x.astype(mx.float16), group_size, b))
+        b = EXACT_TYPES[qtype.name][0] if exact else 8 if qtype.name in WIDE_TYPES else bits
+        w, scales, biases = _by_rows(t, path, (lambda x: _exact(x, qtype)) if exact else (
+            lambda x: mx.quantize(_float(x, qtype).astype(mx.float16), group_size, b)))
         weights.update({t.name: w, f"{module}.scales": scales, f"{module}.biases": biases})
-        quant[module] = {"group_size": group_size, "bits": b}
-    summary.update(method="GGUF dequantized by the gguf package", requantized=len(quant))
+        quant[module] = {"group_size": GROUP_SIZE if exact else group_size, "bits": b}
+        requantized += not exact
+    summary.update(method="GGUF dequantized by the gguf package", requantized=requantized)
     return weights, metadata, summary, quant
 
 
-def _dequantized(tensor, path: Path, finish: Callable[[mx.array], Any]) -> Any:
-    """``finish`` of one tensor of the ``gguf`` package's reader as float (BF16 and F16 as stored, the rest
-    float32), :data:`CHUNK_ROWS` rows at a time, each part evaluated before the next is read, the parts joined
-    (an array, or each array of a sequence) and evaluated: never a large float copy, one tensor's parts at most."""
+def _float(rows, qtype) -> mx.array:
+    """Rows of a GGUF tensor of ``qtype`` as the ``gguf`` package dequantizes them (float32), BF16 and F16 as stored."""
     from gguf.quants import dequantize
 
-    kind, data, parts = tensor.tensor_type.name, tensor.data, []
+    return (mx.array(rows.view("uint16")).view(mx.bfloat16) if qtype.name == "BF16" else
+            mx.array(dequantize(rows, qtype)))
+
+
+def _exact(rows, qtype) -> Tuple[mx.array, mx.array, mx.array]:
+    """Rows (uint8 [rows, bytes]) of a type in :data:`EXACT_TYPES` as MLX's packed codes (uint32 [rows,
+    cols * bits / 32]), scales and biases (float16 [rows, cols / 32]) of the same weights. Each group's bias and
+    scale are what the ``gguf`` package dequantizes from the blocks with every code set to the lowest one and to
+    the next, so the package stays the one reader of each layout; the codes, the dequantized weights put back on
+    that grid. Exact up to the float16 rounding of scale and bias (MLX's own reader of Q4_0 makes the same)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    bits, spans = EXACT_TYPES[qtype.name]
+    blocks, grid = rows.reshape(len(rows), -1, GGML_QUANT_SIZES[qtype][1]), []
+    for which in (0, 1):  # every code the lowest, then the next
+        probe = blocks.copy()
+        for start, end, *stored in spans:
+            probe[..., start:end] = stored[which]
+        grid.append(dequantize(probe.reshape(rows.shape), qtype).reshape(len(rows), -1, GROUP_SIZE)[..., :1])
+    bias, scale = grid[0], grid[1] - grid[0]
+    w = dequantize(rows, qtype).reshape(scale.shape[:2] + (GROUP_SIZE,))
+    q = np.rint((w - bias) / np.where(scale == 0, 1, scale)).clip(0, 2 ** bits - 1).astype(np.uint8)
+    packed = q if bits == 8 else q[..., ::2] | q[..., 1::2] << 4 if bits == 4 else np.packbits(
+        (q[..., None] >> np.arange(bits, dtype=np.uint8)) & 1, bitorder="little")  # MLX: a little-endian bit stream
+    return (mx.array(packed.reshape(len(rows), -1).view(np.uint32)), mx.array(scale[..., 0].astype(np.float16)),
+            mx.array(bias[..., 0].astype(np.float16)))
+
+
+def _by_rows(tensor, path: Path, read: Callable[[Any], Any]) -> Any:
+    """``read`` of one tensor of the ``gguf`` package's reader, :data:`CHUNK_ROWS` rows (numpy, as stored) at a
+    time, each part evaluated and the file's pages dropped before the next is read, the parts joined (an array,
+    or each array of a sequence) and evaluated: never a large float copy, one tensor's parts at most."""
+    data, parts, pages = tensor.data, [], getattr(tensor.data, "_mmap", None)  # numpy's memory map of the file
     step = CHUNK_ROWS if data.ndim == 2 else len(data)  # quantized rows are whole blocks; else all at once
     for i in range(0, len(data), step):
-        rows = data[i: i + step]
+        if pages is not None:  # the file's pages read so far leave this process's memory
+            pages.madvise(mmap.MADV_DONTNEED)
         try:
-            x = mx.array(rows.view("uint16")).view(mx.bfloat16) if kind == "BF16" else mx.array(dequantize(
-                rows, tensor.tensor_type))
+            parts.append(read(data[i: i + step]))
         except NotImplementedError:
-            raise CheckpointError(f"{path}: tensor '{tensor.name}' is {kind}, a GGUF type the gguf package "
-                                  "cannot read; use a file of another quantization (Q4_K_M, Q8_0, ...)") from None
+            raise CheckpointError(f"{path}: tensor '{tensor.name}' is {tensor.tensor_type.name}, a GGUF type the gguf "
+                                  "package cannot read; use a file of another quantization (Q4_K_M, Q8_0)") from None
         except ValueError as e:
             raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({_reason(e)})") from None
-        parts.append(finish(x))
         mx.eval(parts[-1])
     joined = mx.concatenate(parts) if isinstance(parts[0], mx.array) else tuple(map(mx.concatenate, zip(*parts)))
     mx.eval(joined)  # joined now, while only this tensor's parts are held, not all at once when written
@@ -305,9 +342,10 @@ def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callab
         ConfigError: an architecture, tokenizer or tensor not supported here.
     """
     say(f"reading {path.name}")
-    weights, metadata, summary, quant = read_gguf(path, bits or 4, group_size or 64, dtype and getattr(mx, dtype))
+    dst.mkdir(parents=True, exist_ok=True)  # the tokenizer written first: its memory freed before the tensors come
+    weights, metadata, summary, quant = read_gguf(path, bits or 4, group_size or 64, dtype and getattr(mx, dtype),
+                                                  lambda meta: build_tokenizer(meta, path).save_pretrained(str(dst)))
     config = mlx_lm_config(weights, metadata, path)
-    tokenizer = build_tokenizer(metadata, path)
     arch, shift = metadata["general.architecture"], config["model_type"] == "gemma3_text"  # (1 + w) stored
     weights = {mlx_lm_name(name, path, arch): v - 1 if shift and name.endswith("norm.weight") else v
                for name, v in weights.items() if name != "rope_freqs.weight"}  # now in config's rope_scaling
@@ -316,10 +354,8 @@ def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callab
         weights = {n: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v for n, v in weights.items()}
         config["quantization"] = config["quantization_config"] = quantization(quant)
     say(f"writing the mlx-lm folder ({'quantized' if 'quantization' in config else dtype or 'as stored'})")
-    dst.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tokenizer.save_pretrained(str(dst))
     matrices = [n for n, v in weights.items() if n.endswith(".weight") and v.ndim == 2]
     floats = [weights[n].dtype for n in matrices if mx.issubdtype(weights[n].dtype, mx.floating)]
     stored = sum(sum(weights[f"{n[:-7]}.{s}"].nbytes for s in ("weight", "scales", "biases")

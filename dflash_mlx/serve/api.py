@@ -182,8 +182,7 @@ def usage(stats: GenerationStats) -> Dict[str, Any]:
     d.pop("prompt_tokens")
     d.pop("tokens")
     return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generation_tokens,
+        "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generation_tokens,
         "total_tokens": stats.prompt_tokens + stats.generation_tokens,
         "prompt_tokens_details": {"cached_tokens": stats.prompt_reused}, "dflash": d,
     }
