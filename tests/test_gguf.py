@@ -405,6 +405,18 @@ def test_convert_cli_target_alone(llama_gguf, tmp_path):
         assert r.returncode == 1 and flag in r.stderr and not (tmp_path / "x").exists()
 
 
+def test_a_conversion_cached_by_an_older_version_is_converted_anew(llama_gguf, tmp_path, monkeypatch, capsys):
+    """The cache folder names the conversion's version: a folder an older conversion left is not reused."""
+    import dflash_mlx.pair.gguf as reader
+
+    _, path = llama_gguf
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    older = reader.gguf_folder(str(path))
+    monkeypatch.setattr(reader, "CONVERSION", reader.CONVERSION + 1)
+    assert reader.gguf_folder(str(path)) != older and (older / "config.json").is_file()
+    assert capsys.readouterr().err.count("converting once into") == 2
+
+
 def test_generate_takes_a_gguf_file_or_an_ollama_name_and_converts_once(llama_gguf, tmp_path):
     """`--model FILE.GGUF` (any case) converts once into the cache and reuses it after (a cache that cannot
     be written: a warning, converted for the run); `ollama:NAME:TAG` finds the GGUF blob through a store's

@@ -43,6 +43,7 @@ EXACT_TYPES = {"Q4_0": (4, ((2, 18, 0, 0x11),)), "Q4_1": (4, ((4, 20, 0, 0x11),)
                "Q4_K": (4, ((16, 144, 0, 0x11),)), "Q5_K": (5, ((16, 48, 0, 0), (48, 176, 0, 0x11)))}
 CHUNK_ROWS = 1024  # rows of a matrix dequantized (and quantized again) at once
 OLLAMA = "ollama:"
+CONVERSION = 2  # in cache folder names: what an older conversion cached (re-quantized Q4_K, ...) is converted anew
 
 # GGUF tensor names (llama.cpp's gguf-py tensor_mapping) -> mlx-lm module paths, per layer and outside.
 _LAYER_NAMES = {
@@ -73,7 +74,7 @@ def is_gguf(path: str | Path) -> bool:
 
 def gguf_folder(model: str) -> Optional[Path]:
     """The mlx-lm folder of a ``.gguf`` file (any case) or an Ollama model (``ollama:NAME[:TAG]``), converted
-    once (kept quantized) into ``CACHE/gguf/NAME-KEY`` (the blob's digest, or one of the file's unread
+    once (kept quantized) into ``CACHE/gguf/NAME-KEY-vN`` (the blob's digest, or one of the file's unread
     :func:`~dflash_mlx.fingerprint.file_identity`) and reused after, a line on stderr saying which (where
     the cache cannot be written: a warning and a temporary folder); None for any other ``model``.
 
@@ -88,7 +89,7 @@ def gguf_folder(model: str) -> Optional[Path]:
     elif not path.is_file():
         raise CheckpointError(f"{path}: {'a folder, not a GGUF file' if path.is_dir() else 'GGUF file not found'}")
     key = path.name[len("sha256-"):] if ollama else hashlib.sha256(file_identity(path).encode()).hexdigest()
-    folder = cache_root() / "gguf" / f"{Path(model.replace(':', '-')).stem}-{key[:16]}"
+    folder = cache_root() / "gguf" / f"{Path(model.replace(':', '-')).stem}-{key[:16]}-v{CONVERSION}"
     if (folder / "config.json").is_file():
         print(f"{model}: converted earlier into {folder}", file=sys.stderr)
         return folder
@@ -181,11 +182,10 @@ def _float(rows, qtype) -> mx.array:
 
 
 def _exact(rows, qtype) -> Tuple[mx.array, mx.array, mx.array]:
-    """Rows (uint8 [rows, bytes]) of a type in :data:`EXACT_TYPES` as MLX's packed codes (uint32 [rows,
-    cols * bits / 32]), scales and biases (float16 [rows, cols / 32]) of the same weights. Each group's bias and
-    scale are what the ``gguf`` package dequantizes from the blocks with every code set to the lowest one and to
-    the next, so the package stays the one reader of each layout; the codes, the dequantized weights put back on
-    that grid. Exact up to the float16 rounding of scale and bias (MLX's own reader of Q4_0 makes the same)."""
+    """Rows (uint8 [rows, bytes]) of a type in :data:`EXACT_TYPES` as MLX's packed codes (uint32 [rows, cols *
+    bits / 32]), scales and biases (float16 [rows, cols / 32]) of the same weights: each group's bias and scale
+    what the ``gguf`` package (the one reader of each layout) dequantizes with every code the lowest and the next,
+    the codes the weights put back on that grid. Exact up to float16 scales and biases, as MLX's reader of Q4_0."""
     from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
