@@ -91,6 +91,9 @@ def check_dflash_usage(usage, prompt_tokens=None):
     assert d["verify"]["block_size"] == "auto" and sum(d["widths"].values()) == d["steps"] + d["plain_steps"]
     assert sum(d["acceptance_histogram"].values()) == d["steps"]
     assert d["generation_tokens"] == completion
+    # measured as generate measures them, never left at zero or null
+    assert d["peak_memory"] > 0 and d["bandwidth_gbps"] > 0 and min(d["timings_ms"].values()) > 0
+    assert d["prompt_tps"] > 0 and d["generation_tps"] > 0 and d["block_attention"]["block_attention"]
     assert d["prompt_tokens_reused"] + d["prompt_tokens_prefilled"] == (
         prompt_tokens if prompt_tokens is not None else d["prompt_tokens_reused"] + d["prompt_tokens_prefilled"])
     return d
