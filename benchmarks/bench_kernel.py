@@ -114,7 +114,7 @@ def main() -> None:
             for name, dt in DTYPES.items():
                 arrays = drafter_inputs(n_ctx, args.heads, args.kv_heads, args.head_dim, args.block, dt)
                 got = block_attention(*arrays, **kw)
-                assert attention_path()["block_attention"] == "metal", attention_path()
+                assert attention_path(*arrays)["block_attention"] == "metal", attention_path(*arrays)
                 err = max_error(got, block_attention_reference(*arrays, **kw))
                 print(f"  kernel vs reference, {name:8s}: max |error| / max |reference| = {err:.2e}")
         arrays = drafter_inputs(n_ctx, args.heads, args.kv_heads, args.head_dim, args.block, dtype)

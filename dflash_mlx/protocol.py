@@ -39,7 +39,8 @@ class Proposal:
 @runtime_checkable
 class Drafter(Protocol):
     """A DFlash drafter as the loop uses it (spec sections 4-5). Optional: ``propose`` (see
-    :func:`propose`), ``samples_drafts`` (drafts at T > 0 are samples of q), ``drafter_format``.
+    :func:`propose`), ``samples_drafts`` (drafts at T > 0 are samples of q), ``drafter_format``,
+    ``attention_path()`` (see :func:`attention_of`).
 
     Attributes:
         block_size: trained block size B (tokens per verify, the anchor included).
@@ -68,6 +69,11 @@ def propose(drafter: "Drafter", token: mx.array, context: mx.array, cache: Seque
     return Proposal(drafter.draft(token, context, cache, block_size))
 
 
+def attention_of(drafter: Optional["Drafter"]) -> Optional[dict]:
+    """``drafter.attention_path()``: what its latest draft ran; None for no drafter or one that does not say."""
+    return drafter.attention_path() if hasattr(drafter, "attention_path") else None
+
+
 class WrappedDrafter:
     """A drafter that delegates everything to ``inner``; subclasses override :meth:`draft`."""
 
@@ -85,6 +91,9 @@ class WrappedDrafter:
     @property
     def drafter_format(self) -> Optional[str]:
         return getattr(self.inner, "drafter_format", None)
+
+    def attention_path(self) -> Optional[dict]:
+        return attention_of(self.inner)
 
     def make_cache(self) -> List[Any]:
         return self.inner.make_cache()

@@ -245,11 +245,8 @@ class GenerationStats:
 
     def format_lines(self) -> List[str]:
         """mlx-lm's stats lines, then ``Acceptance:``, ``Histogram:`` and ``Timings:``."""
-        lines = [
-            self.prompt_line(),
-            f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.3f} tokens-per-sec",
-            f"Peak memory: {self.peak_memory_gb:.3f} GB",
-        ]
+        lines = [self.prompt_line(), f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.3f} tokens-per-sec",
+                 f"Peak memory: {self.peak_memory_gb:.3f} GB"]
         if not self.speculative:
             lines.append(f"Speculative decoding: off ({self.reason})")
         else:

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 from dflash_mlx import InputError, generate_step
+from dflash_mlx.decode.batch import BatchDecoder
+from dflash_mlx.decode.stopping import StopCondition
 from dflash_mlx.drafter.network import DFlashDrafter
 from dflash_mlx.kernels import block_attention as ba
 from dflash_mlx.kernels import block_attention_metal as bam
 from dflash_mlx.kernels.block_attention import attention_path, block_attention, block_attention_reference
 from dflash_mlx.pair.loading import bind_drafter
-from conftest import tiny_drafter_args, tiny_target
+from conftest import tiny_drafter, tiny_drafter_args, tiny_target
 
 needs_metal = pytest.mark.skipif(
     not mx.metal.is_available(),
@@ -139,7 +141,7 @@ def test_chooser_falls_back_here_and_says_why(monkeypatch):
     arrays = _drafter_shaped()
     out = block_attention(*arrays, scale=0.125)
     assert mx.array_equal(out, block_attention_reference(*arrays, scale=0.125))
-    path = attention_path()
+    path = attention_path(*arrays)
     if mx.metal.is_available() and mx.default_device() == mx.gpu:
         assert path == {"block_attention": "metal", "reason": "Metal is available and the shape is covered"}
     else:
@@ -153,7 +155,7 @@ def test_kill_switch_forces_reference(monkeypatch, value):
     arrays = _drafter_shaped()
     out = block_attention(*arrays, scale=0.125)
     assert mx.array_equal(out, block_attention_reference(*arrays, scale=0.125))
-    assert attention_path() == {"block_attention": "reference", "reason": f"DFLASH_BLOCK_KERNEL={value}"}
+    assert attention_path(*arrays) == {"block_attention": "reference", "reason": f"DFLASH_BLOCK_KERNEL={value}"}
 
 
 def test_bad_kill_switch_value_is_an_error(monkeypatch):
@@ -167,6 +169,25 @@ def test_attention_path_before_any_call():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, ba.ENV_VAR: "0"}).stdout
     assert out.strip() == str({"block_attention": "reference", "reason": "DFLASH_BLOCK_KERNEL=0"})
+
+
+def test_the_drafter_says_what_its_latest_draft_ran(monkeypatch):
+    """Not a module global: one sequence drafts through block_attention (its path for the drafter's own
+    arrays), a batch through padding-masked attention, each drafter saying its own."""
+    _, target = tiny_target("qwen3")
+    alone, together = tiny_drafter(target), tiny_drafter(target)
+    monkeypatch.setenv(ba.ENV_VAR, "0")
+    assert alone.attention_path() == attention_path()  # before any draft: what the environment allows
+    list(generate_step(mx.array([1, 17, 33, 2], dtype=mx.int32), target, alone, max_tokens=12, block_size=8))
+    monkeypatch.delenv(ba.ENV_VAR)
+    block_attention(*_drafter_shaped(), scale=0.125)  # a call elsewhere changes nothing of the drafter's
+    assert alone.attention_path() == {"block_attention": "reference", "reason": f"{ba.ENV_VAR}=0"}
+    decoder = BatchDecoder(target, together, 8)
+    for key, prompt in (("a", [1, 17, 33]), ("b", [5, 9])):
+        assert decoder.start(key, prompt, None, StopCondition(12, (), ()), step_size=8).advance() is not None
+    decoder.step()
+    assert together.attention_path() == {"block_attention": "reference", "reason": "a batch drafts (masked attention)"}
+    assert alone.attention_path()["reason"] == f"{ba.ENV_VAR}=0"
 
 
 def test_uncovered_shapes_name_the_reason():
@@ -235,7 +256,7 @@ def test_metal_kernel_matches_reference(monkeypatch, dtype, case):
               causal=case["causal"], q_start=delta, ctx_start=0)
     inputs = _cache_slices(rng, arrays, dtype)
     got = block_attention(*inputs, **kw)
-    assert attention_path()["block_attention"] == "metal"
+    assert attention_path(*inputs)["block_attention"] == "metal"
     want = block_attention_reference(*inputs, **kw)
     assert got.dtype == dtype and got.shape == want.shape
     got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
@@ -251,10 +272,10 @@ def test_metal_kernel_on_and_off_agree_on_drafter_shapes(monkeypatch):
         arrays = [mx.array(x).astype(mx.bfloat16) for x in random_inputs(rng, 1, 32, 8, 16, 128, n_ctx)]
         monkeypatch.setenv(ba.ENV_VAR, "1")
         on = block_attention(*arrays, scale=128 ** -0.5)
-        assert attention_path()["block_attention"] == "metal"
+        assert attention_path(*arrays)["block_attention"] == "metal"
         monkeypatch.setenv(ba.ENV_VAR, "0")
         off = block_attention(*arrays, scale=128 ** -0.5)
-        assert attention_path()["block_attention"] == "reference"
+        assert attention_path(*arrays)["block_attention"] == "reference"
         on, off = np.array(on.astype(mx.float32)), np.array(off.astype(mx.float32))
         assert np.abs(on - off).max() / np.abs(off).max() < KERNEL_TOLERANCE[mx.bfloat16]
 
@@ -276,7 +297,7 @@ def test_greedy_engine_output_identical_with_kernel_on_and_off(monkeypatch):
         block_attention(*_drafter_shaped(), scale=0.125)
         monkeypatch.setenv(ba.ENV_VAR, value)
         steps = list(generate_step(prompt, target, drafter, max_tokens=120, block_size=8))
-        return [s.tokens for s in steps], [s.accepted for s in steps], attention_path()["block_attention"]
+        return [s.tokens for s in steps], [s.accepted for s in steps], drafter.attention_path()["block_attention"]
 
     on, off = run("1"), run("0")
     assert (on[2], off[2]) == ("metal", "reference")

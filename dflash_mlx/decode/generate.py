@@ -14,9 +14,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .batch import BatchDecoder
 from .batch_join import NO_DRAFTER, Sampler, StepResult
 from ..errors import InputError
-from ..kernels.block_attention import attention_path
 from .width import AUTO, make_chooser, parse_block_size, parse_tree_budget
-from ..protocol import Drafter
+from ..protocol import Drafter, attention_of
 from ..stats import GenerationStats, weight_bytes
 from .stopping import StopCondition, TextStream
 from ..targets import TargetAdapter
@@ -131,7 +130,7 @@ def stream_generate(target: TargetAdapter, tokenizer: TokenizerWrapper, prompt: 
             now = time.perf_counter()
             if first:
                 stats.prompt_s, tic, first = now - tic, now, False
-            stats.committed(len(step.tokens), tic, now, attention_path() if drafter is not None else None)
+            stats.committed(len(step.tokens), tic, now, attention_of(drafter))
             segment = text.add(step.tokens, final=step.finish_reason is not None)
             yield GenerationResponse(segment, step.tokens, step.accepted, step.finish_reason, stats)
 

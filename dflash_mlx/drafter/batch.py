@@ -75,6 +75,7 @@ def _batch_attention(cache: Any, rows: int, roll: Optional[RaggedRoll], visible:
             if roll is not None:
                 roll(cache)
         keys, values = cache.keys_and_values()
+        attn.__dict__["path"] = {"block_attention": "reference", "reason": "a batch drafts (masked attention)"}
         if not visible:
             columns = mx.arange(keys.shape[2] + queries.shape[2])[None] >= cache.left_padding[:, None]
             visible.append(columns[:, None, None, :])

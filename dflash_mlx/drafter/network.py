@@ -16,7 +16,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import ConfigError, InputError
 from ..kernels import fast_softmax
-from ..kernels.block_attention import block_attention
+from ..kernels.block_attention import attention_path, block_attention
 from ..protocol import Proposal
 from ..sampling import Sampling
 from ..prompt_cache.drafter_context import ContextWindowCache
@@ -97,6 +97,7 @@ def cached_attention(cache, rows: int) -> Attend:
 
     def attend(attn: DrafterAttention, queries: mx.array, ctx: KV, block: KV) -> mx.array:
         keys, values = cache.update_and_fetch(ctx[0][:, :, :rows], ctx[1][:, :, :rows])
+        attn.__dict__["path"] = attention_path(queries, keys, values, *block)  # not module state
         return block_attention(queries, keys, values, *block, scale=attn.scale, window=attn.window, causal=attn.causal)
 
     return attend
@@ -182,6 +183,10 @@ class DFlashDrafter(nn.Module):
     def drafter_format(self) -> str:
         """``architectures[0]`` of the checkpoint format, e.g. ``DFlash2DraftModel``."""
         return self.args.architecture
+
+    def attention_path(self) -> dict:
+        """:func:`~dflash_mlx.kernels.block_attention.attention_path` of the latest draft (before any: the environment's)."""
+        return self.layers[0].self_attn.__dict__.get("path") or attention_path()
 
     @property
     def samples_drafts(self) -> bool:

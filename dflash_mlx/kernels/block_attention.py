@@ -1,7 +1,7 @@
 """The drafter's block attention (spec section 4): B block queries over the context K/V, then the
 block's own K/V, without concatenating the two. :func:`block_attention` runs the Metal kernel of
 :mod:`.block_attention_metal` where it can and :func:`block_attention_reference` elsewhere;
-:func:`attention_path` says which ran and why.
+:func:`attention_path` says which runs for given inputs and why.
 
 The kernel covers float16, bfloat16 and float32 inputs of one dtype with ``head_dim`` a multiple
 of 32 up to 256, on a GPU default device with Metal, unless ``DFLASH_BLOCK_KERNEL`` is 0/off.
@@ -20,7 +20,6 @@ ENV_VAR = "DFLASH_BLOCK_KERNEL"
 _OFF = ("0", "off", "false", "no")
 _ON = ("", "1", "on", "true", "yes", "auto")
 _DTYPES = (mx.float16, mx.bfloat16, mx.float32)
-_last_path: dict = {}
 
 
 def _relative_start(n_ctx: int, q_start: Optional[int], ctx_start: Optional[int]) -> int:
@@ -113,9 +112,8 @@ def _switch_reason() -> Optional[str]:
 
 
 def _device_reason() -> Optional[str]:
-    if not KERNEL_AVAILABLE:
-        return "Metal is not available (CPU backend)"
-    return "the default device is the CPU" if mx.default_device() != mx.gpu else None
+    return ("Metal is not available (CPU backend)" if not KERNEL_AVAILABLE
+            else "the default device is the CPU" if mx.default_device() != mx.gpu else None)
 
 
 def _shape_reason(*arrays: mx.array) -> Optional[str]:
@@ -157,23 +155,19 @@ def block_attention(queries: mx.array, ctx_keys: mx.array, ctx_values: mx.array,
     arrays = (queries, ctx_keys, ctx_values, block_keys, block_values)
     _check(*arrays, window)
     delta = _relative_start(ctx_keys.shape[2], q_start, ctx_start)
-    reason = _switch_reason() or _device_reason() or _shape_reason(*arrays)
-    _last_path.update(block_attention="reference" if reason else "metal",
-                      reason=reason or "Metal is available and the shape is covered")
-    if reason is None:
+    if attention_path(*arrays)["block_attention"] == "metal":
         return metal_block_attention(*arrays, scale, window, causal, delta)
     return block_attention_reference(*arrays, scale=scale, window=window, causal=causal, q_start=delta, ctx_start=0)
 
 
-def attention_path() -> dict:
-    """``{"block_attention": "metal" | "reference", "reason": str}``: the path of the latest
-    :func:`block_attention` call, or before any call the one the environment allows.
+def attention_path(*arrays: mx.array) -> dict:
+    """``{"block_attention": "metal" | "reference", "reason": str}``: the path :func:`block_attention`
+    takes for these inputs (queries, ctx_keys, ctx_values, block_keys, block_values), or with none the
+    one the environment allows.
 
     Raises:
-        InputError: an unknown ``DFLASH_BLOCK_KERNEL`` value (before any call).
+        InputError: an unknown ``DFLASH_BLOCK_KERNEL`` value.
     """
-    if _last_path:
-        return dict(_last_path)
-    reason = _switch_reason() or _device_reason()
+    reason = _switch_reason() or _device_reason() or (_shape_reason(*arrays) if arrays else None)
     return {"block_attention": "reference" if reason else "metal",
-            "reason": reason or "Metal is available (shape not seen yet)"}
+            "reason": reason or f"Metal is available ({'the shape is covered' if arrays else 'shape not seen yet'})"}

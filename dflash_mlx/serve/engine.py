@@ -14,12 +14,12 @@ from ..decode.batch_join import Joining, StepResult
 from ..decode.generate import check_block_size
 from ..decode.stopping import StopCondition, TextStream
 from ..decode.width import make_chooser
-from ..kernels.block_attention import attention_path
 from ..pair.sharded import ranks
 from ..prompt_cache.batch import batch_refusal
 from ..prompt_cache.pair import PairCache
 from ..prompt_cache.resume import PrefillStopped
 from ..prompt_cache.store import PrefixStore
+from ..protocol import attention_of
 from ..sampling import make_sampler
 from ..stats import GenerationStats
 from .api import usage
@@ -302,7 +302,7 @@ class Engine:
         """Hand one step's text to the request; at its end, count and release it."""
         stats, last = req.joining.stats, result.finish_reason is not None
         stats.committed(len(result.tokens), req.first, time.perf_counter(),
-                        attention_path() if self.pair.drafter is not None else None)
+                        attention_of(self.pair.drafter))
         req.reply += result.tokens
         text = req.text.add(result.tokens, last)
         u = usage(stats) if last else None

@@ -96,14 +96,9 @@ class HybridAdapter(TargetAdapter):
             qkv = mx.where(mask[..., None], qkv, 0)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
         conv_out = nn.silu(gdn.conv1d(conv_input))
-        q, k, v = [
-            t.reshape(B, S, heads, dim)
-            for t, heads, dim in zip(
-                mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
-                [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
-                [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
-            )
-        ]
+        dims = [(gdn.num_k_heads, gdn.head_k_dim)] * 2 + [(gdn.num_v_heads, gdn.head_v_dim)]
+        split = mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1)
+        q, k, v = [t.reshape(B, S, heads, dim) for t, (heads, dim) in zip(split, dims)]
         q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
         use_kernel = not gdn.training
         out, state = gated_delta_update(q, k, v, a, b, gdn.A_log, gdn.dt_bias, cache[1], mask, use_kernel=use_kernel)
