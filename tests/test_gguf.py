@@ -5,6 +5,7 @@ the models and tokenizers they were written from; bad files refused in one line 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import gguf
@@ -406,15 +407,22 @@ def test_convert_cli_target_alone(llama_gguf, tmp_path):
 
 
 def test_a_conversion_cached_by_an_older_version_is_converted_anew(llama_gguf, tmp_path, monkeypatch, capsys):
-    """The cache folder names the conversion's version: a folder an older conversion left is not reused."""
+    """The cache folder names the conversion's version: a folder an older conversion left is not reused but
+    removed once the new one is written; other files' conversions and names not of that pattern stay."""
     import dflash_mlx.pair.gguf as reader
 
     _, path = llama_gguf
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
     older = reader.gguf_folder(str(path))
+    others = [older.with_name(older.name.replace("-v", "-vx")), older.with_name("other" + older.name)]
+    for folder in others:
+        shutil.copytree(older, folder)
     monkeypatch.setattr(reader, "CONVERSION", reader.CONVERSION + 1)
-    assert reader.gguf_folder(str(path)) != older and (older / "config.json").is_file()
-    assert capsys.readouterr().err.count("converting once into") == 2
+    newer = reader.gguf_folder(str(path))
+    assert newer != older and (newer / "config.json").is_file() and not older.exists()
+    assert all((folder / "config.json").is_file() for folder in others)
+    err = capsys.readouterr().err
+    assert err.count("converting once into") == 2 and f"removed {older}, an older version's conversion" in err
 
 
 def test_generate_takes_a_gguf_file_or_an_ollama_name_and_converts_once(llama_gguf, tmp_path):

@@ -13,10 +13,12 @@ Architectures (:data:`ARCHITECTURES`): ``llama`` (Q and K in the interleaved rot
 weights stored with the 1 of ``(1 + w)`` added, taken off here). Linear RoPE scaling and Llama 3's (``rope_freqs``)
 are read; other kinds (YaRN, Phi-3's long-context factors) are refused."""
 
+import glob
 import hashlib
 import json
 import mmap
 import os
+import shutil
 import sys
 import tempfile
 from collections import namedtuple
@@ -100,6 +102,13 @@ def gguf_folder(model: str) -> Optional[Path]:
     except OSError as e:  # WriteError included
         print(f"warning: cannot keep the conversion ({e}); converting for this run only", file=sys.stderr)
         convert_gguf(path, folder := Path(tempfile.mkdtemp(prefix="dflash-gguf-")) / "model")
+    for old in folder.parent.glob(f"{glob.escape(folder.name.rsplit('-v', 1)[0])}-v*"):  # older versions'
+        try:
+            if old != folder and old.name.rsplit("-v", 1)[1].isdigit():
+                shutil.rmtree(old)
+                print(f"{model}: removed {old}, an older version's conversion", file=sys.stderr)
+        except OSError as e:
+            print(f"warning: cannot remove {old}, an older version's conversion ({e})", file=sys.stderr)
     return folder
 
 
@@ -177,8 +186,7 @@ def _float(rows, qtype) -> mx.array:
     """Rows of a GGUF tensor of ``qtype`` as the ``gguf`` package dequantizes them (float32), BF16 and F16 as stored."""
     from gguf.quants import dequantize
 
-    return (mx.array(rows.view("uint16")).view(mx.bfloat16) if qtype.name == "BF16" else
-            mx.array(dequantize(rows, qtype)))
+    return mx.array(rows.view("uint16")).view(mx.bfloat16) if qtype.name == "BF16" else mx.array(dequantize(rows, qtype))
 
 
 def _exact(rows, qtype) -> Tuple[mx.array, mx.array, mx.array]:
@@ -253,22 +261,14 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
     if "token_embd.weight" not in weights:
         raise ConfigError(f"{source}: no tensor 'token_embd.weight' (the token embedding)")
     config = {
-        "model_type": ARCHITECTURES[arch].model_type,
-        "architectures": [ARCHITECTURES[arch].architecture],
-        "hidden_size": hidden,
-        "num_hidden_layers": key("block_count"),
-        "intermediate_size": key("feed_forward_length"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": key("attention.head_count_kv", heads),
-        "head_dim": key("attention.key_length", hidden // heads),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "max_position_embeddings": key("context_length"),
-        "vocab_size": weights["token_embd.weight"].shape[0],
-        "tie_word_embeddings": "output.weight" not in weights,
+        "model_type": ARCHITECTURES[arch].model_type, "architectures": [ARCHITECTURES[arch].architecture],
+        "hidden_size": hidden, "num_hidden_layers": key("block_count"), "intermediate_size": key("feed_forward_length"),
+        "num_attention_heads": heads, "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", hidden // heads), "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")), "max_position_embeddings": key("context_length"),
+        "vocab_size": weights["token_embd.weight"].shape[0], "tie_word_embeddings": "output.weight" not in weights,
         "rope_traditional": arch == "llama",  # llama.cpp permutes llama's Q and K to the interleaved order
-        "attention_bias": "blk.0.attn_q.bias" in weights,
-        "mlp_bias": "blk.0.ffn_gate.bias" in weights,
+        "attention_bias": "blk.0.attn_q.bias" in weights, "mlp_bias": "blk.0.ffn_gate.bias" in weights,
     }
     if scaling == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": float(key("rope.scaling.factor"))}
