@@ -62,10 +62,11 @@ class Drafter(Protocol):
 
 
 def propose(drafter: "Drafter", token: mx.array, context: mx.array, cache: Sequence[Any], block_size: int,
-            sampling=None) -> Proposal:
-    """``drafter.propose(...)`` where it exists, else its ``draft`` as a deterministic :class:`Proposal`."""
+            sampling=None, key: Optional[mx.array] = None) -> Proposal:
+    """``drafter.propose(...)`` where it exists (``key``: the sequence's own for sampled drafts), else its
+    ``draft`` as a deterministic :class:`Proposal`."""
     if hasattr(drafter, "propose"):
-        return drafter.propose(token, context, cache, block_size, sampling)
+        return drafter.propose(token, context, cache, block_size, sampling, key)
     return Proposal(drafter.draft(token, context, cache, block_size))
 
 

@@ -3,7 +3,7 @@ then min-p, then top-k, at temperature 1) and draws from ``softmax(filtered / te
 above the vocabulary size is off; a temperature below :data:`MIN_TEMP` is greedy."""
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -41,8 +41,11 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temp == 0
 
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        return self._sampler(logprobs)
+    def __call__(self, logprobs: mx.array, key: Optional[mx.array] = None) -> mx.array:
+        """Tokens as mlx-lm samples them; with ``key``, from the same law drawn with that key (not MLX's global one)."""
+        if key is None or self.greedy:
+            return self._sampler(logprobs)
+        return mx.random.categorical(self.log_probs(logprobs), key=key)
 
     def log_probs(self, logits: mx.array) -> mx.array:
         """[..., N] float32 ``log softmax(filter(log_softmax(logits)) / temp)`` of [..., N] scores: the
@@ -67,6 +70,11 @@ class Sampling:
     def probs(self, logits: mx.array) -> mx.array:
         """``exp`` of :meth:`log_probs`: [..., N] float32, rows summing to 1."""
         return mx.exp(self.log_probs(logits))
+
+
+def next_key(rng: Optional[mx.array]) -> Tuple[Optional[mx.array], Optional[mx.array]]:
+    """``(what is left, a key for one draw)`` of a sequence's own ``mx.random.key``; None: ``(None, None)``."""
+    return (None, None) if rng is None else tuple(mx.random.split(rng))
 
 
 def make_sampler(temp: float = 0.0, top_p: float = 1.0, min_p: float = 0.0, top_k: int = 0,

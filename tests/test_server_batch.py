@@ -146,17 +146,19 @@ def test_queue_bound_counts_beyond_the_batch(pair):
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(pair):
-    seeded = GenerationJob([3, 4, 5], 40, temperature=1.0, top_p=0.9, seed=11)
-
-    async def run(mates):
+    """A seeded request draws with its own key: the same text alone, in a crowd and whatever MLX's global
+    generator holds; another seed, another text."""
+    async def run(mates, seed=11):
+        mx.random.seed(100 + mates)
         engine = Engine(pair, max_batch=8, block_size=4)
         others = [engine.submit(GenerationJob([m, m + 1], 30, temperature=0.8)) for m in range(mates)]
+        seeded = GenerationJob([3, 4, 5], 40, temperature=1.0, top_p=0.9, seed=seed)
         out = await asyncio.gather(collect(engine.submit(seeded)), *(collect(o) for o in others))
         engine.shutdown()
         return out[0][0]
 
-    alone, crowded = asyncio.run(run(0)), asyncio.run(run(5))
-    assert alone == crowded and len(alone) > 0
+    alone, crowded, other = asyncio.run(run(0)), asyncio.run(run(5)), asyncio.run(run(0, seed=12))
+    assert alone == crowded and len(alone) > 0 and other != alone
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "llama-sliding", "gpt_oss"])

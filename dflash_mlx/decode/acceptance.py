@@ -4,10 +4,11 @@
 from q: d_i kept while u_i q_i(d_i) < p_i(d_i), then a sample of normalize(max(p - q, 0)), or of p_B).
 
 Every rule returns ``(a, out)``: ``a`` accepted drafts (None: counted on the host by
-:func:`count_accepted`) and ``out`` [B] int32 whose first ``a + 1`` entries are committed.
+:func:`count_accepted`) and ``out`` [B] int32 whose first ``a + 1`` entries are committed. ``key``: the
+sequence's own ``mx.random.key`` for the draw (None: MLX's global generator).
 """
 
-from typing import Callable, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
@@ -38,19 +39,20 @@ class MatchRule:
         self.greedy = is_greedy(sampler)
         self.name = GREEDY if self.greedy else SAMPLE_AND_MATCH
 
-    def propose(self, drafter, token, context, cache, block_size) -> Proposal:
+    def propose(self, drafter, token, context, cache, block_size, key=None) -> Proposal:
         """Argmax drafts (with the pass's lazy log-probabilities when the drafter gives them)."""
         return propose(drafter, token, context, cache, block_size)
 
-    def choose(self, logits: mx.array) -> mx.array:
+    def choose(self, logits: mx.array, key: Optional[mx.array] = None) -> mx.array:
         """The target's own token per row of [N, V] logits ([N] int32): its argmax, or a sample of p."""
         if self.greedy:
             return mx.argmax(logits, axis=-1).astype(mx.int32)
-        return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.int32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return (self.sampler(logprobs) if key is None else self.sampler(logprobs, key)).astype(mx.int32)
 
-    def accept(self, proposal: Proposal, logits: mx.array) -> Tuple[None, mx.array]:
+    def accept(self, proposal: Proposal, logits: mx.array, key: Optional[mx.array] = None) -> Tuple[None, mx.array]:
         """logits [B, V] of the verify -> ``(None, out)``: the target's own choices (module doc)."""
-        return None, self.choose(logits)
+        return None, self.choose(logits, key)
 
 
 class SpeculativeRule:
@@ -61,12 +63,12 @@ class SpeculativeRule:
     def __init__(self, sampling: Sampling):
         self.sampling = sampling
 
-    def propose(self, drafter, token, context, cache, block_size) -> Proposal:
-        return propose(drafter, token, context, cache, block_size, self.sampling)
+    def propose(self, drafter, token, context, cache, block_size, key=None) -> Proposal:
+        return propose(drafter, token, context, cache, block_size, self.sampling, key)
 
-    def choose(self, logits: mx.array) -> mx.array:
+    def choose(self, logits: mx.array, key: Optional[mx.array] = None) -> mx.array:
         """A sample of p per row of [N, V] logits ([N] int32), as mlx-lm samples."""
-        return self.sampling(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.int32)
+        return self.sampling(logits - mx.logsumexp(logits, axis=-1, keepdims=True), key).astype(mx.int32)
 
     @staticmethod
     def residual(p: mx.array, q: mx.array) -> mx.array:
@@ -74,7 +76,7 @@ class SpeculativeRule:
         r = mx.maximum(p - q, 0.0)
         return mx.where(r.sum(axis=-1, keepdims=True) > 0, r, p)
 
-    def accept(self, proposal: Proposal, logits: mx.array) -> Tuple[mx.array, mx.array]:
+    def accept(self, proposal: Proposal, logits: mx.array, key: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
         """logits [B, V] of the verify -> ``(a, out)`` (see the module doc)."""
         d = proposal.tokens
         p = self.sampling.probs(logits)  # [B, V]: p_i predicts the token after position i
@@ -85,8 +87,9 @@ class SpeculativeRule:
             q = mx.put_along_axis(q, proposal.q_ids, proposal.q_probs.astype(mx.float32), axis=-1)
         p_d = mx.take_along_axis(p[:-1], d[:, None], axis=-1)[:, 0]
         q_d = mx.take_along_axis(q, d[:, None], axis=-1)[:, 0]
-        a = leading_true(mx.random.uniform(shape=d.shape) * q_d < p_d)
-        fixes = mx.random.categorical(mx.log(mx.concatenate([self.residual(p[:-1], q), p[-1:]])))
+        keys = (None, None) if key is None else mx.random.split(key)
+        a = leading_true(mx.random.uniform(shape=d.shape, key=keys[0]) * q_d < p_d)
+        fixes = mx.random.categorical(mx.log(mx.concatenate([self.residual(p[:-1], q), p[-1:]])), key=keys[1])
         keep = mx.arange(d.size + 1) < a
         return a, mx.where(keep, mx.concatenate([d, d[:1]]), fixes).astype(mx.int32)
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .acceptance import count_accepted
-from .batch_join import Joining, Sampler, StepResult, context_rows, settle
+from .batch_join import Joining, StepResult, context_rows, settle
 from .lookup import PromptLookup
 from .stopping import StopCondition
 from .tree import build_tree, host_logprobs, verify_tree
@@ -20,6 +20,7 @@ from ..errors import InputError
 from ..prompt_cache.batch_prefix import BatchPrefix, batch_prefix_refusal
 from ..prompt_cache.store import PrefixStore
 from ..protocol import MAX_COPY, Drafter, Proposal
+from ..sampling import Sampler, next_key
 from ..stats import GenerationStats, weight_bytes
 from ..targets import TargetAdapter
 from ..prompt_cache.batch import compact, extend, keep_rows, rollback_ragged, share_offsets
@@ -31,7 +32,8 @@ PLAIN = Plan(1, 0)
 class BatchSequence:
     """One sequence: last committed ``token`` ([1] int32, not in the target cache), context rows the
     drafter has not seen (``pending``, [1, S, F] each), its drafter cache (None where the batch drafts in
-    one pass), PRNG ``seed`` (each draw seeded by (seed, draw)), ``base``: cache rows before it (solo)."""
+    one pass), its own PRNG key ``rng`` (``mx.random.key``; None: MLX's global generator), ``base``: cache
+    rows before it (solo)."""
 
     key: Any
     rule: Any
@@ -40,16 +42,14 @@ class BatchSequence:
     token: mx.array
     pending: List[mx.array] = field(default_factory=list)
     draft_cache: Optional[List[Any]] = None
-    seed: Optional[int] = None
+    rng: Optional[mx.array] = None
     base: int = 0
-    draws: int = 0
     lookup: Optional[PromptLookup] = None
 
-    def reseed(self) -> None:
-        """Seed the PRNG for this sequence's next draw (seeded sequences only)."""
-        if self.seed is not None:
-            mx.random.seed((self.seed * 1_000_003 + self.draws) % 2**32)
-            self.draws += 1
+    def draw(self) -> Optional[mx.array]:
+        """The key of this sequence's next draw (None where it has no key of its own)."""
+        self.rng, key = next_key(self.rng)
+        return key
 
 
 class BatchDecoder:
@@ -119,7 +119,7 @@ class BatchDecoder:
         base = joining.cache[0].offset if self.solo and joining.cache else 0
         lookup = PromptLookup(joining.history + joining.prompt.tolist() + token.tolist()) if self.lookup else None
         self.sequences.append(BatchSequence(joining.key, joining.rule, joining.stop, joining.stats, token,
-                                            pending, draft_cache, joining.seed, base, lookup=lookup))
+                                            pending, draft_cache, joining.rng, base, lookup=lookup))
 
     def remove(self, keys: Sequence[Any]) -> None:
         """Drop the sequences of ``keys``; a solo sequence's caches keep its committed tokens but the last."""
@@ -179,7 +179,7 @@ class BatchDecoder:
             return plan
         if self.chooser is None:
             return PLAIN
-        return self.chooser.plan(len(self.sequences), any(s.seed is not None for s in self.sequences))
+        return self.chooser.plan(len(self.sequences), any(s.rng is not None for s in self.sequences))
 
     def _step(self) -> List[StepResult]:
         """Draft -> verify -> accept -> roll back (a plain step where the plan's width is 1)."""
@@ -217,8 +217,8 @@ class BatchDecoder:
         """The tree of ``proposal``'s top tokens verified (spec section 7): ``([(accepted, tokens)], drafted)``."""
         s = self.sequences[0]
         tree = build_tree(int(s.token.item()), host_logprobs(proposal), budget)
-        s.reseed()
-        out, context = verify_tree(self.target, self.cache, self.capture, s.rule.choose, tree)
+        key = s.draw()
+        out, context = verify_tree(self.target, self.cache, self.capture, lambda x: s.rule.choose(x, key), tree)
         self._context = (context, [len(out)])
         return [(len(out) - 1, out)], len(tree) - 1
 
@@ -246,28 +246,15 @@ class BatchDecoder:
         if self.batch_drafter is not None:
             compact(self.batch_drafter.cache)
 
-    def _picks(self, phase: Callable[[BatchSequence, int], Any]) -> list:
-        """``phase(s, i)`` of each sequence's rule, its draw seeded first: every choice goes through the rule."""
-        picks = []
-        for i, s in enumerate(self.sequences):
-            s.reseed()
-            picks.append(phase(s, i))
-        return picks
-
     def _decide(self, drafts: mx.array, proposals: Optional[List[Proposal]], logits: mx.array,
                 features: mx.array) -> List[tuple]:
         """Each sequence's rule on its verify rows (logits [N, w, V], drafts [N, w-1]), one sync:
         ``(accepted a, the target's tokens [w])`` per sequence, on the host."""
-        def accept(s, i):
-            return s.rule.accept(proposals[i].head(drafts.shape[1]) if proposals else Proposal(drafts[i]), logits[i])
-
-        picks = self._picks(accept)
-        mx.eval([x for pick in picks for x in pick if x is not None], features, drafts)
-        out = []
-        for d, (a, y) in zip(drafts.tolist(), picks):
-            y = y.tolist()
-            out.append((count_accepted(d, y) if a is None else a.item(), y))
-        return out
+        decided = [s.rule.accept(proposals[i].head(drafts.shape[1]) if proposals else Proposal(drafts[i]), logits[i],
+                                 s.draw()) for i, s in enumerate(self.sequences)]
+        mx.eval([x for pick in decided for x in pick if x is not None], features, drafts)
+        decided = [(a, y.tolist()) for a, y in decided]
+        return [(count_accepted(d, y) if a is None else a.item(), y) for d, (a, y) in zip(drafts.tolist(), decided)]
 
     def _propose(self, tokens: mx.array, block: int) -> Tuple[mx.array, Optional[List[Proposal]]]:
         """Drafts [N, block-1] of every sequence (lazy) from ``tokens`` [N], and per-sequence
@@ -287,10 +274,9 @@ class BatchDecoder:
         self._spill()
         proposals = []
         for s in self.sequences:
-            s.reseed()
             context = context_rows(s.pending) if s.pending else None
             s.pending = []
-            proposals.append(s.rule.propose(self.drafter, s.token, context, s.draft_cache, block))
+            proposals.append(s.rule.propose(self.drafter, s.token, context, s.draft_cache, block, s.draw()))
         return mx.stack([p.tokens for p in proposals]), proposals
 
     def _spill(self) -> None:
@@ -342,8 +328,8 @@ class BatchDecoder:
         tokens = self._tokens() if tokens is None else tokens
         h, features = self.target(tokens[:, None], self.cache, self.capture)
         logits = self.target.lm_head(h[:, -1])
-        picks = self._picks(lambda s, i: s.rule.choose(logits[i : i + 1]))
-        return (picks[0] if len(picks) == 1 else mx.concatenate(picks)), features
+        chosen = [s.rule.choose(logits[i : i + 1], s.draw()) for i, s in enumerate(self.sequences)]
+        return (chosen[0] if len(chosen) == 1 else mx.concatenate(chosen)), features
 
     def _settle(self, results: List[StepResult]) -> List[StepResult]:
         """Cut each sequence's tokens at its stops; finished and failed (``error``) sequences leave."""

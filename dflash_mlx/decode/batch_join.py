@@ -13,12 +13,12 @@ import mlx.core as mx
 from .acceptance import choose_rule
 from .stopping import StopCondition
 from ..prompt_cache.resume import PrefillStopped
+from ..sampling import Sampler, next_key
 from ..stats import GenerationStats
 
 if TYPE_CHECKING:
     from .batch import BatchDecoder
 
-Sampler = Callable[[mx.array], mx.array]
 NO_DRAFTER = "no drafter was given (--draft-model)"
 
 BATCHED = "continuous batching verifies chains of the block size (no trees)"
@@ -52,6 +52,7 @@ class Joining:
                  seed: Optional[int] = None, cache: Optional[List[Any]] = None, draft_cache: Optional[List[Any]] = None,
                  stats: Optional[GenerationStats] = None, history: Sequence[int] = ()):
         self.decoder, self.key, self.stop, self.seed, self.history = decoder, key, stop, seed, list(history)
+        self.rng = None if seed is None else mx.random.key(seed)  # the sequence's own PRNG key
         self.rule = choose_rule(decoder.drafter, sampler)
         self.prompt, self.rest, self.step_size, self.should_stop = prompt, prompt, max(1, step_size), should_stop
         rows = decoder.rows
@@ -98,9 +99,8 @@ class Joining:
             if self._stops and self._stops[0] == done + n:
                 self._store(self._keep_state, self._stops.pop(0))
             return None
-        if self.seed is not None:
-            mx.random.seed(self.seed)
-        t = self.rule.choose(target.lm_head(h[:, -1]))
+        self.rng, key = next_key(self.rng)
+        t = self.rule.choose(target.lm_head(h[:, -1]), key)
         mx.eval(t)
         tokens, finish = self.stop.cut(t.tolist())
         context = [context_rows(self.features)] if self.features else []  # empty without a drafter

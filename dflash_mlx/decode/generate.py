@@ -12,10 +12,11 @@ from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .batch import BatchDecoder
-from .batch_join import NO_DRAFTER, Sampler, StepResult
+from .batch_join import NO_DRAFTER, StepResult
 from ..errors import InputError
 from .width import AUTO, make_chooser, parse_block_size, parse_tree_budget
 from ..protocol import Drafter, attention_of
+from ..sampling import Sampler
 from ..stats import GenerationStats, weight_bytes
 from .stopping import StopCondition, TextStream
 from ..targets import TargetAdapter

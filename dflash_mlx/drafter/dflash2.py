@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..sampling import Sampling
+from ..sampling import Sampling, next_key
 
 
 class BlockConv(nn.Module):
@@ -52,10 +52,10 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = mx.zeros((vocab_size, rank))
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
-    def walk(self, hidden: mx.array, logits: mx.array, first: mx.array,
-             sampling: Optional[Sampling] = None) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
+    def walk(self, hidden: mx.array, logits: mx.array, first: mx.array, sampling: Optional[Sampling] = None,
+             key: Optional[mx.array] = None) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
         """One candidate per position from hidden [L, H] and logits [L, V] of block rows 1..L, walking
-        from ``first`` ([1] int32): the argmax path (``sampling`` None or greedy) or samples of q.
+        from ``first`` ([1] int32): the argmax path (``sampling`` None or greedy) or samples of q (with ``key``).
         Returns ``(tokens [L] int32, candidate ids [L, k] int32, q [L, k] float32 or None)``."""
         k = min(self.top_k, logits.shape[-1])
         ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
@@ -70,7 +70,8 @@ class CandidateSelector(nn.Module):
                 j = mx.argmax(score)
             else:
                 log_q = sampling.log_probs(score)
-                j = mx.random.categorical(log_q)
+                key, draw = next_key(key)
+                j = mx.random.categorical(log_q, key=draw)
                 qs.append(mx.exp(log_q))
             prev = ids[p][j]
             tokens.append(prev)

@@ -323,15 +323,15 @@ class DFlashDrafter(nn.Module):
         return self.propose(token, context, cache, block_size).tokens
 
     def propose(self, token: mx.array, context: mx.array, cache: Sequence[object], block_size: int,
-                sampling: Optional[Sampling] = None) -> Proposal:
+                sampling: Optional[Sampling] = None, key: Optional[mx.array] = None) -> Proposal:
         """Drafts of one block (``t_last`` a scalar or [1] int, context [1, S, K*H], 2 <= B <= trained) as
         a lazy :class:`~dflash_mlx.protocol.Proposal` with ``logprobs`` [B-1, V]: the argmax for v1 at any
-        temperature; for DFlash2 the selector's walk, at T > 0 a sample of its q (spec section 9)."""
+        temperature; for DFlash2 the selector's walk, at T > 0 a sample of its q drawn with ``key`` (spec section 9)."""
         block = self.blocks_of(mx.array(token), block_size)
         hidden = self.hidden(block, context, cache)[0]
         logits = self.logits(hidden)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if not self.samples_drafts:
             return Proposal(mx.argmax(logits, axis=-1).astype(mx.int32), logprobs=logprobs)
-        tokens, ids, q = self.candidate_selector.walk(hidden, logits, block[0, :1], sampling)
+        tokens, ids, q = self.candidate_selector.walk(hidden, logits, block[0, :1], sampling, key)
         return Proposal(tokens, q_ids=None if q is None else ids, q_probs=q, logprobs=logprobs)
