@@ -96,7 +96,8 @@ class BatchDecoder:
     def start(self, key: Any, prompt: Sequence[int], sampler: Optional[Sampler], stop: StopCondition,
               step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
               seed: Optional[int] = None, **solo: Any) -> Joining:
-        """A :class:`Joining` for a new sequence (nothing runs until its ``advance``); ``solo``: ``cache``,
+        """A :class:`Joining` for a new sequence of request id ``key`` (hashable, distinct among the decoder's;
+        nothing runs until its ``advance``); ``solo``: ``cache``,
         ``draft_cache``, ``stats``, ``history`` of a solo decoder's sequence. Raises InputError for an empty prompt or
         a stop condition allowing no token."""
         if len(prompt) == 0:
@@ -123,8 +124,8 @@ class BatchDecoder:
 
     def remove(self, keys: Sequence[Any]) -> None:
         """Drop the sequences of ``keys``; a solo sequence's caches keep its committed tokens but the last."""
-        gone = set(id(k) for k in keys)
-        rows = [i for i, s in enumerate(self.sequences) if id(s.key) not in gone]
+        gone = set(keys)
+        rows = [i for i, s in enumerate(self.sequences) if s.key not in gone]
         if len(rows) == len(self.sequences):
             return
         self._spill()

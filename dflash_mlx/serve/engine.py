@@ -158,8 +158,8 @@ class Engine:
 
     def inconsistency(self) -> Optional[str]:
         """What breaks the bookkeeping (decoder sequences == decoding requests, one cache row each), or None."""
-        keys = [id(s.key) for s in self.decoder.sequences]
-        active = [id(r.job) for r in self._active]
+        keys = [s.key for s in self.decoder.sequences]
+        active = [r.job.id for r in self._active]
         if sorted(keys) != sorted(active):
             return f"{len(keys)} sequences in the decoder for {len(active)} decoding requests"
         return self.decoder.inconsistency()
@@ -215,7 +215,7 @@ class Engine:
                 pc.end(spec.ids, len(pc.tokens), False)
                 raise
             caches = dict(cache=pc.cache, draft_cache=pc.draft_cache, history=spec.ids[:start])  # lookup's context too
-        joining = self.decoder.start(job, spec.ids[start:], sampler, stop, step, lambda: self._stops(job), seed=seed,
+        joining = self.decoder.start(job.id, spec.ids[start:], sampler, stop, step, lambda: self._stops(job), seed=seed,
                                      **caches)
         if self.pair_cache is not None:
             joining.reused = joining.stats.prompt_reused = self.pair_cache.last_reused
@@ -276,8 +276,8 @@ class Engine:
 
     def _step(self) -> None:
         """One step; a request whose part fails ends with an error (a failed forward ends them all)."""
-        by_job = {id(r.job): r for r in self._active}
-        requests = [by_job[id(s.key)] for s in self.decoder.sequences]
+        by_job = {r.job.id: r for r in self._active}
+        requests = [by_job[s.key] for s in self.decoder.sequences]
         self._outbox = []
         try:
             try:
@@ -332,7 +332,7 @@ class Engine:
                 self._active.remove(req)
             if req in self._joining:
                 self._joining.remove(req)
-        self.decoder.remove([r.job for r in requests])
+        self.decoder.remove([r.job.id for r in requests])
 
     def _release(self, job: Job) -> None:
         """The job is done (its end is sent); a second call does nothing."""

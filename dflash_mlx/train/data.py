@@ -6,7 +6,6 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
@@ -198,25 +197,24 @@ def generate_batched(target, prompts: List[List[int]], budgets: List[int], stop_
     from ..decode.stopping import StopCondition
 
     decoder = BatchDecoder(target, None, 1, capture=capture)
-    keys = [SimpleNamespace(index=i) for i in range(len(prompts))]
     out: List[list] = [[[], None] for _ in prompts]
     waiting = list(range(len(prompts)))
 
     def keep(key, result) -> None:
         if result.error is not None:
             raise result.error
-        out[key.index][0] += result.tokens
+        out[key][0] += result.tokens
         if result.finish_reason is not None:
-            out[key.index][1] = result.features
+            out[key][1] = result.features
             finished()
 
     while waiting or decoder.sequences:
         while waiting and len(decoder) < batch_size:
             i = waiting.pop(0)
-            joining = decoder.start(keys[i], prompts[i], sampler, StopCondition(budgets[i], stop_ids))
+            joining = decoder.start(i, prompts[i], sampler, StopCondition(budgets[i], stop_ids))
             while (result := joining.advance()) is None:
                 pass
-            keep(keys[i], result)
+            keep(i, result)
         if decoder.sequences:
             active = [s.key for s in decoder.sequences]
             for key, result in zip(active, decoder.step()):
