@@ -8,6 +8,7 @@ questions:
 
     dflash data --model OUT/smol --prompts OUT/prompts/gsm8k_heldout16.jsonl --out OUT/data-heldout \\
         --batch-size 16 --shard-size 16
+    (OUT/data-heldout-he and -mt the same from the first 16 rows of OUT/prompts/humaneval.jsonl and mt_bench.jsonl)
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python benchmarks/heldout_tau.py \\
         --model OUT/smol --data OUT/data-heldout --drafter examples/smollm2-135m/drafter --drafter OUT/drafter
 """
