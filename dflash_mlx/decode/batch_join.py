@@ -51,7 +51,7 @@ class Joining:
                  stop: StopCondition, step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
                  seed: Optional[int] = None, cache: Optional[List[Any]] = None, draft_cache: Optional[List[Any]] = None,
                  stats: Optional[GenerationStats] = None, history: Sequence[int] = ()):
-        self.decoder, self.key, self.stop, self.seed, self.history = decoder, key, stop, seed, list(history)
+        self.decoder, self.key, self.stop, self.history = decoder, key, stop, list(history)
         self.rng = None if seed is None else mx.random.key(seed)  # the sequence's own PRNG key
         self.rule = choose_rule(decoder.drafter, sampler)
         self.prompt, self.rest, self.step_size, self.should_stop = prompt, prompt, max(1, step_size), should_stop
