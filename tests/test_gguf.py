@@ -425,6 +425,24 @@ def test_a_conversion_cached_by_an_older_version_is_converted_anew(llama_gguf, t
     assert err.count("converting once into") == 2 and f"removed {older}, an older version's conversion" in err
 
 
+def test_an_older_conversion_that_cannot_be_removed_is_a_warning(llama_gguf, tmp_path, monkeypatch, capsys):
+    """Removing an older version's folder fails (permissions): a warning, the new conversion is used."""
+    import dflash_mlx.pair.gguf as reader
+
+    _, path = llama_gguf
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    older = reader.gguf_folder(str(path))
+    monkeypatch.setattr(reader, "CONVERSION", reader.CONVERSION + 1)
+
+    def refuse(folder, *a, **k):
+        raise PermissionError(13, "Permission denied", str(folder))
+
+    monkeypatch.setattr(reader.shutil, "rmtree", refuse)
+    newer = reader.gguf_folder(str(path))
+    assert (newer / "config.json").is_file() and (older / "config.json").is_file()
+    assert f"warning: cannot remove {older}, an older version's conversion" in capsys.readouterr().err
+
+
 def test_generate_takes_a_gguf_file_or_an_ollama_name_and_converts_once(llama_gguf, tmp_path):
     """`--model FILE.GGUF` (any case) converts once into the cache and reuses it after (a cache that cannot
     be written: a warning, converted for the run); `ollama:NAME:TAG` finds the GGUF blob through a store's
