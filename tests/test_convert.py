@@ -294,8 +294,14 @@ def test_missing_source(tmp_path):
 
 
 SLOW_WRITE = """
-import sys, time
+import faulthandler, signal, sys, time
 import dflash_mlx.pair.convert as convert
+
+# A terminal's Ctrl-C reaches a process that neither blocks nor ignores SIGINT, whatever the test
+# worker passed on; SIGUSR1 prints a hung child's stacks for the failure message.
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+signal.signal(signal.SIGINT, signal.default_int_handler)
+faulthandler.register(signal.SIGUSR1)
 
 def slow_write(drafter, dst, *args, **kwargs):  # the drafter folder half written, then a long write
     dst.mkdir()
@@ -309,30 +315,8 @@ app(sys.argv[1:])
 """
 
 
-def test_sigint_mid_write_leaves_nothing(qwen3, tmp_path):
-    """Ctrl-C while the output is being written: exit 130, one line, nothing left."""
-    target_src, drafter_src = qwen3
-    out = tmp_path / "out"
-    env = dict(os.environ, TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SLOW_WRITE, "convert", "--model", str(target_src), "--draft-model",
-         str(drafter_src), "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-    )
-    try:
-        assert proc.stdout.readline().strip() == "WRITING"
-        staged = list(tmp_path.glob(".out.tmp-*"))
-        assert len(staged) == 1 and (staged[0] / "target" / "config.json").is_file()  # mid-write
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, err
-    assert err.strip().splitlines()[-1] == f"error: interrupted; nothing was written to {out}"
-    nothing_left(out)
-
-
 def start_slow_convert(qwen3, out):
+    """A convert into ``out`` stopped in the middle of writing the drafter (its target already written)."""
     target_src, drafter_src = qwen3
     env = dict(os.environ, TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
     proc = subprocess.Popen(
@@ -341,19 +325,47 @@ def start_slow_convert(qwen3, out):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
     )
     assert proc.stdout.readline().strip() == "WRITING"
-    assert len(list(out.parent.glob(f".{out.name}.tmp-{proc.pid}-*"))) == 1  # named after its writer
+    staged = list(out.parent.glob(f".{out.name}.tmp-{proc.pid}-*"))  # named after its writer
+    assert len(staged) == 1 and (staged[0] / "target" / "config.json").is_file()  # mid-write
     return proc
+
+
+def stopped(proc, signum) -> str:
+    """Send ``signum`` and return the process's stderr once it exits; a process still running a minute
+    later fails the test with its signal state and its threads' stacks."""
+    try:
+        proc.send_signal(signum)
+        try:
+            return proc.communicate(timeout=60)[1]
+        except subprocess.TimeoutExpired:
+            status = Path(f"/proc/{proc.pid}/status")
+            state = [line for line in status.read_text().splitlines() if line.startswith("Sig")] \
+                if status.exists() else []
+            proc.send_signal(signal.SIGUSR1)
+            try:
+                err = proc.communicate(timeout=5)[1]
+            except subprocess.TimeoutExpired as e:
+                err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            pytest.fail(f"still running a minute after {signal.Signals(signum).name}: {state}\n{err[-4000:]}")
+    finally:
+        proc.kill()
+
+
+def test_sigint_mid_write_leaves_nothing(qwen3, tmp_path):
+    """Ctrl-C while the output is being written: exit 130, one line, nothing left."""
+    out = tmp_path / "out"
+    proc = start_slow_convert(qwen3, out)
+    err = stopped(proc, signal.SIGINT)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == f"error: interrupted; nothing was written to {out}"
+    nothing_left(out)
 
 
 def test_sigterm_mid_write_leaves_nothing(qwen3, tmp_path):
     """SIGTERM (a service manager stopping the job) cleans up as Ctrl-C does: exit 143."""
     out = tmp_path / "out"
     proc = start_slow_convert(qwen3, out)
-    try:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    err = stopped(proc, signal.SIGTERM)
     assert proc.returncode == 143, err
     assert err.strip().splitlines()[-1] == f"error: terminated; nothing was written to {out}"
     nothing_left(out)
