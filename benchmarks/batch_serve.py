@@ -4,7 +4,7 @@
 
 Each server is started in turn, alone (pinned to CPU ``--server-cpu`` with taskset;
 this process, the clients, to the others). For each number of concurrent clients C,
-C threads each send ``--requests`` streaming ``/v1/completions`` requests back to back
+C threads each send ``--requests`` streaming ``/v1/completions`` (``--chat``: chat) requests back to back
 with the official ``openai`` client (greedy, ``--max-tokens`` each, prompts in turn),
 after one warm-up request. Per C and server: aggregate tokens/s (completion tokens of
 every request, from ``usage``, over the wall time of the round), p50 / p95 time to first
@@ -59,23 +59,28 @@ def start(kind: str, args, log: Path):
     return launch_server(cmd, port, log)
 
 
-def one_request(client, model: str, prompt: str, max_tokens: int) -> Dict:
-    """One streaming completion: its text, tokens, and seconds to the first text chunk."""
+def one_request(client, model: str, prompt: str, max_tokens: int, chat: bool = False) -> Dict:
+    """One streaming completion (``chat``: a chat completion of one user turn): its text, tokens, and seconds
+    to the first text chunk."""
     tic = time.perf_counter()
     first, text, tokens = None, "", None
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-                                       stream=True, stream_options={"include_usage": True})
+    kwargs = dict(model=model, max_tokens=max_tokens, temperature=0.0, stream=True,
+                  stream_options={"include_usage": True})
+    stream = (client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kwargs) if chat
+              else client.completions.create(prompt=prompt, **kwargs))
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
+        piece = chunk.choices and (chunk.choices[0].delta.content if chat else chunk.choices[0].text)
+        if piece:
             if first is None:
                 first = time.perf_counter() - tic
-            text += chunk.choices[0].text
+            text += piece
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     return {"prompt": prompt, "text": text, "tokens": tokens, "ttft": first, "seconds": time.perf_counter() - tic}
 
 
-def load_round(url: str, model: str, clients: int, requests: int, max_tokens: int) -> Dict:
+def load_round(url: str, model: str, clients: int, requests: int, max_tokens: int, prompts: List[str],
+               chat: bool) -> Dict:
     """``clients`` threads x ``requests`` requests; aggregate tokens/s and TTFT percentiles."""
     import openai
 
@@ -85,7 +90,7 @@ def load_round(url: str, model: str, clients: int, requests: int, max_tokens: in
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
         try:
             for k in range(requests):
-                results.append(one_request(c, model, PROMPTS[(i * requests + k) % len(PROMPTS)], max_tokens))
+                results.append(one_request(c, model, prompts[(i * requests + k) % len(prompts)], max_tokens, chat))
         except Exception as e:  # noqa: BLE001 (reported)
             errors.append(repr(e))
 
@@ -105,10 +110,10 @@ def run_server(kind: str, args, log_dir: Path, repeat: int) -> List[Dict]:
         import openai
 
         warm = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
-        one_request(warm, args.model, PROMPTS[0], args.max_tokens)
+        one_request(warm, args.model, args.texts[0], args.max_tokens, args.chat)
         rounds = []
         for c in args.clients:
-            r = load_round(url, args.model, c, args.requests, args.max_tokens)
+            r = load_round(url, args.model, c, args.requests, args.max_tokens, args.texts, args.chat)
             print(f"  {kind:10s} clients {c}: {r['tokens_per_s']:8.1f} tokens/s, TTFT p50 "
                   f"{1000 * r['ttft_p50_s']:.0f} ms p95 {1000 * r['ttft_p95_s']:.0f} ms", flush=True)
             rounds.append(r)
@@ -173,8 +178,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--server-cpu", default="0", help="taskset CPU list of the servers")
     p.add_argument("--client-cpus", default="1", help="CPUs of this process (the clients)")
+    p.add_argument("--prompts", default=None, help="JSONL of {'prompt': ...} rows (default: story openings)")
+    p.add_argument("--chat", action="store_true", help="send each prompt as a chat turn (/v1/chat/completions)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
+    args.texts = ([json.loads(line)["prompt"] for line in open(args.prompts) if line.strip()] if args.prompts
+                  else PROMPTS)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still stops the server started
     args.clients = [int(c) for c in args.clients.split(",")]
     os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})
