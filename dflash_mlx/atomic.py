@@ -12,7 +12,7 @@ import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List
 
 from .errors import InputError
 
@@ -75,11 +75,6 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _writer_pid(name: str, marker: str) -> Optional[int]:
-    m = re.search(re.escape(marker) + r"(\d+)", name)
-    return int(m.group(1)) if m else None
-
-
 def remove_stale(out: Path, say: Callable[[str], None] = lambda _: None) -> List[Path]:
     """Clean up after a run killed while writing ``out``: ``.OUT.tmp-*`` of writers that are gone are
     removed, a ``.OUT.old-PID`` (the previous ``out``) restored when ``out`` is missing, else removed.
@@ -87,8 +82,8 @@ def remove_stale(out: Path, say: Callable[[str], None] = lambda _: None) -> List
     done = []
     for kind in ("tmp", "old"):
         for p in sorted(out.parent.glob(f".{out.name}.{kind}-*")):
-            pid = _writer_pid(p.name, f".{kind}-")
-            if pid is not None and pid_alive(pid):
+            writer = re.search(re.escape(f".{kind}-") + r"(\d+)", p.name)  # the writer's process id
+            if writer is not None and pid_alive(int(writer.group(1))):
                 continue
             if kind == "old" and not out.exists():
                 p.rename(out)

@@ -12,11 +12,6 @@ DEFAULT_DRAFT_MODEL = "z-lab/Qwen3-4B-DFlash-b16"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def looks_like_repo_id(name: str) -> bool:
-    """True for ``owner/name`` strings that are not obviously local paths (``owner`` a local folder: a path)."""
-    return bool(_REPO_ID.match(name)) and not name.startswith((".", "/", "~")) and not Path(name).parent.is_dir()
-
-
 def resolve_model_path(path_or_repo: str, allow_patterns: List[str], what: str = "model") -> Path:
     """A local folder for a path or a repo id (fetched into the Hugging Face cache; a cached copy offline).
 
@@ -29,8 +24,8 @@ def resolve_model_path(path_or_repo: str, allow_patterns: List[str], what: str =
         return path
     if path.exists():
         raise CheckpointError(f"{path}: expected a {what} folder, found a file")
-    if not looks_like_repo_id(path_or_repo):
-        raise CheckpointError(f"{path}: {what} folder not found")
+    if not _REPO_ID.match(path_or_repo) or path_or_repo.startswith((".", "/", "~")) or path.parent.is_dir():
+        raise CheckpointError(f"{path}: {what} folder not found")  # not owner/name, or its owner is a folder
     from huggingface_hub import snapshot_download
 
     try:

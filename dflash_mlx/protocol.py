@@ -10,17 +10,15 @@ MAX_COPY = 15  # drafts a copy from the context proposes at most (prompt lookup)
 
 @dataclass
 class Proposal:
-    """The drafts of one block and the distribution q they were drawn from (spec sections 5, 7 and 9).
+    """The drafts of one block and the distribution q they were drawn from (spec sections 5, 7, 9 and 11).
 
     Attributes:
         tokens: [B-1] int32 drafts d_1..d_{B-1}.
-        q_ids: [B-1, k] int32 candidate ids of each position, or None.
-        q_probs: [B-1, k] float32 q over those candidates (rows sum to 1), or None: q is one-hot on ``tokens``.
+        q_probs: [B-1, V] float32 q of each position (rows sum to 1), or None: q is one-hot on ``tokens``.
         logprobs: [B-1, V] the drafter's log-probabilities (lazy), or None.
     """
 
     tokens: mx.array
-    q_ids: Optional[mx.array] = None
     q_probs: Optional[mx.array] = None
     logprobs: Optional[mx.array] = None
 
@@ -29,11 +27,11 @@ class Proposal:
         if k == self.tokens.size:
             return self
         cut = lambda a: None if a is None else a[:k]  # noqa: E731
-        return Proposal(self.tokens[:k], cut(self.q_ids), cut(self.q_probs), cut(self.logprobs))
+        return Proposal(self.tokens[:k], cut(self.q_probs), cut(self.logprobs))
 
     def arrays(self) -> List[mx.array]:
         """What a step evaluates: the drafts and q (never the lazy ``logprobs``)."""
-        return [a for a in (self.tokens, self.q_ids, self.q_probs) if a is not None]
+        return [a for a in (self.tokens, self.q_probs) if a is not None]
 
 
 @runtime_checkable

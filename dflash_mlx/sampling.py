@@ -77,6 +77,28 @@ def next_key(rng: Optional[mx.array]) -> Tuple[Optional[mx.array], Optional[mx.a
     return (None, None) if rng is None else tuple(mx.random.split(rng))
 
 
+def draw_path(scores: Callable[[int, mx.array], mx.array], first: mx.array, length: int,
+              sampling: Optional[Sampling] = None, key: Optional[mx.array] = None,
+              ids: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:
+    """One token per position, left to right, each depending on the one before (``first`` before position 0):
+    ``scores(p, prev)`` gives position p's [..., k] scores of its candidates ``ids[p]`` [k] (None: the token ids
+    0..k-1); the argmax (``sampling`` None or greedy), else a sample of ``sampling.log_probs`` drawn with ``key``.
+    Returns ``(tokens [..., length] int32, q [..., length, k] float32, or None for the argmax)``."""
+    prev, tokens, qs = first, [], []
+    for p in range(length):
+        score = scores(p, prev)
+        if sampling is None or sampling.greedy:
+            j = mx.argmax(score, axis=-1)
+        else:
+            log_q = sampling.log_probs(score)
+            key, draw = next_key(key)
+            j = mx.random.categorical(log_q, key=draw)
+            qs.append(mx.exp(log_q))
+        prev = j.astype(mx.int32) if ids is None else ids[p][j]
+        tokens.append(prev)
+    return mx.stack(tokens, axis=-1), (mx.stack(qs, axis=-2) if qs else None)
+
+
 def make_sampler(temp: float = 0.0, top_p: float = 1.0, min_p: float = 0.0, top_k: int = 0,
                  vocab_size: Optional[int] = None) -> Sampling:
     """mlx-lm's ``make_sampler(temp, top_p, min_p, 1, top_k=...)`` as a :class:`Sampling`."""

@@ -160,11 +160,13 @@ def randomize(drafter, seed: int = 2):
     return drafter
 
 
-# Tiny drafters of every released format (spec sections 2 and 9), block size 8.
+# Tiny drafters of every released format (spec sections 2, 9 and 11), verifies of 8 tokens.
 # v1-sliding: a causal sliding layer (window 5, shorter than the block) and a full
 # layer. dflash2: all layers sliding and bidirectional (is_causal false), as the
 # released DFlash2 checkpoints are, 3-tap convolution, selector over 4 candidates,
-# every scale set. muse: v1 under Muse-Glimmer's names.
+# every scale set. muse: v1 under Muse-Glimmer's names. dspark: anchor-first (a
+# trained block of 7), a rank-16 Markov head and a confidence head reading it;
+# dflash-block7: the same without either head (DeepSeek's DFlash block7).
 FORMATS = {
     "v1": dict(),
     "v1-sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5),
@@ -172,15 +174,26 @@ FORMATS = {
                     is_causal=False, conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4,
                     input_embedding_scale=1.5, output_multiplier=0.5, final_logit_softcapping=3.0),
     "muse": dict(architecture="MuseGlimmerAssistantModel"),
+    "dspark": dict(architecture="Qwen3DSparkModel", markov_rank=16, enable_confidence_head=True,
+                   confidence_head_with_markov=True),
+    "dflash-block7": dict(architecture="Qwen3DSparkModel"),
 }
 
 
-def format_drafter(target, fmt: str, seed: int = 1, block_size: int = 8, **over) -> DFlashDrafter:
-    """A random 2-layer drafter of format ``fmt`` (a key of FORMATS), bound to ``target``."""
+def format_drafter(target, fmt: str, seed: int = 1, block_size: int = 8, bind: bool = True, **over) -> DFlashDrafter:
+    """A random 2-layer drafter of format ``fmt`` (a key of FORMATS) for verifies of ``block_size``, bound to
+    ``target`` (``bind``); a format storing embeddings holds copies of the target's (as released)."""
     args = dataclasses.replace(tiny_drafter_args(target, layers=2, block_size=block_size), **{**FORMATS[fmt], **over})
+    if args.format.anchor_first:  # row 0 drafts too: a trained block one shorter than the verify
+        args = dataclasses.replace(args, block_size=args.block_size - 1)
     args.validate()
     mx.random.seed(seed)
-    return bind_drafter(randomize(DFlashDrafter(args), seed), target)
+    drafter = randomize(DFlashDrafter(args), seed)
+    if args.format.stores_embeddings:
+        embed = target.inner.embed_tokens
+        drafter.embed_tokens.weight = embed.weight
+        drafter.lm_head.weight = (target.text.lm_head if hasattr(target.text, "lm_head") else embed).weight
+    return bind_drafter(drafter, target) if bind else drafter
 
 
 def mlx_lm_greedy(model, prompt: List[int], n: int) -> List[int]:

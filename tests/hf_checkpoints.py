@@ -84,3 +84,67 @@ def edit_config(folder: Path, **changes) -> None:
         else:
             config[key] = value
     path.write_text(json.dumps(config, indent=2))
+
+
+def write_dspark(out: Path, target, markov_rank: int = 16, confidence: bool = True, layers: int = 2,
+                 block_size: int = 7, seed: int = 3, dtype=mx.bfloat16, **config_changes) -> Path:
+    """A random ``Qwen3DSparkModel`` drafter for ``target`` (a tiny qwen3 adapter) in DeepSpec's released schema,
+    written here from DFLASH_SPEC.md section 11 (not by ``save_drafter``): the target's Qwen3 config keys with the
+    DSpark keys at the top level, ``embed_tokens``/``lm_head`` copies of the target's (in ``dtype``), a rank
+    ``markov_rank`` Markov head (0: none, DeepSeek's DFlash block7) and a confidence head reading it."""
+    import numpy as np
+
+    a, H, V = target.model.args, target.hidden_size, target.vocab_size
+    rng = np.random.default_rng(seed)
+
+    def w(*shape, norm=False):
+        v = 1.0 + 0.1 * rng.standard_normal(shape) if norm else rng.standard_normal(shape) / np.sqrt(shape[-1])
+        return mx.array(v.astype(np.float32))
+
+    embed = target.inner.embed_tokens
+    weights = {"embed_tokens.weight": embed.weight, "lm_head.weight": getattr(target.text, "lm_head", embed).weight,
+               "fc.weight": w(H, 2 * H), "hidden_norm.weight": w(H, norm=True), "norm.weight": w(H, norm=True)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        weights.update({p + "input_layernorm.weight": w(H, norm=True),
+                        p + "post_attention_layernorm.weight": w(H, norm=True),
+                        p + "self_attn.q_proj.weight": w(64, H), p + "self_attn.k_proj.weight": w(32, H),
+                        p + "self_attn.v_proj.weight": w(32, H), p + "self_attn.o_proj.weight": w(H, 64),
+                        p + "self_attn.q_norm.weight": w(16, norm=True),
+                        p + "self_attn.k_norm.weight": w(16, norm=True),
+                        p + "mlp.gate_proj.weight": w(128, H), p + "mlp.up_proj.weight": w(128, H),
+                        p + "mlp.down_proj.weight": w(H, 128)})
+    if markov_rank:
+        weights.update({"markov_head.markov_w1.weight": 2 * w(V, markov_rank),
+                        "markov_head.markov_w2.weight": 2 * w(V, markov_rank)})
+    if confidence:
+        weights.update({"confidence_head.proj.weight": w(1, H + markov_rank), "confidence_head.proj.bias": w(1)})
+    config = {
+        "architectures": ["Qwen3DSparkModel"], "attention_bias": False, "attention_dropout": 0.0,
+        "block_size": block_size, "bos_token_id": None, "eos_token_id": None, "head_dim": a.head_dim,
+        "hidden_act": "silu", "hidden_size": H, "initializer_range": 0.02, "intermediate_size": 128,
+        "layer_types": ["full_attention"] * layers, "mask_token_id": V - 1, "max_position_embeddings": 4096,
+        "max_window_layers": 28, "model_type": "qwen3", "num_anchors": 512, "num_attention_heads": 4,
+        "num_hidden_layers": layers, "num_key_value_heads": 2, "num_target_layers": target.num_layers,
+        "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": a.rope_theta, "sliding_window": None,
+        "target_layer_ids": [1, target.num_layers - 1], "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).rsplit(".", 1)[-1],
+        "use_cache": True, "use_sliding_window": False, "vocab_size": V, "markov_rank": markov_rank,
+        "enable_confidence_head": confidence,
+    }
+    if markov_rank:
+        config["markov_head_type"] = "vanilla"
+    if confidence:
+        config["confidence_head_with_markov"] = bool(markov_rank)
+    config.update(config_changes)
+    out.mkdir(parents=True, exist_ok=True)
+    if dtype == mx.float32:  # as the hub's files are written (numpy has no bfloat16)
+        from safetensors.numpy import save_file
+
+        save_file({k: np.array(v) for k, v in weights.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+    else:
+        mx.save_safetensors(str(out / "model.safetensors"), {k: v.astype(dtype) for k, v in weights.items()},
+                            metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

@@ -304,18 +304,22 @@ def test_batch_refusal_names_the_reason():
     assert "layer 1" in reason and "RotatingKVCache" in reason and "no batched form" in reason
 
 
-@pytest.mark.parametrize("compiled,fast_exp", [("1", "1"), ("0", "1"), ("1", "0")])
-def test_one_drafter_pass_drafts_as_each_sequence_alone(compiled, fast_exp, monkeypatch):
+@pytest.mark.parametrize("compiled,fast_exp,fmt", [("1", "1", None), ("0", "1", None), ("1", "0", None),
+                                                   ("1", "1", "dspark"), ("0", "1", "dspark"),
+                                                   ("1", "1", "dflash-block7")])
+def test_one_drafter_pass_drafts_as_each_sequence_alone(compiled, fast_exp, fmt, monkeypatch):
     """The batched drafter pass (ragged new context rows, different context lengths),
     with its block halves compiled and not, its attention with the CPU's fast exp and
     MLX's fused one, gives every sequence the drafts and context cache rows of its own
-    drafter run."""
+    drafter run; for a DSpark drafter (``fmt``) its anchor-first rows and the Markov
+    head's walk over the batch too."""
+    from conftest import format_drafter
 
     monkeypatch.setenv("DFLASH_COMPILE", compiled)
     monkeypatch.setenv("DFLASH_FAST_EXP", fast_exp)
 
     target = target_of("llama")
-    drafter = tiny_drafter(target, block_size=6)
+    drafter = tiny_drafter(target, block_size=6) if fmt is None else format_drafter(target, fmt, block_size=6)
     batch = batch_drafts(drafter)
     assert batch is not None
     rng = np.random.default_rng(0)
@@ -354,6 +358,23 @@ def test_drafters_without_a_batched_pass_draft_per_sequence():
     out = drive(BatchDecoder(target, format_drafter(target, "v1-sliding", block_size=5), 5), plan)
     for p in plan:
         assert out[p["key"]] == solo(target, p["prompt"], 30)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("fmt", ["dspark", "dflash-block7"])
+def test_dspark_drafters_batch(family, fmt):
+    """DSpark drafters draft a batch in one pass (anchor-first rows, the Markov head walked for every sequence
+    at once): requests joining at different steps, one with a stop string, each equal their solo run."""
+    from conftest import format_drafter
+
+    target = target_of(family)
+    drafter = format_drafter(target, fmt)
+    assert batch_drafts(drafter) is not None
+    plan = [dict(key=i, prompt=p, n=30, join=2 * i, stop=("ab",) if i == 1 else ())
+            for i, p in enumerate(prompts(4, seed=7))]
+    out = drive(BatchDecoder(target, drafter, 8), plan)
+    for p in plan:
+        assert out[p["key"]] == solo(target, p["prompt"], 30, p["stop"])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])

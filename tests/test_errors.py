@@ -302,6 +302,35 @@ def test_bad_format_config_value(saved_dflash2, edit, key):
     assert str(saved_dflash2 / "config.json") in msg and f"'{key}'" in msg
 
 
+@pytest.mark.parametrize("edit,key", [
+    (lambda c: c.pop("markov_rank"), "markov_rank"),
+    (lambda c: c.update(markov_rank=-1), "markov_rank"),
+    (lambda c: c.update(markov_head_type="rnn"), "markov_head_type"),
+    (lambda c: c.update(enable_confidence_head="yes"), "enable_confidence_head"),
+    (lambda c: c.update(block_size=1), "block_size"),
+], ids=["missing-rank", "negative-rank", "rnn-head", "confidence-text", "block-1"])
+def test_bad_dspark_config_value(pair, tmp_path, edit, key):
+    """DSpark's keys sit at the top level, and errors name them there."""
+    from hf_checkpoints import write_dspark
+
+    folder = write_dspark(tmp_path / "dspark", pair[0])
+    edit_config(folder, edit)
+    msg = one_line_error(ConfigError, folder)
+    assert str(folder / "config.json") in msg and f"'{key}'" in msg and "dflash_config" not in msg
+
+
+def test_dspark_weights_are_checked(pair, tmp_path):
+    from hf_checkpoints import write_dspark
+
+    folder = write_dspark(tmp_path / "no-head", pair[0])
+    edit_weights(folder, lambda w: w.pop("lm_head.weight"))
+    assert "missing weight 'lm_head.weight'" in one_line_error(CheckpointError, folder)
+    folder = write_dspark(tmp_path / "rank-8", pair[0])
+    edit_config(folder, lambda c: c.update(markov_rank=8))
+    msg = one_line_error(CheckpointError, folder)
+    assert "'confidence_head.proj.weight' has shape [1, 80], but config.json implies [1, 72]" in msg
+
+
 def test_bad_draft_window():
     from dflash_mlx.cli.common import parse_draft_window
     from dflash_mlx import load

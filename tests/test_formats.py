@@ -6,8 +6,9 @@ several calls that take the context past the sliding window; its logits must mat
 :class:`Reference` (float64 NumPy, every context row kept and masked by absolute
 position) to 1e-4. DFlash2 also checks the selector's path, the convolution at the
 block start (a 2-row block shorter than the 3 taps), the embedding scale and the
-softcap. Then: lossless greedy decoding with every format at every block size, the
-draft window, and a hand-written released DFlash2 checkpoint round trip.
+softcap; DSpark its anchor-first rows (row 0 drafts) and the Markov head's path. Then:
+lossless greedy decoding with every format at every block size, the draft window, and
+hand-written released DFlash2 and DSpark checkpoints' round trips.
 """
 
 import dataclasses
@@ -18,7 +19,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash_mlx import DrafterArgs, bind_drafter, generate_step, load_drafter, save_drafter
+from dflash_mlx import CheckpointError, DrafterArgs, bind_drafter, generate_step, load_drafter, save_drafter
+from dflash_mlx.pair.loading import is_drafter_config
 from dflash_mlx.prompt_cache.drafter_context import ContextWindowCache
 from dflash_mlx.bench.simulate import SimulatedDrafter
 from conftest import FORMATS, assert_varied, format_drafter, mlx_lm_greedy, tiny_target
@@ -122,7 +124,7 @@ class Reference:
                 return (g / (1 + np.exp(-g)) * up) @ L("mlp.down_proj.weight").T
 
             h = h + self.sublayer(i, "mlp_conv", mlp, rms(h, L("post_attention_layernorm.weight"), eps))
-        hidden = rms(h[1:], p["norm.weight"], eps)
+        hidden = rms(h[0 if a.format.anchor_first else 1:], p["norm.weight"], eps)
         logits = hidden @ self.head.T * a.output_multiplier
         if a.final_logit_softcapping:
             logits = a.final_logit_softcapping * np.tanh(logits / a.final_logit_softcapping)
@@ -138,6 +140,15 @@ class Reference:
             cands = np.argsort(-logits[pos])[:k]
             score = logits[pos, cands] + (pred[prev] * hr[pos]) @ succ[cands].T
             prev = int(cands[np.argmax(score)])
+            path.append(prev)
+        return path
+
+    def markov_walk(self, logits, first):
+        """The Markov head's argmax path (spec section 11, step 4 at T = 0)."""
+        w1, w2 = self.p["markov_head.markov_w1.weight"], self.p["markov_head.markov_w2.weight"]
+        prev, path = first, []
+        for row in logits:
+            prev = int(np.argmax(row + w2 @ w1[prev]))
             path.append(prev)
         return path
 
@@ -158,6 +169,11 @@ def released_keys(fmt, layers=2):
     if fmt == "muse":
         return keys | {"encoder.fc.weight", "encoder.output_norm_enc.weight"}
     keys |= {"fc.weight", "hidden_norm.weight"}
+    if fmt in ("dspark", "dflash-block7"):
+        keys |= {"embed_tokens.weight", "lm_head.weight"}
+    if fmt == "dspark":
+        keys |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+                 "confidence_head.proj.bias"}
     if fmt == "dflash2":
         keys |= {f"layers.{i}.{c}.{k}" for i in range(layers) for c in ("attention_conv", "mlp_conv")
                  for k in ("base_kernel", "kernel_projection.weight")}
@@ -180,11 +196,17 @@ def test_forward_matches_reference_in_released_layout(fmt, tmp_path):
     from safetensors.numpy import load_file
 
     model, target = target_of("qwen3")
-    save_drafter(format_drafter(target, fmt), tmp_path)
+    save_drafter(format_drafter(target, fmt, bind=False), tmp_path)
     weights = load_file(str(tmp_path / "model.safetensors"))
     assert set(weights) == released_keys(fmt)
     drafter = bind_drafter(load_drafter(str(tmp_path)), target)
     a = drafter.args
+    assert "embed_tokens" not in drafter and "lm_head" not in drafter  # copies equal to the target's: shared
+    if fmt == "dspark":
+        H, V, r = a.hidden_size, a.vocab_size, 16
+        assert weights["markov_head.markov_w1.weight"].shape == weights["markov_head.markov_w2.weight"].shape == (V, r)
+        assert weights["confidence_head.proj.weight"].shape == (1, H + r)
+        assert weights["confidence_head.proj.bias"].shape == (1,)
     if fmt == "dflash2":
         H, K, g, r = a.hidden_size, 3, 16, 8
         assert weights["layers.0.attention_conv.base_kernel"].shape == (2, K, H)
@@ -204,8 +226,11 @@ def test_forward_matches_reference_in_released_layout(fmt, tmp_path):
         np.testing.assert_allclose(np.array(logits), want, atol=1e-4, rtol=1e-4)
         assert all(c.offset == len(ref.ctx) for c in cache)
         if fmt == "dflash2":
-            tokens, _, _ = drafter.candidate_selector.walk(hidden[0], logits, block[0, :1])
+            tokens, _ = drafter.candidate_selector.walk(hidden[0], logits, block[0, :1])
             assert tokens.tolist() == ref.walk(want_hidden, want, t)
+        if fmt == "dspark":  # the Markov bias changes the path: the check has power
+            assert drafter.drafts(hidden[0], logits, block[0, 0])[0].tolist() == ref.markov_walk(want, t)
+            assert ref.markov_walk(want, t) != want.argmax(-1).tolist()
     if a.sliding_window:  # the context went past the window: the sliding caches dropped rows
         assert len(ref.ctx) > a.sliding_window
         assert all(c.fetch()[0].shape[2] == a.sliding_window - 1
@@ -391,6 +416,54 @@ def test_released_dflash2_checkpoint_round_trip(tmp_path):
         assert (tmp_path / "saved" / name).read_bytes() == (src / name).read_bytes(), name
 
 
+# --- released DSpark checkpoints (DeepSeek's DeepSpec schema), written by hand ----------
+
+@pytest.mark.parametrize("markov_rank", [16, 0], ids=["dspark", "dflash-block7"])
+def test_released_dspark_checkpoint_round_trip(tmp_path, markov_rank):
+    """A Qwen3DSparkModel checkpoint as DeepSpec writes one (markov_rank 0: DeepSeek's DFlash block7; both with
+    a confidence head) loads,
+    drafts verifies of one more token than its block (row 0 drafts), shares the target's embedding and head
+    (its copies are equal), decodes losslessly, and is saved back byte for byte."""
+    from hf_checkpoints import write_dspark
+
+    _, target = target_of("qwen3")
+    src = write_dspark(tmp_path / "released", target, markov_rank=markov_rank, dtype=mx.float32)
+    assert is_drafter_config(json.loads((src / "config.json").read_text()))  # refused as a target
+    loaded = load_drafter(str(src))
+    assert loaded.drafter_format == "Qwen3DSparkModel" and loaded.block_size == 8 and loaded.args.block_size == 7
+    assert ("markov_head" in loaded) == bool(markov_rank)
+    assert loaded.confidence_head["proj"].weight.shape == (1, 64 + markov_rank)  # reading the Markov embedding or not
+    save_drafter(loaded, tmp_path / "saved")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "saved" / name).read_bytes() == (src / name).read_bytes(), name
+    drafter = bind_drafter(loaded, target)
+    assert "embed_tokens" not in drafter and "lm_head" not in drafter
+    assert drafter.samples_drafts == bool(markov_rank)
+    ref = reference_tokens("qwen3")
+    for block_size in (2, 5, 8):
+        assert _run(target, drafter, block_size) == ref[:N]
+    with pytest.raises(CheckpointError, match="save it before binding"):
+        save_drafter(drafter, tmp_path / "bound")
+
+
+def test_dspark_keeps_its_own_embedding_or_head_where_they_differ():
+    """Copies that differ from the target's (here the embedding) are kept and used; equal ones are shared."""
+    model, target = target_of("qwen3")
+    drafter = format_drafter(target, "dspark", bind=False)
+    drafter.embed_tokens.weight = drafter.embed_tokens.weight + 0.5
+    own = np.array(drafter.embed_tokens.weight, dtype=np.float64)
+    bind_drafter(drafter, target)
+    assert "embed_tokens" in drafter and "lm_head" not in drafter
+    ref = Reference(drafter, model)
+    ref.embed = own
+    block = mx.array([[5] + [drafter.args.mask_token_id] * (B - 2)], dtype=mx.int32)
+    ctx = np.random.default_rng(2).standard_normal((1, 9, 2 * drafter.args.hidden_size)).astype(np.float32)
+    logits = drafter(block, mx.array(ctx), drafter.make_cache())[0]
+    np.testing.assert_allclose(np.array(logits), ref(np.array(block[0]), ctx[0].astype(np.float64))[0],
+                               atol=1e-4, rtol=1e-4)
+    assert _run(target, drafter, B) == reference_tokens("qwen3")[:N]
+
+
 def test_stats_name_format_and_rule():
     from dflash_mlx import stream_generate
     from dflash_mlx.sampling import Sampling
@@ -399,16 +472,59 @@ def test_stats_name_format_and_rule():
     _, target = target_of("qwen3")
     wrapper = ByteTokenizer()
     for fmt, sampler, rule in [("dflash2", None, "greedy"), ("dflash2", Sampling(0.8), "speculative"),
-                               ("v1", Sampling(0.8), "sample-and-match")]:
+                               ("v1", Sampling(0.8), "sample-and-match"), ("dspark", Sampling(0.8), "speculative"),
+                               ("dflash-block7", Sampling(0.8), "sample-and-match")]:
         drafter = format_drafter(target, fmt)
         *_, last = stream_generate(target, wrapper, PROMPT, drafter, max_tokens=8, sampler=sampler)
         d = last.stats.to_dict()
         assert (d["drafter_format"], d["acceptance_rule"], d["block_size"]) == (drafter.drafter_format, rule, B)
 
 
-def test_training_refuses_dflash2():
+@pytest.mark.parametrize("fmt", ["dflash2", "dspark", "dflash-block7"])
+def test_training_refuses_formats_other_than_v1(fmt):
     from dflash_mlx import ConfigError
 
     _, target = target_of("qwen3")
     with pytest.raises(ConfigError, match="v1"):
-        format_drafter(target, "dflash2").block_logits(None, None, None, None)
+        format_drafter(target, fmt).block_logits(None, None, None, None)
+
+
+# --- DSpark through `dflash generate` ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_qwen3(tmp_path_factory):
+    """A tiny bf16 qwen3 target in Hugging Face format and its adapter (the same weights, float32)."""
+    from hf_checkpoints import write_hf_target
+
+    return write_hf_target(tmp_path_factory.mktemp("qwen3") / "target", "qwen3"), tiny_target("qwen3")[1]
+
+
+@pytest.mark.parametrize("markov_rank", [16, 0], ids=["dspark", "dflash-block7"])
+def test_generate_json_names_the_dspark_format(hf_qwen3, tmp_path, markov_rank):
+    from conftest import dflash
+    from hf_checkpoints import write_dspark
+
+    folder, target = hf_qwen3
+    drafter = write_dspark(tmp_path / "dspark", target, markov_rank=markov_rank)
+    args = ["generate", "--model", str(folder), "-p", "hello there", "-m", "24", "--json", "--quiet"]
+    plain = json.loads(dflash(*args, text=True).stdout)
+    for extra, rule in ((), "greedy"), (("--temp", "0.8", "--seed", "3"), "speculative" if markov_rank else
+                                       "sample-and-match"):
+        r = dflash(*args, "--draft-model", str(drafter), *extra, text=True)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert (out["drafter_format"], out["acceptance_rule"], out["block_size"]) == ("Qwen3DSparkModel", rule, 8)
+        if not extra:
+            assert out["token_ids"] == plain["token_ids"] and len(set(out["token_ids"])) > 5
+
+
+def test_a_gated_markov_head_is_refused_in_one_line(hf_qwen3, tmp_path):
+    from conftest import dflash
+    from hf_checkpoints import write_dspark
+
+    folder, target = hf_qwen3
+    drafter = write_dspark(tmp_path / "gated", target, markov_head_type="gated")
+    r = dflash("generate", "--model", str(folder), "--draft-model", str(drafter), "-p", "hi", text=True)
+    assert r.returncode == 1 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and "'markov_head_type' 'gated'" in r.stderr
+    assert "Qwen3DSparkModel" in r.stderr and str(drafter / "config.json") in r.stderr

@@ -6,13 +6,17 @@ acceptance, on targets whose greedy output is varied, and the mutation test show
 that the lossless check fails when rollback does nothing. The families in
 ``FULL_MATRIX`` also run block size 2 and drafts that are all rejected (the random
 drafter already rejects nearly everything elsewhere); ``QUANTIZED`` ones run 4-bit.
+DSpark drafters (both fixtures: with a Markov and confidence head, and DeepSeek's DFlash
+block7 without) run on every qwen3 family, at several block sizes and with drafts forced
+half right.
 """
 
 import mlx.core as mx
 import pytest
 
 from dflash_mlx import TargetAdapter, generate_step
-from conftest import FAMILIES, ScriptedDrafter, assert_varied, mlx_lm_greedy, tiny_drafter, tiny_target
+from dflash_mlx.bench.simulate import SimulatedDrafter
+from conftest import FAMILIES, ScriptedDrafter, assert_varied, format_drafter, mlx_lm_greedy, tiny_drafter, tiny_target
 
 PROMPT = [1, 17, 33, 2, 9, 100, 42]
 N = 200
@@ -58,6 +62,17 @@ def test_scripted_drafter_is_lossless(reference, block_size, kind):
     correct = {"full": block_size - 1, "partial": max(1, block_size // 2), "none": 0}[kind]
     drafter = ScriptedDrafter(PROMPT + ref, correct=correct, block_size=block_size, vocab=256)
     assert _run(target, drafter, block_size=block_size) == ref[:N]
+
+
+@pytest.mark.parametrize("family", sorted(f for f in FAMILIES if f.startswith("qwen3")))
+@pytest.mark.parametrize("fmt", ["dspark", "dflash-block7"])
+def test_dspark_drafters_are_lossless(reference, fmt):
+    _, target, ref = reference
+    drafter = format_drafter(target, fmt)
+    for block_size in (2, 8):
+        assert _run(target, drafter, block_size=block_size) == ref[:N], block_size
+    half_right = SimulatedDrafter(drafter, PROMPT + ref, accept=3, vocab_size=target.vocab_size)
+    assert _run(target, half_right, block_size=8) == ref[:N]
 
 
 def test_plain_engine_matches_mlx_lm(reference):

@@ -81,3 +81,15 @@ def test_a_cache_that_cannot_trim_starts_afresh():
     assert run(pc, short, 12) == fresh(target, drafter, short, 12)
     assert pc.last_reused == 0
     check_consistent(pc)
+
+
+@pytest.mark.parametrize("fmt", ["dspark", "dflash-block7"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_dspark_drafters_reuse_the_common_prefix_exactly(family, fmt):
+    """The two tests above with DSpark drafters (anchor-first, with and without the Markov head)."""
+    from conftest import format_drafter
+
+    _, target = tiny_target(family)
+    pair = (target, format_drafter(target, fmt))
+    test_prompts_reuse_the_common_prefix_exactly(pair)
+    test_closing_mid_generation_keeps_both_caches_consistent(pair)

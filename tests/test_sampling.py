@@ -4,10 +4,11 @@ The joint law of the first three generated tokens is enumerated exactly on a
 16-token vocabulary (temperature, top-p, min-p and top-k applied as mlx-lm's sampler
 applies them), and DFlash samples are tested against it (chi-square goodness of fit,
 fixed seeds): sample-and-match with argmax drafts, and speculative sampling with a
-DFlash2 drafter's selector q. Controls show the test has power: samples at
-temperature 0.9 are rejected as draws from the law at 1.0 (a total-variation
-distance of about 0.08), and so is speculative sampling that resamples from p
-instead of the residual max(p - q, 0) after a rejection.
+DFlash2 drafter's selector q and a DSpark drafter's Markov-corrected q. Controls show
+the test has power: samples at temperature 0.9 are rejected as draws from the law at
+1.0 (a total-variation distance of about 0.08), and so is speculative sampling that
+resamples from p instead of the residual max(p - q, 0) after a rejection, or that
+accepts DSpark's drafts by the q before the Markov correction.
 """
 
 from collections import Counter
@@ -122,11 +123,23 @@ def dflash2(setup):
                           conv_kernel_size=2, selector_top_k=8, output_multiplier=0.2)
 
 
-@pytest.mark.parametrize("temp,seed", [(0.7, 21), (1.0, 22)])
-def test_speculative_sampling_follows_the_exact_law(setup, dflash2, temp, seed):
+@pytest.fixture(scope="module")
+def dspark(setup):
+    """A random 1-layer DSpark drafter for the 16-token target (anchor-first, trained block B - 1): its
+    Markov head (rank 16, weights scaled up so that the correction moves q far) corrects every row."""
+    drafter = format_drafter(setup[1], "dspark", block_size=B, num_hidden_layers=1)
+    for w in drafter.markov_head.values():
+        w.weight = 3 * w.weight
+    return drafter
+
+
+@pytest.mark.parametrize("kind,temp,seed", [("dflash2", 0.7, 21), ("dflash2", 1.0, 22), ("dspark", 0.7, 24),
+                                            ("dspark", 1.0, 25)])
+def test_speculative_sampling_follows_the_exact_law(setup, request, kind, temp, seed):
     model, target, _ = setup
     stats = GenerationStats(block_size=B)
-    counts = first_three(target, dflash2, Sampling(temp, top_p=0.9), seed=seed, stats=stats, runs=SPEC_RUNS)
+    drafter = request.getfixturevalue(kind)
+    counts = first_three(target, drafter, Sampling(temp, top_p=0.9), seed=seed, stats=stats, runs=SPEC_RUNS)
     assert stats.acceptance_rule == "speculative"
     # Rejections (residual samples) and acceptances both occurred.
     assert stats.histogram.get(1, 0) > 0 and sum(n for k, n in stats.histogram.items() if k > 1) > 0
@@ -140,6 +153,22 @@ def test_chi_square_detects_resampling_from_p(setup, dflash2, monkeypatch):
     model, target, _ = setup
     monkeypatch.setattr(SpeculativeRule, "residual", staticmethod(lambda p, q: p))
     counts = first_three(target, dflash2, Sampling(1.0, top_p=0.9), seed=23, runs=300)
+    assert p_value(counts, exact_law(model, 1.0, top_p=0.9)) < 0.01
+
+
+def test_chi_square_detects_dspark_q_without_the_markov_correction(setup, dspark, monkeypatch):
+    # Drafts sampled from the corrected q, accepted as if drawn from softmax(logits) before the bias.
+    from dflash_mlx import DFlashDrafter
+
+    model, target, _ = setup
+    drafts = DFlashDrafter.drafts
+
+    def uncorrected(self, hidden, logits, first, sampling=None, key=None):
+        tokens, q = drafts(self, hidden, logits, first, sampling, key)
+        return tokens, None if q is None else sampling.probs(logits)
+
+    monkeypatch.setattr(DFlashDrafter, "drafts", uncorrected)
+    counts = first_three(target, dspark, Sampling(1.0, top_p=0.9), seed=26, runs=600)
     assert p_value(counts, exact_law(model, 1.0, top_p=0.9)) < 0.01
 
 

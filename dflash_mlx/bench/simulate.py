@@ -21,8 +21,7 @@ class SimulatedDrafter(WrappedDrafter):
         ValueError: a negative A or an empty trace.
     """
 
-    def __init__(self, drafter: Drafter, sequence: Sequence[int], accept: Union[int, Sequence[int]],
-                 vocab_size: int):
+    def __init__(self, drafter: Drafter, sequence: Sequence[int], accept: Union[int, Sequence[int]], vocab_size: int):
         super().__init__(drafter)
         self.vocab_size = vocab_size
         self.reset(sequence, accept)

@@ -25,18 +25,13 @@ def count_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
     return common_prefix(drafts, targets)
 
 
-def leading_true(ok: mx.array) -> mx.array:
-    """Number of leading True entries of a [N] bool array (0-d int32)."""
-    return mx.cumprod(ok.astype(mx.int32)).sum()
-
-
 class MatchRule:
     """``greedy`` and ``sample-and-match``: argmax drafts kept while they equal the target's own choice
     (its argmax, or a sample of p at T > 0 by ``sampler``, over [N, V] log-probabilities)."""
 
     def __init__(self, sampler: Callable[[mx.array], mx.array]):
         self.sampler = sampler
-        self.greedy = is_greedy(sampler)
+        self.greedy = sampler is None or sampler is greedy_sampler or getattr(sampler, "greedy", False)
         self.name = GREEDY if self.greedy else SAMPLE_AND_MATCH
 
     def propose(self, drafter, token, context, cache, block_size, key=None) -> Proposal:
@@ -80,23 +75,16 @@ class SpeculativeRule:
         """logits [B, V] of the verify -> ``(a, out)`` (see the module doc)."""
         d = proposal.tokens
         p = self.sampling.probs(logits)  # [B, V]: p_i predicts the token after position i
-        q = mx.zeros(p[:-1].shape, dtype=mx.float32)
-        if proposal.q_probs is None:  # deterministic drafts: a one-hot q
-            q = mx.put_along_axis(q, d[:, None], mx.array(1.0), axis=-1)
-        else:  # q scattered onto its candidate ids
-            q = mx.put_along_axis(q, proposal.q_ids, proposal.q_probs.astype(mx.float32), axis=-1)
+        q = proposal.q_probs
+        if q is None:  # deterministic drafts: a one-hot q
+            q = mx.put_along_axis(mx.zeros(p[:-1].shape, dtype=mx.float32), d[:, None], mx.array(1.0), axis=-1)
         p_d = mx.take_along_axis(p[:-1], d[:, None], axis=-1)[:, 0]
         q_d = mx.take_along_axis(q, d[:, None], axis=-1)[:, 0]
         keys = (None, None) if key is None else mx.random.split(key)
-        a = leading_true(mx.random.uniform(shape=d.shape, key=keys[0]) * q_d < p_d)
+        a = mx.cumprod((mx.random.uniform(shape=d.shape, key=keys[0]) * q_d < p_d).astype(mx.int32)).sum()
         fixes = mx.random.categorical(mx.log(mx.concatenate([self.residual(p[:-1], q), p[-1:]])), key=keys[1])
         keep = mx.arange(d.size + 1) < a
         return a, mx.where(keep, mx.concatenate([d, d[:1]]), fixes).astype(mx.int32)
-
-
-def is_greedy(sampler) -> bool:
-    """Whether ``sampler`` is the argmax (mlx-lm's ``greedy_sampler`` or temperature 0)."""
-    return sampler is None or sampler is greedy_sampler or getattr(sampler, "greedy", False)
 
 
 def choose_rule(drafter, sampler) -> "MatchRule | SpeculativeRule":

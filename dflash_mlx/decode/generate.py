@@ -60,9 +60,7 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
         RollbackError: ``prompt_cache`` cannot roll back exactly (before anything is generated).
         MismatchError: ``prompt_cache`` or the drafter's ``target_layer_ids`` do not fit the target.
     """
-    sampler = sampler or greedy_sampler
-    if prompt.size == 0:
-        raise InputError("the prompt is empty: give some text with --prompt or on stdin")
+    sampler = sampler or greedy_sampler  # an empty prompt: InputError from BatchDecoder.start
     stop = stop or StopCondition(max_tokens, stop_token_ids)
     if stop.max_tokens < 1:
         raise InputError(f"--max-tokens must be at least 1, got {stop.max_tokens}")

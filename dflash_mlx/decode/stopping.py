@@ -92,8 +92,7 @@ class TextStream:
     tokens. ``text``: decoded so far (stop strings included); ``shown``: characters of it returned.
     """
 
-    def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = (), context: Sequence[int] = (),
-                 window: int = 8):
+    def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = (), context: Sequence[int] = (), window: int = 8):
         self.decode, self.window = tokenizer.decode, window
         self.stop_strings = tuple(stop_strings)
         self.ids: List[int] = list(context[-(window + CHAR_BYTES):]) if window else []

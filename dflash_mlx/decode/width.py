@@ -83,11 +83,7 @@ def parse_tree_budget(value) -> Optional[int | str]:
 
 def chain_widths(block: int) -> List[int]:
     """The chain widths auto weighs: 2, 4, 8, ... below ``block``, and ``block``."""
-    widths, w = [], 2
-    while w < block:
-        widths.append(w)
-        w *= 2
-    return widths + [block]
+    return [2**i for i in range(1, block.bit_length()) if 2**i < block] + [block]
 
 
 class Survival:

@@ -49,8 +49,9 @@ class BatchDrafts:
         self.cache = keep_rows(self.cache, rows)
 
     def draft(self, tokens: mx.array, context: Optional[mx.array], rows: List[int], block_size: int) -> mx.array:
-        """[N, B-1] int32 argmax drafts (lazy) from tokens [N] int32 ``t_last`` and new context rows
-        [N, S, F], sequence i's first ``rows[i]`` real (the rest finite), or None when all rows are 0."""
+        """[N, B-1] int32 greedy drafts (lazy; :meth:`DFlashDrafter.drafts`) from tokens [N] int32 ``t_last``
+        and new context rows [N, S, F], sequence i's first ``rows[i]`` real (the rest finite), or None when all
+        rows are 0."""
         d, most = self.drafter, max(rows)
         if context is None:
             fused = mx.zeros((tokens.size, 0, d.args.hidden_size), d.hidden_norm.weight.dtype)
@@ -62,7 +63,7 @@ class BatchDrafts:
         visible = []  # [N, 1, 1, L + B], made by the first layer (all layers have one column layout)
         attends = [_batch_attention(c, most, roll, visible) for c in self.cache]
         hidden = d.forward(d.blocks_of(tokens, block_size), fused, offset, offset + mx.array(rows), attends)
-        return mx.argmax(d.logits(hidden), axis=-1).astype(mx.int32)
+        return d.drafts(hidden, d.logits(hidden), tokens)[0]
 
 
 def _batch_attention(cache: Any, rows: int, roll: Optional[RaggedRoll], visible: list) -> Attend:

@@ -1,5 +1,5 @@
-"""Drafter checkpoints (spec sections 2 and 9): a folder or Hugging Face repo with ``config.json`` and
-unprefixed ``*.safetensors`` weights (no embedding, no lm_head), named as
+"""Drafter checkpoints (spec sections 2, 9 and 11): a folder or Hugging Face repo with ``config.json`` and
+unprefixed ``*.safetensors`` weights (no embedding, no lm_head but DSpark's copies), named as
 :mod:`dflash_mlx.drafter.formats` says."""
 
 import dataclasses
@@ -81,11 +81,15 @@ def check_weights(model: DFlashDrafter, stored: dict, files: dict, path: Path, f
 
 def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` (each atomically) in the drafter's own format:
-    the format's weight names, no embedding or lm_head; a quantized drafter's config records
-    ``quantization`` (``group_size``, ``bits``, ``mode``)."""
+    the format's weight names, no embedding or lm_head but DSpark's copies; a quantized drafter's config records
+    ``quantization`` (``group_size``, ``bits``, ``mode``). CheckpointError for a drafter whose copies
+    :meth:`~dflash_mlx.drafter.network.DFlashDrafter.bind` dropped."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     fmt = model.args.format
+    if fmt.stores_embeddings and not ("embed_tokens" in model and "lm_head" in model):
+        raise CheckpointError(f"{out}: this {fmt.architecture} drafter shares the target's embedding or head "
+                              "since it was bound; save it before binding")
+    out.mkdir(parents=True, exist_ok=True)
     weights = {fmt.checkpoint_key(k): v for k, v in tree_flatten(model.parameters())}
     floats = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
     config = model.args.to_config(dtype=str(floats[0]).replace("mlx.core.", ""))
@@ -99,11 +103,6 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
     return out
 
 
-_DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float64: "float64",
-                mx.uint32: "uint32", mx.int32: "int32", mx.uint16: "uint16", mx.int16: "int16",
-                mx.uint8: "uint8", mx.int8: "int8", mx.bool_: "bool"}
-
-
 def write_safetensors(path: Path, arrays: dict, metadata: Optional[dict] = None) -> None:
     """Write arrays with the ``safetensors`` library (a checkpoint read and saved again is the same file
     byte for byte; ``mx.save_safetensors`` orders data by its hash map)."""
@@ -113,7 +112,7 @@ def write_safetensors(path: Path, arrays: dict, metadata: Optional[dict] = None)
     raw = {}
     for key, a in arrays.items():
         data = np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)  # numpy has no bfloat16
-        raw[key] = (_DTYPE_NAMES[a.dtype], list(a.shape), np.ascontiguousarray(data))
+        raw[key] = (str(a.dtype).rsplit(".", 1)[-1], list(a.shape), np.ascontiguousarray(data))  # float32, bool
     if hasattr(safetensors, "TensorSpec"):  # safetensors >= 0.7
         specs = {k: safetensors.TensorSpec(dtype=d, shape=s, data_ptr=b.ctypes.data, data_len=b.nbytes)
                  for k, (d, s, b) in raw.items()}

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 from ..errors import ConfigError
-from .formats import V1, DrafterFormat, detect_format, format_named, to_int, to_number
+from .formats import FORMATS, V1, DrafterFormat, detect_format, to_int, to_number
 from .variants import engine_keys, pick, rope_theta as read_rope_theta
 
 DRAFTER_ARCHITECTURE = V1.architecture
@@ -34,6 +34,7 @@ class DrafterArgs:
             sliding_window: W in tokens; is_causal: in-block causality override (None: the format's rule).
         mask_embedding: the checkpoint has its own ``mask_embedding`` [H] weight (set by the loader).
         conv_kernel_size ... final_logit_softcapping: DFlash2's keys (0 / 1.0 / None: off).
+        markov_rank ... confidence_head_with_markov: DSpark's keys (rank 0: no Markov head).
         config: the ``config.json`` parsed, so saving writes the same keys back (None for a new drafter).
     """
 
@@ -64,11 +65,15 @@ class DrafterArgs:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: Optional[float] = None
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
     config: Optional[dict] = field(default=None, repr=False, compare=False)
 
     @property
     def format(self) -> DrafterFormat:
-        return format_named(self.architecture)
+        return FORMATS[self.architecture]
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
@@ -98,7 +103,7 @@ class DrafterArgs:
             return pick(config, dflash, key, fmt.ids_at_top, source, default)
 
         args = cls(**_shape(config, source), **_dflash_keys(config, dflash, fmt, drafter_key, source),
-                   **_engine(config, dflash, source), architecture=fmt.architecture, config=copy.deepcopy(config),
+                   **engine_keys(config, dflash, source), architecture=fmt.architecture, config=copy.deepcopy(config),
                    **fmt.read_keys(drafter_key, source))
         args.validate(source)
         return args
@@ -152,11 +157,11 @@ class DrafterArgs:
             top["use_sliding_window"] = True  # else transformers' Qwen3Config drops sliding_window
         if self.is_causal is not None:
             top["is_causal"] = self.is_causal
-        ids = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
-        dflash = {} if fmt.ids_at_top else dict(ids)
+        own = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
+               **fmt.write_keys(self, new=self.config is None)}
+        dflash = {} if fmt.ids_at_top else own
         if fmt.ids_at_top:
-            top.update(ids)
-        dflash.update(fmt.write_keys(self, new=self.config is None))
+            top.update(own)
         if self.config is None:
             out = dict(top, dflash_config=dflash) if dflash else dict(top)
             out["torch_dtype"] = dtype
@@ -241,13 +246,3 @@ def _dflash_keys(config: dict, dflash: dict, fmt: DrafterFormat, drafter_key: Ca
     return dict(target_layer_ids=[to_int(i, f"{where}target_layer_ids", source) for i in layer_ids],
                 mask_token_id=to_int(mask_id, f"{where}mask_token_id", source),
                 block_size=to_int(drafter_key("block_size", 16), "block_size", source), num_target_layers=n_target)
-
-
-def _engine(config: dict, dflash: dict, source: str) -> Dict[str, Any]:
-    """``layer_types``, ``sliding_window`` and ``is_causal`` (:func:`~dflash_mlx.drafter.variants.engine_keys`)."""
-    engine = engine_keys(config, dflash, source)
-    is_causal, window = engine["is_causal"], engine["sliding_window"]
-    if is_causal is not None and not isinstance(is_causal, bool):
-        raise ConfigError(f"{source}: 'is_causal' must be true, false or null, got {is_causal!r}")
-    return dict(layer_types=config.get("layer_types") or None, is_causal=is_causal,
-                sliding_window=None if window is None else to_int(window, "sliding_window", source))

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..sampling import Sampling, next_key
+from ..sampling import Sampling, draw_path
 
 
 class BlockConv(nn.Module):
@@ -53,26 +53,18 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
     def walk(self, hidden: mx.array, logits: mx.array, first: mx.array, sampling: Optional[Sampling] = None,
-             key: Optional[mx.array] = None) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
+             key: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:
         """One candidate per position from hidden [L, H] and logits [L, V] of block rows 1..L, walking
         from ``first`` ([1] int32): the argmax path (``sampling`` None or greedy) or samples of q (with ``key``).
-        Returns ``(tokens [L] int32, candidate ids [L, k] int32, q [L, k] float32 or None)``."""
+        Returns ``(tokens [L] int32, q [L, V] float32 (zero off the top-k candidates) or None)``."""
         k = min(self.top_k, logits.shape[-1])
         ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
         unary = mx.take_along_axis(logits, ids, axis=-1).astype(mx.float32)
         projected = self.hidden_projection(hidden)
         successors = self.successor_codebook[ids]  # [L, k, r]
-        prev = first.reshape(())
-        tokens, qs = [], []
-        for p in range(logits.shape[0]):
-            score = unary[p] + ((self.predecessor_codebook[prev] * projected[p]) @ successors[p].T).astype(mx.float32)
-            if sampling is None or sampling.greedy:
-                j = mx.argmax(score)
-            else:
-                log_q = sampling.log_probs(score)
-                key, draw = next_key(key)
-                j = mx.random.categorical(log_q, key=draw)
-                qs.append(mx.exp(log_q))
-            prev = ids[p][j]
-            tokens.append(prev)
-        return mx.stack(tokens), ids, (mx.stack(qs) if qs else None)
+
+        def score(p: int, prev: mx.array) -> mx.array:
+            return unary[p] + ((self.predecessor_codebook[prev] * projected[p]) @ successors[p].T).astype(mx.float32)
+
+        tokens, q = draw_path(score, first.reshape(()), logits.shape[0], sampling, key, ids)
+        return tokens, None if q is None else mx.put_along_axis(mx.zeros(logits.shape, mx.float32), ids, q, axis=-1)

@@ -8,6 +8,9 @@ network (:mod:`dflash_mlx.drafter.network`).
   ``candidate_selector.*`` weights.
 - ``MuseGlimmerAssistantModel``: ids at the top level; ``encoder.fc.*`` -> ``fc.*``,
   ``encoder.output_norm_enc.*`` -> ``hidden_norm.*``; bidirectional.
+- ``Qwen3DSparkModel`` (DSpark, and DeepSeek's DFlash block7 with ``markov_rank`` 0; spec section 11): ids and
+  its keys at the top level; anchor-first (every block row drafts); ``embed_tokens.*``, ``lm_head.*`` (copies of
+  the target's), ``markov_head.*``, ``confidence_head.*``; bidirectional.
 
 Any format may mix ``sliding_attention`` layers; a top-level ``is_causal`` overrides every layer.
 """
@@ -23,27 +26,33 @@ REQUIRED = object()  # a FormatKey default: the key must be present
 
 @dataclass(frozen=True)
 class FormatKey:
-    """One ``dflash_config`` key a format owns, parsed into the DrafterArgs field ``name``: an integer
-    (else a finite number) of at least ``minimum``, ``default`` when absent (:data:`REQUIRED`, or None: off)."""
+    """One config key a format owns (in its ``dflash_config``, or at the top level with ``ids_at_top``), parsed
+    into the DrafterArgs field ``name``: ``kind`` int or float (finite) of at least ``minimum``, or a tuple of the
+    values that load; ``default`` when absent (:data:`REQUIRED`, or None: off)."""
 
     name: str
-    integer: bool = True
+    kind: Any = int
     default: Any = REQUIRED
     minimum: Optional[float] = None
 
-    def parse(self, value: Any, source: str, fmt: str) -> Any:
+    def parse(self, value: Any, source: str, fmt: "DrafterFormat") -> Any:
         """The checked value (``value`` None: absent); ConfigError naming the key."""
-        where = f"dflash_config.{self.name}"
+        where = self.name if fmt.ids_at_top else f"dflash_config.{self.name}"
         if value is None:
             if self.default is REQUIRED:
-                raise ConfigError(f"{source}: missing key '{where}' (needed by {fmt})")
+                raise ConfigError(f"{source}: missing key '{where}' (needed by {fmt.architecture})")
             value = self.default
             if value is None:
                 return None
-        value = to_int(value, where, source) if self.integer else to_number(value, where, source)
+        if isinstance(self.kind, tuple):
+            if value not in self.kind or type(value) is not type(self.kind[0]):
+                raise ConfigError(f"{source}: '{where}' {value!r} is not supported ({fmt.architecture} loads "
+                                  f"{' or '.join(map(repr, self.kind))})")
+            return value
+        value = to_int(value, where, source) if self.kind is int else to_number(value, where, source)
         if self.minimum is not None and value < self.minimum:
             raise ConfigError(f"{source}: '{where}' must be at least {self.minimum:g}, got {value}"
-                              if self.integer else
+                              if self.kind is int else
                               f"{source}: '{where}' must be >= {self.minimum:g} or null, got {value}")
         return value
 
@@ -56,34 +65,37 @@ class DrafterFormat:
         architecture: ``architectures[0]``; model_type: written for a new checkpoint.
         ids_at_top: ``target_layer_ids`` and ``mask_token_id`` are top-level keys (else in ``dflash_config``).
         renames: ``(checkpoint prefix, network prefix)`` pairs for weight names.
-        dflash2: DFlash2 pieces (block convolution, candidate selector, scales).
         bidirectional: in-block attention bidirectional on every layer unless ``is_causal`` (else causal
             on sliding layers).
-        keys: the ``dflash_config`` keys this format alone owns; check: their cross-checks (ConfigError).
+        anchor_first: every block row drafts, row k the token after it (the anchor's row too), so a verify of
+            B tokens drafts with a block of B-1 rows; else row k drafts block position k, row 0 unused.
+        stores_embeddings: the checkpoint holds copies of the target's ``embed_tokens`` and ``lm_head``.
+        keys: the config keys this format alone owns; check: their cross-checks (ConfigError).
     """
 
     architecture: str
     model_type: str
     ids_at_top: bool = False
     renames: Tuple[Tuple[str, str], ...] = ()
-    dflash2: bool = False
     bidirectional: bool = False
+    anchor_first: bool = False
+    stores_embeddings: bool = False
     keys: Tuple[FormatKey, ...] = ()
     check: Optional[Callable[[Any, str], None]] = None
 
     def read_keys(self, lookup: Callable[[str], Any], source: str) -> Dict[str, Any]:
         """The DrafterArgs fields this format owns, from ``lookup(key)`` (None when absent); ConfigError."""
-        return {k.name: k.parse(lookup(k.name), source, self.architecture) for k in self.keys}
+        return {k.name: k.parse(lookup(k.name), source, self) for k in self.keys}
 
     def validate_keys(self, args: Any, source: str) -> None:
         """Check this format's fields of ``args`` (ranges and cross-checks); ConfigError naming the key."""
         for k in self.keys:
-            k.parse(getattr(args, k.name), source, self.architecture)
+            k.parse(getattr(args, k.name), source, self)
         if self.check is not None:
             self.check(args, source)
 
     def write_keys(self, args: Any, new: bool) -> Dict[str, Any]:
-        """This format's ``dflash_config`` entries (a new checkpoint leaves out defaults)."""
+        """This format's own config entries (a new checkpoint leaves out defaults)."""
         values = {k.name: getattr(args, k.name) for k in self.keys}
         return {key: value for key, value in values.items() if not new or self.addable(key, value)}
 
@@ -122,17 +134,25 @@ def _check_dflash2(args: Any, source: str) -> None:
 DFLASH2_KEYS = (
     FormatKey("conv_kernel_size", minimum=1), FormatKey("conv_group_size", minimum=1),
     FormatKey("selector_rank", minimum=1), FormatKey("selector_top_k", minimum=1),
-    FormatKey("input_embedding_scale", integer=False, default=1.0),
-    FormatKey("output_multiplier", integer=False, default=1.0),
-    FormatKey("final_logit_softcapping", integer=False, default=None, minimum=0.0),
+    FormatKey("input_embedding_scale", float, default=1.0), FormatKey("output_multiplier", float, default=1.0),
+    FormatKey("final_logit_softcapping", float, default=None, minimum=0.0),
+)
+
+# spec section 11: the Markov head's rank r (0: none) and type, the confidence head and its input
+DSPARK_KEYS = (
+    FormatKey("markov_rank", minimum=0), FormatKey("markov_head_type", ("vanilla",), default="vanilla"),
+    FormatKey("enable_confidence_head", (False, True), default=False),
+    FormatKey("confidence_head_with_markov", (False, True), default=False),
 )
 
 V1 = DrafterFormat("DFlashDraftModel", "qwen3")
-DFLASH2 = DrafterFormat("DFlash2DraftModel", "qwen3", dflash2=True, keys=DFLASH2_KEYS, check=_check_dflash2)
+DFLASH2 = DrafterFormat("DFlash2DraftModel", "qwen3", keys=DFLASH2_KEYS, check=_check_dflash2)
 MUSE_GLIMMER = DrafterFormat("MuseGlimmerAssistantModel", "muse_glimmer_assistant", ids_at_top=True,
                              renames=(("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm.")),
                              bidirectional=True)
-FORMATS: Dict[str, DrafterFormat] = {f.architecture: f for f in (V1, DFLASH2, MUSE_GLIMMER)}
+DSPARK = DrafterFormat("Qwen3DSparkModel", "qwen3", ids_at_top=True, bidirectional=True, anchor_first=True,
+                       stores_embeddings=True, keys=DSPARK_KEYS)
+FORMATS: Dict[str, DrafterFormat] = {f.architecture: f for f in (V1, DFLASH2, MUSE_GLIMMER, DSPARK)}
 
 
 def detect_format(config: dict, source: str = "config.json") -> DrafterFormat:
@@ -148,11 +168,6 @@ def detect_format(config: dict, source: str = "config.json") -> DrafterFormat:
     raise ConfigError(f"{source}: not a DFlash drafter config ('architectures' is {archs} and there is no "
                       f"'dflash_config'); drafter formats that load: {', '.join(FORMATS)}. "
                       "Pass the drafter folder to --draft-model")
-
-
-def format_named(architecture: Optional[str]) -> DrafterFormat:
-    """The format for an architecture name (None: v1)."""
-    return FORMATS[architecture or V1.architecture]
 
 
 def to_int(value: Any, key: str, source: str) -> int:

@@ -1,4 +1,4 @@
-"""The DFlash drafter (spec section 4; sliding layers and DFlash2, spec section 9).
+"""The DFlash drafter (spec section 4; sliding layers and DFlash2, spec section 9; DSpark, section 11).
 
 A layer is :meth:`DrafterLayer.pre` (norm, projections, RoPE), an ``attend`` the caller passes, then
 :meth:`DrafterLayer.post` (output projection, MLP). One sequence (:func:`cached_attention`), a batch
@@ -18,7 +18,7 @@ from ..errors import ConfigError, InputError
 from ..kernels import fast_softmax
 from ..kernels.block_attention import attention_path, block_attention
 from ..protocol import Proposal
-from ..sampling import Sampling
+from ..sampling import Sampling, draw_path
 from ..prompt_cache.drafter_context import ContextWindowCache
 from ..targets.fused import compile_enabled, rope_rows, rotate
 from .config import DrafterArgs
@@ -152,7 +152,9 @@ class DrafterLayer(nn.Module):
 
 class DFlashDrafter(nn.Module):
     """The drafter network: ``fc`` [H, K*H], ``hidden_norm`` [H], ``layers.{i}.*``, ``norm`` [H], optionally
-    ``mask_embedding`` [H] and ``candidate_selector.*``; embedding and lm_head borrowed (:meth:`bind`).
+    ``mask_embedding`` [H], ``candidate_selector.*``, DSpark's ``embed_tokens`` [V, H], ``lm_head`` [V, H],
+    ``markov_head.*`` and ``confidence_head.proj`` ([1, H (+ r)], bias [1]); embedding and lm_head borrowed
+    (:meth:`bind`).
     ``draft_window``: ``(sink, window)`` context rows full-attention layers keep, or None: all."""
 
     def __init__(self, args: DrafterArgs):
@@ -167,13 +169,24 @@ class DFlashDrafter(nn.Module):
         if args.selector_rank:
             self.candidate_selector = CandidateSelector(args.hidden_size, args.vocab_size,
                                                         args.selector_rank, args.selector_top_k)
+        if args.format.stores_embeddings:
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.markov_rank:  # DSpark's: markov_w1 [V, r] embeds the previous token, markov_w2 [V, r] maps r -> V
+            self.markov_head = {"markov_w1": nn.Embedding(args.vocab_size, args.markov_rank),
+                                "markov_w2": nn.Linear(args.markov_rank, args.vocab_size, bias=False)}
+        if args.enable_confidence_head:  # per row a logit of 1 - TV(draft, target) from [hidden; markov_w1[prev]]
+            features = args.hidden_size + args.confidence_head_with_markov * args.markov_rank
+            self.confidence_head = {"proj": nn.Linear(features, 1)}  # loaded, not used yet
+        self.first_row = 0 if args.format.anchor_first else 1  # the first block row that drafts
         self._embed: Optional[Callable[[mx.array], mx.array]] = None
         self._lm_head: Optional[Callable[[mx.array], mx.array]] = None
         self.draft_window: Optional[Tuple[int, int]] = None
 
     @property
     def block_size(self) -> int:
-        return self.args.block_size
+        """Tokens per verify, the anchor included: the trained block, one more when row 0 drafts too."""
+        return self.args.block_size + 1 - self.first_row
 
     @property
     def target_layer_ids(self) -> List[int]:
@@ -190,12 +203,21 @@ class DFlashDrafter(nn.Module):
 
     @property
     def samples_drafts(self) -> bool:
-        """True when drafts at T > 0 are samples of a real q (the DFlash2 selector); v1 drafts stay argmax."""
-        return "candidate_selector" in self
+        """True when drafts at T > 0 are samples of a real q (the DFlash2 selector, the Markov head); v1 drafts
+        stay argmax."""
+        return "candidate_selector" in self or "markov_head" in self
 
     def bind(self, embed: Callable[[mx.array], mx.array], lm_head: Callable[[mx.array], mx.array]) -> "DFlashDrafter":
-        """Borrow the target's frozen embedding (with its scale) and head: not parameters, never saved."""
-        self._embed, self._lm_head = embed, lm_head
+        """Borrow the target's frozen embedding (with its scale) and head: not parameters, never saved. A drafter
+        that stores copies (DSpark) drops each copy equal, value for value, to what the target's gives (every
+        token's embedding; the head of each unit vector), and keeps using its own where they differ."""
+        probes = {"embed_tokens": (embed, mx.arange(self.args.vocab_size)[None]),
+                  "lm_head": (lm_head, mx.eye(self.args.hidden_size, dtype=self.norm.weight.dtype)[None])}
+        for name, (theirs, probe) in probes.items():
+            pieces = mx.split(probe, list(range(256, probe.shape[1], 256)), axis=1)  # 256 rows at a time
+            if name in self and all(mx.array_equal(self[name](x), theirs(x)).item() for x in pieces):
+                del self[name]
+        self._embed, self._lm_head = self.get("embed_tokens", embed), self.get("lm_head", lm_head)
         return self
 
     def set_draft_window(self, window: Optional[Tuple[int, int]]) -> None:
@@ -244,36 +266,40 @@ class DFlashDrafter(nn.Module):
         return h if scale == 1.0 else h * scale
 
     def blocks_of(self, tokens: mx.array, block_size: int) -> mx.array:
-        """[N] int t_last -> [N, B] int32 blocks ``[t_last, MASK x (B-1)]``."""
+        """[N] int t_last -> [N, B] int32 blocks ``[t_last, MASK x (B-1)]`` that draft a verify of ``block_size``
+        (B = block_size, or B = block_size - 1 where row 0 drafts too)."""
         tokens = tokens.reshape(-1, 1).astype(mx.int32)
-        return mx.concatenate([tokens, mx.full((tokens.shape[0], block_size - 1), self.args.mask_token_id,
-                                               dtype=mx.int32)], axis=1)
+        masks = block_size - 2 + self.first_row
+        return mx.concatenate([tokens, mx.full((tokens.shape[0], masks), self.args.mask_token_id, dtype=mx.int32)], 1)
 
     def forward(self, block: mx.array, context: mx.array, ctx_at: At, block_at: At, attends: Sequence[Attend],
                 compile: bool = True, residual: bool = False) -> mx.array:
         """Every layer (one ``attend`` each) over blocks [N, B] int32 at ``block_at`` and fused context
-        rows [N or 1, S, H] at ``ctx_at``; returns the final normed hidden states [N, B-1, H] of block
-        rows 1..B-1. With ``compile`` and S <= B, the rows are padded to B (one trace per shape) and both
-        halves of each layer run compiled (not DFlash2's), RoPE by tables where :func:`rope_rows` gives them.
-        ``residual``: the residual stream before the final norm instead."""
+        rows [N or 1, S, H] at ``ctx_at``; returns the final normed hidden states [N, D, H] of the drafting rows
+        (``first_row`` on). With ``compile`` and S <= P (the verify size: B, or B + 1 where row 0 drafts), the
+        rows are padded to P (one trace per shape) and both halves of each layer run compiled (not DFlash2's),
+        RoPE by tables where :func:`rope_rows` gives them. ``residual``: the residual stream before the final
+        norm instead."""
         B, S = block.shape[1], context.shape[1]
-        compiled = compile and compile_enabled() and not self.args.conv_kernel_size and S <= B
+        P = B + 1 - self.first_row
+        compiled = compile and compile_enabled() and not self.args.conv_kernel_size and S <= P
         if compiled:
-            context = mx.concatenate([context, mx.zeros((context.shape[0], B - S, context.shape[2]),
+            context = mx.concatenate([context, mx.zeros((context.shape[0], P - S, context.shape[2]),
                                                         context.dtype)], axis=1)
             rope = self.layers[0].self_attn.rope
             tables = rope_rows(rope, B, block_at)
             if tables is None:
                 ctx_at, block_at = mx.array(ctx_at), mx.array(block_at)
             else:
-                ctx_at, block_at = rope_rows(rope, B, ctx_at), tables
+                ctx_at, block_at = rope_rows(rope, P, ctx_at), tables
         h = self.embed_block(block)
         for layer, attend in zip(self.layers, attends):
             h = layer(h, context, ctx_at, block_at, attend, compiled)
-        return h[:, 1:] if residual else self.norm(h[:, 1:])
+        h = h[:, self.first_row:]
+        return h if residual else self.norm(h)
 
     def hidden(self, block: mx.array, context: mx.array, cache: Sequence[object]) -> mx.array:
-        """[1, B-1, H] final normed hidden states of one block (arguments as in :meth:`__call__`)."""
+        """[1, D, H] final normed hidden states of one block's drafting rows (arguments as in :meth:`__call__`)."""
         fused = self._context(context, cache)
         S, offset = fused.shape[1], cache[0].offset
         return self.forward(block, fused, offset, offset + S, [cached_attention(c, S) for c in cache])
@@ -289,7 +315,8 @@ class DFlashDrafter(nn.Module):
 
     def __call__(self, block: mx.array, context: mx.array, cache: Sequence[object]) -> mx.array:
         """One block-denoising pass (spec section 4): block [1, B] int32 ``[t_last, MASK x (B-1)]`` and new
-        context features [1, S, K*H] (appended to ``cache``) -> [1, B-1, V] logits of block rows 1..B-1."""
+        context features [1, S, K*H] (appended to ``cache``) -> [1, D, V] logits of the drafting rows (rows
+        1..B-1, D = B-1; all B where row 0 drafts, before the Markov head's bias)."""
         return self.logits(self.hidden(block, context, cache))
 
     def block_hidden(self, blocks: mx.array, context: mx.array, anchors: mx.array, mask: mx.array,
@@ -299,7 +326,7 @@ class DFlashDrafter(nn.Module):
         [N, B-1, H] final hidden states of block rows 1..B-1 (``residual``: before the final norm).
         ConfigError for drafters other than full-attention v1 ones."""
         a = self.args
-        if a.format.dflash2 or any(a.is_sliding(i) or a.is_causal_layer(i) for i in range(a.num_hidden_layers)):
+        if a.format.keys or any(a.is_sliding(i) or a.is_causal_layer(i) for i in range(a.num_hidden_layers)):
             raise ConfigError(f"training supports full-attention v1 drafters only, not {a.architecture} "
                               "with these layer types")
         attend: Attend = lambda attn, q, ctx, block: masked_attention(q, ctx, block, mask, attn.scale)  # noqa: E731
@@ -324,14 +351,26 @@ class DFlashDrafter(nn.Module):
 
     def propose(self, token: mx.array, context: mx.array, cache: Sequence[object], block_size: int,
                 sampling: Optional[Sampling] = None, key: Optional[mx.array] = None) -> Proposal:
-        """Drafts of one block (``t_last`` a scalar or [1] int, context [1, S, K*H], 2 <= B <= trained) as
-        a lazy :class:`~dflash_mlx.protocol.Proposal` with ``logprobs`` [B-1, V]: the argmax for v1 at any
-        temperature; for DFlash2 the selector's walk, at T > 0 a sample of its q drawn with ``key`` (spec section 9)."""
+        """Drafts of one verify of ``block_size`` (``t_last`` a scalar or [1] int, context [1, S, K*H],
+        2 <= B <= :attr:`block_size`) as a lazy :class:`~dflash_mlx.protocol.Proposal` with ``logprobs`` [B-1, V]
+        (before any walk): :meth:`drafts`, at T > 0 with ``sampling`` a sample of its q drawn with ``key``."""
         block = self.blocks_of(mx.array(token), block_size)
         hidden = self.hidden(block, context, cache)[0]
         logits = self.logits(hidden)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if not self.samples_drafts:
-            return Proposal(mx.argmax(logits, axis=-1).astype(mx.int32), logprobs=logprobs)
-        tokens, ids, q = self.candidate_selector.walk(hidden, logits, block[0, :1], sampling, key)
-        return Proposal(tokens, q_ids=None if q is None else ids, q_probs=q, logprobs=logprobs)
+        tokens, q = self.drafts(hidden, logits, block[0, 0], sampling, key)
+        return Proposal(tokens, q, logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    def drafts(self, hidden: mx.array, logits: mx.array, first: mx.array, sampling: Optional[Sampling] = None,
+               key: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:
+        """The drafts of the drafting rows' hidden states [..., D, H] and logits [..., D, V] after ``first``
+        [...] int32 (t_last): the argmax for v1; a walk for DFlash2 (its selector, spec section 9; one block) and
+        DSpark (section 11: row k's logits plus the Markov head's bias ``markov_w2(markov_w1[prev])`` of the
+        token drafted before it, ``first`` before row 0), the argmax or at T > 0 a sample of that q (``sampling``,
+        ``key``). Returns ``(tokens [..., D] int32, q [..., D, V] float32 or None)``."""
+        if "candidate_selector" in self:
+            return self.candidate_selector.walk(hidden, logits, first, sampling, key)
+        if "markov_head" not in self:
+            return mx.argmax(logits, axis=-1).astype(mx.int32), None
+        w1, w2 = self.markov_head["markov_w1"], self.markov_head["markov_w2"]
+        return draw_path(lambda p, prev: logits[..., p, :].astype(mx.float32) + w2(w1(prev)).astype(mx.float32),
+                         first, logits.shape[-2], sampling, key)

@@ -12,6 +12,7 @@ our fields or refused with one line naming the key:
 from typing import Any, Dict, Optional
 
 from ..errors import ConfigError
+from .formats import to_int
 
 _MISSING = object()
 
@@ -38,8 +39,9 @@ def rope_theta(config: dict, source: str) -> Any:
 
 
 def engine_keys(config: dict, dflash: dict, source: str) -> Dict[str, Any]:
-    """``is_causal`` and ``sliding_window``, from vLLM's ``dflash_config`` keys where the top level lacks
-    them; ConfigError naming a key that contradicts another or asks for what is not supported."""
+    """``layer_types``, and ``is_causal`` and ``sliding_window`` from vLLM's ``dflash_config`` keys where the top
+    level lacks them; ConfigError naming a key that contradicts another, is malformed or asks for what is not
+    supported."""
     hidden, vocab = config.get("hidden_size"), config.get("vocab_size")
     target_hidden = pick(config, dflash, "target_hidden_size", True, source)
     if target_hidden is not None and target_hidden != hidden:
@@ -54,7 +56,10 @@ def engine_keys(config: dict, dflash: dict, source: str) -> Dict[str, Any]:
     for key in ("swa_window_size", "sliding_window"):
         window = _agree(window, dflash.get(key), "sliding_window", f"dflash_config.{key}", source)
     _check_use_swa(config, dflash.get("use_swa"), source)
-    return {"is_causal": causal, "sliding_window": window}
+    if causal is not None and not isinstance(causal, bool):
+        raise ConfigError(f"{source}: 'is_causal' must be true, false or null, got {causal!r}")
+    return {"is_causal": causal, "layer_types": config.get("layer_types") or None,
+            "sliding_window": None if window is None else to_int(window, "sliding_window", source)}
 
 
 def _agree(ours: Any, theirs: Any, our_key: str, their_key: str, source: str) -> Any:

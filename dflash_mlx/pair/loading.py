@@ -11,6 +11,7 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from mlx_lm.utils import load as mlx_lm_load
 
 from ..drafter.checkpoint import load_drafter, read_config
+from ..drafter.formats import FORMATS
 from ..drafter.network import DFlashDrafter
 from ..errors import CheckpointError, ConfigError, InputError, MismatchError
 from ..fingerprint import folder_fingerprint
@@ -20,8 +21,7 @@ from .sharded import load_sharded, rank, ranks
 from ..targets import TargetAdapter, make_adapter
 
 TARGET_FILES = DEFAULT_ALLOW_PATTERNS  # what mlx-lm itself downloads for a model
-# `architectures` of DFlash drafter checkpoints (spec section 2): v1, DFlash2, Muse-Glimmer.
-DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "MuseGlimmerAssistantModel")
+DRAFTER_ARCHITECTURES = tuple(FORMATS)  # `architectures` of drafter checkpoints: every format that loads
 
 
 @dataclass

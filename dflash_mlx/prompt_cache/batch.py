@@ -98,12 +98,8 @@ def batch_refusal(target: Any) -> Optional[str]:
     return None
 
 
-def to_batch(cache: Sequence[Any]) -> List[Any]:
-    """One sequence's prefilled cache (a :data:`BATCHABLE` cache per layer) as a batch of one."""
-    return [_batch_layer(c) for c in cache]
-
-
 def _batch_layer(c: Any) -> Any:
+    """One sequence's prefilled layer cache (:data:`BATCHABLE`) as a batch of one."""
     if isinstance(c, GatedDeltaCache):
         return BatchGatedDeltaCache(c)
     return BatchWindowKVCache.from_solo(c) if isinstance(c, WindowKVCache) else BatchKVCache.merge([c])
@@ -111,7 +107,7 @@ def _batch_layer(c: Any) -> Any:
 
 def extend(batch: Optional[List[BatchKVCache]], cache: Sequence[KVCache]) -> List[BatchKVCache]:
     """Append one sequence's prefilled cache to ``batch`` (in place; a new batch when None); returns it."""
-    joined = to_batch(cache)
+    joined = [_batch_layer(c) for c in cache]
     if batch is None:
         return joined
     for b, c in zip(batch, joined):

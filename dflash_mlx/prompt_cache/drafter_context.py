@@ -8,20 +8,14 @@ from .window import RowCache
 
 
 class ContextWindowCache(RowCache):
-    """The drafter's context K/V: the first ``sink`` rows plus the last ``window`` (>= 1), and ``slack``
-    older rows so a rollback of ``slack`` rows is exact (spec section 9; ``--draft-window SINK,WINDOW``).
-    ``offset``: rows seen; ``held``: rows stored, sink rows first.
-
-    Raises:
-        ValueError: ``sink`` < 0, ``window`` < 1 or ``slack`` < 0.
-    """
+    """The drafter's context K/V: the first ``sink`` (>= 0) rows plus the last ``window`` (>= 1; checked by
+    :meth:`~dflash_mlx.drafter.network.DFlashDrafter.set_draft_window`), and ``slack`` older rows so a rollback
+    of ``slack`` rows is exact (spec section 9; ``--draft-window SINK,WINDOW``). ``offset``: rows seen;
+    ``held``: rows stored, sink rows first."""
 
     fields = ("offset", "held", "sink", "window", "slack")
 
     def __init__(self, sink: int, window: int, slack: int = 0):
-        if sink < 0 or window < 1 or slack < 0:
-            raise ValueError(f"ContextWindowCache needs sink >= 0, window >= 1, slack >= 0; "
-                             f"got {sink}, {window}, {slack}")
         self.sink, self.window, self.slack = int(sink), int(window), int(slack)
         self.offset = self.held = 0
 

@@ -4,6 +4,7 @@
 import hashlib
 import json
 from dataclasses import dataclass, field
+from os.path import commonprefix
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -38,9 +39,7 @@ class Snapshot:
 def usable_rows(tokens: Sequence[int], layer_meta: Dict[str, List[dict]], ids: Sequence[int]) -> int:
     """Rows of an entry a prompt ``ids`` resumes from: the common prefix of ``tokens`` and all but the last
     of ``ids`` where every layer trims to it exactly, else 0."""
-    n, limit = 0, min(len(tokens), len(ids) - 1)
-    while n < limit and tokens[n] == ids[n]:
-        n += 1
+    n = len(commonprefix([list(tokens), list(ids[:-1])]))
     if n == len(tokens):
         return n
     ok = all(layers.can_go_back(m["kind"], m["ints"], n) for side in layer_meta.values() for m in side)

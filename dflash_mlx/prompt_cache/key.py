@@ -12,21 +12,15 @@ from mlx.utils import tree_flatten
 KEY_FORMAT = 1
 
 
-def weights_hash(module: Any) -> str:
-    """sha256 (32 hex digits) of a module's parameter names, dtypes, shapes and bytes."""
-    digest = hashlib.sha256()
-    for name, p in tree_flatten(module.parameters()):
-        digest.update(f"{name}:{p.dtype}:{tuple(p.shape)}".encode())
-        raw = p.view(mx.uint8) if p.dtype == mx.bfloat16 else p
-        digest.update(np.asarray(raw).tobytes())
-    return digest.hexdigest()[:32]
-
-
 def _identity(model: Any) -> str:
+    """The model's folder fingerprint, else sha256 (32 hex digits) of its parameter names, dtypes, shapes and bytes."""
     if fingerprint := getattr(model, "fingerprint", None):
         return str(fingerprint)
-    inner = getattr(model, "model", model)  # a target adapter wraps the mlx-lm model
-    return "weights:" + weights_hash(inner)
+    digest = hashlib.sha256()
+    for name, p in tree_flatten(getattr(model, "model", model).parameters()):  # an adapter wraps the mlx-lm model
+        digest.update(f"{name}:{p.dtype}:{tuple(p.shape)}".encode())
+        digest.update(np.asarray(p.view(mx.uint8) if p.dtype == mx.bfloat16 else p).tobytes())
+    return "weights:" + digest.hexdigest()[:32]
 
 
 def _quantization(module: Any) -> list:

@@ -2,6 +2,7 @@
 a generation resumes from the longest common prefix (live or stored) and prefills only the rest."""
 
 import time
+from os.path import commonprefix
 from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 
 from mlx_lm.models.cache import KVCache
@@ -16,11 +17,7 @@ from .store import PrefixStore
 
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: Optional[int] = None) -> int:
     """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
-    n = min(len(a), len(b), len(b) if limit is None else limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    return len(commonprefix([list(a[:limit]), list(b)]))
 
 
 def trim_cache(cache: List[Any], rows: int) -> bool:
@@ -34,15 +31,10 @@ def trim_cache(cache: List[Any], rows: int) -> bool:
     if not all(map(can_trim, cache, counts)):
         return False
     trim_layers(cache, counts)
-    for c in cache:
-        _heal(c)
+    for c in cache:  # an interrupted ``update_and_fetch`` can leave keys and values uneven: both cut to the offset
+        if isinstance(c, KVCache) and c.keys is not None and c.keys.shape[2] != c.values.shape[2]:
+            c.keys, c.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
     return True
-
-
-def _heal(c: Any) -> None:
-    """Cut keys and values to the offset (an interrupted ``update_and_fetch`` can leave them uneven)."""
-    if isinstance(c, KVCache) and c.keys is not None and c.keys.shape[2] != c.values.shape[2]:
-        c.keys, c.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
 
 
 class PairCache:

@@ -301,8 +301,7 @@ class Engine:
     def _emit(self, req: _Request, result: StepResult) -> None:
         """Hand one step's text to the request; at its end, count and release it."""
         stats, last = req.joining.stats, result.finish_reason is not None
-        stats.committed(len(result.tokens), req.first, time.perf_counter(),
-                        attention_of(self.pair.drafter))
+        stats.committed(len(result.tokens), req.first, time.perf_counter(), attention_of(self.pair.drafter))
         req.reply += result.tokens
         text = req.text.add(result.tokens, last)
         u = usage(stats) if last else None
@@ -366,7 +365,6 @@ class Engine:
             self._wake.notify()
         if wait:
             self._worker.join()
-
 
 
 def follow(pair: Any, block_size: Any, prefill_step_size: Optional[int], prompt_lookup: bool = False) -> None:

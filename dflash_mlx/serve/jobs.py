@@ -90,12 +90,9 @@ class Job:
         self._loop, self._queue = loop, asyncio.Queue()
         self._done = self._started = False
 
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
-
     def should_stop(self) -> bool:
         """Closed or past its deadline."""
-        return self.cancelled.is_set() or self.expired()
+        return self.cancelled.is_set() or (self.deadline is not None and time.monotonic() >= self.deadline)
 
     def push(self, chunk: Any) -> None:
         """From the worker thread: hand a chunk (None: the end; an exception: prepare failed) to the event loop."""

@@ -61,8 +61,7 @@ def decoder_layer_at(layer: nn.Module, h: mx.array, cache: Any, positions: mx.ar
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def tree_layer_mask(cache: Any, positions: np.ndarray, ancestors: np.ndarray,
-                    window: Optional[int]) -> mx.array:
+def tree_layer_mask(cache: Any, positions: np.ndarray, ancestors: np.ndarray, window: Optional[int]) -> mx.array:
     """[L, P + L] bool: every cached row and, inside the tree, the ancestors (and
     itself) of each query; with a sliding ``window`` only keys less than ``window``
     positions back. P is the rows the layer's cache returns before the new ones."""

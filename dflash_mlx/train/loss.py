@@ -46,14 +46,11 @@ class FeatureCache:
         self.rebuilt: List[Path] = []  # cached files found unreadable and computed again
         if self.folder:
             self.folder.mkdir(parents=True, exist_ok=True)
-            self._check_manifest(sequences)
-
-    def _check_manifest(self, sequences: Optional[List[TrainSequence]]) -> None:
-        key = {"target": target_fingerprint(self.target), "target_layer_ids": self.layer_ids,
-               "sequences": None if sequences is None else token_digest(s.tokens for s in sequences)}
-        if not claim_manifest(self.folder, key, write=True):
-            raise InputError(f"{self.folder}: holds target features of other data, target_layer_ids or target; "
-                             "give another features folder")
+            key = {"target": target_fingerprint(target), "target_layer_ids": self.layer_ids,
+                   "sequences": None if sequences is None else token_digest(s.tokens for s in sequences)}
+            if not claim_manifest(self.folder, key, write=True):
+                raise InputError(f"{self.folder}: holds target features of other data, target_layer_ids or target; "
+                                 "give another features folder")
 
     def get(self, index: int, seq: TrainSequence, dtype) -> Tuple[mx.array, Optional[mx.array]]:
         """Features [1, L, K*H] of sequence ``index`` and its final hidden states [1, L, H] (or None)."""
@@ -85,8 +82,7 @@ def block_targets(seq: TrainSequence, anchors: np.ndarray, block_size: int) -> n
     return seq.tokens[anchors[:, None] + np.arange(1, block_size)]
 
 
-def make_batch(seq: TrainSequence, block_size: int, mask_id: int, anchors: np.ndarray,
-               context: Optional[int] = None):
+def make_batch(seq: TrainSequence, block_size: int, mask_id: int, anchors: np.ndarray, context: Optional[int] = None):
     """``(blocks [N, B], targets [N, B-1], anchors [N], mask [N, 1, B, L+B])`` for ``anchors``; L =
     ``context`` (default: the whole sequence), at least ``anchors.max()``."""
     blocks = np.full((anchors.size, block_size), mask_id, dtype=np.int32)
