@@ -32,7 +32,7 @@ from ..atomic import staging
 from ..errors import CheckpointError, ConfigError
 from ..fingerprint import file_identity
 from ..owned import cache_root
-from .gguf_tokenizer import build_tokenizer, metadata_value
+from .gguf_tokenizer import metadata_value, save_tokenizer
 from .manifest import dtype_name
 
 GROUP_SIZE = 32  # the block of every GGUF quantization MLX reads (Q4_0, Q4_1, Q8_0)
@@ -127,13 +127,12 @@ def ollama_blob(name: str) -> Path:
                               f"{manifest}); `ollama pull {name}` first") from None
 
 
-def read_gguf(path: Path, bits: int = 4, group_size: int = 64, dtype: Optional[mx.Dtype] = None,
-              first: Callable[[dict], Any] = lambda _: None) -> Tuple[Dict[str, mx.array], dict, dict, Dict[str, dict]]:
+def read_gguf(path: Path, bits: int = 4, group_size: int = 64,
+              dtype: Optional[mx.Dtype] = None) -> Tuple[Dict[str, mx.array], dict, dict, Dict[str, dict]]:
     """The tensors (GGUF names; quantized ones as ``NAME.weight``/``.scales``/``.biases``), the metadata
     (Python values), a summary (``method``, ``gguf_types``: tensors per type, ``requantized``: tensors
     quantized again) and per quantized module ``{"group_size", "bits"}``. ``dtype``: every tensor
     dequantized by the package (exactly as llama.cpp's reference) and cast to it, none quantized again.
-    ``first`` is called with the metadata before any tensor is read.
 
     Raises:
         CheckpointError: the file is missing, not GGUF, truncated, or holds a type the ``gguf`` package cannot
@@ -154,7 +153,6 @@ def read_gguf(path: Path, bits: int = 4, group_size: int = 64, dtype: Optional[m
     except Exception as e:  # the reader raises ValueError, KeyError, ... on a cut file
         raise CheckpointError(f"{path}: truncated or corrupt GGUF file, an incomplete download? ({_reason(e)})"
                               ) from None
-    first(metadata)
     kinds = [t.tensor_type.name for t in reader.tensors]
     summary = {"method": "GGUF read by MLX", "gguf_types": {k: kinds.count(k) for k in sorted(set(kinds))}}
     if dtype is None and all(kind in MLX_TYPES for kind in kinds):
@@ -342,9 +340,8 @@ def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callab
         ConfigError: an architecture, tokenizer or tensor not supported here.
     """
     say(f"reading {path.name}")
-    dst.mkdir(parents=True, exist_ok=True)  # the tokenizer written first: its memory freed before the tensors come
-    weights, metadata, summary, quant = read_gguf(path, bits or 4, group_size or 64, dtype and getattr(mx, dtype),
-                                                  lambda meta: build_tokenizer(meta, path).save_pretrained(str(dst)))
+    dst.mkdir(parents=True, exist_ok=True)
+    weights, metadata, summary, quant = read_gguf(path, bits or 4, group_size or 64, dtype and getattr(mx, dtype))
     config = mlx_lm_config(weights, metadata, path)
     arch, shift = metadata["general.architecture"], config["model_type"] == "gemma3_text"  # (1 + w) stored
     weights = {mlx_lm_name(name, path, arch): v - 1 if shift and name.endswith("norm.weight") else v
@@ -361,5 +358,8 @@ def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callab
     stored = sum(sum(weights[f"{n[:-7]}.{s}"].nbytes for s in ("weight", "scales", "biases")
                      if f"{n[:-7]}.{s}" in weights) for n in matrices)
     params = sum(weights[n].size * (32 // quant[n[:-7]]["bits"] if n[:-7] in quant else 1) for n in matrices)
+    del weights  # the tokenizer, the peak of the conversion, in the memory the tensors leave
+    mx.clear_cache()
+    save_tokenizer(metadata, path, dst)
     return {**summary, "model_type": config["model_type"], "dtype": dtype or dtype_name(floats[0] if floats else mx.float16),
             "quantization": config.get("quantization"), "bits_per_weight": round(8 * stored / max(params, 1), 2)}
