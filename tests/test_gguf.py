@@ -17,7 +17,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from dflash_mlx import make_adapter
 from conftest import ROOT, assert_varied, dflash, mlx_lm_greedy, tiny_target
 from gguf_files import TEXTS, byte_level_vocab, gguf_name, write_gguf
-from dflash_mlx.pair.gguf import convert_gguf
+from dflash_mlx.pair.gguf import convert_gguf, parse_gguf
 from dflash_mlx.pair.gguf_tokenizer import merges_from_scores
 
 @pytest.fixture(scope="module")
@@ -337,6 +337,43 @@ def test_merges_from_scores_rank_by_the_made_piece():
     tokens = ["a", "b", "c", "ab", "bc", "abc"]
     merges = merges_from_scores(tokens, [0, 0, 0, -1.0, -2.0, -0.5])
     assert merges == [("a", "bc"), ("ab", "c"), ("a", "b"), ("b", "c")]
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_parse_gguf_reads_what_gguf_reader_reads(tmp_path, alignment):
+    """parse_gguf, the reader of the conversion, against the gguf package's GGUFReader on a file its GGUFWriter
+    wrote: every key-value (each scalar type, strings, arrays of numbers, booleans and strings; as ``contents()``
+    gives them) and every tensor (name, type, shape, bytes: float, quantized, 1-D to 3-D) the same."""
+    import mmap
+
+    path = tmp_path / "kv.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    if alignment:
+        w.add_custom_alignment(alignment)
+    for i, kind in enumerate(("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64")):
+        getattr(w, f"add_{kind}")(f"test.{kind}", i if kind.startswith("u") else -i - 1)
+    w.add_float32("test.float32", 0.1), w.add_float64("test.float64", 0.1), w.add_bool("test.bool", True)
+    w.add_string("test.string", "café ▁ 世界"), w.add_string("test.empty", "")
+    w.add_array("test.ints", [3, -1, 7]), w.add_array("test.floats", [0.5, -2.25]), w.add_array("test.none", [])
+    w.add_array("test.bools", [True, False]), w.add_token_list(["<s>", "▁a", "", "🙂"] * 50)
+    rng = np.random.default_rng(0)
+    w.add_tensor("a.weight", rng.normal(size=(4, 8)).astype(np.float32))
+    w.add_tensor("b.weight", rng.normal(size=(3,)).astype(np.float16))
+    w.add_tensor("c.weight", rng.normal(size=(2, 3, 32)).astype(np.float32))
+    q8, q4k = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_K
+    w.add_tensor("d.weight", gguf.quants.quantize(rng.normal(size=(5, 64)).astype(np.float32), q8), raw_dtype=q8)
+    w.add_tensor("e.weight", rng.integers(0, 256, (2, 144), dtype=np.uint8), raw_dtype=q4k)  # 2 x 256 weights
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    reader = gguf.GGUFReader(str(path))
+    with open(path, "rb") as f:
+        metadata, tensors = parse_gguf(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    assert metadata == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert metadata["test.string"] == "café ▁ 世界" and metadata["test.ints"] == [3, -1, 7]
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist()) for t in reader.tensors]
+    for ours, theirs in zip(tensors, reader.tensors):
+        assert ours.data.dtype == np.uint8 and ours.data.tobytes() == theirs.data.tobytes(), ours.name
+        assert ours.data.shape[:-1] == theirs.data.shape[:-1], ours.name  # rows as the package dequantizes them
 
 
 def cut(path: Path, size: int, out: Path) -> Path:

@@ -19,7 +19,7 @@ from dflash_mlx.errors import CheckpointError, DFlashError, InputError
 from dflash_mlx.hub import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from dflash_mlx.ranges import check_number
 
-from .fit import WIDE, columns, fit_table, folded, plain
+from .fit import WIDE, columns, fit_table, folded, piped, plain
 
 MODEL_HELP = (
     "Target model: a local mlx-lm folder or a Hugging Face repo id (downloaded into the HF cache). Default with "
@@ -166,8 +166,7 @@ def resolve_models(model: Optional[str], draft_model: Optional[str], verify: boo
                          f"(with neither flag: {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL})")
     if model is None:
         return DEFAULT_MODEL, DEFAULT_DRAFT_MODEL
-    model, draft_model = resolve_pair(model, draft_model, verify)
-    return model or DEFAULT_MODEL, draft_model
+    return resolve_pair(model, draft_model, verify)
 
 
 def utf8(text: str) -> Tuple[str, bool]:
@@ -284,13 +283,9 @@ def print_table(table: Table, console: Optional[Console] = None, drop: Sequence[
     title, table.title = table.title, None  # on a line of its own, whole unless COLUMNS is set
     table.box, table.show_edge, table.pad_edge = None, False, False
     width = columns()
-    if width is None:
-        text = plain([table], Console(width=WIDE).measure(table).maximum)
-        title_text = f"{title}\n" if title else ""
-    else:
-        text = plain([fit_table(table, width, drop)], width)
-        title_text = plain([title], width) if title else ""
-    console.file.write(title_text + text)
+    text = plain([table], Console(width=WIDE).measure(table).maximum) if width is None else plain(
+        [fit_table(table, width, drop)], width)
+    console.file.write((piped([title]) if title else "") + text)
     console.file.flush()
 
 

@@ -66,8 +66,7 @@ def _run(validate, **kwargs) -> None:
     check_options(kwargs["quantize"] or is_gguf(kwargs["model"]), *(kwargs[k] for k in ("q_bits", "q_group_size", "q_mode", "draft_q_bits",
                                         "draft_q_group_size", "dtype")))  # flags first, then the folders
     check_out_folder(kwargs["out"])
-    console = Console(stderr=True)
-    stages = _Stages(console)
+    stages = _Stages(Console(stderr=True))
     try:
         with redirect_stdout(sys.stderr):  # mlx-lm's [INFO] lines; stdout gets only the table
             result = convert_pair(validate_output=validate, progress=stages, **kwargs)

@@ -63,7 +63,7 @@ def fit_table(table: Table, width: int, drop: Sequence[str] = ()) -> Table:
     order = list(table.columns)
     while True:
         spans = [_span(c) for c in table.columns]
-        spare = width - _overhead(table, spans) - sum(lo for lo, _ in spans)
+        spare = width - _cell_span(table)[1] + sum(hi - lo for lo, hi in spans)  # left, cells folded to longest words
         if spare >= 0 or len(table.columns) == 1:
             break
         if _tighten(table):
@@ -90,11 +90,6 @@ def _span(column: Column, header: bool = True) -> Tuple[int, int]:
     """(longest word, longest line) of the column's cells, and of its header unless ``header`` is False."""
     spans = [_cell_span(c) for c in ([column.header] if header else []) + list(column.cells)] or [(0, 0)]
     return max(lo for lo, _ in spans), max(hi for _, hi in spans)
-
-
-def _overhead(table: Table, spans) -> int:
-    """Columns the table draws besides its cells' text: padding, borders."""
-    return Measurement.get(_MEASURE, _MEASURE.options, table).maximum - sum(hi for _, hi in spans)
 
 
 def _widths(spans, spare: int) -> List[Optional[int]]:

@@ -64,13 +64,11 @@ def _run(args: Optional[List[str]]) -> int:
         hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
         print(f"error: {_usage_message(e)}{hint}", file=sys.stderr)
         return 1
-    except cx.ClickException as e:
-        print(f"error: {_one_line(e.format_message())}", file=sys.stderr)
-        return 1
     except typer.Abort:
         return 130
-    except DFlashError as e:  # outside a command's guard (a closed stdout while printing help)
-        print(f"error: {_one_line(str(e))}", file=sys.stderr)
+    except (cx.ClickException, DFlashError) as e:  # DFlashError: outside a command's guard (stdout closed in --help)
+        message = e.format_message() if isinstance(e, cx.ClickException) else str(e)
+        print(f"error: {_one_line(message)}", file=sys.stderr)
         return 1
     return code if isinstance(code, int) else 0
 

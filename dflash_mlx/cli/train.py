@@ -245,9 +245,8 @@ def _trainer(o):
         drafter = warm_start(o.init, pair.target, o.layers)
         check_init_shape(o, drafter.args)
     else:
-        mask = o.mask_token_id
-        if mask is None:
-            mask = pick_mask_token(pair.tokenizer, pair.target.vocab_size, sequences)
+        mask = o.mask_token_id if o.mask_token_id is not None else pick_mask_token(
+            pair.tokenizer, pair.target.vocab_size, sequences)
         drafter = init_drafter(pair.target, mask, o.layers or 1, o.block_size or 16, o.ids, o.intermediate_size, o.seed)
     check_fresh_out(o.out, o.overwrite)  # deletes an earlier run only now, with everything checked
     return Trainer(drafter, pair.target, train_seqs, config, o.out, eval_seqs, features, kept)

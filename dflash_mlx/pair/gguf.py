@@ -1,11 +1,11 @@
 """A GGUF file (llama.cpp's format, as Ollama and LM Studio keep models) as an mlx-lm model folder:
 ``config.json``, ``model.safetensors`` and the tokenizer files (:mod:`.gguf_tokenizer`).
 
-A file of only the types MLX reads (``mx.load``: F32, F16, and Q4_0, Q4_1 and Q8_0 as MLX affine groups of 32)
-is read by MLX. Any other type (BF16, K-quants, I-quants) makes the whole file read by the ``gguf`` package, a
-matrix :data:`CHUNK_ROWS` rows at a time, each part dequantized and cast to the dtype asked for, or kept quantized:
-types whose groups of 32 are affine (:data:`EXACT_TYPES`: Q4_K, Q5_K, Q5_0, ...) keep their codes, scales and
-biases, the others (Q2_K, Q3_K, Q6_K, I-quants) are quantized again by MLX (``bits``, 8 for types of 6 bits or
+A file of only the types MLX reads (``mx.load``: F32, F16, and Q4_0, Q4_1 and Q8_0 as MLX affine groups of 32) is
+read by MLX. Any other type (BF16, K-quants, I-quants): the file is read by :func:`parse_gguf`, each matrix
+:data:`CHUNK_ROWS` rows at a time dequantized by the ``gguf`` package and cast to the dtype asked for, or kept
+quantized: types whose groups of 32 are affine (:data:`EXACT_TYPES`: Q4_K, Q5_K, Q5_0, ...) keep their codes, scales
+and biases, the others (Q2_K, Q3_K, Q6_K, I-quants) are quantized again by MLX (``bits``, 8 for types of 6 bits or
 more, and ``group_size``). A folder kept quantized holds its float tensors in its scales' dtype (float16).
 
 Architectures (:data:`ARCHITECTURES`): ``llama`` (Q and K in the interleaved rotary order: mlx-lm's llama with
@@ -19,6 +19,7 @@ import json
 import mmap
 import os
 import shutil
+import struct
 import sys
 import tempfile
 from collections import namedtuple
@@ -32,7 +33,7 @@ from ..atomic import staging
 from ..errors import CheckpointError, ConfigError
 from ..fingerprint import file_identity
 from ..owned import cache_root
-from .gguf_tokenizer import build_tokenizer, metadata_value
+from .gguf_tokenizer import metadata_value, save_tokenizer
 from .manifest import dtype_name
 
 GROUP_SIZE = 32  # the block of every GGUF quantization MLX reads (Q4_0, Q4_1, Q8_0)
@@ -58,6 +59,8 @@ _GEMMA3_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernor
                  "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _PHI3_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # both fused
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+Tensor = namedtuple("Tensor", "name tensor_type shape data")  # GGUF shape (columns first); data: uint8 [rows, bytes]
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # GGUFValueType
 Arch = namedtuple("Arch", "model_type architecture names")  # mlx-lm's model_type, Hugging Face's, layer tensors
 ARCHITECTURES = {  # general.architecture -> Arch
     "llama": Arch("llama", "LlamaForCausalLM", _LAYER_NAMES),
@@ -127,35 +130,29 @@ def ollama_blob(name: str) -> Path:
                               f"{manifest}); `ollama pull {name}` first") from None
 
 
-def read_gguf(path: Path, bits: int = 4, group_size: int = 64, dtype: Optional[mx.Dtype] = None,
-              first: Callable[[dict], Any] = lambda _: None) -> Tuple[Dict[str, mx.array], dict, dict, Dict[str, dict]]:
+def read_gguf(path: Path, bits: int = 4, group_size: int = 64,
+              dtype: Optional[mx.Dtype] = None) -> Tuple[Dict[str, mx.array], dict, dict, Dict[str, dict]]:
     """The tensors (GGUF names; quantized ones as ``NAME.weight``/``.scales``/``.biases``), the metadata
-    (Python values), a summary (``method``, ``gguf_types``: tensors per type, ``requantized``: tensors
+    (:func:`parse_gguf`), a summary (``method``, ``gguf_types``: tensors per type, ``requantized``: tensors
     quantized again) and per quantized module ``{"group_size", "bits"}``. ``dtype``: every tensor
     dequantized by the package (exactly as llama.cpp's reference) and cast to it, none quantized again.
-    ``first`` is called with the metadata before any tensor is read.
 
     Raises:
         CheckpointError: the file is missing, not GGUF, truncated, or holds a type the ``gguf`` package cannot
             dequantize (names the file, the tensor and the type).
     """
-    from gguf import GGUFReader
-
     if not path.is_file():
         raise CheckpointError(f"{path}: GGUF file not found")
     with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise CheckpointError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+        if (magic := f.read(4)) != b"GGUF":
+            raise CheckpointError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+        pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        reader = GGUFReader(str(path))
-        metadata = {key: field.contents() for key, field in reader.fields.items()}
-        reader.fields.clear()  # views of every vocabulary entry: 50 MB for 49K entries, 470 MB for 262K
-    except Exception as e:  # the reader raises ValueError, KeyError, ... on a cut file
+        metadata, tensors = parse_gguf(pages)
+    except Exception as e:  # struct.error, ValueError, UnicodeDecodeError, ... on a cut file
         raise CheckpointError(f"{path}: truncated or corrupt GGUF file, an incomplete download? ({_reason(e)})"
                               ) from None
-    first(metadata)
-    kinds = [t.tensor_type.name for t in reader.tensors]
+    kinds = [t.tensor_type.name for t in tensors]
     summary = {"method": "GGUF read by MLX", "gguf_types": {k: kinds.count(k) for k in sorted(set(kinds))}}
     if dtype is None and all(kind in MLX_TYPES for kind in kinds):
         try:
@@ -163,23 +160,64 @@ def read_gguf(path: Path, bits: int = 4, group_size: int = 64, dtype: Optional[m
         except (RuntimeError, ValueError) as e:
             raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({_reason(e)})") from None
         return weights, metadata, {**summary, "requantized": 0}, {t.name[: -len(".weight")]: {
-            "group_size": GROUP_SIZE, "bits": EXACT_TYPES[t.tensor_type.name][0]} for t in reader.tensors
+            "group_size": GROUP_SIZE, "bits": EXACT_TYPES[t.tensor_type.name][0]} for t in tensors
             if t.tensor_type.name in EXACT_TYPES}
     weights, quant, requantized = {}, {}, 0
-    for t in reader.tensors:
+    for t in tensors:
         qtype, module, exact = t.tensor_type, t.name[: -len(".weight")], t.tensor_type.name in EXACT_TYPES
         if qtype.name in ("F32", "F16", "BF16") or dtype is not None or len(t.shape) != 2:
-            weights[t.name] = _by_rows(t, path, lambda x: _float(x, qtype) if dtype is None else
+            weights[t.name] = _by_rows(t, path, pages, lambda x: _float(x, qtype) if dtype is None else
                                        _float(x, qtype).astype(dtype))
             continue
         b = EXACT_TYPES[qtype.name][0] if exact else 8 if qtype.name in WIDE_TYPES else bits
-        w, scales, biases = _by_rows(t, path, (lambda x: _exact(x, qtype)) if exact else (
+        w, scales, biases = _by_rows(t, path, pages, (lambda x: _exact(x, qtype)) if exact else (
             lambda x: mx.quantize(_float(x, qtype).astype(mx.float16), group_size, b)))
         weights.update({t.name: w, f"{module}.scales": scales, f"{module}.biases": biases})
         quant[module] = {"group_size": GROUP_SIZE if exact else group_size, "bits": b}
         requantized += not exact
     summary.update(method="GGUF dequantized by the gguf package", requantized=requantized)
     return weights, metadata, summary, quant
+
+
+def parse_gguf(buf) -> tuple[dict, list[Tensor]]:
+    """The metadata (values as ``GGUFReader``'s ``contents()`` gives them) and tensors (``data``: a view of ``buf`` in
+    the rows the ``gguf`` package dequantizes) of a GGUF file's bytes ``buf`` (its memory map), by the specification
+    (ggml's docs/gguf.md), not by ``gguf.GGUFReader``: its view of every value took 729 MB for Gemma 3's 262,144-entry
+    vocabulary (the conversion is to stay under twice its 299 MB output); these Python values take 45 MB.
+
+    Raises:
+        ValueError, struct.error, UnicodeDecodeError, KeyError: a cut or corrupt file.
+    """
+    from gguf import GGMLQuantizationType, GGUFValueType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    at = 4  # after the magic
+
+    def take(fmt: str) -> tuple:
+        nonlocal at
+        values, at = struct.unpack_from(f"<{fmt}", buf, at), at + struct.calcsize(f"<{fmt}")
+        return values
+
+    def value(kind: int):
+        if kind == GGUFValueType.STRING:
+            return str(take(f"{take('Q')[0]}s")[0], "utf-8")
+        if kind == GGUFValueType.ARRAY:
+            kind, count = take("IQ")
+            return list(take(f"{count}{_SCALARS[kind]}")) if kind in _SCALARS else [value(kind) for _ in range(count)]
+        return take(_SCALARS[kind])[0]
+
+    version, count, keys = take("IQQ")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version}, not 2 or 3")
+    metadata = {value(GGUFValueType.STRING): value(take("I")[0]) for _ in range(keys)}
+    infos = [(value(GGUFValueType.STRING), take(f"{take('I')[0]}Q"), *take("IQ")) for _ in range(count)]
+    start, tensors = at + -at % metadata.get("general.alignment", 32), []
+    for name, dims, kind, offset in infos:  # np.frombuffer: ValueError where the file ends before the tensor
+        qtype = GGMLQuantizationType(kind)
+        shape = quant_shape_to_byte_shape(dims[::-1], qtype)
+        rows = np.frombuffer(buf, np.uint8, int(np.prod(shape)), start + offset).reshape(shape)
+        tensors.append(Tensor(name, qtype, dims, rows))
+    return metadata, tensors
 
 
 def _float(rows, qtype) -> mx.array:
@@ -213,26 +251,27 @@ def _exact(rows, qtype) -> Tuple[mx.array, mx.array, mx.array]:
             mx.array(bias[..., 0].astype(np.float16)))
 
 
-def _by_rows(tensor, path: Path, read: Callable[[Any], Any]) -> Any:
-    """``read`` of one tensor of the ``gguf`` package's reader, :data:`CHUNK_ROWS` rows (numpy, as stored) at a
-    time, each part evaluated and the file's pages dropped before the next is read, the parts joined (an array,
-    or each array of a sequence) and evaluated: never a large float copy, one tensor's parts at most."""
-    data, parts, pages = tensor.data, [], getattr(tensor.data, "_mmap", None)  # numpy's memory map of the file
+def _by_rows(tensor: Tensor, path: Path, pages: mmap.mmap, read: Callable[[Any], Any]) -> Any:
+    """``read`` of one tensor (an array or a tuple), :data:`CHUNK_ROWS` rows (numpy, as stored) at a time, each part
+    evaluated into the whole tensor's arrays in place (MLX updates an array nothing else holds), the file's ``pages``
+    read so far dropped first: never a large float copy, nor the parts beside the whole."""
+    data, out = tensor.data, []
     step = CHUNK_ROWS if data.ndim == 2 else len(data)  # quantized rows are whole blocks; else all at once
     for i in range(0, len(data), step):
-        if pages is not None:  # the file's pages read so far leave this process's memory
-            pages.madvise(mmap.MADV_DONTNEED)
+        pages.madvise(mmap.MADV_DONTNEED)
         try:
-            parts.append(read(data[i: i + step]))
+            part = read(data[i: i + step])
         except NotImplementedError:
             raise CheckpointError(f"{path}: tensor '{tensor.name}' is {tensor.tensor_type.name}, a GGUF type the gguf "
                                   "package cannot read; use a file of another quantization (Q4_K_M, Q8_0)") from None
         except ValueError as e:
             raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({_reason(e)})") from None
-        mx.eval(parts[-1])
-    joined = mx.concatenate(parts) if isinstance(parts[0], mx.array) else tuple(map(mx.concatenate, zip(*parts)))
-    mx.eval(joined)  # joined now, while only this tensor's parts are held, not all at once when written
-    return joined
+        parts = (part,) if isinstance(part, mx.array) else part
+        out = out or [mx.zeros((len(data) if data.ndim == 2 else len(p), *p.shape[1:]), p.dtype) for p in parts]
+        for whole, p in zip(out, parts):
+            whole[i: i + step] = p
+        mx.eval(out)
+    return out[0] if isinstance(part, mx.array) else tuple(out)
 
 
 def _reason(e: Exception) -> str:
@@ -314,16 +353,6 @@ def mlx_lm_name(name: str, source: Path, arch: str = "llama") -> str:
     raise ConfigError(f"{source}: tensor '{name}' is not one of a {', '.join(ARCHITECTURES)} model's")
 
 
-def quantization(quant: Dict[str, dict]) -> Optional[dict]:
-    """mlx-lm's ``quantization`` entry for the quantized modules (the most common ``{"group_size", "bits"}``,
-    plus a per-module entry for each module quantized otherwise), or None when nothing is quantized."""
-    if not quant:
-        return None
-    kinds = [tuple(q.items()) for q in quant.values()]
-    common = dict(max(set(kinds), key=kinds.count))
-    return {**common, **{module: q for module, q in quant.items() if q != common}}
-
-
 def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callable[[str], None] = lambda _: None,
                  bits: Optional[int] = None, group_size: Optional[int] = None) -> dict:
     """Write the model in the GGUF file ``path`` as an mlx-lm folder ``dst`` (created where it does not exist).
@@ -342,9 +371,8 @@ def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callab
         ConfigError: an architecture, tokenizer or tensor not supported here.
     """
     say(f"reading {path.name}")
-    dst.mkdir(parents=True, exist_ok=True)  # the tokenizer written first: its memory freed before the tensors come
-    weights, metadata, summary, quant = read_gguf(path, bits or 4, group_size or 64, dtype and getattr(mx, dtype),
-                                                  lambda meta: build_tokenizer(meta, path).save_pretrained(str(dst)))
+    dst.mkdir(parents=True, exist_ok=True)
+    weights, metadata, summary, quant = read_gguf(path, bits or 4, group_size or 64, dtype and getattr(mx, dtype))
     config = mlx_lm_config(weights, metadata, path)
     arch, shift = metadata["general.architecture"], config["model_type"] == "gemma3_text"  # (1 + w) stored
     weights = {mlx_lm_name(name, path, arch): v - 1 if shift and name.endswith("norm.weight") else v
@@ -352,7 +380,10 @@ def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callab
     quant = {mlx_lm_name(f"{module}.weight", path, arch)[: -len(".weight")]: q for module, q in quant.items()}
     if quant:  # float tensors in the scales' float16, as mlx-lm's own quantized folders: it computes in it
         weights = {n: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v for n, v in weights.items()}
-        config["quantization"] = config["quantization_config"] = quantization(quant)
+        kinds = [tuple(q.items()) for q in quant.values()]  # mlx-lm's entry: the most common, and every other module's
+        common = dict(max(set(kinds), key=kinds.count))
+        config["quantization"] = config["quantization_config"] = {
+            **common, **{module: q for module, q in quant.items() if q != common}}
     say(f"writing the mlx-lm folder ({'quantized' if 'quantization' in config else dtype or 'as stored'})")
     mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -361,5 +392,8 @@ def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callab
     stored = sum(sum(weights[f"{n[:-7]}.{s}"].nbytes for s in ("weight", "scales", "biases")
                      if f"{n[:-7]}.{s}" in weights) for n in matrices)
     params = sum(weights[n].size * (32 // quant[n[:-7]]["bits"] if n[:-7] in quant else 1) for n in matrices)
+    del weights  # the tokenizer, the peak of the conversion, in the memory the tensors leave
+    mx.clear_cache()
+    save_tokenizer(metadata, path, dst)
     return {**summary, "model_type": config["model_type"], "dtype": dtype or dtype_name(floats[0] if floats else mx.float16),
             "quantization": config.get("quantization"), "bits_per_weight": round(8 * stored / max(params, 1), 2)}

@@ -38,15 +38,17 @@ def metadata_value(metadata: dict, key: str, source: Path, default=None, require
     return value
 
 
-def build_tokenizer(metadata: dict, source: Path):
-    """A ``PreTrainedTokenizerFast`` for the vocabulary in ``metadata`` (``mx.load``'s GGUF metadata) with its
-    special tokens (control tokens whole and special, user-defined tokens whole) and chat template.
+def save_tokenizer(metadata: dict, source: Path, dst: Path) -> None:
+    """The vocabulary in ``metadata`` (:func:`~.gguf.read_gguf`'s) as a Hugging Face tokenizer in ``dst``: built with
+    ``tokenizers`` (control tokens whole and special, user-defined tokens whole) into ``tokenizer.json``, read back
+    once freed by transformers' ``PreTrainedTokenizerFast`` with the special tokens and chat template, which writes its
+    files (``tokenizer_config.json``...). Given the object, it copies it: 300 MB for Gemma 3's 262,144 entries.
 
     Raises:
         ConfigError: a key is missing, or ``tokenizer.ggml.model``/``tokenizer.ggml.pre`` names a tokenizer
             not supported here (names the file, the key and the value).
     """
-    from tokenizers import AddedToken, Tokenizer
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
     kind = metadata_value(metadata, "tokenizer.ggml.model", source, required=True)
@@ -56,21 +58,18 @@ def build_tokenizer(metadata: dict, source: Path):
     if kind not in builders:
         raise ConfigError(f"{source}: tokenizer.ggml.model '{kind}' is not supported (only {' and '.join(builders)})")
     tokenizer = builders[kind](metadata, tokens, source)
-    assert isinstance(tokenizer, Tokenizer)
+    _add_bos(tokenizer, metadata, tokens, source)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                   for t, k in zip(tokens, types) if k == CONTROL])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
                           for t, k in zip(tokens, types) if k == USER_DEFINED])
-
-    def token(key: str) -> Optional[str]:
-        index = metadata_value(metadata, f"tokenizer.ggml.{key}", source)
-        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
-
-    specials = {n: token(k) for n, k in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                                         ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=metadata.get("tokenizer.chat_template"),
-                                   clean_up_tokenization_spaces=False,
-                                   **{k: v for k, v in specials.items() if v is not None})
+    tokenizer.save(str(dst / "tokenizer.json"))
+    del tokenizer
+    ids = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}  # transformers' name: the GGUF key's
+    specials = {f"{name}_token": tokens[i] for name, key in ids.items()
+                if 0 <= (i := metadata.get(f"tokenizer.ggml.{key}_token_id", -1)) < len(tokens)}
+    PreTrainedTokenizerFast(tokenizer_file=str(dst / "tokenizer.json"), clean_up_tokenization_spaces=False,
+                            chat_template=metadata.get("tokenizer.chat_template"), **specials).save_pretrained(str(dst))
 
 
 def _byte_level(metadata: dict, tokens: List[str], source: Path):
@@ -83,19 +82,16 @@ def _byte_level(metadata: dict, tokens: List[str], source: Path):
         raise ConfigError(f"{source}: tokenizer.ggml.pre '{pre}' is not supported "
                           f"(supported: {', '.join(sorted(BYTE_LEVEL_SPLITS))})")
     vocab = {t: i for i, t in enumerate(tokens)}
-    model = models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=pre in LLAMA3_PRE)
-    tokenizer = Tokenizer(model)
+    tokenizer = Tokenizer(models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=pre in LLAMA3_PRE))
     split = BYTE_LEVEL_SPLITS[pre]
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split in (None, "digits"))
     if split is None:
         tokenizer.pre_tokenizer = byte_level
-    elif split == "digits":
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+    else:  # digits alone, or the vocabulary's regex, before the byte-level step
+        first = pre_tokenizers.Digits(individual_digits=True) if split == "digits" else pre_tokenizers.Split(
+            Regex(split), behavior="isolated")
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([first, byte_level])
     tokenizer.decoder = decoders.ByteLevel()
-    _add_bos(tokenizer, metadata, tokens, source, default=pre in LLAMA3_PRE)
     return tokenizer
 
 
@@ -105,11 +101,10 @@ def _sentencepiece(metadata: dict, tokens: List[str], source: Path):
     unless ``tokenizer.ggml.add_space_prefix`` is false."""
     from tokenizers import Tokenizer, decoders, models, normalizers
 
-    scores = metadata_value(metadata, "tokenizer.ggml.scores", source)
     merges = metadata_value(metadata, "tokenizer.ggml.merges", source)
     if merges is not None:
         merges = [tuple(m.split(" ", 1)) for m in merges]
-    elif scores is not None:
+    elif (scores := metadata_value(metadata, "tokenizer.ggml.scores", source)) is not None:
         merges = merges_from_scores(tokens, scores)
     else:
         raise ConfigError(f"{source}: missing GGUF metadata key 'tokenizer.ggml.scores' (or "
@@ -122,16 +117,16 @@ def _sentencepiece(metadata: dict, tokens: List[str], source: Path):
     tokenizer.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
     tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
                                           + ([decoders.Strip(" ", 1, 0)] if prefix else []))
-    _add_bos(tokenizer, metadata, tokens, source, default=True)
     return tokenizer
 
 
-def _add_bos(tokenizer, metadata: dict, tokens: List[str], source: Path, default: bool) -> None:
+def _add_bos(tokenizer, metadata: dict, tokens: List[str], source: Path) -> None:
     """Prepend BOS to every encoding when ``tokenizer.ggml.add_bos_token`` says so (llama.cpp's default:
     yes for SentencePiece vocabularies and the byte-level ones of :data:`LLAMA3_PRE`, else no)."""
     from tokenizers import processors
 
     bos = metadata_value(metadata, "tokenizer.ggml.bos_token_id", source)
+    default = metadata["tokenizer.ggml.model"] == "llama" or metadata.get("tokenizer.ggml.pre") in LLAMA3_PRE
     if bos is None or not metadata_value(metadata, "tokenizer.ggml.add_bos_token", source, default=default):
         return
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -142,11 +137,10 @@ def merges_from_scores(tokens: List[str], scores: List[float]) -> List[Tuple[str
     """SentencePiece BPE's merges, recovered from its pieces: each way to cut a piece into two pieces of the
     vocabulary is a merge, ranked by the made piece's score (highest first), ties by the pieces' ids."""
     ids: Dict[str, int] = {t: i for i, t in enumerate(tokens)}
-    ranked = []
+    ranked = []  # (-score, left id, right id): no strings held per merge (515K merges in Gemma 3's vocabulary)
     for piece, index in ids.items():
         for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in ids and right in ids:
-                ranked.append((-scores[index], ids[left], ids[right], left, right))
+            if (left := ids.get(piece[:cut])) is not None and (right := ids.get(piece[cut:])) is not None:
+                ranked.append((-scores[index], left, right))
     ranked.sort()
-    return [(left, right) for *_, left, right in ranked]
+    return [(tokens[left], tokens[right]) for _, left, right in ranked]

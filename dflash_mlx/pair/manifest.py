@@ -69,14 +69,6 @@ def read_manifest(root: Path) -> dict:
     return manifest
 
 
-def converted_root(model: Optional[str]) -> Optional[Path]:
-    """The folder if ``model`` is a local folder holding ``dflash.json``, else None."""
-    if model is None:
-        return None
-    path = Path(model).expanduser()
-    return path if (path / MANIFEST).is_file() else None
-
-
 def verify(root: Path, manifest: Optional[dict] = None) -> None:
     """Check every listed file against the sha256 in the manifest.
 
@@ -101,8 +93,7 @@ def verify(root: Path, manifest: Optional[dict] = None) -> None:
             raise CheckpointError(f"{root / name}: {what} not listed in {root / MANIFEST}")
 
 
-def resolve_pair(model: Optional[str], draft_model: Optional[str],
-                 verify_hashes: bool = False) -> Tuple[Optional[str], Optional[str]]:
+def resolve_pair(model: str, draft_model: Optional[str], verify_hashes: bool = False) -> Tuple[str, Optional[str]]:
     """``(model, draft_model)`` with a converted folder ``model`` expanded into ``DIR/target`` and, unless
     ``draft_model`` is given, ``DIR/drafter`` (hashes checked first with ``verify_hashes``).
 
@@ -110,8 +101,8 @@ def resolve_pair(model: Optional[str], draft_model: Optional[str],
         InputError: ``verify_hashes`` for a model that is not a converted folder.
         ConfigError, CheckpointError: see :func:`read_manifest` and :func:`verify`.
     """
-    root = converted_root(model)
-    if root is None:
+    root = Path(model).expanduser()
+    if not (root / MANIFEST).is_file():  # not a converted folder
         if verify_hashes:
             raise InputError(f"--verify: {model} is not a folder written by dflash convert (no {MANIFEST})")
         return model, draft_model

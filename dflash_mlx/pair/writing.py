@@ -134,13 +134,11 @@ def write_drafter(drafter: DFlashDrafter, dst: Path, q_bits: Optional[int] = Non
     return entry
 
 
-def _revision(path: Path) -> Optional[str]:
-    """The commit of a Hugging Face cache snapshot folder (``.../snapshots/<commit>``), else None."""
-    return path.name if path.parent.name == "snapshots" else None
-
-
-def _source(name: str, path: Path) -> str:
-    return str(path.resolve()) if Path(name).expanduser().is_dir() else name
+def _origin(name: str, path: Path) -> dict:
+    """``source``: the folder given, resolved, or the repo id; ``revision``: the commit of a Hugging Face cache
+    snapshot folder (``.../snapshots/<commit>``), else None."""
+    return {"source": str(path.resolve()) if Path(name).expanduser().is_dir() else name,
+            "revision": path.name if path.parent.name == "snapshots" else None}
 
 
 def make_manifest(model: str, draft_model: str, target_src: Path, draft_src: Path, draft_config: dict,
@@ -154,11 +152,9 @@ def make_manifest(model: str, draft_model: str, target_src: Path, draft_src: Pat
     return {
         "dflash_convert": MANIFEST_VERSION,
         "created_by": f"dflash-mlx {version('dflash-mlx')}, mlx-lm {mlx_lm.__version__}",
-        "target": {"path": "target", "source": _source(model, target_src), "revision": _revision(target_src),
-                   **target_entry},
-        "drafter": {"path": "drafter", "source": _source(draft_model, draft_src), "revision": _revision(draft_src),
-                    "format": archs[0], "block_size": args.block_size,
-                    "target_layer_ids": list(args.target_layer_ids), "mask_token_id": args.mask_token_id,
-                    **drafter_entry},
+        "target": {"path": "target", **_origin(model, target_src), **target_entry},
+        "drafter": {"path": "drafter", **_origin(draft_model, draft_src), "format": archs[0],
+                    "block_size": args.block_size, "target_layer_ids": list(args.target_layer_ids),
+                    "mask_token_id": args.mask_token_id, **drafter_entry},
         "files": files,
     }
