@@ -21,7 +21,6 @@ from .sharded import load_sharded, rank, ranks
 from ..targets import TargetAdapter, make_adapter
 
 TARGET_FILES = DEFAULT_ALLOW_PATTERNS  # what mlx-lm itself downloads for a model
-DRAFTER_ARCHITECTURES = tuple(FORMATS)  # `architectures` of drafter checkpoints: every format that loads
 
 
 @dataclass
@@ -79,7 +78,7 @@ def load_model(path_or_repo: str, what: str = "model", lazy: bool = False, shard
 def is_drafter_config(config: dict) -> bool:
     """Whether a ``config.json`` describes a DFlash drafter (its architecture or ``dflash_config``)."""
     archs = config.get("architectures") or []
-    return "dflash_config" in config or any(a in DRAFTER_ARCHITECTURES for a in archs)
+    return "dflash_config" in config or any(a in FORMATS for a in archs)  # a drafter format's `architectures`
 
 
 def load_target(path_or_repo: str, sharding: Optional[str] = None):
