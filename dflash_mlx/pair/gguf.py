@@ -182,8 +182,8 @@ def read_gguf(path: Path, bits: int = 4, group_size: int = 64,
 def parse_gguf(buf) -> tuple[dict, list[Tensor]]:
     """The metadata (values as ``GGUFReader``'s ``contents()`` gives them) and tensors (``data``: a view of ``buf`` in
     the rows the ``gguf`` package dequantizes) of a GGUF file's bytes ``buf`` (its memory map), by the specification
-    (ggml's docs/gguf.md), not by ``gguf.GGUFReader``: its view of every value took 729 MB for Gemma 3's 262,144-entry
-    vocabulary (the conversion is to stay under twice its 299 MB output); these Python values take 45 MB.
+    (ggml's docs/gguf.md), not by ``gguf.GGUFReader``, which keeps a numpy view of every array entry: on a large
+    vocabulary that alone breaks the bound of twice the output's size (docs/benchmarks.md, Gemma 3 270M).
 
     Raises:
         ValueError, struct.error, UnicodeDecodeError, KeyError: a cut or corrupt file.
