@@ -609,6 +609,38 @@ def test_a_drafter_on_a_gguf_target_is_lossless_as_on_its_folder(stories, tmp_pa
     assert drafter in last and "trained for another target" in last, r.stderr
 
 
+def test_a_qwen3_pair_is_lossless_from_its_folder_and_from_its_gguf(tmp_path):
+    """A tiny qwen3 target saved as a folder and as a GGUF (by the `gguf` package), one drafter: the same
+    greedy tokens as mlx-lm on the model both came from, and the same acceptance, from either. The drafter
+    runs as it is (its own drafts read the target's context features) and scripted half right (rollback
+    every step)."""
+    from dflash_mlx import generate_step
+    from dflash_mlx.bench.simulate import SimulatedDrafter
+    from dflash_mlx.stats import GenerationStats
+    from conftest import tiny_drafter
+
+    _, tokens, merges = byte_level_vocab()
+    model, _ = tiny_target("qwen3", vocab=len(tokens), hidden=64, layers=4, seed=7)
+    path = write_gguf(tmp_path / "q.gguf", model, tokens, arch="qwen3", merges=merges, pre="qwen2")
+    convert_gguf(path, tmp_path / "out")
+    targets = [make_adapter(model), make_adapter(mlx_lm_load(str(tmp_path / "out"))[0])]
+    prompt = [9, 8, 70, 11, 30]
+    want = mlx_lm_greedy(model, prompt, 80)
+    assert_varied(want, 20)
+    drafter = tiny_drafter(targets[0], block_size=8)
+
+    def run(target, draft):
+        stats = GenerationStats(block_size=8)
+        out = [t for s in generate_step(mx.array(prompt), target, draft, max_tokens=80, block_size=8,
+                                        stats=stats) for t in s.tokens]
+        return out, stats.histogram
+
+    for draft in (drafter, SimulatedDrafter(drafter, prompt + want, accept=3, vocab_size=len(tokens))):
+        (folder, seen), (from_gguf, seen_gguf) = (run(t, draft) for t in targets)
+        assert folder == from_gguf == want and seen == seen_gguf, (seen, seen_gguf)
+    assert max(seen) == 4  # the scripted drafter: 3 drafts and the bonus token per step
+
+
 def test_a_cut_file_is_one_line_at_any_offset(tmp_path):
     """A K-quant file (read tensor by tensor by the gguf package) cut anywhere, header, metadata or tensor
     data: one line naming the file, exit 1, nothing written."""
