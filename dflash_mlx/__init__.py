@@ -25,8 +25,7 @@ _EXPORTS = {
     "chat.session": ["ChatSession"],
     "pair.loading": ["Pair", "bind_drafter", "check_pair", "load", "load_target"],
     "stats": ["GenerationStats"],
-    "targets": ["TargetAdapter", "make_adapter"],
-}
+    "targets": ["TargetAdapter", "make_adapter"]}
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = sorted(_MODULE_OF)
@@ -50,8 +49,7 @@ if TYPE_CHECKING:  # for type checkers and editors
     from .drafter.network import DFlashDrafter
     from .drafter.config import DrafterArgs
     from .errors import (
-        CheckpointError, ConfigError, DFlashError, InputError, MismatchError, RollbackError, ValidationError,
-    )
+        CheckpointError, ConfigError, DFlashError, InputError, MismatchError, RollbackError, ValidationError)
     from .protocol import Drafter, Proposal, WrappedDrafter
     from .sampling import Sampling
     from .decode.generate import GenerationResponse, StepResult, generate, generate_step, stream_generate

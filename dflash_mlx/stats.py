@@ -193,8 +193,7 @@ class GenerationStats:
             "prompt_tokens_reused": self.prompt_reused, "prompt_tokens_prefilled": self.prompt_prefilled,
             "prompt_tps": _rounded(self.prompt_tps, 3), "generation_tokens": self.generation_tokens,
             "generation_tps": round(self.generation_tps, 3), "peak_memory": round(self.peak_memory_gb, 3),
-            "bandwidth_gbps": _rounded(self.bandwidth_gbps, 3), "timings_ms": self.timings_ms(),
-        }
+            "bandwidth_gbps": _rounded(self.bandwidth_gbps, 3), "timings_ms": self.timings_ms()}
         if trace:
             d["acceptance_trace"] = self.trace
         return d

@@ -148,8 +148,7 @@ def summarize(records: Sequence[RequestRecord]) -> List[Dict[str, Any]]:
             "ttft_median_ms": 1e3 * statistics.median(r.ttft_s for r in rs),
             "ttft_total_s": sum(r.ttft_s for r in rs), "total_s": sum(r.total_s for r in rs),
             "same_as_cold": all(r.same_as_cold for r in rs) if rs[0].same_as_cold is not None else None,
-            "tau_by_prompt_tokens": {},
-        }
+            "tau_by_prompt_tokens": {}}
         for lo, hi in zip((0,) + BUCKETS, BUCKETS + (None,)):
             taus = [r.tau for r in rs
                     if r.tau is not None and lo <= r.prompt_tokens and (hi is None or r.prompt_tokens < hi)]

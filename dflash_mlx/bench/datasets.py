@@ -52,8 +52,7 @@ FORMATS: List[Format] = [
     Format("humaneval", ("task_id", "prompt", "entry_point"), lambda row: [HUMANEVAL_PREFIX + row["prompt"] + "\n```"]),
     Format("mbpp", ("prompt", "code", "test_list"), lambda row: [str(row["prompt"])]),
     Format("mt-bench", ("turns",), _turns), Format("alpaca", ("instruction", "output"), _alpaca),
-    Format("messages", ("messages",), lambda row: []), Format("prompt", ("prompt",), _turns),
-]
+    Format("messages", ("messages",), lambda row: []), Format("prompt", ("prompt",), _turns)]
 
 SHIPPED, SHIPPED_ROWS = Path(__file__).parent / "sets", 80  # each set's first rows, read without the hub
 # name -> (Hugging Face load_dataset args, split, row format, the same set's file in ../shared/datasets)
@@ -63,8 +62,7 @@ HF_DATASETS: Dict[str, tuple] = {
     "humaneval": (("openai/openai_humaneval",), "test", "humaneval", "humaneval.jsonl.gz"),
     "mbpp": (("google-research-datasets/mbpp", "sanitized"), "test", "mbpp", "mbpp_sanitized_test.jsonl"),
     "mt-bench": (("HuggingFaceH4/mt_bench_prompts",), "train", "mt-bench", "mt_bench_questions.jsonl"),
-    "alpaca": (("tatsu-lab/alpaca",), "train", "alpaca", None),
-}
+    "alpaca": (("tatsu-lab/alpaca",), "train", "alpaca", None)}
 
 
 def detect_format(row: dict, source: str = "row") -> Format:

@@ -70,8 +70,7 @@ def engine_summary(runs: Sequence[RunRecord]) -> dict:
         "s_per_token_median": median(seconds_per_token(r) for r in runs),
         "generation_tokens_total": sum(len(r.tokens) for r in runs), "steps": stats.steps,
         "plain_steps": stats.plain_steps, "tau": stats.tau, "acceptance_rate": stats.acceptance_rate,
-        "acceptance_histogram": histogram_dict(stats.histogram),
-    }
+        "acceptance_histogram": histogram_dict(stats.histogram)}
 
 
 def variant_order(b) -> tuple:
@@ -111,8 +110,7 @@ def variant_summary(result: DatasetResult, block_size, base: dict) -> dict:
         "ideal_speedup_at_tau": median(ideal_speedup(r, b, r.stats.tau) for b, r in prs),
         "measured_over_ideal": median(ratio(m, i) for m, i in zip(measured, ideal)),
         "cycle_ms": {k: median(c[k] for c in cycles) for k in PHASES}, "outputs_compared": len(compared),
-        "outputs_differing": (len(compared) - sum(compared)) if compared else None,
-    })
+        "outputs_differing": (len(compared) - sum(compared)) if compared else None})
     return s
 
 
@@ -133,8 +131,7 @@ def machine_info() -> dict:
         "platform": platform.platform(), "machine": platform.machine(), "python": sys.version.split()[0],
         "mlx": mx.__version__, "mlx_lm": getattr(mlx_lm, "__version__", None), "device": str(mx.default_device()),
         "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "openblas_preloaded": "openblas" in os.environ.get("LD_PRELOAD", ""),
-    }
+        "openblas_preloaded": "openblas" in os.environ.get("LD_PRELOAD", "")}
 
 
 def build_report(results: Sequence[DatasetResult], config: dict, command: Sequence[str]) -> dict:

@@ -80,8 +80,7 @@ class RunRecord:
             "decode_tps": r(self.decode_tps, 3), "phase_s": {k: r(v) for k, v in self.stats.phase_s.items()},
             **{k: stats[k] for k in ("steps", "plain_steps", "tau", "acceptance_rate", "acceptance_rule",
                                      "acceptance_histogram")},
-            "peak_memory_gb": r(self.peak_memory_gb), "matches_baseline": self.matches_baseline,
-        }
+            "peak_memory_gb": r(self.peak_memory_gb), "matches_baseline": self.matches_baseline}
 
 
 def timed_run(engine: Engine, ids: List[int], max_tokens: int, sampler, stop_ids: Sequence[int]) -> RunRecord:
@@ -102,8 +101,7 @@ def timed_run(engine: Engine, ids: List[int], max_tokens: int, sampler, stop_ids
         sample="", turn=0, repeat=0, engine=engine.name, block_size=engine.block_size, prompt_tokens=len(ids),
         tokens=tokens, first_tokens=first_tokens, prompt_s=(first - tic) if first is not None else 0.0,
         decode_s=(last - first) if first is not None else 0.0, stats=stats,
-        peak_memory_gb=mx.get_peak_memory() / 1e9,
-    )
+        peak_memory_gb=mx.get_peak_memory() / 1e9)
 
 
 @dataclass

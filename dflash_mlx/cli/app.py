@@ -20,8 +20,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # click's plain help: wraps, never cuts text, reads well in a pipe
-    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
-)
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 
 
 def _print_version(value: bool) -> None:

@@ -15,8 +15,7 @@ from dflash_mlx.ranges import check_number
 from .common import (
     BlockSize, PromptLookup, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
     PromptCacheDir, PromptCacheGb, Seed, Sharding, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP, Verify,
-    check_pair_flags, check_sampling, check_template_flags, guard, load_pair, parse_draft_window, parse_stops, utf8,
-)
+    check_pair_flags, check_sampling, check_template_flags, guard, load_pair, parse_draft_window, parse_stops, utf8)
 
 COMMANDS = [
     ("/help", "this list"), ("/reset", "clear the history and both caches"),
@@ -25,8 +24,7 @@ COMMANDS = [
     ("/temp T", "sampling temperature (0 is greedy)"), ("/max N", "most tokens per reply"),
     ("/think on|off", "thinking, for chat templates that have it"),
     ("/color [on|off]", "colour the tokens accepted from the drafter"),
-    ("/save FILE", "save the transcript: FILE.json as JSON, else Markdown"), ("/quit", "exit (Ctrl-D too)"),
-]
+    ("/save FILE", "save the transcript: FILE.json as JSON, else Markdown"), ("/quit", "exit (Ctrl-D too)")]
 
 
 def chat(

@@ -15,8 +15,7 @@ from .common import (
     BlockSize, PromptLookup, DraftModel, DraftWindow, IgnoreTemplate, MaxTokens, MinP, Model, NoPromptCache, PrefillStep,
     PromptCacheDir, PromptCacheGb, Seed, Sharding, Stop, SystemPrompt, Temp, TemplateConfig, TopK, TopP,
     TreeBudget, Verify, check_pair_flags, check_sampling, check_template_flags, guard, load_pair,
-    parse_draft_window, parse_stops, read_prompt, warn,
-)
+    parse_draft_window, parse_stops, read_prompt, warn)
 
 def generate(
     model: Model = None,

@@ -120,8 +120,7 @@ def stream_generate(target: TargetAdapter, tokenizer: TokenizerWrapper, prompt: 
         target_bytes=weight_bytes(target.model),
         drafter_bytes=weight_bytes(drafter) if isinstance(drafter, nn.Module) else 0,
         speculative=drafter is not None, reason=None if drafter is not None else NO_DRAFTER,
-        drafter_format=getattr(drafter, "drafter_format", None),
-    )
+        drafter_format=getattr(drafter, "drafter_format", None))
     text = TextStream(tokenizer, stop_strings)
     tic, first = time.perf_counter(), True
     with wired_limit(target.model, [generation_stream]):

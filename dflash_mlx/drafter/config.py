@@ -223,8 +223,7 @@ def _shape(config: dict, source: str) -> Dict[str, Any]:
         rope_theta=to_number(read_rope_theta(config, source), "rope_theta", source),
         rope_scaling=config.get("rope_scaling") or (rope_params or None),
         max_position_embeddings=to_int(config.get("max_position_embeddings") or 40960, "max_position_embeddings",
-                                       source),
-    )
+                                       source))
 
 
 def _dflash_keys(config: dict, dflash: dict, fmt: DrafterFormat, drafter_key: Callable, source: str) -> Dict[str, Any]:

@@ -135,15 +135,13 @@ DFLASH2_KEYS = (
     FormatKey("conv_kernel_size", minimum=1), FormatKey("conv_group_size", minimum=1),
     FormatKey("selector_rank", minimum=1), FormatKey("selector_top_k", minimum=1),
     FormatKey("input_embedding_scale", float, default=1.0), FormatKey("output_multiplier", float, default=1.0),
-    FormatKey("final_logit_softcapping", float, default=None, minimum=0.0),
-)
+    FormatKey("final_logit_softcapping", float, default=None, minimum=0.0))
 
 # spec section 11: the Markov head's rank r (0: none) and type, the confidence head and its input
 DSPARK_KEYS = (
     FormatKey("markov_rank", minimum=0), FormatKey("markov_head_type", ("vanilla",), default="vanilla"),
     FormatKey("enable_confidence_head", (False, True), default=False),
-    FormatKey("confidence_head_with_markov", (False, True), default=False),
-)
+    FormatKey("confidence_head_with_markov", (False, True), default=False))
 
 V1 = DrafterFormat("DFlashDraftModel", "qwen3")
 DFLASH2 = DrafterFormat("DFlash2DraftModel", "qwen3", keys=DFLASH2_KEYS, check=_check_dflash2)

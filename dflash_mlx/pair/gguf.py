@@ -53,8 +53,7 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _GEMMA3_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",  # llama.cpp's gemma3 names
                  "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _PHI3_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # both fused
@@ -67,8 +66,7 @@ ARCHITECTURES = {  # general.architecture -> Arch
     "qwen2": Arch("qwen2", "Qwen2ForCausalLM", _LAYER_NAMES),
     "qwen3": Arch("qwen3", "Qwen3ForCausalLM", _LAYER_NAMES),
     "phi3": Arch("phi3", "Phi3ForCausalLM", _PHI3_NAMES),
-    "gemma3": Arch("gemma3_text", "Gemma3ForCausalLM", _GEMMA3_NAMES),
-}
+    "gemma3": Arch("gemma3_text", "Gemma3ForCausalLM", _GEMMA3_NAMES)}
 _SUFFIXES = ("weight", "bias", "scales", "biases")
 
 
@@ -307,8 +305,7 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")), "max_position_embeddings": key("context_length"),
         "vocab_size": weights["token_embd.weight"].shape[0], "tie_word_embeddings": "output.weight" not in weights,
         "rope_traditional": arch == "llama",  # llama.cpp permutes llama's Q and K to the interleaved order
-        "attention_bias": "blk.0.attn_q.bias" in weights, "mlp_bias": "blk.0.ffn_gate.bias" in weights,
-    }
+        "attention_bias": "blk.0.attn_q.bias" in weights, "mlp_bias": "blk.0.ffn_gate.bias" in weights}
     if scaling == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": float(key("rope.scaling.factor"))}
     if "rope_freqs.weight" in weights:  # Llama 3.1 and later

@@ -25,8 +25,7 @@ _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 BYTE_LEVEL_SPLITS = {
     "default": None, "gpt-2": None, "gpt2": None, "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
     "smaug-bpe": _LLAMA3, "dbrx": _LLAMA3, "falcon3": _LLAMA3, "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
-    "smollm": "digits", "starcoder": "digits", "refact": "digits", "codeshell": "digits",
-}
+    "smollm": "digits", "starcoder": "digits", "refact": "digits", "codeshell": "digits"}
 LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "falcon3")  # llama.cpp: merges ignored, BOS added by default
 
 

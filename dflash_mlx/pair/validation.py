@@ -114,8 +114,7 @@ def validate(root: Path, source: SourceRun, draft_src: Path) -> List[Check]:
         Check("hidden size", f"target {target.hidden_size}, drafter {args.hidden_size}",
               target.hidden_size == args.hidden_size == source.hidden_size),
         Check("layers", f"target {target.num_layers}, drafter reads {list(args.target_layer_ids)}",
-              target.num_layers == source.num_layers and max(args.target_layer_ids) < target.num_layers),
-    ]
+              target.num_layers == source.num_layers and max(args.target_layer_ids) < target.num_layers)]
     own = greedy_tokens(target.model, prompt, n)
     why = "" if float_path else ("; quantized, may differ" if quantized
                                  else f"; {dtype_name(source.dtype)} -> {dtype_name(target.dtype)}, may differ")

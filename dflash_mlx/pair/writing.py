@@ -156,5 +156,4 @@ def make_manifest(model: str, draft_model: str, target_src: Path, draft_src: Pat
         "drafter": {"path": "drafter", **_origin(draft_model, draft_src), "format": archs[0],
                     "block_size": args.block_size, "target_layer_ids": list(args.target_layer_ids),
                     "mask_token_id": args.mask_token_id, **drafter_entry},
-        "files": files,
-    }
+        "files": files}

@@ -81,8 +81,7 @@ class GatedDeltaCache(ArraysCache):
             mask = None if f.mask is None else f.mask[:, :keep]
             _, state = gated_delta_update(
                 f.q[:, :keep], f.k[:, :keep], f.v[:, :keep], f.a[:, :keep], f.b[:, :keep],
-                f.A_log, f.dt_bias, f.before[1], mask, use_kernel=f.use_kernel,
-            )
+                f.A_log, f.dt_bias, f.before[1], mask, use_kernel=f.use_kernel)
             conv = mx.contiguous(f.conv_input[:, keep : keep + width])
             self.cache, self.offset = [conv, state], f.start + keep  # one statement (interrupts)
             return n

@@ -42,16 +42,14 @@ def pair_key(target: Any, drafter: Optional[Any]) -> dict:
     key = {
         "format": KEY_FORMAT, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "target": _identity(target),
         "target_type": type(target).__name__, "target_dtypes": _dtypes(model),
-        "target_quantization": _quantization(model), "drafter": None,
-    }
+        "target_quantization": _quantization(model), "drafter": None}
     if drafter is not None:
         key.update({
             "drafter": _identity(drafter), "drafter_type": type(drafter).__name__,
             "capture_layers": list(drafter.target_layer_ids),
             "drafter_dtypes": _dtypes(drafter) if hasattr(drafter, "parameters") else [],
             "drafter_quantization": _quantization(drafter) if hasattr(drafter, "named_modules") else [],
-            "draft_window": list(getattr(drafter, "draft_window", None) or []),
-        })
+            "draft_window": list(getattr(drafter, "draft_window", None) or [])})
     return key
 
 

@@ -24,8 +24,7 @@ KINDS: Dict[str, Tuple[type, Tuple[str, ...], Tuple[str, ...]]] = {
     "QuantizedKVCache": (QuantizedKVCache, ("offset", "group_size", "bits"), ("group_size", "bits")),
     "WindowKVCache": (WindowKVCache, ("offset", "start", "window"), ("window",)),
     "GatedDeltaCache": (GatedDeltaCache, ("offset",), ()),
-    "ContextWindowCache": (ContextWindowCache, ("offset", "held", "sink", "window"), ("sink", "window")),
-}
+    "ContextWindowCache": (ContextWindowCache, ("offset", "held", "sink", "window"), ("sink", "window"))}
 
 
 def kind_of(c: Any) -> str:

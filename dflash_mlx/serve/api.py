@@ -10,8 +10,7 @@ from pydantic_core import PydanticCustomError
 from ..stats import GenerationStats
 from .tool_requests import (
     MAX_TOOLS, ToolCallIn, ToolChoice, ToolDefinition, arguments_problem, calls_for_template, other_tool_type,
-    template_tools, tool_problem,
-)
+    template_tools, tool_problem)
 
 
 MAX_STOP = 16  # stop strings per request (OpenAI takes 4)
@@ -25,8 +24,7 @@ UNSUPPORTED = {
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
     "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none"),
-    "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
-}
+    "prediction": (None,), "audio": (None,), "modalities": (None, ["text"])}
 
 
 def request_error(param: str, message: str) -> PydanticCustomError:
@@ -184,8 +182,7 @@ def usage(stats: GenerationStats) -> Dict[str, Any]:
     return {
         "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generation_tokens,
         "total_tokens": stats.prompt_tokens + stats.generation_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.prompt_reused}, "dflash": d,
-    }
+        "prompt_tokens_details": {"cached_tokens": stats.prompt_reused}, "dflash": d}
 
 
 def _envelope(rid: str, object_: str, model: str, **fields: Any) -> Dict[str, Any]:

@@ -127,8 +127,7 @@ class Server:
         return GenerationJob(
             ids=ids, max_tokens=n, stop=req.stop_strings(), endpoint=endpoint,
             temperature=req.temperature or 0.0, top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=req.seed,
-        )
+            top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=req.seed)
 
     def models(self) -> Dict[str, Any]:
         pair = self.pair

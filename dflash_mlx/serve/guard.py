@@ -18,8 +18,7 @@ CHARS_PER_TOKEN = 8  # the default prompt cap, in characters per token of contex
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "tools", "add_generation_prompt", "continue_final_message", "tokenize",
     "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 TEMPLATE_KWARGS = ("chat_template",)  # a template's source: only with --allow-request-templates
 
 
