@@ -6,7 +6,9 @@ nodes. E comes from the draft survival observed (Kaplan-Meier, each position sta
 with :data:`PRIOR_WEIGHT` steps' weight; every step ages the evidence and the prior alike by :data:`DECAY`,
 so plain steps change no estimate but make the next observation weigh more); seconds(w, n) is the median of
 its last :data:`WINDOW` timings (other work on the machine only adds time, in bursts a mean follows; the first
-run of each (w, n) is left out and run again at once). Plain steps' rate is divided by :data:`PLAIN_MARGIN`,
+run of each (w, n) is left out and run again at once). Plain steps are the exception: one dispatches the next
+before it is read, so a run of them times as one slow step and fast ones (197, 67, 29 ms for 3 x 98 ms): their
+seconds are the mean of all of their last timings, the first included. Plain steps' rate is divided by :data:`PLAIN_MARGIN`,
 so only a measured gain moves off plain. It starts with plain steps: until drafting is measured to pay, it does not run.
 
 Other options run as probes, one step each (two untimed), one per gap of steps: the gap starts at
@@ -29,7 +31,7 @@ AUTO = "auto"
 PRIOR = 0.6  # conditional acceptance of a draft position never verified
 PRIOR_WEIGHT = 0.25  # steps' worth of weight the prior carries per position
 DECAY = 0.97  # weight of older steps' evidence (and of the prior), per step
-WINDOW = 6  # timings kept per (option, n): even, so alternating pipelined timings weigh alike
+WINDOW = 6  # timings kept per (option, n)
 FIRST_GAP = 2  # steps before the first probe, and after one that beat the best
 PROBE_EVERY = 8  # the gap after a chain probe that came close to a best chain
 MAX_GAP = 64  # the longest gap between two probes, in steps
@@ -211,8 +213,8 @@ class WidthChooser:
             for a in accepted:
                 self.survival.observe(plan.width, a)
         key = (plan, n)
-        if key in self.seconds:
-            self.seconds[key] = self.seconds[key][1 - WINDOW :] + [seconds]
+        if key in self.seconds or plan.width == 1:
+            self.seconds[key] = self.seconds.get(key, [])[1 - WINDOW :] + [seconds]
         else:
             self.seconds[key] = []  # the first run of a shape pays its setup
         best = self.best.get(n)
@@ -230,10 +232,9 @@ class WidthChooser:
         return self.survival.expected_tokens(plan.width if plan.tree_budget is None else self.block)
 
     def _seconds(self, plan: Plan, n: int) -> float:
-        """The median of ``plan``'s timings at ``n`` (0 untimed); of an even window, the mean of the middle
-        two, which is the pair's mean when pipelined plain steps alternate short and long."""
+        """The median of ``plan``'s timings at ``n``, for plain steps the mean (0 untimed)."""
         timings = self.seconds.get((plan, n))
-        return statistics.median(timings) if timings else 0.0
+        return (statistics.fmean if plan.width == 1 else statistics.median)(timings) if timings else 0.0
 
     def rate(self, plan: Plan, n: int = 1) -> float:
         """Tokens per second ``plan`` is expected to commit for ``n`` sequences (0 untimed)."""
