@@ -186,7 +186,8 @@ def test_piped_commands_name_themselves_and_reset_clears_the_totals(stories, ran
     r = dflash(*chat_args(stories, random_drafter, "-m", "10"), input="\n".join(lines) + "\n", text=True)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: /block 1 is out of range: this drafter supports 2..8 (its trained block size)",
+    assert errors == ["error: /block 1 is out of range: this drafter supports 2..8 (tokens a verify holds: the last one and "
+                      "up to 7 drafts)",
                       "error: /temp must be >= 0, got -1.0", "error: /max must be at least 1, got 0"]
     assert "--" not in "".join(errors)
     assert "Turns: 0 (0 interrupted)" in r.stdout and "Generation: 0 tokens" in r.stdout

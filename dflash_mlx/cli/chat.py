@@ -227,13 +227,12 @@ def _command(line: str, session, o, view, pair) -> bool:
 
 
 def _block(arg: str, drafter):
+    from dflash_mlx.decode.generate import check_block_size
+
     if drafter is None:
         raise InputError("/block needs a drafter (--draft-model)")
     B = "auto" if arg == "auto" else _number(arg, int, "/block N")
-    if B != "auto" and not 2 <= B <= drafter.block_size:
-        raise InputError(f"/block {B} is out of range: this drafter supports 2..{drafter.block_size} "
-                         "(its trained block size)")
-    return B
+    return B if B == "auto" else check_block_size(B, drafter, "/block")
 
 
 def _number(arg: str, kind, usage: str):

@@ -90,17 +90,17 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
             decoder.remove([key])
 
 
-def check_block_size(block_size: Optional[int | str], drafter: Optional[Drafter]) -> int:
+def check_block_size(block_size: Optional[int | str], drafter: Optional[Drafter], flag: str = "--block-size") -> int:
     """B, the block the drafter drafts: 1 without a drafter, else 2..its trained size (that for None and
-    ``"auto"``). Raises InputError naming ``--block-size`` and the allowed range."""
+    ``"auto"``). Raises InputError naming ``flag`` and the allowed range."""
     if drafter is None:
         return 1
     trained = drafter.block_size
     block_size = parse_block_size(block_size)
     B = trained if block_size in (None, AUTO) else block_size
     if not 2 <= B <= trained:
-        raise InputError(f"--block-size {B} is out of range: this drafter supports 2..{trained} "
-                         "(its trained block size)")
+        raise InputError(f"{flag} {B} is out of range: this drafter supports 2..{trained} "
+                         f"(tokens a verify holds: the last one and up to {trained - 1} drafts)")
     return B
 
 
