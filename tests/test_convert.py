@@ -598,6 +598,7 @@ def test_dspark_round_trip(dspark, tmp_path, bits, quantize):
 
     pair = load(str(out))
     assert ("embed_tokens" in pair.drafter) == quantize and pair.drafter.block_size == 8
+    assert drafter_logits(load_drafter(str(drafter_src)), pair.target, PROMPT).shape[0] == 7  # its trained block
     reference = mlx_lm_greedy(pair.model, PROMPT, N)
     assert_varied(reference)
     assert dflash_greedy(pair, PROMPT, N) == reference

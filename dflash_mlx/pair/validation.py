@@ -50,15 +50,16 @@ def dflash_tokens(target: TargetAdapter, drafter, prompt: Sequence[int], n: int,
 
 def drafter_logits(drafter: DFlashDrafter, target: TargetAdapter, prompt: Sequence[int]) -> mx.array:
     """One drafter forward in float32 (the drafter is cast and bound to ``target`` in place): the prompt's
-    context features, block ``[target's next token, MASK x (B-1)]``.
+    context features, the block of a verify of the drafter's whole size after the target's next token
+    (:meth:`~dflash_mlx.drafter.network.DFlashDrafter.blocks_of`: ``[token, MASK x (B-1)]``, one MASK fewer
+    where row 0 drafts too).
 
     Returns:
-        [B-1, V] float32 logits.
+        [B-1, V] float32 logits, one row per draft.
     """
     h, features = target(mx.array(prompt, dtype=mx.int32)[None], target.make_cache(), capture=drafter.target_layer_ids)
     first = mx.argmax(target.lm_head(h[:, -1]), axis=-1).astype(mx.int32)
-    masks = mx.full((drafter.block_size - 1,), drafter.args.mask_token_id, dtype=mx.int32)
-    block = mx.concatenate([first, masks])[None]
+    block = drafter.blocks_of(first, drafter.block_size)
     drafter.set_dtype(mx.float32)
     drafter.bind(lambda ids: target.embed(ids).astype(mx.float32), lambda x: target.lm_head(x.astype(target.dtype)))
     return drafter(block, features.astype(mx.float32), drafter.make_cache())[0].astype(mx.float32)
