@@ -157,6 +157,18 @@ def test_a_run_of_plain_steps_is_timed_as_a_whole_from_its_first():
     assert plain <= 40, plain
 
 
+def test_a_slow_plain_step_now_and_then_does_not_send_plain_decoding_to_chains():
+    """Plain steps judged by a mean must not follow one slow step: with drafts never right and one plain step in
+    12 taking 10 times as long (a busy machine; a 1 ms step of stories260K), the chains are probes only."""
+    count = iter(range(10**6))
+
+    def cost(plan, n):
+        return width_costs(plan) * (10 if plan.width == 1 and next(count) % 12 == 11 else 1)
+
+    plans = run(auto(), 400, lambda k: False, cost=cost)
+    assert sum(p.width > 1 for p in plans[100:]) <= 300 / 32, "".join("p" if p.width == 1 else "c" for p in plans)
+
+
 def test_seeded_sampled_sequences_get_the_fixed_block():
     chooser = auto()
     assert all(p == Plan(B, B) for p in run(chooser, 50, lambda k: False, seeded=True))

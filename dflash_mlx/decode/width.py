@@ -8,7 +8,7 @@ so plain steps change no estimate but make the next observation weigh more); sec
 its last :data:`WINDOW` timings (other work on the machine only adds time, in bursts a mean follows; the first
 run of each (w, n) is left out and run again at once). Plain steps are the exception: one dispatches the next
 before it is read, so a run of them times as one slow step and fast ones (197, 67, 29 ms for 3 x 98 ms): their
-seconds are the mean of all of their last timings, the first included. Plain steps' rate is divided by :data:`PLAIN_MARGIN`,
+seconds are the mean of their last timings, the first included, but for the shortest and the longest. Plain steps' rate is divided by :data:`PLAIN_MARGIN`,
 so only a measured gain moves off plain. It starts with plain steps: until drafting is measured to pay, it does not run.
 
 Other options run as probes, one step each (two untimed), one per gap of steps: the gap starts at
@@ -232,9 +232,11 @@ class WidthChooser:
         return self.survival.expected_tokens(plan.width if plan.tree_budget is None else self.block)
 
     def _seconds(self, plan: Plan, n: int) -> float:
-        """The median of ``plan``'s timings at ``n``, for plain steps the mean (0 untimed)."""
-        timings = self.seconds.get((plan, n))
-        return (statistics.fmean if plan.width == 1 else statistics.median)(timings) if timings else 0.0
+        """The median of ``plan``'s timings at ``n``; for plain steps the mean of all but the shortest and the
+        longest, once there are 4 (0 untimed)."""
+        timings = sorted(self.seconds.get((plan, n)) or [0.0])
+        return statistics.fmean(timings[1:-1] if len(timings) > 3 else timings) if plan.width == 1 else \
+            statistics.median(timings)
 
     def rate(self, plan: Plan, n: int = 1) -> float:
         """Tokens per second ``plan`` is expected to commit for ``n`` sequences (0 untimed)."""
