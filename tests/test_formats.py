@@ -464,6 +464,17 @@ def test_dspark_keeps_its_own_embedding_or_head_where_they_differ():
     assert _run(target, drafter, B) == reference_tokens("qwen3")[:N]
 
 
+def test_dspark_keeps_a_head_that_differs_in_one_row():
+    """The head's copy is compared through its logits of random vectors: one vocabulary row off by a little
+    is found, and the drafter keeps its own head."""
+    _, target = target_of("qwen3")
+    drafter = format_drafter(target, "dspark", bind=False)
+    w = drafter.lm_head.weight
+    drafter.lm_head.weight = mx.concatenate([w[:7], w[7:8] * 1.01, w[8:]])
+    bind_drafter(drafter, target)
+    assert "lm_head" in drafter and "embed_tokens" not in drafter
+
+
 def test_stats_name_format_and_rule():
     from dflash_mlx import stream_generate
     from dflash_mlx.sampling import Sampling

@@ -210,9 +210,10 @@ class DFlashDrafter(nn.Module):
     def bind(self, embed: Callable[[mx.array], mx.array], lm_head: Callable[[mx.array], mx.array]) -> "DFlashDrafter":
         """Borrow the target's frozen embedding (with its scale) and head: not parameters, never saved. A drafter
         that stores copies (DSpark) drops each copy equal, value for value, to what the target's gives (every
-        token's embedding; the head of each unit vector), and keeps using its own where they differ."""
-        probes = {"embed_tokens": (embed, mx.arange(self.args.vocab_size)[None]),
-                  "lm_head": (lm_head, mx.eye(self.args.hidden_size, dtype=self.norm.weight.dtype)[None])}
+        token's embedding; the head's logits of 16 random vectors, as a head of each unit vector would cost a
+        whole matmul of the head: 8 TFLOP on a 14B DSpark's), and keeps using its own where they differ."""
+        x = mx.random.normal((1, 16, self.args.hidden_size), key=mx.random.key(0)).astype(self.norm.weight.dtype)
+        probes = {"embed_tokens": (embed, mx.arange(self.args.vocab_size)[None]), "lm_head": (lm_head, x)}
         for name, (theirs, probe) in probes.items():
             pieces = mx.split(probe, list(range(256, probe.shape[1], 256)), axis=1)  # 256 rows at a time
             if name in self and all(mx.array_equal(self[name](x), theirs(x)).item() for x in pieces):
