@@ -32,6 +32,7 @@ def test_data_train_generate(stories, tmp_path):
             "--max-tokens", "24", "--shard-size", "16", "--out", str(data))
     assert r.returncode == 0, r.stderr
     assert json.loads((data / "manifest.json").read_text())["num_prompts"] == 40
+    assert re.findall(r"^regenerated (\d+)/40 sequences \(\d+ s\)$", r.stderr, re.M) == ["16", "32", "40"], r.stderr
     # Re-running resumes: nothing is regenerated, nothing changes.
     before = {p.name: p.read_bytes() for p in data.iterdir()}
     assert run("data", "--model", str(stories), "--text", str(SHARED / "datasets" / "tinystories_sample.txt"),

@@ -105,12 +105,19 @@ def _data(o) -> None:
         templated = o.self_prompt_style == "chat"
         ends += [response_end_token(pair.tokenizer, templated=templated)] * len(openings)
     target_id = str(Path(o.model).resolve() if Path(o.model).is_dir() else o.model)  # any cwd resumes
+    said = [0]
+
+    def update(done: int, total: int) -> None:  # a log (not a terminal) gets a line per shard
+        progress.update(task, completed=done)
+        if not console.is_terminal and (done - said[0] >= o.shard_size or done == total > said[0]):
+            said[0] = done
+            console.print(f"regenerated {done}/{total} sequences ({progress.tasks[0].elapsed:,.0f} s)")
+
     with bars(console, status=True) as progress:
         task = progress.add_task("regenerating", total=len(ids), status="")
         regenerate(pair.target, pair.tokenizer, ids, o.out, max_tokens=o.max_tokens, max_length=max_length,
                    temp=o.temp, shard_size=o.shard_size, batch_size=o.batch_size, seed=o.seed, target_id=target_id,
-                   end_tokens=ends, progress=lambda done, total: progress.update(task, completed=done),
-                   keep_features=keep, capture=layer_ids)
+                   end_tokens=ends, progress=update, keep_features=keep, capture=layer_ids)
     console.print(f"wrote {len(ids)} sequences to {o.out}")
 
 
