@@ -48,9 +48,9 @@ def keep_interrupts() -> None:
 
 
 def import_mlx() -> None:
-    """Import ``mlx.core`` with Ctrl-C held, then raise it: raised inside nanobind's initialisation of the
-    extension it was lost, an ImportError or an abort (3 of 120 runs signalled within 3 ms of libmlx's mapping).
-    Left alone where SIGINT is not Python's default handler."""
+    """Import ``mlx.core`` with Ctrl-C held, then raise it: a KeyboardInterrupt raised inside nanobind's
+    initialisation of the extension is lost, becomes an ImportError or aborts the process. Left alone where
+    SIGINT is not Python's default handler."""
     held, default = [], signal.getsignal(signal.SIGINT) is signal.default_int_handler
     if default:
         signal.signal(signal.SIGINT, lambda *_: held.append(1))

@@ -7,9 +7,10 @@ with :data:`PRIOR_WEIGHT` steps' weight; every step ages the evidence and the pr
 so plain steps change no estimate but make the next observation weigh more); seconds(w, n) is the median of
 its last :data:`WINDOW` timings (other work on the machine only adds time, in bursts a mean follows; the first
 run of each (w, n) is left out and run again at once). Plain steps are the exception: one dispatches the next
-before it is read, so a run of them times as one slow step and fast ones (197, 67, 29 ms for 3 x 98 ms): their
-seconds are the mean of their last timings, the first included, but for the shortest and the longest. Plain steps' rate is divided by :data:`PLAIN_MARGIN`,
-so only a measured gain moves off plain. It starts with plain steps: until drafting is measured to pay, it does not run.
+before it is read, so a run of them times as one slow step and fast ones; their seconds are the mean of their
+last timings, the first included, but for the shortest and the longest. Plain steps' rate is divided by
+:data:`PLAIN_MARGIN`, so only a measured gain moves off plain. It starts with plain steps: until drafting is
+measured to pay, it does not run.
 
 Other options run as probes, one step each (two untimed), one per gap of steps: the gap starts at
 :data:`FIRST_GAP` and returns there after a probe that beat the best (or, plain being best, accepted every
@@ -234,9 +235,10 @@ class WidthChooser:
     def _seconds(self, plan: Plan, n: int) -> float:
         """The median of ``plan``'s timings at ``n``; for plain steps the mean of all but the shortest and the
         longest, once there are 4 (0 untimed)."""
-        timings = sorted(self.seconds.get((plan, n)) or [0.0])
-        return statistics.fmean(timings[1:-1] if len(timings) > 3 else timings) if plan.width == 1 else \
-            statistics.median(timings)
+        timings = self.seconds.get((plan, n))
+        if not timings or plan.width > 1:
+            return statistics.median(timings) if timings else 0.0
+        return statistics.fmean(sorted(timings)[1:-1] if len(timings) > 3 else timings)
 
     def rate(self, plan: Plan, n: int = 1) -> float:
         """Tokens per second ``plan`` is expected to commit for ``n`` sequences (0 untimed)."""

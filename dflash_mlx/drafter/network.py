@@ -210,8 +210,8 @@ class DFlashDrafter(nn.Module):
     def bind(self, embed: Callable[[mx.array], mx.array], lm_head: Callable[[mx.array], mx.array]) -> "DFlashDrafter":
         """Borrow the target's frozen embedding (with its scale) and head: not parameters, never saved. A drafter
         that stores copies (DSpark) drops each copy equal, value for value, to what the target's gives (every
-        token's embedding; the head's logits of 16 random vectors, as a head of each unit vector would cost a
-        whole matmul of the head: 8 TFLOP on a 14B DSpark's), and keeps using its own where they differ."""
+        token's embedding; the head's logits of 16 random vectors, where those of every unit vector would cost a
+        whole matmul of the head), and keeps using its own where they differ."""
         x = mx.random.normal((1, 16, self.args.hidden_size), key=mx.random.key(0)).astype(self.norm.weight.dtype)
         probes = {"embed_tokens": (embed, mx.arange(self.args.vocab_size)[None]), "lm_head": (lm_head, x)}
         for name, (theirs, probe) in probes.items():
