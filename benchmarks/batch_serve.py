@@ -40,15 +40,18 @@ from story_openings import PROMPTS
 
 def server_command(kind: str, args, port: int) -> List[str]:
     """The command line of one server kind: ``dflash-bN`` (``--max-batch N``),
-    ``dflash-bN-BK`` (and ``--block-size K``, for this server only) or ``mlx_lm``."""
+    ``dflash-bN-BK`` (and ``--block-size K``, for this server only), either with ``-off`` at the end
+    (``--prompt-lookup off``), or ``mlx_lm``."""
     if kind == "mlx_lm":
         return [sys.executable, "-m", "mlx_lm.server", "--model", args.model, "--port", str(port),
                 "--log-level", "WARNING"]
-    batch, _, own_block = kind.split("-b")[1].partition("-B")
+    name = kind.removesuffix("-off")
+    batch, _, own_block = name.split("-b")[1].partition("-B")
     block = args.baseline_block_size if batch == "1" and args.baseline_block_size else args.block_size
     block = own_block or block
     cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--model", args.model, "--port", str(port),
            "--max-batch", batch, "--log-level", "warning", "--block-size", block]
+    cmd += ["--prompt-lookup", "off"] if name != kind else []
     return cmd + (["--draft-model", args.draft_model] if args.draft_model else [])
 
 
@@ -171,7 +174,8 @@ def main() -> None:
     p.add_argument("--baseline-block-size", default=None, help="--block-size of the --max-batch 1 server "
                    "(default: --block-size)")
     p.add_argument("--servers", default="dflash-b8,dflash-b1,mlx_lm",
-                   help="dflash-bN (--max-batch N), dflash-bN-BK (and --block-size K), mlx_lm")
+                   help="dflash-bN (--max-batch N), dflash-bN-BK (and --block-size K), either with -off "
+                   "(--prompt-lookup off), mlx_lm")
     p.add_argument("--clients", default="1,2,4,8")
     p.add_argument("--requests", type=int, default=3, help="requests per client per round")
     p.add_argument("--max-tokens", type=int, default=128)

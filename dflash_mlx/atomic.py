@@ -3,6 +3,7 @@ into place) and :func:`atomic_file` (one file). Any failure leaves as one :class
 names carry the writer's process id, so a later run can remove a dead writer's leftovers."""
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -12,7 +13,7 @@ import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, List
+from typing import Callable, Iterator, List, Optional
 
 from .errors import InputError
 
@@ -171,6 +172,12 @@ def atomic_file(path: Path, parents: bool = False) -> Iterator[Path]:
     except BaseException:
         unlink_file(tmp)
         raise
+
+
+def write_json(path: Path, value, indent: Optional[int] = None, parents: bool = False, **dumps) -> None:
+    """``value`` as JSON and a newline at ``path``, whole or not at all (:func:`atomic_file`; raises WriteError)."""
+    with atomic_file(path, parents) as tmp:
+        tmp.write_text(json.dumps(value, indent=indent, **dumps) + "\n")
 
 
 def unlink_file(path: Path) -> None:

@@ -5,7 +5,7 @@ import json
 import os
 from pathlib import Path
 
-from .atomic import atomic_file, write_error
+from .atomic import write_error, write_json
 from .errors import InputError
 
 MARKER = ".dflash-mlx"
@@ -62,5 +62,4 @@ def claim(folder: Path, writer: str, flag: str) -> Path:
 
 def mark(folder: Path, writer: str) -> None:
     """Create ``folder`` when missing and mark it as ``writer``'s; raises ``WriteError`` when it cannot."""
-    with atomic_file(Path(folder) / MARKER, parents=True) as tmp:
-        tmp.write_text(json.dumps({"writer": writer}) + "\n")
+    write_json(Path(folder) / MARKER, {"writer": writer}, parents=True)

@@ -329,3 +329,37 @@ def test_prompt_lookup_through_kept_caches_of_a_sliding_window_target(family):
     again = [t for r in pc.stream(ids, max_tokens=40, prompt_lookup=True) for t in r.tokens]
     fresh = [t for s in generate_step(mx.array(ids), target, None, max_tokens=40) for t in s.tokens]
     assert again == fresh
+
+
+def test_what_auto_learned_carries_to_the_next_generation_and_process(tmp_path, monkeypatch):
+    """Auto's draft survival and timings carry from one generation of a pair to the next (chat's turns), and
+    through ``KEY/auto.json`` beside the pair's entries to a later process; an unreadable file is one warning,
+    ignored, and written anew; the text is the target's own throughout."""
+    import json
+
+    from dflash_mlx.decode.width import WidthChooser
+
+    _, target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    learned, learn = [], WidthChooser.learn
+    monkeypatch.setattr(WidthChooser, "learn", lambda self, state: learned.append(learn(self, state)) or learned[-1])
+
+    def auto(pc, ids, n):
+        return [t for r in pc.stream(ids, max_tokens=n, block_size="auto", prefill_step_size=STEP) for t in r.tokens]
+
+    live = PairCache(target, ByteTokenizer(), drafter)  # no store: this process only
+    assert auto(live, PROMPT, 30) == cold(target, drafter, PROMPT, 30) and learned == []
+    assert auto(live, PROMPT[:25], 20) == cold(target, drafter, PROMPT[:25], 20) and learned == [True]
+    assert auto(new_process(target, drafter, tmp_path), PROMPT, 30) == cold(target, drafter, PROMPT, 30)
+    path = tmp_path / key_id(pair_key(target, drafter)) / "auto.json"
+    kept = json.loads(path.read_text())
+    assert kept["seconds"] and sum(kept["reached"]) > 0  # plain steps and chains timed, drafts verified
+    assert auto(new_process(target, drafter, tmp_path), PROMPT[:25], 20) == cold(target, drafter, PROMPT[:25], 20)
+    assert learned == [True, True]
+    path.write_text("{not json")
+    warnings = []
+    assert auto(new_process(target, drafter, tmp_path, warnings), PROMPT[:30], 10) == cold(target, drafter,
+                                                                                          PROMPT[:30], 10)
+    assert learned == [True, True] and len(warnings) == 1
+    assert warnings[0].startswith("prompt cache: ignored what auto learned before") and "\n" not in warnings[0]
+    assert json.loads(path.read_text())["seconds"]

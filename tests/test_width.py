@@ -21,9 +21,9 @@ def seconds_of(plan: Plan, n: int = 1) -> float:
     return 1e-3 + 5e-5 * plan.width * n + (1e-3 if plan.block else 0.0)
 
 
-def run(chooser, steps, accept, n=1, seeded=False, cost=seconds_of):
+def run(chooser, steps, accept, n=1, seeded=False, cost=seconds_of, tokens=None):
     """Runs ``steps`` planned steps; ``accept(k)`` says whether draft k of a block is
-    right. Returns the plans, in order."""
+    right. Returns the plans, in order (and appends each step's committed tokens to ``tokens``)."""
     plans = []
     for _ in range(steps):
         plan = chooser.plan(n, seeded)
@@ -35,6 +35,8 @@ def run(chooser, steps, accept, n=1, seeded=False, cost=seconds_of):
             accepted.append(a)
         chooser.observe(plan, cost(plan, n), accepted)
         plans.append(plan)
+        if tokens is not None:
+            tokens.append(sum(accepted) + n)
     return plans
 
 
@@ -284,3 +286,45 @@ def test_a_busy_machine_still_gets_the_best_chain():
     seeds = range(12)
     best = max(sum(rate(WidthChooser(B, Plan(w, w)), s) for s in seeds) for w in (4, 8))
     assert sum(rate(auto(), s) for s in seeds) >= 0.95 * best
+
+
+def test_a_later_generation_starts_from_what_auto_learned():
+    """A chooser given an earlier one's state (through JSON, as the prompt cache keeps it) runs the best chain
+    from its first step, where a fresh one starts plain and probes; within 48 steps it commits more per second."""
+    import json
+
+    def right(k):  # draft k right with probability 0.8 falling to 0.5, the same draws for both
+        return rng.random() < max(0.8 - 0.05 * (k - 1), 0.5)
+
+    rng = random.Random(0)
+    earlier = auto()
+    run(earlier, 300, right, cost=smollm2_costs)
+    best = earlier.best[1]
+    later = auto()
+    assert best.width > 1 and later.learn(json.loads(json.dumps(earlier.state())))
+    committed = [[], []]
+    rng = random.Random(1)
+    learned = run(later, 48, right, cost=smollm2_costs, tokens=committed[0])
+    rng = random.Random(1)
+    fresh = run(auto(), 48, right, cost=smollm2_costs, tokens=committed[1])
+    assert learned[:PROBE_EVERY] == [best] * PROBE_EVERY and fresh[0] == Plan(1, 0)
+    rates = [sum(c) / sum(smollm2_costs(p) for p in plans) for c, plans in zip(committed, (learned, fresh))]
+    assert rates[0] > 1.05 * rates[1], rates  # no plain start, fewer probes
+    assert sum(p.width == 1 for p in learned) < sum(p.width == 1 for p in fresh)
+
+
+@pytest.mark.parametrize("state", [{}, {"reached": "x"}, {"reached": [0.0] * 4, "right": [0.0] * 4, "prior": 1,
+                                                          "tree_tokens": [], "seconds": []},
+                                   {"reached": [float("nan")] * B, "right": [0.0] * B, "prior": 1, "tree_tokens": [],
+                                    "seconds": []}])
+def test_a_state_that_does_not_fit_changes_nothing(state):
+    """Malformed, another block size's (4 positions where B = 16 has 16), or NaN: refused, the chooser as new."""
+    chooser = auto()
+    assert not chooser.learn(state)
+    assert chooser.state() == auto().state() and chooser.plan(1) == Plan(1, 0)
+
+
+def test_a_fixed_block_learns_nothing_and_keeps_nothing():
+    fixed = make_chooser(None, fake_drafter(), 8, None, None)
+    run(fixed, 20, lambda k: True)
+    assert fixed.state() == {} and not fixed.learn(auto().state())

@@ -4,7 +4,6 @@ prompts share growing prefixes, replayed greedily in one of ``MODES``: ``cold`` 
 (one prompt cache, as ``dflash serve``) or ``mlx-lm`` (its prompt cache trimmed to each next prompt's
 common prefix, no drafter). Times in seconds from the call, any restore included."""
 
-import json
 import statistics
 import tempfile
 import time
@@ -14,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..atomic import atomic_file
+from ..atomic import write_json
 from ..errors import InputError
 from ..prompt import encode_messages
 from ..targets.fused import unfused
@@ -163,7 +162,6 @@ def summarize(records: Sequence[RequestRecord]) -> List[Dict[str, Any]]:
 
 def write_results(path: Path, records: Sequence[RequestRecord], rows: List[dict], command: List[str]) -> Path:
     """Write the command, the summary rows and every request's record; raises WriteError (any errno)."""
-    with atomic_file(path, parents=True) as tmp:
-        tmp.write_text(json.dumps({"command": command, "summary": rows,
-                                   "requests": [asdict(r) for r in records]}, indent=1) + "\n")
+    write_json(path, {"command": command, "summary": rows, "requests": [asdict(r) for r in records]}, indent=1,
+               parents=True)
     return path

@@ -2,7 +2,6 @@
 acceptance, median tokens/s, the speedup (ratio of medians; median of per-pair ratios), milliseconds
 per target forward by phase, and the ideal speedup ``tau x t_AR / (t_draft + t_verify)``."""
 
-import json
 import os
 import platform
 import statistics
@@ -11,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from ..atomic import atomic_file
+from ..atomic import write_json
 from ..stats import histogram_dict, pooled
 from .runner import DatasetResult, RunRecord
 
@@ -143,6 +142,5 @@ def build_report(results: Sequence[DatasetResult], config: dict, command: Sequen
 def write_report(report: dict, out_dir: str | Path) -> Path:
     """Write ``DIR/results.json``; returns its path. Raises WriteError (any errno)."""
     path = Path(out_dir) / "results.json"
-    with atomic_file(path, parents=True) as tmp:
-        tmp.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(path, report, indent=1, parents=True)
     return path

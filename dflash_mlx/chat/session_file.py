@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from ..atomic import atomic_file
+from ..atomic import atomic_file, write_json
 from ..errors import InputError
 
 FORMAT = "dflash-chat-session"
@@ -47,8 +47,7 @@ def write_session(path: Path, messages: List[Dict[str, str]]) -> None:
         WriteError: the file cannot be written (any errno).
     """
     path = Path(path)
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps({"format": FORMAT, "messages": messages}, indent=1) + "\n")
+    write_json(path, {"format": FORMAT, "messages": messages}, indent=1)
 
 
 class SessionWriter:

@@ -16,9 +16,7 @@ from .common import (DraftModel, DraftWindow, MaxTokens, MinP, Model, PrefillSte
 
 def bench(
     ctx: typer.Context,
-    model: Model = None,
-    draft_model: DraftModel = None,
-    verify: Verify = False,
+    model: Model = None, draft_model: DraftModel = None, verify: Verify = False,
     dataset: Annotated[List[str], Option("--dataset", "-d", help=(
         "gsm8k, math500, humaneval, mbpp, mt-bench, alpaca (online) or a .jsonl[.gz] of those or of 'prompt' "
         "or 'messages' rows; repeatable."))] = ["gsm8k"],
@@ -28,11 +26,7 @@ def bench(
         "Block sizes to sweep: '--block-size 4 8 16 auto' (default: the trained size)."))] = None,
     tree_budget: Annotated[Optional[List[str]], Option("--tree-budget", help=(
         "DDTree budgets to run too, one row each: '--tree-budget 16 32 64 auto'."))] = None,
-    prompt_lookup: PromptLookup = "auto",
-    temp: Temp = 0.0,
-    top_p: TopP = 1.0,
-    top_k: TopK = 0,
-    min_p: MinP = 0.0,
+    prompt_lookup: PromptLookup = "auto", temp: Temp = 0.0, top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0,
     seed: Annotated[int, Option("--seed", help="PRNG seed; every run starts from it.")] = 0,
     baseline: Annotated[str, Option("--baseline", help=(
         "ar (this engine, no drafter), mlx-lm, or draft-model:PATH (mlx-lm speculative decoding)."))] = "ar",

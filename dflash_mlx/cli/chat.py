@@ -28,29 +28,15 @@ COMMANDS = [
 
 
 def chat(
-    model: Model = None,
-    draft_model: DraftModel = None,
-    verify: Verify = False,
-    max_tokens: MaxTokens = 256,
-    temp: Temp = 0.0,
-    top_p: TopP = 1.0,
-    top_k: TopK = 0,
-    min_p: MinP = 0.0,
-    seed: Seed = None,
-    block_size: BlockSize = "auto",
-    prompt_lookup: PromptLookup = "auto",
-    draft_window: DraftWindow = None,
-    system_prompt: SystemPrompt = None,
-    stop: Stop = [],
-    chat_template_config: TemplateConfig = None,
-    ignore_chat_template: IgnoreTemplate = False,
-    prefill_step_size: PrefillStep = None,
+    model: Model = None, draft_model: DraftModel = None, verify: Verify = False, max_tokens: MaxTokens = 256,
+    temp: Temp = 0.0, top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0, seed: Seed = None,
+    block_size: BlockSize = "auto", prompt_lookup: PromptLookup = "auto", draft_window: DraftWindow = None,
+    system_prompt: SystemPrompt = None, stop: Stop = [], chat_template_config: TemplateConfig = None,
+    ignore_chat_template: IgnoreTemplate = False, prefill_step_size: PrefillStep = None,
     color: Annotated[bool, Option("--color/--no-color", help="Colour the tokens accepted from the drafter.")] = True,
     session_file: Annotated[Optional[str], Option("--session", help="Keep the conversation in this JSON file.")] = None,
-    prompt_cache_dir: PromptCacheDir = None,
-    no_prompt_cache: NoPromptCache = False,
-    prompt_cache_gb: PromptCacheGb = 8.0,
-    sharding: Sharding = None,
+    prompt_cache_dir: PromptCacheDir = None, no_prompt_cache: NoPromptCache = False,
+    prompt_cache_gb: PromptCacheGb = 8.0, sharding: Sharding = None,
 ) -> None:
     """Chat in the terminal. Both caches are kept across turns; Ctrl-C stops a reply.
 

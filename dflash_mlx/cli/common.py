@@ -75,7 +75,8 @@ PrefillStep = Annotated[Optional[int], Option("--prefill-step-size", help=(
     f"Prompt tokens per prefill chunk (default {PREFILL_STEP_GPU} on a GPU, {PREFILL_STEP_CPU} on a CPU)."))]
 PromptCacheDir = Annotated[Optional[str], Option("--prompt-cache-dir", help=(
     "Folder of the prompt cache (default: $DFLASH_CACHE_DIR/prompts, else ~/.cache/dflash-mlx/prompts)."))]
-NoPromptCache = Annotated[bool, Option("--no-prompt-cache", help="Neither read nor write the prompt cache.")]
+NoPromptCache = Annotated[bool, Option("--no-prompt-cache", help=(
+    "Neither read nor write the prompt cache (nor what --block-size auto learned)."))]
 PromptCacheGb = Annotated[float, Option("--prompt-cache-gb", help="Most GB (2^30 bytes) the prompt cache keeps.")]
 
 

@@ -19,12 +19,10 @@ MAX_CONNECTIONS = 128  # well under macOS's default of 256 open files per proces
 
 
 def serve(
-    model: Model = None,
-    draft_model: DraftModel = None,
+    model: Model = None, draft_model: DraftModel = None,
     host: Annotated[str, Option("--host", help="Address to bind; beyond this Mac, use --api-key.")] = "127.0.0.1",
     port: Annotated[int, Option("--port", help="TCP port.")] = 8080,
-    block_size: BlockSize = "auto",
-    prompt_lookup: PromptLookup = "auto",
+    block_size: BlockSize = "auto", prompt_lookup: PromptLookup = "auto",
     max_tokens: Annotated[int, Option("--max-tokens", "-m", help="Tokens per request that does not say.")] = 512,
     api_key: Annotated[Optional[str], Option("--api-key", envvar="DFLASH_API_KEY", help=(
         "Require 'Authorization: Bearer KEY' on every endpoint but /health."))] = None,
@@ -42,10 +40,8 @@ def serve(
     idle_timeout: Annotated[float, Option("--idle-timeout", help=(
         "Seconds a connection may idle, its headers take, or its body stall (then 408)."))] = 5.0,
     max_connections: Annotated[int, Option("--max-connections", help="Open connections; then 503.")] = MAX_CONNECTIONS,
-    prefill_step_size: PrefillStep = None,
-    prompt_cache_dir: PromptCacheDir = None,
-    no_prompt_cache: NoPromptCache = False,
-    prompt_cache_gb: PromptCacheGb = 8.0,
+    prefill_step_size: PrefillStep = None, prompt_cache_dir: PromptCacheDir = None,
+    no_prompt_cache: NoPromptCache = False, prompt_cache_gb: PromptCacheGb = 8.0,
     log_level: Annotated[str, Option("--log-level", help="debug, info, warning or error.")] = "info",
     sharding: Sharding = None,
 ) -> None:

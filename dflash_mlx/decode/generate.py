@@ -40,7 +40,8 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
                   stop: Optional[StopCondition] = None, prefill_step_size: int = 2048,
                   should_stop: Optional[Callable[[], bool]] = None, prompt_cache: Optional[List[Any]] = None,
                   draft_cache: Optional[List[Any]] = None, stats: Optional[GenerationStats] = None,
-                  prompt_lookup: bool = False, cached_ids: Sequence[int] = ()) -> Generator[StepResult, None, None]:
+                  prompt_lookup: bool = False, cached_ids: Sequence[int] = (),
+                  auto_state: Optional[dict] = None) -> Generator[StepResult, None, None]:
     """Decode from ``prompt`` (spec section 5): one :class:`StepResult` per target forward.
 
     Args:
@@ -50,6 +51,7 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
         block_size, tree_budget: see :func:`~.width.make_chooser` (``stats.verify`` says what ran).
         prompt_lookup: also verify drafts copied from the context where they match (:mod:`.lookup`);
             ``cached_ids``: the ids ``prompt_cache`` holds before ``prompt``, context to copy from too.
+        auto_state: what auto learned in earlier generations of the pair (:meth:`~.width.WidthChooser.state`), updated.
         stop: a :class:`~.stopping.StopCondition`, replacing ``max_tokens`` and ``stop_token_ids``.
         should_stop: checked before each prefill chunk; True raises ``PrefillStopped``.
         prompt_cache, draft_cache, stats: updated in place (default fresh); finished or closed, both
@@ -70,6 +72,8 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
         raise InputError("--tree-budget needs --draft-model (plain decoding has no drafts)")
     stats = stats if stats is not None else GenerationStats(block_size=B)
     chooser = make_chooser(target, drafter, block_size, tree_budget, stats) if drafter is not None else None
+    if chooser is not None and auto_state:
+        chooser.learn(auto_state)
     decoder, key = BatchDecoder(target, drafter, B, chooser, solo=True, lookup=prompt_lookup), object()
     if prompt_cache is not None:
         target.check_cache(prompt_cache, decoder.rows)
@@ -88,6 +92,8 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
                 yield result
         finally:  # finished or closed: both caches hold the committed tokens but the last
             decoder.remove([key])
+            if chooser is not None and auto_state is not None and chooser.fixed is None:
+                auto_state.update(chooser.state())
 
 
 def check_block_size(block_size: Optional[int | str], drafter: Optional[Drafter], flag: str = "--block-size") -> int:

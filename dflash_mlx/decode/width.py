@@ -12,15 +12,18 @@ last timings, the first included, but for the shortest and the longest. Plain st
 :data:`PLAIN_MARGIN`, so only a measured gain moves off plain. It starts with plain steps: until drafting is
 measured to pay, it does not run.
 
+A later generation of the same pair may start from what an earlier one learned (:meth:`WidthChooser.state`,
+kept by the prompt cache): it then runs the best option at once and probes after :data:`PROBE_EVERY` steps.
+
 Other options run as probes, one step each (two untimed), one per gap of steps: the gap starts at
 :data:`FIRST_GAP` and returns there after a probe that beat the best (or, plain being best, accepted every
 draft), is :data:`PROBE_EVERY` after a chain within :data:`CLOSE` of a best chain, else grows fourfold up
 to :data:`MAX_GAP`. The probe: plain while untimed, else the untimed option nearest the best whose most
-(E over the seconds of the slowest timed option no wider) beats the best rate, else the best timed one.
-"""
+(E over the seconds of the slowest timed option no wider) beats the best rate, else the best timed one."""
 
+import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -56,8 +59,7 @@ def parse_block_size(value) -> Optional[int | str]:
     """``--block-size``: ``auto``, an integer >= 2, or None (the drafter's trained size).
 
     Raises:
-        InputError: neither an integer nor ``auto``, or an integer below 2.
-    """
+        InputError: neither an integer nor ``auto``, or an integer below 2."""
     if value is None or value == AUTO or isinstance(value, int):
         return value
     try:
@@ -72,8 +74,7 @@ def parse_tree_budget(value) -> Optional[int | str]:
     """``--tree-budget``: ``auto``, an integer N >= 1 (tree nodes besides the root), or None.
 
     Raises:
-        InputError: anything else.
-    """
+        InputError: anything else."""
     if value is None or value == AUTO:
         return value
     try:
@@ -129,8 +130,7 @@ class WidthChooser:
 
     Attributes:
         max_verify: most tokens one verify feeds per sequence (for cache sizing).
-        probing: whether the last plan was a probe (for the statistics).
-    """
+        probing: whether the last plan was a probe (for the statistics)."""
 
     def __init__(self, block: int, fixed: Optional[Plan] = None, tree: bool = False):
         self.block, self.fixed = block, fixed
@@ -226,6 +226,29 @@ class WidthChooser:
             self.gap = FIRST_GAP if rate > best_rate or whole else PROBE_EVERY if rate > near * best_rate else \
                 min(4 * self.gap, MAX_GAP)
 
+    def state(self) -> dict:
+        """What auto learned, JSON-able, for :meth:`learn`: draft survival and one sequence's timings ({}: fixed)."""
+        s, seconds = self.survival, [[*astuple(p), t] for (p, n), t in self.seconds.items() if n == 1]
+        return {} if self.fixed is not None else {"reached": s.reached, "right": s.right, "prior": s.prior,
+                                                  "tree_tokens": self.tree_tokens, "seconds": seconds}
+
+    def learn(self, state: dict) -> bool:
+        """Start from ``state`` (:meth:`state` of an earlier generation, options not weighed here left out), probing
+        after :data:`PROBE_EVERY` steps; False, nothing changed, where it is malformed or of another block size."""
+        try:
+            counts = [[float(x) for x in state[k]] for k in ("reached", "right", "tree_tokens")] + [[state["prior"]]]
+            seconds = {(Plan(w, b, t), 1): [float(x) for x in v] for w, b, t, v in state["seconds"] if v}
+            if self.fixed is not None or {len(c) for c in counts[:2]} != {len(self.survival.reached)} or not all(
+                    0 <= x < math.inf for c in counts for x in c):
+                return False
+        except (KeyError, TypeError, ValueError):
+            return False
+        (self.survival.reached, self.survival.right, self.tree_tokens), self.survival.prior = counts[:3], counts[3][0]
+        self.seconds.update({k: v[-WINDOW:] for k, v in seconds.items()
+                             if k[0] in self.options and all(0 < x < math.inf for x in v)})
+        self.gap = PROBE_EVERY
+        return True
+
     def expected_tokens(self, plan: Plan) -> float:
         """E[tokens committed per sequence] by ``plan``."""
         if plan.tree_budget is not None and self.tree_tokens:
@@ -251,8 +274,7 @@ def make_chooser(target, drafter, block_size: int | str, tree_budget, stats) -> 
     """The chooser of one generation (or batch); ``stats.verify`` (when ``stats``) says what runs and why.
 
     ``block_size``: a fixed B or ``auto``; ``tree_budget``: None, a node count or ``auto`` (which implies
-    auto widths). Trees need ``target.supports_tree`` and a drafter with ``propose``, else chains run.
-    """
+    auto widths). Trees need ``target.supports_tree`` and a drafter with ``propose``, else chains run."""
     auto = block_size == AUTO or tree_budget == AUTO
     block_size = drafter.block_size if block_size in (None, AUTO) else int(block_size)
     reason = None

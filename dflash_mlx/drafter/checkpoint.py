@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..atomic import atomic_file
+from ..atomic import atomic_file, write_json
 from ..fingerprint import folder_fingerprint
 from .network import DFlashDrafter
 from .config import DrafterArgs
@@ -98,8 +98,7 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
                                   "mode": quantized[0].mode}
     with atomic_file(out / "model.safetensors") as tmp:
         write_safetensors(tmp, weights, metadata={"format": "pt"})
-    with atomic_file(out / "config.json") as tmp:
-        tmp.write_text(json.dumps(config, indent=2) + "\n")
+    write_json(out / "config.json", config, indent=2)
     return out
 
 

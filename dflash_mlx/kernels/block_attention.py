@@ -4,8 +4,7 @@ block's own K/V, without concatenating the two. :func:`block_attention` runs the
 :func:`attention_path` says which runs for given inputs and why.
 
 The kernel covers float16, bfloat16 and float32 inputs of one dtype with ``head_dim`` a multiple
-of 32 up to 256, on a GPU default device with Metal, unless ``DFLASH_BLOCK_KERNEL`` is 0/off.
-"""
+of 32 up to 256, on a GPU default device with Metal, unless ``DFLASH_BLOCK_KERNEL`` is 0/off."""
 
 import os
 from typing import Optional
@@ -101,8 +100,7 @@ def _switch_reason() -> Optional[str]:
     """``DFLASH_BLOCK_KERNEL=0`` (or off), or None.
 
     Raises:
-        InputError: ``DFLASH_BLOCK_KERNEL`` is neither 0/off nor 1/on.
-    """
+        InputError: ``DFLASH_BLOCK_KERNEL`` is neither 0/off nor 1/on."""
     value = os.environ.get(ENV_VAR)
     if value is None or value.strip().lower() in _ON:
         return None
@@ -150,8 +148,7 @@ def block_attention(queries: mx.array, ctx_keys: mx.array, ctx_values: mx.array,
 
     Raises:
         InputError: shapes that do not fit, ``window`` < 1, context rows overlapping the block, or an
-            unknown ``DFLASH_BLOCK_KERNEL`` value.
-    """
+            unknown ``DFLASH_BLOCK_KERNEL`` value."""
     arrays = (queries, ctx_keys, ctx_values, block_keys, block_values)
     _check(*arrays, window)
     delta = _relative_start(ctx_keys.shape[2], q_start, ctx_start)
@@ -166,8 +163,7 @@ def attention_path(*arrays: mx.array) -> dict:
     one the environment allows.
 
     Raises:
-        InputError: an unknown ``DFLASH_BLOCK_KERNEL`` value.
-    """
+        InputError: an unknown ``DFLASH_BLOCK_KERNEL`` value."""
     reason = _switch_reason() or _device_reason() or (_shape_reason(*arrays) if arrays else None)
     return {"block_attention": "reference" if reason else "metal",
             "reason": reason or f"Metal is available ({'the shape is covered' if arrays else 'shape not seen yet'})"}

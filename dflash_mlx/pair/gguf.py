@@ -82,8 +82,7 @@ def gguf_folder(model: str) -> Optional[Path]:
     the cache cannot be written: a warning and a temporary folder); None for any other ``model``.
 
     Raises:
-        CheckpointError: a missing file or Ollama model, a folder named ``.gguf``, a bad file (:func:`read_gguf`).
-    """
+        CheckpointError: a missing file or Ollama model, a folder named ``.gguf``, a bad file (:func:`read_gguf`)."""
     ollama, path = model.startswith(OLLAMA), Path(model).expanduser()
     if ollama:
         path = ollama_blob(model[len(OLLAMA):])
@@ -137,8 +136,7 @@ def read_gguf(path: Path, bits: int = 4, group_size: int = 64,
 
     Raises:
         CheckpointError: the file is missing, not GGUF, truncated, or holds a type the ``gguf`` package cannot
-            dequantize (names the file, the tensor and the type).
-    """
+            dequantize (names the file, the tensor and the type)."""
     if not path.is_file():
         raise CheckpointError(f"{path}: GGUF file not found")
     with open(path, "rb") as f:
@@ -184,8 +182,7 @@ def parse_gguf(buf) -> tuple[dict, list[Tensor]]:
     vocabulary that alone breaks the bound of twice the output's size (docs/benchmarks.md, Gemma 3 270M).
 
     Raises:
-        ValueError, struct.error, UnicodeDecodeError, KeyError: a cut or corrupt file.
-    """
+        ValueError, struct.error, UnicodeDecodeError, KeyError: a cut or corrupt file."""
     from gguf import GGMLQuantizationType, GGUFValueType
     from gguf.quants import quant_shape_to_byte_shape
 
@@ -281,8 +278,7 @@ def mlx_lm_config(weights: Dict[str, mx.array], metadata: dict, source: Path) ->
 
     Raises:
         ConfigError: ``general.architecture`` is not supported, a key it needs is missing, or the file uses
-            RoPE scaling other than linear and Llama 3's (YaRN) (names the file and the key).
-    """
+            RoPE scaling other than linear and Llama 3's (YaRN) (names the file and the key)."""
     arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{source}: general.architecture '{arch}' is not supported "
@@ -365,8 +361,7 @@ def convert_gguf(path: Path, dst: Path, dtype: Optional[str] = None, say: Callab
 
     Raises:
         CheckpointError: a file that is not GGUF, truncated, or holds a type the ``gguf`` package cannot read.
-        ConfigError: an architecture, tokenizer or tensor not supported here.
-    """
+        ConfigError: an architecture, tokenizer or tensor not supported here."""
     say(f"reading {path.name}")
     dst.mkdir(parents=True, exist_ok=True)
     weights, metadata, summary, quant = read_gguf(path, bits or 4, group_size or 64, dtype and getattr(mx, dtype))

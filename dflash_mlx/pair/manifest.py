@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-from ..atomic import atomic_file
+from ..atomic import write_json
 from ..errors import CheckpointError, ConfigError, InputError
 
 MANIFEST = "dflash.json"
@@ -44,8 +44,7 @@ def hash_files(root: Path) -> Dict[str, str]:
 def write_manifest(root: Path, manifest: dict) -> Path:
     """Write ``root/dflash.json`` (keys in the given order, 2-space indent)."""
     path = root / MANIFEST
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    write_json(path, manifest, indent=2)
     return path
 
 

@@ -25,8 +25,7 @@ def trim_cache(cache: List[Any], rows: int) -> bool:
     drop its rows exactly.
 
     Raises:
-        RollbackError: a layer trimmed another count than asked (a cache bug).
-    """
+        RollbackError: a layer trimmed another count than asked (a cache bug)."""
     counts = [c.offset - rows for c in cache]
     if not all(map(can_trim, cache, counts)):
         return False
@@ -52,8 +51,7 @@ class PairCache:
     Attributes:
         tokens: ids both caches hold. cache, draft_cache: the caches (``draft_cache`` None without a drafter).
         last_reused: prompt tokens the last generation reused; last_source: ``"live"``, ``"memory"``,
-            ``"disk"`` or None.
-    """
+            ``"disk"`` or None."""
 
     def __init__(self, target: Any, tokenizer: Any, drafter: Optional[Any] = None, store: Optional[PrefixStore] = None,
                  interval: Optional[int] = None, generate: Optional[Callable[..., Generator]] = None):
@@ -63,6 +61,7 @@ class PairCache:
         self.last_reused = 0
         self.last_source: Optional[str] = None
         self._key: Optional[tuple] = None  # (target, drafter, key dict, key id)
+        self._auto: Optional[tuple] = None  # (target, drafter, what auto learned: WidthChooser.state)
         self._unsaved: List[Snapshot] = []
         self._fresh_caches()
 
@@ -91,8 +90,7 @@ class PairCache:
         boundaries; returns the rows both caches hold (feed ``ids`` from there).
 
         Raises:
-            PrefillStopped: ``should_stop()`` was true between two chunks.
-        """
+            PrefillStopped: ``should_stop()`` was true between two chunks."""
         self._unsaved = []
         reused = self.last_reused = self.reuse(ids)
         self.last_source = "live" if reused else None
@@ -116,6 +114,8 @@ class PairCache:
             known = start = self.begin(ids, int(kwargs.get("prefill_step_size") or 2048), kwargs.get("should_stop"))
             reused, pre_s = self.last_reused, time.perf_counter() - tic
             cached = {"cached_ids": ids[:start]} if kwargs.get("prompt_lookup") else {}
+            if self.drafter is not None:
+                cached["auto_state"] = self._auto_state()
             for r in self.generate(self.target, self.tokenizer, ids[start:], self.drafter,
                                    prompt_cache=self.cache, draft_cache=self.draft_cache, **cached, **kwargs):
                 if first:  # rows reused and time spent here count as the prompt's
@@ -134,6 +134,13 @@ class PairCache:
             key = pair_key(self.target, self.drafter)
             self._key = (self.target, self.drafter, key, key_id(key))
         return self._key[2], self._key[3]
+
+    def _auto_state(self) -> dict:
+        """What auto learned for this pair, kept across this cache's generations (read once from the store)."""
+        if self._auto is None or self._auto[0] is not self.target or self._auto[1] is not self.drafter:
+            learned = self.store.auto_state(self.pair_key()[1]) if self.store is not None else {}
+            self._auto = (self.target, self.drafter, learned)
+        return self._auto[2]
 
     def _resume(self, ids: List[int], live: int) -> int:
         """Restore a stored entry holding more of ``ids`` than ``live`` rows, if any; returns the rows reused."""
@@ -179,6 +186,8 @@ class PairCache:
         for snap in self._unsaved:
             self.store.put(kid, snap, key)
         self._unsaved = []
+        if self.drafter is not None and (learned := self._auto_state()):
+            self.store.put_auto_state(kid, learned)
         if self.tokens:
             self._snapshot(defer=False)
 

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..atomic import WriteError, atomic_file, pid_alive, stderr_warning, unlink_file
+from ..atomic import WriteError, pid_alive, stderr_warning, unlink_file, write_json
 from ..owned import MARKER, cache_root, claim, mark
 from .entry import CorruptEntry, Snapshot, read, read_index, usable_rows, write
 from .key import key_id
@@ -17,6 +17,7 @@ from .key import key_id
 DEFAULT_MAX_BYTES = 8 << 30  # 8 GiB on disk
 DEFAULT_MEMORY_ENTRIES = 4
 WRITER = "prompt-cache"
+AUTO = "auto.json"  # in a KEY folder: what --block-size auto learned for the pair
 _OURS = re.compile(r"[0-9a-f]{24}")  # key folders and entry names
 
 
@@ -128,12 +129,29 @@ class PrefixStore:
             write(snap, folder, name)
             self._index.pop(folder / f"{name}.json", None)  # its side file is new: read it again
             if key is not None and not (folder / "key.json").exists():
-                with atomic_file(folder / "key.json") as tmp:
-                    tmp.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
+                write_json(folder / "key.json", key, indent=1, sort_keys=True)
             self._touch(folder / f"{name}.json")
             self._evict_if_full(folder, name)
         except OSError as e:  # WriteError included: any errno, or MLX's RuntimeError
             self._remove(folder, name)  # no half-written entry (new arrays beside an old JSON) stays
+            self._degrade(e)
+
+    def auto_state(self, kid: str) -> dict:
+        """What ``--block-size auto`` learned for pair ``kid`` (``KID/auto.json``); {} if none (unreadable: warned)."""
+        path = self.root / kid / AUTO
+        try:
+            state = json.loads(path.read_text()) if self.disk and path.is_file() else {}
+        except (OSError, ValueError) as e:
+            self.warn(f"prompt cache: ignored what auto learned before ({path}: {e})")
+            return {}
+        return state if isinstance(state, dict) else {}
+
+    def put_auto_state(self, kid: str, state: dict) -> None:
+        """Keep ``state`` for :meth:`auto_state` (a failed write turns the store memory-only, as for entries)."""
+        try:
+            if self.disk and self.degraded is None:
+                write_json(self.root / kid / AUTO, state, parents=True)
+        except OSError as e:
             self._degrade(e)
 
     def _remember(self, kid: str, name: str, snap: Snapshot) -> None:
@@ -224,7 +242,7 @@ class PrefixStore:
             for tmp in folder.glob(".*.tmp-*"):
                 base, _, pid = tmp.name.partition(".tmp-")
                 stem, pid = base[1:].split(".", 1)[0], pid.split(".", 1)[0]
-                if (stem == "key" or _OURS.fullmatch(stem)) and not (pid.isdigit() and pid_alive(int(pid))):
+                if (stem in ("key", "auto") or _OURS.fullmatch(stem)) and not (pid.isdigit() and pid_alive(int(pid))):
                     unlink_file(tmp)
             for data in folder.glob("*.safetensors"):
                 if _OURS.fullmatch(data.stem) and not data.with_suffix(".json").exists():
@@ -241,7 +259,8 @@ def _earlier_cache(root: Path) -> bool:
             _OURS.fullmatch(f.name) and f.is_dir() for f in folders) else None
     except OSError:
         return False
-    return bool(folders) and names is not None and all(n == "key.json" or ".tmp-" in n or _entry_file(n) for n in names)
+    return bool(folders) and names is not None and all(n in ("key.json", AUTO) or ".tmp-" in n or _entry_file(n)
+                                                       for n in names)
 
 
 def _entry_file(name: str) -> bool:

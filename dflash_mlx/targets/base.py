@@ -28,8 +28,7 @@ class TargetAdapter(TreeVerify):
         inner: ``text.model``, the decoder stack (``embed_tokens``, ``layers``, ``norm``).
         args: ``text.args``.
         rollback_spans_forwards: a rollback may remove rows of several forwards (False where a
-            layer can only undo its last forward: the next plain step then waits for this one).
-    """
+            layer can only undo its last forward: the next plain step then waits for this one)."""
 
     rollback_spans_forwards = True
 
@@ -102,8 +101,7 @@ class TargetAdapter(TreeVerify):
 
         Raises:
             MismatchError: a capture id is not a layer of the target.
-            InputError: a tree for a family without tree verification.
-        """
+            InputError: a tree for a family without tree verification."""
         wanted = set(capture or ())
         if wanted and not all(0 <= i < self.num_layers for i in wanted):
             raise MismatchError(
@@ -155,8 +153,7 @@ class TargetAdapter(TreeVerify):
             max_verify: most tokens one verify feeds: the most rows one rollback removes.
 
         Raises:
-            RollbackError: a layer cache that cannot be made exact (names it).
-        """
+            RollbackError: a layer cache that cannot be made exact (names it)."""
         cache = [self.exact_cache(i, c, max_verify) for i, c in enumerate(make_prompt_cache(self.model))]
         self.check_cache(cache, max_verify)
         return cache
@@ -165,8 +162,7 @@ class TargetAdapter(TreeVerify):
         """Layer ``i``'s mlx-lm cache, or a ``WindowKVCache`` for a ``RotatingKVCache``.
 
         Raises:
-            RollbackError: a ``RotatingKVCache`` with sink rows (``keep > 0``).
-        """
+            RollbackError: a ``RotatingKVCache`` with sink rows (``keep > 0``)."""
         if isinstance(c, RotatingKVCache):
             if c.keep:
                 raise RollbackError(
@@ -181,8 +177,7 @@ class TargetAdapter(TreeVerify):
 
         Raises:
             MismatchError: another number of layers, or a layer cache of another model.
-            RollbackError: names the first layer that cannot roll back exactly, and its cache type.
-        """
+            RollbackError: names the first layer that cannot roll back exactly, and its cache type."""
         expected = len(make_prompt_cache(self.model))
         if len(cache) != expected:
             raise MismatchError(
@@ -219,7 +214,6 @@ class TargetAdapter(TreeVerify):
         """Remove the last ``num_tokens`` rows from every layer, or none (every layer is checked first).
 
         Raises:
-            RollbackError: a layer cannot remove that many rows exactly.
-        """
+            RollbackError: a layer cannot remove that many rows exactly."""
         if num_tokens > 0:
             trim_layers(cache, [num_tokens] * len(cache), "target layer")

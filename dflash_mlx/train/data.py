@@ -13,7 +13,7 @@ import numpy as np
 from mlx_lm import batch_generate
 from mlx_lm.sample_utils import make_sampler
 
-from ..atomic import atomic_file
+from ..atomic import atomic_file, write_json
 from ..errors import InputError
 from ..prompt import encode_messages
 
@@ -289,8 +289,7 @@ def _claim(out: Path, prompts: List[List[int]], settings: dict) -> None:
             differ = [f"{k} {was.get(k)!r} (now {v!r})" for k, v in settings.items() if was.get(k) != v]
             raise InputError(f"{out}: holds data from other {', '.join(differ) or 'prompts'}; pass a new --out")
     else:
-        with atomic_file(manifest_file) as tmp:
-            tmp.write_text(json.dumps(manifest, indent=2))
+        write_json(manifest_file, manifest, indent=2)
 
 
 def _write_shard(path: Path, prompts: List[List[int]], responses: List[List[int]]) -> None:

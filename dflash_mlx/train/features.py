@@ -2,14 +2,13 @@
 files named by a digest of each sequence's tokens, so any run on any split finds them; a manifest names
 the target and the layers."""
 
-import json
 from pathlib import Path
 from typing import List, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from ..atomic import atomic_file
+from ..atomic import atomic_file, write_json
 from ..targets import TargetAdapter
 from .data import read_json, token_digest
 
@@ -30,8 +29,7 @@ def claim_manifest(folder: Path, key: dict, write: bool) -> Optional[bool]:
         return read_json(path, "delete the features folder (it is made again)") == key
     if not write:
         return None
-    with atomic_file(path, parents=True) as tmp:
-        tmp.write_text(json.dumps(key, indent=2))
+    write_json(path, key, indent=2, parents=True)
     return True
 
 

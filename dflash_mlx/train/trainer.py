@@ -17,7 +17,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..atomic import atomic_file, staging
+from ..atomic import atomic_file, staging, write_json
 from ..drafter.checkpoint import load_drafter, save_drafter
 from ..drafter.config import DrafterArgs, default_target_layer_ids
 from ..drafter.network import DFlashDrafter
@@ -333,8 +333,7 @@ class Trainer:
             if self.after_misses:  # so a resumed run draws the same anchors
                 with atomic_file(tmp / AFTER_MISSES) as f:
                     np.savez(f, **{str(i): a for i, a in self.after_misses.items()})
-            with atomic_file(tmp / "trainer_state.json") as f:
-                f.write_text(json.dumps(state, indent=2))
+            write_json(tmp / "trainer_state.json", state, indent=2)
         for old in sorted(root.glob("step_*"))[: -self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return final
