@@ -363,3 +363,9 @@ def test_what_auto_learned_carries_to_the_next_generation_and_process(tmp_path, 
     assert learned == [True, True] and len(warnings) == 1
     assert warnings[0].startswith("prompt cache: ignored what auto learned before") and "\n" not in warnings[0]
     assert json.loads(path.read_text())["seconds"]
+    path.unlink()
+    path.mkdir()  # cannot be replaced by a file: the write fails, the reply is whole, the store goes memory-only
+    warnings = []
+    later = new_process(target, drafter, tmp_path, warnings)
+    assert auto(later, PROMPT[:28], 10) == cold(target, drafter, PROMPT[:28], 10)
+    assert len(warnings) == 1 and "cannot write under" in warnings[0] and later.store.degraded is not None
