@@ -29,6 +29,7 @@ import os
 import signal
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -50,7 +51,8 @@ def server_command(kind: str, args, port: int) -> List[str]:
     block = args.baseline_block_size if batch == "1" and args.baseline_block_size else args.block_size
     block = own_block or block
     cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--model", args.model, "--port", str(port),
-           "--max-batch", batch, "--log-level", "warning", "--block-size", block]
+           "--max-batch", batch, "--log-level", "warning", "--block-size", block,
+           "--prompt-cache-dir", tempfile.mkdtemp(prefix="batch-serve-")]  # every server starts cold
     cmd += ["--prompt-lookup", "off"] if name != kind else []
     return cmd + (["--draft-model", args.draft_model] if args.draft_model else [])
 
