@@ -32,15 +32,19 @@ def main(args: Optional[List[str]] = None) -> None:
 def keep_interrupts() -> None:
     """A Ctrl-C that lands in a finalizer (which cannot raise) is delivered again to the main thread."""
     import _thread
-    import threading
-
+    import time
     default = sys.unraisablehook
 
-    def hook(unraisable) -> None:
+    def deliver(returned: list) -> None:  # once the hook has returned: a Ctrl-C while it runs is lost
+        while not returned:
+            time.sleep(0.001)
+        time.sleep(0.005)
+        _thread.interrupt_main()
+
+    def hook(unraisable) -> None:  # never blocks (threading's start waits for the thread: a load stretched that)
         if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            timer = threading.Timer(0.01, _thread.interrupt_main)
-            timer.daemon = True
-            timer.start()
+            _thread.start_new_thread(deliver, (returned := [],))
+            returned.append(1)
         else:
             default(unraisable)
 
