@@ -18,7 +18,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from conftest import live_server, needs_shared, openai_client, parse_metrics
+from conftest import ROOT, dflash, live_server, needs_shared, openai_client, parse_metrics
 
 openai = pytest.importorskip("openai")
 
@@ -433,3 +433,23 @@ def test_one_at_a_time_copies_from_the_ids_its_kept_caches_hold(stories, tmp_pat
     assert usage[0]["dflash"]["prompt_lookup"] == usage[1]["dflash"]["prompt_lookup"], usage
     assert usage[0]["dflash"]["prompt_lookup"]["drafted"] > 0
     assert runs[0]["choices"][0]["text"] == runs[1]["choices"][0]["text"]
+
+
+def test_usage_figures_are_generates_for_the_same_request(stories, tmp_path):
+    """A request's ``usage.dflash`` against `dflash generate --json` on the same prompt (the shipped drafter, a
+    fixed block size): the figures no clock moves are equal (tokens, steps, tau, histogram, widths) and the
+    peak memory within 10% (or the 1 MB both are rounded to). Rates are for benchmarks, not tests."""
+    drafter, prompt = str(ROOT / "examples" / "stories260K" / "drafter"), "Once upon a time"
+    with live_server(tmp_path / "serve.log", "--model", str(stories), "--draft-model", drafter, "--max-batch", "1",
+                     "--block-size", "8") as url:
+        r = httpx.post(f"{url}/v1/completions", json={"model": str(stories), "prompt": prompt, "max_tokens": 64,
+                                                      "temperature": 0}, timeout=120)
+    served = r.json()["usage"]["dflash"]
+    g = dflash("generate", "--model", str(stories), "--draft-model", drafter, "-p", prompt, "-m", "64",
+               "--block-size", "8", "--ignore-chat-template", "--json", "--quiet", text=True)
+    ran = json.loads(g.stdout)
+    assert served["steps"] > 3 and served["tau"] > 1.0  # the drafter drafts: the figures say something
+    for name in ("generation_tokens", "steps", "tau", "acceptance_histogram", "widths"):
+        assert served[name] == ran[name], name
+    assert served["peak_memory"] > 0 and abs(served["peak_memory"] - ran["peak_memory"]) <= max(
+        0.1 * ran["peak_memory"], 0.001)
