@@ -92,7 +92,7 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
                 yield result
         finally:  # finished or closed: both caches hold the committed tokens but the last
             decoder.remove([key])
-            if chooser is not None and auto_state is not None and chooser.fixed is None:
+            if chooser is not None and auto_state is not None:
                 auto_state.update(chooser.state())
 
 

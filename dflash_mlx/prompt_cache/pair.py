@@ -125,6 +125,8 @@ class PairCache:
                 known = len(ids) + len(reply) - 1
                 yield r
             done = True
+            if self.store is not None and cached.get("auto_state"):
+                self.store.put_auto_state(self.pair_key()[1], cached["auto_state"])
         finally:
             self.end(ids + reply, known, done)
 
@@ -186,8 +188,6 @@ class PairCache:
         for snap in self._unsaved:
             self.store.put(kid, snap, key)
         self._unsaved = []
-        if self.drafter is not None and (learned := self._auto_state()):
-            self.store.put_auto_state(kid, learned)
         if self.tokens:
             self._snapshot(defer=False)
 
