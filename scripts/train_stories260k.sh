@@ -41,5 +41,5 @@ dflash data --model "$OUT/target" --self-prompts 2000 --self-prompt-tokens 96 --
 dflash train --model "$OUT/target" --data "$OUT/data-prefix" --data "$OUT/data-openings" --out "$OUT/drafter" \
     --layers 2 --block-size 16 --block-sizes 4,8,16 --target-layer-ids 1,2,3,4 --intermediate-size 256 \
     --steps "$STEPS" --anchors 64 --miss-anchors 0.5 --grad-accum 2 --lr 3e-3 --warmup 0.02 \
-    --held-out 32 --eval-every 1000 --save-every 1000 --cache-features
+    --held-out 32 --eval-every 1000 --save-every 1000 --features-dir "$OUT/drafter/features"
 echo "total: $(( $(date +%s) - start )) s"

@@ -13,7 +13,8 @@ from dflash_mlx.train.blocks import block_mask, position_weights, sample_anchors
 from dflash_mlx.train.data import read_prompt_file, regenerate
 from dflash_mlx.train.evaluate import evaluate_block_sizes
 from dflash_mlx.train.loss import block_loss, make_batch, sequence_loss_and_grad, target_features
-from dflash_mlx.train.trainer import TrainConfig, Trainer, check_fresh_out, init_drafter
+from dflash_mlx.train.trainer import TrainConfig, Trainer, check_fresh_out
+from dflash_mlx.train.start import init_drafter
 from conftest import tiny_target, tiny_training_set
 
 B = 8

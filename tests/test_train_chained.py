@@ -63,7 +63,8 @@ def test_training_evaluation_reports_both_taus(setup):
 
 
 def test_a_run_reports_tau_as_generated_at_its_last_evaluation(setup, tmp_path):
-    from dflash_mlx.train.trainer import TrainConfig, Trainer, init_drafter
+    from dflash_mlx.train.trainer import TrainConfig, Trainer
+    from dflash_mlx.train.start import init_drafter
 
     target, seq = setup
     drafter = init_drafter(target, mask_token_id=0, layers=1, block_size=4, target_layer_ids=[1, 2])

@@ -161,7 +161,7 @@ def test_interrupted_training_says_where_its_checkpoint_is(stories, tmp_path):
 
 
 @needs_shared
-def test_runs_share_a_features_folder_only_for_the_same_data_and_layers(stories, tmp_path):
+def test_runs_share_a_features_folder_only_at_the_same_layers(stories, tmp_path):
     data, feats = tmp_path / "data", tmp_path / "features"
     regenerate(stories, data)
     train = ["train", "--model", str(stories), "--data", str(data), "--block-size", "4", "--steps", "2",
@@ -172,7 +172,8 @@ def test_runs_share_a_features_folder_only_for_the_same_data_and_layers(stories,
     assert len(list(feats.glob("*.npy"))) >= 2 and not (tmp_path / "b" / "features").exists()
     r = run(*train, "--out", str(tmp_path / "c"), "--target-layer-ids", "1,2")
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert f"error: {feats}: holds target features of other data, target_layer_ids or target" in " ".join(r.stderr.split())
+    assert f"error: {feats} holds features of another target or other layers; give another features folder" in " ".join(
+        r.stderr.split())
 
 
 @needs_shared
@@ -206,3 +207,37 @@ def test_data_keeps_features_and_train_reads_them(stories, tmp_path):
     assert r.returncode == 0 and "holds features of another target or other layers" in r.stderr, r.stderr
     r = run(*args[:-2], "--out", str(tmp_path / "bad"), "--target-layer-ids", "1,9")
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "--target-layer-ids 1,9" in r.stderr
+
+
+@needs_shared
+def test_train_a_dspark_drafter(stories, tmp_path):
+    """`--arch dspark`: fresh, or from a v1 drafter (--init); the result loads with --draft-model, names its
+    format and gives the target's own text; flags that do not go together are one line each."""
+    data, out = tmp_path / "data", tmp_path / "dspark"
+    regenerate(stories, data)
+    common = ("--model", str(stories), "--data", str(data), "--steps", "2", "--anchors", "4", "--held-out", "4",
+              "--eval-every", "2", "--save-every", "2")
+    r = run("train", *common, "--out", str(out), "--arch", "dspark", "--markov-rank", "8", "--block-size", "4")
+    assert r.returncode == 0, r.stderr
+    assert "Qwen3DSparkModel" in r.stderr and "Markov rank 8" in " ".join(r.stderr.split())
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["block_size"], config["markov_rank"]) == (["Qwen3DSparkModel"], 3, 8)
+    r = dflash("--model", str(stories), "--draft-model", str(out), "-p", "Once upon a time", "-m", "40", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["drafter_format"] == "Qwen3DSparkModel", r.stderr
+    r = dflash("--model", str(stories), "--draft-model", str(out), "-p", "Once upon a time", "-m", "40", "--quiet")
+    assert r.returncode == 0 and r.stdout.startswith(STORY[:80]), r.stderr
+
+    shipped = ROOT / "examples" / "stories260K" / "drafter"
+    r = run("train", *common, "--out", str(tmp_path / "from-v1"), "--init", str(shipped), "--arch", "dspark")
+    assert r.returncode == 0, r.stderr
+    config = json.loads((tmp_path / "from-v1" / "config.json").read_text())
+    assert (config["architectures"], config["block_size"], config["markov_rank"]) == (["Qwen3DSparkModel"], 15, 256)
+    for flags, line in [(("--markov-rank", "8"), "error: --arch dflash: give dflash or dspark (--markov-rank goes "
+                                                 "with dspark only)"),
+                        (("--arch", "dspark2"), "error: --arch dspark2: give dflash or dspark (--markov-rank goes "
+                                                "with dspark only)"),
+                        (("--init", str(out)), f"error: --arch dflash: the --init drafter {out} is a Qwen3DSparkModel; "
+                                               "pass --arch dspark")]:
+        r = run("train", *common, "--out", str(tmp_path / "bad"), *flags)
+        assert r.returncode == 1 and " ".join(r.stderr.split()) == line, r.stderr
+    assert not (tmp_path / "bad").exists()

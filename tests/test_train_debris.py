@@ -13,8 +13,10 @@ from conftest import needs_shared, tiny_training_set
 from dflash_mlx import load_drafter
 from dflash_mlx.errors import InputError
 from dflash_mlx.train.data import MANIFEST, _write_shard, load_sequences, read_shard, regenerate
+from dflash_mlx.train.features import FeatureStore
 from dflash_mlx.train.loss import FeatureCache
-from dflash_mlx.train.trainer import TrainConfig, Trainer, init_drafter
+from dflash_mlx.train.trainer import TrainConfig, Trainer
+from dflash_mlx.train.start import init_drafter
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +32,13 @@ def drafter(target):
 def test_truncated_feature_file_is_computed_again(setup, tmp_path):
     target, seqs = setup
     FeatureCache(target, [1, 2], tmp_path, hidden=True).get(0, seqs[0], mx.float32)
-    path = tmp_path / "0000000.npy"
+    path = FeatureStore(tmp_path, target, [1, 2]).path(seqs[0].tokens)
     whole = path.read_bytes()
     path.write_bytes(whole[: len(whole) // 2])  # what np.save writing in place left when killed
     cache = FeatureCache(target, [1, 2], tmp_path, hidden=True)
     feats, _ = cache.get(0, seqs[0], mx.float32)
     assert cache.rebuilt == [path] and path.read_bytes() == whole
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["0000000.hidden.npy", "0000000.npy", "manifest.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, path.stem + ".hidden.npy", "manifest.json"])
 
 
 def test_truncated_shard(tmp_path):
@@ -95,11 +97,11 @@ def test_data_rerun_makes_a_truncated_shard_anew(stories, tmp_path):
 
 def test_truncated_manifests_are_named(setup, tmp_path):
     target, seqs = setup
-    FeatureCache(target, [1, 2], tmp_path / "f", sequences=seqs)
+    FeatureCache(target, [1, 2], tmp_path / "f")
     manifest = tmp_path / "f" / "manifest.json"
     manifest.write_text(manifest.read_text()[:10])
     with pytest.raises(InputError, match=r"f/manifest.json: not valid JSON .*delete the features folder"):
-        FeatureCache(target, [1, 2], tmp_path / "f", sequences=seqs)
+        FeatureCache(target, [1, 2], tmp_path / "f")
     data = tmp_path / "data"
     data.mkdir()
     (data / MANIFEST).write_text('{"version": 1, "num_pro')  # cut short by an older version's kill

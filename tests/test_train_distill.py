@@ -10,10 +10,12 @@ from mlx.utils import tree_flatten
 from dflash_mlx.errors import InputError
 from dflash_mlx.train.blocks import position_weights, sample_anchors
 from dflash_mlx.train.evaluate import evaluate_block_sizes
+from dflash_mlx.train.features import FeatureStore
 from dflash_mlx.train.loss import (
     FeatureCache, block_loss, distill_kl, make_batch, sequence_loss_and_grad, target_block_logits, target_outputs,
 )
-from dflash_mlx.train.trainer import TrainConfig, Trainer, block_size_plan, init_drafter
+from dflash_mlx.train.trainer import TrainConfig, Trainer, block_size_plan
+from dflash_mlx.train.start import init_drafter
 from conftest import tiny_training_set
 
 B = 8
@@ -95,7 +97,7 @@ def test_feature_cache_keeps_hidden_states_for_distillation(setup, tmp_path):
     ref_feats, ref_hidden = target_outputs(target, seqs[0].tokens, [1, 2], mx.float32)
     assert feats.shape == ref_feats.shape and hidden.shape == ref_hidden.shape
     assert mx.allclose(hidden, ref_hidden, atol=2e-2).item()  # stored as float16
-    assert (tmp_path / "0000000.hidden.npy").is_file()
+    assert FeatureStore(tmp_path, target, [1, 2]).path(seqs[0].tokens, "hidden").is_file()
     # A cache made without hidden states gains them when a later run distils.
     plain = FeatureCache(target, [1, 2], tmp_path / "p")
     assert plain.get(1, seqs[1], mx.float32)[1] is None
@@ -179,10 +181,15 @@ def test_bad_kl_settings(setup, tmp_path):
             Trainer(_drafter(target), target, seqs, TrainConfig(steps=1, **kw), tmp_path)
 
 
-def test_a_shared_features_folder_serves_only_its_own_data(setup, tmp_path):
+def test_a_shared_features_folder_serves_any_data_at_its_own_layers(setup, tmp_path):
+    """A features folder is keyed by each sequence's tokens: another run's data (here a part of it) reads the
+    features kept, not computed again; a run at other layers is refused, the folder left as it was."""
     target, seqs = setup
-    FeatureCache(target, [1, 2], tmp_path, sequences=seqs).get(0, seqs[0], mx.float32)
-    FeatureCache(target, [1, 2], tmp_path, sequences=seqs)  # the same data: reused
-    for layers, data in (([1, 2], seqs[:-1]), ([0, 2], seqs)):
-        with pytest.raises(InputError, match="holds target features of other data"):
-            FeatureCache(target, layers, tmp_path, sequences=data)
+    FeatureCache(target, [1, 2], tmp_path).get(0, seqs[0], mx.float32)
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    other_run = FeatureCache(target, [1, 2], tmp_path)
+    other_run.target = None  # a forward would fail: the features must come from the folder
+    assert other_run.get(5, seqs[0], mx.float32)[0].shape == (1, seqs[0].tokens.size, 2 * target.hidden_size)
+    with pytest.raises(InputError, match="holds features of another target or other layers; give another"):
+        FeatureCache(target, [0, 2], tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files

@@ -9,7 +9,8 @@ from mlx.utils import tree_flatten
 from dflash_mlx.errors import InputError
 from dflash_mlx.train.blocks import next_anchors, position_weights, sample_anchors, valid_anchors
 from dflash_mlx.train.loss import block_loss, make_batch, sequence_loss_and_grad, target_features
-from dflash_mlx.train.trainer import TrainConfig, Trainer, init_drafter
+from dflash_mlx.train.trainer import TrainConfig, Trainer
+from dflash_mlx.train.start import init_drafter
 from conftest import tiny_training_set
 
 B = 8

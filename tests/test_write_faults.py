@@ -286,7 +286,8 @@ def test_chat_with_a_session_that_cannot_be_written_runs_every_line(stories, tmp
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_checkpoint_that_cannot_be_written_keeps_the_earlier_one(fault, tmp_path, monkeypatch):
     from dflash_mlx import load_drafter
-    from dflash_mlx.train.trainer import TrainConfig, Trainer, init_drafter
+    from dflash_mlx.train.trainer import TrainConfig, Trainer
+    from dflash_mlx.train.start import init_drafter
     from conftest import tiny_training_set
 
     _, target, seqs = tiny_training_set(4, 24)

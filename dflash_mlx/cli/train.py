@@ -147,12 +147,14 @@ def train(
     target_layer_ids: Annotated[Optional[str], Option("--target-layer-ids", help=(
         "Comma list, e.g. 1,9,17; default: spread evenly."))] = None,
     mask_token_id: Annotated[Optional[int], Option("--mask-token-id", help="MASK id; default: an unused id.")] = None,
-    intermediate_size: Annotated[Optional[int], Option("--intermediate-size", help=(
-        "Drafter MLP width; default: the target's."))] = None,
+    intermediate_size: Annotated[Optional[int], Option("--intermediate-size", help="MLP width (target's).")] = None,
     init: Annotated[Optional[str], Option("--init", help=(
-        "Start from this drafter's weights (a folder --draft-model loads: another run's checkpoint or a "
-        "shipped drafter; quantized layers are dequantized). Its shape is kept: --layers, --block-size, "
-        "--target-layer-ids, --mask-token-id and --intermediate-size may be left out."))] = None,
+        "Start from this drafter's weights (a folder --draft-model loads; quantized layers dequantized), keeping "
+        "its shape: --layers, --block-size, --target-layer-ids, --mask-token-id, --intermediate-size can go."))] = None,
+    arch: Annotated[str, Option("--arch", help=(
+        "dflash, or dspark (DeepSeek's: every row drafts, a Markov head biases it by the token before)."))] = "dflash",
+    markov_rank: Annotated[Optional[int], Option("--markov-rank", help=(
+        "With --arch dspark: the Markov head's rank r, 2 x vocabulary x r weights (default 256; 0: no head)."))] = None,
     steps: Annotated[int, Option("--steps", help="Optimizer steps.")] = 1000,
     lr: Annotated[float, Option("--lr", help="Peak AdamW learning rate.")] = 6e-4,
     warmup: Annotated[float, Option("--warmup", help="Warm-up fraction of the steps, then cosine decay.")] = 0.04,
@@ -176,9 +178,8 @@ def train(
     held_out: Annotated[int, Option("--held-out", help="Sequences held out for evaluation (of the last --data).")] = 16,
     eval_every: Annotated[int, Option("--eval-every", help="Evaluate every N steps (0 = never).")] = 200,
     save_every: Annotated[int, Option("--save-every", help="Checkpoint every N steps (0 = only the end).")] = 200,
-    cache_features: Annotated[bool, Option("--cache-features", help="Keep target features in OUT/features.")] = False,
     features_dir: Annotated[Optional[Path], Option("--features-dir", help=(
-        "Cache target features here instead (implies --cache-features)."))] = None,
+        "Keep the target's features here, computed once (a folder runs at the same layers share)."))] = None,
     resume: Annotated[bool, Option("--resume", help="Continue from the newest checkpoint (same settings).")] = False,
     overwrite: Annotated[bool, Option("--overwrite", help="Delete an earlier run in OUT and start afresh.")] = False,
     seed: Seed = 0,
@@ -202,11 +203,15 @@ def _config(o):
 
     if o.dtype not in ("float32", "bfloat16"):
         raise InputError(f"--dtype must be float32 or bfloat16, got {o.dtype}")
+    if o.arch not in ("dflash", "dspark") or (o.markov_rank is not None and o.arch != "dspark"):
+        raise InputError(f"--arch {o.arch}: give dflash or dspark (--markov-rank goes with dspark only)")
+    o.rank = (256 if o.markov_rank is None else o.markov_rank) if o.arch == "dspark" else None  # None: v1
     o.ids = parse_numbers(o.target_layer_ids, "--target-layer-ids", int)
     sizes = parse_numbers(o.block_sizes, "--block-sizes", int)
     gammas = parse_numbers(o.gamma, "--gamma", float)
     for flag, value, least in (("--layers", o.layers, 1), ("--block-size", o.block_size, 2),
                                ("--mask-token-id", o.mask_token_id, 0), ("--intermediate-size", o.intermediate_size, 1),
+                               ("--markov-rank", o.markov_rank, 0),
                                *(("--target-layer-ids", i, 0) for i in o.ids or ())):
         check_number(flag, value, at_least=least)
     config = TrainConfig(steps=o.steps, grad_accum=o.grad_accum, anchors=o.anchors, anchor_chunk=o.anchor_chunk,
@@ -230,7 +235,8 @@ def _trainer(o):
     """The :class:`~dflash_mlx.train.trainer.Trainer` of the flags: resumed, or a new drafter."""
     from dflash_mlx.train.data import load_sequences, pick_mask_token
     from dflash_mlx.train.features import FOLDER
-    from dflash_mlx.train.trainer import Trainer, check_fresh_out, init_drafter, warm_start
+    from dflash_mlx.train.trainer import Trainer, check_fresh_out
+    from dflash_mlx.train.start import init_drafter, warm_start
 
     config = _config(o)
     if not o.resume and not o.overwrite:
@@ -240,7 +246,7 @@ def _trainer(o):
     n_held = min(o.held_out, len(sequences) // 2)
     train_seqs, eval_seqs = sequences[: len(sequences) - n_held], sequences[len(sequences) - n_held:]
     config, o.counts = replace(config, eval_sequences=n_held), (len(train_seqs), n_held)
-    features = o.features_dir or (o.out / "features" if o.cache_features else None)
+    features = o.features_dir
     kept = [d / FOLDER for d in o.data_dirs if (d / FOLDER).is_dir()]  # dflash data --target-layer-ids
     if o.resume:
         trainer = Trainer.resume(pair.target, train_seqs, config, o.out, eval_seqs, features, kept)
@@ -249,24 +255,30 @@ def _trainer(o):
                           soft_wrap=True, markup=False, highlight=False)
         return trainer
     if o.init:
-        drafter = warm_start(o.init, pair.target, o.layers)
-        check_init_shape(o, drafter.args)
+        drafter = warm_start(o.init, pair.target, o.layers, o.rank)
+        check_init_shape(o, drafter)
     else:
         mask = o.mask_token_id if o.mask_token_id is not None else pick_mask_token(
             pair.tokenizer, pair.target.vocab_size, sequences)
-        drafter = init_drafter(pair.target, mask, o.layers or 1, o.block_size or 16, o.ids, o.intermediate_size, o.seed)
+        drafter = init_drafter(pair.target, mask, o.layers or 1, o.block_size or 16, o.ids, o.intermediate_size, o.seed,
+                               o.rank)
     check_fresh_out(o.out, o.overwrite)  # deletes an earlier run only now, with everything checked
     return Trainer(drafter, pair.target, train_seqs, config, o.out, eval_seqs, features, kept)
 
 
-def check_init_shape(o, args) -> None:
+def check_init_shape(o, drafter) -> None:
     """InputError naming the first shape flag that disagrees with the --init drafter's own value."""
-    if o.block_size is not None and o.block_size > args.block_size:
+    args = drafter.args
+    if o.block_size is not None and o.block_size > drafter.block_size:
         raise InputError(f"--block-size(s) {o.block_size}: past the --init drafter {o.init}'s block size "
-                         f"{args.block_size}")
+                         f"{drafter.block_size}")
+    if args.format.anchor_first != (o.rank is not None):
+        raise InputError(f"--arch {o.arch}: the --init drafter {o.init} is a {args.architecture}; pass --arch "
+                         f"{'dspark' if args.format.anchor_first else 'dflash'}")
     given = (("--target-layer-ids", o.ids, args.target_layer_ids),
              ("--mask-token-id", o.mask_token_id, args.mask_token_id),
-             ("--intermediate-size", o.intermediate_size, args.intermediate_size))
+             ("--intermediate-size", o.intermediate_size, args.intermediate_size),
+             ("--markov-rank", o.markov_rank, args.markov_rank))
     for flag, value, its in given:
         if value is not None and value != its:
             raise InputError(f"{flag} {value}: the --init drafter {o.init} has {its}; leave {flag} out")
@@ -279,9 +291,11 @@ def _fit(o, trainer) -> None:
     distill = f"; KL weight {o.kl_weight:g} at T={o.kl_temperature:g}" if o.kl_weight else ""
     from dflash_mlx.train.health import lr_warning
 
-    console.print(f"drafter: {a.num_hidden_layers} layer(s), hidden {a.hidden_size}, MLP {a.intermediate_size}, "
-                  f"block {a.block_size}, target_layer_ids {a.target_layer_ids}, mask {a.mask_token_id}; "
-                  f"trained at block sizes {plan}{distill}; {o.counts[0]} train / {o.counts[1]} held-out sequences")
+    markov = f", Markov rank {a.markov_rank}" if a.format.anchor_first else ""
+    console.print(f"drafter: {a.architecture}, {a.num_hidden_layers} layer(s), hidden {a.hidden_size}, MLP "
+                  f"{a.intermediate_size}{markov}, block {trainer.drafter.block_size}, target_layer_ids "
+                  f"{a.target_layer_ids}, mask {a.mask_token_id}; trained at block sizes {plan}{distill}; "
+                  f"{o.counts[0]} train / {o.counts[1]} held-out sequences")
     for why in trainer.features.unused:
         console.print(f"warning: {why}: the target's features are computed instead", markup=False, highlight=False)
     if too_high := lr_warning(o.lr, a.hidden_size):

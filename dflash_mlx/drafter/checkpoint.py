@@ -81,16 +81,13 @@ def check_weights(model: DFlashDrafter, stored: dict, files: dict, path: Path, f
 
 def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` (each atomically) in the drafter's own format:
-    the format's weight names, no embedding or lm_head but DSpark's copies; a quantized drafter's config records
-    ``quantization`` (``group_size``, ``bits``, ``mode``). CheckpointError for a drafter whose copies
-    :meth:`~dflash_mlx.drafter.network.DFlashDrafter.bind` dropped."""
-    out = Path(out_dir)
-    fmt = model.args.format
-    if fmt.stores_embeddings and not ("embed_tokens" in model and "lm_head" in model):
-        raise CheckpointError(f"{out}: this {fmt.architecture} drafter shares the target's embedding or head "
-                              "since it was bound; save it before binding")
+    the format's weight names, no embedding or lm_head but DSpark's copies (those
+    :meth:`~dflash_mlx.drafter.network.DFlashDrafter.bind` set aside included); a quantized drafter's config
+    records ``quantization`` (``group_size``, ``bits``, ``mode``)."""
+    out, fmt = Path(out_dir), model.args.format
     out.mkdir(parents=True, exist_ok=True)
-    weights = {fmt.checkpoint_key(k): v for k, v in tree_flatten(model.parameters())}
+    copies = {name: m.parameters() for name, m in model.__dict__.get("copies", {}).items()}
+    weights = {fmt.checkpoint_key(k): v for k, v in tree_flatten({**model.parameters(), **copies})}
     floats = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
     config = model.args.to_config(dtype=str(floats[0]).replace("mlx.core.", ""))
     if quantized := [m for m in model.modules() if isinstance(m, nn.QuantizedLinear)]:

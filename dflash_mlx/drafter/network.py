@@ -217,7 +217,7 @@ class DFlashDrafter(nn.Module):
         for name, (theirs, probe) in probes.items():
             pieces = mx.split(probe, list(range(256, probe.shape[1], 256)), axis=1)  # 256 rows at a time
             if name in self and all(mx.array_equal(self[name](x), theirs(x)).item() for x in pieces):
-                del self[name]
+                self.__dict__.setdefault("copies", {})[name] = self.pop(name)  # not trained; saved again
         self._embed, self._lm_head = self.get("embed_tokens", embed), self.get("lm_head", lm_head)
         return self
 
@@ -324,19 +324,35 @@ class DFlashDrafter(nn.Module):
                      residual: bool = False) -> mx.array:
         """Training forward (spec section 6): blocks [N, B] int32 at ``anchors`` [N], features [1, L, K*H]
         of the sequence, ``mask`` [N, 1, B, L + B] bool (:func:`dflash_mlx.train.blocks.block_mask`) ->
-        [N, B-1, H] final hidden states of block rows 1..B-1 (``residual``: before the final norm).
-        ConfigError for drafters other than full-attention v1 ones."""
+        [N, B-1, H] final hidden states of the drafting rows (rows 1..B-1; where row 0 drafts, the first B-1
+        rows and columns of the block and mask are used); ``residual``: before the final norm. ConfigError for
+        drafters other than full-attention v1 and DSpark ones without a confidence head."""
         a = self.args
-        if a.format.keys or any(a.is_sliding(i) or a.is_causal_layer(i) for i in range(a.num_hidden_layers)):
-            raise ConfigError(f"training supports full-attention v1 drafters only, not {a.architecture} "
-                              "with these layer types")
+        if a.selector_rank or a.enable_confidence_head or any(
+                a.is_sliding(i) or a.is_causal_layer(i) for i in range(a.num_hidden_layers)):
+            raise ConfigError(f"training supports full-attention v1 and DSpark drafters (no confidence head) only, "
+                              f"not {a.architecture} with these layer types or heads")
+        R = blocks.shape[1] - 1 + self.first_row
+        blocks, mask = blocks[:, :R], mask[:, :, :R, : mask.shape[-1] - blocks.shape[1] + R]
         attend: Attend = lambda attn, q, ctx, block: masked_attention(q, ctx, block, mask, attn.scale)  # noqa: E731
         fused = self.hidden_norm(self.fc(context))
         return self.forward(blocks, fused, 0, anchors, [attend] * len(self.layers), compile=False, residual=residual)
 
-    def block_logits(self, blocks: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
-        """:meth:`block_hidden` through the head: [N, B-1, V] logits."""
-        return self.logits(self.block_hidden(blocks, context, anchors, mask))
+    def block_logits(self, blocks: mx.array, context: mx.array, anchors: mx.array, mask: mx.array,
+                     targets: Optional[mx.array] = None) -> mx.array:
+        """:meth:`block_hidden` through the head: [N, B-1, V] logits; a Markov head's bias added from the
+        true previous tokens (the anchor, then ``targets`` [N, B-1]: teacher forced, as training sees them)."""
+        logits = self.logits(self.block_hidden(blocks, context, anchors, mask))
+        if "markov_head" not in self:
+            return logits
+        return logits + self.markov_bias(mx.concatenate([blocks[:, :1], targets[:, :-1]], axis=1))
+
+    def markov_bias(self, previous: mx.array, columns: Optional[mx.array] = None) -> mx.array:
+        """DSpark's Markov bias ``markov_w2(markov_w1[previous])`` (spec section 11): [..., V] float32 for
+        tokens [...] int32, or [..., C] for vocabulary ``columns`` [C] only (float weights)."""
+        w1, w2 = self.markov_head["markov_w1"], self.markov_head["markov_w2"]
+        z = w1(previous)
+        return (w2(z) if columns is None else z @ w2.weight[columns].T).astype(mx.float32)
 
     def ingest(self, context: mx.array, cache: Sequence[object]) -> None:
         """Cache context rows [1, S, K*H] without drafting, so the drafter covers what the target cache covers."""
@@ -372,6 +388,5 @@ class DFlashDrafter(nn.Module):
             return self.candidate_selector.walk(hidden, logits, first, sampling, key)
         if "markov_head" not in self:
             return mx.argmax(logits, axis=-1).astype(mx.int32), None
-        w1, w2 = self.markov_head["markov_w1"], self.markov_head["markov_w2"]
-        return draw_path(lambda p, prev: logits[..., p, :].astype(mx.float32) + w2(w1(prev)).astype(mx.float32),
+        return draw_path(lambda p, prev: logits[..., p, :].astype(mx.float32) + self.markov_bias(prev),
                          first, logits.shape[-2], sampling, key)

@@ -63,7 +63,7 @@ def evaluate_block_sizes(drafter: DFlashDrafter, target: TargetAdapter, sequence
                 features[i] = target_features(target, seq.tokens, drafter.target_layer_ids, dtype)
             for context, (blocks, targets, anchors_mx, mask) in chunk_batches(
                     seq, features[i], anchors, b, drafter.args.mask_token_id, anchor_chunk):
-                logits = drafter.block_logits(blocks, context, anchors_mx, mask)
+                logits = drafter.block_logits(blocks, context, anchors_mx, mask, targets)
                 rows[b].append(np.array(mx.argmax(logits, axis=-1) == targets))
     out = {b: teacher_forced(np.concatenate(rows[b])) for b in block_sizes}
     if chained:

@@ -14,8 +14,8 @@ from ..errors import InputError
 from ..kernels import fast_softmax
 from ..targets import TargetAdapter
 from .blocks import block_mask
-from .data import TrainSequence, token_digest
-from .features import FeatureStore, claim_manifest, read_rows, target_fingerprint, write_rows
+from .data import TrainSequence
+from .features import FeatureStore
 
 
 def target_outputs(target: TargetAdapter, tokens: np.ndarray, layer_ids: List[int], dtype) -> Tuple[mx.array, mx.array]:
@@ -31,49 +31,39 @@ def target_features(target: TargetAdapter, tokens: np.ndarray, layer_ids: List[i
 
 
 class FeatureCache:
-    """Per-sequence target features (and with ``hidden`` final hidden states) in memory and, with a
-    ``folder``, as float16 ``NNNNNNN[.hidden].npy``; InputError when its manifest names other data.
-    Features found in ``stores`` (kept by ``dflash data``) are taken from there instead of computed."""
+    """Per-sequence target features (with ``hidden`` also final hidden states): read from ``stores`` (kept by
+    ``dflash data``) or a ``folder`` (a :class:`FeatureStore` any data may share), else computed by one frozen
+    forward and, with a ``folder``, kept there and in memory. InputError when ``folder`` holds another target's
+    or other layers' features. ``unused``: why a given store is not read; ``rebuilt``: unreadable files."""
 
     def __init__(self, target: TargetAdapter, layer_ids: List[int], folder: Optional[str | Path] = None,
-                 hidden: bool = False, sequences: Optional[List[TrainSequence]] = None,
-                 stores: Sequence[FeatureStore] = ()):
+                 hidden: bool = False, stores: Sequence[FeatureStore] = ()):
         self.target, self.layer_ids, self.hidden = target, list(layer_ids), hidden
-        self.stores = [s for s in stores if s.mismatch is None]
-        self.unused = [s.mismatch for s in stores if s.mismatch is not None]  # why a store is not read
-        self.folder = Path(folder) if folder else None
+        self.store = FeatureStore(folder, target, layer_ids, write=True) if folder else None
+        if self.store is not None and self.store.mismatch:
+            raise InputError(f"{self.store.mismatch}; give another features folder")
+        self.stores = [s for s in stores if s.mismatch is None] + ([self.store] if self.store else [])
+        self.unused = [s.mismatch for s in stores if s.mismatch is not None]
+        self.rebuilt = self.store.unreadable if self.store else []
         self.memory: Dict[int, Tuple[np.ndarray, Optional[np.ndarray]]] = {}
-        self.rebuilt: List[Path] = []  # cached files found unreadable and computed again
-        if self.folder:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            key = {"target": target_fingerprint(target), "target_layer_ids": self.layer_ids,
-                   "sequences": None if sequences is None else token_digest(s.tokens for s in sequences)}
-            if not claim_manifest(self.folder, key, write=True):
-                raise InputError(f"{self.folder}: holds target features of other data, target_layer_ids or target; "
-                                 "give another features folder")
 
     def get(self, index: int, seq: TrainSequence, dtype) -> Tuple[mx.array, Optional[mx.array]]:
         """Features [1, L, K*H] of sequence ``index`` and its final hidden states [1, L, H] (or None)."""
-        if not self.hidden:
-            kept = next((f for f in (s.get(seq.tokens) for s in self.stores) if f is not None), None)
-            if kept is not None:
-                return mx.array(kept).astype(dtype), None
-        if self.folder is None:
-            feats, hidden = target_outputs(self.target, seq.tokens, self.layer_ids, dtype)
-            return feats, hidden if self.hidden else None
-        if index not in self.memory:
-            path = self.folder / f"{index:07d}.npy"
-            feats = read_rows(path, seq.tokens.size, self.rebuilt)
-            hidden = (read_rows(path.with_suffix(".hidden.npy"), seq.tokens.size, self.rebuilt) if self.hidden
-                      else None)
+        if index in self.memory:
+            feats, hidden = self.memory[index]
+        else:
+            feats = next((f for f in (s.get(seq.tokens) for s in self.stores) if f is not None), None)
+            hidden = self.store.get(seq.tokens, "hidden") if self.hidden and self.store else None
             if feats is None or (self.hidden and hidden is None):
-                f, h = target_outputs(self.target, seq.tokens, self.layer_ids, mx.float32)
-                feats, hidden = np.array(f.astype(mx.float16)), np.array(h.astype(mx.float16))
-                write_rows(path, feats)
+                f, h = target_outputs(self.target, seq.tokens, self.layer_ids, dtype if self.store is None else mx.float32)
+                if self.store is None:
+                    return f, h if self.hidden else None
+                self.store.put(seq.tokens, f)
                 if self.hidden:
-                    write_rows(path.with_suffix(".hidden.npy"), hidden)
-            self.memory[index] = (feats, hidden if self.hidden else None)
-        feats, hidden = self.memory[index]
+                    self.store.put(seq.tokens, h, "hidden")
+                feats, hidden = np.array(f.astype(mx.float16)), np.array(h.astype(mx.float16)) if self.hidden else None
+            if self.store is not None:
+                self.memory[index] = (feats, hidden)
         return mx.array(feats).astype(dtype), None if hidden is None else mx.array(hidden).astype(dtype)
 
 
@@ -161,13 +151,17 @@ def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask,
     """Cross-entropy of block rows 1..B-1 (plus ``kl_weight`` times :func:`distill_kl` against
     ``target_logits`` [N, B-1, V]) weighted by ``weights`` [B-1], over the weight sum times ``num_blocks``
     (the sequence's blocks, default N: chunks then sum to the whole); with ``vocab`` the softmax runs over
-    its columns only (:class:`LossVocab`; no distillation). With ``with_lengths`` also returns each block's greedy acceptance
+    its columns only (:class:`LossVocab`; no distillation); a DSpark drafter's Markov bias is added from the
+    true previous tokens. With ``with_lengths`` also returns each block's greedy acceptance
     length [N] int32 (accepted rows + 1)."""
     if vocab is None:
-        logits = drafter.block_logits(blocks, features, anchors, mask).astype(mx.float32)
+        logits = drafter.block_logits(blocks, features, anchors, mask, targets).astype(mx.float32)
     else:
         hidden = drafter.block_hidden(blocks, features, anchors, mask)
         logits = (hidden @ vocab.head.T).astype(mx.float32) + vocab.shift
+        if "markov_head" in drafter:  # DSpark's bias from the true previous tokens, over the same columns
+            previous = mx.concatenate([blocks[:, :1], targets[:, :-1]], axis=1)
+            logits = logits + drafter.markov_bias(previous, mx.array(vocab.columns))
         targets = vocab.index[targets]
     per_row = fast_softmax.cross_entropy(logits, targets)
     if target_logits is not None and kl_weight:

@@ -7,7 +7,7 @@ reproduces an uninterrupted one."""
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -19,7 +19,6 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..atomic import atomic_file, staging, write_json
 from ..drafter.checkpoint import load_drafter, save_drafter
-from ..drafter.config import DrafterArgs, default_target_layer_ids
 from ..drafter.network import DFlashDrafter
 from ..errors import InputError, MismatchError
 from ..owned import MARKER, mark, marked
@@ -117,54 +116,6 @@ class StepInfo:
     health: Optional[Health] = None
 
 
-def init_drafter(target: TargetAdapter, mask_token_id: int, layers: int = 1, block_size: int = 16,
-                 target_layer_ids: Optional[List[int]] = None, intermediate_size: Optional[int] = None,
-                 seed: int = 0) -> DFlashDrafter:
-    """A fresh bound v1 drafter shaped like the target's layers (layer ids spread evenly by default);
-    InputError for a layer id outside the target or a mask id outside the vocabulary."""
-    a = target.args
-    n_heads = a.num_attention_heads
-    ids = target_layer_ids or default_target_layer_ids(target.num_layers, layers)
-    if min(ids) < 0 or max(ids) >= target.num_layers:
-        raise InputError(f"--target-layer-ids {ids}: the target has layers 0..{target.num_layers - 1}")
-    if not 0 <= mask_token_id < target.vocab_size:
-        raise InputError(f"--mask-token-id {mask_token_id} is outside the vocabulary [0, {target.vocab_size})")
-    args = DrafterArgs(hidden_size=target.hidden_size, num_hidden_layers=layers, num_attention_heads=n_heads,
-                       num_key_value_heads=getattr(a, "num_key_value_heads", None) or n_heads,
-                       head_dim=getattr(a, "head_dim", None) or target.hidden_size // n_heads,
-                       intermediate_size=intermediate_size or a.intermediate_size, vocab_size=target.vocab_size,
-                       target_layer_ids=list(ids), mask_token_id=mask_token_id, block_size=block_size,
-                       num_target_layers=target.num_layers, rms_norm_eps=getattr(a, "rms_norm_eps", 1e-6),
-                       rope_theta=float(getattr(a, "rope_theta", 10000.0)),
-                       max_position_embeddings=getattr(a, "max_position_embeddings", None) or 40960)
-    mx.random.seed(seed)
-    drafter = DFlashDrafter(args)
-    mx.eval(drafter.parameters())
-    return bind_drafter(drafter, target)
-
-
-def warm_start(path: str, target: TargetAdapter, layers: Optional[int] = None) -> DFlashDrafter:
-    """The drafter at ``path`` (any folder ``--draft-model`` loads; quantized layers dequantized to float)
-    bound to ``target``, to train on from its weights (``--init``). With ``layers`` above its own count,
-    full-attention layers are added after its own with zero ``o_proj`` and ``down_proj``: the grown drafter
-    drafts exactly as the loaded one until trained. InputError for fewer ``layers``; else raises as
-    :func:`load_drafter` and :func:`bind_drafter`."""
-    from mlx_lm.utils import dequantize_model
-
-    drafter = dequantize_model(load_drafter(path))
-    if layers is not None and layers < (had := drafter.args.num_hidden_layers):
-        raise InputError(f"--layers {layers}: the --init drafter {path} has {had}; give as many or more")
-    if layers and layers > had:
-        a = drafter.args
-        types = a.layer_types and a.layer_types + ["full_attention"] * (layers - had)
-        grown = type(drafter)(replace(a, num_hidden_layers=layers, layer_types=types))
-        for layer in grown.layers[had:]:
-            layer.update({"self_attn": {"o_proj": {"weight": mx.zeros_like(layer.self_attn.o_proj.weight)}},
-                          "mlp": {"down_proj": {"weight": mx.zeros_like(layer.mlp.down_proj.weight)}}})
-        drafter = grown.update(drafter.parameters())
-    return bind_drafter(drafter, target, path)
-
-
 def final_drafter_problem(out: Path, ckpt: Path) -> Optional[str]:
     """Why the drafter files in ``out`` differ from the final checkpoint ``ckpt``'s, or None."""
     for name in ("config.json", "model.safetensors"):
@@ -240,12 +191,15 @@ class Trainer:
         self.out = Path(out_dir)
         self.dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16}[config.dtype]
         drafter.set_dtype(self.dtype)
+        for name in ("embed_tokens", "lm_head"):  # DSpark's copies bind kept (they differ from the target's)
+            if name in drafter:
+                drafter[name].freeze()
         self.weights = {b: mx.array(position_weights(b, gamma)) for b, gamma in self.plan.items()}
         self.optimizer = optim.AdamW(learning_rate=learning_rate(config), weight_decay=config.weight_decay)
         self.optimizer.init(drafter.trainable_parameters())
         stores = [FeatureStore(f, target, drafter.target_layer_ids) for f in feature_stores]
         self.features = FeatureCache(target, drafter.target_layer_ids, feature_cache, hidden=config.kl_weight > 0,
-                                     sequences=usable, stores=stores)
+                                     stores=stores)
         self.vocab = LossVocab(target, usable, self.dtype, config.loss_vocab) if config.loss_vocab != "full" else None
         self.step = 0
         self.after_misses: Dict[int, np.ndarray] = {}  # sequence index -> next_anchors of its last visit

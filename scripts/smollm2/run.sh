@@ -74,7 +74,7 @@ stage_train() {
   OPENBLAS_NUM_THREADS=1 dflash train --model "$OUT/smol" --data "$OUT/data-chat" --data "$OUT/data-train" \
       --out "$OUT/drafter" --layers 1 --block-size 16 --block-sizes 4,8,16 --target-layer-ids "$LAYERS" \
       --steps "$STEPS" --anchors 64 --anchor-chunk 64 --grad-accum 1 --miss-anchors 0.5 --lr 6e-4 --warmup 0.02 \
-      --held-out 16 --eval-every 500 --save-every 250 --cache-features --loss-vocab data "${resume[@]}"
+      --held-out 16 --eval-every 500 --save-every 250 --features-dir "$OUT/drafter/features" --loss-vocab data "${resume[@]}"
 }
 
 stage_quantize() {  # 8-bit layers (fc and the norms stay float), then tau of both on held-out GSM8K
