@@ -26,7 +26,8 @@ from dflash_mlx.train.data import load_sequences
 from dflash_mlx.train.features import FOLDER
 from dflash_mlx.train.loss import chunk_batches
 from dflash_mlx.train.blocks import sample_anchors
-from dflash_mlx.train.trainer import TrainConfig, Trainer, warm_start
+from dflash_mlx.train.trainer import TrainConfig, Trainer
+from dflash_mlx.train.start import warm_start
 from exp_cost import median_ms  # benchmarks/ is on the path when run as a script
 
 
