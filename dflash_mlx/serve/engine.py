@@ -14,7 +14,7 @@ from ..decode.batch_join import Joining, StepResult
 from ..decode.generate import check_block_size
 from ..decode.stopping import StopCondition, TextStream
 from ..decode.width import make_chooser
-from ..pair.sharded import ranks
+from ..pair.sharded import agreed, ranks
 from ..prompt_cache.batch import batch_refusal
 from ..prompt_cache.pair import PairCache
 from ..prompt_cache.resume import PrefillStopped
@@ -237,7 +237,7 @@ class Engine:
 
     def _stops(self, job: Job) -> bool:
         """Whether a started job stops (closed, or past its deadline): rank 0 decides for every rank."""
-        return job.should_stop() if self.lockstep is None else self.lockstep.stops(job.should_stop())
+        return job.should_stop() if self.lockstep is None else agreed(job.should_stop())
 
     def _stopped(self, job: Job, req: Optional[_Request] = None) -> None:
         """``job`` (``req`` once admitted), closed or past its deadline, ends: counted, told, released."""
