@@ -21,7 +21,6 @@ from ..prompt_cache.resume import PrefillStopped
 from ..prompt_cache.store import PrefixStore
 from ..protocol import attention_of
 from ..sampling import make_sampler
-from ..stats import GenerationStats
 from .api import usage
 from .jobs import _STARTED, Chunk, GenerationJob, Job, Prepare, QueueFullError, push_together
 from .lifecycle import release_streams
@@ -74,9 +73,7 @@ class Engine:
         self.slots = 1 if solo else max_batch
         self.pair_cache = PairCache(pair.target, pair.tokenizer, pair.drafter, store=store) if solo else None
         width = check_block_size(block_size, pair.drafter)
-        chooser = None
-        if pair.drafter is not None:
-            chooser = make_chooser(pair.target, pair.drafter, block_size, None, GenerationStats(block_size=width))
+        chooser = make_chooser(pair.target, pair.drafter, block_size, None, None) if pair.drafter is not None else None
         self.decoder = BatchDecoder(pair.target, pair.drafter, width, chooser, None if solo else store, solo,
                                     lookup=prompt_lookup)
         if self.decoder.prefix_refusal is not None:
