@@ -113,9 +113,6 @@ class GenerationFields(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stop if s]
 
-    def requested_max_tokens(self) -> Optional[int]:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
