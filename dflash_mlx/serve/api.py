@@ -151,10 +151,6 @@ class ChatCompletionRequest(GenerationFields):
     def template_tools(self) -> Optional[List[Dict[str, Any]]]:
         return template_tools(self.tools, self.tool_choice)
 
-    def wants_tool_calls(self) -> bool:
-        """Whether the reply's tool calls are returned as ``tool_calls``."""
-        return bool(self.tools) and self.tool_choice != "none"
-
 
 class CompletionRequest(GenerationFields):
     """``POST /v1/completions``: a text prompt (one string), or its token ids."""
