@@ -41,10 +41,8 @@ class StopCondition:
         """Keep ``tokens`` up to the first stop and count them: ``(kept, finish_reason)``, the reason
         ``"stop"`` (stop token or string), ``"length"`` (budget reached) or None."""
         kept, reason = list(tokens[: self.budget]), None
-        for i, tok in enumerate(kept):
-            if tok in self.stop_ids:
-                kept, reason = kept[:i], "stop"
-                break
+        if (end := next((i for i, tok in enumerate(kept) if tok in self.stop_ids), None)) is not None:
+            kept, reason = kept[:end], "stop"
         if (end := self._stop_string_end(kept)) is not None:
             kept, reason = kept[:end], "stop"
         if reason is None and len(kept) >= self.budget:
