@@ -71,13 +71,8 @@ def text_before_stop(text: str, stop_strings: Sequence[str]) -> Optional[int]:
 
 def held_back(text: str, stop_strings: Sequence[str]) -> int:
     """Length of the longest end of ``text`` that could begin a stop string."""
-    longest = 0
-    for s in stop_strings:
-        for n in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:n]):
-                longest = n
-                break
-    return longest
+    return max((n for s in stop_strings for n in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:n])),
+               default=0)
 
 
 class TextStream:
