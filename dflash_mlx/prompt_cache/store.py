@@ -42,10 +42,9 @@ class PrefixStore:
     RESCAN_S = 30.0
 
     def __init__(self, root: Optional[Path] = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
-                 memory_entries: int = DEFAULT_MEMORY_ENTRIES, disk: bool = True,
-                 warn: Callable[[str], None] = stderr_warning):
+                 memory_entries: int = DEFAULT_MEMORY_ENTRIES, warn: Callable[[str], None] = stderr_warning):
         self.root = Path(root) if root is not None else default_root()
-        self.max_bytes, self.memory_entries, self.disk, self.warn = int(max_bytes), int(memory_entries), disk, warn
+        self.max_bytes, self.memory_entries, self.disk, self.warn = int(max_bytes), int(memory_entries), True, warn
         self.memory: "OrderedDict[Tuple[str, str], Snapshot]" = OrderedDict()
         self.hits = {"memory": 0, "disk": 0}
         self.last_level: Optional[str] = None
@@ -54,23 +53,20 @@ class PrefixStore:
         self.degraded: Optional[str] = None
         self.disk_bytes: Optional[int] = None
         self._scanned_at = 0.0
-        if self.disk:
-            try:
-                if _earlier_cache(self.root):
-                    mark(self.root, WRITER)
-                self.root = claim(self.root, WRITER, "--prompt-cache-dir")
-            except WriteError as e:
-                self.disk = False
-                self._degrade(e)
-                return
-            self._remove_leftovers()
+        try:
+            if _earlier_cache(self.root):
+                mark(self.root, WRITER)
+            self.root = claim(self.root, WRITER, "--prompt-cache-dir")
+        except WriteError as e:
+            self.disk = False
+            self._degrade(e)
+            return
+        self._remove_leftovers()
 
     @property
     def state(self) -> str:
-        """``"disk (ROOT)"``, ``"memory-only (REASON)"`` after a failed write, or ``"memory-only"``."""
-        if self.degraded is not None:
-            return f"memory-only ({self.degraded})"
-        return f"disk ({self.root})" if self.disk else "memory-only"
+        """``"disk (ROOT)"``, or ``"memory-only (REASON)"`` after a failed write."""
+        return f"disk ({self.root})" if self.degraded is None else f"memory-only ({self.degraded})"
 
     def _degrade(self, e: OSError) -> None:
         """Stop writing to disk, with one warning line."""
@@ -122,7 +118,7 @@ class PrefixStore:
             return
         name = key_id(list(snap.tokens))
         self._remember(kid, name, snap)
-        if not (disk and self.disk and self.degraded is None) or snap.nbytes > self.max_bytes:
+        if not (disk and self.degraded is None) or snap.nbytes > self.max_bytes:
             return
         folder = self.root / kid
         try:
@@ -149,7 +145,7 @@ class PrefixStore:
     def put_auto_state(self, kid: str, state: dict) -> None:
         """Keep ``state`` for :meth:`auto_state` (a failed write turns the store memory-only, as for entries)."""
         try:
-            if self.disk and self.degraded is None:
+            if self.degraded is None:
                 write_json(self.root / kid / AUTO, state, parents=True)
         except OSError as e:
             self._degrade(e)
