@@ -6,6 +6,7 @@ import os
 import re
 import time
 from collections import OrderedDict
+from contextlib import suppress
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -216,12 +217,10 @@ class PrefixStore:
     def _touch(self, side: Path) -> None:
         """Mark an entry used now (strictly after every earlier use in this process)."""
         self._clock = max(time.time_ns(), self._clock + 1)
-        try:
+        with suppress(OSError):
             os.utime(side, ns=(self._clock, self._clock))
             if (cached := self._index.get(side)) is not None:
                 self._index[side] = (side.stat().st_mtime_ns, cached[1])
-        except OSError:
-            pass
 
     def _remove(self, folder: Path, name: str) -> None:
         for suffix in (".json", ".safetensors"):
