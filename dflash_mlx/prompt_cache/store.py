@@ -20,6 +20,7 @@ DEFAULT_MEMORY_ENTRIES = 4
 WRITER = "prompt-cache"
 AUTO = "auto.json"  # in a KEY folder: what --block-size auto learned for the pair
 _OURS = re.compile(r"[0-9a-f]{24}")  # key folders and entry names
+_ENTRY_FILE = re.compile(r"[0-9a-f]{24}\.(?:json|safetensors)")  # an entry's two files
 
 
 def default_root() -> Path:
@@ -254,9 +255,5 @@ def _earlier_cache(root: Path) -> bool:
             _OURS.fullmatch(f.name) and f.is_dir() for f in folders) else None
     except OSError:
         return False
-    return bool(folders) and names is not None and all(n in ("key.json", AUTO) or ".tmp-" in n or _entry_file(n)
-                                                       for n in names)
-
-
-def _entry_file(name: str) -> bool:
-    return bool(_OURS.fullmatch(name.rsplit(".", 1)[0])) and name.endswith((".json", ".safetensors"))
+    return bool(folders) and names is not None and all(
+        n in ("key.json", AUTO) or ".tmp-" in n or _ENTRY_FILE.fullmatch(n) for n in names)
