@@ -11,7 +11,7 @@ import signal
 import sys
 import tempfile
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
@@ -183,8 +183,6 @@ def write_json(path: Path, value, indent: Optional[int] = None, parents: bool = 
 def unlink_file(path: Path) -> None:
     """Remove ``path`` when it is a file; anything else (a folder by that name), or a refused removal (a
     read-only folder), is left."""
-    try:
+    with suppress(OSError):
         if path.is_file():
             path.unlink()
-    except OSError:
-        pass

@@ -1,7 +1,8 @@
 """A model folder's identity, cheap to compute: what keys prompt-cache entries to a checkpoint.
 
 A shared leaf (imports nothing of the package): ``pair/loading.py`` and ``drafter/checkpoint.py``
-stamp each loaded model with it (``.fingerprint``); ``prompt_cache/key.py`` reads the stamps.
+stamp each loaded model with it (``.fingerprint``); ``prompt_cache/key.py`` reads the stamps. Whole files
+are hashed by :func:`sha256_file` (a converted folder's manifest, a prompt-cache entry's arrays).
 """
 
 import hashlib
@@ -29,3 +30,12 @@ def file_identity(path: Path) -> str:
     """A file's name, resolved name, size and modification time: who it is, unread (OSError: unreadable)."""
     st = path.stat()
     return f"{path.name}:{path.resolve().name}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -29,10 +29,6 @@ class Proposal:
         cut = lambda a: None if a is None else a[:k]  # noqa: E731
         return Proposal(self.tokens[:k], cut(self.q_probs), cut(self.logprobs))
 
-    def arrays(self) -> List[mx.array]:
-        """What a step evaluates: the drafts and q (never the lazy ``logprobs``)."""
-        return [a for a in (self.tokens, self.q_probs) if a is not None]
-
 
 @runtime_checkable
 class Drafter(Protocol):

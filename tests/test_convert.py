@@ -19,7 +19,8 @@ from dflash_mlx import (
     CheckpointError, ConfigError, InputError, MismatchError, generate_step, load, load_drafter, save_drafter,
 )
 from dflash_mlx.pair.convert import convert
-from dflash_mlx.pair.manifest import MANIFEST, sha256_file
+from dflash_mlx.fingerprint import sha256_file
+from dflash_mlx.pair.manifest import MANIFEST
 from dflash_mlx.pair.validation import drafter_logits, logit_difference
 from hf_checkpoints import edit_config, write_drafter, write_hf_target
 

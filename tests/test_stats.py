@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx import GenerationStats
-from dflash_mlx.decode.acceptance import count_accepted
+from dflash_mlx.prompt_cache.pair import common_prefix
 from dflash_mlx.stats import format_histogram, histogram_dict, pooled
 
 
@@ -106,7 +106,7 @@ def test_plain_stats_say_speculation_is_off_and_why():
     ([5, 6, 7], [5, 6, 7, 8], 3), ([5, 6, 7], [5, 9, 7, 8], 1), ([5, 6, 7], [1, 6, 7, 8], 0),
 ])
 def test_count_accepted(drafts, targets, a):
-    assert count_accepted(drafts, targets) == a
+    assert common_prefix(drafts, targets) == a
 
 
 def test_add_and_pooled_accumulate_generations_of_different_block_sizes():

@@ -5,6 +5,7 @@ import gzip
 import importlib.util
 import json
 import os
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -104,11 +105,9 @@ def read_rows(path: str | Path, flag: str = "--dataset") -> List[Any]:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"{flag} {path}: {getattr(e, 'strerror', None) or e}") from None
-    try:
+    with suppress(json.JSONDecodeError):
         doc = json.loads(text)
         return doc if isinstance(doc, list) else [doc]
-    except json.JSONDecodeError:
-        pass
     rows = []
     for n, line in enumerate(text.splitlines(), 1):
         try:

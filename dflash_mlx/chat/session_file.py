@@ -40,18 +40,9 @@ def read_session(path: Path) -> List[Dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def write_session(path: Path, messages: List[Dict[str, str]]) -> None:
-    """Write the messages to ``path`` atomically (a kill leaves the previous file whole).
-
-    Raises:
-        WriteError: the file cannot be written (any errno).
-    """
-    path = Path(path)
-    write_json(path, {"format": FORMAT, "messages": messages}, indent=1)
-
-
 class SessionWriter:
-    """Writes the ``--session`` file after every line; a failure warns once and retries (``failing``)."""
+    """Writes the ``--session`` file after every line, atomically (a kill leaves the previous file whole); a
+    failure warns once and retries (``failing``)."""
 
     def __init__(self, path: Path, warn: Callable[[str], None]):
         self.path, self.warn, self.failing = Path(path), warn, False
@@ -59,7 +50,7 @@ class SessionWriter:
     def save(self, messages: List[Dict[str, str]]) -> bool:
         """Write ``messages``; False (one warning per run of failures) when it fails."""
         try:
-            write_session(self.path, messages)
+            write_json(self.path, {"format": FORMAT, "messages": messages}, indent=1)
         except OSError as e:  # WriteError: any errno
             if not self.failing:
                 self.warn(f"warning: --session {self.path}: cannot write ({e.strerror or e}); the conversation "

@@ -4,25 +4,19 @@
 from q: d_i kept while u_i q_i(d_i) < p_i(d_i), then a sample of normalize(max(p - q, 0)), or of p_B).
 
 Every rule returns ``(a, out)``: ``a`` accepted drafts (None: counted on the host by
-:func:`count_accepted`) and ``out`` [B] int32 whose first ``a + 1`` entries are committed. ``key``: the
-sequence's own ``mx.random.key`` for the draw (None: MLX's global generator).
+:func:`~dflash_mlx.prompt_cache.pair.common_prefix`) and ``out`` [B] int32 whose first ``a + 1`` entries
+are committed. ``key``: the sequence's own ``mx.random.key`` for the draw (None: MLX's global generator).
 """
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
-from ..prompt_cache.pair import common_prefix
 from ..protocol import Proposal, propose
 from ..sampling import Sampling
 
 GREEDY, SAMPLE_AND_MATCH, SPECULATIVE = "greedy", "sample-and-match", "speculative"
-
-
-def count_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
-    """Leading drafts that match the target: number of i with d_i == y_{i-1}."""
-    return common_prefix(drafts, targets)
 
 
 class MatchRule:

@@ -9,7 +9,6 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .acceptance import count_accepted
 from .batch_join import Joining, StepResult, context_rows, settle
 from .lookup import PromptLookup
 from .stopping import StopCondition
@@ -17,6 +16,7 @@ from .tree import build_tree, host_logprobs, verify_tree
 from .width import Plan, WidthChooser, make_chooser
 from ..drafter.batch import batch_drafts, pad_contexts
 from ..errors import InputError
+from ..prompt_cache.pair import common_prefix
 from ..prompt_cache.batch_prefix import BatchPrefix, batch_prefix_refusal
 from ..prompt_cache.store import PrefixStore
 from ..protocol import MAX_COPY, Drafter, Proposal
@@ -255,7 +255,7 @@ class BatchDecoder:
                                  s.draw()) for i, s in enumerate(self.sequences)]
         mx.eval([x for pick in decided for x in pick if x is not None], features, drafts)
         decided = [(a, y.tolist()) for a, y in decided]
-        return [(count_accepted(d, y) if a is None else a.item(), y) for d, (a, y) in zip(drafts.tolist(), decided)]
+        return [(common_prefix(d, y) if a is None else a.item(), y) for d, (a, y) in zip(drafts.tolist(), decided)]
 
     def _propose(self, tokens: mx.array, block: int) -> Tuple[mx.array, Optional[List[Proposal]]]:
         """Drafts [N, block-1] of every sequence (lazy) from ``tokens`` [N], and per-sequence

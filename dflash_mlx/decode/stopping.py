@@ -41,10 +41,8 @@ class StopCondition:
         """Keep ``tokens`` up to the first stop and count them: ``(kept, finish_reason)``, the reason
         ``"stop"`` (stop token or string), ``"length"`` (budget reached) or None."""
         kept, reason = list(tokens[: self.budget]), None
-        for i, tok in enumerate(kept):
-            if tok in self.stop_ids:
-                kept, reason = kept[:i], "stop"
-                break
+        if (end := next((i for i, tok in enumerate(kept) if tok in self.stop_ids), None)) is not None:
+            kept, reason = kept[:end], "stop"
         if (end := self._stop_string_end(kept)) is not None:
             kept, reason = kept[:end], "stop"
         if reason is None and len(kept) >= self.budget:
@@ -73,13 +71,8 @@ def text_before_stop(text: str, stop_strings: Sequence[str]) -> Optional[int]:
 
 def held_back(text: str, stop_strings: Sequence[str]) -> int:
     """Length of the longest end of ``text`` that could begin a stop string."""
-    longest = 0
-    for s in stop_strings:
-        for n in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:n]):
-                longest = n
-                break
-    return longest
+    return max((n for s in stop_strings for n in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:n])),
+               default=0)
 
 
 class TextStream:

@@ -79,24 +79,17 @@ SOURCE = """
     const int end = n_ctx + (causal != 0 ? i_max + 1 : n_block);
 
     float m_r[QT];
-    float l_r[QT];
-    float o_r[QT * EPL];
+    float l_r[QT] = {0.0f};
+    float o_r[QT * EPL] = {0.0f};
     for (int r = 0; r < QT; ++r) {
       m_r[r] = NEG;
-      l_r[r] = 0.0f;
-      for (int e = 0; e < EPL; ++e) {
-        o_r[r * EPL + e] = 0.0f;
-      }
     }
 
     for (int base = lo + sg * 32; base < end; base += NT) {
       const int u = base + lane;
       const bool valid = u < end;
       const int jb = u - n_ctx;
-      float s[QT];
-      for (int r = 0; r < QT; ++r) {
-        s[r] = 0.0f;
-      }
+      float s[QT] = {0.0f};
       if (valid) {
         const device T* kp;
         int64_t ks;

@@ -2,13 +2,13 @@
 from, the drafter's format and ids, their quantization, and the sha256 of every file the loaders read
 (version 2; version 1 lists the weight files only)."""
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 from ..atomic import write_json
 from ..errors import CheckpointError, ConfigError, InputError
+from ..fingerprint import sha256_file
 
 MANIFEST = "dflash.json"
 MANIFEST_VERSION = 2  # 1: weight files only; 2: every file of target/ and drafter/
@@ -18,15 +18,6 @@ WEIGHT_GLOB = "*.safetensors"
 def dtype_name(dtype) -> str:
     """An MLX dtype's name as manifests and summaries write it: ``mx.bfloat16`` -> "bfloat16"."""
     return str(dtype).replace("mlx.core.", "")
-
-
-def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
-    """Hex sha256 of a file, read in 4 MB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def loaded_files(root: Path, weights_only: bool = False) -> Dict[str, Path]:

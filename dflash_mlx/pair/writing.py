@@ -14,8 +14,7 @@ from ..drafter.checkpoint import read_config, save_drafter
 from ..drafter.network import DFlashDrafter
 from ..errors import CheckpointError, InputError
 from .loading import QUANTIZED_DRAFTER_DTYPE, TARGET_FILES, float_dtype
-from .manifest import dtype_name
-from .manifest import MANIFEST_VERSION
+from .manifest import MANIFEST_VERSION, dtype_name
 
 DRAFT_Q_GROUP_SIZE = 64
 

@@ -1,7 +1,6 @@
 """One prefix-cache entry: both caches of a pair after some tokens, and those tokens. On disk
 ``ID.safetensors`` (arrays) then ``ID.json`` (tokens, layers, size and sha256 of the arrays)."""
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from os.path import commonprefix
@@ -11,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from ..atomic import atomic_file
+from ..fingerprint import sha256_file
 from . import layers
 
 FORMAT = 1
@@ -94,15 +94,6 @@ def restore_or_warn(snap: Snapshot, cache: List[Any], draft_cache: Optional[List
     return True
 
 
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file's bytes (read in 4 MiB pieces)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write(snap: Snapshot, folder: Path, name: str) -> int:
     """Write ``snap`` as ``folder/name.safetensors`` then ``folder/name.json``; returns the bytes written.
 
@@ -111,7 +102,7 @@ def write(snap: Snapshot, folder: Path, name: str) -> int:
     """
     with atomic_file(folder / f"{name}.safetensors", parents=True) as tmp:
         mx.save_safetensors(str(tmp), snap.arrays if snap.arrays else {"empty": mx.zeros((0,))})
-        size, sha = tmp.stat().st_size, file_sha256(tmp)
+        size, sha = tmp.stat().st_size, sha256_file(tmp)
     text = json.dumps({"format": FORMAT, "tokens": list(snap.tokens), "layers": snap.layers, "bytes": size,
                        "sha256": sha})
     with atomic_file(folder / f"{name}.json") as tmp:
@@ -156,7 +147,7 @@ def read(folder: Path, name: str, index: Optional[dict] = None) -> Snapshot:
     if size != index["bytes"]:
         raise CorruptEntry(f"{data}: {size} bytes, {index['bytes']} written (truncated)")
     try:
-        sha = file_sha256(data)
+        sha = sha256_file(data)
     except OSError as e:  # removed or unreadable since the size was read
         raise CorruptEntry(f"{data}: unreadable ({e.strerror or e})") from None
     if sha != index["sha256"]:

@@ -62,10 +62,8 @@ class GatedDeltaCache(ArraysCache):
 
     def can_trim(self, n: int) -> bool:
         """Whether the last ``n`` tokens lie within the last forward, and it was recorded."""
-        if n == 0:
-            return True
         f = self._last
-        return f is not None and 0 < n and f.start <= self.offset - n <= self.offset <= f.start + f.rows
+        return n == 0 or (f is not None and 0 < n and f.start <= self.offset - n <= self.offset <= f.start + f.rows)
 
     def is_trimmable(self) -> bool:
         return True

@@ -6,6 +6,7 @@ import os
 import re
 import time
 from collections import OrderedDict
+from contextlib import suppress
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -19,6 +20,7 @@ DEFAULT_MEMORY_ENTRIES = 4
 WRITER = "prompt-cache"
 AUTO = "auto.json"  # in a KEY folder: what --block-size auto learned for the pair
 _OURS = re.compile(r"[0-9a-f]{24}")  # key folders and entry names
+_ENTRY_FILE = re.compile(r"[0-9a-f]{24}\.(?:json|safetensors)")  # an entry's two files
 
 
 def default_root() -> Path:
@@ -42,10 +44,9 @@ class PrefixStore:
     RESCAN_S = 30.0
 
     def __init__(self, root: Optional[Path] = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
-                 memory_entries: int = DEFAULT_MEMORY_ENTRIES, disk: bool = True,
-                 warn: Callable[[str], None] = stderr_warning):
+                 memory_entries: int = DEFAULT_MEMORY_ENTRIES, warn: Callable[[str], None] = stderr_warning):
         self.root = Path(root) if root is not None else default_root()
-        self.max_bytes, self.memory_entries, self.disk, self.warn = int(max_bytes), int(memory_entries), disk, warn
+        self.max_bytes, self.memory_entries, self.disk, self.warn = int(max_bytes), int(memory_entries), True, warn
         self.memory: "OrderedDict[Tuple[str, str], Snapshot]" = OrderedDict()
         self.hits = {"memory": 0, "disk": 0}
         self.last_level: Optional[str] = None
@@ -54,23 +55,20 @@ class PrefixStore:
         self.degraded: Optional[str] = None
         self.disk_bytes: Optional[int] = None
         self._scanned_at = 0.0
-        if self.disk:
-            try:
-                if _earlier_cache(self.root):
-                    mark(self.root, WRITER)
-                self.root = claim(self.root, WRITER, "--prompt-cache-dir")
-            except WriteError as e:
-                self.disk = False
-                self._degrade(e)
-                return
-            self._remove_leftovers()
+        try:
+            if _earlier_cache(self.root):
+                mark(self.root, WRITER)
+            self.root = claim(self.root, WRITER, "--prompt-cache-dir")
+        except WriteError as e:
+            self.disk = False
+            self._degrade(e)
+            return
+        self._remove_leftovers()
 
     @property
     def state(self) -> str:
-        """``"disk (ROOT)"``, ``"memory-only (REASON)"`` after a failed write, or ``"memory-only"``."""
-        if self.degraded is not None:
-            return f"memory-only ({self.degraded})"
-        return f"disk ({self.root})" if self.disk else "memory-only"
+        """``"disk (ROOT)"``, or ``"memory-only (REASON)"`` after a failed write."""
+        return f"disk ({self.root})" if self.degraded is None else f"memory-only ({self.degraded})"
 
     def _degrade(self, e: OSError) -> None:
         """Stop writing to disk, with one warning line."""
@@ -122,7 +120,7 @@ class PrefixStore:
             return
         name = key_id(list(snap.tokens))
         self._remember(kid, name, snap)
-        if not (disk and self.disk and self.degraded is None) or snap.nbytes > self.max_bytes:
+        if not (disk and self.degraded is None) or snap.nbytes > self.max_bytes:
             return
         folder = self.root / kid
         try:
@@ -149,7 +147,7 @@ class PrefixStore:
     def put_auto_state(self, kid: str, state: dict) -> None:
         """Keep ``state`` for :meth:`auto_state` (a failed write turns the store memory-only, as for entries)."""
         try:
-            if self.disk and self.degraded is None:
+            if self.degraded is None:
                 write_json(self.root / kid / AUTO, state, parents=True)
         except OSError as e:
             self._degrade(e)
@@ -220,12 +218,10 @@ class PrefixStore:
     def _touch(self, side: Path) -> None:
         """Mark an entry used now (strictly after every earlier use in this process)."""
         self._clock = max(time.time_ns(), self._clock + 1)
-        try:
+        with suppress(OSError):
             os.utime(side, ns=(self._clock, self._clock))
             if (cached := self._index.get(side)) is not None:
                 self._index[side] = (side.stat().st_mtime_ns, cached[1])
-        except OSError:
-            pass
 
     def _remove(self, folder: Path, name: str) -> None:
         for suffix in (".json", ".safetensors"):
@@ -259,9 +255,5 @@ def _earlier_cache(root: Path) -> bool:
             _OURS.fullmatch(f.name) and f.is_dir() for f in folders) else None
     except OSError:
         return False
-    return bool(folders) and names is not None and all(n in ("key.json", AUTO) or ".tmp-" in n or _entry_file(n)
-                                                       for n in names)
-
-
-def _entry_file(name: str) -> bool:
-    return bool(_OURS.fullmatch(name.rsplit(".", 1)[0])) and name.endswith((".json", ".safetensors"))
+    return bool(folders) and names is not None and all(
+        n in ("key.json", AUTO) or ".tmp-" in n or _ENTRY_FILE.fullmatch(n) for n in names)

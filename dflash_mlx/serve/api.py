@@ -113,9 +113,6 @@ class GenerationFields(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stop if s]
 
-    def requested_max_tokens(self) -> Optional[int]:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -153,10 +150,6 @@ class ChatCompletionRequest(GenerationFields):
 
     def template_tools(self) -> Optional[List[Dict[str, Any]]]:
         return template_tools(self.tools, self.tool_choice)
-
-    def wants_tool_calls(self) -> bool:
-        """Whether the reply's tool calls are returned as ``tool_calls``."""
-        return bool(self.tools) and self.tool_choice != "none"
 
 
 class CompletionRequest(GenerationFields):

@@ -115,7 +115,7 @@ class Server:
             raise APIError(400, f"{where}: the prompt is {len(ids)} tokens and the model's context is "
                                 f"{limit} tokens", where, "context_length_exceeded")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        n = req.requested_max_tokens()
+        n = getattr(req, param)
         if n is not None and limit is not None and len(ids) + n > limit:
             raise APIError(400, f"{param}: the prompt is {len(ids)} tokens and {param} is {n}, past the model's "
                                 f"context of {limit} tokens", param, "context_length_exceeded")

@@ -14,14 +14,13 @@ from ..decode.batch_join import Joining, StepResult
 from ..decode.generate import check_block_size
 from ..decode.stopping import StopCondition, TextStream
 from ..decode.width import make_chooser
-from ..pair.sharded import ranks
+from ..pair.sharded import agreed, ranks
 from ..prompt_cache.batch import batch_refusal
 from ..prompt_cache.pair import PairCache
 from ..prompt_cache.resume import PrefillStopped
 from ..prompt_cache.store import PrefixStore
 from ..protocol import attention_of
 from ..sampling import make_sampler
-from ..stats import GenerationStats
 from .api import usage
 from .jobs import _STARTED, Chunk, GenerationJob, Job, Prepare, QueueFullError, push_together
 from .lifecycle import release_streams
@@ -74,9 +73,7 @@ class Engine:
         self.slots = 1 if solo else max_batch
         self.pair_cache = PairCache(pair.target, pair.tokenizer, pair.drafter, store=store) if solo else None
         width = check_block_size(block_size, pair.drafter)
-        chooser = None
-        if pair.drafter is not None:
-            chooser = make_chooser(pair.target, pair.drafter, block_size, None, GenerationStats(block_size=width))
+        chooser = make_chooser(pair.target, pair.drafter, block_size, None, None) if pair.drafter is not None else None
         self.decoder = BatchDecoder(pair.target, pair.drafter, width, chooser, None if solo else store, solo,
                                     lookup=prompt_lookup)
         if self.decoder.prefix_refusal is not None:
@@ -237,7 +234,7 @@ class Engine:
 
     def _stops(self, job: Job) -> bool:
         """Whether a started job stops (closed, or past its deadline): rank 0 decides for every rank."""
-        return job.should_stop() if self.lockstep is None else self.lockstep.stops(job.should_stop())
+        return job.should_stop() if self.lockstep is None else agreed(job.should_stop())
 
     def _stopped(self, job: Job, req: Optional[_Request] = None) -> None:
         """``job`` (``req`` once admitted), closed or past its deadline, ends: counted, told, released."""

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
-from ..pair.sharded import agreed, rank, share_text
+from ..pair.sharded import rank, share_text
 from .jobs import GenerationJob
 
 log = logging.getLogger("dflash.serve")
@@ -43,10 +43,6 @@ class Lockstep:
         """The other ranks: the next job rank 0 sends, or None when the server stops."""
         text = share_text(lambda: "")
         return FollowerJob(GenerationJob(**json.loads(text))) if text else None
-
-    def stops(self, value: bool) -> bool:
-        """Whether a started job stops: rank 0's ``value``, on every rank."""
-        return agreed(value)
 
 
 class _Nowhere:

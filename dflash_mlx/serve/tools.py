@@ -143,7 +143,7 @@ class ReplySplitter:
 
 
 def reply_splitter(tokenizer: Any, req: Any, prompt: Sequence[int]) -> ReplySplitter:
-    tools = req.template_tools() if req.wants_tool_calls() else None
+    tools = req.template_tools() if req.tools and req.tool_choice != "none" else None  # calls returned as tool_calls
     return ReplySplitter(tokenizer, prompt, tools, required=req.tool_choice not in (None, "none", "auto"),
                          single=req.parallel_tool_calls is False)
 

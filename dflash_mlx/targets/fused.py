@@ -90,15 +90,11 @@ class _Tables:
         return rows
 
 
-_TABLES: dict = {}  # (dims, traditional, base, scale, dtype) -> _Tables
+_tables_of = lru_cache(maxsize=None)(_Tables)  # one per (dims, traditional, base, scale, dtype)
 
 
 def _tables(rope: nn.RoPE, dtype: mx.Dtype) -> _Tables:
-    key = (rope.dims, rope.traditional, rope.base, rope.scale, dtype)
-    tables = _TABLES.get(key)
-    if tables is None:
-        tables = _TABLES[key] = _Tables(*key)
-    return tables
+    return _tables_of(rope.dims, rope.traditional, rope.base, rope.scale, dtype)
 
 
 def rope_rows(rope: nn.Module, tokens: int, offset: int) -> Optional[Tuple[mx.array, mx.array]]:
