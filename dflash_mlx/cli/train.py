@@ -145,9 +145,9 @@ def train(
     block_sizes: Annotated[Optional[str], Option("--block-sizes", help=(
         "Train at several block sizes, one drawn per sequence, e.g. 4,8,16."))] = None,
     target_layer_ids: Annotated[Optional[str], Option("--target-layer-ids", help=(
-        "Comma list, e.g. 1,9,17; default: spread evenly."))] = None,
+        "Target layers whose hidden states the drafter reads, e.g. 1,9,17 (default: spread evenly)."))] = None,
     mask_token_id: Annotated[Optional[int], Option("--mask-token-id", help="MASK id; default: an unused id.")] = None,
-    intermediate_size: Annotated[Optional[int], Option("--intermediate-size", help="MLP width (target's).")] = None,
+    intermediate_size: Annotated[Optional[int], Option("--intermediate-size", help="MLP width (the target's)")] = None,
     init: Annotated[Optional[str], Option("--init", help=(
         "Start from this drafter's weights (a folder --draft-model loads; quantized layers dequantized), keeping "
         "its shape: --layers, --block-size, --target-layer-ids, --mask-token-id, --intermediate-size can go."))] = None,
@@ -163,11 +163,9 @@ def train(
     anchor_chunk: Annotated[int, Option("--anchor-chunk", help="Blocks per forward/backward pass (0: all).")] = 64,
     gamma: Annotated[Optional[str], Option("--gamma", help=(
         "Loss decay over block rows, one or one per --block-sizes (default 7 at B=16, 4 at B<=8)."))] = None,
-    kl_weight: Annotated[float, Option("--kl-weight", help=(
-        "Weight of a KL term to the target's next-token distribution (0: off)."))] = 0.0,
+    kl_weight: Annotated[float, Option("--kl-weight", help="KL weight toward the target's distribution")] = 0.0,
     kl_temperature: Annotated[float, Option("--kl-temperature", help="Temperature of the KL term.")] = 1.0,
-    miss_anchors: Annotated[float, Option("--miss-anchors", help=(
-        "Fraction of blocks anchored right after the drafter's misses (0: uniform)."))] = 0.0,
+    miss_anchors: Annotated[float, Option("--miss-anchors", help="Share of blocks anchored after misses")] = 0.0,
     loss_vocab: Annotated[str, Option("--loss-vocab", help=(
         "full: the cross-entropy's softmax over the whole vocabulary; data: over the data's tokens and 4,096 others "
         "drawn each step (a sampled softmax: cheaper where the head dominates, e.g. a 49K vocabulary on a small "
