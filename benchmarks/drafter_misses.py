@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_mlx import load
-from dflash_mlx.train.blocks import sample_anchors
+from dflash_mlx.train.blocks import previous_tokens, sample_anchors
 from dflash_mlx.train.data import load_sequences
 from dflash_mlx.train.loss import chunk_batches, target_outputs
 
@@ -45,7 +45,8 @@ def main(argv=None) -> int:
         top = mx.softmax(pair.target.lm_head(hidden).astype(mx.float32), axis=-1)[0].max(axis=-1)  # [L]
         for context, (blocks, targets, at, mask) in chunk_batches(seq, feats, anchors, B,
                                                                   pair.drafter.args.mask_token_id, 64):
-            first = np.array(mx.argmax(pair.drafter.block_logits(blocks, context, at, mask, targets), -1))[:, 0]
+            logits = pair.drafter.block_logits(blocks, context, at, mask, previous_tokens(blocks, targets))
+            first = np.array(mx.argmax(logits, -1))[:, 0]
             want, p = np.array(targets)[:, 0], np.array(top[at])  # row 1 drafts anchor + 1: the target at anchor
             rows += [(kind(pair.tokenizer.decode([int(w)])), float(q), bool(f == w)) for f, w, q in zip(first, want, p)]
     misses = sum(not r for _, _, r in rows)

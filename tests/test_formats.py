@@ -492,9 +492,9 @@ def test_stats_name_format_and_rule():
         assert (d["drafter_format"], d["acceptance_rule"], d["block_size"]) == (drafter.drafter_format, rule, B)
 
 
-@pytest.mark.parametrize("fmt", ["dflash2", "dspark"])
+@pytest.mark.parametrize("fmt", ["dflash2", "v1-sliding"])
 def test_training_refuses_formats_it_cannot_train(fmt):
-    """DFlash2's selector and DSpark's confidence head are not trained (a DSpark drafter without one is)."""
+    """DFlash2's selector and sliding-window layers are not trained (v1 and DSpark drafters are)."""
     from dflash_mlx import ConfigError
 
     _, target = target_of("qwen3")

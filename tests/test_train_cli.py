@@ -232,12 +232,32 @@ def test_train_a_dspark_drafter(stories, tmp_path):
     assert r.returncode == 0, r.stderr
     config = json.loads((tmp_path / "from-v1" / "config.json").read_text())
     assert (config["architectures"], config["block_size"], config["markov_rank"]) == (["Qwen3DSparkModel"], 15, 256)
-    for flags, line in [(("--markov-rank", "8"), "error: --arch dflash: give dflash or dspark (--markov-rank goes "
-                                                 "with dspark only)"),
-                        (("--arch", "dspark2"), "error: --arch dspark2: give dflash or dspark (--markov-rank goes "
-                                                "with dspark only)"),
+    only = "give dflash or dspark (--markov-rank and --confidence-head go with dspark only)"
+    for flags, line in [(("--markov-rank", "8"), f"error: --arch dflash: {only}"),
+                        (("--confidence-head",), f"error: --arch dflash: {only}"),
+                        (("--arch", "dspark2"), f"error: --arch dspark2: {only}"),
                         (("--init", str(out)), f"error: --arch dflash: the --init drafter {out} is a Qwen3DSparkModel; "
                                                "pass --arch dspark")]:
         r = run("train", *common, "--out", str(tmp_path / "bad"), *flags)
         assert r.returncode == 1 and " ".join(r.stderr.split()) == line, r.stderr
     assert not (tmp_path / "bad").exists()
+
+
+@needs_shared
+def test_train_a_dspark_drafter_with_its_confidence_head(stories, tmp_path):
+    """`--confidence-head` (DeepSpec's losses against the target's distribution, `--l1-weight`): saved with the
+    head, loads and gives the target's text; with a sampled softmax it is one line."""
+    data, out = tmp_path / "data", tmp_path / "dspark"
+    regenerate(stories, data)
+    common = ("--model", str(stories), "--data", str(data), "--steps", "2", "--anchors", "4", "--held-out", "4",
+              "--eval-every", "0", "--save-every", "2", "--arch", "dspark", "--confidence-head")
+    r = run("train", *common, "--out", str(out), "--markov-rank", "8", "--block-size", "4", "--l1-weight", "9")
+    assert r.returncode == 0, r.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert (config["enable_confidence_head"], config["confidence_head_with_markov"]) == (True, True)
+    assert mx.load(str(out / "model.safetensors"))["confidence_head.proj.weight"].shape == (1, 64 + 8)
+    r = dflash("--model", str(stories), "--draft-model", str(out), "-p", "Once upon a time", "-m", "40", "--quiet")
+    assert r.returncode == 0 and r.stdout.startswith(STORY[:80]), r.stderr
+    r = run("train", *common, "--out", str(tmp_path / "bad"), "--loss-vocab", "step")
+    assert r.returncode == 1 and " ".join(r.stderr.split()) == (
+        "error: --loss-vocab step: a confidence head needs the full vocabulary"), r.stderr

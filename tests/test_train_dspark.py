@@ -9,7 +9,7 @@ import pytest
 
 from dflash_mlx import GenerationStats, bind_drafter, generate_step, load_drafter
 from dflash_mlx.train.loss import LossVocab, block_loss, make_batch, target_features
-from dflash_mlx.train.blocks import position_weights
+from dflash_mlx.train.blocks import position_weights, previous_tokens
 from dflash_mlx.train.trainer import TrainConfig, Trainer
 from dflash_mlx.train.start import init_drafter
 from conftest import mlx_lm_greedy, tiny_training_set
@@ -40,7 +40,7 @@ def test_training_forward_equals_decoding_plus_the_markov_bias_by_hand(setup, ra
     anchors = np.array([4, 9, 30], dtype=np.int32)
     feats = target_features(target, seq.tokens, drafter.target_layer_ids, mx.float32)
     blocks, targets, anchors_mx, mask = make_batch(seq, B, 0, anchors)
-    train = np.array(drafter.block_logits(blocks, feats, anchors_mx, mask, targets))
+    train = np.array(drafter.block_logits(blocks, feats, anchors_mx, mask, previous_tokens(blocks, targets)))
     assert train.shape == (3, B - 1, target.vocab_size)
     for i, a in enumerate(anchors):
         decoded = np.array(drafter(drafter.blocks_of(mx.array([int(seq.tokens[a])]), B), feats[:, :a],
@@ -94,3 +94,70 @@ def test_a_short_run_learns_saves_the_released_layout_and_decodes_losslessly(set
         outputs.append(tuple(out))
         taus.append(stats.tau)
     assert len(set(outputs)) == 3 and np.mean(taus) > 1.8
+
+
+def test_deepspecs_losses_by_hand(setup):
+    """With the target's logits: ``l1_weight`` times the L1 distance of the two distributions, and the
+    confidence head's binary cross-entropy to 1 - TV, both per row as NumPy computes them, on top of the
+    cross-entropy."""
+    from dflash_mlx.train.loss import target_block_logits, target_outputs
+
+    _, target, seqs = setup
+    seq = seqs[2]
+    drafter = init_drafter(target, mask_token_id=0, layers=1, block_size=B, target_layer_ids=[1, 2], seed=0,
+                           markov_rank=8, confidence=True)
+    w2 = drafter.markov_head["markov_w2"]
+    w2.weight = mx.random.normal(w2.weight.shape, key=mx.random.key(5))
+    proj = drafter.confidence_head["proj"]
+    assert proj.weight.shape == (1, target.hidden_size + 8)
+    anchors = np.array([4, 11, 25], dtype=np.int32)
+    feats, hidden = target_outputs(target, seq.tokens, [1, 2], mx.float32)
+    batch = make_batch(seq, B, 0, anchors)
+    blocks, targets, anchors_mx, mask = batch
+    teacher = target_block_logits(target, hidden, anchors_mx, B)
+    weights = np.array(position_weights(B, 4.0), dtype=np.float64)
+    ce = block_loss(drafter, feats, *batch, mx.array(weights.astype(np.float32))).item()
+
+    previous = previous_tokens(blocks, targets)
+    logits = np.array(drafter.block_logits(blocks, feats, anchors_mx, mask, previous), dtype=np.float64)
+    hid = np.array(drafter.block_hidden(blocks, feats, anchors_mx, mask), dtype=np.float64)
+    markov = np.array(drafter.markov_head["markov_w1"].weight, dtype=np.float64)[np.array(previous)]
+    conf = np.concatenate([hid, markov], -1) @ np.array(proj.weight, dtype=np.float64)[0] + np.array(proj.bias)[0]
+
+    def softmax(x):
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    tv = 0.5 * np.abs(softmax(logits) - softmax(np.array(teacher, dtype=np.float64))).sum(-1)  # [N, B-1]
+    y = 1 - tv
+    bce = np.maximum(conf, 0) - conf * y + np.log1p(np.exp(-np.abs(conf)))
+    extra = ((2 * 0.7 * tv + bce) * weights).sum() / (weights.sum() * len(anchors))
+    got = block_loss(drafter, feats, *batch, mx.array(weights.astype(np.float32)), None, teacher, l1_weight=0.7).item()
+    assert extra > 0.1 and abs(got - (ce + extra)) < 1e-4 * got
+
+
+def test_the_confidence_head_learns_to_predict_acceptance(setup, tmp_path):
+    """After a short run with DeepSpec's losses, sigmoid(confidence) is nearer 1 - TV(draft, target) than at
+    the start, on sequences it trained on."""
+    from dflash_mlx.train.loss import target_block_logits, target_outputs
+
+    _, target, seqs = setup
+    drafter = init_drafter(target, mask_token_id=0, layers=1, block_size=B, target_layer_ids=[1, 2], seed=0,
+                           markov_rank=8, confidence=True)
+
+    def error():
+        errs = []
+        for seq in seqs[:4]:
+            feats, hidden = target_outputs(target, seq.tokens, [1, 2], mx.float32)
+            blocks, targets, at, mask = make_batch(seq, B, 0, np.arange(4, seq.tokens.size - B, 3, dtype=np.int32))
+            previous, hid = previous_tokens(blocks, targets), drafter.block_hidden(blocks, feats, at, mask)
+            q = mx.softmax(drafter.block_logits(blocks, feats, at, mask, previous, hid), axis=-1)
+            p = mx.softmax(target_block_logits(target, hidden, at, B), axis=-1)
+            accept = 1 - 0.5 * mx.abs(q - p).sum(-1)
+            errs.append(np.array(mx.abs(mx.sigmoid(drafter.confidence(hid, previous)) - accept)).ravel())
+        return float(np.concatenate(errs).mean())
+
+    before = error()
+    config = TrainConfig(steps=60, anchors=16, grad_accum=2, lr=3e-3, warmup=0.05, l1_weight=1.0)
+    list(Trainer(drafter, target, seqs, config, tmp_path / "out").run())
+    assert error() < 0.6 * before

@@ -155,6 +155,8 @@ def train(
         "dflash, or dspark (DeepSeek's: every row drafts, a Markov head biases it by the token before)."))] = "dflash",
     markov_rank: Annotated[Optional[int], Option("--markov-rank", help=(
         "With --arch dspark: the Markov head's rank r, 2 x vocabulary x r weights (default 256; 0: no head)."))] = None,
+    confidence_head: Annotated[bool, Option("--confidence-head", help="With --arch dspark: train one too.")] = False,
+    l1_weight: Annotated[float, Option("--l1-weight", help="L1 weight toward the target's distribution")] = 0.0,
     steps: Annotated[int, Option("--steps", help="Optimizer steps.")] = 1000,
     lr: Annotated[float, Option("--lr", help="Peak AdamW learning rate.")] = 6e-4,
     warmup: Annotated[float, Option("--warmup", help="Warm-up fraction of the steps, then cosine decay.")] = 0.04,
@@ -167,10 +169,8 @@ def train(
     kl_temperature: Annotated[float, Option("--kl-temperature", help="Temperature of the KL term.")] = 1.0,
     miss_anchors: Annotated[float, Option("--miss-anchors", help="Share of blocks anchored after misses")] = 0.0,
     loss_vocab: Annotated[str, Option("--loss-vocab", help=(
-        "full: the cross-entropy's softmax over the whole vocabulary; data: over the data's tokens and 4,096 others "
-        "drawn each step (a sampled softmax: cheaper where the head dominates, e.g. a 49K vocabulary on a small "
-        "target); step: over each step's own target tokens and 4,096 others drawn (cheaper still)."))
-    ] = "full",
+        "full: the softmax over the whole vocabulary; data: over the data's tokens and 4,096 others drawn each "
+        "step (a sampled softmax, cheaper where the head dominates); step: each step's targets and 4,096."))] = "full",
     grad_clip: Annotated[float, Option("--grad-clip", help="Max gradient norm.")] = 1.0,
     dtype: Annotated[str, Option("--dtype", help="float32 or bfloat16.")] = "float32",
     held_out: Annotated[int, Option("--held-out", help="Sequences held out for evaluation (of the last --data).")] = 16,
@@ -201,8 +201,9 @@ def _config(o):
 
     if o.dtype not in ("float32", "bfloat16"):
         raise InputError(f"--dtype must be float32 or bfloat16, got {o.dtype}")
-    if o.arch not in ("dflash", "dspark") or (o.markov_rank is not None and o.arch != "dspark"):
-        raise InputError(f"--arch {o.arch}: give dflash or dspark (--markov-rank goes with dspark only)")
+    if o.arch not in ("dflash", "dspark") or (o.arch != "dspark" and (o.markov_rank is not None or o.confidence_head)):
+        raise InputError(f"--arch {o.arch}: give dflash or dspark (--markov-rank and --confidence-head go with "
+                         "dspark only)")
     o.rank = (256 if o.markov_rank is None else o.markov_rank) if o.arch == "dspark" else None  # None: v1
     o.ids = parse_numbers(o.target_layer_ids, "--target-layer-ids", int)
     sizes = parse_numbers(o.block_sizes, "--block-sizes", int)
@@ -217,7 +218,7 @@ def _config(o):
                          gamma=gammas[0] if gammas and len(gammas) == 1 else gammas, eval_every=o.eval_every,
                          eval_sequences=o.held_out, save_every=o.save_every, block_sizes=sizes, kl_weight=o.kl_weight,
                          kl_temperature=o.kl_temperature, miss_anchors=o.miss_anchors, loss_vocab=o.loss_vocab,
-                         init=o.init)
+                         init=o.init, l1_weight=o.l1_weight)
     config.check()
     check_out_folder(o.out)
     if sizes and o.block_size is not None and o.block_size != max(sizes):
@@ -253,13 +254,13 @@ def _trainer(o):
                           soft_wrap=True, markup=False, highlight=False)
         return trainer
     if o.init:
-        drafter = warm_start(o.init, pair.target, o.layers, o.rank)
+        drafter = warm_start(o.init, pair.target, o.layers, o.rank, o.confidence_head)
         check_init_shape(o, drafter)
     else:
         mask = o.mask_token_id if o.mask_token_id is not None else pick_mask_token(
             pair.tokenizer, pair.target.vocab_size, sequences)
         drafter = init_drafter(pair.target, mask, o.layers or 1, o.block_size or 16, o.ids, o.intermediate_size, o.seed,
-                               o.rank)
+                               o.rank, o.confidence_head)
     check_fresh_out(o.out, o.overwrite)  # deletes an earlier run only now, with everything checked
     return Trainer(drafter, pair.target, train_seqs, config, o.out, eval_seqs, features, kept)
 
@@ -276,7 +277,8 @@ def check_init_shape(o, drafter) -> None:
     given = (("--target-layer-ids", o.ids, args.target_layer_ids),
              ("--mask-token-id", o.mask_token_id, args.mask_token_id),
              ("--intermediate-size", o.intermediate_size, args.intermediate_size),
-             ("--markov-rank", o.markov_rank, args.markov_rank))
+             ("--markov-rank", o.markov_rank, args.markov_rank),
+             ("--confidence-head", o.confidence_head or None, args.enable_confidence_head))
     for flag, value, its in given:
         if value is not None and value != its:
             raise InputError(f"{flag} {value}: the --init drafter {o.init} has {its}; leave {flag} out")

@@ -177,7 +177,7 @@ class DFlashDrafter(nn.Module):
                                 "markov_w2": nn.Linear(args.markov_rank, args.vocab_size, bias=False)}
         if args.enable_confidence_head:  # per row a logit of 1 - TV(draft, target) from [hidden; markov_w1[prev]]
             features = args.hidden_size + args.confidence_head_with_markov * args.markov_rank
-            self.confidence_head = {"proj": nn.Linear(features, 1)}  # loaded, not used yet
+            self.confidence_head = {"proj": nn.Linear(features, 1)}  # trained, not used in decoding yet
         self.first_row = 0 if args.format.anchor_first else 1  # the first block row that drafts
         self._embed: Optional[Callable[[mx.array], mx.array]] = None
         self._lm_head: Optional[Callable[[mx.array], mx.array]] = None
@@ -326,12 +326,11 @@ class DFlashDrafter(nn.Module):
         of the sequence, ``mask`` [N, 1, B, L + B] bool (:func:`dflash_mlx.train.blocks.block_mask`) ->
         [N, B-1, H] final hidden states of the drafting rows (rows 1..B-1; where row 0 drafts, the first B-1
         rows and columns of the block and mask are used); ``residual``: before the final norm. ConfigError for
-        drafters other than full-attention v1 and DSpark ones without a confidence head."""
+        drafters other than full-attention v1 and DSpark ones."""
         a = self.args
-        if a.selector_rank or a.enable_confidence_head or any(
-                a.is_sliding(i) or a.is_causal_layer(i) for i in range(a.num_hidden_layers)):
-            raise ConfigError(f"training supports full-attention v1 and DSpark drafters (no confidence head) only, "
-                              f"not {a.architecture} with these layer types or heads")
+        if a.selector_rank or any(a.is_sliding(i) or a.is_causal_layer(i) for i in range(a.num_hidden_layers)):
+            raise ConfigError(f"training supports full-attention v1 and DSpark drafters only, not {a.architecture} "
+                              "with these layer types or its candidate selector")
         R = blocks.shape[1] - 1 + self.first_row
         blocks, mask = blocks[:, :R], mask[:, :, :R, : mask.shape[-1] - blocks.shape[1] + R]
         attend: Attend = lambda attn, q, ctx, block: masked_attention(q, ctx, block, mask, attn.scale)  # noqa: E731
@@ -339,13 +338,19 @@ class DFlashDrafter(nn.Module):
         return self.forward(blocks, fused, 0, anchors, [attend] * len(self.layers), compile=False, residual=residual)
 
     def block_logits(self, blocks: mx.array, context: mx.array, anchors: mx.array, mask: mx.array,
-                     targets: Optional[mx.array] = None) -> mx.array:
-        """:meth:`block_hidden` through the head: [N, B-1, V] logits; a Markov head's bias added from the
-        true previous tokens (the anchor, then ``targets`` [N, B-1]: teacher forced, as training sees them)."""
-        logits = self.logits(self.block_hidden(blocks, context, anchors, mask))
-        if "markov_head" not in self:
-            return logits
-        return logits + self.markov_bias(mx.concatenate([blocks[:, :1], targets[:, :-1]], axis=1))
+                     previous: Optional[mx.array] = None, hidden: Optional[mx.array] = None) -> mx.array:
+        """:meth:`block_hidden` (or its ``hidden`` when given) through the head: [N, B-1, V] logits; a Markov
+        head's bias added from each row's true ``previous`` token [N, B-1] (teacher forced, as training sees
+        them: :func:`dflash_mlx.train.blocks.previous_tokens`)."""
+        logits = self.logits(self.block_hidden(blocks, context, anchors, mask) if hidden is None else hidden)
+        return logits + self.markov_bias(previous) if "markov_head" in self else logits
+
+    def confidence(self, hidden: mx.array, previous: mx.array) -> mx.array:
+        """DSpark's confidence logits [...] (spec section 11: a prediction of 1 - TV(draft, target)) of drafting
+        rows' hidden states [..., H] whose previous tokens are ``previous`` [...] int32."""
+        if self.args.confidence_head_with_markov and "markov_head" in self:
+            hidden = mx.concatenate([hidden, self.markov_head["markov_w1"](previous).astype(hidden.dtype)], axis=-1)
+        return self.confidence_head["proj"](hidden)[..., 0].astype(mx.float32)
 
     def markov_bias(self, previous: mx.array, columns: Optional[mx.array] = None) -> mx.array:
         """DSpark's Markov bias ``markov_w2(markov_w1[previous])`` (spec section 11): [..., V] float32 for

@@ -3,6 +3,7 @@ gives the block ``[token[a], MASK x (B-1)]`` at positions ``a..a+B-1``, whose ro
 
 from typing import Optional
 
+import mlx.core as mx
 import numpy as np
 
 
@@ -51,3 +52,9 @@ def position_weights(block_size: int, gamma: float) -> np.ndarray:
 def default_gamma(block_size: int) -> float:
     """gamma = 7 for B = 16 and 4 for B = 8 (spec section 6); linear in between."""
     return 4.0 + 3.0 * (min(max(block_size, 8), 16) - 8) / 8
+
+
+def previous_tokens(blocks, targets):
+    """[N, B-1] int32 (mx): the token before each drafting row's in training, the anchor's then ``targets[:, :-1]``
+    (what a DSpark drafter's Markov head reads, teacher forced), of blocks [N, B] and targets [N, B-1]."""
+    return mx.concatenate([blocks[:, :1], targets[:, :-1]], axis=1)

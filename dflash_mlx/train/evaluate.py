@@ -11,7 +11,7 @@ from ..drafter.network import DFlashDrafter
 from ..protocol import Drafter
 from ..stats import teacher_forced
 from ..targets import TargetAdapter
-from .blocks import sample_anchors
+from .blocks import previous_tokens, sample_anchors
 from .data import TrainSequence
 from .loss import chunk_batches, target_features
 
@@ -63,7 +63,7 @@ def evaluate_block_sizes(drafter: DFlashDrafter, target: TargetAdapter, sequence
                 features[i] = target_features(target, seq.tokens, drafter.target_layer_ids, dtype)
             for context, (blocks, targets, anchors_mx, mask) in chunk_batches(
                     seq, features[i], anchors, b, drafter.args.mask_token_id, anchor_chunk):
-                logits = drafter.block_logits(blocks, context, anchors_mx, mask, targets)
+                logits = drafter.block_logits(blocks, context, anchors_mx, mask, previous_tokens(blocks, targets))
                 rows[b].append(np.array(mx.argmax(logits, axis=-1) == targets))
     out = {b: teacher_forced(np.concatenate(rows[b])) for b in block_sizes}
     if chained:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
@@ -13,7 +14,7 @@ from ..drafter.network import DFlashDrafter
 from ..errors import InputError
 from ..kernels import fast_softmax
 from ..targets import TargetAdapter
-from .blocks import block_mask
+from .blocks import block_mask, previous_tokens
 from .data import TrainSequence
 from .features import FeatureStore
 
@@ -55,7 +56,8 @@ class FeatureCache:
             feats = next((f for f in (s.get(seq.tokens) for s in self.stores) if f is not None), None)
             hidden = self.store.get(seq.tokens, "hidden") if self.hidden and self.store else None
             if feats is None or (self.hidden and hidden is None):
-                f, h = target_outputs(self.target, seq.tokens, self.layer_ids, dtype if self.store is None else mx.float32)
+                exact = dtype if self.store is None else mx.float32  # what is kept is rounded to float16 once
+                f, h = target_outputs(self.target, seq.tokens, self.layer_ids, exact)
                 if self.store is None:
                     return f, h if self.hidden else None
                 self.store.put(seq.tokens, f)
@@ -147,29 +149,37 @@ class LossVocab:
 
 def block_loss(drafter: DFlashDrafter, features, blocks, targets, anchors, mask, weights,
                num_blocks: Optional[int] = None, target_logits: Optional[mx.array] = None, kl_weight: float = 0.0,
-               kl_temperature: float = 1.0, with_lengths: bool = False, vocab: Optional[LossVocab] = None):
-    """Cross-entropy of block rows 1..B-1 (plus ``kl_weight`` times :func:`distill_kl` against
-    ``target_logits`` [N, B-1, V]) weighted by ``weights`` [B-1], over the weight sum times ``num_blocks``
-    (the sequence's blocks, default N: chunks then sum to the whole); with ``vocab`` the softmax runs over
-    its columns only (:class:`LossVocab`; no distillation); a DSpark drafter's Markov bias is added from the
-    true previous tokens. With ``with_lengths`` also returns each block's greedy acceptance
-    length [N] int32 (accepted rows + 1)."""
+               kl_temperature: float = 1.0, with_lengths: bool = False, vocab: Optional[LossVocab] = None,
+               l1_weight: float = 0.0):
+    """Cross-entropy of block rows 1..B-1 (plus ``kl_weight`` times :func:`distill_kl` against ``target_logits``
+    [N, B-1, V]; DeepSpec's DSpark losses against them: ``l1_weight`` times the L1 distance of the two
+    distributions, and a confidence head's binary cross-entropy to 1 - TV) weighted by ``weights`` [B-1], over the
+    weight sum times ``num_blocks`` (the sequence's blocks, default N: chunks then sum to the whole); with
+    ``vocab`` the softmax runs over its columns only (:class:`LossVocab`; none of those); a DSpark drafter's
+    Markov bias is added from the true previous tokens. With ``with_lengths`` also returns each block's greedy
+    acceptance length [N] int32 (accepted rows + 1)."""
+    hidden, previous = drafter.block_hidden(blocks, features, anchors, mask), previous_tokens(blocks, targets)
     if vocab is None:
-        logits = drafter.block_logits(blocks, features, anchors, mask, targets).astype(mx.float32)
+        logits = drafter.block_logits(blocks, features, anchors, mask, previous, hidden).astype(mx.float32)
     else:
-        hidden = drafter.block_hidden(blocks, features, anchors, mask)
         logits = (hidden @ vocab.head.T).astype(mx.float32) + vocab.shift
         if "markov_head" in drafter:  # DSpark's bias from the true previous tokens, over the same columns
-            previous = mx.concatenate([blocks[:, :1], targets[:, :-1]], axis=1)
             logits = logits + drafter.markov_bias(previous, mx.array(vocab.columns))
-        targets = vocab.index[targets]
-    per_row = fast_softmax.cross_entropy(logits, targets)
+    labels = targets if vocab is None else vocab.index[targets]
+    per_row = fast_softmax.cross_entropy(logits, labels)
     if target_logits is not None and kl_weight:
         per_row = per_row + kl_weight * distill_kl(logits, target_logits, kl_temperature)
+    if target_logits is not None and (l1_weight or "confidence_head" in drafter):
+        q, p = fast_softmax.softmax(logits), fast_softmax.softmax(target_logits)
+        tv = 0.5 * mx.abs(q - p).sum(axis=-1)  # [N, B-1]; 1 - tv: the chance a draft from q is accepted
+        per_row = per_row + 2 * l1_weight * tv
+        if "confidence_head" in drafter:
+            confidence = drafter.confidence(hidden, previous)
+            per_row = per_row + nn.losses.binary_cross_entropy(confidence, 1 - mx.stop_gradient(tv), reduction="none")
     loss = (per_row * weights).sum() / (weights.sum() * (num_blocks or blocks.shape[0]))
     if not with_lengths:
         return loss
-    right = mx.stop_gradient(logits.argmax(axis=-1) == targets).astype(mx.int32)
+    right = mx.stop_gradient(logits.argmax(axis=-1) == labels).astype(mx.int32)
     return loss, mx.cumprod(right, axis=-1).sum(axis=-1) + 1
 
 

@@ -17,7 +17,7 @@ from ..targets import TargetAdapter
 
 def init_drafter(target: TargetAdapter, mask_token_id: int, layers: int = 1, block_size: int = 16,
                  target_layer_ids: Optional[List[int]] = None, intermediate_size: Optional[int] = None,
-                 seed: int = 0, markov_rank: Optional[int] = None) -> DFlashDrafter:
+                 seed: int = 0, markov_rank: Optional[int] = None, confidence: bool = False) -> DFlashDrafter:
     """A fresh bound v1 drafter for verifies of ``block_size`` shaped like the target's layers (layer ids spread
     evenly by default), or with ``markov_rank`` a DSpark one (:func:`as_dspark`); InputError for a layer id
     outside the target or a mask id outside the vocabulary."""
@@ -38,18 +38,22 @@ def init_drafter(target: TargetAdapter, mask_token_id: int, layers: int = 1, blo
                        max_position_embeddings=getattr(a, "max_position_embeddings", None) or 40960)
     mx.random.seed(seed)
     drafter = DFlashDrafter(args)
-    drafter = drafter if markov_rank is None else as_dspark(drafter, target, markov_rank)
+    drafter = drafter if markov_rank is None else as_dspark(drafter, target, markov_rank, confidence)
     mx.eval(drafter.parameters())
     return bind_drafter(drafter, target)
 
 
-def as_dspark(drafter: DFlashDrafter, target: TargetAdapter, markov_rank: int) -> DFlashDrafter:
+def as_dspark(drafter: DFlashDrafter, target: TargetAdapter, markov_rank: int,
+              confidence: bool = False) -> DFlashDrafter:
     """An unbound v1 ``drafter`` as a DSpark one (``Qwen3DSparkModel``, spec section 11) for the same verifies:
-    its weights, a block one row shorter whose every row drafts, copies of the target's embedding and head, and
-    a Markov head of ``markov_rank`` (0: none, DeepSeek's DFlash block7 layout) whose bias starts at zero."""
+    its weights, a block one row shorter whose every row drafts, copies of the target's embedding and head, a
+    Markov head of ``markov_rank`` (0: none, DeepSeek's DFlash block7 layout) whose bias starts at zero, and
+    with ``confidence`` a confidence head (reading the Markov embedding where there is one)."""
     a = drafter.args
-    new = DFlashDrafter(replace(a, architecture=DSPARK.architecture, markov_rank=markov_rank,
-                                block_size=a.block_size - 1, config=None)).update(drafter.parameters())
+    new = DFlashDrafter(replace(a, architecture=DSPARK.architecture, markov_rank=markov_rank, config=None,
+                                block_size=a.block_size - 1, enable_confidence_head=confidence,
+                                confidence_head_with_markov=confidence and markov_rank > 0))
+    new.update(drafter.parameters())
     eye = mx.eye(a.hidden_size, dtype=drafter.fc.weight.dtype)[None]
     new.update({"embed_tokens": {"weight": target.embed(mx.arange(a.vocab_size)[None])[0]},
                 "lm_head": {"weight": mx.contiguous(target.lm_head(eye)[0].T)}})
@@ -59,7 +63,7 @@ def as_dspark(drafter: DFlashDrafter, target: TargetAdapter, markov_rank: int) -
 
 
 def warm_start(path: str, target: TargetAdapter, layers: Optional[int] = None,
-               markov_rank: Optional[int] = None) -> DFlashDrafter:
+               markov_rank: Optional[int] = None, confidence: bool = False) -> DFlashDrafter:
     """The drafter at ``path`` (any folder ``--draft-model`` loads; quantized layers dequantized to float)
     bound to ``target``, to train on from its weights (``--init``). With ``layers`` above its own count,
     full-attention layers are added after its own with zero ``o_proj`` and ``down_proj``: the grown drafter
@@ -80,5 +84,5 @@ def warm_start(path: str, target: TargetAdapter, layers: Optional[int] = None,
                           "mlp": {"down_proj": {"weight": mx.zeros_like(layer.mlp.down_proj.weight)}}})
         drafter = grown.update(drafter.parameters())
     if markov_rank is not None and not drafter.args.format.anchor_first:
-        drafter = as_dspark(drafter, target, markov_rank)
+        drafter = as_dspark(drafter, target, markov_rank, confidence)
     return bind_drafter(drafter, target, path)

@@ -45,7 +45,7 @@ RUN_SETTINGS = {"steps": "--steps", "grad_accum": "--grad-accum", "anchors": "--
                 "warmup": "--warmup", "min_lr": "min_lr", "weight_decay": "weight_decay",
                 "grad_clip": "--grad-clip", "gamma": "--gamma", "dtype": "--dtype", "seed": "--seed",
                 "block_sizes": "--block-sizes", "kl_weight": "--kl-weight", "kl_temperature": "--kl-temperature",
-                "miss_anchors": "--miss-anchors", "loss_vocab": "--loss-vocab"}
+                "miss_anchors": "--miss-anchors", "loss_vocab": "--loss-vocab", "l1_weight": "--l1-weight"}
 
 
 @dataclass
@@ -71,6 +71,7 @@ class TrainConfig:
     kl_temperature: float = 1.0
     miss_anchors: float = 0.0
     loss_vocab: str = "full"
+    l1_weight: float = 0.0
     eval_every: int = 0
     eval_sequences: int = 16
     save_every: int = 0
@@ -84,7 +85,7 @@ class TrainConfig:
         for name in ("steps", "grad_accum", "anchors", "keep_checkpoints"):
             check_number(flag[name], getattr(self, name), at_least=1)
         for name in ("anchor_chunk", "eval_every", "save_every", "eval_sequences", "min_lr", "weight_decay",
-                     "kl_weight"):
+                     "kl_weight", "l1_weight"):
             check_number(flag[name], getattr(self, name), at_least=0)
         for name in ("lr", "grad_clip", "kl_temperature"):
             check_number(flag[name], getattr(self, name), above=0)
@@ -98,8 +99,9 @@ class TrainConfig:
             check_number("--block-sizes", b, at_least=2)
         if self.loss_vocab not in LOSS_VOCABS:
             raise InputError(f"--loss-vocab must be one of {', '.join(LOSS_VOCABS)}, got {self.loss_vocab!r}")
-        if self.loss_vocab != "full" and self.kl_weight:
-            raise InputError(f"--loss-vocab {self.loss_vocab} and --kl-weight: distillation needs the full vocabulary")
+        if self.loss_vocab != "full" and (self.kl_weight or self.l1_weight):
+            raise InputError(f"--loss-vocab {self.loss_vocab} and --{'kl' if self.kl_weight else 'l1'}-weight: "
+                             "a loss against the target's distribution needs the full vocabulary")
 
 
 @dataclass
@@ -198,8 +200,11 @@ class Trainer:
         self.optimizer = optim.AdamW(learning_rate=learning_rate(config), weight_decay=config.weight_decay)
         self.optimizer.init(drafter.trainable_parameters())
         stores = [FeatureStore(f, target, drafter.target_layer_ids) for f in feature_stores]
-        self.features = FeatureCache(target, drafter.target_layer_ids, feature_cache, hidden=config.kl_weight > 0,
-                                     stores=stores)
+        confidence = drafter.args.enable_confidence_head  # trained against the target's distribution too
+        if confidence and config.loss_vocab != "full":
+            raise InputError(f"--loss-vocab {config.loss_vocab}: a confidence head needs the full vocabulary")
+        self.features = FeatureCache(target, drafter.target_layer_ids, feature_cache, stores=stores,
+                                     hidden=config.kl_weight > 0 or config.l1_weight > 0 or confidence)
         self.vocab = LossVocab(target, usable, self.dtype, config.loss_vocab) if config.loss_vocab != "full" else None
         self.step = 0
         self.after_misses: Dict[int, np.ndarray] = {}  # sequence index -> next_anchors of its last visit
@@ -209,7 +214,7 @@ class Trainer:
         c = self.config
         return block_loss(self.drafter, features, blocks, targets, anchors, mask, self.weights[blocks.shape[1]],
                           num_blocks, target_logits, c.kl_weight, c.kl_temperature, with_lengths=c.miss_anchors > 0,
-                          vocab=self.vocab)
+                          vocab=self.vocab, l1_weight=c.l1_weight)
 
     def _sequence(self, index: int) -> int:
         epoch, i = divmod(index, len(self.sequences))
