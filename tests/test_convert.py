@@ -568,33 +568,37 @@ def test_dflash2_round_trip(dflash2, tmp_path, bits):
 
 @pytest.fixture(scope="module")
 def dspark(tmp_path_factory):
-    """(HF qwen3 target folder, a random DSpark drafter for it in DeepSpec's released schema, bf16: a rank-16
+    """(HF qwen3 target folder, a random DSpark drafter for it in DeepSpec's released schema, bf16: a rank-32
     Markov head, a confidence head, copies of the target's embedding and head)."""
     from conftest import tiny_target
     from hf_checkpoints import write_dspark
 
     root = tmp_path_factory.mktemp("dspark")
-    return write_hf_target(root / "target", "qwen3"), write_dspark(root / "drafter", tiny_target("qwen3")[1])
+    return write_hf_target(root / "target", "qwen3"), write_dspark(root / "drafter", tiny_target("qwen3")[1], markov_rank=32)
 
 
-@pytest.mark.parametrize("bits,quantize", [(None, False), (8, False), (4, True)], ids=["float", "8-bit", "4-bit-pair"])
-def test_dspark_round_trip(dspark, tmp_path, bits, quantize):
-    """A DSpark drafter converts through the same code, in its own format: the Markov and confidence heads and
-    the embedding copies stay float, 8-bit/4-bit quantization takes the layers; the copies equal to the float
-    target's are shared once loaded, kept beside a 4-bit target's; DFlash reproduces the target's greedy output."""
+@pytest.mark.parametrize("bits,quantize,group", [(None, False, 64), (8, False, 64), (4, True, 64), (8, False, 32)],
+                         ids=["float", "8-bit", "4-bit-pair", "8-bit-group-32"])
+def test_dspark_round_trip(dspark, tmp_path, bits, quantize, group):
+    """A DSpark drafter converts through the same code, in its own format: the confidence head and the embedding
+    copies stay float, 8-bit/4-bit quantization takes the layers and the Markov head where its rank is a multiple
+    of the group (32 here: only with group 32); the copies equal to the float target's are shared once loaded,
+    kept beside a 4-bit target's; DFlash reproduces the target's greedy output."""
     target_src, drafter_src = dspark
     out = tmp_path / "pair"
     manifest = convert(str(target_src), str(drafter_src), out, dtype=None if quantize else "float32",
-                       draft_q_bits=bits, quantize=quantize).manifest
+                       draft_q_bits=bits, draft_q_group_size=group, quantize=quantize).manifest
     assert manifest["drafter"]["format"] == "Qwen3DSparkModel" and manifest["drafter"]["block_size"] == 7
     config = json.loads((out / "drafter" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3DSparkModel"] and "dflash_config" not in config
-    assert [config[k] for k in ("markov_rank", "markov_head_type", "enable_confidence_head")] == [16, "vanilla", True]
+    assert [config[k] for k in ("markov_rank", "markov_head_type", "enable_confidence_head")] == [32, "vanilla", True]
     weights = mx.load(str(out / "drafter" / "model.safetensors"))
-    heads = {k: v for k, v in weights.items() if not k.startswith("layers.")}
-    assert {"embed_tokens.weight", "lm_head.weight", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
-            "confidence_head.proj.weight", "confidence_head.proj.bias"} <= set(heads)
+    heads = {k: v for k, v in weights.items() if not k.startswith(("layers.", "markov_head."))}
+    assert {"embed_tokens.weight", "lm_head.weight", "confidence_head.proj.weight", "confidence_head.proj.bias"} <= set(heads)
     assert all(mx.issubdtype(v.dtype, mx.floating) for v in heads.values())  # never quantized
+    markov = "markov_head.markov_w2.scales" in weights and "markov_head.markov_w1.scales" in weights
+    assert markov == (bits is not None and group == 32)
+    assert (weights["markov_head.markov_w2.weight"].dtype == mx.uint32) == markov
     assert ("layers.0.self_attn.q_proj.scales" in weights) == bool(bits)
 
     pair = load(str(out))

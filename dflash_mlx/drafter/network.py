@@ -356,7 +356,7 @@ class DFlashDrafter(nn.Module):
         """DSpark's Markov bias ``markov_w2(markov_w1[previous])`` (spec section 11): [..., V] float32 for
         tokens [...] int32, or [..., C] for vocabulary ``columns`` [C] only (float weights)."""
         w1, w2 = self.markov_head["markov_w1"], self.markov_head["markov_w2"]
-        z = w1(previous)
+        z = w1(previous[..., None])[..., 0, :]  # a quantized embedding takes no scalar index
         return (w2(z) if columns is None else z @ w2.weight[columns].T).astype(mx.float32)
 
     def ingest(self, context: mx.array, cache: Sequence[object]) -> None:

@@ -101,15 +101,15 @@ def _folder_dtype(path: Path) -> str:
 
 
 def quantize_drafter(drafter: nn.Module, bits: int, group_size: int = DRAFT_Q_GROUP_SIZE) -> dict:
-    """Quantize, in place, the ``layers.*`` linears (attention and MLP projections); ``fc``, ``hidden_norm``,
-    the norms and a DFlash2 ``candidate_selector`` stay float. Scales are computed from float32 weights.
+    """Quantize, in place, the ``layers.*`` linears and a DSpark Markov head (rank a multiple of ``group_size``);
+    ``fc``, the norms, DSpark's stored copies and a DFlash2 ``candidate_selector`` stay float. Scales from float32.
     Returns ``{"group_size", "bits", "mode"}``, as :func:`save_drafter` records it."""
     dtype = float_dtype(drafter)
     drafter.set_dtype(mx.float32)
 
     def predicate(path: str, module: nn.Module) -> bool:
-        return (path.startswith("layers.") and "candidate_selector" not in path
-                and isinstance(module, nn.Linear) and module.weight.shape[-1] % group_size == 0)
+        return (path.startswith(("layers.", "markov_head.")) and "candidate_selector" not in path
+                and isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.shape[-1] % group_size == 0)
 
     nn.quantize(drafter, group_size, bits, class_predicate=predicate)
     drafter.set_dtype(dtype)
@@ -128,7 +128,7 @@ def write_drafter(drafter: DFlashDrafter, dst: Path, q_bits: Optional[int] = Non
     entry = {"dtype": dtype_name(float_dtype(drafter)), "quantization": quantization}
     if quantization is not None:
         entry["float_modules"] = sorted({p.split(".")[0] for p, m in drafter.named_modules()
-                                         if p and not p.startswith("layers")})
+                                         if isinstance(m, (nn.Linear, nn.Embedding, nn.RMSNorm)) and "layers" not in p})
         entry["compute_dtype"] = dtype_name(QUANTIZED_DRAFTER_DTYPE)
     return entry
 
