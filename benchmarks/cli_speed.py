@@ -12,6 +12,7 @@ prompts of the per-prompt median ratio to mlx-lm:
   calibration included (what a script that calls the CLI per prompt waits);
 - with the setting ``plain`` (`dflash generate` without a drafter) in the run, each setting's
   decode speed against it too, as the median over prompts of the per-prompt median ratio;
+- two drafters in one run: a setting ending in ``@PATH`` uses the drafter at PATH (``--settings 4 4@OTHER``);
 - tau, the widths chosen (and how many steps were probes), and whether the text equals mlx-lm's on every prompt (a
   reply that dflash stops at the target's context, where mlx-lm goes on, counts as
   equal when it is the start of mlx-lm's).
@@ -61,7 +62,10 @@ def run_mlx_lm(model: str, prompt: str, max_tokens: int) -> dict:
 
 def run_dflash(model: str, draft: str, prompt: str, max_tokens: int, setting: str) -> dict:
     """``setting``: a --block-size (``auto``, ``16``), ``plain`` (no drafter, no prompt lookup) or ``lookup``
-    (no drafter, prompt lookup); ``:off`` after a block size turns prompt lookup off."""
+    (no drafter, prompt lookup); ``:off`` after a block size turns prompt lookup off; ``@PATH`` at the end drafts
+    with the drafter at PATH instead of ``draft`` (two drafters in one run: ``16 16@OTHER``)."""
+    setting, _, other = setting.partition("@")
+    draft = other or draft
     block, _, lookup = setting.partition(":")
     pair = [] if block in ("plain", "lookup") else ["--draft-model", draft, "--block-size", block]
     pair += ["--prompt-lookup", "off" if block == "plain" or lookup == "off" else "auto"]
@@ -98,7 +102,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_pair_args(p)
     p.add_argument("--settings", nargs="+", default=["plain", "auto", "4", "8", "16"],
-                   help="--block-size values (auto:off: prompt lookup off), plain (no drafter nor lookup), lookup")
+                   help="--block-size values (auto:off: prompt lookup off; 16@PATH: with the drafter at PATH), plain "
+                   "(no drafter nor lookup), lookup")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
