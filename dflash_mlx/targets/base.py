@@ -9,7 +9,7 @@ import numpy as np
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from ..prompt_cache.gated_delta import GatedDeltaCache
-from ..prompt_cache.trim import EXACT_TRIM, trim_layers
+from ..prompt_cache.rollback import EXACT_TRIM, rollback
 from ..prompt_cache.window import WindowKVCache
 from ..errors import MismatchError, RollbackError
 from .fused import attention_mask
@@ -216,4 +216,4 @@ class TargetAdapter(TreeVerify):
         Raises:
             RollbackError: a layer cannot remove that many rows exactly."""
         if num_tokens > 0:
-            trim_layers(cache, [num_tokens] * len(cache), "target layer")
+            rollback(cache, [num_tokens] * len(cache), "target layer")

@@ -23,7 +23,7 @@ import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from ..prompt_cache.trim import trim_layers
+from ..prompt_cache.rollback import rollback
 from ..prompt_cache.window import WindowKVCache
 from ..errors import InputError, RollbackError
 
@@ -126,5 +126,5 @@ class TreeVerify:
         for i, c in enumerate(cache):
             if not isinstance(c, (KVCache, WindowKVCache)):
                 raise RollbackError(f"target layer {i}: {type(c).__name__} cannot keep only the accepted path")
-        trim_layers(cache, [new_rows - len(keep)] * len(cache), "target layer",
-                    lambda c, n: compact_rows(c, new_rows, keep))
+        rollback(cache, [new_rows - len(keep)] * len(cache), "target layer",
+                 lambda c, n: compact_rows(c, new_rows, keep))

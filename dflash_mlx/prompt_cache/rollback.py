@@ -1,4 +1,4 @@
-"""Which layer caches remove their last rows exactly."""
+"""Rollback: which layer caches remove their last rows exactly, and the routine that removes them."""
 
 from typing import Any, Callable, Optional, Sequence
 
@@ -19,8 +19,8 @@ def can_trim(c: object, n: int) -> bool:
     return isinstance(c, EXACT_TRIM) and 0 <= n <= c.offset
 
 
-def trim_layers(cache: Sequence[Any], counts: Sequence[int], who: str = "layer",
-                trim: Optional[Callable[[Any, int], int]] = None) -> None:
+def rollback(cache: Sequence[Any], counts: Sequence[int], who: str = "layer",
+             trim: Optional[Callable[[Any, int], int]] = None) -> None:
     """Layer i of ``cache`` removes its last ``counts[i]`` rows with ``trim(c, n)`` (default ``c.trim(n)``; both
     return the rows removed), or, every layer checked first (:func:`can_trim`), none does.
 
