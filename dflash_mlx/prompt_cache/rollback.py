@@ -1,6 +1,6 @@
 """Rollback: which layer caches remove their last rows exactly, and the routine that removes them."""
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Sequence
 
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
@@ -19,10 +19,9 @@ def can_trim(c: object, n: int) -> bool:
     return isinstance(c, EXACT_TRIM) and 0 <= n <= c.offset
 
 
-def rollback(cache: Sequence[Any], counts: Sequence[int], who: str = "layer",
-             trim: Optional[Callable[[Any, int], int]] = None) -> None:
-    """Layer i of ``cache`` removes its last ``counts[i]`` rows with ``trim(c, n)`` (default ``c.trim(n)``; both
-    return the rows removed), or, every layer checked first (:func:`can_trim`), none does.
+def rollback(cache: Sequence[Any], counts: Sequence[int], who: str = "layer") -> None:
+    """Layer i of ``cache`` removes its last ``counts[i]`` rows, or, every layer checked first (:func:`can_trim`),
+    none does.
 
     Raises:
         RollbackError: names the first layer (``who`` i) that cannot, or one that removed another count.
@@ -32,6 +31,6 @@ def rollback(cache: Sequence[Any], counts: Sequence[int], who: str = "layer",
             raise RollbackError(f"{who} {i}: {type(c).__name__} cannot remove its last {n} rows exactly "
                                 "(rows it needs were dropped or it is not trimmable)")
     for i, (c, n) in enumerate(zip(cache, counts)):
-        removed = trim(c, n) if trim is not None else c.trim(n)
+        removed = c.trim(n)
         if removed != n:
             raise RollbackError(f"{who} {i}: {type(c).__name__} trimmed {removed} of {n} rows")
