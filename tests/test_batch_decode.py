@@ -16,9 +16,11 @@ from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
 from dflash_mlx.drafter.batch import batch_drafts, pad_contexts
-from dflash_mlx.prompt_cache.batch import RaggedRoll, batch_refusal, common_padding, share_offsets
+from dflash_mlx.errors import RollbackError
+from dflash_mlx.prompt_cache.batch import RaggedRoll, batch_refusal, common_padding, extend, share_offsets
 from dflash_mlx.prompt_cache.batch import BatchGatedDeltaCache
 from dflash_mlx.prompt_cache.gated_delta import GatedDeltaCache
+from dflash_mlx.targets import TargetAdapter
 from conftest import ByteTokenizer, _Position, assert_varied, tiny_drafter, tiny_target
 
 # attention targets, Gated-DeltaNet hybrids and sliding-window targets (more in test_batch_window.py)
@@ -259,11 +261,9 @@ def assert_batch_differs_from_solo(family: str, B: int = 6, n: int = 40, every: 
 def test_broken_per_sequence_rollback_is_caught(monkeypatch):
     """The lossless check has power: trimming every sequence by the batch's fewest
     rejected rows (no per-sequence rollback) must change the output."""
-    def common_only(cache, rejected):
-        for c in cache:
-            c.trim(min(rejected))
-
-    monkeypatch.setattr(batch_module, "rollback_ragged", common_only)
+    real = TargetAdapter.rollback
+    monkeypatch.setattr(TargetAdapter, "rollback", lambda self, cache, rejected: real(
+        self, cache, [min(rejected)] * len(rejected) if isinstance(rejected, list) else rejected))
     assert_batch_differs_from_solo("llama")
 
 
@@ -274,6 +274,28 @@ def test_broken_recurrent_rollback_is_caught(monkeypatch):
     monkeypatch.setattr(BatchGatedDeltaCache, "trim_ragged", lambda self, rejected: real(
         self, [min(rejected)] * len(rejected)))
     assert_batch_differs_from_solo("qwen3_5")
+
+
+def test_a_refused_batch_rollback_changes_no_layer():
+    """The one rollback routine on a batch (per-sequence counts): a count beyond a Gated-DeltaNet layer's
+    last forward is a RollbackError naming the layer, raised before any layer, attention included, is
+    trimmed; counts within it trim each sequence by its own."""
+    target, batch = target_of("qwen3_5"), None
+    for p in prompts(2, seed=5):
+        cache = target.make_cache(4)
+        target(mx.array([p], dtype=mx.int32), cache)
+        batch = extend(batch, cache)
+    target(mx.array([[3, 4, 5, 6], [7, 8, 9, 10]], dtype=mx.int32), batch)
+    full = [b for b in batch if type(b) is BatchKVCache]
+    recurrent = [b for b in batch if isinstance(b, BatchGatedDeltaCache)]
+    offsets, states = [b.offset.tolist() for b in full], [list(b.cache) for b in recurrent]
+    assert full and recurrent
+    with pytest.raises(RollbackError, match=r"target layer \d+: BatchGatedDeltaCache cannot remove its last \[5, 0\]"):
+        target.rollback(batch, [5, 0])
+    assert [b.offset.tolist() for b in full] == offsets
+    assert all(a is b for r, s in zip(recurrent, states) for a, b in zip(r.cache, s))
+    target.rollback(batch, [3, 1])
+    assert [b.offset.tolist() for b in full] == [[o[0] - 3, o[1] - 1] for o in offsets]
 
 
 def test_plain_batch_equals_solo():

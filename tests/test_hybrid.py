@@ -11,7 +11,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from dflash_mlx import MismatchError, RollbackError, bind_drafter, generate_step
 from dflash_mlx.prompt_cache.gated_delta import GatedDeltaCache
-from dflash_mlx.prompt_cache.trim import can_trim
+from dflash_mlx.prompt_cache.rollback import can_trim
 from dflash_mlx.drafter.network import DFlashDrafter
 from conftest import ScriptedDrafter, mlx_lm_greedy, tiny_drafter_args, tiny_target
 

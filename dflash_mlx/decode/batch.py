@@ -23,7 +23,7 @@ from ..protocol import MAX_COPY, Drafter, Proposal
 from ..sampling import Sampler, next_key
 from ..stats import GenerationStats, weight_bytes
 from ..targets import TargetAdapter
-from ..prompt_cache.batch import compact, extend, keep_rows, rollback_ragged, share_offsets
+from ..prompt_cache.batch import compact, extend, keep_rows, share_offsets
 
 PLAIN = Plan(1, 0)
 
@@ -238,11 +238,9 @@ class BatchDecoder:
         return mx.concatenate([s.token for s in self.sequences])
 
     def _rollback(self, rejected: List[int]) -> None:
-        """Drop each sequence's rejected rows (raises RollbackError where a cache cannot)."""
-        if self.solo:
-            self.target.rollback(self.cache, rejected[0])
-            return
-        rollback_ragged(self.cache, rejected)
+        """Drop each sequence's rejected rows (raises RollbackError where a cache cannot), then in a batch the
+        padding every sequence has."""
+        self.target.rollback(self.cache, rejected)
         compact(self.cache)
         if self.batch_drafter is not None:
             compact(self.batch_drafter.cache)

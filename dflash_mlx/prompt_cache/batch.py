@@ -1,5 +1,6 @@
 """The target cache of a batch of sequences (``dflash serve --max-batch``), per layer a left-padded
-``BatchKVCache``, ``BatchWindowKVCache`` or ``BatchGatedDeltaCache``, rolled back exactly per sequence."""
+``BatchKVCache``, ``BatchWindowKVCache`` or ``BatchGatedDeltaCache``, rolled back exactly per sequence
+(:func:`~dflash_mlx.prompt_cache.rollback.rollback`)."""
 
 from typing import Any, List, Optional, Sequence
 
@@ -70,15 +71,11 @@ class BatchGatedDeltaCache(GatedDeltaCache):
         self._last = None
 
     def trim_ragged(self, rejected: Sequence[int]) -> None:
-        """Drop the last ``rejected[i]`` tokens of the last forward from sequence i.
-
-        Raises:
-            ValueError: the last forward was not recorded or is shorter than a rejection."""
+        """Drop the last ``rejected[i]`` tokens of the last forward from sequence i (each one :meth:`can_trim`
+        allows: :func:`~dflash_mlx.prompt_cache.rollback.rollback` checks them)."""
         if not any(rejected):
             return
         f = self._last
-        if f is None or max(rejected) > f.rows:
-            raise ValueError("Gated-DeltaNet batch cache: the last forward cannot be rolled back")
         keep = mx.array([f.rows - r for r in rejected], dtype=mx.int32)
         steps = mx.arange(f.rows)[None] < keep[:, None]  # [N, L]
         _, state = gated_delta_update(f.q, f.k, f.v, f.a, f.b, f.A_log, f.dt_bias, f.before[1], steps,
@@ -123,28 +120,6 @@ def keep_rows(batch: List[BatchKVCache], rows: Sequence[int]) -> Optional[List[B
     for b in batch:
         b.filter(index)
     return batch
-
-
-def rollback_ragged(batch: Sequence[BatchKVCache], rejected: Sequence[int]) -> None:
-    """Drop the last ``rejected[i]`` ([N], each 0..rows of the last forward) rows of sequence i from every
-    layer: the common part trimmed, the rest rolled into left padding."""
-    low = min(rejected)
-    extra = [r - low for r in rejected]
-    roll = None  # full-attention layers share one column layout: one roll for all
-    for b in batch:
-        if isinstance(b, BatchGatedDeltaCache):
-            b.trim_ragged(rejected)
-            continue
-        if low:
-            b.trim(low)
-        if not any(extra):
-            continue
-        if type(b) is BatchKVCache:
-            roll = roll or RaggedRoll(extra, common_padding(b, extra))
-            roll(b)
-        else:  # window layers: their padding is dropped by compact(), after hide_old_rows
-            b.prepare(right_padding=extra)
-            b.finalize()
 
 
 def common_padding(b: BatchKVCache, right: Sequence[int]) -> int:

@@ -7,7 +7,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from .drafter_context import ContextWindowCache
 from .gated_delta import GatedDeltaCache
-from .trim import can_trim
+from .rollback import can_trim
 from .window import WindowKVCache
 
 Arrays = Dict[str, mx.array]

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 from mlx_lm.models.cache import KVCache
 
 from ..protocol import MAX_COPY
-from .trim import can_trim, trim_layers
+from .rollback import can_trim, rollback
 from .entry import Snapshot, restore_or_warn, take_snapshot
 from .key import key_id, pair_key
 from .resume import boundaries, boundary_interval, prefill_to, trims_anywhere
@@ -29,7 +29,7 @@ def trim_cache(cache: List[Any], rows: int) -> bool:
     counts = [c.offset - rows for c in cache]
     if not all(map(can_trim, cache, counts)):
         return False
-    trim_layers(cache, counts)
+    rollback(cache, counts)
     for c in cache:  # an interrupted ``update_and_fetch`` can leave keys and values uneven: both cut to the offset
         if isinstance(c, KVCache) and c.keys is not None and c.keys.shape[2] != c.values.shape[2]:
             c.keys, c.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]

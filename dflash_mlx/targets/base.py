@@ -9,7 +9,7 @@ import numpy as np
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from ..prompt_cache.gated_delta import GatedDeltaCache
-from ..prompt_cache.trim import EXACT_TRIM, trim_layers
+from ..prompt_cache.rollback import EXACT_TRIM, Count, rollback
 from ..prompt_cache.window import WindowKVCache
 from ..errors import MismatchError, RollbackError
 from .fused import attention_mask
@@ -210,10 +210,10 @@ class TargetAdapter(TreeVerify):
                 f"decoding would not reproduce the target; use {type(self).__name__}.make_cache()"
             )
 
-    def rollback(self, cache: Sequence[Any], num_tokens: int) -> None:
-        """Remove the last ``num_tokens`` rows from every layer, or none (every layer is checked first).
+    def rollback(self, cache: Sequence[Any], rejected: Count) -> None:
+        """Remove the last ``rejected`` rows from every layer (an int or [1]: one sequence; [N]: sequence i of a
+        batch its last ``rejected[i]``), or none (:func:`~dflash_mlx.prompt_cache.rollback.rollback`).
 
         Raises:
             RollbackError: a layer cannot remove that many rows exactly."""
-        if num_tokens > 0:
-            trim_layers(cache, [num_tokens] * len(cache), "target layer")
+        rollback(cache, [rejected] * len(cache), "target layer")

@@ -23,7 +23,7 @@ import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from ..prompt_cache.trim import trim_layers
+from ..prompt_cache.rollback import rollback
 from ..prompt_cache.window import WindowKVCache
 from ..errors import InputError, RollbackError
 
@@ -74,19 +74,15 @@ def tree_layer_mask(cache: Any, positions: np.ndarray, ancestors: np.ndarray, wi
     return mx.array(visible)
 
 
-def compact_rows(cache: Any, new_rows: int, keep: Sequence[int]) -> int:
-    """Of a layer's last ``new_rows`` rows, keep those at ``keep`` (increasing, relative
-    to the first new row), in order, and drop the rest.
-
-    Returns:
-        Rows dropped, as the cache's ``trim`` reports it.
-    """
-    base = cache.offset - new_rows - (cache.start if isinstance(cache, WindowKVCache) else 0)
-    rows = mx.array([base + k for k in keep], dtype=mx.int32)
+def compact_rows(cache: Any, keep: Sequence[int]) -> None:
+    """Of the new rows of a layer rolled back to its first new row plus ``len(keep)``, write those at ``keep``
+    (increasing, relative to the first new row) over the kept ones, in order. A ``KVCache`` or
+    ``WindowKVCache`` rollback moves only the offset: the rows past it are still in the buffer."""
     m = len(keep)
+    base = cache.offset - m - (cache.start if isinstance(cache, WindowKVCache) else 0)
+    rows = mx.array([base + k for k in keep], dtype=mx.int32)
     cache.keys[..., base : base + m, :] = mx.take(cache.keys, rows, axis=2)
     cache.values[..., base : base + m, :] = mx.take(cache.values, rows, axis=2)
-    return cache.trim(new_rows - m)
 
 
 class TreeVerify:
@@ -116,9 +112,10 @@ class TreeVerify:
             yield h
 
     def compact(self, cache: Sequence[Any], new_rows: int, keep: Sequence[int]) -> None:
-        """After a tree verify of ``new_rows`` inputs, keep in every layer the rows of
-        the accepted path ``keep`` (increasing, relative to the first input) and drop
-        the rest, so the cache equals one that only saw the accepted path.
+        """After a tree verify of ``new_rows`` inputs, keep in every layer the rows of the accepted path ``keep``
+        (increasing, relative to the first input) and drop the rest, so the cache equals one that only saw the
+        path. The path is no prefix of the inputs: :func:`~dflash_mlx.prompt_cache.rollback.rollback` drops the
+        last ``new_rows - len(keep)`` rows, then :func:`compact_rows` moves the path's rows into the kept ones.
 
         Raises:
             RollbackError: a layer cannot drop the rows exactly.
@@ -126,5 +123,6 @@ class TreeVerify:
         for i, c in enumerate(cache):
             if not isinstance(c, (KVCache, WindowKVCache)):
                 raise RollbackError(f"target layer {i}: {type(c).__name__} cannot keep only the accepted path")
-        trim_layers(cache, [new_rows - len(keep)] * len(cache), "target layer",
-                    lambda c, n: compact_rows(c, new_rows, keep))
+        rollback(cache, [new_rows - len(keep)] * len(cache), "target layer")
+        for c in cache:
+            compact_rows(c, keep)
