@@ -76,10 +76,11 @@ def main(argv=None) -> int:
             hidden = pair.drafter.block_hidden(blocks, context, at, mask)
             previous = previous_tokens(blocks, targets)
             logits = pair.drafter.block_logits(blocks, context, at, mask, previous, hidden)
-            first = np.array(mx.argmax(logits, -1))[:, 0]
+            drafts = np.array(mx.argmax(logits, -1))
+            first = drafts[:, 0]
             if "confidence_head" in pair.drafter:
                 conf = np.array(mx.sigmoid(pair.drafter.confidence(hidden, previous)))
-                scored += zip(conf, np.array(mx.argmax(logits, -1) == targets))
+                scored += zip(conf, drafts == np.array(targets))
             want, p = np.array(targets)[:, 0], np.array(top[at])  # row 1 drafts anchor + 1: the target at anchor
             rows += [(kind(pair.tokenizer.decode([int(w)])), float(q), bool(f == w)) for f, w, q in zip(first, want, p)]
     misses = sum(not r for _, _, r in rows)
