@@ -53,7 +53,8 @@ def rollback(cache: Sequence[Any], counts: Sequence[Count], who: str = "layer") 
         if isinstance(c, BatchGatedDeltaCache):
             c.trim_ragged(n)
             continue
-        low, extra = min(n), tuple(r - min(n) for r in n)
+        low = min(n)
+        extra = tuple(r - low for r in n)
         removed = c.trim(low) if low else 0
         if removed != low:
             raise RollbackError(f"{who} {i}: {type(c).__name__} trimmed {removed} of {low} rows")
