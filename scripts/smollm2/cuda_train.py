@@ -89,7 +89,7 @@ def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def load_target(path: str, cfg: dict, device):
-    """Hugging Face ``LlamaForCausalLM`` [float32, eval] from a Llama GGUF file (dequantized by ``gguf``)."""
+    """Hugging Face ``LlamaForCausalLM`` [float32, eval, frozen] from a Llama GGUF file (dequantized by ``gguf``)."""
     import gguf
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -105,6 +105,8 @@ def load_target(path: str, cfg: dict, device):
             state["model.embed_tokens.weight"] = w
         elif parts[0] == "output_norm":
             state["model.norm.weight"] = w
+        elif parts[0] == "output":
+            state["lm_head.weight"] = w
         elif parts[0] == "blk":
             if parts[2] == "attn_q":
                 w = unpermute(w, cfg["num_attention_heads"])
@@ -117,9 +119,11 @@ def load_target(path: str, cfg: dict, device):
     config = LlamaConfig(**{k: cfg[k] for k in keys}, rope_theta=cfg["rope_theta"])
     model = LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+    if unexpected or [k for k in missing if not (k == "lm_head.weight" and cfg["tie_word_embeddings"])]:
         raise SystemExit(f"{path}: weights do not fit a Llama: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
+    for p in model.parameters():
+        p.requires_grad_(False)
     return model.to(device).eval()
 
 
@@ -270,7 +274,8 @@ def make_batch(seqs, rng, B, anchors_per_seq, device):
 
 
 def block_loss(d, cfg, target, embed, batch, mask_id, B, layer_ids):
-    """Weighted cross-entropy (spec section 6) over valid blocks, and the greedy acceptance lengths [S, N]."""
+    """Weighted cross-entropy (spec section 6) over valid blocks through the target's head, and the greedy
+    acceptance lengths [M] int of the M valid blocks."""
     import torch
     import torch.nn.functional as F
 
@@ -280,7 +285,7 @@ def block_loss(d, cfg, target, embed, batch, mask_id, B, layer_ids):
     blocks[:, :, 0] = torch.gather(tokens, 1, anchors)
     with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=tokens.device.type == "cuda"):
         h = drafter_hidden(d, cfg, embed, feats, blocks, anchors, valid, attention.sum(1))
-        logits = h[valid] @ embed.T.to(h.dtype)  # [M, B-1, V]
+        logits = h[valid] @ target.lm_head.weight.T.to(h.dtype)  # [M, B-1, V]
     logits = logits.float()
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[valid].reshape(-1), reduction="none")
     w = torch.exp(-torch.arange(B - 1, device=ce.device, dtype=torch.float32) / GAMMA[B])
@@ -361,8 +366,6 @@ def run(a) -> int:
     tcfg, dcfg, eos = meta["target"], meta["drafter"], meta["eos"]
     layer_ids, mask_id = dcfg["dflash_config"]["target_layer_ids"], dcfg["dflash_config"]["mask_token_id"]
     target = load_target(a.gguf, tcfg, device)
-    for p in target.parameters():
-        p.requires_grad_(False)
     embed = target.model.embed_tokens.weight.detach()
     log(f"target loaded on {device}")
     drafter = make_drafter(dcfg)
