@@ -19,9 +19,10 @@ Two steps:
     python3 scripts/smollm2/cuda_train.py run --gguf SmolLM2-135M-Instruct.Q4_1.gguf --inputs DIR/inputs.npz \\
         --init examples/smollm2-135m/drafter --seconds 520 --out OUT
 
-``run`` writes ``drafter-{0,1,2}.safetensors`` (this project's keys, float32, split so each part is under
-16 MiB), ``config.json``, ``sequences-{0,1}.npz`` (the sequences it made: ``tokens`` uint16, ``lengths``,
-``response_starts``) and ``log.txt``; ``merge`` joins the parts into a drafter folder `dflash` loads:
+``run`` writes ``drafter-{0,1,...}.safetensors`` (this project's keys, float32: the fc and norms, then one
+file per layer, each under 16 MiB), ``config.json``, ``log.txt`` and, in the files left of the 8 a lent machine
+returns, ``sequences-{0,1,...}.npz`` (the sequences it made: ``tokens`` uint16, ``lengths``,
+``response_starts``); ``merge`` joins the parts into a drafter folder `dflash` loads:
 
     python scripts/smollm2/cuda_train.py merge --parts OUT --out DRAFTER
 """
@@ -39,8 +40,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 GAMMA = {4: 4.0, 8: 4.0, 16: 7.0}  # dflash_mlx.train.blocks.default_gamma of the block sizes trained
-PARTS = ("drafter-0.safetensors", "drafter-1.safetensors", "drafter-2.safetensors")
-SEQUENCE_FILES, SEQUENCE_BYTES = 2, 18_000_000  # what may come back beside the drafter (64 MiB in all)
+RETURNED_FILES, SEQUENCE_BYTES = 8, 18_000_000  # what a lent machine gives back: 8 files (64 MiB in all)
 
 
 # ----------------------------------------------------------------------------------------------- prepare (MLX)
@@ -203,6 +203,21 @@ def load_drafter_weights(drafter, folder: Path) -> None:
     drafter.load_state_dict(state, strict=True)
 
 
+def grow(drafter, cfg: dict, layers: int) -> None:
+    """Add layers to ``drafter`` (and ``cfg``) up to ``layers``: random, their output projections zero, so the
+    drafter starts as it was (``dflash train --layers``'s rule)."""
+    import torch
+
+    while len(drafter.layers) < layers:
+        new = make_drafter({**cfg, "num_hidden_layers": 1}).layers[0]
+        with torch.no_grad():
+            new.self_attn.o_proj.weight.zero_()
+            new.mlp.down_proj.weight.zero_()
+        drafter.layers.append(new)
+    cfg["num_hidden_layers"] = len(drafter.layers)
+    cfg["layer_types"] = ["full_attention"] * len(drafter.layers)
+
+
 def drafter_hidden(d, cfg, embed, feats, blocks, anchors, valid, lengths):
     """Training forward: feats [S, L, K*H], blocks [S, N, B] int, anchors [S, N] (valid [S, N] bool), sequence
     lengths [S] -> final normed hidden states [S, N, B-1, H] of rows 1..B-1 (spec section 6)."""
@@ -301,11 +316,14 @@ def unpack(z, name):
 
 
 def generate(target, prompts, eos, device, log, deadline, batch, **kw):
-    """``[(prompt + reply ids, len(prompt))]`` of each prompt (left-padded batches, shortest first) until
-    ``deadline``; a reply ends after its first ``eos``."""
+    """``[(prompt + reply ids, len(prompt), finished)]`` of the prompts in their order until ``deadline`` (left-padded
+    batches, shortest first within each window of 4 batches: similar lengths, and a run cut short still holds
+    every part of a mixed list); a reply ends after its first ``eos``."""
     import torch
 
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    window = 4 * batch
+    order = [i for lo in range(0, len(prompts), window)
+             for i in sorted(range(lo, min(lo + window, len(prompts))), key=lambda i: len(prompts[i]))]
     made = []
     for lo in range(0, len(order), batch):
         if time.time() > deadline:
@@ -370,6 +388,7 @@ def run(a) -> int:
     log(f"target loaded on {device}")
     drafter = make_drafter(dcfg)
     load_drafter_weights(drafter, Path(a.init))
+    grow(drafter, dcfg, a.layers)
     drafter = drafter.to(device)
     heldout = {name: unpack(z, f"heldout_{name}")[: a.eval_sequences] for name in meta["heldout"]}
     log("held-out teacher-forced tau at B=16, start: " + ", ".join(
@@ -440,8 +459,8 @@ def run(a) -> int:
     state = {k: v.detach().float().cpu().numpy() for k, v in drafter.state_dict().items()}
     groups = [{k: v for k, v in state.items() if not k.startswith("layers.")}]
     groups += [{k: v for k, v in state.items() if k.startswith(f"layers.{i}.")} for i in range(len(drafter.layers))]
-    for name, g in zip(PARTS, groups):
-        save_file(g, str(out / name))
+    for i, g in enumerate(groups):
+        save_file(g, str(out / f"drafter-{i}.safetensors"))
     cfg = {k: v for k, v in dcfg.items() if k != "quantization"}
     cfg["torch_dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -452,7 +471,8 @@ def run(a) -> int:
         if size + 2 * len(t) > SEQUENCE_BYTES and part:
             files, part, size = files + [part], [], 0
         part, size = part + [(t, s)], size + 2 * len(t)
-    files = (files + [part])[:SEQUENCE_FILES] if part else files[:SEQUENCE_FILES]
+    room = max(RETURNED_FILES - len(groups) - 2, 0)  # beside the parts, config.json and log.txt
+    files = (files + [part])[:room] if part else files[:room]
     for kept, part in enumerate(files):
         tokens, lengths, starts = pack(part)
         np.savez_compressed(out / f"sequences-{kept}.npz", tokens=tokens, lengths=lengths, response_starts=starts)
@@ -466,9 +486,8 @@ def merge(a) -> int:
 
     parts = Path(a.parts)
     weights = {}
-    for name in PARTS:
-        if (parts / name).is_file():
-            weights.update(mx.load(str(parts / name)))
+    for name in sorted(parts.glob("drafter-*.safetensors")):
+        weights.update(mx.load(str(name)))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights)
@@ -503,6 +522,7 @@ def main() -> int:
     r.add_argument("--gen-batch", type=int, default=2048)
     r.add_argument("--seqs-per-step", type=int, default=32)
     r.add_argument("--anchors", type=int, default=64)
+    r.add_argument("--layers", type=int, default=0, help="grow the drafter to this many layers (0: as it is)")
     r.add_argument("--lr", type=float, default=4e-4)
     r.add_argument("--warmup", type=float, default=0.05)
     r.add_argument("--log-every", type=int, default=100)
