@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler as mlx_lm_make_sampler
 
 Sampler = Callable[[mx.array], mx.array]
 

@@ -7,8 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
-from mlx_lm.utils import load as mlx_lm_load
+from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, dequantize_model, load as mlx_lm_load
 
 from ..drafter.checkpoint import load_drafter, read_config
 from ..drafter.formats import FORMATS
@@ -136,10 +135,12 @@ QUANTIZED_DRAFTER_DTYPE = mx.float32
 
 
 def bind_drafter(drafter: DFlashDrafter, target: TargetAdapter, draft_source: str = "drafter") -> DFlashDrafter:
-    """Check the pair, bind the target's embedding and head, and set the drafter's activation dtype: the
-    target's for a float drafter, :data:`QUANTIZED_DRAFTER_DTYPE` for a quantized one (cast at both ends)."""
+    """Check the pair, bind the target's embedding and head, set the drafter's activation dtype: the target's for a
+    float one, :data:`QUANTIZED_DRAFTER_DTYPE` for a quantized one (cast at both ends; dequantized on a CPU)."""
     check_pair(drafter, target, draft_source)
     if is_quantized(drafter) and mx.issubdtype(target.dtype, mx.floating):
+        if mx.default_device() == mx.cpu:  # MLX's quantized matmul is slow on a CPU: float32 weights there
+            dequantize_model(drafter)
         dtype, head_dtype = QUANTIZED_DRAFTER_DTYPE, target.dtype
         drafter.set_dtype(dtype)
         return drafter.bind(lambda ids: target.embed(ids).astype(dtype), lambda h: target.lm_head(h.astype(head_dtype)))
