@@ -1,9 +1,8 @@
 #!/usr/bin/env python3
 """Train the SmolLM2 drafter on a CUDA machine with PyTorch, where this project's MLX trainer cannot go.
 
-On this project's CPUs a drafter step of 64 blocks takes about 0.5 s and the target makes about 780 training
-sequences an hour: the drafter stays data-limited (docs/benchmarks.md). One CUDA GPU makes tens of thousands
-of sequences and millions of training blocks in minutes. The recipe is `dflash train`'s (spec section 6):
+On a CPU the drafter stays short of data and steps (docs/train.md says how far); a CUDA GPU makes far more
+of both in minutes. The recipe is `dflash train`'s (spec section 6):
 frozen target, its embedding and head shared; a block ``[token[a], MASK x (B-1)]`` per anchor ``a`` in the
 response, all blocks of a sequence in one masked forward (a block sees the context features before its
 anchor and its own rows); row k's cross-entropy weighted by ``exp(-(k-1)/gamma)``; block sizes 4, 8 and 16
@@ -66,7 +65,7 @@ def prepare(a) -> int:
                                                                          for s in load_sequences(d)])
                                             for d in a.heldout]:
         out[f"{name}_tokens"], out[f"{name}_lengths"], out[f"{name}_starts"] = pack(seqs)
-    out["prompt_tokens"], out["prompt_lengths"], _ = pack([(p, 0) for p in prompts])
+    out["prompt_tokens"], out["prompt_lengths"], out["prompt_starts"] = pack([(p, 0) for p in prompts])
     marker = "dflash-user-turn"
     text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
                                          add_generation_prompt=True)
@@ -149,6 +148,7 @@ def rope(x, pos, theta):
 
 def make_drafter(cfg: dict):
     """The DFlash drafter (v1, full attention) as plain torch modules, keyed as this project saves it."""
+    import torch
     import torch.nn as nn
 
     H, I, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
@@ -156,7 +156,7 @@ def make_drafter(cfg: dict):
 
     def norm(n):
         m = nn.Module()
-        m.weight = nn.Parameter(__import__("torch").ones(n))
+        m.weight = nn.Parameter(torch.ones(n))
         return m
 
     def layer():
@@ -192,10 +192,9 @@ def load_drafter_weights(drafter, folder: Path) -> None:
         base = k[: -len(".weight")]
         if f"{base}.scales" in raw:
             bits, group = q["bits"], q["group_size"]
-            codes = v.contiguous().view(torch.uint8) if bits == 8 else None
-            if codes is None:
+            if bits != 8:
                 raise SystemExit(f"{folder}: only 8-bit files are read here, not {bits}-bit")
-            codes = codes.reshape(v.shape[0], -1).float()
+            codes = v.contiguous().view(torch.uint8).reshape(v.shape[0], -1).float()
             scales, biases = raw[f"{base}.scales"].float(), raw[f"{base}.biases"].float()
             w = codes.reshape(v.shape[0], -1, group) * scales[..., None] + biases[..., None]
             v = w.reshape(v.shape[0], -1)
@@ -218,9 +217,9 @@ def grow(drafter, cfg: dict, layers: int) -> None:
     cfg["layer_types"] = ["full_attention"] * len(drafter.layers)
 
 
-def drafter_hidden(d, cfg, embed, feats, blocks, anchors, valid, lengths):
-    """Training forward: feats [S, L, K*H], blocks [S, N, B] int, anchors [S, N] (valid [S, N] bool), sequence
-    lengths [S] -> final normed hidden states [S, N, B-1, H] of rows 1..B-1 (spec section 6)."""
+def drafter_hidden(d, cfg, embed, feats, blocks, anchors, valid):
+    """Training forward: feats [S, L, K*H], blocks [S, N, B] int, anchors [S, N] (valid [S, N] bool) -> final
+    normed hidden states [S, N, B-1, H] of rows 1..B-1 (spec section 6)."""
     import torch
     import torch.nn.functional as F
 
@@ -284,7 +283,7 @@ def make_batch(seqs, rng, B, anchors_per_seq, device):
             pick = np.sort(rng.choice(cand, size=min(N, cand.size), replace=False))
             anchors[i, : pick.size], valid[i, : pick.size] = pick, True
     rows = anchors[:, :, None] + np.arange(B)
-    labels = np.take_along_axis(tokens[:, None, :].repeat(N, 1), rows.reshape(len(seqs), N, B), axis=2)[:, :, 1:]
+    labels = tokens[np.arange(len(seqs))[:, None, None], rows[:, :, 1:]]
     return [torch.from_numpy(x).to(device) for x in (tokens, attention, anchors, valid, labels)]
 
 
@@ -299,7 +298,7 @@ def block_loss(d, cfg, target, embed, batch, mask_id, B, layer_ids):
     blocks = torch.full((*anchors.shape, B), mask_id, dtype=torch.long, device=tokens.device)
     blocks[:, :, 0] = torch.gather(tokens, 1, anchors)
     with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=tokens.device.type == "cuda"):
-        h = drafter_hidden(d, cfg, embed, feats, blocks, anchors, valid, attention.sum(1))
+        h = drafter_hidden(d, cfg, embed, feats, blocks, anchors, valid)
         logits = h[valid] @ target.lm_head.weight.T.to(h.dtype)  # [M, B-1, V]
     logits = logits.float()
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[valid].reshape(-1), reduction="none")
@@ -409,9 +408,7 @@ def run(a) -> int:
                 if done and len(u) >= 6:
                     users.append(start + u + end)
         log(f"{len(users)} self-sampled user turns")
-        given, lengths = z["prompt_tokens"].astype(np.int64), z["prompt_lengths"]
-        ends = np.cumsum(lengths)
-        prompts = [given[e - n:e].tolist() for e, n in zip(ends, lengths)]
+        prompts = [p.tolist() for p, _ in unpack(z, "prompt")]
         mixed = [p for pair in zip(users, prompts) for p in pair] + users[len(prompts):] + prompts[len(users):]
         made = generate(target, mixed, eos, device, log, t0 + a.generate_seconds, a.gen_batch, do_sample=False,
                         max_new_tokens=a.max_tokens)
@@ -425,7 +422,7 @@ def run(a) -> int:
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = np.random.default_rng(a.seed)
     train_start, train_end = time.time(), t0 + a.seconds - a.save_seconds
-    step, losses, accs = 0, [], []
+    step, losses, taus = 0, [], []  # every 10th step's, since the last log line
     try:
         while time.time() < train_end:
             frac = (time.time() - train_start) / max(train_end - train_start, 1.0)
@@ -442,13 +439,14 @@ def run(a) -> int:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
-            losses.append(float(loss.detach()) if step % 10 == 0 else None)
-            accs.append(float(tau.float().mean()) if (step % 10 == 0 and B == 16) else None)
+            if step % 10 == 0:  # a host sync: not every step
+                losses.append(float(loss.detach()))
+                taus += [float(tau.float().mean())] if B == 16 else []
             if step % a.log_every == 0:
-                ls = [x for x in losses[-a.log_every:] if x is not None]
-                ts = [x for x in accs[-a.log_every:] if x is not None]
-                tau = f"{np.mean(ts):.3f}" if ts else "-"
-                log(f"step {step} lr {lr:.2e} loss {np.mean(ls) if ls else float('nan'):.4f} train tau@16 {tau}")
+                shown = f"{np.mean(taus):.3f}" if taus else "-"
+                mean_loss = np.mean(losses) if losses else float("nan")
+                log(f"step {step} lr {lr:.2e} loss {mean_loss:.4f} train tau@16 {shown}")
+                losses, taus = [], []
             if step % a.eval_every == 0:
                 log(f"step {step} held-out tau@16: " + ", ".join(
                     f"{k} {tf_tau(drafter, dcfg, target, embed, v, mask_id, layer_ids, device):.3f}"
