@@ -128,18 +128,35 @@ def test_target_hidden_size_must_be_the_width(target, tmp_path):
         _load(folder, cfg, target)
 
 
-def test_reduced_draft_vocabulary_is_refused(target, tmp_path):
+def test_reduced_draft_vocabulary_drafts_inside_it(target, tmp_path):
+    """EAGLE-3's ``draft_vocab_size`` and ``d2t`` (FR-Spec's reduced head): each draft is the argmax of the whole
+    head's logits over the mapped tokens only (masked here by numpy); saved back as read; a map without its size,
+    or a size past the vocabulary, is refused in one line."""
     drafter, folder, cfg = _saved(target, tmp_path)
-    cfg["draft_vocab_size"] = cfg["vocab_size"]
-    _load(folder, cfg, target)  # the full vocabulary: accepted
-    cfg["draft_vocab_size"] = 32
-    with pytest.raises(ConfigError, match="'draft_vocab_size' 32 differs from vocab_size 256"):
-        _load(folder, cfg, target)
-    cfg["draft_vocab_size"] = cfg["vocab_size"]
+    ids = np.sort(np.random.default_rng(3).choice(cfg["vocab_size"], 32, replace=False))
     weights = load_file(str(folder / "model.safetensors"))
-    save_file({**weights, "d2t": np.zeros(32, dtype=np.int64)}, str(folder / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="weight 'd2t' maps a reduced draft vocabulary"):
+    save_file({**weights, "d2t": ids - np.arange(32)}, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="unexpected weight 'd2t'"):
         _load(folder, cfg, target)
+    cfg["draft_vocab_size"] = 257
+    with pytest.raises(ConfigError, match="'draft_vocab_size' 257 must be 1 to vocab_size 256"):
+        _load(folder, cfg, target)
+    cfg["draft_vocab_size"] = 32
+    reduced, rng = _load(folder, cfg, target), np.random.default_rng(0)
+    caches, F = (drafter.make_cache(), reduced.make_cache()), len(drafter.target_layer_ids) * target.hidden_size
+    changed = 0
+    for rows, token in ((7, 17), (3, 42), (9, 5)):
+        ctx = mx.array(rng.standard_normal((1, rows, F)).astype(np.float32))
+        whole = np.array(drafter.propose(mx.array([token]), ctx, caches[0], B).logprobs)
+        masked = np.full_like(whole, -np.inf)
+        masked[:, ids] = whole[:, ids]
+        drafts = reduced.draft(mx.array([token]), ctx, caches[1], B).tolist()
+        assert drafts == masked.argmax(axis=-1).tolist()
+        changed += drafts != whole.argmax(axis=-1).tolist()
+    assert changed  # the restriction changed some drafts
+    again = save_drafter(reduced, tmp_path / "again")
+    assert json.loads((again / "config.json").read_text())["draft_vocab_size"] == 32
+    assert (load_file(str(again / "model.safetensors"))["d2t"] == ids - np.arange(32)).all()
 
 
 def test_separate_mask_embedding_is_used_for_masked_rows(target, tmp_path):

@@ -8,14 +8,15 @@ that the lossless check fails when rollback does nothing. The families in
 drafter already rejects nearly everything elsewhere); ``QUANTIZED`` ones run 4-bit.
 DSpark drafters (both fixtures: with a Markov and confidence head, and DeepSeek's DFlash
 block7 without) run on every qwen3 family, at several block sizes and with drafts forced
-half right.
+half right; a drafter with a reduced draft vocabulary on every family.
 """
 
 import mlx.core as mx
 import pytest
 
-from dflash_mlx import TargetAdapter, generate_step
+from dflash_mlx import TargetAdapter, bind_drafter, generate_step
 from dflash_mlx.bench.simulate import SimulatedDrafter
+from dflash_mlx.drafter.vocab import set_draft_vocab
 from conftest import FAMILIES, ScriptedDrafter, assert_varied, format_drafter, mlx_lm_greedy, tiny_drafter, tiny_target
 
 PROMPT = [1, 17, 33, 2, 9, 100, 42]
@@ -73,6 +74,16 @@ def test_dspark_drafters_are_lossless(reference, fmt):
         assert _run(target, drafter, block_size=block_size) == ref[:N], block_size
     half_right = SimulatedDrafter(drafter, PROMPT + ref, accept=3, vocab_size=target.vocab_size)
     assert _run(target, half_right, block_size=8) == ref[:N]
+
+
+def test_reduced_draft_vocabulary_is_lossless(reference):
+    """Drafts among the reference's own tokens only (FR-Spec's reduced head, over each family's head)."""
+    _, target, ref = reference
+    drafter = tiny_drafter(target)
+    set_draft_vocab(drafter, mx.array(sorted(set(ref[:N]))))
+    bind_drafter(drafter, target)
+    for block_size in (4, 16):
+        assert _run(target, drafter, block_size=block_size) == ref[:N], block_size
 
 
 def test_plain_engine_matches_mlx_lm(reference):

@@ -4,10 +4,10 @@ The joint law of the first three generated tokens is enumerated exactly on a
 16-token vocabulary (temperature, top-p, min-p and top-k applied as mlx-lm's sampler
 applies them), and DFlash samples are tested against it (chi-square goodness of fit,
 fixed seeds): sample-and-match with argmax drafts, and speculative sampling with a
-DFlash2 drafter's selector q and a DSpark drafter's Markov-corrected q. Controls show
-the test has power: samples at temperature 0.9 are rejected as draws from the law at
-1.0 (a total-variation distance of about 0.08), and so is speculative sampling that
-resamples from p instead of the residual max(p - q, 0) after a rejection, or that
+DFlash2 drafter's selector q and a DSpark drafter's Markov-corrected q (also over a reduced
+draft vocabulary). Controls show the test has power: samples at temperature 0.9 are rejected
+as draws from the law at 1.0 (a total-variation distance of about 0.08), and so is speculative
+sampling that resamples from p instead of the residual max(p - q, 0) after a rejection, or that
 accepts DSpark's drafts by the q before the Markov correction.
 """
 
@@ -19,8 +19,9 @@ import pytest
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 from scipy.stats import chisquare
 
-from dflash_mlx import GenerationStats, generate_step
+from dflash_mlx import GenerationStats, bind_drafter, generate_step
 from dflash_mlx.decode.acceptance import SpeculativeRule
+from dflash_mlx.drafter.vocab import set_draft_vocab
 from dflash_mlx.sampling import Sampling
 from conftest import ScriptedDrafter, format_drafter, mlx_lm_greedy, tiny_target
 
@@ -133,8 +134,17 @@ def dspark(setup):
     return drafter
 
 
+@pytest.fixture(scope="module")
+def dspark_vocab(setup, dspark):
+    """The DSpark drafter drafting among 8 of the 16 tokens only (a reduced draft vocabulary, FR-Spec's head)."""
+    drafter = format_drafter(setup[1], "dspark", block_size=B, num_hidden_layers=1, bind=False)
+    drafter.update(dspark.parameters())
+    set_draft_vocab(drafter, mx.arange(0, VOCAB, 2))
+    return bind_drafter(drafter, setup[1])
+
+
 @pytest.mark.parametrize("kind,temp,seed", [("dflash2", 0.7, 21), ("dflash2", 1.0, 22), ("dspark", 0.7, 24),
-                                            ("dspark", 1.0, 25)])
+                                            ("dspark", 1.0, 25), ("dspark_vocab", 1.0, 27)])
 def test_speculative_sampling_follows_the_exact_law(setup, request, kind, temp, seed):
     model, target, _ = setup
     stats = GenerationStats(block_size=B)

@@ -6,9 +6,10 @@ import signal
 import subprocess
 import sys
 import time
-
+from collections import Counter
 
 import mlx.core as mx
+import numpy as np
 
 from conftest import ROOT, SHARED, dflash as run_dflash, needs_shared
 from test_cli import STORY, dflash
@@ -75,13 +76,22 @@ def test_data_train_generate(stories, tmp_path):
     warm = tmp_path / "warm"
     r = run("train", "--model", str(stories), "--data", str(data), "--out", str(warm), "--init", str(shipped),
             "--block-sizes", "4,8", "--steps", "1", "--lr", "1e-9", "--anchors", "4", "--grad-accum", "1",
-            "--held-out", "4", "--eval-every", "0", "--save-every", "1")
+            "--held-out", "4", "--eval-every", "0", "--save-every", "1", "--draft-vocab", "64")
     assert r.returncode == 0, r.stderr
     config = json.loads((warm / "config.json").read_text())
-    assert (config["num_hidden_layers"], config["block_size"]) == (2, 16)
+    assert (config["num_hidden_layers"], config["block_size"], config["draft_vocab_size"]) == (2, 16, 64)
     before, after = mx.load(str(shipped / "model.safetensors")), mx.load(str(warm / "model.safetensors"))
-    assert before.keys() == after.keys()
+    assert after.keys() - before.keys() == {"d2t"}
     assert all(mx.allclose(before[k], after[k], atol=1e-6).item() for k in before)
+    # --draft-vocab: the 64 tokens most frequent in the training responses (counted here; ties: lower ids)
+    shards = [np.load(f) for f in sorted(data.glob("shard_*.npz"))]
+    rows = [r[start:] for z in shards for r, start in zip(np.split(z["tokens"], np.cumsum(z["lengths"])[:-1]),
+                                                          z["response_starts"])]
+    counts = Counter(t for row in rows[:-4] for t in row.tolist())
+    top = sorted(sorted(counts, key=lambda t: (-counts[t], t))[:64])
+    assert (np.array(after["d2t"]) + np.arange(64)).tolist() == top
+    r = dflash("--model", str(stories), "--draft-model", str(warm), "-p", "Once upon a time", "-m", "40", "--quiet")
+    assert r.returncode == 0 and r.stdout.startswith(STORY[:80]), r.stderr
     state = json.loads(next((warm / "checkpoints").glob("step_*")).joinpath("trainer_state.json").read_text())
     assert state["config"]["init"] == str(shipped)
 

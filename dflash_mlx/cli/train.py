@@ -171,6 +171,7 @@ def train(
     loss_vocab: Annotated[str, Option("--loss-vocab", help=(
         "full: the softmax over the whole vocabulary; data: over the data's tokens and 4,096 others drawn each "
         "step (a sampled softmax, cheaper where the head dominates); step: each step's targets and 4,096."))] = "full",
+    draft_vocab: Annotated[int, Option("--draft-vocab", help="Draft among the data's K most frequent tokens (0: all).")] = 0,
     grad_clip: Annotated[float, Option("--grad-clip", help="Max gradient norm.")] = 1.0,
     dtype: Annotated[str, Option("--dtype", help="float32 or bfloat16.")] = "float32",
     held_out: Annotated[int, Option("--held-out", help="Sequences held out for evaluation (of the last --data).")] = 16,
@@ -218,7 +219,7 @@ def _config(o):
                          gamma=gammas[0] if gammas and len(gammas) == 1 else gammas, eval_every=o.eval_every,
                          eval_sequences=o.held_out, save_every=o.save_every, block_sizes=sizes, kl_weight=o.kl_weight,
                          kl_temperature=o.kl_temperature, miss_anchors=o.miss_anchors, loss_vocab=o.loss_vocab,
-                         init=o.init, l1_weight=o.l1_weight)
+                         init=o.init, l1_weight=o.l1_weight, draft_vocab=o.draft_vocab)
     config.check()
     check_out_folder(o.out)
     if sizes and o.block_size is not None and o.block_size != max(sizes):

@@ -8,7 +8,8 @@ import mlx.core as mx
 
 from ..kernels import fast_softmax
 from ..prompt_cache.batch import RaggedRoll, common_padding, extend, keep_rows
-from .network import KV, Attend, DFlashDrafter, DrafterAttention, masked_attention
+from ..kernels.block_attention import masked_attention
+from .network import KV, Attend, DFlashDrafter, DrafterAttention
 
 
 def batch_drafts(drafter: Any) -> Optional["BatchDrafts"]:

@@ -19,7 +19,6 @@ from ..errors import CheckpointError, ConfigError
 from ..hub import resolve_model_path
 
 DRAFTER_FILES = ["*.json", "*.safetensors"]
-VOCAB_MAPS = ("d2t", "t2d")  # draft<->target vocabulary maps (vLLM, EAGLE-3 style), refused
 
 
 def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
@@ -36,10 +35,6 @@ def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashD
     config = read_config(config_file)
     args = DrafterArgs.from_config(config, source=str(config_file))
     stored, files = read_safetensors(path, with_files=True)
-    for key in VOCAB_MAPS:
-        if key in stored:
-            raise CheckpointError(f"{files[key]}: weight '{key}' maps a reduced draft vocabulary; "
-                                  "drafters over a reduced vocabulary are not supported")
     if "mask_embedding" in stored:
         args = dataclasses.replace(args, mask_embedding=True)
     fmt = args.format
@@ -109,11 +104,8 @@ def write_safetensors(path: Path, arrays: dict, metadata: Optional[dict] = None)
     for key, a in arrays.items():
         data = np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)  # numpy has no bfloat16
         raw[key] = (str(a.dtype).rsplit(".", 1)[-1], list(a.shape), np.ascontiguousarray(data))  # float32, bool
-    if hasattr(safetensors, "TensorSpec"):  # safetensors >= 0.7
-        specs = {k: safetensors.TensorSpec(dtype=d, shape=s, data_ptr=b.ctypes.data, data_len=b.nbytes)
-                 for k, (d, s, b) in raw.items()}
-    else:
-        specs = {k: {"dtype": d, "shape": s, "data": b.tobytes()} for k, (d, s, b) in raw.items()}
+    specs = {k: safetensors.TensorSpec(dtype=d, shape=s, data_ptr=b.ctypes.data, data_len=b.nbytes)
+             for k, (d, s, b) in raw.items()}
     safetensors.serialize_file(specs, str(path), metadata=metadata)
 
 

@@ -35,6 +35,7 @@ class DrafterArgs:
         mask_embedding: the checkpoint has its own ``mask_embedding`` [H] weight (set by the loader).
         conv_kernel_size ... final_logit_softcapping: DFlash2's keys (0 / 1.0 / None: off).
         markov_rank ... confidence_head_with_markov: DSpark's keys (rank 0: no Markov head).
+        draft_vocab_size: K, drafts only among the tokens ``d2t`` [K] maps to (None: the whole vocabulary).
         config: the ``config.json`` parsed, so saving writes the same keys back (None for a new drafter).
     """
 
@@ -69,6 +70,7 @@ class DrafterArgs:
     markov_head_type: str = "vanilla"
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = False
+    draft_vocab_size: Optional[int] = None
     config: Optional[dict] = field(default=None, repr=False, compare=False)
 
     @property
@@ -155,8 +157,9 @@ class DrafterArgs:
             top["sliding_window"] = self.sliding_window
         if self.config is None and self.layer_types and "sliding_attention" in self.layer_types:
             top["use_sliding_window"] = True  # else transformers' Qwen3Config drops sliding_window
-        if self.is_causal is not None:
-            top["is_causal"] = self.is_causal
+        for key in ("is_causal", "draft_vocab_size"):
+            if getattr(self, key) is not None:
+                top[key] = getattr(self, key)
         own = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
                **fmt.write_keys(self, new=self.config is None)}
         dflash = {} if fmt.ids_at_top else own
@@ -198,7 +201,7 @@ _SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_k
                "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
                "max_position_embeddings")
 _IDS = ("target_layer_ids", "mask_token_id")
-_ADDABLE = ("sliding_window", "is_causal", "layer_types", "block_size", "num_target_layers")
+_ADDABLE = ("sliding_window", "is_causal", "layer_types", "block_size", "num_target_layers", "draft_vocab_size")
 
 
 def _shape(config: dict, source: str) -> Dict[str, Any]:

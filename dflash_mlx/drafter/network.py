@@ -15,14 +15,14 @@ from mlx_lm.models.qwen3 import MLP  # the same SwiGLU MLP and keys as the check
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import ConfigError, InputError
-from ..kernels import fast_softmax
-from ..kernels.block_attention import attention_path, block_attention
+from ..kernels.block_attention import attention_path, block_attention, masked_attention
 from ..protocol import Proposal
 from ..sampling import Sampling, draw_path
 from ..prompt_cache.drafter_context import ContextWindowCache
 from ..targets.fused import compile_enabled, rope_rows, rotate
 from .config import DrafterArgs
 from .dflash2 import BlockConv, CandidateSelector
+from .vocab import draft_vocab_head
 
 # Where rows sit for RoPE: a first position (an int, a 0-d or an [N] int array) or rope_rows' (cos, sin).
 At = Union[int, mx.array, Tuple[mx.array, mx.array]]
@@ -34,25 +34,6 @@ Attend = Callable[["DrafterAttention", mx.array, KV, KV], mx.array]
 def rope_at(rope: nn.Module, x: mx.array, at: At) -> mx.array:
     """``rope`` applied to x [N, heads, L, hd] whose first row sits at ``at``."""
     return rotate(x, *at, rope.traditional) if isinstance(at, tuple) else rope(x, offset=at)
-
-
-def masked_attention(queries: mx.array, ctx: KV, block: KV, visible: mx.array, scale: float,
-                     softmax: Callable[[mx.array], mx.array] = fast_softmax.softmax) -> mx.array:
-    """Block queries [N, n_heads, B, hd] over context keys, values ([N or 1, n_kv, L, hd]: one shared
-    context broadcasts over the N blocks) and block keys, values [N, n_kv, B, hd], where ``visible``
-    ([N, 1, B or 1, L + B] bool) allows. Scores in float32; returns [N, n_heads, B, hd]."""
-    N, n_heads, B, hd = queries.shape
-    n_kv, W = block[0].shape[1], visible.shape[-1]
-    group = n_heads // n_kv
-    q = (queries.astype(mx.float32) * scale).reshape(N, n_kv, group * B, hd)  # a query group shares its K/V
-    scores = mx.concatenate([q @ ctx[0].astype(mx.float32).swapaxes(-1, -2),
-                             q @ block[0].astype(mx.float32).swapaxes(-1, -2)], axis=-1)
-    if visible.shape[2] > 1:
-        visible = mx.broadcast_to(visible[:, :, None], (N, 1, group, B, W)).reshape(N, 1, group * B, W)
-    weights = softmax(mx.where(visible, scores, -mx.inf)).astype(queries.dtype)
-    L = ctx[0].shape[2]
-    out = weights[..., :L] @ ctx[1] + weights[..., L:] @ block[1]
-    return out.reshape(N, n_heads, B, hd)
 
 
 class DrafterAttention(nn.Module):
@@ -175,6 +156,8 @@ class DFlashDrafter(nn.Module):
         if args.markov_rank:  # DSpark's: markov_w1 [V, r] embeds the previous token, markov_w2 [V, r] maps r -> V
             self.markov_head = {"markov_w1": nn.Embedding(args.vocab_size, args.markov_rank),
                                 "markov_w2": nn.Linear(args.markov_rank, args.vocab_size, bias=False)}
+        if args.draft_vocab_size:  # EAGLE-3's map: draft token i is target token i + d2t[i] (drafting only)
+            self.d2t = mx.zeros((args.draft_vocab_size,), mx.int64)
         if args.enable_confidence_head:  # per row a logit of 1 - TV(draft, target) from [hidden; markov_w1[prev]]
             features = args.hidden_size + args.confidence_head_with_markov * args.markov_rank
             self.confidence_head = {"proj": nn.Linear(features, 1)}  # trained, not used in decoding yet
@@ -211,7 +194,8 @@ class DFlashDrafter(nn.Module):
         """Borrow the target's frozen embedding (with its scale) and head: not parameters, never saved. A drafter
         that stores copies (DSpark) drops each copy equal, value for value, to what the target's gives (every
         token's embedding; the head's logits of 16 random vectors, where those of every unit vector would cost a
-        whole matmul of the head), and keeps using its own where they differ."""
+        whole matmul of the head), and keeps using its own where they differ. A ``d2t`` map restricts the head
+        (:func:`~dflash_mlx.drafter.vocab.draft_vocab_head`)."""
         x = mx.random.normal((1, 16, self.args.hidden_size), key=mx.random.key(0)).astype(self.norm.weight.dtype)
         probes = {"embed_tokens": (embed, mx.arange(self.args.vocab_size)[None]), "lm_head": (lm_head, x)}
         for name, (theirs, probe) in probes.items():
@@ -219,6 +203,9 @@ class DFlashDrafter(nn.Module):
             if name in self and all(mx.array_equal(self[name](x), theirs(x)).item() for x in pieces):
                 self.__dict__.setdefault("copies", {})[name] = self.pop(name)  # not trained; saved again
         self._embed, self._lm_head = self.get("embed_tokens", embed), self.get("lm_head", lm_head)
+        if "d2t" in self:  # FR-Spec: the head's rows of the draft vocabulary only
+            ids, args = mx.arange(self.d2t.size) + self.d2t, self.args
+            self._lm_head = draft_vocab_head(self._lm_head, ids, args.hidden_size, args.vocab_size, self.norm.weight.dtype)
         return self
 
     def set_draft_window(self, window: Optional[Tuple[int, int]]) -> None:

@@ -6,7 +6,8 @@ our fields or refused with one line naming the key:
   either place, two different values refused;
 - vLLM: ``dflash_config.causal`` (the ``is_causal`` override); ``dflash_config.use_swa``,
   ``.swa_window_size`` or ``.sliding_window`` (must agree with ``layer_types``, ``sliding_window``);
-  ``target_hidden_size`` and ``draft_vocab_size`` (only when equal to ours); a ``mask_embedding`` weight.
+  ``target_hidden_size`` (only when equal to ours); ``draft_vocab_size`` K (EAGLE-3's, FR-Spec's reduced draft
+  vocabulary: drafts only among the K tokens its ``d2t`` weight maps to); a ``mask_embedding`` weight.
 """
 
 from typing import Any, Dict, Optional
@@ -48,9 +49,8 @@ def engine_keys(config: dict, dflash: dict, source: str) -> Dict[str, Any]:
         raise ConfigError(f"{source}: 'target_hidden_size' {target_hidden!r} differs from hidden_size {hidden!r}; "
                           "drafters for a target of another width are not supported")
     draft_vocab = pick(config, dflash, "draft_vocab_size", True, source)
-    if draft_vocab is not None and draft_vocab != vocab:
-        raise ConfigError(f"{source}: 'draft_vocab_size' {draft_vocab!r} differs from vocab_size {vocab!r}; "
-                          "a reduced draft vocabulary with a draft-to-target map is not supported")
+    if draft_vocab is not None and not 1 <= to_int(draft_vocab, "draft_vocab_size", source) <= (vocab or 0):
+        raise ConfigError(f"{source}: 'draft_vocab_size' {draft_vocab!r} must be 1 to vocab_size {vocab!r}")
     causal = _agree(config.get("is_causal"), dflash.get("causal"), "is_causal", "dflash_config.causal", source)
     window = config.get("sliding_window")
     for key in ("swa_window_size", "sliding_window"):
@@ -58,7 +58,8 @@ def engine_keys(config: dict, dflash: dict, source: str) -> Dict[str, Any]:
     _check_use_swa(config, dflash.get("use_swa"), source)
     if causal is not None and not isinstance(causal, bool):
         raise ConfigError(f"{source}: 'is_causal' must be true, false or null, got {causal!r}")
-    return {"is_causal": causal, "layer_types": config.get("layer_types") or None,
+    return {"is_causal": causal, "layer_types": config.get("layer_types") or None, "draft_vocab_size":
+            None if draft_vocab in (None, vocab) else int(draft_vocab),
             "sliding_window": None if window is None else to_int(window, "sliding_window", source)}
 
 

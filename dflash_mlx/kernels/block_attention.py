@@ -1,19 +1,20 @@
 """The drafter's block attention (spec section 4): B block queries over the context K/V, then the
 block's own K/V, without concatenating the two. :func:`block_attention` runs the Metal kernel of
 :mod:`.block_attention_metal` where it can and :func:`block_attention_reference` elsewhere;
-:func:`attention_path` says which runs for given inputs and why.
+:func:`attention_path` says which runs for given inputs and why. :func:`masked_attention` takes any
+mask instead (training's blocks, a batch's padding).
 
 The kernel covers float16, bfloat16 and float32 inputs of one dtype with ``head_dim`` a multiple
 of 32 up to 256, on a GPU default device with Metal, unless ``DFLASH_BLOCK_KERNEL`` is 0/off."""
 
 import os
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 
 from ..errors import InputError
 from .block_attention_metal import KERNEL_AVAILABLE, metal_block_attention
-from .fast_softmax import softmax_any_shape
+from .fast_softmax import softmax, softmax_any_shape
 
 ENV_VAR = "DFLASH_BLOCK_KERNEL"
 _OFF = ("0", "off", "false", "no")
@@ -167,3 +168,22 @@ def attention_path(*arrays: mx.array) -> dict:
     reason = _switch_reason() or _device_reason() or (_shape_reason(*arrays) if arrays else None)
     return {"block_attention": "reference" if reason else "metal",
             "reason": reason or f"Metal is available ({'the shape is covered' if arrays else 'shape not seen yet'})"}
+
+
+def masked_attention(queries: mx.array, ctx: Tuple[mx.array, mx.array], block: Tuple[mx.array, mx.array],
+                     visible: mx.array, scale: float, softmax: Callable[[mx.array], mx.array] = softmax) -> mx.array:
+    """Block queries [N, n_heads, B, hd] over context keys, values ([N or 1, n_kv, L, hd]: one shared
+    context broadcasts over the N blocks) and block keys, values [N, n_kv, B, hd], where ``visible``
+    ([N, 1, B or 1, L + B] bool) allows. Scores in float32; returns [N, n_heads, B, hd]."""
+    N, n_heads, B, hd = queries.shape
+    n_kv, W = block[0].shape[1], visible.shape[-1]
+    group = n_heads // n_kv
+    q = (queries.astype(mx.float32) * scale).reshape(N, n_kv, group * B, hd)  # a query group shares its K/V
+    scores = mx.concatenate([q @ ctx[0].astype(mx.float32).swapaxes(-1, -2),
+                             q @ block[0].astype(mx.float32).swapaxes(-1, -2)], axis=-1)
+    if visible.shape[2] > 1:
+        visible = mx.broadcast_to(visible[:, :, None], (N, 1, group, B, W)).reshape(N, 1, group * B, W)
+    weights = softmax(mx.where(visible, scores, -mx.inf)).astype(queries.dtype)
+    L = ctx[0].shape[2]
+    out = weights[..., :L] @ ctx[1] + weights[..., L:] @ block[1]
+    return out.reshape(N, n_heads, B, hd)

@@ -66,9 +66,11 @@ def drafter_logits(drafter: DFlashDrafter, target: TargetAdapter, prompt: Sequen
 
 
 def logit_difference(converted: mx.array, reference: mx.array) -> Tuple[float, float]:
-    """``(max |converted - reference|, that / max |reference|)``."""
-    diff = mx.abs(converted - reference).max().item()
-    return diff, diff / max(mx.abs(reference).max().item(), 1e-30)
+    """``(max |converted - reference|, that / max |reference|)`` over the finite logits (a reduced draft
+    vocabulary's -inf elsewhere)."""
+    finite = mx.isfinite(reference)
+    diff = mx.where(finite, mx.abs(converted - reference), 0).max().item()
+    return diff, diff / max(mx.where(finite, mx.abs(reference), 0).max().item(), 1e-30)
 
 
 def _agreement(got: List[int], want: List[int]) -> str:

@@ -28,6 +28,12 @@ class TrainSequence:
     response_start: int
 
 
+def frequent_tokens(sequences: Sequence[TrainSequence], size: int, vocab_size: int) -> mx.array:
+    """The ``size`` tokens most frequent in the sequences' responses, ascending ids [K] int32 (ties: lower ids)."""
+    counts = np.bincount(np.concatenate([s.tokens[s.response_start:] for s in sequences]), minlength=vocab_size)
+    return mx.array(np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32))
+
+
 def read_json(path: Path, remedy: str):
     """A JSON file this package wrote; InputError naming it and the ``remedy`` when it is not JSON."""
     try:

@@ -11,6 +11,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from ..drafter.network import DFlashDrafter
+from ..drafter.vocab import head_columns
 from ..errors import InputError
 from ..kernels import fast_softmax
 from ..targets import TargetAdapter
@@ -124,7 +125,7 @@ class LossVocab:
     def __init__(self, target: TargetAdapter, sequences: List[TrainSequence], dtype, kind: str = "data",
                  negatives: int = NEGATIVES):
         H, self.vocab_size, self.wanted = target.hidden_size, target.vocab_size, negatives
-        full = target.lm_head(mx.eye(H, dtype=mx.float32)).astype(mx.float32)  # [H, V]: the head, if linear
+        full = head_columns(target.lm_head, H, mx.float32).astype(mx.float32)  # [H, V]: the head, if linear
         probe = mx.random.normal((4, H), key=mx.random.key(0))
         if not mx.allclose(target.lm_head(probe).astype(mx.float32), probe @ full, rtol=1e-3, atol=1e-3).item():
             raise InputError(f"--loss-vocab {kind} needs a linear output head; this target's is not (softcapping?): "

@@ -10,6 +10,7 @@ from ..drafter.checkpoint import load_drafter
 from ..drafter.config import DrafterArgs, default_target_layer_ids
 from ..drafter.formats import DSPARK
 from ..drafter.network import DFlashDrafter
+from ..drafter.vocab import set_draft_vocab
 from ..errors import InputError
 from ..pair.loading import bind_drafter
 from ..targets import TargetAdapter
@@ -73,6 +74,7 @@ def warm_start(path: str, target: TargetAdapter, layers: Optional[int] = None,
     from mlx_lm.utils import dequantize_model
 
     drafter = dequantize_model(load_drafter(path))
+    set_draft_vocab(drafter, None)  # trained over the whole vocabulary (--draft-vocab sets one at the end)
     if layers is not None and layers < (had := drafter.args.num_hidden_layers):
         raise InputError(f"--layers {layers}: the --init drafter {path} has {had}; give as many or more")
     if layers and layers > had:

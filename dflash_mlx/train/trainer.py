@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from ..atomic import atomic_file, staging, write_json
 from ..drafter.checkpoint import load_drafter, save_drafter
 from ..drafter.network import DFlashDrafter
+from ..drafter.vocab import set_draft_vocab
 from ..errors import InputError, MismatchError
 from ..owned import MARKER, mark, marked
 from ..pair.loading import bind_drafter
@@ -27,7 +28,7 @@ from ..pair.manifest import sha256_file
 from ..ranges import check_number
 from ..targets import TargetAdapter
 from .blocks import default_gamma, next_anchors, position_weights, sample_anchors, valid_anchors
-from .data import TrainSequence
+from .data import TrainSequence, frequent_tokens
 from .evaluate import evaluate_block_sizes
 from .health import EVERY as HEALTH_EVERY, Health, measure
 from .features import FeatureStore, target_fingerprint
@@ -77,15 +78,16 @@ class TrainConfig:
     save_every: int = 0
     keep_checkpoints: int = 3
     init: Optional[str] = None  # the drafter the run started from (--init), None: fresh weights
+    draft_vocab: int = 0  # --draft-vocab: the final drafter's draft vocabulary (0: the whole)
 
     def check(self) -> None:
         """InputError naming the flag of the first setting out of range (NaN and infinities included)."""
         flag = {**RUN_SETTINGS, "anchor_chunk": "--anchor-chunk", "eval_every": "--eval-every",
-                "save_every": "--save-every", "eval_sequences": "--held-out", "keep_checkpoints": "keep_checkpoints"}
+                "save_every": "--save-every", "eval_sequences": "--held-out", "draft_vocab": "--draft-vocab", "keep_checkpoints": "keep_checkpoints"}
         for name in ("steps", "grad_accum", "anchors", "keep_checkpoints"):
             check_number(flag[name], getattr(self, name), at_least=1)
         for name in ("anchor_chunk", "eval_every", "save_every", "eval_sequences", "min_lr", "weight_decay",
-                     "kl_weight", "l1_weight"):
+                     "kl_weight", "l1_weight", "draft_vocab"):
             check_number(flag[name], getattr(self, name), at_least=0)
         for name in ("lr", "grad_clip", "kl_temperature"):
             check_number(flag[name], getattr(self, name), above=0)
@@ -277,6 +279,8 @@ class Trainer:
             if c.save_every and self.step % c.save_every == 0:
                 self.save_checkpoint()
             yield info
+        if c.draft_vocab:  # FR-Spec: drafts only among the data's most frequent response tokens
+            set_draft_vocab(self.drafter, frequent_tokens(self.sequences, c.draft_vocab, self.target.vocab_size))
         save_drafter(self.drafter, self.out)
 
     def save_checkpoint(self) -> Path:

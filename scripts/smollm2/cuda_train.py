@@ -23,7 +23,8 @@ file per layer, each under 16 MiB), ``config.json``, ``log.txt`` and, in the fil
 returns, ``sequences-{0,1,...}.npz`` (the sequences it made: ``tokens`` uint16, ``lengths``,
 ``response_starts``); ``merge`` joins the parts into a drafter folder `dflash` loads:
 
-    python scripts/smollm2/cuda_train.py merge --parts OUT --out DRAFTER
+    python scripts/smollm2/cuda_train.py merge --parts OUT --out DRAFTER \
+        [--draft-vocab 8192 --data OUT/data-train ...]   # FR-Spec's reduced draft vocabulary, counted there
 """
 
 from __future__ import annotations
@@ -488,8 +489,14 @@ def merge(a) -> int:
         weights.update(mx.load(str(name)))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((parts / "config.json").read_text())
+    if a.draft_vocab:  # dflash train --draft-vocab's: the data's most frequent response tokens (FR-Spec)
+        from dflash_mlx.train.data import frequent_tokens, load_sequences
+
+        ids = frequent_tokens([s for d in a.data for s in load_sequences(d)], a.draft_vocab, config["vocab_size"])
+        weights["d2t"], config["draft_vocab_size"] = ids - mx.arange(ids.size), ids.size
     mx.save_safetensors(str(out / "model.safetensors"), weights)
-    (out / "config.json").write_text((parts / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     print(f"{out}: {len(weights)} tensors")
     return 0
 
@@ -530,6 +537,9 @@ def main() -> int:
     m = sub.add_parser("merge", help="join the parts `run` wrote into one drafter folder (MLX venv)")
     m.add_argument("--parts", required=True)
     m.add_argument("--out", required=True)
+    m.add_argument("--draft-vocab", type=int, default=0,
+                   help="draft only among the K most frequent response tokens of --data (0: the whole vocabulary)")
+    m.add_argument("--data", action="append", default=[], help="the `dflash data` folders the drafter trained on")
     a = p.parse_args()
     return {"prepare": prepare, "run": run, "merge": merge}[a.command](a)
 

@@ -1,0 +1,41 @@
+"""A reduced draft vocabulary (FR-Spec, Zhao et al. 2025; EAGLE-3's ``draft_vocab_size`` and ``d2t``): the
+drafter drafts only among K frequent tokens, so its head is K rows of the target's, not V; the target
+verifies as ever, so decoding stays exact."""
+
+from dataclasses import replace
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+
+def head_columns(lm_head: Callable[[mx.array], mx.array], hidden_size: int, dtype: mx.Dtype,
+                 columns: Optional[mx.array] = None) -> mx.array:
+    """An output head as a matrix [H, C]: its logits of each unit vector (in ``dtype``; vocabulary ``columns``
+    [C] only, default all), 256 at a time; the head's weights where it is linear (no softcapping)."""
+    eye, rows = mx.eye(hidden_size, dtype=dtype), []
+    for i in range(0, hidden_size, 256):
+        rows.append(lm_head(eye[i:i + 256]) if columns is None else lm_head(eye[i:i + 256])[:, columns])
+        mx.eval(rows[-1])
+    return mx.concatenate(rows)
+
+
+def draft_vocab_head(lm_head: Callable[[mx.array], mx.array], ids: mx.array, hidden_size: int, vocab_size: int,
+                     dtype: mx.Dtype) -> Callable[[mx.array], mx.array]:
+    """FR-Spec's reduced head (Zhao et al. 2025): [..., H] -> [..., V] logits of the draft vocabulary ``ids`` [K]
+    (one [H, K] matmul of the head's rows; exact for a linear head), -inf elsewhere: drafts and q stay inside."""
+    w = head_columns(lm_head, hidden_size, dtype, ids)
+
+    def head(h: mx.array) -> mx.array:
+        out = mx.full(h.shape[:-1] + (vocab_size,), -mx.inf, dtype=w.dtype)
+        out[..., ids] = h.astype(w.dtype) @ w
+        return out
+    return head
+
+
+def set_draft_vocab(drafter, ids: Optional[mx.array]) -> None:
+    """Make ``drafter`` draft only among the tokens ``ids`` [K] int, ascending (saved as ``draft_vocab_size``
+    and ``d2t``), or (None) the whole vocabulary; its head follows at the next ``bind``."""
+    drafter.args = replace(drafter.args, draft_vocab_size=None if ids is None else ids.size)
+    drafter.pop("d2t", None)
+    if ids is not None:
+        drafter.d2t = ids - mx.arange(ids.size)
