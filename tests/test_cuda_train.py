@@ -98,3 +98,9 @@ def test_drafter_block_loss_equals_dflash_train(setup, bits):
             np.testing.assert_array_equal(got_lengths[: anchors.size].numpy(), np.array(lengths))
             if len(pair) == 1:  # the padded batch's loss averages over the second sequence's blocks too
                 assert abs(float(got) - loss.item()) < 1e-4 * abs(loss.item())
+    # a file with a draft vocabulary (d2t) loads the same weights: cuda_train trains over the whole vocabulary
+    raw = mx.load(str(folder / "model.safetensors"))
+    mx.save_safetensors(str(folder / "model.safetensors"), {**raw, "d2t": mx.arange(4, dtype=mx.int32)})
+    again = ct.make_drafter(cfg)
+    ct.load_drafter_weights(again, folder)
+    assert all(torch.equal(a, b) for a, b in zip(mine.state_dict().values(), again.state_dict().values()))

@@ -180,7 +180,8 @@ def make_drafter(cfg: dict):
 
 
 def load_drafter_weights(drafter, folder: Path) -> None:
-    """This project's drafter file (float, or 8-bit MLX affine ``weight``/``scales``/``biases``) into ``drafter``."""
+    """This project's drafter file (float, or 8-bit MLX affine ``weight``/``scales``/``biases``) into ``drafter``;
+    a draft vocabulary's ``d2t`` is left out (the drafter trains over the whole vocabulary)."""
     import torch
     from safetensors.torch import load_file
 
@@ -188,7 +189,7 @@ def load_drafter_weights(drafter, folder: Path) -> None:
     q = json.loads((folder / "config.json").read_text()).get("quantization") or {}
     state = {}
     for k, v in raw.items():
-        if k.endswith((".scales", ".biases")):
+        if k.endswith((".scales", ".biases")) or k == "d2t":  # merge --draft-vocab makes the draft vocabulary again
             continue
         base = k[: -len(".weight")]
         if f"{base}.scales" in raw:
@@ -460,7 +461,7 @@ def run(a) -> int:
     groups += [{k: v for k, v in state.items() if k.startswith(f"layers.{i}.")} for i in range(len(drafter.layers))]
     for i, g in enumerate(groups):
         save_file(g, str(out / f"drafter-{i}.safetensors"))
-    cfg = {k: v for k, v in dcfg.items() if k != "quantization"}
+    cfg = {k: v for k, v in dcfg.items() if k not in ("quantization", "draft_vocab_size")}
     cfg["torch_dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     log("drafter written; held-out tau@16: " + ", ".join(
