@@ -19,6 +19,7 @@ from dflash_mlx import (
     CheckpointError, ConfigError, InputError, MismatchError, generate_step, load, load_drafter, save_drafter,
 )
 from dflash_mlx.pair.convert import convert
+from dflash_mlx.pair.loading import quantization
 from dflash_mlx.fingerprint import sha256_file
 from dflash_mlx.pair.manifest import MANIFEST
 from dflash_mlx.pair.validation import drafter_logits, logit_difference
@@ -142,6 +143,7 @@ def test_quantized_drafter(qwen3, tmp_path, bits):
         parts = [stored[f"layers.0.mlp.up_proj.{k}"] for k in ("weight", "scales", "biases")]
         assert up.weight.dtype == mx.float32
         assert mx.array_equal(up.weight, mx.dequantize(*parts, group_size=64, bits=bits)).item()
+        assert quantization(pair.drafter) == f"{bits}-bit (group 64) file, float32 here"  # the chat header's
     else:
         assert isinstance(up, nn.QuantizedLinear)
     assert pair.drafter.fc.weight.dtype == mx.float32

@@ -123,9 +123,12 @@ def float_dtype(module: nn.Module) -> mx.Dtype:
 
 
 def quantization(module: nn.Module) -> str:
-    """``4-bit (group 64)`` from the module's quantized layers, or ``none (float16)``."""
+    """``4-bit (group 64)`` from the module's quantized layers, or ``none (float16)``; a drafter dequantized on a
+    CPU (:func:`bind_drafter`): ``8-bit (group 64) file, float32 here``."""
     kinds = sorted({(m.bits, m.group_size) for m in module.modules()
                     if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))})
+    if stored := module.__dict__.get("file_quantization"):
+        return f"{stored} file, {dtype_name(float_dtype(module))} here"
     return ", ".join(f"{b}-bit (group {g})" for b, g in kinds) if kinds else f"none ({dtype_name(float_dtype(module))})"
 
 
@@ -140,6 +143,7 @@ def bind_drafter(drafter: DFlashDrafter, target: TargetAdapter, draft_source: st
     check_pair(drafter, target, draft_source)
     if is_quantized(drafter) and mx.issubdtype(target.dtype, mx.floating):
         if mx.default_device() == mx.cpu:  # MLX's quantized matmul is slow on a CPU: float32 weights there
+            drafter.__dict__["file_quantization"] = quantization(drafter)  # not module state: what the file holds
             dequantize_model(drafter)
         dtype, head_dtype = QUANTIZED_DRAFTER_DTYPE, target.dtype
         drafter.set_dtype(dtype)
