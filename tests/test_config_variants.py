@@ -14,6 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 from dflash_mlx import DrafterArgs, bind_drafter, load_drafter, save_drafter
 from dflash_mlx.drafter.formats import DFLASH2, V1
+from dflash_mlx.drafter.vocab import set_draft_vocab
 from dflash_mlx.errors import CheckpointError, ConfigError
 from conftest import format_drafter, tiny_target
 
@@ -157,6 +158,19 @@ def test_reduced_draft_vocabulary_drafts_inside_it(target, tmp_path):
     again = save_drafter(reduced, tmp_path / "again")
     assert json.loads((again / "config.json").read_text())["draft_vocab_size"] == 32
     assert (load_file(str(again / "model.safetensors"))["d2t"] == ids - np.arange(32)).all()
+
+
+def test_a_reduced_vocabulary_applies_after_the_logit_softcap(target):
+    """DFlash2's softcap maps -inf to -cap: the draft vocabulary is placed after it, so q is 0 outside it."""
+    drafter = format_drafter(target, "dflash2", bind=False)
+    assert drafter.args.final_logit_softcapping
+    set_draft_vocab(drafter, mx.arange(0, target.vocab_size, 2))
+    bind_drafter(drafter, target)
+    F = len(drafter.target_layer_ids) * target.hidden_size
+    context = mx.array(np.random.default_rng(1).standard_normal((1, 4, F)).astype(np.float32))
+    proposal = drafter.propose(mx.array([3]), context, drafter.make_cache(), B)
+    assert np.isneginf(np.array(proposal.logprobs)[:, 1::2]).all()
+    assert all(t % 2 == 0 for t in proposal.tokens.tolist())
 
 
 def test_separate_mask_embedding_is_used_for_masked_rows(target, tmp_path):

@@ -171,7 +171,7 @@ def train(
     loss_vocab: Annotated[str, Option("--loss-vocab", help=(
         "full: the softmax over the whole vocabulary; data: over the data's tokens and 4,096 others drawn each "
         "step (a sampled softmax, cheaper where the head dominates); step: each step's targets and 4,096."))] = "full",
-    draft_vocab: Annotated[int, Option("--draft-vocab", help="Draft among the data's K most frequent tokens (0: all).")] = 0,
+    draft_vocab: Annotated[int, Option("--draft-vocab", help="Draft among the data's K commonest tokens (0: all).")] = 0,
     grad_clip: Annotated[float, Option("--grad-clip", help="Max gradient norm.")] = 1.0,
     dtype: Annotated[str, Option("--dtype", help="float32 or bfloat16.")] = "float32",
     held_out: Annotated[int, Option("--held-out", help="Sequences held out for evaluation (of the last --data).")] = 16,

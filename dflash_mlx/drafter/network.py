@@ -22,7 +22,7 @@ from ..prompt_cache.drafter_context import ContextWindowCache
 from ..targets.fused import compile_enabled, rope_rows, rotate
 from .config import DrafterArgs
 from .dflash2 import BlockConv, CandidateSelector
-from .vocab import draft_vocab_head
+from .vocab import draft_vocab_head, to_vocab
 
 # Where rows sit for RoPE: a first position (an int, a 0-d or an [N] int array) or rope_rows' (cos, sin).
 At = Union[int, mx.array, Tuple[mx.array, mx.array]]
@@ -164,6 +164,7 @@ class DFlashDrafter(nn.Module):
         self.first_row = 0 if args.format.anchor_first else 1  # the first block row that drafts
         self._embed: Optional[Callable[[mx.array], mx.array]] = None
         self._lm_head: Optional[Callable[[mx.array], mx.array]] = None
+        self._draft_ids: Optional[mx.array] = None  # the draft vocabulary's token ids (bind), None: all
         self.draft_window: Optional[Tuple[int, int]] = None
 
     @property
@@ -195,7 +196,7 @@ class DFlashDrafter(nn.Module):
         that stores copies (DSpark) drops each copy equal, value for value, to what the target's gives (every
         token's embedding; the head's logits of 16 random vectors, where those of every unit vector would cost a
         whole matmul of the head), and keeps using its own where they differ. A ``d2t`` map restricts the head
-        (:func:`~dflash_mlx.drafter.vocab.draft_vocab_head`)."""
+        (:func:`~dflash_mlx.drafter.vocab.draft_vocab_head`; :meth:`logits` places its columns)."""
         x = mx.random.normal((1, 16, self.args.hidden_size), key=mx.random.key(0)).astype(self.norm.weight.dtype)
         probes = {"embed_tokens": (embed, mx.arange(self.args.vocab_size)[None]), "lm_head": (lm_head, x)}
         for name, (theirs, probe) in probes.items():
@@ -203,9 +204,10 @@ class DFlashDrafter(nn.Module):
             if name in self and all(mx.array_equal(self[name](x), theirs(x)).item() for x in pieces):
                 self.__dict__.setdefault("copies", {})[name] = self.pop(name)  # not trained; saved again
         self._embed, self._lm_head = self.get("embed_tokens", embed), self.get("lm_head", lm_head)
-        if "d2t" in self:  # FR-Spec: the head's rows of the draft vocabulary only
-            ids, args = mx.arange(self.d2t.size) + self.d2t, self.args
-            self._lm_head = draft_vocab_head(self._lm_head, ids, args.hidden_size, args.vocab_size, self.norm.weight.dtype)
+        ids = mx.arange(self.d2t.size) + self.d2t if "d2t" in self else None
+        self.__dict__["_draft_ids"] = ids  # not module state: never saved or trained
+        if ids is not None:  # FR-Spec: the head's rows of the draft vocabulary only
+            self._lm_head = draft_vocab_head(self._lm_head, ids, self.args.hidden_size, self.norm.weight.dtype)
         return self
 
     def set_draft_window(self, window: Optional[Tuple[int, int]]) -> None:
@@ -294,12 +296,13 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, hidden: mx.array) -> mx.array:
         """``lm_head(hidden) * output_multiplier``, then ``cap * tanh(logits / cap)`` with
-        ``final_logit_softcapping`` (DFlash2; identity for v1)."""
+        ``final_logit_softcapping`` (DFlash2; identity for v1); [..., V], -inf outside a draft vocabulary."""
         logits = self._lm_head(hidden)
         if self.args.output_multiplier != 1.0:
             logits = logits * self.args.output_multiplier
         cap = self.args.final_logit_softcapping
-        return cap * mx.tanh(logits / cap) if cap else logits
+        logits = cap * mx.tanh(logits / cap) if cap else logits
+        return logits if self._draft_ids is None else to_vocab(logits, self._draft_ids, self.args.vocab_size)
 
     def __call__(self, block: mx.array, context: mx.array, cache: Sequence[object]) -> mx.array:
         """One block-denoising pass (spec section 4): block [1, B] int32 ``[t_last, MASK x (B-1)]`` and new

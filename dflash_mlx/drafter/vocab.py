@@ -14,22 +14,26 @@ def head_columns(lm_head: Callable[[mx.array], mx.array], hidden_size: int, dtyp
     [C] only, default all), 256 at a time; the head's weights where it is linear (no softcapping)."""
     eye, rows = mx.eye(hidden_size, dtype=dtype), []
     for i in range(0, hidden_size, 256):
-        rows.append(lm_head(eye[i:i + 256]) if columns is None else lm_head(eye[i:i + 256])[:, columns])
+        part = lm_head(eye[i:i + 256])
+        rows.append(part if columns is None else part[:, columns])
         mx.eval(rows[-1])
     return mx.concatenate(rows)
 
 
-def draft_vocab_head(lm_head: Callable[[mx.array], mx.array], ids: mx.array, hidden_size: int, vocab_size: int,
+def draft_vocab_head(lm_head: Callable[[mx.array], mx.array], ids: mx.array, hidden_size: int,
                      dtype: mx.Dtype) -> Callable[[mx.array], mx.array]:
-    """FR-Spec's reduced head (Zhao et al. 2025): [..., H] -> [..., V] logits of the draft vocabulary ``ids`` [K]
-    (one [H, K] matmul of the head's rows; exact for a linear head), -inf elsewhere: drafts and q stay inside."""
+    """FR-Spec's reduced head (Zhao et al. 2025): [..., H] -> [..., K] logits of the draft vocabulary ``ids`` [K],
+    one [H, K] matmul of the head's rows (exact for a linear head); :func:`to_vocab` places them."""
     w = head_columns(lm_head, hidden_size, dtype, ids)
+    return lambda h: h.astype(w.dtype) @ w
 
-    def head(h: mx.array) -> mx.array:
-        out = mx.full(h.shape[:-1] + (vocab_size,), -mx.inf, dtype=w.dtype)
-        out[..., ids] = h.astype(w.dtype) @ w
-        return out
-    return head
+
+def to_vocab(logits: mx.array, ids: mx.array, vocab_size: int) -> mx.array:
+    """[..., K] logits of the draft vocabulary ``ids`` -> [..., V], -inf elsewhere (after any scale or softcap, so
+    drafts and q stay inside)."""
+    out = mx.full(logits.shape[:-1] + (vocab_size,), -mx.inf, dtype=logits.dtype)
+    out[..., ids] = logits
+    return out
 
 
 def set_draft_vocab(drafter, ids: Optional[mx.array]) -> None:

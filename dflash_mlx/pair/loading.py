@@ -125,10 +125,10 @@ def float_dtype(module: nn.Module) -> mx.Dtype:
 def quantization(module: nn.Module) -> str:
     """``4-bit (group 64)`` from the module's quantized layers, or ``none (float16)``; a drafter dequantized on a
     CPU (:func:`bind_drafter`): ``8-bit (group 64) file, float32 here``."""
-    kinds = sorted({(m.bits, m.group_size) for m in module.modules()
-                    if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))})
     if stored := module.__dict__.get("file_quantization"):
         return f"{stored} file, {dtype_name(float_dtype(module))} here"
+    kinds = sorted({(m.bits, m.group_size) for m in module.modules()
+                    if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))})
     return ", ".join(f"{b}-bit (group {g})" for b, g in kinds) if kinds else f"none ({dtype_name(float_dtype(module))})"
 
 

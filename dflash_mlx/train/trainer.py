@@ -83,7 +83,8 @@ class TrainConfig:
     def check(self) -> None:
         """InputError naming the flag of the first setting out of range (NaN and infinities included)."""
         flag = {**RUN_SETTINGS, "anchor_chunk": "--anchor-chunk", "eval_every": "--eval-every",
-                "save_every": "--save-every", "eval_sequences": "--held-out", "draft_vocab": "--draft-vocab", "keep_checkpoints": "keep_checkpoints"}
+                "save_every": "--save-every", "eval_sequences": "--held-out", "draft_vocab": "--draft-vocab",
+                "keep_checkpoints": "keep_checkpoints"}
         for name in ("steps", "grad_accum", "anchors", "keep_checkpoints"):
             check_number(flag[name], getattr(self, name), at_least=1)
         for name in ("anchor_chunk", "eval_every", "save_every", "eval_sequences", "min_lr", "weight_decay",
