@@ -104,3 +104,25 @@ def test_drafter_block_loss_equals_dflash_train(setup, bits):
     again = ct.make_drafter(cfg)
     ct.load_drafter_weights(again, folder)
     assert all(torch.equal(a, b) for a, b in zip(mine.state_dict().values(), again.state_dict().values()))
+
+
+def test_generation_out_of_memory_keeps_what_was_made(setup):
+    """A batch the GPU has no memory for runs again in halves; the replies made before it are kept (a run on an
+    H200 lost 6,144 replies to one such batch)."""
+    theirs, prompts, calls = setup[1], [[5, 6, 7]] * 5 + [[8] * 9] * 3, []
+    generate = theirs.generate
+
+    def scarce(input_ids, **kw):  # no memory for more than 2 sequences of 9 prompt tokens
+        calls.append(tuple(input_ids.shape))
+        if input_ids.shape[0] > 2 and input_ids.shape[1] >= 9:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return generate(input_ids=input_ids, **kw)
+
+    theirs.generate, lines = scarce, []
+    try:
+        made = ct.generate(theirs, prompts, 2, CPU, lines.append, float("inf"), 4, do_sample=False, max_new_tokens=2)
+    finally:
+        del theirs.generate
+    assert [n for _, n, _ in made] == [3] * 5 + [9] * 3  # every prompt, in its order
+    assert calls == [(4, 3), (4, 9), (2, 9), (2, 9)], calls
+    assert any("batches of 2 from here" in line for line in lines)

@@ -319,14 +319,15 @@ def unpack(z, name):
 def generate(target, prompts, eos, device, log, deadline, batch, **kw):
     """``[(prompt + reply ids, len(prompt), finished)]`` of the prompts in their order until ``deadline`` (left-padded
     batches, shortest first within each window of 4 batches: similar lengths, and a run cut short still holds
-    every part of a mixed list); a reply ends after its first ``eos``."""
+    every part of a mixed list); a reply ends after its first ``eos``. A batch the GPU has no memory for is run
+    again in halves (longer prompts come later), so what was made before is kept."""
     import torch
 
     window = 4 * batch
     order = [i for lo in range(0, len(prompts), window)
              for i in sorted(range(lo, min(lo + window, len(prompts))), key=lambda i: len(prompts[i]))]
-    made = []
-    for lo in range(0, len(order), batch):
+    made, lo = [], 0
+    while lo < len(order):
         if time.time() > deadline:
             log(f"generation stopped at its deadline: {lo} of {len(order)} prompts")
             break
@@ -336,9 +337,19 @@ def generate(target, prompts, eos, device, log, deadline, batch, **kw):
         att = torch.zeros((len(chunk), L), dtype=torch.long)
         for i, p in enumerate(chunk):
             ids[i, L - len(p):], att[i, L - len(p):] = torch.as_tensor(p), 1
-        with torch.no_grad():
-            out = target.generate(input_ids=ids.to(device), attention_mask=att.to(device), eos_token_id=eos,
-                                  pad_token_id=eos, **kw).cpu().numpy()[:, L:]
+        try:
+            with torch.no_grad():
+                out = target.generate(input_ids=ids.to(device), attention_mask=att.to(device), eos_token_id=eos,
+                                      pad_token_id=eos, **kw).cpu().numpy()[:, L:]
+        except torch.cuda.OutOfMemoryError:
+            if batch == 1:
+                log(f"generation stopped: out of memory for one prompt of {L} tokens ({lo} of {len(order)} done)")
+                break
+            batch = max(1, batch // 2)
+            torch.cuda.empty_cache()
+            log(f"out of memory for {len(chunk)} prompts of up to {L} tokens: batches of {batch} from here")
+            continue
+        lo += len(chunk)
         for p, r in zip(chunk, out):
             stop = np.nonzero(r == eos)[0]
             r = r[: stop[0] + 1] if stop.size else r
