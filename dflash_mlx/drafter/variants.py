@@ -29,11 +29,20 @@ def pick(config: dict, dflash: dict, key: str, top_first: bool, source: str, def
     return default if value is _MISSING or value is None else value
 
 
-def rope_theta(config: dict, source: str) -> Any:
-    """``rope_theta``, or ``rope_parameters.rope_theta`` (10000 when neither); ConfigError when they differ."""
+def rope_parameters(config: dict, source: str) -> Dict[str, Any]:
+    """``rope_parameters`` ({} when absent); of Gemma 4's per layer type the ``full_attention`` ones (a drafter's
+    layers are all full attention: DeepSpec gemma4/modeling.py); ConfigError naming a value that is no object."""
     params = config.get("rope_parameters") or {}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
     if not isinstance(params, dict):
         raise ConfigError(f"{source}: 'rope_parameters' must be an object, got {params!r}")
+    return params
+
+
+def rope_theta(config: dict, source: str) -> Any:
+    """``rope_theta``, or ``rope_parameters.rope_theta`` (10000 when neither); ConfigError when they differ."""
+    params = rope_parameters(config, source)
     theta = _agree(params.get("rope_theta"), config.get("rope_theta"), "rope_parameters.rope_theta", "rope_theta",
                    source)
     return 10000.0 if theta is None else theta
