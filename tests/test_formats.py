@@ -312,7 +312,8 @@ GEMMA4_MISTAKES = {
     "layer_scalar left out": _each_layer(lambda l: setattr(l, "layer_scalar", mx.ones((1,)))),
     "SwiGLU instead of GeGLU": lambda d, target, mp: mp.setattr(gemma4_text, "geglu", lambda g, x: nn.silu(g) * x),
     "embeddings not scaled": lambda d, target, mp: setattr(d, "_embed", target.inner.embed_tokens),
-    "logits not capped": lambda d, target, mp: setattr(d, "_lm_head", target.text.lm_head),
+    "logits not capped": lambda d, target, mp: setattr(d, "args", dataclasses.replace(d.args,
+                                                                                      final_logit_softcapping=None)),
 }
 
 

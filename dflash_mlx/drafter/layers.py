@@ -45,10 +45,8 @@ def adopt(ours: nn.Module, theirs: nn.Module, names) -> None:
 
 def stored(drafter: nn.Module, name: str, theirs: Optional[Callable]) -> Callable[[mx.array], mx.array]:
     """A DSpark ``drafter``'s copy ``name`` (``embed_tokens`` or ``lm_head``; ``theirs`` where it has none) as the
-    target computes it: Gemma 4's times sqrt(hidden_size), capped by ``final_logit_softcapping``."""
+    target computes it: Gemma 4's embedding times sqrt(hidden_size); a head is linear (its cap is in ``logits``)."""
     own, a = drafter.get(name), drafter.args
-    if own is None or not a.format.gemma4 or (name == "lm_head" and not a.final_logit_softcapping):
+    if own is None or not a.format.gemma4 or name == "lm_head":
         return theirs if own is None else own
-    if name == "embed_tokens":
-        return lambda ids: own(ids) * a.hidden_size**0.5
-    return lambda h: gemma4_text.logit_softcap(a.final_logit_softcapping, own(h))
+    return lambda ids: own(ids) * a.hidden_size**0.5

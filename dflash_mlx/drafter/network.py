@@ -11,6 +11,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
+from mlx_lm.models.gemma4_text import logit_softcap
 
 from ..errors import ConfigError, InputError
 from ..kernels.block_attention import attention_path, block_attention, masked_attention
@@ -160,6 +161,7 @@ class DFlashDrafter(nn.Module):
         self._embed: Optional[Callable[[mx.array], mx.array]] = None
         self._lm_head: Optional[Callable[[mx.array], mx.array]] = None
         self._draft_ids: Optional[mx.array] = None  # the draft vocabulary's token ids (bind), None: all
+        self._logit_cap: Optional[float] = None  # the target's final_logit_softcapping (bind)
         self.draft_window: Optional[Tuple[int, int]] = None
 
     @property
@@ -186,8 +188,10 @@ class DFlashDrafter(nn.Module):
         stay argmax."""
         return "candidate_selector" in self or "markov_head" in self
 
-    def bind(self, embed: Callable[[mx.array], mx.array], lm_head: Callable[[mx.array], mx.array]) -> "DFlashDrafter":
-        """Borrow the target's frozen embedding (with its scale) and head: not parameters, never saved. A drafter
+    def bind(self, embed: Callable[[mx.array], mx.array], lm_head: Callable[[mx.array], mx.array],
+             logit_cap: Optional[float] = None) -> "DFlashDrafter":
+        """Borrow the target's frozen embedding (with its scale) and linear head, and its ``final_logit_softcapping``
+        ``logit_cap`` (:meth:`logits` applies it): not parameters, never saved. A drafter
         that stores copies (DSpark) drops each copy equal, value for value, to what the target's gives (every
         token's embedding; the head's logits of 16 random vectors, where those of every unit vector would cost a
         whole matmul of the head), and keeps using its own where they differ. A ``d2t`` map restricts the head
@@ -200,7 +204,7 @@ class DFlashDrafter(nn.Module):
                 self.__dict__.setdefault("copies", {})[name] = self.pop(name)  # not trained; saved again
         self._embed, self._lm_head = stored(self, "embed_tokens", embed), stored(self, "lm_head", lm_head)
         ids = mx.arange(self.d2t.size) + self.d2t if "d2t" in self else None
-        self.__dict__["_draft_ids"] = ids  # not module state: never saved or trained
+        self.__dict__["_draft_ids"], self.__dict__["_logit_cap"] = ids, logit_cap  # not module state: never saved
         if ids is not None:  # FR-Spec: the head's rows of the draft vocabulary only
             self._lm_head = draft_vocab_head(self._lm_head, ids, self.args.hidden_size, self.norm.weight.dtype)
         return self
@@ -290,13 +294,16 @@ class DFlashDrafter(nn.Module):
         return self.forward(block, fused, offset, offset + S, [cached_attention(c, S) for c in cache])
 
     def logits(self, hidden: mx.array) -> mx.array:
-        """``lm_head(hidden) * output_multiplier``, then ``cap * tanh(logits / cap)`` with
-        ``final_logit_softcapping`` (DFlash2; identity for v1); [..., V], -inf outside a draft vocabulary."""
+        """``lm_head(hidden)`` capped as the target caps (bind's ``logit_cap``), ``* output_multiplier``, then
+        ``cap * tanh(logits / cap)`` with the drafter's ``final_logit_softcapping`` (DFlash2; Gemma 4 DSpark's in
+        place of the target's; identity for v1); [..., V], -inf outside a draft vocabulary."""
         logits = self._lm_head(hidden)
+        if self._logit_cap and not self.args.format.gemma4:  # the target's cap (Gemma 4 DSpark's: its own, below)
+            logits = logit_softcap(self._logit_cap, logits)
         if self.args.output_multiplier != 1.0:
             logits = logits * self.args.output_multiplier
-        cap = None if self.args.format.gemma4 else self.args.final_logit_softcapping  # Gemma 4's head caps
-        logits = cap * mx.tanh(logits / cap) if cap else logits
+        cap = self.args.final_logit_softcapping
+        logits = logit_softcap(cap, logits) if cap else logits
         return logits if self._draft_ids is None else to_vocab(logits, self._draft_ids, self.args.vocab_size)
 
     def __call__(self, block: mx.array, context: mx.array, cache: Sequence[object]) -> mx.array:
