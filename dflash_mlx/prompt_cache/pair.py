@@ -63,7 +63,7 @@ class PairCache:
         self._key: Optional[tuple] = None  # (target, drafter, key dict, key id)
         self._auto: Optional[tuple] = None  # (target, drafter, what auto learned: WidthChooser.state)
         self._unsaved: List[Snapshot] = []
-        self._fresh_caches()
+        self.cache, self.draft_cache = self._new_caches()
 
     def reuse(self, ids: Sequence[int]) -> int:
         """Trim both caches to the common prefix of ``tokens`` and all but the last of ``ids``;
@@ -77,7 +77,7 @@ class PairCache:
         where one cannot go back exactly); ``tokens`` says what is kept."""
         keep = min([rows] + [c.offset for cache in self._caches() for c in cache])
         if not all(trim_cache(cache, keep) for cache in self._caches()):
-            self._fresh_caches()  # cannot go back exactly: prefill everything again
+            self.cache, self.draft_cache = self._new_caches()  # cannot go back exactly: prefill everything again
             keep = 0
         self.tokens = list(ids[:keep])
 
@@ -193,9 +193,6 @@ class PairCache:
 
     def _caches(self) -> List[List[Any]]:
         return [self.cache] + ([self.draft_cache] if self.draft_cache is not None else [])
-
-    def _fresh_caches(self) -> None:
-        self.cache, self.draft_cache = self._new_caches()
 
     def _new_caches(self) -> tuple:
         B = max(self.drafter.block_size if self.drafter is not None else 1, MAX_COPY + 1)  # a copy's verify too

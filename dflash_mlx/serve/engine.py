@@ -20,7 +20,7 @@ from ..prompt_cache.pair import PairCache
 from ..prompt_cache.resume import PrefillStopped
 from ..prompt_cache.store import PrefixStore
 from ..protocol import attention_of
-from ..sampling import make_sampler
+from ..sampling import Sampling
 from .api import usage
 from .jobs import _STARTED, Chunk, GenerationJob, Job, Prepare, QueueFullError, push_together
 from .lifecycle import release_streams
@@ -200,7 +200,7 @@ class Engine:
 
     def _start(self, job: Job) -> _Request:
         spec, tokenizer, step = job.spec, self.pair.tokenizer, self.prefill_step_size or 2048
-        sampler = make_sampler(spec.temperature, spec.top_p, spec.min_p, spec.top_k, self.pair.target.vocab_size)
+        sampler = Sampling(spec.temperature, spec.top_p, spec.min_p, spec.top_k, self.pair.target.vocab_size)
         stop = StopCondition(spec.max_tokens, tuple(tokenizer.eos_token_ids), spec.stop, tokenizer.decode)
         seed = spec.seed if spec.temperature > 0 else None
         start, caches = 0, {}
