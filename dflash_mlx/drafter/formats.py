@@ -150,8 +150,7 @@ DSPARK_KEYS = (
 # whose other values DeepSpec's Gemma 4 drafter (no MoE block, no per-layer inputs) or mlx-lm's layer do not build
 GEMMA4_KEYS = DSPARK_KEYS + (
     FormatKey("global_head_dim", minimum=1), FormatKey("num_global_key_value_heads", default=None, minimum=1),
-    FormatKey("attention_k_eq_v", (False, True), default=False),
-    FormatKey("final_logit_softcapping", float, default=None, minimum=0.0))
+    FormatKey("attention_k_eq_v", (False, True), default=False)) + DFLASH2_KEYS[-1:]
 GEMMA4_FIXED = {"enable_moe_block": False, "hidden_size_per_layer_input": 0, "attention_bias": False,
                 "hidden_activation": "gelu_pytorch_tanh"}
 

@@ -9,9 +9,8 @@ Gemma 4 DSpark (spec section 11; DeepSpec ``deepspec/modeling/dspark/gemma4/mode
 - Embeddings times sqrt(hidden_size); logits capped by ``final_logit_softcapping``, as the target's.
 """
 
-from typing import Any, Callable, Optional
+from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma4_text, qwen3
 
@@ -42,11 +41,3 @@ def adopt(ours: nn.Module, theirs: nn.Module, names) -> None:
     for name in filter(lambda n: hasattr(theirs, n), names):
         setattr(ours, name, getattr(theirs, name))
 
-
-def stored(drafter: nn.Module, name: str, theirs: Optional[Callable]) -> Callable[[mx.array], mx.array]:
-    """A DSpark ``drafter``'s copy ``name`` (``embed_tokens`` or ``lm_head``; ``theirs`` where it has none) as the
-    target computes it: Gemma 4's embedding times sqrt(hidden_size); a head is linear (its cap is in ``logits``)."""
-    own, a = drafter.get(name), drafter.args
-    if own is None or not a.format.gemma4 or name == "lm_head":
-        return theirs if own is None else own
-    return lambda ids: own(ids) * a.hidden_size**0.5

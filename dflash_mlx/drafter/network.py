@@ -21,7 +21,7 @@ from ..prompt_cache.drafter_context import ContextWindowCache
 from ..targets.fused import compile_enabled, rope_rows, rotate
 from .config import DrafterArgs
 from .dflash2 import BlockConv, CandidateSelector
-from .layers import ATTENTION, LAYER, adopt, mlx_lm_layer, stored
+from .layers import ATTENTION, LAYER, adopt, mlx_lm_layer
 from .vocab import draft_vocab_head, to_vocab
 
 # Where rows sit for RoPE: a first position (an int, a 0-d or an [N] int array) or rope_rows' (cos, sin).
@@ -196,17 +196,21 @@ class DFlashDrafter(nn.Module):
         token's embedding; the head's logits of 16 random vectors, where those of every unit vector would cost a
         whole matmul of the head), and keeps using its own where they differ. A ``d2t`` map restricts the head
         (:func:`~dflash_mlx.drafter.vocab.draft_vocab_head`; :meth:`logits` places its columns)."""
-        x = mx.random.normal((1, 16, self.args.hidden_size), key=mx.random.key(0)).astype(self.norm.weight.dtype)
-        probes = {"embed_tokens": (embed, mx.arange(self.args.vocab_size)[None]), "lm_head": (lm_head, x)}
+        own, a = {name: self[name] for name in ("embed_tokens", "lm_head") if name in self}, self.args
+        if a.format.gemma4 and "embed_tokens" in own:  # as the target computes it: Gemma 4's times sqrt(hidden_size)
+            own["embed_tokens"] = lambda ids, table=own["embed_tokens"]: table(ids) * a.hidden_size**0.5
+        x = mx.random.normal((1, 16, a.hidden_size), key=mx.random.key(0)).astype(self.norm.weight.dtype)
+        probes = {"embed_tokens": (embed, mx.arange(a.vocab_size)[None]), "lm_head": (lm_head, x)}
         for name, (theirs, probe) in probes.items():
             pieces = mx.split(probe, list(range(256, probe.shape[1], 256)), axis=1)  # 256 rows at a time
-            if name in self and all(mx.array_equal(stored(self, name, None)(x), theirs(x)).item() for x in pieces):
+            if name in own and all(mx.array_equal(own[name](x), theirs(x)).item() for x in pieces):
                 self.__dict__.setdefault("copies", {})[name] = self.pop(name)  # not trained; saved again
-        self._embed, self._lm_head = stored(self, "embed_tokens", embed), stored(self, "lm_head", lm_head)
+                del own[name]
+        self._embed, self._lm_head = own.get("embed_tokens", embed), own.get("lm_head", lm_head)
         ids = mx.arange(self.d2t.size) + self.d2t if "d2t" in self else None
         self.__dict__["_draft_ids"], self.__dict__["_logit_cap"] = ids, logit_cap  # not module state: never saved
         if ids is not None:  # FR-Spec: the head's rows of the draft vocabulary only
-            self._lm_head = draft_vocab_head(self._lm_head, ids, self.args.hidden_size, self.norm.weight.dtype)
+            self._lm_head = draft_vocab_head(self._lm_head, ids, a.hidden_size, self.norm.weight.dtype)
         return self
 
     def set_draft_window(self, window: Optional[Tuple[int, int]]) -> None:

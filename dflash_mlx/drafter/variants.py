@@ -42,9 +42,8 @@ def rope_parameters(config: dict, source: str) -> Dict[str, Any]:
 
 def rope_theta(config: dict, source: str) -> Any:
     """``rope_theta``, or ``rope_parameters.rope_theta`` (10000 when neither); ConfigError when they differ."""
-    params = rope_parameters(config, source)
-    theta = _agree(params.get("rope_theta"), config.get("rope_theta"), "rope_parameters.rope_theta", "rope_theta",
-                   source)
+    theta = _agree(rope_parameters(config, source).get("rope_theta"), config.get("rope_theta"),
+                   "rope_parameters.rope_theta", "rope_theta", source)
     return 10000.0 if theta is None else theta
 
 
