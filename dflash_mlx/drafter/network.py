@@ -47,7 +47,7 @@ class DrafterAttention(nn.Module):
         adopt(self, theirs, ATTENTION)
 
     def _heads(self, x: mx.array, n: int) -> mx.array:
-        return x.reshape(x.shape[0], x.shape[1], n, -1).transpose(0, 2, 1, 3)
+        return x.reshape(x.shape[0], x.shape[1], n, x.shape[-1] // n).transpose(0, 2, 1, 3)
 
     def queries(self, x: mx.array, at: At) -> mx.array:
         """[N, L, H] normed rows -> queries [N, n_heads, L, hd] with RoPE."""
