@@ -226,12 +226,9 @@ class DFlashDrafter(nn.Module):
     def make_cache(self) -> List[object]:
         """One context-only cache per layer: a sliding layer keeps its last W-1 rows, a full layer all
         (a ``KVCache``) or, with a draft window, its sink and window rows."""
-        return [self._cache_of(layer.self_attn.window) for layer in self.layers]
-
-    def _cache_of(self, window: Optional[int]):
-        if window is not None:
-            return ContextWindowCache(0, max(window - 1, 1))
-        return KVCache() if self.draft_window is None else ContextWindowCache(*self.draft_window)
+        windows = [layer.self_attn.window for layer in self.layers]
+        return [ContextWindowCache(0, max(w - 1, 1)) if w is not None else
+                KVCache() if self.draft_window is None else ContextWindowCache(*self.draft_window) for w in windows]
 
     def _context(self, context: mx.array, cache: Sequence[object]) -> mx.array:
         """Fused context rows ``hidden_norm(fc(features))`` [1, S', H] of the rows some layer will
