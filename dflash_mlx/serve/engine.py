@@ -135,7 +135,9 @@ class Engine:
         try:
             for job in admitted:
                 self._admit(job)
-            self._drop_stopped()
+            for req in [r for r in list(self._joining) + self._active if self._stops(r.job)]:
+                self._detach([req])  # closed by its client or past its deadline: it leaves now
+                self._stopped(req.job, req)
             if self._joining:
                 self._prefill_chunk()
             if self._active:
@@ -225,12 +227,6 @@ class Engine:
             ids = list(req.job.spec.ids) + req.reply
             known = len(ids) - 1 if req.first is not None else len(self.pair_cache.tokens)
             self.pair_cache.end(ids, known, done)
-
-    def _drop_stopped(self) -> None:
-        """Requests closed by their client or past their deadline leave now."""
-        for req in [r for r in list(self._joining) + self._active if self._stops(r.job)]:
-            self._detach([req])
-            self._stopped(req.job, req)
 
     def _stops(self, job: Job) -> bool:
         """Whether a started job stops (closed, or past its deadline): rank 0 decides for every rank."""
