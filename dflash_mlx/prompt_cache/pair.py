@@ -114,8 +114,11 @@ class PairCache:
             known = start = self.begin(ids, int(kwargs.get("prefill_step_size") or 2048), kwargs.get("should_stop"))
             reused, pre_s = self.last_reused, time.perf_counter() - tic
             cached = {"cached_ids": ids[:start]} if kwargs.get("prompt_lookup") else {}
-            if self.drafter is not None:
-                cached["auto_state"] = self._auto_state()
+            if self.drafter is not None:  # what auto learned for this pair: read once from the store, then kept
+                if self._auto is None or self._auto[0] is not self.target or self._auto[1] is not self.drafter:
+                    learned = self.store.auto_state(self.pair_key()[1]) if self.store is not None else {}
+                    self._auto = (self.target, self.drafter, learned)
+                cached["auto_state"] = self._auto[2]
             for r in self.generate(self.target, self.tokenizer, ids[start:], self.drafter,
                                    prompt_cache=self.cache, draft_cache=self.draft_cache, **cached, **kwargs):
                 if first:  # rows reused and time spent here count as the prompt's
@@ -136,13 +139,6 @@ class PairCache:
             key = pair_key(self.target, self.drafter)
             self._key = (self.target, self.drafter, key, key_id(key))
         return self._key[2], self._key[3]
-
-    def _auto_state(self) -> dict:
-        """What auto learned for this pair, kept across this cache's generations (read once from the store)."""
-        if self._auto is None or self._auto[0] is not self.target or self._auto[1] is not self.drafter:
-            learned = self.store.auto_state(self.pair_key()[1]) if self.store is not None else {}
-            self._auto = (self.target, self.drafter, learned)
-        return self._auto[2]
 
     def _resume(self, ids: List[int], live: int) -> int:
         """Restore a stored entry holding more of ``ids`` than ``live`` rows, if any; returns the rows reused."""
