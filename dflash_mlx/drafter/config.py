@@ -131,22 +131,17 @@ class DrafterArgs:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"{source}: num_attention_heads {self.num_attention_heads} is not a "
                               f"multiple of num_key_value_heads {self.num_key_value_heads}")
-        self._validate_layers(source)
-        self.format.validate_keys(self, source)
-
-    def _validate_layers(self, source: str) -> None:
         types = self.layer_types
-        if types is None:
-            return
-        if not isinstance(types, list) or len(types) != self.num_hidden_layers:
+        if types is not None and (not isinstance(types, list) or len(types) != self.num_hidden_layers):
             raise ConfigError(f"{source}: 'layer_types' must list one type per layer ({self.num_hidden_layers}), "
                               f"got {types!r}")
-        for i, t in enumerate(types):
+        for i, t in enumerate(types or []):
             if t not in LAYER_TYPES:
                 raise ConfigError(f"{source}: 'layer_types[{i}]' is {t!r}; expected one of {list(LAYER_TYPES)}")
-        if "sliding_attention" in types and (self.sliding_window is None or self.sliding_window < 1):
+        if types and "sliding_attention" in types and (self.sliding_window is None or self.sliding_window < 1):
             raise ConfigError(f"{source}: 'sliding_window' must be a positive number of tokens when a layer is "
                               f"sliding_attention, got {self.sliding_window!r}")
+        self.format.validate_keys(self, source)
 
     def to_config(self, dtype: str = "bfloat16") -> dict:
         """The ``config.json`` of this drafter: a loaded one's config with the same keys in the same
