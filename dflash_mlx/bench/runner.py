@@ -225,13 +225,6 @@ class Runner:
         mx.random.seed(self.config.seed)
         return timed_run(engine, ids, max_tokens, self.config.sampler(), self.stop_ids)
 
-    def _warmup(self, ids: List[int]) -> None:
-        """One short untimed run of every engine, once."""
-        if self.config.warmup_tokens > 0 and not self._warm:
-            for engine in [self.baseline] + [self._dflash(v, ids) for v in self.variants]:
-                self._run(engine, ids, self.config.warmup_tokens)
-        self._warm = True
-
     def _prompt(self, sample: Sample, messages: List[dict], turn: int) -> List[int]:
         if sample.prompt_ids is not None:
             return list(sample.prompt_ids)
@@ -252,7 +245,10 @@ class Runner:
             messages = list(sample.messages)
             for turn in range(turns[index]):
                 ids = self._prompt(sample, messages, turn)
-                self._warmup(ids)
+                if self.config.warmup_tokens > 0 and not self._warm:  # one short untimed run of every engine, once
+                    for engine in [self.baseline] + [self._dflash(v, ids) for v in self.variants]:
+                        self._run(engine, ids, self.config.warmup_tokens)
+                self._warm = True
                 for repeat in range(self.config.repeats):
                     runs = self._pair(ids, reverse=(index + repeat) % 2 == 1)
                     for r in runs:
