@@ -5,19 +5,14 @@ from typing import Callable, Dict, List, Optional, Sequence
 Messages = Sequence[Dict[str, str]]
 
 
-def join_contents(messages: Messages) -> str:
-    """The messages' text joined by newlines (for models without a chat template)."""
-    return "\n".join(m["content"] for m in messages)
-
-
 def encode_messages(tokenizer, messages: Messages, template: Optional[dict] = None, use_template: bool = True,
-                    plain: Callable[[Messages], str] = join_contents) -> List[int]:
+                    plain: Callable[[Messages], str] = lambda ms: "\n".join(m["content"] for m in ms)) -> List[int]:
     """Token ids for ``messages`` followed by the assistant's turn.
 
-    With a chat template (and ``use_template``), the rendered text is encoded without
-    adding special tokens, as ``mlx_lm.generate`` does; ``template`` holds extra
-    ``apply_chat_template`` keyword arguments (e.g. ``enable_thinking``). Otherwise
-    ``plain(messages)`` is encoded with the tokenizer's special tokens (BOS).
+    With a chat template (and ``use_template``), the rendered text is encoded without adding special tokens, as
+    ``mlx_lm.generate`` does; ``template`` holds extra ``apply_chat_template`` keyword arguments (e.g.
+    ``enable_thinking``). Otherwise ``plain(messages)`` (default: their contents joined by newlines) is encoded
+    with the tokenizer's special tokens (BOS).
     """
     if use_template and tokenizer.has_chat_template:
         text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,

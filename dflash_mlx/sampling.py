@@ -96,9 +96,3 @@ def draw_path(scores: Callable[[int, mx.array], mx.array], first: mx.array, leng
         prev = j.astype(mx.int32) if ids is None else ids[p][j]
         tokens.append(prev)
     return mx.stack(tokens, axis=-1), (mx.stack(qs, axis=-2) if qs else None)
-
-
-def make_sampler(temp: float = 0.0, top_p: float = 1.0, min_p: float = 0.0, top_k: int = 0,
-                 vocab_size: Optional[int] = None) -> Sampling:
-    """mlx-lm's ``make_sampler(temp, top_p, min_p, 1, top_k=...)`` as a :class:`Sampling`."""
-    return Sampling(temp, top_p, min_p, top_k, vocab_size)

@@ -187,13 +187,13 @@ class GenerationStats:
             "plain_steps": self.plain_steps, "probe_steps": self.probe_steps,
             "prompt_lookup": {"drafted": self.copied, "accepted": self.copies_accepted},
             "mode_ms": {k: round(v * 1e3, 3) for k, v in sorted(self.mode_s.items())},
-            "tokens": self.generation_tokens, "tau": _rounded(self.tau, 4), "steps": self.steps,
-            "block_size": self.block_size, "acceptance_rate": _rounded(self.acceptance_rate, 4),
+            "tokens": self.generation_tokens, "tau": rounded(self.tau, 4), "steps": self.steps,
+            "block_size": self.block_size, "acceptance_rate": rounded(self.acceptance_rate, 4),
             "acceptance_histogram": histogram_dict(self.histogram), "prompt_tokens": self.prompt_tokens,
             "prompt_tokens_reused": self.prompt_reused, "prompt_tokens_prefilled": self.prompt_prefilled,
-            "prompt_tps": _rounded(self.prompt_tps, 3), "generation_tokens": self.generation_tokens,
+            "prompt_tps": rounded(self.prompt_tps, 3), "generation_tokens": self.generation_tokens,
             "generation_tps": round(self.generation_tps, 3), "peak_memory": round(self.peak_memory_gb, 3),
-            "bandwidth_gbps": _rounded(self.bandwidth_gbps, 3), "timings_ms": self.timings_ms()}
+            "bandwidth_gbps": rounded(self.bandwidth_gbps, 3), "timings_ms": self.timings_ms()}
         if trace:
             d["acceptance_trace"] = self.trace
         return d
@@ -270,7 +270,8 @@ class GenerationStats:
         return lines
 
 
-def _rounded(x: Optional[float], digits: int) -> Optional[float]:
+def rounded(x: Optional[float], digits: int = 6) -> Optional[float]:
+    """``round(x, digits)``, None for None."""
     return None if x is None else round(x, digits)
 
 

@@ -177,6 +177,10 @@ FORMATS = {
     "dspark": dict(architecture="Qwen3DSparkModel", markov_rank=16, enable_confidence_head=True,
                    confidence_head_with_markov=True),
     "dflash-block7": dict(architecture="Qwen3DSparkModel"),
+    "gemma4-dspark": dict(architecture="Gemma4DSparkModel", markov_rank=16, enable_confidence_head=True,
+                          confidence_head_with_markov=True, global_head_dim=32, num_global_key_value_heads=1,
+                          attention_k_eq_v=True, final_logit_softcapping=30.0, rope_theta=1_000_000.0,
+                          rope_scaling=dict(rope_type="proportional", partial_rotary_factor=0.25)),
 }
 
 

@@ -148,3 +148,51 @@ def write_dspark(out: Path, target, markov_rank: int = 16, confidence: bool = Tr
                             metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def write_hf_gemma4_target(out: Path, seed: int = 0) -> Path:
+    """conftest's tiny gemma4_text target as an mlx-lm folder (its ``ModelArgs`` as ``config.json``, float32 weights
+    under mlx-lm's names: MLX's CPU gather_mm of its MoE block takes float32 only; the byte tokenizer)."""
+    import dataclasses
+
+    model, _ = tiny_target("gemma4_text", seed=seed)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**dataclasses.asdict(model.args), "architectures": ["Gemma4ForCausalLM"], "torch_dtype": "float32"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    write_tokenizer(out)
+    return out
+
+
+def write_gemma4_dspark(out: Path, target, seed: int = 3, dtype=mx.bfloat16, **config_changes) -> Path:
+    """A random ``Gemma4DSparkModel`` drafter for ``target`` (conftest's tiny gemma4_text adapter, float32) as DeepSpec
+    writes one (gemma4/config.py: the target's text config copied, the drafter's keys at the top level; weights
+    under the names tests/test_formats.py's ``released_keys`` checks): 2 layers, rank-16 Markov head, a confidence
+    head reading it, copies of the target's embedding and head."""
+    from conftest import format_drafter
+
+    drafter = format_drafter(target, "gemma4-dspark", seed=seed, bind=False)
+    a, t = drafter.args, target.model.args
+    config = {
+        "architectures": ["Gemma4DSparkModel"], "model_type": "gemma4_text", "attention_bias": False,
+        "attention_dropout": 0.0, "attention_k_eq_v": True, "block_size": a.block_size, "enable_moe_block": False,
+        "final_logit_softcapping": t.final_logit_softcapping, "global_head_dim": 32, "head_dim": 16,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": a.hidden_size, "hidden_size_per_layer_input": 0,
+        "intermediate_size": a.intermediate_size, "layer_types": ["full_attention"] * 2, "mask_token_id": 255,
+        "max_position_embeddings": 4096, "num_attention_heads": 4, "num_global_key_value_heads": 1,
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "num_kv_shared_layers": t.num_kv_shared_layers,
+        "num_target_layers": target.num_layers, "rms_norm_eps": 1e-6, "sliding_window": t.sliding_window,
+        "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                               "rope_type": "proportional"},
+                            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+        "target_layer_ids": a.target_layer_ids, "tie_word_embeddings": False, "use_double_wide_mlp": False,
+        "vocab_size": a.vocab_size, "markov_rank": 16, "markov_head_type": "vanilla", "enable_confidence_head": True,
+        "confidence_head_with_markov": True, "num_anchors": 512, "torch_dtype": str(dtype).rsplit(".", 1)[-1],
+    }
+    config.update(config_changes)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.astype(dtype) for k, v in tree_flatten(drafter.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

@@ -197,3 +197,21 @@ def test_each_format_owns_its_keys():
     assert args.conv_kernel_size == 0 and args.to_config()["dflash_config"]["conv_kernel_size"] == 3
     with pytest.raises(ConfigError, match="missing key 'dflash_config.conv_group_size' .needed by DFlash2DraftModel"):
         DrafterArgs.from_config(dict(base, architectures=["DFlash2DraftModel"]))
+
+
+def test_a_reduced_vocabulary_on_a_capped_target_is_its_capped_head(monkeypatch):
+    """A Gemma 4 target caps its logits (``final_logit_softcapping``): the reduced head is rows of its linear head,
+    capped after (bind's ``logit_cap``), so the draft distribution over the mapped tokens is the whole drafter's,
+    renormalized there (numpy)."""
+    target = tiny_target("gemma4_text")[1]
+    monkeypatch.setattr(target.text, "final_logit_softcapping", 0.5)  # small: the cap shapes every logit
+    ids = np.sort(np.random.default_rng(3).choice(target.vocab_size, 32, replace=False))
+    whole, reduced = format_drafter(target, "v1"), format_drafter(target, "v1", bind=False)
+    set_draft_vocab(reduced, mx.array(ids))
+    bind_drafter(reduced, target)
+    F = len(whole.target_layer_ids) * target.hidden_size
+    context = mx.array(np.random.default_rng(1).standard_normal((1, 5, F)).astype(np.float32))
+    p, q = (np.array(d.propose(mx.array([3]), context, d.make_cache(), B).logprobs, dtype=np.float64)[:, ids]
+            for d in (whole, reduced))
+    assert np.ptp(p, axis=-1).max() < 1.0 + 1e-5  # capped: logits within +-0.5
+    np.testing.assert_allclose(q, p - np.log(np.exp(p).sum(axis=-1, keepdims=True)), atol=1e-5)

@@ -15,9 +15,11 @@ import dataclasses
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.models import gemma4_text
 
 from dflash_mlx import CheckpointError, DrafterArgs, bind_drafter, generate_step, load_drafter, save_drafter
 from dflash_mlx.pair.loading import is_drafter_config
@@ -35,10 +37,12 @@ def rms(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope(x, pos, theta):
-    """Non-traditional RoPE: rotate halves. x [n_heads, L, d], pos [L]."""
+def rope(x, pos, theta, rotated=1.0):
+    """Non-traditional RoPE: rotate halves. x [n_heads, L, d], pos [L]; ``rotated`` < 1: proportional RoPE (the
+    first ``rotated * d / 2`` frequencies, the others 0: transformers' _compute_proportional_rope_parameters)."""
     d = x.shape[-1]
-    ang = pos[:, None] * theta ** (-2.0 * np.arange(d // 2) / d)[None]
+    freq = theta ** (-2.0 * np.arange(d // 2) / d)
+    ang = pos[:, None] * np.where(np.arange(d // 2) < int(rotated * d // 2), freq, 0.0)[None]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x1 * np.sin(ang) + x2 * np.cos(ang)], axis=-1)
 
@@ -57,8 +61,15 @@ def conv(z, base, dyn, g):
     return out
 
 
+def gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
 class Reference:
-    """Spec sections 4 and 9, written out: every context row is kept; masks by position."""
+    """Spec sections 4, 9 and 11, written out: every context row is kept; masks by position. Gemma 4 DSpark's layer
+    from DeepSpec's gemma4/modeling.py: q/k norms, a scale-free v_norm of V (K's projection with attention_k_eq_v),
+    global_head_dim heads, attention scale 1, proportional RoPE; each half's output normed, the layer's output
+    times layer_scalar; GeGLU (gelu tanh); embeddings times sqrt(hidden); (``gemma``: False leaves that out)."""
 
     def __init__(self, drafter, model, draft_window=None):
         self.a = drafter.args
@@ -67,6 +78,7 @@ class Reference:
         self.head = np.array(model.lm_head.weight, dtype=np.float64) if hasattr(model, "lm_head") else self.embed
         self.ctx = np.zeros((0, self.a.hidden_size))
         self.window = draft_window
+        self.gemma = drafter.args.format.gemma4
 
     def visible(self, layer, P):
         """Context rows a full layer's block sees with the draft window (sliding layers: all, masked)."""
@@ -90,11 +102,17 @@ class Reference:
         a, p, eps = self.a, self.p, self.a.rms_norm_eps
         L = lambda name: p[f"layers.{i}.self_attn.{name}"]
         nq, nkv, theta, nb = a.num_attention_heads, a.num_key_value_heads, a.rope_theta, len(x)
+        hd, rot, scale = a.head_dim, (a.rope_scaling or {}).get("partial_rotary_factor", 1.0), a.head_dim**-0.5
+        if self.gemma:
+            nkv, hd, scale = a.num_global_key_value_heads if a.attention_k_eq_v else nkv, a.global_head_dim, 1.0
         ctx_pos, blk_pos = np.arange(P, dtype=np.float64), np.arange(P, P + nb, dtype=np.float64)
-        q = rope(rms(heads(x @ L("q_proj.weight").T, nq), L("q_norm.weight"), eps), blk_pos, theta)
-        kc = rope(rms(heads(self.ctx @ L("k_proj.weight").T, nkv), L("k_norm.weight"), eps), ctx_pos, theta)
-        kb = rope(rms(heads(x @ L("k_proj.weight").T, nkv), L("k_norm.weight"), eps), blk_pos, theta)
-        vc, vb = heads(self.ctx @ L("v_proj.weight").T, nkv), heads(x @ L("v_proj.weight").T, nkv)
+        q = rope(rms(heads(x @ L("q_proj.weight").T, nq), L("q_norm.weight"), eps), blk_pos, theta, rot)
+        kc = rope(rms(heads(self.ctx @ L("k_proj.weight").T, nkv), L("k_norm.weight"), eps), ctx_pos, theta, rot)
+        kb = rope(rms(heads(x @ L("k_proj.weight").T, nkv), L("k_norm.weight"), eps), blk_pos, theta, rot)
+        v = "k_proj.weight" if a.attention_k_eq_v else "v_proj.weight"
+        vc, vb = heads(self.ctx @ L(v).T, nkv), heads(x @ L(v).T, nkv)
+        if self.gemma:
+            vc, vb = rms(vc, 1.0, eps), rms(vb, 1.0, eps)
         k, v = np.concatenate([kc, kb], axis=1), np.concatenate([vc, vb], axis=1)
         k_pos = np.concatenate([ctx_pos, blk_pos])
         allowed = np.concatenate([np.broadcast_to(self.visible(i, P), (nb, P)), np.ones((nb, nb), bool)], axis=1)
@@ -103,7 +121,7 @@ class Reference:
         if a.is_causal_layer(i):
             allowed &= k_pos[None] <= blk_pos[:, None]
         k, v = np.repeat(k, nq // nkv, axis=0), np.repeat(v, nq // nkv, axis=0)
-        s = np.where(allowed, q @ k.transpose(0, 2, 1) * a.head_dim**-0.5, -np.inf)
+        s = np.where(allowed, q @ k.transpose(0, 2, 1) * scale, -np.inf)
         s = np.exp(s - s.max(-1, keepdims=True))
         o = ((s / s.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(nb, -1)
         return o @ L("o_proj.weight").T
@@ -113,16 +131,23 @@ class Reference:
         a, p, eps = self.a, self.p, self.a.rms_norm_eps
         self.ctx = np.concatenate([self.ctx, rms(context @ p["fc.weight"].T, p["hidden_norm.weight"], eps)])
         P = len(self.ctx)  # position of t_last
-        h = self.embed[block] * a.input_embedding_scale
+        h = self.embed[block] * a.input_embedding_scale * (a.hidden_size**0.5 if self.gemma else 1.0)
         for i in range(a.num_hidden_layers):
             L = lambda name: p[f"layers.{i}.{name}"]
-            h = h + self.sublayer(i, "attention_conv", lambda x: self.attention(i, x, P),
-                                  rms(h, L("input_layernorm.weight"), eps))
+            out = self.sublayer(i, "attention_conv", lambda x: self.attention(i, x, P),
+                                rms(h, L("input_layernorm.weight"), eps))
 
             def mlp(x):
                 g, up = x @ L("mlp.gate_proj.weight").T, x @ L("mlp.up_proj.weight").T
-                return (g / (1 + np.exp(-g)) * up) @ L("mlp.down_proj.weight").T
+                return ((gelu_tanh(g) if self.gemma else g / (1 + np.exp(-g))) * up) @ L("mlp.down_proj.weight").T
 
+            if self.gemma:
+                h = h + rms(out, L("post_attention_layernorm.weight"), eps)
+                h = h + rms(mlp(rms(h, L("pre_feedforward_layernorm.weight"), eps)),
+                            L("post_feedforward_layernorm.weight"), eps)
+                h = h * L("layer_scalar")
+                continue
+            h = h + out
             h = h + self.sublayer(i, "mlp_conv", mlp, rms(h, L("post_attention_layernorm.weight"), eps))
         hidden = rms(h[0 if a.format.anchor_first else 1:], p["norm.weight"], eps)
         logits = hidden @ self.head.T * a.output_multiplier
@@ -163,15 +188,25 @@ V1_LAYER_KEYS = [
 ]
 
 
+# Gemma 4 DSpark's (DeepSpec gemma4/modeling.py; attention_k_eq_v: no v_proj; v_norm has no weight)
+GEMMA4_LAYER_KEYS = [
+    "input_layernorm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
+    "post_feedforward_layernorm.weight", "layer_scalar", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+    "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+]
+
+
 def released_keys(fmt, layers=2):
-    """Weight names of a released checkpoint (spec sections 2 and 9), written out by hand."""
-    keys = {f"layers.{i}.{k}" for i in range(layers) for k in V1_LAYER_KEYS} | {"norm.weight"}
+    """Weight names of a released checkpoint (spec sections 2, 9 and 11), written out by hand."""
+    layer_keys = GEMMA4_LAYER_KEYS if fmt == "gemma4-dspark" else V1_LAYER_KEYS
+    keys = {f"layers.{i}.{k}" for i in range(layers) for k in layer_keys} | {"norm.weight"}
     if fmt == "muse":
         return keys | {"encoder.fc.weight", "encoder.output_norm_enc.weight"}
     keys |= {"fc.weight", "hidden_norm.weight"}
-    if fmt in ("dspark", "dflash-block7"):
+    if fmt in ("dspark", "dflash-block7", "gemma4-dspark"):
         keys |= {"embed_tokens.weight", "lm_head.weight"}
-    if fmt == "dspark":
+    if fmt in ("dspark", "gemma4-dspark"):
         keys |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
                  "confidence_head.proj.bias"}
     if fmt == "dflash2":
@@ -195,14 +230,18 @@ def target_of(family):
 def test_forward_matches_reference_in_released_layout(fmt, tmp_path):
     from safetensors.numpy import load_file
 
-    model, target = target_of("qwen3")
+    model, target = target_of("gemma4_text" if fmt == "gemma4-dspark" else "qwen3")
     save_drafter(format_drafter(target, fmt, bind=False), tmp_path)
     weights = load_file(str(tmp_path / "model.safetensors"))
     assert set(weights) == released_keys(fmt)
     drafter = bind_drafter(load_drafter(str(tmp_path)), target)
     a = drafter.args
     assert "embed_tokens" not in drafter and "lm_head" not in drafter  # copies equal to the target's: shared
-    if fmt == "dspark":
+    if fmt == "gemma4-dspark":  # global_head_dim 32, one K = V head
+        assert weights["layers.0.self_attn.q_proj.weight"].shape == (4 * 32, a.hidden_size)
+        assert weights["layers.0.self_attn.k_proj.weight"].shape == (32, a.hidden_size)
+        assert weights["layers.1.self_attn.k_norm.weight"].shape == (32,) and weights["layers.1.layer_scalar"].shape == (1,)
+    if a.markov_rank:
         H, V, r = a.hidden_size, a.vocab_size, 16
         assert weights["markov_head.markov_w1.weight"].shape == weights["markov_head.markov_w2.weight"].shape == (V, r)
         assert weights["confidence_head.proj.weight"].shape == (1, H + r)
@@ -228,7 +267,7 @@ def test_forward_matches_reference_in_released_layout(fmt, tmp_path):
         if fmt == "dflash2":
             tokens, _ = drafter.candidate_selector.walk(hidden[0], logits, block[0, :1])
             assert tokens.tolist() == ref.walk(want_hidden, want, t)
-        if fmt == "dspark":  # the Markov bias changes the path: the check has power
+        if a.markov_rank:  # the Markov bias changes the path: the check has power
             assert drafter.drafts(hidden[0], logits, block[0, 0])[0].tolist() == ref.markov_walk(want, t)
             assert ref.markov_walk(want, t) != want.argmax(-1).tolist()
     if a.sliding_window:  # the context went past the window: the sliding caches dropped rows
@@ -257,6 +296,40 @@ def test_reference_masks_have_power():
                 w = other.p[k].reshape(2, 3, -1, other.p[k].shape[-1])
                 other.p[k] = w[:, :1].reshape(-1, w.shape[-1])
         assert not np.allclose(other(block, ctx)[0], base, atol=1e-3), change
+
+
+def _each_layer(fn):
+    return lambda d, target, mp: [fn(layer) for layer in d.layers]
+
+
+# A Gemma 4 DSpark drafter with one piece done another way (the Qwen3 layer's, or left out).
+GEMMA4_MISTAKES = {
+    "attention scaled by head_dim**-0.5": _each_layer(lambda l: setattr(l.self_attn, "scale", 32**-0.5)),
+    "no v_norm": _each_layer(lambda l: l.self_attn.pop("v_norm")),
+    "RoPE over the whole head": _each_layer(lambda l: setattr(l.self_attn, "rope", nn.RoPE(32, base=1_000_000.0))),
+    "no post_attention_layernorm": _each_layer(lambda l: setattr(l, "post_attention_layernorm", nn.Identity())),
+    "no post_feedforward_layernorm": _each_layer(lambda l: setattr(l, "post_feedforward_layernorm", nn.Identity())),
+    "layer_scalar left out": _each_layer(lambda l: setattr(l, "layer_scalar", mx.ones((1,)))),
+    "SwiGLU instead of GeGLU": lambda d, target, mp: mp.setattr(gemma4_text, "geglu", lambda g, x: nn.silu(g) * x),
+    "embeddings not scaled": lambda d, target, mp: setattr(d, "_embed", target.inner.embed_tokens),
+    "logits not capped": lambda d, target, mp: setattr(d, "args", dataclasses.replace(d.args,
+                                                                                      final_logit_softcapping=None)),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(GEMMA4_MISTAKES))
+def test_gemma4_dspark_reference_catches_each_mistake(mistake, monkeypatch):
+    """The Gemma 4 DSpark parity above has power: with any one piece of its layer, embedding or head done another
+    way, the drafter's logits leave the NumPy reference."""
+    model, target = target_of("gemma4_text")
+    drafter = format_drafter(target, "gemma4-dspark")
+    ref = Reference(drafter, model)
+    GEMMA4_MISTAKES[mistake](drafter, target, monkeypatch)
+    ctx = np.random.default_rng(4).standard_normal((9, 2 * drafter.args.hidden_size)).astype(np.float32)
+    block = mx.array([[17] + [drafter.args.mask_token_id] * (B - 2)], dtype=mx.int32)
+    got = np.array(drafter(block, mx.array(ctx)[None], drafter.make_cache())[0])
+    want = ref(np.array(block[0]), ctx.astype(np.float64))[0]
+    assert not np.allclose(got, want, atol=1e-4, rtol=1e-4), mistake  # the parity's tolerance
 
 
 def test_config_written_back_unchanged(tmp_path):
@@ -541,3 +614,68 @@ def test_a_gated_markov_head_is_refused_in_one_line(hf_qwen3, tmp_path):
     assert r.returncode == 1 and r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and "'markov_head_type' 'gated'" in r.stderr
     assert "Qwen3DSparkModel" in r.stderr and str(drafter / "config.json") in r.stderr
+
+
+# --- Gemma 4 DSpark through `dflash generate` and `dflash convert` ---------------------
+
+@pytest.fixture(scope="module")
+def hf_gemma4(tmp_path_factory):
+    """A tiny float32 gemma4_text target folder, its adapter and a Gemma4DSparkModel drafter for it in DeepSpec's
+    released schema (bf16)."""
+    from hf_checkpoints import write_gemma4_dspark, write_hf_gemma4_target
+
+    root = tmp_path_factory.mktemp("gemma4")
+    target = tiny_target("gemma4_text")[1]
+    return write_hf_gemma4_target(root / "target"), target, write_gemma4_dspark(root / "drafter", target)
+
+
+def test_generate_json_names_the_gemma4_dspark_format(hf_gemma4):
+    from conftest import dflash
+
+    folder, _, drafter = hf_gemma4
+    args = ["generate", "--model", str(folder), "-p", "hello there", "-m", "24", "--json", "--quiet"]
+    plain = json.loads(dflash(*args, text=True).stdout)
+    r = dflash(*args, "--draft-model", str(drafter), text=True)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["drafter_format"], out["acceptance_rule"], out["block_size"]) == ("Gemma4DSparkModel", "greedy", 8)
+    assert out["token_ids"] == plain["token_ids"] and len(set(out["token_ids"])) > 5
+
+
+def test_gemma4_dspark_converts_with_an_8_bit_drafter(hf_gemma4, tmp_path):
+    """convert --draft-q-bits 8: the layers quantized, the embedding and head copies float, the config in
+    DeepSpec's schema (nested rope_parameters kept as they were); the pair decodes as the target alone."""
+    from dflash_mlx import load
+    from dflash_mlx.pair.convert import convert
+
+    folder, _, drafter = hf_gemma4
+    convert(str(folder), str(drafter), tmp_path / "pair", dtype="float32", draft_q_bits=8)
+    config = json.loads((tmp_path / "pair" / "drafter" / "config.json").read_text())
+    source = json.loads((drafter / "config.json").read_text())
+    assert config["architectures"] == ["Gemma4DSparkModel"] and config["quantization"]["bits"] == 8
+    assert {k: v for k, v in config.items() if k not in ("quantization", "torch_dtype")} == \
+        {k: v for k, v in source.items() if k != "torch_dtype"}
+    weights = mx.load(str(tmp_path / "pair" / "drafter" / "model.safetensors"))
+    assert "layers.0.self_attn.q_proj.scales" in weights and "layers.1.mlp.down_proj.scales" in weights
+    assert all(mx.issubdtype(weights[k].dtype, mx.floating) for k in ("embed_tokens.weight", "lm_head.weight",
+                                                                        "layers.0.layer_scalar"))
+    pair = load(str(tmp_path / "pair"))
+    assert pair.drafter.drafter_format == "Gemma4DSparkModel"
+    ids = mx.array(PROMPT, dtype=mx.int32)
+    got = [t for s in generate_step(ids, pair.target, pair.drafter, max_tokens=N, block_size=B) for t in s.tokens]
+    assert got == mlx_lm_greedy(pair.model, PROMPT, N)
+
+
+@pytest.mark.parametrize("key,value", [("enable_moe_block", True), ("hidden_size_per_layer_input", 256),
+                                       ("hidden_activation", "silu"), ("markov_head_type", "rnn")])
+def test_unsupported_gemma4_dspark_variants_are_refused_in_one_line(hf_gemma4, tmp_path, key, value):
+    from conftest import dflash
+    from hf_checkpoints import edit_config, write_gemma4_dspark
+
+    folder, target, _ = hf_gemma4
+    drafter = write_gemma4_dspark(tmp_path / key, target)
+    edit_config(drafter, **{key: value})
+    r = dflash("generate", "--model", str(folder), "--draft-model", str(drafter), "-p", "hi", text=True)
+    assert r.returncode == 1 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and f"'{key}' {value!r}" in r.stderr
+    assert "Gemma4DSparkModel" in r.stderr and str(drafter / "config.json") in r.stderr

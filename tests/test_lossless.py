@@ -7,8 +7,9 @@ that the lossless check fails when rollback does nothing. The families in
 ``FULL_MATRIX`` also run block size 2 and drafts that are all rejected (the random
 drafter already rejects nearly everything elsewhere); ``QUANTIZED`` ones run 4-bit.
 DSpark drafters (both fixtures: with a Markov and confidence head, and DeepSeek's DFlash
-block7 without) run on every qwen3 family, at several block sizes and with drafts forced
-half right; a drafter with a reduced draft vocabulary on every family.
+block7 without) run on every qwen3 family, Gemma 4's on gemma4_text, at several block sizes
+and with drafts forced half right (and fail with rollback broken); a drafter with a reduced
+draft vocabulary on every family.
 """
 
 import mlx.core as mx
@@ -65,15 +66,23 @@ def test_scripted_drafter_is_lossless(reference, block_size, kind):
     assert _run(target, drafter, block_size=block_size) == ref[:N]
 
 
-@pytest.mark.parametrize("family", sorted(f for f in FAMILIES if f.startswith("qwen3")))
-@pytest.mark.parametrize("fmt", ["dspark", "dflash-block7"])
-def test_dspark_drafters_are_lossless(reference, fmt):
+DSPARK = [(f, fmt) for f in sorted(FAMILIES) if f.startswith("qwen3") for fmt in ("dspark", "dflash-block7")]
+
+
+@pytest.mark.parametrize("family,fmt", DSPARK + [("gemma4_text", "gemma4-dspark")])
+def test_dspark_drafters_are_lossless(reference, fmt, monkeypatch):
+    """DSpark drafters (Gemma 4's on the Gemma 4 target, its copies of the embedding and capped head shared); with
+    drafts half right, the check fails once rollback is a no-op."""
     _, target, ref = reference
     drafter = format_drafter(target, fmt)
+    assert "embed_tokens" not in drafter and "lm_head" not in drafter
     for block_size in (2, 8):
         assert _run(target, drafter, block_size=block_size) == ref[:N], block_size
     half_right = SimulatedDrafter(drafter, PROMPT + ref, accept=3, vocab_size=target.vocab_size)
     assert _run(target, half_right, block_size=8) == ref[:N]
+    monkeypatch.setattr(TargetAdapter, "rollback", lambda self, cache, n: None)
+    half_right.reset(PROMPT + ref, 3)
+    assert _run(target, half_right, block_size=8) != ref[:N]
 
 
 def test_reduced_draft_vocabulary_is_lossless(reference):

@@ -5,7 +5,7 @@ The joint law of the first three generated tokens is enumerated exactly on a
 applies them), and DFlash samples are tested against it (chi-square goodness of fit,
 fixed seeds): sample-and-match with argmax drafts, and speculative sampling with a
 DFlash2 drafter's selector q and a DSpark drafter's Markov-corrected q (also over a reduced
-draft vocabulary). Controls show the test has power: samples at temperature 0.9 are rejected
+draft vocabulary, and Gemma 4's on a 16-token Gemma 4 target). Controls show the test has power: samples at temperature 0.9 are rejected
 as draws from the law at 1.0 (a total-variation distance of about 0.08), and so is speculative
 sampling that resamples from p instead of the residual max(p - q, 0) after a rejection, or that
 accepts DSpark's drafts by the q before the Markov correction.
@@ -143,10 +143,26 @@ def dspark_vocab(setup, dspark):
     return bind_drafter(drafter, setup[1])
 
 
+@pytest.fixture(scope="module")
+def gemma4_target():
+    """A 16-token Gemma 4 target (per-layer inputs, KV sharing, MoE, softcap: conftest's gemma4_text)."""
+    return tiny_target("gemma4_text", vocab=VOCAB, hidden=32, seed=7)
+
+
+@pytest.fixture(scope="module")
+def gemma4_dspark(gemma4_target):
+    """A random 1-layer Gemma 4 DSpark drafter for it, its Markov head scaled up as the DSpark one's."""
+    drafter = format_drafter(gemma4_target[1], "gemma4-dspark", block_size=B, num_hidden_layers=1)
+    for w in drafter.markov_head.values():
+        w.weight = 3 * w.weight
+    return drafter
+
+
 @pytest.mark.parametrize("kind,temp,seed", [("dflash2", 0.7, 21), ("dflash2", 1.0, 22), ("dspark", 0.7, 24),
-                                            ("dspark", 1.0, 25), ("dspark_vocab", 1.0, 27)])
+                                            ("dspark", 1.0, 25), ("dspark_vocab", 1.0, 27),
+                                            ("gemma4_dspark", 1.0, 28)])
 def test_speculative_sampling_follows_the_exact_law(setup, request, kind, temp, seed):
-    model, target, _ = setup
+    model, target = request.getfixturevalue("gemma4_target") if kind.startswith("gemma4") else setup[:2]
     stats = GenerationStats(block_size=B)
     drafter = request.getfixturevalue(kind)
     counts = first_three(target, drafter, Sampling(temp, top_p=0.9), seed=seed, stats=stats, runs=SPEC_RUNS)

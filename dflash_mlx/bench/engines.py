@@ -68,14 +68,6 @@ class MlxLmEngine(Engine):
                             max_tokens=max_tokens, sampler=sampler)
         return ((t, from_draft) for t, _, from_draft in steps)
 
-    def _record(self, stats: GenerationStats, n: int, cycle: List[int], stopped: bool) -> None:
-        if self.draft_model is None:
-            if n > 1:  # the first token comes from prefill
-                stats.record_plain()
-        else:
-            accepted = len(cycle) if stopped else min(len(cycle) - 1, self.num_draft_tokens)
-            stats.record_step(accepted, self.num_draft_tokens)
-
     def stream(self, ids, max_tokens, sampler, stop_ids, stats):
         cycle: List[int] = []
         with unfused(self.model, *([self.draft_model] if self.draft_model is not None else [])):
@@ -83,7 +75,11 @@ class MlxLmEngine(Engine):
                 stopped = token in stop_ids
                 cycle += [] if stopped else [token]
                 if stopped or not from_draft or n == max_tokens:
-                    self._record(stats, n, cycle, stopped)
+                    if self.draft_model is None and n > 1:  # the first token comes from prefill
+                        stats.record_plain()
+                    elif self.draft_model is not None:
+                        accepted = len(cycle) if stopped else min(len(cycle) - 1, self.num_draft_tokens)
+                        stats.record_step(accepted, self.num_draft_tokens)
                     yield cycle
                     if stopped:
                         return

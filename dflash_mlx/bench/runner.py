@@ -12,7 +12,7 @@ from ..decode.generate import check_block_size, generate_step
 from ..errors import InputError
 from ..ranges import check_number
 from ..sampling import Sampling
-from ..stats import GenerationStats
+from ..stats import GenerationStats, rounded
 from .datasets import Sample, encode_sample_turn
 from .engines import DFlashEngine, Engine
 from .simulate import SimulatedDrafter
@@ -68,19 +68,17 @@ class RunRecord:
 
     def to_dict(self) -> dict:
         """The JSON record: seconds to the microsecond, no token ids."""
-        def r(x, n=6):
-            return None if x is None else round(x, n)
-
         stats = self.stats.to_dict(trace=False)
         return {
             "sample": self.sample, "turn": self.turn, "repeat": self.repeat, "engine": self.engine,
             "block_size": self.block_size, "prompt_tokens": self.prompt_tokens,
             "generation_tokens": len(self.tokens), "decode_tokens": self.decode_tokens,
-            "prompt_s": r(self.prompt_s), "decode_s": r(self.decode_s), "prompt_tps": r(self.prompt_tps, 3),
-            "decode_tps": r(self.decode_tps, 3), "phase_s": {k: r(v) for k, v in self.stats.phase_s.items()},
+            "prompt_s": rounded(self.prompt_s), "decode_s": rounded(self.decode_s),
+            "prompt_tps": rounded(self.prompt_tps, 3), "decode_tps": rounded(self.decode_tps, 3),
+            "phase_s": {k: rounded(v) for k, v in self.stats.phase_s.items()},
             **{k: stats[k] for k in ("steps", "plain_steps", "tau", "acceptance_rate", "acceptance_rule",
                                      "acceptance_histogram")},
-            "peak_memory_gb": r(self.peak_memory_gb), "matches_baseline": self.matches_baseline}
+            "peak_memory_gb": rounded(self.peak_memory_gb), "matches_baseline": self.matches_baseline}
 
 
 def timed_run(engine: Engine, ids: List[int], max_tokens: int, sampler, stop_ids: Sequence[int]) -> RunRecord:
@@ -227,13 +225,6 @@ class Runner:
         mx.random.seed(self.config.seed)
         return timed_run(engine, ids, max_tokens, self.config.sampler(), self.stop_ids)
 
-    def _warmup(self, ids: List[int]) -> None:
-        """One short untimed run of every engine, once."""
-        if self.config.warmup_tokens > 0 and not self._warm:
-            for engine in [self.baseline] + [self._dflash(v, ids) for v in self.variants]:
-                self._run(engine, ids, self.config.warmup_tokens)
-        self._warm = True
-
     def _prompt(self, sample: Sample, messages: List[dict], turn: int) -> List[int]:
         if sample.prompt_ids is not None:
             return list(sample.prompt_ids)
@@ -254,7 +245,10 @@ class Runner:
             messages = list(sample.messages)
             for turn in range(turns[index]):
                 ids = self._prompt(sample, messages, turn)
-                self._warmup(ids)
+                if self.config.warmup_tokens > 0 and not self._warm:  # one short untimed run of every engine, once
+                    for engine in [self.baseline] + [self._dflash(v, ids) for v in self.variants]:
+                        self._run(engine, ids, self.config.warmup_tokens)
+                self._warm = True
                 for repeat in range(self.config.repeats):
                     runs = self._pair(ids, reverse=(index + repeat) % 2 == 1)
                     for r in runs:

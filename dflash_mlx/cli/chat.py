@@ -137,14 +137,14 @@ def _line(line: str, session, o, view, pair) -> Tuple[bool, bool]:
     """Run one line (a /command, or a turn with its summary and notices); returns ``(ok, quit)``."""
     from dflash_mlx.chat.session import ContextFullError
     from dflash_mlx.pair.sharded import lockstep
-    from dflash_mlx.sampling import make_sampler
+    from dflash_mlx.sampling import Sampling
 
     from .chat_ui import summary_line
 
     try:
         if line.startswith("/"):
             return True, _command(line, session, o, view, pair)
-        sampler = make_sampler(o.temp, o.top_p, o.min_p, o.top_k, o.vocab_size)
+        sampler = Sampling(o.temp, o.top_p, o.min_p, o.top_k, o.vocab_size)
         events = lockstep(session.stream(line, sampler=sampler, max_tokens=o.max_tokens, block_size=o.block_size,
                                          stop_strings=o.stop, prompt_lookup=o.prompt_lookup == "auto"))
         with closing(events):

@@ -58,7 +58,7 @@ def _run(o) -> None:
     import mlx.core as mx
 
     from dflash_mlx.prompt import context_length, encode_messages, plain_text
-    from dflash_mlx.sampling import make_sampler
+    from dflash_mlx.sampling import Sampling
 
     pair = load_pair(o.model, o.draft_model, o.defaults, window, distributed and distributed["sharding"])
     if o.seed is not None:  # after loading: building the model draws from the key, sharded or not
@@ -68,7 +68,7 @@ def _run(o) -> None:
     ids = encode_messages(pair.tokenizer, turns + [{"role": "user", "content": text}], o.template,
                           use_template=not o.ignore_chat_template, plain=plain_text)
     max_tokens = fit_context(len(ids), o.max_tokens, context_length(pair.target))
-    sampler = make_sampler(o.temp, o.top_p, o.min_p, o.top_k, pair.target.vocab_size)
+    sampler = Sampling(o.temp, o.top_p, o.min_p, o.top_k, pair.target.vocab_size)
     run = dict(sampler=sampler, max_tokens=max_tokens, stop_strings=stops, prefill_step_size=o.prefill_step_size,
                prompt_lookup=o.prompt_lookup == "auto")
     if o.compare:  # both halves timed on built kernels

@@ -224,36 +224,29 @@ class BatchDecoder:
         return [(len(out) - 1, out)], len(tree) - 1
 
     def _verify_chain(self, tokens: mx.array, drafts: mx.array, proposals: Optional[List[Proposal]]) -> List[tuple]:
-        """``tokens`` [N] and ``drafts`` [N, w-1] verified in one forward, decided, the rejected rolled back."""
+        """``tokens`` [N] and ``drafts`` [N, w-1] verified in one forward, decided by each sequence's rule on its
+        verify rows (logits [N, w, V]) with one sync, ``(accepted a, the target's tokens [w])`` per sequence on the
+        host; each sequence's rejected rows dropped (RollbackError where a cache cannot), then in a batch the
+        padding every sequence has."""
         if not self.solo:
             share_offsets(self.cache)
         h, features = self.target(mx.concatenate([tokens[:, None], drafts], axis=1), self.cache, self.capture)
-        decided = self._decide(drafts, proposals, self.target.lm_head(h), features)
+        logits = self.target.lm_head(h)
+        decided = [s.rule.accept(proposals[i].head(drafts.shape[1]) if proposals else Proposal(drafts[i]), logits[i],
+                                 s.draw()) for i, s in enumerate(self.sequences)]
+        mx.eval([x for pick in decided for x in pick if x is not None], features, drafts)
+        decided = [(a, y.tolist()) for a, y in decided]
+        decided = [(common_prefix(d, y) if a is None else a.item(), y) for d, (a, y) in zip(drafts.tolist(), decided)]
         self._context = (features, [a + 1 for a, _ in decided]) if features is not None else None
-        self._rollback([drafts.shape[1] - a for a, _ in decided])
+        self.target.rollback(self.cache, [drafts.shape[1] - a for a, _ in decided])
+        compact(self.cache)
+        if self.batch_drafter is not None:
+            compact(self.batch_drafter.cache)
         return decided
 
     def _tokens(self) -> mx.array:
         """[N] int32: every sequence's last committed token."""
         return mx.concatenate([s.token for s in self.sequences])
-
-    def _rollback(self, rejected: List[int]) -> None:
-        """Drop each sequence's rejected rows (raises RollbackError where a cache cannot), then in a batch the
-        padding every sequence has."""
-        self.target.rollback(self.cache, rejected)
-        compact(self.cache)
-        if self.batch_drafter is not None:
-            compact(self.batch_drafter.cache)
-
-    def _decide(self, drafts: mx.array, proposals: Optional[List[Proposal]], logits: mx.array,
-                features: mx.array) -> List[tuple]:
-        """Each sequence's rule on its verify rows (logits [N, w, V], drafts [N, w-1]), one sync:
-        ``(accepted a, the target's tokens [w])`` per sequence, on the host."""
-        decided = [s.rule.accept(proposals[i].head(drafts.shape[1]) if proposals else Proposal(drafts[i]), logits[i],
-                                 s.draw()) for i, s in enumerate(self.sequences)]
-        mx.eval([x for pick in decided for x in pick if x is not None], features, drafts)
-        decided = [(a, y.tolist()) for a, y in decided]
-        return [(common_prefix(d, y) if a is None else a.item(), y) for d, (a, y) in zip(drafts.tolist(), decided)]
 
     def _propose(self, tokens: mx.array, block: int) -> Tuple[mx.array, Optional[List[Proposal]]]:
         """Drafts [N, block-1] of every sequence (lazy) from ``tokens`` [N], and per-sequence

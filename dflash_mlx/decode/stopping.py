@@ -43,7 +43,8 @@ class StopCondition:
         kept, reason = list(tokens[: self.budget]), None
         if (end := next((i for i, tok in enumerate(kept) if tok in self.stop_ids), None)) is not None:
             kept, reason = kept[:end], "stop"
-        if (end := self._stop_string_end(kept)) is not None:
+        if self.stop_strings and kept and self._contains_stop(self._tail + kept):  # end with the first one completed
+            end = next(i for i in range(1, len(kept) + 1) if self._contains_stop(self._tail + kept[:i]))
             kept, reason = kept[:end], "stop"
         if reason is None and len(kept) >= self.budget:
             reason = "length"
@@ -51,12 +52,6 @@ class StopCondition:
         if self.stop_strings:
             self._tail = (self._tail + kept)[-self._window:]
         return kept, reason
-
-    def _stop_string_end(self, tokens: List[int]) -> Optional[int]:
-        """Tokens to keep so the run ends with the first completed stop string."""
-        if not self.stop_strings or not tokens or not self._contains_stop(self._tail + tokens):
-            return None
-        return next(i for i in range(1, len(tokens) + 1) if self._contains_stop(self._tail + tokens[:i]))
 
     def _contains_stop(self, ids: List[int]) -> bool:
         text = self.decode(ids)

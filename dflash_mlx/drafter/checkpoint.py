@@ -109,32 +109,25 @@ def write_safetensors(path: Path, arrays: dict, metadata: Optional[dict] = None)
     safetensors.serialize_file(specs, str(path), metadata=metadata)
 
 
+# Values of a config's torch_dtype / dtype: the float types weights are stored in.
+CONFIG_DTYPES = ("float16", "bfloat16", "float32", "float64", "auto")
+
+
 def read_config(config_file: Path, missing: str = "not found") -> dict:
-    """A ``config.json`` (``missing``: what a missing file's error says); errors name the file and key."""
+    """A ``config.json`` (``missing``: what a missing file's error says); errors name the file and key (ConfigError
+    for invalid JSON, or a ``torch_dtype`` or ``dtype`` naming no float type, with its value)."""
     if not config_file.is_file():
         raise CheckpointError(f"{config_file}: {missing}")
     try:
         config = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{config_file}: invalid JSON ({e})") from None
-    if isinstance(config, dict):
-        check_config_dtype(config, config_file)
-    return config
-
-
-# Values of a config's torch_dtype / dtype: the float types weights are stored in.
-CONFIG_DTYPES = ("float16", "bfloat16", "float32", "float64", "auto")
-
-
-def check_config_dtype(config: dict, config_file: Path) -> None:
-    """ConfigError (naming the file, key and value) for a ``torch_dtype`` or ``dtype`` naming no float type."""
-    for key in ("torch_dtype", "dtype"):
+    for key in ("torch_dtype", "dtype") if isinstance(config, dict) else ():  # each None or a float type's name
         value = config.get(key)
-        if value is None:
-            continue
         name = value[len("torch."):] if isinstance(value, str) and value.startswith("torch.") else value
-        if not isinstance(name, str) or (name not in CONFIG_DTYPES and not name.startswith("float8")):
+        if value is not None and not (isinstance(name, str) and (name in CONFIG_DTYPES or name.startswith("float8"))):
             raise ConfigError(f"{config_file}: '{key}' must be one of {', '.join(CONFIG_DTYPES)}, got {value!r}")
+    return config
 
 
 def read_safetensors(path: Path, with_files: bool = False):

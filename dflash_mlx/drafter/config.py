@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ..errors import ConfigError
 from .formats import FORMATS, V1, DrafterFormat, detect_format, to_int, to_number
-from .variants import engine_keys, pick, rope_theta as read_rope_theta
+from .variants import engine_keys, pick, rope_parameters, rope_theta as read_rope_theta
 
 DRAFTER_ARCHITECTURE = V1.architecture
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -35,6 +35,7 @@ class DrafterArgs:
         mask_embedding: the checkpoint has its own ``mask_embedding`` [H] weight (set by the loader).
         conv_kernel_size ... final_logit_softcapping: DFlash2's keys (0 / 1.0 / None: off).
         markov_rank ... confidence_head_with_markov: DSpark's keys (rank 0: no Markov head).
+        global_head_dim ... attention_k_eq_v: Gemma 4 DSpark's attention keys (:mod:`~dflash_mlx.drafter.layers`).
         draft_vocab_size: K, drafts only among the tokens ``d2t`` [K] maps to (None: the whole vocabulary).
         config: the ``config.json`` parsed, so saving writes the same keys back (None for a new drafter).
     """
@@ -70,6 +71,9 @@ class DrafterArgs:
     markov_head_type: str = "vanilla"
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = False
+    global_head_dim: Optional[int] = None
+    num_global_key_value_heads: Optional[int] = None
+    attention_k_eq_v: bool = False
     draft_vocab_size: Optional[int] = None
     config: Optional[dict] = field(default=None, repr=False, compare=False)
 
@@ -127,22 +131,17 @@ class DrafterArgs:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"{source}: num_attention_heads {self.num_attention_heads} is not a "
                               f"multiple of num_key_value_heads {self.num_key_value_heads}")
-        self._validate_layers(source)
-        self.format.validate_keys(self, source)
-
-    def _validate_layers(self, source: str) -> None:
         types = self.layer_types
-        if types is None:
-            return
-        if not isinstance(types, list) or len(types) != self.num_hidden_layers:
+        if types is not None and (not isinstance(types, list) or len(types) != self.num_hidden_layers):
             raise ConfigError(f"{source}: 'layer_types' must list one type per layer ({self.num_hidden_layers}), "
                               f"got {types!r}")
-        for i, t in enumerate(types):
+        for i, t in enumerate(types or []):
             if t not in LAYER_TYPES:
                 raise ConfigError(f"{source}: 'layer_types[{i}]' is {t!r}; expected one of {list(LAYER_TYPES)}")
-        if "sliding_attention" in types and (self.sliding_window is None or self.sliding_window < 1):
+        if types and "sliding_attention" in types and (self.sliding_window is None or self.sliding_window < 1):
             raise ConfigError(f"{source}: 'sliding_window' must be a positive number of tokens when a layer is "
                               f"sliding_attention, got {self.sliding_window!r}")
+        self.format.validate_keys(self, source)
 
     def to_config(self, dtype: str = "bfloat16") -> dict:
         """The ``config.json`` of this drafter: a loaded one's config with the same keys in the same
@@ -185,7 +184,7 @@ def _merge(original: dict, top: dict, dflash: dict, dtype: str, fmt: DrafterForm
         elif key in out:
             out[key] = value
         elif key == "rope_theta" and isinstance(out.get("rope_parameters"), dict):
-            out["rope_parameters"]["rope_theta"] = value
+            rope_parameters(out, "")["rope_theta"] = value  # Gemma 4's: in its full_attention entry
         elif key in dflash and key not in top:
             if key in _IDS or fmt.addable(key, value):
                 out.setdefault("dflash_config", {})[key] = value
@@ -214,7 +213,7 @@ def _shape(config: dict, source: str) -> Dict[str, Any]:
 
     heads = to_int(need("num_attention_heads"), "num_attention_heads", source)
     hidden = to_int(need("hidden_size"), "hidden_size", source)
-    rope_params = config.get("rope_parameters") or {}
+    rope_params = rope_parameters(config, source)
     return dict(
         hidden_size=hidden, num_attention_heads=heads,
         num_hidden_layers=to_int(need("num_hidden_layers"), "num_hidden_layers", source),

@@ -11,6 +11,7 @@ network (:mod:`dflash_mlx.drafter.network`).
 - ``Qwen3DSparkModel`` (DSpark, and DeepSeek's DFlash block7 with ``markov_rank`` 0; spec section 11): ids and
   its keys at the top level; anchor-first (every block row drafts); ``embed_tokens.*``, ``lm_head.*`` (copies of
   the target's), ``markov_head.*``, ``confidence_head.*``; bidirectional.
+- ``Gemma4DSparkModel``: as ``Qwen3DSparkModel`` with Gemma 4's layers and keys (:mod:`~dflash_mlx.drafter.layers`).
 
 Any format may mix ``sliding_attention`` layers; a top-level ``is_causal`` overrides every layer.
 """
@@ -70,6 +71,7 @@ class DrafterFormat:
         anchor_first: every block row drafts, row k the token after it (the anchor's row too), so a verify of
             B tokens drafts with a block of B-1 rows; else row k drafts block position k, row 0 unused.
         stores_embeddings: the checkpoint holds copies of the target's ``embed_tokens`` and ``lm_head``.
+        gemma4: Gemma 4's layers, embedding scale and capped head (:mod:`~dflash_mlx.drafter.layers`).
         keys: the config keys this format alone owns; check: their cross-checks (ConfigError).
     """
 
@@ -80,6 +82,7 @@ class DrafterFormat:
     bidirectional: bool = False
     anchor_first: bool = False
     stores_embeddings: bool = False
+    gemma4: bool = False
     keys: Tuple[FormatKey, ...] = ()
     check: Optional[Callable[[Any, str], None]] = None
 
@@ -143,6 +146,27 @@ DSPARK_KEYS = (
     FormatKey("enable_confidence_head", (False, True), default=False),
     FormatKey("confidence_head_with_markov", (False, True), default=False))
 
+# DeepSpec gemma4/{config,modeling}.py: the attention's head width and K/V heads, K = V, the head's logit cap; keys
+# whose other values DeepSpec's Gemma 4 drafter (no MoE block, no per-layer inputs) or mlx-lm's layer do not build
+GEMMA4_KEYS = DSPARK_KEYS + (
+    FormatKey("global_head_dim", minimum=1), FormatKey("num_global_key_value_heads", default=None, minimum=1),
+    FormatKey("attention_k_eq_v", (False, True), default=False)) + DFLASH2_KEYS[-1:]
+GEMMA4_FIXED = {"enable_moe_block": False, "hidden_size_per_layer_input": 0, "attention_bias": False,
+                "hidden_activation": "gelu_pytorch_tanh"}
+
+
+def _check_gemma4(args: Any, source: str) -> None:
+    """A Gemma 4 DSpark config's :data:`GEMMA4_FIXED` keys (or null) and its K = V heads; ConfigError naming the key."""
+    for key, value in (args.config or {}).items():
+        if key in GEMMA4_FIXED and value is not None and repr(value) != repr(GEMMA4_FIXED[key]):
+            raise ConfigError(f"{source}: '{key}' {value!r} is not supported ({args.architecture} loads "
+                              f"{GEMMA4_FIXED[key]!r})")
+    kv = args.num_global_key_value_heads
+    if args.attention_k_eq_v and (kv is None or args.num_attention_heads % kv):
+        raise ConfigError(f"{source}: 'num_global_key_value_heads' {kv!r} must divide num_attention_heads "
+                          f"{args.num_attention_heads} (attention_k_eq_v is true)")
+
+
 V1 = DrafterFormat("DFlashDraftModel", "qwen3")
 DFLASH2 = DrafterFormat("DFlash2DraftModel", "qwen3", keys=DFLASH2_KEYS, check=_check_dflash2)
 MUSE_GLIMMER = DrafterFormat("MuseGlimmerAssistantModel", "muse_glimmer_assistant", ids_at_top=True,
@@ -150,7 +174,10 @@ MUSE_GLIMMER = DrafterFormat("MuseGlimmerAssistantModel", "muse_glimmer_assistan
                              bidirectional=True)
 DSPARK = DrafterFormat("Qwen3DSparkModel", "qwen3", ids_at_top=True, bidirectional=True, anchor_first=True,
                        stores_embeddings=True, keys=DSPARK_KEYS)
-FORMATS: Dict[str, DrafterFormat] = {f.architecture: f for f in (V1, DFLASH2, MUSE_GLIMMER, DSPARK)}
+GEMMA4_DSPARK = DrafterFormat("Gemma4DSparkModel", "gemma4_text", ids_at_top=True, bidirectional=True,
+                              anchor_first=True, stores_embeddings=True, gemma4=True, keys=GEMMA4_KEYS,
+                              check=_check_gemma4)
+FORMATS: Dict[str, DrafterFormat] = {f.architecture: f for f in (V1, DFLASH2, MUSE_GLIMMER, DSPARK, GEMMA4_DSPARK)}
 
 
 def detect_format(config: dict, source: str = "config.json") -> DrafterFormat:

@@ -1,4 +1,4 @@
-"""The DFlash drafter (spec section 4; sliding layers and DFlash2, spec section 9; DSpark, section 11).
+"""The DFlash drafter (spec section 4; sliding layers and DFlash2, spec section 9; DSpark, Gemma 4's, section 11).
 
 A layer is :meth:`DrafterLayer.pre` (norm, projections, RoPE), an ``attend`` the caller passes, then
 :meth:`DrafterLayer.post` (output projection, MLP). One sequence (:func:`cached_attention`), a batch
@@ -11,8 +11,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
-from mlx_lm.models.qwen3 import MLP  # the same SwiGLU MLP and keys as the checkpoints
-from mlx_lm.models.rope_utils import initialize_rope
+from mlx_lm.models.gemma4_text import logit_softcap
 
 from ..errors import ConfigError, InputError
 from ..kernels.block_attention import attention_path, block_attention, masked_attention
@@ -22,6 +21,7 @@ from ..prompt_cache.drafter_context import ContextWindowCache
 from ..targets.fused import compile_enabled, rope_rows, rotate
 from .config import DrafterArgs
 from .dflash2 import BlockConv, CandidateSelector
+from .layers import ATTENTION, LAYER, adopt, mlx_lm_layer
 from .vocab import draft_vocab_head, to_vocab
 
 # Where rows sit for RoPE: a first position (an int, a 0-d or an [N] int array) or rope_rows' (cos, sin).
@@ -37,34 +37,28 @@ def rope_at(rope: nn.Module, x: mx.array, at: At) -> mx.array:
 
 
 class DrafterAttention(nn.Module):
-    """Context and block rows share ``k_proj``/``v_proj`` (spec section 4); a sliding layer has ``window`` W."""
+    """Context and block rows share ``k_proj``/``v_proj`` (spec section 4); a sliding layer has ``window`` W; the
+    projections, norms and RoPE are those of mlx-lm's attention ``theirs`` (:mod:`~dflash_mlx.drafter.layers`)."""
 
-    def __init__(self, args: DrafterArgs, layer: int = 0):
+    def __init__(self, args: DrafterArgs, layer: int, theirs: nn.Module):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
-        self.scale = args.head_dim**-0.5
         self.window = args.sliding_window if args.is_sliding(layer) else None
         self.causal = args.is_causal_layer(layer)
-        dim, hd = args.hidden_size, args.head_dim
-        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=False)
-        self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
-        self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
-        self.rope = initialize_rope(hd, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings)
+        adopt(self, theirs, ATTENTION)
 
     def _heads(self, x: mx.array, n: int) -> mx.array:
-        return x.reshape(x.shape[0], x.shape[1], n, self.head_dim).transpose(0, 2, 1, 3)
+        return x.reshape(x.shape[0], x.shape[1], n, x.shape[-1] // n).transpose(0, 2, 1, 3)
 
     def queries(self, x: mx.array, at: At) -> mx.array:
         """[N, L, H] normed rows -> queries [N, n_heads, L, hd] with RoPE."""
         return rope_at(self.rope, self.q_norm(self._heads(self.q_proj(x), self.n_heads)), at)
 
     def keys_values(self, rows: mx.array, at: At) -> KV:
-        """[N, L, H] rows -> keys (normed, RoPE) and values [N, n_kv, L, hd]."""
-        keys = self.k_norm(self._heads(self.k_proj(rows), self.n_kv_heads))
-        return rope_at(self.rope, keys, at), self._heads(self.v_proj(rows), self.n_kv_heads)
+        """[N, L, H] rows -> keys (normed, RoPE) and values [N, n_kv, L, hd] (Gemma 4: ``v_norm``ed, k_proj's without v_proj)."""
+        keys = self._heads(self.k_proj(rows), self.n_kv_heads)
+        values = self._heads(self.v_proj(rows), self.n_kv_heads) if "v_proj" in self else keys
+        values = self.v_norm(values) if "v_norm" in self else values
+        return rope_at(self.rope, self.k_norm(keys), at), values
 
     def output(self, out: mx.array) -> mx.array:
         """[N, n_heads, B, hd] attention output -> [N, B, H] (``o_proj``)."""
@@ -85,15 +79,14 @@ def cached_attention(cache, rows: int) -> Attend:
 
 
 class DrafterLayer(nn.Module):
-    """Pre-norm layer: KV-injected attention, then the SwiGLU MLP; with DFlash2 each half wrapped in a
-    :class:`BlockConv`."""
+    """Pre-norm layer of mlx-lm's pieces (:mod:`~dflash_mlx.drafter.layers`): KV-injected attention, then the SwiGLU
+    MLP; with DFlash2 each half wrapped in a :class:`BlockConv`; Gemma 4's: each half's output normed, GeGLU, scaled."""
 
     def __init__(self, args: DrafterArgs, layer: int = 0):
         super().__init__()
-        self.self_attn = DrafterAttention(args, layer)
-        self.mlp = MLP(args.hidden_size, args.intermediate_size)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        theirs = mlx_lm_layer(args)
+        self.self_attn = DrafterAttention(args, layer, theirs.self_attn)
+        adopt(self, theirs, LAYER)
         if args.conv_kernel_size:
             conv = (args.hidden_size, args.conv_kernel_size, args.conv_group_size)
             self.attention_conv, self.mlp_conv = BlockConv(*conv), BlockConv(*conv)
@@ -110,6 +103,9 @@ class DrafterLayer(nn.Module):
     def post(self, h: mx.array, out: mx.array, dyn: Optional[mx.array]) -> mx.array:
         """After the attention (``out`` [N, n_heads, B, hd]): residual, then the MLP half."""
         a = self.self_attn.output(out)
+        if "layer_scalar" in self:  # Gemma 4
+            h = h + self.post_attention_layernorm(a)
+            return (h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))) * self.layer_scalar
         h = h + (a if dyn is None else self.attention_conv.finish(a, dyn))
         x = self.post_attention_layernorm(h)
         if "mlp_conv" not in self:
@@ -165,6 +161,7 @@ class DFlashDrafter(nn.Module):
         self._embed: Optional[Callable[[mx.array], mx.array]] = None
         self._lm_head: Optional[Callable[[mx.array], mx.array]] = None
         self._draft_ids: Optional[mx.array] = None  # the draft vocabulary's token ids (bind), None: all
+        self._logit_cap: Optional[float] = None  # the target's final_logit_softcapping (bind)
         self.draft_window: Optional[Tuple[int, int]] = None
 
     @property
@@ -191,23 +188,29 @@ class DFlashDrafter(nn.Module):
         stay argmax."""
         return "candidate_selector" in self or "markov_head" in self
 
-    def bind(self, embed: Callable[[mx.array], mx.array], lm_head: Callable[[mx.array], mx.array]) -> "DFlashDrafter":
-        """Borrow the target's frozen embedding (with its scale) and head: not parameters, never saved. A drafter
+    def bind(self, embed: Callable[[mx.array], mx.array], lm_head: Callable[[mx.array], mx.array],
+             logit_cap: Optional[float] = None) -> "DFlashDrafter":
+        """Borrow the target's frozen embedding (with its scale) and linear head, and its ``final_logit_softcapping``
+        ``logit_cap`` (:meth:`logits` applies it): not parameters, never saved. A drafter
         that stores copies (DSpark) drops each copy equal, value for value, to what the target's gives (every
         token's embedding; the head's logits of 16 random vectors, where those of every unit vector would cost a
         whole matmul of the head), and keeps using its own where they differ. A ``d2t`` map restricts the head
         (:func:`~dflash_mlx.drafter.vocab.draft_vocab_head`; :meth:`logits` places its columns)."""
-        x = mx.random.normal((1, 16, self.args.hidden_size), key=mx.random.key(0)).astype(self.norm.weight.dtype)
-        probes = {"embed_tokens": (embed, mx.arange(self.args.vocab_size)[None]), "lm_head": (lm_head, x)}
+        own, a = {name: self[name] for name in ("embed_tokens", "lm_head") if name in self}, self.args
+        if a.format.gemma4 and "embed_tokens" in own:  # as the target computes it: Gemma 4's times sqrt(hidden_size)
+            own["embed_tokens"] = lambda ids, table=own["embed_tokens"]: table(ids) * a.hidden_size**0.5
+        x = mx.random.normal((1, 16, a.hidden_size), key=mx.random.key(0)).astype(self.norm.weight.dtype)
+        probes = {"embed_tokens": (embed, mx.arange(a.vocab_size)[None]), "lm_head": (lm_head, x)}
         for name, (theirs, probe) in probes.items():
             pieces = mx.split(probe, list(range(256, probe.shape[1], 256)), axis=1)  # 256 rows at a time
-            if name in self and all(mx.array_equal(self[name](x), theirs(x)).item() for x in pieces):
+            if name in own and all(mx.array_equal(own[name](x), theirs(x)).item() for x in pieces):
                 self.__dict__.setdefault("copies", {})[name] = self.pop(name)  # not trained; saved again
-        self._embed, self._lm_head = self.get("embed_tokens", embed), self.get("lm_head", lm_head)
+                del own[name]
+        self._embed, self._lm_head = own.get("embed_tokens", embed), own.get("lm_head", lm_head)
         ids = mx.arange(self.d2t.size) + self.d2t if "d2t" in self else None
-        self.__dict__["_draft_ids"] = ids  # not module state: never saved or trained
+        self.__dict__["_draft_ids"], self.__dict__["_logit_cap"] = ids, logit_cap  # not module state: never saved
         if ids is not None:  # FR-Spec: the head's rows of the draft vocabulary only
-            self._lm_head = draft_vocab_head(self._lm_head, ids, self.args.hidden_size, self.norm.weight.dtype)
+            self._lm_head = draft_vocab_head(self._lm_head, ids, a.hidden_size, self.norm.weight.dtype)
         return self
 
     def set_draft_window(self, window: Optional[Tuple[int, int]]) -> None:
@@ -223,12 +226,9 @@ class DFlashDrafter(nn.Module):
     def make_cache(self) -> List[object]:
         """One context-only cache per layer: a sliding layer keeps its last W-1 rows, a full layer all
         (a ``KVCache``) or, with a draft window, its sink and window rows."""
-        return [self._cache_of(layer.self_attn.window) for layer in self.layers]
-
-    def _cache_of(self, window: Optional[int]):
-        if window is not None:
-            return ContextWindowCache(0, max(window - 1, 1))
-        return KVCache() if self.draft_window is None else ContextWindowCache(*self.draft_window)
+        windows = [layer.self_attn.window for layer in self.layers]
+        return [ContextWindowCache(0, max(w - 1, 1)) if w is not None else
+                KVCache() if self.draft_window is None else ContextWindowCache(*self.draft_window) for w in windows]
 
     def _context(self, context: mx.array, cache: Sequence[object]) -> mx.array:
         """Fused context rows ``hidden_norm(fc(features))`` [1, S', H] of the rows some layer will
@@ -295,13 +295,16 @@ class DFlashDrafter(nn.Module):
         return self.forward(block, fused, offset, offset + S, [cached_attention(c, S) for c in cache])
 
     def logits(self, hidden: mx.array) -> mx.array:
-        """``lm_head(hidden) * output_multiplier``, then ``cap * tanh(logits / cap)`` with
-        ``final_logit_softcapping`` (DFlash2; identity for v1); [..., V], -inf outside a draft vocabulary."""
+        """``lm_head(hidden)`` capped as the target caps (bind's ``logit_cap``), ``* output_multiplier``, then
+        ``cap * tanh(logits / cap)`` with the drafter's ``final_logit_softcapping`` (DFlash2; Gemma 4 DSpark's in
+        place of the target's; identity for v1); [..., V], -inf outside a draft vocabulary."""
         logits = self._lm_head(hidden)
+        if self._logit_cap and not self.args.format.gemma4:  # the target's cap (Gemma 4 DSpark's: its own, below)
+            logits = logit_softcap(self._logit_cap, logits)
         if self.args.output_multiplier != 1.0:
             logits = logits * self.args.output_multiplier
         cap = self.args.final_logit_softcapping
-        logits = cap * mx.tanh(logits / cap) if cap else logits
+        logits = logit_softcap(cap, logits) if cap else logits
         return logits if self._draft_ids is None else to_vocab(logits, self._draft_ids, self.args.vocab_size)
 
     def __call__(self, block: mx.array, context: mx.array, cache: Sequence[object]) -> mx.array:

@@ -10,7 +10,7 @@ our fields or refused with one line naming the key:
   vocabulary: drafts only among the K tokens its ``d2t`` weight maps to); a ``mask_embedding`` weight.
 """
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from ..errors import ConfigError
 from .formats import to_int
@@ -29,13 +29,21 @@ def pick(config: dict, dflash: dict, key: str, top_first: bool, source: str, def
     return default if value is _MISSING or value is None else value
 
 
-def rope_theta(config: dict, source: str) -> Any:
-    """``rope_theta``, or ``rope_parameters.rope_theta`` (10000 when neither); ConfigError when they differ."""
+def rope_parameters(config: dict, source: str) -> Dict[str, Any]:
+    """``rope_parameters`` ({} when absent); of Gemma 4's per layer type the ``full_attention`` ones (a drafter's
+    layers are all full attention: DeepSpec gemma4/modeling.py); ConfigError naming a value that is no object."""
     params = config.get("rope_parameters") or {}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
     if not isinstance(params, dict):
         raise ConfigError(f"{source}: 'rope_parameters' must be an object, got {params!r}")
-    theta = _agree(params.get("rope_theta"), config.get("rope_theta"), "rope_parameters.rope_theta", "rope_theta",
-                   source)
+    return params
+
+
+def rope_theta(config: dict, source: str) -> Any:
+    """``rope_theta``, or ``rope_parameters.rope_theta`` (10000 when neither); ConfigError when they differ."""
+    theta = _agree(rope_parameters(config, source).get("rope_theta"), config.get("rope_theta"),
+                   "rope_parameters.rope_theta", "rope_theta", source)
     return 10000.0 if theta is None else theta
 
 
@@ -55,7 +63,12 @@ def engine_keys(config: dict, dflash: dict, source: str) -> Dict[str, Any]:
     window = config.get("sliding_window")
     for key in ("swa_window_size", "sliding_window"):
         window = _agree(window, dflash.get(key), "sliding_window", f"dflash_config.{key}", source)
-    _check_use_swa(config, dflash.get("use_swa"), source)
+    use_swa, types = dflash.get("use_swa"), config.get("layer_types") or []  # must say what layer_types says
+    if use_swa is not None and not isinstance(use_swa, bool):
+        raise ConfigError(f"{source}: 'dflash_config.use_swa' must be true or false, got {use_swa!r}")
+    if use_swa is not None and use_swa != (isinstance(types, list) and "sliding_attention" in types):
+        raise ConfigError(f"{source}: 'dflash_config.use_swa' is {str(use_swa).lower()} but 'layer_types' "
+                          f"{'names no' if use_swa else 'has a'} sliding_attention layer")
     if causal is not None and not isinstance(causal, bool):
         raise ConfigError(f"{source}: 'is_causal' must be true, false or null, got {causal!r}")
     return {"is_causal": causal, "layer_types": config.get("layer_types") or None, "draft_vocab_size":
@@ -67,16 +80,3 @@ def _agree(ours: Any, theirs: Any, our_key: str, their_key: str, source: str) ->
     if ours is not None and theirs is not None and ours != theirs:
         raise ConfigError(f"{source}: '{their_key}' {theirs!r} and '{our_key}' {ours!r} disagree")
     return ours if ours is not None else theirs
-
-
-def _check_use_swa(config: dict, use_swa: Optional[Any], source: str) -> None:
-    """``dflash_config.use_swa`` must say what ``layer_types`` says."""
-    if use_swa is None:
-        return
-    if not isinstance(use_swa, bool):
-        raise ConfigError(f"{source}: 'dflash_config.use_swa' must be true or false, got {use_swa!r}")
-    types = config.get("layer_types") or []
-    sliding = isinstance(types, list) and "sliding_attention" in types
-    if use_swa != sliding:
-        raise ConfigError(f"{source}: 'dflash_config.use_swa' is {str(use_swa).lower()} but 'layer_types' "
-                          f"{'names no' if use_swa else 'has a'} sliding_attention layer")

@@ -147,10 +147,11 @@ def bind_drafter(drafter: DFlashDrafter, target: TargetAdapter, draft_source: st
             dequantize_model(drafter)
         dtype, head_dtype = QUANTIZED_DRAFTER_DTYPE, target.dtype
         drafter.set_dtype(dtype)
-        return drafter.bind(lambda ids: target.embed(ids).astype(dtype), lambda h: target.lm_head(h.astype(head_dtype)))
+        return drafter.bind(lambda ids: target.embed(ids).astype(dtype), lambda h: target.head(h.astype(head_dtype)),
+                            target.logit_cap)
     if drafter.fc.weight.dtype != target.dtype and mx.issubdtype(target.dtype, mx.floating):
         drafter.set_dtype(target.dtype)
-    return drafter.bind(target.embed, target.lm_head)
+    return drafter.bind(target.embed, target.head, target.logit_cap)
 
 
 def load(model: str = DEFAULT_MODEL, draft_model: Optional[str] = None, verify: bool = False,

@@ -61,7 +61,8 @@ def drafter_logits(drafter: DFlashDrafter, target: TargetAdapter, prompt: Sequen
     first = mx.argmax(target.lm_head(h[:, -1]), axis=-1).astype(mx.int32)
     block = drafter.blocks_of(first, drafter.block_size)
     drafter.set_dtype(mx.float32)
-    drafter.bind(lambda ids: target.embed(ids).astype(mx.float32), lambda x: target.lm_head(x.astype(target.dtype)))
+    drafter.bind(lambda ids: target.embed(ids).astype(mx.float32), lambda x: target.head(x.astype(target.dtype)),
+                 target.logit_cap)
     return drafter(block, features.astype(mx.float32), drafter.make_cache())[0].astype(mx.float32)
 
 

@@ -51,7 +51,10 @@ def write_target(src: Path, dst: Path, *, quantize: bool = False, q_bits: Option
         v is None or existing.get(k, "affine" if k == "mode" else None) == v for k, v in asked.items()
     )
     if is_mlx and dtype is None and (not quantize or same):
-        copy_model_files(src, dst)
+        dst.mkdir(parents=True)
+        for f in sorted(src.iterdir()):  # the files mlx-lm itself downloads (weights, configs, tokenizer)
+            if f.is_file() and any(fnmatch(f.name, p) for p in TARGET_FILES):
+                shutil.copy(f, dst / f.name)
         method = "copied (already mlx-lm format)"
     elif existing is not None and quantize:
         mid = dst.with_name(f".{dst.name}-dequantized")
@@ -81,14 +84,6 @@ def _mlx_lm_convert(src: Path, dst: Path, *, quantize: bool = False, q_bits=None
                                               ("--q-group-size", q_group_size)) if v is not None]
             raise InputError(f"{' '.join(flags)}: mlx-lm cannot quantize {src} this way ({detail})") from None
         raise CheckpointError(f"{src}: mlx-lm could not convert the target ({detail})") from None
-
-
-def copy_model_files(src: Path, dst: Path) -> None:
-    """Copy the files mlx-lm itself downloads for a model (weights, configs, tokenizer)."""
-    dst.mkdir(parents=True)
-    for f in sorted(src.iterdir()):
-        if f.is_file() and any(fnmatch(f.name, p) for p in TARGET_FILES):
-            shutil.copy(f, dst / f.name)
 
 
 def _folder_dtype(path: Path) -> str:

@@ -95,16 +95,10 @@ def batch_refusal(target: Any) -> Optional[str]:
     return None
 
 
-def _batch_layer(c: Any) -> Any:
-    """One sequence's prefilled layer cache (:data:`BATCHABLE`) as a batch of one."""
-    if isinstance(c, GatedDeltaCache):
-        return BatchGatedDeltaCache(c)
-    return BatchWindowKVCache.from_solo(c) if isinstance(c, WindowKVCache) else BatchKVCache.merge([c])
-
-
 def extend(batch: Optional[List[BatchKVCache]], cache: Sequence[KVCache]) -> List[BatchKVCache]:
     """Append one sequence's prefilled cache to ``batch`` (in place; a new batch when None); returns it."""
-    joined = [_batch_layer(c) for c in cache]
+    joined = [BatchGatedDeltaCache(c) if isinstance(c, GatedDeltaCache) else BatchWindowKVCache.from_solo(c)
+              if isinstance(c, WindowKVCache) else BatchKVCache.merge([c]) for c in cache]  # each a batch of one
     if batch is None:
         return joined
     for b, c in zip(batch, joined):

@@ -63,7 +63,7 @@ class PairCache:
         self._key: Optional[tuple] = None  # (target, drafter, key dict, key id)
         self._auto: Optional[tuple] = None  # (target, drafter, what auto learned: WidthChooser.state)
         self._unsaved: List[Snapshot] = []
-        self._fresh_caches()
+        self.cache, self.draft_cache = self._new_caches()
 
     def reuse(self, ids: Sequence[int]) -> int:
         """Trim both caches to the common prefix of ``tokens`` and all but the last of ``ids``;
@@ -77,7 +77,7 @@ class PairCache:
         where one cannot go back exactly); ``tokens`` says what is kept."""
         keep = min([rows] + [c.offset for cache in self._caches() for c in cache])
         if not all(trim_cache(cache, keep) for cache in self._caches()):
-            self._fresh_caches()  # cannot go back exactly: prefill everything again
+            self.cache, self.draft_cache = self._new_caches()  # cannot go back exactly: prefill everything again
             keep = 0
         self.tokens = list(ids[:keep])
 
@@ -114,8 +114,11 @@ class PairCache:
             known = start = self.begin(ids, int(kwargs.get("prefill_step_size") or 2048), kwargs.get("should_stop"))
             reused, pre_s = self.last_reused, time.perf_counter() - tic
             cached = {"cached_ids": ids[:start]} if kwargs.get("prompt_lookup") else {}
-            if self.drafter is not None:
-                cached["auto_state"] = self._auto_state()
+            if self.drafter is not None:  # what auto learned for this pair: read once from the store, then kept
+                if self._auto is None or self._auto[0] is not self.target or self._auto[1] is not self.drafter:
+                    learned = self.store.auto_state(self.pair_key()[1]) if self.store is not None else {}
+                    self._auto = (self.target, self.drafter, learned)
+                cached["auto_state"] = self._auto[2]
             for r in self.generate(self.target, self.tokenizer, ids[start:], self.drafter,
                                    prompt_cache=self.cache, draft_cache=self.draft_cache, **cached, **kwargs):
                 if first:  # rows reused and time spent here count as the prompt's
@@ -136,13 +139,6 @@ class PairCache:
             key = pair_key(self.target, self.drafter)
             self._key = (self.target, self.drafter, key, key_id(key))
         return self._key[2], self._key[3]
-
-    def _auto_state(self) -> dict:
-        """What auto learned for this pair, kept across this cache's generations (read once from the store)."""
-        if self._auto is None or self._auto[0] is not self.target or self._auto[1] is not self.drafter:
-            learned = self.store.auto_state(self.pair_key()[1]) if self.store is not None else {}
-            self._auto = (self.target, self.drafter, learned)
-        return self._auto[2]
 
     def _resume(self, ids: List[int], live: int) -> int:
         """Restore a stored entry holding more of ``ids`` than ``live`` rows, if any; returns the rows reused."""
@@ -193,9 +189,6 @@ class PairCache:
 
     def _caches(self) -> List[List[Any]]:
         return [self.cache] + ([self.draft_cache] if self.draft_cache is not None else [])
-
-    def _fresh_caches(self) -> None:
-        self.cache, self.draft_cache = self._new_caches()
 
     def _new_caches(self) -> tuple:
         B = max(self.drafter.block_size if self.drafter is not None else 1, MAX_COPY + 1)  # a copy's verify too

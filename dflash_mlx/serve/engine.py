@@ -20,7 +20,7 @@ from ..prompt_cache.pair import PairCache
 from ..prompt_cache.resume import PrefillStopped
 from ..prompt_cache.store import PrefixStore
 from ..protocol import attention_of
-from ..sampling import make_sampler
+from ..sampling import Sampling
 from .api import usage
 from .jobs import _STARTED, Chunk, GenerationJob, Job, Prepare, QueueFullError, push_together
 from .lifecycle import release_streams
@@ -135,7 +135,9 @@ class Engine:
         try:
             for job in admitted:
                 self._admit(job)
-            self._drop_stopped()
+            for req in [r for r in list(self._joining) + self._active if self._stops(r.job)]:
+                self._detach([req])  # closed by its client or past its deadline: it leaves now
+                self._stopped(req.job, req)
             if self._joining:
                 self._prefill_chunk()
             if self._active:
@@ -200,7 +202,7 @@ class Engine:
 
     def _start(self, job: Job) -> _Request:
         spec, tokenizer, step = job.spec, self.pair.tokenizer, self.prefill_step_size or 2048
-        sampler = make_sampler(spec.temperature, spec.top_p, spec.min_p, spec.top_k, self.pair.target.vocab_size)
+        sampler = Sampling(spec.temperature, spec.top_p, spec.min_p, spec.top_k, self.pair.target.vocab_size)
         stop = StopCondition(spec.max_tokens, tuple(tokenizer.eos_token_ids), spec.stop, tokenizer.decode)
         seed = spec.seed if spec.temperature > 0 else None
         start, caches = 0, {}
@@ -225,12 +227,6 @@ class Engine:
             ids = list(req.job.spec.ids) + req.reply
             known = len(ids) - 1 if req.first is not None else len(self.pair_cache.tokens)
             self.pair_cache.end(ids, known, done)
-
-    def _drop_stopped(self) -> None:
-        """Requests closed by their client or past their deadline leave now."""
-        for req in [r for r in list(self._joining) + self._active if self._stops(r.job)]:
-            self._detach([req])
-            self._stopped(req.job, req)
 
     def _stops(self, job: Job) -> bool:
         """Whether a started job stops (closed, or past its deadline): rank 0 decides for every rank."""

@@ -45,11 +45,9 @@ class Delta:
 
 def initial_state(tokenizer: Any, prompt: Sequence[int]) -> str:
     """"reasoning" when ``prompt`` ends inside an open thinking tag, else "normal" (as mlx-lm's server)."""
-    state = "normal"
-    if getattr(tokenizer, "has_thinking", False):
-        if tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
-            state = REASONING
-    return getattr(tokenizer, "response_initial_state", None) or state
+    inside = getattr(tokenizer, "has_thinking", False) and (
+        tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt))
+    return getattr(tokenizer, "response_initial_state", None) or (REASONING if inside else "normal")
 
 
 class ReplySplitter:

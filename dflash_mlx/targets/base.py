@@ -7,6 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from mlx_lm.models.gemma4_text import logit_softcap
 
 from ..prompt_cache.gated_delta import GatedDeltaCache
 from ..prompt_cache.rollback import EXACT_TRIM, Count, rollback
@@ -31,6 +32,7 @@ class TargetAdapter(TreeVerify):
             layer can only undo its last forward: the next plain step then waits for this one)."""
 
     rollback_spans_forwards = True
+    logit_cap: Optional[float] = None  # final_logit_softcapping: lm_head is cap * tanh(head / cap)
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -67,9 +69,13 @@ class TargetAdapter(TreeVerify):
         """[1, L] int -> [1, L, H] input embeddings (the drafter uses this too)."""
         return self.inner.embed_tokens(inputs)
 
-    def lm_head(self, h: mx.array) -> mx.array:
-        """[1, L, H] normed hidden -> [1, L, V] logits; tied or untied, quantized or not."""
+    def head(self, h: mx.array) -> mx.array:
+        """[..., H] normed hidden -> [..., V] logits before any softcap (linear); tied or untied, quantized or not."""
         return self.text.lm_head(h) if hasattr(self.text, "lm_head") else self.inner.embed_tokens.as_linear(h)
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        """[1, L, H] normed hidden -> [1, L, V] logits: :meth:`head`, capped where :attr:`logit_cap` is set."""
+        return self.head(h) if self.logit_cap is None else logit_softcap(self.logit_cap, self.head(h))
 
     def masks(self, h: mx.array, cache: Sequence[Any]) -> List[Any]:
         """One attention mask per layer (all causal here)."""

@@ -23,7 +23,7 @@ class Gemma3TextAdapter(TargetAdapter):
         window = attention_mask(h, cache[0], window_size=inner.window_size) if pattern > 1 else None
         return [full if i % pattern == pattern - 1 else window for i in range(self.num_layers)]
 
-    def lm_head(self, h: mx.array) -> mx.array:
+    def head(self, h: mx.array) -> mx.array:
         return self.inner.embed_tokens.as_linear(h) if self.text.tie_word_embeddings else self.text.lm_head(h)
 
 

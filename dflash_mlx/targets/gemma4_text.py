@@ -4,7 +4,6 @@ masks by ``layer_types``, logit softcapping."""
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.gemma4_text import logit_softcap
 
 from .base import TargetAdapter
 
@@ -31,12 +30,12 @@ class Gemma4TextAdapter(TargetAdapter):
             shared[i] = (kvs, offset)
             yield h
 
-    def lm_head(self, h: mx.array) -> mx.array:
-        text = self.text
-        out = self.inner.embed_tokens.as_linear(h) if text.tie_word_embeddings else text.lm_head(h)
-        if text.final_logit_softcapping is not None:
-            out = logit_softcap(text.final_logit_softcapping, out)
-        return out
+    @property
+    def logit_cap(self):
+        return self.text.final_logit_softcapping
+
+    def head(self, h: mx.array) -> mx.array:
+        return self.inner.embed_tokens.as_linear(h) if self.text.tie_word_embeddings else self.text.lm_head(h)
 
 
 MODEL_TYPES = {"gemma4_text": Gemma4TextAdapter, "gemma4": Gemma4TextAdapter}

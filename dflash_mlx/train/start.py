@@ -57,7 +57,7 @@ def as_dspark(drafter: DFlashDrafter, target: TargetAdapter, markov_rank: int,
     new.update(drafter.parameters())
     eye = mx.eye(a.hidden_size, dtype=drafter.fc.weight.dtype)[None]
     new.update({"embed_tokens": {"weight": target.embed(mx.arange(a.vocab_size)[None])[0]},
-                "lm_head": {"weight": mx.contiguous(target.lm_head(eye)[0].T)}})
+                "lm_head": {"weight": mx.contiguous(target.head(eye)[0].T)}})
     if markov_rank:
         new.markov_head["markov_w2"].weight = mx.zeros_like(new.markov_head["markov_w2"].weight)
     return new
