@@ -10,7 +10,7 @@ from ..drafter.checkpoint import load_drafter
 from ..drafter.config import DrafterArgs, default_target_layer_ids
 from ..drafter.formats import DSPARK
 from ..drafter.network import DFlashDrafter
-from ..drafter.vocab import set_draft_vocab
+from ..drafter.vocab import head_columns, set_draft_vocab
 from ..errors import InputError
 from ..pair.loading import bind_drafter
 from ..targets import TargetAdapter
@@ -55,9 +55,9 @@ def as_dspark(drafter: DFlashDrafter, target: TargetAdapter, markov_rank: int,
                                 block_size=a.block_size - 1, enable_confidence_head=confidence,
                                 confidence_head_with_markov=confidence and markov_rank > 0))
     new.update(drafter.parameters())
-    eye = mx.eye(a.hidden_size, dtype=drafter.fc.weight.dtype)[None]
+    head = head_columns(target.head, a.hidden_size, drafter.fc.weight.dtype)  # [H, V], 256 rows at a time
     new.update({"embed_tokens": {"weight": target.embed(mx.arange(a.vocab_size)[None])[0]},
-                "lm_head": {"weight": mx.contiguous(target.head(eye)[0].T)}})
+                "lm_head": {"weight": mx.contiguous(head.T)}})
     if markov_rank:
         new.markov_head["markov_w2"].weight = mx.zeros_like(new.markov_head["markov_w2"].weight)
     return new
