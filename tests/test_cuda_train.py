@@ -107,8 +107,7 @@ def test_drafter_block_loss_equals_dflash_train(setup, bits):
 
 
 def test_generation_out_of_memory_keeps_what_was_made(setup):
-    """A batch the GPU has no memory for runs again in halves; the replies made before it are kept (a run on an
-    H200 lost 6,144 replies to one such batch)."""
+    """A batch the GPU has no memory for runs again in halves; the replies made before it are kept."""
     theirs, prompts, calls = setup[1], [[5, 6, 7]] * 5 + [[8] * 9] * 3, []
     generate = theirs.generate
 
