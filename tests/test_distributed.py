@@ -4,6 +4,7 @@ the text is the single process's (tensor: generate greedy and seeded-sampled, se
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,7 +15,7 @@ from typing import Optional
 import httpx
 import pytest
 
-from conftest import ROOT, dflash, free_port, openai_client, start_server
+from conftest import ROOT, dflash, openai_client, start_server
 
 BIN = Path(sys.executable).parent
 LAUNCH = BIN / "mlx.launch"
@@ -41,9 +42,12 @@ def _single(args) -> dict:
 
 def _launch(ranks: int = 2) -> list:
     """``mlx.launch`` over the ring backend on ports of its own: every launch otherwise listens from port
-    32323, and two at once (the test workers run side by side) would connect to each other's ranks."""
+    32323, and two at once (the test workers run side by side) would connect to each other's ranks. They are
+    drawn below Linux's ephemeral range (32768 up), from which the servers' ports (:func:`conftest.free_port`)
+    come, so a port probed free here is not handed to a server before the ranks bind it."""
+    rng = random.Random()
     for _ in range(100):
-        start = free_port()
+        start = rng.randrange(20000, 32000)
         with contextlib.ExitStack() as held:  # the ranks' ports must all be free
             try:
                 for port in range(start, start + ranks):
