@@ -328,3 +328,25 @@ def test_a_fixed_block_learns_nothing_and_keeps_nothing():
     fixed = make_chooser(None, fake_drafter(), 8, None, None)
     run(fixed, 20, lambda k: True)
     assert fixed.state() == {} and not fixed.learn(auto().state())
+
+
+def test_timings_learned_on_a_busy_machine_do_not_keep_a_chain_from_the_probes():
+    """An earlier generation timed chains of 4 while other work ran (0.3 s, 4x their cost now) and left that in
+    its state; chains of 2 and 8 were timed quiet. Chains of 4 commit the most per second on the quiet machine
+    (draft k right with probability 0.8 falling by 0.1): within 200 steps the later generation runs them, as the
+    earlier one did; it does not stay on chains of 2 with chains of 4 never probed again."""
+    def right(k):
+        return rng.random() < 0.9 - 0.1 * k
+
+    def cost(plan, n=1):  # chains of 8 cost more than chains of 4 gain here
+        return smollm2_costs(plan, n) + (0.03 if plan.width > 4 else 0.0)
+
+    rng = random.Random(0)
+    earlier = auto()
+    run(earlier, 300, right, cost=cost)
+    state = earlier.state()
+    state["seconds"] = [[w, b, t, [0.3] * 6 if w == 4 else v] for w, b, t, v in state["seconds"]]
+    later = auto()
+    assert later.learn(state)
+    plans = run(later, 200, right, cost=cost)
+    assert sum(p == Plan(4, 4) for p in plans[-64:]) >= 64 * STAY

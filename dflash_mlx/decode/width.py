@@ -13,9 +13,10 @@ last timings, the first included, but for the shortest and the longest. Plain st
 measured to pay, it does not run.
 
 A later generation of the same pair may start from what an earlier one learned (:meth:`WidthChooser.state`,
-kept by the prompt cache): it then runs the best option at once and probes after :data:`PROBE_EVERY` steps.
+kept by the prompt cache): it then runs the best option at once and probes after :data:`PROBE_EVERY` steps, timing
+each option again (learned timings may come from a busier machine).
 
-Other options run as probes, one step each (two untimed), one per gap of steps: the gap starts at
+Other options run as probes, one step each (a chain not timed here: two), one per gap of steps: the gap starts at
 :data:`FIRST_GAP` and returns there after a probe that beat the best (or, plain being best, accepted every
 draft), is :data:`PROBE_EVERY` after a chain within :data:`CLOSE` of a best chain, else grows fourfold up
 to :data:`MAX_GAP`. The probe: plain while untimed, else the untimed option nearest the best whose most
@@ -142,6 +143,7 @@ class WidthChooser:
         self.survival = Survival(max(block, 2))
         self.tree_tokens: List[float] = []  # tokens the last tree steps committed, per sequence
         self.seconds: Dict[Tuple[Plan, int], List[float]] = {}  # (option, n) -> its last timings
+        self.learned: Dict[Tuple[Plan, int], List[float]] = {}  # timings an earlier generation left, until timed here
         self.best: Dict[int, Plan] = {}  # n -> the option planned as best
         self.gap = FIRST_GAP  # steps from one probe to the next
         self.steps = 0  # steps observed
@@ -162,7 +164,7 @@ class WidthChooser:
         if again in options:
             self.probing = True
             return again
-        timed = [p for p in options if self.seconds.get((p, n))]
+        timed = [p for p in options if self._timings(p, n)]
         best = max(timed, key=lambda p: self.rate(p, n)) if timed else options[0]
         self.best[n] = best
         if self.steps - self.probed < self.gap:
@@ -171,7 +173,7 @@ class WidthChooser:
         if probe is None:
             return best
         self.probed, self.probing = self.steps, True
-        if (probe, n) not in self.seconds:
+        if probe.width > 1 and (probe, n) not in self.seconds:  # a plain step's first timing counts
             self.again = probe
         return probe
 
@@ -190,14 +192,15 @@ class WidthChooser:
         return max(hopes, key=lambda hp: hp[0])[1] if hopes else None
 
     def promise(self, plan: Plan, n: int) -> float:
-        """``plan``'s rate, or untimed, the most it could commit per second: its E over the seconds of the
-        slowest timed option no wider (a wider step is no faster); unbounded for a tree not yet run (it
-        commits at least its best chain, but how much more the chains do not say)."""
+        """``plan``'s rate, or not timed in this generation, the most it could commit per second: its E over the
+        seconds of the slowest other timed option no wider (a wider step is no faster); unbounded for a tree not yet
+        run (it commits at least its best chain, but how much more the chains do not say)."""
         if self.seconds.get((plan, n)):
             return self.rate(plan, n)
         if plan.tree_budget is not None and not self.tree_tokens:
             return float("inf")
-        floors = [self._seconds(p, n) for p in self.options if p.width <= plan.width and self.seconds.get((p, n))]
+        floors = [self._seconds(p, n) for p in self.options
+                  if p != plan and p.width <= plan.width and self._timings(p, n)]
         return n * self.expected_tokens(plan) / max(floors) if floors else float("inf")
 
     def observe(self, plan: Plan, seconds: float, accepted: Sequence[int]) -> None:
@@ -228,13 +231,16 @@ class WidthChooser:
 
     def state(self) -> dict:
         """What auto learned, JSON-able, for :meth:`learn`: draft survival and one sequence's timings ({}: fixed)."""
-        s, seconds = self.survival, [[*astuple(p), t] for (p, n), t in self.seconds.items() if n == 1]
+        timings = {**self.learned, **{k: v for k, v in self.seconds.items() if v}}
+        s, seconds = self.survival, [[*astuple(p), t] for (p, n), t in timings.items() if n == 1]
         return {} if self.fixed is not None else {"reached": s.reached, "right": s.right, "prior": s.prior,
                                                   "tree_tokens": self.tree_tokens, "seconds": seconds}
 
     def learn(self, state: dict) -> bool:
         """Start from ``state`` (:meth:`state` of an earlier generation, options not weighed here left out), probing
-        after :data:`PROBE_EVERY` steps; False, nothing changed, where it is malformed or of another block size."""
+        after :data:`PROBE_EVERY` steps; False, nothing changed, where it is malformed or of another block size. Its
+        timings choose the best until this generation times the options, each once as a probe (they may have been
+        taken while other work ran)."""
         try:
             counts = [[float(x) for x in state[k]] for k in ("reached", "right", "tree_tokens")] + [[state["prior"]]]
             seconds = {(Plan(w, b, t), 1): [float(x) for x in v] for w, b, t, v in state["seconds"] if v}
@@ -244,7 +250,7 @@ class WidthChooser:
         except (KeyError, TypeError, ValueError):
             return False
         (self.survival.reached, self.survival.right, self.tree_tokens), self.survival.prior = counts[:3], counts[3][0]
-        self.seconds.update({k: v[-WINDOW:] for k, v in seconds.items()
+        self.learned.update({k: v[-WINDOW:] for k, v in seconds.items()
                              if k[0] in self.options and all(0 < x < math.inf for x in v)})
         self.gap = PROBE_EVERY
         return True
@@ -258,10 +264,14 @@ class WidthChooser:
     def _seconds(self, plan: Plan, n: int) -> float:
         """The median of ``plan``'s timings at ``n``; for plain steps the mean of all but the shortest and the
         longest, once there are 4 (0 untimed)."""
-        timings = self.seconds.get((plan, n))
+        timings = self._timings(plan, n)
         if not timings or plan.width > 1:
             return statistics.median(timings) if timings else 0.0
         return statistics.fmean(sorted(timings)[1:-1] if len(timings) > 3 else timings)
+
+    def _timings(self, plan: Plan, n: int) -> List[float]:
+        """``plan``'s timings at ``n`` in this generation, else those learned ([] for none)."""
+        return self.seconds.get((plan, n)) or self.learned.get((plan, n), [])
 
     def rate(self, plan: Plan, n: int = 1) -> float:
         """Tokens per second ``plan`` is expected to commit for ``n`` sequences (0 untimed)."""
