@@ -228,8 +228,7 @@ class BatchDecoder:
         verify rows (logits [N, w, V]) with one sync, ``(accepted a, the target's tokens [w])`` per sequence on the
         host; each sequence's rejected rows dropped (RollbackError where a cache cannot), then in a batch the
         padding every sequence has."""
-        if not self.solo:
-            share_offsets(self.cache)
+        share_offsets(self.cache)
         h, features = self.target(mx.concatenate([tokens[:, None], drafts], axis=1), self.cache, self.capture)
         logits = self.target.lm_head(h)
         decided = [s.rule.accept(proposals[i].head(drafts.shape[1]) if proposals else Proposal(drafts[i]), logits[i],
@@ -286,8 +285,7 @@ class BatchDecoder:
         if self._queued is not None:
             _, y, features = self._queued
         else:
-            if not self.solo:
-                share_offsets(self.cache)
+            share_offsets(self.cache)
             y, features = self._forward()
         self._queued = None
         s0 = self.sequences[0]
@@ -308,8 +306,7 @@ class BatchDecoder:
             if features is not None:
                 s.pending.append(features[i : i + 1])
             results.append(StepResult([picks[i]], None, None))
-        if not self.solo:
-            compact(self.cache)  # sliding-window layers drop rows out of every window
+        compact(self.cache)  # a batch's sliding-window layers drop rows out of every window
         if self.chooser is not None:
             self.chooser.observe(plan, seconds, [0] * len(results))
         return results

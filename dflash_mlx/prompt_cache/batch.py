@@ -143,7 +143,8 @@ class RaggedRoll:
 
 
 def share_offsets(batch: Sequence[Any]) -> None:
-    """Make the full-attention layers' (equal) offsets one array object (the fused RoPE computes once)."""
+    """Make the full-attention layers' (equal) offsets one array object (the fused RoPE computes once); caches
+    not batched (one sequence's own, int offsets) are left as they are."""
     full = [b for b in batch or () if type(b) is BatchKVCache]
     for b in full[1:]:
         b.offset = full[0].offset
@@ -153,7 +154,8 @@ COMPACT_AT = 32  # columns of padding every sequence has before they are dropped
 
 
 def compact(batch: Optional[Sequence[Any]], at_least: int = COMPACT_AT) -> None:
-    """Drop the padding columns every sequence has once there are ``at_least`` (window layers: old rows too)."""
+    """Drop the padding columns every sequence has once there are ``at_least`` (window layers: old rows too);
+    caches not batched (one sequence's own) are left as they are."""
     layers = [b for b in batch or () if isinstance(b, BatchKVCache) and b.keys is not None]
     for b in layers:
         if isinstance(b, BatchWindowKVCache):
