@@ -8,6 +8,8 @@ Gradients are the exact formulas (custom VJPs).
 """
 
 import os
+from functools import partial
+from typing import Tuple
 
 import mlx.core as mx
 
@@ -17,17 +19,24 @@ _LOG2E = 1.4426950408889634
 _POLY = (2.18712623e-04, 1.23824155e-03, 9.68618629e-03, 5.54789125e-02, 2.40231097e-01, 6.93146838e-01, 1.00000001e+00)
 
 
-def _exp(x: mx.array) -> mx.array:
+@partial(mx.compile, shapeless=True)
+def _exp_parts(x: mx.array) -> Tuple[mx.array, mx.array]:
+    """``p(r)`` and the int32 bits of ``2^n`` (one fused kernel for any shape)."""
     y = mx.clip(x * _LOG2E, -127.0, 127.0)  # -127: exponent bits 0, so the result is exactly 0
     n = mx.floor(y)
     r = y - n
     p = _POLY[0]
     for c in _POLY[1:]:
         p = p * r + c
-    return p * ((n.astype(mx.int32) + 127) << 23).view(mx.float32)
+    return p, (n.astype(mx.int32) + 127) << 23
 
 
-# Shaped compiles (``view`` cannot be shapeless): a new input shape is traced once.
+def _exp(x: mx.array) -> mx.array:
+    p, bits = _exp_parts(x)  # ``view`` cannot be shapeless: it stays outside
+    return p * bits.view(mx.float32)
+
+
+# Shaped compiles: a new input shape is traced once.
 _exp_kernel = mx.compile(_exp)
 
 
