@@ -454,3 +454,44 @@ def test_compacting_padding_every_step_keeps_every_sequence_exact(monkeypatch):
                 [dict(key=f"r{i}", prompt=p, n=n, join=3 * i) for i, p in enumerate(ps)])
     for i in range(4):
         assert out[f"r{i}"] == refs[i][:n]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3_text"])
+def test_prompt_lookup_in_a_batch_equals_solo(family, monkeypatch):
+    """Prompt lookup in a batch: each sequence's copies (scripted: all right, half right, wrong from the first,
+    none at every third step) verified beside the others' DFlash chains or plain rows in one forward, with and
+    without a drafter: every sequence emits its solo greedy tokens; trimming every sequence by the batch's
+    fewest rejected rows changes some output."""
+    from test_lossless import ScriptedLookup
+
+    target, B, n = target_of(family), 6, 48
+    ps = prompts(4, seed=3)
+    refs = [solo(target, p, n + 16) for p in ps]
+    assert_varied(refs[0][:n])
+
+    class Lookup(ScriptedLookup):  # sequence i copies its own reference, with no match every third step
+        def __init__(self, tokens):
+            i = next(i for i, p in enumerate(ps) if tokens[:len(p)] == p)
+            super().__init__(tokens, ps[i], refs[i])
+            self.calls = i
+
+        def propose(self, limit=15):
+            self.calls += 1
+            return [] if self.calls % 3 == 0 else super().propose(limit)
+
+    mixed, real_copied = [], batch_module.copied  # verifies holding copies beside chains or plain rows
+    monkeypatch.setattr(batch_module, "PromptLookup", Lookup)
+    monkeypatch.setattr(batch_module, "copied", lambda copies, chains: mixed.append(
+        any(copies) and not all(copies)) or real_copied(copies, chains))
+    scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 2, 0, None)))}
+    plan = [dict(key=i, prompt=p, n=n, join=2 * i) for i, p in enumerate(ps)]
+    for drafter, width in ((JoinOrderDrafter(scripts, B, check_anchor=False), B), (None, 1)):
+        mixed.clear()
+        out = drive(BatchDecoder(target, drafter, width, lookup=True), plan)
+        assert all(out[i] == refs[i][:n] for i in range(len(ps))), family
+        assert sum(mixed) >= 3, mixed
+    real = TargetAdapter.rollback
+    monkeypatch.setattr(TargetAdapter, "rollback", lambda self, cache, rejected: real(
+        self, cache, [min(rejected)] * len(rejected) if isinstance(rejected, list) else rejected))
+    out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, check_anchor=False), B, lookup=True), plan)
+    assert any(out[i] != refs[i][:n] for i in range(len(ps)))

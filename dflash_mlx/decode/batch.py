@@ -62,7 +62,7 @@ class BatchDecoder:
         chooser: each step's :class:`~dflash_mlx.decode.width.Plan` (default: always B).
         store: the prompt cache (used where :attr:`prefix_refusal` is None).
         solo: at most one sequence, in the target's own caches.
-        lookup: drafts copied from the context where they match (:mod:`.lookup`; solo only).
+        lookup: drafts copied from each sequence's context where they match (:mod:`.lookup`).
         capture: without a drafter, target layers whose context features each sequence keeps and leaves
             with (:attr:`StepResult.features`), as training data (``dflash data``).
     """
@@ -70,7 +70,7 @@ class BatchDecoder:
     def __init__(self, target: TargetAdapter, drafter: Optional[Drafter], block_size: int,
                  chooser: Optional[WidthChooser] = None, store: Optional[PrefixStore] = None, solo: bool = False,
                  capture: Optional[List[int]] = None, lookup: bool = False):
-        self.target, self.drafter, self.solo, self.lookup = target, drafter, solo, lookup and solo
+        self.target, self.drafter, self.solo, self.lookup = target, drafter, solo, lookup
         self.bytes = (weight_bytes(target.model), weight_bytes(drafter) if hasattr(drafter, "parameters") else 0)
         self.width = block_size if drafter is not None else 1
         if drafter is not None and chooser is None:
@@ -88,7 +88,7 @@ class BatchDecoder:
         if store is not None:
             self.prefix_refusal = batch_prefix_refusal(drafter, self.batch_drafter is not None)
             if self.prefix_refusal is None:
-                self.prefix = BatchPrefix(store, target, drafter, self.width)
+                self.prefix = BatchPrefix(store, target, drafter, self.rows)
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -183,34 +183,36 @@ class BatchDecoder:
         return self.chooser.plan(len(self.sequences), any(s.rng is not None for s in self.sequences))
 
     def _step(self) -> List[StepResult]:
-        """Draft -> verify -> accept -> roll back (a plain step where the plan's width is 1)."""
+        """Draft -> verify -> accept -> roll back: each sequence verifies its copy where prompt lookup finds one, the
+        others the planned DFlash chain, in one forward (a plain step where nothing is drafted)."""
         tic = time.perf_counter()
-        s0 = self.sequences[0]
-        copy = s0.lookup.propose(s0.stop.budget - 1) if s0.lookup and self._queued is None else []
-        plan = Plan(len(copy) + 1, 0) if copy else self._plan()
-        probe = self.chooser is not None and self.chooser.probing and not copy  # read before the next plan
-        if plan.width == 1:
+        copies = [s.lookup.propose(s.stop.budget - 1) if s.lookup and self._queued is None else []
+                  for s in self.sequences]
+        plan = PLAIN if all(copies) else self._plan()
+        probe = self.chooser is not None and self.chooser.probing and not any(copies)  # read before the next plan
+        if plan.width == 1 and not any(copies):
             return self._plain(plan, tic, probe)
         tokens = self._tokens()
-        if copy:
-            self._spill()
-            drafts, proposals = mx.array([copy], dtype=mx.int32), None
-        else:
-            drafts, proposals = self._propose(tokens, plan.block)
+        drafts, proposals = self._propose(tokens, plan.block) if plan.width > 1 else (None, None)
         if plan.tree_budget is not None and self.solo:
-            (decided, drafted), mode = self._verify_tree(proposals[0], plan.tree_budget), "tree"
+            decided, drafted = self._verify_tree(proposals[0], plan.tree_budget)
+            kinds = [("tree", plan.tree_budget, drafted)]
         else:
-            decided = self._verify_chain(tokens, drafts[:, : plan.width - 1], proposals)
-            drafted, mode = plan.width - 1, "lookup" if copy else "chain"
+            self._spill()  # where nothing was drafted, the context rows wait for the drafter's next pass
+            chain = plan.width - 1
+            kinds = [("lookup", len(c) + 1, len(c)) if c else ("chain", plan.width, chain) if chain else ("plain", 1, 0)
+                     for c in copies]
+            drafts = copied(copies, None if drafts is None else drafts[:, :chain])
+            decided = self._verify_chain(tokens, drafts, proposals, [drafted for _, _, drafted in kinds])
         seconds = time.perf_counter() - tic
         results = []
-        for s, (a, out) in zip(self.sequences, decided):
-            s.stats.record_plan(mode, plan.tree_budget or plan.width, seconds, a, drafted, probe)
+        for s, (a, out), (mode, width, drafted) in zip(self.sequences, decided, kinds):
+            s.stats.record_plan(mode, width, seconds, a, drafted, probe)
             s.token = mx.array(out[a : a + 1], dtype=mx.int32)
-            results.append(StepResult(out[: a + 1], a, None))
-        if copy:
-            s0.lookup.observe(decided[0][0])
-        elif self.chooser is not None:
+            results.append(StepResult(out[: a + 1], None if mode == "plain" else a, None))
+            if mode == "lookup":
+                s.lookup.observe(a)
+        if self.chooser is not None and not any(copies):
             self.chooser.observe(plan, seconds, [r.accepted for r in results])
         return results
 
@@ -223,10 +225,12 @@ class BatchDecoder:
         self._context = (context, [len(out)])
         return [(len(out) - 1, out)], len(tree) - 1
 
-    def _verify_chain(self, tokens: mx.array, drafts: mx.array, proposals: Optional[List[Proposal]]) -> List[tuple]:
+    def _verify_chain(self, tokens: mx.array, drafts: mx.array, proposals: Optional[List[Proposal]],
+                      limits: Sequence[int]) -> List[tuple]:
         """``tokens`` [N] and ``drafts`` [N, w-1] verified in one forward, decided by each sequence's rule on its
         verify rows (logits [N, w, V]) with one sync, ``(accepted a, the target's tokens [w])`` per sequence on the
-        host; each sequence's rejected rows dropped (RollbackError where a cache cannot), then in a batch the
+        host, a at most ``limits[i]`` (drafts past it pad a shorter row: accepted or not, they are left to the next
+        step); each sequence's rejected rows dropped (RollbackError where a cache cannot), then in a batch the
         padding every sequence has."""
         share_offsets(self.cache)
         h, features = self.target(mx.concatenate([tokens[:, None], drafts], axis=1), self.cache, self.capture)
@@ -235,7 +239,8 @@ class BatchDecoder:
                                  s.draw()) for i, s in enumerate(self.sequences)]
         mx.eval([x for pick in decided for x in pick if x is not None], features, drafts)
         decided = [(a, y.tolist()) for a, y in decided]
-        decided = [(common_prefix(d, y) if a is None else a.item(), y) for d, (a, y) in zip(drafts.tolist(), decided)]
+        decided = [(min(common_prefix(d, y) if a is None else a.item(), limit), y)
+                   for d, (a, y), limit in zip(drafts.tolist(), decided, limits)]
         self._context = (features, [a + 1 for a, _ in decided]) if features is not None else None
         self.target.rollback(self.cache, [drafts.shape[1] - a for a, _ in decided])
         compact(self.cache)
@@ -251,10 +256,11 @@ class BatchDecoder:
         """Drafts [N, block-1] of every sequence (lazy) from ``tokens`` [N], and per-sequence
         proposals (None from a batched pass)."""
         if self.batch_drafter is not None:
-            if self._context is not None:  # then every pending list is empty (see _spill)
+            if self._context is not None and not any(s.pending for s in self.sequences):
                 context, rows = self._context
                 context = context[:, : max(rows)]
             else:
+                self._spill()
                 contexts = [context_rows(s.pending) if s.pending else None for s in self.sequences]
                 rows = [0 if c is None else c.shape[1] for c in contexts]
                 context = pad_contexts(contexts, rows)
@@ -337,3 +343,14 @@ class BatchDecoder:
         self.remove(done)
         return results
 
+
+def copied(copies: Sequence[List[int]], chains: Optional[mx.array]) -> mx.array:
+    """[N, D] int32 drafts: row i sequence i's copy where it has one, else its row of ``chains`` ([N, w-1], lazy;
+    None: nothing drafted), padded with 0 to the longest (D)."""
+    if not any(copies):
+        return chains
+    chains = mx.zeros((len(copies), 0), dtype=mx.int32) if chains is None else chains
+    width = max(max(map(len, copies)), chains.shape[1])
+    rows = mx.array([list(c) + [0] * (width - len(c)) for c in copies], dtype=mx.int32)
+    chains = mx.pad(chains, [(0, 0), (0, width - chains.shape[1])])
+    return mx.where(mx.array([bool(c) for c in copies])[:, None], rows, chains)

@@ -56,34 +56,29 @@ class Plan:
     tree_budget: Optional[int] = None
 
 
-def parse_block_size(value) -> Optional[int | str]:
-    """``--block-size``: ``auto``, an integer >= 2, or None (the drafter's trained size).
-
-    Raises:
-        InputError: neither an integer nor ``auto``, or an integer below 2."""
-    if value is None or value == AUTO or isinstance(value, int):
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        raise InputError(f"--block-size must be an integer or 'auto', got {value!r}") from None
-    check_number("--block-size", n, at_least=2, rule="at least 2 (or 'auto')")
-    return n
-
-
-def parse_tree_budget(value) -> Optional[int | str]:
-    """``--tree-budget``: ``auto``, an integer N >= 1 (tree nodes besides the root), or None.
-
-    Raises:
-        InputError: anything else."""
+def parse_auto(flag: str, value, at_least: int, what: str, rule: str) -> Optional[int | str]:
+    """``flag``'s value: ``auto``, an integer >= ``at_least``, or None. Raises InputError naming ``flag``: neither
+    ``what`` nor ``auto``, or below ``at_least`` (said as ``rule``)."""
     if value is None or value == AUTO:
         return value
     try:
         n = int(value)
     except (TypeError, ValueError):
-        raise InputError(f"--tree-budget must be a node count >= 1 or 'auto', got {value!r}") from None
-    check_number("--tree-budget", n, at_least=1, rule="a node count >= 1 or 'auto'")
+        raise InputError(f"{flag} must be {what} or 'auto', got {value!r}") from None
+    check_number(flag, n, at_least=at_least, rule=rule)
     return n
+
+
+def parse_block_size(value) -> Optional[int | str]:
+    """``--block-size``: ``auto``, an integer >= 2 (an int as given: the drafter's range is checked later), or None
+    (the drafter's trained size)."""
+    return value if isinstance(value, int) else parse_auto("--block-size", value, 2, "an integer",
+                                                           "at least 2 (or 'auto')")
+
+
+def parse_tree_budget(value) -> Optional[int | str]:
+    """``--tree-budget``: ``auto``, a node count N >= 1 (besides the root), or None."""
+    return parse_auto("--tree-budget", value, 1, "a node count >= 1", "a node count >= 1 or 'auto'")
 
 
 def chain_widths(block: int) -> List[int]:

@@ -8,8 +8,6 @@ Gradients are the exact formulas (custom VJPs).
 """
 
 import os
-from functools import partial
-from typing import Tuple
 
 import mlx.core as mx
 
@@ -19,9 +17,7 @@ _LOG2E = 1.4426950408889634
 _POLY = (2.18712623e-04, 1.23824155e-03, 9.68618629e-03, 5.54789125e-02, 2.40231097e-01, 6.93146838e-01, 1.00000001e+00)
 
 
-@partial(mx.compile, shapeless=True)
-def _exp_parts(x: mx.array) -> Tuple[mx.array, mx.array]:
-    """``p(r)`` and the int32 bits of ``2^n`` (one fused kernel for any shape)."""
+def _exp_parts(x: mx.array):  # p(r) and the int32 bits of 2^n: one kernel for any shape (compiled below)
     y = mx.clip(x * _LOG2E, -127.0, 127.0)  # -127: exponent bits 0, so the result is exactly 0
     n = mx.floor(y)
     r = y - n
@@ -29,6 +25,9 @@ def _exp_parts(x: mx.array) -> Tuple[mx.array, mx.array]:
     for c in _POLY[1:]:
         p = p * r + c
     return p, (n.astype(mx.int32) + 127) << 23
+
+
+_exp_parts = mx.compile(_exp_parts, shapeless=True)
 
 
 def _exp(x: mx.array) -> mx.array:
