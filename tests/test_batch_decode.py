@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache
 
-from dflash_mlx import generate_step
+from dflash_mlx import DFlashDrafter, bind_drafter, generate_step
 from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
@@ -21,7 +21,7 @@ from dflash_mlx.prompt_cache.batch import RaggedRoll, batch_refusal, common_padd
 from dflash_mlx.prompt_cache.batch import BatchGatedDeltaCache
 from dflash_mlx.prompt_cache.gated_delta import GatedDeltaCache
 from dflash_mlx.targets import TargetAdapter
-from conftest import ByteTokenizer, _Position, assert_varied, tiny_drafter, tiny_target
+from conftest import ByteTokenizer, _Position, assert_varied, tiny_drafter, tiny_drafter_args, tiny_target
 
 # attention targets, Gated-DeltaNet hybrids and sliding-window targets (more in test_batch_window.py)
 BATCHED = ("llama", "qwen3", "qwen3_5", "qwen3_next", "llama-sliding", "gemma3_text", "gemma4_text", "gpt_oss")
@@ -495,3 +495,33 @@ def test_prompt_lookup_in_a_batch_equals_solo(family, monkeypatch):
         self, cache, [min(rejected)] * len(rejected) if isinstance(rejected, list) else rejected))
     out = drive(BatchDecoder(target, JoinOrderDrafter(scripts, B, check_anchor=False), B, lookup=True), plan)
     assert any(out[i] != refs[i][:n] for i in range(len(ps)))
+
+
+def test_a_quantized_drafter_with_a_draft_vocabulary_decodes_in_another_thread():
+    """dflash serve steps its batch in a worker thread: nothing the loader left lazy may belong to the loading
+    thread's stream (a quantized drafter dequantized on a CPU, its draft vocabulary's head and ids)."""
+    import threading
+
+    import mlx.nn as nn
+
+    from dflash_mlx.drafter.vocab import set_draft_vocab
+
+    target = target_of("llama")
+    mx.random.seed(2)
+    drafter = DFlashDrafter(tiny_drafter_args(target))
+    nn.quantize(drafter, group_size=32, bits=8)
+    set_draft_vocab(drafter, mx.arange(0, target.vocab_size, 2))
+    drafter = bind_drafter(drafter, target)
+    out, errors = {}, []
+
+    def serve():
+        try:
+            out.update(drive(BatchDecoder(target, drafter, 4), [dict(key=i, prompt=p, n=12, join=0)
+                                                                  for i, p in enumerate(prompts(2, seed=4))]))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    worker = threading.Thread(target=serve)
+    worker.start()
+    worker.join()
+    assert not errors and all(len(v) == 12 for v in out.values()), errors

@@ -210,6 +210,7 @@ class DFlashDrafter(nn.Module):
         ids = mx.arange(self.d2t.size) + self.d2t if "d2t" in self else None
         self.__dict__["_draft_ids"], self.__dict__["_logit_cap"] = ids, logit_cap  # not module state: never saved
         if ids is not None:  # FR-Spec: the head's rows of the draft vocabulary only
+            mx.eval(ids)  # not left lazy on this thread's stream (serve decodes in another)
             self._lm_head = draft_vocab_head(self._lm_head, ids, a.hidden_size, self.norm.weight.dtype)
         return self
 

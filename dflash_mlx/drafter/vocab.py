@@ -17,7 +17,9 @@ def head_columns(lm_head: Callable[[mx.array], mx.array], hidden_size: int, dtyp
         part = lm_head(eye[i:i + 256])
         rows.append(part if columns is None else part[:, columns])
         mx.eval(rows[-1])
-    return mx.concatenate(rows)
+    head = mx.concatenate(rows)
+    mx.eval(head)
+    return head
 
 
 def draft_vocab_head(lm_head: Callable[[mx.array], mx.array], ids: mx.array, hidden_size: int,

@@ -139,19 +139,21 @@ QUANTIZED_DRAFTER_DTYPE = mx.float32
 
 def bind_drafter(drafter: DFlashDrafter, target: TargetAdapter, draft_source: str = "drafter") -> DFlashDrafter:
     """Check the pair, bind the target's embedding and head, set the drafter's activation dtype: the target's for a
-    float one, :data:`QUANTIZED_DRAFTER_DTYPE` for a quantized one (cast at both ends; dequantized on a CPU)."""
+    float one, :data:`QUANTIZED_DRAFTER_DTYPE` for a quantized one (cast at both ends; dequantized on a CPU). Its
+    weights are evaluated here: a lazy array belongs to this thread's stream, and serve decodes in another."""
     check_pair(drafter, target, draft_source)
+    embed, head = target.embed, target.head
     if is_quantized(drafter) and mx.issubdtype(target.dtype, mx.floating):
         if mx.default_device() == mx.cpu:  # MLX's quantized matmul is slow on a CPU: float32 weights there
             drafter.__dict__["file_quantization"] = quantization(drafter)  # not module state: what the file holds
             dequantize_model(drafter)
         dtype, head_dtype = QUANTIZED_DRAFTER_DTYPE, target.dtype
         drafter.set_dtype(dtype)
-        return drafter.bind(lambda ids: target.embed(ids).astype(dtype), lambda h: target.head(h.astype(head_dtype)),
-                            target.logit_cap)
-    if drafter.fc.weight.dtype != target.dtype and mx.issubdtype(target.dtype, mx.floating):
+        embed, head = lambda ids: target.embed(ids).astype(dtype), lambda h: target.head(h.astype(head_dtype))
+    elif drafter.fc.weight.dtype != target.dtype and mx.issubdtype(target.dtype, mx.floating):
         drafter.set_dtype(target.dtype)
-    return drafter.bind(target.embed, target.head, target.logit_cap)
+    mx.eval(drafter.parameters())
+    return drafter.bind(embed, head, target.logit_cap)
 
 
 def load(model: str = DEFAULT_MODEL, draft_model: Optional[str] = None, verify: bool = False,
