@@ -208,9 +208,7 @@ class GenerationStats:
 
     def tau_text(self) -> Optional[str]:
         """``tau 2.31`` or ``no draft steps``; None without a drafter."""
-        if not self.speculative:
-            return None
-        return f"tau {self.tau:.2f}" if self.steps else "no draft steps"
+        return (f"tau {self.tau:.2f}" if self.steps else "no draft steps") if self.speculative else None
 
     def acceptance_line(self) -> Optional[str]:
         """``tau T tokens/step over N verify steps (X% of drafts accepted)[, and P plain steps]``, or

@@ -165,9 +165,7 @@ def resolve_models(model: Optional[str], draft_model: Optional[str], verify: boo
     if model is None and draft_model is not None:
         raise InputError(f"--draft-model needs --model, the target it drafts for "
                          f"(with neither flag: {DEFAULT_MODEL} + {DEFAULT_DRAFT_MODEL})")
-    if model is None:
-        return DEFAULT_MODEL, DEFAULT_DRAFT_MODEL
-    return resolve_pair(model, draft_model, verify)
+    return (DEFAULT_MODEL, DEFAULT_DRAFT_MODEL) if model is None else resolve_pair(model, draft_model, verify)
 
 
 def utf8(text: str) -> Tuple[str, bool]:

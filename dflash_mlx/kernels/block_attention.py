@@ -29,10 +29,8 @@ def _relative_start(n_ctx: int, q_start: Optional[int], ctx_start: Optional[int]
     if ctx_start is None:
         ctx_start = q_start - n_ctx
     if q_start - ctx_start < n_ctx:
-        raise InputError(
-            f"block_attention: context rows [{ctx_start}, {ctx_start + n_ctx}) overlap the block "
-            f"starting at q_start={q_start}; the context must come before the block"
-        )
+        raise InputError(f"block_attention: context rows [{ctx_start}, {ctx_start + n_ctx}) overlap the block "
+                         f"starting at q_start={q_start}; the context must come before the block")
     return q_start - ctx_start
 
 

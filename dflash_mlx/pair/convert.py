@@ -198,8 +198,6 @@ def require_dflash_config(config: dict, source: Path) -> None:
     the key and the script)."""
     archs = config.get("architectures") or []
     if "dflash_config" not in config and archs and archs[0] in DFLASH_CONFIG_LAYOUTS:
-        raise ConfigError(
-            f"{source}: missing key 'dflash_config' (the older drafter layout, with top-level "
-            f"target_layer_ids/mask_token_id); convert it to the released layout first: "
-            f"python {LAYOUT_SCRIPT} {source.parent} NEW_DIR"
-        )
+        raise ConfigError(f"{source}: missing key 'dflash_config' (the older drafter layout, with top-level "
+                          f"target_layer_ids/mask_token_id); convert it to the released layout first: "
+                          f"python {LAYOUT_SCRIPT} {source.parent} NEW_DIR")

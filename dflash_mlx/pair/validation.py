@@ -37,8 +37,7 @@ def greedy_tokens(model: nn.Module, prompt: Sequence[int], n: int) -> List[int]:
     return [int(tok) for tok, _ in steps]
 
 
-def dflash_tokens(target: TargetAdapter, drafter, prompt: Sequence[int], n: int,
-                  stop_token_ids: Sequence[int] = ()):
+def dflash_tokens(target: TargetAdapter, drafter, prompt: Sequence[int], n: int, stop_token_ids: Sequence[int] = ()):
     """Up to n greedy tokens through DFlash (ending before a stop token), and their statistics."""
     stats = GenerationStats(block_size=drafter.block_size)
     tokens: List[int] = []

@@ -78,9 +78,7 @@ class ContextWindowCache(RowCache):
     def can_trim(self, n: int) -> bool:
         """Whether removing the last ``n`` rows leaves every row the next query sees."""
         new = self.offset - n
-        if n < 0 or new < 0:
-            return False
-        return new <= self.sink or max(self.sink, new - self.window) >= self.offset - self.recent
+        return min(n, new) >= 0 and (new <= self.sink or max(self.sink, new - self.window) >= self.offset - self.recent)
 
     def _remove(self, n: int) -> None:
         new = self.offset - n

@@ -84,9 +84,7 @@ def check_template_kwargs(kwargs: Optional[Dict[str, Any]], allow_templates: boo
 
 def prompt_char_cap(context: Optional[int], max_prompt_chars: Optional[int]) -> Optional[int]:
     """Most prompt characters: ``max_prompt_chars``, else :data:`CHARS_PER_TOKEN` per token of context (or None)."""
-    if max_prompt_chars is not None:
-        return max_prompt_chars
-    return None if context is None else CHARS_PER_TOKEN * context
+    return max_prompt_chars if max_prompt_chars is not None else None if context is None else CHARS_PER_TOKEN * context
 
 
 def check_prompt_chars(n: int, cap: Optional[int], param: str, context: Optional[int]) -> None:

@@ -41,9 +41,7 @@ def make_adapter(model: nn.Module) -> TargetAdapter:
     model_type = getattr(model, "model_type", None) or getattr(model.args, "model_type", None)
     model_type = MODEL_REMAPPING.get(model_type, model_type)
     if model_type not in ADAPTERS:
-        raise MismatchError(
-            f"target model_type '{model_type}' is not supported yet; "
-            f"supported: {', '.join(sorted(ADAPTERS))}"
-        )
+        raise MismatchError(f"target model_type '{model_type}' is not supported yet; "
+                            f"supported: {', '.join(sorted(ADAPTERS))}")
     fuse_layers(model)
     return ADAPTERS[model_type](model)

@@ -110,10 +110,8 @@ class TargetAdapter(TreeVerify):
             InputError: a tree for a family without tree verification."""
         wanted = set(capture or ())
         if wanted and not all(0 <= i < self.num_layers for i in wanted):
-            raise MismatchError(
-                f"target_layer_ids {sorted(wanted)} name layers beyond the target's "
-                f"{self.num_layers} (0..{self.num_layers - 1})"
-            )
+            raise MismatchError(f"target_layer_ids {sorted(wanted)} name layers beyond the target's "
+                                f"{self.num_layers} (0..{self.num_layers - 1})")
         if self.stages > 1:
             return self._pipeline_call(inputs, cache, capture)
         captured = {}
@@ -171,10 +169,8 @@ class TargetAdapter(TreeVerify):
             RollbackError: a ``RotatingKVCache`` with sink rows (``keep > 0``)."""
         if isinstance(c, RotatingKVCache):
             if c.keep:
-                raise RollbackError(
-                    f"target layer {i}: RotatingKVCache keeps {c.keep} sink rows; "
-                    "speculative decoding cannot roll it back exactly"
-                )
+                raise RollbackError(f"target layer {i}: RotatingKVCache keeps {c.keep} sink rows; "
+                                    "speculative decoding cannot roll it back exactly")
             return WindowKVCache(c.max_size, slack=max_verify)
         return c
 
@@ -186,35 +182,27 @@ class TargetAdapter(TreeVerify):
             RollbackError: names the first layer that cannot roll back exactly, and its cache type."""
         expected = len(make_prompt_cache(self.model))
         if len(cache) != expected:
-            raise MismatchError(
-                f"the prompt cache has {len(cache)} layer caches but this target needs {expected}: "
-                f"it was built for another model; use {type(self).__name__}.make_cache()"
-            )
+            raise MismatchError(f"the prompt cache has {len(cache)} layer caches but this target needs {expected}: "
+                                f"it was built for another model; use {type(self).__name__}.make_cache()")
         for i, c in enumerate(cache):
             self.check_layer_cache(i, c, max_verify)
 
     def check_layer_cache(self, i: int, c: Any, max_verify: int) -> None:
         """:meth:`check_cache` for layer ``i``; raises as it does."""
         if isinstance(c, GatedDeltaCache):
-            raise MismatchError(
-                f"target layer {i} is an attention layer but its cache is a Gated-DeltaNet "
-                f"cache: it was built for another model; use {type(self).__name__}.make_cache()"
-            )
+            raise MismatchError(f"target layer {i} is an attention layer but its cache is a Gated-DeltaNet "
+                                f"cache: it was built for another model; use {type(self).__name__}.make_cache()")
         if isinstance(c, WindowKVCache):
             if c.slack < max_verify:
-                raise RollbackError(
-                    f"target layer {i}: sliding-window cache (window {c.window}) keeps "
-                    f"{c.slack} rows for rollback but a verify feeds {max_verify}; "
-                    f"build it with make_cache(max_verify={max_verify})"
-                )
+                raise RollbackError(f"target layer {i}: sliding-window cache (window {c.window}) keeps "
+                                    f"{c.slack} rows for rollback but a verify feeds {max_verify}; "
+                                    f"build it with make_cache(max_verify={max_verify})")
         elif not isinstance(c, EXACT_TRIM):
             what = type(c).__name__
             if isinstance(c, RotatingKVCache):
                 what += f" (sliding window {c.max_size})"
-            raise RollbackError(
-                f"target layer {i}: {what} cannot be rolled back exactly, so speculative "
-                f"decoding would not reproduce the target; use {type(self).__name__}.make_cache()"
-            )
+            raise RollbackError(f"target layer {i}: {what} cannot be rolled back exactly, so speculative "
+                                f"decoding would not reproduce the target; use {type(self).__name__}.make_cache()")
 
     def rollback(self, cache: Sequence[Any], rejected: Count) -> None:
         """Remove the last ``rejected`` rows from every layer (an int or [1]: one sequence; [N]: sequence i of a

@@ -59,25 +59,17 @@ class HybridAdapter(TargetAdapter):
         name = type(self).__name__
         if not isinstance(c, GatedDeltaCache):
             if type(c) is ArraysCache:
-                raise RollbackError(
-                    f"target layer {i}: mlx-lm's ArraysCache (Gated-DeltaNet state) cannot be "
-                    f"rolled back, so speculative decoding would not reproduce the target; "
-                    f"use {name}.make_cache()"
-                )
-            raise MismatchError(
-                f"target layer {i} is a Gated-DeltaNet layer but its cache is a {type(c).__name__}: "
-                f"it was built for another model; use {name}.make_cache()"
-            )
+                raise RollbackError(f"target layer {i}: mlx-lm's ArraysCache (Gated-DeltaNet state) cannot be "
+                                    f"rolled back, so speculative decoding would not reproduce the target; "
+                                    f"use {name}.make_cache()")
+            raise MismatchError(f"target layer {i} is a Gated-DeltaNet layer but its cache is a {type(c).__name__}: "
+                                f"it was built for another model; use {name}.make_cache()")
         if c.owner is not owner:
-            raise MismatchError(
-                f"target layer {i}: this Gated-DeltaNet cache was built by another model "
-                f"(or for another layer); use {name}.make_cache() of this target"
-            )
+            raise MismatchError(f"target layer {i}: this Gated-DeltaNet cache was built by another model "
+                                f"(or for another layer); use {name}.make_cache() of this target")
         if c.slack < max_verify:
-            raise RollbackError(
-                f"target layer {i}: Gated-DeltaNet cache can roll back {c.slack} tokens but a "
-                f"verify feeds {max_verify}; build it with make_cache(max_verify={max_verify})"
-            )
+            raise RollbackError(f"target layer {i}: Gated-DeltaNet cache can roll back {c.slack} tokens but a "
+                                f"verify feeds {max_verify}; build it with make_cache(max_verify={max_verify})")
 
     def project(self, gdn: nn.Module, x: mx.array) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
         """``(qkv [1, S, conv_dim], z [1, S, Hv, Dv], b [1, S, Hv], a [1, S, Hv])`` of inputs [1, S, H]."""

@@ -102,10 +102,8 @@ class TreeVerify:
         """The decoder layers with every input at its own position (see the
         module doc); yields the residual stream per layer."""
         if not self.supports_tree:
-            raise InputError(
-                f"tree verification is not available for {type(self).__name__} targets "
-                "(chain verify only)"
-            )
+            raise InputError(f"tree verification is not available for {type(self).__name__} targets "
+                             "(chain verify only)")
         pos = mx.array(positions, dtype=mx.int32)
         for layer, c, window in zip(self.layers, cache, self.layer_windows()):
             h = decoder_layer_at(layer, h, c, pos, tree_layer_mask(c, positions, ancestors, window))

@@ -132,9 +132,7 @@ def response_end_token(tokenizer, templated: bool) -> Optional[int]:
             if ends:
                 return int(ends[0])
     eos_id = getattr(tokenizer, "eos_token_id", None)
-    if eos_id is not None:
-        return int(eos_id)
-    return min(eos) if eos else None
+    return int(eos_id) if eos_id is not None else min(eos) if eos else None
 
 
 SELF_PROMPT_STYLES = ("prefix", "sentence", "chat")
@@ -335,9 +333,7 @@ def read_shard(path: Path) -> Optional[tuple]:
             tokens, lengths, starts = z["tokens"], z["lengths"], z["response_starts"]
     except Exception:  # zipfile, numpy and OS errors of every kind: the file is not a whole shard
         return None
-    if lengths.shape != starts.shape or int(lengths.sum()) != tokens.size:
-        return None
-    return tokens, lengths, starts
+    return (tokens, lengths, starts) if lengths.shape == starts.shape and int(lengths.sum()) == tokens.size else None
 
 
 def pick_mask_token(tokenizer, vocab_size: int, sequences: List[TrainSequence]) -> int:
