@@ -459,9 +459,9 @@ def test_compacting_padding_every_step_keeps_every_sequence_exact(monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3_text"])
 def test_prompt_lookup_in_a_batch_equals_solo(family, monkeypatch):
     """Prompt lookup in a batch: each sequence's copies (scripted: all right, half right, wrong from the first,
-    none at every third step) verified beside the others' DFlash chains or plain rows in one forward, with and
-    without a drafter: every sequence emits its solo greedy tokens; trimming every sequence by the batch's
-    fewest rejected rows changes some output."""
+    none at every third step) verified beside the others' DFlash chains (cut to the chain's width) in one forward,
+    or, without a drafter, where every sequence copies: every sequence emits its solo greedy tokens; trimming every
+    sequence by the batch's fewest rejected rows changes some output."""
     from test_lossless import ScriptedLookup
 
     target, B, n = target_of(family), 6, 48
@@ -479,17 +479,18 @@ def test_prompt_lookup_in_a_batch_equals_solo(family, monkeypatch):
             self.calls += 1
             return [] if self.calls % 3 == 0 else super().propose(limit)
 
-    mixed, real_copied = [], batch_module.copied  # verifies holding copies beside chains or plain rows
+    verifies, real_copied = [], batch_module.copied  # (any copy, all copy) of each verify
     monkeypatch.setattr(batch_module, "PromptLookup", Lookup)
-    monkeypatch.setattr(batch_module, "copied", lambda copies, chains: mixed.append(
-        any(copies) and not all(copies)) or real_copied(copies, chains))
+    monkeypatch.setattr(batch_module, "copied", lambda copies, chains: verifies.append(
+        (any(copies), all(copies))) or real_copied(copies, chains))
     scripts = {i: (p + r, c) for i, (p, r, c) in enumerate(zip(ps, refs, (B - 1, 2, 0, None)))}
     plan = [dict(key=i, prompt=p, n=n, join=2 * i) for i, p in enumerate(ps)]
-    for drafter, width in ((JoinOrderDrafter(scripts, B, check_anchor=False), B), (None, 1)):
-        mixed.clear()
+    for drafter, width, kind in ((JoinOrderDrafter(scripts, B, check_anchor=False), B, (True, False)),
+                                 (None, 1, (True, True))):
+        verifies.clear()
         out = drive(BatchDecoder(target, drafter, width, lookup=True), plan)
         assert all(out[i] == refs[i][:n] for i in range(len(ps))), family
-        assert sum(mixed) >= 3, mixed
+        assert verifies.count(kind) >= 3, verifies  # copies beside chains; without a drafter, all copying
     real = TargetAdapter.rollback
     monkeypatch.setattr(TargetAdapter, "rollback", lambda self, cache, rejected: real(
         self, cache, [min(rejected)] * len(rejected) if isinstance(rejected, list) else rejected))

@@ -183,12 +183,15 @@ class BatchDecoder:
         return self.chooser.plan(len(self.sequences), any(s.rng is not None for s in self.sequences))
 
     def _step(self) -> List[StepResult]:
-        """Draft -> verify -> accept -> roll back: each sequence verifies its copy where prompt lookup finds one, the
-        others the planned DFlash chain, in one forward (a plain step where nothing is drafted)."""
+        """Draft -> verify -> accept -> roll back: each sequence verifies its copy where prompt lookup finds one (no
+        longer than the planned chain unless all copy), the others the planned DFlash chain, in one forward (a plain
+        step where nothing is drafted)."""
         tic = time.perf_counter()
         copies = [s.lookup.propose(s.stop.budget - 1) if s.lookup and self._queued is None else []
                   for s in self.sequences]
         plan = PLAIN if all(copies) else self._plan()
+        if not all(copies):  # a copy does not widen the verify of the sequences without one
+            copies = [c[: plan.width - 1] for c in copies]
         probe = self.chooser is not None and self.chooser.probing and not any(copies)  # read before the next plan
         if plan.width == 1 and not any(copies):
             return self._plain(plan, tic, probe)
