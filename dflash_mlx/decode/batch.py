@@ -203,8 +203,7 @@ class BatchDecoder:
         else:
             self._spill()  # where nothing was drafted, the context rows wait for the drafter's next pass
             chain = plan.width - 1
-            kinds = [("lookup", len(c) + 1, len(c)) if c else ("chain", plan.width, chain) if chain else ("plain", 1, 0)
-                     for c in copies]
+            kinds = [("lookup", len(c) + 1, len(c)) if c else ("chain", plan.width, chain) for c in copies]
             drafts = copied(copies, None if drafts is None else drafts[:, :chain])
             decided = self._verify_chain(tokens, drafts, proposals, [drafted for _, _, drafted in kinds])
         seconds = time.perf_counter() - tic
@@ -212,7 +211,7 @@ class BatchDecoder:
         for s, (a, out), (mode, width, drafted) in zip(self.sequences, decided, kinds):
             s.stats.record_plan(mode, width, seconds, a, drafted, probe)
             s.token = mx.array(out[a : a + 1], dtype=mx.int32)
-            results.append(StepResult(out[: a + 1], None if mode == "plain" else a, None))
+            results.append(StepResult(out[: a + 1], a, None))
             if mode == "lookup":
                 s.lookup.observe(a)
         if self.chooser is not None and not any(copies):
@@ -348,12 +347,10 @@ class BatchDecoder:
 
 
 def copied(copies: Sequence[List[int]], chains: Optional[mx.array]) -> mx.array:
-    """[N, D] int32 drafts: row i sequence i's copy where it has one, else its row of ``chains`` ([N, w-1], lazy;
-    None: nothing drafted), padded with 0 to the longest (D)."""
+    """[N, D] int32 drafts: row i sequence i's copy (padded with 0) where it has one, else its row of ``chains``
+    ([N, D], lazy, no copy longer; None where every sequence copies: D the longest copy)."""
     if not any(copies):
         return chains
-    chains = mx.zeros((len(copies), 0), dtype=mx.int32) if chains is None else chains
-    width = max(max(map(len, copies)), chains.shape[1])
+    width = max(map(len, copies)) if chains is None else chains.shape[1]
     rows = mx.array([list(c) + [0] * (width - len(c)) for c in copies], dtype=mx.int32)
-    chains = mx.pad(chains, [(0, 0), (0, width - chains.shape[1])])
-    return mx.where(mx.array([bool(c) for c in copies])[:, None], rows, chains)
+    return rows if chains is None else mx.where(mx.array([bool(c) for c in copies])[:, None], rows, chains)
