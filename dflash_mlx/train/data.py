@@ -265,9 +265,7 @@ def regenerate(target, tokenizer, prompts: List[List[int]], out_dir: str | Path,
             made = generate_batched(target, [chunk[j] for j in order], [budgets[j] for j in order],
                                    tokenizer.eos_token_ids, batch_size, sampler, capture,
                                    lambda: progress and progress(next(done), len(prompts)))
-            generated: List[tuple] = [None] * len(chunk)
-            for j, result in zip(order, made):
-                generated[j] = result
+            generated = [result for _, result in sorted(zip(order, made), key=lambda x: x[0])]  # prompt order
             ends = end_tokens[start:start + shard_size]
             responses = [ids + ([end] if len(ids) < b and end is not None else [])  # stopped: ended its turn
                          for (ids, _), b, end in zip(generated, budgets, ends)]
@@ -315,14 +313,12 @@ def load_sequences(data_dir: str | Path) -> List[TrainSequence]:
         raise InputError(f"{data}: no data shards yet; run `dflash data` first")
     seqs = []
     for shard in shards:
-        z = read_shard(shard)
-        if z is None:
+        if (z := read_shard(shard)) is None:
             raise InputError(f"{shard}: truncated or corrupt data shard; run the same `dflash data` command "
                              "again to make it anew")
         tokens, lengths, starts = z
-        ends = np.cumsum(lengths)
-        for end, n, start in zip(ends, lengths, starts):
-            seqs.append(TrainSequence(tokens[end - n:end], int(start)))
+        seqs += [TrainSequence(tokens[end - n:end], int(start))
+                 for end, n, start in zip(np.cumsum(lengths), lengths, starts)]
     return seqs
 
 
