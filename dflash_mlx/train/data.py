@@ -53,12 +53,9 @@ def read_utf8(path: Path) -> str:
 
 
 def read_prompt_file(path: str | Path) -> List[dict]:
-    """``{"prompt"}`` or ``{"messages"}`` (the turns up to the last user turn) rows of a JSONL file.
-
-    Raises:
-        InputError: missing or empty file, not UTF-8, a line not JSON, a row with neither key, or a message
-            without ``role`` and ``content`` strings (names the file and line).
-    """
+    """``{"prompt"}`` or ``{"messages"}`` (the turns up to the last user turn) rows of a JSONL file. Raises InputError:
+    missing or empty file, not UTF-8, a line not JSON, a row with neither key, or a message without ``role`` and
+    ``content`` strings (names the file and line)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: prompt file not found")
@@ -141,16 +138,11 @@ _USER_MARKER = "dflash-user-turn"
 
 def self_prompts(model, tokenizer, count: int, length: int, seed: int, temp: float = 1.0,
                  style: str = "prefix", max_words: int = 12, template: Optional[dict] = None) -> List[List[int]]:
-    """Up to ``count`` prompts the target samples itself (``length`` tokens at ``temp``): ``prefix`` keeps BOS
-    and the tokens sampled after it; ``sentence`` the first 3 to ``max_words`` words of a random later
-    sentence; ``chat`` samples a user's message where the chat template starts the user turn (it ends at the
-    end-of-turn token) and returns it as a chat prompt (the template with ``template`` kwargs, ready for the
-    assistant's reply).
-
-    Raises:
-        InputError: a tokenizer without BOS (``prefix``/``sentence``) or without a chat template (``chat``),
-            or another style.
-    """
+    """Up to ``count`` prompts the target samples itself (``length`` tokens at ``temp``): ``prefix`` keeps BOS and the
+    tokens sampled after it; ``sentence`` the first 3 to ``max_words`` words of a random later sentence; ``chat``
+    samples a user's message where the chat template starts the user turn (it ends at the end-of-turn token) and returns
+    it as a chat prompt (the template with ``template`` kwargs, ready for the assistant's reply). Raises InputError: a
+    tokenizer without BOS (``prefix``/``sentence``) or without a chat template (``chat``), or another style."""
     if style not in SELF_PROMPT_STYLES:
         raise InputError(f"--self-prompt-style must be one of {', '.join(SELF_PROMPT_STYLES)}, got {style!r}")
     if style == "chat":
