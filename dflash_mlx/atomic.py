@@ -107,14 +107,10 @@ def check_out(out: Path, force: bool, flag: str = "--out") -> None:
 @contextmanager
 def staging(out: Path, force: bool = False, flag: str = "--out",
             say: Callable[[str], None] = lambda _: None) -> Iterator[Path]:
-    """A temporary folder beside ``out`` that replaces it when the block succeeds; on any exception
-    (Ctrl-C and SIGTERM included) it and any parent folder made here are removed, ``out`` left as it was.
-
-    Raises:
-        InputError: ``out`` appeared meanwhile and ``force`` is off (names ``flag``).
-        WriteError: a write or the rename failed.
-        Terminated: SIGTERM arrived.
-    """
+    """A temporary folder beside ``out`` that replaces it when the block succeeds; on any exception (Ctrl-C and SIGTERM
+    included) it and any parent folder made here are removed, ``out`` left as it was. Raises InputError: ``out``
+    appeared meanwhile and ``force`` is off (names ``flag``); WriteError: a write or the rename failed; Terminated:
+    SIGTERM arrived."""
     remove_stale(out, say)
     created = next((p for p in reversed([out.parent, *out.parent.parents]) if not p.exists()), None)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -151,13 +147,9 @@ def _replace(tmp: Path, out: Path, force: bool, flag: str) -> None:
 
 @contextmanager
 def atomic_file(path: Path, parents: bool = False) -> Iterator[Path]:
-    """A temporary path beside ``path`` (``.NAME.tmp-PID.SUFFIX``) to write to, renamed over ``path`` when
-    the block succeeds (mode as ``open()`` under the umask), removed when it fails; ``parents``: create
-    the missing folders first.
-
-    Raises:
-        WriteError: the folder, the write or the rename failed; nothing is left behind.
-    """
+    """A temporary path beside ``path`` (``.NAME.tmp-PID.SUFFIX``) to write to, renamed over ``path`` when the block
+    succeeds (mode as ``open()`` under the umask), removed when it fails; ``parents``: create the missing folders first.
+    Raises WriteError: the folder, the write or the rename failed; nothing is left behind."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
     try:

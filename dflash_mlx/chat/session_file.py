@@ -12,11 +12,8 @@ ROLES = ("system", "user", "assistant")
 
 
 def read_session(path: Path) -> List[Dict[str, str]]:
-    """The messages of a session file; an empty list when it does not exist yet.
-
-    Raises:
-        InputError: the file is not a session file (names the file and the field).
-    """
+    """The messages of a session file; an empty list when it does not exist yet. Raises InputError: the file is not a
+    session file (names the file and the field)."""
     path = Path(path)
     if not path.exists():
         return []
@@ -64,11 +61,8 @@ class SessionWriter:
 
 
 def write_transcript(path: Path, messages: List[Dict[str, str]], meta: Optional[dict] = None) -> Path:
-    """Write a transcript: JSON for ``*.json`` (``meta`` and ``messages``), else Markdown.
-
-    Raises:
-        WriteError: the file cannot be written (any errno).
-    """
+    """Write a transcript: JSON for ``*.json`` (``meta`` and ``messages``), else Markdown. Raises WriteError: the file
+    cannot be written (any errno)."""
     if path.suffix.lower() == ".json":
         text = json.dumps({**(meta or {}), "messages": messages}, indent=2) + "\n"
     else:

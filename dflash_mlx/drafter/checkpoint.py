@@ -24,12 +24,8 @@ DRAFTER_FILES = ["*.json", "*.safetensors"]
 def load_drafter(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
     """An unbound drafter of any format from a folder or repo id (``bind`` it, or use
     :func:`dflash_mlx.load`); strict: exactly the weights the config implies. ``dtype`` casts floats.
-
-    Raises:
-        CheckpointError: missing folder or files, corrupt safetensors, or a weight missing, unexpected
-            or of another shape (names the file and key).
-        ConfigError: invalid or non-DFlash config (names the file and key).
-    """
+    CheckpointError: missing folder or files, corrupt safetensors, or a weight missing, unexpected or of another
+    shape; ConfigError: invalid or non-DFlash config (both name the file and key)."""
     path = resolve_model_path(path_or_repo, DRAFTER_FILES, what="drafter")
     config_file = path / "config.json"
     config = read_config(config_file)
@@ -131,11 +127,8 @@ def read_config(config_file: Path, missing: str = "not found") -> dict:
 
 
 def read_safetensors(path: Path, with_files: bool = False):
-    """Every ``*.safetensors`` file of a folder as ``{key: array}`` (with ``with_files`` also ``{key: file}``).
-
-    Raises:
-        CheckpointError: no weight file, a truncated or corrupt file, or a key in two files (names both).
-    """
+    """Every ``*.safetensors`` file of a folder as ``{key: array}`` (with ``with_files`` also ``{key: file}``);
+    CheckpointError: no weight file, a truncated or corrupt file, or a key in two files (names both)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weight files")

@@ -18,8 +18,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> L
     """Target layers spread evenly (spec section 2): ``round(1 + i * (N_target - 4) / (N_draft - 1))``."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    return [round(1 + i * (num_target_layers - 4) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
 @dataclass
@@ -93,11 +92,8 @@ class DrafterArgs:
     @classmethod
     def from_config(cls, config: dict, source: str = "config.json") -> "DrafterArgs":
         """Parse and validate a drafter config of any format (:mod:`~dflash_mlx.drafter.formats`) in any
-        layout (:mod:`~dflash_mlx.drafter.variants`).
-
-        Raises:
-            ConfigError: a required key is missing or a value does not fit (names ``source`` and the key).
-        """
+        layout (:mod:`~dflash_mlx.drafter.variants`); ConfigError: a required key is missing or a value does
+        not fit (names ``source`` and the key)."""
         if not isinstance(config, dict):
             raise ConfigError(f"{source}: expected a JSON object, found {type(config).__name__}")
         fmt = detect_format(config, source)
@@ -156,18 +152,15 @@ class DrafterArgs:
             top["sliding_window"] = self.sliding_window
         if self.config is None and self.layer_types and "sliding_attention" in self.layer_types:
             top["use_sliding_window"] = True  # else transformers' Qwen3Config drops sliding_window
-        for key in ("is_causal", "draft_vocab_size"):
-            if getattr(self, key) is not None:
-                top[key] = getattr(self, key)
+        top.update({key: getattr(self, key) for key in ("is_causal", "draft_vocab_size")
+                    if getattr(self, key) is not None})
         own = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
                **fmt.write_keys(self, new=self.config is None)}
         dflash = {} if fmt.ids_at_top else own
         if fmt.ids_at_top:
             top.update(own)
         if self.config is None:
-            out = dict(top, dflash_config=dflash) if dflash else dict(top)
-            out["torch_dtype"] = dtype
-            return out
+            return {**top, **({"dflash_config": dflash} if dflash else {}), "torch_dtype": dtype}
         return _merge(self.config, top, dflash, dtype, fmt)
 
 
@@ -206,21 +199,18 @@ _ADDABLE = ("sliding_window", "is_causal", "layer_types", "block_size", "num_tar
 def _shape(config: dict, source: str) -> Dict[str, Any]:
     """The network's shape: widths, heads, norm and RoPE settings."""
 
-    def need(key: str) -> Any:
+    def need(key: str) -> int:
         if key not in config:
             raise ConfigError(f"{source}: missing key '{key}'")
-        return config[key]
+        return to_int(config[key], key, source)
 
-    heads = to_int(need("num_attention_heads"), "num_attention_heads", source)
-    hidden = to_int(need("hidden_size"), "hidden_size", source)
+    heads, hidden = need("num_attention_heads"), need("hidden_size")
     rope_params = rope_parameters(config, source)
     return dict(
-        hidden_size=hidden, num_attention_heads=heads,
-        num_hidden_layers=to_int(need("num_hidden_layers"), "num_hidden_layers", source),
+        hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=need("num_hidden_layers"),
         num_key_value_heads=to_int(config.get("num_key_value_heads", heads), "num_key_value_heads", source),
         head_dim=to_int(config.get("head_dim") or hidden // max(heads, 1), "head_dim", source),
-        intermediate_size=to_int(need("intermediate_size"), "intermediate_size", source),
-        vocab_size=to_int(need("vocab_size"), "vocab_size", source),
+        intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
         rms_norm_eps=to_number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
         rope_theta=to_number(read_rope_theta(config, source), "rope_theta", source),
         rope_scaling=config.get("rope_scaling") or (rope_params or None),

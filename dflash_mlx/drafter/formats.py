@@ -42,8 +42,7 @@ class FormatKey:
         if value is None:
             if self.default is REQUIRED:
                 raise ConfigError(f"{source}: missing key '{where}' (needed by {fmt.architecture})")
-            value = self.default
-            if value is None:
+            if (value := self.default) is None:
                 return None
         if isinstance(self.kind, tuple):
             if value not in self.kind or type(value) is not type(self.kind[0]):
@@ -52,9 +51,8 @@ class FormatKey:
             return value
         value = to_int(value, where, source) if self.kind is int else to_number(value, where, source)
         if self.minimum is not None and value < self.minimum:
-            raise ConfigError(f"{source}: '{where}' must be at least {self.minimum:g}, got {value}"
-                              if self.kind is int else
-                              f"{source}: '{where}' must be >= {self.minimum:g} or null, got {value}")
+            bound = f"at least {self.minimum:g}" if self.kind is int else f">= {self.minimum:g} or null"
+            raise ConfigError(f"{source}: '{where}' must be {bound}, got {value}")
         return value
 
 
@@ -117,10 +115,7 @@ class DrafterFormat:
 
 
 def _rename(key: str, prefixes) -> str:
-    for old, new in prefixes:
-        if key.startswith(old):
-            return new + key[len(old):]
-    return key
+    return next((new + key[len(old):] for old, new in prefixes if key.startswith(old)), key)
 
 
 def _check_dflash2(args: Any, source: str) -> None:

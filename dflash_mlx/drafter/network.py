@@ -131,8 +131,7 @@ class DFlashDrafter(nn.Module):
     """The drafter network: ``fc`` [H, K*H], ``hidden_norm`` [H], ``layers.{i}.*``, ``norm`` [H], optionally
     ``mask_embedding`` [H], ``candidate_selector.*``, DSpark's ``embed_tokens`` [V, H], ``lm_head`` [V, H],
     ``markov_head.*`` and ``confidence_head.proj`` ([1, H (+ r)], bias [1]); embedding and lm_head borrowed
-    (:meth:`bind`).
-    ``draft_window``: ``(sink, window)`` context rows full-attention layers keep, or None: all."""
+    (:meth:`bind`). ``draft_window``: ``(sink, window)`` context rows full-attention layers keep, or None: all."""
 
     def __init__(self, args: DrafterArgs):
         super().__init__()
@@ -275,8 +274,7 @@ class DFlashDrafter(nn.Module):
         P = B + 1 - self.first_row
         compiled = compile and compile_enabled() and not self.args.conv_kernel_size and S <= P
         if compiled:
-            context = mx.concatenate([context, mx.zeros((context.shape[0], P - S, context.shape[2]),
-                                                        context.dtype)], axis=1)
+            context = mx.pad(context, [(0, 0), (0, P - S), (0, 0)])
             rope = self.layers[0].self_attn.rope
             tables = rope_rows(rope, B, block_at)
             if tables is None:

@@ -81,11 +81,8 @@ def is_drafter_config(config: dict) -> bool:
 
 
 def load_target(path_or_repo: str, sharding: Optional[str] = None):
-    """Load a target: :func:`load_model` plus the adapter of its family, ``(model, tokenizer, adapter)``.
-
-    Raises:
-        CheckpointError: missing or unreadable checkpoint (names the path). MismatchError: no adapter.
-    """
+    """Load a target: :func:`load_model` plus the adapter of its family, ``(model, tokenizer, adapter)``. Raises
+    CheckpointError: missing or unreadable checkpoint (names the path). MismatchError: no adapter."""
     model, tokenizer, folder = load_model(path_or_repo, what="target model", sharding=sharding)
     target = make_adapter(model)
     target.fingerprint = folder_fingerprint(folder) + (f"-{sharding}{rank()}of{ranks()}" if sharding else "")
@@ -93,12 +90,8 @@ def load_target(path_or_repo: str, sharding: Optional[str] = None):
 
 
 def check_pair(drafter: DFlashDrafter, target: TargetAdapter, draft_source: str = "drafter") -> None:
-    """Check that a drafter fits a target.
-
-    Raises:
-        MismatchError: vocabulary size, hidden size, target layer ids or the number of target layers differ;
-            the message names the config key.
-    """
+    """Check that a drafter fits a target. Raises MismatchError: vocabulary size, hidden size, target layer ids or the
+    number of target layers differ; the message names the config key."""
     args = drafter.args
     for key, theirs in (("vocab_size", target.vocab_size), ("hidden_size", target.hidden_size)):
         if getattr(args, key) != theirs:

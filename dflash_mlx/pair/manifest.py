@@ -40,11 +40,8 @@ def write_manifest(root: Path, manifest: dict) -> Path:
 
 
 def read_manifest(root: Path) -> dict:
-    """Read and check ``root/dflash.json``.
-
-    Raises:
-        ConfigError: invalid JSON, or a missing ``target``/``drafter``/``files`` entry (names file and key).
-    """
+    """Read and check ``root/dflash.json``. Raises ConfigError: invalid JSON, or a missing
+    ``target``/``drafter``/``files`` entry (names file and key)."""
     path = Path(root) / MANIFEST
     try:
         manifest = json.loads(path.read_text())
@@ -60,12 +57,8 @@ def read_manifest(root: Path) -> dict:
 
 
 def verify(root: Path, manifest: Optional[dict] = None) -> None:
-    """Check every listed file against the sha256 in the manifest.
-
-    Raises:
-        CheckpointError: a listed file is missing or changed, or a file is not listed (version 1: a weight
-            file); the message names the file.
-    """
+    """Check every listed file against the sha256 in the manifest. Raises CheckpointError: a listed file is missing or
+    changed, or a file is not listed (version 1: a weight file); the message names the file."""
     manifest = manifest or read_manifest(root)
     listed = manifest["files"]
     version = manifest.get("dflash_convert", 1)

@@ -65,11 +65,8 @@ def take_snapshot(tokens: Sequence[int], cache: List[Any], draft_cache: Optional
 
 
 def restore(snap: Snapshot, cache: List[Any], draft_cache: Optional[List[Any]]) -> None:
-    """Fill fresh caches from ``snap``.
-
-    Raises:
-        layers.LayerMismatch: another number of layers, or a layer of another kind or window.
-    """
+    """Fill fresh caches from ``snap``. Raises layers.LayerMismatch: another number of layers, or a layer of another
+    kind or window."""
     for side, caches in zip(SIDES, (cache, draft_cache)):
         stored = snap.layers.get(side)
         if caches is None and stored is None:
@@ -95,11 +92,8 @@ def restore_or_warn(snap: Snapshot, cache: List[Any], draft_cache: Optional[List
 
 
 def write(snap: Snapshot, folder: Path, name: str) -> int:
-    """Write ``snap`` as ``folder/name.safetensors`` then ``folder/name.json``; returns the bytes written.
-
-    Raises:
-        WriteError: the folder cannot be written; nothing is left but what the store removes.
-    """
+    """Write ``snap`` as ``folder/name.safetensors`` then ``folder/name.json``; returns the bytes written. Raises
+    WriteError: the folder cannot be written; nothing is left but what the store removes."""
     with atomic_file(folder / f"{name}.safetensors", parents=True) as tmp:
         mx.save_safetensors(str(tmp), snap.arrays if snap.arrays else {"empty": mx.zeros((0,))})
         size, sha = tmp.stat().st_size, sha256_file(tmp)
@@ -111,11 +105,8 @@ def write(snap: Snapshot, folder: Path, name: str) -> int:
 
 
 def read_index(side_file: Path) -> dict:
-    """The JSON side file of an entry, checked for form.
-
-    Raises:
-        CorruptEntry: unreadable, not this format, or fields missing or malformed.
-    """
+    """The JSON side file of an entry, checked for form. Raises CorruptEntry: unreadable, not this format, or fields
+    missing or malformed."""
     try:
         d = json.loads(side_file.read_text())
     except (OSError, ValueError) as e:
@@ -133,11 +124,8 @@ def read_index(side_file: Path) -> dict:
 
 
 def read(folder: Path, name: str, index: Optional[dict] = None) -> Snapshot:
-    """Entry ``name`` of ``folder``, its arrays checked against the recorded size and sha256.
-
-    Raises:
-        CorruptEntry: a file is missing, truncated, altered or unreadable.
-    """
+    """Entry ``name`` of ``folder``, its arrays checked against the recorded size and sha256. Raises CorruptEntry: a
+    file is missing, truncated, altered or unreadable."""
     index = index if index is not None else read_index(folder / f"{name}.json")
     data = folder / f"{name}.safetensors"
     try:

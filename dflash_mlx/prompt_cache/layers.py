@@ -34,11 +34,8 @@ def kind_of(c: Any) -> str:
 
 
 def take(c: Any) -> Tuple[Arrays, Ints]:
-    """``(arrays, ints)``: the rows one layer cache holds (new array objects) and its integers (``offset``...).
-
-    Raises:
-        LayerMismatch: a cache kind not in :data:`KINDS`.
-    """
+    """``(arrays, ints)``: the rows one layer cache holds (new array objects) and its integers (``offset``...). Raises
+    LayerMismatch: a cache kind not in :data:`KINDS`."""
     kind = kind_of(c)
     if not kind:
         raise LayerMismatch(f"cannot store a {type(c).__name__} layer cache")
@@ -56,12 +53,9 @@ def take(c: Any) -> Tuple[Arrays, Ints]:
 
 
 def put(c: Any, kind: str, arrays: Arrays, ints: Ints) -> None:
-    """Fill the fresh layer cache ``c`` from what :func:`take` returned for a ``kind`` cache.
-
-    Raises:
-        LayerMismatch: ``c`` is another kind, or another window, bit width or state size.
-        KeyError: ``arrays`` lacks rows that ``ints`` says are held.
-    """
+    """Fill the fresh layer cache ``c`` from what :func:`take` returned for a ``kind`` cache. Raises LayerMismatch:
+    ``c`` is another kind, or another window, bit width or state size; KeyError: ``arrays`` lacks rows that ``ints``
+    says are held."""
     if kind_of(c) != kind:
         raise LayerMismatch(f"stored {kind} layer, this cache is a {type(c).__name__}")
     if kind == "GatedDeltaCache":

@@ -124,28 +124,22 @@ class Server:
         n = self.config.max_tokens if n is None else n
         if limit is not None:
             n = min(n, limit - len(ids))
-        return GenerationJob(
-            ids=ids, max_tokens=n, stop=req.stop_strings(), endpoint=endpoint,
-            temperature=req.temperature or 0.0, top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=req.seed)
+        return GenerationJob(ids=ids, max_tokens=n, stop=req.stop_strings(), endpoint=endpoint,
+                             temperature=req.temperature or 0.0, top_p=1.0 if req.top_p is None else req.top_p,
+                             top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=req.seed)
 
     def models(self) -> Dict[str, Any]:
         pair = self.pair
-        card = {"id": self.config.model_id, "object": "model", "created": self.created,
-                "owned_by": "dflash-mlx",
-                "dflash": {"draft_model": pair.draft_path,
-                           "block_size": check_block_size(self.config.block_size, pair.drafter),
-                           "context_length": self.context}}
+        block_size = check_block_size(self.config.block_size, pair.drafter)
+        card = {"id": self.config.model_id, "object": "model", "created": self.created, "owned_by": "dflash-mlx",
+                "dflash": {"draft_model": pair.draft_path, "block_size": block_size, "context_length": self.context}}
         return {"object": "list", "data": [card]}
 
 
 def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, defaults: Dict[str, Any]) -> List[int]:
     """Prompt ids of a chat request: the chat template with ``tools`` and ``chat_template_kwargs`` (over
-    ``defaults``), or the messages' text joined for a model without one.
-
-    Raises:
-        APIError: 400 when the template cannot render the messages.
-    """
+    ``defaults``), or the messages' text joined for a model without one; APIError 400 when the template cannot
+    render the messages."""
     messages = [m.for_template() for m in req.messages]
     template = {**defaults, **(req.chat_template_kwargs or {})}
     if req.tools:
@@ -161,11 +155,8 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 async def read_request(request: Request, model: Type[Body]) -> Body:
-    """The body as JSON whatever its Content-Type (``curl -d`` sends form-urlencoded), as ``mlx_lm.server`` reads it.
-
-    Raises:
-        APIError: 400 for a body that is not a JSON object or does not validate as ``model``.
-    """
+    """The body as JSON whatever its Content-Type (``curl -d`` sends form-urlencoded), as ``mlx_lm.server`` reads it;
+    APIError 400 for a body that is not a JSON object or does not validate as ``model``."""
     body = await request.body()
     try:
         data = json.loads(body) if body.strip() else None

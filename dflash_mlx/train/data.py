@@ -53,12 +53,9 @@ def read_utf8(path: Path) -> str:
 
 
 def read_prompt_file(path: str | Path) -> List[dict]:
-    """``{"prompt"}`` or ``{"messages"}`` (the turns up to the last user turn) rows of a JSONL file.
-
-    Raises:
-        InputError: missing or empty file, not UTF-8, a line not JSON, a row with neither key, or a message
-            without ``role`` and ``content`` strings (names the file and line).
-    """
+    """``{"prompt"}`` or ``{"messages"}`` (the turns up to the last user turn) rows of a JSONL file. Raises InputError:
+    missing or empty file, not UTF-8, a line not JSON, a row with neither key, or a message without ``role`` and
+    ``content`` strings (names the file and line)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: prompt file not found")
@@ -141,16 +138,11 @@ _USER_MARKER = "dflash-user-turn"
 
 def self_prompts(model, tokenizer, count: int, length: int, seed: int, temp: float = 1.0,
                  style: str = "prefix", max_words: int = 12, template: Optional[dict] = None) -> List[List[int]]:
-    """Up to ``count`` prompts the target samples itself (``length`` tokens at ``temp``): ``prefix`` keeps BOS
-    and the tokens sampled after it; ``sentence`` the first 3 to ``max_words`` words of a random later
-    sentence; ``chat`` samples a user's message where the chat template starts the user turn (it ends at the
-    end-of-turn token) and returns it as a chat prompt (the template with ``template`` kwargs, ready for the
-    assistant's reply).
-
-    Raises:
-        InputError: a tokenizer without BOS (``prefix``/``sentence``) or without a chat template (``chat``),
-            or another style.
-    """
+    """Up to ``count`` prompts the target samples itself (``length`` tokens at ``temp``): ``prefix`` keeps BOS and the
+    tokens sampled after it; ``sentence`` the first 3 to ``max_words`` words of a random later sentence; ``chat``
+    samples a user's message where the chat template starts the user turn (it ends at the end-of-turn token) and returns
+    it as a chat prompt (the template with ``template`` kwargs, ready for the assistant's reply). Raises InputError: a
+    tokenizer without BOS (``prefix``/``sentence``) or without a chat template (``chat``), or another style."""
     if style not in SELF_PROMPT_STYLES:
         raise InputError(f"--self-prompt-style must be one of {', '.join(SELF_PROMPT_STYLES)}, got {style!r}")
     if style == "chat":
@@ -265,9 +257,7 @@ def regenerate(target, tokenizer, prompts: List[List[int]], out_dir: str | Path,
             made = generate_batched(target, [chunk[j] for j in order], [budgets[j] for j in order],
                                    tokenizer.eos_token_ids, batch_size, sampler, capture,
                                    lambda: progress and progress(next(done), len(prompts)))
-            generated: List[tuple] = [None] * len(chunk)
-            for j, result in zip(order, made):
-                generated[j] = result
+            generated = [result for _, result in sorted(zip(order, made), key=lambda x: x[0])]  # prompt order
             ends = end_tokens[start:start + shard_size]
             responses = [ids + ([end] if len(ids) < b and end is not None else [])  # stopped: ended its turn
                          for (ids, _), b, end in zip(generated, budgets, ends)]
@@ -315,14 +305,12 @@ def load_sequences(data_dir: str | Path) -> List[TrainSequence]:
         raise InputError(f"{data}: no data shards yet; run `dflash data` first")
     seqs = []
     for shard in shards:
-        z = read_shard(shard)
-        if z is None:
+        if (z := read_shard(shard)) is None:
             raise InputError(f"{shard}: truncated or corrupt data shard; run the same `dflash data` command "
                              "again to make it anew")
         tokens, lengths, starts = z
-        ends = np.cumsum(lengths)
-        for end, n, start in zip(ends, lengths, starts):
-            seqs.append(TrainSequence(tokens[end - n:end], int(start)))
+        seqs += [TrainSequence(tokens[end - n:end], int(start))
+                 for end, n, start in zip(np.cumsum(lengths), lengths, starts)]
     return seqs
 
 

@@ -95,8 +95,7 @@ class TrainConfig:
         check_number("--warmup", self.warmup, at_least=0, at_most=1, rule="a fraction from 0 to 1")
         check_number("--miss-anchors", self.miss_anchors, at_least=0, at_most=1, rule="a fraction from 0 to 1")
         check_number("--seed", self.seed, at_least=0, at_most=2**64 - 1)
-        gammas = self.gamma if isinstance(self.gamma, (list, tuple)) else [self.gamma]
-        for g in gammas:
+        for g in self.gamma if isinstance(self.gamma, (list, tuple)) else [self.gamma]:
             check_number("--gamma", g, above=0)
         for b in self.block_sizes or ():
             check_number("--block-sizes", b, at_least=2)
