@@ -99,7 +99,10 @@ class GenerationStats:
     def record_plan(self, mode: str, width: int, seconds: float, accepted: int, drafted: int,
                     probe: bool = False) -> None:
         """Count one step of ``mode`` (``plain``, ``chain``, ``tree``) and ``width`` (tokens or nodes) of
-        ``seconds`` (decode time); ``probe``: auto ran it to measure it."""
+        ``seconds`` (decode time); ``probe``: auto ran it to measure it. Without a drafter (not ``speculative``), a
+        plain step counts by :meth:`record_plain` only."""
+        if mode == "plain" and not self.speculative:
+            return self.record_plain(seconds)
         self.probe_steps += probe
         key = "plain" if mode == "plain" else f"{mode} {width}"
         self.widths[key] = self.widths.get(key, 0) + 1

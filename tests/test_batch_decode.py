@@ -4,22 +4,25 @@ joins mid-decode, prefills in chunks, stop tokens and strings, and cancellations
 the batched cache holds, per sequence, exactly the rows of a solo cache."""
 
 import random
-from collections import deque
+from collections import Counter, deque
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache
 
-from dflash_mlx import DFlashDrafter, bind_drafter, generate_step
+from dflash_mlx import DFlashDrafter, GenerationStats, bind_drafter, generate_step
 from dflash_mlx.decode import batch as batch_module
 from dflash_mlx.decode.batch import BatchDecoder
+from dflash_mlx.decode.batch_join import OwnCaches
+from dflash_mlx.decode.width import make_chooser
 from dflash_mlx.decode.stopping import StopCondition
 from dflash_mlx.drafter.batch import batch_drafts, pad_contexts
-from dflash_mlx.errors import RollbackError
+from dflash_mlx.errors import InputError, RollbackError
 from dflash_mlx.prompt_cache.batch import RaggedRoll, batch_refusal, common_padding, extend, share_offsets
 from dflash_mlx.prompt_cache.batch import BatchGatedDeltaCache
 from dflash_mlx.prompt_cache.gated_delta import GatedDeltaCache
+from dflash_mlx.sampling import Sampling
 from dflash_mlx.targets import TargetAdapter
 from conftest import ByteTokenizer, _Position, assert_varied, tiny_drafter, tiny_drafter_args, tiny_target
 
@@ -75,7 +78,7 @@ class JoinOrderDrafter:
 
 
 def drive(decoder, plan, chunk=3, max_batch=None):
-    """Run a schedule: ``plan`` is a list of dicts (key, prompt, n, join, cancel, stop);
+    """Run a schedule: ``plan`` is a list of dicts (key, prompt, n, join, cancel, stop, sampler, seed);
     a request joins at step ``join`` or later, when fewer than ``max_batch`` are in
     (prefilled one chunk per step), leaves at step ``cancel`` (None: never). Returns
     ``{key: tokens}``."""
@@ -86,7 +89,8 @@ def drive(decoder, plan, chunk=3, max_batch=None):
         while waiting and waiting[0]["join"] <= step and room():
             p = waiting.popleft()
             stop = StopCondition(p["n"], (), p.get("stop", ()), ByteTokenizer().decode)
-            joining.append(decoder.start(p["key"], p["prompt"], None, stop, step_size=chunk))
+            joining.append(decoder.start(p["key"], p["prompt"], p.get("sampler"), stop, step_size=chunk,
+                                         seed=p.get("seed")))
         decoder.remove([p["key"] for p in plan if p.get("cancel") is not None and p["cancel"] <= step])
         if joining:
             r = joining[0].advance()
@@ -298,8 +302,52 @@ def test_a_refused_batch_rollback_changes_no_layer():
     assert [b.offset.tolist() for b in full] == [[o[0] - 3, o[1] - 1] for o in offsets]
 
 
-def test_plain_batch_equals_solo():
-    target = target_of("qwen3")
+def test_a_seeded_sequence_samples_the_same_whoever_joins_or_leaves():
+    """Plain steps are dispatched a step early; a sequence joining or leaving takes that step back, its rows and
+    its draws: a seeded sampled sequence decodes the same text alone and among others coming and going."""
+    target = target_of("llama")
+    seeded = dict(key="seeded", prompt=[3, 4, 5], n=40, join=0, sampler=Sampling(1.0), seed=7)
+    mates = [dict(key=i, prompt=p, n=4 + 3 * i, join=1 + 2 * i, sampler=Sampling(0.8)) for i, p in
+             enumerate(prompts(4, seed=6))]
+    alone = drive(BatchDecoder(target, None, 1), [seeded])["seeded"]
+    crowded = drive(BatchDecoder(target, None, 1), [seeded] + mates)["seeded"]
+    other = drive(BatchDecoder(target, None, 1), [dict(seeded, seed=8)])["seeded"]
+    assert_varied(alone)
+    assert crowded == alone and other != alone
+
+
+@pytest.mark.parametrize("tree_budget", [6, "auto"])
+def test_a_batch_refuses_trees(tree_budget):
+    """A tree verifies one sequence in its own caches: a batched decoder given tree plans refuses them at once."""
+    target = target_of("llama")
+    drafter = tiny_drafter(target, block_size=4)
+    chooser = make_chooser(target, drafter, 4, tree_budget, None)
+    with pytest.raises(InputError, match="trees verify one sequence"):
+        BatchDecoder(target, drafter, 4, chooser)
+    BatchDecoder(target, drafter, 4, chooser, caches=OwnCaches())
+
+
+def test_each_result_says_what_ran_and_the_stats_count_exactly_that():
+    """A step's result carries its source, width, drafts and time; the sequence's stats are those results
+    counted (the one place steps are recorded), its tokens included."""
+    target = target_of("llama")
+    stats = GenerationStats(block_size=4)
+    results = list(generate_step(mx.array([1, 5, 9, 5, 9, 5, 9], dtype=mx.int32), target,
+                                 tiny_drafter(target, block_size=4), max_tokens=60, block_size="auto",
+                                 prompt_lookup=True, stats=stats))
+    first, steps = results[0], results[1:]
+    assert first.source is None and {r.source for r in steps} <= {"plain", "chain", "lookup"}
+    widths = Counter("plain" if r.source == "plain" else f"{r.source} {r.width}" for r in steps)
+    assert len(widths) >= 2 and dict(widths) == stats.widths
+    assert sum(r.drafted for r in steps) == stats.drafted and sum(r.probe for r in steps) == stats.probe_steps
+    assert sum(len(r.tokens) for r in results) == stats.generation_tokens
+    assert sum(r.seconds for r in steps) == pytest.approx(sum(stats.mode_s.values()))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma4_text", "gpt_oss"])
+def test_plain_batch_equals_solo(family):
+    """Plain steps dispatched a step early (taken back as sequences join and leave) decode as one at a time."""
+    target = target_of(family)
     plan = [dict(key=i, prompt=p, n=25, join=2 * i) for i, p in enumerate(prompts(5, seed=9))]
     out = drive(BatchDecoder(target, None, 1), plan)
     for p in plan:

@@ -87,8 +87,8 @@ def inject(stage, engine, monkeypatch):
     elif stage == "join":
         real_add = engine.decoder.add
 
-        def add(joining, token, pending):
-            real_add(joining, token, pending)  # in the batch, then the join fails
+        def add(joining, *args):
+            real_add(joining, *args)  # in the batch, then the join fails
             if is_bad(joining.prompt.tolist()):
                 raise RuntimeError("join broke")
         monkeypatch.setattr(engine.decoder, "add", add)

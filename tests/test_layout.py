@@ -149,6 +149,37 @@ def test_no_module_imports_the_package_init():
     assert not wrong, "modules importing the package __init__: " + ", ".join(wrong)
 
 
+def test_the_decode_path_is_one_screen_in_five_files(monkeypatch):
+    """The step is one function of at most 40 lines, and from ``stream_generate`` to the rollback of rejected
+    drafts a call crosses at most 5 files of the package (traced, not read)."""
+    import inspect
+
+    from dflash_mlx import stream_generate
+    from dflash_mlx.decode.batch import BatchDecoder
+    from dflash_mlx.targets import base
+    from conftest import ByteTokenizer
+
+    source = inspect.getsource(BatchDecoder._step)
+    assert len(source.splitlines()) <= 40, f"BatchDecoder._step: {len(source.splitlines())} lines"
+    paths, real = [], base.rollback
+
+    def traced(*args, **kwargs):
+        frames = [f.filename for f in inspect.stack()]
+        paths.append(frames[: next(i for i, f in enumerate(frames) if f.endswith("generate.py")) + 1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(base, "rollback", traced)
+    _, target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=4)
+    text = "".join(r.text for r in stream_generate(target, ByteTokenizer(), [1, 5, 9], drafter, max_tokens=24,
+                                                    block_size=4))
+    assert text and paths
+    package = str(ROOT / "dflash_mlx")
+    files = {f for path in paths for f in path if f.startswith(package)} | {str(ROOT / "dflash_mlx" / "prompt_cache"
+                                                                              / "rollback.py")}
+    assert len(files) <= 5, sorted(files)
+
+
 MAX_FILE, MAX_FUNCTION = 400, 60
 
 

@@ -3,16 +3,18 @@
 (T > 0, argmax drafts: d_i kept while it equals y_{i-1} ~ p), ``speculative`` (T > 0, drafts sampled
 from q: d_i kept while u_i q_i(d_i) < p_i(d_i), then a sample of normalize(max(p - q, 0)), or of p_B).
 
-Every rule returns ``(a, out)``: ``a`` accepted drafts (None: counted on the host by
-:func:`~dflash_mlx.prompt_cache.pair.common_prefix`) and ``out`` [B] int32 whose first ``a + 1`` entries
-are committed. ``key``: the sequence's own ``mx.random.key`` for the draw (None: MLX's global generator).
+Every rule's ``accept`` returns ``(a, out)`` lazily: ``a`` accepted drafts (None where its ``accepted`` counts
+them on the host) and ``out`` [B] int32 whose first ``a + 1`` entries are committed; after the step's one sync
+its ``accepted`` gives the count. ``key``: the sequence's own ``mx.random.key`` for the draw (None: MLX's
+global generator).
 """
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
+from ..prompt_cache.pair import common_prefix
 from ..protocol import Proposal, propose
 from ..sampling import Sampling
 
@@ -42,6 +44,11 @@ class MatchRule:
     def accept(self, proposal: Proposal, logits: mx.array, key: Optional[mx.array] = None) -> Tuple[None, mx.array]:
         """logits [B, V] of the verify -> ``(None, out)``: the target's own choices (module doc)."""
         return None, self.choose(logits, key)
+
+    @staticmethod
+    def accepted(a: None, drafts: List[int], out: List[int]) -> int:
+        """Drafts accepted, once evaluated: those equal to the target's own choices, up to the first that is not."""
+        return common_prefix(drafts, out)
 
 
 class SpeculativeRule:
@@ -79,6 +86,11 @@ class SpeculativeRule:
         fixes = mx.random.categorical(mx.log(mx.concatenate([self.residual(p[:-1], q), p[-1:]])), key=keys[1])
         keep = mx.arange(d.size + 1) < a
         return a, mx.where(keep, mx.concatenate([d, d[:1]]), fixes).astype(mx.int32)
+
+    @staticmethod
+    def accepted(a: mx.array, drafts: List[int], out: List[int]) -> int:
+        """Drafts accepted, once evaluated: the count :meth:`accept` drew."""
+        return a.item()
 
 
 def choose_rule(drafter, sampler) -> "MatchRule | SpeculativeRule":

@@ -1,6 +1,7 @@
-"""The DFlash step (spec section 5) for N >= 1 sequences: draft, verify, accept, roll back. One sequence
-(``solo``; trees, spec section 7, there only) decodes in the target's own caches; a batch in left-padded
-``BatchKVCache`` layers rolled back per sequence. Sequences join (:class:`Joining`) and leave between steps.
+"""The DFlash step (spec section 5) for N >= 1 sequences: draft, verify, accept, roll back. What differs between
+one sequence and a batch lives in the caches (:class:`OwnCaches`: one sequence in its own, trees there, spec
+section 7; :class:`BatchedCaches`: left-padded layers rolled back per sequence) and the draft source (each
+sequence's drafter cache, or one batched pass). Sequences join (:class:`Joining`) and leave between steps.
 """
 
 import time
@@ -9,21 +10,20 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .batch_join import Joining, StepResult, context_rows, settle
+from .batch_join import BatchedCaches, Joining, OwnCaches, StepResult, context_rows
 from .lookup import PromptLookup
 from .stopping import StopCondition
 from .tree import build_tree, host_logprobs, verify_tree
 from .width import Plan, WidthChooser, make_chooser
 from ..drafter.batch import batch_drafts, pad_contexts
 from ..errors import InputError
-from ..prompt_cache.pair import common_prefix
 from ..prompt_cache.batch_prefix import BatchPrefix, batch_prefix_refusal
 from ..prompt_cache.store import PrefixStore
-from ..protocol import MAX_COPY, Drafter, Proposal
+from ..protocol import MAX_COPY, Drafter, Proposal, attention_of
 from ..sampling import Sampler, next_key
 from ..stats import GenerationStats, weight_bytes
 from ..targets import TargetAdapter
-from ..prompt_cache.batch import compact, extend, keep_rows, share_offsets
+from ..prompt_cache.batch import compact, share_offsets
 
 PLAIN = Plan(1, 0)
 
@@ -32,8 +32,7 @@ PLAIN = Plan(1, 0)
 class BatchSequence:
     """One sequence: last committed ``token`` ([1] int32, not in the target cache), context rows the
     drafter has not seen (``pending``, [1, S, F] each), its drafter cache (None where the batch drafts in
-    one pass), its own PRNG key ``rng`` (``mx.random.key``; None: MLX's global generator), ``base``: cache
-    rows before it (solo)."""
+    one pass), its own PRNG key ``rng`` (``mx.random.key``; None: MLX's global generator)."""
 
     key: Any
     rule: Any
@@ -43,7 +42,7 @@ class BatchSequence:
     pending: List[mx.array] = field(default_factory=list)
     draft_cache: Optional[List[Any]] = None
     rng: Optional[mx.array] = None
-    base: int = 0
+    first: float = 0.0  # ``time.perf_counter()`` of its first token
     lookup: Optional[PromptLookup] = None
 
     def draw(self) -> Optional[mx.array]:
@@ -61,28 +60,33 @@ class BatchDecoder:
         block_size: B, the widest verify (1 without a drafter).
         chooser: each step's :class:`~dflash_mlx.decode.width.Plan` (default: always B).
         store: the prompt cache (used where :attr:`prefix_refusal` is None).
-        solo: at most one sequence, in the target's own caches.
+        caches: where sequences decode: :class:`BatchedCaches` (default) or :class:`OwnCaches` (one at a time;
+            trees need them: InputError for a chooser with tree budgets otherwise).
         lookup: drafts copied from each sequence's context where they match (:mod:`.lookup`).
         capture: without a drafter, target layers whose context features each sequence keeps and leaves
             with (:attr:`StepResult.features`), as training data (``dflash data``).
     """
 
     def __init__(self, target: TargetAdapter, drafter: Optional[Drafter], block_size: int,
-                 chooser: Optional[WidthChooser] = None, store: Optional[PrefixStore] = None, solo: bool = False,
-                 capture: Optional[List[int]] = None, lookup: bool = False):
-        self.target, self.drafter, self.solo, self.lookup = target, drafter, solo, lookup
+                 chooser: Optional[WidthChooser] = None, store: Optional[PrefixStore] = None,
+                 caches: OwnCaches | BatchedCaches | None = None, capture: Optional[List[int]] = None,
+                 lookup: bool = False):
+        self.caches = caches or BatchedCaches()
+        self.target, self.drafter, self.lookup = target, drafter, lookup
         self.bytes = (weight_bytes(target.model), weight_bytes(drafter) if hasattr(drafter, "parameters") else 0)
         self.width = block_size if drafter is not None else 1
         if drafter is not None and chooser is None:
             chooser = make_chooser(target, drafter, block_size, None, None)
+        if chooser and self.caches.batched and any(p and p.tree_budget for p in [*chooser.options, chooser.fixed]):
+            raise InputError("trees verify one sequence in its own caches, not a batch: no --tree-budget here")
         self.chooser = chooser
         self.rows = max(chooser.max_verify if chooser else self.width, MAX_COPY + 1 if self.lookup else 1)  # per verify
         self.capture = drafter.target_layer_ids if drafter is not None else capture
         self.sequences: List[BatchSequence] = []
         self.cache = None
         self._context: Optional[Tuple[mx.array, List[int]]] = None  # last verify's rows, not yet pending
-        self._queued = None  # the next (plan, tokens, features): a plain step dispatched early, else (plan, None, None)
-        self.batch_drafter = batch_drafts(drafter) if not solo else None
+        self._queued = None  # the next (plan, tokens, features, keys): a plain step dispatched early, or (plan,)
+        self.batch_drafter = batch_drafts(drafter) if self.caches.batched else None
         self.prefix: Optional[BatchPrefix] = None
         self.prefix_refusal: Optional[str] = None
         if store is not None:
@@ -95,20 +99,20 @@ class BatchDecoder:
 
     def start(self, key: Any, prompt: Sequence[int], sampler: Optional[Sampler], stop: StopCondition,
               step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
-              seed: Optional[int] = None, **solo: Any) -> Joining:
+              seed: Optional[int] = None, **own: Any) -> Joining:
         """A :class:`Joining` for a new sequence of request id ``key`` (hashable, distinct among the decoder's;
-        nothing runs until its ``advance``); ``solo``: ``cache``,
-        ``draft_cache``, ``stats``, ``history`` of a solo decoder's sequence. Raises InputError for an empty prompt or
-        a stop condition allowing no token."""
+        nothing runs until its ``advance``); ``own``: ``cache``, ``draft_cache``, ``stats``, ``history`` of a
+        sequence decoding in :class:`OwnCaches`. Raises InputError for an empty prompt or a stop condition allowing
+        no token."""
         if len(prompt) == 0:
             raise InputError("the prompt is empty: give at least one token")
         if stop.max_tokens < 1:
             raise InputError(f"max_tokens must be at least 1, got {stop.max_tokens}")
         ids = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt), dtype=mx.int32)
-        return Joining(self, key, ids, sampler, stop, step_size, should_stop, seed, **solo)
+        return Joining(self, key, ids, sampler, stop, step_size, should_stop, seed, **own)
 
-    def add(self, joining: Joining, token: mx.array, pending: List[mx.array]) -> None:
-        """Merge a prefilled sequence into the batch as its last row."""
+    def add(self, joining: Joining, token: mx.array, pending: List[mx.array], first: float) -> None:
+        """Merge a prefilled sequence into the batch as its last row (its first token at ``first`` seconds)."""
         draft_cache = None
         if self.drafter is not None and self.batch_drafter is None:
             draft_cache = joining.draft_cache if joining.draft_cache is not None else self.drafter.make_cache()
@@ -116,27 +120,22 @@ class BatchDecoder:
             self.batch_drafter.join(context_rows(pending) if pending else None, joining.draft_cache)
             pending = []
         self._spill()
-        self.cache = joining.cache if self.solo else extend(self.cache, joining.cache)
-        base = joining.cache[0].offset if self.solo and joining.cache else 0
+        self._unqueue()
+        self.cache = self.caches.join(self.cache, joining)
         lookup = PromptLookup(joining.history + joining.prompt.tolist() + token.tolist()) if self.lookup else None
         self.sequences.append(BatchSequence(joining.key, joining.rule, joining.stop, joining.stats, token,
-                                            pending, draft_cache, joining.rng, base, lookup=lookup))
+                                            pending, draft_cache, joining.rng, first, lookup))
 
     def remove(self, keys: Sequence[Any]) -> None:
-        """Drop the sequences of ``keys``; a solo sequence's caches keep its committed tokens but the last."""
+        """Drop the sequences of ``keys`` (:meth:`OwnCaches.leave`, :meth:`BatchedCaches.leave`)."""
         gone = set(keys)
         rows = [i for i, s in enumerate(self.sequences) if s.key not in gone]
         if len(rows) == len(self.sequences):
             return
         self._spill()
-        self._queued = None
-        if self.solo:
-            s = self.sequences[0]
-            settle(self.target, self.cache, s.base + s.stop.emitted - 1, self.drafter, s.draft_cache, s.pending)
-            self.sequences, self.cache = [], None
-            return
+        self._unqueue()
+        self.cache = self.caches.leave(self, rows)
         self.sequences = [self.sequences[i] for i in rows]
-        self.cache = keep_rows(self.cache, rows)
         if self.batch_drafter is not None:
             self.batch_drafter.keep(rows)
 
@@ -171,12 +170,12 @@ class BatchDecoder:
         except Exception:
             self.clear()
             raise
-        return self._settle(results)
+        return self._commit(results)
 
     def _plan(self) -> Plan:
         if self._queued is not None:
             plan = self._queued[0]
-            self._queued = None if plan.width > 1 else self._queued  # a chain planned while the last plain step ran
+            self._queued = None if len(self._queued) == 1 else self._queued  # (plan,): planned while a plain step ran
             return plan
         if self.chooser is None:
             return PLAIN
@@ -197,7 +196,7 @@ class BatchDecoder:
             return self._plain(plan, tic, probe)
         tokens = self._tokens()
         drafts, proposals = self._propose(tokens, plan.block) if plan.width > 1 else (None, None)
-        if plan.tree_budget is not None and self.solo:
+        if plan.tree_budget is not None:
             decided, drafted = self._verify_tree(proposals[0], plan.tree_budget)
             kinds = [("tree", plan.tree_budget, drafted)]
         else:
@@ -209,9 +208,8 @@ class BatchDecoder:
         seconds = time.perf_counter() - tic
         results = []
         for s, (a, out), (mode, width, drafted) in zip(self.sequences, decided, kinds):
-            s.stats.record_plan(mode, width, seconds, a, drafted, probe)
             s.token = mx.array(out[a : a + 1], dtype=mx.int32)
-            results.append(StepResult(out[: a + 1], a, None))
+            results.append(StepResult(out[: a + 1], a, None, None, None, mode, width, drafted, seconds, probe))
             if mode == "lookup":
                 s.lookup.observe(a)
         if self.chooser is not None and not any(copies):
@@ -240,9 +238,8 @@ class BatchDecoder:
         decided = [s.rule.accept(proposals[i].head(drafts.shape[1]) if proposals else Proposal(drafts[i]), logits[i],
                                  s.draw()) for i, s in enumerate(self.sequences)]
         mx.eval([x for pick in decided for x in pick if x is not None], features, drafts)
-        decided = [(a, y.tolist()) for a, y in decided]
-        decided = [(min(common_prefix(d, y) if a is None else a.item(), limit), y)
-                   for d, (a, y), limit in zip(drafts.tolist(), decided, limits)]
+        decided = [(min(s.rule.accepted(a, d, out := y.tolist()), limit), out)
+                   for s, d, (a, y), limit in zip(self.sequences, drafts.tolist(), decided, limits)]
         self._context = (features, [a + 1 for a, _ in decided]) if features is not None else None
         self.target.rollback(self.cache, [drafts.shape[1] - a for a, _ in decided])
         compact(self.cache)
@@ -287,37 +284,44 @@ class BatchDecoder:
             self._context = None
 
     def _plain(self, plan: Plan, tic: float, probe: bool = False) -> List[StepResult]:
-        """One token per sequence; alone, the next plain step is dispatched before this one is read;
-        ``probe``: auto runs it to measure it."""
+        """One token per sequence; the next plain step is dispatched before this one is read where the caches
+        can take it back (:meth:`_unqueue`); ``probe``: auto runs it to measure it."""
         self._spill()
         if self._queued is not None:
-            _, y, features = self._queued
+            _, y, features, _ = self._queued
         else:
             share_offsets(self.cache)
             y, features = self._forward()
         self._queued = None
-        s0 = self.sequences[0]
-        if self.solo and s0.stop.budget > 1 and self.target.rollback_spans_forwards and not (
-                s0.lookup and s0.lookup.propose(1)):  # a match now may copy next step: nothing dispatched early
+        compact(self.cache)  # a batch's sliding-window layers drop rows out of every window (before the next forward,
+        # so that taking it back finds the rows its windows held)
+        if self.target.rollback_spans_forwards and all(s.stop.budget > 1 and not (s.lookup and s.lookup.propose(1))
+                                                       for s in self.sequences):  # a match may copy next step
             nxt = self._plan()
-            self._queued = (nxt, *self._forward(y)) if nxt.width == 1 else (nxt, None, None)
-            mx.async_eval([a for a in self._queued[1:] if a is not None])
+            keys = [s.rng for s in self.sequences]  # the keys before the next step's draws (:meth:`_unqueue`)
+            share_offsets(self.cache)
+            self._queued = (nxt, *self._forward(y), keys) if nxt.width == 1 else (nxt,)
+            mx.async_eval([a for a in self._queued[1:3] if a is not None])
         mx.eval(y, features if features is not None else [])
-        picks, seconds = y.tolist(), time.perf_counter() - tic
+        chosen, seconds = y.tolist(), time.perf_counter() - tic
         results = []
         for i, s in enumerate(self.sequences):
-            s.token = y if len(picks) == 1 else y[i : i + 1]
-            if self.drafter is None:
-                s.stats.record_plain(seconds)
-            else:
-                s.stats.record_plan("plain", 1, seconds, 0, 0, probe)
+            s.token = y if len(chosen) == 1 else y[i : i + 1]
             if features is not None:
                 s.pending.append(features[i : i + 1])
-            results.append(StepResult([picks[i]], None, None))
-        compact(self.cache)  # a batch's sliding-window layers drop rows out of every window
+            results.append(StepResult([chosen[i]], None, None, None, None, "plain", 1, 0, seconds, probe))
         if self.chooser is not None:
             self.chooser.observe(plan, seconds, [0] * len(results))
         return results
+
+    def _unqueue(self) -> None:
+        """Take back a plain step dispatched early (before a sequence joins or leaves): its row leaves every
+        sequence's cache and each sequence's PRNG key is as before its draw."""
+        if self._queued is not None and len(self._queued) > 1:
+            self.target.rollback(self.cache, [1] * len(self.sequences))
+            for s, key in zip(self.sequences, self._queued[3]):
+                s.rng = key
+        self._queued = None
 
     def _forward(self, tokens: Optional[mx.array] = None) -> Tuple[mx.array, Any]:
         """The plain forward of every sequence's last token (or ``tokens`` [N]), lazy: ``(next tokens [N]
@@ -328,14 +332,17 @@ class BatchDecoder:
         chosen = [s.rule.choose(logits[i : i + 1], s.draw()) for i, s in enumerate(self.sequences)]
         return (chosen[0] if len(chosen) == 1 else mx.concatenate(chosen)), features
 
-    def _settle(self, results: List[StepResult]) -> List[StepResult]:
-        """Cut each sequence's tokens at its stops; finished and failed (``error``) sequences leave."""
-        done = []
+    def _commit(self, results: List[StepResult]) -> List[StepResult]:
+        """Cut each sequence's tokens at its stops and record the step in its stats (the one place a sequence's
+        steps are counted); finished and failed (``error``) sequences leave."""
+        done, now = [], time.perf_counter()
         for s, r in zip(self.sequences, results):
             try:
                 r.tokens, r.finish_reason = s.stop.cut(r.tokens)
             except Exception as e:  # this sequence's fault only: it leaves, the others go on
                 r.tokens, r.error = [], e
+            s.stats.record_plan(r.source, r.width, r.seconds, r.accepted or 0, r.drafted, r.probe)
+            s.stats.committed(len(r.tokens), s.first, now, attention_of(self.drafter))
             if s.lookup is not None:
                 s.lookup.extend(r.tokens)
             if r.finish_reason is not None or r.error is not None:

@@ -5,6 +5,7 @@ when the prompt is done it samples the first token and joins (``BatchDecoder.add
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
@@ -12,7 +13,9 @@ import mlx.core as mx
 
 from .acceptance import choose_rule
 from .stopping import StopCondition
+from ..prompt_cache.batch import extend, keep_rows
 from ..prompt_cache.resume import PrefillStopped
+from ..protocol import attention_of
 from ..sampling import Sampler, next_key
 from ..stats import GenerationStats
 
@@ -28,30 +31,39 @@ BATCHED_AUTO = ("continuous batching: auto chooses a plain step or one chain wid
 
 @dataclass
 class StepResult:
-    """What one step committed for one sequence: ``tokens`` (a stop token excluded, a stop
+    """What one step committed for one sequence, and what ran: ``tokens`` (a stop token excluded, a stop
     string's tokens included), ``accepted`` drafts (None for the first token and plain steps),
     ``finish_reason`` ("stop", "length" or None), ``error`` (this sequence failed and left);
     ``features``: where a decoder with ``capture`` and no drafter saw the sequence finish, the context
-    features [1, S, K*H] of every token it fed the target (the prompt and all emitted but the last)."""
+    features [1, S, K*H] of every token it fed the target (the prompt and all emitted but the last);
+    ``source``: what drafted (``chain``: the drafter, ``lookup``: prompt lookup, ``tree``), ``plain`` (nothing),
+    None for the first token; ``width``: tokens the verify fed (a tree: its nodes), ``drafted`` of them;
+    ``seconds``: the step's time (the whole batch's); ``probe``: auto ran it to measure it."""
 
     tokens: List[int]
     accepted: Optional[int]
     finish_reason: Optional[str] = None
     error: Optional[BaseException] = None
     features: Optional[mx.array] = None
+    source: Optional[str] = None
+    width: int = 1
+    drafted: int = 0
+    seconds: float = 0.0
+    probe: bool = False
 
 
 class Joining:
-    """A sequence being prefilled before it joins the batch, ``step_size`` tokens of ``prompt`` ([P]
-    int32, P >= 1) per :meth:`advance`. ``cache``, ``draft_cache``, ``stats``: a solo decoder's (else made
-    here); ``history``: the ids that ``cache`` holds before ``prompt`` (prompt lookup copies from them too).
-    ``reused``: prompt tokens found in the prompt cache; ``source``: "memory", "disk" or None."""
+    """A sequence being prefilled before it joins the batch, ``step_size`` tokens of ``prompt`` ([P] int32, P >= 1)
+    per :meth:`advance`. ``cache``, ``draft_cache``, ``stats``: the sequence's own, where the decoder runs in
+    :class:`OwnCaches` (else made here); ``history``: the ids that ``cache`` holds before ``prompt`` (prompt lookup
+    copies from them too). ``reused``: prompt tokens found in the prompt cache; ``source``: "memory", "disk" or None."""
 
     def __init__(self, decoder: "BatchDecoder", key: Any, prompt: mx.array, sampler: Optional[Sampler],
                  stop: StopCondition, step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
                  seed: Optional[int] = None, cache: Optional[List[Any]] = None, draft_cache: Optional[List[Any]] = None,
                  stats: Optional[GenerationStats] = None, history: Sequence[int] = ()):
         self.decoder, self.key, self.stop, self.history = decoder, key, stop, list(history)
+        self.started = time.perf_counter()
         self.rng = None if seed is None else mx.random.key(seed)  # the sequence's own PRNG key
         self.rule = choose_rule(decoder.drafter, sampler)
         self.prompt, self.rest, self.step_size, self.should_stop = prompt, prompt, max(1, step_size), should_stop
@@ -103,12 +115,14 @@ class Joining:
         t = self.rule.choose(target.lm_head(h[:, -1]), key)
         mx.eval(t)
         tokens, finish = self.stop.cut(t.tolist())
+        now = time.perf_counter()
+        self.stats.prompt_s = self.stats.phase_s["prefill"] = now - self.started
+        self.stats.committed(len(tokens), now, now, attention_of(self.decoder.drafter))
         context = [context_rows(self.features)] if self.features else []  # empty without a drafter
         if finish is None:
-            self.decoder.add(self, t, context)
-        elif self.decoder.solo:
-            settle(target, self.cache, self.cache[0].offset + len(tokens) - 1, self.decoder.drafter,
-                   self.draft_cache, context)
+            self.decoder.add(self, t, context, now)
+        else:
+            self.decoder.caches.ended(self, tokens, context)
         if self.decoder.prefix is not None and not self.decoder.prefix.at_boundaries:
             self._store(self._keep, context, finish is None)
         self.cache, self.draft_cache, self.features = None, None, []  # the batch holds copies: free these
@@ -140,7 +154,7 @@ class Joining:
         self.decoder.prefix.keep(self.prompt[:rows].tolist(), self.cache, self.draft_cache)
 
     def _keep(self, context: List[mx.array], joined: bool) -> None:
-        """Store the prompt's entry from the solo caches (joining copied them; both hold every prompt row)."""
+        """Store the prompt's entry from the sequence's own caches (a batch copied them; both hold every prompt row)."""
         if not joined and self.draft_cache is not None and context:
             self.decoder.drafter.ingest(context[0], self.draft_cache)
         self.decoder.prefix.keep(self.prompt.tolist(), self.cache, self.draft_cache)
@@ -151,7 +165,7 @@ def context_rows(pending: List[mx.array]) -> Optional[mx.array]:
     return pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)
 
 
-def settle(target: TargetAdapter, cache: List[Any], rows: int, drafter: Optional[Drafter] = None,
+def rollback_to(target: TargetAdapter, cache: List[Any], rows: int, drafter: Optional[Drafter] = None,
            draft_cache: Optional[List[Any]] = None, pending: Sequence[mx.array] = ()) -> None:
     """Trim the target cache to ``rows``, then give the drafter the context rows it lacks
     (``pending`` starts at its offset), so both caches cover the same tokens."""
@@ -160,3 +174,45 @@ def settle(target: TargetAdapter, cache: List[Any], rows: int, drafter: Optional
         missing = cache[0].offset - draft_cache[0].offset
         if missing > 0:
             drafter.ingest(context_rows(list(pending))[:, :missing], draft_cache)
+
+
+class OwnCaches:
+    """Where one sequence at a time decodes: its own caches (the target's, resumed from the prompt cache or fresh,
+    and its drafter's; trees verify there). When it leaves, they keep every committed token but the last, so the
+    next request resumes from them (:class:`~dflash_mlx.prompt_cache.pair.PairCache`)."""
+
+    batched = False
+
+    def join(self, cache: Optional[List[Any]], joining: "Joining") -> List[Any]:
+        """The caches a sequence decodes in: ``joining``'s own (``cache`` is None: nothing else decodes)."""
+        self.base = joining.cache[0].offset if joining.cache else 0  # rows before its first token
+        return joining.cache
+
+    def leave(self, decoder: "BatchDecoder", rows: Sequence[int]) -> Optional[List[Any]]:
+        """The caches after the sequence left (``rows`` empty): None, its own rolled back to its committed rows."""
+        s = decoder.sequences[0]
+        rollback_to(decoder.target, decoder.cache, self.base + s.stop.emitted - 1, decoder.drafter, s.draft_cache,
+               s.pending)
+
+    def ended(self, joining: "Joining", tokens: Sequence[int], context: List[mx.array]) -> None:
+        """A sequence that ended at its first token (``tokens``) rolls its caches back as :meth:`leave` does."""
+        rollback_to(joining.decoder.target, joining.cache, joining.cache[0].offset + len(tokens) - 1,
+               joining.decoder.drafter, joining.draft_cache, context)
+
+
+class BatchedCaches:
+    """Where N sequences decode together: one left-padded batched cache per target layer, a row per sequence in
+    order (:mod:`dflash_mlx.prompt_cache.batch`); a leaving sequence's row is dropped."""
+
+    batched = True
+
+    def join(self, cache: Optional[List[Any]], joining: "Joining") -> List[Any]:
+        """``cache`` with ``joining``'s prefilled caches appended as its last row."""
+        return extend(cache, joining.cache)
+
+    def leave(self, decoder: "BatchDecoder", rows: Sequence[int]) -> Optional[List[Any]]:
+        """``decoder``'s cache with only the sequences at ``rows``, in that order."""
+        return keep_rows(decoder.cache, rows)
+
+    def ended(self, joining: "Joining", tokens: Sequence[int], context: List[mx.array]) -> None:
+        """Nothing: a sequence that ended at its first token never joined."""

@@ -1,7 +1,6 @@
 """Generation from one prompt (spec section 5): ``generate_step`` runs the step of
 :mod:`dflash_mlx.decode.batch` for one sequence; ``stream_generate`` adds text and statistics."""
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
@@ -12,10 +11,10 @@ from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .batch import BatchDecoder
-from .batch_join import NO_DRAFTER, StepResult
+from .batch_join import NO_DRAFTER, OwnCaches, StepResult
 from ..errors import InputError
 from .width import AUTO, make_chooser, parse_block_size, parse_tree_budget
-from ..protocol import Drafter, attention_of
+from ..protocol import Drafter
 from ..sampling import Sampler
 from ..stats import GenerationStats, weight_bytes
 from .stopping import StopCondition, TextStream
@@ -70,19 +69,18 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
     tree_budget = parse_tree_budget(tree_budget)
     if tree_budget is not None and drafter is None:
         raise InputError("--tree-budget needs --draft-model (plain decoding has no drafts)")
-    stats = stats if stats is not None else GenerationStats(block_size=B)
+    stats = stats if stats is not None else GenerationStats(block_size=B, speculative=drafter is not None)
     chooser = make_chooser(target, drafter, block_size, tree_budget, stats) if drafter is not None else None
     if chooser is not None and auto_state:
         chooser.learn(auto_state)
-    decoder, key = BatchDecoder(target, drafter, B, chooser, solo=True, lookup=prompt_lookup), object()
+    decoder, key = BatchDecoder(target, drafter, B, chooser, caches=OwnCaches(), lookup=prompt_lookup), object()
     if prompt_cache is not None:
         target.check_cache(prompt_cache, decoder.rows)
     joining = decoder.start(key, prompt, sampler, stop, prefill_step_size, should_stop, cache=prompt_cache,
                             draft_cache=draft_cache, stats=stats, history=cached_ids)
     with mx.stream(generation_stream):
-        with stats.phase("prefill"):
-            while (result := joining.advance()) is None:
-                mx.clear_cache()
+        while (result := joining.advance()) is None:
+            mx.clear_cache()
         try:
             yield result
             while decoder.sequences:
@@ -128,13 +126,8 @@ def stream_generate(target: TargetAdapter, tokenizer: TokenizerWrapper, prompt: 
         speculative=drafter is not None, reason=None if drafter is not None else NO_DRAFTER,
         drafter_format=getattr(drafter, "drafter_format", None))
     text = TextStream(tokenizer, stop_strings)
-    tic, first = time.perf_counter(), True
     with wired_limit(target.model, [generation_stream]):
         for step in generate_step(prompt, target, drafter, stats=stats, **kwargs):
-            now = time.perf_counter()
-            if first:
-                stats.prompt_s, tic, first = now - tic, now, False
-            stats.committed(len(step.tokens), tic, now, attention_of(drafter))
             segment = text.add(step.tokens, final=step.finish_reason is not None)
             yield GenerationResponse(segment, step.tokens, step.accepted, step.finish_reason, stats)
 

@@ -154,7 +154,7 @@ class WidthChooser:
             return self.fixed
         if seeded:
             return Plan(self.block, self.block)
-        options = [p for p in self.options if n == 1 or p.tree_budget is None]
+        options = self.options  # tree options only where one sequence decodes in its own caches
         again, self.again = self.again, None
         if again in options:
             self.probing = True

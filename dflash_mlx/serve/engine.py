@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, List, Optional, Union
 
 from ..decode.batch import BatchDecoder
-from ..decode.batch_join import Joining, StepResult
+from ..decode.batch_join import BatchedCaches, Joining, OwnCaches, StepResult
 from ..decode.generate import check_block_size
 from ..decode.stopping import StopCondition, TextStream
 from ..decode.width import make_chooser
@@ -19,7 +19,6 @@ from ..prompt_cache.batch import batch_refusal
 from ..prompt_cache.pair import PairCache
 from ..prompt_cache.resume import PrefillStopped
 from ..prompt_cache.store import PrefixStore
-from ..protocol import attention_of
 from ..sampling import Sampling
 from .api import usage
 from .jobs import _STARTED, Chunk, GenerationJob, Job, Prepare, QueueFullError, push_together
@@ -38,7 +37,6 @@ class _Request:
     text: TextStream
     joining: Joining
     reply: List[int] = field(default_factory=list)
-    started: float = field(default_factory=time.perf_counter)
     first: Optional[float] = None
 
 
@@ -74,8 +72,8 @@ class Engine:
         self.pair_cache = PairCache(pair.target, pair.tokenizer, pair.drafter, store=store) if solo else None
         width = check_block_size(block_size, pair.drafter)
         chooser = make_chooser(pair.target, pair.drafter, block_size, None, None) if pair.drafter is not None else None
-        self.decoder = BatchDecoder(pair.target, pair.drafter, width, chooser, None if solo else store, solo,
-                                    lookup=prompt_lookup)
+        self.decoder = BatchDecoder(pair.target, pair.drafter, width, chooser, None if solo else store,
+                                    OwnCaches() if solo else BatchedCaches(), lookup=prompt_lookup)
         if self.decoder.prefix_refusal is not None:
             log.warning("prompt cache: not used by batched requests, which prefill their whole prompt: %s "
                         "(--max-batch 1 uses it)", self.decoder.prefix_refusal)
@@ -262,7 +260,6 @@ class Engine:
             return
         self._joining.popleft()
         req.first = time.perf_counter()
-        req.joining.stats.prompt_s = req.joining.stats.phase_s["prefill"] = req.first - req.started
         if result.finish_reason is None:
             self._active.append(req)
         self._emit(req, result)
@@ -294,7 +291,6 @@ class Engine:
     def _emit(self, req: _Request, result: StepResult) -> None:
         """Hand one step's text to the request; at its end, count and release it."""
         stats, last = req.joining.stats, result.finish_reason is not None
-        stats.committed(len(result.tokens), req.first, time.perf_counter(), attention_of(self.pair.drafter))
         req.reply += result.tokens
         text = req.text.add(result.tokens, last)
         u = usage(stats) if last else None
