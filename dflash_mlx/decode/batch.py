@@ -23,7 +23,7 @@ from ..protocol import MAX_COPY, Drafter, Proposal, attention_of
 from ..sampling import Sampler, next_key
 from ..stats import GenerationStats, weight_bytes
 from ..targets import TargetAdapter
-from ..prompt_cache.batch import compact, share_offsets
+from ..prompt_cache.batch import compact
 
 PLAIN = Plan(1, 0)
 
@@ -232,7 +232,6 @@ class BatchDecoder:
         host, a at most ``limits[i]`` (drafts past it pad a shorter row: accepted or not, they are left to the next
         step); each sequence's rejected rows dropped (RollbackError where a cache cannot), then in a batch the
         padding every sequence has."""
-        share_offsets(self.cache)
         h, features = self.target(mx.concatenate([tokens[:, None], drafts], axis=1), self.cache, self.capture)
         logits = self.target.lm_head(h)
         decided = [s.rule.accept(proposals[i].head(drafts.shape[1]) if proposals else Proposal(drafts[i]), logits[i],
@@ -290,7 +289,6 @@ class BatchDecoder:
         if self._queued is not None:
             _, y, features, _ = self._queued
         else:
-            share_offsets(self.cache)
             y, features = self._forward()
         self._queued = None
         compact(self.cache)  # a batch's sliding-window layers drop rows out of every window (before the next forward,
@@ -299,7 +297,6 @@ class BatchDecoder:
                                                        for s in self.sequences):  # a match may copy next step
             nxt = self._plan()
             keys = [s.rng for s in self.sequences]  # the keys before the next step's draws (:meth:`_unqueue`)
-            share_offsets(self.cache)
             self._queued = (nxt, *self._forward(y), keys) if nxt.width == 1 else (nxt,)
             mx.async_eval([a for a in self._queued[1:3] if a is not None])
         mx.eval(y, features if features is not None else [])

@@ -9,6 +9,7 @@ import numpy as np
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.models.gemma4_text import logit_softcap
 
+from ..prompt_cache.batch import share_offsets
 from ..prompt_cache.gated_delta import GatedDeltaCache
 from ..prompt_cache.rollback import EXACT_TRIM, Count, rollback
 from ..prompt_cache.window import WindowKVCache
@@ -115,6 +116,7 @@ class TargetAdapter(TreeVerify):
         if self.stages > 1:
             return self._pipeline_call(inputs, cache, capture)
         captured = {}
+        share_offsets(cache)  # a batch's layers share one offset array: the fused RoPE computes its rows once
         h = self.embed(inputs)
         layers = self.run_layers(inputs, h, cache) if tree is None else self.run_tree_layers(h, cache, *tree)
         for i, h in enumerate(layers):
