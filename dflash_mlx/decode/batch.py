@@ -332,14 +332,14 @@ class BatchDecoder:
     def _commit(self, results: List[StepResult]) -> List[StepResult]:
         """Cut each sequence's tokens at its stops and record the step in its stats (the one place a sequence's
         steps are counted); finished and failed (``error``) sequences leave."""
-        done, now = [], time.perf_counter()
+        done, now, attention = [], time.perf_counter(), attention_of(self.drafter)
         for s, r in zip(self.sequences, results):
             try:
                 r.tokens, r.finish_reason = s.stop.cut(r.tokens)
             except Exception as e:  # this sequence's fault only: it leaves, the others go on
                 r.tokens, r.error = [], e
             s.stats.record_plan(r.source, r.width, r.seconds, r.accepted or 0, r.drafted, r.probe)
-            s.stats.committed(len(r.tokens), s.first, now, attention_of(self.drafter))
+            s.stats.committed(len(r.tokens), s.first, now, attention)
             if s.lookup is not None:
                 s.lookup.extend(r.tokens)
             if r.finish_reason is not None or r.error is not None:

@@ -166,7 +166,7 @@ def context_rows(pending: List[mx.array]) -> Optional[mx.array]:
 
 
 def rollback_to(target: TargetAdapter, cache: List[Any], rows: int, drafter: Optional[Drafter] = None,
-           draft_cache: Optional[List[Any]] = None, pending: Sequence[mx.array] = ()) -> None:
+                draft_cache: Optional[List[Any]] = None, pending: Sequence[mx.array] = ()) -> None:
     """Trim the target cache to ``rows``, then give the drafter the context rows it lacks
     (``pending`` starts at its offset), so both caches cover the same tokens."""
     target.rollback(cache, cache[0].offset - rows)
@@ -192,12 +192,12 @@ class OwnCaches:
         """The caches after the sequence left (``rows`` empty): None, its own rolled back to its committed rows."""
         s = decoder.sequences[0]
         rollback_to(decoder.target, decoder.cache, self.base + s.stop.emitted - 1, decoder.drafter, s.draft_cache,
-               s.pending)
+                    s.pending)
 
     def ended(self, joining: "Joining", tokens: Sequence[int], context: List[mx.array]) -> None:
         """A sequence that ended at its first token (``tokens``) rolls its caches back as :meth:`leave` does."""
         rollback_to(joining.decoder.target, joining.cache, joining.cache[0].offset + len(tokens) - 1,
-               joining.decoder.drafter, joining.draft_cache, context)
+                    joining.decoder.drafter, joining.draft_cache, context)
 
 
 class BatchedCaches:
