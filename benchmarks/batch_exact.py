@@ -98,7 +98,7 @@ def main() -> None:
     tic = time.perf_counter()
     auto = args.block_size == "auto" and pair.drafter is not None
     width = check_block_size(args.block_size, pair.drafter)
-    decoder = BatchDecoder(pair.target, pair.drafter, width, make_chooser(pair.target, pair.drafter, "auto" if auto else width, None, None))
+    decoder = BatchDecoder(pair.target, pair.drafter, width, make_chooser(pair.target, pair.drafter, "auto" if auto else width, None))
     got = run_batch(decoder, requests, pair.tokenizer, args.max_batch, args.prefill_step)
     batch_s = time.perf_counter() - tic
     equal = prefix = differ = 0

@@ -321,7 +321,7 @@ def test_a_batch_refuses_trees(tree_budget):
     """A tree verifies one sequence in its own caches: a batched decoder given tree plans refuses them at once."""
     target = target_of("llama")
     drafter = tiny_drafter(target, block_size=4)
-    chooser = make_chooser(target, drafter, 4, tree_budget, None)
+    chooser = make_chooser(target, drafter, 4, tree_budget)
     with pytest.raises(InputError, match="trees verify one sequence"):
         BatchDecoder(target, drafter, 4, chooser)
     BatchDecoder(target, drafter, 4, chooser, caches=OwnCaches())

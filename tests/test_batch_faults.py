@@ -229,3 +229,21 @@ def test_failing_prompt_cache_writes_never_wedge_the_server(pair, monkeypatch, t
             r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt})
             assert r.status_code == 200, r.text
         assert app.state.server.engine.mismatches == 0
+
+
+def test_a_failure_in_generate_is_raised_not_swallowed(pair, monkeypatch):
+    """``stream_generate`` runs the server's turn, where a failure is a result's error: alone, it raises that
+    error (a stop condition that breaks mid-generation), it does not end the text early and quietly."""
+    real_cut, calls = StopCondition.cut, []
+
+    def cut(self, tokens):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("stop condition broke")
+        return real_cut(self, tokens)
+
+    monkeypatch.setattr(StopCondition, "cut", cut)
+    with pytest.raises(RuntimeError, match="stop condition broke"):
+        list(stream_generate(pair.target, pair.tokenizer, mx.array(GOOD[0].ids, dtype=mx.int32), pair.drafter,
+                             max_tokens=30))
+    assert len(calls) == 3

@@ -143,3 +143,34 @@ def test_usage_counts_and_dflash_stats():
     d = u["dflash"]
     assert d["prompt_tokens_reused"] == 7 and d["prompt_tokens_prefilled"] == 3
     assert d["tau"] == s.tau == 3.5 and d["steps"] == 2 and d["acceptance_histogram"] == {"3": 1, "4": 1}
+
+
+def test_the_server_and_stream_generate_run_one_decode_loop(pair, monkeypatch):
+    """The server's worker and ``stream_generate`` drive the decoder through the same turn (a prefill chunk, a
+    step): a request served alone decodes and counts exactly what ``stream_generate`` does for its prompt."""
+    from dflash_mlx import stream_generate
+    from dflash_mlx.decode.batch import BatchDecoder
+
+    turns, real = [], BatchDecoder.turn
+
+    def counted(self, joining):
+        turns.append(len(self.sequences))
+        return real(self, joining)
+
+    monkeypatch.setattr(BatchDecoder, "turn", counted)
+    ids = list(range(10, 30))
+    *_, last = stream_generate(pair.target, pair.tokenizer, ids, pair.drafter, max_tokens=40, block_size=4)
+    alone = len(turns)
+
+    async def main():
+        engine = Engine(pair, block_size=4)
+        out = await collect(engine.submit(GenerationJob(ids, 40)))
+        engine.shutdown()
+        return out
+
+    text, chunk = asyncio.run(main())
+    assert alone > 1 and len(turns) - alone == alone  # one turn per step, the same steps
+    assert text == ByteTokenizer().decode(fresh(pair, ids, 40))
+    served, streamed = chunk.usage["dflash"], usage(last.stats)["dflash"]
+    same = ("steps", "tau", "acceptance_histogram", "verify", "acceptance_rule", "drafter_format", "widths")
+    assert {k: served[k] for k in same} == {k: streamed[k] for k in same}

@@ -9,7 +9,6 @@ import pytest
 from dflash_mlx.decode.width import (AUTO, MAX_GAP, PROBE_EVERY, Plan, WidthChooser, make_chooser, parse_block_size,
                                      parse_tree_budget)
 from dflash_mlx.errors import InputError
-from dflash_mlx.stats import GenerationStats
 
 B = 16
 STAY = 1 - 1 / PROBE_EVERY  # the share of steps left to the best option by the probes
@@ -48,7 +47,7 @@ def fake_drafter(block_size=B, tree=False):
 
 
 def auto():
-    return make_chooser(None, fake_drafter(), AUTO, None, GenerationStats(block_size=B))
+    return make_chooser(None, fake_drafter(), AUTO, None)
 
 
 def test_a_drafter_that_always_agrees_gets_the_widest_block():
@@ -177,20 +176,19 @@ def test_seeded_sampled_sequences_get_the_fixed_block():
 
 
 def test_fixed_block_and_tree_budget_are_constant_plans():
-    stats = GenerationStats(block_size=B)
-    fixed = make_chooser(None, fake_drafter(), 4, None, stats)
+    fixed = make_chooser(None, fake_drafter(), 4, None)
     assert {fixed.plan(n) for n in (1, 3)} == {Plan(4, 4)} and fixed.max_verify == 4
-    assert stats.verify == {"block_size": 4, "tree_budget": None, "reason": None}
+    assert fixed.verify == {"block_size": 4, "tree_budget": None, "reason": None}
     target = SimpleNamespace(supports_tree=True)
-    tree = make_chooser(target, fake_drafter(tree=True), 8, 10, stats)
+    tree = make_chooser(target, fake_drafter(tree=True), 8, 10)
     assert tree.plan(1) == Plan(11, 8, 10) and tree.max_verify == 11
-    chain = make_chooser(target, fake_drafter(tree=False), 8, 10, stats)
-    assert chain.plan(1) == Plan(8, 8) and "log-probabilities" in stats.verify["reason"]
+    chain = make_chooser(target, fake_drafter(tree=False), 8, 10)
+    assert chain.plan(1) == Plan(8, 8) and "log-probabilities" in chain.verify["reason"]
 
 
 def test_tree_auto_takes_the_tree_when_it_commits_more():
     target = SimpleNamespace(supports_tree=True)
-    chooser = make_chooser(target, fake_drafter(tree=True), AUTO, AUTO, GenerationStats(block_size=B))
+    chooser = make_chooser(target, fake_drafter(tree=True), AUTO, AUTO)
     assert chooser.max_verify == 17
     rng = random.Random(2)
     plans = []
@@ -331,7 +329,7 @@ def test_a_state_that_does_not_fit_changes_nothing(state):
 
 
 def test_a_fixed_block_learns_nothing_and_keeps_nothing():
-    fixed = make_chooser(None, fake_drafter(), 8, None, None)
+    fixed = make_chooser(None, fake_drafter(), 8, None)
     run(fixed, 20, lambda k: True)
     assert fixed.state() == {} and not fixed.learn(auto().state())
 

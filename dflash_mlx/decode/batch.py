@@ -6,7 +6,7 @@ sequence's drafter cache, or one batched pass). Sequences join (:class:`Joining`
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -30,8 +30,8 @@ PLAIN = Plan(1, 0)
 
 @dataclass
 class BatchSequence:
-    """One sequence: last committed ``token`` ([1] int32, not in the target cache), context rows the
-    drafter has not seen (``pending``, [1, S, F] each), its drafter cache (None where the batch drafts in
+    """One sequence: last committed ``token`` ([1] int32, not in the target cache), its new context features,
+    rows the drafter has not read (``new_context``, [1, S, F] each; spec section 5), its drafter cache (None where the batch drafts in
     one pass), its own PRNG key ``rng`` (``mx.random.key``; None: MLX's global generator)."""
 
     key: Any
@@ -39,7 +39,7 @@ class BatchSequence:
     stop: StopCondition
     stats: GenerationStats
     token: mx.array
-    pending: List[mx.array] = field(default_factory=list)
+    new_context: List[mx.array] = field(default_factory=list)
     draft_cache: Optional[List[Any]] = None
     rng: Optional[mx.array] = None
     first: float = 0.0  # ``time.perf_counter()`` of its first token
@@ -76,15 +76,16 @@ class BatchDecoder:
         self.bytes = (weight_bytes(target.model), weight_bytes(drafter) if hasattr(drafter, "parameters") else 0)
         self.width = block_size if drafter is not None else 1
         if drafter is not None and chooser is None:
-            chooser = make_chooser(target, drafter, block_size, None, None)
+            chooser = make_chooser(target, drafter, block_size, None)
         if chooser and self.caches.batched and any(p and p.tree_budget for p in [*chooser.options, chooser.fixed]):
             raise InputError("trees verify one sequence in its own caches, not a batch: no --tree-budget here")
         self.chooser = chooser
         self.rows = max(chooser.max_verify if chooser else self.width, MAX_COPY + 1 if self.lookup else 1)  # per verify
         self.capture = drafter.target_layer_ids if drafter is not None else capture
         self.sequences: List[BatchSequence] = []
+        self.turns = 0  # steps run by :meth:`turn`
         self.cache = None
-        self._context: Optional[Tuple[mx.array, List[int]]] = None  # last verify's rows, not yet pending
+        self._verified: Optional[Tuple[mx.array, List[int]]] = None  # the last verify's context rows, all sequences
         self._queued = None  # the next (plan, tokens, features, keys): a plain step dispatched early, or (plan,)
         self.batch_drafter = batch_drafts(drafter) if self.caches.batched else None
         self.prefix: Optional[BatchPrefix] = None
@@ -111,20 +112,20 @@ class BatchDecoder:
         ids = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt), dtype=mx.int32)
         return Joining(self, key, ids, sampler, stop, step_size, should_stop, seed, **own)
 
-    def add(self, joining: Joining, token: mx.array, pending: List[mx.array], first: float) -> None:
+    def add(self, joining: Joining, token: mx.array, new_context: List[mx.array], first: float) -> None:
         """Merge a prefilled sequence into the batch as its last row (its first token at ``first`` seconds)."""
         draft_cache = None
         if self.drafter is not None and self.batch_drafter is None:
             draft_cache = joining.draft_cache if joining.draft_cache is not None else self.drafter.make_cache()
         if self.batch_drafter is not None:  # the prompt's context rows go to the batched drafter cache now
-            self.batch_drafter.join(context_rows(pending) if pending else None, joining.draft_cache)
-            pending = []
-        self._spill()
+            self.batch_drafter.join(context_rows(new_context) if new_context else None, joining.draft_cache)
+            new_context = []
+        self._split_context()
         self._unqueue()
         self.cache = self.caches.join(self.cache, joining)
         lookup = PromptLookup(joining.history + joining.prompt.tolist() + token.tolist()) if self.lookup else None
         self.sequences.append(BatchSequence(joining.key, joining.rule, joining.stop, joining.stats, token,
-                                            pending, draft_cache, joining.rng, first, lookup))
+                                            new_context, draft_cache, joining.rng, first, lookup))
 
     def remove(self, keys: Sequence[Any]) -> None:
         """Drop the sequences of ``keys`` (:meth:`OwnCaches.leave`, :meth:`BatchedCaches.leave`)."""
@@ -132,7 +133,7 @@ class BatchDecoder:
         rows = [i for i, s in enumerate(self.sequences) if s.key not in gone]
         if len(rows) == len(self.sequences):
             return
-        self._spill()
+        self._split_context()
         self._unqueue()
         self.cache = self.caches.leave(self, rows)
         self.sequences = [self.sequences[i] for i in rows]
@@ -141,7 +142,7 @@ class BatchDecoder:
 
     def clear(self) -> None:
         """Drop every sequence (after a failed step: the batch's caches are in no known state)."""
-        self.sequences, self.cache, self._context, self._queued = [], None, None, None
+        self.sequences, self.cache, self._verified, self._queued = [], None, None, None
         if self.batch_drafter is not None:
             self.batch_drafter.keep([])
 
@@ -159,6 +160,34 @@ class BatchDecoder:
             if rows and rows != {len(self.sequences)}:
                 return f"the {name} cache holds {sorted(rows)} rows for {len(self.sequences)} sequences"
         return None
+
+    def turn(self, joining: Deque[Joining]) -> Iterator[Tuple[Any, StepResult]]:
+        """One turn of the decode loop that ``stream_generate`` and the server run: one prefill chunk of the first of
+        ``joining`` (it leaves the queue with its first token or its failure), then one :meth:`step`. Yields
+        ``(key, result)`` as each is ready; a failure is its result's ``error``, never raised (a failed step's is
+        every sequence's, the batch cleared)."""
+        if joining:
+            first = joining[0]
+            try:
+                result = first.advance()
+            except Exception as e:  # this sequence alone fails
+                self.remove([first.key])
+                result = StepResult([], None, error=e)
+            if result is None:
+                mx.clear_cache()
+            else:
+                joining.popleft()
+                yield first.key, result
+        if self.sequences:
+            keys = [s.key for s in self.sequences]
+            try:
+                results = self.step()
+            except Exception as e:  # step() cleared the batch
+                results = [StepResult([], None, error=e) for _ in keys]
+            self.turns += 1
+            if self.turns % 256 == 0:
+                mx.clear_cache()
+            yield from zip(keys, results)
 
     def step(self) -> List[StepResult]:
         """One :class:`StepResult` per active sequence, in order; finished ones leave. A failing stop
@@ -200,7 +229,7 @@ class BatchDecoder:
             decided, drafted = self._verify_tree(proposals[0], plan.tree_budget)
             kinds = [("tree", plan.tree_budget, drafted)]
         else:
-            self._spill()  # where nothing was drafted, the context rows wait for the drafter's next pass
+            self._split_context()  # where nothing was drafted, the context rows wait for the drafter's next pass
             chain = plan.width - 1
             kinds = [("lookup", len(c) + 1, len(c)) if c else ("chain", plan.width, chain) for c in copies]
             drafts = copied(copies, None if drafts is None else drafts[:, :chain])
@@ -222,7 +251,7 @@ class BatchDecoder:
         tree = build_tree(int(s.token.item()), host_logprobs(proposal), budget)
         key = s.draw()
         out, context = verify_tree(self.target, self.cache, self.capture, lambda x: s.rule.choose(x, key), tree)
-        self._context = (context, [len(out)])
+        self._verified = (context, [len(out)])
         return [(len(out) - 1, out)], len(tree) - 1
 
     def _verify_chain(self, tokens: mx.array, drafts: mx.array, proposals: Optional[List[Proposal]],
@@ -239,7 +268,7 @@ class BatchDecoder:
         mx.eval([x for pick in decided for x in pick if x is not None], features, drafts)
         decided = [(min(s.rule.accepted(a, d, out := y.tolist()), limit), out)
                    for s, d, (a, y), limit in zip(self.sequences, drafts.tolist(), decided, limits)]
-        self._context = (features, [a + 1 for a, _ in decided]) if features is not None else None
+        self._verified = (features, [a + 1 for a, _ in decided]) if features is not None else None
         self.target.rollback(self.cache, [drafts.shape[1] - a for a, _ in decided])
         compact(self.cache)
         if self.batch_drafter is not None:
@@ -254,38 +283,38 @@ class BatchDecoder:
         """Drafts [N, block-1] of every sequence (lazy) from ``tokens`` [N], and per-sequence
         proposals (None from a batched pass)."""
         if self.batch_drafter is not None:
-            if self._context is not None and not any(s.pending for s in self.sequences):
-                context, rows = self._context
+            if self._verified is not None and not any(s.new_context for s in self.sequences):
+                context, rows = self._verified
                 context = context[:, : max(rows)]
             else:
-                self._spill()
-                contexts = [context_rows(s.pending) if s.pending else None for s in self.sequences]
+                self._split_context()
+                contexts = [context_rows(s.new_context) if s.new_context else None for s in self.sequences]
                 rows = [0 if c is None else c.shape[1] for c in contexts]
                 context = pad_contexts(contexts, rows)
             for s in self.sequences:
-                s.pending = []
-            self._context = None
+                s.new_context = []
+            self._verified = None
             return self.batch_drafter.draft(tokens, context, rows, block), None
-        self._spill()
+        self._split_context()
         proposals = []
         for s in self.sequences:
-            context = context_rows(s.pending) if s.pending else None
-            s.pending = []
+            context = context_rows(s.new_context) if s.new_context else None
+            s.new_context = []
             proposals.append(s.rule.propose(self.drafter, s.token, context, s.draft_cache, block, s.draw()))
         return mx.stack([p.tokens for p in proposals]), proposals
 
-    def _spill(self) -> None:
-        """Move the last verify's context rows into each sequence's pending rows."""
-        if self._context is not None:
-            features, rows = self._context
+    def _split_context(self) -> None:
+        """Split the last verify's context rows among the sequences (each one's ``new_context``)."""
+        if self._verified is not None:
+            features, rows = self._verified
             for i, (s, n) in enumerate(zip(self.sequences, rows)):
-                s.pending.append(features[i : i + 1, :n])
-            self._context = None
+                s.new_context.append(features[i : i + 1, :n])
+            self._verified = None
 
     def _plain(self, plan: Plan, tic: float, probe: bool = False) -> List[StepResult]:
         """One token per sequence; the next plain step is dispatched before this one is read where the caches
         can take it back (:meth:`_unqueue`); ``probe``: auto runs it to measure it."""
-        self._spill()
+        self._split_context()
         if self._queued is not None:
             _, y, features, _ = self._queued
         else:
@@ -305,7 +334,7 @@ class BatchDecoder:
         for i, s in enumerate(self.sequences):
             s.token = y if len(chosen) == 1 else y[i : i + 1]
             if features is not None:
-                s.pending.append(features[i : i + 1])
+                s.new_context.append(features[i : i + 1])
             results.append(StepResult([chosen[i]], None, None, None, None, "plain", 1, 0, seconds, probe))
         if self.chooser is not None:
             self.chooser.observe(plan, seconds, [0] * len(results))
@@ -338,14 +367,15 @@ class BatchDecoder:
                 r.tokens, r.finish_reason = s.stop.cut(r.tokens)
             except Exception as e:  # this sequence's fault only: it leaves, the others go on
                 r.tokens, r.error = [], e
+            r.stats = s.stats
             s.stats.record_plan(r.source, r.width, r.seconds, r.accepted or 0, r.drafted, r.probe)
             s.stats.committed(len(r.tokens), s.first, now, attention)
             if s.lookup is not None:
                 s.lookup.extend(r.tokens)
             if r.finish_reason is not None or r.error is not None:
                 done.append(s.key)
-                if r.finish_reason is not None and self.drafter is None and s.pending:
-                    r.features = context_rows(s.pending)
+                if r.finish_reason is not None and self.drafter is None and s.new_context:
+                    r.features = context_rows(s.new_context)
         self.remove(done)
         return results
 

@@ -38,7 +38,8 @@ class StepResult:
     features [1, S, K*H] of every token it fed the target (the prompt and all emitted but the last);
     ``source``: what drafted (``chain``: the drafter, ``lookup``: prompt lookup, ``tree``), ``plain`` (nothing),
     None for the first token; ``width``: tokens the verify fed (a tree: its nodes), ``drafted`` of them;
-    ``seconds``: the step's time (the whole batch's); ``probe``: auto ran it to measure it."""
+    ``seconds``: the step's time (the whole batch's); ``probe``: auto ran it to measure it; ``stats``: the
+    sequence's :class:`GenerationStats`, live (None in a failure's result)."""
 
     tokens: List[int]
     accepted: Optional[int]
@@ -50,12 +51,13 @@ class StepResult:
     drafted: int = 0
     seconds: float = 0.0
     probe: bool = False
+    stats: Optional[GenerationStats] = None
 
 
 class Joining:
     """A sequence being prefilled before it joins the batch, ``step_size`` tokens of ``prompt`` ([P] int32, P >= 1)
-    per :meth:`advance`. ``cache``, ``draft_cache``, ``stats``: the sequence's own, where the decoder runs in
-    :class:`OwnCaches` (else made here); ``history``: the ids that ``cache`` holds before ``prompt`` (prompt lookup
+    per :meth:`advance`. ``cache``, ``draft_cache``: the sequence's own, where the decoder runs in
+    :class:`OwnCaches` (else made here); ``stats``: filled in (else made here); ``history``: the ids that ``cache`` holds before ``prompt`` (prompt lookup
     copies from them too). ``reused``: prompt tokens found in the prompt cache; ``source``: "memory", "disk" or None."""
 
     def __init__(self, decoder: "BatchDecoder", key: Any, prompt: mx.array, sampler: Optional[Sampler],
@@ -73,18 +75,23 @@ class Joining:
         self.reused, self.source, self._looked_up = 0, None, decoder.prefix is None
         self._stops: List[int] = []  # prompt rows where states are stored (caches that cannot go back)
         self.features: List[mx.array] = []
-        self.stats = stats or GenerationStats(block_size=decoder.width, prompt_tokens=int(prompt.size),
-                                              speculative=decoder.drafter is not None, target_bytes=decoder.bytes[0],
-                                              drafter_bytes=decoder.bytes[1],
-                                              drafter_format=getattr(decoder.drafter, "drafter_format", None))
-        if decoder.drafter is not None:
-            self.stats.acceptance_rule = self.rule.name
-        if stats is None and decoder.drafter is not None:
-            auto = decoder.chooser is not None and decoder.chooser.fixed is None and seed is None
-            self.stats.verify = {"block_size": "auto" if auto else decoder.width, "tree_budget": None,
-                                 "reason": BATCHED_AUTO if auto else BATCHED}
-        elif stats is None:
-            self.stats.reason = NO_DRAFTER
+        self.stats = stats if stats is not None else GenerationStats(decoder.width)  # the one place stats are made
+        self._describe(int(prompt.size), seed is not None)
+
+    def _describe(self, prompt_tokens: int, seeded: bool) -> None:
+        """What this generation runs, in its stats: sizes, bytes, drafter, acceptance rule, verify."""
+        stats, decoder, drafter = self.stats, self.decoder, self.decoder.drafter
+        stats.block_size, stats.prompt_tokens, stats.speculative = decoder.width, prompt_tokens, drafter is not None
+        stats.target_bytes, stats.drafter_bytes = decoder.bytes
+        stats.drafter_format = getattr(drafter, "drafter_format", None)
+        stats.reason = NO_DRAFTER if drafter is None else None
+        if drafter is None:
+            return
+        stats.acceptance_rule, stats.verify = self.rule.name, decoder.chooser.verify
+        if decoder.caches.batched:
+            auto = decoder.chooser.fixed is None and not seeded
+            stats.verify = {"block_size": "auto" if auto else decoder.width, "tree_budget": None,
+                            "reason": BATCHED_AUTO if auto else BATCHED}
 
     def advance(self) -> Optional[StepResult]:
         """Prefill one chunk; None while chunks remain. Then sample the first token and join the batch
@@ -127,7 +134,7 @@ class Joining:
             self._store(self._keep, context, finish is None)
         self.cache, self.draft_cache, self.features = None, None, []  # the batch holds copies: free these
         kept = context[0] if finish is not None and context and self.decoder.drafter is None else None
-        return StepResult(tokens, None, finish, features=kept)
+        return StepResult(tokens, None, finish, features=kept, stats=self.stats)
 
     def _resume(self) -> None:
         """Restore the longest stored prefix of the prompt into fresh caches; only the rest is prefilled."""
@@ -160,20 +167,20 @@ class Joining:
         self.decoder.prefix.keep(self.prompt.tolist(), self.cache, self.draft_cache)
 
 
-def context_rows(pending: List[mx.array]) -> Optional[mx.array]:
-    """The pending context rows as one [1, S, F] array."""
-    return pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)
+def context_rows(rows: List[mx.array]) -> Optional[mx.array]:
+    """Context feature rows ([1, S_i, F] each) as one [1, S, F] array."""
+    return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=1)
 
 
 def rollback_to(target: TargetAdapter, cache: List[Any], rows: int, drafter: Optional[Drafter] = None,
-                draft_cache: Optional[List[Any]] = None, pending: Sequence[mx.array] = ()) -> None:
+                draft_cache: Optional[List[Any]] = None, new_context: Sequence[mx.array] = ()) -> None:
     """Trim the target cache to ``rows``, then give the drafter the context rows it lacks
-    (``pending`` starts at its offset), so both caches cover the same tokens."""
+    (``new_context`` starts at its offset), so both caches cover the same tokens."""
     target.rollback(cache, cache[0].offset - rows)
-    if drafter is not None and draft_cache is not None and pending:
+    if drafter is not None and draft_cache is not None and new_context:
         missing = cache[0].offset - draft_cache[0].offset
         if missing > 0:
-            drafter.ingest(context_rows(list(pending))[:, :missing], draft_cache)
+            drafter.ingest(context_rows(list(new_context))[:, :missing], draft_cache)
 
 
 class OwnCaches:
@@ -192,7 +199,7 @@ class OwnCaches:
         """The caches after the sequence left (``rows`` empty): None, its own rolled back to its committed rows."""
         s = decoder.sequences[0]
         rollback_to(decoder.target, decoder.cache, self.base + s.stop.emitted - 1, decoder.drafter, s.draft_cache,
-                    s.pending)
+                    s.new_context)
 
     def ended(self, joining: "Joining", tokens: Sequence[int], context: List[mx.array]) -> None:
         """A sequence that ended at its first token (``tokens``) rolls its caches back as :meth:`leave` does."""

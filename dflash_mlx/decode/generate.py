@@ -1,22 +1,22 @@
 """Generation from one prompt (spec section 5): ``generate_step`` runs the step of
 :mod:`dflash_mlx.decode.batch` for one sequence; ``stream_generate`` adds text and statistics."""
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .batch import BatchDecoder
-from .batch_join import NO_DRAFTER, OwnCaches, StepResult
+from .batch_join import OwnCaches, StepResult
 from ..errors import InputError
 from .width import AUTO, make_chooser, parse_block_size, parse_tree_budget
 from ..protocol import Drafter
 from ..sampling import Sampler
-from ..stats import GenerationStats, weight_bytes
+from ..stats import GenerationStats
 from .stopping import StopCondition, TextStream
 from ..targets import TargetAdapter
 
@@ -53,8 +53,8 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
         auto_state: what auto learned in earlier generations of the pair (:meth:`~.width.WidthChooser.state`), updated.
         stop: a :class:`~.stopping.StopCondition`, replacing ``max_tokens`` and ``stop_token_ids``.
         should_stop: checked before each prefill chunk; True raises ``PrefillStopped``.
-        prompt_cache, draft_cache, stats: updated in place (default fresh); finished or closed, both
-            caches hold every committed token but the last.
+        prompt_cache, draft_cache, stats: updated in place (default fresh; each result carries the stats);
+            finished or closed, both caches hold every committed token but the last.
 
     Raises:
         InputError: empty prompt, max_tokens < 1, block size or tree budget out of range.
@@ -69,25 +69,21 @@ def generate_step(prompt: mx.array, target: TargetAdapter, drafter: Optional[Dra
     tree_budget = parse_tree_budget(tree_budget)
     if tree_budget is not None and drafter is None:
         raise InputError("--tree-budget needs --draft-model (plain decoding has no drafts)")
-    stats = stats if stats is not None else GenerationStats(block_size=B, speculative=drafter is not None)
-    chooser = make_chooser(target, drafter, block_size, tree_budget, stats) if drafter is not None else None
+    chooser = make_chooser(target, drafter, block_size, tree_budget) if drafter is not None else None
     if chooser is not None and auto_state:
         chooser.learn(auto_state)
     decoder, key = BatchDecoder(target, drafter, B, chooser, caches=OwnCaches(), lookup=prompt_lookup), object()
     if prompt_cache is not None:
         target.check_cache(prompt_cache, decoder.rows)
-    joining = decoder.start(key, prompt, sampler, stop, prefill_step_size, should_stop, cache=prompt_cache,
-                            draft_cache=draft_cache, stats=stats, history=cached_ids)
+    joining = deque([decoder.start(key, prompt, sampler, stop, prefill_step_size, should_stop, cache=prompt_cache,
+                                   draft_cache=draft_cache, stats=stats, history=cached_ids)])
     with mx.stream(generation_stream):
-        while (result := joining.advance()) is None:
-            mx.clear_cache()
         try:
-            yield result
-            while decoder.sequences:
-                (result,) = decoder.step()
-                if stop.emitted % 256 < len(result.tokens):
-                    mx.clear_cache()
-                yield result
+            while joining or decoder.sequences:
+                for _, result in decoder.turn(joining):
+                    if result.error is not None:
+                        raise result.error
+                    yield result
         finally:  # finished or closed: both caches hold the committed tokens but the last
             decoder.remove([key])
             if chooser is not None and auto_state is not None:
@@ -119,17 +115,11 @@ def stream_generate(target: TargetAdapter, tokenizer: TokenizerWrapper, prompt: 
     prompt = prompt if isinstance(prompt, mx.array) else mx.array(prompt, dtype=mx.int32)
     stop_ids = kwargs.pop("stop_token_ids", tuple(tokenizer.eos_token_ids))
     kwargs["stop"] = StopCondition(max_tokens, stop_ids, stop_strings, tokenizer.decode)
-    stats = GenerationStats(
-        block_size=check_block_size(kwargs.get("block_size"), drafter), prompt_tokens=prompt.size,
-        target_bytes=weight_bytes(target.model),
-        drafter_bytes=weight_bytes(drafter) if isinstance(drafter, nn.Module) else 0,
-        speculative=drafter is not None, reason=None if drafter is not None else NO_DRAFTER,
-        drafter_format=getattr(drafter, "drafter_format", None))
     text = TextStream(tokenizer, stop_strings)
     with wired_limit(target.model, [generation_stream]):
-        for step in generate_step(prompt, target, drafter, stats=stats, **kwargs):
+        for step in generate_step(prompt, target, drafter, **kwargs):
             segment = text.add(step.tokens, final=step.finish_reason is not None)
-            yield GenerationResponse(segment, step.tokens, step.accepted, step.finish_reason, stats)
+            yield GenerationResponse(segment, step.tokens, step.accepted, step.finish_reason, step.stats)
 
 
 def generate(target: TargetAdapter, tokenizer: TokenizerWrapper, prompt: mx.array | List[int],

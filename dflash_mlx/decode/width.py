@@ -126,7 +126,9 @@ class WidthChooser:
 
     Attributes:
         max_verify: most tokens one verify feeds per sequence (for cache sizing).
-        probing: whether the last plan was a probe (for the statistics)."""
+        probing: whether the last plan was a probe (for the statistics).
+        verify: what runs and why, as :attr:`~dflash_mlx.stats.GenerationStats.verify` says it (set by
+            :func:`make_chooser`)."""
 
     def __init__(self, block: int, fixed: Optional[Plan] = None, tree: bool = False):
         self.block, self.fixed = block, fixed
@@ -145,6 +147,7 @@ class WidthChooser:
         self.probed = 0  # the step of the last probe
         self.again: Optional[Plan] = None  # a probe whose first run paid its setup runs once more
         self.probing = False
+        self.verify: Optional[Dict[str, object]] = None
 
     def plan(self, n: int = 1, seeded: bool = False) -> Plan:
         """The next step for ``n`` active sequences; ``seeded``: a seeded sampled sequence
@@ -275,8 +278,8 @@ class WidthChooser:
         return n * self.expected_tokens(plan) / seconds / margin if seconds > 0 else 0.0
 
 
-def make_chooser(target, drafter, block_size: int | str, tree_budget, stats) -> WidthChooser:
-    """The chooser of one generation (or batch); ``stats.verify`` (when ``stats``) says what runs and why.
+def make_chooser(target, drafter, block_size: int | str, tree_budget) -> WidthChooser:
+    """The chooser of one generation (or batch); its ``verify`` says what runs and why.
 
     ``block_size``: a fixed B or ``auto``; ``tree_budget``: None, a node count or ``auto`` (which implies
     auto widths). Trees need ``target.supports_tree`` and a drafter with ``propose``, else chains run."""
@@ -293,13 +296,14 @@ def make_chooser(target, drafter, block_size: int | str, tree_budget, stats) -> 
     if ranks > 1 and tree_budget == AUTO:  # trees are planned per sequence state, not shared across ranks
         tree_budget, reason = None, "--tree-budget auto does not run on several ranks; pass a number"
     auto = (auto or tree_budget == AUTO) and tree_budget in (None, AUTO)  # a fixed tree budget fixes the verify
-    if stats is not None:
-        stats.verify = {"block_size": AUTO if auto else block_size, "tree_budget": tree_budget, "reason": reason}
     if tree_budget not in (None, AUTO):
-        return WidthChooser(block_size, Plan(int(tree_budget) + 1, block_size, int(tree_budget)))
-    if not auto and tree_budget is None:
-        return WidthChooser(block_size, Plan(block_size, block_size))
-    return (SharedChooser if ranks > 1 else WidthChooser)(block_size, tree=tree_budget == AUTO)
+        chooser = WidthChooser(block_size, Plan(int(tree_budget) + 1, block_size, int(tree_budget)))
+    elif not auto and tree_budget is None:
+        chooser = WidthChooser(block_size, Plan(block_size, block_size))
+    else:
+        chooser = (SharedChooser if ranks > 1 else WidthChooser)(block_size, tree=tree_budget == AUTO)
+    chooser.verify = {"block_size": AUTO if auto else block_size, "tree_budget": tree_budget, "reason": reason}
+    return chooser
 
 
 class SharedChooser(WidthChooser):

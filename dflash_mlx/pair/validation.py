@@ -13,7 +13,6 @@ from ..drafter.network import DFlashDrafter
 from ..decode.generate import generate_step
 from .loading import float_dtype, is_quantized, load, quantization
 from .manifest import dtype_name
-from ..stats import GenerationStats
 from ..targets import TargetAdapter
 
 VALIDATION_MESSAGES = [{"role": "user", "content": "Write three short sentences about the sea."}]
@@ -39,12 +38,11 @@ def greedy_tokens(model: nn.Module, prompt: Sequence[int], n: int) -> List[int]:
 
 def dflash_tokens(target: TargetAdapter, drafter, prompt: Sequence[int], n: int, stop_token_ids: Sequence[int] = ()):
     """Up to n greedy tokens through DFlash (ending before a stop token), and their statistics."""
-    stats = GenerationStats(block_size=drafter.block_size)
     tokens: List[int] = []
     for step in generate_step(mx.array(prompt, dtype=mx.int32), target, drafter, max_tokens=n,
-                              stop_token_ids=stop_token_ids, stats=stats):
+                              stop_token_ids=stop_token_ids):
         tokens += step.tokens
-    return tokens, stats
+    return tokens, step.stats
 
 
 def drafter_logits(drafter: DFlashDrafter, target: TargetAdapter, prompt: Sequence[int]) -> mx.array:

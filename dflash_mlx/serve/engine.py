@@ -7,7 +7,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, List, Optional, Union
+from typing import Any, Deque, Dict, List, Optional, Union
 
 from ..decode.batch import BatchDecoder
 from ..decode.batch_join import BatchedCaches, Joining, OwnCaches, StepResult
@@ -71,7 +71,7 @@ class Engine:
         self.slots = 1 if solo else max_batch
         self.pair_cache = PairCache(pair.target, pair.tokenizer, pair.drafter, store=store) if solo else None
         width = check_block_size(block_size, pair.drafter)
-        chooser = make_chooser(pair.target, pair.drafter, block_size, None, None) if pair.drafter is not None else None
+        chooser = make_chooser(pair.target, pair.drafter, block_size, None) if pair.drafter is not None else None
         self.decoder = BatchDecoder(pair.target, pair.drafter, width, chooser, None if solo else store,
                                     OwnCaches() if solo else BatchedCaches(), lookup=prompt_lookup)
         if self.decoder.prefix_refusal is not None:
@@ -82,8 +82,8 @@ class Engine:
         self._lock, self._jobs = threading.Lock(), set()  # jobs not done
         self.closing = False  # shutdown() was called
         self._inbox: Deque[Job] = deque()
-        self._joining: Deque[_Request] = deque()  # admitted, prefilling
-        self._active: List[_Request] = []  # decoding
+        self._requests: Dict[Any, _Request] = {}  # admitted (prefilling or decoding), by job id
+        self._joining: Deque[Joining] = deque()  # those prefilling, in order
         self._outbox: Optional[List[tuple]] = None  # during a step: (job, chunk) sent together after it
         self.mismatches = 0  # worker turns that ended with the batch inconsistent (a bug; see inconsistency)
         self._wake = threading.Condition()
@@ -133,16 +133,14 @@ class Engine:
         try:
             for job in admitted:
                 self._admit(job)
-            for req in [r for r in list(self._joining) + self._active if self._stops(r.job)]:
+            for req in [r for r in self._requests.values() if self._stops(r.job)]:
                 self._detach([req])  # closed by its client or past its deadline: it leaves now
                 self._stopped(req.job, req)
-            if self._joining:
-                self._prefill_chunk()
-            if self._active:
-                self._step()
+            if self._requests:
+                self._run_turn()
         except Exception as e:  # a bug here: every request in flight gets a 500, the worker goes on
             log.exception("batch step failed")
-            self._fail(list(self._joining) + self._active, e)
+            self._fail(list(self._requests.values()), e)
         try:
             problem = self.inconsistency()
         except Exception as e:  # the check itself broke: as unsafe as a failed check
@@ -150,13 +148,14 @@ class Engine:
         if problem is not None:  # a bug: said, counted, and the batch starts afresh
             self.mismatches += 1
             log.error("the batch is inconsistent (%s): every request in flight ends with an error", problem)
-            self._fail(list(self._joining) + self._active, RuntimeError(problem))
+            self._fail(list(self._requests.values()), RuntimeError(problem))
             self.decoder.clear()
 
     def inconsistency(self) -> Optional[str]:
         """What breaks the bookkeeping (decoder sequences == decoding requests, one cache row each), or None."""
         keys = [s.key for s in self.decoder.sequences]
-        active = [r.job.id for r in self._active]
+        joining = {j.key for j in self._joining}
+        active = [k for k in self._requests if k not in joining]
         if sorted(keys) != sorted(active):
             return f"{len(keys)} sequences in the decoder for {len(active)} decoding requests"
         return self.decoder.inconsistency()
@@ -164,16 +163,16 @@ class Engine:
     def _take(self) -> Optional[List[Job]]:
         """Wait for work; the jobs to admit now (room permitting), or None at shutdown."""
         if self.lockstep is not None and not self.lockstep.leader:  # the job rank 0 starts next
-            if self._joining or self._active:
+            if self._requests:
                 return []
             job = self.lockstep.receive()
             return None if job is None else [job]
         with self._wake:
-            while not self._inbox and not self._joining and not self._active:
+            while not self._inbox and not self._requests:
                 if self.closing:
                     return None
                 self._wake.wait(timeout=1.0)
-            room = self.slots - len(self._joining) - len(self._active)
+            room = self.slots - len(self._requests)
             return [self._inbox.popleft() for _ in range(min(room, len(self._inbox)))]
 
     def _admit(self, job: Job) -> None:
@@ -196,7 +195,8 @@ class Engine:
             job.push(e)
             return self._release(job)
         job.push(_STARTED)
-        self._joining.append(req)
+        self._requests[job.id] = req
+        self._joining.append(req.joining)
 
     def _start(self, job: Job) -> _Request:
         spec, tokenizer, step = job.spec, self.pair.tokenizer, self.prefill_step_size or 2048
@@ -246,47 +246,35 @@ class Engine:
             self._end(req, False)
         self._release(job)
 
-    def _prefill_chunk(self) -> None:
-        req = self._joining[0]
-        try:
-            result = req.joining.advance()
-        except PrefillStopped:
-            self._joining.popleft()
-            return self._stopped(req.job, req)
-        except Exception as e:  # this request's prefill or join failed: it alone ends
-            log.exception("request %s: prefill failed", req.job.id)
-            return self._fail([req], e)
-        if result is None:
-            return
-        self._joining.popleft()
-        req.first = time.perf_counter()
-        if result.finish_reason is None:
-            self._active.append(req)
-        self._emit(req, result)
-
-    def _step(self) -> None:
-        """One step; a request whose part fails ends with an error (a failed forward ends them all)."""
-        by_job = {r.job.id: r for r in self._active}
-        requests = [by_job[s.key] for s in self.decoder.sequences]
+    def _run_turn(self) -> None:
+        """One turn of the decode loop (:meth:`BatchDecoder.turn`, ``stream_generate``'s): a request whose part
+        fails ends with an error, alone (a failed forward ends them all); the step's chunks are sent together."""
         self._outbox = []
         try:
-            try:
-                results = self.decoder.step()
-            except Exception as e:  # the decoder has emptied the batch
-                log.exception("batched step failed: its %d requests end with an error", len(requests))
-                return self._fail(requests, e)
-            for req, result in zip(requests, results):
+            for key, result in self.decoder.turn(self._joining):
+                req = self._requests[key]
                 try:
+                    if isinstance(result.error, PrefillStopped):
+                        self._detach([req])
+                        self._stopped(req.job, req)
+                        continue
                     if result.error is not None:
                         raise result.error
+                    first, req.first = req.first is None, req.first or time.perf_counter()
                     self._emit(req, result)
+                    if first:  # the first token goes out before the step
+                        self._flush([])
                 except Exception as e:
-                    log.error("request %s failed in a batched step: %s: %s", req.job.id, type(e).__name__, e)
+                    log.error("request %s failed: %s: %s", req.job.id, type(e).__name__, e, exc_info=e)
                     self._fail([req], e)
         finally:
-            outbox, self._outbox = self._outbox, None
-            push_together(outbox)
+            self._flush(None)
         self.metrics.batch_size.set(len(self.decoder))
+
+    def _flush(self, outbox: Optional[List[tuple]]) -> None:
+        """Send the chunks gathered so far together; gather into ``outbox`` next (None: send at once)."""
+        outbox, self._outbox = self._outbox, outbox
+        push_together(outbox)
 
     def _emit(self, req: _Request, result: StepResult) -> None:
         """Hand one step's text to the request; at its end, count and release it."""
@@ -296,8 +284,7 @@ class Engine:
         u = usage(stats) if last else None
         self._send(req.job, Chunk(text, result.finish_reason, u))
         if last:
-            if req in self._active:
-                self._active.remove(req)
+            self._requests.pop(req.job.id, None)
             log.info("request %s: %d prompt tokens (%d reused), %d generated, %s, %.1f tokens/s (batched)",
                      req.job.id, len(req.job.spec.ids), req.joining.reused, stats.generation_tokens,
                      stats.tau_text() or "no drafter", stats.generation_tps)
@@ -316,10 +303,9 @@ class Engine:
 
     def _detach(self, requests: List[_Request]) -> None:
         for req in requests:
-            if req in self._active:
-                self._active.remove(req)
-            if req in self._joining:
-                self._joining.remove(req)
+            self._requests.pop(req.job.id, None)
+            if req.joining in self._joining:
+                self._joining.remove(req.joining)
         self.decoder.remove([r.job.id for r in requests])
 
     def _release(self, job: Job) -> None:
