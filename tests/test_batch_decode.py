@@ -19,7 +19,7 @@ from dflash_mlx.decode.width import make_chooser
 from dflash_mlx.decode.stopping import StopCondition
 from dflash_mlx.drafter.batch import batch_drafts, pad_contexts
 from dflash_mlx.errors import InputError, RollbackError
-from dflash_mlx.prompt_cache.batch import RaggedRoll, batch_refusal, common_padding, extend, share_offsets
+from dflash_mlx.prompt_cache.batch import RaggedRoll, not_batchable, common_padding, extend, share_offsets
 from dflash_mlx.prompt_cache.batch import BatchGatedDeltaCache
 from dflash_mlx.prompt_cache.gated_delta import GatedDeltaCache
 from dflash_mlx.sampling import Sampling
@@ -358,10 +358,10 @@ def test_plain_batch_equals_solo(family):
                                     "gemma3_text", "gemma4_text"])
 def test_every_family_batches(family):
     """Attention, hybrid and sliding-window targets all have a batched cache."""
-    assert batch_refusal(tiny_target(family)[1]) is None
+    assert not_batchable(tiny_target(family)[1]) is None
 
 
-def test_batch_refusal_names_the_reason():
+def test_not_batchable_names_the_reason():
     """A layer cache with no batched form (here mlx-lm's RotatingKVCache, which our
     targets replace) is refused, naming the layer and the cache."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -370,7 +370,7 @@ def test_batch_refusal_names_the_reason():
         def make_cache(self, max_verify):
             return [KVCache(), RotatingKVCache(8)]
 
-    reason = batch_refusal(Odd())
+    reason = not_batchable(Odd())
     assert "layer 1" in reason and "RotatingKVCache" in reason and "no batched form" in reason
 
 

@@ -153,7 +153,7 @@ def test_a_drafter_without_a_batched_pass_refuses_the_store(tmp_path):
 
     target, _ = pair_of("llama")
     decoder = BatchDecoder(target, format_drafter(target, "dflash2", block_size=B), B, store=PrefixStore(tmp_path))
-    assert decoder.prefix is None and "no batched pass" in decoder.prefix_refusal
+    assert decoder.prefix is None and "no batched pass" in decoder.prefix_off
 
 
 # -- the server's batching engine ---------------------------------------------------------
@@ -229,7 +229,7 @@ def test_caches_that_cannot_go_back_resume_at_stored_boundaries(family, shared, 
     ref = lambda ids: refs.setdefault(tuple(ids), cold(target, drafter, ids, n))  # noqa: E731
     first = [PROMPT] + others(2, seed=3)
     decoder = BatchDecoder(target, drafter, B, store=PrefixStore(tmp_path / "first", memory_entries=16))
-    assert decoder.prefix_refusal is None and decoder.prefix.at_boundaries
+    assert decoder.prefix_off is None and decoder.prefix.at_boundaries
     out, joinings = run_batch(decoder, first, n)
     assert_varied(out[0], at_least=10)
     assert out == [ref(p) for p in first] and [j.reused for j in joinings] == [0, 0, 0]

@@ -178,7 +178,7 @@ def test_a_refused_target_falls_back_to_one_at_a_time(caplog, monkeypatch):
     one request at a time, said in the log and in ``dflash_batching``."""
     from dflash_mlx.serve import engine as batch_engine
 
-    monkeypatch.setattr(batch_engine, "batch_refusal", lambda target: "target layer 0 keeps an OddCache")
+    monkeypatch.setattr(batch_engine, "not_batchable", lambda target: "target layer 0 keeps an OddCache")
     metrics = ServerMetrics(4)
     with caplog.at_level(logging.INFO, logger="dflash.serve"):
         engine = Engine(make_pair("llama", block_size=4), max_batch=8, metrics=metrics, block_size=4)

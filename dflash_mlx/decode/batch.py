@@ -17,7 +17,7 @@ from .tree import build_tree, host_logprobs, verify_tree
 from .width import Plan, WidthChooser, make_chooser
 from ..drafter.batch import batch_drafts, pad_contexts
 from ..errors import InputError
-from ..prompt_cache.batch_prefix import BatchPrefix, batch_prefix_refusal
+from ..prompt_cache.batch_prefix import BatchPrefix, prefix_not_batchable
 from ..prompt_cache.store import PrefixStore
 from ..protocol import MAX_COPY, Drafter, Proposal, attention_of
 from ..sampling import Sampler, next_key
@@ -55,11 +55,11 @@ class BatchDecoder:
     """The active sequences and their target cache.
 
     Args:
-        target: a target adapter (batched: :func:`~dflash_mlx.prompt_cache.batch.batch_refusal` is None).
+        target: a target adapter (batched: :func:`~dflash_mlx.prompt_cache.batch.not_batchable` is None).
         drafter: a bound drafter, or None (plain decoding).
         block_size: B, the widest verify (1 without a drafter).
         chooser: each step's :class:`~dflash_mlx.decode.width.Plan` (default: always B).
-        store: the prompt cache (used where :attr:`prefix_refusal` is None).
+        store: the prompt cache (used where :attr:`prefix_off` is None).
         caches: where sequences decode: :class:`BatchedCaches` (default) or :class:`OwnCaches` (one at a time;
             trees need them: InputError for a chooser with tree budgets otherwise).
         lookup: drafts copied from each sequence's context where they match (:mod:`.lookup`).
@@ -89,10 +89,10 @@ class BatchDecoder:
         self._queued = None  # the next (plan, tokens, features, keys): a plain step dispatched early, or (plan,)
         self.batch_drafter = batch_drafts(drafter) if self.caches.batched else None
         self.prefix: Optional[BatchPrefix] = None
-        self.prefix_refusal: Optional[str] = None
+        self.prefix_off: Optional[str] = None
         if store is not None:
-            self.prefix_refusal = batch_prefix_refusal(drafter, self.batch_drafter is not None)
-            if self.prefix_refusal is None:
+            self.prefix_off = prefix_not_batchable(drafter, self.batch_drafter is not None)
+            if self.prefix_off is None:
                 self.prefix = BatchPrefix(store, target, drafter, self.rows)
 
     def __len__(self) -> int:

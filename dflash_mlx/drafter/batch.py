@@ -1,6 +1,6 @@
 """One drafter pass for a batch of sequences: each sequence's context rows in one left-padded mlx-lm
 ``BatchKVCache`` per layer; the drafter's own layers with a padding-masked ``attend``. v1 drafters with
-full, bidirectional layers and no draft window only (:func:`batch_drafting_refusal`)."""
+full, bidirectional layers and no draft window only (:func:`drafting_not_batchable`)."""
 
 from typing import Any, List, Optional, Sequence
 
@@ -14,12 +14,12 @@ from .network import KV, Attend, DFlashDrafter, DrafterAttention
 
 def batch_drafts(drafter: Any) -> Optional["BatchDrafts"]:
     """A :class:`BatchDrafts` for ``drafter``; None for anything but a :class:`DFlashDrafter` with a
-    batched form (:func:`batch_drafting_refusal`), None included."""
-    ok = isinstance(drafter, DFlashDrafter) and batch_drafting_refusal(drafter) is None
+    batched form (:func:`drafting_not_batchable`), None included."""
+    ok = isinstance(drafter, DFlashDrafter) and drafting_not_batchable(drafter) is None
     return BatchDrafts(drafter) if ok else None
 
 
-def batch_drafting_refusal(drafter: Any) -> Optional[str]:
+def drafting_not_batchable(drafter: Any) -> Optional[str]:
     """Why ``drafter`` cannot draft a batch in one pass, or None when it can."""
     args = drafter.args
     if args.conv_kernel_size or "candidate_selector" in drafter:

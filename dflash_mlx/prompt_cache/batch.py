@@ -87,7 +87,7 @@ class BatchGatedDeltaCache(GatedDeltaCache):
         self._last = None
 
 
-def batch_refusal(target: Any) -> Optional[str]:
+def not_batchable(target: Any) -> Optional[str]:
     """Why ``target`` cannot decode in a batch exactly (names the layer cache), or None."""
     for i, c in enumerate(target.make_cache(1)):
         if type(c) not in BATCHABLE:

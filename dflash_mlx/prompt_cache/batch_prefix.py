@@ -12,7 +12,7 @@ from .resume import boundaries, boundary_interval, trims_anywhere
 from .store import PrefixStore
 
 
-def batch_prefix_refusal(drafter: Optional[Any], batched_drafter: bool) -> Optional[str]:
+def prefix_not_batchable(drafter: Optional[Any], batched_drafter: bool) -> Optional[str]:
     """Why batched requests cannot use the prompt cache with ``drafter`` (None: plain decoding), or None;
     ``batched_drafter``: it drafts the batch in one pass."""
     if drafter is None:

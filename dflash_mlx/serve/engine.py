@@ -15,7 +15,7 @@ from ..decode.generate import check_block_size
 from ..decode.stopping import StopCondition, TextStream
 from ..decode.width import make_chooser
 from ..pair.sharded import agreed, ranks
-from ..prompt_cache.batch import batch_refusal
+from ..prompt_cache.batch import not_batchable
 from ..prompt_cache.pair import PairCache
 from ..prompt_cache.resume import PrefillStopped
 from ..prompt_cache.store import PrefixStore
@@ -60,12 +60,12 @@ class Engine:
             log.warning("%d ranks: requests run one at a time (--max-batch 1), without the prompt cache on disk",
                         ranks())
             max_batch, store = 1, None
-        refusal = batch_refusal(pair.target) if max_batch > 1 else None
-        solo = max_batch == 1 or refusal is not None
+        unbatchable = not_batchable(pair.target) if max_batch > 1 else None
+        solo = max_batch == 1 or unbatchable is not None
         self.metrics.batching.set(0 if solo else 1)
-        if refusal is not None:
+        if unbatchable is not None:
             log.warning("--max-batch %d: batching is off for this target, requests run one at a time: %s",
-                        max_batch, refusal)
+                        max_batch, unbatchable)
         elif not solo:
             log.info("continuous batching: up to %d requests decode together", max_batch)
         self.slots = 1 if solo else max_batch
@@ -74,9 +74,9 @@ class Engine:
         chooser = make_chooser(pair.target, pair.drafter, block_size, None) if pair.drafter is not None else None
         self.decoder = BatchDecoder(pair.target, pair.drafter, width, chooser, None if solo else store,
                                     OwnCaches() if solo else BatchedCaches(), lookup=prompt_lookup)
-        if self.decoder.prefix_refusal is not None:
+        if self.decoder.prefix_off is not None:
             log.warning("prompt cache: not used by batched requests, which prefill their whole prompt: %s "
-                        "(--max-batch 1 uses it)", self.decoder.prefix_refusal)
+                        "(--max-batch 1 uses it)", self.decoder.prefix_off)
         elif store is not None and not solo:
             log.info("prompt cache: batched requests resume from stored prefixes and store their prompts")
         self._lock, self._jobs = threading.Lock(), set()  # jobs not done
