@@ -53,6 +53,8 @@ def test_data_train_generate(stories, tmp_path):
             "--eval-every", "3", "--save-every", "3")
     assert r.returncode == 0, r.stderr
     assert "held-out tau" in r.stderr
+    # a log gets a line per checkpoint, so a long run shows where it is
+    assert re.findall(r"^step (\d+)/6: loss [\d.]+ lr .* tok/s \(\d+ s\)$", r.stderr, re.M) == ["3", "6"], r.stderr
     # a log gets the last held-out table as plain text (no box drawing), then the last line on its own
     assert re.search(r"^held-out acceptance at step \d+ \(teacher forced\)\n *B +tau", r.stderr, re.M), r.stderr
     assert "\u2500" not in r.stderr

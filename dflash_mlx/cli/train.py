@@ -315,8 +315,11 @@ def _fit(o, trainer) -> None:
                     if collapsing and not warned:
                         warned = True
                         console.print(f"warning: step {info.step}: {collapsing}", markup=False, highlight=False)
-                progress.update(task, completed=info.step, status=f"loss {info.loss:.3f} lr {info.lr:.2e}{health} "
-                                f"{info.tokens_per_s:,.0f} tok/s")
+                status = f"loss {info.loss:.3f} lr {info.lr:.2e}{health} {info.tokens_per_s:,.0f} tok/s"
+                progress.update(task, completed=info.step, status=status)
+                if live is None and (info.step % (o.save_every or 100) == 0 or info.step == o.steps):
+                    console.print(f"step {info.step}/{o.steps}: {status} ({progress.tasks[0].elapsed:,.0f} s)",
+                                  highlight=False)  # a log (not a terminal) gets a line per checkpoint
                 if info.eval:
                     evaluated = info
                     if live is not None:
