@@ -31,8 +31,9 @@ PLAIN = Plan(1, 0)
 @dataclass
 class BatchSequence:
     """One sequence: last committed ``token`` ([1] int32, not in the target cache), its new context features,
-    rows the drafter has not read (``new_context``, [1, S, F] each; spec section 5), its drafter cache (None where the batch drafts in
-    one pass), its own PRNG key ``rng`` (``mx.random.key``; None: MLX's global generator)."""
+    rows the drafter has not read (``new_context``, [1, S, F] each; spec section 5), its drafter cache (None
+    where the batch drafts in one pass), its own PRNG key ``rng`` (``mx.random.key``; None: MLX's global
+    generator)."""
 
     key: Any
     rule: Any

@@ -57,8 +57,9 @@ class StepResult:
 class Joining:
     """A sequence being prefilled before it joins the batch, ``step_size`` tokens of ``prompt`` ([P] int32, P >= 1)
     per :meth:`advance`. ``cache``, ``draft_cache``: the sequence's own, where the decoder runs in
-    :class:`OwnCaches` (else made here); ``stats``: filled in (else made here); ``history``: the ids that ``cache`` holds before ``prompt`` (prompt lookup
-    copies from them too). ``reused``: prompt tokens found in the prompt cache; ``source``: "memory", "disk" or None."""
+    :class:`OwnCaches` (else made here); ``stats``: filled in (else made here); ``history``: the ids that ``cache``
+    holds before ``prompt`` (prompt lookup copies from them too). ``reused``: prompt tokens found in the prompt
+    cache; ``source``: "memory", "disk" or None."""
 
     def __init__(self, decoder: "BatchDecoder", key: Any, prompt: mx.array, sampler: Optional[Sampler],
                  stop: StopCondition, step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
