@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx.targets import fused
-from dflash_mlx.targets.fused import FusedRMSNorm, FusedRoPE, fuse_layers, unfused
+from dflash_mlx.targets.fused import FusedLinear, FusedRMSNorm, FusedRoPE, fuse_layers, unfused
 
 from conftest import FAMILIES, FORMATS, format_drafter, tiny_target
 
@@ -35,8 +35,8 @@ def test_a_fused_target_gives_the_same_logits_bit_for_bit(family, monkeypatch):
     monkeypatch.delenv(fused.COMPILE_ENV)
     model, _ = tiny_target(family)
     kinds = {type(m) for m in model.modules()}
-    assert not kinds & {nn.RMSNorm, nn.RoPE}, "make_adapter leaves no unfused RMSNorm/RoPE"
-    assert not {type(m) for m in plain.modules()} & {FusedRMSNorm, FusedRoPE}
+    assert not kinds & {nn.RMSNorm, nn.RoPE, nn.Linear}, "make_adapter leaves no unfused RMSNorm/RoPE/Linear"
+    assert not {type(m) for m in plain.modules()} & {FusedRMSNorm, FusedRoPE, FusedLinear}
     prompt = mx.array([(7 * i + 3) % 200 for i in range(70)], dtype=mx.int32)  # past the fused RoPE limit
     widths = [1, 3, 16, 1, 8]
     # MLX's CPU gather matmul (mixture-of-experts layers) runs in float32 only.
@@ -44,6 +44,9 @@ def test_a_fused_target_gives_the_same_logits_bit_for_bit(family, monkeypatch):
     for dtype in DTYPES[:1] if moe else DTYPES:
         plain.set_dtype(dtype)
         model.set_dtype(dtype)
+        fuse_layers(model)  # the linears' transposes kept again, of the new weights
+        linears = [m for m in model.modules() if type(m) is FusedLinear]
+        assert linears and all(m._transposed[0] is m.weight for m in linears)
         for a, b in zip(logits_by_step(plain, prompt, widths), logits_by_step(model, prompt, widths)):
             assert a.dtype == b.dtype == dtype
             assert mx.array_equal(a, b).item(), f"{family} {dtype}: fused logits differ"

@@ -226,6 +226,8 @@ class BatchDecoder:
             return self._plain(plan, tic, probe)
         tokens = self._tokens()
         drafts, proposals = self._propose(tokens, plan.block) if plan.width > 1 else (None, None)
+        if drafts is not None:
+            mx.async_eval(drafts)  # the draft runs while the verify's graph is built
         if plan.tree_budget is not None:
             decided, drafted = self._verify_tree(proposals[0], plan.tree_budget)
             kinds = [("tree", plan.tree_budget, drafted)]

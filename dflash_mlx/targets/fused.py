@@ -138,6 +138,24 @@ def attention_mask(h: mx.array, cache, window_size: Optional[int] = None):
     return create_attention_mask(h, cache, window_size=window_size, return_array=short and fused_layers_enabled())
 
 
+class FusedLinear(nn.Linear):
+    """``nn.Linear`` with its weight's transpose made once, as a view (:meth:`keep_transpose`): the same
+    matmul and bits, one graph node fewer per call; the weight replaced, it transposes per call again."""
+
+    def keep_transpose(self) -> None:
+        """Evaluate ``weight.T`` (a strided view of the weight, no copy) for the calls to come."""
+        transposed = self["weight"].T
+        mx.eval(transposed)
+        object.__setattr__(self, "_transposed", (self["weight"], transposed))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight, kept = self["weight"], self.__dict__.get("_transposed")
+        if kept is not None and kept[0] is not weight:  # replaced: let the old weight go
+            kept = self.__dict__["_transposed"] = None
+        transposed = weight.T if kept is None else kept[1]
+        return mx.addmm(self["bias"], x, transposed) if "bias" in self else x @ transposed
+
+
 def compile_enabled() -> bool:
     """Whether ``mx.compile`` is used here and in the drafter; ``DFLASH_COMPILE=0`` (off, false, no): not."""
     return os.environ.get(COMPILE_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
@@ -149,23 +167,26 @@ def fused_layers_enabled() -> bool:
 
 
 def fuse_layers(model: nn.Module) -> int:
-    """Swap the class of every exact ``nn.RMSNorm`` / ``nn.RoPE`` of ``model`` for its fused
-    subclass where :func:`fused_layers_enabled`; returns how many were swapped."""
+    """Swap the class of every exact ``nn.RMSNorm`` / ``nn.RoPE`` / ``nn.Linear`` of ``model`` for its fused
+    subclass where :func:`fused_layers_enabled`, and keep each fused linear's transpose (again, after its
+    weights were replaced); returns how many were swapped."""
     if not fused_layers_enabled():
         return 0
-    swaps = {nn.RMSNorm: FusedRMSNorm, nn.RoPE: FusedRoPE}
+    swaps = {nn.RMSNorm: FusedRMSNorm, nn.RoPE: FusedRoPE, nn.Linear: FusedLinear}
     count = 0
     for module in model.modules():
         if (fused := swaps.get(type(module))) is not None:
             module.__class__ = fused
             count += 1
+        if type(module) is FusedLinear:
+            module.keep_transpose()
     return count
 
 
 @contextmanager
 def unfused(*models: nn.Module) -> Iterator[None]:
-    """Run ``models`` with mlx-lm's own ``nn.RMSNorm`` / ``nn.RoPE`` inside the block."""
-    back = {FusedRMSNorm: nn.RMSNorm, FusedRoPE: nn.RoPE}
+    """Run ``models`` with mlx-lm's own ``nn.RMSNorm`` / ``nn.RoPE`` / ``nn.Linear`` inside the block."""
+    back = {FusedRMSNorm: nn.RMSNorm, FusedRoPE: nn.RoPE, FusedLinear: nn.Linear}
     swapped = [(m, type(m)) for model in models for m in model.modules() if type(m) in back]
     for m, fused in swapped:
         m.__class__ = back[fused]
