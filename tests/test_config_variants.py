@@ -158,6 +158,13 @@ def test_reduced_draft_vocabulary_drafts_inside_it(target, tmp_path):
     again = save_drafter(reduced, tmp_path / "again")
     assert json.loads((again / "config.json").read_text())["draft_vocab_size"] == 32
     assert (load_file(str(again / "model.safetensors"))["d2t"] == ids - np.arange(32)).all()
+    # the map dropped (as `dflash train --init` does to train over the whole vocabulary): saved as the whole
+    # vocabulary, so its checkpoints load
+    set_draft_vocab(reduced, None)
+    whole = save_drafter(reduced, tmp_path / "whole")
+    assert json.loads((whole / "config.json").read_text())["draft_vocab_size"] == cfg["vocab_size"]
+    assert "d2t" not in load_file(str(whole / "model.safetensors"))
+    assert load_drafter(whole).args.draft_vocab_size is None
 
 
 def test_a_reduced_vocabulary_applies_after_the_logit_softcap(target):

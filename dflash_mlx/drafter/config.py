@@ -154,6 +154,8 @@ class DrafterArgs:
             top["use_sliding_window"] = True  # else transformers' Qwen3Config drops sliding_window
         top.update({key: getattr(self, key) for key in ("is_causal", "draft_vocab_size")
                     if getattr(self, key) is not None})
+        if self.draft_vocab_size is None and "draft_vocab_size" in (self.config or {}):
+            top["draft_vocab_size"] = self.vocab_size  # the map dropped: the whole vocabulary, no d2t
         own = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
                **fmt.write_keys(self, new=self.config is None)}
         dflash = {} if fmt.ids_at_top else own
