@@ -98,8 +98,7 @@ def timed_run(engine: Engine, ids: List[int], max_tokens: int, sampler, stop_ids
     return RunRecord(
         sample="", turn=0, repeat=0, engine=engine.name, block_size=engine.block_size, prompt_tokens=len(ids),
         tokens=tokens, first_tokens=first_tokens, prompt_s=(first - tic) if first is not None else 0.0,
-        decode_s=(last - first) if first is not None else 0.0, stats=stats,
-        peak_memory_gb=mx.get_peak_memory() / 1e9)
+        decode_s=(last - first) if first is not None else 0.0, stats=stats, peak_memory_gb=mx.get_peak_memory() / 1e9)
 
 
 @dataclass

@@ -77,9 +77,8 @@ class GatedDeltaCache(ArraysCache):
         if keep > 0:
             width = f.conv_input.shape[1] - f.rows  # K - 1
             mask = None if f.mask is None else f.mask[:, :keep]
-            _, state = gated_delta_update(
-                f.q[:, :keep], f.k[:, :keep], f.v[:, :keep], f.a[:, :keep], f.b[:, :keep],
-                f.A_log, f.dt_bias, f.before[1], mask, use_kernel=f.use_kernel)
+            _, state = gated_delta_update(f.q[:, :keep], f.k[:, :keep], f.v[:, :keep], f.a[:, :keep], f.b[:, :keep],
+                                          f.A_log, f.dt_bias, f.before[1], mask, use_kernel=f.use_kernel)
             conv = mx.contiguous(f.conv_input[:, keep : keep + width])
             self.cache, self.offset = [conv, state], f.start + keep  # one statement (interrupts)
             return n

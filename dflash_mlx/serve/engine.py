@@ -107,9 +107,8 @@ class Engine:
             if self.closing:
                 raise QueueFullError("the server is shutting down")
             if ahead > self.max_queue:
-                raise QueueFullError(
-                    f"the server is busy: {ahead - 1} requests are waiting (the queue holds "
-                    f"{self.max_queue}); retry later")
+                raise QueueFullError(f"the server is busy: {ahead - 1} requests are waiting (the queue holds "
+                                     f"{self.max_queue}); retry later")
             self._jobs.add(job)
             self.metrics.queue.set(len(self._jobs))
         if ahead > 0:
