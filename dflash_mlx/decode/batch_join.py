@@ -88,7 +88,7 @@ class Joining:
         stats.reason = NO_DRAFTER if drafter is None else None
         if drafter is None:
             return
-        stats.acceptance_rule, stats.verify = self.rule.name, decoder.chooser.verify
+        stats.acceptance_rule, stats.verify = self.rule.name, dict(decoder.chooser.verify or {}) or None  # a copy
         if decoder.caches.batched:
             auto = decoder.chooser.fixed is None and not seeded
             stats.verify = {"block_size": "auto" if auto else decoder.width, "tree_budget": None,
