@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Our decode loop against the DFlash authors' reference MLX loop, same pair, same prompts.
 
-The authors' loop is ``stream_generate`` in ``dflash/model_mlx.py`` of z-lab/dflash
-(also shipped in their PyPI package ``dflash``). It is not part of this repository:
-pass the file with ``--reference`` (e.g. from a checkout of z-lab/dflash). Their
+The authors' loop is ``stream_generate`` in ``dflash/model_mlx.py`` of z-lab/dflash (their
+April loop), or the same file of their PyPI package ``dflash`` 0.1.0 (a later version: sampling,
+DFlash2 drafters, detokenized responses). It is not part of this repository: pass either file
+with ``--reference`` (a checkout of z-lab/dflash, or the unpacked wheel). Their
 loader downloads from the hub, so this script builds their ``DFlashDraftModel``
 from the drafter folder's ``config.json`` and weights, and gives their loop its own
 copy of the target (their loop wraps the target's layers in capture hooks).
@@ -39,7 +40,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm import load as mlx_lm_load
 
-from dflash_mlx import GenerationStats, generate_step, load
+from dflash_mlx import GenerationStats, load, stream_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,13 +106,14 @@ def theirs(ref, model, draft, tokenizer, ids, max_tokens, block_size):
 
 
 def ours(pair, ids, max_tokens, block_size):
+    """Our ``stream_generate``: its text detokenized at every step, as theirs is."""
     stats = GenerationStats(block_size=pair.drafter.block_size)
     tokens, first, last = [], None, None
-    for step in generate_step(mx.array(ids, dtype=mx.int32), pair.target, pair.drafter, max_tokens=max_tokens,
-                              block_size=block_size, stop_token_ids=pair.tokenizer.eos_token_ids, stats=stats):
+    for r in stream_generate(pair.target, pair.tokenizer, ids, pair.drafter, max_tokens=max_tokens,
+                             block_size=block_size, stats=stats):
         last = time.perf_counter()
         first = first or last
-        tokens += step.tokens
+        tokens += r.tokens
     return tokens, last - first, stats
 
 
