@@ -192,7 +192,7 @@ def test_cache_rows_equal_a_solo_cache(family):
 
 
 def test_ragged_roll_is_mlx_lm_roll_then_filter():
-    """:class:`RaggedRoll` (one gather per array, one index for all layers) leaves each
+    """:class:`RaggedRoll` (each sequence's rows rolled on their own) leaves each
     sequence's rows, offset and padding as mlx-lm's ``prepare(right_padding)`` +
     ``finalize()`` then ``filter`` (which drops the padding every sequence has) do."""
     rng = np.random.default_rng(3)
