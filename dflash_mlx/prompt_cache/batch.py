@@ -99,10 +99,10 @@ def extend(batch: Optional[List[BatchKVCache]], cache: Sequence[KVCache]) -> Lis
     """Append one sequence's prefilled cache to ``batch`` (in place; a new batch when None); returns it."""
     joined = [BatchGatedDeltaCache(c) if isinstance(c, GatedDeltaCache) else BatchWindowKVCache.from_solo(c)
               if isinstance(c, WindowKVCache) else BatchKVCache.merge([c]) for c in cache]  # each a batch of one
-    if batch is None:
-        return joined
-    for b, c in zip(batch, joined):
+    for b, c in zip(batch or [], joined):
         b.extend(c)
+    batch = batch or joined
+    mx.eval([b.state for b in batch])  # the copies are made where a sequence joins, not in the next step
     return batch
 
 
@@ -113,6 +113,7 @@ def keep_rows(batch: List[BatchKVCache], rows: Sequence[int]) -> Optional[List[B
     index = mx.array(list(rows), dtype=mx.int32)
     for b in batch:
         b.filter(index)
+    mx.eval([b.state for b in batch])  # where sequences leave, not in the next step
     return batch
 
 

@@ -5,6 +5,7 @@ sequence or, per sequence, of a batch. A tree's accepted path is not a prefix of
 
 from typing import Any, Dict, Sequence, Union
 
+import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
 from ..errors import RollbackError
@@ -64,3 +65,4 @@ def rollback(cache: Sequence[Any], counts: Sequence[Count], who: str = "layer") 
         elif any(extra):  # window layers: their padding is dropped by compact(), after hide_old_rows
             c.prepare(right_padding=list(extra))
             c.finalize()
+    mx.eval([c.state for c, n in zip(cache, rows) if len(n) > 1])  # a batch's rows move here, timed with this step
