@@ -96,7 +96,7 @@ def not_batchable(target: Any) -> Optional[str]:
 
 
 def extend(batch: Optional[List[BatchKVCache]], cache: Sequence[KVCache]) -> List[BatchKVCache]:
-    """Append one sequence's prefilled cache to ``batch`` (in place; a new batch when None); returns it."""
+    """Append one sequence's prefilled cache to ``batch`` (in place; a new batch when None); returns it, evaluated."""
     joined = [BatchGatedDeltaCache(c) if isinstance(c, GatedDeltaCache) else BatchWindowKVCache.from_solo(c)
               if isinstance(c, WindowKVCache) else BatchKVCache.merge([c]) for c in cache]  # each a batch of one
     for b, c in zip(batch or [], joined):
@@ -107,7 +107,7 @@ def extend(batch: Optional[List[BatchKVCache]], cache: Sequence[KVCache]) -> Lis
 
 
 def keep_rows(batch: List[BatchKVCache], rows: Sequence[int]) -> Optional[List[BatchKVCache]]:
-    """Keep only the sequences at ``rows`` (in that order); None when none is left."""
+    """Keep only the sequences at ``rows`` (in that order; evaluated); None when none is left."""
     if not rows:
         return None
     index = mx.array(list(rows), dtype=mx.int32)

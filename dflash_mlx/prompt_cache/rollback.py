@@ -37,7 +37,7 @@ def rollback(cache: Sequence[Any], counts: Sequence[Count], who: str = "layer") 
     """Layer i of ``cache`` removes its last ``counts[i]`` rows, or, every layer checked first (:func:`can_trim`),
     none does (nor is anything checked where no count is positive). A batched layer trims every sequence's fewest
     and rolls the rest of sequence j's ``counts[i][j]`` into its left padding; a ``BatchGatedDeltaCache`` replays
-    its last forward per sequence.
+    its last forward per sequence. A batch's layers are evaluated before it returns (their copies cost this step).
 
     Raises:
         RollbackError: names the first layer (``who`` i) that cannot, or one that removed another count.
