@@ -23,18 +23,15 @@ from cli_speed import prompts_from
 from dflash_mlx import load
 from dflash_mlx.decode.batch import BatchDecoder
 from dflash_mlx.decode.stopping import StopCondition
-from dflash_mlx.decode.width import Plan, WidthChooser, make_chooser
+from dflash_mlx.decode.width import make_chooser
 
 
 def decode(pair, prompts, setting: str, max_tokens: int):
     """One batch of every prompt at ``setting`` (``plain``: chains never planned): (tokens/s, tokens per
     prompt, steps per width)."""
     drafter = pair.drafter
-    if setting == "plain":
-        chooser = WidthChooser(drafter.block_size, Plan(1, 0))
-        chooser.verify = {"block_size": 1, "tree_budget": None, "reason": None}
-    else:
-        chooser = make_chooser(pair.target, drafter, setting if setting == "auto" else int(setting), None)
+    width = {"plain": 1, "auto": "auto"}.get(setting) or int(setting)  # a fixed width of 1: plain steps
+    chooser = make_chooser(pair.target, drafter, width, None)
     decoder = BatchDecoder(pair.target, drafter, drafter.block_size, chooser)
     joining = [decoder.start(i, ids, None, StopCondition(max_tokens, tuple(pair.tokenizer.eos_token_ids)))
                for i, ids in enumerate(prompts)]

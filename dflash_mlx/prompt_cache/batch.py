@@ -124,8 +124,8 @@ def common_padding(b: BatchKVCache, right: Sequence[int]) -> int:
 
 class RaggedRoll:
     """Roll sequence i's rows right by ``right[i]`` columns into its left padding and drop the first ``drop``
-    columns (``drop <= common_padding(b, right)``): each sequence's rows rolled on their own (one copy of the
-    buffer; a gather of it costs twice as much on the CPU)."""
+    columns (``drop <= common_padding(b, right)``): each sequence's rows rolled on their own (``mx.roll``, one
+    copy of the buffer, no gather)."""
 
     def __init__(self, right: Sequence[int], drop: int = 0):
         self.right, self.drop, self._shifts = mx.array(list(right)), drop, [r - drop for r in right]

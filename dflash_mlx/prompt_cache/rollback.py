@@ -37,7 +37,8 @@ def rollback(cache: Sequence[Any], counts: Sequence[Count], who: str = "layer") 
     """Layer i of ``cache`` removes its last ``counts[i]`` rows, or, every layer checked first (:func:`can_trim`),
     none does (nor is anything checked where no count is positive). A batched layer trims every sequence's fewest
     and rolls the rest of sequence j's ``counts[i][j]`` into its left padding; a ``BatchGatedDeltaCache`` replays
-    its last forward per sequence. A batch's layers are evaluated before it returns (their copies cost this step).
+    its last forward per sequence. Layers whose sequences remove different counts are evaluated before it
+    returns (their rows move: the copies cost this step).
 
     Raises:
         RollbackError: names the first layer (``who`` i) that cannot, or one that removed another count.
@@ -65,4 +66,4 @@ def rollback(cache: Sequence[Any], counts: Sequence[Count], who: str = "layer") 
         elif any(extra):  # window layers: their padding is dropped by compact(), after hide_old_rows
             c.prepare(right_padding=list(extra))
             c.finalize()
-    mx.eval([c.state for c, n in zip(cache, rows) if len(n) > 1])  # a batch's rows move here, timed with this step
+    mx.eval([c.state for c, n in zip(cache, rows) if len(set(n)) > 1])  # rows moved here, timed with this step
