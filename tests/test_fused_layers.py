@@ -175,6 +175,31 @@ def test_fused_rms_norm_equals_rms_norm(dtype):
         assert mx.array_equal(norm(x), fast(x)).item(), shape
 
 
+def graph_nodes(tmp_path, y) -> int:
+    mx.export_to_dot(str(tmp_path / "g.dot"), y)
+    return (tmp_path / "g.dot").read_text().count("label =")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_linear_equals_linear_in_one_node_for_one_sequence(bias, dtype, tmp_path):
+    """One sequence's rows [1, T, in] multiply the kept [1, in, out] view: three graph nodes fewer than
+    nn.Linear's (its transpose, flatten and unflatten), the same bits; a batch's rows too."""
+    mx.random.seed(2)
+    linear = nn.Linear(32, 48, bias=bias)
+    linear.set_dtype(dtype)
+    fast = nn.Linear(32, 48, bias=bias)
+    fast.update(linear.parameters())
+    fast.__class__ = FusedLinear
+    fast.keep_transpose()
+    for shape in [(1, 1, 32), (1, 16, 32), (3, 5, 32), (7, 32)]:
+        x = mx.random.normal(shape).astype(dtype)
+        assert mx.array_equal(linear(x), fast(x)).item(), shape
+    x = mx.random.normal((1, 16, 32)).astype(dtype)
+    mx.eval(x, linear.parameters())
+    assert graph_nodes(tmp_path, linear(x)) - graph_nodes(tmp_path, fast(x)) == 3
+
+
 def test_swapping_keeps_the_parameter_tree(monkeypatch):
     monkeypatch.setenv(fused.COMPILE_ENV, "0")
     plain, _ = tiny_target("qwen3")

@@ -127,3 +127,23 @@ def test_the_samples_need_byte_fallback_and_multibyte_merges(spm_tokenizer, bpe_
     assert any(spm_tokenizer.convert_ids_to_tokens(i).startswith("<0x") for i in spm)  # byte-fallback pieces
     bpe = bpe_tokenizer.encode("🎉", add_special_tokens=False)
     assert len(bpe) > 1 and bpe_tokenizer.decode(bpe[:1]).endswith("\ufffd")  # a character split over ids
+
+
+@pytest.mark.parametrize("name", ["spm_tokenizer", "bpe_tokenizer"])
+def test_a_step_decodes_once_but_where_a_character_is_split(request, name):
+    """The last run's decode is the next run's left context: one decode a step, plus one where the left context
+    moves by a window or a run ends inside a character (counted here, as a step's cost)."""
+    tokenizer = request.getfixturevalue(name)
+    ids = tokenizer.encode(" ".join(SAMPLES[:2]), add_special_tokens=False)  # Latin text: few split characters
+    calls = []
+
+    class Counting:
+        def decode(self, run):
+            calls.append(len(run))
+            return tokenizer.decode(run)
+
+    stream = TextStream(Counting())
+    text = "".join(stream.add([t], final=i == len(ids) - 1) for i, t in enumerate(ids))
+    assert text == tokenizer.decode(ids)
+    assert len(calls) <= len(ids) + len(ids) // 8 + 8, (len(calls), len(ids))
+    assert max(calls) <= 2 * 8 + 1 + 4

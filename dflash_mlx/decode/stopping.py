@@ -73,19 +73,21 @@ def held_back(text: str, stop_strings: Sequence[str]) -> int:
 class TextStream:
     """The text of one generation as its tokens arrive, cut before the first stop string (never shown).
 
-    A run's text is ``tokenizer.decode(left + run)`` past ``decode(left)`` over ``window`` tokens of left
-    context (from ``context``, the prompt ids it continues), moved back to begin at a character: a
-    byte-fallback decoder turns a whole run of byte tokens into U+FFFD when it begins inside one. A run
-    ending inside a multi-byte character, or text that could begin a stop string, waits for the next
-    tokens. ``text``: decoded so far (stop strings included); ``shown``: characters of it returned.
+    A run's text is ``tokenizer.decode(left + run)`` past ``decode(left)`` (the last run's decode: one a
+    step) over ``window`` (>= 1) to ``2 * window`` tokens of left context (from ``context``, the prompt ids
+    it continues), moved back to begin at a character: a byte-fallback decoder turns a whole run of byte
+    tokens into U+FFFD when it begins inside one. A run ending inside a multi-byte character, or text that
+    could begin a stop string, waits for the next tokens. ``text``: decoded so far (stop strings included);
+    ``shown``: characters of it returned.
     """
 
     def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = (), context: Sequence[int] = (), window: int = 8):
         self.decode, self.window = tokenizer.decode, window
         self.stop_strings = tuple(stop_strings)
-        self.ids: List[int] = list(context[-(window + CHAR_BYTES):]) if window else []
+        self.ids: List[int] = list(context[-(window + CHAR_BYTES):])
         self.done = len(self.ids)  # ids whose text is in ``text``
         self.text, self.shown, self.stopped = "", 0, False
+        self._last = (0, 0, "")  # (start, stop, decode(ids[start:stop])) of the last run
 
     def add(self, tokens: Sequence[int], final: bool = False) -> str:
         """Take committed tokens; returns the new text safe to show (may be empty).
@@ -104,8 +106,8 @@ class TextStream:
         return segment
 
     def _decode(self, final: bool) -> None:
-        start = max(0, self.done - self.window)
-        before = self.decode(self.ids[start:self.done]) if self.done > start else ""
+        start = max(0, self.done - self.window) // self.window * self.window  # moves by whole windows
+        before = self._last[2] if self._last[:2] == (start, self.done) else self.decode(self.ids[start:self.done])
         lowest = max(0, start - CHAR_BYTES)
         while before.startswith("\ufffd") and start > lowest:  # the left context begins inside a character
             start -= 1
@@ -114,5 +116,5 @@ class TextStream:
             after = self.decode(self.ids[start:stop])
             if final or not after.endswith("\ufffd"):
                 self.text += after[len(commonprefix([before, after])):]
-                self.done = stop
+                self.done, self._last = stop, (start, stop, after)
                 return

@@ -139,20 +139,21 @@ def attention_mask(h: mx.array, cache, window_size: Optional[int] = None):
 
 
 class FusedLinear(nn.Linear):
-    """``nn.Linear`` with its weight's transpose made once, as a view (:meth:`keep_transpose`): the same
-    matmul and bits, one graph node fewer per call; the weight replaced, it transposes per call again."""
+    """``nn.Linear`` with its weight's transpose made once, as views (:meth:`keep_transpose`): the same matmul and
+    bits, one graph node fewer per call, three for one sequence's rows [1, T, in] (against the [1, in, out] view:
+    no flatten and unflatten around the matmul); the weight replaced, it transposes per call again."""
 
     def keep_transpose(self) -> None:
-        """Evaluate ``weight.T`` (a strided view of the weight, no copy) for the calls to come."""
-        transposed = self["weight"].T
-        mx.eval(transposed)
-        object.__setattr__(self, "_transposed", (self["weight"], transposed))
+        """Evaluate ``weight.T`` and ``weight.T[None]`` (strided views of the weight, no copy) for the calls to come."""
+        kept = (self["weight"], self["weight"].T, self["weight"].T[None])
+        mx.eval(kept)
+        object.__setattr__(self, "_transposed", kept)
 
     def __call__(self, x: mx.array) -> mx.array:
         weight, kept = self["weight"], self.__dict__.get("_transposed")
         if kept is not None and kept[0] is not weight:  # replaced: let the old weight go
             kept = self.__dict__["_transposed"] = None
-        transposed = weight.T if kept is None else kept[1]
+        transposed = weight.T if kept is None else kept[2] if x.ndim == 3 and x.shape[0] == 1 else kept[1]
         return mx.addmm(self["bias"], x, transposed) if "bias" in self else x @ transposed
 
 
