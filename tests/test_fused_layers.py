@@ -182,7 +182,7 @@ def graph_nodes(tmp_path, y) -> int:
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_linear_equals_linear_in_one_node_for_one_sequence(bias, dtype, tmp_path):
+def test_fused_linear_equals_linear_with_three_nodes_fewer_for_one_sequence(bias, dtype, tmp_path):
     """One sequence's rows [1, T, in] multiply the kept [1, in, out] view: three graph nodes fewer than
     nn.Linear's (its transpose, flatten and unflatten), the same bits; a batch's rows too."""
     mx.random.seed(2)
