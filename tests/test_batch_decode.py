@@ -302,16 +302,27 @@ def test_a_refused_batch_rollback_changes_no_layer():
     assert [b.offset.tolist() for b in full] == [[o[0] - 3, o[1] - 1] for o in offsets]
 
 
-def test_a_seeded_sequence_samples_the_same_whoever_joins_or_leaves():
-    """Plain steps are dispatched a step early; a sequence joining or leaving takes that step back, its rows and
-    its draws: a seeded sampled sequence decodes the same text alone and among others coming and going."""
+def plain_decoder(target, ahead: bool) -> BatchDecoder:
+    """A decoder without a drafter that dispatches each plain step's next before reading it where ``ahead`` and the
+    target's caches can take it back (a GatedDeltaCache replays its last forward only); never on a CPU."""
+    decoder = BatchDecoder(target, None, 1)
+    assert decoder.ahead is (mx.default_device() == mx.gpu and target.rollback_spans_forwards)
+    decoder.ahead = ahead and target.rollback_spans_forwards
+    return decoder
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_seeded_sequence_samples_the_same_whoever_joins_or_leaves(ahead):
+    """Plain steps dispatched a step early (as on a GPU; ``ahead``): a sequence joining or leaving takes that step
+    back, its rows and its draws: a seeded sampled sequence decodes the same text alone and among others coming and
+    going. The same without dispatching ahead (as on a CPU)."""
     target = target_of("llama")
     seeded = dict(key="seeded", prompt=[3, 4, 5], n=40, join=0, sampler=Sampling(1.0), seed=7)
     mates = [dict(key=i, prompt=p, n=4 + 3 * i, join=1 + 2 * i, sampler=Sampling(0.8)) for i, p in
              enumerate(prompts(4, seed=6))]
-    alone = drive(BatchDecoder(target, None, 1), [seeded])["seeded"]
-    crowded = drive(BatchDecoder(target, None, 1), [seeded] + mates)["seeded"]
-    other = drive(BatchDecoder(target, None, 1), [dict(seeded, seed=8)])["seeded"]
+    alone = drive(plain_decoder(target, ahead), [seeded])["seeded"]
+    crowded = drive(plain_decoder(target, ahead), [seeded] + mates)["seeded"]
+    other = drive(plain_decoder(target, ahead), [dict(seeded, seed=8)])["seeded"]
     assert_varied(alone)
     assert crowded == alone and other != alone
 
@@ -344,12 +355,14 @@ def test_each_result_says_what_ran_and_the_stats_count_exactly_that():
     assert sum(r.seconds for r in steps) == pytest.approx(sum(stats.mode_s.values()))
 
 
+@pytest.mark.parametrize("ahead", [True, False])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma4_text", "gpt_oss"])
-def test_plain_batch_equals_solo(family):
-    """Plain steps dispatched a step early (taken back as sequences join and leave) decode as one at a time."""
+def test_plain_batch_equals_solo(family, ahead):
+    """Plain steps dispatched a step early (``ahead``, as on a GPU; taken back as sequences join and leave) or not
+    (as on this CPU) decode as one at a time."""
     target = target_of(family)
     plan = [dict(key=i, prompt=p, n=25, join=2 * i) for i, p in enumerate(prompts(5, seed=9))]
-    out = drive(BatchDecoder(target, None, 1), plan)
+    out = drive(plain_decoder(target, ahead), plan)
     for p in plan:
         assert out[p["key"]] == solo(target, p["prompt"], 25)
 

@@ -6,11 +6,9 @@ nodes. E comes from the draft survival observed (Kaplan-Meier, each position sta
 with :data:`PRIOR_WEIGHT` steps' weight; every step ages the evidence and the prior alike by :data:`DECAY`,
 so plain steps change no estimate but make the next observation weigh more); seconds(w, n) is the median of
 its last :data:`WINDOW` timings (other work on the machine only adds time, in bursts a mean follows; the first
-run of each (w, n) is left out and run again at once). Plain steps are the exception: one dispatches the next
-before it is read, so a run of them times as one slow step and fast ones; their seconds are the mean of their
-last timings, the first included, but for the shortest and the longest. Plain steps' rate is divided by
-:data:`PLAIN_MARGIN`, so only a measured gain moves off plain. It starts with plain steps: until drafting is
-measured to pay, it does not run.
+run of each (w, n) is left out and run again at once). A chain's rate is divided by :data:`PLAIN_MARGIN`, so
+only a measured gain moves off plain. It starts with plain steps: until drafting is measured to pay, it does not
+run.
 
 A later generation of the same pair may start from what an earlier one learned (:meth:`WidthChooser.state`,
 kept by the prompt cache): it then runs the best option at once and probes after :data:`PROBE_EVERY` steps, timing
@@ -171,8 +169,7 @@ class WidthChooser:
         if probe is None:
             return best
         self.probed, self.probing = self.steps, True
-        if probe.width > 1 and (probe, n) not in self.seconds:  # a plain step's first timing counts
-            self.again = probe
+        self.again = probe if (probe, n) not in self.seconds else None
         return probe
 
     def _probe(self, options: List[Plan], best: Plan, n: int) -> Optional[Plan]:
@@ -214,11 +211,8 @@ class WidthChooser:
         elif plan.width > 1:
             for a in accepted:
                 self.survival.observe(plan.width, a)
-        key = (plan, n)
-        if key in self.seconds or plan.width == 1:
-            self.seconds[key] = self.seconds.get(key, [])[1 - WINDOW :] + [seconds]
-        else:
-            self.seconds[key] = []  # the first run of a shape pays its setup
+        key = (plan, n)  # the first run of a shape pays its setup: left out
+        self.seconds[key] = self.seconds[key][1 - WINDOW :] + [seconds] if key in self.seconds else []
         best = self.best.get(n)
         if best is not None and plan != best and self.seconds[key] and self.again is None:  # a probe measured
             near = CLOSE if best.width > 1 and plan.width > 1 else 1.0  # drafting pays: keep close chains timed
@@ -260,12 +254,8 @@ class WidthChooser:
         return self.survival.expected_tokens(plan.width if plan.tree_budget is None else self.block)
 
     def _seconds(self, plan: Plan, n: int) -> float:
-        """The median of ``plan``'s timings at ``n``; for plain steps the mean of all but the shortest and the
-        longest, once there are 4 (0 untimed)."""
-        timings = self._timings(plan, n)
-        if not timings or plan.width > 1:
-            return statistics.median(timings) if timings else 0.0
-        return statistics.fmean(sorted(timings)[1:-1] if len(timings) > 3 else timings)
+        """The median of ``plan``'s timings at ``n`` (0 untimed)."""
+        return statistics.median(self._timings(plan, n) or [0.0])
 
     def _timings(self, plan: Plan, n: int) -> List[float]:
         """``plan``'s timings at ``n`` in this generation, else those learned ([] for none)."""
@@ -274,7 +264,7 @@ class WidthChooser:
     def rate(self, plan: Plan, n: int = 1) -> float:
         """Tokens per second ``plan`` is expected to commit for ``n`` sequences (0 untimed)."""
         seconds = self._seconds(plan, n)
-        margin = PLAIN_MARGIN if plan.width == 1 else 1.0
+        margin = 1.0 if plan.width == 1 else PLAIN_MARGIN
         return n * self.expected_tokens(plan) / seconds / margin if seconds > 0 else 0.0
 
 
