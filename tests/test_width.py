@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_mlx.decode.width import (AUTO, MAX_GAP, PLAIN_MARGIN, PROBE_EVERY, Plan, WidthChooser, make_chooser, parse_block_size,
-                                     parse_tree_budget)
+from dflash_mlx.decode.width import (AUTO, DECAY, FIRST_GAP, MAX_GAP, PLAIN_MARGIN, PROBE_EVERY, Plan, WidthChooser,
+                                     make_chooser, parse_block_size, parse_tree_budget)
 from dflash_mlx.errors import InputError
 
 B = 16
@@ -68,6 +68,16 @@ def test_the_probe_brings_drafting_back_when_drafts_start_to_agree():
     assert sum(p.width == 1 for p in plans[-64:]) >= 64 * STAY
     plans = run(chooser, 20 * PROBE_EVERY, lambda k: True)
     assert sum(p.width == B for p in plans[-64:]) >= 64 * STAY
+
+
+def test_draft_survival_keeps_learning_in_a_long_run():
+    """1,000 steps whose drafts are all right, then 400 whose drafts never are: auto goes back to plain steps (the
+    evidence never grows beyond what DECAY lets it weigh; rescaled by 1e9 when the prior came near underflow, it
+    outweighed every later step, and no step of the last 200 was plain)."""
+    chooser = auto()
+    run(chooser, 1000, lambda k: True)
+    plans = run(chooser, 400, lambda k: False)
+    assert sum(p.width == 1 for p in plans[-200:]) >= 200 * STAY and max(chooser.survival.reached) < 1 / (1 - DECAY)
 
 
 def test_a_middling_drafter_gets_a_middle_width():
@@ -326,12 +336,27 @@ def test_a_later_generation_starts_from_what_auto_learned():
     assert len(plain) == 2 and plain[1] == plain[0] + 1 and fresh[:2] == [Plan(1, 0)] * 2
 
 
+def test_a_later_generation_whose_best_was_plain_probes_as_soon_as_a_fresh_one():
+    """Plain steps timed early in a generation and chains late in it (a longer context, slower steps) can leave plain
+    the best of what was learned: a later generation then probes after FIRST_GAP steps, as a fresh one does, not
+    after PROBE_EVERY."""
+    earlier = auto()
+    run(earlier, 60, lambda k: False, cost=smollm2_costs)
+    later = auto()
+    assert earlier.best[1] == Plan(1, 0) and later.learn(earlier.state())
+    plans = run(later, FIRST_GAP + 1, lambda k: False, cost=smollm2_costs)
+    assert plans[:FIRST_GAP] == [Plan(1, 0)] * FIRST_GAP and plans[FIRST_GAP].width > 1 and later.probing
+
+
 @pytest.mark.parametrize("state", [{}, {"reached": "x"}, {"reached": [0.0] * 4, "right": [0.0] * 4, "prior": 1,
                                                           "tree_tokens": [], "seconds": []},
                                    {"reached": [float("nan")] * B, "right": [0.0] * B, "prior": 1, "tree_tokens": [],
+                                    "seconds": []},
+                                   {"reached": [6.8e7] * B, "right": [0.0] * B, "prior": 0.05, "tree_tokens": [],
                                     "seconds": []}])
 def test_a_state_that_does_not_fit_changes_nothing(state):
-    """Malformed, another block size's (4 positions where B = 16 has 16), or NaN: refused, the chooser as new."""
+    """Malformed, another block size's (4 positions where B = 16 has 16), NaN, or more weight than DECAY lets steps
+    have (such evidence would outweigh the next 600 steps'): refused, the chooser as new."""
     chooser = auto()
     assert not chooser.learn(state)
     assert chooser.state() == auto().state() and chooser.plan(1) == Plan(1, 0)

@@ -3,16 +3,16 @@
 ``auto`` runs the option with the highest rate(w, n) = n * E[tokens | w] / seconds(w, n) over plain
 steps, chains of 2, 4, ..., B and (``--tree-budget auto``, one sequence) a tree of :data:`AUTO_TREE`
 nodes. E comes from the draft survival observed (Kaplan-Meier, each position starting at :data:`PRIOR`
-with :data:`PRIOR_WEIGHT` steps' weight; every step ages the evidence and the prior alike by :data:`DECAY`,
-so plain steps change no estimate but make the next observation weigh more); seconds(w, n) is the median of
+with :data:`PRIOR_WEIGHT` steps' weight; every step ages the evidence and the prior alike by :data:`DECAY`, the
+prior down to 1e-9, so plain steps change no estimate but make the next observation weigh more); seconds(w, n) is the median of
 its last :data:`WINDOW` timings (other work on the machine only adds time, in bursts a mean follows; the first
 run of each (w, n) is left out and run again at once). A chain's rate is divided by :data:`PLAIN_MARGIN`, so
 only a measured gain moves off plain. It starts with plain steps: until drafting is measured to pay, it does not
 run.
 
 A later generation of the same pair may start from what an earlier one learned (:meth:`WidthChooser.state`,
-kept by the prompt cache): it then runs the best option at once and probes after :data:`PROBE_EVERY` steps, timing
-each option again (learned timings may come from a busier machine).
+kept by the prompt cache): it then runs the best option at once and probes after :data:`PROBE_EVERY` steps (a
+plain best: :data:`FIRST_GAP`), timing each option again (learned timings may come from a busier machine).
 
 Other options run as probes, one step each (a chain not timed here: two), one per gap of steps: the gap starts at
 :data:`FIRST_GAP` and returns there after a probe that beat the best (or, plain being best, accepted every
@@ -34,6 +34,7 @@ AUTO = "auto"
 PRIOR = 0.6  # conditional acceptance of a draft position never verified
 PRIOR_WEIGHT = 0.25  # steps' worth of weight the prior carries per position
 DECAY = 0.97  # weight of older steps' evidence (and of the prior), per step
+MAX_WEIGHT = 1e6  # above what DECAY lets any batch's steps weigh: a learned state holding more is refused
 WINDOW = 6  # timings kept per (option, n)
 FIRST_GAP = 2  # steps before the first probe, and after one that beat the best
 PROBE_EVERY = 8  # the gap after a chain probe that came close to a best chain
@@ -100,11 +101,10 @@ class Survival:
             self.right[k] += k <= accepted
 
     def decay(self) -> None:
-        """Older steps (and the prior) weigh :data:`DECAY` as much; rescaled whole before they underflow."""
-        scale = DECAY if self.prior > 1e-9 else DECAY * 1e9
-        self.reached = [r * scale for r in self.reached]
-        self.right = [r * scale for r in self.right]
-        self.prior *= scale
+        """Older steps (and the prior, down to 1e-9: a position never reached stays at PRIOR) weigh :data:`DECAY` as
+        much: a step's evidence never outweighs the next one's by more than its age says."""
+        self.reached, self.right = [r * DECAY for r in self.reached], [r * DECAY for r in self.right]
+        self.prior = max(self.prior * DECAY, 1e-9)
 
     def expected_tokens(self, width: int) -> float:
         """E[tokens committed | a chain of ``width``] = 1 + sum of S(k), k < width."""
@@ -230,21 +230,24 @@ class WidthChooser:
 
     def learn(self, state: dict) -> bool:
         """Start from ``state`` (:meth:`state` of an earlier generation, options not weighed here left out), probing
-        after :data:`PROBE_EVERY` steps; False, nothing changed, where it is malformed or of another block size. Its
+        after :data:`PROBE_EVERY` steps (:data:`FIRST_GAP` where plain steps are its best); False, nothing changed,
+        where it is malformed or of another block size. Its
         timings choose the best until this generation times the options, each once as a probe (they may have been
         taken while other work ran)."""
         try:
             counts = [[float(x) for x in state[k]] for k in ("reached", "right", "tree_tokens")] + [[state["prior"]]]
             seconds = {(Plan(w, b, t), 1): [float(x) for x in v] for w, b, t, v in state["seconds"] if v}
             if self.fixed is not None or {len(c) for c in counts[:2]} != {len(self.survival.reached)} or not all(
-                    0 <= x < math.inf for c in counts for x in c):
+                    0 <= x < MAX_WEIGHT for c in counts for x in c):
                 return False
         except (KeyError, TypeError, ValueError):
             return False
         (self.survival.reached, self.survival.right, self.tree_tokens), self.survival.prior = counts[:3], counts[3][0]
         self.learned.update({k: v[-WINDOW:] for k, v in seconds.items()
                              if k[0] in self.options and all(0 < x < math.inf for x in v)})
-        self.gap = PROBE_EVERY
+        timed = [p for p in self.options if self._timings(p, 1)]  # a plain best starts as a fresh one does: plain's
+        # timing is the generation's first, the chains' its last, of a longer context
+        self.gap = PROBE_EVERY if timed and max(timed, key=self.rate).width > 1 else FIRST_GAP
         return True
 
     def expected_tokens(self, plan: Plan) -> float:
