@@ -80,6 +80,18 @@ def test_draft_survival_keeps_learning_in_a_long_run():
     assert sum(p.width == 1 for p in plans[-200:]) >= 200 * STAY and max(chooser.survival.reached) < 1 / (1 - DECAY)
 
 
+def test_a_width_whose_deep_drafts_were_never_verified_is_tried_on_its_best_case():
+    """A chain costs 3 plain steps whatever its width (a tiny target: the draft's fixed cost is most of it); draft 1
+    is right half the time, and the rest whenever it is. Chains of 2 lose to plain steps; chains of 8 pay (4.5
+    tokens a step). Their best case counts the positions never verified as right, so they are tried and carry 5 runs
+    of 300 steps (with PRIOR there, a chain of 8 looked no better than 2.2 tokens: 2 of the 5 stayed plain)."""
+    for seed in range(5):
+        rng = random.Random(seed)
+        plans = run(auto(), 300, lambda k: k > 1 or rng.random() < 0.5,
+                    cost=lambda plan, n: 1e-3 * (1 if plan.width == 1 else 3))
+        assert sum(p.width >= 8 for p in plans[-100:]) >= 100 * STAY - 5, seed
+
+
 def test_a_middling_drafter_gets_a_middle_width():
     rng = random.Random(0)
     plans = run(auto(), 600, lambda k: rng.random() < 0.7)

@@ -3,12 +3,12 @@
 ``auto`` runs the option with the highest rate(w, n) = n * E[tokens | w] / seconds(w, n) over plain
 steps, chains of 2, 4, ..., B and (``--tree-budget auto``, one sequence) a tree of :data:`AUTO_TREE`
 nodes. E comes from the draft survival observed (Kaplan-Meier, each position starting at :data:`PRIOR`
-with :data:`PRIOR_WEIGHT` steps' weight; every step ages the evidence and the prior alike by :data:`DECAY`, the
-prior down to 1e-9, so plain steps change no estimate but make the next observation weigh more); seconds(w, n) is the median of
-its last :data:`WINDOW` timings (other work on the machine only adds time, in bursts a mean follows; the first
-run of each (w, n) is left out and run again at once). A chain's rate is divided by :data:`PLAIN_MARGIN`, so
-only a measured gain moves off plain. It starts with plain steps: until drafting is measured to pay, it does not
-run.
+with :data:`PRIOR_WEIGHT` steps' weight; every step ages the evidence and the prior alike by :data:`DECAY`,
+the prior down to 1e-9, so plain steps change no estimate but make the next observation weigh more);
+seconds(w, n) is the median of its last :data:`WINDOW` timings (other work on the machine only adds time, in
+bursts a mean follows; the first run of each (w, n) is left out and run again at once). A chain's rate is
+divided by :data:`PLAIN_MARGIN`, so only a measured gain moves off plain. It starts with plain steps: until
+drafting is measured to pay, it does not run.
 
 A later generation of the same pair may start from what an earlier one learned (:meth:`WidthChooser.state`,
 kept by the prompt cache): it then runs the best option at once and probes after :data:`PROBE_EVERY` steps (a
@@ -106,11 +106,11 @@ class Survival:
         self.reached, self.right = [r * DECAY for r in self.reached], [r * DECAY for r in self.right]
         self.prior = max(self.prior * DECAY, 1e-9)
 
-    def expected_tokens(self, width: int) -> float:
-        """E[tokens committed | a chain of ``width``] = 1 + sum of S(k), k < width."""
+    def expected_tokens(self, width: int, prior: float = PRIOR) -> float:
+        """E[tokens committed | a chain of ``width``] = 1 + sum of S(k), k < width; ``prior``: S without evidence."""
         total, s = 1.0, 1.0
         for k in range(1, width):
-            s *= (self.right[k] + PRIOR * self.prior) / (self.reached[k] + self.prior)
+            s *= (self.right[k] + prior * self.prior) / (self.reached[k] + self.prior)
             total += s
         return total
 
@@ -187,8 +187,9 @@ class WidthChooser:
         return max(hopes, key=lambda hp: hp[0])[1] if hopes else None
 
     def promise(self, plan: Plan, n: int) -> float:
-        """``plan``'s rate, or not timed in this generation, the most it could commit per second: its E over the
-        seconds of the slowest other timed option no wider (a wider step is no faster); unbounded for a tree not yet
+        """``plan``'s rate, or not timed in this generation, the most it could commit per second: its E (a draft
+        position without evidence counted right) over the seconds of the slowest other timed option no wider (a wider
+        step is no faster); unbounded for a tree not yet
         run (it commits at least its best chain, but how much more the chains do not say)."""
         if self.seconds.get((plan, n)):
             return self.rate(plan, n)
@@ -196,7 +197,7 @@ class WidthChooser:
             return float("inf")
         floors = [self._seconds(p, n) for p in self.options
                   if p != plan and p.width <= plan.width and self._timings(p, n)]
-        return n * self.expected_tokens(plan) / max(floors) if floors else float("inf")
+        return n * self.expected_tokens(plan, 1.0) / max(floors) if floors else float("inf")
 
     def observe(self, plan: Plan, seconds: float, accepted: Sequence[int]) -> None:
         """One step that ran ``plan``: its wall ``seconds`` (the whole batched step) and each
@@ -250,11 +251,11 @@ class WidthChooser:
         self.gap = PROBE_EVERY if timed and max(timed, key=self.rate).width > 1 else FIRST_GAP
         return True
 
-    def expected_tokens(self, plan: Plan) -> float:
-        """E[tokens committed per sequence] by ``plan``."""
+    def expected_tokens(self, plan: Plan, prior: float = PRIOR) -> float:
+        """E[tokens committed per sequence] by ``plan`` (``prior``: S of a draft position without evidence)."""
         if plan.tree_budget is not None and self.tree_tokens:
             return sum(self.tree_tokens) / len(self.tree_tokens)
-        return self.survival.expected_tokens(plan.width if plan.tree_budget is None else self.block)
+        return self.survival.expected_tokens(plan.width if plan.tree_budget is None else self.block, prior)
 
     def _seconds(self, plan: Plan, n: int) -> float:
         """The median of ``plan``'s timings at ``n`` (0 untimed)."""
