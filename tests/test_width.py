@@ -189,7 +189,7 @@ def test_the_first_plain_step_of_a_batch_size_is_left_out_as_a_chains_is():
 
 
 def test_a_slow_plain_step_now_and_then_does_not_send_plain_decoding_to_chains():
-    """Plain steps judged by a mean must not follow one slow step: with drafts never right and one plain step in
+    """Plain steps' timing must not follow one slow step: with drafts never right and one plain step in
     12 taking 10 times as long (a busy machine; a 1 ms step of stories260K), the chains are probes only."""
     count = iter(range(10**6))
 

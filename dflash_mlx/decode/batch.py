@@ -89,8 +89,7 @@ class BatchDecoder:
         self._verified: Optional[Tuple[mx.array, List[int]]] = None  # the last verify's context rows, all sequences
         self._queued = None  # the next (plan, tokens, features, keys): a plain step dispatched early, or (plan,)
         # a plain step dispatches the next before it reads its own on a GPU, which runs it while the host reads and
-        # plans; on MLX's CPU backend async_eval of a forward returns once most of it has run: that only adds overhead
-        # (stories260K plain decoding 0.86x the tokens/s) and times one step as two forwards and the next as none
+        # plans; MLX's CPU backend returns from async_eval once most of a forward has run: there it only adds overhead
         self.ahead = target.rollback_spans_forwards and mx.default_device() == mx.gpu
         self.batch_drafter = batch_drafts(drafter) if self.caches.batched else None
         self.prefix: Optional[BatchPrefix] = None

@@ -160,9 +160,7 @@ class WidthChooser:
         if again in options:
             self.probing = True
             return again
-        timed = [p for p in options if self._timings(p, n)]
-        best = max(timed, key=lambda p: self.rate(p, n)) if timed else options[0]
-        self.best[n] = best
+        best = self.best[n] = self._best(n)
         if self.steps - self.probed < self.gap:
             return best
         probe = self._probe(options, best, n)
@@ -246,9 +244,7 @@ class WidthChooser:
         (self.survival.reached, self.survival.right, self.tree_tokens), self.survival.prior = counts[:3], counts[3][0]
         self.learned.update({k: v[-WINDOW:] for k, v in seconds.items()
                              if k[0] in self.options and all(0 < x < math.inf for x in v)})
-        timed = [p for p in self.options if self._timings(p, 1)]  # a plain best starts as a fresh one does: plain's
-        # timing is the generation's first, the chains' its last, of a longer context
-        self.gap = PROBE_EVERY if timed and max(timed, key=self.rate).width > 1 else FIRST_GAP
+        self.gap = PROBE_EVERY if self._best(1).width > 1 else FIRST_GAP  # a plain best: probe as a fresh start does
         return True
 
     def expected_tokens(self, plan: Plan, prior: float = PRIOR) -> float:
@@ -260,6 +256,10 @@ class WidthChooser:
     def _seconds(self, plan: Plan, n: int) -> float:
         """The median of ``plan``'s timings at ``n`` (0 untimed)."""
         return statistics.median(self._timings(plan, n) or [0.0])
+
+    def _best(self, n: int) -> Plan:
+        """The timed option with the highest rate at ``n`` (plain where none is timed)."""
+        return max([p for p in self.options if self._timings(p, n)] or self.options[:1], key=lambda p: self.rate(p, n))
 
     def _timings(self, plan: Plan, n: int) -> List[float]:
         """``plan``'s timings at ``n`` in this generation, else those learned ([] for none)."""
