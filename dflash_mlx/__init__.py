@@ -1,11 +1,10 @@
 """dflash-mlx: DFlash block-diffusion speculative decoding on MLX.
 
-The method lives in two files: :mod:`dflash_mlx.drafter.network` (the drafter network)
-and :mod:`dflash_mlx.decode.generate` (the decode loop). docs/architecture.md maps the rest.
+The method lives in two files: :mod:`dflash_mlx.drafter.network` (the drafter network) and
+:mod:`dflash_mlx.decode.generate` (the decode loop). docs/architecture.md maps the rest.
 
-The names below are imported on first use (PEP 562), so ``import dflash_mlx`` and the
-CLI's start-up stay light until MLX is needed: ``dflash --help`` answers at once and
-Ctrl-C during the heavy imports reaches the CLI's handler.
+The names below are imported on first use (PEP 562), so ``import dflash_mlx`` and the CLI's start-up stay light until
+MLX is needed: ``dflash --help`` answers at once and Ctrl-C during the heavy imports reaches the CLI's handler.
 """
 
 from importlib import import_module

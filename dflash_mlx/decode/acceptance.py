@@ -1,12 +1,11 @@
-"""How a verify decides which drafts to keep (spec sections 5 and 9), one rule per generation
-(:func:`choose_rule`): ``greedy`` (T = 0: drafts equal to the target's argmax), ``sample-and-match``
-(T > 0, argmax drafts: d_i kept while it equals y_{i-1} ~ p), ``speculative`` (T > 0, drafts sampled
-from q: d_i kept while u_i q_i(d_i) < p_i(d_i), then a sample of normalize(max(p - q, 0)), or of p_B).
+"""How a verify decides which drafts to keep (spec sections 5 and 9), one rule per generation (:func:`choose_rule`):
+``greedy`` (T = 0: drafts equal to the target's argmax), ``sample-and-match`` (T > 0, argmax drafts: d_i kept while it
+equals y_{i-1} ~ p), ``speculative`` (T > 0, drafts sampled from q: d_i kept while u_i q_i(d_i) < p_i(d_i), then a
+sample of normalize(max(p - q, 0)), or of p_B).
 
-Every rule's ``accept`` returns ``(a, out)`` lazily: ``a`` accepted drafts (None where its ``accepted`` counts
-them on the host) and ``out`` [B] int32 whose first ``a + 1`` entries are committed; after the step's one sync
-its ``accepted`` gives the count. ``key``: the sequence's own ``mx.random.key`` for the draw (None: MLX's
-global generator).
+Every rule's ``accept`` returns ``(a, out)`` lazily: ``a`` accepted drafts (None where its ``accepted`` counts them on
+the host) and ``out`` [B] int32 whose first ``a + 1`` entries are committed; after the step's one sync its ``accepted``
+gives the count. ``key``: the sequence's own ``mx.random.key`` for the draw (None: MLX's global generator).
 """
 
 from typing import Callable, List, Optional, Tuple

@@ -107,10 +107,9 @@ def check_block_size(block_size: Optional[int | str], drafter: Optional[Drafter]
 def stream_generate(target: TargetAdapter, tokenizer: TokenizerWrapper, prompt: mx.array | List[int],
                     drafter: Optional[Drafter] = None, *, max_tokens: int = 256, stop_strings: Sequence[str] = (),
                     **kwargs) -> Generator[GenerationResponse, None, None]:
-    """Stream text as steps commit tokens: :func:`generate_step` (``kwargs``) through a
-    :class:`TextStream`, stopping at the tokenizer's ``eos_token_ids``. The text stops before the
-    first of ``stop_strings`` (text that could begin one is held back). The last response has
-    ``finish_reason`` set and the final stats.
+    """Stream text as steps commit tokens: :func:`generate_step` (``kwargs``) through a :class:`TextStream`, stopping at
+    the tokenizer's ``eos_token_ids``. The text stops before the first of ``stop_strings`` (text that could begin one is
+    held back). The last response has ``finish_reason`` set and the final stats.
     """
     prompt = prompt if isinstance(prompt, mx.array) else mx.array(prompt, dtype=mx.int32)
     stop_ids = kwargs.pop("stop_token_ids", tuple(tokenizer.eos_token_ids))

@@ -73,12 +73,11 @@ def held_back(text: str, stop_strings: Sequence[str]) -> int:
 class TextStream:
     """The text of one generation as its tokens arrive, cut before the first stop string (never shown).
 
-    A run's text is ``tokenizer.decode(left + run)`` past ``decode(left)`` (the last run's decode: one a
-    step) over ``window`` (>= 1) to ``2 * window`` tokens of left context (from ``context``, the prompt ids
-    it continues), moved back to begin at a character: a byte-fallback decoder turns a whole run of byte
-    tokens into U+FFFD when it begins inside one. A run ending inside a multi-byte character, or text that
-    could begin a stop string, waits for the next tokens. ``text``: decoded so far (stop strings included);
-    ``shown``: characters of it returned.
+    A run's text is ``tokenizer.decode(left + run)`` past ``decode(left)`` (the last run's decode: one a step) over
+    ``window`` (>= 1) to ``2 * window`` tokens of left context (from ``context``, the prompt ids it continues), moved
+    back to begin at a character: a byte-fallback decoder turns a whole run of byte tokens into U+FFFD when it begins
+    inside one. A run ending inside a multi-byte character, or text that could begin a stop string, waits for the next
+    tokens. ``text``: decoded so far (stop strings included); ``shown``: characters of it returned.
     """
 
     def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = (), context: Sequence[int] = (), window: int = 8):

@@ -1,11 +1,10 @@
 """The Metal kernel of the drafter's block attention (one pass, online softmax in float32).
 
-One threadgroup per (batch row, KV head, tile of ``QT`` query rows): the query rows of a KV head
-are its ``n_heads / n_kv_heads`` heads times the B block rows, so GQA shares one K/V read.
-``NS`` simdgroups split the keys (context rows, then block rows) in tiles of 32 and merge their
-partial (max, sum, output) at the end. Masked keys get weight 0 through a flag, never through
-``-inf``; inputs are read through their strides. ``tests/kernel_harness`` runs this ``SOURCE``
-on a CPU.
+One threadgroup per (batch row, KV head, tile of ``QT`` query rows): the query rows of a KV head are its ``n_heads /
+n_kv_heads`` heads times the B block rows, so GQA shares one K/V read. ``NS`` simdgroups split the keys (context rows,
+then block rows) in tiles of 32 and merge their partial (max, sum, output) at the end. Masked keys get weight 0 through
+a flag, never through ``-inf``; inputs are read through their strides. ``tests/kernel_harness`` runs this ``SOURCE`` on
+a CPU.
 """
 
 from dataclasses import dataclass

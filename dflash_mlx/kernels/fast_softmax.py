@@ -1,10 +1,9 @@
 """Softmax, log-sum-exp and log-softmax with a vectorised exp for MLX's CPU backend.
 
-exp is ``2^n * p(r)``: ``n = floor(x * log2(e))``, ``p`` a degree-6 polynomial for ``2^r`` on
-``[0, 1)``, ``2^n`` built in the float's exponent bits; relative error under 5e-6, ``exp(-inf)``
-exactly 0. It is used for float32 inputs when the default device is the CPU and
-``DFLASH_FAST_EXP`` is not 0; otherwise these are ``mx.softmax``, ``mx.logsumexp`` and ``mx.exp``.
-Gradients are the exact formulas (custom VJPs).
+exp is ``2^n * p(r)``: ``n = floor(x * log2(e))``, ``p`` a degree-6 polynomial for ``2^r`` on ``[0, 1)``, ``2^n`` built
+in the float's exponent bits; relative error under 5e-6, ``exp(-inf)`` exactly 0. It is used for float32 inputs when the
+default device is the CPU and ``DFLASH_FAST_EXP`` is not 0; otherwise these are ``mx.softmax``, ``mx.logsumexp`` and
+``mx.exp``. Gradients are the exact formulas (custom VJPs).
 """
 
 import os

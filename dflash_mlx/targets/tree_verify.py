@@ -1,17 +1,14 @@
 """Tree verification (DDTree, spec section 7): every input token at its own position.
 
-mlx-lm's attention modules rotate the L inputs of one forward at consecutive positions
-(``cache.offset + i``), which is a chain. A draft tree puts each node at
-``start + depth``, and ``mx.fast.rope`` takes one offset per batch row, not per token,
-so a tree verify cannot go through the modules' ``__call__``. For the families that
-support trees, a decoder layer is run here from the layer's own modules: projections,
-norms and RoPE (one token per batch row, so each gets its own offset), the cache's
-update, attention under the tree mask, then the layer's MLP. A test pins this forward
-bit for bit to the model's own forward on a chain.
+mlx-lm's attention modules rotate the L inputs of one forward at consecutive positions (``cache.offset + i``), which is
+a chain. A draft tree puts each node at ``start + depth``, and ``mx.fast.rope`` takes one offset per batch row, not per
+token, so a tree verify cannot go through the modules' ``__call__``. For the families that support trees, a decoder
+layer is run here from the layer's own modules: projections, norms and RoPE (one token per batch row, so each gets its
+own offset), the cache's update, attention under the tree mask, then the layer's MLP. A test pins this forward bit for
+bit to the model's own forward on a chain.
 
-:class:`TreeVerify` holds what an adapter needs for it (the layer walk at per-token
-positions and the compaction to the accepted path); every
-:class:`~dflash_mlx.targets.base.TargetAdapter` has it, and a family turns it on with
+:class:`TreeVerify` holds what an adapter needs for it (the layer walk at per-token positions and the compaction to the
+accepted path); every :class:`~dflash_mlx.targets.base.TargetAdapter` has it, and a family turns it on with
 ``supports_tree = True`` (and :meth:`TreeVerify.layer_windows` where layers slide).
 """
 
