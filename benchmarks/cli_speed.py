@@ -12,6 +12,8 @@ prompts of the per-prompt median ratio to mlx-lm:
   calibration included (what a script that calls the CLI per prompt waits);
 - with the setting ``plain`` (`dflash generate` without a drafter) in the run, each setting's
   decode speed against it too, as the median over prompts of the per-prompt median ratio;
+- each setting against the best fixed block size (the numeric setting of the highest median speed), the same way:
+  a ratio of two medians over prompts would compare different prompts;
 - two drafters in one run: a setting ending in ``@PATH`` uses the drafter at PATH (``--settings 4 4@OTHER``);
 - tau, the widths chosen (and how many steps were probes), and whether the text equals mlx-lm's on every prompt (a
   reply that dflash stops at the target's context, where mlx-lm goes on, counts as
@@ -129,6 +131,8 @@ def main() -> int:
             out.append(ours / ref if key == "tps" else ref / ours)
         return out
 
+    fixed = [e for e in args.settings if e.split("@")[0].isdigit()]  # the best fixed block size: by median speed
+    best = max(fixed, key=lambda e: statistics.median(per_prompt_ratio(e, "tps")), default=None)
     rows = []
     for e in args.settings:
         speed, wall = per_prompt_ratio(e, "tps"), per_prompt_ratio(e, "wall")
@@ -148,6 +152,8 @@ def main() -> int:
                                if "plain" in runs else None),
             "speed_vs_lookup_off": (round(statistics.median(per_prompt_ratio(e, "tps", f"{e}:off")), 3)
                                     if f"{e}:off" in runs else None),
+            "speed_vs_best_fixed": round(statistics.median(per_prompt_ratio(e, "tps", best)), 3) if best else None,
+            "best_fixed": best,
             "copied": sum(x["copied"] for mine in runs[e] for x in mine),
             "probe_steps": sum(x["probe_steps"] for mine in runs[e] for x in mine),
             "process_time_ratio": round(statistics.median(wall), 3),
@@ -157,15 +163,17 @@ def main() -> int:
         })
     base_tps = statistics.median(x["tps"] for mine in runs["mlx-lm"] for x in mine)
     print(f"\nmlx-lm: {base_tps:.1f} tokens/s (median)")
-    print("| --block-size | speed vs mlx-lm | vs plain | vs lookup off | process time vs mlx-lm | tau | identical "
-          "| widths |")
-    print("|---|---:|---:|---:|---:|---:|---|---|")
+    print(f"| --block-size | speed vs mlx-lm | vs plain | vs lookup off | vs best fixed{f' ({best})' if best else ''} "
+          "| process time vs mlx-lm | tau | identical | widths |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---|")
     for row in rows:
         top = ", ".join(f"{k} x{n}" for k, n in list(row["widths"].items())[:4])
         top += f" ({row['probe_steps']} probes)" if row["probe_steps"] else ""
         plain = "-" if row["speed_vs_plain"] is None else f"{row['speed_vs_plain']:.2f}x"
         off = "-" if row["speed_vs_lookup_off"] is None else f"{row['speed_vs_lookup_off']:.2f}x"
-        print(f"| {row['block_size']} | {row['speed_vs_mlx_lm']:.2f}x | {plain} | {off} | {row['process_time_ratio']:.2f}x | "
+        fixed = "-" if best is None else f"{row['speed_vs_best_fixed']:.2f}x"
+        print(f"| {row['block_size']} | {row['speed_vs_mlx_lm']:.2f}x | {plain} | {off} | {fixed} | "
+              f"{row['process_time_ratio']:.2f}x | "
               f"{row['tau'] if row['tau'] is None else format(row['tau'], '.2f')} | {row['identical']} | {top} |")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
