@@ -160,12 +160,12 @@ def test_pipelined_plain_timings_are_judged_by_their_mean():
 
 
 def test_a_chain_must_gain_the_margin_to_be_chosen_over_plain_steps():
-    """Only a measured gain moves off plain: drafts always right, every chain 3% faster per token than plain steps
+    """Only a measured gain moves off plain: drafts always right, every chain 1.5% faster per token than plain steps
     (within :data:`PLAIN_MARGIN`): plain steps stay the best and run between the probes (with plain's rate
     handicapped instead, a chain of 2 was the best, and no step of the last 100 was plain)."""
     chooser = auto()
-    plans = run(chooser, 300, lambda k: True, cost=lambda plan, n: 1e-3 * plan.width / (1.03 if plan.width > 1 else 1))
-    assert 1.03 < PLAIN_MARGIN and chooser.best[1] == Plan(1, 0)
+    plans = run(chooser, 300, lambda k: True, cost=lambda plan, n: 1e-3 * plan.width / (1.015 if plan.width > 1 else 1))
+    assert 1.015 < PLAIN_MARGIN and chooser.best[1] == Plan(1, 0)
     assert sum(p.width == 1 for p in plans[-100:]) >= 50  # a probe every other step, as each one's drafts all agree
 
 

@@ -39,7 +39,7 @@ WINDOW = 6  # timings kept per (option, n)
 FIRST_GAP = 2  # steps before the first probe, and after one that beat the best
 PROBE_EVERY = 8  # the gap after a chain probe that came close to a best chain
 MAX_GAP = 64  # the longest gap between two probes, in steps
-PLAIN_MARGIN = 1.05  # a chain must beat plain steps' measured rate by this to be chosen over them
+PLAIN_MARGIN = 1.02  # a chain must beat plain steps' measured rate by this to be chosen over them
 CLOSE = 0.9  # while a chain is best, a chain probe within this fraction of its rate keeps the gap short
 AUTO_TREE = 16  # tree nodes --tree-budget auto weighs against chains
 
@@ -151,20 +151,14 @@ class WidthChooser:
         """The next step for ``n`` active sequences; ``seeded``: a seeded sampled sequence
         is among them, whose text must not depend on timings (the fixed B runs)."""
         self.probing = False
-        if self.fixed is not None:
-            return self.fixed
-        if seeded:
-            return Plan(self.block, self.block)
-        options = self.options  # tree options only where one sequence decodes in its own caches
+        if self.fixed is not None or seeded:  # a seeded sequence: the widest chain, whatever was measured
+            return self.fixed or Plan(self.block, self.block)
         again, self.again = self.again, None
-        if again in options:
+        if again in self.options:
             self.probing = True
             return again
         best = self.best[n] = self._best(n)
-        if self.steps - self.probed < self.gap:
-            return best
-        probe = self._probe(options, best, n)
-        if probe is None:
+        if self.steps - self.probed < self.gap or (probe := self._probe(self.options, best, n)) is None:
             return best
         self.probed, self.probing = self.steps, True
         self.again = probe if (probe, n) not in self.seconds else None
@@ -187,8 +181,8 @@ class WidthChooser:
     def promise(self, plan: Plan, n: int) -> float:
         """``plan``'s rate, or not timed in this generation, the most it could commit per second: its E (a draft
         position without evidence counted right) over the seconds of the slowest other timed option no wider (a wider
-        step is no faster); unbounded for a tree not yet
-        run (it commits at least its best chain, but how much more the chains do not say)."""
+        step is no faster); unbounded for a tree not yet run (it commits at least its best chain, but how much more
+        the chains do not say)."""
         if self.seconds.get((plan, n)):
             return self.rate(plan, n)
         if plan.tree_budget is not None and not self.tree_tokens:
@@ -230,9 +224,8 @@ class WidthChooser:
     def learn(self, state: dict) -> bool:
         """Start from ``state`` (:meth:`state` of an earlier generation, options not weighed here left out), probing
         after :data:`PROBE_EVERY` steps (:data:`FIRST_GAP` where plain steps are its best); False, nothing changed,
-        where it is malformed or of another block size. Its
-        timings choose the best until this generation times the options, each once as a probe (they may have been
-        taken while other work ran)."""
+        where it is malformed or of another block size. Its timings choose the best until this generation times the
+        options, each once as a probe (they may have been taken while other work ran)."""
         try:
             counts = [[float(x) for x in state[k]] for k in ("reached", "right", "tree_tokens")] + [[state["prior"]]]
             seconds = {(Plan(w, b, t), 1): [float(x) for x in v] for w, b, t, v in state["seconds"] if v}
