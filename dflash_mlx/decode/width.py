@@ -158,16 +158,16 @@ class WidthChooser:
             self.probing = True
             return again
         best = self.best[n] = self._best(n)
-        if self.steps - self.probed < self.gap or (probe := self._probe(self.options, best, n)) is None:
+        if self.steps - self.probed < self.gap or (probe := self._probe(best, n)) is None:
             return best
         self.probed, self.probing = self.steps, True
         self.again = probe if (probe, n) not in self.seconds else None
         return probe
 
-    def _probe(self, options: List[Plan], best: Plan, n: int) -> Optional[Plan]:
+    def _probe(self, best: Plan, n: int) -> Optional[Plan]:
         """Plain while it is untimed, else the untimed option nearest ``best`` that could beat it, else the
         timed one with the highest rate."""
-        plain = options[0]
+        options, plain = self.options, self.options[0]
         if best != plain and not self.seconds.get((plain, n)):
             return plain
         floor, i = self.rate(best, n), options.index(best)
