@@ -11,8 +11,8 @@ def encode_messages(tokenizer, messages: Messages, template: Optional[dict] = No
 
     With a chat template (and ``use_template``), the rendered text is encoded without adding special tokens, as
     ``mlx_lm.generate`` does; ``template`` holds extra ``apply_chat_template`` keyword arguments (e.g.
-    ``enable_thinking``). Otherwise ``plain(messages)`` (default: their contents joined by newlines) is encoded
-    with the tokenizer's special tokens (BOS).
+    ``enable_thinking``). Otherwise ``plain(messages)`` (default: their contents joined by newlines) is encoded with the
+    tokenizer's special tokens (BOS).
     """
     if use_template and tokenizer.has_chat_template:
         text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
@@ -31,6 +31,5 @@ def plain_text(messages: Messages) -> str:
 
 
 def context_length(model) -> Optional[int]:
-    """The context in tokens (``args.max_position_embeddings``) of a model or target
-    adapter, or None."""
+    """The context in tokens (``args.max_position_embeddings``) of a model or target adapter, or None."""
     return getattr(getattr(model, "args", None), "max_position_embeddings", None) or None

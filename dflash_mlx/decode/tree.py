@@ -111,6 +111,5 @@ def verify_tree(target, cache: List, capture, choose, tree: DraftTree) -> Tuple[
 
 
 def host_logprobs(proposal) -> Optional[np.ndarray]:
-    """The block's log-probabilities [B-1, V] as float32 NumPy (a sync), or None when the
-    drafter gives none."""
+    """The block's log-probabilities [B-1, V] as float32 NumPy (a sync), or None when the drafter gives none."""
     return None if proposal.logprobs is None else np.array(proposal.logprobs.astype(mx.float32))

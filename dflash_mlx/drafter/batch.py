@@ -50,9 +50,8 @@ class BatchDrafts:
         self.cache = keep_rows(self.cache, rows)
 
     def draft(self, tokens: mx.array, context: Optional[mx.array], rows: List[int], block_size: int) -> mx.array:
-        """[N, B-1] int32 greedy drafts (lazy; :meth:`DFlashDrafter.drafts`) from tokens [N] int32 ``t_last``
-        and new context rows [N, S, F], sequence i's first ``rows[i]`` real (the rest finite), or None when all
-        rows are 0."""
+        """[N, B-1] int32 greedy drafts (lazy; :meth:`DFlashDrafter.drafts`) from tokens [N] int32 ``t_last`` and new
+        context rows [N, S, F], sequence i's first ``rows[i]`` real (the rest finite), or None when all rows are 0."""
         d, most = self.drafter, max(rows)
         if context is None:
             fused = mx.zeros((tokens.size, 0, d.args.hidden_size), d.hidden_norm.weight.dtype)

@@ -264,12 +264,11 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, block: mx.array, context: mx.array, ctx_at: At, block_at: At, attends: Sequence[Attend],
                 compile: bool = True, residual: bool = False) -> mx.array:
-        """Every layer (one ``attend`` each) over blocks [N, B] int32 at ``block_at`` and fused context
-        rows [N or 1, S, H] at ``ctx_at``; returns the final normed hidden states [N, D, H] of the drafting rows
-        (``first_row`` on). With ``compile`` and S <= P (the verify size: B, or B + 1 where row 0 drafts), the
-        rows are padded to P (one trace per shape) and both halves of each layer run compiled (not DFlash2's),
-        RoPE by tables where :func:`rope_rows` gives them. ``residual``: the residual stream before the final
-        norm instead."""
+        """Every layer (one ``attend`` each) over blocks [N, B] int32 at ``block_at`` and fused context rows [N or 1, S,
+        H] at ``ctx_at``; returns the final normed hidden states [N, D, H] of the drafting rows (``first_row`` on). With
+        ``compile`` and S <= P (the verify size: B, or B + 1 where row 0 drafts), the rows are padded to P (one trace
+        per shape) and both halves of each layer run compiled (not DFlash2's), RoPE by tables where :func:`rope_rows`
+        gives them. ``residual``: the residual stream before the final norm instead."""
         B, S = block.shape[1], context.shape[1]
         P = B + 1 - self.first_row
         compiled = compile and compile_enabled() and not self.args.conv_kernel_size and S <= P

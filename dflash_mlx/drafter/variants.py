@@ -48,9 +48,8 @@ def rope_theta(config: dict, source: str) -> Any:
 
 
 def engine_keys(config: dict, dflash: dict, source: str) -> Dict[str, Any]:
-    """``layer_types``, and ``is_causal`` and ``sliding_window`` from vLLM's ``dflash_config`` keys where the top
-    level lacks them; ConfigError naming a key that contradicts another, is malformed or asks for what is not
-    supported."""
+    """``layer_types``, and ``is_causal`` and ``sliding_window`` from vLLM's ``dflash_config`` keys where the top level
+    lacks them; ConfigError naming a key that contradicts another, is malformed or asks for what is not supported."""
     hidden, vocab = config.get("hidden_size"), config.get("vocab_size")
     target_hidden = pick(config, dflash, "target_hidden_size", True, source)
     if target_hidden is not None and target_hidden != hidden:

@@ -157,9 +157,8 @@ def block_attention(queries: mx.array, ctx_keys: mx.array, ctx_values: mx.array,
 
 
 def attention_path(*arrays: mx.array) -> dict:
-    """``{"block_attention": "metal" | "reference", "reason": str}``: the path :func:`block_attention`
-    takes for these inputs (queries, ctx_keys, ctx_values, block_keys, block_values), or with none the
-    one the environment allows.
+    """``{"block_attention": "metal" | "reference", "reason": str}``: the path :func:`block_attention` takes for these
+    inputs (queries, ctx_keys, ctx_values, block_keys, block_values), or with none the one the environment allows.
 
     Raises:
         InputError: an unknown ``DFLASH_BLOCK_KERNEL`` value."""

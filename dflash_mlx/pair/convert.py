@@ -193,9 +193,8 @@ def check_not_inside(out: Path, *sources: Path) -> None:
 
 
 def require_dflash_config(config: dict, source: Path) -> None:
-    """Refuse a DFlash drafter config without ``dflash_config`` (the older layout): convert does not guess
-    the ids, the older layout goes through :data:`LAYOUT_SCRIPT` first (ConfigError naming the file,
-    the key and the script)."""
+    """Refuse a DFlash drafter config without ``dflash_config`` (the older layout): convert does not guess the ids, the
+    older layout goes through :data:`LAYOUT_SCRIPT` first (ConfigError naming the file, the key and the script)."""
     archs = config.get("architectures") or []
     if "dflash_config" not in config and archs and archs[0] in DFLASH_CONFIG_LAYOUTS:
         raise ConfigError(f"{source}: missing key 'dflash_config' (the older drafter layout, with top-level "

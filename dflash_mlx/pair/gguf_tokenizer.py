@@ -1,11 +1,10 @@
-"""A GGUF file's tokenizer (llama.cpp's ``tokenizer.ggml.*`` metadata) as a Hugging Face fast tokenizer,
-built with the ``tokenizers`` library: byte-level BPE (``tokenizer.ggml.model`` "gpt2": GPT-2, Llama 3,
-Qwen2, SmolLM) and SentencePiece-style BPE with byte fallback ("llama": Llama 2, TinyLlama, Mistral).
+"""A GGUF file's tokenizer (llama.cpp's ``tokenizer.ggml.*`` metadata) as a Hugging Face fast tokenizer, built with the
+``tokenizers`` library: byte-level BPE (``tokenizer.ggml.model`` "gpt2": GPT-2, Llama 3, Qwen2, SmolLM) and
+SentencePiece-style BPE with byte fallback ("llama": Llama 2, TinyLlama, Mistral).
 
-Keys read (llama.cpp's ``gguf-py/gguf/constants.py`` names): ``tokenizer.ggml.model``, ``.pre``,
-``.tokens``, ``.scores``, ``.token_type``, ``.merges``, ``.bos_token_id``, ``.eos_token_id``,
-``.unknown_token_id``, ``.padding_token_id``, ``.add_bos_token``, ``.add_space_prefix`` and
-``tokenizer.chat_template``."""
+Keys read (llama.cpp's ``gguf-py/gguf/constants.py`` names): ``tokenizer.ggml.model``, ``.pre``, ``.tokens``,
+``.scores``, ``.token_type``, ``.merges``, ``.bos_token_id``, ``.eos_token_id``, ``.unknown_token_id``,
+``.padding_token_id``, ``.add_bos_token``, ``.add_space_prefix`` and ``tokenizer.chat_template``."""
 
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple

@@ -1,6 +1,5 @@
-"""The prompt cache for requests of a batch (``dflash serve --max-batch N``): a joining request resumes
-from the longest stored prefix of its prompt and stores its prompt (or its boundaries, where caches cannot
-trim back)."""
+"""The prompt cache for requests of a batch (``dflash serve --max-batch N``): a joining request resumes from the longest
+stored prefix of its prompt and stores its prompt (or its boundaries, where caches cannot trim back)."""
 
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple

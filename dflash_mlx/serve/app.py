@@ -137,9 +137,8 @@ class Server:
 
 
 def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, defaults: Dict[str, Any]) -> List[int]:
-    """Prompt ids of a chat request: the chat template with ``tools`` and ``chat_template_kwargs`` (over
-    ``defaults``), or the messages' text joined for a model without one; APIError 400 when the template cannot
-    render the messages."""
+    """Prompt ids of a chat request: the chat template with ``tools`` and ``chat_template_kwargs`` (over ``defaults``),
+    or the messages' text joined for a model without one; APIError 400 when the template cannot render the messages."""
     messages = [m.for_template() for m in req.messages]
     template = {**defaults, **(req.chat_template_kwargs or {})}
     if req.tools:

@@ -10,8 +10,7 @@ from .hybrid import HybridAdapter
 
 
 class Qwen3NextAdapter(HybridAdapter):
-    """mlx_lm.models.qwen3_next: the layer's own ``fix_query_key_value_ordering``
-    splits the fused projections."""
+    """mlx_lm.models.qwen3_next: the layer's own ``fix_query_key_value_ordering`` splits the fused projections."""
 
     def project(self, gdn: nn.Module, x: mx.array) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
         B, S, _ = x.shape

@@ -34,9 +34,8 @@ def rope_at(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
 def attention_at(attn: nn.Module, x: mx.array, cache: Any, positions: mx.array, mask: mx.array) -> mx.array:
     """A llama/qwen3-style attention module on [1, L, H] inputs at ``positions``.
 
-    Same operations as the module's ``__call__`` (q/k/v projections, the per-head q/k
-    norms where the module has them, RoPE, the cache update, scaled dot-product
-    attention, o_proj), with RoPE per token and ``mask`` [L, P + L] bool.
+    Same operations as the module's ``__call__`` (q/k/v projections, the per-head q/k norms where the module has them,
+    RoPE, the cache update, scaled dot-product attention, o_proj), with RoPE per token and ``mask`` [L, P + L] bool.
     """
     B, L, _ = x.shape
     queries = attn.q_proj(x).reshape(B, L, attn.n_heads, -1)
@@ -83,10 +82,9 @@ def compact_rows(cache: Any, keep: Sequence[int]) -> None:
 
 
 class TreeVerify:
-    """Tree verify for a target adapter (mixed into
-    :class:`~dflash_mlx.targets.base.TargetAdapter`, whose ``layers`` and
-    ``num_layers`` it uses): its ``__call__`` runs :meth:`run_tree_layers` when given a
-    tree, and the decode loop calls :meth:`compact` after each tree step."""
+    """Tree verify for a target adapter (mixed into :class:`~dflash_mlx.targets.base.TargetAdapter`, whose ``layers``
+    and ``num_layers`` it uses): its ``__call__`` runs :meth:`run_tree_layers` when given a tree, and the decode loop
+    calls :meth:`compact` after each tree step."""
 
     supports_tree = False  # True where decoder_layer_at runs the family's layers
 

@@ -65,12 +65,11 @@ def as_dspark(drafter: DFlashDrafter, target: TargetAdapter, markov_rank: int,
 
 def warm_start(path: str, target: TargetAdapter, layers: Optional[int] = None,
                markov_rank: Optional[int] = None, confidence: bool = False) -> DFlashDrafter:
-    """The drafter at ``path`` (any folder ``--draft-model`` loads; quantized layers dequantized to float)
-    bound to ``target``, to train on from its weights (``--init``). With ``layers`` above its own count,
-    full-attention layers are added after its own with zero ``o_proj`` and ``down_proj``: the grown drafter
-    drafts exactly as the loaded one until trained. With ``markov_rank`` a v1 drafter becomes a DSpark one
-    (:func:`as_dspark`). InputError for fewer ``layers``; else raises as :func:`load_drafter` and
-    :func:`bind_drafter`."""
+    """The drafter at ``path`` (any folder ``--draft-model`` loads; quantized layers dequantized to float) bound to
+    ``target``, to train on from its weights (``--init``). With ``layers`` above its own count, full-attention layers
+    are added after its own with zero ``o_proj`` and ``down_proj``: the grown drafter drafts exactly as the loaded one
+    until trained. With ``markov_rank`` a v1 drafter becomes a DSpark one (:func:`as_dspark`). InputError for fewer
+    ``layers``; else raises as :func:`load_drafter` and :func:`bind_drafter`."""
     from mlx_lm.utils import dequantize_model
 
     drafter = dequantize_model(load_drafter(path))

@@ -1,8 +1,7 @@
-"""Train a DFlash drafter against a frozen target (spec section 6): only ``fc``, ``hidden_norm``, the
-layers and ``norm`` learn. Options beyond the paper: distillation (``kl_weight``), several block sizes
-in one run, anchors after the drafter's misses. Data order and anchors come from generators seeded by
-``(seed, epoch)`` and ``(seed, step, micro)``, and the optimizer state is checkpointed: a resumed run
-reproduces an uninterrupted one."""
+"""Train a DFlash drafter against a frozen target (spec section 6): only ``fc``, ``hidden_norm``, the layers and
+``norm`` learn. Options beyond the paper: distillation (``kl_weight``), several block sizes in one run, anchors after
+the drafter's misses. Data order and anchors come from generators seeded by ``(seed, epoch)`` and ``(seed, step,
+micro)``, and the optimizer state is checkpointed: a resumed run reproduces an uninterrupted one."""
 
 import json
 import shutil
