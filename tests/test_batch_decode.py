@@ -355,6 +355,25 @@ def test_each_result_says_what_ran_and_the_stats_count_exactly_that():
     assert sum(r.seconds for r in steps) == pytest.approx(sum(stats.mode_s.values()))
 
 
+@pytest.mark.parametrize("waiting", [False, True])
+def test_auto_in_a_batch_is_told_what_each_reply_has_left_unless_requests_wait(waiting):
+    """Where nothing waits to join, a batch ends with its last reply: each plan gets every sequence's key and tokens
+    left, for the chooser to weigh chains by the slowest; where the server says requests wait, none."""
+    target = target_of("llama")
+    drafter = tiny_drafter(target, block_size=4)
+    decoder = BatchDecoder(target, drafter, 4, make_chooser(target, drafter, "auto", None))
+    seen, plan = [], decoder.chooser.plan
+    decoder.chooser.plan = lambda n, seeded, behind=None: seen.append(behind) or plan(n, seeded, behind)
+    decoder.waiting = waiting
+    drive(decoder, [{"key": k, "prompt": p, "n": 12, "join": 0} for k, p in zip("ab", prompts(2))])
+    both = [dict(b) for b in seen if b is not None and len(b) == 2]
+    if waiting:
+        assert seen and all(b is None for b in seen)
+    else:
+        assert len(both) >= 3 and all(set(b) == {"a", "b"} and 0 < min(b.values()) <= 11 for b in both)
+        assert both[-1]["a"] < both[0]["a"]
+
+
 @pytest.mark.parametrize("ahead", [True, False])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma4_text", "gpt_oss"])
 def test_plain_batch_equals_solo(family, ahead):

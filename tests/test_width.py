@@ -113,6 +113,39 @@ def test_batched_steps_get_their_own_timing():
     assert sum(p.width == 1 for p in plans[-100:]) >= 80
 
 
+def test_a_batch_nothing_waits_on_is_paced_by_its_slowest_reply():
+    """Four replies, one whose drafts never agree: a chain of 16 commits 12.25 tokens a sequence on average for 5
+    plain steps' time, but the batch lasts as long as the fourth reply, which every chain moves one token. Where
+    nothing waits to join (``behind`` given), auto decodes plainly; where requests wait, it drafts 16 wide; where
+    every reply's drafts agree, 16 wide either way."""
+    def cost(plan, n):
+        return 1e-3 if plan.width == 1 else 1e-3 + 2.5e-4 * plan.width
+
+    def batch(behind, agree=3):
+        chooser, plans = auto(), []
+        for _ in range(400):
+            plans.append(plan := chooser.plan(4, False, behind))
+            chooser.observe(plan, cost(plan, 4), [plan.width - 1] * agree + [0] * (4 - agree))
+        return plans[-100:]
+
+    behind = [(key, 500) for key in "abcd"]
+    assert sum(p.width == 1 for p in batch(behind)) >= 100 * STAY
+    assert sum(p.width == B for p in batch(None)) >= 100 * STAY
+    assert sum(p.width == B for p in batch(behind, agree=4)) >= 100 * STAY
+
+
+@pytest.mark.parametrize("two, four, eight", [(0.22, 0.33, 0.55), (0.34, 0.33, 0.34)])
+def test_an_untimed_wider_chain_is_promised_the_growth_the_timed_chains_show(two, four, eight):
+    """A CPU's verify grows with the tokens it feeds: after chains of 2 and 4 took 220 and 330 ms at 8 sequences, a
+    chain of 8 not yet timed is promised its best case over 330 + 4 x 55 ms, not over 330; where they took about
+    the same (a GPU), over the slowest timed option."""
+    chooser = auto()
+    for plan, seconds in [(Plan(1, 0), 0.14), (Plan(2, 2), two), (Plan(4, 4), four)]:
+        for _ in range(2):  # the first run of a shape is left out
+            chooser.observe(plan, seconds, [1] * 8 if plan.width > 1 else [0] * 8)
+    assert chooser.promise(Plan(8, 8), 8) == pytest.approx(8 * chooser.expected_tokens(Plan(8, 8), 1.0) / eight)
+
+
 def width_costs(plan, n=1):
     """A machine where each verified token costs 0.5 ms besides 1 ms a step and 1 ms to draft: with
     the first two drafts right (:func:`two_right`) a chain of 4 has the best rate, 12% above the next."""

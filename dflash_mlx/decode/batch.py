@@ -85,6 +85,7 @@ class BatchDecoder:
         self.capture = drafter.target_layer_ids if drafter is not None else capture
         self.sequences: List[BatchSequence] = []
         self.turns = 0  # steps run by :meth:`turn`
+        self.waiting = False  # requests wait to join (the server says): tokens per step, not the last reply, count
         self.cache = None
         self._verified: Optional[Tuple[mx.array, List[int]]] = None  # the last verify's context rows, all sequences
         self._queued = None  # the next (plan, tokens, features, keys): a plain step dispatched early, or (plan,)
@@ -212,7 +213,8 @@ class BatchDecoder:
             return plan
         if self.chooser is None:
             return PLAIN
-        return self.chooser.plan(len(self.sequences), any(s.rng is not None for s in self.sequences))
+        return self.chooser.plan(len(self.sequences), any(s.rng is not None for s in self.sequences),
+                                 None if self.waiting else [(s.key, s.stop.budget) for s in self.sequences])
 
     def _step(self) -> List[StepResult]:
         """Draft -> verify -> accept -> roll back: each sequence verifies its copy where prompt lookup finds one (no

@@ -8,7 +8,8 @@ the prior down to 1e-9, so plain steps change no estimate but make the next obse
 seconds(w, n) is the median of its last :data:`WINDOW` timings (other work on the machine only adds time, in
 bursts a mean follows; the first run of each (w, n) is left out and run again at once). A chain's rate is
 divided by :data:`PLAIN_MARGIN`, so only a measured gain moves off plain. It starts with plain steps: until
-drafting is measured to pay, it does not run.
+drafting is measured to pay, it does not run. A batch that no request waits to join lasts as long as its slowest
+reply, so there E is what a chain commits for the sequence it leaves furthest behind.
 
 A later generation of the same pair may start from what an earlier one learned (:meth:`WidthChooser.state`,
 kept by the prompt cache): it then runs the best option at once and probes after :data:`PROBE_EVERY` steps (a
@@ -18,7 +19,7 @@ Other options run as probes, one step each (a chain not timed here: two), one pe
 :data:`FIRST_GAP` and returns there after a probe that beat the best (or, plain being best, accepted every
 draft), is :data:`PROBE_EVERY` after a chain within :data:`CLOSE` of a best chain, else grows fourfold up
 to :data:`MAX_GAP`. The probe: plain while untimed, else the untimed option nearest the best whose most
-(E over the seconds of the slowest timed option no wider) beats the best rate, else the best timed one."""
+(:meth:`WidthChooser.promise`) beats the best rate, else the best timed one."""
 
 import math
 import statistics
@@ -42,6 +43,7 @@ MAX_GAP = 64  # the longest gap between two probes, in steps
 PLAIN_MARGIN = 1.02  # a chain must beat plain steps' measured rate by this to be chosen over them
 CLOSE = 0.9  # while a chain is best, a chain probe within this fraction of its rate keeps the gap short
 AUTO_TREE = 16  # tree nodes --tree-budget auto weighs against chains
+OWN_WEIGHT = 4.0  # drafts' worth of the pooled survival each sequence's own acceptance starts from
 
 
 @dataclass(frozen=True)
@@ -144,13 +146,17 @@ class WidthChooser:
         self.steps = 0  # steps observed
         self.probed = 0  # the step of the last probe
         self.again: Optional[Plan] = None  # a probe whose first run paid its setup runs once more
+        self.own: Dict[object, Tuple[float, float]] = {}  # sequence -> drafts accepted, and expected, aged
+        self.behind: Optional[List[Tuple[object, int]]] = None  # the last plan's sequences where the last sets the end
         self.probing = False
         self.verify: Optional[Dict[str, object]] = None
 
-    def plan(self, n: int = 1, seeded: bool = False) -> Plan:
+    def plan(self, n: int = 1, seeded: bool = False, behind: Optional[List[Tuple[object, int]]] = None) -> Plan:
         """The next step for ``n`` active sequences; ``seeded``: a seeded sampled sequence
-        is among them, whose text must not depend on timings (the fixed B runs)."""
-        self.probing = False
+        is among them, whose text must not depend on timings (the fixed B runs). ``behind``: each sequence's
+        (key, tokens it may still commit) where nothing waits to join, so the batch lasts as long as its slowest
+        reply: chains are then weighed by what they commit for that one (:meth:`expected_tokens`)."""
+        self.probing, self.behind = False, behind if behind and len(behind) > 1 else None
         if self.fixed is not None or seeded:  # a seeded sequence: the widest chain, whatever was measured
             return self.fixed or Plan(self.block, self.block)
         again, self.again = self.again, None
@@ -181,15 +187,23 @@ class WidthChooser:
     def promise(self, plan: Plan, n: int) -> float:
         """``plan``'s rate, or not timed in this generation, the most it could commit per second: its E (a draft
         position without evidence counted right) over the seconds of the slowest other timed option no wider (a wider
-        step is no faster); unbounded for a tree not yet run (it commits at least its best chain, but how much more
-        the chains do not say)."""
+        step is no faster) and, for a chain, no less than the widest narrower timed chain's carried on at the slope of
+        the two widest (a CPU's verify grows with the tokens it feeds, a GPU's hardly); unbounded for a tree not yet run
+        (it commits at least its best chain, but how much more the chains do not say)."""
         if self.seconds.get((plan, n)):
             return self.rate(plan, n)
         if plan.tree_budget is not None and not self.tree_tokens:
             return float("inf")
         floors = [self._seconds(p, n) for p in self.options
                   if p != plan and p.width <= plan.width and self._timings(p, n)]
-        return n * self.expected_tokens(plan, 1.0) / max(floors) if floors else float("inf")
+        if not floors:
+            return float("inf")
+        chains = sorted((p.width, self._seconds(p, n)) for p in self.options[1:]
+                        if p.width < plan.width and p.tree_budget is None and self._timings(p, n))[-2:]
+        if len(chains) == 2 and plan.tree_budget is None:  # the slope of the two widest, carried on to this width
+            (wa, ta), (wb, tb) = chains
+            floors.append(tb + max(0.0, (tb - ta) / (wb - wa)) * (plan.width - wb))
+        return n * self.expected_tokens(plan, 1.0) / max(floors)
 
     def observe(self, plan: Plan, seconds: float, accepted: Sequence[int]) -> None:
         """One step that ran ``plan``: its wall ``seconds`` (the whole batched step) and each
@@ -202,6 +216,10 @@ class WidthChooser:
         if plan.tree_budget is not None:
             self.tree_tokens = self.tree_tokens[1 - WINDOW :] + [sum(accepted) / max(n, 1) + 1.0]
         elif plan.width > 1:
+            drafts = self.survival.expected_tokens(plan.width) - 1.0
+            if self.behind and len(self.behind) == n:  # each sequence's own acceptance against the pooled one
+                self.own = {k: (a + DECAY * self.own.get(k, (0, 0))[0], drafts + DECAY * self.own.get(k, (0, 0))[1])
+                            for (k, _), a in zip(self.behind, accepted)}
             for a in accepted:
                 self.survival.observe(plan.width, a)
         key = (plan, n)  # the first run of a shape pays its setup: left out
@@ -241,10 +259,18 @@ class WidthChooser:
         return True
 
     def expected_tokens(self, plan: Plan, prior: float = PRIOR) -> float:
-        """E[tokens committed per sequence] by ``plan`` (``prior``: S of a draft position without evidence)."""
+        """E[tokens committed per sequence] by ``plan`` (``prior``: S of a draft position without evidence); with
+        :attr:`behind`, per step of the batch as its slowest reply sees it: each sequence's drafts scaled by its own
+        acceptance against the pooled one (shrunk to it by :data:`OWN_WEIGHT`; never above it), the most tokens left
+        over the most steps any sequence would then need."""
         if plan.tree_budget is not None and self.tree_tokens:
             return sum(self.tree_tokens) / len(self.tree_tokens)
-        return self.survival.expected_tokens(plan.width if plan.tree_budget is None else self.block, prior)
+        tokens = self.survival.expected_tokens(plan.width if plan.tree_budget is None else self.block, prior)
+        if not self.behind or plan.width == 1:
+            return tokens
+        own = [self.own.get(k, (0.0, 0.0)) for k, _ in self.behind]
+        own = [1.0 + (tokens - 1.0) * min(1.0, (a + OWN_WEIGHT) / (e + OWN_WEIGHT)) for a, e in own]
+        return max(left for _, left in self.behind) / max(left / e for (_, left), e in zip(self.behind, own))
 
     def _seconds(self, plan: Plan, n: int) -> float:
         """The median of ``plan``'s timings at ``n`` (0 untimed)."""
@@ -298,7 +324,7 @@ class SharedChooser(WidthChooser):
     (its index in :attr:`options`, summed over the ranks with the others giving 0), so all verify alike.
     Every rank observes every step, as each sees the same acceptance."""
 
-    def plan(self, n: int = 1, seeded: bool = False) -> Plan:
+    def plan(self, n: int = 1, seeded: bool = False, behind: Optional[List[Tuple[object, int]]] = None) -> Plan:
         group = mx.distributed.init()
-        index = self.options.index(super().plan(n, seeded)) if group.rank() == 0 else 0
+        index = self.options.index(super().plan(n, seeded, behind)) if group.rank() == 0 else 0
         return self.options[int(mx.distributed.all_sum(mx.array([index], dtype=mx.int32), group=group).item())]

@@ -249,6 +249,7 @@ class Engine:
         """One turn of the decode loop (:meth:`BatchDecoder.turn`, ``stream_generate``'s): a request whose part
         fails ends with an error, alone (a failed forward ends them all); the step's chunks are sent together."""
         self._outbox = []
+        self.decoder.waiting = bool(self._joining) or len(self._jobs) > len(self._requests)  # see plan()'s behind
         try:
             for key, result in self.decoder.turn(self._joining):
                 req = self._requests[key]
