@@ -194,12 +194,12 @@ class WidthChooser:
             return self.rate(plan, n)
         if plan.tree_budget is not None and not self.tree_tokens:
             return float("inf")
-        floors = [self._seconds(p, n) for p in self.options
-                  if p != plan and p.width <= plan.width and self._timings(p, n)]
-        if not floors:
+        timed = [(p, self._seconds(p, n)) for p in self.options
+                 if p != plan and p.width <= plan.width and self._timings(p, n)]
+        if not timed:
             return float("inf")
-        chains = sorted((p.width, self._seconds(p, n)) for p in self.options[1:]
-                        if p.width < plan.width and p.tree_budget is None and self._timings(p, n))[-2:]
+        floors = [t for _, t in timed]
+        chains = sorted((p.width, t) for p, t in timed if 1 < p.width < plan.width and p.tree_budget is None)[-2:]
         if len(chains) == 2 and plan.tree_budget is None:  # the slope of the two widest, carried on to this width
             (wa, ta), (wb, tb) = chains
             floors.append(tb + max(0.0, (tb - ta) / (wb - wa)) * (plan.width - wb))
