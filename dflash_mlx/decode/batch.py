@@ -13,7 +13,7 @@ import mlx.core as mx
 from .batch_join import BatchedCaches, Joining, OwnCaches, StepResult, context_rows
 from .lookup import PromptLookup
 from .stopping import StopCondition
-from .tree import build_tree, host_logprobs, verify_tree
+from .tree import build_tree, verify_tree
 from .width import Plan, WidthChooser, make_chooser
 from ..drafter.batch import batch_drafts, pad_contexts
 from ..errors import InputError
@@ -256,7 +256,7 @@ class BatchDecoder:
     def _verify_tree(self, proposal: Proposal, budget: int) -> Tuple[List[tuple], int]:
         """The tree of ``proposal``'s top tokens verified (spec section 7): ``([(accepted, tokens)], drafted)``."""
         s = self.sequences[0]
-        tree = build_tree(int(s.token.item()), host_logprobs(proposal), budget)
+        tree = build_tree(int(s.token.item()), proposal.logprobs, budget)
         key = s.draw()
         out, context = verify_tree(self.target, self.cache, self.capture, lambda x: s.rule.choose(x, key), tree)
         self._verified = (context, [len(out)])

@@ -5,7 +5,7 @@ with an ancestor-only mask, and walked with the target's tokens.
 
 import heapq
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -54,13 +54,17 @@ class DraftTree:
         return seen
 
 
-def build_tree(root: int, logprobs: np.ndarray, budget: int) -> DraftTree:
+def build_tree(root: int, logprobs: mx.array | np.ndarray, budget: int) -> DraftTree:
     """The ``budget`` (N >= 1) most likely draft prefixes, as a :class:`DraftTree` of ``1 + min(N, D*V)``
-    nodes under ``root`` (the last committed token); ``logprobs`` [D, V]: row k-1 is block position k."""
+    nodes under ``root`` (the last committed token); ``logprobs`` [D, V]: row k-1 is block position k. Each row's
+    ``min(N, V)`` best are picked where the array is (one sync, no sort of [D, V] on the host), then ordered there."""
     D, V = logprobs.shape
     k = min(budget, V)
-    order = np.argsort(-logprobs, axis=1, kind="stable")[:, :k]  # [D, k] best tokens first
-    best = np.take_along_axis(logprobs, order, axis=1).astype(np.float64)
+    lp = mx.array(logprobs).astype(mx.float32)
+    top = mx.argpartition(-lp, k - 1, axis=1)[:, :k] if k < V else mx.broadcast_to(mx.arange(V), (D, V))
+    top, values = np.array(top), np.array(mx.take_along_axis(lp, top, axis=1)).astype(np.float64)
+    rank = np.lexsort((top, -values), axis=1)  # [D, k] best tokens first
+    order, best = np.take_along_axis(top, rank, axis=1), np.take_along_axis(values, rank, axis=1)
     tree = DraftTree([root], [-1], [0], [0.0])
     # Heap entries: (-score, tiebreak, parent index, depth, rank among the parent's candidates).
     heap: List[Tuple[float, int, int, int, int]] = [(-best[0, 0], 0, 0, 1, 0)]
@@ -108,8 +112,3 @@ def verify_tree(target, cache: List, capture, choose, tree: DraftTree) -> Tuple[
     path, tokens = walk(tree, choice.tolist())
     target.compact(cache, len(tree), path)
     return tokens, mx.take(features, mx.array(path, dtype=mx.int32), axis=1)
-
-
-def host_logprobs(proposal) -> Optional[np.ndarray]:
-    """The block's log-probabilities [B-1, V] as float32 NumPy (a sync), or None when the drafter gives none."""
-    return None if proposal.logprobs is None else np.array(proposal.logprobs.astype(mx.float32))

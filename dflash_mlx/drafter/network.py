@@ -371,7 +371,8 @@ class DFlashDrafter(nn.Module):
         hidden = self.hidden(block, context, cache)[0]
         logits = self.logits(hidden)
         tokens, q = self.drafts(hidden, logits, block[0, 0], sampling, key)
-        return Proposal(tokens, q, logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        inside = logits if self._draft_ids is None else logits[..., self._draft_ids]  # the rest is -inf: adds 0
+        return Proposal(tokens, q, logits - mx.logsumexp(inside, axis=-1, keepdims=True))
 
     def drafts(self, hidden: mx.array, logits: mx.array, first: mx.array, sampling: Optional[Sampling] = None,
                key: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:
