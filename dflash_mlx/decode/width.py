@@ -15,7 +15,8 @@ A later generation of the same pair may start from what an earlier one learned (
 kept by the prompt cache): it then runs the best option at once and probes after :data:`PROBE_EVERY` steps (a
 plain best: :data:`FIRST_GAP`), timing each option again (learned timings may come from a busier machine).
 
-Other options run as probes, one step each (a chain not timed here: two), one per gap of steps: the gap starts at
+Other options run as probes, one step each (a chain not timed here: two, unless the first one's drafts already
+show it cannot beat the best), one per gap of steps: the gap starts at
 :data:`FIRST_GAP` and returns there after a probe that beat the best (or, plain being best, accepted every
 draft), is :data:`PROBE_EVERY` after a chain within :data:`CLOSE` of a best chain, else grows fourfold up
 to :data:`MAX_GAP`. The probe: plain while untimed, else the untimed option nearest the best whose most
@@ -225,6 +226,8 @@ class WidthChooser:
         key = (plan, n)  # the first run of a shape pays its setup: left out
         self.seconds[key] = self.seconds[key][1 - WINDOW :] + [seconds] if key in self.seconds else []
         best = self.best.get(n)
+        if self.again == plan and best is not None and self.promise(plan, n) <= self.rate(best, n):
+            self.again, self.gap = None, min(4 * self.gap, MAX_GAP)  # its first run's drafts rule it out: not rerun
         if best is not None and plan != best and self.seconds[key] and self.again is None:  # a probe measured
             near = CLOSE if best.width > 1 and plan.width > 1 else 1.0  # drafting pays: keep close chains timed
             rate, best_rate = self.rate(plan, n), self.rate(best, n)
