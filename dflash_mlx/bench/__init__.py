@@ -40,8 +40,7 @@ def make_baseline(spec: str, pair, num_draft_tokens: int = 3) -> Engine:
 
 
 def check_out_dir(out_dir: str | Path, overwrite: bool = False, plots: bool = True) -> Path:
-    """Raises InputError for a file, a folder holding files without ``overwrite``, or plots without
-    matplotlib."""
+    """Raises InputError for a file, a folder holding files without ``overwrite``, or plots without matplotlib."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out}: is a file; give a folder for results.json and the plots")

@@ -12,10 +12,9 @@ from .datasets import read_rows
 
 
 class SimulatedDrafter(WrappedDrafter):
-    """Runs ``drafter`` for its cost, then proposes ``sequence`` (prompt ids and the target's greedy
-    continuation, by position) right for the first A slots of a block and ``(right + 1) % vocab_size``
-    after; ``accept`` is A or a cyclic trace of A per block. At temperature 0 each verify accepts
-    ``min(A, B - 1)``.
+    """Runs ``drafter`` for its cost, then proposes ``sequence`` (prompt ids and the target's greedy continuation, by
+    position) right for the first A slots of a block and ``(right + 1) % vocab_size`` after; ``accept`` is A or a cyclic
+    trace of A per block. At temperature 0 each verify accepts ``min(A, B - 1)``.
 
     Raises:
         ValueError: a negative A or an empty trace.

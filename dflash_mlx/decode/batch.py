@@ -30,10 +30,9 @@ PLAIN = Plan(1, 0)
 
 @dataclass
 class BatchSequence:
-    """One sequence: last committed ``token`` ([1] int32, not in the target cache), its new context features,
-    rows the drafter has not read (``new_context``, [1, S, F] each; spec section 5), its drafter cache (None
-    where the batch drafts in one pass), its own PRNG key ``rng`` (``mx.random.key``; None: MLX's global
-    generator)."""
+    """One sequence: last committed ``token`` ([1] int32, not in the target cache), its new context features, rows the
+    drafter has not read (``new_context``, [1, S, F] each; spec section 5), its drafter cache (None where the batch
+    drafts in one pass), its own PRNG key ``rng`` (``mx.random.key``; None: MLX's global generator)."""
 
     key: Any
     rule: Any
@@ -106,10 +105,9 @@ class BatchDecoder:
     def start(self, key: Any, prompt: Sequence[int], sampler: Optional[Sampler], stop: StopCondition,
               step_size: int = 2048, should_stop: Optional[Callable[[], bool]] = None,
               seed: Optional[int] = None, **own: Any) -> Joining:
-        """A :class:`Joining` for a new sequence of request id ``key`` (hashable, distinct among the decoder's;
-        nothing runs until its ``advance``); ``own``: ``cache``, ``draft_cache``, ``stats``, ``history`` of a
-        sequence decoding in :class:`OwnCaches`. Raises InputError for an empty prompt or a stop condition allowing
-        no token."""
+        """A :class:`Joining` for a new sequence of request id ``key`` (hashable, distinct among the decoder's; nothing
+        runs until its ``advance``); ``own``: ``cache``, ``draft_cache``, ``stats``, ``history`` of a sequence decoding
+        in :class:`OwnCaches`. Raises InputError for an empty prompt or a stop condition allowing no token."""
         if len(prompt) == 0:
             raise InputError("the prompt is empty: give at least one token")
         if stop.max_tokens < 1:

@@ -1,26 +1,24 @@
 """How many tokens each decode step verifies: ``--block-size`` / ``--tree-budget``, fixed or ``auto``.
 
-``auto`` runs the option with the highest rate(w, n) = n * E[tokens | w] / seconds(w, n) over plain
-steps, chains of 2, 4, ..., B and (``--tree-budget auto``, one sequence) a tree of :data:`AUTO_TREE`
-nodes. E comes from the draft survival observed (Kaplan-Meier, each position starting at :data:`PRIOR`
-with :data:`PRIOR_WEIGHT` steps' weight; every step ages the evidence and the prior alike by :data:`DECAY`,
-the prior down to 1e-9, so plain steps change no estimate but make the next observation weigh more);
-seconds(w, n) is the median of its last :data:`WINDOW` timings (other work on the machine only adds time, in
-bursts a mean follows; the first run of each (w, n) is left out and run again at once). A chain's rate is
-divided by :data:`PLAIN_MARGIN`, so only a measured gain moves off plain. It starts with plain steps: until
-drafting is measured to pay, it does not run. A batch that no request waits to join lasts as long as its slowest
+``auto`` runs the option with the highest rate(w, n) = n * E[tokens | w] / seconds(w, n) over plain steps, chains of 2,
+4, ..., B and (``--tree-budget auto``, one sequence) a tree of :data:`AUTO_TREE` nodes. E comes from the draft survival
+observed (Kaplan-Meier, each position starting at :data:`PRIOR` with :data:`PRIOR_WEIGHT` steps' weight; every step ages
+the evidence and the prior alike by :data:`DECAY`, the prior down to 1e-9, so plain steps change no estimate but make
+the next observation weigh more); seconds(w, n) is the median of its last :data:`WINDOW` timings (other work on the
+machine only adds time, in bursts a mean follows; the first run of each (w, n) is left out and run again at once). A
+chain's rate is divided by :data:`PLAIN_MARGIN`, so only a measured gain moves off plain. It starts with plain steps:
+until drafting is measured to pay, it does not run. A batch that no request waits to join lasts as long as its slowest
 reply, so there E is what a chain commits for the sequence it leaves furthest behind.
 
 A later generation of the same pair may start from what an earlier one learned (:meth:`WidthChooser.state`,
 kept by the prompt cache): it then runs the best option at once and probes after :data:`PROBE_EVERY` steps (a
 plain best: :data:`FIRST_GAP`), timing each option again (learned timings may come from a busier machine).
 
-Other options run as probes, one step each (a chain not timed here: two, unless the first one's drafts already
-show it cannot beat the best), one per gap of steps: the gap starts at
-:data:`FIRST_GAP` and returns there after a probe that beat the best (or, plain being best, accepted every
-draft), is :data:`PROBE_EVERY` after a chain within :data:`CLOSE` of a best chain, else grows fourfold up
-to :data:`MAX_GAP`. The probe: plain while untimed, else the untimed option nearest the best whose most
-(:meth:`WidthChooser.promise`) beats the best rate, else the best timed one."""
+Other options run as probes, one step each (a chain not timed here: two, unless the first one's drafts already show it
+cannot beat the best), one per gap of steps: the gap starts at :data:`FIRST_GAP` and returns there after a probe that
+beat the best (or, plain being best, accepted every draft), is :data:`PROBE_EVERY` after a chain within :data:`CLOSE` of
+a best chain, else grows fourfold up to :data:`MAX_GAP`. The probe: plain while untimed, else the untimed option nearest
+the best whose most (:meth:`WidthChooser.promise`) beats the best rate, else the best timed one."""
 
 import math
 import statistics

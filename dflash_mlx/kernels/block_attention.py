@@ -1,8 +1,7 @@
-"""The drafter's block attention (spec section 4): B block queries over the context K/V, then the
-block's own K/V, without concatenating the two. :func:`block_attention` runs the Metal kernel of
-:mod:`.block_attention_metal` where it can and :func:`block_attention_reference` elsewhere;
-:func:`attention_path` says which runs for given inputs and why. :func:`masked_attention` takes any
-mask instead (training's blocks, a batch's padding).
+"""The drafter's block attention (spec section 4): B block queries over the context K/V, then the block's own K/V,
+without concatenating the two. :func:`block_attention` runs the Metal kernel of :mod:`.block_attention_metal` where it
+can and :func:`block_attention_reference` elsewhere; :func:`attention_path` says which runs for given inputs and why.
+:func:`masked_attention` takes any mask instead (training's blocks, a batch's padding).
 
 The kernel covers float16, bfloat16 and float32 inputs of one dtype with ``head_dim`` a multiple
 of 32 up to 256, on a GPU default device with Metal, unless ``DFLASH_BLOCK_KERNEL`` is 0/off."""

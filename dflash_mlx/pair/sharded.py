@@ -43,8 +43,7 @@ def join_ranks(sharding: Optional[str]) -> Optional[dict]:
     the other ranks when one fails, so rank 0 may not live to say why).
 
     Returns:
-        ``{"ranks": n, "sharding": sharding}`` (the ``--json`` field ``distributed``), or None
-        for a single process.
+        ``{"ranks": n, "sharding": sharding}`` (the ``--json`` field ``distributed``), or None for a single process.
 
     Raises:
         InputError: ``sharding`` is neither ``tensor`` nor ``pipeline``, or is given to a single process.
