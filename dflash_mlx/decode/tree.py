@@ -61,7 +61,7 @@ def build_tree(root: int, logprobs: mx.array | np.ndarray, budget: int) -> Draft
     D, V = logprobs.shape
     k = min(budget, V)
     lp = mx.array(logprobs).astype(mx.float32)
-    top = mx.argpartition(-lp, k - 1, axis=1)[:, :k] if k < V else mx.broadcast_to(mx.arange(V), (D, V))
+    top = mx.argpartition(-lp, k - 1, axis=1)[:, :k]
     top, values = np.array(top), np.array(mx.take_along_axis(lp, top, axis=1)).astype(np.float64)
     rank = np.lexsort((top, -values), axis=1)  # [D, k] best tokens first
     order, best = np.take_along_axis(top, rank, axis=1), np.take_along_axis(values, rank, axis=1)
