@@ -4,6 +4,7 @@ seconds and acceptance: no clock decides what is checked."""
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from dflash_mlx.decode.width import (AUTO, DECAY, FIRST_GAP, MAX_GAP, PLAIN_MARGIN, PROBE_EVERY, Plan, WidthChooser,
@@ -142,6 +143,22 @@ def test_a_batch_nothing_waits_on_is_paced_by_its_slowest_reply():
     assert sum(p.width == 1 for p in batch(behind)) >= 100 * STAY
     assert sum(p.width == B for p in batch(None)) >= 100 * STAY
     assert sum(p.width == B for p in batch(behind, agree=4)) >= 100 * STAY
+
+
+def test_a_batch_is_expected_to_last_as_long_as_its_slowest_reply_not_its_mean_one():
+    """Eight replies, 100 tokens left each, whose chains of 4 accept 0, 1, 2 or 3 drafts alike (1 to 4 tokens a step,
+    2.5 on average): the batch ends when the last reply does, after more than 100 / 2.5 = 40 steps. What a chain is
+    expected to commit per step of the batch is checked against a simulation of such batches."""
+    chooser = auto()
+    for _ in range(300):
+        chooser.observe(Plan(4, 4), 1e-3, [0, 1, 2, 3] * 2)
+    assert chooser.expected_tokens(Plan(4, 4)) == pytest.approx(2.5, rel=1e-3)  # one reply: its mean
+    chooser.plan(8, False, [(key, 100) for key in range(8)])
+    rng = np.random.default_rng(0)
+    done = np.cumsum(rng.integers(1, 5, size=(20000, 8, 100)), axis=-1) >= 100  # 20,000 batches of 8
+    slowest = (done.argmax(axis=-1) + 1).max(axis=-1).mean()  # steps until the last reply has its 100 tokens
+    assert slowest > 42
+    assert chooser.expected_tokens(Plan(4, 4)) == pytest.approx(100 / slowest, rel=0.02)
 
 
 @pytest.mark.parametrize("two, four, eight", [(0.22, 0.33, 0.55), (0.34, 0.33, 0.34)])

@@ -8,7 +8,7 @@ the next observation weigh more); seconds(w, n) is the median of its last :data:
 machine only adds time, in bursts a mean follows; the first run of each (w, n) is left out and run again at once). A
 chain's rate is divided by :data:`PLAIN_MARGIN`, so only a measured gain moves off plain. It starts with plain steps:
 until drafting is measured to pay, it does not run. A batch that no request waits to join lasts as long as its slowest
-reply, so there E is what a chain commits for the sequence it leaves furthest behind.
+reply, so there E is what a chain commits for the reply it is expected to leave furthest behind.
 
 A later generation of the same pair may start from what an earlier one learned (:meth:`WidthChooser.state`,
 kept by the prompt cache): it then runs the best option at once and probes after :data:`PROBE_EVERY` steps (a
@@ -107,13 +107,14 @@ class Survival:
         self.reached, self.right = [r * DECAY for r in self.reached], [r * DECAY for r in self.right]
         self.prior = max(self.prior * DECAY, 1e-9)
 
-    def expected_tokens(self, width: int, prior: float = PRIOR) -> float:
-        """E[tokens committed | a chain of ``width``] = 1 + sum of S(k), k < width; ``prior``: S without evidence."""
-        total, s = 1.0, 1.0
+    def moments(self, width: int, prior: float = PRIOR) -> Tuple[float, float]:
+        """Mean and variance of the tokens a chain of ``width`` commits, 1 + A with P(A >= k) = P_k = S(1)...S(k),
+        k < width: E = 1 + sum of P_k, Var = sum of (2k - 1) P_k - (sum of P_k)^2; ``prior``: S without evidence."""
+        drafts, square, s = 0.0, 0.0, 1.0
         for k in range(1, width):
             s *= (self.right[k] + prior * self.prior) / (self.reached[k] + self.prior)
-            total += s
-        return total
+            drafts, square = drafts + s, square + (2 * k - 1) * s
+        return 1.0 + drafts, max(0.0, square - drafts * drafts)
 
 
 class WidthChooser:
@@ -215,7 +216,7 @@ class WidthChooser:
         if plan.tree_budget is not None:
             self.tree_tokens = self.tree_tokens[1 - WINDOW :] + [sum(accepted) / max(n, 1) + 1.0]
         elif plan.width > 1:
-            drafts = self.survival.expected_tokens(plan.width) - 1.0
+            drafts = self.survival.moments(plan.width)[0] - 1.0
             if self.behind and len(self.behind) == n:  # each sequence's own acceptance against the pooled one
                 self.own = {k: (a + DECAY * self.own.get(k, (0, 0))[0], drafts + DECAY * self.own.get(k, (0, 0))[1])
                             for (k, _), a in zip(self.behind, accepted)}
@@ -262,16 +263,23 @@ class WidthChooser:
     def expected_tokens(self, plan: Plan, prior: float = PRIOR) -> float:
         """E[tokens committed per sequence] by ``plan`` (``prior``: S of a draft position without evidence); with
         :attr:`behind`, per step of the batch as its slowest reply sees it: each sequence's drafts scaled by its own
-        acceptance against the pooled one (shrunk to it by :data:`OWN_WEIGHT`; never above it), the most tokens left
-        over the most steps any sequence would then need."""
+        acceptance against the pooled one (shrunk to it by :data:`OWN_WEIGHT`; never above it; its variance that of the
+        pooled drafts thinned at that ratio), the most tokens left over the most steps any sequence is expected to
+        need: each needs L/m steps for L tokens left at m a step, give or take sqrt(L v / m^3) (v: the variance of a
+        step's tokens; renewal theory), and
+        the slowest of n independent replies lies Blom's expected maximum of n standard normals above its mean."""
         if plan.tree_budget is not None and self.tree_tokens:
             return sum(self.tree_tokens) / len(self.tree_tokens)
-        tokens = self.survival.expected_tokens(plan.width if plan.tree_budget is None else self.block, prior)
+        tokens, variance = self.survival.moments(plan.width if plan.tree_budget is None else self.block, prior)
         if not self.behind or plan.width == 1:
             return tokens
-        own = [self.own.get(k, (0.0, 0.0)) for k, _ in self.behind]
-        own = [1.0 + (tokens - 1.0) * min(1.0, (a + OWN_WEIGHT) / (e + OWN_WEIGHT)) for a, e in own]
-        return max(left for _, left in self.behind) / max(left / e for (_, left), e in zip(self.behind, own))
+        n, steps = len(self.behind), []
+        slowest = statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))  # Blom: E[the largest of n], standard
+        for (_, left), (a, e) in zip(self.behind, [self.own.get(key, (0.0, 0.0)) for key, _ in self.behind]):
+            r = min(1.0, (a + OWN_WEIGHT) / (e + OWN_WEIGHT))
+            mean, var = 1.0 + (tokens - 1.0) * r, r * r * variance + r * (1.0 - r) * (tokens - 1.0)  # thinned drafts
+            steps.append(left / mean + slowest * math.sqrt(left * var / mean**3))
+        return max(left for _, left in self.behind) / max(steps)
 
     def _seconds(self, plan: Plan, n: int) -> float:
         """The median of ``plan``'s timings at ``n`` (0 untimed)."""
