@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Aggregate tokens/s and time to first token of ``dflash serve --max-batch N`` under load
-(issue 21), against ``--max-batch 1`` and ``mlx_lm.server`` on the same target.
+"""Aggregate tokens/s and time to first token of ``dflash serve --max-batch N`` under load,
+against ``--max-batch 1`` and ``mlx_lm.server`` on the same target.
 
 Each server is started in turn, alone (pinned to CPU ``--server-cpu`` with taskset;
 this process, the clients, to the others). For each number of concurrent clients C,
@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 
 from serve_load import free_port, launch_server, run_clients  # benchmarks/ is on the path when run as a script
@@ -159,10 +159,15 @@ def sign_test(ratios: List[float]) -> dict:
     return {"above": above, "n": n, "p": float(binomtest(above, n, 0.5, alternative="greater").pvalue) if n else 1.0}
 
 
-def check_texts(runs: Dict[str, List[List[Dict]]]) -> int:
-    """Replies of every dflash server that differ from mlx_lm.server's for the same prompt."""
+def ratio(value: Optional[float]) -> str:
+    """A table cell: ``1.23x``, or ``-`` where the baseline did not run."""
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def check_texts(runs: Dict[str, List[List[Dict]]]) -> Optional[int]:
+    """Replies of every dflash server that differ from mlx_lm.server's for the same prompt (None: it did not run)."""
     if "mlx_lm" not in runs:
-        return 0
+        return None
     reference = {p: t for rep in runs["mlx_lm"] for r in rep for p, t in r["texts"].items()}
     return sum(1 for kind, reps in runs.items() if kind != "mlx_lm" for rep in reps for r in rep
                for p, t in r["texts"].items() if t != reference.get(p, t))
@@ -203,13 +208,14 @@ def main() -> None:
             runs[kind].append(run_server(kind, args, log_dir, repeat))
     rows = summarize(runs, args.clients, kinds)
     mismatches = check_texts(runs)
-    print(f"\nreplies differing from mlx_lm.server's: {mismatches}")
+    print("\nreplies differing from mlx_lm.server's: " + ("not compared (mlx_lm is not among --servers)"
+                                                         if mismatches is None else str(mismatches)))
     print("| server | clients | tokens/s (median) | all repeats | vs --max-batch 1 | vs mlx_lm.server | "
           "TTFT p50 ms | TTFT p95 ms |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['server']} | {r['clients']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s_all']} | "
-              f"{r.get('vs_dflash-b1', float('nan')):.2f}x | {r.get('vs_mlx_lm', float('nan')):.2f}x | "
+              f"{ratio(r.get('vs_dflash-b1'))} | {ratio(r.get('vs_mlx_lm'))} | "
               f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} |")
     for r in rows:
         if "vs_mlx_lm_sign_test" in r:
