@@ -266,8 +266,8 @@ class WidthChooser:
         acceptance against the pooled one (shrunk to it by :data:`OWN_WEIGHT`; never above it; its variance that of the
         pooled drafts thinned at that ratio), the most tokens left over the most steps any sequence is expected to
         need: each needs L/m steps for L tokens left at m a step, give or take sqrt(L v / m^3) (v: the variance of a
-        step's tokens; renewal theory), and
-        the slowest of n independent replies lies Blom's expected maximum of n standard normals above its mean."""
+        step's tokens; renewal theory), and the slowest of n independent replies lies Blom's expected maximum of n
+        standard normals above its mean."""
         if plan.tree_budget is not None and self.tree_tokens:
             return sum(self.tree_tokens) / len(self.tree_tokens)
         tokens, variance = self.survival.moments(plan.width if plan.tree_budget is None else self.block, prior)
