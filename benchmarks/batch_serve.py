@@ -38,6 +38,8 @@ from typing import Dict, List, Optional
 from serve_load import free_port, launch_server, run_clients  # benchmarks/ is on the path when run as a script
 from story_openings import PROMPTS
 
+from dflash_mlx.cli.bench_tables import cell
+
 
 def server_command(kind: str, args, port: int) -> List[str]:
     """The command line of one server kind: ``dflash-bN`` (``--max-batch N``),
@@ -159,11 +161,6 @@ def sign_test(ratios: List[float]) -> dict:
     return {"above": above, "n": n, "p": float(binomtest(above, n, 0.5, alternative="greater").pvalue) if n else 1.0}
 
 
-def ratio(value: Optional[float]) -> str:
-    """A table cell: ``1.23x``, or ``-`` where the baseline did not run."""
-    return "-" if value is None else f"{value:.2f}x"
-
-
 def check_texts(runs: Dict[str, List[List[Dict]]]) -> Optional[int]:
     """Replies of every dflash server that differ from mlx_lm.server's for the same prompt (None: it did not run)."""
     if "mlx_lm" not in runs:
@@ -215,7 +212,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['server']} | {r['clients']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s_all']} | "
-              f"{ratio(r.get('vs_dflash-b1'))} | {ratio(r.get('vs_mlx_lm'))} | "
+              f"{cell(r.get('vs_dflash-b1'), '{:.2f}x')} | {cell(r.get('vs_mlx_lm'), '{:.2f}x')} | "
               f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} |")
     for r in rows:
         if "vs_mlx_lm_sign_test" in r:

@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_mlx.cli.bench_tables import cell
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -168,9 +170,8 @@ def main() -> int:
     for row in rows:
         top = ", ".join(f"{k} x{n}" for k, n in list(row["widths"].items())[:4])
         top += f" ({row['probe_steps']} probes)" if row["probe_steps"] else ""
-        plain = "-" if row["speed_vs_plain"] is None else f"{row['speed_vs_plain']:.2f}x"
-        off = "-" if row["speed_vs_lookup_off"] is None else f"{row['speed_vs_lookup_off']:.2f}x"
-        vs_best = "-" if best is None else f"{row['speed_vs_best_fixed']:.2f}x"
+        plain, off, vs_best = (cell(row[k], "{:.2f}x") for k in ("speed_vs_plain", "speed_vs_lookup_off",
+                                                                 "speed_vs_best_fixed"))
         print(f"| {row['block_size']} | {row['speed_vs_mlx_lm']:.2f}x | {plain} | {off} | {vs_best} | "
               f"{row['process_time_ratio']:.2f}x | "
               f"{row['tau'] if row['tau'] is None else format(row['tau'], '.2f')} | {row['identical']} | {top} |")

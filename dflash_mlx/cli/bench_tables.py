@@ -11,7 +11,8 @@ RESULTS_DROP = ("peak GB", "prompt tok/s")
 CYCLE_DROP = ("t_AR/token", "tok/step")
 AGENT_DROP = ("TTFT sum s", "total s", "prefilled", "req")
 
-def _f(value: Any, fmt: str = "{:.2f}") -> str:
+def cell(value: Any, fmt: str = "{:.2f}") -> str:
+    """A table cell: ``value`` formatted with ``fmt``, or ``-`` for None (not measured)."""
     return "-" if value is None else fmt.format(value)
 
 
@@ -29,15 +30,15 @@ def results_table(report: dict) -> Table:
     rows = []
     for ds in report["datasets"]:
         b = ds["baseline"]
-        rows.append([ds["name"], f"{b['engine']} (baseline)", _f(b["tau"]) if b["engine"] == "draft-model" else "",
-                     _f(b["decode_tps_median"], "{:.1f}"), _f(b["prompt_tps_median"], "{:.0f}"),
-                     _f(b["peak_memory_gb_max"], "{:.3f}"), "1.00x", "1.00x", ""])
+        rows.append([ds["name"], f"{b['engine']} (baseline)", cell(b["tau"]) if b["engine"] == "draft-model" else "",
+                     cell(b["decode_tps_median"], "{:.1f}"), cell(b["prompt_tps_median"], "{:.0f}"),
+                     cell(b["peak_memory_gb_max"], "{:.3f}"), "1.00x", "1.00x", ""])
         for d in ds["dflash"]:
             differ = "-" if d["outputs_differing"] is None else f"{d['outputs_differing']}/{d['outputs_compared']}"
-            rows.append(["", f"dflash {variant_name(d['block_size'])}", _f(d["tau"]),
-                         _f(d["decode_tps_median"], "{:.1f}"), _f(d["prompt_tps_median"], "{:.0f}"),
-                         _f(d["peak_memory_gb_max"], "{:.3f}"), _f(d["speedup_ratio_of_medians"]) + "x",
-                         _f(d["speedup_median_of_ratios"]) + "x", differ])
+            rows.append(["", f"dflash {variant_name(d['block_size'])}", cell(d["tau"]),
+                         cell(d["decode_tps_median"], "{:.1f}"), cell(d["prompt_tps_median"], "{:.0f}"),
+                         cell(d["peak_memory_gb_max"], "{:.3f}"), cell(d["speedup_ratio_of_medians"]) + "x",
+                         cell(d["speedup_median_of_ratios"]) + "x", differ])
     return _table("dflash bench: speed and acceptance", ("dataset", "engine", "tau", "tok/s", "prompt tok/s",
                   "peak GB", "speedup\n(med/med)", "speedup\n(med ratio)", "outputs\ndiffer"), rows, 2)
 
@@ -48,10 +49,10 @@ def cycle_table(report: dict) -> Table:
     for ds in report["datasets"]:
         t_ar = ds["baseline"]["s_per_token_median"]
         for d in ds["dflash"]:
-            rows.append([ds["name"], str(d["block_size"]), *(_f(d["cycle_ms"][k]) for k in PHASES),
-                         _f(None if t_ar is None else 1e3 * t_ar), _f(d["tokens_per_step"]),
-                         _f(d["ideal_speedup"]) + "x", _f(d["speedup_median_of_ratios"]) + "x",
-                         _f(d["measured_over_ideal"], "{:.3f}")])
+            rows.append([ds["name"], str(d["block_size"]), *(cell(d["cycle_ms"][k]) for k in PHASES),
+                         cell(None if t_ar is None else 1e3 * t_ar), cell(d["tokens_per_step"]),
+                         cell(d["ideal_speedup"]) + "x", cell(d["speedup_median_of_ratios"]) + "x",
+                         cell(d["measured_over_ideal"], "{:.3f}")])
     return _table("time per verify cycle (ms, medians) and loop overhead", ("dataset", "B", *PHASES, "t_AR/token",
                   "tok/step", "ideal", "measured", "measured\n/ideal"), rows, 1)
 
@@ -61,8 +62,7 @@ def histogram_lines(report: dict) -> List[str]:
     lines = []
     for ds in report["datasets"]:
         for d in ds["dflash"]:
-            steps = d["steps"] or 1
-            bins = " ".join(f"{k}:{100 * n / steps:.0f}%" for k, n in d["acceptance_histogram"].items() if n)
+            bins = " ".join(f"{k}:{100 * n / (d['steps'] or 1):.0f}%" for k, n in d["acceptance_histogram"].items() if n)
             lines.append(f"{ds['name']} {variant_name(d['block_size'])}: acceptance length {bins or '(no steps)'}")
     return lines
 
