@@ -128,6 +128,19 @@ def test_tables_and_histogram_lines_render():
     assert histogram_lines(report) == ["synthetic B=4: acceptance length 4:100%"]
 
 
+def test_a_speedup_not_measured_is_a_dash_in_both_tables():
+    from rich.console import Console
+
+    report = build_report([synthetic()], {}, [])
+    for key in ("speedup_ratio_of_medians", "speedup_median_of_ratios", "ideal_speedup"):
+        report["datasets"][0]["dflash"][0][key] = None
+    console = Console(width=160, record=True)
+    console.print(results_table(report))
+    console.print(cycle_table(report))
+    text = console.export_text()
+    assert "-x" not in text and "2.00x" not in text and "1.00x" in text  # the baseline's own row stays
+
+
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
     from dflash_mlx.bench.plots import write_plots

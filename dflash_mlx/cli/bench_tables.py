@@ -37,8 +37,8 @@ def results_table(report: dict) -> Table:
             differ = "-" if d["outputs_differing"] is None else f"{d['outputs_differing']}/{d['outputs_compared']}"
             rows.append(["", f"dflash {variant_name(d['block_size'])}", cell(d["tau"]),
                          cell(d["decode_tps_median"], "{:.1f}"), cell(d["prompt_tps_median"], "{:.0f}"),
-                         cell(d["peak_memory_gb_max"], "{:.3f}"), cell(d["speedup_ratio_of_medians"]) + "x",
-                         cell(d["speedup_median_of_ratios"]) + "x", differ])
+                         cell(d["peak_memory_gb_max"], "{:.3f}"), cell(d["speedup_ratio_of_medians"], "{:.2f}x"),
+                         cell(d["speedup_median_of_ratios"], "{:.2f}x"), differ])
     return _table("dflash bench: speed and acceptance", ("dataset", "engine", "tau", "tok/s", "prompt tok/s",
                   "peak GB", "speedup\n(med/med)", "speedup\n(med ratio)", "outputs\ndiffer"), rows, 2)
 
@@ -51,7 +51,7 @@ def cycle_table(report: dict) -> Table:
         for d in ds["dflash"]:
             rows.append([ds["name"], str(d["block_size"]), *(cell(d["cycle_ms"][k]) for k in PHASES),
                          cell(None if t_ar is None else 1e3 * t_ar), cell(d["tokens_per_step"]),
-                         cell(d["ideal_speedup"]) + "x", cell(d["speedup_median_of_ratios"]) + "x",
+                         cell(d["ideal_speedup"], "{:.2f}x"), cell(d["speedup_median_of_ratios"], "{:.2f}x"),
                          cell(d["measured_over_ideal"], "{:.3f}")])
     return _table("time per verify cycle (ms, medians) and loop overhead", ("dataset", "B", *PHASES, "t_AR/token",
                   "tok/step", "ideal", "measured", "measured\n/ideal"), rows, 1)
