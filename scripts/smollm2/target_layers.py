@@ -40,11 +40,18 @@ def main(argv=None) -> int:
     ap.add_argument("--mask-token-id", type=int, default=49151, help="as the shipped SmolLM2 drafter's")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if taken := [str(p) for p in (Path(a.out) / "fresh", Path(a.out) / "top") if p.exists()]:
+        raise InputError(f"--out {a.out}: {' and '.join(taken)} already there; give a new folder")
+    try:
+        ids = [int(i) for i in a.target_layer_ids.split(",")]
+    except ValueError:
+        raise InputError(f"--target-layer-ids {a.target_layer_ids!r}: give layer numbers, e.g. 1,8,14") from None
     target = load_pair(a.model, None, defaults=False).target
     if not getattr(target.args, "rope_traditional", False):
         raise InputError(f"--model {a.model}: its Q and K are not in interleaved rotary order (rope_traditional)")
-    drafter = init_drafter(target, a.mask_token_id, a.layers, target_layer_ids=[int(i) for i in
-                           a.target_layer_ids.split(",")], seed=a.seed)
+    if not 1 <= a.layers <= target.num_layers:
+        raise InputError(f"--layers {a.layers}: give 1 to the target's {target.num_layers}")
+    drafter = init_drafter(target, a.mask_token_id, a.layers, target_layer_ids=ids, seed=a.seed)
     save_drafter(drafter, Path(a.out) / "fresh")
     heads = {"q_proj": drafter.args.num_attention_heads, "k_proj": drafter.args.num_key_value_heads}
     for mine, theirs in zip(drafter.layers, target.model.model.layers[-a.layers:]):
