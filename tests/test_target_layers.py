@@ -1,15 +1,18 @@
-"""scripts/smollm2/target_layers.py on stories260K (a Llama in interleaved rotary order): the top/ drafter's
-layers are the target's last ones, and its Q and K rows, rotated the drafter's way (half split), give the same
-attention scores as the target's rows rotated its own way (MLX's rope is the reference)."""
+"""scripts/smollm2/target_layers.py on stories260K (a Llama in interleaved rotary order), as it is and with its
+attention quantized to 8 bits: the top/ drafter's layers are the target's last ones (dequantized by mlx-lm), and
+its Q and K rows, rotated the drafter's way (half split), give the same attention scores as the target's rows
+rotated its own way (MLX's rope is the reference)."""
 
 import importlib.util
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
+from mlx_lm import load
+from mlx_lm.utils import dequantize_model, quantize_model, save
 
 from dflash_mlx.drafter.checkpoint import load_drafter
-from mlx_lm import load
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("target_layers", ROOT / "scripts/smollm2/target_layers.py")
@@ -17,12 +20,21 @@ target_layers = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(target_layers)
 
 
-def test_top_layers_are_the_targets_with_the_same_attention_scores(stories, tmp_path):
-    assert target_layers.main(["--model", str(stories), "--out", str(tmp_path), "--target-layer-ids", "1,3",
+@pytest.mark.parametrize("quantized", [False, True])
+def test_top_layers_are_the_targets_with_the_same_attention_scores(stories, tmp_path, quantized):
+    path = stories
+    if quantized:
+        model, tokenizer, config = load(str(stories), return_config=True)
+        model, config = quantize_model(model, config, 64, 8, quant_predicate=lambda p, m: "self_attn" in p)
+        save(tmp_path / "q", stories, model, tokenizer, config)
+        path = tmp_path / "q"
+    out = tmp_path / "init"
+    assert target_layers.main(["--model", str(path), "--out", str(out), "--target-layer-ids", "1,3",
                                "--mask-token-id", "3"]) == 0
-    model, _ = load(str(stories))
-    theirs = model.model.layers[-2:]
-    fresh, top = load_drafter(str(tmp_path / "fresh")), load_drafter(str(tmp_path / "top"))
+    model, _ = load(str(path))
+    assert quantized == ("scales" in model.model.layers[-1].self_attn.q_proj)
+    theirs = dequantize_model(model).model.layers[-2:]
+    fresh, top = load_drafter(str(out / "fresh")), load_drafter(str(out / "top"))
     assert not mx.array_equal(fresh.layers[0].mlp.gate_proj.weight, top.layers[0].mlp.gate_proj.weight)
     assert mx.array_equal(fresh.fc.weight, top.fc.weight)  # only the layers differ
     hd = top.args.head_dim

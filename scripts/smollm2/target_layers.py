@@ -7,9 +7,9 @@
 
 ``fresh`` is the drafter `dflash train` starts from without ``--init`` (``init_drafter``: random layers, seed
 ``--seed``); ``top`` is the same drafter with its N layers' weights copied from the target's last N layers
-(attention projections, MLP, both norms), Q and K rows reordered from the target's interleaved rotary pairs
-(a GGUF file's, ``rope_traditional``) to the drafter's half split; its q_norm and k_norm stay ones, and fc,
-hidden_norm and norm stay as in ``fresh``. Both are float32 folders ``--init`` reads.
+(attention projections, MLP, both norms; a quantized target's dequantized), Q and K rows reordered from the
+target's interleaved rotary pairs (a GGUF file's, ``rope_traditional``) to the drafter's half split; its q_norm
+and k_norm stay ones, and fc, hidden_norm and norm stay as in ``fresh``. Both are float32 folders ``--init`` reads.
 """
 
 import argparse
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.utils import dequantize_model
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     drafter = init_drafter(target, a.mask_token_id, a.layers, target_layer_ids=ids, seed=a.seed)
     save_drafter(drafter, Path(a.out) / "fresh")
     heads = {"q_proj": drafter.args.num_attention_heads, "k_proj": drafter.args.num_key_value_heads}
-    for mine, theirs in zip(drafter.layers, target.model.model.layers[-a.layers:]):
+    for mine, theirs in zip(drafter.layers, map(dequantize_model, target.model.model.layers[-a.layers:])):
         for group in ("self_attn", "mlp"):
             for name, linear in getattr(theirs, group).children().items():
                 if hasattr(linear, "weight"):
