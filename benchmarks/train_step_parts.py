@@ -68,13 +68,13 @@ def main(argv=None) -> int:
         index = int(np.argsort([s.tokens.size for s in trainer.sequences])[len(trainer.sequences) // 2])
         seq = trainer.sequences[index]  # the median length
         anchors = sample_anchors(rng, seq.tokens.size, seq.response_start, B, args.anchors)
-        feats, _ = trainer.features.get(index, seq, trainer.dtype)
+        feats, _ = trainer.features.get(seq, trainer.dtype)
         context, batch = next(iter(chunk_batches(seq, feats, anchors, B, drafter.args.mask_token_id, args.anchor_chunk)))
         out.update(sequence_tokens=int(seq.tokens.size), block_size=B,
                    columns=int(trainer.vocab.columns.size) if trainer.vocab else target.vocab_size)
 
         def features():
-            mx.eval(trainer.features.get(index, seq, trainer.dtype)[0])
+            mx.eval(trainer.features.get(seq, trainer.dtype)[0])
 
         def draw():
             trainer.vocab.draw(rng)

@@ -379,7 +379,7 @@ def test_features_kept_while_generating_equal_a_forward_of_the_sequence(setup, t
         assert not kept[0, -1].any()
     cache = FeatureCache(target, [0, 2], stores=[FeatureStore(tmp_path / "data" / "features", target, [0, 2])])
     seq = load_sequences(tmp_path / "data")[0]
-    assert np.array_equal(np.array(cache.get(0, seq, mx.float16)[0]), store.get(seq.tokens))
+    assert np.array_equal(np.array(cache.get(seq, mx.float16)[0]), store.get(seq.tokens))
     other = FeatureCache(target, [1, 2], stores=[FeatureStore(tmp_path / "data" / "features", target, [1, 2])])
     assert other.stores == [] and "other layers" in other.unused[0]
 

@@ -31,14 +31,37 @@ def drafter(target):
 
 def test_truncated_feature_file_is_computed_again(setup, tmp_path):
     target, seqs = setup
-    FeatureCache(target, [1, 2], tmp_path, hidden=True).get(0, seqs[0], mx.float32)
+    FeatureCache(target, [1, 2], tmp_path, hidden=True).get(seqs[0], mx.float32)
     path = FeatureStore(tmp_path, target, [1, 2]).path(seqs[0].tokens)
     whole = path.read_bytes()
     path.write_bytes(whole[: len(whole) // 2])  # what np.save writing in place left when killed
     cache = FeatureCache(target, [1, 2], tmp_path, hidden=True)
-    feats, _ = cache.get(0, seqs[0], mx.float32)
+    feats, _ = cache.get(seqs[0], mx.float32)
     assert cache.rebuilt == [path] and path.read_bytes() == whole
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, path.stem + ".hidden.npy", "manifest.json"])
+
+
+def test_kept_features_are_read_again_not_held_in_memory(setup, tmp_path):
+    """An epoch over SmolLM2's 20,000 sequences would hold about 40 GB of features: what the folder keeps is
+    read at each visit (a file changed on disk is what the next visit gets), and nothing grows with the visits."""
+    import gc
+    import tracemalloc
+
+    target, seqs = setup
+    cache = FeatureCache(target, [1, 2], tmp_path)
+    cache.get(seqs[0], mx.float32)  # computed, then kept in the folder
+    one = np.load(FeatureStore(tmp_path, target, [1, 2]).path(seqs[0].tokens))
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for seq in seqs:
+        cache.get(seq, mx.float32)
+    gc.collect()
+    held = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename") if s.size_diff > 0)
+    tracemalloc.stop()
+    assert held < one.nbytes, f"{held} bytes held after {len(seqs)} visits ({one.nbytes} a sequence)"
+    path = FeatureStore(tmp_path, target, [1, 2]).path(seqs[1].tokens)
+    np.save(path, np.zeros_like(np.load(path)))
+    assert not np.array(cache.get(seqs[1], mx.float32)[0]).any()
 
 
 def test_truncated_shard(tmp_path):

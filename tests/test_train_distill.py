@@ -93,15 +93,15 @@ def test_chunked_kl_gives_the_one_pass_loss_and_gradients(setup, chunk):
 def test_feature_cache_keeps_hidden_states_for_distillation(setup, tmp_path):
     target, seqs = setup
     cache = FeatureCache(target, [1, 2], tmp_path, hidden=True)
-    feats, hidden = cache.get(0, seqs[0], mx.float32)
+    feats, hidden = cache.get(seqs[0], mx.float32)
     ref_feats, ref_hidden = target_outputs(target, seqs[0].tokens, [1, 2], mx.float32)
     assert feats.shape == ref_feats.shape and hidden.shape == ref_hidden.shape
     assert mx.allclose(hidden, ref_hidden, atol=2e-2).item()  # stored as float16
     assert FeatureStore(tmp_path, target, [1, 2]).path(seqs[0].tokens, "hidden").is_file()
     # A cache made without hidden states gains them when a later run distils.
     plain = FeatureCache(target, [1, 2], tmp_path / "p")
-    assert plain.get(1, seqs[1], mx.float32)[1] is None
-    assert FeatureCache(target, [1, 2], tmp_path / "p", hidden=True).get(1, seqs[1], mx.float32)[1] is not None
+    assert plain.get(seqs[1], mx.float32)[1] is None
+    assert FeatureCache(target, [1, 2], tmp_path / "p", hidden=True).get(seqs[1], mx.float32)[1] is not None
 
 
 def test_block_size_plan():
@@ -185,11 +185,11 @@ def test_a_shared_features_folder_serves_any_data_at_its_own_layers(setup, tmp_p
     """A features folder is keyed by each sequence's tokens: another run's data (here a part of it) reads the
     features kept, not computed again; a run at other layers is refused, the folder left as it was."""
     target, seqs = setup
-    FeatureCache(target, [1, 2], tmp_path).get(0, seqs[0], mx.float32)
+    FeatureCache(target, [1, 2], tmp_path).get(seqs[0], mx.float32)
     files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     other_run = FeatureCache(target, [1, 2], tmp_path)
     other_run.target = None  # a forward would fail: the features must come from the folder
-    assert other_run.get(5, seqs[0], mx.float32)[0].shape == (1, seqs[0].tokens.size, 2 * target.hidden_size)
+    assert other_run.get(seqs[0], mx.float32)[0].shape == (1, seqs[0].tokens.size, 2 * target.hidden_size)
     with pytest.raises(InputError, match="holds features of another target or other layers; give another"):
         FeatureCache(target, [0, 2], tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files

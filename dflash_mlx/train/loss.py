@@ -3,7 +3,7 @@ spec section 3, and for distillation its final hidden states), cached per sequen
 sequence through one masked forward, row k's cross-entropy weighted by ``exp(-(k-1)/gamma)``."""
 
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,8 +35,9 @@ def target_features(target: TargetAdapter, tokens: np.ndarray, layer_ids: List[i
 class FeatureCache:
     """Per-sequence target features (with ``hidden`` also final hidden states): read from ``stores`` (kept by
     ``dflash data``) or a ``folder`` (a :class:`FeatureStore` any data may share), else computed by one frozen
-    forward and, with a ``folder``, kept there and in memory. InputError when ``folder`` holds another target's
-    or other layers' features. ``unused``: why a given store is not read; ``rebuilt``: unreadable files."""
+    forward and, with a ``folder``, kept there (read again at each visit, not held in memory: an epoch of SmolLM2's
+    20,000 sequences holds about 40 GB of them). InputError when ``folder`` holds another target's or other layers'
+    features. ``unused``: why a given store is not read; ``rebuilt``: unreadable files."""
 
     def __init__(self, target: TargetAdapter, layer_ids: List[int], folder: Optional[str | Path] = None,
                  hidden: bool = False, stores: Sequence[FeatureStore] = ()):
@@ -47,26 +48,20 @@ class FeatureCache:
         self.stores = [s for s in stores if s.mismatch is None] + ([self.store] if self.store else [])
         self.unused = [s.mismatch for s in stores if s.mismatch is not None]
         self.rebuilt = self.store.unreadable if self.store else []
-        self.memory: Dict[int, Tuple[np.ndarray, Optional[np.ndarray]]] = {}
 
-    def get(self, index: int, seq: TrainSequence, dtype) -> Tuple[mx.array, Optional[mx.array]]:
-        """Features [1, L, K*H] of sequence ``index`` and its final hidden states [1, L, H] (or None)."""
-        if index in self.memory:
-            feats, hidden = self.memory[index]
-        else:
-            feats = next((f for f in (s.get(seq.tokens) for s in self.stores) if f is not None), None)
-            hidden = self.store.get(seq.tokens, "hidden") if self.hidden and self.store else None
-            if feats is None or (self.hidden and hidden is None):
-                exact = dtype if self.store is None else mx.float32  # what is kept is rounded to float16 once
-                f, h = target_outputs(self.target, seq.tokens, self.layer_ids, exact)
-                if self.store is None:
-                    return f, h if self.hidden else None
-                self.store.put(seq.tokens, f)
-                if self.hidden:
-                    self.store.put(seq.tokens, h, "hidden")
-                feats, hidden = np.array(f.astype(mx.float16)), np.array(h.astype(mx.float16)) if self.hidden else None
-            if self.store is not None:
-                self.memory[index] = (feats, hidden)
+    def get(self, seq: TrainSequence, dtype) -> Tuple[mx.array, Optional[mx.array]]:
+        """Features [1, L, K*H] of ``seq`` and its final hidden states [1, L, H] (or None)."""
+        feats = next((f for f in (s.get(seq.tokens) for s in self.stores) if f is not None), None)
+        hidden = self.store.get(seq.tokens, "hidden") if self.hidden and self.store else None
+        if feats is None or (self.hidden and hidden is None):
+            exact = dtype if self.store is None else mx.float32  # what is kept is rounded to float16 once
+            f, h = target_outputs(self.target, seq.tokens, self.layer_ids, exact)
+            if self.store is None:
+                return f, h if self.hidden else None
+            self.store.put(seq.tokens, f)
+            if self.hidden:
+                self.store.put(seq.tokens, h, "hidden")
+            feats, hidden = np.array(f.astype(mx.float16)), np.array(h.astype(mx.float16)) if self.hidden else None
         return mx.array(feats).astype(dtype), None if hidden is None else mx.array(hidden).astype(dtype)
 
 

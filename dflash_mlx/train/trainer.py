@@ -234,7 +234,7 @@ class Trainer:
         rng = np.random.default_rng([c.seed, step, micro])
         anchors = sample_anchors(rng, seq.tokens.size, seq.response_start, B, c.anchors,
                                  self.after_misses.get(index), c.miss_anchors)
-        feats, hidden = self.features.get(index, seq, self.dtype)
+        feats, hidden = self.features.get(seq, self.dtype)
         if self.vocab is not None:
             step_targets = block_targets(seq, anchors, B) if c.loss_vocab == "step" else None
             self.vocab.draw(np.random.default_rng([c.seed, step, micro, 2]), step_targets)
@@ -270,7 +270,7 @@ class Trainer:
             info = StepInfo(self.step, float(total) / c.grad_accum, lr, tokens / (time.perf_counter() - tic))
             if self.step in (1, c.steps) or self.step % HEALTH_EVERY == 0:
                 seq = self.sequences[0]
-                info.health = measure(self.drafter, self.features.get(0, seq, self.dtype)[0], seq, max(self.plan))
+                info.health = measure(self.drafter, self.features.get(seq, self.dtype)[0], seq, max(self.plan))
             if c.eval_every and self.held_out and self.step % c.eval_every == 0:
                 info.eval = evaluate_block_sizes(self.drafter, self.target, self.held_out[: c.eval_sequences],
                                                  sorted(self.plan, reverse=True), seed=c.seed,
