@@ -13,12 +13,14 @@ A setting is ``plain``, ``chain:W`` (block size W) or ``tree:N@B`` (a tree of N 
 
 import argparse
 import json
+from typing import Optional
 
 from dflash_mlx.decode.generate import generate
 from dflash_mlx.pair.loading import load
+from dflash_mlx.train.data import encode_prompts, read_prompt_file
 
 
-def parse(setting: str) -> dict:
+def parse(setting: str) -> Optional[dict]:
     """``plain``, ``chain:W`` or ``tree:N@B`` as :func:`generate`'s keywords (None for plain decoding)."""
     if setting == "plain":
         return None
@@ -33,17 +35,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--draft-model", required=True)
-    p.add_argument("--prompts", required=True, help="JSONL with a 'prompt' per row, sent through the chat template")
+    p.add_argument("--prompts", required=True, help="JSONL of {\"prompt\"} or {\"messages\"} rows, through the chat template")
     p.add_argument("-n", type=int, default=9)
     p.add_argument("-m", "--max-tokens", type=int, default=128)
     p.add_argument("--settings", nargs="+", default=["plain", "chain:4", "tree:3@4"])
     p.add_argument("--out", help="write the figures here as JSON")
     a = p.parse_args()
     pair = load(a.model, a.draft_model)
-    with open(a.prompts) as f:
-        prompts = [json.loads(line)["prompt"] for line in f if line.strip()][: a.n]
-    ids = [pair.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
-           for t in prompts]
+    ids = encode_prompts(pair.tokenizer, read_prompt_file(a.prompts)[: a.n])
     generate(pair.target, pair.tokenizer, ids[0], pair.drafter, max_tokens=8, block_size=4)  # compile and allocate
     totals = {s: [0, 0, 0.0] for s in a.settings}  # tokens, steps, seconds
     for i, prompt in enumerate(ids):
