@@ -35,7 +35,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--draft-model", required=True)
-    p.add_argument("--prompts", required=True, help="JSONL of {\"prompt\"} or {\"messages\"} rows, through the chat template")
+    p.add_argument("--prompts", required=True, help="JSONL of {\"prompt\"} or {\"messages\"} rows (chat template)")
     p.add_argument("-n", type=int, default=9)
     p.add_argument("-m", "--max-tokens", type=int, default=128)
     p.add_argument("--settings", nargs="+", default=["plain", "chain:4", "tree:3@4"])

@@ -42,8 +42,8 @@ def test_truncated_feature_file_is_computed_again(setup, tmp_path):
 
 
 def test_kept_features_are_read_again_not_held_in_memory(setup, tmp_path):
-    """An epoch over SmolLM2's 20,000 sequences would hold about 40 GB of features: what the folder keeps is
-    read at each visit (a file changed on disk is what the next visit gets), and nothing grows with the visits."""
+    """What the folder keeps is read at each visit (a file changed on disk is what the next visit gets), and
+    nothing the cache holds grows with the visits."""
     import gc
     import tracemalloc
 

@@ -35,9 +35,9 @@ def target_features(target: TargetAdapter, tokens: np.ndarray, layer_ids: List[i
 class FeatureCache:
     """Per-sequence target features (with ``hidden`` also final hidden states): read from ``stores`` (kept by
     ``dflash data``) or a ``folder`` (a :class:`FeatureStore` any data may share), else computed by one frozen
-    forward and, with a ``folder``, kept there (read again at each visit, not held in memory: an epoch of SmolLM2's
-    20,000 sequences holds about 40 GB of them). InputError when ``folder`` holds another target's or other layers'
-    features. ``unused``: why a given store is not read; ``rebuilt``: unreadable files."""
+    forward and, with a ``folder``, kept there (read again at each visit, never held in memory, so memory does not
+    grow with the data). InputError when ``folder`` holds another target's or other layers' features. ``unused``:
+    why a given store is not read; ``rebuilt``: unreadable files."""
 
     def __init__(self, target: TargetAdapter, layer_ids: List[int], folder: Optional[str | Path] = None,
                  hidden: bool = False, stores: Sequence[FeatureStore] = ()):
