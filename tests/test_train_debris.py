@@ -48,17 +48,19 @@ def test_kept_features_are_read_again_not_held_in_memory(setup, tmp_path):
     import tracemalloc
 
     target, seqs = setup
+    for seq in seqs:  # computed, then kept in the folder (the forwards' own allocations stay out of the count)
+        FeatureCache(target, [1, 2], tmp_path).get(seq, mx.float32)
     cache = FeatureCache(target, [1, 2], tmp_path)
-    cache.get(seqs[0], mx.float32)  # computed, then kept in the folder
+    cache.get(seqs[0], mx.float32)  # the first read from the folder, before counting
     one = np.load(FeatureStore(tmp_path, target, [1, 2]).path(seqs[0].tokens))
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
-    for seq in seqs:
+    for seq in seqs[1:]:
         cache.get(seq, mx.float32)
     gc.collect()
     held = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename") if s.size_diff > 0)
     tracemalloc.stop()
-    assert held < one.nbytes, f"{held} bytes held after {len(seqs)} visits ({one.nbytes} a sequence)"
+    assert held < one.nbytes, f"{held} bytes held after {len(seqs) - 1} visits ({one.nbytes} a sequence)"
     path = FeatureStore(tmp_path, target, [1, 2]).path(seqs[1].tokens)
     np.save(path, np.zeros_like(np.load(path)))
     assert not np.array(cache.get(seqs[1], mx.float32)[0]).any()
