@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
 """The SmolLM2 drafter's prompt files, from ../shared/datasets, worded as `dflash bench` asks them.
 
-Training (the paper's recipe: the target regenerates the responses): GSM8K rows 0-999, MATH-500 and MBPP.
+Training (the paper's recipe: the target regenerates the responses): GSM8K rows 0-999, MATH-500 and MBPP;
+with ``--gsm8k-train``, also GSM8K's own train split (7,473 questions, none of them in its test split).
 Evaluation, never trained on: GSM8K rows 1,000 on, HumanEval and MT-Bench first turns.
 
-    python scripts/smollm2/prompts.py --shared ../shared --out OUT/prompts
-    -> OUT/prompts/{train,gsm8k_heldout,humaneval,mt_bench}.jsonl (rows of "prompt")
+    python scripts/smollm2/prompts.py --shared ../shared --out OUT/prompts \
+        [--gsm8k-train grade-school-math/grade_school_math/data/train.jsonl]
+    -> OUT/prompts/{train,gsm8k_heldout,humaneval,mt_bench}.jsonl (rows of "prompt"), and gsm8k_train.jsonl
+
+The train split is not in ../shared: it is ``grade_school_math/data/train.jsonl`` of
+github.com/openai/grade-school-math (MIT), worded as the test split's questions are.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shared", type=Path, default=ROOT.parent / "shared")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--gsm8k-train", type=Path, help="GSM8K's train split (JSONL of question, answer)")
     args = p.parse_args()
     data = args.shared / "datasets"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -48,6 +54,11 @@ def main() -> int:
     write(args.out / "gsm8k_heldout.jsonl", gsm8k[GSM8K_TRAIN_ROWS:])
     write(args.out / "humaneval.jsonl", rows_of(data / "humaneval.jsonl.gz"))
     write(args.out / "mt_bench.jsonl", rows_of(data / "mt_bench_questions.jsonl"))
+    if args.gsm8k_train:
+        extra = rows_of(args.gsm8k_train)
+        if set(extra) & set(gsm8k):
+            sys.exit(f"{args.gsm8k_train}: holds questions of GSM8K's test split; pass the train split")
+        write(args.out / "gsm8k_train.jsonl", extra)
     return 0
 
 

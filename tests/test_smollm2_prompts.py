@@ -1,0 +1,43 @@
+"""scripts/smollm2/prompts.py with GSM8K's train split: its questions are written beside the other prompt files,
+worded as the held-out ones are, and a file holding a question of the test split (the held-out rows among them)
+is refused, so evaluation prompts never become training prompts."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import SHARED
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts/smollm2/prompts.py"
+TEST_SPLIT = SHARED / "datasets/gsm8k_test.jsonl"
+
+pytestmark = pytest.mark.skipif(not TEST_SPLIT.exists(), reason=f"needs {TEST_SPLIT}; CI always has it")
+
+
+def _run(tmp_path, rows):
+    split = tmp_path / "train.jsonl"
+    split.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return subprocess.run([sys.executable, str(SCRIPT), "--shared", str(SHARED), "--out", str(tmp_path / "out"),
+                           "--gsm8k-train", str(split)], capture_output=True, text=True)
+
+
+def test_train_split_questions_are_worded_as_the_held_out_ones(tmp_path):
+    rows = [{"question": "Ann has 3 apples and buys 4 more. How many apples does she have?", "answer": "#### 7"}]
+    done = _run(tmp_path, rows)
+    assert done.returncode == 0, done.stderr
+    written = [json.loads(line)["prompt"] for line in (tmp_path / "out/gsm8k_train.jsonl").read_text().splitlines()]
+    held_out = json.loads((tmp_path / "out/gsm8k_heldout.jsonl").read_text().splitlines()[0])["prompt"]
+    instruction = held_out.rsplit("\n", 1)[1]  # what follows the question (hand-checked: the step-by-step ask)
+    assert written == [rows[0]["question"] + "\n" + instruction]
+
+
+def test_a_split_holding_a_held_out_question_is_refused(tmp_path):
+    held_out = json.loads(TEST_SPLIT.read_text().splitlines()[1200])
+    done = _run(tmp_path, [{"question": "A new question?", "answer": "#### 1"}, held_out])
+    assert done.returncode != 0
+    assert "test split" in done.stderr and str(tmp_path / "train.jsonl") in done.stderr
+    assert not (tmp_path / "out/gsm8k_train.jsonl").exists()
