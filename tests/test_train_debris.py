@@ -3,6 +3,8 @@ renamed into place whole, and what an older or killed run left truncated (a feat
 ``.npy``, a data shard, the final drafter) is detected on load and made again, or named
 in one line."""
 
+import zipfile
+
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -71,6 +73,8 @@ def test_truncated_shard(tmp_path):
     _write_shard(tmp_path / "shard_00000.npz", [[1, 2]], [[3, 4, 5]])
     _write_shard(tmp_path / "shard_00001.npz", [[6]], [[7]])
     assert len(load_sequences(tmp_path)) == 2
+    with zipfile.ZipFile(tmp_path / "shard_00000.npz") as z:  # stored deflated, not as raw int32
+        assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_DEFLATED}
     bad = tmp_path / "shard_00001.npz"
     bad.write_bytes(bad.read_bytes()[:-40])
     assert read_shard(bad) is None
