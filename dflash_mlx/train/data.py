@@ -292,8 +292,8 @@ def _write_shard(path: Path, prompts: List[List[int]], responses: List[List[int]
     seqs = [p + r for p, r in zip(prompts, responses)]
     with atomic_file(path) as tmp:
         np.savez_compressed(tmp, tokens=np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]),
-                 lengths=np.array([len(s) for s in seqs], dtype=np.int32),
-                 response_starts=np.array([len(p) for p in prompts], dtype=np.int32))
+                            lengths=np.array([len(s) for s in seqs], dtype=np.int32),
+                            response_starts=np.array([len(p) for p in prompts], dtype=np.int32))
 
 
 def load_sequences(data_dir: str | Path) -> List[TrainSequence]:
