@@ -40,4 +40,4 @@ def test_a_split_holding_a_held_out_question_is_refused(tmp_path):
     done = _run(tmp_path, [{"question": "A new question?", "answer": "#### 1"}, held_out])
     assert done.returncode != 0
     assert "test split" in done.stderr and str(tmp_path / "train.jsonl") in done.stderr
-    assert not (tmp_path / "out/gsm8k_train.jsonl").exists()
+    assert not (tmp_path / "out").exists()  # nothing written

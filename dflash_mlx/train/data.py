@@ -288,7 +288,7 @@ def _claim(out: Path, prompts: List[List[int]], settings: dict) -> None:
 
 def _write_shard(path: Path, prompts: List[List[int]], responses: List[List[int]]) -> None:
     """One shard: int32 ``tokens`` (the sequences end to end), ``lengths`` and ``response_starts``, deflated
-    (token ids of text take about a fifth of their 4 bytes: data folders are kept in repositories)."""
+    (``np.savez_compressed``) so that data folders stay small enough to keep in a repository."""
     seqs = [p + r for p, r in zip(prompts, responses)]
     with atomic_file(path) as tmp:
         np.savez_compressed(tmp, tokens=np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]),

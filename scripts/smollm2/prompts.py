@@ -46,8 +46,11 @@ def main() -> int:
     p.add_argument("--gsm8k-train", type=Path, help="GSM8K's train split (JSONL of question, answer)")
     args = p.parse_args()
     data = args.shared / "datasets"
-    args.out.mkdir(parents=True, exist_ok=True)
     gsm8k = rows_of(data / "gsm8k_test.jsonl")
+    extra = rows_of(args.gsm8k_train) if args.gsm8k_train else []
+    if set(extra) & set(gsm8k):  # checked before anything is written
+        sys.exit(f"{args.gsm8k_train}: holds questions of GSM8K's test split; pass the train split")
+    args.out.mkdir(parents=True, exist_ok=True)
     train = gsm8k[:GSM8K_TRAIN_ROWS] + rows_of(data / "math500_test.jsonl") + rows_of(data / "mbpp_sanitized_test.jsonl")
     random.Random(0).shuffle(train)  # every shard holds each set: a run cut short is still balanced
     write(args.out / "train.jsonl", train)
@@ -55,9 +58,6 @@ def main() -> int:
     write(args.out / "humaneval.jsonl", rows_of(data / "humaneval.jsonl.gz"))
     write(args.out / "mt_bench.jsonl", rows_of(data / "mt_bench_questions.jsonl"))
     if args.gsm8k_train:
-        extra = rows_of(args.gsm8k_train)
-        if set(extra) & set(gsm8k):
-            sys.exit(f"{args.gsm8k_train}: holds questions of GSM8K's test split; pass the train split")
         write(args.out / "gsm8k_train.jsonl", extra)
     return 0
 
