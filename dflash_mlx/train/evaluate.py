@@ -47,11 +47,12 @@ def evaluate_chained(drafter: Drafter, target: TargetAdapter, sequences: List[Tr
 def evaluate_block_sizes(drafter: DFlashDrafter, target: TargetAdapter, sequences: List[TrainSequence],
                          block_sizes: List[int], max_anchors: int = 256, seed: int = 0,
                          anchor_chunk: int = 64, chained: bool = True) -> Dict[int, dict]:
-    """Per block size (in their order), ``{"accuracy": [B-1], "acceptance": [B-1], "tau", "blocks"}``
-    teacher-forced on held-out data (:func:`dflash_mlx.stats.teacher_forced`), one target forward per
-    sequence; with ``chained`` also ``tau_generation`` (:func:`evaluate_chained`)."""
+    """Per block size (in their order), ``{"accuracy": [B-1], "acceptance": [B-1], "tau", "blocks", "per_sequence"}``
+    teacher-forced on held-out data (:func:`dflash_mlx.stats.teacher_forced`; ``per_sequence``: ``[blocks, accepted
+    drafts]`` per sequence, its anchors drawn from ``seed`` and its index alone, the same for any drafter), one target
+    forward per sequence; with ``chained`` also ``tau_generation`` (:func:`evaluate_chained`)."""
     dtype = drafter.fc.weight.dtype
-    rows = {b: [np.zeros((0, b - 1), dtype=bool)] for b in block_sizes}
+    rows = {b: [[np.zeros((0, b - 1), dtype=bool)] for _ in sequences] for b in block_sizes}
     features = {}
     for i, seq in enumerate(sequences):
         for b in block_sizes:
@@ -64,8 +65,10 @@ def evaluate_block_sizes(drafter: DFlashDrafter, target: TargetAdapter, sequence
             for context, (blocks, targets, anchors_mx, mask) in chunk_batches(
                     seq, features[i], anchors, b, drafter.args.mask_token_id, anchor_chunk):
                 logits = drafter.block_logits(blocks, context, anchors_mx, mask, previous_tokens(blocks, targets))
-                rows[b].append(np.array(mx.argmax(logits, axis=-1) == targets))
-    out = {b: teacher_forced(np.concatenate(rows[b])) for b in block_sizes}
+                rows[b][i].append(np.array(mx.argmax(logits, axis=-1) == targets))
+    each = {b: [np.concatenate(r) for r in rows[b]] for b in block_sizes}
+    out = {b: {**teacher_forced(np.concatenate(each[b])),
+               "per_sequence": [[len(r), int(np.cumprod(r, axis=1).sum())] for r in each[b]]} for b in block_sizes}
     if chained:
         for b, r in evaluate_chained(drafter, target, sequences, block_sizes, features).items():
             out[b]["tau_generation"] = r["tau"]

@@ -1,0 +1,49 @@
+"""benchmarks/heldout_tau.py's paired comparison: each sequence's blocks and accepted drafts from
+evaluate_block_sizes, and the difference of two drafters' tau with a bootstrap interval over sequences."""
+
+import importlib.util
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import ROOT, mlx_lm_greedy, tiny_drafter, tiny_target
+from dflash_mlx.train.data import TrainSequence
+from dflash_mlx.train.evaluate import evaluate_block_sizes
+
+spec = importlib.util.spec_from_file_location("heldout_tau", ROOT / "benchmarks" / "heldout_tau.py")
+heldout_tau = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(heldout_tau)
+
+
+def test_per_sequence_adds_up_to_the_pooled_tau():
+    model, target = tiny_target("qwen3")
+    seqs = [TrainSequence(np.array(p + mlx_lm_greedy(model, p, 40), dtype=np.int32), len(p))
+            for p in ([1, 17, 33, 2, 9], [5, 6, 7, 8, 100, 42])]
+    drafter = tiny_drafter(target, block_size=8)
+    both = evaluate_block_sizes(drafter, target, seqs, [8, 4], chained=False)
+    for b, r in both.items():
+        blocks, accepted = np.array(r["per_sequence"]).sum(0)
+        assert blocks == r["blocks"] and all(n > 0 for n, _ in r["per_sequence"])
+        assert r["tau"] == round(1 + accepted / blocks, 4)
+    # a sequence's anchors depend on its index alone: the first scores the same without the second
+    assert evaluate_block_sizes(drafter, target, seqs[:1], [8], chained=False)[8]["per_sequence"] == \
+        both[8]["per_sequence"][:1]
+
+
+def test_paired_difference_by_hand():
+    # pooled tau: first 1 + 10/20 both, other 1 + 10/20; a draw of sequence 0 twice gives 1.8 - 1.5 = +0.3,
+    # of 1 twice 1.2 - 1.5 = -0.3, one of each 0: a quarter, a half and a quarter of the draws
+    out = heldout_tau.paired_difference([[10, 5], [10, 5]], [[10, 8], [10, 2]])
+    assert out == {"difference": 0.0, "low": -0.3, "high": 0.3}
+    same = heldout_tau.paired_difference([[10, 5], [20, 3]], [[10, 5], [20, 3]])
+    assert same == {"difference": 0.0, "low": 0.0, "high": 0.0}
+    better = heldout_tau.paired_difference([[10, 5], [20, 3]], [[10, 6], [20, 5]])
+    assert better["difference"] == pytest.approx(3 / 30, abs=1e-4) and better["low"] > 0
+
+
+def test_paired_difference_refuses_other_blocks():
+    with pytest.raises(ValueError, match="same blocks"):
+        heldout_tau.paired_difference([[10, 5], [10, 5]], [[10, 5], [12, 5]])
+    with pytest.raises(ValueError, match="same blocks"):
+        heldout_tau.paired_difference([[10, 5]], [[10, 5], [10, 5]])
