@@ -6,14 +6,12 @@ after the first is compared with the first on the same blocks: the difference of
 95% interval for it, drawn by resampling the sequences (paired bootstrap), so that a difference within what
 the choice of held-out sequences moves is read as none.
 
-The sequences are a `dflash data` folder made from prompts no drafter trained on, e.g. 16 held-out GSM8K
-questions:
+The sequences are a `dflash data` folder made from prompts no drafter trained on, e.g. the target's replies to
+64 held-out GSM8K questions, HumanEval tasks or MT-Bench turns kept in examples/smollm2-135m/heldout:
 
-    dflash data --model OUT/smol --prompts OUT/prompts/gsm8k_heldout16.jsonl --out OUT/data-heldout \\
-        --batch-size 16 --shard-size 16
-    (OUT/data-heldout-he and -mt the same from the first 16 rows of OUT/prompts/humaneval.jsonl and mt_bench.jsonl)
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python benchmarks/heldout_tau.py \\
-        --model OUT/smol --data OUT/data-heldout --drafter examples/smollm2-135m/drafter --drafter OUT/drafter
+        --model OUT/smol --data examples/smollm2-135m/heldout/gsm8k --drafter examples/smollm2-135m/drafter \\
+        --drafter OUT/drafter --block-sizes 16,4 --no-generation
 """
 
 import argparse
