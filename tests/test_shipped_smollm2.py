@@ -54,3 +54,19 @@ def test_lossless_on_held_out_gsm8k():
         assert ours[:len(plain)] == plain
         taus.append(stats.tau)
     assert sum(taus) / len(taus) > 1.1  # drafts are accepted (the shipped drafter is undertrained: made_by.json)
+
+
+def test_no_held_out_prompt_is_a_training_prompt():
+    """The held-out sequences drafters are scored on (examples/smollm2-135m/heldout) share no prompt with the
+    training data kept beside them (examples/smollm2-135m/data), token for token."""
+    from dflash_mlx.train.data import load_sequences
+
+    def prompts(folder):
+        return {s.tokens[:s.response_start].tobytes() for s in load_sequences(str(folder))}
+
+    held = {d.name: prompts(d) for d in sorted((DRAFTER.parent / "heldout").iterdir()) if d.is_dir()}
+    assert sorted(held) == ["gsm8k", "humaneval", "mt-bench"] and all(len(p) == 64 for p in held.values())
+    for folder in sorted((DRAFTER.parent / "data").iterdir()):
+        if folder.is_dir():
+            train = prompts(folder)
+            assert train and not any(train & p for p in held.values()), folder.name
