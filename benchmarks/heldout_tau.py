@@ -61,10 +61,12 @@ def main(argv=None) -> int:
     seqs = load_sequences(args.data)[-args.last:] if args.last else load_sequences(args.data)
     print(f"{len(seqs)} sequences, {sum(s.tokens.size - s.response_start for s in seqs)} response tokens",
           file=sys.stderr)
-    first = None
+    first, features = None, {}  # (target_layer_ids, dtype) -> the target's features, once per sequence
     for path in args.drafter:
         pair = load(args.model, path)
-        result = evaluate_block_sizes(pair.drafter, pair.target, seqs, sizes, chained=not args.no_generation)
+        alike = features.setdefault((tuple(pair.drafter.target_layer_ids), pair.drafter.fc.weight.dtype), {})
+        result = evaluate_block_sizes(pair.drafter, pair.target, seqs, sizes, chained=not args.no_generation,
+                                      features=alike)
         first = first or result
         against = {} if result is first else {
             b: paired_difference(first[b]["per_sequence"], r["per_sequence"]) for b, r in result.items()}

@@ -31,9 +31,7 @@ def resolve_model_path(path_or_repo: str, allow_patterns: List[str], what: str =
     try:
         return Path(snapshot_download(path_or_repo, allow_patterns=allow_patterns))
     except Exception as e:
-        raise CheckpointError(
-            f"{what} '{path_or_repo}' is neither a local folder nor downloadable from "
-            f"the Hugging Face hub ({type(e).__name__}). Offline, pass a local folder "
-            f"instead, e.g. `hf download {path_or_repo} --local-dir DIR` "
-            "on a connected machine, then point the flag at DIR."
-        ) from None
+        raise CheckpointError(f"{what} '{path_or_repo}' is neither a local folder nor downloadable from the Hugging "
+                              f"Face hub ({type(e).__name__}). Offline, pass a local folder instead, e.g. `hf download "
+                              f"{path_or_repo} --local-dir DIR` on a connected machine, then point the flag at "
+                              "DIR.") from None

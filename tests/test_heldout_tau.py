@@ -2,11 +2,14 @@
 evaluate_block_sizes, and the difference of two drafters' tau with a bootstrap interval over sequences."""
 
 import importlib.util
+import json
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import dflash_mlx.train.evaluate as evaluate
 from conftest import ROOT, mlx_lm_greedy, tiny_drafter, tiny_target
 from dflash_mlx.train.data import TrainSequence
 from dflash_mlx.train.evaluate import evaluate_block_sizes
@@ -47,3 +50,24 @@ def test_paired_difference_refuses_other_blocks():
         heldout_tau.paired_difference([[10, 5], [10, 5]], [[10, 5], [12, 5]])
     with pytest.raises(ValueError, match="same blocks"):
         heldout_tau.paired_difference([[10, 5]], [[10, 5], [10, 5]])
+
+
+def test_drafters_alike_share_the_targets_features(monkeypatch, capsys):
+    # the target runs once per sequence for drafters of the same target_layer_ids, each drafter's figures as alone
+    model, target = tiny_target("qwen3")
+    seqs = [TrainSequence(np.array(p + mlx_lm_greedy(model, p, 30), dtype=np.int32), len(p))
+            for p in ([1, 17, 33, 2, 9], [5, 6, 7, 8, 100, 42], [3, 4, 5])]
+    drafters = {"a": tiny_drafter(target, block_size=8), "b": tiny_drafter(target, seed=3, block_size=8),
+                "c": tiny_drafter(target, block_size=8, layer_ids=[0, 2])}
+    alone = {k: evaluate_block_sizes(d, target, seqs, [8, 4], chained=False) for k, d in drafters.items()}
+    calls = []
+    real = evaluate.target_features
+    monkeypatch.setattr(evaluate, "target_features", lambda *a: calls.append(a[2]) or real(*a))
+    monkeypatch.setattr(heldout_tau, "load", lambda model, path: SimpleNamespace(drafter=drafters[path], target=target))
+    monkeypatch.setattr(heldout_tau, "load_sequences", lambda folder: seqs)
+    assert heldout_tau.main(["--model", "T", "--data", "D", "--drafter", "a", "--drafter", "b", "--drafter", "c",
+                             "--block-sizes", "8,4", "--no-generation", "--json"]) == 0
+    assert calls == [[1, 3]] * len(seqs) + [[0, 2]] * len(seqs)
+    got = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for line, k in zip(got, "abc"):
+        assert {b: line[str(b)] for b in (8, 4)} == alone[k]
