@@ -21,6 +21,9 @@ import sys
 import numpy as np
 
 from dflash_mlx import load
+from dflash_mlx.drafter.checkpoint import DRAFTER_FILES
+from dflash_mlx.errors import CheckpointError
+from dflash_mlx.hub import resolve_model_path
 from dflash_mlx.train.data import load_sequences
 from dflash_mlx.train.evaluate import evaluate_block_sizes
 
@@ -58,6 +61,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object per drafter instead of a table")
     args = ap.parse_args(argv)
     sizes = [int(b) for b in args.block_sizes.split(",")]
+    try:  # every drafter found before the first target pass, which takes minutes
+        [resolve_model_path(path, DRAFTER_FILES, what="drafter") for path in args.drafter]
+    except CheckpointError as e:
+        ap.error(str(e))
     seqs = load_sequences(args.data)[-args.last:] if args.last else load_sequences(args.data)
     print(f"{len(seqs)} sequences, {sum(s.tokens.size - s.response_start for s in seqs)} response tokens",
           file=sys.stderr)

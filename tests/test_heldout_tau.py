@@ -65,9 +65,18 @@ def test_drafters_alike_share_the_targets_features(monkeypatch, capsys):
     monkeypatch.setattr(evaluate, "target_features", lambda *a: calls.append(a[2]) or real(*a))
     monkeypatch.setattr(heldout_tau, "load", lambda model, path: SimpleNamespace(drafter=drafters[path], target=target))
     monkeypatch.setattr(heldout_tau, "load_sequences", lambda folder: seqs)
+    monkeypatch.setattr(heldout_tau, "resolve_model_path", lambda *a, **k: None)
     assert heldout_tau.main(["--model", "T", "--data", "D", "--drafter", "a", "--drafter", "b", "--drafter", "c",
                              "--block-sizes", "8,4", "--no-generation", "--json"]) == 0
     assert calls == [[1, 3]] * len(seqs) + [[0, 2]] * len(seqs)
     got = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     for line, k in zip(got, "abc"):
         assert {b: line[str(b)] for b in (8, 4)} == alone[k]
+
+
+def test_a_missing_drafter_is_named_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        heldout_tau.main(["--model", str(tmp_path), "--data", str(tmp_path), "--drafter", str(tmp_path),
+                          "--drafter", str(tmp_path / "gone")])
+    assert exit.value.code == 2
+    assert f"{tmp_path / 'gone'}: drafter folder not found" in capsys.readouterr().err
