@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     sizes = [int(b) for b in args.block_sizes.split(",")]
     try:  # every drafter found before the first target pass, which takes minutes
-        [resolve_model_path(path, DRAFTER_FILES, what="drafter") for path in args.drafter]
+        for path in args.drafter:
+            resolve_model_path(path, DRAFTER_FILES, what="drafter")
     except CheckpointError as e:
         ap.error(str(e))
     seqs = load_sequences(args.data)[-args.last:] if args.last else load_sequences(args.data)
