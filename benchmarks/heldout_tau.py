@@ -62,19 +62,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     sizes = [int(b) for b in args.block_sizes.split(",")]
     try:  # every drafter found before the first target pass, which takes minutes
-        for path in args.drafter:
-            resolve_model_path(path, DRAFTER_FILES, what="drafter")
+        folders = [resolve_model_path(path, DRAFTER_FILES, what="drafter") for path in args.drafter]
     except CheckpointError as e:
         ap.error(str(e))
     seqs = load_sequences(args.data)[-args.last:] if args.last else load_sequences(args.data)
     print(f"{len(seqs)} sequences, {sum(s.tokens.size - s.response_start for s in seqs)} response tokens",
           file=sys.stderr)
-    first, features = None, {}  # (target_layer_ids, dtype) -> the target's features, once per sequence
-    for path in args.drafter:
-        pair = load(args.model, path)
-        alike = features.setdefault((tuple(pair.drafter.target_layer_ids), pair.drafter.fc.weight.dtype), {})
+    first, features = None, {}  # the target's features, computed once per sequence for all the drafters
+    for path, folder in zip(args.drafter, folders):
+        pair = load(args.model, str(folder))
         result = evaluate_block_sizes(pair.drafter, pair.target, seqs, sizes, chained=not args.no_generation,
-                                      features=alike)
+                                      features=features)
         first = first or result
         against = {} if result is first else {
             b: paired_difference(first[b]["per_sequence"], r["per_sequence"]) for b, r in result.items()}

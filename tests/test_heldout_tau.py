@@ -65,7 +65,7 @@ def test_drafters_alike_share_the_targets_features(monkeypatch, capsys):
     monkeypatch.setattr(evaluate, "target_features", lambda *a: calls.append(a[2]) or real(*a))
     monkeypatch.setattr(heldout_tau, "load", lambda model, path: SimpleNamespace(drafter=drafters[path], target=target))
     monkeypatch.setattr(heldout_tau, "load_sequences", lambda folder: seqs)
-    monkeypatch.setattr(heldout_tau, "resolve_model_path", lambda *a, **k: None)
+    monkeypatch.setattr(heldout_tau, "resolve_model_path", lambda path, *a, **k: path)
     assert heldout_tau.main(["--model", "T", "--data", "D", "--drafter", "a", "--drafter", "b", "--drafter", "c",
                              "--block-sizes", "8,4", "--no-generation", "--json"]) == 0
     assert calls == [[1, 3]] * len(seqs) + [[0, 2]] * len(seqs)

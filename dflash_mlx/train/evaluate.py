@@ -46,15 +46,15 @@ def evaluate_chained(drafter: Drafter, target: TargetAdapter, sequences: List[Tr
 
 def evaluate_block_sizes(drafter: DFlashDrafter, target: TargetAdapter, sequences: List[TrainSequence],
                          block_sizes: List[int], max_anchors: int = 256, seed: int = 0, anchor_chunk: int = 64,
-                         chained: bool = True, features: Optional[Dict[int, mx.array]] = None) -> Dict[int, dict]:
+                         chained: bool = True, features: Optional[dict] = None) -> Dict[int, dict]:
     """Per block size (in their order), ``{"accuracy": [B-1], "acceptance": [B-1], "tau", "blocks", "per_sequence"}``
     teacher-forced on held-out data (:func:`dflash_mlx.stats.teacher_forced`; ``per_sequence``: ``[blocks, accepted
     drafts]`` per sequence, anchors drawn from ``seed`` and its index alone, the same for any drafter); with ``chained``
-    also ``tau_generation`` (:func:`evaluate_chained`). The target runs once per sequence, its features (index -> [1,
-    L, K*H]) kept in ``features``: one dict passed to drafters of one target_layer_ids and dtype serves them all."""
+    also ``tau_generation`` (:func:`evaluate_chained`). The target runs once per sequence; ``features`` keeps what it
+    gives, ``(target_layer_ids, dtype) -> {index: [1, L, K*H]}``, so one dict passed to several drafters serves them."""
     dtype = drafter.fc.weight.dtype
     rows = {b: [[np.zeros((0, b - 1), dtype=bool)] for _ in sequences] for b in block_sizes}
-    features = {} if features is None else features
+    features = ({} if features is None else features).setdefault((tuple(drafter.target_layer_ids), dtype), {})
     for i, seq in enumerate(sequences):
         for b in block_sizes:
             rng = np.random.default_rng([seed, 7919, i])
