@@ -190,7 +190,7 @@ class Trainer:
         if not usable:
             raise InputError(f"no training sequence is long enough for block size {B}")
         self.drafter, self.target, self.sequences, self.config = drafter, target, usable, config
-        self.held_out, self.held_feats = held_out or [], {}  # the held-out targets' features, kept for every eval
+        self.held_out = held_out or []
         self.out = Path(out_dir)
         self.dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16}[config.dtype]
         drafter.set_dtype(self.dtype)
@@ -273,7 +273,7 @@ class Trainer:
                 info.health = measure(self.drafter, self.features.get(seq, self.dtype)[0], seq, max(self.plan))
             if c.eval_every and self.held_out and self.step % c.eval_every == 0:
                 info.eval = evaluate_block_sizes(self.drafter, self.target, self.held_out[: c.eval_sequences],
-                                                 sorted(self.plan, reverse=True), seed=c.seed, features=self.held_feats,
+                                                 sorted(self.plan, reverse=True), seed=c.seed,
                                                  anchor_chunk=c.anchor_chunk, chained=self.step == c.steps)
             if c.save_every and self.step % c.save_every == 0:
                 self.save_checkpoint()
