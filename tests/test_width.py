@@ -81,6 +81,39 @@ def test_draft_survival_keeps_learning_in_a_long_run():
     assert sum(p.width == 1 for p in plans[-200:]) >= 200 * STAY and max(chooser.survival.reached) < 1 / (1 - DECAY)
 
 
+def chat_costs(plan, n=1):
+    """SmolLM2-135M's steps on MT-Bench as traced on one CPU core, relative to a plain step's 112 ms: chains of 2, 4,
+    8 and 16 cost 1.25, 1.27, 1.43 and 2.0 of it."""
+    return 1e-3 * {1: 1.0, 2: 1.25, 4: 1.27, 8: 1.43, 16: 2.0}[plan.width] * n
+
+
+def after_a_good_start(first_draft, seed):
+    """100 steps whose drafts are right 60% of the time, then 400 whose first draft is right at ``first_draft`` and
+    later ones at 0.2: the 400 steps' plans and their committed tokens per plain step's time."""
+    rng, tokens = random.Random(seed), []
+    chooser = auto()
+    run(chooser, 100, lambda k: rng.random() < 0.6, cost=chat_costs)
+    plans = run(chooser, 400, lambda k: rng.random() < (first_draft if k == 1 else 0.2), cost=chat_costs, tokens=tokens)
+    return plans, sum(tokens) * chat_costs(Plan(1, 0)) / sum(chat_costs(p) for p in plans)
+
+
+def test_a_drafter_that_stops_agreeing_is_left_within_a_few_steps():
+    """After a good start the drafts never agree again: the run of misses is unlikely under what was learned, so the
+    older evidence is cut and auto is back on plain steps at once (a long memory alone kept chains for ~100 steps,
+    0.91-0.95 of plain decoding's speed)."""
+    speeds = [after_a_good_start(0.0, seed)[1] for seed in range(20)]
+    assert min(speeds) >= 0.96 and sum(speeds) / 20 >= 0.97
+
+
+def test_a_drafter_that_misses_often_but_pays_keeps_its_chains():
+    """Chat-like drafts near break-even (first draft right 35% of the time; a chain of 4 pays from 0.28 drafts a
+    step): a few misses in a row must not send auto to plain steps, where no evidence comes back (a memory of ~33
+    steps left a quarter of the steps plain and gained 9% over plain decoding)."""
+    runs = [after_a_good_start(0.35, seed) for seed in range(20)]
+    assert sum(sum(p.width > 1 for p in plans) for plans, _ in runs) >= 0.9 * 20 * 400
+    assert sum(speed for _, speed in runs) / 20 >= 1.1
+
+
 def test_a_width_whose_deep_drafts_were_never_verified_is_tried_on_its_best_case():
     """A chain costs 3 plain steps whatever its width (a tiny target: the draft's fixed cost is most of it); draft 1
     is right half the time, and the rest whenever it is. Chains of 2 lose to plain steps; chains of 8 pay (4.5

@@ -4,11 +4,14 @@
 4, ..., B and (``--tree-budget auto``, one sequence) a tree of :data:`AUTO_TREE` nodes. E comes from the draft survival
 observed (Kaplan-Meier, each position starting at :data:`PRIOR` with :data:`PRIOR_WEIGHT` steps' weight; every step ages
 the evidence and the prior alike by :data:`DECAY`, the prior down to 1e-9, so plain steps change no estimate but make
-the next observation weigh more); seconds(w, n) is the median of its last :data:`WINDOW` timings (other work on the
-machine only adds time, in bursts a mean follows; the first run of each (w, n) is left out and run again at once). A
-chain's rate is divided by :data:`PLAIN_MARGIN`, so only a measured gain moves off plain. It starts with plain steps:
-until drafting is measured to pay, it does not run. A batch that no request waits to join lasts as long as its slowest
-reply, so there E is what a chain commits for the reply it is expected to leave furthest behind.
+the next observation weigh more; a run of first-draft misses less likely than :data:`CHANGE` at the S(1) learned cuts
+the older evidence to the run's weight: a long memory keeps a drafter that misses often, but no more than learned, on
+its chains, and one that stopped agreeing is left within a few steps); seconds(w, n) is the median of its last
+:data:`WINDOW` timings (other work on the machine only adds time, in bursts a mean follows; the first run of each (w, n)
+is left out and run again at once). A chain's rate is divided by :data:`PLAIN_MARGIN`, so only a measured gain moves off
+plain. It starts with plain steps: until drafting is measured to pay, it does not run. A batch that no request waits to
+join lasts as long as its slowest reply, so there E is what a chain commits for the reply it is expected to leave
+furthest behind.
 
 A later generation of the same pair may start from what an earlier one learned (:meth:`WidthChooser.state`,
 kept by the prompt cache): it then runs the best option at once and probes after :data:`PROBE_EVERY` steps (a
@@ -33,7 +36,8 @@ from ..ranges import check_number
 AUTO = "auto"
 PRIOR = 0.6  # conditional acceptance of a draft position never verified
 PRIOR_WEIGHT = 0.25  # steps' worth of weight the prior carries per position
-DECAY = 0.97  # weight of older steps' evidence (and of the prior), per step
+DECAY = 0.99  # weight of older steps' evidence (and of the prior), per step
+CHANGE = 1e-3  # a run of first-draft misses less likely than this under the survival learned marks a change
 MAX_WEIGHT = 1e6  # above what DECAY lets any batch's steps weigh: a learned state holding more is refused
 WINDOW = 6  # timings kept per (option, n)
 FIRST_GAP = 2  # steps before the first probe, and after one that beat the best
@@ -88,15 +92,24 @@ def chain_widths(block: int) -> List[int]:
 
 class Survival:
     """Per draft position k (1-based), the weighted counts of blocks that reached k and of those whose
-    draft k was right, and the weight of the prior (aged alike: ageing changes no estimate)."""
+    draft k was right, and the weight of the prior (aged alike: ageing changes no estimate); ``misses``: chains in a
+    row whose first draft was wrong."""
 
     def __init__(self, block: int):
         self.reached = [0.0] * block
         self.right = [0.0] * block
         self.prior = PRIOR_WEIGHT
+        self.misses = 0
 
     def observe(self, width: int, accepted: int) -> None:
-        """One chain of ``width`` tokens that accepted ``accepted`` drafts."""
+        """One chain of ``width`` tokens that accepted ``accepted`` drafts, after the change test (the module's)."""
+        self.misses = 0 if accepted else self.misses + 1
+        older = self.reached[1] - max(self.misses - 1, 0)  # the run so far weighs about 1 a step
+        first = (self.right[1] + PRIOR * self.prior) / (self.reached[1] + self.prior)  # S(1) learned
+        if self.misses and older > self.misses and (1.0 - first) ** self.misses < CHANGE:
+            cut = self.misses / older  # once a run: the older evidence then weighs no more than it
+            self.reached, self.right = [r * cut for r in self.reached], [r * cut for r in self.right]
+            self.reached[1] += (self.misses - 1) * (1.0 - cut)
         for k in range(1, min(accepted + 1, width - 1) + 1):
             self.reached[k] += 1.0
             self.right[k] += k <= accepted
