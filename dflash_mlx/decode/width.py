@@ -105,8 +105,7 @@ class Survival:
         """One chain of ``width`` tokens that accepted ``accepted`` drafts, after the change test (the module's)."""
         self.misses = 0 if accepted else self.misses + 1
         older = self.reached[1] - max(self.misses - 1, 0)  # the run so far weighs about 1 a step
-        first = (self.right[1] + PRIOR * self.prior) / (self.reached[1] + self.prior)  # S(1) learned
-        if self.misses and older > self.misses and (1.0 - first) ** self.misses < CHANGE:
+        if self.misses and older > self.misses and (1.0 - self.conditional(1)) ** self.misses < CHANGE:
             cut = self.misses / older  # once a run: the older evidence then weighs no more than it
             self.reached, self.right = [r * cut for r in self.reached], [r * cut for r in self.right]
             self.reached[1] += (self.misses - 1) * (1.0 - cut)
@@ -120,12 +119,16 @@ class Survival:
         self.reached, self.right = [r * DECAY for r in self.reached], [r * DECAY for r in self.right]
         self.prior = max(self.prior * DECAY, 1e-9)
 
+    def conditional(self, k: int, prior: float = PRIOR) -> float:
+        """S(k): the chance that draft k is right where drafts 1..k-1 were, ``prior`` weighing :attr:`prior`."""
+        return (self.right[k] + prior * self.prior) / (self.reached[k] + self.prior)
+
     def moments(self, width: int, prior: float = PRIOR) -> Tuple[float, float]:
         """Mean and variance of the tokens a chain of ``width`` commits, 1 + A with P(A >= k) = P_k = S(1)...S(k),
         k < width: E = 1 + sum of P_k, Var = sum of (2k - 1) P_k - (sum of P_k)^2; ``prior``: S without evidence."""
         drafts, square, s = 0.0, 0.0, 1.0
         for k in range(1, width):
-            s *= (self.right[k] + prior * self.prior) / (self.reached[k] + self.prior)
+            s *= self.conditional(k, prior)
             drafts, square = drafts + s, square + (2 * k - 1) * s
         return 1.0 + drafts, max(0.0, square - drafts * drafts)
 
