@@ -14,8 +14,9 @@ join lasts as long as its slowest reply, so there E is what a chain commits for 
 furthest behind.
 
 A later generation of the same pair may start from what an earlier one learned (:meth:`WidthChooser.state`,
-kept by the prompt cache): it then runs the best option at once and probes after :data:`PROBE_EVERY` steps (a
-plain best: :data:`FIRST_GAP`), timing each option again (learned timings may come from a busier machine).
+kept by the prompt cache): it then runs the best option at once and, a chain best, keeps the earlier one's probe
+schedule (its next probe where that schedule put it, after :data:`PROBE_EVERY` steps at the earliest; a plain best
+probes after :data:`FIRST_GAP`), timing each option again (learned timings may come from a busier machine).
 
 Other options run as probes, one step each (a chain not timed here: two, unless the first one's drafts already show it
 cannot beat the best), one per gap of steps: the gap starts at :data:`FIRST_GAP` and returns there after a probe that
@@ -255,25 +256,29 @@ class WidthChooser:
         timings = {**self.learned, **{k: v for k, v in self.seconds.items() if v}}
         s, seconds = self.survival, [[*astuple(p), t] for (p, n), t in timings.items() if n == 1]
         return {} if self.fixed is not None else {"reached": s.reached, "right": s.right, "prior": s.prior,
-                                                  "tree_tokens": self.tree_tokens, "seconds": seconds}
+                                                  "tree_tokens": self.tree_tokens, "seconds": seconds,
+                                                  "gap": self.gap, "since": max(0, self.steps - self.probed)}
 
     def learn(self, state: dict) -> bool:
-        """Start from ``state`` (:meth:`state` of an earlier generation, options not weighed here left out), probing
-        after :data:`PROBE_EVERY` steps (:data:`FIRST_GAP` where plain steps are its best); False, nothing changed,
-        where it is malformed or of another block size. Its timings choose the best until this generation times the
-        options, each once as a probe (they may have been taken while other work ran)."""
+        """Start from ``state`` (:meth:`state` of an earlier generation, options not weighed here left out); a chain
+        best keeps its probe schedule (``gap``, ``since``; absent in older states: due), the next probe at the earliest
+        :data:`PROBE_EVERY` steps in (a plain best: :data:`FIRST_GAP`); False, nothing changed, where it is malformed
+        or of another block size. Its timings choose the best until this generation times the options, each once as
+        a probe (they may have been taken while other work ran)."""
         try:
             counts = [[float(x) for x in state[k]] for k in ("reached", "right", "tree_tokens")] + [[state["prior"]]]
             seconds = {(Plan(w, b, t), 1): [float(x) for x in v] for w, b, t, v in state["seconds"] if v}
+            gap, since = int(state.get("gap", FIRST_GAP)), int(state.get("since", MAX_GAP))
             if self.fixed is not None or {len(c) for c in counts[:2]} != {len(self.survival.reached)} or not all(
-                    0 <= x < MAX_WEIGHT for c in counts for x in c):
+                    0 <= x < MAX_WEIGHT for c in counts for x in c) or not (FIRST_GAP <= gap <= MAX_GAP and since >= 0):
                 return False
         except (KeyError, TypeError, ValueError):
             return False
         (self.survival.reached, self.survival.right, self.tree_tokens), self.survival.prior = counts[:3], counts[3][0]
         self.learned.update({k: v[-WINDOW:] for k, v in seconds.items()
                              if k[0] in self.options and all(0 < x < math.inf for x in v)})
-        self.gap = PROBE_EVERY if self._best(1).width > 1 else FIRST_GAP  # a plain best: probe as a fresh start does
+        chain = self._best(1).width > 1  # next probe once steps - probed reaches gap: max(PROBE_EVERY, gap - since) in
+        self.gap, self.probed = (gap, max(PROBE_EVERY, gap - since) - gap) if chain else (FIRST_GAP, 0)
         return True
 
     def expected_tokens(self, plan: Plan, prior: float = PRIOR) -> float:
