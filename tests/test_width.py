@@ -499,7 +499,9 @@ def test_a_later_generation_whose_best_was_plain_probes_as_soon_as_a_fresh_one()
                                    {"reached": [0.0] * B, "right": [0.0] * B, "prior": 1, "tree_tokens": [],
                                     "seconds": [], "gap": 0, "since": 0},
                                    {"reached": [0.0] * B, "right": [0.0] * B, "prior": 1, "tree_tokens": [],
-                                    "seconds": [], "gap": PROBE_EVERY, "since": "x"}])
+                                    "seconds": [], "gap": PROBE_EVERY, "since": "x"},
+                                   {"reached": [0.0] * B, "right": [0.0] * B, "prior": 1, "tree_tokens": [],
+                                    "seconds": [], "gap": PROBE_EVERY, "since": float("inf")}])
 def test_a_state_that_does_not_fit_changes_nothing(state):
     """Malformed, another block size's (4 positions where B = 16 has 16), NaN, more weight than DECAY lets steps
     have (such evidence would outweigh the next 600 steps'), or a probe schedule out of range: refused, the chooser

@@ -272,7 +272,7 @@ class WidthChooser:
             if self.fixed is not None or {len(c) for c in counts[:2]} != {len(self.survival.reached)} or not all(
                     0 <= x < MAX_WEIGHT for c in counts for x in c) or not (FIRST_GAP <= gap <= MAX_GAP and since >= 0):
                 return False
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             return False
         (self.survival.reached, self.survival.right, self.tree_tokens), self.survival.prior = counts[:3], counts[3][0]
         self.learned.update({k: v[-WINDOW:] for k, v in seconds.items()
