@@ -1,6 +1,7 @@
-"""scripts/smollm2/prompts.py with GSM8K's train split: its questions are written beside the other prompt files,
-worded as the held-out ones are, and a file holding a question of the test split (the held-out rows among them)
-is refused, so evaluation prompts never become training prompts."""
+"""scripts/smollm2/prompts.py with GSM8K's train split and GPTeacher's role-play set: their prompts are written
+beside the other prompt files, worded as `dflash bench` words such rows, and a file holding a question of GSM8K's
+test split (the held-out rows among them) or a turn of MT-Bench is refused, so evaluation prompts never become
+training prompts."""
 
 import json
 import subprocess
@@ -18,11 +19,11 @@ TEST_SPLIT = SHARED / "datasets/gsm8k_test.jsonl"
 pytestmark = pytest.mark.skipif(not TEST_SPLIT.exists(), reason=f"needs {TEST_SPLIT}; CI always has it")
 
 
-def _run(tmp_path, rows):
+def _run(tmp_path, rows, flag="--gsm8k-train"):
     split = tmp_path / "train.jsonl"
     split.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return subprocess.run([sys.executable, str(SCRIPT), "--shared", str(SHARED), "--out", str(tmp_path / "out"),
-                           "--gsm8k-train", str(split)], capture_output=True, text=True)
+                           flag, str(split)], capture_output=True, text=True)
 
 
 def test_train_split_questions_are_worded_as_the_held_out_ones(tmp_path):
@@ -40,4 +41,22 @@ def test_a_split_holding_a_held_out_question_is_refused(tmp_path):
     done = _run(tmp_path, [{"question": "A new question?", "answer": "#### 1"}, held_out])
     assert done.returncode != 0
     assert "test split" in done.stderr and str(tmp_path / "train.jsonl") in done.stderr
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_roleplay_rows_are_an_instruction_then_its_input(tmp_path):
+    rows = [{"instruction": "You are a pirate captain. Greet your crew.", "input": "The crew boards at dawn.",
+             "response": "Ahoy!"}, {"instruction": "Pretend you are a lighthouse keeper.", "input": "", "response": "."}]
+    done = _run(tmp_path, rows, "--roleplay")
+    assert done.returncode == 0, done.stderr
+    written = [json.loads(line)["prompt"] for line in (tmp_path / "out/roleplay.jsonl").read_text().splitlines()]
+    assert written == ["You are a pirate captain. Greet your crew.\n\nThe crew boards at dawn.",
+                       "Pretend you are a lighthouse keeper."]
+
+
+def test_a_roleplay_set_holding_an_mt_bench_turn_is_refused(tmp_path):
+    turn = json.loads((SHARED / "datasets/mt_bench_questions.jsonl").read_text().splitlines()[5])["turns"][1]
+    done = _run(tmp_path, [{"instruction": "Play a part.", "input": turn, "response": "."}], "--roleplay")
+    assert done.returncode != 0
+    assert "MT-Bench" in done.stderr and str(tmp_path / "train.jsonl") in done.stderr
     assert not (tmp_path / "out").exists()  # nothing written
