@@ -3,6 +3,7 @@ beside the other prompt files, worded as `dflash bench` words such rows, and a f
 test split (the held-out rows among them) or a turn of MT-Bench is refused, so evaluation prompts never become
 training prompts."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -19,8 +20,8 @@ TEST_SPLIT = SHARED / "datasets/gsm8k_test.jsonl"
 pytestmark = pytest.mark.skipif(not TEST_SPLIT.exists(), reason=f"needs {TEST_SPLIT}; CI always has it")
 
 
-def _run(tmp_path, rows, flag="--gsm8k-train"):
-    split = tmp_path / "train.jsonl"
+def _run(tmp_path, rows, flag="--gsm8k-train", name="train.jsonl"):
+    split = tmp_path / name
     split.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return subprocess.run([sys.executable, str(SCRIPT), "--shared", str(SHARED), "--out", str(tmp_path / "out"),
                            flag, str(split)], capture_output=True, text=True)
@@ -47,16 +48,21 @@ def test_a_split_holding_a_held_out_question_is_refused(tmp_path):
 def test_roleplay_rows_are_an_instruction_then_its_input(tmp_path):
     rows = [{"instruction": "You are a pirate captain. Greet your crew.", "input": "The crew boards at dawn.",
              "response": "Ahoy!"}, {"instruction": "Pretend you are a lighthouse keeper.", "input": "", "response": "."}]
-    done = _run(tmp_path, rows, "--roleplay")
+    done = _run(tmp_path, rows, "--gpteacher", "roleplay-simple-deduped-roleplay-instruct.json")
     assert done.returncode == 0, done.stderr
-    written = [json.loads(line)["prompt"] for line in (tmp_path / "out/roleplay.jsonl").read_text().splitlines()]
+    written = [json.loads(line)["prompt"] for line in (tmp_path / "out/gpteacher_roleplay.jsonl").read_text().splitlines()]
     assert written == ["You are a pirate captain. Greet your crew.\n\nThe crew boards at dawn.",
                        "Pretend you are a lighthouse keeper."]
 
 
-def test_a_roleplay_set_holding_an_mt_bench_turn_is_refused(tmp_path):
-    turn = json.loads((SHARED / "datasets/mt_bench_questions.jsonl").read_text().splitlines()[5])["turns"][1]
-    done = _run(tmp_path, [{"instruction": "Play a part.", "input": turn, "response": "."}], "--roleplay")
+@pytest.mark.parametrize("held_out", ["mt-bench", "humaneval"])
+def test_an_instruction_set_holding_a_held_out_turn_or_task_is_refused(tmp_path, held_out):
+    if held_out == "mt-bench":
+        text = json.loads((SHARED / "datasets/mt_bench_questions.jsonl").read_text().splitlines()[5])["turns"][1]
+    else:
+        with gzip.open(SHARED / "datasets/humaneval.jsonl.gz", "rt") as f:
+            text = json.loads(f.readlines()[7])["prompt"]
+    done = _run(tmp_path, [{"instruction": "Play a part.", "input": text, "response": "."}], "--gpteacher")
     assert done.returncode != 0
     assert "MT-Bench" in done.stderr and str(tmp_path / "train.jsonl") in done.stderr
     assert not (tmp_path / "out").exists()  # nothing written

@@ -3,18 +3,21 @@
 
 Training (the paper's recipe: the target regenerates the responses): GSM8K rows 0-999, MATH-500 and MBPP;
 with ``--gsm8k-train``, also GSM8K's own train split (7,473 questions, none of them in its test split);
-with ``--roleplay``, GPTeacher's role-play instructions (1,923, chat of MT-Bench's kind, none of its turns).
+with ``--gpteacher``, GPTeacher's instruction sets (role play: 1,923, chat of MT-Bench's kind; code: 4,535),
+none holding a held-out question, task or turn.
 Evaluation, never trained on: GSM8K rows 1,000 on, HumanEval and MT-Bench first turns.
 
     python scripts/smollm2/prompts.py --shared ../shared --out OUT/prompts \
         [--gsm8k-train grade-school-math/grade_school_math/data/train.jsonl]
-        [--roleplay GPTeacher/Roleplay/roleplay-simple-deduped-roleplay-instruct.json]
-    -> OUT/prompts/{train,gsm8k_heldout,humaneval,mt_bench}.jsonl (rows of "prompt"), gsm8k_train.jsonl, roleplay.jsonl
+        [--gpteacher GPTeacher/Roleplay/roleplay-simple-deduped-roleplay-instruct.json ...]
+    -> OUT/prompts/{train,gsm8k_heldout,humaneval,mt_bench}.jsonl (rows of "prompt"), gsm8k_train.jsonl, and
+       gpteacher_roleplay.jsonl, gpteacher_codegen.jsonl (each by the first word of its file's name)
 
 The train split is not in ../shared: it is ``grade_school_math/data/train.jsonl`` of
-github.com/openai/grade-school-math (MIT), worded as the test split's questions are. The role-play set is
-``Roleplay/roleplay-simple-deduped-roleplay-instruct.json`` of github.com/teknium1/GPTeacher (MIT): each
-instruction with its input after a blank line, as `dflash bench` words Alpaca's rows.
+github.com/openai/grade-school-math (MIT), worded as the test split's questions are. GPTeacher's sets are
+``Roleplay/roleplay-simple-deduped-roleplay-instruct.json`` and ``Codegen/codegen-instruct.json`` of
+github.com/teknium1/GPTeacher (MIT): each instruction with its input after a blank line, as `dflash bench` words
+Alpaca's rows.
 """
 
 from __future__ import annotations
@@ -53,17 +56,21 @@ def main() -> int:
     p.add_argument("--shared", type=Path, default=ROOT.parent / "shared")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--gsm8k-train", type=Path, help="GSM8K's train split (JSONL of question, answer)")
-    p.add_argument("--roleplay", type=Path, help="GPTeacher's role-play set (JSON of instruction, input, response)")
+    p.add_argument("--gpteacher", type=Path, nargs="+", default=[],
+                   help="GPTeacher's sets (JSON of instruction, input, response)")
     args = p.parse_args()
     data = args.shared / "datasets"
     gsm8k = rows_of(data / "gsm8k_test.jsonl")
     extra = rows_of(args.gsm8k_train) if args.gsm8k_train else []
     if set(extra) & set(gsm8k):  # checked before anything is written
         sys.exit(f"{args.gsm8k_train}: holds questions of GSM8K's test split; pass the train split")
-    roleplay = instructions_of(args.roleplay) if args.roleplay else []
-    mt_bench = [turn for sample in load_file(data / "mt_bench_questions.jsonl")[1] for turn in sample.turns]
-    if any(turn in prompt for prompt in roleplay for turn in mt_bench):
-        sys.exit(f"{args.roleplay}: holds a turn of MT-Bench, an evaluation set")
+    held_out = ([turn for sample in load_file(data / "mt_bench_questions.jsonl")[1] for turn in sample.turns]
+                + [row["question"] for row in read_rows(data / "gsm8k_test.jsonl")[GSM8K_TRAIN_ROWS:]]
+                + [row["prompt"] for row in read_rows(data / "humaneval.jsonl.gz")])
+    sets = {path: instructions_of(path) for path in args.gpteacher}
+    for path, prompts in sets.items():
+        if any(text.strip() in prompt for prompt in prompts for text in held_out):  # as worded: stripped
+            sys.exit(f"{path}: holds an MT-Bench turn, a held-out GSM8K question or a HumanEval task")
     args.out.mkdir(parents=True, exist_ok=True)
     train = gsm8k[:GSM8K_TRAIN_ROWS] + rows_of(data / "math500_test.jsonl") + rows_of(data / "mbpp_sanitized_test.jsonl")
     random.Random(0).shuffle(train)  # every shard holds each set: a run cut short is still balanced
@@ -73,8 +80,8 @@ def main() -> int:
     write(args.out / "mt_bench.jsonl", rows_of(data / "mt_bench_questions.jsonl"))
     if args.gsm8k_train:
         write(args.out / "gsm8k_train.jsonl", extra)
-    if args.roleplay:
-        write(args.out / "roleplay.jsonl", roleplay)
+    for path, prompts in sets.items():
+        write(args.out / f"gpteacher_{path.stem.split('-')[0].lower()}.jsonl", prompts)
     return 0
 
 
