@@ -1,7 +1,7 @@
-"""scripts/smollm2/prompts.py with GSM8K's train split and GPTeacher's role-play set: their prompts are written
+"""scripts/smollm2/prompts.py with GSM8K's train split and GPTeacher's instruction sets: their prompts are written
 beside the other prompt files, worded as `dflash bench` words such rows, and a file holding a question of GSM8K's
-test split (the held-out rows among them) or a turn of MT-Bench is refused, so evaluation prompts never become
-training prompts."""
+test split (the held-out rows among them), a turn of MT-Bench or a HumanEval task is refused, so evaluation prompts
+never become training prompts."""
 
 import gzip
 import json
@@ -47,10 +47,12 @@ def test_a_split_holding_a_held_out_question_is_refused(tmp_path):
 
 def test_roleplay_rows_are_an_instruction_then_its_input(tmp_path):
     rows = [{"instruction": "You are a pirate captain. Greet your crew.", "input": "The crew boards at dawn.",
-             "response": "Ahoy!"}, {"instruction": "Pretend you are a lighthouse keeper.", "input": "", "response": "."}]
+             "response": "Ahoy!"},
+            {"instruction": "Pretend you are a lighthouse keeper.", "input": "", "response": "."}]
     done = _run(tmp_path, rows, "--gpteacher", "roleplay-simple-deduped-roleplay-instruct.json")
     assert done.returncode == 0, done.stderr
-    written = [json.loads(line)["prompt"] for line in (tmp_path / "out/gpteacher_roleplay.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "out/gpteacher_roleplay.jsonl").read_text().splitlines()
+    written = [json.loads(line)["prompt"] for line in lines]
     assert written == ["You are a pirate captain. Greet your crew.\n\nThe crew boards at dawn.",
                        "Pretend you are a lighthouse keeper."]
 
