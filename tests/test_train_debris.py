@@ -45,11 +45,17 @@ def test_truncated_feature_file_is_computed_again(setup, tmp_path):
 
 def test_kept_features_are_read_again_not_held_in_memory(setup, tmp_path):
     """What the folder keeps is read at each visit (a file changed on disk is what the next visit gets), and
-    nothing the cache holds grows with the visits."""
+    nothing the cache holds grows with the visits. The sequences are 1,028 tokens (128 KB of features each), so
+    that what the interpreter allocates meanwhile for other reasons (a few KB, from whatever ran before in the
+    worker) stays far below one sequence's features."""
     import gc
     import tracemalloc
 
-    target, seqs = setup
+    from dflash_mlx.train.data import TrainSequence
+
+    target, _ = setup
+    rng = np.random.default_rng(1)
+    seqs = [TrainSequence(rng.integers(3, 64, size=1028).astype(np.int32), 4) for _ in range(6)]
     for seq in seqs:  # computed, then kept in the folder (the forwards' own allocations stay out of the count)
         FeatureCache(target, [1, 2], tmp_path).get(seq, mx.float32)
     cache = FeatureCache(target, [1, 2], tmp_path)
