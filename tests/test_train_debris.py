@@ -14,7 +14,7 @@ import mlx.core as mx
 from conftest import needs_shared, tiny_training_set
 from dflash_mlx import load_drafter
 from dflash_mlx.errors import InputError
-from dflash_mlx.train.data import MANIFEST, _write_shard, load_sequences, read_shard, regenerate
+from dflash_mlx.train.data import MANIFEST, TrainSequence, _write_shard, load_sequences, read_shard, regenerate
 from dflash_mlx.train.features import FeatureStore
 from dflash_mlx.train.loss import FeatureCache
 from dflash_mlx.train.trainer import TrainConfig, Trainer
@@ -50,8 +50,6 @@ def test_kept_features_are_read_again_not_held_in_memory(setup, tmp_path):
     worker) stays far below one sequence's features."""
     import gc
     import tracemalloc
-
-    from dflash_mlx.train.data import TrainSequence
 
     target, _ = setup
     rng = np.random.default_rng(1)
