@@ -63,10 +63,25 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextmanager
+def signals_held(signums=(signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Signals with a Python handler (Ctrl-C, :class:`Terminated`) held in the block, handled at its end: for MLX's C++
+    calls into Python code, which lose an exception or make it another (``mx.savez``'s zipfile). Main thread only."""
+    main, held = threading.current_thread() is threading.main_thread(), []
+    handlers = {s: h for s in signums if callable(h := signal.getsignal(s))} if main else {}
+    for s in handlers:
+        signal.signal(s, lambda signum, _: held.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(held):
+            handlers[s](s, None)
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists (this process counts as alive)."""
-    if pid == os.getpid():
-        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

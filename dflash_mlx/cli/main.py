@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import sys
 from typing import Any, Iterable, List, Optional
 
+from dflash_mlx.atomic import signals_held
 from dflash_mlx.errors import DFlashError
 
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" on stderr
@@ -19,7 +19,8 @@ def main(args: Optional[List[str]] = None) -> None:
     """Run ``dflash`` with ``args`` (default: ``sys.argv[1:]``) and exit with its code."""
     try:
         keep_interrupts()
-        import_mlx()
+        with signals_held():  # a Ctrl-C inside nanobind's start of the extension is lost, an ImportError or an abort
+            import mlx.core  # noqa: F401
         protect()  # closed stdin/stdout: /dev/null on the descriptor, a named error on use
         if line := warning(conflicts()):
             print(line, file=sys.stderr)
@@ -49,22 +50,6 @@ def keep_interrupts() -> None:
             default(unraisable)
 
     sys.unraisablehook = hook
-
-
-def import_mlx() -> None:
-    """Import ``mlx.core`` with Ctrl-C held, then raise it: a KeyboardInterrupt raised inside nanobind's
-    initialisation of the extension is lost, becomes an ImportError or aborts the process. Left alone where
-    SIGINT is not Python's default handler."""
-    held, default = [], signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    if default:
-        signal.signal(signal.SIGINT, lambda *_: held.append(1))
-    try:
-        import mlx.core  # noqa: F401
-    finally:
-        if default:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-    if held:
-        raise KeyboardInterrupt
 
 
 def _run(args: Optional[List[str]]) -> int:

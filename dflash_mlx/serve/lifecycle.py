@@ -3,6 +3,7 @@
 import errno
 import logging
 import socket
+from contextlib import suppress
 from typing import Any
 
 from ..atomic import sigterm_as_interrupt
@@ -60,11 +61,9 @@ def serve(app: Any, sock: socket.socket, engine: Any, **config: Any) -> None:
 
     host, port = sock.getsockname()[:2]
     server = Server(uvicorn.Config(app, host=host, port=port, **config))
-    try:
-        with sigterm_as_interrupt():  # else uvicorn's SIGTERM, delivered again, would kill the process
+    try:  # uvicorn delivers the stop signal again once it has stopped: SIGTERM too must end here, not kill
+        with suppress(KeyboardInterrupt), sigterm_as_interrupt():
             server.run(sockets=[sock])
-    except KeyboardInterrupt:  # the stop signal, delivered again by uvicorn once it has stopped
-        pass
     finally:
         engine.shutdown(wait=True)
         sock.close()

@@ -16,7 +16,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..atomic import atomic_file, staging, write_json
+from ..atomic import atomic_file, signals_held, staging, write_json
 from ..drafter.checkpoint import load_drafter, save_drafter
 from ..drafter.network import DFlashDrafter
 from ..drafter.vocab import set_draft_vocab
@@ -290,7 +290,7 @@ class Trainer:
         state = {"step": self.step, "config": asdict(self.config), "target": target_fingerprint(self.target)}
         with staging(final, force=True) as tmp:
             save_drafter(self.drafter, tmp)
-            with atomic_file(tmp / "optimizer.npz") as f:
+            with atomic_file(tmp / "optimizer.npz") as f, signals_held():  # savez runs zipfile from C++
                 mx.savez(str(f), **dict(tree_flatten(self.optimizer.state)))
             if self.after_misses:  # so a resumed run draws the same anchors
                 with atomic_file(tmp / AFTER_MISSES) as f:
@@ -343,7 +343,8 @@ class Trainer:
                                  f"the drafter is in {out_dir}")
         drafter = bind_drafter(load_drafter(str(ckpt)), target, str(ckpt))
         trainer = cls(drafter, target, sequences, config, out_dir, held_out, feature_cache, feature_stores)
-        trainer.optimizer.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.npz")).items()))
+        with signals_held():  # an npz is read through zipfile, from C++
+            trainer.optimizer.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.npz")).items()))
         if (ckpt / AFTER_MISSES).exists():
             with np.load(ckpt / AFTER_MISSES) as saved_misses:
                 trainer.after_misses = {int(i): saved_misses[i] for i in saved_misses.files}
