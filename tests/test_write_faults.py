@@ -283,19 +283,25 @@ def test_chat_with_a_session_that_cannot_be_written_runs_every_line(stories, tmp
 # -- train and convert: the write is the job, so a one-line error -------------------
 
 
-@pytest.mark.parametrize("fault", FAULTS)
-def test_a_checkpoint_that_cannot_be_written_keeps_the_earlier_one(fault, tmp_path, monkeypatch):
-    from dflash_mlx import load_drafter
+def trained_one_step(out: Path):
+    """A tiny run into ``out`` that checkpoints every step, after its first: (trainer, its steps, the checkpoints)."""
     from dflash_mlx.train.trainer import TrainConfig, Trainer
     from dflash_mlx.train.start import init_drafter
     from conftest import tiny_training_set
 
     _, target, seqs = tiny_training_set(4, 24)
     drafter = init_drafter(target, mask_token_id=0, layers=1, block_size=4, target_layer_ids=[1, 2], seed=0)
-    trainer = Trainer(drafter, target, seqs, TrainConfig(steps=3, anchors=4, save_every=1), tmp_path)
+    trainer = Trainer(drafter, target, seqs, TrainConfig(steps=3, anchors=4, save_every=1), out)
     steps = trainer.run()
     assert next(steps).step == 1
-    first = snapshot(tmp_path / "checkpoints")
+    return trainer, steps, snapshot(out / "checkpoints")
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_checkpoint_that_cannot_be_written_keeps_the_earlier_one(fault, tmp_path, monkeypatch):
+    from dflash_mlx import load_drafter
+
+    trainer, steps, first = trained_one_step(tmp_path)
     inject(monkeypatch, fault, tmp_path)
     with pytest.raises(WriteError) as e:
         next(steps)
@@ -316,17 +322,9 @@ def test_ctrl_c_while_the_optimizer_state_is_written_stops_the_run(entry, tmp_pa
     import zipfile
 
     from dflash_mlx import load_drafter
-    from dflash_mlx.train.trainer import TrainConfig, Trainer
-    from dflash_mlx.train.start import init_drafter
-    from conftest import tiny_training_set
     from mlx.utils import tree_flatten
 
-    _, target, seqs = tiny_training_set(4, 24)
-    drafter = init_drafter(target, mask_token_id=0, layers=1, block_size=4, target_layer_ids=[1, 2], seed=0)
-    trainer = Trainer(drafter, target, seqs, TrainConfig(steps=3, anchors=4, save_every=1), tmp_path)
-    steps = trainer.run()
-    assert next(steps).step == 1
-    first = snapshot(tmp_path / "checkpoints")
+    trainer, steps, first = trained_one_step(tmp_path)
     entries = len(tree_flatten(trainer.optimizer.state))
     assert entries > 2
     closed, close = [], zipfile._ZipWriteFile.close
