@@ -9,7 +9,6 @@ import os
 import sys
 from typing import Any, Iterable, List, Optional
 
-from dflash_mlx.atomic import signals_held
 from dflash_mlx.errors import DFlashError
 
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" on stderr
@@ -19,6 +18,7 @@ def main(args: Optional[List[str]] = None) -> None:
     """Run ``dflash`` with ``args`` (default: ``sys.argv[1:]``) and exit with its code."""
     try:
         keep_interrupts()
+        from dflash_mlx.atomic import signals_held
         with signals_held():  # a Ctrl-C inside nanobind's start of the extension is lost, an ImportError or an abort
             import mlx.core  # noqa: F401
         protect()  # closed stdin/stdout: /dev/null on the descriptor, a named error on use
