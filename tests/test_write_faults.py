@@ -314,10 +314,9 @@ def test_a_checkpoint_that_cannot_be_written_keeps_the_earlier_one(fault, tmp_pa
 
 @pytest.mark.parametrize("entry", ["first", "last"])
 def test_ctrl_c_while_the_optimizer_state_is_written_stops_the_run(entry, tmp_path, monkeypatch):
-    """``mx.savez`` writes through Python's zipfile from C++, where a KeyboardInterrupt raised as an entry closes
-    was lost: in the first entry it became a ValueError (a traceback), in the last the run trained on with its
-    optimizer.npz unfinished (a CI run waited two minutes for it). Held over the write, it stops the run: no half
-    checkpoint, the earlier one whole and loadable."""
+    """``mx.savez`` writes through Python's zipfile from C++, where a KeyboardInterrupt raised as an entry closes is
+    lost: in the first entry it becomes a ValueError, in the last savez returns with optimizer.npz unfinished. Held
+    over the write, it stops the run after it: no half checkpoint, the earlier one whole and loadable."""
     import signal
     import zipfile
 
