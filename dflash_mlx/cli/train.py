@@ -160,7 +160,7 @@ def train(
     steps: Annotated[int, Option("--steps", help="Optimizer steps.")] = 1000,
     lr: Annotated[float, Option("--lr", help="Peak AdamW learning rate.")] = 6e-4,
     warmup: Annotated[float, Option("--warmup", help="Warm-up fraction of the steps, then cosine decay.")] = 0.04,
-    grad_accum: Annotated[int, Option("--grad-accum", help="Sequences per optimizer step.")] = 4,
+    grad_accum: Annotated[int, Option("--grad-accum", help="Sequences per step (mlx.launch's ranks share them).")] = 4,
     anchors: Annotated[int, Option("--anchors", help="Blocks sampled per sequence.")] = 512,
     anchor_chunk: Annotated[int, Option("--anchor-chunk", help="Blocks per forward/backward pass (0: all).")] = 64,
     gamma: Annotated[Optional[str], Option("--gamma", help=(
@@ -237,8 +237,10 @@ def _trainer(o):
     from dflash_mlx.train.features import FOLDER
     from dflash_mlx.train.trainer import Trainer, check_fresh_out
     from dflash_mlx.train.start import init_drafter, warm_start
+    from dflash_mlx.pair.sharded import join_ranks, rank
 
     config = _config(o)
+    o.ranks = (join_ranks(None) or {"ranks": 1})["ranks"]  # under mlx.launch: data parallel, rank 0 prints
     if not o.resume and not o.overwrite:
         check_fresh_out(o.out)  # before loading anything; --overwrite deletes only once the rest is checked
     pair = load_pair(o.model, None, defaults=False)
@@ -262,7 +264,8 @@ def _trainer(o):
             pair.tokenizer, pair.target.vocab_size, sequences)
         drafter = init_drafter(pair.target, mask, o.layers or 1, o.block_size or 16, o.ids, o.intermediate_size, o.seed,
                                o.rank, o.confidence_head)
-    check_fresh_out(o.out, o.overwrite)  # deletes an earlier run only now, with everything checked
+    if rank() == 0:
+        check_fresh_out(o.out, o.overwrite)  # deletes an earlier run only now, with everything checked
     return Trainer(drafter, pair.target, train_seqs, config, o.out, eval_seqs, features, kept)
 
 
@@ -291,12 +294,14 @@ def _fit(o, trainer) -> None:
     plan = ", ".join(f"{b} (gamma {g:g})" for b, g in trainer.plan.items())
     distill = f"; KL weight {o.kl_weight:g} at T={o.kl_temperature:g}" if o.kl_weight else ""
     from dflash_mlx.train.health import lr_warning
+    from dflash_mlx.pair.sharded import lockstep
 
     markov = f", Markov rank {a.markov_rank}" if a.format.anchor_first else ""
     console.print(f"drafter: {a.architecture}, {a.num_hidden_layers} layer(s), hidden {a.hidden_size}, MLP "
                   f"{a.intermediate_size}{markov}, block {trainer.drafter.block_size}, target_layer_ids "
                   f"{a.target_layer_ids}, mask {a.mask_token_id}; trained at block sizes {plan}{distill}; "
-                  f"{o.counts[0]} train / {o.counts[1]} held-out sequences")
+                  f"{o.counts[0]} train / {o.counts[1]} held-out sequences"
+                  + (f"; {o.ranks} ranks share each step's {o.grad_accum}" if o.ranks > 1 else ""))
     for why in trainer.features.unused:
         console.print(f"warning: {why}: the target's features are computed instead", markup=False, highlight=False)
     if too_high := lr_warning(o.lr, a.hidden_size):
@@ -308,7 +313,7 @@ def _fit(o, trainer) -> None:
         evaluated = None  # a log (not a terminal) gets one line per evaluation, and the last table at the end
         health, warned = "", False  # the collapse is warned about once
         with live or nullcontext():
-            for info in trainer.run():
+            for info in lockstep(trainer.run()):
                 if info.health is not None:
                     health = f" rms {info.health.rms:,.1f} cos {info.health.row_cosine:.2f}"
                     collapsing = info.health.warning(o.lr)

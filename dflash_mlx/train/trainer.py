@@ -1,7 +1,8 @@
 """Train a DFlash drafter against a frozen target (spec section 6): only ``fc``, ``hidden_norm``, the layers and
 ``norm`` learn. Options beyond the paper: distillation (``kl_weight``), several block sizes in one run, anchors after
 the drafter's misses. Data order and anchors come from generators seeded by ``(seed, epoch)`` and ``(seed, step,
-micro)``, and the optimizer state is checkpointed: a resumed run reproduces an uninterrupted one."""
+micro)``, and the optimizer state is checkpointed: a resumed run reproduces an uninterrupted one. Under ``mlx.launch``
+the ranks share each step's micro-steps (data parallel): the same run as one process's, up to float summation order."""
 
 import json
 import shutil
@@ -24,6 +25,7 @@ from ..errors import InputError, MismatchError
 from ..owned import MARKER, mark, marked
 from ..pair.loading import bind_drafter
 from ..pair.manifest import sha256_file
+from ..pair.sharded import rank, ranks
 from ..ranges import check_number
 from ..targets import TargetAdapter
 from .blocks import default_gamma, next_anchors, position_weights, sample_anchors, valid_anchors
@@ -184,6 +186,10 @@ class Trainer:
                  config: TrainConfig, out_dir: str | Path, held_out: Optional[List[TrainSequence]] = None,
                  feature_cache: Optional[str | Path] = None, feature_stores: Sequence[Path] = ()):
         config.check()
+        if ranks() > 1 and (config.grad_accum < ranks() or config.miss_anchors):
+            why = (f"--grad-accum {config.grad_accum}: give at least {ranks()}" if config.grad_accum < ranks()
+                   else f"--miss-anchors {config.miss_anchors:g}: give 0 (a rank sees only its own misses)")
+            raise InputError(f"{why}; the {ranks()} ranks of mlx.launch share each step's sequences")
         B = drafter.block_size
         self.plan = block_size_plan(config, B)
         usable = [s for s in sequences if valid_anchors(s.tokens.size, s.response_start, B).size]
@@ -250,37 +256,41 @@ class Trainer:
     def run(self) -> Iterator[StepInfo]:
         """Train from ``self.step`` to ``config.steps``, yielding a :class:`StepInfo` after every step;
         WriteError when a checkpoint or the drafter cannot be written (earlier checkpoints stay whole)."""
-        c = self.config
-        if not marked(self.out, WRITER):
+        c, first = self.config, rank() == 0  # rank 0 alone writes, measures and evaluates
+        if first and not marked(self.out, WRITER):
             mark(self.out, WRITER)  # so that --overwrite may later delete what this run writes
         while self.step < c.steps:
             tic = time.perf_counter()
             total, grads_sum, tokens = 0.0, None, 0
-            for micro in range(c.grad_accum):
+            for micro in range(rank(), c.grad_accum, ranks()):
                 loss, grads, n = self._micro_step(self.step, micro)
                 grads_sum = grads if grads_sum is None else tree_map(mx.add, grads_sum, grads)
                 total, tokens = total + loss, tokens + n
                 mx.eval(grads_sum, total)  # else every micro-step's graph stays alive until the update
+            if ranks() > 1:
+                grads_sum, total, tokens = tree_map(lambda x: mx.distributed.all_sum(x, stream=mx.cpu),
+                                                    (grads_sum, total, mx.array(tokens)))
             grads = tree_map(lambda g: g / c.grad_accum, grads_sum)
             grads, _ = optim.clip_grad_norm(grads, c.grad_clip)
             lr = self.optimizer.learning_rate.item()
             self.optimizer.update(self.drafter, grads)
             mx.eval(self.drafter.parameters(), self.optimizer.state, total)
             self.step += 1
-            info = StepInfo(self.step, float(total) / c.grad_accum, lr, tokens / (time.perf_counter() - tic))
-            if self.step in (1, c.steps) or self.step % HEALTH_EVERY == 0:
+            info = StepInfo(self.step, float(total) / c.grad_accum, lr, int(tokens) / (time.perf_counter() - tic))
+            if first and (self.step in (1, c.steps) or self.step % HEALTH_EVERY == 0):
                 seq = self.sequences[0]
                 info.health = measure(self.drafter, self.features.get(seq, self.dtype)[0], seq, max(self.plan))
-            if c.eval_every and self.held_out and self.step % c.eval_every == 0:
+            if first and c.eval_every and self.held_out and self.step % c.eval_every == 0:
                 info.eval = evaluate_block_sizes(self.drafter, self.target, self.held_out[: c.eval_sequences],
                                                  sorted(self.plan, reverse=True), seed=c.seed,
                                                  anchor_chunk=c.anchor_chunk, chained=self.step == c.steps)
-            if c.save_every and self.step % c.save_every == 0:
+            if first and c.save_every and self.step % c.save_every == 0:
                 self.save_checkpoint()
             yield info
         if c.draft_vocab:  # FR-Spec: drafts only among the data's most frequent response tokens
             set_draft_vocab(self.drafter, frequent_tokens(self.sequences, c.draft_vocab, self.target.vocab_size))
-        save_drafter(self.drafter, self.out)
+        if first:
+            save_drafter(self.drafter, self.out)
 
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step_NNNNNNN/`` atomically and keep the newest few; WriteError leaves the
