@@ -240,7 +240,7 @@ def _trainer(o):
     from dflash_mlx.pair.sharded import join_ranks, rank
 
     config = _config(o)
-    o.ranks = (join_ranks(None) or {"ranks": 1})["ranks"]  # under mlx.launch: data parallel, rank 0 prints
+    join_ranks(None)  # under mlx.launch: data parallel, rank 0 alone prints
     if not o.resume and not o.overwrite:
         check_fresh_out(o.out)  # before loading anything; --overwrite deletes only once the rest is checked
     pair = load_pair(o.model, None, defaults=False)
@@ -294,14 +294,14 @@ def _fit(o, trainer) -> None:
     plan = ", ".join(f"{b} (gamma {g:g})" for b, g in trainer.plan.items())
     distill = f"; KL weight {o.kl_weight:g} at T={o.kl_temperature:g}" if o.kl_weight else ""
     from dflash_mlx.train.health import lr_warning
-    from dflash_mlx.pair.sharded import lockstep
+    from dflash_mlx.pair.sharded import lockstep, ranks
 
     markov = f", Markov rank {a.markov_rank}" if a.format.anchor_first else ""
     console.print(f"drafter: {a.architecture}, {a.num_hidden_layers} layer(s), hidden {a.hidden_size}, MLP "
                   f"{a.intermediate_size}{markov}, block {trainer.drafter.block_size}, target_layer_ids "
                   f"{a.target_layer_ids}, mask {a.mask_token_id}; trained at block sizes {plan}{distill}; "
                   f"{o.counts[0]} train / {o.counts[1]} held-out sequences"
-                  + (f"; {o.ranks} ranks share each step's {o.grad_accum}" if o.ranks > 1 else ""))
+                  + (f"; {ranks()} ranks share each step's {o.grad_accum}" if ranks() > 1 else ""))
     for why in trainer.features.unused:
         console.print(f"warning: {why}: the target's features are computed instead", markup=False, highlight=False)
     if too_high := lr_warning(o.lr, a.hidden_size):
